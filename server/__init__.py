@@ -1,0 +1,1 @@
+"""pdserve daemons: model runner, scheduler, engine loop, OpenAI API, router and launcher."""

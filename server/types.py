@@ -1,0 +1,98 @@
+"""Plain data exchanged between the HTTP layer, the engine and the router.
+
+These are the contracts between `server/api` (HTTP), `server/engine` (scheduler, runner) and the
+disaggregation legs. No torch here: these objects cross threads and are turned into JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+RequestType = Literal["context_only", "generation_only", "context_and_generation"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings (OpenAI fields plus vLLM's extras)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class DisaggParams:
+    """`disaggregated_params` of TensorRT-LLM's OpenAI extension (the fields pdserve uses)."""
+
+    request_type: RequestType
+    ctx_request_id: str | None = None
+    ctx_endpoint: str | None = None
+    ctx_epoch: str | None = None
+    first_gen_tokens: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    ctx_cached_tokens: int = 0  # prefix-cache hit on the context server (for honest usage)
+
+
+@dataclass
+class GenerateRequest:
+    """One request as the engine receives it: tokens already known."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    disagg: DisaggParams | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output; the last one has `finished=True`.
+
+    `new_token_ids`/`new_text` hold only what is new since the previous output of the request.
+    Counters are cumulative.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    error_code: int = 500  # HTTP status to use when finish_reason == "error"
+    disagg: DisaggParams | None = None  # set on the final output of a context_only request
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs from an engine (in-process; the engine loop runs in its own thread)."""
+
+    model_name: str
+    max_seq_len: int
+
+    @property
+    def tokenizer(self):  # transformers PreTrainedTokenizerBase
+        ...
+
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs. Closing the iterator early aborts the request and frees its blocks."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
