@@ -1,0 +1,119 @@
+"""Runs an EngineCore in its own thread and exposes it to asyncio (the `EngineClient` contract).
+
+The engine thread owns the KV manager, the model and every tensor. The event loop only enqueues
+commands and receives outputs, so HTTP stays responsive while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from server.engine.core import EngineCore
+from server.types import GenerateRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02  # how long the idle engine thread sleeps between ticks (leases are reaped every tick)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, model_name: str, max_seq_len: int) -> None:
+        self.core = core
+        self.model_name = model_name
+        self.max_seq_len = max_seq_len
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_tick: list[Callable[[EngineCore], None]] = []
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_tick_hook(self, hook: Callable[[EngineCore], None]) -> None:
+        """Run `hook(core)` on the engine thread after every tick (e.g. metrics snapshots)."""
+        self._on_tick.append(hook)
+
+    # ---- lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- EngineClient
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ---- engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.core.has_work())
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # a broken step must not kill the server: fail what was in flight
+                log.exception("engine step failed")
+                outputs = self._fail_all(f"engine error: {exc}")
+            for output in outputs:
+                self._loop.call_soon_threadsafe(self._deliver, output)
+            for hook in self._on_tick:
+                hook(self.core)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, payload: object) -> None:
+        if kind == "add":
+            self.core.add_request(payload)
+        elif kind == "abort":
+            output = self.core.abort(payload)
+            if output is not None:
+                self._loop.call_soon_threadsafe(self._deliver, output)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        scheduler = self.core.scheduler
+        requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
+        return [self.core.fail(r, message, code=500) for r in requests]
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)

@@ -1,0 +1,177 @@
+"""The engine step: receive -> schedule -> run -> postprocess -> transfer -> send (STYLE.md #3)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from kvcache import KVCacheManager
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.request import Request, Status
+from server.engine.sampler import sample
+from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from server.models.runner import ModelRunner, SeqChunk
+from server.types import DisaggParams, GenerateRequest, RequestOutput
+
+
+class DisaggHooks(Protocol):
+    """What the disaggregated roles add to the engine step (see server/engine/disagg.py)."""
+
+    def step(self, core: EngineCore) -> list[RequestOutput]: ...
+
+    def start_pulls(self, requests: list[Request]) -> None: ...
+
+    def after_prefill(self, request: Request) -> DisaggParams: ...
+
+    def on_abort(self, request: Request) -> None: ...
+
+    def busy(self) -> bool: ...
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
+                 *, metrics=None, disagg: DisaggHooks | None = None) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config, kv)
+        self.metrics = metrics
+        self.disagg = disagg
+        self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
+
+    # ---- receive
+    def add_request(self, gen: GenerateRequest) -> None:
+        request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
+                          self.eos_token_ids, gen.arrival_time, gen.disagg)
+        if request.is_generation_only:
+            request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
+            request.all_token_ids = request.prompt_token_ids + request.output_token_ids
+        self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, gen.sampling.stop)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return None
+        self._release_remote(request)
+        self.scheduler.remove(request)
+        request.finish("abort")
+        return self._output(request, [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or (self.disagg is not None and self.disagg.busy())
+
+    # ---- the step
+    def step(self) -> list[RequestOutput]:
+        outputs = self.disagg.step(self) if self.disagg is not None else []
+        plan = self.scheduler.schedule()
+        for request in plan.rejected:
+            self._release_remote(request)
+            outputs.append(self._output(request, []))
+        if plan.to_pull:
+            self.disagg.start_pulls(plan.to_pull)
+        if plan.chunks:
+            logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])
+            outputs += self._postprocess(plan.chunks, logits)
+        return outputs
+
+    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+        request, start = chunk.request, chunk.request.num_computed_tokens
+        slots = {w: self.kv.slot_table(request.request_id, w) for w in self.kv.window_sizes}
+        return SeqChunk(request.all_token_ids[start:start + chunk.num_new_tokens], start, slots,
+                        chunk.need_logits)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if self._sliding:
+                self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
+        sampled = [c.request for c in chunks if c.need_logits]
+        tokens = sample(logits, sampled) if sampled else []
+        return [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
+
+    def _accept_token(self, request: Request, token: int) -> RequestOutput:
+        request.append_token(token)
+        self._record_timing(request)
+        self._check_stop(request, token)
+        if request.status != Status.FINISHED and request.is_context_only:
+            params = self.disagg.after_prefill(request)
+            self.scheduler.remove(request)
+            request.finish(None)  # the context leg is over; generation continues elsewhere
+            return self._output(request, [token], disagg=params)
+        if request.status == Status.FINISHED:
+            self.scheduler.remove(request)
+        return self._output(request, [token])
+
+    def kv_arrived(self, request: Request) -> RequestOutput:
+        """Generation side: KV is in place; emit the first token (sampled by the context server)."""
+        self.scheduler.kv_arrived(request)
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self._record_timing(request)
+        for token in request.output_token_ids:
+            self._check_stop(request, token)
+        if request.status == Status.FINISHED:
+            self.scheduler.remove(request)
+        return self._output(request, list(request.output_token_ids))
+
+    def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
+        self.scheduler.remove(request)
+        request.finish("error", message, code)
+        return self._output(request, [])
+
+    def _release_remote(self, request: Request) -> None:
+        """A generation-only request that ends before its KV arrived frees the context side's lease."""
+        if request.is_generation_only and not request.kv_received and self.disagg is not None:
+            self.disagg.on_abort(request)
+
+    # ---- postprocess helpers
+    def _check_stop(self, request: Request, token: int) -> None:
+        params, produced = request.sampling, len(request.output_token_ids)
+        hit_stop_string = self._detok[request.request_id].add(token)
+        if produced >= params.min_tokens and token in params.stop_token_ids:
+            request.finish("stop")
+        elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
+            request.finish("stop")
+        elif hit_stop_string:
+            request.finish("stop")
+        elif produced >= params.max_tokens or request.num_tokens >= self.config.max_seq_len:
+            request.finish("length")
+
+    def _record_timing(self, request: Request) -> None:
+        now = time.monotonic()
+        if self.metrics is not None:
+            if request.first_token_time is None:
+                self.metrics.observe_ttft(now - request.arrival_time)
+            else:
+                self.metrics.observe_tpot(now - request.last_token_time)
+            self.metrics.add_generation_tokens(1)
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+
+    def _output(self, request: Request, new_tokens: list[int],
+                disagg: DisaggParams | None = None) -> RequestOutput:
+        finished = request.status == Status.FINISHED
+        detok = self._detok[request.request_id]
+        if finished:
+            detok.flush_partial()
+            self._detok.pop(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(finished),
+            finished=finished, finish_reason=request.finish_reason,
+            prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
+            cached_tokens=self._reported_cached(request), error=request.error,
+            error_code=request.error_code, disagg=disagg,
+        )
+
+    def _reported_cached(self, request: Request) -> int:
+        """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""
+        if request.is_generation_only:
+            return request.disagg.ctx_cached_tokens
+        return request.num_cached_tokens

@@ -1,0 +1,72 @@
+"""Incremental detokenization and stop-string handling for one request.
+
+Streamed text must equal non-streamed text, so text that might still turn into a stop string is
+held back until it cannot, and text is only emitted once the tokenizer has produced whole characters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    stop: tuple[str, ...] = ()
+    text: str = ""  # decoded text of all output tokens so far (before stop truncation)
+    emitted: int = 0  # characters of `text` already handed out
+    _ids: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; returns True when a stop string has appeared (text is truncated before it)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+        return self._truncate_at_stop()
+
+    def take(self, finished: bool) -> str:
+        """Text not yet handed out; while unfinished, keep back a tail that could start a stop string."""
+        end = len(self.text) if finished else self._safe_end()
+        out = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def flush_partial(self) -> None:
+        """At the end, include bytes still pending as replacement characters (as a full decode would)."""
+        tail = self._decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(tail) > len(prefix):
+            self.text += tail[len(prefix) :]
+            self._read_offset = len(self._ids)
+            self._prefix_offset = self._read_offset
+            self._truncate_at_stop()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _truncate_at_stop(self) -> bool:
+        if not self.stop:
+            return False
+        start = max(0, self.emitted - max(len(s) for s in self.stop))
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def _safe_end(self) -> int:
+        if not self.stop:
+            return len(self.text)
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return len(self.text) - hold

@@ -1,0 +1,79 @@
+"""Per-request state inside the engine (unified token accounting, STYLE.md #4).
+
+A request has `num_tokens` (prompt + generated) and `num_computed_tokens` (tokens whose K/V are in
+the cache). There are no separate prefill/decode phases: a step computes
+`num_tokens - num_computed_tokens` tokens (capped by the token budget), and when the computed count
+reaches `num_tokens` the last logits are sampled. A request that arrives with its KV (generation
+side of a disaggregated pair) simply starts with `num_computed_tokens == len(prompt)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.types import DisaggParams, FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted (no blocks)
+    WAITING_FOR_KV = "transferring"  # generation side: blocks allocated, KV being pulled
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    disagg: DisaggParams | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit reported to the client (first admission only)
+    admitted_once: bool = False
+    kv_received: bool = False  # generation side: the context server's KV has been pulled
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_code: int = 500
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_context_only(self) -> bool:
+        return self.disagg is not None and self.disagg.request_type == "context_only"
+
+    @property
+    def is_generation_only(self) -> bool:
+        return self.disagg is not None and self.disagg.request_type == "generation_only"
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, error: str | None = None, code: int = 500) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.error_code = code

@@ -1,0 +1,191 @@
+"""Continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
+
+Decisions only: which requests run this step and how many tokens each computes. Blocks are
+reserved through the KV manager here; tensors are never touched (STYLE.md #2).
+
+Invariants:
+- every request in `running` or `transferring` holds blocks for all of its computed tokens and for
+  the tokens scheduled this step; a request in `waiting` holds none;
+- a step never schedules more than `max_num_tokens` tokens nor more than `max_batch_size` requests;
+- preemption picks the newest running request: its computed full blocks are committed to the reuse
+  tree and released, so with a host tier they are offloaded on eviction and onboarded on resume
+  ("swap"), and without one they are recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from kvcache import KVCacheManager, OutOfBlocksError
+from server.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_tokens: int = 2048
+    max_batch_size: int = 64
+    max_seq_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def need_logits(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    to_pull: list[Request]  # generation side: admitted, KV must now be pulled
+    rejected: list[Request]  # can never fit: finished with an error
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.transferring: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.transferring)
+
+    def counts(self) -> dict[str, int]:
+        return {"waiting": len(self.waiting), "running": len(self.running),
+                "transferring": len(self.transferring)}
+
+    def find(self, request_id: str) -> Request | None:
+        for request in (*self.running, *self.waiting, *self.transferring.values()):
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of every queue and free its blocks (finish, abort or failure)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+            return
+        if request in self.running:
+            self.running.remove(request)
+        self.transferring.pop(request.request_id, None)
+        self.kv.release(request.request_id)
+
+    def kv_arrived(self, request: Request) -> None:
+        """Generation side: the prompt's KV is in place; the request decodes from its first token."""
+        del self.transferring[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.kv_received = True
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    # ---- the decision
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_tokens
+        out = SchedulerOutput(chunks=[], to_pull=[], rejected=[])
+        budget = self._schedule_running(budget, out)
+        self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + n):
+                continue  # `request` itself was preempted; the list shrank
+            out.chunks.append(ScheduledChunk(request, n))
+            budget -= n
+            index += 1
+        return budget
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        while True:
+            try:
+                self.kv.extend(request.request_id, num_tokens)
+                return True
+            except OutOfBlocksError:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.release(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and self._batch_has_room():
+            request = self.waiting[0]
+            if self._never_fits(request):
+                self.waiting.popleft()
+                request.finish("error", self._too_big_message(request), code=400)
+                out.rejected.append(request)
+                continue
+            if not self._admit(request):
+                return
+            self.waiting.popleft()
+            if request.is_generation_only and not request.admitted_once:
+                request.admitted_once = True
+                request.status = Status.WAITING_FOR_KV
+                self.transferring[request.request_id] = request
+                out.to_pull.append(request)
+                continue
+            request.admitted_once = True
+            request.status = Status.RUNNING
+            self.running.append(request)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(request, n))
+            budget -= n
+
+    def _admit(self, request: Request) -> bool:
+        """Allocate blocks (prefix reuse first).
+
+        A generation-only request arrives holding its first token: it reuses what it can of the
+        prompt (all of it may match, no logits are needed) and reserves room for that token too.
+        """
+        prompt_kv_only = request.is_generation_only and not request.admitted_once
+        tokens = request.prompt_token_ids if prompt_kv_only else request.all_token_ids
+        try:
+            cached = self.kv.admit(
+                request.request_id, tokens,
+                num_tokens=request.num_tokens if prompt_kv_only else None,
+                max_cached_tokens=len(tokens) if prompt_kv_only else None,
+            )
+        except OutOfBlocksError:
+            return False
+        request.num_computed_tokens = cached
+        if not request.admitted_once:
+            request.num_cached_tokens = cached
+        return True
+
+    def _batch_has_room(self) -> bool:
+        return len(self.running) + len(self.transferring) < self.config.max_batch_size
+
+    def _blocks_needed(self, request: Request) -> int:
+        return math.ceil(request.num_tokens / self.kv.tokens_per_block)
+
+    def _never_fits(self, request: Request) -> bool:
+        needed = self._blocks_needed(request)
+        return any(needed > self.kv.num_slots(w) for w in self.kv.window_sizes)
+
+    def _too_big_message(self, request: Request) -> str:
+        capacity = min(self.kv.num_slots(w) for w in self.kv.window_sizes) * self.kv.tokens_per_block
+        return (f"request needs {request.num_tokens} tokens of KV cache but the primary pool holds "
+                f"{capacity} tokens (raise kv_cache_config.max_tokens)")
