@@ -1,0 +1,294 @@
+"""YAML configuration -> frozen dataclasses, validated on load.
+
+The deployment file has TensorRT-LLM's `trtllm-serve disaggregated` shape: top-level engine keys
+(ENGINE_KEYS) are inherited by `context_servers` and `generation_servers`, and a section may override
+them; `kv_cache_config` and `cache_transceiver_config` merge key by key (section keys win). Without
+`context_servers` the deployment runs aggregated: the `generation_servers` become aggregated servers
+behind the router, or, with no server section at all, one aggregated server listens on
+`hostname:port` and no router runs.
+
+Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
+Environment: PDSERVE_HOSTNAME replaces the deployment's top-level `hostname` (the Docker image sets
+0.0.0.0 with it); PDSERVE_AUTH_TOKEN supplies `cache_transceiver_config.auth_token` when the file
+leaves it null (the launcher hands the token to its children that way, never through argv or files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvcache import KvCacheConfig
+from server.config_yaml import ConfigError, Where, read_yaml
+from transceiver.config import TransceiverConfig
+
+Role = Literal["aggregated", "context", "generation"]
+ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+HOSTNAME_ENV = "PDSERVE_HOSTNAME"
+AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
+# hosts that bind every interface, so they collide with any host on the same port
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "dtype", "device",
+               "kv_cache_config", "cache_transceiver_config")
+SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
+SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port")
+DEPLOYMENT_KEYS = (*SERVER_KEYS, "router", "context_servers", "generation_servers")
+
+__all__ = [
+    "AUTH_TOKEN_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "ServerConfig",
+    "load_deployment", "load_server_config", "server_config_from_dict", "server_config_to_yaml",
+    "with_auth_token",
+]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One engine process. `cache_transceiver` is the merged `cache_transceiver_config` mapping,
+    passed through as given (the transceiver owns its schema); it holds the resolved `auth_token`."""
+
+    role: Role
+    model: str
+    host: str
+    port: int
+    max_seq_len: int = 2048
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    cache_transceiver: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """The whole deployment. `servers` keeps file order: context servers, then generation ones."""
+
+    source: str
+    host: str  # router address, or the single aggregated server's when has_router is False
+    port: int
+    router_type: str
+    servers: tuple[ServerConfig, ...]
+    has_router: bool
+    auth_token: str | None  # None: the launcher makes one per deployment
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.context_servers)
+
+    @property
+    def model(self) -> str:
+        return self.servers[0].model
+
+    @property
+    def context_servers(self) -> tuple[ServerConfig, ...]:
+        return tuple(s for s in self.servers if s.role == "context")
+
+    @property
+    def generation_servers(self) -> tuple[ServerConfig, ...]:
+        return tuple(s for s in self.servers if s.role == "generation")
+
+    @property
+    def aggregated_servers(self) -> tuple[ServerConfig, ...]:
+        return tuple(s for s in self.servers if s.role == "aggregated")
+
+
+def load_server_config(path: str | Path, role: Role = "aggregated") -> ServerConfig:
+    """The `pdserve serve --config FILE` form: model, hostname, port, engine limits, caches."""
+    data = read_yaml(path)
+    top = Where(str(path))
+    for key in ("router", "context_servers", "generation_servers"):
+        if key in data:
+            raise top.key(key).error("not allowed in a server config (it describes a deployment: "
+                                     "use `pdserve launch`)")
+    return server_config_from_dict(data, str(path), role)
+
+
+def server_config_from_dict(data: dict[str, Any], source: str = "<arguments>",
+                            role: Role = "aggregated") -> ServerConfig:
+    """Build one server's config from a mapping (a file's, or the command line's with source set)."""
+    top = Where(source)
+    top.check_keys(data, SERVER_KEYS)
+    host = top.string(data, "hostname", "127.0.0.1")
+    cfg = _single_server(data, top, role, host, top.port(data, "port", 8000))
+    token = cfg.cache_transceiver.get("auth_token") or os.environ.get(AUTH_TOKEN_ENV) or None
+    return replace(cfg, cache_transceiver={**cfg.cache_transceiver, "auth_token": token})
+
+
+def load_deployment(path: str | Path) -> DeploymentConfig:
+    data = read_yaml(path)
+    top = Where(str(path))
+    top.check_keys(data, DEPLOYMENT_KEYS)
+    host = top.string(data, "hostname", "127.0.0.1")
+    host = os.environ.get(HOSTNAME_ENV) or host
+    port = top.port(data, "port", 8000)
+    router = top.mapping(data, "router")
+    top.key("router").check_keys(router, ("type",))
+    router_type = top.key("router").choice(router, "type", ROUTER_TYPES, "round_robin")
+    token = _auth_token(data, top)
+    if "context_servers" in data and "generation_servers" not in data:
+        raise top.key("generation_servers").error("required when context_servers is given")
+    sections: tuple[tuple[str, Role], ...] = (("context_servers", "context"),
+                                              ("generation_servers", "generation"))
+    if "context_servers" not in data:  # aggregated: the generation servers run both phases
+        sections = (("generation_servers", "aggregated"),)
+    servers = [s for name, role in sections if name in data for s in _section_servers(data, name, role, top)]
+    has_router = bool(servers)
+    if not has_router:  # no server section: one aggregated server on hostname:port, no router
+        servers = [_single_server(data, top, "aggregated", host, port)]
+    _check_same_model(servers, top)
+    _check_ports(servers, host, port, has_router, top)
+    cfg = DeploymentConfig(str(path), host, port, router_type, tuple(servers), has_router, None)
+    return with_auth_token(cfg, token)
+
+
+def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfig:
+    """A copy whose deployment and every server carry `token`."""
+    servers = tuple(replace(s, cache_transceiver={**s.cache_transceiver, "auth_token": token})
+                    for s in cfg.servers)
+    return replace(cfg, servers=servers, auth_token=token)
+
+
+def server_config_to_yaml(cfg: ServerConfig) -> str:
+    """The `pdserve serve --config` file for one server. The role travels separately (`--role`)
+    and the auth token is left out (it travels in the PDSERVE_AUTH_TOKEN environment variable)."""
+    ctc = {k: v for k, v in cfg.cache_transceiver.items() if k != "auth_token"}
+    data = {
+        "model": cfg.model, "hostname": cfg.host, "port": cfg.port,
+        "max_seq_len": cfg.max_seq_len, "max_batch_size": cfg.max_batch_size,
+        "max_num_tokens": cfg.max_num_tokens, "dtype": cfg.dtype, "device": cfg.device,
+        "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
+    }
+    header = f"# generated by pdserve launch: one {cfg.role} server\n"
+    return header + yaml.safe_dump(data, sort_keys=False)
+
+
+def _auth_token(data: dict[str, Any], top: Where) -> str | None:
+    ctc = top.mapping(data, "cache_transceiver_config")
+    for section in ("context_servers", "generation_servers"):
+        sec = data.get(section)
+        if isinstance(sec, dict) and "auth_token" in (sec.get("cache_transceiver_config") or {}):
+            where = top.key(section).key("cache_transceiver_config").key("auth_token")
+            raise where.error("one token serves the whole deployment: set it at the top level")
+    token = top.key("cache_transceiver_config").optional_string(ctc, "auth_token")
+    return token or os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
+                     sec: Where) -> dict[str, Any]:
+    """Engine keys of one server: the section's value, else the top level's, else the default."""
+    def pick(key: str) -> tuple[dict[str, Any], Where]:
+        return (sec_data, sec) if key in sec_data else (top_data, top)
+
+    out: dict[str, Any] = {}
+    d, w = pick("model")
+    if "model" not in d:
+        raise top.key("model").error("required (builtin:tiny-llama or a Hugging Face model directory)")
+    out["model"] = w.string(d, "model", "")
+    for key, default in (("max_seq_len", 2048), ("max_batch_size", 64), ("max_num_tokens", 2048)):
+        d, w = pick(key)
+        out[key] = w.integer(d, key, default, minimum=1)
+    for key, choices in (("dtype", DTYPES), ("device", DEVICES)):
+        d, w = pick(key)
+        out[key] = w.choice(d, key, choices, "auto")
+    out["kv_cache_config"] = _kv_cache(top_data, sec_data, top, sec)
+    out["cache_transceiver"] = _transceiver(top_data, sec_data, top, sec)
+    return out
+
+
+def _kv_cache(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
+              sec: Where) -> KvCacheConfig:
+    """Top-level keys alone first (so their errors name the top level), then the merge."""
+    top_kv = top.mapping(top_data, "kv_cache_config")
+    kv = _build(KvCacheConfig.from_dict, top_kv, top.key("kv_cache_config"))
+    if "kv_cache_config" not in sec_data:
+        return kv
+    merged = {**top_kv, **sec.mapping(sec_data, "kv_cache_config")}
+    return _build(KvCacheConfig.from_dict, merged, sec.key("kv_cache_config"))
+
+
+def _transceiver(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
+                 sec: Where) -> dict[str, Any]:
+    """Merged `cache_transceiver_config`, checked against TransceiverConfig, kept as a dict."""
+    top_ctc = top.mapping(top_data, "cache_transceiver_config")
+    sec_ctc = sec.mapping(sec_data, "cache_transceiver_config")
+    known = tuple(f.name for f in dataclasses.fields(TransceiverConfig))
+    top.key("cache_transceiver_config").check_keys(top_ctc, known)
+    sec.key("cache_transceiver_config").check_keys(sec_ctc, known)
+    where = sec if "cache_transceiver_config" in sec_data else top
+    merged = {**top_ctc, **sec_ctc}
+    _build(lambda d, _source: TransceiverConfig(**d), merged, where.key("cache_transceiver_config"))
+    return merged
+
+
+def _build(factory: Callable[[dict[str, Any], str], Any], data: dict[str, Any], where: Where) -> Any:
+    """Run a component's validating constructor; its ValueError names `<path>.<key>` already."""
+    path = ".".join(where.path)
+    try:
+        return factory(data, path)
+    except ValueError as exc:
+        message = str(exc)
+        # TransceiverConfig names keys from `cache_transceiver_config.`; give the full path
+        leaf = where.path[-1]
+        if path != leaf and message.startswith(f"{leaf}."):
+            message = f"{path}{message[len(leaf):]}"
+        raise ConfigError(f"{where.source}: {message}") from exc
+
+
+def _section_servers(data: dict[str, Any], section: str, role: Role, top: Where) -> list[ServerConfig]:
+    sec = top.key(section)
+    sec_data = top.mapping(data, section)
+    sec.check_keys(sec_data, SECTION_KEYS)
+    urls = sec.url_list(sec_data, "urls")
+    count = sec.integer(sec_data, "num_instances", len(urls), minimum=1)
+    if count != len(urls):
+        raise sec.key("num_instances").error(f"must equal the number of urls ({len(urls)}), got {count}")
+    engine = _engine_settings(data, sec_data, top, sec)
+    return [ServerConfig(role=role, host=h, port=p, **engine) for h, p in urls]
+
+
+def _single_server(data: dict[str, Any], top: Where, role: Role, host: str, port: int) -> ServerConfig:
+    return ServerConfig(role=role, host=host, port=port, **_engine_settings(data, {}, top, top))
+
+
+def _check_same_model(servers: list[ServerConfig], top: Where) -> None:
+    models = {s.model for s in servers}
+    if len(models) > 1:
+        raise top.key("model").error(f"every server must serve the same model, got {sorted(models)}")
+
+
+def _check_ports(servers: list[ServerConfig], host: str, port: int, has_router: bool, top: Where) -> None:
+    """No two listeners (router, servers, context transceivers) may share a port on one host."""
+    seen: list[tuple[str, int, str]] = [(host, port, "router (hostname:port)")] if has_router else []
+    for s in servers:
+        seen.append((s.host, s.port, f"{s.role} server {s.host}:{s.port}"))
+        ctc_port = s.cache_transceiver.get("port")
+        if s.role == "context" and ctc_port:  # 0: ephemeral
+            seen.append((s.host, ctc_port, f"the transceiver of context server {s.host}:{s.port}"))
+    for i, (h1, p1, name1) in enumerate(seen):
+        for h2, p2, name2 in seen[:i]:
+            if p1 == p2 and _same_host(h1, h2):
+                raise top.error(f"duplicate port {p1}: {name2} and {name1}")
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
+        return True
+    loopback = ("localhost", "127.0.0.1")
+    return a == b or (a in loopback and b in loopback)
+

@@ -1,0 +1,177 @@
+"""server/config.py: loading, inheritance, defaults, and the shipped configs."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvcache import KvCacheConfig
+from server.config import (
+    AUTH_TOKEN_ENV,
+    HOSTNAME_ENV,
+    ConfigError,
+    load_deployment,
+    load_server_config,
+    server_config_from_dict,
+    server_config_to_yaml,
+    with_auth_token,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TOKEN = "0123456789abcdef0123"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_overrides(monkeypatch):
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+
+
+def write(tmp_path: Path, data: dict, name: str = "x.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def disagg(**extra) -> dict:
+    return {
+        "model": "builtin:tiny-llama",
+        "context_servers": {"num_instances": 1, "urls": ["127.0.0.1:8001"]},
+        "generation_servers": {"num_instances": 1, "urls": ["127.0.0.1:8002"]},
+        **extra,
+    }
+
+
+def test_disagg_defaults_and_roles(tmp_path):
+    cfg = load_deployment(write(tmp_path, disagg()))
+    assert (cfg.host, cfg.port, cfg.router_type, cfg.has_router) == ("127.0.0.1", 8000, "round_robin", True)
+    assert cfg.url == "http://127.0.0.1:8000"
+    assert cfg.disaggregated and cfg.model == "builtin:tiny-llama"
+    assert [(s.role, s.host, s.port) for s in cfg.servers] == [
+        ("context", "127.0.0.1", 8001), ("generation", "127.0.0.1", 8002)]
+    ctx = cfg.context_servers[0]
+    assert (ctx.max_seq_len, ctx.max_batch_size, ctx.max_num_tokens, ctx.dtype, ctx.device) == (
+        2048, 64, 2048, "auto", "auto")
+    assert ctx.kv_cache_config == KvCacheConfig()
+    assert ctx.cache_transceiver == {"auth_token": None}
+    assert cfg.auth_token is None
+    assert cfg.generation_servers[0].url == "http://127.0.0.1:8002"
+
+
+def test_sections_inherit_and_override_top_level(tmp_path):
+    data = disagg(max_seq_len=4096, dtype="float32",
+                  kv_cache_config={"tokens_per_block": 16, "max_tokens": 512},
+                  cache_transceiver_config={"kv_transfer_timeout_ms": 5000, "auth_token": TOKEN})
+    data["context_servers"].update(max_seq_len=1024,
+                                   kv_cache_config={"max_tokens": 1024, "host_cache_size": 4096},
+                                   cache_transceiver_config={"port": 9100})
+    cfg = load_deployment(write(tmp_path, data))
+    ctx, gen = cfg.context_servers[0], cfg.generation_servers[0]
+    assert (ctx.max_seq_len, gen.max_seq_len, ctx.dtype, gen.dtype) == (1024, 4096, "float32", "float32")
+    assert ctx.kv_cache_config == KvCacheConfig(tokens_per_block=16, max_tokens=1024, host_cache_size=4096)
+    assert gen.kv_cache_config == KvCacheConfig(tokens_per_block=16, max_tokens=512)
+    assert ctx.cache_transceiver == {"kv_transfer_timeout_ms": 5000, "port": 9100, "auth_token": TOKEN}
+    assert gen.cache_transceiver == {"kv_transfer_timeout_ms": 5000, "auth_token": TOKEN}
+    assert cfg.auth_token == TOKEN
+
+
+def test_only_generation_servers_run_aggregated_behind_the_router(tmp_path):
+    data = disagg()
+    del data["context_servers"]
+    cfg = load_deployment(write(tmp_path, data))
+    assert not cfg.disaggregated and cfg.has_router
+    assert [(s.role, s.port) for s in cfg.servers] == [("aggregated", 8002)]
+    assert cfg.aggregated_servers == cfg.servers
+
+
+def test_no_server_section_is_one_aggregated_server_without_router(tmp_path):
+    cfg = load_deployment(write(tmp_path, {"model": "m", "hostname": "localhost", "port": 9000,
+                                           "max_batch_size": 8}))
+    assert not cfg.has_router
+    assert [(s.role, s.host, s.port, s.max_batch_size) for s in cfg.servers] == [
+        ("aggregated", "localhost", 9000, 8)]
+
+
+def test_hostname_env_overrides_router_host_only(tmp_path, monkeypatch):
+    monkeypatch.setenv(HOSTNAME_ENV, "0.0.0.0")
+    cfg = load_deployment(write(tmp_path, disagg()))
+    assert cfg.host == "0.0.0.0"
+    assert {s.host for s in cfg.servers} == {"127.0.0.1"}
+
+
+def test_auth_token_env_fills_a_null_token(tmp_path, monkeypatch):
+    monkeypatch.setenv(AUTH_TOKEN_ENV, TOKEN)
+    cfg = load_deployment(write(tmp_path, disagg()))
+    assert cfg.auth_token == TOKEN
+    assert [s.cache_transceiver["auth_token"] for s in cfg.servers] == [TOKEN, TOKEN]
+    path = write(tmp_path, {"model": "m"}, "server.yaml")
+    assert load_server_config(path, "context").cache_transceiver == {"auth_token": TOKEN}
+
+
+def test_with_auth_token_sets_every_server(tmp_path):
+    cfg = with_auth_token(load_deployment(write(tmp_path, disagg())), TOKEN)
+    assert cfg.auth_token == TOKEN
+    assert [s.cache_transceiver["auth_token"] for s in cfg.servers] == [TOKEN, TOKEN]
+
+
+def test_server_yaml_round_trip_drops_the_token(tmp_path):
+    data = disagg(cache_transceiver_config={"auth_token": TOKEN, "kv_transfer_timeout_ms": 7000})
+    data["context_servers"]["kv_cache_config"] = {"max_tokens": 1024, "host_cache_size": 1 << 20,
+                                                  "secondary_offload_min_priority": 0}
+    ctx = load_deployment(write(tmp_path, data)).context_servers[0]
+    text = server_config_to_yaml(ctx)
+    assert TOKEN not in text
+    path = tmp_path / "child.yaml"
+    path.write_text(text)
+    loaded = load_server_config(path, "context")
+    assert loaded.cache_transceiver == {"kv_transfer_timeout_ms": 7000, "auth_token": None}
+    assert replace(loaded, cache_transceiver={**loaded.cache_transceiver, "auth_token": TOKEN}) == ctx
+
+
+def test_server_config_from_dict_for_the_command_line():
+    cfg = server_config_from_dict({"model": "/models/x", "port": 8100}, "command line")
+    assert (cfg.role, cfg.model, cfg.host, cfg.port, cfg.max_num_tokens) == (
+        "aggregated", "/models/x", "127.0.0.1", 8100, 2048)
+    with pytest.raises(ConfigError, match=r"^command line: port: must be a port in 1\.\.65535, got 70000$"):
+        server_config_from_dict({"model": "m", "port": 70000}, "command line")
+
+
+def test_server_config_refuses_deployment_keys(tmp_path):
+    path = write(tmp_path, disagg())
+    with pytest.raises(ConfigError, match=r"x\.yaml: context_servers: not allowed in a server config"):
+        load_server_config(path)
+
+
+SHIPPED = ["aggregated", "disagg", "disagg_2x2", "disagg_host_offload", "disagg_vswa"]
+
+
+def test_shipped_config_list_is_complete():
+    assert sorted(p.stem for p in CONFIGS.glob("*.yaml")) == SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_loads(name):
+    cfg = load_deployment(CONFIGS / f"{name}.yaml")
+    assert (cfg.host, cfg.port, cfg.auth_token) == ("127.0.0.1", 8000, None)
+    if cfg.has_router:
+        assert [s.port for s in cfg.servers] == list(range(8001, 8001 + len(cfg.servers)))
+
+
+def test_shipped_config_shapes():
+    assert [s.role for s in load_deployment(CONFIGS / "disagg.yaml").servers] == ["context", "generation"]
+    two = load_deployment(CONFIGS / "disagg_2x2.yaml")
+    assert two.router_type == "kv_cache_aware"
+    assert [s.port for s in two.context_servers] == [8001, 8002]
+    assert [s.port for s in two.generation_servers] == [8003, 8004]
+    assert load_deployment(CONFIGS / "disagg_vswa.yaml").model == "builtin:tiny-qwen3-swa"
+    offload = load_deployment(CONFIGS / "disagg_host_offload.yaml")
+    ctx_kv = offload.context_servers[0].kv_cache_config
+    assert (ctx_kv.tokens_per_block, ctx_kv.max_tokens, ctx_kv.host_cache_size) == (32, 1024, 256 << 20)
+    assert ctx_kv.secondary_offload_min_priority == 0
+    assert ctx_kv.enable_block_reuse and ctx_kv.enable_partial_reuse
+    gen_kv = offload.generation_servers[0].kv_cache_config
+    assert (gen_kv.host_cache_size, gen_kv.enable_block_reuse) == (0, True)
+    agg = load_deployment(CONFIGS / "aggregated.yaml")
+    assert not agg.has_router and agg.servers[0].role == "aggregated"
+    assert load_server_config(CONFIGS / "aggregated.yaml") == agg.servers[0]
