@@ -1,0 +1,1 @@
+"""The OpenAI-facing router: context-first orchestration of a disaggregated deployment."""

@@ -1,0 +1,215 @@
+"""The router's FastAPI app: OpenAI endpoints in front of context and generation servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from server.router.backends import Backend, HealthMonitor
+from server.router.orchestrator import (
+    LegError,
+    Orchestrator,
+    context_finished,
+    error_body,
+    relay_sse,
+    sse_from_final,
+)
+from server.router.policies import make_policy
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    context_urls: tuple[str, ...]
+    generation_urls: tuple[str, ...]
+    policy: str = "round_robin"
+    model: str | None = None  # to tokenise prompts for kv_cache_aware routing
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    client: httpx.AsyncClient
+    context: list[Backend]
+    generation: list[Backend]
+    orchestrator: Orchestrator
+    monitor: HealthMonitor
+    tokenizer: object | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.requests = Counter("pdserve_router_requests", "Requests handled by the router, by outcome",
+                                ["outcome"], registry=self.registry)
+        self.healthy = Gauge("pdserve_router_backend_healthy", "1 if the backend passes health checks",
+                             ["role", "url"], registry=self.registry)
+
+    def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
+        if self.tokenizer is None:
+            return None
+        if chat:
+            return self.tokenizer.apply_chat_template(body.get("messages") or [], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else None
+
+
+def _build_state(settings: RouterSettings) -> RouterState:
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    role = "context" if settings.context_urls else "aggregated"
+    context = [Backend(_http(u), "context") for u in settings.context_urls]
+    generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
+    kv_aware = settings.policy == "kv_cache_aware"
+    monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s,
+                            poll_hashes=kv_aware)
+    orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
+                                make_policy("load_balancing" if kv_aware else settings.policy),
+                                settings.request_timeout_s)
+    return RouterState(settings, client, context, generation, orchestrator, monitor,
+                       _load_tokenizer(settings.model) if kv_aware else None)
+
+
+def _load_tokenizer(model: str | None):
+    from transformers import AutoTokenizer
+
+    from server.models.builtin import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(model)) if model else None
+
+
+def _http(url: str) -> str:
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def create_router_app(settings: RouterSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = _build_state(settings)
+        app.state.router = state
+        await state.monitor.check_all()
+        state.monitor.start()
+        yield
+        await state.monitor.stop()
+        await state.client.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    return app
+
+
+async def _completions(request: Request) -> Response:
+    return await _handle(request, "/v1/completions", chat=False)
+
+
+async def _chat(request: Request) -> Response:
+    return await _handle(request, "/v1/chat/completions", chat=True)
+
+
+async def _handle(request: Request, path: str, chat: bool) -> Response:
+    state: RouterState = request.app.state.router
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
+    if not isinstance(body, dict):
+        return JSONResponse(error_body("request body must be a JSON object", "invalid_request_error"), 400)
+    cache: list = []
+    prompt = lambda: cache[0] if cache else cache.append(state.prompt_tokens(body, chat)) or cache[0]
+    try:
+        response = await _route(request, state, path, body, chat, prompt)
+    except LegError as exc:
+        state.requests.labels("error").inc()
+        return JSONResponse(exc.body, status_code=exc.status)
+    except ClientGone:
+        state.requests.labels("client_gone").inc()
+        return Response(status_code=499)
+    state.requests.labels("ok").inc()
+    return response
+
+
+async def _route(request: Request, state: RouterState, path: str, body: dict, chat: bool, prompt) -> Response:
+    orchestrator = state.orchestrator
+    params = None
+    if orchestrator.disaggregated:
+        ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
+        if context_finished(ctx):
+            return _final_answer(ctx, body, chat)
+        params = ctx["choices"][0]["disaggregated_params"]
+    upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
+    if upstream.stream is not None:
+        return StreamingResponse(relay_sse(upstream.stream, upstream.backend), media_type="text/event-stream")
+    return JSONResponse(upstream.json)
+
+
+def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:
+    for choice in ctx.get("choices", []):
+        choice.pop("disaggregated_params", None)
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(sse_from_final(ctx, chat, include_usage), media_type="text/event-stream")
+    return JSONResponse(ctx)
+
+
+async def _unless_disconnected(request: Request, leg: Awaitable):
+    """Await a leg, but cancel it (closing the upstream connection) if the client goes away."""
+    task = asyncio.ensure_future(leg)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _models(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    for backend in state.generation + state.context:
+        if backend.healthy:
+            try:
+                response = await state.client.get(f"{backend.url}/v1/models", timeout=5.0)
+                return JSONResponse(response.json(), status_code=response.status_code)
+            except (httpx.HTTPError, ValueError):
+                continue
+    return JSONResponse(error_body("no healthy server"), 503)
+
+
+async def _health(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    ctx_ok = any(b.healthy for b in state.context)
+    gen_ok = any(b.healthy for b in state.generation)
+    ok = gen_ok and (ctx_ok or not state.context)
+    detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
+              for b in state.context + state.generation}
+    return JSONResponse({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    for backend in state.context + state.generation:
+        state.healthy.labels(backend.role, backend.url).set(1 if backend.healthy else 0)
+    return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")

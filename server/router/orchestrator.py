@@ -1,0 +1,185 @@
+"""Context-first orchestration of one request across a context and a generation server.
+
+1. pick a context server, send the request as `context_only` (non-streaming); retry once elsewhere
+   if that server cannot be reached or fails;
+2. if the context answer already finishes the request, return it;
+3. else send it as `generation_only` with the returned `disaggregated_params` to a generation
+   server and hand its JSON or SSE stream back to the client.
+A leg that fails ends the request with a 502/503 naming the leg.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from server.router.backends import Backend
+from server.router.policies import PromptTokens, RoundRobin
+
+RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+
+
+class LegError(Exception):
+    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body or error_body(message, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, kind: str = "server_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+@dataclass
+class Upstream:
+    """A response from a backend: either parsed JSON or an open SSE stream."""
+
+    backend: Backend
+    json: dict | None = None
+    stream: httpx.Response | None = None
+
+
+class Orchestrator:
+    def __init__(self, client: httpx.AsyncClient, context: Sequence[Backend], generation: Sequence[Backend],
+                 context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float) -> None:
+        self.client = client
+        self.context = list(context)
+        self.generation = list(generation)
+        self.context_policy = context_policy
+        self.generation_policy = generation_policy
+        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.context)
+
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> dict:
+        ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        ctx_body["stream"] = False
+        ctx_body["disaggregated_params"] = {"request_type": "context_only"}
+        tried: set[Backend] = set()
+        last: LegError | None = None
+        for _ in range(2):  # the first choice and one retry elsewhere
+            backend = self.context_policy.pick(self.context, prompt, tried)
+            if backend is None:
+                break
+            tried.add(backend)
+            try:
+                return await self._post_json(backend, path, ctx_body)
+            except LegError as exc:
+                if exc.status < 500:
+                    raise
+                last = exc
+        if last is not None:
+            raise LegError(last.status, f"context leg failed: {last}")
+        raise LegError(503, "context leg failed: no healthy context server")
+
+    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens,
+                             params: dict | None) -> Upstream:
+        gen_body = dict(body)
+        if params is not None:
+            gen_body["disaggregated_params"] = {**params, "request_type": "generation_only"}
+        backend = self.generation_policy.pick(self.generation, prompt, set())
+        if backend is None:
+            raise LegError(503, "generation leg failed: no healthy generation server")
+        if body.get("stream"):
+            return Upstream(backend, stream=await self._open_stream(backend, path, gen_body))
+        try:
+            return Upstream(backend, json=await self._post_json(backend, path, gen_body))
+        except LegError as exc:
+            body = exc.body if exc.status < 500 else None
+            raise LegError(exc.status, f"generation leg failed: {exc}", body) from exc
+
+    async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
+        backend.active += 1
+        try:
+            response = await self.client.post(backend.url + path, json=body, timeout=self.timeout)
+        except RETRYABLE as exc:
+            backend.fence(f"{type(exc).__name__}: {exc}")
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})") from exc
+        except httpx.TimeoutException as exc:
+            raise LegError(504, f"{backend.url} timed out") from exc
+        finally:
+            backend.active -= 1
+        return _parse(backend, response)
+
+    async def _open_stream(self, backend: Backend, path: str, body: dict) -> httpx.Response:
+        request = self.client.build_request("POST", backend.url + path, json=body, timeout=self.timeout)
+        try:
+            response = await self.client.send(request, stream=True)
+        except RETRYABLE as exc:
+            backend.fence(f"{type(exc).__name__}: {exc}")
+            raise LegError(502, f"generation leg failed: {backend.url} unreachable") from exc
+        except httpx.TimeoutException as exc:
+            raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            _parse(backend, httpx.Response(response.status_code, content=content))
+        return response
+
+
+def _parse(backend: Backend, response: httpx.Response) -> dict:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict):
+        return body
+    message = _message(body) or f"{backend.url} returned HTTP {response.status_code}"
+    status = response.status_code if response.status_code != 200 else 502
+    raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None)
+
+
+def _message(body: object) -> str | None:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    return None
+
+
+def context_finished(ctx: dict) -> bool:
+    """The context answer is final when it carries no parameters for a generation leg."""
+    choices = ctx.get("choices") or [{}]
+    params = choices[0].get("disaggregated_params") or {}
+    return not params.get("ctx_request_id")
+
+
+async def relay_sse(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+    """Pass the generation server's SSE bytes through as they arrive; closing stops the upstream."""
+    backend.active += 1
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        message = f"generation leg failed mid-stream: {type(exc).__name__}"
+        yield f"data: {json.dumps(error_body(message))}\n\n".encode()
+        backend.fence(message)
+    finally:
+        backend.active -= 1
+        await upstream.aclose()
+
+
+def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    """Turn a finished non-streaming answer (context leg ended the request) into SSE events."""
+    async def events() -> AsyncIterator[bytes]:
+        for chunk in final_chunks(body, chat, include_usage):
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    return events()
+
+
+def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
+    choice = dict(body["choices"][0])
+    choice.pop("disaggregated_params", None)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        message = choice.pop("message", {}) or {}
+        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
+    base = {"id": body.get("id"), "object": kind, "created": body.get("created"), "model": body.get("model")}
+    chunks = [{**base, "choices": [choice]}]
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": body.get("usage")})
+    return chunks
