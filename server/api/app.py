@@ -1,0 +1,54 @@
+"""`create_app`: the FastAPI application of one server (STYLE.md #12).
+
+The engine is created in `lifespan` by the factory the caller passes, stored on `app.state.engine`
+and reached through the dependencies in `server.api.deps`; there are no module globals, so tests
+can build several apps or swap the engine with `app.dependency_overrides`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+
+from fastapi import FastAPI
+
+from server.api.errors import install_error_handlers
+from server.api.routes import chat, completions, health, models
+from server.api.routes import metrics as metrics_route
+from server.metrics import ServerMetrics
+from server.types import EngineClient
+
+# Returns the engine, or an async context manager that yields it and shuts it down on exit.
+EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineClient]]
+
+
+async def _enter_engine(stack: AsyncExitStack, factory: EngineFactory) -> EngineClient:
+    made = factory()
+    if isinstance(made, AbstractAsyncContextManager):
+        return await stack.enter_async_context(made)
+    return made
+
+
+def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`).
+
+    `metrics` is the registry `/metrics` exposes; pass the same object to the engine so it can feed
+    it (a fresh, unfed one is made when omitted).
+    """
+    server_metrics = metrics if metrics is not None else ServerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            app.state.engine = await _enter_engine(stack, engine_factory)
+            try:
+                yield
+            finally:
+                app.state.engine = None
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.metrics = server_metrics
+    install_error_handlers(app)
+    for module in (completions, chat, models, health, metrics_route):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,107 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Status codes:
+- 400 `invalid_request_error`: bad values (empty prompt, prompt or prompt + max_tokens beyond
+  `max_seq_len`, `max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` > 1), malformed
+  JSON, and **wrong types** too. pdserve answers wrong types with 400, not FastAPI's 422, as OpenAI
+  and vLLM do (so the `openai` client raises `BadRequestError`); the message names the field.
+- 404 `not_found_error`: unknown route, unknown model name.
+- 405 for a wrong method on a known route.
+- 500/502/503 from the engine: a `RequestOutput` with `finish_reason == "error"` carries its status
+  in `error_code`; an engine-side abort is a 503; an unexpected exception is a 500.
+Every handler returns a response and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.types import RequestOutput
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          422: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error to answer with `status` in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def output_error(output: RequestOutput) -> APIError:
+    """The error to answer for a final output that ended in "error" or "abort"."""
+    if output.finish_reason == "abort":
+        return APIError(503, output.error or "the request was aborted by the server", code="aborted")
+    status = output.error_code if 400 <= output.error_code < 600 else 500
+    return APIError(status, output.error or "the engine failed the request", code="engine_error")
+
+
+def _field_name(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "role")` -> `"messages.0.role"`; None for the body itself."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg')}", None
+    field = _field_name(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = f"'{field}'" if field else "request body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{where}: {msg}{more}", field
+
+
+async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, field = _validation_message(exc)
+    return JSONResponse(error_body(400, message, param=field), status_code=400)
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    where = f"{request.method} {request.url.path}"
+    message = f"route not found: {where}" if exc.status_code == 404 else f"{exc.detail}: {where}"
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in the HTTP layer")
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

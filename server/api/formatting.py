@@ -1,0 +1,106 @@
+"""Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
+
+Both formatters have the same surface, used by `server.api.generation`:
+`chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
+`usage_chunk(final) -> str`, `response(text, final) -> str` (a whole non-streaming body).
+The concatenation of every chunk's text equals the non-streaming text (both are the outputs' `new_text`).
+"""
+
+from __future__ import annotations
+
+from server.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    DisaggregatedParams,
+    PromptTokensDetails,
+    Usage,
+)
+from server.types import RequestOutput
+
+
+def usage_of(final: RequestOutput) -> Usage:
+    return Usage(
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        total_tokens=final.prompt_tokens + final.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
+    )
+
+
+def _disagg(output: RequestOutput) -> DisaggregatedParams | None:
+    return DisaggregatedParams.from_internal(output.disagg) if output.disagg is not None else None
+
+
+def _finish(output: RequestOutput) -> str | None:
+    return output.finish_reason if output.finished else None
+
+
+class CompletionFormatter:
+    def __init__(self, response_id: str, model: str, include_usage: bool = False):
+        self.response_id = response_id
+        self.model = model
+        self.include_usage = include_usage
+
+    def chunks(self, output: RequestOutput) -> list[str]:
+        if not output.new_text and not output.finished:
+            return []  # tokens without text yet (an incomplete UTF-8 sequence)
+        choice = CompletionChoice(text=output.new_text, finish_reason=_finish(output),
+                                  disaggregated_params=_disagg(output))
+        return [CompletionResponse(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()]
+
+    def usage_chunk(self, final: RequestOutput) -> str:
+        body = CompletionResponse(id=self.response_id, model=self.model, choices=[], usage=usage_of(final))
+        return body.model_dump_json()
+
+    def response(self, text: str, final: RequestOutput) -> str:
+        choice = CompletionChoice(text=text, finish_reason=final.finish_reason,
+                                  disaggregated_params=_disagg(final))
+        body = CompletionResponse(id=self.response_id, model=self.model, choices=[choice],
+                                  usage=usage_of(final))
+        return body.model_dump_json()
+
+
+class ChatFormatter:
+    """Chat chunks: the first carries `role`, the last `finish_reason` (OpenAI's delta shape)."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool = False):
+        self.response_id = response_id
+        self.model = model
+        self.include_usage = include_usage
+        self._role_sent = False
+
+    def _chunk(self, delta: ChatDelta, output: RequestOutput | None) -> str:
+        choice = ChatChunkChoice(delta=delta)
+        if output is not None:
+            choice.finish_reason = _finish(output)
+            choice.disaggregated_params = _disagg(output)
+        return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()
+
+    def chunks(self, output: RequestOutput) -> list[str]:
+        out = []
+        if not self._role_sent:
+            self._role_sent = True
+            out.append(self._chunk(ChatDelta(role="assistant", content=""), None))
+        if output.new_text or output.finished:
+            out.append(self._chunk(ChatDelta(content=output.new_text or None), output))
+        return out
+
+    def usage_chunk(self, final: RequestOutput) -> str:
+        body = ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=usage_of(final))
+        return body.model_dump_json()
+
+    def response(self, text: str, final: RequestOutput) -> str:
+        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=final.finish_reason,
+                            disaggregated_params=_disagg(final))
+        body = ChatCompletionResponse(id=self.response_id, model=self.model, choices=[choice],
+                                      usage=usage_of(final))
+        return body.model_dump_json()
+
+
+Formatter = CompletionFormatter | ChatFormatter

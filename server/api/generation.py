@@ -1,0 +1,192 @@
+"""Run one request on the engine and answer it as JSON or as an SSE stream.
+
+Ownership: an `EngineStream` owns the engine's output iterator of one request. Whatever way the
+HTTP exchange ends (finished, client gone, error, cancellation), `EngineStream.close()` runs; if the
+engine has not finished the request it is aborted there, so its KV blocks are freed. Client
+disconnects are watched actively (the ASGI `http.disconnect` message), not only noticed on the next
+send, so a request that is still queued or prefilling is aborted too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from server.api.errors import output_error
+from server.api.formatting import Formatter
+from server.types import EngineClient, GenerateRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ABORT_TIMEOUT_S = 5.0  # bound on the engine's abort/close when a request ends early
+CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone
+_FAILED = ("error", "abort")
+
+
+def failed(output: RequestOutput) -> bool:
+    return output.finished and output.finish_reason in _FAILED
+
+
+class EngineStream:
+    """The outputs of one request. `next()` never raises: engine failures become an "error" output."""
+
+    def __init__(self, engine: EngineClient, request: GenerateRequest):
+        self._engine = engine
+        self._request = request
+        self._outputs = None  # created on the first next(): a failing submit is an "error" output too
+        self._engine_finished = False  # the engine sent the final output itself
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    def _failure(self, message: str) -> RequestOutput:
+        return RequestOutput(self.request_id, [], "", finished=True, finish_reason="error",
+                             error=message, error_code=500)
+
+    async def next(self) -> RequestOutput:
+        try:
+            if self._outputs is None:
+                self._outputs = self._engine.generate(self._request)
+            output = await anext(self._outputs)
+        except StopAsyncIteration:
+            return self._failure("the engine ended the request without a final output")
+        except Exception as exc:
+            log.exception("engine failed request %s", self.request_id)
+            return self._failure(f"engine error: {type(exc).__name__}: {exc}")
+        self._engine_finished = output.finished
+        return output
+
+    async def close(self) -> None:
+        """Idempotent; aborts the request in the engine unless the engine finished it."""
+        outputs, self._outputs = self._outputs, None
+        if outputs is None:
+            return
+        with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            try:
+                if not self._engine_finished:
+                    await self._engine.abort(self.request_id)
+                aclose = getattr(outputs, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            except Exception:
+                log.exception("aborting request %s failed", self.request_id)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    await _wait_for_disconnect(receive)
+    scope.cancel()
+
+
+async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) -> tuple[bool, T | None]:
+    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None)."""
+    result, done, error = None, False, None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+        try:
+            result, done = await fn(), True
+        except Exception as exc:  # re-raised below, unwrapped from the task group
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return done, result
+
+
+async def _collect(stream: EngineStream) -> tuple[str, RequestOutput]:
+    texts = []
+    while True:
+        output = await stream.next()
+        texts.append(output.new_text)
+        if output.finished:
+            return "".join(texts), output
+
+
+async def respond_json(request: Request, engine: EngineClient, gen: GenerateRequest,
+                       fmt: Formatter) -> Response:
+    stream = EngineStream(engine, gen)
+    try:
+        done, result = await unless_disconnected(lambda: _collect(stream), request.receive)
+    finally:
+        await stream.close()
+    if not done:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    text, final = result
+    if failed(final):
+        raise output_error(final)
+    return Response(fmt.response(text, final), media_type="application/json")
+
+
+async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRequest,
+                         fmt: Formatter) -> Response:
+    """Waits for the first output before answering, so a failure before it still gets its HTTP status."""
+    stream = EngineStream(engine, gen)
+    try:
+        done, first = await unless_disconnected(stream.next, request.receive)
+    except BaseException:
+        await stream.close()
+        raise
+    if not done or failed(first):
+        await stream.close()
+        if not done:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        raise output_error(first)
+    return SSEResponse(stream, first, fmt)
+
+
+class SSEResponse(Response):
+    """`data: {json}\\n\\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: EngineStream, first: RequestOutput, fmt: Formatter):
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._stream, self._first, self._fmt = stream, first, fmt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                try:
+                    await self._send_events(send)
+                except OSError:  # servers on ASGI spec 2.4 raise on a send to a gone client
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            await self._stream.close()
+
+    async def _send_events(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        output = self._first
+        while True:
+            if failed(output):
+                await _event(send, json.dumps(output_error(output).body()))
+                break
+            for data in self._fmt.chunks(output):
+                await _event(send, data)
+            if output.finished:
+                if self._fmt.include_usage:
+                    await _event(send, self._fmt.usage_chunk(output))
+                break
+            output = await self._stream.next()
+        await _event(send, "[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _event(send: Send, data: str) -> None:
+    await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})

@@ -1,0 +1,140 @@
+"""Request body -> `GenerateRequest`: tokenise the prompt, check it against the model, map sampling.
+
+Checks here need the engine (tokenizer, `max_seq_len`, served model name); plain value checks are
+pydantic's (`server.api.protocol`). Every failure is an `APIError` (400, or 404 for the model).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from jinja2 import TemplateError
+
+from server.api.errors import APIError
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.types import EngineClient, GenerateRequest, SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(requested: str | None, engine: EngineClient) -> None:
+    """A request may omit `model` or name the served model; anything else is a 404."""
+    if requested is not None and requested != engine.model_name:
+        raise APIError(404, f"model '{requested}' does not exist; this server serves '{engine.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def completion_prompt_ids(body: CompletionRequest, tokenizer) -> list[int]:
+    """Token ids of a completions prompt (a string, token ids, or a list holding one of those)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported: send one prompt per request",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(tokenizer.encode(prompt))
+    return _checked_token_ids(prompt, len(tokenizer), "prompt")
+
+
+def _checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    if not ids:
+        raise APIError(400, f"{param} must not be empty", param=param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})",
+                       param=param)
+    return list(ids)
+
+
+def _message_text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"only text content is supported (messages.{index} has '{part.type}')",
+                           param=f"messages.{index}.content")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
+    """Render the messages with the tokenizer's chat template (generation prompt added), tokenise."""
+    messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError) as exc:
+        raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+    # The template already wrote any special tokens (BOS) it wants.
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages")
+    return ids
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
+                       prompt_param: str) -> int:
+    """The number of tokens to generate; errors name the prompt or `max_tokens`.
+
+    `default` None means "up to the context length" (chat); an explicit request must fit entirely.
+    """
+    room = max_seq_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
+                       f"{max_seq_len} tokens, which leaves no room to generate", param=prompt_param,
+                       code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"this model's maximum context length is {max_seq_len} tokens; you requested "
+                       f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} to generate)",
+                       param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                       param="min_tokens")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=body.stop_list,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def build_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
+                  request_id: str) -> GenerateRequest:
+    """Validate `body` against the engine and build the engine's request."""
+    check_model(body.model, engine)
+    tokenizer = engine.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        prompt_ids, param = chat_prompt_ids(body, tokenizer), "messages"
+        requested, default = body.requested_max_tokens, None
+    else:
+        prompt_ids, param = completion_prompt_ids(body, tokenizer), "prompt"
+        requested, default = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
+    disagg = body.disaggregated_params.to_internal() if body.disaggregated_params else None
+    if disagg is not None and disagg.request_type == "generation_only" and disagg.prompt_token_ids:
+        # The KV the context server made is for exactly these ids: they win over re-tokenising.
+        prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), len(tokenizer),
+                                        "disaggregated_params.prompt_token_ids")
+    max_tokens = resolve_max_tokens(requested, default, len(prompt_ids), engine.max_seq_len, param)
+    return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                           sampling=sampling_params(body, max_tokens), disagg=disagg)

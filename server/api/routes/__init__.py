@@ -1,0 +1,1 @@
+"""One router per concern: completions, chat, models, health, metrics."""

@@ -1,0 +1,29 @@
+"""GET /v1/models and /v1/models/{model}."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from server.api.deps import get_engine
+from server.api.prompts import check_model
+from server.api.protocol import ModelCard, ModelList
+from server.types import EngineClient
+
+router = APIRouter()
+
+
+def _card(engine: EngineClient) -> ModelCard:
+    return ModelCard(id=engine.model_name, max_model_len=engine.max_seq_len)
+
+
+@router.get("/v1/models")
+async def list_models(engine: Annotated[EngineClient, Depends(get_engine)]) -> ModelList:
+    return ModelList(data=[_card(engine)])
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, engine: Annotated[EngineClient, Depends(get_engine)]) -> ModelCard:
+    check_model(model, engine)
+    return _card(engine)
