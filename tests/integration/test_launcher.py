@@ -1,0 +1,292 @@
+"""server/launcher.py with real child processes: tiny stdlib HTTP servers stand in for pdserve.
+
+Each fake child serves GET /health on its Child.health_url and prints its pid, argv and the auth
+token it received to its log. Modes (extra argv per child name) make it slow, crash or ignore SIGTERM.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.config import AUTH_TOKEN_ENV, HOSTNAME_ENV
+from server.launcher import Child, LaunchOptions, launch
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_CHILD = r'''
+import argparse, os, signal, subprocess, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+p = argparse.ArgumentParser()
+p.add_argument("url")
+p.add_argument("--health-delay", type=float, default=0.0)
+p.add_argument("--exit-after", type=float, default=None)
+p.add_argument("--code", type=int, default=0)
+p.add_argument("--ignore-term", action="store_true")
+p.add_argument("--grandchild", action="store_true")
+a = p.parse_args()
+print(f"pid={os.getpid()} argv={sys.argv!r} token={os.environ.get('PDSERVE_AUTH_TOKEN')}", flush=True)
+if a.grandchild:
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"grandchild={g.pid}", flush=True)
+if a.ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if a.exit_after == 0:
+    print("failing at start", flush=True)
+    sys.exit(a.code)
+ready_at = time.monotonic() + a.health_delay
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.path == "/health" and time.monotonic() >= ready_at
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+url = urlparse(a.url)
+server = ThreadingHTTPServer((url.hostname, url.port), Health)
+if a.exit_after:
+    threading.Timer(a.exit_after, lambda: os._exit(a.code)).start()
+server.serve_forever()
+'''
+
+RUNNER = r'''
+import json, sys
+from pathlib import Path
+from server.launcher import LaunchOptions, launch
+
+script, deployment, log_dir, modes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+build = lambda child: [sys.executable, script, child.health_url, *modes.get(child.name, [])]
+options = LaunchOptions(log_dir=log_dir, startup_timeout_s=30, poll_interval_s=0.05, grace_s=2, command=build)
+sys.exit(launch(deployment, options))
+'''
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """(deployment path: 1 context + 1 generation + router on free ports, fake child script, log dir)."""
+    ports = free_ports(3)
+    deployment = tmp_path / "deploy.yaml"
+    deployment.write_text(yaml.safe_dump({
+        "model": "builtin:tiny-llama", "port": ports[0],
+        "context_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ports[1]}"]},
+        "generation_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ports[2]}"]},
+    }))
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+    return deployment, script, tmp_path / "logs", ports
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    """No listener on the port (SO_REUSEADDR: TIME_WAIT leftovers of closed connections do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def alive(pid: int) -> bool:
+    """Running (zombies count as dead: our container's init may be slow to reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def child_pids(log_dir: Path) -> dict[str, int]:
+    """name -> pid, and name+'/grandchild' -> pid, from the fake children's logs."""
+    pids = {}
+    for log in log_dir.glob("*.log"):
+        text = log.read_text()
+        for key, label in (("pid", log.stem), ("grandchild", f"{log.stem}/grandchild")):
+            m = re.search(rf"^{key}=(\d+)", text, re.M)
+            if m:
+                pids[label] = int(m.group(1))
+    return pids
+
+
+def builder(script: Path, modes: dict[str, list[str]]):
+    return lambda child: [sys.executable, str(script), child.health_url, *modes.get(child.name, [])]
+
+
+def run_inline(setup, modes: dict[str, list[str]], **options) -> int:
+    deployment, script, log_dir, _ = setup
+    opts = {"log_dir": log_dir, "startup_timeout_s": 20, "poll_interval_s": 0.05, "grace_s": 2, **options}
+    return launch(deployment, LaunchOptions(command=builder(script, modes), **opts))
+
+
+def start_runner(setup, modes: dict[str, list[str]]) -> tuple[subprocess.Popen, Path]:
+    deployment, script, log_dir, _ = setup
+    runner, out = log_dir.parent / "runner.py", log_dir.parent / "launcher.out"
+    runner.write_text(RUNNER)
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path}
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, str(runner), str(script), str(deployment), str(log_dir),
+                                 json.dumps(modes)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return proc, out
+
+
+def wait_ready(proc: subprocess.Popen, out: Path) -> None:
+    wait_for(lambda: "ready: " in out.read_text() or proc.poll() is not None, 60, "the launcher's ready line")
+    assert proc.poll() is None, out.read_text()
+
+
+def health(port: int) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        return response.status
+
+
+def test_sigterm_stops_every_child_and_frees_ports(setup):
+    proc, out = start_runner(setup, {"context-0": ["--grandchild"]})
+    try:
+        wait_ready(proc, out)
+        ports = setup[3]
+        assert [health(p) for p in ports] == [200, 200, 200]
+        pids = child_pids(setup[2])
+        assert sorted(pids) == ["context-0", "context-0/grandchild", "generation-0", "router"]
+        assert all(alive(pid) for pid in pids.values())
+        ready = f"ready: http://127.0.0.1:{ports[0]}  (router in front of 1 context, 1 generation server(s))"
+        assert ready in out.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+    assert "SIGTERM: stopping" in out.read_text()
+    assert [pid for pid in pids.values() if alive(pid)] == []
+    assert [p for p in ports if not port_is_free(p)] == []
+
+
+def test_token_travels_by_environment_only(setup):
+    assert run_inline(setup, {"router": ["--exit-after", "0.3", "--code", "0"]}) == 1
+    log_dir = setup[2]
+    tokens = {re.search(r"token=(\S+)", log.read_text()).group(1) for log in log_dir.glob("*.log")}
+    assert len(tokens) == 1
+    token = tokens.pop()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    argv_lines = [re.search(r"argv=(.*) token=", log.read_text()).group(1) for log in log_dir.glob("*.log")]
+    assert len(argv_lines) == 3 and all(token not in line for line in argv_lines)
+    assert sorted(p.name for p in log_dir.glob("*.yaml")) == ["context-0.yaml", "generation-0.yaml"]
+    assert all(token not in p.read_text() for p in log_dir.glob("*.yaml"))
+
+
+def test_child_exiting_at_startup_stops_everything(setup, capsys):
+    assert run_inline(setup, {"context-0": ["--exit-after", "0", "--code", "3"],
+                              "generation-0": ["--health-delay", "60"]}) == 1
+    out = capsys.readouterr().out
+    assert "context-0 exited during startup with exit code 3" in out
+    assert "failing at start" in out  # the tail of its log
+    assert "started router" not in out
+    assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
+    assert [p for p in setup[3] if not port_is_free(p)] == []
+
+
+def test_startup_timeout_names_the_slow_child(setup, capsys):
+    start = time.monotonic()
+    assert run_inline(setup, {"generation-0": ["--health-delay", "60"]}, startup_timeout_s=1.5) == 1
+    assert time.monotonic() - start < 10
+    out = capsys.readouterr().out
+    assert "startup timeout (1.5 s): no healthy /health from generation-0" in out
+    assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
+    assert [p for p in setup[3] if not port_is_free(p)] == []
+
+
+def test_server_dying_later_is_reported_and_the_rest_keeps_running(setup):
+    proc, out = start_runner(setup, {"generation-0": ["--exit-after", "2", "--code", "7"]})
+    try:
+        wait_ready(proc, out)
+        wait_for(lambda: "generation-0 exited with exit code 7" in out.read_text(), 20, "the exit report")
+        time.sleep(0.3)
+        assert proc.poll() is None
+        assert health(setup[3][0]) == 200 and health(setup[3][1]) == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+    assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
+
+
+def test_router_death_stops_all_and_escalates_to_sigkill(setup, capsys):
+    modes = {"router": ["--exit-after", "1", "--code", "5"], "context-0": ["--ignore-term"]}
+    assert run_inline(setup, modes, grace_s=0.5) == 1
+    out = capsys.readouterr().out
+    assert "router exited with exit code 5" in out
+    assert "the deployment cannot serve any more: stopping" in out
+    assert "context-0 ignored SIGTERM for 0.5 s: SIGKILL" in out
+    assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
+
+
+def test_killed_launcher_takes_its_children_down(setup):
+    proc, out = start_runner(setup, {})
+    try:
+        wait_ready(proc, out)
+        pids = child_pids(setup[2])
+        assert len(pids) == 3
+        proc.kill()  # SIGKILL: no cleanup code runs; PR_SET_PDEATHSIG must do it
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, "the children to die")
+    finally:
+        proc.kill()
+    wait_for(lambda: all(port_is_free(p) for p in setup[3]), 5, "ports to be released")
+
+
+def test_aggregated_without_router(tmp_path, capsys):
+    port = free_ports(1)[0]
+    deployment = tmp_path / "agg.yaml"
+    deployment.write_text(yaml.safe_dump({"model": "builtin:tiny-llama", "port": port}))
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+    seen: list[Child] = []
+
+    def build(child: Child) -> list[str]:
+        seen.append(child)
+        return [sys.executable, str(script), child.health_url, "--exit-after", "0.5", "--code", "0"]
+
+    options = LaunchOptions(log_dir=tmp_path / "logs", poll_interval_s=0.05, grace_s=2, command=build)
+    assert launch(deployment, options) == 1
+    assert [(c.name, c.role, c.health_url) for c in seen] == [
+        ("aggregated-0", "aggregated", f"http://127.0.0.1:{port}/health")]
+    out = capsys.readouterr().out
+    assert f"ready: http://127.0.0.1:{port}  (1 aggregated server(s))" in out
+    assert "aggregated-0 exited with exit code 0" in out
+    assert os.path.exists(tmp_path / "logs" / "aggregated-0.yaml")
