@@ -214,26 +214,30 @@ def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Wh
 def _kv_cache(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
               sec: Where) -> KvCacheConfig:
     """Top-level keys alone first (so their errors name the top level), then the merge."""
-    top_kv = top.mapping(top_data, "kv_cache_config")
+    top_kv, sec_kv, where = _layers(top_data, sec_data, top, sec, "kv_cache_config", KvCacheConfig)
     kv = _build(KvCacheConfig.from_dict, top_kv, top.key("kv_cache_config"))
-    if "kv_cache_config" not in sec_data:
-        return kv
-    merged = {**top_kv, **sec.mapping(sec_data, "kv_cache_config")}
-    return _build(KvCacheConfig.from_dict, merged, sec.key("kv_cache_config"))
+    return _build(KvCacheConfig.from_dict, {**top_kv, **sec_kv}, where) if sec_kv else kv
 
 
 def _transceiver(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
                  sec: Where) -> dict[str, Any]:
     """Merged `cache_transceiver_config`, checked against TransceiverConfig, kept as a dict."""
-    top_ctc = top.mapping(top_data, "cache_transceiver_config")
-    sec_ctc = sec.mapping(sec_data, "cache_transceiver_config")
-    known = tuple(f.name for f in dataclasses.fields(TransceiverConfig))
-    top.key("cache_transceiver_config").check_keys(top_ctc, known)
-    sec.key("cache_transceiver_config").check_keys(sec_ctc, known)
-    where = sec if "cache_transceiver_config" in sec_data else top
+    top_ctc, sec_ctc, where = _layers(top_data, sec_data, top, sec, "cache_transceiver_config",
+                                      TransceiverConfig)
     merged = {**top_ctc, **sec_ctc}
-    _build(lambda d, _source: TransceiverConfig(**d), merged, where.key("cache_transceiver_config"))
+    _build(lambda d, _source: TransceiverConfig(**d), merged, where)
     return merged
+
+
+def _layers(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where, sec: Where, name: str,
+            schema: type) -> tuple[dict[str, Any], dict[str, Any], Where]:
+    """The top-level and section mappings of `name` (keys checked against the dataclass `schema`)
+    and where a problem of the merge is reported."""
+    known = tuple(f.name for f in dataclasses.fields(schema))
+    top_map, sec_map = top.mapping(top_data, name), sec.mapping(sec_data, name)
+    top.key(name).check_keys(top_map, known)
+    sec.key(name).check_keys(sec_map, known)
+    return top_map, sec_map, (sec if name in sec_data else top).key(name)
 
 
 def _build(factory: Callable[[dict[str, Any], str], Any], data: dict[str, Any], where: Where) -> Any:

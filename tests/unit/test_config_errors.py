@@ -45,10 +45,12 @@ def with_(path: str, value) -> dict:
 
 CASES = [
     ("context_servers.kv_cache_config.tokens_per_block", 0,
-     "context_servers.kv_cache_config.tokens_per_block: must be > 0, got 0"),
-    ("kv_cache_config.tokens_per_block", -1, "kv_cache_config.tokens_per_block: must be > 0, got -1"),
+     "context_servers.kv_cache_config.tokens_per_block=0: must be an integer > 0"),
+    ("kv_cache_config.tokens_per_block", -1, "kv_cache_config.tokens_per_block=-1: must be an integer > 0"),
     ("generation_servers.kv_cache_config.enable_block_reuse", "yes",
-     "generation_servers.kv_cache_config.enable_block_reuse:"),
+     "generation_servers.kv_cache_config.enable_block_reuse='yes': must be true or false"),
+    ("context_servers.kv_cache_config.host_cache_sise", 1,
+     "context_servers.kv_cache_config.host_cache_sise: unknown key (did you mean 'host_cache_size'?)"),
     ("context_servers.num_instances", 2,
      "context_servers.num_instances: must equal the number of urls (1), got 2"),
     ("context_servers.urls", ["127.0.0.1"], "context_servers.urls[0]: must be host:port"),
@@ -102,6 +104,14 @@ def test_missing_model(tmp_path):
     del data["model"]
     assert error_of(tmp_path, data).endswith("d.yaml: model: required (builtin:tiny-llama or a Hugging Face "
                                              "model directory)")
+
+
+def test_merge_problem_is_reported_in_the_section(tmp_path):
+    data = with_("kv_cache_config.tokens_per_block", 64)
+    data["context_servers"]["kv_cache_config"] = {"max_tokens": 32}
+    message = error_of(tmp_path, data)
+    assert message.endswith("d.yaml: context_servers.kv_cache_config.max_tokens=32: below one block "
+                            "(tokens_per_block=64)")
 
 
 def test_context_without_generation(tmp_path):
