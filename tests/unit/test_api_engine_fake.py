@@ -53,6 +53,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.closed: list[str] = []  # request ids whose output iterator ended (any way)
         self._seen_prompts: set[tuple[int, ...]] = set()
+        self._cached: dict[str, int] = {}  # request id -> its prefix-cache hit, fixed at arrival
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
@@ -74,6 +75,8 @@ class FakeEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
+        self._cached[request.request_id] = self.cached_tokens(request.prompt_token_ids)
+        self._seen_prompts.add(tuple(request.prompt_token_ids))
         try:
             async for output in self._outputs(request):
                 yield output
@@ -84,7 +87,7 @@ class FakeEngine:
     def _output(self, req: GenerateRequest, ids: list[int], text: str, done: int, **final) -> RequestOutput:
         prompt = req.prompt_token_ids
         return RequestOutput(req.request_id, ids, text, finished=bool(final), prompt_tokens=len(prompt),
-                             completion_tokens=done, cached_tokens=self.cached_tokens(prompt), **final)
+                             completion_tokens=done, cached_tokens=self._cached[req.request_id], **final)
 
     async def _outputs(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         prompt_text = self.tokenizer.decode(req.prompt_token_ids)
@@ -101,7 +104,6 @@ class FakeEngine:
             return
         async for output in self._text_outputs(req, prompt_text):
             yield output
-        self._seen_prompts.add(tuple(req.prompt_token_ids))
 
     async def _text_outputs(self, req: GenerateRequest, prompt_text: str) -> AsyncIterator[RequestOutput]:
         max_tokens = 1 if _is_context_only(req) else req.sampling.max_tokens

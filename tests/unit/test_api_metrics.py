@@ -1,0 +1,151 @@
+"""`ServerMetrics`: exact names and values in the Prometheus exposition, and `/metrics`."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from test_api_engine_fake import FakeEngine
+
+from server.api import create_app
+from server.metrics import ServerMetrics
+
+REQUIRED_NAMES = [
+    "pdserve_kv_cache_blocks", "pdserve_kv_offloaded_blocks_total", "pdserve_kv_onboarded_blocks_total",
+    "pdserve_prefix_cache_query_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_requests",
+    "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+    "pdserve_generation_tokens_total", "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds",
+    "pdserve_kv_transfer_failures_total", "pdserve_kv_transfer_lease_expired_total",
+    "pdserve_kv_transfer_rejected_messages_total",
+]
+
+
+@dataclass
+class Stats:
+    """Shaped like kvcache's `KVCacheStats` (cumulative counters + block counts)."""
+
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evictions: int = 0
+    offloads: int = 0
+    onboards: int = 0
+    bytes_offloaded: int = 0
+    bytes_onboarded: int = 0
+    bytes_copied_primary: int = 0
+    blocks: dict = field(default_factory=dict)
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, parsed back from the exposition text."""
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_exposition_has_every_required_name_even_before_any_event():
+    text = ServerMetrics().render().decode()
+    for name in REQUIRED_NAMES:
+        assert f"# TYPE {name} " in text or f"# TYPE {name.removesuffix('_total')} " in text, name
+        assert f"# HELP {name} " in text, name
+
+
+def test_kv_stats_are_read_from_the_provider_at_every_scrape():
+    blocks = {(2048, "primary", "free"): 10, (2048, "primary", "in_use"): 4,
+              (2048, "secondary", "cached"): 7, (64, "primary", "cached"): 2}
+    stats = Stats(prefix_query_tokens=640, prefix_hit_tokens=512, offloads=7, onboards=3, evictions=9,
+                  bytes_offloaded=7 * 4096, blocks=blocks)
+    metrics = ServerMetrics(stats_provider=lambda: stats)
+    got = samples(metrics)
+    assert got[("pdserve_prefix_cache_query_tokens_total", ())] == 640
+    assert got[("pdserve_prefix_cache_hit_tokens_total", ())] == 512
+    assert got[("pdserve_kv_offloaded_blocks_total", ())] == 7
+    assert got[("pdserve_kv_onboarded_blocks_total", ())] == 3
+    assert got[("pdserve_kv_evicted_blocks_total", ())] == 9
+    assert got[("pdserve_kv_offloaded_bytes_total", ())] == 7 * 4096
+    blocks = {labels: v for (name, labels), v in got.items() if name == "pdserve_kv_cache_blocks"}
+    assert blocks == {
+        (("level", "primary"), ("state", "free"), ("window", "2048")): 10,
+        (("level", "primary"), ("state", "in_use"), ("window", "2048")): 4,
+        (("level", "secondary"), ("state", "cached"), ("window", "2048")): 7,
+        (("level", "primary"), ("state", "cached"), ("window", "64")): 2,
+    }
+    stats.onboards = 5
+    stats.blocks[(2048, "primary", "in_use")] = 0
+    got = samples(metrics)
+    assert got[("pdserve_kv_onboarded_blocks_total", ())] == 5
+    in_use = (("level", "primary"), ("state", "in_use"), ("window", "2048"))
+    assert got[("pdserve_kv_cache_blocks", in_use)] == 0
+
+
+def test_provider_can_be_set_after_construction():
+    metrics = ServerMetrics()
+    assert ("pdserve_kv_offloaded_blocks_total", ()) not in samples(metrics)
+    metrics.set_stats_provider(lambda: Stats(offloads=2))
+    assert samples(metrics)[("pdserve_kv_offloaded_blocks_total", ())] == 2
+
+
+def test_engine_and_transfer_events():
+    metrics = ServerMetrics()
+    metrics.observe_ttft(0.05)
+    metrics.observe_ttft(0.15)
+    metrics.observe_tpot(0.004)
+    metrics.add_generation_tokens(17)
+    metrics.observe_transfer(4096, 0.2)
+    metrics.observe_transfer(1024, 0.3)
+    metrics.add_transfer_failure("timeout")
+    metrics.add_transfer_failure("timeout")
+    metrics.add_transfer_failure("checksum")
+    metrics.add_lease_expired()
+    metrics.add_rejected_message(3)
+    got = samples(metrics)
+    assert got[("pdserve_time_to_first_token_seconds_count", ())] == 2
+    assert abs(got[("pdserve_time_to_first_token_seconds_sum", ())] - 0.2) < 1e-9
+    assert got[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 1
+    assert got[("pdserve_time_per_output_token_seconds_count", ())] == 1
+    assert got[("pdserve_generation_tokens_total", ())] == 17
+    assert got[("pdserve_kv_transfer_bytes_total", ())] == 5120
+    assert got[("pdserve_kv_transfer_seconds_count", ())] == 2
+    assert got[("pdserve_kv_transfer_failures_total", (("reason", "timeout"),))] == 2
+    assert got[("pdserve_kv_transfer_failures_total", (("reason", "checksum"),))] == 1
+    assert got[("pdserve_kv_transfer_lease_expired_total", ())] == 1
+    assert got[("pdserve_kv_transfer_rejected_messages_total", ())] == 3
+
+
+def test_request_counts_zero_the_states_left_out():
+    metrics = ServerMetrics()
+    metrics.set_request_counts({"waiting": 2, "running": 1, "preempted": 1})
+    metrics.set_request_counts({"running": 3})
+    got = samples(metrics)
+    requests = {labels[0][1]: v for (name, labels), v in got.items() if name == "pdserve_requests"}
+    assert requests == {"waiting": 0, "running": 3, "transferring": 0, "preempted": 0}
+
+
+def test_registries_are_private_and_counters_thread_safe():
+    first, second = ServerMetrics(), ServerMetrics()
+
+    def count() -> None:
+        for _ in range(1000):
+            first.add_generation_tokens(1)
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert samples(first)[("pdserve_generation_tokens_total", ())] == 4000
+    assert samples(second)[("pdserve_generation_tokens_total", ())] == 0
+
+
+def test_metrics_route_serves_the_apps_registry():
+    metrics = ServerMetrics(stats_provider=lambda: Stats(prefix_hit_tokens=96))
+    metrics.add_generation_tokens(5)
+    with TestClient(create_app(FakeEngine, metrics=metrics)) as client:
+        response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    assert "pdserve_prefix_cache_hit_tokens_total 96.0" in response.text
+    assert "pdserve_generation_tokens_total 5.0" in response.text
+    for name in REQUIRED_NAMES:
+        assert f"# HELP {name} " in response.text, name
