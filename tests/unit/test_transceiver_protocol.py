@@ -1,0 +1,161 @@
+"""Wire protocol of the KV transceiver: config, message round trips, every rejection path, layouts."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+import msgspec
+import pytest
+
+from transceiver.codec import MAX_SKEW_S, Codec, Rejected, ReplayGuard
+from transceiver.config import TransceiverConfig
+from transceiver.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Envelope,
+    Failed,
+    Hello,
+    InstanceInfo,
+    Layout,
+    PullRequest,
+    WindowLayout,
+    WindowRange,
+    layout_mismatch,
+)
+
+TOKEN = b"k" * 32
+K = "cache_transceiver_config."
+
+
+def _layout(**changes) -> Layout:
+    windows = [
+        WindowLayout(window=64, layers=[0, 2], kv_heads=2, head_dim=16, dtype="bfloat16", slot_bytes=8192),
+        WindowLayout(window=2048, layers=[1, 3], kv_heads=2, head_dim=16, dtype="bfloat16", slot_bytes=8192),
+    ]
+    base = dict(tokens_per_block=32, windows=windows, fingerprint="tiny-llama:abc")
+    base.update(changes)
+    return Layout(**base)
+
+
+BODIES = [
+    Hello(layout=_layout()),
+    InstanceInfo(layout=_layout()),
+    PullRequest(pull_id=7, ctx_request_id="req-1", ctx_epoch="e1",
+                ranges=[WindowRange(window=64, first=2, count=3),
+                        WindowRange(window=2048, first=0, count=5)]),
+    ChunkHeader(pull_id=7, window=64, first=2, count=3, nbytes=3 * 8192, checksum=2**64 - 1),
+    Done(pull_id=7, total_bytes=24576, chunks=1),
+    Ack(pull_id=7, ctx_request_id="req-1"),
+    Cancel(ctx_request_id="req-1"),
+    Cancel(ctx_request_id="req-1", pull_id=7, ctx_epoch="e1"),
+    Failed(reason="timeout", detail="too slow", pull_id=7),
+    Failed(reason="incompatible", detail="window sizes differ"),
+]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: type(b).__name__)
+def test_every_message_round_trips(body) -> None:
+    tx, rx = Codec(TOKEN, "epoch-tx"), Codec(TOKEN, "epoch-rx")
+    header, mac = tx.seal(body)
+    assert len(mac) == 32
+    assert rx.open(header, mac) == ("epoch-tx", body)
+
+
+def _forge(version: int = PROTOCOL_VERSION, ts: float | None = None, msg_id: int = 1234,
+           body: bytes | None = None, token: bytes = TOKEN) -> tuple[bytes, bytes]:
+    """A header built by hand (as an attacker or an old peer would), with a MAC under `token`."""
+    enc = msgspec.msgpack.Encoder()
+    raw = body if body is not None else enc.encode(Ack(pull_id=1, ctx_request_id="r"))
+    env = Envelope(version=version, sender_epoch="peer", msg_id=msg_id,
+                   ts=time.time() if ts is None else ts, body=msgspec.Raw(raw))
+    header = enc.encode(env)
+    return header, hmac.new(token, header, hashlib.sha256).digest()
+
+
+def _rejection(codec: Codec, header: bytes, mac: bytes) -> str:
+    with pytest.raises(Rejected) as err:
+        codec.open(header, mac)
+    return err.value.reason
+
+
+def test_each_bad_message_is_rejected_with_its_reason_and_good_ones_still_pass() -> None:
+    rx = Codec(TOKEN, "rx")
+    header, mac = _forge()
+    assert _rejection(rx, header, hmac.new(b"x" * 32, header, hashlib.sha256).digest()) == "bad_mac"
+    assert _rejection(rx, header[:-1] + bytes([header[-1] ^ 1]), mac) == "bad_mac"  # tampered
+    assert _rejection(rx, *_forge(token=b"other-token-xxxxxxxx")) == "bad_mac"
+    assert _rejection(rx, header, mac[:16]) == "malformed"  # truncated MAC frame
+    assert _rejection(rx, *_forge(version=PROTOCOL_VERSION + 1)) == "wrong_version"
+    assert _rejection(rx, *_forge(ts=time.time() - MAX_SKEW_S - 5)) == "stale"
+    assert _rejection(rx, *_forge(ts=time.time() + MAX_SKEW_S + 5)) == "stale"
+    assert _rejection(rx, *_forge(ts=float("nan"))) == "stale"
+    assert _rejection(rx, *_forge(body=b"\xc1garbage")) == "undecodable"
+    garbage = b"\x93\x01\x02"  # msgpack, but not an envelope
+    assert _rejection(rx, garbage, hmac.new(TOKEN, garbage, hashlib.sha256).digest()) == "undecodable"
+    cut = header[: len(header) // 2]  # truncated header, MAC computed over the truncated bytes
+    assert _rejection(rx, cut, hmac.new(TOKEN, cut, hashlib.sha256).digest()) == "undecodable"
+    assert rx.open(header, mac) == ("peer", Ack(pull_id=1, ctx_request_id="r"))
+    assert _rejection(rx, header, mac) == "replayed"
+    good = Codec(TOKEN, "tx").seal(Done(pull_id=1, total_bytes=0, chunks=0))
+    assert rx.open(*good) == ("tx", Done(pull_id=1, total_bytes=0, chunks=0))
+
+
+def test_replay_guard_forgets_only_what_staleness_already_rejects() -> None:
+    guard = ReplayGuard(window_s=10.0, capacity=3)
+    assert guard.check_and_add(1, now=100.0)
+    assert not guard.check_and_add(1, now=105.0)
+    assert guard.check_and_add(2, now=106.0) and guard.check_and_add(3, now=107.0)
+    assert guard.check_and_add(4, now=108.0)  # capacity 3: the oldest id goes
+    assert len(guard) == 3
+    assert guard.check_and_add(5, now=117.5)  # 2 (106) and 3 (107) are older than the 10 s window
+    assert len(guard) == 2
+    assert not guard.check_and_add(4, now=117.9)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(fingerprint="other"), "model fingerprint differs: context 'tiny-llama:abc' vs generation 'other'"),
+    (dict(tokens_per_block=16), "tokens_per_block differs: context 32 vs generation 16"),
+    (dict(windows=_layout().windows[:1]), "window groups differ: context [64, 2048] vs generation [64]"),
+    (dict(windows=[_layout().windows[0],
+                   WindowLayout(window=2048, layers=[1], kv_heads=2, head_dim=16, dtype="bfloat16",
+                                slot_bytes=4096)]),
+     "window 2048: layers differs: context [1, 3] vs generation [1]"),
+    (dict(windows=[_layout().windows[0],
+                   WindowLayout(window=2048, layers=[1, 3], kv_heads=2, head_dim=16, dtype="float16",
+                                slot_bytes=8192)]),
+     "window 2048: dtype differs: context 'bfloat16' vs generation 'float16'"),
+])
+def test_incompatible_layouts_name_the_difference(change, expected) -> None:
+    assert layout_mismatch(_layout(), _layout()) is None
+    assert layout_mismatch(_layout(), _layout(**change)) == expected
+
+
+def test_config_defaults_and_token() -> None:
+    cfg = TransceiverConfig.from_dict({"auth_token": "t" * 16}, "d.yaml")
+    assert (cfg.kv_transfer_timeout_ms, cfg.host, cfg.port) == (60000, "127.0.0.1", 0)
+    assert cfg.max_chunk_bytes == 8 << 20
+    assert cfg.token_bytes() == b"t" * 16 and cfg.timeout_s == 60.0
+    with pytest.raises(ValueError, match="auth_token is not set"):
+        TransceiverConfig().token_bytes()
+    assert TransceiverConfig.from_dict(None, "d.yaml") == TransceiverConfig()
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"port": 70000}, K + "port: expected an integer in 0..65535, got 70000 (in d.yaml)"),
+    ({"port": True}, K + "port: expected an integer in 0..65535, got True (in d.yaml)"),
+    ({"kv_transfer_timeout_ms": 0}, K + "kv_transfer_timeout_ms: expected a positive"),
+    ({"auth_token": "short"}, K + "auth_token: expected null or a string of at least 16"),
+    ({"host": ""}, K + "host: expected an interface address"),
+    ({"max_chunk_bytes": 1000}, K + "max_chunk_bytes: expected a multiple of 8 in 65536"),
+    ({"backend": "NIXL"}, K + "backend in d.yaml: unknown key"),
+    ([1, 2], "cache_transceiver_config in d.yaml: expected a mapping"),
+])
+def test_config_errors_name_key_and_source(data, message) -> None:
+    with pytest.raises(ValueError) as err:
+        TransceiverConfig.from_dict(data, "d.yaml")
+    assert str(err.value).startswith(message)

@@ -1,0 +1,157 @@
+"""Wire messages of the KV link (context sender <-> generation receiver). Never pickle.
+
+A message on the wire is the multipart `[header, mac, *payload]` (a ROUTER adds the peer identity
+in front): `header` is msgpack of `Envelope`, `mac` = HMAC-SHA256(auth_token, header) (see
+`codec.py`), and only `ChunkHeader` carries payload frames (raw KV bytes). The envelope holds the
+protocol version, the sender's epoch, a random 64-bit `msg_id` (replay guard) and `ts` (unix
+seconds, staleness guard); `body` is one of the tagged structs below.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Reasons carried by `Failed.reason` and used as the label of failure counters (a closed set).
+REASONS = (
+    "timeout",  # the pull did not finish within kv_transfer_timeout_ms
+    "epoch_mismatch",  # the context server restarted since the request was prefilled
+    "incompatible",  # the two servers' KV layouts or models differ
+    "unknown_request",  # no lease for ctx_request_id (never existed, expired, or released)
+    "bad_request",  # the pull asks for blocks the lease does not hold
+    "out_of_blocks",  # the sender could not bring offloaded blocks back to its primary pool
+    "integrity",  # a chunk's byte count or checksum did not match
+    "lease_expired",  # the lease ended while its transfer was running
+    "peer_gone",  # the other side disconnected or shut down
+    "cancelled",  # the receiver cancelled
+    "remote_error",  # the peer sent a reason this version does not know
+)
+
+
+class WindowLayout(msgspec.Struct, frozen=True):
+    """One window group's pool: slot = `[layers, 2, tokens_per_block, kv_heads, head_dim]`."""
+
+    window: int
+    layers: list[int]
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    slot_bytes: int
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """What must agree between the two servers before any KV byte moves."""
+
+    tokens_per_block: int
+    windows: list[WindowLayout]
+    fingerprint: str  # model identity (the caller's choice, e.g. a hash of the model config)
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """gen -> ctx, once per (endpoint, epoch): the receiver's layout."""
+
+    layout: Layout
+
+
+class InstanceInfo(msgspec.Struct, tag=True, frozen=True):
+    """ctx -> gen, answer to Hello: the sender's layout; its epoch is the envelope's."""
+
+    layout: Layout
+
+
+class WindowRange(msgspec.Struct, frozen=True):
+    """Blocks [first, first + count) of one window group's block list of the request."""
+
+    window: int
+    first: int
+    count: int
+
+
+class PullRequest(msgspec.Struct, tag=True, frozen=True):
+    """gen -> ctx: send these blocks of the leased request."""
+
+    pull_id: int
+    ctx_request_id: str
+    ctx_epoch: str
+    ranges: list[WindowRange]
+
+
+class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
+    """ctx -> gen: `count` blocks of `window` from block index `first`; payload frames follow.
+
+    The payload is the blocks' slot bytes back to back (`nbytes` = count * slot_bytes). Frames hold
+    whole blocks, except when one block exceeds `max_chunk_bytes` (then count == 1 and the block
+    is cut into several frames). `checksum` is `payload.checksum` of the payload.
+    """
+
+    pull_id: int
+    window: int
+    first: int
+    count: int
+    nbytes: int
+    checksum: int
+
+
+class Done(msgspec.Struct, tag=True, frozen=True):
+    """ctx -> gen: every chunk of the pull has been sent."""
+
+    pull_id: int
+    total_bytes: int
+    chunks: int
+
+
+class Ack(msgspec.Struct, tag=True, frozen=True):
+    """gen -> ctx: the blocks were written into the receiver's slots; the lease can go."""
+
+    pull_id: int
+    ctx_request_id: str
+
+
+class Cancel(msgspec.Struct, tag=True, frozen=True):
+    """gen -> ctx: drop the lease now (request aborted or rejected before or during its pull)."""
+
+    ctx_request_id: str
+    pull_id: int | None = None
+    ctx_epoch: str | None = None  # when set, a sender with another epoch ignores the message
+
+
+class Failed(msgspec.Struct, tag=True, frozen=True):
+    """Either direction: the pull (or, with pull_id None, the handshake) failed."""
+
+    reason: str
+    detail: str
+    pull_id: int | None = None
+
+
+Body = Hello | InstanceInfo | PullRequest | ChunkHeader | Done | Ack | Cancel | Failed
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    version: int
+    sender_epoch: str
+    msg_id: int
+    ts: float
+    body: msgspec.Raw  # msgpack of one `Body`, decoded once the version is known to be ours
+
+
+def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
+    """None when the two layouts are compatible, else a sentence saying what differs."""
+    if ctx.fingerprint != gen.fingerprint:
+        return f"model fingerprint differs: context {ctx.fingerprint!r} vs generation {gen.fingerprint!r}"
+    if ctx.tokens_per_block != gen.tokens_per_block:
+        return (f"tokens_per_block differs: context {ctx.tokens_per_block} "
+                f"vs generation {gen.tokens_per_block}")
+    ctx_w = {w.window: w for w in ctx.windows}
+    gen_w = {w.window: w for w in gen.windows}
+    if sorted(ctx_w) != sorted(gen_w):
+        return f"window groups differ: context {sorted(ctx_w)} vs generation {sorted(gen_w)}"
+    for window in sorted(ctx_w):
+        a, b = ctx_w[window], gen_w[window]
+        for name in ("layers", "kv_heads", "head_dim", "dtype", "slot_bytes"):
+            if getattr(a, name) != getattr(b, name):
+                return (
+                    f"window {window}: {name} differs: context {getattr(a, name)!r} "
+                    f"vs generation {getattr(b, name)!r}"
+                )
+    return None

@@ -1,0 +1,216 @@
+"""Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
+
+Threads: the engine thread calls every public method and does all tensor work (checksum and
+scatter into its own primary slots); the socket thread (`receiver_link.ReceiverLink`) owns one
+DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
+(in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
+and the caller frees them when the result says it failed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcache import KVCacheManager, Level
+from transceiver.config import TransceiverConfig
+from transceiver.layout import layout_of
+from transceiver.link import SocketThread
+from transceiver.messages import REASONS, Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
+from transceiver.payload import checksum, scatter
+from transceiver.receiver_link import Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.stats import TransferStats
+
+
+@dataclass(frozen=True)
+class PullResult:
+    request_id: str
+    ok: bool
+    reason: str | None = None  # one of messages.REASONS when not ok
+    error: str | None = None  # a sentence for the client when not ok
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Pull:
+    request_id: str
+    pull_id: int
+    endpoint: str
+    ctx_epoch: str
+    ctx_request_id: str
+    wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
+    started: float  # monotonic
+    deadline: float
+    next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
+    nbytes: int = 0
+    chunks: int = 0
+
+
+class KVReceiver:
+    """Pulls KV blocks from context servers into this server's primary pool."""
+
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str) -> None:
+        self._kv = kv
+        self._config = config
+        self.epoch = uuid.uuid4().hex
+        self.stats = TransferStats()
+        self._pulls: dict[int, _Pull] = {}  # by pull_id
+        self._by_request: dict[str, int] = {}  # request_id -> pull_id
+        self._results: list[PullResult] = []
+        link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats)
+        self._thread = SocketThread("kv-receiver", link, inbox_size=16)
+        self._thread.start()
+
+    # ---- engine thread API -------------------------------------------------------------------
+
+    def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
+                   wanted: dict[int, tuple[int, list[int]]]) -> None:
+        """Pull, per window, the blocks [first, first + len(slots)) of the context request into
+        `slots` (primary slot indices of this server, in block order)."""
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id!r} is already pulling")
+        self._check_wanted(wanted)
+        now = time.monotonic()
+        pull = _Pull(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
+                     {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
+                     now, now + self._config.timeout_s)
+        pull.next_first = {w: first for w, (first, _) in pull.wanted.items()}
+        self._pulls[pull.pull_id] = pull
+        self._by_request[request_id] = pull.pull_id
+        ranges = [WindowRange(window=w, first=first, count=len(slots))
+                  for w, (first, slots) in sorted(pull.wanted.items()) if slots]
+        req = PullRequest(pull_id=pull.pull_id, ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch,
+                          ranges=ranges)
+        self._thread.submit(Pull(ctx_endpoint, req))
+
+    def step(self) -> list[PullResult]:
+        """Apply received chunks (checksum, scatter), finish or fail pulls; returns finished pulls."""
+        for item in self._thread.drain():
+            if isinstance(item, PullRefused):
+                self._fail_id(item.pull_id, item.reason, item.detail, notify=False)
+            else:
+                self._on_received(item)
+        now = time.monotonic()
+        for pull in [p for p in self._pulls.values() if p.deadline <= now]:
+            self._fail(pull, "timeout", f"the KV transfer did not finish within "
+                                        f"{self._config.kv_transfer_timeout_ms} ms")
+        results, self._results = self._results, []
+        return results
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a message arrives for `step` or `timeout_s` passes."""
+        self._thread.wait(timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        """Abandon a pull (client gone, request aborted): the context side drops its lease."""
+        pull_id = self._by_request.get(request_id)
+        if pull_id is not None:
+            self._fail(self._pulls[pull_id], "cancelled", "cancelled by the generation server", report=False)
+
+    def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
+        """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
+        self._thread.submit(Send(ctx_endpoint, Cancel(ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch)))
+
+    @property
+    def num_pulls(self) -> int:
+        return len(self._pulls)
+
+    def close(self) -> None:
+        """Cancel every running pull (results are dropped) and stop the socket thread."""
+        for pull in list(self._pulls.values()):
+            self._fail(pull, "cancelled", "the generation server is shutting down", report=False)
+        time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
+        self._thread.close()
+
+    # ---- messages ----------------------------------------------------------------------------
+
+    def _on_received(self, item: Received) -> None:
+        body = item.body
+        pull = self._pulls.get(body.pull_id) if body.pull_id is not None else None
+        if pull is None or pull.endpoint != item.endpoint:
+            return  # late message of a pull that already ended
+        if item.sender_epoch != pull.ctx_epoch:
+            self._fail(pull, "epoch_mismatch", f"context server restarted (epoch {item.sender_epoch}, "
+                                               f"the request was prefilled by epoch {pull.ctx_epoch})")
+        elif isinstance(body, ChunkHeader):
+            problem = self._apply_chunk(pull, body, item.payload)
+            if problem is not None:
+                self._fail(pull, "integrity", problem)
+        elif isinstance(body, Done):
+            self._finish(pull, body)
+        elif isinstance(body, Failed):
+            reason = body.reason if body.reason in REASONS else "remote_error"
+            self._fail(pull, reason, f"context server: {body.detail}", notify=False)
+
+    def _apply_chunk(self, pull: _Pull, h: ChunkHeader, frames: list) -> str | None:
+        """Check a chunk against the pull and its checksum, then write it; a problem -> sentence."""
+        if h.window not in pull.wanted or h.first != pull.next_first[h.window]:
+            return f"unexpected chunk: window {h.window}, block {h.first}"
+        first, slots = pull.wanted[h.window]
+        slot_bytes = self._kv.slot_bytes(h.window)
+        parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames]  # zero-copy views
+        got = sum(p.size for p in parts)
+        if h.count < 1 or h.first + h.count > first + len(slots) or h.nbytes != h.count * slot_bytes:
+            return f"chunk header does not fit the pull: window {h.window}, blocks {h.first}+{h.count}"
+        if got != h.nbytes or (len(parts) > 1 and h.count != 1) or not parts:
+            return f"chunk byte count mismatch: header says {h.nbytes}, received {got} in {len(parts)} frames"
+        if checksum(parts, slot_bytes, h.first) != h.checksum:
+            return f"chunk checksum mismatch (window {h.window}, blocks {h.first}..{h.first + h.count - 1})"
+        dst = slots[h.first - first : h.first - first + h.count]
+        scatter(self._kv.pool(h.window, Level.PRIMARY), dst, parts)
+        pull.next_first[h.window] = h.first + h.count
+        pull.nbytes += h.nbytes
+        pull.chunks += 1
+        self.stats.bytes_received += h.nbytes
+        return None
+
+    def _finish(self, pull: _Pull, done: Done) -> None:
+        missing = [w for w, (first, slots) in pull.wanted.items() if pull.next_first[w] != first + len(slots)]
+        if missing or done.total_bytes != pull.nbytes or done.chunks != pull.chunks:
+            self._fail(pull, "integrity", (
+                f"transfer incomplete: windows {missing} short, {pull.nbytes}/{done.total_bytes} bytes, "
+                f"{pull.chunks}/{done.chunks} chunks"))
+            return
+        ack = Ack(pull_id=pull.pull_id, ctx_request_id=pull.ctx_request_id)
+        self._thread.submit(Send(pull.endpoint, ack))
+        self._forget(pull)
+        seconds = time.monotonic() - pull.started
+        self.stats.count_ok(seconds, pull.nbytes)
+        self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))
+
+    # ---- failure -------------------------------------------------------------------------------
+
+    def _fail_id(self, pull_id: int, reason: str, detail: str, notify: bool) -> None:
+        pull = self._pulls.get(pull_id)
+        if pull is not None:
+            self._fail(pull, reason, detail, notify=notify)
+
+    def _fail(self, pull: _Pull, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
+        """End a pull that did not succeed; `notify` tells the context side to drop its lease."""
+        self._forget(pull)
+        self.stats.count_failure(reason)
+        if notify:
+            cancel = Cancel(ctx_request_id=pull.ctx_request_id, pull_id=pull.pull_id,
+                            ctx_epoch=pull.ctx_epoch)
+            self._thread.submit(Send(pull.endpoint, cancel))
+        if report:
+            self._results.append(PullResult(pull.request_id, False, reason, detail, pull.nbytes,
+                                            time.monotonic() - pull.started))
+
+    def _forget(self, pull: _Pull) -> None:
+        del self._pulls[pull.pull_id]
+        del self._by_request[pull.request_id]
+
+    def _check_wanted(self, wanted: dict[int, tuple[int, list[int]]]) -> None:
+        for window, (first, slots) in wanted.items():
+            if window not in self._kv.window_sizes:
+                raise ValueError(f"unknown window {window}; valid: {sorted(self._kv.window_sizes)}")
+            num_slots = self._kv.pool(window, Level.PRIMARY).shape[0]
+            if first < 0 or any(not 0 <= s < num_slots for s in slots):
+                raise ValueError(f"window {window}: bad first block {first} "
+                                 f"or slots outside [0, {num_slots})")

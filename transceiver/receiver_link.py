@@ -1,0 +1,183 @@
+"""The generation side's socket thread: one DEALER per context endpoint, handshakes, message checks.
+
+Runs only inside `link.SocketThread`. A pull waits here until its endpoint has answered a Hello
+from the epoch the pull expects (once per (endpoint, epoch)); a peer that answers with another
+epoch (it restarted) or an incompatible layout fails the pull without sending it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from transceiver.codec import Codec, Rejected
+from transceiver.config import TransceiverConfig
+from transceiver.link import SocketIO
+from transceiver.messages import (
+    Body,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Failed,
+    Hello,
+    InstanceInfo,
+    Layout,
+    PullRequest,
+    layout_mismatch,
+)
+from transceiver.stats import TransferStats
+
+HELLO_RETRY_S = 1.0  # resend an unanswered Hello (the peer may have been down or restarting)
+IDLE_CLOSE_S = 600.0  # close a DEALER unused this long
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Command: send `request` to `endpoint` once a handshake with `request.ctx_epoch` is done."""
+
+    endpoint: str
+    request: PullRequest
+
+
+@dataclass(frozen=True)
+class Send:
+    """Command: send `body` to `endpoint` now (Ack, Cancel: no handshake needed)."""
+
+    endpoint: str
+    body: Body
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message from a context server for the engine thread (payload: a chunk's raw frames)."""
+
+    endpoint: str
+    sender_epoch: str
+    body: ChunkHeader | Done | Failed
+    payload: list[zmq.Frame] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PullRefused:
+    """The pull was never sent: handshake refused or the peer's epoch is not the pull's."""
+
+    pull_id: int
+    reason: str
+    detail: str
+
+
+@dataclass
+class _Peer:
+    epoch: str | None = None  # epoch of the last InstanceInfo answer
+    hello_at: float | None = None  # when the pending Hello was sent (None: no handshake running)
+    waiting: list[PullRequest] = field(default_factory=list)
+    last_used: float = 0.0
+
+
+class ReceiverLink:
+    """LinkHandler of `KVReceiver`; socket keys are context endpoints."""
+
+    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats) -> None:
+        self._codec = Codec(config.token_bytes(), epoch)
+        self._layout = layout
+        self._stats = stats
+        self._peers: dict[str, _Peer] = {}
+
+    def setup(self, io: SocketIO) -> None:
+        return None
+
+    def _peer(self, io: SocketIO, endpoint: str, now: float) -> _Peer:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            sock = io.socket(endpoint, zmq.DEALER)
+            sock.setsockopt(zmq.RCVHWM, 8)  # chunk messages are up to max_chunk_bytes each
+            sock.setsockopt(zmq.SNDHWM, 1024)
+            sock.connect(endpoint)
+            peer = self._peers[endpoint] = _Peer()
+        peer.last_used = now
+        return peer
+
+    def on_command(self, io: SocketIO, cmd: Pull | Send) -> None:
+        now = time.time()
+        peer = self._peer(io, cmd.endpoint, now)
+        if isinstance(cmd, Send):
+            if isinstance(cmd.body, Cancel) and cmd.body.pull_id is not None:
+                peer.waiting = [r for r in peer.waiting if r.pull_id != cmd.body.pull_id]
+            io.send(cmd.endpoint, self._codec.seal(cmd.body))
+        elif peer.epoch == cmd.request.ctx_epoch:
+            io.send(cmd.endpoint, self._codec.seal(cmd.request))
+        else:
+            peer.waiting.append(cmd.request)
+            if peer.hello_at is None:
+                self._hello(io, cmd.endpoint, peer, now)
+
+    def _hello(self, io: SocketIO, endpoint: str, peer: _Peer, now: float) -> None:
+        peer.hello_at = now
+        io.send(endpoint, self._codec.seal(Hello(layout=self._layout)))
+
+    def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None:
+        endpoint = str(key)
+        if len(frames) < 2:
+            self._stats.count_rejected("malformed")
+            return
+        try:
+            epoch, body = self._codec.open(frames[0].bytes, frames[1].bytes)
+        except Rejected as e:
+            self._stats.count_rejected(e.reason)
+            return
+        payload = frames[2:]
+        if payload and not isinstance(body, ChunkHeader):
+            self._stats.count_rejected("malformed")
+        elif isinstance(body, InstanceInfo):
+            self._on_info(io, endpoint, epoch, body)
+        elif isinstance(body, Failed) and body.pull_id is None:
+            self._refuse_waiting(io, endpoint, body.reason, body.detail)
+        elif isinstance(body, ChunkHeader | Done | Failed):
+            io.deliver(Received(endpoint, epoch, body, payload))
+        else:
+            self._stats.count_rejected("unexpected")
+
+    def _on_info(self, io: SocketIO, endpoint: str, epoch: str, info: InstanceInfo) -> None:
+        peer = self._peers.get(endpoint)
+        if peer is None or peer.hello_at is None:
+            return  # an answer to a Hello we no longer wait for
+        problem = layout_mismatch(info.layout, self._layout)
+        if problem is not None:
+            self._refuse_waiting(io, endpoint, "incompatible", f"incompatible peers: {problem}")
+            return
+        peer.epoch, peer.hello_at = epoch, None
+        waiting, peer.waiting = peer.waiting, []
+        for req in waiting:
+            if req.ctx_epoch == epoch:
+                io.send(endpoint, self._codec.seal(req))
+            else:
+                io.deliver(PullRefused(req.pull_id, "epoch_mismatch", (
+                    f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
+                    f"{endpoint} now runs epoch {epoch}"
+                )))
+
+    def _refuse_waiting(self, io: SocketIO, endpoint: str, reason: str, detail: str) -> None:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            return
+        waiting, peer.waiting, peer.hello_at = peer.waiting, [], None
+        for req in waiting:
+            io.deliver(PullRefused(req.pull_id, reason, detail))
+
+    def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
+        return None  # DEALERs queue until connected; the engine's timeout covers a dead peer
+
+    def on_tick(self, io: SocketIO, now: float) -> None:
+        for endpoint, peer in list(self._peers.items()):
+            if peer.hello_at is not None and now - peer.hello_at >= HELLO_RETRY_S:
+                if peer.waiting:
+                    self._hello(io, endpoint, peer, now)
+                else:
+                    peer.hello_at = None
+            elif not peer.waiting and now - peer.last_used > IDLE_CLOSE_S:
+                io.close(endpoint)
+                del self._peers[endpoint]

@@ -1,0 +1,258 @@
+"""Context side: leases a finished prefill's blocks and serves pulls for them (`KVSender`).
+
+Threads: the engine thread calls every public method and owns the KV manager and all tensor work
+(gather into staging buffers); the socket thread (`link.SocketThread`) owns the ROUTER socket,
+checks every incoming message (`codec.py`) and answers handshakes on its own.
+
+Ownership: `add_lease` pins the request's blocks. They are unpinned exactly once, by
+`_end_lease`, when the receiver acknowledges, cancels, disconnects, the lease expires (checked
+every `step`), the engine drops it, or the sender closes. A pinned block is never evicted or
+offloaded, so its primary slot is stable while the lease lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache import KVCacheManager, Level, OutOfBlocksError
+from transceiver.config import TransceiverConfig
+from transceiver.layout import layout_of
+from transceiver.link import SocketThread
+from transceiver.messages import Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
+from transceiver.payload import ChunkPlan, StagingPool, checksum, frame_bounds, gather, plan_chunks
+from transceiver.sender_link import Incoming, Outgoing, PeerGone, SenderLink
+from transceiver.stats import TransferStats
+
+log = logging.getLogger(__name__)
+
+STAGING_BUFFERS = 4  # chunks in flight per sender (each max_chunk_bytes)
+
+
+@dataclass
+class _Job:
+    """One pull being served: chunks left to send, then Done, then waiting for the Ack."""
+
+    peer: bytes  # ROUTER identity of the receiver
+    pull_id: int
+    chunks: deque[ChunkPlan]
+    started: float  # monotonic
+    sent_bytes: int = 0
+    sent_chunks: int = 0
+    done_sent: bool = False
+
+
+@dataclass
+class _Lease:
+    blocks: dict[int, list[int]]  # window -> block ids of the prompt, -1 = released (out of window)
+    num_tokens: int
+    deadline: float  # monotonic
+    job: _Job | None = None
+    pinned: dict[int, list[int]] = field(default_factory=dict)
+
+
+class KVSender:
+    """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
+
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str) -> None:
+        self._kv = kv
+        self._config = config
+        self.epoch = uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
+        self.stats = TransferStats()
+        self._leases: dict[str, _Lease] = {}
+        self._active: deque[str] = deque()  # ctx_request_ids whose job still has chunks or Done to send
+        pin = any(kv.pool(w, Level.PRIMARY).is_cuda for w in kv.window_sizes)
+        self._staging = StagingPool(config.max_chunk_bytes, STAGING_BUFFERS, pin)
+        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats)
+        self._thread = SocketThread("kv-sender", self._link)
+        self._thread.start()
+        self.endpoint = self._link.endpoint
+
+    # ---- engine thread API -------------------------------------------------------------------
+
+    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]], num_tokens: int) -> None:
+        """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
+        -1 = released, not sendable) for at most kv_transfer_timeout_ms."""
+        if ctx_request_id in self._leases:
+            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
+        unknown = set(blocks) - set(self._kv.window_sizes)
+        if unknown:
+            valid = sorted(self._kv.window_sizes)
+            raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
+        lease = _Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
+                       time.monotonic() + self._config.timeout_s)
+        for window, ids in lease.blocks.items():
+            live = [b for b in ids if b >= 0]
+            self._kv.pin_blocks(live, window)
+            lease.pinned[window] = live
+        self._leases[ctx_request_id] = lease
+
+    def drop_lease(self, ctx_request_id: str) -> None:
+        """Engine abort: release the lease now (a running pull is told it failed)."""
+        if ctx_request_id in self._leases:
+            self._end_lease(ctx_request_id, "cancelled", "the context server aborted the request")
+
+    def step(self) -> None:
+        """Every engine tick, idle or not: apply messages, send chunks, reap expired leases."""
+        for item in self._thread.drain():
+            self._on_item(item)
+        self._pump()
+        self._reap(time.monotonic())
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until `step` has something to do (a message, a free staging buffer) or timeout."""
+        if self._active:
+            self._staging.wait_any(timeout_s)
+        else:
+            self._thread.wait(timeout_s)
+
+    @property
+    def busy(self) -> bool:
+        """True while chunks are waiting to be sent (a caller should `step` again soon)."""
+        return bool(self._active)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def close(self) -> None:
+        """Fail running pulls, unpin every lease, stop the socket thread."""
+        for cid in list(self._leases):
+            self._end_lease(cid, "peer_gone", "the context server is shutting down")
+        deadline = time.monotonic() + 1.0
+        while self._link.has_pending_sends() and time.monotonic() < deadline:
+            time.sleep(0.005)  # give the Failed notices a moment to leave
+        self._thread.close()
+
+    # ---- messages ----------------------------------------------------------------------------
+
+    def _on_item(self, item: Incoming | PeerGone) -> None:
+        if isinstance(item, PeerGone):
+            for cid, lease in list(self._leases.items()):
+                if lease.job is not None and lease.job.peer == item.peer:
+                    self._end_lease(cid, "peer_gone", "the receiver disconnected", notify=False)
+            return
+        body = item.body
+        if isinstance(body, PullRequest):
+            self._start_job(item.peer, body)
+        elif isinstance(body, Ack):
+            lease = self._leases.get(body.ctx_request_id)
+            job = lease.job if lease is not None else None
+            if job is not None and job.pull_id == body.pull_id and job.done_sent:
+                self._end_lease(body.ctx_request_id, None, "")
+                self.stats.count_ok(time.monotonic() - job.started, job.sent_bytes)
+        elif isinstance(body, Cancel):
+            if body.ctx_epoch not in (None, self.epoch) or body.ctx_request_id not in self._leases:
+                return
+            self._end_lease(body.ctx_request_id, "cancelled", "the receiver cancelled", notify=False)
+
+    def _start_job(self, peer: bytes, req: PullRequest) -> None:
+        lease = self._leases.get(req.ctx_request_id)
+        problem = self._check_pull(req, lease)
+        if problem is not None:
+            self.stats.count_failure(problem[0])
+            self._reply_failed(peer, req.pull_id, *problem)
+            return
+        assert lease is not None
+        try:
+            for r in req.ranges:
+                self._kv.ensure_primary(self._range_ids(lease, r), r.window)
+        except OutOfBlocksError as e:
+            self._reply_failed(peer, req.pull_id, "out_of_blocks", f"cannot onboard offloaded blocks: {e}")
+            self._end_lease(req.ctx_request_id, "out_of_blocks", "", notify=False)
+            return
+        chunks: deque[ChunkPlan] = deque()
+        for r in req.ranges:
+            slot_bytes = self._kv.slot_bytes(r.window)
+            chunks.extend(plan_chunks(r.window, r.first, r.count, slot_bytes, self._config.max_chunk_bytes))
+        now = time.monotonic()
+        lease.job = _Job(peer, req.pull_id, chunks, now)
+        lease.deadline = now + self._config.timeout_s  # a live pull renews the lease
+        self._active.append(req.ctx_request_id)
+
+    def _check_pull(self, req: PullRequest, lease: _Lease | None) -> tuple[str, str] | None:
+        if req.ctx_epoch != self.epoch:
+            return "epoch_mismatch", (
+                f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
+                f"this is epoch {self.epoch}"
+            )
+        if lease is None:
+            return "unknown_request", (
+                f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
+        if lease.job is not None:
+            return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
+        for r in req.ranges:
+            ids = lease.blocks.get(r.window)
+            if ids is None:
+                return "bad_request", f"window {r.window} is not part of the lease"
+            if r.first < 0 or r.count < 0 or r.first + r.count > len(ids):
+                return "bad_request", f"window {r.window}: blocks [{r.first}, {r.first + r.count}) " \
+                                      f"outside the lease's {len(ids)} blocks"
+            if any(b < 0 for b in ids[r.first : r.first + r.count]):
+                return "bad_request", f"window {r.window}: some blocks in [{r.first}, " \
+                                      f"{r.first + r.count}) left the sliding window and were released"
+        return None
+
+    @staticmethod
+    def _range_ids(lease: _Lease, r: WindowRange) -> list[int]:
+        return lease.blocks[r.window][r.first : r.first + r.count]
+
+    # ---- data path -----------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Gather and hand over chunks while staging buffers are free; Done after the last one."""
+        while self._active:
+            cid = self._active[0]
+            lease = self._leases[cid]
+            job = lease.job
+            assert job is not None
+            if not job.chunks:
+                total = Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks)
+                self._thread.submit(Outgoing(job.peer, total))
+                job.done_sent = True
+                self._active.popleft()
+                continue
+            i = self._staging.acquire()
+            if i is None:
+                return
+            self._send_chunk(lease, job, job.chunks.popleft(), i)
+
+    def _send_chunk(self, lease: _Lease, job: _Job, plan: ChunkPlan, i: int) -> None:
+        ids = lease.blocks[plan.window][plan.first : plan.first + plan.count]
+        # translate only now: the slot is where the bytes are; a non-primary block raises here
+        slots = self._kv.get_memory_pool_block_indices(ids, plan.window, require_primary=True)
+        gather(self._kv.pool(plan.window, Level.PRIMARY), slots, self._staging.buffer(i))
+        bounds = frame_bounds(plan.nbytes, self._config.max_chunk_bytes)
+        digest = checksum(self._staging.parts(i, bounds), plan.slot_bytes, plan.first)
+        header = ChunkHeader(pull_id=job.pull_id, window=plan.window, first=plan.first, count=plan.count,
+                             nbytes=plan.nbytes, checksum=digest)
+        self._thread.submit(Outgoing(job.peer, header, self._staging.frames(i, bounds)))
+        job.sent_bytes += plan.nbytes
+        job.sent_chunks += 1
+        self.stats.bytes_sent += plan.nbytes
+
+    # ---- lease end -----------------------------------------------------------------------------
+
+    def _reap(self, now: float) -> None:
+        for cid in [c for c, lease in self._leases.items() if lease.deadline <= now]:
+            self.stats.lease_expired += 1
+            self._end_lease(cid, "lease_expired", "the context server's lease on the KV blocks expired")
+
+    def _end_lease(self, cid: str, reason: str | None, detail: str, notify: bool = True) -> None:
+        """The only place that unpins: pops the lease, so it runs once per lease."""
+        lease = self._leases.pop(cid)
+        if cid in self._active:
+            self._active.remove(cid)
+        for window, ids in lease.pinned.items():
+            self._kv.unpin_blocks(ids, window)
+        job = lease.job
+        if job is not None and reason is not None:
+            self.stats.count_failure(reason)
+            if notify:
+                self._reply_failed(job.peer, job.pull_id, reason, detail)
+
+    def _reply_failed(self, peer: bytes, pull_id: int, reason: str, detail: str) -> None:
+        self._thread.submit(Outgoing(peer, Failed(reason=reason, detail=detail, pull_id=pull_id)))

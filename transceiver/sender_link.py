@@ -1,0 +1,112 @@
+"""The context side's socket thread: one ROUTER, message checks, handshake answers.
+
+Runs only inside `link.SocketThread`. Engine-bound messages become `Incoming` items; the engine
+sends with `Outgoing` commands (sealed here, so their timestamp is fresh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from transceiver.codec import Codec, Rejected
+from transceiver.config import TransceiverConfig
+from transceiver.link import SocketIO
+from transceiver.messages import (
+    Ack,
+    Body,
+    Cancel,
+    Failed,
+    Hello,
+    InstanceInfo,
+    Layout,
+    PullRequest,
+    layout_mismatch,
+)
+from transceiver.stats import TransferStats
+
+ROUTER = "router"
+ENGINE_KINDS = (PullRequest, Ack, Cancel)  # what the engine thread handles; Hello is answered here
+
+
+@dataclass(frozen=True)
+class Incoming:
+    peer: bytes  # ROUTER identity of the receiver that sent it
+    sender_epoch: str
+    body: Body
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    peer: bytes
+    body: Body
+    payload: list[Any] = field(default_factory=list)  # zmq.Frame objects (zero-copy)
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """The ROUTER could not route to `peer` any more (it disconnected)."""
+
+    peer: bytes
+
+
+class SenderLink:
+    """LinkHandler of `KVSender`."""
+
+    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats) -> None:
+        self._config = config
+        self._codec = Codec(config.token_bytes(), epoch)
+        self._layout = layout
+        self._stats = stats
+        self._io: SocketIO | None = None
+        self.endpoint = ""
+
+    def setup(self, io: SocketIO) -> None:
+        self._io = io
+        sock = io.socket(ROUTER, zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error, never a silent drop
+        sock.setsockopt(zmq.SNDHWM, 64)
+        sock.setsockopt(zmq.RCVHWM, 1024)
+        port = self._config.port or "*"
+        sock.bind(f"tcp://{self._config.host}:{port}")
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        self.endpoint = f"tcp://{self._config.host}:{bound.rsplit(':', 1)[1]}"
+
+    def has_pending_sends(self) -> bool:
+        return self._io is not None and self._io.held_back
+
+    def on_command(self, io: SocketIO, cmd: Outgoing) -> None:
+        io.send(ROUTER, [cmd.peer, *self._codec.seal(cmd.body), *cmd.payload])
+
+    def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 3:  # identity, header, mac: receivers never send payload
+            self._stats.count_rejected("malformed")
+            return
+        peer = frames[0].bytes
+        try:
+            epoch, body = self._codec.open(frames[1].bytes, frames[2].bytes)
+        except Rejected as e:
+            self._stats.count_rejected(e.reason)
+            return
+        if isinstance(body, Hello):
+            io.send(ROUTER, [peer, *self._codec.seal(self._answer_hello(body))])
+        elif isinstance(body, ENGINE_KINDS):
+            io.deliver(Incoming(peer, epoch, body))
+        else:
+            self._stats.count_rejected("unexpected")
+
+    def _answer_hello(self, hello: Hello) -> InstanceInfo | Failed:
+        problem = layout_mismatch(self._layout, hello.layout)
+        if problem is not None:
+            return Failed(reason="incompatible", detail=f"incompatible peers: {problem}")
+        return InstanceInfo(layout=self._layout)
+
+    def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
+        peer = frames[0]
+        io.deliver(PeerGone(peer.bytes if isinstance(peer, zmq.Frame) else bytes(peer)))
+
+    def on_tick(self, io: SocketIO, now: float) -> None:
+        return None

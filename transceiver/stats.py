@@ -1,0 +1,35 @@
+"""Cumulative transfer counters of one sender or receiver (the lead maps them to Prometheus)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferStats:
+    """Counters only grow. Writers: the engine thread, except `rejected_*` (the socket thread).
+
+    `on_transfer(seconds, nbytes)` is called once per successful transfer (e.g. to feed a histogram).
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_ok: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+    lease_expired: int = 0
+    rejected_messages: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    on_transfer: Callable[[float, int], None] | None = None
+
+    def count_failure(self, reason: str) -> None:
+        self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected_messages += 1
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+
+    def count_ok(self, seconds: float, nbytes: int) -> None:
+        self.transfers_ok += 1
+        if self.on_transfer is not None:
+            self.on_transfer(seconds, nbytes)
