@@ -1,0 +1,160 @@
+"""Deterministic tiny models, built on first use and then loaded like any Hugging Face directory.
+
+`resolve_model("builtin:tiny-llama")` materializes the model into
+`$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models/<name>-v<N>`) and returns
+the folder. Several processes may start at once: each builds into a private temporary folder next
+to the target and renames it into place; the first rename wins and the others discard their copy
+(the content is the same). A folder that exists is therefore always complete.
+
+Random init makes tiny models repeat one token, so weights are drawn from our own seeded
+generator with gains large enough that greedy output varies and depends on the whole context.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from server.models.tiny_tokenizer import train_tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+SEED = 1234
+
+_FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+# shared shape of every tiny model: ~0.7 M parameters, head_dim 32 (vLLM CPU needs >= 32)
+_TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    family: str
+    version: int  # bump when the recipe changes: a new folder is built, old caches stay valid
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny-llama": BuiltinModel("llama", 1),
+    "tiny-qwen3-swa": BuiltinModel(
+        "qwen3", 1,
+        dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where built-in models live: `$PDSERVE_CACHE_DIR/models` or `~/.cache/pdserve/models`."""
+    base = os.environ.get("PDSERVE_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "pdserve") / "models"
+
+
+def resolve_model(name_or_path: str, *, root: Path | None = None) -> Path:
+    """A model directory for `name_or_path`: "builtin:<name>" is materialized, a path must exist."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        return materialize_builtin(name_or_path.removeprefix(BUILTIN_PREFIX), root=root)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model {name_or_path!r}: no such directory (builtin models: {builtin_names()})")
+    return path
+
+
+def builtin_names() -> list[str]:
+    return [BUILTIN_PREFIX + name for name in sorted(BUILTIN_MODELS)]
+
+
+def materialize_builtin(name: str, *, root: Path | None = None) -> Path:
+    """Build the built-in model `name` once (atomically) and return its folder."""
+    recipe = BUILTIN_MODELS.get(name)
+    if recipe is None:
+        raise ValueError(f"unknown builtin model {name!r}; known: {builtin_names()}")
+    target = (root or cache_root()) / f"{name}-v{recipe.version}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build_tiny_model(tmp, recipe.family, **recipe.overrides)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        os.rename(tmp, target)  # atomic; fails if another process renamed its copy first
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Path:
+    """Write a deterministic tiny `family` model (weights, config, tokenizer) into `out_dir`.
+
+    family: llama | mistral | qwen2 | qwen3. `config_overrides` go to the transformers config
+    (e.g. `rope_parameters`, `sliding_window`, `use_sliding_window`, `tie_word_embeddings`).
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILIES)}")
+    config_cls, model_cls = _FAMILIES[family]
+    tokenizer = train_tokenizer()
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    config = config_cls(**{**_TINY_SHAPE, "vocab_size": len(tokenizer), **ids, **config_overrides})
+    model = model_cls(config).eval()
+    _init_weights(model, seed=SEED)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@torch.no_grad()
+def _init_weights(model: PreTrainedModel, *, seed: int) -> None:
+    """Fill every parameter from one seeded generator, in name order (independent of HF's init).
+
+    Gains: embeddings N(0, 1); linear weights N(0, 1.5 / sqrt(fan_in)) so each layer changes the
+    residual stream substantially and attention is sharp enough to mix the context; norm weights
+    around 1 and biases around 0 with noise, so a loader that drops or swaps them is caught.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        param.copy_(_draw(name, tuple(param.shape), gen).to(param.dtype))
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(shape, generator=gen)
+    if "norm" in name:
+        return 1.0 + 0.2 * noise
+    if name.endswith("bias"):
+        return 0.2 * noise
+    if "embed_tokens" in name:
+        return noise
+    return noise * (1.5 / math.sqrt(shape[-1]))

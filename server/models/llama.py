@@ -1,0 +1,139 @@
+"""Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+
+Math follows transformers' modeling code step for step (RMSNorm in float32, HF's rotate_half RoPE,
+SiLU-gated MLP, Qwen3's per-head q/k RMSNorm before RoPE). Weights are loaded by their HF names and
+fused once at load time: q/k/v into one projection, gate/up into one. The model is stateless
+between steps: the KV cache lives in the pool and is reached only through the attention backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from server.models.attention import AttentionBackend
+from server.models.rope import Rotary, apply_rotary
+from server.models.spec import ModelSpec
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+class LlamaModel:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], attention: AttentionBackend,
+                 *, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        self.attention = attention
+        self.dtype = dtype
+        self.rotary = Rotary(spec, device)
+        weights = _WeightTable(spec, tensors)
+        self.embed = weights.take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = [_layer_weights(spec, weights, i) for i in range(spec.num_layers)]
+        self.final_norm = weights.take("model.norm.weight")
+        self.lm_head = weights.lm_head(self.embed)  # [vocab, hidden]
+        weights.check_all_used()
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
+        h = F.embedding(token_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, self._norm(h, layer.input_norm), cos, sin, meta)
+            h = h + self._mlp(layer, self._norm(h, layer.post_norm))
+        h = self._norm(h.index_select(0, logit_rows), self.final_norm)  # [N, hidden]
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: object) -> torch.Tensor:
+        t, d = x.shape[0], self.spec.head_dim
+        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)  # [T, heads or kv_heads, head_dim]
+        if layer.q_norm is not None:
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attention.forward(i, q, k, v, meta)  # [T, heads, head_dim]
+        return F.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm: normalize in float32, cast back, then scale by the weight."""
+        if x.dtype == torch.float32:  # the fused op computes exactly this in float32
+            return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+
+class _WeightTable:
+    """HF tensor names -> tensors; tracks which were used so leftovers are reported."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+        self.spec = spec
+        self.tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"model {self.spec.model_dir}: weight {name!r} is missing")
+        self.used.add(name)
+        return self.tensors[name]
+
+    def maybe(self, name: str, wanted: bool) -> torch.Tensor | None:
+        return self.take(name) if wanted else None
+
+    def lm_head(self, embed: torch.Tensor) -> torch.Tensor:
+        if "lm_head.weight" in self.tensors:
+            return self.take("lm_head.weight")
+        if self.spec.tie_word_embeddings:
+            return embed
+        raise ValueError(f"model {self.spec.model_dir}: weight 'lm_head.weight' is missing "
+                         "(and tie_word_embeddings is false)")
+
+    def check_all_used(self) -> None:
+        extra = sorted(set(self.tensors) - self.used)
+        if extra:
+            raise ValueError(f"model {self.spec.model_dir}: unexpected weights {extra[:8]} "
+                             f"({len(extra)} in all) for {self.spec.architecture}")
+
+
+def _layer_weights(spec: ModelSpec, w: _WeightTable, i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    att, mlp = p + "self_attn.", p + "mlp."
+    qkv = [w.take(f"{att}{n}_proj.weight") for n in "qkv"]
+    qkv_bias = [w.take(f"{att}{n}_proj.bias") for n in "qkv"] if spec.qkv_bias else None
+    gate_up = [w.take(f"{mlp}{n}_proj.weight") for n in ("gate", "up")]
+    gate_up_bias = [w.take(f"{mlp}{n}_proj.bias") for n in ("gate", "up")] if spec.mlp_bias else None
+    return LayerWeights(
+        input_norm=w.take(p + "input_layernorm.weight"),
+        qkv=torch.cat(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
+        q_norm=w.maybe(att + "q_norm.weight", spec.qk_norm),
+        k_norm=w.maybe(att + "k_norm.weight", spec.qk_norm),
+        o=w.take(att + "o_proj.weight"), o_bias=w.maybe(att + "o_proj.bias", spec.o_bias),
+        post_norm=w.take(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat(gate_up), gate_up_bias=torch.cat(gate_up_bias) if gate_up_bias else None,
+        down=w.take(mlp + "down_proj.weight"), down_bias=w.maybe(mlp + "down_proj.bias", spec.mlp_bias),
+    )

@@ -1,0 +1,105 @@
+"""The model runner: one forward over a flattened batch of prefill chunks and decode tokens.
+
+The runner owns the model weights and (through the attention backend) reads and writes the KV
+pool that `kvcache.KVCacheManager` allocated; the scheduler hands it `SeqChunk`s that say which
+tokens to compute and where their blocks are (primary slots). Logits come back in chunk order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from server.models.attention import PagedKV, SeqLayout, StepLayout, TorchPagedAttention
+from server.models.llama import LlamaModel
+from server.models.spec import ModelSpec, load_spec
+from server.models.weights import load_tensors, safetensors_files
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]  # new tokens computed this step (a prefill chunk or 1 decode token)
+    num_past: int  # tokens already in the cache; positions start here
+    slot_tables: dict[int, list[int]]  # window -> primary slots of the request's blocks, token order;
+    # covers num_past + len(token_ids) tokens; -1 = released (sliding, out of window)
+    need_logits: bool  # logits of the chunk's last token wanted
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """"auto" -> CUDA when present, else CPU."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA, float32 elsewhere; otherwise a torch dtype name like "float16"."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a floating point torch dtype (or 'auto')")
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
+                 max_num_tokens: int, max_batch_size: int) -> None:
+        self.spec: ModelSpec = load_spec(model_dir)
+        self.device, self.dtype = device, dtype
+        self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
+        _check_kv(self.spec, kv, dtype)
+        self.kv = kv
+        self.attention = TorchPagedAttention(kv, self.spec.num_heads, self.spec.head_dim)
+        tensors = load_tensors(safetensors_files(self.spec.model_dir), dtype=dtype, device=device)
+        self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order."""
+        self._check_limits(chunks)
+        # decode chunks (one token) first: the backend batches them into one attention call
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        token_ids, positions, last_row = [], [], {}
+        for i in order:
+            c = chunks[i]
+            token_ids += c.token_ids
+            positions += range(c.num_past, c.num_past + len(c.token_ids))
+            last_row[i] = len(token_ids) - 1
+        rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        layout = StepLayout([_seq_layout(chunks[i]) for i in order],
+                            num_decode=sum(len(c.token_ids) == 1 for c in chunks))
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        logit_rows = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        meta = self.attention.plan(layout, pos)
+        return self.model.forward(ids, pos, meta, logit_rows)
+
+    def _check_limits(self, chunks: list[SeqChunk]) -> None:
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if not chunks or num_tokens > self.max_num_tokens or len(chunks) > self.max_batch_size:
+            raise ValueError(f"step of {len(chunks)} chunks / {num_tokens} tokens is empty or exceeds "
+                             f"max_batch_size={self.max_batch_size} / max_num_tokens={self.max_num_tokens}")
+        if any(not c.token_ids for c in chunks):
+            raise ValueError("a chunk without tokens")
+
+
+def _seq_layout(chunk: SeqChunk) -> SeqLayout:
+    return SeqLayout(chunk.num_past, len(chunk.token_ids), chunk.slot_tables)
+
+
+def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
+    """The cache must have been laid out for this model (`spec.cache_layout`) in the model's dtype."""
+    for layer in range(spec.num_layers):
+        k, _ = kv.layer_cache(layer)
+        window, wanted = kv.layer_window(layer), spec.layer_windows[layer]
+        bad_window = wanted is not None and window > wanted
+        if tuple(k.shape[2:]) != (spec.num_kv_heads, spec.head_dim) or bad_window or k.dtype != dtype:
+            raise ValueError(f"KV cache layer {layer} ({tuple(k.shape)} {k.dtype}, window {window}) does "
+                             f"not fit model {spec.model_dir} (kv_heads {spec.num_kv_heads}, head_dim "
+                             f"{spec.head_dim}, window {wanted}, dtype {dtype})")

@@ -1,0 +1,177 @@
+"""What the runner needs to know about a model directory, parsed and checked once.
+
+`load_spec(model_dir)` refuses, with a ValueError that names the problem, a directory without
+config.json, weights or tokenizer, an unsupported architecture, activation or rope type.
+transformers' config classes normalize each family (Qwen2's `use_sliding_window` and
+`max_window_layers` -> `layer_types`; `rope_theta` vs `rope_parameters`), so the parse goes
+through `AutoConfig` after a raw check of config.json.
+
+Window semantics are transformers': a query at position p attends keys k with p - window < k <= p.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+if TYPE_CHECKING:
+    from kvcache import CacheLayout
+
+from server.models.weights import safetensors_files, tensor_signature
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq independent of sequence length
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_dir: Path
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    layer_windows: tuple[int | None, ...]  # per layer sliding window in tokens; None = full attention
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm of q and k before RoPE
+    tie_word_embeddings: bool
+    rope_type: str
+    eos_token_ids: tuple[int, ...]  # config.json and generation_config.json, deduplicated
+    bos_token_id: int | None
+    fingerprint: str  # sha256 hex of config.json + tensor names/shapes/dtypes
+    hf_config: PretrainedConfig = field(repr=False, compare=False)  # for transformers' rope functions
+
+    def cache_layout(self, max_seq_len: int, dtype: torch.dtype, device: torch.device | str) -> CacheLayout:
+        """The KV cache this model needs: full attention window max_seq_len,
+        sliding min(window, max_seq_len)."""
+        from kvcache import CacheLayout
+        windows = tuple(max_seq_len if w is None else min(w, max_seq_len) for w in self.layer_windows)
+        return CacheLayout(layer_windows=windows, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           dtype=dtype, device=device, max_seq_len=max_seq_len)
+
+
+def load_spec(model_dir: Path | str) -> ModelSpec:
+    model_dir = Path(model_dir)
+    raw = _read_raw_config(model_dir)
+    architecture = _architecture(raw, model_dir)
+    files = safetensors_files(model_dir)
+    _check_tokenizer(model_dir)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    _check_supported_math(cfg, model_dir)
+    family = architecture.removesuffix("ForCausalLM")
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return ModelSpec(
+        model_dir=model_dir, architecture=architecture,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads, head_dim=_head_dim(cfg),
+        rms_norm_eps=float(cfg.rms_norm_eps), max_position_embeddings=cfg.max_position_embeddings,
+        layer_windows=_layer_windows(cfg, family),
+        qkv_bias=family == "Qwen2" or (family != "Mistral" and attention_bias),
+        o_bias=family in ("Llama", "Qwen3") and attention_bias,
+        mlp_bias=family == "Llama" and bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=family == "Qwen3", tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        rope_type=rope_parameters(cfg).get("rope_type", "default"),
+        eos_token_ids=_eos_ids(raw, model_dir), bos_token_id=raw.get("bos_token_id"),
+        fingerprint=_fingerprint(raw, files), hf_config=cfg,
+    )
+
+
+def rope_parameters(cfg: PretrainedConfig) -> dict:
+    """The rope dict: `rope_parameters` (transformers 5.x), else built from `rope_theta`/`rope_scaling`."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(cfg, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return params
+
+
+def _read_raw_config(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise ValueError(f"model {model_dir}: no such directory")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model {model_dir}: config.json is missing")
+    return json.loads(path.read_text())
+
+
+def _architecture(raw: dict, model_dir: Path) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"model {model_dir}: unsupported architecture {archs} "
+                     f"(supported: {SUPPORTED_ARCHITECTURES})")
+
+
+def _check_tokenizer(model_dir: Path) -> None:
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"model {model_dir}: no tokenizer (none of {_TOKENIZER_FILES})")
+
+
+def _check_supported_math(cfg: PretrainedConfig, model_dir: Path) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"model {model_dir}: unsupported hidden_act {act!r} (only 'silu')")
+    rope = rope_parameters(cfg)
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        raise ValueError(f"model {model_dir}: unsupported rope_type {rope.get('rope_type')!r} "
+                         f"(supported: {STATIC_ROPE_TYPES})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        factor = rope["partial_rotary_factor"]
+        raise ValueError(f"model {model_dir}: unsupported partial_rotary_factor {factor}")
+
+
+def _head_dim(cfg: PretrainedConfig) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]:
+    """Per layer window as transformers' modeling code applies it (None = full attention)."""
+    n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
+    if family == "Mistral":  # Mistral applies `sliding_window` to every layer and ignores layer_types
+        return (window,) * n
+    if family == "Llama":
+        return (None,) * n
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # Qwen2/Qwen3 configs from versions without layer_types
+        use = getattr(cfg, "use_sliding_window", False)
+        first = getattr(cfg, "max_window_layers", n)
+        types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n)]
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    sources = [raw] + ([json.loads(gen_path.read_text())] if gen_path.is_file() else [])
+    for source in sources:
+        value = source.get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def _fingerprint(raw: dict, files: list[Path]) -> str:
+    """sha256 of the config (minus the writer's version) and every tensor's name, dtype and shape."""
+    config = {k: v for k, v in raw.items() if k != "transformers_version"}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    h.update(json.dumps(tensor_signature(files)).encode())
+    return h.hexdigest()
