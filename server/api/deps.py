@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError
 from server.metrics import ServerMetrics
 from server.types import EngineClient
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """Parse the body as JSON into `model` whatever the Content-Type (`curl -d` sends a form type)."""
+
+    async def parse(request: Request) -> M:
+        raw = await request.body()
+        if not raw.strip():
+            raise APIError(400, "the request body is empty: send a JSON object")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
+
+    return parse
 
 
 def get_engine(request: Request) -> EngineClient:

@@ -71,7 +71,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('msg')}", None
+        return f"malformed JSON body: {str(first.get('msg')).removeprefix('Invalid JSON: ')}", None
     field = _field_name(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = f"'{field}'" if field else "request body"

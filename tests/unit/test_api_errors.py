@@ -57,12 +57,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop", "a string or a list of strings"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "Field required"),
-    ("/v1/completions", [1, 2], 400, None, "valid dictionary"),
+    ("/v1/completions", [1, 2], 400, None, "request body: Input should be an object"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model 'gpt-4' does not exist"),
     ("/v1/completions", {"prompt": "hi", "disaggregated_params": {"request_type": "sometimes"}}, 400,
      "disaggregated_params.request_type", "context_only"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "valid list"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "valid array"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages.0.role", "Field required"),
     ("/v1/chat/completions", chat("x" * 200), 400, "messages", "maximum context length is 128"),
     ("/v1/chat/completions", chat(max_completion_tokens=0), 400, "max_completion_tokens", "equal to 1"),
@@ -108,14 +108,28 @@ def test_bad_request_when_streaming_is_still_a_json_error(client, engine, stream
     assert_serves(client, engine)
 
 
-@pytest.mark.parametrize("raw", [b"{bad json", b"", b'{"prompt": "hi",}'])
-def test_malformed_json_is_400(client, engine, raw):
+MALFORMED = [
+    (b"{bad json", "malformed JSON body: key must be a string at line 1 column 2"),
+    (b'{"prompt": "hi",}', "malformed JSON body: trailing comma at line 1 column 17"),
+    (b"", "the request body is empty: send a JSON object"),
+    (b"null", "request body: Input should be an object"),
+]
+
+
+@pytest.mark.parametrize(("raw", "message"), MALFORMED)
+def test_malformed_json_is_400(client, engine, raw, message):
     response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error"
-    assert error["message"].startswith(("malformed JSON body", "request body")), error["message"]
+    assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": None}}
     assert_serves(client, engine)
+
+
+def test_json_body_is_parsed_whatever_the_content_type(client, engine):
+    response = client.post("/v1/completions", content=b'{"prompt": "hello", "max_tokens": 3}',
+                           headers={"content-type": "application/x-www-form-urlencoded"})  # curl -d
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == engine.expected_text(engine.tokenizer.encode("hello"), 3)
 
 
 def test_unknown_route_and_wrong_method(client, engine):

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from server.api.deps import get_ready_engine
+from server.api.deps import get_ready_engine, json_body
 from server.api.formatting import ChatFormatter
 from server.api.generation import respond_json, respond_stream
 from server.api.prompts import build_request, new_request_id
@@ -15,11 +15,12 @@ from server.api.protocol import ChatCompletionRequest
 from server.types import EngineClient
 
 router = APIRouter()
+Body = Annotated[ChatCompletionRequest, Depends(json_body(ChatCompletionRequest))]
+ReadyEngine = Annotated[EngineClient, Depends(get_ready_engine)]
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> Response:
+async def create_chat_completion(body: Body, request: Request, engine: ReadyEngine) -> Response:
     request_id = new_request_id("chatcmpl")
     gen = build_request(body, engine, request_id)
     fmt = ChatFormatter(request_id, engine.model_name, include_usage=body.include_usage)
