@@ -139,12 +139,12 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
     except BaseException:
         await stream.close()
         raise
-    if not done or failed(first):
-        await stream.close()
-        if not done:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        raise output_error(first)
-    return SSEResponse(stream, first, fmt)
+    if done and not failed(first):
+        return SSEResponse(stream, first, fmt)  # it closes the stream when the exchange ends
+    await stream.close()
+    if not done:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    raise output_error(first)
 
 
 class SSEResponse(Response):
