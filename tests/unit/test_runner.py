@@ -1,0 +1,264 @@
+"""The runner against transformers, token for token (float32, CPU), for every supported family.
+
+Each family is a deterministic tiny model; the reference is transformers on the same directory.
+The KV cache is the real `kvcache.KVCacheManager`: requests are admitted, their slot tables read
+back, and blocks that leave a sliding window are released (-1 in the table) as the engine does.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hf_reference
+import pytest
+import torch
+
+from server.models.builtin import build_tiny_model, materialize_builtin
+from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_dtype
+
+TPB = 16
+MAX_SEQ_LEN = 512
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral-sliding": ("mistral", {"sliding_window": 24}),
+    "qwen2-bias-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 24,
+                                     "max_window_layers": 2}),
+    "qwen3-qknorm": ("qwen3", {}),
+    "llama-tied-bias": ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+    "tiny-qwen3-swa": None,  # the built-in model: window 64, sliding and full layers
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runner")
+    dirs = {}
+    for name, recipe in FAMILIES.items():
+        if recipe is None:
+            dirs[name] = materialize_builtin(name, root=root)
+        else:
+            dirs[name] = build_tiny_model(root / name, recipe[0], **recipe[1])
+    return dirs
+
+
+class StandInKV:
+    """Stand-in for kvcache.KVCacheManager until it lands: same members, random slot assignment."""
+
+    def __init__(self, layer_windows: list[int], kv_heads: int, head_dim: int, num_slots: int) -> None:
+        self.tokens_per_block = TPB
+        self.window_sizes = tuple(sorted(set(layer_windows)))
+        self._windows = layer_windows
+        self._index = [layer_windows[:i].count(w) for i, w in enumerate(layer_windows)]
+        self.pools = {w: torch.zeros(num_slots, layer_windows.count(w), 2, TPB, kv_heads, head_dim)
+                      for w in self.window_sizes}
+        self._free = {w: random.Random(w).sample(range(num_slots), num_slots) for w in self.window_sizes}
+        self._tables: dict[tuple[str, int], list[int]] = {}
+
+    def layer_window(self, layer: int) -> int:
+        return self._windows[layer]
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.pools[self._windows[layer]]
+        return pool[:, self._index[layer], 0], pool[:, self._index[layer], 1]
+
+    def admit(self, rid: str, token_ids: list[int], *, num_tokens: int | None = None) -> int:
+        blocks = -(-(num_tokens or len(token_ids)) // TPB)
+        for w in self.window_sizes:
+            self._tables[rid, w] = [self._free[w].pop() for _ in range(blocks)]
+        return 0
+
+    def slot_table(self, rid: str, window: int) -> list[int]:
+        return list(self._tables[rid, window])
+
+    def release_out_of_window(self, rid: str, num_computed: int) -> None:
+        for w in self.window_sizes:
+            table = self._tables[rid, w]
+            for b in range(len(table)):
+                if w < MAX_SEQ_LEN and (b + 1) * TPB - 1 <= num_computed - w:
+                    table[b] = -1
+
+
+KVCacheManager = StandInKV
+
+
+def make_runner(model_dir: Path, *, max_tokens: int = 4096, max_num_tokens: int = 512,
+                max_batch_size: int = 8) -> tuple[ModelRunner, StandInKV]:
+    from server.models.spec import load_spec
+
+    spec = load_spec(model_dir)
+    windows = [MAX_SEQ_LEN if w is None else min(w, MAX_SEQ_LEN) for w in spec.layer_windows]
+    kv = StandInKV(windows, spec.num_kv_heads, spec.head_dim, max_tokens // TPB)
+    runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"),
+                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+    return runner, kv
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 512) for _ in range(length)]
+
+
+def greedy(logits: torch.Tensor, eos_ids: tuple[int, ...]) -> list[int]:
+    """argmax with EOS masked, as HF's min_new_tokens does."""
+    masked = logits.clone()
+    masked[:, list(eos_ids)] = float("-inf")
+    return masked.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_logits_match_hf(model_dirs: dict[str, Path], family: str) -> None:
+    model_dir = model_dirs[family]
+    runner, kv = make_runner(model_dir)
+    ids = prompt(150, seed=1)  # longer than every sliding window here (24, 64)
+    ref = hf_reference.hf_logits(model_dir, ids)  # [150, vocab]
+    kv.admit("r", ids)
+    past, diffs = 0, []
+    for size in (1, 1, 37, 50, 61):  # single tokens (decode path), then chunks across blocks
+        chunk = SeqChunk(ids[past:past + size], past, _tables(kv, "r"), need_logits=True)
+        logits = runner.execute([chunk])
+        past += size
+        assert logits.shape == (1, 512) and logits.dtype == torch.float32
+        diffs.append((logits[0] - ref[past - 1]).abs().max().item())
+        kv.release_out_of_window("r", past)
+    assert max(diffs) < 1e-4, diffs
+
+
+def _tables(kv: KVCacheManager, rid: str) -> dict[int, list[int]]:
+    return {w: kv.slot_table(rid, w) for w in kv.window_sizes}
+
+
+@dataclass
+class _Seq:
+    rid: str
+    prompt: list[int]
+    start_step: int
+    out: list[int] = field(default_factory=list)
+    computed: int = 0
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+
+def _schedule(seqs: list[_Seq], step: int, sizes: list[int]) -> list[tuple[_Seq, SeqChunk]]:
+    """Every live sequence gets a chunk: the next prefill piece (size cycling) or one decode token.
+    Prefill chunks are listed before decode tokens so the runner must restore chunk order."""
+    plan = []
+    for s in seqs:
+        if step < s.start_step or len(s.out) == 16:
+            continue
+        todo = len(s.prompt) - s.computed
+        n = min(todo, sizes[(step + len(s.prompt)) % len(sizes)]) if todo > 0 else 1
+        plan.append((s, n))
+    plan.sort(key=lambda sn: sn[1] == 1)
+    return [(s, SeqChunk(s.tokens()[s.computed:s.computed + n], s.computed, {},
+                         need_logits=s.computed + n >= len(s.prompt))) for s, n in plan]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_mixed_batches_match_hf_generate(model_dirs: dict[str, Path], family: str) -> None:
+    model_dir = model_dirs[family]
+    runner, kv = make_runner(model_dir, max_num_tokens=128)
+    seqs = [_Seq("a", prompt(9, 2), 0), _Seq("b", prompt(150, 3), 0), _Seq("c", prompt(70, 4), 3)]
+    eos = runner.spec.eos_token_ids
+    mixed_steps = 0
+    for step in range(80):
+        plan = _schedule(seqs, step, sizes=[7, 29, 16, 50])
+        if not plan:
+            break
+        for s, chunk in plan:
+            if s.computed == 0:
+                kv.admit(s.rid, s.prompt, num_tokens=len(s.prompt) + 16)
+            chunk.slot_tables = _tables(kv, s.rid)
+        mixed_steps += len({len(c.token_ids) == 1 for _, c in plan}) == 2
+        logits = runner.execute([c for _, c in plan])
+        sampled = iter(greedy(logits, eos))
+        for s, chunk in plan:
+            s.computed += len(chunk.token_ids)
+            if chunk.need_logits:
+                s.out.append(next(sampled))
+            kv.release_out_of_window(s.rid, s.computed)
+    assert mixed_steps >= 3
+    for s in seqs:
+        assert s.out == hf_reference.hf_greedy(model_dir, s.prompt, 16), s.rid
+
+
+def _prefilled(model_dir: Path, length: int) -> tuple[ModelRunner, StandInKV, list[int]]:
+    runner, kv = make_runner(model_dir)
+    ids = prompt(length, seed=5)
+    kv.admit("r", ids, num_tokens=length + 1)
+    runner.execute([SeqChunk(ids, 0, _tables(kv, "r"), need_logits=True)])
+    return runner, kv, ids
+
+
+def test_corrupt_block_changes_output_and_out_of_window_block_does_not(model_dirs: dict[str, Path]) -> None:
+    """Negative control: the output reads the cache. Corrupting a full-attention block moves the
+    logits; corrupting a sliding-window block that is out of the window (still in the table) cannot."""
+    runner, kv, ids = _prefilled(model_dirs["tiny-qwen3-swa"], 150)
+    tables = _tables(kv, "r")
+    decode = SeqChunk([7], 150, tables, need_logits=True)
+    clean = runner.execute([decode])
+    assert torch.equal(runner.execute([decode]), clean)  # rewriting the same token is idempotent
+    sliding_pool, full_pool = kv.pools[64], kv.pools[MAX_SEQ_LEN]
+    sliding_pool[tables[64][0]].normal_()  # block 0 (tokens 0..15) is out of the window of position 150
+    assert torch.equal(runner.execute([decode]), clean)
+    full_pool[tables[MAX_SEQ_LEN][0]].normal_()
+    corrupted = runner.execute([decode])
+    assert (corrupted - clean).abs().max().item() > 0.1
+
+
+def test_step_validation_errors(model_dirs: dict[str, Path]) -> None:
+    runner, kv = make_runner(model_dirs["tiny-qwen3-swa"], max_num_tokens=64, max_batch_size=2)
+    kv.admit("r", prompt(100, 6))
+    tables = _tables(kv, "r")
+    with pytest.raises(ValueError, match="exceeds max_batch_size=2 / max_num_tokens=64"):
+        runner.execute([SeqChunk(prompt(65, 7), 0, tables, True)])
+    with pytest.raises(ValueError, match="exceeds max_batch_size=2"):
+        runner.execute([SeqChunk([5], 0, tables, True)] * 3)
+    with pytest.raises(ValueError, match="empty"):
+        runner.execute([])
+    with pytest.raises(ValueError, match="a chunk without tokens"):
+        runner.execute([SeqChunk([], 0, tables, True)])
+    released = {**tables, 64: [-1] + tables[64][1:]}  # block 0 released, but position 40 still sees it
+    with pytest.raises(ValueError, match=r"slot table of window 64 lacks blocks 0\.\.2"):
+        runner.execute([SeqChunk([5], 40, released, True)])
+    short = {**tables, MAX_SEQ_LEN: tables[MAX_SEQ_LEN][:1]}
+    with pytest.raises(ValueError, match=f"slot table of window {MAX_SEQ_LEN} lacks blocks 0..1"):
+        runner.execute([SeqChunk(prompt(20, 8), 0, short, True)])
+
+
+def test_kv_layout_must_fit_the_model(model_dirs: dict[str, Path]) -> None:
+    full_windows = StandInKV([MAX_SEQ_LEN] * 4, 2, 32, 8)  # swa model needs window 64 on layers 0 and 2
+    with pytest.raises(ValueError, match="KV cache layer 0 .* window 512\\) does not fit"):
+        ModelRunner(model_dirs["tiny-qwen3-swa"], full_windows, dtype=torch.float32,
+                    device=torch.device("cpu"), max_num_tokens=8, max_batch_size=1)
+    wrong_heads = StandInKV([MAX_SEQ_LEN] * 4, 4, 32, 8)
+    with pytest.raises(ValueError, match="kv_heads 2, head_dim 32"):
+        ModelRunner(model_dirs["llama"], wrong_heads, dtype=torch.float32, device=torch.device("cpu"),
+                    max_num_tokens=8, max_batch_size=1)
+
+
+def test_logits_only_for_chunks_that_want_them(model_dirs: dict[str, Path]) -> None:
+    runner, kv = make_runner(model_dirs["llama"])
+    ids = prompt(40, 9)
+    kv.admit("r", ids)
+    assert runner.execute([SeqChunk(ids[:20], 0, _tables(kv, "r"), need_logits=False)]).shape == (0, 512)
+    last = runner.execute([SeqChunk(ids[20:], 20, _tables(kv, "r"), need_logits=True)])
+    ref = hf_reference.hf_logits(model_dirs["llama"], ids)[-1]
+    assert (last[0] - ref).abs().max().item() < 1e-4
+
+
+def test_resolve_dtype_and_device() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", cpu) == torch.float16
+    assert resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="'int8' is not a floating point torch dtype"):
+        resolve_dtype("int8", cpu)
+    assert resolve_device("cpu") == cpu
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
