@@ -1,4 +1,4 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: serve (one engine), router, launch (a whole deployment)."""
 
 from __future__ import annotations
 
@@ -20,18 +20,94 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve LLMs with disaggregated prefill and decode.",
     )
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run one engine server (OpenAI API)")
+    serve.add_argument("model", nargs="?", help="builtin:tiny-llama or a Hugging Face model directory")
+    serve.add_argument("--config", help="server YAML (model, hostname, port, kv_cache_config, limits)")
+    serve.add_argument("--role", default="aggregated", choices=["aggregated", "context", "generation"])
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    serve.add_argument("--max-seq-len", type=int, default=None)
+    serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument("--max-num-tokens", type=int, default=None)
+    serve.add_argument("--dtype", default=None)
+    serve.add_argument("--device", default=None)
+    router = commands.add_parser("router", help="run the router of a deployment YAML")
+    router.add_argument("--config", required=True, help="deployment YAML")
+    launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
+    launch.add_argument("config", help="deployment YAML (see configs/)")
+    launch.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.config import ConfigError, load_server_config, server_config_from_dict
+    from server.serve import serve
+
+    overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
+                 "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
+                 "dtype": args.dtype, "device": args.device}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        if args.config:
+            cfg = load_server_config(args.config, args.role)
+            if overrides or args.model:
+                raise ConfigError("--config cannot be combined with a model or option flags")
+        elif args.model:
+            cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", args.role)
+        else:
+            raise ConfigError("give a model (e.g. builtin:tiny-llama) or --config FILE")
+    except ConfigError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(cfg)
+
+
+def _router(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from server.config import ConfigError, load_deployment
+    from server.router.app import RouterSettings, create_router_app
+
+    try:
+        cfg = load_deployment(args.config)
+    except ConfigError as exc:
+        print(f"pdserve router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
+    settings = RouterSettings(
+        context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
+        generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
+        policy=cfg.router_type, model=cfg.model)
+    uvicorn.run(create_router_app(settings), host=cfg.host, port=cfg.port, log_level="warning",
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.config import ConfigError
+    from server.launcher import LaunchOptions, launch
+
+    try:
+        return launch(args.config, LaunchOptions(log_dir=Path(args.log_dir) if args.log_dir else None))
+    except ConfigError as exc:
+        print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handlers = {"serve": _serve, "router": _router, "launch": _launch}
     if args.command is None:
         parser.print_help()
         return 0
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

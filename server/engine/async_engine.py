@@ -17,12 +17,15 @@ from server.types import GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.02  # how long the idle engine thread sleeps between ticks (leases are reaped every tick)
-
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, model_name: str, max_seq_len: int) -> None:
-        self.core = core
+    """`build_core` runs on the engine thread (which then owns every tensor); until it returns,
+    `is_ready()` is False and the HTTP layer answers 503."""
+
+    def __init__(self, build_core: Callable[[], EngineCore], model_name: str, max_seq_len: int) -> None:
+        self._build_core = build_core
+        self.core: EngineCore | None = None
+        self.load_error: BaseException | None = None
         self.model_name = model_name
         self.max_seq_len = max_seq_len
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -37,7 +40,7 @@ class AsyncEngine:
         return self.core.tokenizer
 
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.core is not None and self._thread is not None and self._thread.is_alive()
 
     def add_tick_hook(self, hook: Callable[[EngineCore], None]) -> None:
         """Run `hook(core)` on the engine thread after every tick (e.g. metrics snapshots)."""
@@ -76,8 +79,14 @@ class AsyncEngine:
 
     # ---- engine thread
     def _run(self) -> None:
+        try:
+            self.core = self._build_core()
+        except BaseException as exc:
+            log.exception("engine failed to load")
+            self.load_error = exc
+            return
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.core.has_work())
+            self._drain_inbox(self.core.idle_wait_s())
             try:
                 outputs = self.core.step()
             except Exception as exc:  # a broken step must not kill the server: fail what was in flight
@@ -88,9 +97,9 @@ class AsyncEngine:
             for hook in self._on_tick:
                 hook(self.core)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, wait_s: float) -> None:
         try:
-            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

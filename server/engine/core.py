@@ -16,6 +16,10 @@ from server.models.runner import ModelRunner, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
 
 
+IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
+BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
+
+
 class DisaggHooks(Protocol):
     """What the disaggregated roles add to the engine step (see server/engine/disagg.py)."""
 
@@ -42,6 +46,7 @@ class EngineCore:
         self.disagg = disagg
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
 
     # ---- receive
@@ -66,10 +71,18 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.disagg is not None and self.disagg.busy())
 
+    def idle_wait_s(self) -> float:
+        """How long the loop may sleep before the next tick: not at all after a productive step,
+        briefly while transfers or blocked requests are pending, longer when there is nothing."""
+        if self.did_work:
+            return 0.0
+        return BUSY_WAIT_S if self.has_work() else IDLE_WAIT_S
+
     # ---- the step
     def step(self) -> list[RequestOutput]:
         outputs = self.disagg.step(self) if self.disagg is not None else []
         plan = self.scheduler.schedule()
+        self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected)
         for request in plan.rejected:
             self._release_remote(request)
             outputs.append(self._output(request, []))

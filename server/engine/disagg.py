@@ -41,7 +41,7 @@ class ContextRole:
         return None
 
     def busy(self) -> bool:
-        return False
+        return self.sender.busy or self.sender.num_leases > 0
 
 
 class GenerationRole:

@@ -1,0 +1,111 @@
+"""`pdserve serve`: build one engine process (aggregated, context or generation) and serve HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+
+from kvcache import KVCacheManager
+from server.api.app import create_app
+from server.config import ServerConfig
+from server.engine.async_engine import AsyncEngine
+from server.engine.core import EngineCore
+from server.engine.disagg import ContextRole, GenerationRole
+from server.engine.scheduler import SchedulerConfig
+from server.kv_routes import install_kv_routes
+from server.metrics import ServerMetrics
+from server.models.builtin import resolve_model
+from server.models.runner import ModelRunner, resolve_device, resolve_dtype
+from server.models.spec import load_spec
+from server.telemetry import TelemetryBridge
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver
+from transceiver.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+
+def build_core(cfg: ServerConfig, metrics: ServerMetrics) -> EngineCore:
+    """Everything tensor-owning is made here, on the engine thread."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(cfg.model)
+    spec = load_spec(model_dir)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
+                        salt=spec.fingerprint)
+    runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
+                         max_batch_size=cfg.max_batch_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    limits = SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len)
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint))
+    log.info("engine ready: %s on %s/%s, KV windows %s, %s primary blocks", model_dir, device, dtype,
+             kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes])
+    return core
+
+
+def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str):
+    if cfg.role == "aggregated":
+        return None
+    transceiver = TransceiverConfig.from_dict(cfg.cache_transceiver, "cache_transceiver_config")
+    if cfg.role == "context":
+        return ContextRole(KVSender(kv, transceiver, fingerprint), kv)
+    return GenerationRole(KVReceiver(kv, transceiver, fingerprint), kv)
+
+
+def make_app(cfg: ServerConfig, on_fatal=None):
+    """The server's app. `on_fatal()` is called if the engine cannot load (the process should exit)."""
+    metrics = ServerMetrics()
+    telemetry = TelemetryBridge(metrics)
+
+    @asynccontextmanager
+    async def engine_factory() -> AsyncIterator[AsyncEngine]:
+        engine = AsyncEngine(lambda: build_core(cfg, metrics), served_name(cfg.model), cfg.max_seq_len)
+        engine.add_tick_hook(telemetry.on_tick)
+        engine.start()
+        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
+        try:
+            yield engine
+        finally:
+            watcher.cancel()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = create_app(engine_factory, metrics=metrics)
+    app.state.telemetry = telemetry
+    metrics.set_stats_provider(telemetry.kv_stats)
+    install_kv_routes(app)
+    return app
+
+
+async def _watch_load(engine: AsyncEngine, on_fatal) -> None:
+    """A model that cannot load ends the process (the launcher reports the exit code and log)."""
+    while engine.load_error is None:
+        await asyncio.sleep(0.2)
+    log.error("exiting: the engine could not start: %s", engine.load_error)
+    if on_fatal is not None:
+        on_fatal()
+
+
+def served_name(model: str) -> str:
+    return model if model.startswith("builtin:") else Path(model).name
+
+
+def serve(cfg: ServerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failed = []
+
+    def on_fatal() -> None:
+        failed.append(True)
+        server.should_exit = True
+
+    config = uvicorn.Config(make_app(cfg, on_fatal), host=cfg.host, port=cfg.port, log_level="warning",
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if failed else 0

@@ -1,0 +1,77 @@
+"""Feeds the Prometheus metrics from the engine thread.
+
+The engine thread owns the KV manager and the transceiver, so their counters are read there, on
+each tick (rate-limited), and published as immutable snapshots the HTTP thread reads at scrape
+time. Transfer counters are forwarded as deltas.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from server.metrics import ServerMetrics
+
+SNAPSHOT_INTERVAL_S = 0.1
+HASHES_INTERVAL_S = 0.5
+
+
+@dataclass
+class _Seen:
+    failures: dict[str, int] = field(default_factory=dict)
+    lease_expired: int = 0
+    rejected: int = 0
+
+
+class TelemetryBridge:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._kv_stats = None
+        self.hashes: dict = {"salt": "", "tokens_per_block": 0, "hashes": []}
+        self._last = 0.0
+        self._last_hashes = 0.0
+        self._seen: dict[int, _Seen] = {}
+        self._hooked: set[int] = set()
+
+    def kv_stats(self):
+        return self._kv_stats
+
+    def on_tick(self, core) -> None:
+        now = time.monotonic()
+        if now - self._last < SNAPSHOT_INTERVAL_S:
+            return
+        self._last = now
+        self._kv_stats = core.kv.stats()
+        self.metrics.set_request_counts(core.scheduler.counts())
+        for stats in _transfer_stats(core):
+            self._forward_transfer(stats)
+        if now - self._last_hashes >= HASHES_INTERVAL_S:
+            self._last_hashes = now
+            self.hashes = {"salt": core.kv.salt, "tokens_per_block": core.kv.tokens_per_block,
+                           "hashes": [h.hex() for h in core.kv.cached_block_hashes()]}
+
+    def _forward_transfer(self, stats) -> None:
+        key = id(stats)
+        if key not in self._hooked:  # histogram samples arrive as they happen (engine thread)
+            stats.on_transfer = lambda seconds, nbytes: self.metrics.observe_transfer(nbytes, seconds)
+            self._hooked.add(key)
+        seen = self._seen.setdefault(key, _Seen())
+        for reason, count in list(stats.failures_by_reason.items()):
+            delta = count - seen.failures.get(reason, 0)
+            for _ in range(delta):
+                self.metrics.add_transfer_failure(reason)
+            seen.failures[reason] = count
+        if stats.lease_expired > seen.lease_expired:
+            self.metrics.add_lease_expired(stats.lease_expired - seen.lease_expired)
+            seen.lease_expired = stats.lease_expired
+        if stats.rejected_messages > seen.rejected:
+            self.metrics.add_rejected_message(stats.rejected_messages - seen.rejected)
+            seen.rejected = stats.rejected_messages
+
+
+def _transfer_stats(core) -> list:
+    role = core.disagg
+    if role is None:
+        return []
+    endpoint = getattr(role, "sender", None) or getattr(role, "receiver", None)
+    return [endpoint.stats]
