@@ -1,0 +1,79 @@
+"""Builds an in-process EngineCore on a real model directory and runs requests to completion.
+
+Shared by engine tests (imported as `import engine_harness`, like `hf_reference`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer
+
+from kvcache import KvCacheConfig, KVCacheManager
+from server.engine.core import EngineCore
+from server.engine.scheduler import SchedulerConfig
+from server.models.builtin import resolve_model
+from server.models.runner import ModelRunner
+from server.models.spec import load_spec
+from server.types import GenerateRequest, RequestOutput, SamplingParams
+
+_ids = itertools.count()
+
+
+def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
+              max_num_tokens: int = 256, max_batch_size: int = 16, disagg=None) -> EngineCore:
+    model_dir = resolve_model(model)
+    spec = load_spec(model_dir)
+    kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
+    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, "cpu"),
+                             salt=spec.fingerprint)
+    runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device("cpu"),
+                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
+    return EngineCore(runner, manager, limits, tokenizer, disagg=disagg)
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    """Greedy with EOS masked for max_tokens tokens: the same rule as hf_reference.hf_greedy."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, min_tokens=max_tokens, **extra)
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    final: RequestOutput | None = None
+
+
+def submit(core: EngineCore, prompt: list[int], params: SamplingParams, **kwargs) -> str:
+    request_id = f"req-{next(_ids)}"
+    core.add_request(GenerateRequest(request_id, list(prompt), params, **kwargs))
+    return request_id
+
+
+def run_to_completion(core: EngineCore, request_ids: list[str], max_steps: int = 5000) -> dict[str, Result]:
+    results = {rid: Result() for rid in request_ids}
+    for _ in range(max_steps):
+        for output in core.step():
+            result = results.setdefault(output.request_id, Result())
+            result.token_ids += output.new_token_ids
+            result.text += output.new_text
+            if output.finished:
+                result.final = output
+        if all(r.final is not None for r in results.values()) and not core.has_work():
+            return results
+    raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")
+
+
+def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[Result]:
+    ids = [submit(core, p, params) for p in prompts]
+    results = run_to_completion(core, ids)
+    return [results[i] for i in ids]
+
+
+def blocks_in_use(kv: KVCacheManager) -> int:
+    """Blocks referenced by a request or pinned, over every window group and level."""
+    return sum(n for (_, _, state), n in kv.stats().blocks.items() if state == "in_use")
