@@ -27,6 +27,16 @@ class SeqChunk:
     need_logits: bool  # logits of the chunk's last token wanted
 
 
+@dataclass
+class StepInputs:
+    """One step's device inputs, flattened with decode tokens first."""
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    logit_rows: torch.Tensor  # [N] int64, rows whose logits are returned, in chunk order
+    attn_meta: object  # the attention backend's plan, shared by all layers
+
+
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """"auto" -> CUDA when present, else CPU."""
     if str(name) == "auto":
@@ -61,8 +71,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order."""
+        return self.forward(self.prepare(chunks))
+
+    def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
+        """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,
+        and let the attention backend build its metadata once for all layers."""
         self._check_limits(chunks)
-        # decode chunks (one token) first: the backend batches them into one attention call
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         token_ids, positions, last_row = [], [], {}
         for i in order:
@@ -73,12 +87,14 @@ class ModelRunner:
         rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         layout = StepLayout([_seq_layout(chunks[i]) for i in order],
                             num_decode=sum(len(c.token_ids) == 1 for c in chunks))
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        logit_rows = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        meta = self.attention.plan(layout, pos)
-        return self.model.forward(ids, pos, meta, logit_rows)
+        pos = _to_device(positions, self.device)
+        return StepInputs(_to_device(token_ids, self.device), pos, _to_device(rows, self.device),
+                          self.attention.plan(layout, pos))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Device work of a step: no host synchronisation in here."""
+        return self.model.forward(inputs.token_ids, inputs.positions, inputs.attn_meta, inputs.logit_rows)
 
     def _check_limits(self, chunks: list[SeqChunk]) -> None:
         num_tokens = sum(len(c.token_ids) for c in chunks)
@@ -87,6 +103,10 @@ class ModelRunner:
                              f"max_batch_size={self.max_batch_size} / max_num_tokens={self.max_num_tokens}")
         if any(not c.token_ids for c in chunks):
             raise ValueError("a chunk without tokens")
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _seq_layout(chunk: SeqChunk) -> SeqLayout:
