@@ -1,0 +1,67 @@
+"""One KV block: a stable logical id plus a current (level, slot). Pure Python, no torch.
+
+A block holds `tokens_per_block` tokens of K and V for every layer of one window group. Its id never
+changes; offload and onboard move it between levels and change its slot (so id != slot after that).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class Level(enum.IntEnum):
+    PRIMARY = 0  # the device pool (GPU; CPU on machines without one)
+    SECONDARY = 1  # the host pool (pinned when CUDA is present)
+
+
+class CopyOp(NamedTuple):
+    """Copy one whole slot: (src_level, src_slot) -> (dst_level, dst_slot). Executed by the pool."""
+
+    src_level: Level
+    src_slot: int
+    dst_level: Level
+    dst_slot: int
+
+
+class Block:
+    """State of one block. Only `BlockManager` mutates it.
+
+    States (per level): free (in the free list, not in the tree, unreferenced), cached (in the reuse
+    tree, ref == pins == 0), in use (ref + pins > 0; always PRIMARY between public calls).
+    `busy` == in use or some primary descendant in the tree is in use; a primary block that is in the
+    tree and not busy can be reclaimed by evicting leaves.
+    """
+
+    __slots__ = ("id", "level", "slot", "ref", "pins", "holds", "hash", "parent", "children", "tokens",
+                 "priority", "tick", "busy", "busy_children", "primary_children", "queue_seq")
+
+    def __init__(self, block_id: int, level: Level, slot: int) -> None:
+        self.id = block_id
+        self.level = level
+        self.slot = slot
+        self.ref = 0  # number of request references
+        self.pins = 0  # pins (transfers, leases); count as references
+        self.holds = 0  # transient guards inside one public call; 0 between calls
+        self.hash: bytes | None = None  # set while the block is in the reuse tree
+        self.parent: Block | None = None  # tree parent (None: a root child, or not in the tree)
+        self.children: dict[int, Block] = {}  # tree children by block id
+        self.tokens: tuple[int, ...] = ()  # the block's token ids while in the tree (partial reuse)
+        self.priority = 35  # retention priority 0..100 (TensorRT-LLM's default 35)
+        self.tick = 0  # last-use time, for LRU within a priority
+        self.busy = False
+        self.busy_children = 0  # children whose `busy` is True (they are all PRIMARY)
+        self.primary_children = 0  # children at the PRIMARY level
+        self.queue_seq = -1  # sequence number of this block's live eviction-queue entry, -1 if none
+
+    @property
+    def in_use(self) -> bool:
+        return self.ref + self.pins > 0
+
+    @property
+    def in_tree(self) -> bool:
+        return self.hash is not None
+
+    def __repr__(self) -> str:
+        return (f"Block(id={self.id}, {self.level.name.lower()}:{self.slot}, ref={self.ref}, "
+                f"pins={self.pins}, cached={self.in_tree})")

@@ -1,0 +1,55 @@
+"""One window group: the layers sharing an attention window, their block manager and pools."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.block import Level
+from kvcache.block_manager import BlockManager
+from kvcache.config import CacheLayout, KvCacheConfig
+from kvcache.errors import KVCacheError
+from kvcache.pool import GroupPools
+from kvcache.stats import KVCacheStats
+
+
+def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
+    """Primary capacity in tokens per window group: config.max_tokens; else on CUDA
+    free_gpu_memory_fraction of the free memory over bytes_per_token (all layers); else (CPU)
+    8 * max_seq_len."""
+    if config.max_tokens is not None:
+        return config.max_tokens
+    if layout.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(layout.device)
+        tokens = int(config.free_gpu_memory_fraction * free) // layout.bytes_per_token()
+        if tokens < config.tokens_per_block:
+            raise KVCacheError(f"free GPU memory ({free} B) x free_gpu_memory_fraction="
+                               f"{config.free_gpu_memory_fraction} holds less than one block")
+        return tokens
+    return 8 * layout.max_seq_len
+
+
+class WindowGroup:
+    def __init__(self, config: KvCacheConfig, layout: CacheLayout, window: int, num_primary: int,
+                 num_secondary: int) -> None:
+        self.window = window
+        self.layers = tuple(i for i, w in enumerate(layout.layer_windows) if w == window)  # ascending
+        self.bm = BlockManager(num_primary, num_secondary,
+                               offload_min_priority=config.secondary_offload_min_priority)
+        self.pools = GroupPools(layout, config.tokens_per_block, len(self.layers), num_primary, num_secondary)
+
+    def add_stats(self, s: KVCacheStats) -> None:
+        """Add this group's counters and block counts to `s` (O(1))."""
+        bm, slot_bytes = self.bm, self.pools.slot_bytes
+        s.evictions += bm.evictions
+        s.offloads += bm.offloads
+        s.onboards += bm.onboards
+        s.bytes_offloaded += bm.copied[Level.PRIMARY, Level.SECONDARY] * slot_bytes
+        s.bytes_onboarded += bm.copied[Level.SECONDARY, Level.PRIMARY] * slot_bytes
+        s.bytes_copied_primary += bm.copied[Level.PRIMARY, Level.PRIMARY] * slot_bytes
+        in_use = (bm.num_in_use, 0)  # in-use blocks are always primary
+        for level in Level:
+            free = len(bm.free[level])
+            name = level.name.lower()
+            s.blocks[self.window, name, "free"] = free
+            s.blocks[self.window, name, "in_use"] = in_use[level]
+            s.blocks[self.window, name, "cached"] = bm.num_slots[level] - free - in_use[level]

@@ -1,0 +1,56 @@
+"""Chained block hashes over token ids (prefix identity of full blocks).
+
+hash_i = blake2b-128(hash_{i-1} || salt_digest || int64-LE bytes of block i's tokens), hash_{-1} = 16
+zero bytes, salt_digest = blake2b-128(salt as UTF-8). Equal hashes mean equal (salt, token prefix), so
+equal prefixes share blocks and different salts (model fingerprint, LoRA-like variant) never do. The
+value is the same in every process and on every machine (the router recomputes it for kv-cache-aware
+routing).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+DIGEST_BYTES = 16
+ROOT_HASH = bytes(DIGEST_BYTES)
+
+
+def salt_digest(salt: str) -> bytes:
+    return blake2b(salt.encode("utf-8"), digest_size=DIGEST_BYTES).digest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Little-endian int64 bytes of the tokens (one C-level conversion, no per-token Python work)."""
+    arr = array("q", token_ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain_hashes(token_ids: Sequence[int], tokens_per_block: int, salt_dig: bytes, start_block: int,
+                 parent: bytes, end_block: int) -> list[bytes]:
+    """Hashes of full blocks start_block..end_block-1, chained from `parent` (hash of start_block - 1)."""
+    span = 8 * tokens_per_block
+    data = memoryview(token_bytes(token_ids[start_block * tokens_per_block:end_block * tokens_per_block]))
+    out: list[bytes] = []
+    for off in range(0, (end_block - start_block) * span, span):
+        parent = blake2b(parent + salt_dig + data[off:off + span], digest_size=DIGEST_BYTES).digest()
+        out.append(parent)
+    return out
+
+
+def request_salt(manager_salt: str, salt: str | None) -> str:
+    """The hashing namespace of a request: the manager's salt (model fingerprint), refined by the
+    request's own salt (LoRA-like variant) when it has one. Pass the result to `block_hashes`."""
+    return manager_salt if salt is None else f"{manager_salt}\x1f{salt}"
+
+
+def block_hashes(token_ids: Sequence[int], tokens_per_block: int, salt: str = "") -> list[bytes]:
+    """Chained hash of every FULL block of `token_ids` (a trailing partial block has none)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block={tokens_per_block!r}: must be > 0")
+    n = len(token_ids) // tokens_per_block
+    return chain_hashes(token_ids, tokens_per_block, salt_digest(salt), 0, ROOT_HASH, n)

@@ -1,0 +1,285 @@
+"""KVCacheManager: the facade the engine and the transceiver use (DESIGN.md §3).
+
+One BlockManager + GroupPools per window group (VSWA: layers grouped by attention window; a full
+attention layer's window is max_seq_len). Request calls keep every live request's blocks PRIMARY with
+stable slots. Copies recorded by the block managers are executed at the end of each public call.
+Not thread-safe: call it from the engine loop's thread.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from kvcache.admission import check_capacity, execute_plan, make_primary
+from kvcache.block import Level
+from kvcache.config import CacheLayout, KvCacheConfig
+from kvcache.errors import KVCacheError
+from kvcache.group import WindowGroup, primary_tokens
+from kvcache.hashing import request_salt, salt_digest
+from kvcache.integrity import check_block_manager
+from kvcache.matching import NoReuse, PrefixReuse
+from kvcache.requests import RequestState
+from kvcache.stats import KVCacheStats
+
+T = TypeVar("T", bound=Callable)
+
+
+def _flushes(method: T) -> T:
+    """Run the copies the call recorded (in order, batched per pool) when it returns or raises."""
+
+    @functools.wraps(method)
+    def wrapper(self: KVCacheManager, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for g in self._groups:
+                if g.bm.copies:
+                    g.pools.execute(g.bm.copies)
+                    g.bm.copies.clear()
+
+    return wrapper  # type: ignore[return-value]
+
+
+class KVCacheManager:
+    def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "") -> None:
+        self.config = config
+        self.layout = layout
+        self.salt = salt
+        self.tokens_per_block = tpb = config.tokens_per_block
+        self.window_sizes: tuple[int, ...] = tuple(sorted(set(layout.layer_windows)))
+        num_primary = primary_tokens(config, layout) // tpb
+        num_secondary = config.host_cache_size // layout.bytes_per_token() // tpb
+        self._groups = [WindowGroup(config, layout, w, num_primary, num_secondary) for w in self.window_sizes]
+        self._by_window = {g.window: g for g in self._groups}
+        self._layer_group = {layer: g for g in self._groups for layer in g.layers}
+        self._policy: PrefixReuse | NoReuse = NoReuse()
+        if config.enable_block_reuse:
+            self._policy = PrefixReuse(tpb, partial=config.enable_partial_reuse,
+                                       copy=config.copy_on_partial_reuse, onboard=config.onboard_blocks)
+        self._requests: dict[str, RequestState] = {}
+        self._query_tokens = self._hit_tokens = 0
+
+    # ---- layout
+    def group_layers(self, window: int) -> tuple[int, ...]:
+        return self._group(window).layers
+
+    def layer_window(self, layer_idx: int) -> int:
+        return self._layer(layer_idx).window
+
+    def layer_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each [num_primary_slots, tpb, kv_heads, head_dim] (views of the pool)."""
+        g = self._layer(layer_idx)
+        local = g.layers.index(layer_idx)
+        return g.pools.primary[:, local, 0], g.pools.primary[:, local, 1]
+
+    def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
+        """[num_slots, num_layers_in_group, 2, tpb, kv_heads, head_dim]; None if the level has no slots."""
+        return self._group(window).pools.pool(level)
+
+    def slot_bytes(self, window: int) -> int:
+        return self._group(window).pools.slot_bytes
+
+    def num_slots(self, window: int, level: Level = Level.PRIMARY) -> int:
+        return self._group(window).bm.num_slots[level]
+
+    def num_available_blocks(self, window: int | None = None) -> int:
+        """Primary free + reclaimable (ref 0, unpinned) blocks; the minimum over groups if no window."""
+        groups = self._groups if window is None else [self._group(window)]
+        return min(g.bm.evictable_keeping([]) for g in groups)
+
+    # ---- requests
+    @_flushes
+    def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
+              max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None) -> int:
+        """Match the longest cached prefix, allocate blocks for `num_tokens` tokens; return the hit."""
+        if request_id in self._requests:
+            raise KVCacheError(f"request {request_id!r} is already admitted")
+        n_tok = len(token_ids) if num_tokens is None else num_tokens
+        self._check_length(request_id, n_tok, minimum=len(token_ids))
+        if not 0 <= priority <= 100:
+            raise ValueError(f"request {request_id!r}: priority={priority!r} must be in [0, 100]")
+        if max_cached_tokens is not None and max_cached_tokens < 0:
+            raise ValueError(f"request {request_id!r}: max_cached_tokens={max_cached_tokens} is negative")
+        cap = len(token_ids) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(token_ids))
+        n = len(self._groups)
+        req = RequestState(request_id, salt_digest(request_salt(self.salt, salt)), priority,
+                           [[] for _ in range(n)], committed=[0] * n, commit_stopped=[False] * n,
+                           released_upto=[0] * n)
+        plan = self._policy.plan(req, [g.bm for g in self._groups], token_ids, max(cap, 0),
+                                 -(-n_tok // self.tokens_per_block))
+        take_over = self._policy.take_over
+        check_capacity(f"request {request_id!r}", [(g.bm, g.window, gp.primary_needed(take_over), gp.keep())
+                                                   for g, gp in zip(self._groups, plan.groups, strict=True)])
+        for i, (g, gp) in enumerate(zip(self._groups, plan.groups, strict=True)):
+            req.blocks[i] = execute_plan(g.bm, gp, priority, take_over=self._policy.take_over)
+        self._requests[request_id] = req
+        self._query_tokens += len(token_ids)
+        self._hit_tokens += plan.hit_tokens
+        return plan.hit_tokens
+
+    @_flushes
+    def extend(self, request_id: str, num_tokens: int) -> None:
+        """Ensure capacity for `num_tokens` tokens in total (atomic OutOfBlocksError)."""
+        req = self._request(request_id)
+        self._check_length(request_id, num_tokens, minimum=0)
+        total = -(-num_tokens // self.tokens_per_block)
+        needs = [max(0, total - len(blocks)) for blocks in req.blocks]
+        check_capacity(f"request {request_id!r}",
+                       [(g.bm, g.window, need, []) for g, need in zip(self._groups, needs, strict=True)])
+        for g, blocks, need in zip(self._groups, req.blocks, needs, strict=True):
+            blocks += [g.bm.allocate(req.priority) for _ in range(need)]
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Put every full block whose tokens are all computed into the reuse tree (if not there yet).
+        If an equal block is already cached, the request's block stays private and commit stops for
+        that group (the tree stays a tree of the blocks requests actually hold)."""
+        req = self._request(request_id)
+        capacity = len(req.blocks[0]) * self.tokens_per_block
+        if not 0 <= num_computed_tokens <= min(capacity, len(token_ids)):
+            raise KVCacheError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} is "
+                               f"outside [0, min(capacity {capacity}, {len(token_ids)} tokens)]")
+        self._policy.commit(req, [g.bm for g in self._groups], token_ids, num_computed_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's references; its full committed blocks stay cached for reuse."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise KVCacheError(f"release of unknown request {request_id!r} "
+                               "(never admitted or already released)")
+        for g, blocks in zip(self._groups, req.blocks, strict=True):
+            for b in reversed(blocks):
+                if b is not None:
+                    g.bm.release(b)
+
+    def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Sliding-window groups: drop references to blocks entirely before the window of the next
+        token (position num_computed_tokens). Returns the number of references dropped."""
+        req = self._request(request_id)
+        released = 0
+        for i, g in enumerate(self._groups):
+            blocks = req.blocks[i]
+            end = min(len(blocks), max(0, num_computed_tokens - g.window + 1) // self.tokens_per_block)
+            for j in range(req.released_upto[i], end):
+                if blocks[j] is not None:
+                    g.bm.release(blocks[j])
+                    blocks[j] = None
+                    released += 1
+            req.released_upto[i] = max(end, req.released_upto[i])
+        return released
+
+    def block_ids(self, request_id: str, window: int | None = None) -> list[int]:
+        """Logical block ids of the request in token order (-1 where released)."""
+        blocks = self._request(request_id).blocks[self._groups.index(self._resolve(window))]
+        return [-1 if b is None else b.id for b in blocks]
+
+    def slot_table(self, request_id: str, window: int) -> list[int]:
+        """Primary slots of the request's blocks in token order (-1 where released)."""
+        blocks = self._request(request_id).blocks[self._groups.index(self._resolve(window))]
+        return [-1 if b is None else b.slot for b in blocks]
+
+    @_flushes
+    def pin_blocks(self, block_ids: Sequence[int], window: int) -> None:
+        """Pin blocks (onboarding any that are not primary); a pinned block is never evicted."""
+        g = self._resolve(window)
+        blocks = [g.bm.get(i) for i in block_ids]
+        make_primary(g.bm, g.window, blocks)
+        for b in blocks:
+            g.bm.pin(b)
+
+    def unpin_blocks(self, block_ids: Sequence[int], window: int) -> None:
+        g = self._resolve(window)
+        blocks = [g.bm.get(i) for i in block_ids]
+        for b in blocks:
+            if b.pins < sum(1 for x in blocks if x is b):
+                raise KVCacheError(f"unpin of block {b.id} (window {g.window}), which is not pinned "
+                                   f"(or pinned fewer times than listed)")
+        for b in blocks:
+            g.bm.unpin(b)
+
+    # ---- translation (DESIGN.md §3)
+    def get_memory_pool_block_indices(self, block_ids: Sequence[int], window_size: int | None = None,
+                                      require_primary: bool = True) -> list[int]:
+        """Current slots of logical block ids (-1 stays -1): primary slots, or, with
+        require_primary=False, the slot in whichever pool holds each block."""
+        g = self._resolve(window_size)
+        out = []
+        for i in block_ids:
+            if i == -1:
+                out.append(-1)
+                continue
+            b = g.bm.get(i)
+            if require_primary and b.level is not Level.PRIMARY:
+                raise KVCacheError(f"block {i} (window {g.window}) is not in the primary pool (secondary "
+                                   f"slot {b.slot}); call ensure_primary or pin_blocks first")
+            out.append(b.slot)
+        return out
+
+    @_flushes
+    def ensure_primary(self, block_ids: Sequence[int], window_size: int | None = None) -> None:
+        """Onboard (batched) every listed block not in the primary pool. Pin them to keep them there."""
+        g = self._resolve(window_size)
+        make_primary(g.bm, g.window, [g.bm.get(i) for i in block_ids if i != -1])
+
+    def cached_block_hashes(self, window: int | None = None) -> list[bytes]:
+        """Hashes of the blocks in the group's reuse tree, any level (default: the largest window)."""
+        g = self._groups[-1] if window is None else self._group(window)
+        return list(g.bm.tree.by_hash)
+
+    # ---- checks and counters
+    def check_integrity(self) -> None:
+        """Raise KVCacheError describing the first broken invariant (O(blocks); tests, debug)."""
+        for i, g in enumerate(self._groups):
+            check_block_manager(g.bm, f"window {g.window}")
+            if g.bm.copies:
+                raise KVCacheError(f"window {g.window}: {len(g.bm.copies)} copies were never executed")
+            refs: dict[int, int] = {}
+            for req in self._requests.values():
+                for b in req.blocks[i]:
+                    if b is not None:
+                        refs[b.id] = refs.get(b.id, 0) + 1
+            for b in g.bm.blocks:
+                if b.ref != refs.get(b.id, 0):
+                    raise KVCacheError(f"window {g.window}: block {b.id} has ref={b.ref} but "
+                                       f"{refs.get(b.id, 0)} request references")
+
+    def stats(self) -> KVCacheStats:
+        s = KVCacheStats(prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens)
+        for g in self._groups:
+            g.add_stats(s)
+        return s
+
+    # ---- internals
+    def _group(self, window: int) -> WindowGroup:
+        g = self._by_window.get(window)
+        if g is None:
+            raise ValueError(f"unknown window size {window!r} (windows: {list(self.window_sizes)})")
+        return g
+
+    def _resolve(self, window: int | None) -> WindowGroup:
+        if window is None:
+            if len(self._groups) > 1:
+                raise ValueError("window_size must be provided for VSWA "
+                                 f"(windows: {list(self.window_sizes)})")
+            return self._groups[0]
+        return self._group(window)
+
+    def _layer(self, layer_idx: int) -> WindowGroup:
+        g = self._layer_group.get(layer_idx)
+        if g is None:
+            raise ValueError(f"unknown layer {layer_idx!r} (the model has {self.layout.num_layers} layers)")
+        return g
+
+    def _request(self, request_id: str) -> RequestState:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KVCacheError(f"unknown request {request_id!r} (never admitted or already released)")
+        return req
+
+    def _check_length(self, request_id: str, num_tokens: int, minimum: int) -> None:
+        if not minimum <= num_tokens <= self.layout.max_seq_len:
+            raise ValueError(f"request {request_id!r}: num_tokens={num_tokens} outside "
+                             f"[{minimum}, max_seq_len={self.layout.max_seq_len}]")

@@ -1,0 +1,139 @@
+"""Prefix matching policies: what an admitted request can reuse, and what `commit` puts in the tree.
+
+`PrefixReuse` (enable_block_reuse) matches full blocks by chained hash, then partially reuses one
+block; `NoReuse` is its null object. Both only plan or link blocks; the facade checks capacity and
+executes plans, so an OutOfBlocksError happens before any state change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcache.block import Block, Level
+from kvcache.block_manager import BlockManager
+from kvcache.hashing import ROOT_HASH, chain_hashes
+from kvcache.requests import RequestState
+
+
+@dataclass
+class GroupPlan:
+    chain: list[Block]  # reused full blocks in token order (a primary prefix, then secondary ones)
+    partial: Block | None  # source block of the partially reused block (copied, or taken over)
+    new_blocks: int  # blocks to allocate (a partial-copy destination included)
+
+    def primary_needed(self, take_over: bool) -> int:
+        """Primary slots this plan consumes: new blocks plus onboarded secondary blocks."""
+        onboards = sum(b.level is Level.SECONDARY for b in self.chain)
+        if take_over and self.partial is not None and self.partial.level is Level.SECONDARY:
+            onboards += 1
+        return self.new_blocks + onboards
+
+    def keep(self) -> list[Block]:
+        """Primary blocks that must survive the admission (their ancestors are implied)."""
+        primary_chain = [b for b in self.chain if b.level is Level.PRIMARY]
+        keep = primary_chain[-1:]  # the chain's primary blocks are a prefix: the last implies the rest
+        if self.partial is not None and self.partial.level is Level.PRIMARY:
+            keep.append(self.partial)
+        return keep
+
+
+@dataclass
+class AdmitPlan:
+    hit_tokens: int
+    groups: list[GroupPlan]
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    if a[:len(b)] == b:
+        return len(b)
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class NoReuse:
+    """enable_block_reuse=False: nothing is matched, nothing enters the reuse tree."""
+
+    take_over = False
+
+    def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
+             cap: int, total_blocks: int) -> AdmitPlan:
+        return AdmitPlan(0, [GroupPlan([], None, total_blocks) for _ in bms])
+
+    def commit(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
+               num_computed: int) -> None:
+        return None
+
+
+class PrefixReuse:
+    def __init__(self, tokens_per_block: int, *, partial: bool, copy: bool, onboard: bool) -> None:
+        self.tpb = tokens_per_block
+        self.partial = partial
+        self.take_over = partial and not copy
+        self.onboard = onboard
+
+    def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
+             cap: int, total_blocks: int) -> AdmitPlan:
+        """Longest reusable prefix, the same in every window group (VSWA: minimum over groups)."""
+        tpb = self.tpb
+        req.hashes = chain_hashes(token_ids, tpb, req.salt_digest, 0, ROOT_HASH, len(token_ids) // tpb)
+        full = [bm.tree.match(req.hashes, primary_only=not self.onboard) for bm in bms]
+        n = min(min(len(f) for f in full), cap // tpb)
+        sources: list[Block | None] = [None] * len(bms)
+        k = 0
+        if self.partial and n * tpb < cap:
+            tokens = tuple(token_ids[n * tpb:min(cap, (n + 1) * tpb)])
+            found = [self._partial_source(bm, f[n - 1] if n else None, tokens)
+                     for bm, f in zip(bms, full, strict=True)]
+            if all(found):
+                k = min(kg for _, kg in found)
+                sources = [b for b, _ in found]
+        new = total_blocks - n - (1 if k and self.take_over else 0)
+        groups = [GroupPlan(f[:n], src, new) for f, src in zip(full, sources, strict=True)]
+        return AdmitPlan(n * tpb + k, groups)
+
+    def _partial_source(self, bm: BlockManager, parent: Block | None,
+                        tokens: tuple[int, ...]) -> tuple[Block, int] | None:
+        """The tree block under `parent` sharing the longest token prefix (>= 1) with `tokens`."""
+        best: tuple[int, bool, Block] | None = None
+        for c in bm.tree.partial_candidates(parent, tokens[0]):
+            if not self.onboard and c.level is not Level.PRIMARY:
+                continue
+            if self.take_over and (c.in_use or c.children):
+                continue
+            key = (_common_prefix(c.tokens, tokens), c.level is Level.PRIMARY)
+            if best is None or key > best[:2]:
+                best = (*key, c)
+        return None if best is None else (best[2], best[0])
+
+    def commit(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
+               num_computed: int) -> None:
+        """Put the request's full, computed blocks into each group's tree (see KVCacheManager.commit)."""
+        tpb = self.tpb
+        n_full = min(num_computed, len(token_ids)) // tpb
+        if n_full > len(req.hashes):
+            parent = req.hashes[-1] if req.hashes else ROOT_HASH
+            req.hashes += chain_hashes(token_ids, tpb, req.salt_digest, len(req.hashes), parent, n_full)
+        for g, bm in enumerate(bms):
+            if not req.commit_stopped[g]:
+                self._commit_group(req, g, bm, token_ids, min(n_full, len(req.blocks[g])))
+
+    def _commit_group(self, req: RequestState, g: int, bm: BlockManager, token_ids: Sequence[int],
+                      n_full: int) -> None:
+        blocks, tpb = req.blocks[g], self.tpb
+        for i in range(req.committed[g], n_full):
+            b, h = blocks[i], req.hashes[i]
+            parent = blocks[i - 1] if i else None
+            if b is None or (i and (parent is None or parent.hash != req.hashes[i - 1])):
+                req.commit_stopped[g] = True  # released, or the chain above it left the tree
+                return
+            if b.hash is None:
+                if h in bm.tree.by_hash:  # an equal block is cached: keep this one private
+                    req.commit_stopped[g] = True
+                    return
+                bm.insert(b, h, parent, tuple(token_ids[i * tpb:(i + 1) * tpb]))
+            req.committed[g] = i + 1

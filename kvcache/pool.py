@@ -1,0 +1,108 @@
+"""KV pools of one window group: the only owner of KV cache tensors in kvcache/.
+
+Each level is one contiguous tensor, slot-major: [num_slots, num_layers, 2 (K, V), tokens_per_block,
+num_kv_heads, head_dim]. A slot is `slot_bytes` contiguous bytes, so a block moves with one row copy
+and its address is `base + slot * slot_bytes`. Both pools start zeroed: attention masks unused or
+out-of-window positions, but 0 * NaN would still be NaN. The secondary pool lives in host memory,
+pinned when the primary pool is on CUDA.
+
+Copies: `execute` runs the block manager's copy ops in order, one batched indexed copy per run of
+consecutive ops with the same (src level, dst level). On CUDA every copy is issued on the current
+stream (host<->device with non_blocking DMA from/to pinned memory); the CPU never reads the host pool
+in this path, so stream order alone keeps offload-then-onboard of one slot correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import groupby
+
+import torch
+
+from kvcache.block import CopyOp, Level
+from kvcache.config import CacheLayout
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(index in `slots`, first slot, length) of each run of consecutive ascending slots."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, slots[start], i - start))
+            start = i
+    return runs
+
+
+def _rows(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as [num_slots, slot_bytes / itemsize] rows of int64 (uint8 if not divisible by 8)."""
+    flat = pool.view(pool.shape[0], -1)
+    try:
+        return flat.view(torch.int64)
+    except RuntimeError:
+        return flat.view(torch.uint8)
+
+
+class GroupPools:
+    def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
+                 num_primary: int, num_secondary: int) -> None:
+        slot_shape = (num_layers, 2, tokens_per_block, layout.num_kv_heads, layout.head_dim)
+        self.device = layout.device
+        # [num_slots, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
+        self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.dtype, device=layout.device)
+        self.secondary: torch.Tensor | None = None
+        if num_secondary:
+            pin = layout.device.type == "cuda"
+            self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
+        self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
+        self._rows = (_rows(self.primary), None if self.secondary is None else _rows(self.secondary))
+
+    def pool(self, level: Level) -> torch.Tensor | None:
+        return self.primary if level is Level.PRIMARY else self.secondary
+
+    def execute(self, ops: Sequence[CopyOp]) -> None:
+        """Run `ops` in order, batching consecutive ops of the same (src level, dst level)."""
+        for (src_level, dst_level), batch in groupby(ops, key=lambda op: (op.src_level, op.dst_level)):
+            # One batch never reads a slot it writes earlier (see BlockManager), and a destination
+            # written twice keeps the later source: the dict keeps the last write per destination.
+            pairs = sorted({op.dst_slot: op.src_slot for op in batch}.items())
+            self._copy(src_level, dst_level, [s for _, s in pairs], [d for d, _ in pairs])
+
+    def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int]) -> None:
+        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run)."""
+        src_rows, dst_rows = self._rows[src_level], self._rows[dst_level]
+        assert src_rows is not None and dst_rows is not None
+        if src_rows.device == dst_rows.device:
+            self._copy_same_device(src_rows, dst_rows, src, dst)
+        elif dst_rows.device.type == "cpu":
+            self._copy_to_host(src_rows, dst_rows, src, dst)
+        else:
+            self._copy_to_device(src_rows, dst_rows, src, dst)
+
+    @staticmethod
+    def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
+                          dst: list[int]) -> None:
+        src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
+        if src_rows is not dst_rows and dst[-1] - dst[0] == len(dst) - 1:  # one run: gather in place
+            torch.index_select(src_rows, 0, src_idx, out=dst_rows[dst[0]:dst[-1] + 1])
+            return
+        dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_rows.device)
+        dst_rows.index_copy_(0, dst_idx, src_rows.index_select(0, src_idx))  # gathers before scattering
+
+    @staticmethod
+    def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
+                      dst: list[int]) -> None:
+        staged = src_rows.index_select(0, torch.tensor(src, dtype=torch.int64, device=src_rows.device))
+        for i, first, n in _runs(dst):
+            dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+
+    @staticmethod
+    def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
+                        dst: list[int]) -> None:
+        order = sorted(range(len(src)), key=src.__getitem__)
+        src_sorted = [src[i] for i in order]
+        staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
+        for i, first, n in _runs(src_sorted):
+            staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True)
+        dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
+        dst_rows.index_copy_(0, dst_idx, staged)

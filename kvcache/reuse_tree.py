@@ -1,0 +1,59 @@
+"""Index of the reuse tree of one window group: chained block hash -> block, plus an index by
+(parent hash, first token) to find partially matching blocks. Pure Python, no torch.
+
+The tree itself is the blocks' `parent`/`children` links; this class only keeps the lookups in step
+with them. Because a hash chains its parent's hash, a hash lookup walk from the root follows a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvcache.block import Block, Level
+from kvcache.hashing import ROOT_HASH
+
+
+class ReuseTree:
+    def __init__(self) -> None:
+        self.by_hash: dict[bytes, Block] = {}
+        self._by_first: dict[tuple[bytes, int], dict[int, Block]] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_hash)
+
+    def match(self, hashes: Sequence[bytes], primary_only: bool) -> list[Block]:
+        """Blocks of the longest cached prefix of `hashes` (stops at the first secondary block when
+        `primary_only`)."""
+        out: list[Block] = []
+        get = self.by_hash.get
+        for h in hashes:
+            b = get(h)
+            if b is None or (primary_only and b.level is not Level.PRIMARY):
+                break
+            out.append(b)
+        return out
+
+    def add(self, block: Block, block_hash: bytes, parent: Block | None, tokens: tuple[int, ...]) -> None:
+        block.hash = block_hash
+        block.parent = parent
+        block.tokens = tokens
+        self.by_hash[block_hash] = block
+        key = (parent.hash if parent is not None else ROOT_HASH, tokens[0])
+        self._by_first.setdefault(key, {})[block.id] = block
+
+    def remove(self, block: Block) -> None:
+        parent = block.parent
+        key = (parent.hash if parent is not None else ROOT_HASH, block.tokens[0])
+        siblings = self._by_first[key]
+        del siblings[block.id]
+        if not siblings:
+            del self._by_first[key]
+        del self.by_hash[block.hash]
+        block.hash = None
+        block.parent = None
+        block.tokens = ()
+
+    def partial_candidates(self, parent: Block | None, first_token: int) -> Iterator[Block]:
+        """Tree blocks under `parent` (None: the root) whose first token is `first_token`."""
+        key = (parent.hash if parent is not None else ROOT_HASH, first_token)
+        yield from self._by_first.get(key, {}).values()
