@@ -91,11 +91,13 @@ class _WindowPlan:
 class TorchPagedAttention(AttentionBackend):
     """Portable backend (CPU and CUDA): gathers blocks with index_select, attends with SDPA."""
 
-    def __init__(self, kv: PagedKV, num_heads: int, head_dim: int) -> None:
+    def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int) -> None:
         self.kv = kv
         self.tpb = kv.tokens_per_block
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
+        # per layer (window, K view, V view); the manager allocates its pools once, so views stay valid
+        self.layers = [(kv.layer_window(i), *kv.layer_cache(i)) for i in range(num_layers)]
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
@@ -141,8 +143,8 @@ class TorchPagedAttention(AttentionBackend):
     # ---- per layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: dict[int, _WindowPlan]) -> torch.Tensor:
-        plan = meta[self.kv.layer_window(layer)]
-        k_cache, v_cache = self.kv.layer_cache(layer)  # [slots, tpb, kv_heads, head_dim] views
+        window, k_cache, v_cache = self.layers[layer]  # caches [slots, tpb, kv_heads, head_dim]
+        plan = meta[window]
         k_cache[plan.write_slots, plan.write_offsets] = k
         v_cache[plan.write_slots, plan.write_offsets] = v
         outs = []

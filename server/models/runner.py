@@ -64,7 +64,8 @@ class ModelRunner:
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         _check_kv(self.spec, kv, dtype)
         self.kv = kv
-        self.attention = TorchPagedAttention(kv, self.spec.num_heads, self.spec.head_dim)
+        spec = self.spec
+        self.attention = TorchPagedAttention(kv, spec.num_layers, spec.num_heads, spec.head_dim)
         tensors = load_tensors(safetensors_files(self.spec.model_dir), dtype=dtype, device=device)
         self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
 

@@ -68,10 +68,12 @@ def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: 
     outs, _ = _batched_greedy(model_dirs[name], torch.bfloat16)
     matched = []
     for prompt, out in zip(_prompts(), outs, strict=True):
-        ref = hf_reference.hf_greedy(model_dirs[name], prompt, NEW_TOKENS, dtype=torch.bfloat16, device="cuda")
+        ref = hf_reference.hf_greedy(model_dirs[name], prompt, NEW_TOKENS, dtype=torch.bfloat16,
+                                     device="cuda")
         same = [a == b for a, b in zip(out, ref, strict=True)]
         matched.append(same.index(False) if False in same else len(same))
-    print(f"\n{name} bf16: greedy tokens matching HF bf16 before the first divergence: {matched} of {NEW_TOKENS}")
+    print(f"\n{name} bf16: greedy tokens equal to HF bf16 before the first divergence: "
+          f"{matched} of {NEW_TOKENS}")
     assert all(m >= 1 for m in matched)  # the first token (prefill) agrees for every prompt
     assert sum(matched) >= len(matched) * NEW_TOKENS // 2
 
@@ -80,7 +82,8 @@ def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path]) -> Non
     _, runner = _batched_greedy(model_dirs["tiny-qwen3-swa"], torch.bfloat16)
     tables = {w: runner.kv.slot_table("r3", w) for w in runner.kv.window_sizes}
     # a decode token of r3 and a prefill chunk rewriting r3's first 20 positions, in one step
-    chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True), SeqChunk(list(range(5, 25)), 0, tables, True)]
+    chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True),
+              SeqChunk(list(range(5, 25)), 0, tables, True)]
     inputs = runner.prepare(chunks)  # host -> device copies happen here, outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -15,8 +15,10 @@ import hf_reference
 import pytest
 import torch
 
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
 from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_dtype
+from server.models.spec import load_spec
 
 TPB = 16
 MAX_SEQ_LEN = 512
@@ -46,53 +48,10 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-class StandInKV:
-    """Stand-in for kvcache.KVCacheManager until it lands: same members, random slot assignment."""
-
-    def __init__(self, layer_windows: list[int], kv_heads: int, head_dim: int, num_slots: int) -> None:
-        self.tokens_per_block = TPB
-        self.window_sizes = tuple(sorted(set(layer_windows)))
-        self._windows = layer_windows
-        self._index = [layer_windows[:i].count(w) for i, w in enumerate(layer_windows)]
-        self.pools = {w: torch.zeros(num_slots, layer_windows.count(w), 2, TPB, kv_heads, head_dim)
-                      for w in self.window_sizes}
-        self._free = {w: random.Random(w).sample(range(num_slots), num_slots) for w in self.window_sizes}
-        self._tables: dict[tuple[str, int], list[int]] = {}
-
-    def layer_window(self, layer: int) -> int:
-        return self._windows[layer]
-
-    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.pools[self._windows[layer]]
-        return pool[:, self._index[layer], 0], pool[:, self._index[layer], 1]
-
-    def admit(self, rid: str, token_ids: list[int], *, num_tokens: int | None = None) -> int:
-        blocks = -(-(num_tokens or len(token_ids)) // TPB)
-        for w in self.window_sizes:
-            self._tables[rid, w] = [self._free[w].pop() for _ in range(blocks)]
-        return 0
-
-    def slot_table(self, rid: str, window: int) -> list[int]:
-        return list(self._tables[rid, window])
-
-    def release_out_of_window(self, rid: str, num_computed: int) -> None:
-        for w in self.window_sizes:
-            table = self._tables[rid, w]
-            for b in range(len(table)):
-                if w < MAX_SEQ_LEN and (b + 1) * TPB - 1 <= num_computed - w:
-                    table[b] = -1
-
-
-KVCacheManager = StandInKV
-
-
 def make_runner(model_dir: Path, *, max_tokens: int = 4096, max_num_tokens: int = 512,
-                max_batch_size: int = 8) -> tuple[ModelRunner, StandInKV]:
-    from server.models.spec import load_spec
-
-    spec = load_spec(model_dir)
-    windows = [MAX_SEQ_LEN if w is None else min(w, MAX_SEQ_LEN) for w in spec.layer_windows]
-    kv = StandInKV(windows, spec.num_kv_heads, spec.head_dim, max_tokens // TPB)
+                max_batch_size: int = 8) -> tuple[ModelRunner, KVCacheManager]:
+    layout = load_spec(model_dir).cache_layout(MAX_SEQ_LEN, torch.float32, "cpu")
+    kv = KVCacheManager(KvCacheConfig(max_tokens=max_tokens, tokens_per_block=TPB), layout)
     runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"),
                          max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
     return runner, kv
@@ -187,7 +146,7 @@ def test_greedy_mixed_batches_match_hf_generate(model_dirs: dict[str, Path], fam
         assert s.out == hf_reference.hf_greedy(model_dir, s.prompt, 16), s.rid
 
 
-def _prefilled(model_dir: Path, length: int) -> tuple[ModelRunner, StandInKV, list[int]]:
+def _prefilled(model_dir: Path, length: int) -> tuple[ModelRunner, KVCacheManager, list[int]]:
     runner, kv = make_runner(model_dir)
     ids = prompt(length, seed=5)
     kv.admit("r", ids, num_tokens=length + 1)
@@ -203,7 +162,7 @@ def test_corrupt_block_changes_output_and_out_of_window_block_does_not(model_dir
     decode = SeqChunk([7], 150, tables, need_logits=True)
     clean = runner.execute([decode])
     assert torch.equal(runner.execute([decode]), clean)  # rewriting the same token is idempotent
-    sliding_pool, full_pool = kv.pools[64], kv.pools[MAX_SEQ_LEN]
+    sliding_pool, full_pool = kv.pool(64), kv.pool(MAX_SEQ_LEN)
     sliding_pool[tables[64][0]].normal_()  # block 0 (tokens 0..15) is out of the window of position 150
     assert torch.equal(runner.execute([decode]), clean)
     full_pool[tables[MAX_SEQ_LEN][0]].normal_()
@@ -232,11 +191,15 @@ def test_step_validation_errors(model_dirs: dict[str, Path]) -> None:
 
 
 def test_kv_layout_must_fit_the_model(model_dirs: dict[str, Path]) -> None:
-    full_windows = StandInKV([MAX_SEQ_LEN] * 4, 2, 32, 8)  # swa model needs window 64 on layers 0 and 2
+    def kv(windows: tuple[int, ...], kv_heads: int) -> KVCacheManager:
+        layout = CacheLayout(windows, kv_heads, 32, torch.float32, "cpu", MAX_SEQ_LEN)
+        return KVCacheManager(KvCacheConfig(max_tokens=128, tokens_per_block=TPB), layout)
+
+    full_windows = kv((MAX_SEQ_LEN,) * 4, 2)  # swa model needs window 64 on layers 0 and 2
     with pytest.raises(ValueError, match="KV cache layer 0 .* window 512\\) does not fit"):
         ModelRunner(model_dirs["tiny-qwen3-swa"], full_windows, dtype=torch.float32,
                     device=torch.device("cpu"), max_num_tokens=8, max_batch_size=1)
-    wrong_heads = StandInKV([MAX_SEQ_LEN] * 4, 4, 32, 8)
+    wrong_heads = kv((MAX_SEQ_LEN,) * 4, 4)
     with pytest.raises(ValueError, match="kv_heads 2, head_dim 32"):
         ModelRunner(model_dirs["llama"], wrong_heads, dtype=torch.float32, device=torch.device("cpu"),
                     max_num_tokens=8, max_batch_size=1)
