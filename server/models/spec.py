@@ -15,14 +15,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-if TYPE_CHECKING:
-    from kvcache import CacheLayout
-
+from kvcache import CacheLayout
 from server.models.weights import safetensors_files, tensor_signature
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -58,7 +55,6 @@ class ModelSpec:
     def cache_layout(self, max_seq_len: int, dtype: torch.dtype, device: torch.device | str) -> CacheLayout:
         """The KV cache this model needs: full attention window max_seq_len,
         sliding min(window, max_seq_len)."""
-        from kvcache import CacheLayout
         windows = tuple(max_seq_len if w is None else min(w, max_seq_len) for w in self.layer_windows)
         return CacheLayout(layer_windows=windows, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            dtype=dtype, device=device, max_seq_len=max_seq_len)
