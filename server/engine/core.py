@@ -100,13 +100,13 @@ class EngineCore:
                         chunk.need_logits)
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [c.request for c in chunks if c.need_logits]  # before the computed counts move
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if self._sliding:
                 self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
-        sampled = [c.request for c in chunks if c.need_logits]
         tokens = sample(logits, sampled) if sampled else []
         return [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
 

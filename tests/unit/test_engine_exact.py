@@ -48,12 +48,14 @@ def test_concurrent_requests_with_chunked_prefill_match(model):
 
 def test_repeated_prompt_reuses_prefix_and_partial_block():
     core = eh.make_core(LLAMA)  # tokens_per_block 16
-    base = _prompt(7, 70)
+    base = _prompt(7, 64)  # 4 full blocks
     first = eh.generate(core, [base], eh.greedy(8))[0]
     again = eh.generate(core, [base], eh.greedy(8))[0]
     assert again.token_ids == first.token_ids == _expected(LLAMA, base, 8)
     assert first.final.cached_tokens == 0
-    assert again.final.cached_tokens == 69  # every token but the last, whose logits are needed
+    assert again.final.cached_tokens == 63  # all but the last token (its logits are needed): 15 of block 4
+    longer = base + _prompt(9, 6)  # the partial fifth block of a prompt is not cached; full blocks are
+    assert eh.generate(core, [longer], eh.greedy(8))[0].final.cached_tokens == 64
     shared = base[:40] + _prompt(8, 30)  # 2 full blocks + 8 tokens of the third
     partial = eh.generate(core, [shared], eh.greedy(8))[0]
     assert partial.final.cached_tokens == 40
