@@ -77,6 +77,7 @@ def _router(args: argparse.Namespace) -> int:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
     settings = RouterSettings(
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),

@@ -53,7 +53,8 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics) -> EngineCore:
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str):
     if cfg.role == "aggregated":
         return None
-    transceiver = TransceiverConfig.from_dict(cfg.cache_transceiver, "cache_transceiver_config")
+    settings = {"host": cfg.host, **cfg.cache_transceiver}  # bind beside the server unless configured
+    transceiver = TransceiverConfig.from_dict(settings, "cache_transceiver_config")
     if cfg.role == "context":
         return ContextRole(KVSender(kv, transceiver, fingerprint), kv)
     return GenerationRole(KVReceiver(kv, transceiver, fingerprint), kv)
