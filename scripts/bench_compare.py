@@ -1,0 +1,117 @@
+"""The goal comparisons of the engine and disaggregation issues, every baseline in the same run.
+
+Parts (`--parts`), in this order, each measured `repeat` times with medians:
+- hf:      transformers `generate`, one request at a time, on the c=1 random prompts (no server up);
+- agg:     configs/aggregated.yaml, block reuse on: random c=1, random c=8, shared-prefix;
+- noreuse: the same server binary and YAML with `enable_block_reuse: false`: shared-prefix, random c=8;
+- disagg:  configs/disagg.yaml (router + context + generation): random c=1, random c=8.
+Ratios use figures of this one run only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Set
+from pathlib import Path
+
+import torch
+import transformers
+from bench_hf_baseline import load_model, run_hf_baseline
+from bench_hf_baseline import warm_up as hf_warm_up
+from bench_launch import REPO
+from bench_measure import (
+    Figure,
+    WorkloadArgs,
+    measure_server,
+    model_vocab,
+    random_figure,
+    shared_prefix_figure,
+)
+from bench_report import Comparison, comparisons_table, figures_table
+from bench_stats import Summary, median_summary, summarize
+
+from server.models.builtin import resolve_model
+
+Results = dict[str, dict[str, Summary]]  # part -> figure name -> median summary
+
+
+def measure_hf(model: str, figure: Figure, repeat: int, vocab: list[int]) -> dict[str, Summary]:
+    print("transformers generate baseline", file=sys.stderr, flush=True)
+    hf_model = load_model(resolve_model(model))
+    hf_warm_up(hf_model, vocab)
+    runs = [summarize(run_hf_baseline(hf_model, figure.workload(r))) for r in range(repeat)]
+    return {figure.name: median_summary(runs)}
+
+
+def _metric(results: Results, part: str, figure: Figure, key: str) -> float | None:
+    summary = results.get(part, {}).get(figure.name)
+    return None if summary is None else summary[key]
+
+
+def comparisons(results: Results, c1: Figure, c8: Figure, shared: Figure) -> list[Comparison]:
+    """Every comparison whose two figures were measured."""
+    tok_s, ttft = "output_tok_s", "ttft_mean_ms"
+    specs = [
+        ("aggregated c=8 tok/s / HF generate tok/s", ("aggregated", c8, tok_s), ("hf", c1, tok_s), 4.0, True),
+        ("aggregated c=1 tok/s / HF generate tok/s", ("aggregated", c1, tok_s), ("hf", c1, tok_s), 1.0, True),
+        ("shared-prefix mean TTFT, reuse off / on", ("noreuse", shared, ttft), ("aggregated", shared, ttft),
+         3.0, True),
+        ("aggregated c=8 tok/s, reuse on / off (0% hits)", ("aggregated", c8, tok_s), ("noreuse", c8, tok_s),
+         0.98, True),
+        ("disagg c=8 tok/s / aggregated", ("disagg", c8, tok_s), ("aggregated", c8, tok_s), 0.8, True),
+        ("disagg c=1 tok/s / aggregated", ("disagg", c1, tok_s), ("aggregated", c1, tok_s), 0.8, True),
+        ("disagg c=1 mean TTFT / aggregated", ("disagg", c1, ttft), ("aggregated", c1, ttft), 1.3, False),
+    ]
+    out = []
+    for name, num, den, goal, at_least in specs:
+        a, b = _metric(results, *num), _metric(results, *den)
+        if a is not None and b is not None:
+            out.append(Comparison(name, a, b, goal, at_least))
+    return out
+
+
+def environment() -> dict[str, str]:
+    """Where and when: CPU model, cores, date, commit, library versions."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _lscpu().splitlines()
+                if line.startswith("Model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True, check=False).stdout.strip()
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "date": datetime.date.today().isoformat(),
+            "commit": commit, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": str(torch.get_num_threads())}
+
+
+def _lscpu() -> str:
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
+                    agg_config: Path, disagg_config: Path) -> dict:
+    """Measure the requested parts, print the tables, return the JSON record."""
+    unknown = set(parts) - {"hf", "agg", "noreuse", "disagg"}
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: hf, agg, noreuse, disagg")
+    vocab = model_vocab(model)
+    c1, c8 = random_figure(vocab, wargs, 1), random_figure(vocab, wargs, 8)
+    shared = shared_prefix_figure(vocab, wargs, wargs.shared_concurrency)
+    results: Results = {}
+    if "hf" in parts:
+        results["hf"] = measure_hf(model, c1, repeat, vocab)
+    if "agg" in parts:
+        results["aggregated"] = measure_server(agg_config, None, True, [c1, c8, shared], repeat, vocab)
+    if "noreuse" in parts:
+        results["noreuse"] = measure_server(agg_config, None, False, [shared, c8], repeat, vocab)
+    if "disagg" in parts:
+        results["disagg"] = measure_server(disagg_config, None, True, [c1, c8], repeat, vocab)
+    found = comparisons(results, c1, c8, shared)
+    rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
+    print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
+    return {"environment": environment(), "model": model, "repeat": repeat, "figures": results,
+            "comparisons": [c.as_dict() for c in found]}

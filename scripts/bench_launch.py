@@ -1,0 +1,145 @@
+"""Start the server under test for a benchmark and stop it cleanly afterwards.
+
+A deployment YAML (configs/aggregated.yaml or configs/disagg.yaml) is copied into a temporary
+folder with free loopback ports and the requested `enable_block_reuse`, then run as
+`python -m server.cli serve --config X` (no server lists: aggregated) or `... launch X`
+(context/generation servers behind the router). The child gets its own process group; stopping
+sends SIGINT to the child (the launcher forwards it), then SIGTERM and SIGKILL to that group.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+HEALTH_TIMEOUT_S = 300.0
+STOP_GRACE_S = 20.0
+_SERVER_LISTS = ("context_servers", "generation_servers")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def is_disaggregated(deployment: dict[str, Any]) -> bool:
+    return any(key in deployment for key in _SERVER_LISTS)
+
+
+def _set_reuse(section: dict[str, Any], reuse: bool) -> None:
+    if "kv_cache_config" in section:
+        section["kv_cache_config"]["enable_block_reuse"] = reuse
+
+
+def bench_deployment(base: dict[str, Any], reuse: bool) -> dict[str, Any]:
+    """`base` on fresh loopback ports with block reuse on or off everywhere (top level and sections)."""
+    out = copy.deepcopy(base)
+    out["hostname"] = "127.0.0.1"
+    out.setdefault("kv_cache_config", {})
+    _set_reuse(out, reuse)
+    lists = [key for key in _SERVER_LISTS if key in out]
+    ports = free_ports(1 + sum(out[key]["num_instances"] for key in lists))
+    out["port"] = ports.pop()
+    for key in lists:
+        out[key]["urls"] = [f"127.0.0.1:{ports.pop()}" for _ in range(out[key]["num_instances"])]
+        _set_reuse(out[key], reuse)
+    return out
+
+
+class ServerUnderTest:
+    """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL."""
+
+    def __init__(self, config: Path, *, reuse: bool = True, health_timeout_s: float = HEALTH_TIMEOUT_S):
+        self.config = config
+        self.reuse = reuse
+        self.health_timeout_s = health_timeout_s
+        self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    def __enter__(self) -> str:
+        deployment = bench_deployment(yaml.safe_load(self.config.read_text()), self.reuse)
+        path = self.workdir / self.config.name
+        path.write_text(yaml.safe_dump(deployment, sort_keys=False))
+        verb = ["launch", str(path)] if is_disaggregated(deployment) else ["serve", "--config", str(path)]
+        self.url = f"http://127.0.0.1:{deployment['port']}"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *verb], cwd=REPO,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.health_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.url}/health not 200 after {self.health_timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGINT, then SIGTERM, then SIGKILL to the child's process group; each step waits."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            if proc.poll() is not None:
+                break
+            _signal_group(proc.pid, sig, whole_group=sig != signal.SIGINT)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                continue
+        _signal_group(proc.pid, signal.SIGKILL, whole_group=True)  # leftovers of the group, if any
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _signal_group(pid: int, sig: signal.Signals, *, whole_group: bool) -> None:
+    """Signal the child (`pid`) or its whole process group (the child leads it: pgid == pid)."""
+    try:
+        if whole_group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

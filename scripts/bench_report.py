@@ -1,0 +1,75 @@
+"""Text tables of benchmark figures and of the goal ratios (plain text, fixed-width, markdown-ready)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench_stats import Summary, ratio
+
+# (header, summary key, format)
+_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("reqs", "requests", "{:.0f}"),
+    ("err", "errors", "{:.0f}"),
+    ("out tok/s", "output_tok_s", "{:.1f}"),
+    ("TTFT mean ms", "ttft_mean_ms", "{:.1f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.1f}"),
+    ("TTFT p99", "ttft_p99_ms", "{:.1f}"),
+    ("TPOT mean ms", "tpot_mean_ms", "{:.2f}"),
+    ("TPOT p99", "tpot_p99_ms", "{:.2f}"),
+    ("ITL p99 ms", "itl_p99_ms", "{:.2f}"),
+    ("E2E p50 ms", "e2e_p50_ms", "{:.1f}"),
+    ("hit %", "cache_hit_rate", "{:.0%}"),
+    ("client CPU s", "client_cpu_s", "{:.2f}"),
+)
+
+
+def _cell(fmt: str, value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else fmt.format(value)
+
+
+def figures_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """A markdown table: one row per (figure name, median summary)."""
+    header = ["figure", *[h for h, _, _ in _COLUMNS]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, summary in rows:
+        cells = [name, *[_cell(fmt, summary.get(key)) for _, key, fmt in _COLUMNS]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """`numerator / denominator` of one metric against a goal; `at_least` False means at most."""
+
+    name: str
+    numerator: float
+    denominator: float
+    goal: float
+    at_least: bool = True
+
+    @property
+    def value(self) -> float:
+        return ratio(self.numerator, self.denominator)
+
+    @property
+    def verdict(self) -> str:
+        if math.isnan(self.value):
+            return "n/a"
+        met = self.value >= self.goal if self.at_least else self.value <= self.goal
+        return "met" if met else "MISSED"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "ratio": self.value, "goal": self.goal,
+                "at_least": self.at_least, "verdict": self.verdict,
+                "numerator": self.numerator, "denominator": self.denominator}
+
+
+def comparisons_table(comparisons: Sequence[Comparison]) -> str:
+    lines = ["| comparison | numerator | denominator | ratio | goal | verdict |", "|---|---|---|---|---|---|"]
+    for c in comparisons:
+        goal = f"{'>=' if c.at_least else '<='} {c.goal:g}x"
+        lines.append(f"| {c.name} | {_cell('{:.2f}', c.numerator)} | {_cell('{:.2f}', c.denominator)} "
+                     f"| {_cell('{:.2f}x', c.value)} | {goal} | {c.verdict} |")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Serving benchmark: TTFT, TPOT, ITL, E2E and output tok/s through the OpenAI streaming API.
+
+    # one workload against a running server, or against one started from a deployment YAML
+    python scripts/bench_serving.py run --url http://127.0.0.1:8000 --workload random --concurrency 1 8
+    python scripts/bench_serving.py run --config configs/aggregated.yaml --workload shared-prefix --no-reuse
+    # every goal comparison of the engine and disaggregation issues, baselines in the same run
+    python scripts/bench_serving.py compare --repeat 5 --json-out /tmp/bench.json
+
+Each figure runs `--repeat` times with fresh prompts and reports per-metric medians (bench_measure).
+Output: progress on stderr, markdown tables on stdout, then one JSON line (also `--json-out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench_compare import run_comparisons
+from bench_launch import REPO
+from bench_measure import (
+    WorkloadArgs,
+    measure_server,
+    model_vocab,
+    random_figure,
+    shared_prefix_figure,
+)
+from bench_report import figures_table
+from bench_workloads import SharedPrefixShape
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="builtin:tiny-llama", help="for the vocabulary (and the baseline)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--num-prompts-c1", type=int, default=8)
+    parser.add_argument("--num-prompts-per-slot", type=int, default=4, help="prompts = concurrency x this")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--shared-concurrency", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--prompts-per-group", type=int, default=8)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--question-len", type=int, default=32)
+    parser.add_argument("--shared-output-len", type=int, default=32)
+    parser.add_argument("--json-out", type=Path, help="also write the JSON line here")
+
+
+def workload_args(args: argparse.Namespace) -> WorkloadArgs:
+    shape = SharedPrefixShape(args.groups, args.prompts_per_group, args.prefix_len, args.question_len,
+                              args.shared_output_len)
+    return WorkloadArgs(args.num_prompts_c1, args.num_prompts_per_slot, args.input_len, args.output_len,
+                        args.shared_concurrency, shape)
+
+
+def emit(record: dict, json_out: Path | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if json_out is not None:
+        json_out.write_text(line + "\n")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    vocab, wargs = model_vocab(args.model), workload_args(args)
+    make = random_figure if args.workload == "random" else shared_prefix_figure
+    figures = [make(vocab, wargs, c) for c in args.concurrency]
+    medians = measure_server(args.config, args.url, not args.no_reuse, figures, args.repeat, vocab)
+    print(figures_table(list(medians.items())))
+    target = args.url or f"{args.config} reuse={'off' if args.no_reuse else 'on'}"
+    emit({"target": target, "repeat": args.repeat, "figures": medians}, args.json_out)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    record = run_comparisons(args.model, workload_args(args), args.repeat, parts,
+                             args.aggregated_config, args.disagg_config)
+    emit(record, args.json_out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one workload against one server")
+    target = run.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server or router, e.g. http://127.0.0.1:8000")
+    target.add_argument("--config", type=Path, help="start this deployment YAML for the run")
+    run.add_argument("--no-reuse", action="store_true", help="with --config: enable_block_reuse false")
+    run.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    run.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    add_workload_args(run)
+    run.set_defaults(func=cmd_run)
+    compare = sub.add_parser("compare", help="every goal comparison, baselines in the same run")
+    compare.add_argument("--aggregated-config", type=Path, default=REPO / "configs/aggregated.yaml")
+    compare.add_argument("--disagg-config", type=Path, default=REPO / "configs/disagg.yaml")
+    compare.add_argument("--parts", default="hf,agg,noreuse,disagg",
+                         help="comma list of: hf, agg, noreuse, disagg")
+    add_workload_args(compare)
+    compare.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The benchmark client against the real HTTP API (the unit tests' fake engine) on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from test_api_engine_fake import FakeEngine
+
+from server.api import create_app
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+from bench_client import run_workload, served_model  # noqa: E402
+from bench_launch import bench_deployment  # noqa: E402
+from bench_workloads import Workload  # noqa: E402
+
+START_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    engine = FakeEngine(model_name="fake-model", max_seq_len=256)
+    server = uvicorn.Server(uvicorn.Config(create_app(lambda: engine), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=START_TIMEOUT_S)
+    sock.close()
+
+
+def test_streamed_requests_are_timed_and_counted_from_usage(base_url):
+    repeated = list(range(40, 61))  # 21 tokens, sent twice: the fake caches 20 of them the 2nd time
+    prompts = [repeated, list(range(70, 80)), repeated, list(range(90, 95))]
+    results = asyncio.run(run_workload(base_url, "fake-model", Workload("t", prompts, 5), concurrency=2))
+    assert [r.error for r in results] == [None] * 4
+    assert [r.output_tokens for r in results] == [5, 5, 5, 5]
+    assert [r.prompt_tokens for r in results] == [21, 10, 21, 5]
+    assert [r.cached_tokens for r in results] == [0, 0, 20, 0]
+    for r in results:
+        assert len(r.chunk_times) == 5  # the fake streams one character per token
+        assert r.start < r.first_token == r.chunk_times[0] <= r.chunk_times[-1] <= r.end
+        assert r.tpot is not None and r.tpot >= 0
+
+
+def test_http_errors_and_short_outputs_are_recorded_not_raised(base_url):
+    bad = [[300]]  # outside the fake's 258-token vocabulary: HTTP 400
+    results = asyncio.run(run_workload(base_url, "fake-model", Workload("t", bad, 5), concurrency=1))
+    assert len(results) == 1 and results[0].error.startswith("HTTP 400: ")
+    assert "outside the vocabulary" in results[0].error
+    with pytest.raises(ValueError, match="concurrency"):
+        asyncio.run(run_workload(base_url, "fake-model", Workload("t", bad, 5), concurrency=0))
+
+
+def test_served_model_reads_v1_models(base_url):
+    assert served_model(base_url) == "fake-model"
+
+
+def test_bench_deployment_moves_every_server_to_free_ports_and_sets_reuse():
+    base = {"port": 8000, "kv_cache_config": {"tokens_per_block": 32, "enable_block_reuse": True},
+            "context_servers": {"num_instances": 1, "urls": ["127.0.0.1:8001"],
+                                "kv_cache_config": {"enable_block_reuse": True}},
+            "generation_servers": {"num_instances": 2, "urls": ["127.0.0.1:8002", "127.0.0.1:8003"]}}
+    out = bench_deployment(base, reuse=False)
+    ports = [out["port"]] + [int(u.rsplit(":", 1)[1]) for key in ("context_servers", "generation_servers")
+                             for u in out[key]["urls"]]
+    assert len(set(ports)) == 4 and 8000 not in ports
+    assert out["kv_cache_config"] == {"tokens_per_block": 32, "enable_block_reuse": False}
+    assert out["context_servers"]["kv_cache_config"] == {"enable_block_reuse": False}
+    assert "kv_cache_config" not in out["generation_servers"]  # inherits the top level
+    assert base["port"] == 8000 and base["kv_cache_config"]["enable_block_reuse"] is True  # not mutated
