@@ -120,10 +120,11 @@ class BlockManager:
         self.copied[src.level, dst.level] += 1
 
     # ---- tree
-    def insert(self, b: Block, block_hash: bytes, parent: Block | None, tokens: tuple[int, ...]) -> None:
+    def insert(self, b: Block, block_hash: bytes, parent: Block | None, tokens: tuple[int, ...],
+               salt_digest: bytes) -> None:
         """Put in-use private block `b` into the tree under `parent` (None: the root)."""
         assert b.in_use and b.hash is None and (parent is None or parent.level is P), (b, parent)
-        self.tree.add(b, block_hash, parent, tokens)
+        self.tree.add(b, block_hash, parent, tokens, salt_digest)
         if parent is not None:
             parent.children[b.id] = b
             parent.primary_children += 1

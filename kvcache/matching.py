@@ -87,7 +87,7 @@ class PrefixReuse:
         k = 0
         if self.partial and n * tpb < cap:
             tokens = tuple(token_ids[n * tpb:min(cap, (n + 1) * tpb)])
-            found = [self._partial_source(bm, f[n - 1] if n else None, tokens)
+            found = [self._partial_source(bm, f[n - 1] if n else None, tokens, req.salt_digest)
                      for bm, f in zip(bms, full, strict=True)]
             if all(found):
                 k = min(kg for _, kg in found)
@@ -96,11 +96,11 @@ class PrefixReuse:
         groups = [GroupPlan(f[:n], src, new) for f, src in zip(full, sources, strict=True)]
         return AdmitPlan(n * tpb + k, groups)
 
-    def _partial_source(self, bm: BlockManager, parent: Block | None,
-                        tokens: tuple[int, ...]) -> tuple[Block, int] | None:
+    def _partial_source(self, bm: BlockManager, parent: Block | None, tokens: tuple[int, ...],
+                        salt_dig: bytes) -> tuple[Block, int] | None:
         """The tree block under `parent` sharing the longest token prefix (>= 1) with `tokens`."""
         best: tuple[int, bool, Block] | None = None
-        for c in bm.tree.partial_candidates(parent, tokens[0]):
+        for c in bm.tree.partial_candidates(parent, tokens[0], salt_dig):
             if not self.onboard and c.level is not Level.PRIMARY:
                 continue
             if self.take_over and (c.in_use or c.children):
@@ -135,5 +135,5 @@ class PrefixReuse:
                 if h in bm.tree.by_hash:  # an equal block is cached: keep this one private
                     req.commit_stopped[g] = True
                     return
-                bm.insert(b, h, parent, tuple(token_ids[i * tpb:(i + 1) * tpb]))
+                bm.insert(b, h, parent, tuple(token_ids[i * tpb:(i + 1) * tpb]), req.salt_digest)
             req.committed[g] = i + 1

@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from kvcache.block import Block, Level
-from kvcache.hashing import ROOT_HASH
 
 
 class ReuseTree:
     def __init__(self) -> None:
         self.by_hash: dict[bytes, Block] = {}
+        # (parent hash, or the salt digest for a root child; first token) -> blocks. Keying root
+        # children by salt keeps namespaces apart (deeper hashes already chain the salt).
         self._by_first: dict[tuple[bytes, int], dict[int, Block]] = {}
+        self._key_of: dict[int, tuple[bytes, int]] = {}
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -33,17 +35,18 @@ class ReuseTree:
             out.append(b)
         return out
 
-    def add(self, block: Block, block_hash: bytes, parent: Block | None, tokens: tuple[int, ...]) -> None:
+    def add(self, block: Block, block_hash: bytes, parent: Block | None, tokens: tuple[int, ...],
+            salt_digest: bytes) -> None:
         block.hash = block_hash
         block.parent = parent
         block.tokens = tokens
         self.by_hash[block_hash] = block
-        key = (parent.hash if parent is not None else ROOT_HASH, tokens[0])
+        key = (parent.hash if parent is not None else salt_digest, tokens[0])
         self._by_first.setdefault(key, {})[block.id] = block
+        self._key_of[block.id] = key
 
     def remove(self, block: Block) -> None:
-        parent = block.parent
-        key = (parent.hash if parent is not None else ROOT_HASH, block.tokens[0])
+        key = self._key_of.pop(block.id)
         siblings = self._by_first[key]
         del siblings[block.id]
         if not siblings:
@@ -53,7 +56,9 @@ class ReuseTree:
         block.parent = None
         block.tokens = ()
 
-    def partial_candidates(self, parent: Block | None, first_token: int) -> Iterator[Block]:
-        """Tree blocks under `parent` (None: the root) whose first token is `first_token`."""
-        key = (parent.hash if parent is not None else ROOT_HASH, first_token)
+    def partial_candidates(self, parent: Block | None, first_token: int,
+                           salt_digest: bytes) -> Iterator[Block]:
+        """Tree blocks under `parent` (None: the root of namespace `salt_digest`) whose first token is
+        `first_token`."""
+        key = (parent.hash if parent is not None else salt_digest, first_token)
         yield from self._by_first.get(key, {}).values()

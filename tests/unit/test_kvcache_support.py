@@ -123,3 +123,31 @@ def test_token_values_depend_on_the_whole_prefix():
     assert token_values([1, 2, 3])[:2] == token_values([1, 2, 4])[:2]
     assert token_values([1, 2, 3])[2] != token_values([1, 2, 4])[2]
     assert token_values([0, 2, 3])[2] != token_values([1, 2, 3])[2]
+
+
+def refs(m: KVCacheManager, window: int = 64) -> dict[int, tuple[int, int]]:
+    """block id -> (ref, pins) of every in-use block of the group (reads the block manager)."""
+    return {b.id: (b.ref, b.pins) for b in m._by_window[window].bm.blocks if b.in_use}
+
+
+def free_ids(m: KVCacheManager, window: int = 64, level: Level = Level.PRIMARY) -> list[int]:
+    """Free block ids of a level in allocation order (reads the block manager)."""
+    return [b.id for b in m._by_window[window].bm.free[level]]
+
+
+def locate(m: KVCacheManager, block_ids: Sequence[int], window: int = 64) -> list[tuple[str, int]]:
+    """(level name, slot) of each block, through the public translation call."""
+    slots = m.get_memory_pool_block_indices(block_ids, window, require_primary=False)
+    bm = m._by_window[window].bm
+    return [(bm.blocks[i].level.name.lower()[0], s) for i, s in zip(block_ids, slots, strict=True)]
+
+
+def run_prefill(m: KVCacheManager, request_id: str, tokens: Sequence[int], book: PrefixBook | None = None,
+                **admit_kw) -> int:
+    """What the engine does for a prefill: admit, compute every uncached position, commit."""
+    hit = m.admit(request_id, tokens, **admit_kw)
+    write_kv(m, request_id, tokens, hit, len(tokens))
+    m.commit(request_id, tokens, len(tokens))
+    if book is not None:
+        book.add(tokens, admit_kw.get("salt"))
+    return hit
