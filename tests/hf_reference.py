@@ -48,3 +48,21 @@ def hf_logits(model_dir: str | Path, token_ids: Sequence[int], *, dtype: torch.d
     model = hf_model(str(model_dir), dtype, device)
     with torch.inference_mode():
         return model(torch.tensor([list(token_ids)], device=device)).logits[0].float().cpu()
+
+
+@functools.lru_cache(maxsize=512)
+def _greedy_no_eos(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    model = hf_model(model_dir, torch.float32, "cpu")
+    ids = torch.tensor([prompt])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=model.generation_config.pad_token_id)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy_ignore_eos(model_dir: str | Path, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens with EOS neither masked nor stopping (the engine's `ignore_eos`), float32 CPU."""
+    return list(_greedy_no_eos(str(model_dir), tuple(prompt_ids), max_new_tokens))

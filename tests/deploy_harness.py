@@ -1,0 +1,134 @@
+"""Launches a real deployment (`pdserve launch`) on free loopback ports and tears it down.
+
+Imported by integration tests as `import deploy_harness`. Every server is a real process; the
+harness only rewrites the ports of a shipped YAML and waits for the router's /health.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@dataclass
+class Deployment:
+    url: str
+    context_urls: list[str]
+    generation_urls: list[str]
+    process: subprocess.Popen
+    log_dir: Path
+    config: dict = field(default_factory=dict)
+
+    def logs(self) -> str:
+        parts = [f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.log_dir.glob("*.log"))]
+        return "\n".join(parts)
+
+    def metric(self, server_url: str, name: str, labels: str = "") -> float:
+        """Sum of the samples of `name` (whose label text contains `labels`) on one server."""
+        text = httpx.get(f"{server_url}/metrics", timeout=10).text
+        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+        return sum(float(v) for lab, v in pattern.findall(text) if labels in (lab or ""))
+
+    def server_pids(self, role: str) -> list[int]:
+        """pids of the launcher's children serving `role` (context|generation|router)."""
+        import psutil
+
+        pids = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            cmd = " ".join(child.cmdline())
+            if (role == "router" and " router " in cmd) or f"--role {role}" in cmd:
+                pids.append(child.pid)
+        return pids
+
+
+def write_config(source: Path, tmp_path: Path, overrides: dict | None = None) -> tuple[Path, dict]:
+    """Copy a shipped YAML with every port replaced by a free one (and `overrides` merged in)."""
+    cfg = _merge(yaml.safe_load(source.read_text()), overrides or {})
+    cfg["port"] = free_port()
+    for section in ("context_servers", "generation_servers"):
+        if section in cfg:
+            cfg[section]["urls"] = [f"127.0.0.1:{free_port()}" for _ in cfg[section]["urls"]]
+    path = tmp_path / source.name
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+@contextmanager
+def launched(config: str, tmp_path: Path, overrides: dict | None = None) -> Iterator[Deployment]:
+    path, cfg = write_config(ROOT / "configs" / config, tmp_path, overrides)
+    log_dir = tmp_path / "logs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir", str(log_dir)],
+                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deployment = Deployment(
+        url=f"http://127.0.0.1:{cfg['port']}",
+        context_urls=[f"http://{u}" for u in cfg.get("context_servers", {}).get("urls", [])],
+        generation_urls=[f"http://{u}" for u in cfg.get("generation_servers", {}).get("urls", [])],
+        process=process, log_dir=log_dir, config=cfg)
+    try:
+        _wait_ready(deployment)
+        yield deployment
+    finally:
+        _stop(process)
+
+
+def _wait_ready(deployment: Deployment) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if deployment.process.poll() is not None:
+            raise AssertionError(f"launcher exited with {deployment.process.returncode}\n{deployment.logs()}")
+        try:
+            if httpx.get(f"{deployment.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"deployment not healthy within {STARTUP_TIMEOUT_S} s\n{deployment.logs()}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} did not hold within {timeout_s} s")
