@@ -14,8 +14,7 @@ in this path, so stream order alone keeps offload-then-onboard of one slot corre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import groupby
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -32,6 +31,25 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
             runs.append((start, slots[start], i - start))
             start = i
     return runs
+
+
+def _batches(ops: Sequence[CopyOp]) -> Iterator[tuple[tuple[Level, Level], list[CopyOp]]]:
+    """Runs of consecutive ops with the same (src level, dst level). A run is also cut before an op
+    that reads a slot written earlier in it (possible only within one level): a batch gathers all its
+    sources before it writes."""
+    key: tuple[Level, Level] | None = None
+    batch: list[CopyOp] = []
+    written: set[int] = set()
+    for op in ops:
+        k = (op.src_level, op.dst_level)
+        if k != key or (op.src_level is op.dst_level and op.src_slot in written):
+            if batch:
+                yield key, batch
+            key, batch, written = k, [], set()
+        batch.append(op)
+        written.add(op.dst_slot)
+    if batch:
+        yield key, batch
 
 
 def _rows(pool: torch.Tensor) -> torch.Tensor:
@@ -61,10 +79,10 @@ class GroupPools:
         return self.primary if level is Level.PRIMARY else self.secondary
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
-        """Run `ops` in order, batching consecutive ops of the same (src level, dst level)."""
-        for (src_level, dst_level), batch in groupby(ops, key=lambda op: (op.src_level, op.dst_level)):
-            # One batch never reads a slot it writes earlier (see BlockManager), and a destination
-            # written twice keeps the later source: the dict keeps the last write per destination.
+        """Run `ops` with the result of running them one by one, batching consecutive ops of the same
+        (src level, dst level)."""
+        for (src_level, dst_level), batch in _batches(ops):
+            # a destination written twice keeps the later source: the dict keeps the last write
             pairs = sorted({op.dst_slot: op.src_slot for op in batch}.items())
             self._copy(src_level, dst_level, [s for _, s in pairs], [d for d, _ in pairs])
 

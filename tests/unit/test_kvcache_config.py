@@ -1,0 +1,98 @@
+"""KvCacheConfig / CacheLayout validation, pool sizing, and block hashes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kvcache_support import make_manager
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("tokens_per_block", 0, "must be an integer > 0"),
+    ("tokens_per_block", 4.0, "must be an integer > 0"),
+    ("max_tokens", 16, "below one block"),
+    ("max_tokens", -32, "must be null or an integer > 0"),
+    ("free_gpu_memory_fraction", 1.5, r"must be a number in \(0, 1\]"),
+    ("free_gpu_memory_fraction", 0, r"must be a number in \(0, 1\]"),
+    ("enable_block_reuse", "yes", "must be true or false"),
+    ("host_cache_size", -1, "must be an integer >= 0"),
+    ("secondary_offload_min_priority", 101, r"must be an integer in \[0, 100\]"),
+    ("tokens_per_blocks", 32, "unknown key"),
+])
+def test_from_dict_names_source_key_and_value(key, value, why):
+    with pytest.raises(ValueError, match=rf"^ctx\.kv_cache_config\.{key}={value!r}: {why}"):
+        KvCacheConfig.from_dict({key: value}, source="ctx.kv_cache_config")
+
+
+def test_constructor_validates_and_from_dict_reads_yaml_values():
+    with pytest.raises(ValueError, match=r"^KvCacheConfig\.tokens_per_block=-4: must be an integer > 0"):
+        KvCacheConfig(tokens_per_block=-4)
+    cfg = KvCacheConfig.from_dict({"max_tokens": 1024, "tokens_per_block": 32, "host_cache_size": 268435456,
+                                   "secondary_offload_min_priority": 0, "free_gpu_memory_fraction": 1})
+    assert (cfg.max_tokens, cfg.host_cache_size, cfg.secondary_offload_min_priority) == (1024, 268435456, 0)
+    assert cfg.enable_block_reuse and cfg.enable_partial_reuse and cfg.copy_on_partial_reuse
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"layer_windows": (64, 65)},
+     r"layer_windows\[1\]=65: layer 1's window must be an integer in \[1, max_seq_len=64\]"),
+    ({"layer_windows": ()}, "needs at least one layer"),
+    ({"num_kv_heads": 0}, r"num_kv_heads=0: must be an integer > 0"),
+    ({"head_dim": 2.5}, r"head_dim=2.5"),
+    ({"dtype": "float16"}, "must be a torch.dtype"),
+    ({"device": "nodevice"}, "device='nodevice'"),
+])
+def test_layout_errors_name_the_field(kwargs, match):
+    args = dict(layer_windows=(64,), num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu",
+                max_seq_len=64)
+    with pytest.raises(ValueError, match=match):
+        CacheLayout(**{**args, **kwargs})
+
+
+def test_sizing_per_group_from_max_tokens_and_host_bytes():
+    layout = CacheLayout((32, 64, 64), 2, 8, torch.float16, "cpu", 64)
+    assert layout.bytes_per_token() == 3 * 2 * 2 * 8 * 2 == 192
+    cfg = KvCacheConfig(tokens_per_block=4, max_tokens=40, host_cache_size=192 * 4 * 5 + 100)
+    m = KVCacheManager(cfg, layout)
+    for w, layers in ((32, 1), (64, 2)):
+        assert (m.num_slots(w), m.num_slots(w, Level.SECONDARY)) == (10, 5)
+        assert m.slot_bytes(w) == layers * 2 * 4 * 2 * 8 * 2
+    cpu_default = KVCacheManager(KvCacheConfig(tokens_per_block=4), layout)
+    assert cpu_default.num_slots(64) == 8 * 64 // 4  # CPU without max_tokens: 8 * max_seq_len tokens
+    assert cpu_default.pool(64, Level.SECONDARY) is None
+
+
+def test_block_hashes_chain_and_salt():
+    toks = list(range(70))
+    h = block_hashes(toks, 32)
+    assert len(h) == 2 and all(len(x) == 16 for x in h)
+    assert block_hashes(toks[:64], 32) == h and block_hashes(toks[:40], 32) == h[:1]
+    assert block_hashes([99] + toks[1:], 32)[1] != h[1]  # the chain carries the first block
+    assert block_hashes(toks, 32, "m")[0] != h[0]
+    assert request_salt("m", None) == "m" and request_salt("m", "lora") != "m"
+    # a fixed value: the router and other processes recompute these hashes, so the definition is frozen
+    assert h[0].hex() == "03599aa98457e63b0626ac610bd17fde"
+    with pytest.raises(ValueError, match="tokens_per_block=0"):
+        block_hashes(toks, 0)
+
+
+def _hash_in_subprocess() -> str:
+    code = "from kvcache import block_hashes; print(block_hashes(list(range(70)), 32)[0].hex())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout.strip()
+
+
+def test_block_hashes_are_the_same_in_another_process():
+    assert block_hashes(list(range(70)), 32)[0].hex() == _hash_in_subprocess()
+
+
+def test_manager_uses_the_router_visible_hashes():
+    m = make_manager("cpu", salt="fp")
+    m.admit("a", list(range(9)))
+    m.commit("a", list(range(9)), 9)
+    assert m.cached_block_hashes() == block_hashes(list(range(9)), 4, request_salt("fp", None))
