@@ -52,7 +52,7 @@ class LlamaModel:
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""

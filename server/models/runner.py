@@ -69,7 +69,7 @@ class ModelRunner:
         tensors = load_tensors(safetensors_files(self.spec.model_dir), dtype=dtype, device=device)
         self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order."""
         return self.forward(self.prepare(chunks))
@@ -92,7 +92,7 @@ class ModelRunner:
         return StepInputs(_to_device(token_ids, self.device), pos, _to_device(rows, self.device),
                           self.attention.plan(layout, pos))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Device work of a step: no host synchronisation in here."""
         return self.model.forward(inputs.token_ids, inputs.positions, inputs.attn_meta, inputs.logit_rows)
