@@ -25,6 +25,7 @@ REASONS = (
     "lease_expired",  # the lease ended while its transfer was running
     "peer_gone",  # the other side disconnected or shut down
     "cancelled",  # the receiver cancelled
+    "internal_error",  # the sender hit an unexpected error serving the pull (logged there)
     "remote_error",  # the peer sent a reason this version does not know
 )
 

@@ -30,6 +30,7 @@ from transceiver.stats import TransferStats
 log = logging.getLogger(__name__)
 
 STAGING_BUFFERS = 4  # chunks in flight per sender (each max_chunk_bytes)
+CHUNKS_PER_STEP = STAGING_BUFFERS  # bounds the engine thread's time in one `step`
 
 
 @dataclass
@@ -84,10 +85,15 @@ class KVSender:
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
         lease = _Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
                        time.monotonic() + self._config.timeout_s)
-        for window, ids in lease.blocks.items():
-            live = [b for b in ids if b >= 0]
-            self._kv.pin_blocks(live, window)
-            lease.pinned[window] = live
+        try:
+            for window, ids in lease.blocks.items():
+                live = [b for b in ids if b >= 0]
+                self._kv.pin_blocks(live, window)  # may onboard; raises OutOfBlocksError before pinning
+                lease.pinned[window] = live
+        except Exception:
+            for window, live in lease.pinned.items():
+                self._kv.unpin_blocks(live, window)
+            raise
         self._leases[ctx_request_id] = lease
 
     def drop_lease(self, ctx_request_id: str) -> None:
@@ -157,20 +163,19 @@ class KVSender:
             self._reply_failed(peer, req.pull_id, *problem)
             return
         assert lease is not None
+        lease.job = _Job(peer, req.pull_id, deque(), time.monotonic())
         try:
             for r in req.ranges:
                 self._kv.ensure_primary(self._range_ids(lease, r), r.window)
         except OutOfBlocksError as e:
-            self._reply_failed(peer, req.pull_id, "out_of_blocks", f"cannot onboard offloaded blocks: {e}")
-            self._end_lease(req.ctx_request_id, "out_of_blocks", "", notify=False)
+            self._end_lease(req.ctx_request_id, "out_of_blocks", f"cannot onboard offloaded blocks: {e}")
             return
         chunks: deque[ChunkPlan] = deque()
         for r in req.ranges:
             slot_bytes = self._kv.slot_bytes(r.window)
             chunks.extend(plan_chunks(r.window, r.first, r.count, slot_bytes, self._config.max_chunk_bytes))
-        now = time.monotonic()
-        lease.job = _Job(peer, req.pull_id, chunks, now)
-        lease.deadline = now + self._config.timeout_s  # a live pull renews the lease
+        lease.job.chunks = chunks
+        lease.deadline = time.monotonic() + self._config.timeout_s  # a live pull renews the lease
         self._active.append(req.ctx_request_id)
 
     def _check_pull(self, req: PullRequest, lease: _Lease | None) -> tuple[str, str] | None:
@@ -204,7 +209,8 @@ class KVSender:
 
     def _pump(self) -> None:
         """Gather and hand over chunks while staging buffers are free; Done after the last one."""
-        while self._active:
+        budget = CHUNKS_PER_STEP
+        while self._active and budget > 0:
             cid = self._active[0]
             lease = self._leases[cid]
             job = lease.job
@@ -218,7 +224,12 @@ class KVSender:
             i = self._staging.acquire()
             if i is None:
                 return
-            self._send_chunk(lease, job, job.chunks.popleft(), i)
+            budget -= 1
+            try:
+                self._send_chunk(lease, job, job.chunks.popleft(), i)
+            except Exception as e:  # a broken invariant must fail this pull, not the engine loop
+                log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
+                self._end_lease(cid, "internal_error", f"the context server failed to read the blocks: {e}")
 
     def _send_chunk(self, lease: _Lease, job: _Job, plan: ChunkPlan, i: int) -> None:
         ids = lease.blocks[plan.window][plan.first : plan.first + plan.count]

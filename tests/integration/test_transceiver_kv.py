@@ -1,0 +1,435 @@
+"""KV transfer between two real processes on loopback, each with a real KVCacheManager.
+
+The context process (`ctx_main`, driven over JSON lines on stdin/stdout) prefills by writing a byte
+pattern derived from each block's tokens into its slots, after forcing offload/onboard so that
+block ids differ from slots, and leases the blocks. This process plays the generation server:
+it reuses its own prefix cache, pulls only what it lacks (in-window blocks of the sliding group),
+and checks every byte of every block. Fault cases: unknown/expired ids, forged messages, a killed
+or restarted context process, an incompatible layout, cancel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from transceiver.codec import Codec
+from transceiver.config import TransceiverConfig
+from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
+from transceiver.receiver import KVReceiver, PullResult
+
+TOKEN = "integration-token-0123456789"
+TPB = 8
+WINDOWS = (32, 256, 32, 256)  # layers 0, 2: sliding window of 32 tokens; layers 1, 3: full
+FINGERPRINT = "test-model:v1"
+HERE = Path(__file__).resolve().parent
+
+
+def make_kv(max_blocks: int, host_blocks: int = 0, tpb: int = TPB) -> KVCacheManager:
+    layout = CacheLayout(layer_windows=WINDOWS, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                         device="cpu", max_seq_len=256)  # slot = 2 layers * 2 * tpb * 2 * 64 * 4 B = 16 KiB
+    host = host_blocks * tpb * layout.bytes_per_token()
+    cfg = KvCacheConfig(tokens_per_block=tpb, max_tokens=max_blocks * tpb, host_cache_size=host,
+                        secondary_offload_min_priority=0)
+    return KVCacheManager(cfg, layout)
+
+
+def pattern(window: int, index: int, tokens: list[int], nbytes: int) -> torch.Tensor:
+    """The bytes block `index` of `window` holds for `tokens` (its own tokens) on both sides."""
+    digest = hashlib.sha256(f"{window}:{index}:{tokens}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def slot_bytes_of(kv: KVCacheManager, window: int, slot: int) -> torch.Tensor:
+    return kv.pool(window, Level.PRIMARY)[slot].view(-1).view(torch.uint8)  # [slot_bytes]
+
+
+def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> None:
+    """'Prefill': write the pattern into every block from token `from_token` on."""
+    for w in kv.window_sizes:
+        for i, slot in enumerate(kv.slot_table(rid, w)):
+            if slot >= 0 and (i + 1) * kv.tokens_per_block > from_token:
+                block_tokens = tokens[i * kv.tokens_per_block : (i + 1) * kv.tokens_per_block]
+                slot_bytes_of(kv, w, slot).copy_(pattern(w, i, block_tokens, kv.slot_bytes(w)))
+
+
+# ---- the context process ---------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, timeout_ms: int, port: int) -> None:
+        from transceiver.sender import KVSender
+
+        self.kv = make_kv(max_blocks=16, host_blocks=64)
+        cfg = TransceiverConfig(auth_token=TOKEN, kv_transfer_timeout_ms=timeout_ms, port=port,
+                                max_chunk_bytes=64 * 1024)  # 4 blocks per chunk
+        self.sender = KVSender(self.kv, cfg, FINGERPRINT)
+        self.pause_after_bytes: int | None = None
+
+    def cache(self, rid: str, tokens: list[int]) -> dict:
+        hit = self.kv.admit(rid, tokens)
+        fill(self.kv, rid, tokens, hit)
+        self.kv.commit(rid, tokens, len(tokens))
+        self.kv.release(rid)
+        return {"hit": hit}
+
+    def prefill(self, rid: str, tokens: list[int]) -> dict:
+        hit = self.kv.admit(rid, tokens)
+        fill(self.kv, rid, tokens, hit)
+        self.kv.commit(rid, tokens, len(tokens))
+        self.kv.release_out_of_window(rid, len(tokens))
+        blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
+        slots = {w: self.kv.get_memory_pool_block_indices(ids, w) for w, ids in blocks.items()}
+        self.sender.add_lease(rid, blocks, len(tokens))
+        self.kv.release(rid)
+        stats = self.kv.stats()
+        return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads,
+                "onboards": stats.onboards}
+
+    def state(self) -> dict:
+        try:
+            self.kv.check_integrity()
+            integrity = "ok"
+        except Exception as e:  # reported to the test, which asserts on it
+            integrity = str(e)
+        blocks = self.kv.stats().blocks
+        s = self.sender.stats
+        return {"leases": self.sender.num_leases, "integrity": integrity,
+                "in_use": sum(n for (_, level, state), n in blocks.items() if state == "in_use"),
+                "lease_expired": s.lease_expired, "rejected": s.rejected_by_reason,
+                "transfers_ok": s.transfers_ok, "failures": s.failures_by_reason, "bytes_sent": s.bytes_sent}
+
+    def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "cache":
+            return self.cache(cmd["rid"], cmd["tokens"])
+        if op == "prefill":
+            return self.prefill(cmd["rid"], cmd["tokens"])
+        if op == "pause_after_bytes":
+            self.pause_after_bytes = cmd["n"]
+            return {}
+        return self.state()
+
+
+def ctx_main(timeout_ms: int, port: int) -> None:
+    """Context process: answers JSON commands on stdin, steps the sender in between."""
+    ctx = _Ctx(timeout_ms, port)
+    print(json.dumps({"endpoint": ctx.sender.endpoint, "epoch": ctx.sender.epoch}), flush=True)
+    buf = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0 if ctx.sender.busy else 0.002)
+        if ready:
+            data = os.read(0, 65536)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                print(json.dumps(ctx.handle(json.loads(line))), flush=True)
+        paused = ctx.pause_after_bytes is not None and ctx.sender.stats.bytes_sent >= ctx.pause_after_bytes
+        if not paused:
+            ctx.sender.step()
+    ctx.sender.close()
+
+
+class CtxProcess:
+    """The test's handle on a context process."""
+
+    def __init__(self, timeout_ms: int = 30000, port: int = 0) -> None:
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_kv as m; " \
+               f"m.ctx_main({timeout_ms}, {port})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent.parent)
+        hello = self._read(timeout_s=60)
+        self.endpoint, self.epoch = hello["endpoint"], hello["epoch"]
+
+    def _read(self, timeout_s: float = 10) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        assert ready, "context process did not answer"
+        line = self.proc.stdout.readline()
+        assert line, f"context process exited with {self.proc.poll()}"
+        return json.loads(line)
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+# ---- the generation side (this process) ------------------------------------------------------
+
+
+def tokens_for(topic: int, n: int) -> list[int]:
+    return [(topic * 7919 + i * 31) % 1000 + 1 for i in range(n)]
+
+
+def wanted_blocks(kv: KVCacheManager, rid: str, num_tokens: int,
+                  hit: int) -> dict[int, tuple[int, list[int]]]:
+    """Like the generation engine: skip the local prefix hit and blocks that left the window."""
+    kv.release_out_of_window(rid, num_tokens)
+    n = math.ceil(num_tokens / kv.tokens_per_block)
+    wanted = {}
+    for w in kv.window_sizes:
+        ids = kv.block_ids(rid, w)[:n]
+        first = max(hit // kv.tokens_per_block, next((i for i, b in enumerate(ids) if b >= 0), n))
+        wanted[w] = (first, kv.slot_table(rid, w)[first:n])
+    return wanted
+
+
+def wait_result(rx: KVReceiver, timeout_s: float = 15.0) -> PullResult:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = rx.step()
+        if results:
+            assert len(results) == 1
+            return results[0]
+        rx.wait(0.01)
+    raise AssertionError("no pull result")
+
+
+def wait_state(ctx: CtxProcess, cond, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = ctx.call("state")
+        if cond(state) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """Every held block of the request has the pattern of its tokens; returns blocks checked."""
+    checked = 0
+    for w in kv.window_sizes:
+        for i, slot in enumerate(kv.slot_table(rid, w)[: math.ceil(len(tokens) / TPB)]):
+            if slot >= 0:
+                expected = pattern(w, i, tokens[i * TPB : (i + 1) * TPB], kv.slot_bytes(w))
+                assert torch.equal(slot_bytes_of(kv, w, slot), expected), f"window {w} block {i}"
+                checked += 1
+    return checked
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    proc = CtxProcess()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def rx():
+    receiver = KVReceiver(make_kv(max_blocks=32), TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    yield receiver
+    receiver.close()
+
+
+def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_tokens: int = 0,
+         epoch: str | None = None) -> tuple[PullResult, dict]:
+    kv = rx._kv
+    hit = kv.admit(rid, tokens, max_cached_tokens=hit_tokens)
+    wanted = wanted_blocks(kv, rid, len(tokens), hit)
+    rx.start_pull(rid, ctx.endpoint, epoch or ctx.epoch, rid, wanted)
+    return wait_result(rx), wanted
+
+
+def test_pull_after_offload_and_onboard_moves_every_byte(ctx: CtxProcess, rx: KVReceiver) -> None:
+    shared = tokens_for(1, 96)
+    ctx.call("cache", rid="warm", tokens=shared)  # 12 blocks, cached
+    ctx.call("cache", rid="filler", tokens=tokens_for(2, 112))  # 14 blocks: evicts -> offloads "warm"
+    tokens = shared[:80] + tokens_for(3, 21)  # 101 tokens: 10 blocks reused from the host pool
+    info = ctx.call("prefill", rid="req-a", tokens=tokens)
+    assert info["hit"] == 80 and info["offloads"] > 0 and info["onboards"] > 0
+    full = str(256)
+    moved = [(b, s) for b, s in zip(info["blocks"][full], info["slots"][full], strict=True) if b != s]
+    assert moved, "offload/onboard should have made some block id differ from its slot"
+    assert info["blocks"]["32"][:8] == [-1] * 8 and min(info["blocks"]["32"][8:]) >= 0  # out of window
+
+    # the generation side already holds the first 3 blocks of the prompt
+    rx._kv.admit("seed", tokens[:24])
+    fill(rx._kv, "seed", tokens[:24], 0)
+    rx._kv.commit("seed", tokens[:24], 24)
+    rx._kv.release("seed")
+    result, wanted = pull(rx, ctx, "req-a", tokens, hit_tokens=100)
+    assert wanted[256][0] == 3 and len(wanted[256][1]) == 10  # full-attention group: blocks 3..12
+    assert wanted[32][0] == 8 and len(wanted[32][1]) == 5  # sliding group: only in-window 8..12
+    assert result.ok, result.error
+    assert result.nbytes == 15 * 16384 == rx.stats.bytes_received
+    assert assert_blocks_match(rx._kv, "req-a", tokens) == 13 + 5
+    state = wait_state(ctx, lambda s: s["leases"] == 0)
+    assert (state["leases"], state["in_use"], state["integrity"], state["transfers_ok"]) == (0, 0, "ok", 1)
+    assert rx.stats.transfers_ok == 1 and rx.stats.failures_by_reason == {}
+    rx._kv.release("req-a")
+    rx._kv.check_integrity()
+
+
+def test_unknown_ctx_request_fails_fast(ctx: CtxProcess, rx: KVReceiver) -> None:
+    start = time.monotonic()
+    result, _ = pull(rx, ctx, "nobody", tokens_for(4, 20))
+    assert time.monotonic() - start < 5.0
+    assert (result.ok, result.reason) == (False, "unknown_request")
+    assert "no lease for ctx_request_id 'nobody'" in result.error
+    assert rx.num_pulls == 0 and rx.stats.failures_by_reason == {"unknown_request": 1}
+
+
+def test_epoch_mismatch_fails_without_reading(ctx: CtxProcess, rx: KVReceiver) -> None:
+    tokens = tokens_for(5, 40)
+    ctx.call("prefill", rid="req-e", tokens=tokens)
+    result, _ = pull(rx, ctx, "req-e", tokens, epoch="0" * 32)
+    assert (result.ok, result.reason, result.nbytes) == (False, "epoch_mismatch", 0)
+    assert "context server restarted" in result.error
+    rx.release_remote(ctx.endpoint, "req-e")
+    assert wait_state(ctx, lambda s: s["leases"] == 0)["in_use"] == 0
+
+
+def test_cancel_releases_the_lease(ctx: CtxProcess, rx: KVReceiver) -> None:
+    tokens = tokens_for(6, 60)
+    ctx.call("prefill", rid="req-c", tokens=tokens)
+    ctx.call("pause_after_bytes", n=0)  # the sender stops serving: the pull stays open
+    kv = rx._kv
+    kv.admit("req-c", tokens)
+    rx.start_pull("req-c", ctx.endpoint, ctx.epoch, "req-c", wanted_blocks(kv, "req-c", 60, 0))
+    rx.step()
+    rx.cancel("req-c")
+    assert rx.num_pulls == 0 and rx.stats.failures_by_reason == {"cancelled": 1}
+    ctx.call("pause_after_bytes", n=None)
+    state = wait_state(ctx, lambda s: s["leases"] == 0)
+    assert (state["leases"], state["in_use"], state["integrity"]) == (0, 0, "ok")
+    assert rx.step() == []
+
+
+def _raw_dealer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_forged_messages_are_dropped_and_the_next_pull_succeeds(ctx: CtxProcess, rx: KVReceiver) -> None:
+    before = ctx.call("state")["rejected"]
+    tokens = tokens_for(7, 50)
+    ctx.call("prefill", rid="req-f", tokens=tokens)
+    good = Codec(TOKEN.encode(), "attacker")
+    steal = PullRequest(pull_id=1, ctx_request_id="not-leased", ctx_epoch=ctx.epoch, ranges=[])
+    header, mac = good.seal(steal)
+    sock = _raw_dealer(ctx.endpoint)
+    try:
+        sock.send_multipart(Codec(b"not-the-deployment-token", "attacker").seal(steal))  # forged
+        sock.send_multipart([header[:-4], mac])  # truncated
+        sock.send_multipart([b"\x00" * 10])  # garbage
+        sock.send_multipart([header, mac])
+        sock.send_multipart([header, mac])  # replayed
+        assert sock.poll(5000)
+        _, reply = good.open(*sock.recv_multipart())  # only the one authentic message is answered
+        assert (reply.reason, reply.pull_id) == ("unknown_request", 1)
+        hello = good.seal(Hello(layout=Layout(tokens_per_block=8, windows=[], fingerprint="x")))
+        env = msgspec.msgpack.decode(hello[0], type=Envelope)
+        old = msgspec.msgpack.encode(msgspec.structs.replace(env, version=PROTOCOL_VERSION + 1))
+        sock.send_multipart([old, good.mac(old)])  # wrong version, valid MAC
+    finally:
+        sock.close(linger=0)
+    state = wait_state(ctx, lambda s: sum(s["rejected"].values()) - sum(before.values()) >= 5)
+    delta = {k: v - before.get(k, 0) for k, v in state["rejected"].items() if v - before.get(k, 0)}
+    assert delta == {"bad_mac": 2, "malformed": 1, "replayed": 1, "wrong_version": 1}
+    result, _ = pull(rx, ctx, "req-f", tokens)
+    assert result.ok, result.error
+    assert assert_blocks_match(rx._kv, "req-f", tokens) == 7 + 5
+
+
+def test_incompatible_layout_is_refused_naming_the_difference(ctx: CtxProcess) -> None:
+    kv = make_kv(max_blocks=32, tpb=16)
+    receiver = KVReceiver(kv, TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    try:
+        kv.admit("req-i", tokens_for(8, 32))
+        wanted = {256: (0, kv.slot_table("req-i", 256))}
+        receiver.start_pull("req-i", ctx.endpoint, ctx.epoch, "req-i", wanted)
+        result = wait_result(receiver)
+        assert (result.ok, result.reason) == (False, "incompatible")
+        assert "tokens_per_block differs: context 8 vs generation 16" in result.error
+    finally:
+        receiver.close()
+
+
+def test_lease_expires_when_nobody_pulls_and_late_pull_fails() -> None:
+    ctx = CtxProcess(timeout_ms=800)
+    receiver = KVReceiver(make_kv(max_blocks=32), TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    try:
+        tokens = tokens_for(9, 64)
+        ctx.call("prefill", rid="req-x", tokens=tokens)
+        assert ctx.call("state")["in_use"] == 8 + 4
+        state = wait_state(ctx, lambda s: s["lease_expired"] == 1)
+        assert (state["lease_expired"], state["leases"], state["in_use"]) == (1, 0, 0)
+        assert state["integrity"] == "ok"
+        result, _ = pull(receiver, ctx, "req-x", tokens)
+        assert (result.ok, result.reason) == (False, "unknown_request")
+    finally:
+        receiver.close()
+        ctx.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_killed_context_fails_the_pull_within_the_timeout_and_a_restart_changes_epoch() -> None:
+    port = _free_port()
+    ctx = CtxProcess(port=port)
+    kv = make_kv(max_blocks=32)
+    receiver = KVReceiver(kv, TransceiverConfig(auth_token=TOKEN, kv_transfer_timeout_ms=1500), FINGERPRINT)
+    try:
+        tokens = tokens_for(10, 100)
+        ctx.call("prefill", rid="req-k", tokens=tokens)
+        ctx.call("pause_after_bytes", n=1)  # stop after the first step (at most 4 of the 6 chunks)
+        kv.admit("req-k", tokens)
+        start = time.monotonic()
+        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        deadline = time.monotonic() + 10
+        while receiver.stats.bytes_received == 0 and time.monotonic() < deadline:
+            assert receiver.step() == []
+            receiver.wait(0.01)
+        ctx.kill()
+        result = wait_result(receiver)
+        assert (result.ok, result.reason) == (False, "timeout")
+        assert 0 < result.nbytes == receiver.stats.bytes_received <= 13 * 16384 < 18 * 16384
+        assert 1.4 < time.monotonic() - start < 3.0
+        old_epoch = ctx.epoch
+        ctx = CtxProcess(port=port)  # the context server restarts on the same address
+        assert ctx.epoch != old_epoch
+        ctx.call("prefill", rid="req-k", tokens=tokens)
+        receiver.start_pull("req-k", ctx.endpoint, old_epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        result = wait_result(receiver)
+        assert (result.ok, result.reason) == (False, "epoch_mismatch")
+        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        result = wait_result(receiver)
+        assert result.ok, result.error
+        assert assert_blocks_match(kv, "req-k", tokens) == 13 + 5
+    finally:
+        receiver.close()
+        ctx.stop()
