@@ -5,12 +5,15 @@ folder with free loopback ports and the requested `enable_block_reuse`, then run
 `python -m server.cli serve --config X` (no server lists: aggregated) or `... launch X`
 (context/generation servers behind the router). The child gets its own process group; stopping
 sends SIGINT to the child (the launcher forwards it), then SIGTERM and SIGKILL to that group.
+With `profile=PATH`, py-spy samples the server and all its children from health until stop and
+writes collapsed stacks to PATH (summarize them with bench_profile.py).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,12 +71,15 @@ def bench_deployment(base: dict[str, Any], reuse: bool) -> dict[str, Any]:
 class ServerUnderTest:
     """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL."""
 
-    def __init__(self, config: Path, *, reuse: bool = True, health_timeout_s: float = HEALTH_TIMEOUT_S):
+    def __init__(self, config: Path, *, reuse: bool = True, profile: Path | None = None,
+                 health_timeout_s: float = HEALTH_TIMEOUT_S):
         self.config = config
         self.reuse = reuse
+        self.profile = profile
         self.health_timeout_s = health_timeout_s
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.profiler: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     @property
@@ -91,6 +97,8 @@ class ServerUnderTest:
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_healthy()
+            if self.profile is not None:
+                self.profiler = start_py_spy(self.proc.pid, self.profile)
         except BaseException:
             self.stop()
             raise
@@ -114,6 +122,8 @@ class ServerUnderTest:
 
     def stop(self) -> None:
         """SIGINT, then SIGTERM, then SIGKILL to the child's process group; each step waits."""
+        stop_py_spy(self.profiler)
+        self.profiler = None
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -143,3 +153,27 @@ def _signal_group(pid: int, sig: signal.Signals, *, whole_group: bool) -> None:
             os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy (on PATH, or $PY_SPY) recording `pid` and its children as collapsed stacks into `out`."""
+    exe = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if exe is None:
+        raise FileNotFoundError("py-spy not found: pip install py-spy, or set PY_SPY to its path")
+    argv = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "250",
+            "--format", "raw", "--output", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # let it attach before the measurement starts
+    return proc
+
+
+def stop_py_spy(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGINT makes py-spy write its output; kill it if it does not finish in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_GRACE_S)

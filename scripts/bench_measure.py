@@ -99,15 +99,15 @@ def measure(url: str, figures: Sequence[Figure], repeat: int, vocab: list[int]) 
     return {name: median_summary(found) for name, found in runs.items()}
 
 
-def measure_server(config: Path | None, url: str | None, reuse: bool,
-                   figures: Sequence[Figure], repeat: int, vocab: list[int]) -> dict[str, Summary]:
-    """`measure` against `url`, or against a server started from `config` for the duration."""
+def measure_server(config: Path | None, url: str | None, reuse: bool, figures: Sequence[Figure],
+                   repeat: int, vocab: list[int], profile: Path | None = None) -> dict[str, Summary]:
+    """`measure` against `url`, or against a server started from `config` (py-spy'd into `profile`)."""
     if url is not None:
         return measure(url, figures, repeat, vocab)
     if config is None:
         raise ValueError("give a url or a config")
     print(f"starting {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
-    with ServerUnderTest(config, reuse=reuse) as started:
+    with ServerUnderTest(config, reuse=reuse, profile=profile) as started:
         return measure(started, figures, repeat, vocab)
 
 

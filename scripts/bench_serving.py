@@ -63,7 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     vocab, wargs = model_vocab(args.model), workload_args(args)
     make = random_figure if args.workload == "random" else shared_prefix_figure
     figures = [make(vocab, wargs, c) for c in args.concurrency]
-    medians = measure_server(args.config, args.url, not args.no_reuse, figures, args.repeat, vocab)
+    medians = measure_server(args.config, args.url, not args.no_reuse, figures, args.repeat, vocab,
+                             profile=args.profile)
     print(figures_table(list(medians.items())))
     target = args.url or f"{args.config} reuse={'off' if args.no_reuse else 'on'}"
     emit({"target": target, "repeat": args.repeat, "figures": medians}, args.json_out)
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--url", help="a running server or router, e.g. http://127.0.0.1:8000")
     target.add_argument("--config", type=Path, help="start this deployment YAML for the run")
     run.add_argument("--no-reuse", action="store_true", help="with --config: enable_block_reuse false")
+    run.add_argument("--profile", type=Path, help="with --config: py-spy the server into this file")
     run.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
     run.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     add_workload_args(run)
