@@ -1,0 +1,89 @@
+"""Disaggregated deployments beyond the replay: sliding windows, streaming and chat through the
+router with the real `openai` client, and a 2 + 2 deployment under each routing policy."""
+
+from __future__ import annotations
+
+import time
+
+import deploy_harness as dh
+import hf_reference
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from server.models.builtin import resolve_model
+
+FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _hf_text(model: str, prompt: str, n: int) -> str:
+    model_dir = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(prompt), n)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str, n: int = 16, **extra):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                     extra_body={"ignore_eos": True}, **extra)
+
+
+def test_sliding_window_pair_matches_transformers_beyond_the_window(tmp_path):
+    model = "builtin:tiny-qwen3-swa"  # window 64 tokens; prompts of ~180 tokens
+    prompts = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in ("rivers", "bridges")]
+    with dh.launched("disagg_vswa.yaml", tmp_path) as dep:
+        client = _client(dep.url)
+        for prompt in prompts:
+            first = _complete(client, model, prompt, 24)
+            again = _complete(client, model, prompt, 24)
+            assert first.choices[0].text == again.choices[0].text == _hf_text(model, prompt, 24)
+            assert first.usage.prompt_tokens > 150
+            assert again.usage.prompt_tokens_details.cached_tokens > 0
+        for url in dep.context_urls + dep.generation_urls:
+            dh.wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10)
+
+
+def test_streaming_and_chat_through_the_router(tmp_path):
+    model = "builtin:tiny-llama"
+    prompt = "Topic: tides. " + FILLER * 2
+    with dh.launched("disagg.yaml", tmp_path) as dep:
+        client = _client(dep.url)
+        whole = _complete(client, model, prompt, 20)
+        assert whole.choices[0].text == _hf_text(model, prompt, 20)
+        stream = _complete(client, model, prompt, 20, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert chunks[-1].usage.completion_tokens == 20
+        messages = [{"role": "user", "content": "Tell me about the sea."}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                  extra_body={"ignore_eos": True}, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert chat.usage.completion_tokens == 12
+        assert text == chat.choices[0].message.content
+        one = _complete(client, model, prompt, 1)  # the context leg alone finishes it
+        assert one.choices[0].text == whole.choices[0].text[: len(one.choices[0].text)]
+        assert one.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("policy", ["kv_cache_aware", "load_balancing"])
+def test_two_by_two_deployment(tmp_path, policy):
+    model = "builtin:tiny-llama"
+    prompts = [f"Topic: {t}. " + FILLER * 3 for t in ("maps", "clocks", "lamps")]
+    expected = [_hf_text(model, p, 12) for p in prompts]
+    with dh.launched("disagg_2x2.yaml", tmp_path, {"router": {"type": policy}}) as dep:
+        client = _client(dep.url)
+        assert [_complete(client, model, p, 12).choices[0].text for p in prompts] == expected
+        time.sleep(1.5)  # the router polls the context servers' cached block hashes every second
+        replays = [_complete(client, model, p, 12) for p in prompts for _ in range(2)]
+        assert [r.choices[0].text for r in replays] == [e for e in expected for _ in range(2)]
+        hits = [r.usage.prompt_tokens_details.cached_tokens for r in replays]
+        if policy == "kv_cache_aware":  # every replay lands on the context server that has its prefix
+            assert all(h > 0 for h in hits), hits
+        served = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
+        assert all(s > 0 for s in served), served  # both context servers took work
