@@ -1,0 +1,48 @@
+from kvcache import block_hashes
+from server.router.backends import Backend
+from server.router.policies import KvCacheAware, LoadBalancing, RoundRobin, matched_blocks
+
+TOKENS = list(range(100, 196))  # 3 full blocks of 32
+
+
+def _backends(n: int) -> list[Backend]:
+    return [Backend(f"http://127.0.0.1:{9000 + i}", "context", healthy=True) for i in range(n)]
+
+
+def _no_prompt():
+    return None
+
+
+def test_round_robin_cycles_and_skips_fenced_and_excluded():
+    a, b, c = _backends(3)
+    policy = RoundRobin()
+    assert [policy.pick([a, b, c], _no_prompt, set()) for _ in range(4)] == [a, b, c, a]
+    b.fence("connection refused")
+    assert {policy.pick([a, b, c], _no_prompt, set()) for _ in range(4)} == {a, c}
+    assert policy.pick([a, b, c], _no_prompt, {a, c}) is None
+
+
+def test_load_balancing_prefers_fewest_active():
+    a, b, c = _backends(3)
+    a.active, b.active, c.active = 3, 1, 2
+    assert LoadBalancing().pick([a, b, c], _no_prompt, set()) is b
+    b.active = 5
+    assert LoadBalancing().pick([a, b, c], _no_prompt, set()) is c
+
+
+def _report(backend: Backend, tokens: list[int], salt: str = "fp") -> None:
+    backend.tokens_per_block, backend.hash_salt = 32, salt
+    backend.cached_hashes = frozenset(h.hex() for h in block_hashes(tokens, 32, salt))
+
+
+def test_kv_cache_aware_picks_longest_cached_prefix_then_load():
+    a, b, c = _backends(3)
+    _report(a, TOKENS[:32])
+    _report(b, TOKENS[:64] + [1] * 32)
+    assert matched_blocks(a, TOKENS) == 1 and matched_blocks(b, TOKENS) == 2 and matched_blocks(c, TOKENS) == 0
+    policy = KvCacheAware()
+    assert policy.pick([a, b, c], lambda: TOKENS, set()) is b
+    b.fence("health check failed")
+    assert policy.pick([a, b, c], lambda: TOKENS, set()) is a
+    a.active = 4
+    assert policy.pick([a, c], lambda: [7] * 64, set()) is c  # no prefix anywhere: fewest active
