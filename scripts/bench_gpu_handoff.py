@@ -1,0 +1,182 @@
+"""KV handoff on one GPU: context and generation servers of an 8B-shaped model, a 4,096-token prompt.
+
+Builds a random-weight model with Llama-3.1-8B dimensions (bfloat16, written once as safetensors),
+starts a context and a generation server on the same GPU, and for several fresh 4,096-token prompts
+times the context leg (prefill + first token) and the KV handoff the generation server reports
+(`pdserve_kv_transfer_seconds`, `pdserve_kv_transfer_bytes_total`). The baseline, measured in the
+same run, is the pinned host<->device copy bandwidth of the same machine (the transfer is staged
+through host memory: device gather -> pinned staging -> ZeroMQ -> pinned staging -> device scatter).
+
+    python scripts/bench_gpu_handoff.py --workdir /tmp/handoff [--layers 32] [--prompts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                rope_theta=500000.0)
+
+
+def build_model(out: Path, layers: int) -> Path:
+    """Random bfloat16 weights with 8B shapes (written shard by shard from the GPU)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from server.models.builtin import resolve_model
+
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tiny = resolve_model("builtin:tiny-llama")
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    LlamaConfig(num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=False, torch_dtype="bfloat16", **LLAMA_8B).save_pretrained(out)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, i, v = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["vocab_size"]
+    kvd = LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
+
+    save_file({"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": rnd(v, h)}, out / "model-00000.safetensors")
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        save_file({p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                   p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                   p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kvd, h),
+                   p + "self_attn.v_proj.weight": rnd(kvd, h), p + "self_attn.o_proj.weight": rnd(h, h),
+                   p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+                   p + "mlp.down_proj.weight": rnd(h, i)}, out / f"model-{layer + 1:05d}.safetensors")
+    return out
+
+
+def pinned_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000)
+        out[name] = nbytes / best / 1e9
+    return out
+
+
+def start_server(workdir: Path, model: Path, role: str, port: int) -> subprocess.Popen:
+    cfg = workdir / f"{role}.yaml"
+    cfg.write_text(json.dumps({"model": str(model), "hostname": "127.0.0.1", "port": port,
+                               "max_seq_len": 8192, "max_num_tokens": 8192, "max_batch_size": 8,
+                               "kv_cache_config": {"max_tokens": 16384, "tokens_per_block": 32},
+                               "cache_transceiver_config": {"kv_transfer_timeout_ms": 120000}}))
+    env = {**os.environ, "PDSERVE_AUTH_TOKEN": "bench-handoff-token-0123456789", "HF_HUB_OFFLINE": "1"}
+    log = open(workdir / f"{role}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--role", role],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{url} not healthy in time")
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def one_handoff(ctx: str, gen: str, prompt: list[int]) -> dict[str, float]:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    answer = httpx.post(f"{ctx}/v1/completions", timeout=600,
+                        json={**body, "disaggregated_params": {"request_type": "context_only"}}).json()
+    t1 = time.perf_counter()
+    params = answer["choices"][0]["disaggregated_params"]
+    secs0, bytes0 = metric(gen, "pdserve_kv_transfer_seconds_sum"), metric(gen, "pdserve_kv_transfer_bytes_total")
+    done = httpx.post(f"{gen}/v1/completions", timeout=600,
+                      json={**body, "disaggregated_params": {**params, "request_type": "generation_only"}})
+    t2 = time.perf_counter()
+    assert done.status_code == 200, done.text
+    time.sleep(0.3)  # metrics snapshots are refreshed every 0.1 s
+    secs = metric(gen, "pdserve_kv_transfer_seconds_sum") - secs0
+    nbytes = metric(gen, "pdserve_kv_transfer_bytes_total") - bytes0
+    return {"context_leg_s": t1 - t0, "generation_leg_s": t2 - t1, "handoff_s": secs, "bytes": nbytes,
+            "handoff_gb_s": nbytes / secs / 1e9 if secs else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-handoff"))
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    model = build_model(args.workdir / "llama8b-shaped", args.layers)
+    print(f"model ready in {time.perf_counter() - t:.1f} s: {model}", flush=True)
+    bandwidth = pinned_bandwidth()
+    print(f"pinned copy GB/s: {bandwidth}", flush=True)
+    servers = [start_server(args.workdir, model, "context", 18801), start_server(args.workdir, model, "generation", 18802)]
+    ctx, gen = "http://127.0.0.1:18801", "http://127.0.0.1:18802"
+    try:
+        for url, proc in zip((ctx, gen), servers, strict=True):
+            wait_healthy(url, proc)
+        rng = torch.Generator().manual_seed(1)
+        results = []
+        for k in range(args.prompts + 1):  # the first is a warm-up (connection set-up, allocator)
+            prompt = torch.randint(10, 120000, (args.prompt_len,), generator=rng).tolist()
+            r = one_handoff(ctx, gen, prompt)
+            print(("warm-up " if k == 0 else "") + json.dumps(r), flush=True)
+            if k:
+                results.append(r)
+        best = max(results, key=lambda r: r["handoff_gb_s"])
+        med = sorted(r["handoff_s"] for r in results)[len(results) // 2]
+        summary = {"prompt_tokens": args.prompt_len, "layers": args.layers, "kv_bytes": best["bytes"],
+                   "handoff_s_median": med, "handoff_gb_s_best": best["handoff_gb_s"],
+                   "context_leg_s_median": sorted(r["context_leg_s"] for r in results)[len(results) // 2],
+                   "pinned_h2d_gb_s": bandwidth["h2d"], "pinned_d2h_gb_s": bandwidth["d2h"],
+                   "handoff_vs_pinned_h2d": best["handoff_gb_s"] / bandwidth["h2d"]}
+        print("SUMMARY " + json.dumps(summary), flush=True)
+    finally:
+        for proc in servers:
+            proc.terminate()
+        for proc in servers:
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
