@@ -150,7 +150,8 @@ def main() -> None:
     print(f"model ready in {time.perf_counter() - t:.1f} s: {model}", flush=True)
     bandwidth = pinned_bandwidth()
     print(f"pinned copy GB/s: {bandwidth}", flush=True)
-    servers = [start_server(args.workdir, model, "context", 18801), start_server(args.workdir, model, "generation", 18802)]
+    roles = (("context", 18801), ("generation", 18802))
+    servers = [start_server(args.workdir, model, role, port) for role, port in roles]
     ctx, gen = "http://127.0.0.1:18801", "http://127.0.0.1:18802"
     try:
         for url, proc in zip((ctx, gen), servers, strict=True):
