@@ -91,3 +91,14 @@ def test_greedy_output_varies_and_depends_on_first_token(root: Path, name: str, 
     assert len(set(out)) >= 12, out
     changed = hf_reference.hf_greedy(model_dir, [prompt[0] + 1] + prompt[1:], 32)
     assert changed != out
+
+
+def test_hf_reference_eos_rules(root: Path) -> None:
+    """hf_greedy forbids EOS (min_tokens); hf_greedy_ignore_eos lets it through and goes on (ignore_eos)."""
+    model_dir = builtin.resolve_model("builtin:tiny-llama", root=root)
+    prompt = [245, 251, 150, 218, 121, 233, 7, 214, 442, 341, 369, 137, 126, 330]  # greedy meets EOS at step 21
+    free = hf_reference.hf_greedy_ignore_eos(model_dir, prompt, 32)
+    forbidden = hf_reference.hf_greedy(model_dir, prompt, 32)
+    assert len(free) == len(forbidden) == 32
+    assert free.index(2) == 20 and free.count(2) == 1
+    assert forbidden[:20] == free[:20] and 2 not in forbidden
