@@ -2,7 +2,7 @@
 
 The issue's goal is >= 4x HF's output tok/s at concurrency 8 (HF serving one request at a time), so
 the runner's 8-token step must take at most 2x one HF decode step. Measured on builtin:tiny-llama,
-256-token contexts, interleaved rounds (the machine is shared and noisy), medians compared.
+256-token contexts, interleaved rounds (the machine is shared and noisy), best rounds compared.
 """
 
 from __future__ import annotations
@@ -59,18 +59,21 @@ def _hf_decode_step_seconds(model_dir: Path) -> float:
 
 def test_batch8_decode_step_reaches_4x_hf_throughput(model_dir: Path) -> None:
     runner, tables = _decode_runner(model_dir)
-    ours, hf = [], []
+    ours, hf = [], []  # per round: median of 10 runner steps; one HF decode step
     past = CONTEXT
     _hf_decode_step_seconds(model_dir)  # warm-up
     for _ in range(ROUNDS):
+        steps = []
         for _ in range(10):
             chunks = [SeqChunk([7], past, t, need_logits=True) for t in tables]
             start = time.perf_counter()
             runner.execute(chunks)
-            ours.append(time.perf_counter() - start)
+            steps.append(time.perf_counter() - start)
             past += 1
+        ours.append(statistics.median(steps))
         hf.append(_hf_decode_step_seconds(model_dir))
-    ours_s, hf_s = statistics.median(ours), statistics.median(hf)
+    # best round of each: other processes on this shared machine only ever add time
+    ours_s, hf_s = min(ours), min(hf)
     ratio = (BATCH / ours_s) / (1 / hf_s)
     print(f"\nrunner step, {BATCH} decode tokens: {ours_s * 1e3:.2f} ms; "
           f"HF decode step: {hf_s * 1e3:.2f} ms; output tok/s ratio {ratio:.1f}x")
