@@ -108,10 +108,11 @@ class BlockManager:
 
     def allocate(self, priority: int) -> Block:
         """A new private primary block with ref 1 (evicts a cached block if no block is free)."""
-        b = self._take_primary()
+        b = self.free[P].popleft() if self.free[P] else self._take_primary()
         b.ref = 1
         b.priority = priority
-        self._became_used(b)
+        b.busy = True  # private: no ancestors to update
+        self.num_in_use += 1
         return b
 
     def copy(self, src: Block, dst: Block) -> None:
@@ -151,7 +152,8 @@ class BlockManager:
     # ---- internals
     def _became_used(self, b: Block) -> None:
         self.num_in_use += 1
-        self._update_busy(b)
+        if not b.busy:
+            self._update_busy(b)
 
     def _became_idle(self, b: Block) -> None:
         self.num_in_use -= 1
@@ -159,8 +161,10 @@ class BlockManager:
             b.busy = False
             self._free(b)
             return
-        self._update_busy(b)
-        self._maybe_queue(b)
+        if b.busy_children == 0:
+            self._update_busy(b)
+            if b.primary_children == 0 and b.holds == 0:
+                self.queues[P].push(b)  # a primary leaf (in use until now, so primary)
 
     def _update_busy(self, b: Block | None) -> None:
         """Recompute `busy` of b and, while it changes, of its ancestors."""

@@ -100,10 +100,21 @@ class GroupPools:
     @staticmethod
     def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
                           dst: list[int]) -> None:
-        src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
-        if src_rows is not dst_rows and dst[-1] - dst[0] == len(dst) - 1:  # one run: gather in place
-            torch.index_select(src_rows, 0, src_idx, out=dst_rows[dst[0]:dst[-1] + 1])
+        """One pass when the destinations (or, across pools, the sources) are one contiguous run."""
+        n = len(dst)
+        if src_rows is not dst_rows and dst[-1] - dst[0] == n - 1:  # gather straight into the slots
+            src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
+            torch.index_select(src_rows, 0, src_idx, out=dst_rows[dst[0]:dst[0] + n])
             return
+        first = min(src)
+        if src_rows is not dst_rows and max(src) - first == n - 1 and len(set(src)) == n:  # scatter from slots
+            dst_by_src = [0] * n
+            for s, d in zip(src, dst, strict=True):
+                dst_by_src[s - first] = d
+            dst_idx = torch.tensor(dst_by_src, dtype=torch.int64, device=dst_rows.device)
+            dst_rows.index_copy_(0, dst_idx, src_rows[first:first + n])
+            return
+        src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
         dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_rows.device)
         dst_rows.index_copy_(0, dst_idx, src_rows.index_select(0, src_idx))  # gathers before scattering
 

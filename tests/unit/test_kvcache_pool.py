@@ -51,16 +51,17 @@ def test_execute_matches_one_by_one_copies_with_one_indexed_copy_per_batch(devic
            CopyOp(S, 2, P, 3), CopyOp(S, 0, P, 2),  # onboards: one reads what the offloads wrote
            CopyOp(P, 1, S, 2), CopyOp(P, 3, S, 2),  # a destination written twice: the last wins
            CopyOp(P, 1, P, 3), CopyOp(P, 2, P, 1),  # primary copies: gather before scattering
-           CopyOp(P, 3, P, 0)]  # reads a slot written in this run: a new batch
+           CopyOp(P, 3, P, 0),  # reads a slot written in this run: a new batch
+           CopyOp(S, 1, P, 0), CopyOp(S, 1, P, 2), CopyOp(S, 3, P, 1)]  # one source twice
     ref = _reference(pools, ops)
     with CountIndexedCopies() as counter:
         pools.execute(ops)
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(pools.primary.cpu(), ref[P].cpu()) and torch.equal(pools.secondary, ref[S])
-    assert len(counter.calls) <= 2 * 5  # at most one gather and one scatter per batch, 5 batches
+    assert len(counter.calls) <= 2 * 6  # at most one gather and one scatter per batch, 6 batches
     # CPU gathers once per batch; CUDA's host->device batch gathers by DMA of contiguous runs instead
-    assert counter.calls.count("index_select") == (5 if device == "cpu" else 4)
+    assert counter.calls.count("index_select") == (6 if device == "cpu" else 4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
