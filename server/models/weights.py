@@ -56,7 +56,7 @@ def load_tensors(files: Iterable[Path], *, dtype: torch.dtype,
     """All tensors of `files`, converted to `dtype` on `device`."""
     out: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
                 out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     return out
