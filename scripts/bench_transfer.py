@@ -1,0 +1,216 @@
+"""KV transfer throughput: the transceiver against raw pyzmq, same bytes, same two processes, same run.
+
+    python scripts/bench_transfer.py [--sizes 16 64 256] [--repeats 5] [--chunk-mib 8]
+
+The parent process is the generation side (KVReceiver + KVCacheManager); it starts this script
+again as the context side (KVSender + KVCacheManager), driven by JSON lines on stdin/stdout.
+Per size and repeat:
+- transceiver: the context side "prefills" a request of that many KV bytes (random bytes in its
+  slots) and leases it; timed from `start_pull` to the ok `PullResult` (chunks gathered, sent,
+  checksummed, scattered into the receiver's slots, Ack sent), over an already connected link;
+- raw pyzmq: the context side pushes the same number of bytes from a preallocated buffer as
+  frames of --chunk-mib with copy=False over a PUSH/PULL pair; the receiver copies every frame
+  into a preallocated tensor; timed from the request to the last byte copied.
+The two are interleaved; the table shows the best and the median of the repeats (GB/s = 1e9 B/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from transceiver.config import TransceiverConfig
+
+TOKEN = "bench-transfer-token-0123456789"
+TPB = 32
+LAYERS = 8  # slot = 8 layers * 2 * 32 tokens * 8 kv heads * 128 * bf16 = 1 MiB per block
+MIB = 1 << 20
+
+
+def make_kv(max_mib: int) -> KVCacheManager:
+    blocks = max_mib + 8  # one slot per MiB, plus room
+    layout = CacheLayout(layer_windows=(blocks * TPB,) * LAYERS, num_kv_heads=8, head_dim=128,
+                         dtype=torch.bfloat16, device="cpu", max_seq_len=blocks * TPB)
+    return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=blocks * TPB,
+                                        enable_block_reuse=False), layout)
+
+
+def tokens_of(rid: int, mib: int) -> list[int]:
+    return [(rid * 131 + i) % 30000 for i in range(mib * TPB)]  # one block (1 MiB) per 32 tokens
+
+
+# ---- context side -----------------------------------------------------------------------------
+
+
+class ContextSide:
+    def __init__(self, max_mib: int, chunk: int) -> None:
+        from transceiver.sender import KVSender
+
+        self.kv = make_kv(max_mib)
+        self.window = self.kv.window_sizes[0]
+        self.sender = KVSender(self.kv, TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=chunk), "bench")
+        self.kv.pool(self.window, Level.PRIMARY).view(torch.uint8).random_(0, 256)  # "prefilled" KV
+        self.raw = zmq.Context.instance().socket(zmq.PUSH)
+        self.raw.setsockopt(zmq.LINGER, 0)
+        self.raw_port = self.raw.bind_to_random_port("tcp://127.0.0.1")
+        self.raw_src = torch.empty(max_mib * MIB, dtype=torch.uint8).random_(0, 256)
+        self.chunk = chunk
+
+    def handle(self, cmd: dict) -> dict:
+        if cmd["op"] == "lease":
+            rid = f"r{cmd['rid']}"
+            self.kv.admit(rid, tokens_of(cmd["rid"], cmd["mib"]))
+            self.sender.add_lease(rid, {self.window: self.kv.block_ids(rid, self.window)}, cmd["mib"] * TPB)
+            self.kv.release(rid)
+        elif cmd["op"] == "raw":
+            view = memoryview(self.raw_src.numpy())
+            for start in range(0, cmd["mib"] * MIB, self.chunk):
+                self.raw.send(view[start : start + self.chunk], copy=False)
+        return {"leases": self.sender.num_leases}
+
+
+def context_main(max_mib: int, chunk: int) -> None:
+    side = ContextSide(max_mib, chunk)
+    print(json.dumps({"endpoint": side.sender.endpoint, "epoch": side.sender.epoch,
+                      "raw": f"tcp://127.0.0.1:{side.raw_port}"}), flush=True)
+    buf = b""
+    while True:
+        if select.select([0], [], [], 0)[0]:
+            data = os.read(0, 65536)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                print(json.dumps(side.handle(json.loads(line))), flush=True)
+        side.sender.step()
+        side.sender.wait(0.001)
+    side.sender.close()
+
+
+# ---- generation side --------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, max_mib: int, chunk: int) -> None:
+        from transceiver.receiver import KVReceiver
+
+        script = Path(__file__).resolve()
+        self.proc = subprocess.Popen([sys.executable, str(script), "--context", str(max_mib), str(chunk)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        info = json.loads(self.proc.stdout.readline())
+        self.endpoint, self.epoch = info["endpoint"], info["epoch"]
+        self.kv = make_kv(max_mib)
+        self.window = self.kv.window_sizes[0]
+        self.rx = KVReceiver(self.kv, TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=chunk), "bench")
+        self.pull_sock = zmq.Context.instance().socket(zmq.PULL)
+        self.pull_sock.setsockopt(zmq.LINGER, 0)
+        self.pull_sock.connect(info["raw"])
+        self.raw_dst = torch.empty(max_mib * MIB, dtype=torch.uint8)
+        self.chunk = chunk
+        self.next_rid = 0
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def transceiver_seconds(self, mib: int) -> float:
+        self.next_rid += 1
+        rid = f"r{self.next_rid}"
+        self.call(op="lease", rid=self.next_rid, mib=mib)
+        self.kv.admit(rid, tokens_of(self.next_rid, mib))
+        slots = self.kv.slot_table(rid, self.window)
+        start = time.perf_counter()
+        self.rx.start_pull(rid, self.endpoint, self.epoch, rid, {self.window: (0, slots)})
+        while not (results := self.rx.step()):
+            self.rx.wait(0.001)
+        seconds = time.perf_counter() - start
+        self.kv.release(rid)
+        [result] = results
+        assert result.ok and result.nbytes == mib * MIB, result
+        return seconds
+
+    def raw_seconds(self, mib: int) -> float:
+        start = time.perf_counter()
+        self.proc.stdin.write(json.dumps({"op": "raw", "mib": mib}) + "\n")
+        self.proc.stdin.flush()
+        offset = 0
+        while offset < mib * MIB:
+            assert self.pull_sock.poll(30000), "raw transfer stalled"
+            frame = self.pull_sock.recv(copy=False)
+            part = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+            self.raw_dst[offset : offset + part.numel()].copy_(part)
+            offset += part.numel()
+        seconds = time.perf_counter() - start
+        self.proc.stdout.readline()  # the command's answer
+        return seconds
+
+    def close(self) -> None:
+        self.rx.close()
+        self.pull_sock.close(linger=0)
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def run(sizes: list[int], repeats: int, chunk: int) -> list[dict]:
+    bench = Bench(max(sizes), chunk)
+    try:
+        bench.transceiver_seconds(1)  # warm-up: connect and handshake once
+        bench.raw_seconds(1)
+        rows = []
+        for mib in sizes:
+            xs, rs = [], []
+            for _ in range(repeats):
+                xs.append(bench.transceiver_seconds(mib))
+                rs.append(bench.raw_seconds(mib))
+            gb = mib * MIB / 1e9
+            rows.append({"mib": mib, "xfer_best": gb / min(xs), "xfer_median": gb / statistics.median(xs),
+                         "raw_best": gb / min(rs), "raw_median": gb / statistics.median(rs)})
+        return rows
+    finally:
+        bench.close()
+
+
+def table(rows: list[dict], chunk: int) -> str:
+    lines = ["| KV size | transceiver GB/s best (median) | raw pyzmq GB/s best (median) | ratio best (median) |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mib']} MiB | {r['xfer_best']:.2f} ({r['xfer_median']:.2f}) | "
+                     f"{r['raw_best']:.2f} ({r['raw_median']:.2f}) | {r['xfer_best'] / r['raw_best']:.0%} "
+                     f"({r['xfer_median'] / r['raw_median']:.0%}) |")
+    lines.append(f"\nframes of {chunk // MIB} MiB, tcp://127.0.0.1, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                 f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--context":
+        context_main(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="MiB of KV per transfer")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, default=8, help="max_chunk_bytes / raw frame size, MiB")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+    chunk = args.chunk_mib * MIB
+    rows = run(args.sizes, args.repeats, chunk)
+    print(table(rows, chunk))
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
