@@ -1,7 +1,8 @@
 """The goal comparisons of the engine and disaggregation issues, every baseline in the same run.
 
-Parts (`--parts`), in this order, each measured `repeat` times with medians:
-- hf:      transformers `generate`, one request at a time, on the c=1 random prompts (no server up);
+Parts (`--parts`); every requested server is started first (idle servers cost no CPU), then all
+figures of all parts are measured `repeat` times, interleaved, and reduced to medians:
+- hf:      transformers `generate`, one request at a time, on the c=1 random prompts;
 - agg:     configs/aggregated.yaml, block reuse on: random c=1, random c=8, shared-prefix;
 - noreuse: the same server binary and YAML with `enable_block_reuse: false`: shared-prefix, random c=8;
 - disagg:  configs/disagg.yaml (router + context + generation): random c=1, random c=8.
@@ -16,35 +17,56 @@ import platform
 import subprocess
 import sys
 from collections.abc import Set
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 from bench_hf_baseline import load_model, run_hf_baseline
 from bench_hf_baseline import warm_up as hf_warm_up
-from bench_launch import REPO
+from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
     Figure,
+    Target,
     WorkloadArgs,
-    measure_server,
+    measure,
     model_vocab,
     random_figure,
+    server_target,
     shared_prefix_figure,
 )
 from bench_report import Comparison, comparisons_table, figures_table
-from bench_stats import Summary, median_summary, summarize
+from bench_stats import RequestResult, Summary
+from transformers import PreTrainedModel
 
 from server.models.builtin import resolve_model
 
 Results = dict[str, dict[str, Summary]]  # part -> figure name -> median summary
 
 
-def measure_hf(model: str, figure: Figure, repeat: int, vocab: list[int]) -> dict[str, Summary]:
-    print("transformers generate baseline", file=sys.stderr, flush=True)
+@dataclass(frozen=True)
+class HFTarget:
+    """transformers `generate` in this process, one request at a time (the figure's concurrency is ignored)."""
+
+    name: str
+    model: PreTrainedModel
+
+    def run(self, figure: Figure, repeat: int) -> list[RequestResult]:
+        return run_hf_baseline(self.model, figure.workload(repeat))
+
+
+def hf_target(model: str, vocab: list[int]) -> HFTarget:
+    print("loading the transformers generate baseline", file=sys.stderr, flush=True)
     hf_model = load_model(resolve_model(model))
     hf_warm_up(hf_model, vocab)
-    runs = [summarize(run_hf_baseline(hf_model, figure.workload(r))) for r in range(repeat)]
-    return {figure.name: median_summary(runs)}
+    return HFTarget("hf", hf_model)
+
+
+def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: list[int]) -> Target:
+    print(f"starting {part}: {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
+    url = stack.enter_context(ServerUnderTest(config, reuse=reuse))
+    return server_target(part, url, vocab)
 
 
 def _metric(results: Results, part: str, figure: Figure, key: str) -> float | None:
@@ -94,22 +116,24 @@ def _lscpu() -> str:
 
 def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
                     agg_config: Path, disagg_config: Path) -> dict:
-    """Measure the requested parts, print the tables, return the JSON record."""
+    """Start every requested server, measure all parts interleaved, print the tables, return the record."""
     unknown = set(parts) - {"hf", "agg", "noreuse", "disagg"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; known: hf, agg, noreuse, disagg")
     vocab = model_vocab(model)
     c1, c8 = random_figure(vocab, wargs, 1), random_figure(vocab, wargs, 8)
     shared = shared_prefix_figure(vocab, wargs, wargs.shared_concurrency)
-    results: Results = {}
-    if "hf" in parts:
-        results["hf"] = measure_hf(model, c1, repeat, vocab)
-    if "agg" in parts:
-        results["aggregated"] = measure_server(agg_config, None, True, [c1, c8, shared], repeat, vocab)
-    if "noreuse" in parts:
-        results["noreuse"] = measure_server(agg_config, None, False, [shared, c8], repeat, vocab)
-    if "disagg" in parts:
-        results["disagg"] = measure_server(disagg_config, None, True, [c1, c8], repeat, vocab)
+    with ExitStack() as stack:
+        plan: list[tuple[Target, list[Figure]]] = []
+        if "hf" in parts:
+            plan.append((hf_target(model, vocab), [c1]))
+        if "agg" in parts:
+            plan.append((start_server(stack, "aggregated", agg_config, True, vocab), [c1, c8, shared]))
+        if "noreuse" in parts:
+            plan.append((start_server(stack, "noreuse", agg_config, False, vocab), [shared, c8]))
+        if "disagg" in parts:
+            plan.append((start_server(stack, "disagg", disagg_config, True, vocab), [c1, c8]))
+        results = measure(plan, repeat)
     found = comparisons(results, c1, c8, shared)
     rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
     print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)

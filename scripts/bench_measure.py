@@ -1,22 +1,21 @@
-"""Figures of a serving benchmark: which workload at which concurrency, measured K times, medians.
+"""Figures of a serving benchmark: which workload at which concurrency, on which target, K times.
 
 A figure draws fresh prompts for every repeat (`seed_base + repeat`): a prompt repeated across
-repeats would hit the previous repeat's prefix cache. Repeats of the figures of one server are
-interleaved (repeat 0 of every figure, then repeat 1, ...) so that noise from other load on the
-machine spreads evenly over them.
+repeats would hit the previous repeat's prefix cache. `measure` interleaves the repeats of every
+figure of every target, so that noise from other load on the machine spreads evenly over them.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 from bench_client import bench, first_errors, served_model
-from bench_launch import ServerUnderTest
-from bench_stats import Summary, median_summary, summarize
+from bench_stats import RequestResult, Summary, median_summary, summarize
 from bench_workloads import (
     SharedPrefixShape,
     Workload,
@@ -81,34 +80,55 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(url: str, figures: Sequence[Figure], repeat: int, vocab: list[int]) -> dict[str, Summary]:
-    """Median summary per figure name; repeats interleaved (r0 of every figure, then r1, ...)."""
-    model = served_model(url)
-    warm_up(url, model, vocab)
-    runs: dict[str, list[Summary]] = {f.name: [] for f in figures}
+class Target(Protocol):
+    """Something that serves a figure's requests: a server URL, or the HF baseline in this process."""
+
+    name: str
+
+    def run(self, figure: Figure, repeat: int) -> list[RequestResult]: ...
+
+
+@dataclass(frozen=True)
+class ServerTarget:
+    name: str
+    url: str
+    model: str  # as GET /v1/models names it
+
+    def run(self, figure: Figure, repeat: int) -> list[RequestResult]:
+        return bench(self.url, self.model, figure.workload(repeat), figure.concurrency)
+
+
+def server_target(name: str, url: str, vocab: list[int]) -> ServerTarget:
+    """The server at `url`, warmed up."""
+    target = ServerTarget(name, url, served_model(url))
+    warm_up(url, target.model, vocab)
+    return target
+
+
+def _measure_once(target: Target, figure: Figure, repeat: int, of: int) -> Summary:
+    cpu_before = _own_cpu_s()
+    results = target.run(figure, repeat)
+    summary = summarize(results) | {"client_cpu_s": _own_cpu_s() - cpu_before,
+                                    "load_1m": os.getloadavg()[0]}  # other work on the machine shows here
+    errors = first_errors(results)
+    print(f"  [{target.name}: {figure.name} run {repeat + 1}/{of}] {summary['output_tok_s']:.1f} tok/s, "
+          f"TTFT mean {summary['ttft_mean_ms']:.1f} ms" + (f", errors: {errors}" if errors else ""),
+          file=sys.stderr, flush=True)
+    return summary
+
+
+def measure(plan: Sequence[tuple[Target, Sequence[Figure]]], repeat: int) -> dict[str, dict[str, Summary]]:
+    """target name -> figure name -> median summary over `repeat` runs.
+
+    Interleaved: repeat 0 of every figure of every target, then repeat 1, ... so that a change in
+    the machine's background load hits every figure alike instead of skewing one ratio.
+    """
+    runs: dict[str, dict[str, list[Summary]]] = {t.name: {f.name: [] for f in figs} for t, figs in plan}
     for r in range(repeat):
-        for figure in figures:
-            cpu_before = _own_cpu_s()
-            results = bench(url, model, figure.workload(r), figure.concurrency)
-            summary = summarize(results) | {"client_cpu_s": _own_cpu_s() - cpu_before}
-            runs[figure.name].append(summary)
-            errors = first_errors(results)
-            print(f"  [{figure.name} run {r + 1}/{repeat}] {summary['output_tok_s']:.1f} tok/s, "
-                  f"TTFT mean {summary['ttft_mean_ms']:.1f} ms" + (f", errors: {errors}" if errors else ""),
-                  file=sys.stderr, flush=True)
-    return {name: median_summary(found) for name, found in runs.items()}
-
-
-def measure_server(config: Path | None, url: str | None, reuse: bool, figures: Sequence[Figure],
-                   repeat: int, vocab: list[int], profile: Path | None = None) -> dict[str, Summary]:
-    """`measure` against `url`, or against a server started from `config` (py-spy'd into `profile`)."""
-    if url is not None:
-        return measure(url, figures, repeat, vocab)
-    if config is None:
-        raise ValueError("give a url or a config")
-    print(f"starting {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
-    with ServerUnderTest(config, reuse=reuse, profile=profile) as started:
-        return measure(started, figures, repeat, vocab)
+        for target, figures in plan:
+            for figure in figures:
+                runs[target.name][figure.name].append(_measure_once(target, figure, r, repeat))
+    return {t: {f: median_summary(found) for f, found in figs.items()} for t, figs in runs.items()}
 
 
 def model_vocab(model: str) -> list[int]:

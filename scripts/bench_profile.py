@@ -38,11 +38,16 @@ def short_process(frame: str, width: int = 70) -> str:
     return frame if len(frame) <= width else "..." + frame[-width:]
 
 
-def totals(stacks: list[Stack], depth: int) -> Counter[str]:
-    """Samples per frame path down to `depth` (0: the process, 1: its thread's entry function)."""
+def totals(stacks: list[Stack], *, with_entry: bool) -> Counter[str]:
+    """Samples per process (the innermost `process ...` frame: py-spy nests children under their
+    parent), and with `with_entry` per process and the function its thread started in."""
     out: Counter[str] = Counter()
     for frames, count in stacks:
-        path = [short_process(frames[0]), *[function_of(f) for f in frames[1: depth + 1]]]
+        processes = [i for i, frame in enumerate(frames) if frame.startswith("process ")]
+        last = processes[-1] if processes else -1  # -1: recorded without --subprocesses
+        path = [short_process(frames[last])] if processes else []
+        if with_entry and last + 1 < len(frames):
+            path.append(function_of(frames[last + 1]))
         out[" / ".join(path)] += count
     return out
 
@@ -75,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if total == 0:
         raise SystemExit(f"{args.path}: no samples")
     print(f"{total} samples")
-    _print_top("per process", totals(stacks, 0), total, args.top)
-    _print_top("per process / thread entry", totals(stacks, 1), total, 8)
+    _print_top("per process", totals(stacks, with_entry=False), total, args.top)
+    _print_top("per process / thread entry", totals(stacks, with_entry=True), total, 8)
     own, inclusive = self_and_inclusive(stacks)
     _print_top("self (top of stack)", own, total, args.top)
     _print_top("inclusive", inclusive, total, args.top)

@@ -22,6 +22,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("E2E p50 ms", "e2e_p50_ms", "{:.1f}"),
     ("hit %", "cache_hit_rate", "{:.0%}"),
     ("client CPU s", "client_cpu_s", "{:.2f}"),
+    ("load 1m", "load_1m", "{:.1f}"),
 )
 
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 from bench_compare import run_comparisons
-from bench_launch import REPO
+from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
     WorkloadArgs,
-    measure_server,
+    measure,
     model_vocab,
     random_figure,
+    server_target,
     shared_prefix_figure,
 )
 from bench_report import figures_table
@@ -63,11 +65,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     vocab, wargs = model_vocab(args.model), workload_args(args)
     make = random_figure if args.workload == "random" else shared_prefix_figure
     figures = [make(vocab, wargs, c) for c in args.concurrency]
-    medians = measure_server(args.config, args.url, not args.no_reuse, figures, args.repeat, vocab,
-                             profile=args.profile)
+    name = args.url or f"{args.config.name} reuse={'off' if args.no_reuse else 'on'}"
+    with ExitStack() as stack:
+        url = args.url or stack.enter_context(
+            ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile))
+        medians = measure([(server_target(name, url, vocab), figures)], args.repeat)[name]
     print(figures_table(list(medians.items())))
-    target = args.url or f"{args.config} reuse={'off' if args.no_reuse else 'on'}"
-    emit({"target": target, "repeat": args.repeat, "figures": medians}, args.json_out)
+    emit({"target": name, "repeat": args.repeat, "figures": medians}, args.json_out)
     return 0
 
 
