@@ -9,6 +9,7 @@ Not thread-safe: call it from the engine loop's thread.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -185,17 +186,17 @@ class KVCacheManager:
     def pin_blocks(self, block_ids: Sequence[int], window: int) -> None:
         """Pin blocks (onboarding any that are not primary); a pinned block is never evicted."""
         g = self._resolve(window)
-        blocks = [g.bm.get(i) for i in block_ids]
+        blocks = [g.bm.get(i) for i in block_ids if i != -1]  # -1: a released (out-of-window) block
         make_primary(g.bm, g.window, blocks)
         for b in blocks:
             g.bm.pin(b)
 
     def unpin_blocks(self, block_ids: Sequence[int], window: int) -> None:
         g = self._resolve(window)
-        blocks = [g.bm.get(i) for i in block_ids]
-        for b in blocks:
-            if b.pins < sum(1 for x in blocks if x is b):
-                raise KVCacheError(f"unpin of block {b.id} (window {g.window}), which is not pinned "
+        blocks = [g.bm.get(i) for i in block_ids if i != -1]  # -1: a released (out-of-window) block
+        for block_id, times in Counter(b.id for b in blocks).items():
+            if g.bm.blocks[block_id].pins < times:
+                raise KVCacheError(f"unpin of block {block_id} (window {g.window}), which is not pinned "
                                    f"(or pinned fewer times than listed)")
         for b in blocks:
             g.bm.unpin(b)

@@ -34,11 +34,14 @@ def _sync(device: str) -> None:
 
 
 def _per_block_us(fn: Callable[[int], None], iters: int, blocks: int) -> float:
+    """Median over `iters` calls of fn, in microseconds per block (the median resists other load)."""
     fn(-1)  # warm-up
-    t0 = time.perf_counter()
+    times = []
     for i in range(iters):
+        t0 = time.perf_counter()
         fn(i)
-    return (time.perf_counter() - t0) / iters / blocks * 1e6
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / blocks * 1e6
 
 
 def manager_overhead(device: str, iters: int = 40) -> dict[str, float]:
@@ -80,7 +83,7 @@ def _timed(device: str, fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def offload_onboard(device: str, iters: int = 3, blocks: int = 64) -> dict[str, float]:
+def offload_onboard(device: str, iters: int = 5, blocks: int = 64) -> dict[str, float]:
     layout = CacheLayout((4096,) * 32, 8, 128, torch.bfloat16, device, 4096)
     bpt = layout.bytes_per_token()
     cfg = KvCacheConfig(tokens_per_block=TPB, max_tokens=blocks * TPB, host_cache_size=blocks * TPB * bpt)

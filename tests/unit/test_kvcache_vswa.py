@@ -11,6 +11,7 @@ from test_kvcache_support import (
     free_ids,
     locate,
     make_manager,
+    refs,
     run_prefill,
     write_kv,
 )
@@ -52,6 +53,9 @@ def test_release_out_of_window_frees_private_blocks(device):
     assert free_ids(m, 8) == [6, 7, 0, 1, 2] and free_ids(m, 64) == [6, 7]
     assert (m.num_available_blocks(8), m.num_available_blocks(64), m.num_available_blocks()) == (5, 2, 2)
     assert m.get_memory_pool_block_indices(m.block_ids("r", 8), 8) == [-1, -1, -1, 3, 4, 5]
+    m.pin_blocks(m.block_ids("r", 8), 8)  # -1 entries (released blocks) are skipped
+    assert refs(m, 8) == {3: (1, 1), 4: (1, 1), 5: (1, 1)}
+    m.unpin_blocks(m.block_ids("r", 8), 8)
     assert m.release_out_of_window("r", 22) == 0  # token 22 still sees position 15 (block 3)
     assert m.release_out_of_window("r", 23) == 1
     assert_request_kv(m, "r", toks, 20)  # the blocks still held are untouched
