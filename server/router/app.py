@@ -151,6 +151,7 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
     orchestrator = state.orchestrator
     params = None
     if orchestrator.disaggregated:
+        orchestrator.require_generation()
         ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
         if context_finished(ctx):
             return _final_answer(ctx, body, chat)

@@ -20,6 +20,7 @@ from server.router.backends import Backend
 from server.router.policies import PromptTokens, RoundRobin
 
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+NO_GENERATION = "generation leg failed: no healthy generation server"
 
 
 class LegError(Exception):
@@ -56,6 +57,12 @@ class Orchestrator:
     def disaggregated(self) -> bool:
         return bool(self.context)
 
+    def require_generation(self) -> None:
+        """Fail before the context leg when no generation server is healthy: a prefill whose KV
+        nobody can pull would only hold the context server's blocks until its lease expires."""
+        if not any(b.healthy for b in self.generation):
+            raise LegError(503, NO_GENERATION)
+
     async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> dict:
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
@@ -84,7 +91,7 @@ class Orchestrator:
             gen_body["disaggregated_params"] = {**params, "request_type": "generation_only"}
         backend = self.generation_policy.pick(self.generation, prompt, set())
         if backend is None:
-            raise LegError(503, "generation leg failed: no healthy generation server")
+            raise LegError(503, NO_GENERATION)
         if body.get("stream"):
             return Upstream(backend, stream=await self._open_stream(backend, path, gen_body))
         try:
