@@ -82,8 +82,8 @@ class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
     """ctx -> gen: `count` blocks of `window` from block index `first`; payload frames follow.
 
     The payload is the blocks' slot bytes back to back (`nbytes` = count * slot_bytes). Frames hold
-    whole blocks, except when one block exceeds `max_chunk_bytes` (then count == 1 and the block
-    is cut into several frames). `checksum` is `payload.checksum` of the payload.
+    whole blocks (any number per frame), except when one block exceeds `max_chunk_bytes` (then
+    count == 1 and the block is cut into several frames). `checksum` is `payload.checksum`.
     """
 
     pull_id: int

@@ -21,7 +21,7 @@ from transceiver.config import TransceiverConfig
 from transceiver.layout import layout_of
 from transceiver.link import SocketThread
 from transceiver.messages import REASONS, Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
-from transceiver.payload import checksum, scatter
+from transceiver.payload import checksum, parts_are_valid, scatter
 from transceiver.receiver_link import Pull, PullRefused, Received, ReceiverLink, Send
 from transceiver.stats import TransferStats
 
@@ -157,7 +157,7 @@ class KVReceiver:
         got = sum(p.size for p in parts)
         if h.count < 1 or h.first + h.count > first + len(slots) or h.nbytes != h.count * slot_bytes:
             return f"chunk header does not fit the pull: window {h.window}, blocks {h.first}+{h.count}"
-        if got != h.nbytes or (len(parts) > 1 and h.count != 1) or not parts:
+        if not parts_are_valid(parts, h.count, slot_bytes):
             return f"chunk byte count mismatch: header says {h.nbytes}, received {got} in {len(parts)} frames"
         if checksum(parts, slot_bytes, h.first) != h.checksum:
             return f"chunk checksum mismatch (window {h.window}, blocks {h.first}..{h.first + h.count - 1})"

@@ -7,7 +7,10 @@ checks every incoming message (`codec.py`) and answers handshakes on its own.
 Ownership: `add_lease` pins the request's blocks. They are unpinned exactly once, by
 `_end_lease`, when the receiver acknowledges, cancels, disconnects, the lease expires (checked
 every `step`), the engine drops it, or the sender closes. A pinned block is never evicted or
-offloaded, so its primary slot is stable while the lease lives.
+offloaded, so its primary slot is stable while the lease lives. Large blocks of a CPU pool are
+sent as zero-copy frames of the pool itself; a lease that ends while such frames are still with
+zmq is unpinned only once zmq has released them (`_unpin_later`), so a slot is never rewritten
+under a frame in flight.
 """
 
 from __future__ import annotations
@@ -18,19 +21,33 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+import zmq
+
 from kvcache import KVCacheManager, Level, OutOfBlocksError
 from transceiver.config import TransceiverConfig
 from transceiver.layout import layout_of
 from transceiver.link import SocketThread
 from transceiver.messages import Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
-from transceiver.payload import ChunkPlan, StagingPool, checksum, frame_bounds, gather, plan_chunks
+from transceiver.payload import (
+    ChunkPlan,
+    StagingPool,
+    checksum,
+    frame_bounds,
+    gather,
+    plan_chunks,
+    pool_views,
+    tracked_frames,
+    wait_any,
+)
 from transceiver.sender_link import Incoming, Outgoing, PeerGone, SenderLink
 from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
-STAGING_BUFFERS = 4  # chunks in flight per sender (each max_chunk_bytes)
-CHUNKS_PER_STEP = STAGING_BUFFERS  # bounds the engine thread's time in one `step`
+STAGING_BUFFERS = 4  # gathered chunks in flight per sender (each max_chunk_bytes)
+MAX_INFLIGHT = 4  # chunks handed to zmq and not yet released by it, staged or zero-copy
+CHUNKS_PER_STEP = 4  # bounds the engine thread's time in one `step`
+ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
 
 
 @dataclass
@@ -53,6 +70,7 @@ class _Lease:
     deadline: float  # monotonic
     job: _Job | None = None
     pinned: dict[int, list[int]] = field(default_factory=dict)
+    pool_frames: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames of its slots
 
 
 class KVSender:
@@ -67,6 +85,8 @@ class KVSender:
         self._active: deque[str] = deque()  # ctx_request_ids whose job still has chunks or Done to send
         pin = any(kv.pool(w, Level.PRIMARY).is_cuda for w in kv.window_sizes)
         self._staging = StagingPool(config.max_chunk_bytes, STAGING_BUFFERS, pin)
+        self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
+        self._unpin_later: list[tuple[list[zmq.MessageTracker], dict[int, list[int]]]] = []
         self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats)
         self._thread = SocketThread("kv-sender", self._link)
         self._thread.start()
@@ -107,12 +127,13 @@ class KVSender:
             self._on_item(item)
         self._pump()
         self._reap(time.monotonic())
+        self._unpin_released()
 
     def wait(self, timeout_s: float) -> None:
-        """Block until `step` has something to do (a message, a free staging buffer) or timeout."""
-        if self._active:
-            self._staging.wait_any(timeout_s)
-        else:
+        """Block until `step` has something to do (a message, room for a chunk) or timeout."""
+        if self._active and not self._room():
+            wait_any(self._inflight, timeout_s)
+        elif not self._active:
             self._thread.wait(timeout_s)
 
     @property
@@ -122,7 +143,8 @@ class KVSender:
 
     @property
     def num_leases(self) -> int:
-        return len(self._leases)
+        """Leases whose blocks are still pinned (including ended ones waiting for zmq)."""
+        return len(self._leases) + len(self._unpin_later)
 
     def close(self) -> None:
         """Fail running pulls, unpin every lease, stop the socket thread."""
@@ -131,7 +153,10 @@ class KVSender:
         deadline = time.monotonic() + 1.0
         while self._link.has_pending_sends() and time.monotonic() < deadline:
             time.sleep(0.005)  # give the Failed notices a moment to leave
-        self._thread.close()
+        self._thread.close()  # closes the socket: zmq drops whatever it still held
+        for _, pinned in self._unpin_later:
+            self._unpin(pinned)
+        self._unpin_later.clear()
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -210,7 +235,7 @@ class KVSender:
     def _pump(self) -> None:
         """Gather and hand over chunks while staging buffers are free; Done after the last one."""
         budget = CHUNKS_PER_STEP
-        while self._active and budget > 0:
+        while self._active and budget > 0 and self._room():
             cid = self._active[0]
             lease = self._leases[cid]
             job = lease.job
@@ -221,29 +246,48 @@ class KVSender:
                 job.done_sent = True
                 self._active.popleft()
                 continue
-            i = self._staging.acquire()
-            if i is None:
-                return
             budget -= 1
             try:
-                self._send_chunk(lease, job, job.chunks.popleft(), i)
+                if not self._send_chunk(lease, job, job.chunks[0]):
+                    return  # no staging buffer free
             except Exception as e:  # a broken invariant must fail this pull, not the engine loop
                 log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
                 self._end_lease(cid, "internal_error", f"the context server failed to read the blocks: {e}")
+                continue
+            job.chunks.popleft()
 
-    def _send_chunk(self, lease: _Lease, job: _Job, plan: ChunkPlan, i: int) -> None:
+    def _room(self) -> bool:
+        self._inflight = [t for t in self._inflight if not t.done]
+        return len(self._inflight) < MAX_INFLIGHT
+
+    def _send_chunk(self, lease: _Lease, job: _Job, plan: ChunkPlan) -> bool:
+        """Hand one chunk to the socket thread; False (nothing done) when no staging buffer is free."""
         ids = lease.blocks[plan.window][plan.first : plan.first + plan.count]
         # translate only now: the slot is where the bytes are; a non-primary block raises here
         slots = self._kv.get_memory_pool_block_indices(ids, plan.window, require_primary=True)
-        gather(self._kv.pool(plan.window, Level.PRIMARY), slots, self._staging.buffer(i))
-        bounds = frame_bounds(plan.nbytes, self._config.max_chunk_bytes)
-        digest = checksum(self._staging.parts(i, bounds), plan.slot_bytes, plan.first)
+        pool = self._kv.pool(plan.window, Level.PRIMARY)
+        max_frame = self._config.max_chunk_bytes
+        if pool.device.type == "cpu" and plan.slot_bytes >= ZERO_COPY_SLOT_BYTES:
+            parts = [v[s:e] for v in pool_views(pool, slots) for s, e in frame_bounds(v.size, max_frame)]
+            frames, tracker = tracked_frames(parts)
+            lease.pool_frames.append(tracker)
+        else:
+            i = self._staging.acquire()
+            if i is None:
+                return False
+            gather(pool, slots, self._staging.buffer(i))
+            bounds = frame_bounds(plan.nbytes, max_frame)
+            parts = self._staging.parts(i, bounds)
+            frames, tracker = self._staging.frames(i, bounds)
+        digest = checksum(parts, plan.slot_bytes, plan.first)
         header = ChunkHeader(pull_id=job.pull_id, window=plan.window, first=plan.first, count=plan.count,
                              nbytes=plan.nbytes, checksum=digest)
-        self._thread.submit(Outgoing(job.peer, header, self._staging.frames(i, bounds)))
+        self._thread.submit(Outgoing(job.peer, header, frames))
+        self._inflight.append(tracker)
         job.sent_bytes += plan.nbytes
         job.sent_chunks += 1
         self.stats.bytes_sent += plan.nbytes
+        return True
 
     # ---- lease end -----------------------------------------------------------------------------
 
@@ -257,13 +301,30 @@ class KVSender:
         lease = self._leases.pop(cid)
         if cid in self._active:
             self._active.remove(cid)
-        for window, ids in lease.pinned.items():
-            self._kv.unpin_blocks(ids, window)
+        busy = [t for t in lease.pool_frames if not t.done]
+        if busy:
+            self._unpin_later.append((busy, lease.pinned))
+        else:
+            self._unpin(lease.pinned)
         job = lease.job
         if job is not None and reason is not None:
             self.stats.count_failure(reason)
             if notify:
                 self._reply_failed(job.peer, job.pull_id, reason, detail)
+
+    def _unpin(self, pinned: dict[int, list[int]]) -> None:
+        for window, ids in pinned.items():
+            self._kv.unpin_blocks(ids, window)
+
+    def _unpin_released(self) -> None:
+        """Unpin ended leases once zmq has released every frame made from their slots."""
+        waiting = []
+        for trackers, pinned in self._unpin_later:
+            if all(t.done for t in trackers):
+                self._unpin(pinned)
+            else:
+                waiting.append((trackers, pinned))
+        self._unpin_later = waiting
 
     def _reply_failed(self, peer: bytes, pull_id: int, reason: str, detail: str) -> None:
         self._thread.submit(Outgoing(peer, Failed(reason=reason, detail=detail, pull_id=pull_id)))

@@ -15,6 +15,8 @@ from transceiver.payload import (
     gather,
     plan_chunks,
     scatter,
+    slot_runs,
+    wait_any,
 )
 
 
@@ -93,10 +95,10 @@ def test_staging_buffer_is_reused_only_after_zmq_released_its_frames() -> None:
         pool = StagingPool(1 << 17, 2, pin=False)
         first = pool.acquire()
         pool.buffer(first).fill_(7)
-        frames = pool.frames(first, [(0, 1 << 17)])
+        frames, tracker = pool.frames(first, [(0, 1 << 17)])
         second = pool.acquire()
         assert (first, second) == (0, 1)  # buffer 0 is held by its frames
-        held = pool.frames(second, [(0, 1 << 16)])  # buffer 1 busy too
+        held, held_tracker = pool.frames(second, [(0, 1 << 16)])  # buffer 1 busy too
         assert pool.acquire() is None
         a.send_multipart(frames, copy=False)
         del frames
@@ -104,14 +106,19 @@ def test_staging_buffer_is_reused_only_after_zmq_released_its_frames() -> None:
         assert bytes(got.buffer[:4]) == b"\x07" * 4
         assert pool.acquire() is None
         del got
-        pool.wait_any(5.0)
-        assert pool.acquire() == 0
-        busy_again = pool.frames(0, [(0, 1 << 16)])
+        wait_any([tracker], 5.0)
+        assert tracker.done and pool.acquire() == 0
+        busy_again, again = pool.frames(0, [(0, 1 << 16)])
         assert pool.acquire() is None
         del held  # frames dropped unsent release their buffer as well
-        pool.wait_any(5.0)
+        wait_any([held_tracker], 5.0)
         assert pool.acquire() == 1
         del busy_again
     finally:
         a.close(linger=0)
         b.close(linger=0)
+
+
+def test_slot_runs_coalesce_consecutive_slots() -> None:
+    assert slot_runs([4, 5, 6, 9, 2, 3, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2), (6, 3, 1)]
+    assert slot_runs([]) == []

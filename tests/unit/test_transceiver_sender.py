@@ -1,0 +1,108 @@
+"""KVSender in-process with a real KVCacheManager and a raw DEALER as the receiver: zero-copy frames
+of large blocks, unpinning deferred until zmq has released frames of the lease's slots."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from transceiver.codec import Codec
+from transceiver.config import TransceiverConfig
+from transceiver.messages import ChunkHeader, Done, Failed, PullRequest, WindowRange
+from transceiver.payload import checksum
+from transceiver.sender import KVSender
+
+TOKEN = "unit-sender-token-0123456"
+MIB = 1 << 20
+W = 1024  # the one window (full attention), tokens
+
+
+def _kv() -> KVCacheManager:
+    layout = CacheLayout(layer_windows=(W,) * 4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         device="cpu", max_seq_len=W)  # slot: 4 layers * 2 * 64 tpb * 8 * 128 * 2 B = 1 MiB
+    return KVCacheManager(KvCacheConfig(tokens_per_block=64, max_tokens=W, enable_block_reuse=False), layout)
+
+
+def _in_use(kv: KVCacheManager) -> int:
+    return sum(n for (_, _, state), n in kv.stats().blocks.items() if state == "in_use")
+
+
+@pytest.fixture
+def leased():
+    kv = _kv()
+    sender = KVSender(kv, TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=2 * MIB), "fp")
+    kv.admit("r", list(range(16 * 64)))  # 16 blocks of 1 MiB
+    kv.pool(W, Level.PRIMARY).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
+    sender.add_lease("r", {W: kv.block_ids("r", W)}, 16 * 64)
+    slots = kv.slot_table("r", W)
+    kv.release("r")
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.setsockopt(zmq.RCVBUF, 64 * 1024)
+    dealer.connect(sender.endpoint)
+    codec = Codec(TOKEN.encode(), "gen")
+    dealer.send_multipart(codec.seal(PullRequest(pull_id=3, ctx_request_id="r", ctx_epoch=sender.epoch,
+                                                 ranges=[WindowRange(window=W, first=0, count=16)])))
+    yield kv, sender, dealer, codec, slots
+    dealer.close(linger=0)
+    sender.close()
+
+
+def _step_for(sender: KVSender, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sender.step()
+        sender.wait(0.005)
+
+
+def test_large_blocks_go_out_zero_copy_and_arrive_intact(leased) -> None:
+    kv, sender, dealer, codec, slots = leased
+    rows = kv.pool(W, Level.PRIMARY).view(kv.num_slots(W), -1).view(torch.uint8).numpy()  # [slots, 1 MiB]
+    got, done = [], None
+    deadline = time.monotonic() + 20
+    while done is None and time.monotonic() < deadline:
+        sender.step()
+        while dealer.poll(0):
+            header, mac, *payload = dealer.recv_multipart()
+            _, body = codec.open(header, mac)
+            if isinstance(body, Done):
+                done = body
+            else:
+                assert isinstance(body, ChunkHeader) and body.count == 2 and len(payload) >= 1
+                parts = [np.frombuffer(p, dtype=np.uint8) for p in payload]
+                assert checksum(parts, MIB, body.first) == body.checksum
+                got.append((body.first, b"".join(payload)))
+        sender.wait(0.005)
+    assert done == Done(pull_id=3, total_bytes=16 * MIB, chunks=8)
+    assert [first for first, _ in got] == list(range(0, 16, 2))
+    for first, data in got:
+        assert data == rows[slots[first]].tobytes() + rows[slots[first + 1]].tobytes()
+    assert sender.stats.bytes_sent == 16 * MIB
+
+
+def test_unpin_waits_until_zmq_released_the_frames_of_the_slots(leased) -> None:
+    kv, sender, dealer, codec, _ = leased
+    _step_for(sender, 0.5)  # the receiver reads nothing: frames of the pool stay with zmq
+    assert 0 < sender.stats.bytes_sent < 16 * MIB
+    sender.drop_lease("r")
+    _step_for(sender, 0.2)
+    assert sender.num_leases == 1 and _in_use(kv) == 16  # ended, but still pinned under the frames
+    failed = None
+    deadline = time.monotonic() + 20
+    while (failed is None or sender.num_leases) and time.monotonic() < deadline:
+        while dealer.poll(0):
+            header, mac, *_ = dealer.recv_multipart()
+            body = codec.open(header, mac)[1]
+            failed = body if isinstance(body, Failed) else failed
+        sender.step()
+        time.sleep(0.005)
+    assert failed == Failed(reason="cancelled", detail="the context server aborted the request", pull_id=3)
+    assert sender.num_leases == 0 and _in_use(kv) == 0
+    kv.check_integrity()
+    assert sender.stats.failures_by_reason == {"cancelled": 1}
