@@ -29,6 +29,7 @@ from transceiver.messages import (
 from transceiver.stats import TransferStats
 
 ROUTER = "router"
+MAX_INCOMING_BYTES = 64 * 1024  # receivers send only small control messages
 ENGINE_KINDS = (PullRequest, Ack, Cancel)  # what the engine thread handles; Hello is answered here
 
 
@@ -70,6 +71,7 @@ class SenderLink:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> error, never a silent drop
         sock.setsockopt(zmq.SNDHWM, 64)
         sock.setsockopt(zmq.RCVHWM, 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_INCOMING_BYTES)  # zmq disconnects a peer that sends more
         port = self._config.port or "*"
         sock.bind(f"tcp://{self._config.host}:{port}")
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port

@@ -91,6 +91,16 @@ def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link)
     assert _reply(dealer, gen) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
 
 
+def test_oversized_message_is_cut_off_before_anything_reads_it(sender_link) -> None:
+    _, thread, dealer, stats = sender_link
+    gen = Codec(TOKEN.encode(), "gen-epoch")
+    dealer.send_multipart([b"x" * (1 << 20), b"\0" * 32])  # 1 MiB: zmq drops it and the connection
+    time.sleep(0.2)
+    dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))  # the DEALER has reconnected by now
+    assert _reply(dealer, gen) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
+    assert stats.rejected_messages == 0 and thread.drain() == []
+
+
 def test_incompatible_hello_is_refused_naming_the_difference(sender_link) -> None:
     _, _, dealer, _ = sender_link
     gen = Codec(TOKEN.encode(), "gen-epoch")
