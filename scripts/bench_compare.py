@@ -12,8 +12,10 @@ Ratios use figures of this one run only.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Set
@@ -28,21 +30,22 @@ from bench_hf_baseline import warm_up as hf_warm_up
 from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
     Figure,
+    Runs,
     Target,
     WorkloadArgs,
     measure,
+    medians,
     model_vocab,
     random_figure,
     server_target,
     shared_prefix_figure,
 )
+from bench_quiet import QuietGate
 from bench_report import Comparison, comparisons_table, figures_table
-from bench_stats import RequestResult, Summary
+from bench_stats import RequestResult, ratio
 from transformers import PreTrainedModel
 
 from server.models.builtin import resolve_model
-
-Results = dict[str, dict[str, Summary]]  # part -> figure name -> median summary
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,19 @@ def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: 
     return server_target(part, url, vocab)
 
 
-def _metric(results: Results, part: str, figure: Figure, key: str) -> float | None:
-    summary = results.get(part, {}).get(figure.name)
-    return None if summary is None else summary[key]
+def _series(runs: Runs, part: str, figure: Figure, key: str) -> list[float] | None:
+    found = runs.get(part, {}).get(figure.name)
+    return None if found is None else [summary[key] for summary in found]
 
 
-def comparisons(results: Results, c1: Figure, c8: Figure, shared: Figure) -> list[Comparison]:
-    """Every comparison whose two figures were measured."""
+def _paired_median(numerators: list[float], denominators: list[float]) -> float:
+    values = [ratio(a, b) for a, b in zip(numerators, denominators, strict=True)]
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comparison]:
+    """Every goal comparison whose two figures were measured (medians of the runs, and paired)."""
     tok_s, ttft = "output_tok_s", "ttft_mean_ms"
     specs = [
         ("aggregated c=8 tok/s / HF generate tok/s", ("aggregated", c8, tok_s), ("hf", c1, tok_s), 4.0, True),
@@ -90,10 +99,15 @@ def comparisons(results: Results, c1: Figure, c8: Figure, shared: Figure) -> lis
     ]
     out = []
     for name, num, den, goal, at_least in specs:
-        a, b = _metric(results, *num), _metric(results, *den)
+        a, b = _series(runs, *num), _series(runs, *den)
         if a is not None and b is not None:
-            out.append(Comparison(name, a, b, goal, at_least))
+            out.append(Comparison(name, _median(a), _median(b), goal, at_least, paired=_paired_median(a, b)))
     return out
+
+
+def _median(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
 
 
 def environment() -> dict[str, str]:
@@ -115,7 +129,7 @@ def _lscpu() -> str:
 
 
 def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
-                    agg_config: Path, disagg_config: Path) -> dict:
+                    agg_config: Path, disagg_config: Path, gate: QuietGate | None = None) -> dict:
     """Start every requested server, measure all parts interleaved, print the tables, return the record."""
     unknown = set(parts) - {"hf", "agg", "noreuse", "disagg"}
     if unknown:
@@ -133,9 +147,9 @@ def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str
             plan.append((start_server(stack, "noreuse", agg_config, False, vocab), [shared, c8]))
         if "disagg" in parts:
             plan.append((start_server(stack, "disagg", disagg_config, True, vocab), [c1, c8]))
-        results = measure(plan, repeat)
-    found = comparisons(results, c1, c8, shared)
+        runs = measure(plan, repeat, gate)
+    found, results = comparisons(runs, c1, c8, shared), medians(runs)
     rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
     print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
     return {"environment": environment(), "model": model, "repeat": repeat, "figures": results,
-            "comparisons": [c.as_dict() for c in found]}
+            "comparisons": [c.as_dict() for c in found], "runs": runs}

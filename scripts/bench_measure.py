@@ -7,6 +7,7 @@ figure of every target, so that noise from other load on the machine spreads eve
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bench_client import bench, first_errors, served_model
+from bench_quiet import QuietGate
 from bench_stats import RequestResult, Summary, median_summary, summarize
 from bench_workloads import (
     SharedPrefixShape,
@@ -105,10 +107,14 @@ def server_target(name: str, url: str, vocab: list[int]) -> ServerTarget:
     return target
 
 
-def _measure_once(target: Target, figure: Figure, repeat: int, of: int) -> Summary:
+Runs = dict[str, dict[str, list[Summary]]]  # target name -> figure name -> one summary per repeat
+
+
+def _measure_once(target: Target, figure: Figure, repeat: int, of: int, gate: QuietGate | None) -> Summary:
+    busy_before = gate.wait() if gate is not None else math.nan
     cpu_before = _own_cpu_s()
     results = target.run(figure, repeat)
-    summary = summarize(results) | {"client_cpu_s": _own_cpu_s() - cpu_before,
+    summary = summarize(results) | {"client_cpu_s": _own_cpu_s() - cpu_before, "busy_before": busy_before,
                                     "load_1m": os.getloadavg()[0]}  # other work on the machine shows here
     errors = first_errors(results)
     print(f"  [{target.name}: {figure.name} run {repeat + 1}/{of}] {summary['output_tok_s']:.1f} tok/s, "
@@ -117,17 +123,21 @@ def _measure_once(target: Target, figure: Figure, repeat: int, of: int) -> Summa
     return summary
 
 
-def measure(plan: Sequence[tuple[Target, Sequence[Figure]]], repeat: int) -> dict[str, dict[str, Summary]]:
-    """target name -> figure name -> median summary over `repeat` runs.
+def measure(plan: Sequence[tuple[Target, Sequence[Figure]]], repeat: int, gate: QuietGate | None = None) -> Runs:
+    """Every figure of every target `repeat` times; each run waits for `gate` (a quiet machine) first.
 
     Interleaved: repeat 0 of every figure of every target, then repeat 1, ... so that a change in
     the machine's background load hits every figure alike instead of skewing one ratio.
     """
-    runs: dict[str, dict[str, list[Summary]]] = {t.name: {f.name: [] for f in figs} for t, figs in plan}
+    runs: Runs = {t.name: {f.name: [] for f in figs} for t, figs in plan}
     for r in range(repeat):
         for target, figures in plan:
             for figure in figures:
-                runs[target.name][figure.name].append(_measure_once(target, figure, r, repeat))
+                runs[target.name][figure.name].append(_measure_once(target, figure, r, repeat, gate))
+    return runs
+
+
+def medians(runs: Runs) -> dict[str, dict[str, Summary]]:
     return {t: {f: median_summary(found) for f, found in figs.items()} for t, figs in runs.items()}
 
 

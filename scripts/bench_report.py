@@ -22,6 +22,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("E2E p50 ms", "e2e_p50_ms", "{:.1f}"),
     ("hit %", "cache_hit_rate", "{:.0%}"),
     ("client CPU s", "client_cpu_s", "{:.2f}"),
+    ("busy before", "busy_before", "{:.0%}"),
     ("load 1m", "load_1m", "{:.1f}"),
 )
 
@@ -49,6 +50,7 @@ class Comparison:
     denominator: float
     goal: float
     at_least: bool = True
+    paired: float = math.nan  # median over repeats of (numerator_r / denominator_r): drift-robust
 
     @property
     def value(self) -> float:
@@ -63,14 +65,16 @@ class Comparison:
 
     def as_dict(self) -> dict[str, object]:
         return {"name": self.name, "ratio": self.value, "goal": self.goal,
-                "at_least": self.at_least, "verdict": self.verdict,
+                "at_least": self.at_least, "verdict": self.verdict, "paired_ratio": self.paired,
                 "numerator": self.numerator, "denominator": self.denominator}
 
 
 def comparisons_table(comparisons: Sequence[Comparison]) -> str:
-    lines = ["| comparison | numerator | denominator | ratio | goal | verdict |", "|---|---|---|---|---|---|"]
+    """Ratio = median numerator / median denominator (the verdict); paired = median of per-repeat ratios."""
+    lines = ["| comparison | numerator | denominator | ratio | paired | goal | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for c in comparisons:
         goal = f"{'>=' if c.at_least else '<='} {c.goal:g}x"
         lines.append(f"| {c.name} | {_cell('{:.2f}', c.numerator)} | {_cell('{:.2f}', c.denominator)} "
-                     f"| {_cell('{:.2f}x', c.value)} | {goal} | {c.verdict} |")
+                     f"| {_cell('{:.2f}x', c.value)} | {_cell('{:.2f}x', c.paired)} | {goal} | {c.verdict} |")
     return "\n".join(lines)

@@ -22,11 +22,13 @@ from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
     WorkloadArgs,
     measure,
+    medians,
     model_vocab,
     random_figure,
     server_target,
     shared_prefix_figure,
 )
+from bench_quiet import QuietGate
 from bench_report import figures_table
 from bench_workloads import SharedPrefixShape
 
@@ -45,6 +47,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question-len", type=int, default=32)
     parser.add_argument("--shared-output-len", type=int, default=32)
     parser.add_argument("--json-out", type=Path, help="also write the JSON line here")
+    parser.add_argument("--quiet-max-busy", type=float, default=0.25,
+                        help="before each figure run, wait until other work uses less than this share "
+                             "of the CPUs (1 disables the wait)")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0, help="longest wait, seconds")
 
 
 def workload_args(args: argparse.Namespace) -> WorkloadArgs:
@@ -52,6 +58,10 @@ def workload_args(args: argparse.Namespace) -> WorkloadArgs:
                               args.shared_output_len)
     return WorkloadArgs(args.num_prompts_c1, args.num_prompts_per_slot, args.input_len, args.output_len,
                         args.shared_concurrency, shape)
+
+
+def quiet_gate(args: argparse.Namespace) -> QuietGate | None:
+    return QuietGate(args.quiet_max_busy, args.quiet_timeout) if args.quiet_max_busy < 1 else None
 
 
 def emit(record: dict, json_out: Path | None) -> None:
@@ -69,16 +79,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         url = args.url or stack.enter_context(
             ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile))
-        medians = measure([(server_target(name, url, vocab), figures)], args.repeat)[name]
-    print(figures_table(list(medians.items())))
-    emit({"target": name, "repeat": args.repeat, "figures": medians}, args.json_out)
+        runs = measure([(server_target(name, url, vocab), figures)], args.repeat, quiet_gate(args))
+    found = medians(runs)[name]
+    print(figures_table(list(found.items())))
+    emit({"target": name, "repeat": args.repeat, "figures": found, "runs": runs[name]}, args.json_out)
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     record = run_comparisons(args.model, workload_args(args), args.repeat, parts,
-                             args.aggregated_config, args.disagg_config)
+                             args.aggregated_config, args.disagg_config, quiet_gate(args))
     emit(record, args.json_out)
     return 0
 

@@ -12,6 +12,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
+from bench_compare import _paired_median  # noqa: E402
+from bench_quiet import cpu_times  # noqa: E402
 from bench_report import Comparison, comparisons_table, figures_table  # noqa: E402
 from bench_stats import RequestResult, median_summary, percentile, ratio, summarize  # noqa: E402
 from bench_workloads import (  # noqa: E402
@@ -99,7 +101,7 @@ def test_comparison_verdicts_and_ratio_edge_cases():
     assert Comparison("x", 1.0, 0.0, 1.0).verdict == "n/a"
     assert math.isnan(ratio(math.nan, 1.0))
     table = comparisons_table([Comparison("tok/s", 400.0, 100.0, 4.0)])
-    assert table.splitlines()[-1] == "| tok/s | 400.00 | 100.00 | 4.00x | >= 4x | met |"
+    assert table.splitlines()[-1] == "| tok/s | 400.00 | 100.00 | 4.00x | - | >= 4x | met |"
     row = figures_table([("fig", summarize(_timeline()))]).splitlines()[-1]
     assert row.startswith("| fig | 3 | 1 | 8.5 | 300.0 | 300.0 |")
 
@@ -137,3 +139,16 @@ def test_shared_prefix_workload_groups_share_exactly_their_prefix():
     assert len({tuple(p[20:]) for p in w.prompts}) == 12  # distinct questions
     order = [list(groups).index(tuple(p[:20])) for p in w.prompts]
     assert order != sorted(order)  # shuffled, not group after group
+
+
+def test_cpu_times_reads_the_aggregate_line_of_proc_stat():
+    stat = "cpu  100 5 50 800 20 3 2 0 0 0\ncpu0 50 2 25 400 10 1 1 0 0 0\nintr 1 2 3\n"
+    assert cpu_times(stat) == (160, 980)  # busy = total - idle - iowait; total of the first 8 fields
+    with pytest.raises(ValueError, match="no aggregate"):
+        cpu_times("cpu0 1 2 3 4\n")
+
+
+def test_paired_median_ratio_is_robust_to_a_slow_repeat():
+    # repeat 2 ran while the machine was busy: both figures slowed down 5x together
+    assert _paired_median([100.0, 20.0, 110.0], [50.0, 10.0, 50.0]) == pytest.approx(2.0)
+    assert math.isnan(_paired_median([1.0], [0.0]))
