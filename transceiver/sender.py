@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 STAGING_BUFFERS = 4  # gathered chunks in flight per sender (each max_chunk_bytes)
 MAX_INFLIGHT = 4  # chunks handed to zmq and not yet released by it, staged or zero-copy
 CHUNKS_PER_STEP = 4  # bounds the engine thread's time in one `step`
+CHUNKS_PER_PULL = 8  # aim: a pull in at least this many chunks ...
+MIN_CHUNK_TARGET = 1 << 20  # ... of at least this many bytes (up to max_chunk_bytes)
 ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
 
 
@@ -195,11 +197,12 @@ class KVSender:
         except OutOfBlocksError as e:
             self._end_lease(req.ctx_request_id, "out_of_blocks", f"cannot onboard offloaded blocks: {e}")
             return
-        chunks: deque[ChunkPlan] = deque()
-        for r in req.ranges:
-            slot_bytes = self._kv.slot_bytes(r.window)
-            chunks.extend(plan_chunks(r.window, r.first, r.count, slot_bytes, self._config.max_chunk_bytes))
-        lease.job.chunks = chunks
+        sizes = {r.window: self._kv.slot_bytes(r.window) for r in req.ranges}
+        total = sum(r.count * sizes[r.window] for r in req.ranges)
+        # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
+        target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
+        lease.job.chunks = deque(c for r in req.ranges
+                                 for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
         lease.deadline = time.monotonic() + self._config.timeout_s  # a live pull renews the lease
         self._active.append(req.ctx_request_id)
 
