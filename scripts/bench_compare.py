@@ -101,8 +101,18 @@ def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comp
     for name, num, den, goal, at_least in specs:
         a, b = _series(runs, *num), _series(runs, *den)
         if a is not None and b is not None:
-            out.append(Comparison(name, _median(a), _median(b), goal, at_least, paired=_paired_median(a, b)))
+            best = ratio(_best(a, num[2]), _best(b, den[2]))
+            out.append(Comparison(name, _median(a), _median(b), goal, at_least,
+                                  paired=_paired_median(a, b), best=best))
     return out
+
+
+def _best(values: list[float], key: str) -> float:
+    """The least disturbed run: the lowest latency (`*_ms`) or the highest rate."""
+    kept = [v for v in values if not math.isnan(v)]
+    if not kept:
+        return math.nan
+    return min(kept) if key.endswith("_ms") else max(kept)
 
 
 def _median(values: list[float]) -> float:

@@ -12,7 +12,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
-from bench_compare import _paired_median  # noqa: E402
+from bench_compare import _best, _paired_median  # noqa: E402
 from bench_quiet import cpu_times  # noqa: E402
 from bench_report import Comparison, comparisons_table, figures_table  # noqa: E402
 from bench_stats import RequestResult, median_summary, percentile, ratio, summarize  # noqa: E402
@@ -101,7 +101,7 @@ def test_comparison_verdicts_and_ratio_edge_cases():
     assert Comparison("x", 1.0, 0.0, 1.0).verdict == "n/a"
     assert math.isnan(ratio(math.nan, 1.0))
     table = comparisons_table([Comparison("tok/s", 400.0, 100.0, 4.0)])
-    assert table.splitlines()[-1] == "| tok/s | 400.00 | 100.00 | 4.00x | - | >= 4x | met |"
+    assert table.splitlines()[-1] == "| tok/s | 400.00 | 100.00 | 4.00x | - | - | >= 4x | met |"
     row = figures_table([("fig", summarize(_timeline()))]).splitlines()[-1]
     assert row.startswith("| fig | 3 | 1 | 8.5 | 300.0 | 300.0 |")
 
@@ -152,3 +152,9 @@ def test_paired_median_ratio_is_robust_to_a_slow_repeat():
     # repeat 2 ran while the machine was busy: both figures slowed down 5x together
     assert _paired_median([100.0, 20.0, 110.0], [50.0, 10.0, 50.0]) == pytest.approx(2.0)
     assert math.isnan(_paired_median([1.0], [0.0]))
+
+
+def test_best_run_is_the_fastest_rate_or_the_lowest_latency():
+    assert _best([100.0, math.nan, 300.0, 200.0], "output_tok_s") == 300.0
+    assert _best([100.0, math.nan, 300.0, 200.0], "ttft_mean_ms") == 100.0
+    assert math.isnan(_best([math.nan], "ttft_mean_ms"))
