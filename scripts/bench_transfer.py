@@ -191,7 +191,8 @@ def table(rows: list[dict], chunk: int) -> str:
         lines.append(f"| {r['mib']} MiB | {r['xfer_best']:.2f} ({r['xfer_median']:.2f}) | "
                      f"{r['raw_best']:.2f} ({r['raw_median']:.2f}) | {r['xfer_best'] / r['raw_best']:.0%} "
                      f"({r['xfer_median'] / r['raw_median']:.0%}) |")
-    lines.append(f"\nframes of {chunk // MIB} MiB, tcp://127.0.0.1, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+    cpus = len(os.sched_getaffinity(0))
+    lines.append(f"\nframes of {chunk // MIB} MiB, tcp://127.0.0.1, {cpus} CPUs, torch {torch.__version__}, "
                  f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
     return "\n".join(lines)
 
