@@ -54,6 +54,9 @@ class KVCacheManager:
         self.window_sizes: tuple[int, ...] = tuple(sorted(set(layout.layer_windows)))
         num_primary = primary_tokens(config, layout) // tpb
         num_secondary = config.host_cache_size // layout.bytes_per_token() // tpb
+        if config.host_cache_size and not num_secondary:  # TensorRT-LLM #2225: silently no host pool
+            raise ValueError(f"kv_cache_config.host_cache_size={config.host_cache_size}: holds no block "
+                             f"(one block of every layer is {tpb * layout.bytes_per_token()} bytes)")
         self._groups = [WindowGroup(config, layout, w, num_primary, num_secondary) for w in self.window_sizes]
         self._by_window = {g.window: g for g in self._groups}
         self._layer_group = {layer: g for g in self._groups for layer in g.layers}

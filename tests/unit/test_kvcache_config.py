@@ -67,6 +67,14 @@ def test_sizing_per_group_from_max_tokens_and_host_bytes():
     assert cpu_default.pool(64, Level.SECONDARY) is None
 
 
+def test_host_cache_smaller_than_one_block_is_an_error():
+    layout = CacheLayout((64,), 2, 8, torch.float16, "cpu", 64)  # 64 bytes per token, 256 per block
+    with pytest.raises(ValueError, match=r"host_cache_size=255: holds no block \(one block .* is 256 bytes\)"):
+        KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=255), layout)
+    m = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=256), layout)
+    assert m.num_slots(64, Level.SECONDARY) == 1
+
+
 def test_block_hashes_chain_and_salt():
     toks = list(range(70))
     h = block_hashes(toks, 32)
