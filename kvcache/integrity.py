@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager, _primary_candidate, _secondary_candidate
 from kvcache.errors import KVCacheError
@@ -32,6 +34,17 @@ def check_block_manager(bm: BlockManager, label: str) -> None:
     if reclaimable != bm.num_reclaimable:
         fail(f"num_reclaimable={bm.num_reclaimable} but {reclaimable} primary tree blocks are not busy")
     _check_queues(bm, fail)
+
+
+def check_request_refs(bm: BlockManager, label: str, request_blocks: list[list[Block | None]]) -> None:
+    """Each block's ref count equals the number of live request block lists holding it, and no copy
+    recorded by the last call is left unexecuted."""
+    if bm.copies:
+        raise KVCacheError(f"{label}: {len(bm.copies)} copies were never executed")
+    refs = Counter(b.id for blocks in request_blocks for b in blocks if b is not None)
+    for b in bm.blocks:
+        if b.ref != refs[b.id]:
+            raise KVCacheError(f"{label}: block {b.id} has ref={b.ref} but {refs[b.id]} request references")
 
 
 def _check_block(b: Block, is_free: bool, fail) -> None:

@@ -21,7 +21,7 @@ from kvcache.config import CacheLayout, KvCacheConfig
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, primary_tokens
 from kvcache.hashing import request_salt, salt_digest
-from kvcache.integrity import check_block_manager
+from kvcache.integrity import check_block_manager, check_request_refs
 from kvcache.matching import NoReuse, PrefixReuse
 from kvcache.requests import RequestState
 from kvcache.stats import KVCacheStats
@@ -46,6 +46,15 @@ def _flushes(method: T) -> T:
 
 
 class KVCacheManager:
+    """Paged KV cache of one model: pools, block reuse, host offload, id -> slot translation.
+
+    Capacity per window group: config.max_tokens // tpb primary slots (None: a fraction of free GPU
+    memory on CUDA, 8 * max_seq_len tokens on CPU) and host_cache_size // bytes_per_token(all layers)
+    // tpb secondary slots. `salt` is the hashing namespace (model fingerprint); a request's own
+    salt refines it (see kvcache.request_salt), so cached blocks are shared only within a namespace.
+    Block ids are per window group; -1 in a block list means "released" (out of the window).
+    """
+
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "") -> None:
         self.config = config
         self.layout = layout
@@ -91,7 +100,9 @@ class KVCacheManager:
         return self._group(window).bm.num_slots[level]
 
     def num_available_blocks(self, window: int | None = None) -> int:
-        """Primary free + reclaimable (ref 0, unpinned) blocks; the minimum over groups if no window."""
+        """Primary blocks an allocation can get: free ones plus cached ones that eviction can reclaim
+        (ref 0, unpinned, no in-use block below them in the tree); the minimum over groups if no
+        window. Exactly what admit/extend check, so a request that fits never fails midway."""
         groups = self._groups if window is None else [self._group(window)]
         return min(g.bm.evictable_keeping([]) for g in groups)
 
@@ -99,7 +110,14 @@ class KVCacheManager:
     @_flushes
     def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
               max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None) -> int:
-        """Match the longest cached prefix, allocate blocks for `num_tokens` tokens; return the hit."""
+        """Admit a request: reuse its longest cached prefix, allocate blocks for `num_tokens` tokens
+        (default len(token_ids)); return the number of reused (cached) tokens.
+
+        Full blocks match by chained hash, then one partly matching block is reused (copied, or
+        taken over when copy_on_partial_reuse is off); matched host blocks are onboarded. The hit
+        is capped at max_cached_tokens (default len(token_ids) - 1: the last prompt token must be
+        computed for its logits) and, with VSWA, is the minimum over window groups. The blocks get
+        `priority` (0..100) for eviction. OutOfBlocksError is raised before any change."""
         if request_id in self._requests:
             raise KVCacheError(f"request {request_id!r} is already admitted")
         n_tok = len(token_ids) if num_tokens is None else num_tokens
@@ -138,9 +156,11 @@ class KVCacheManager:
             blocks += [g.bm.allocate(req.priority) for _ in range(need)]
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Put every full block whose tokens are all computed into the reuse tree (if not there yet).
-        If an equal block is already cached, the request's block stays private and commit stops for
-        that group (the tree stays a tree of the blocks requests actually hold)."""
+        """Put every full block whose tokens are all computed into the reuse tree (if not there yet);
+        call it after each step so concurrent requests share freshly computed prefixes. If an equal
+        block is already cached, the request's block stays private and commit stops for that group:
+        its later blocks would hang under a block the request does not hold, and a held block's
+        ancestors must stay primary (prefix-closed primary level)."""
         req = self._request(request_id)
         capacity = len(req.blocks[0]) * self.tokens_per_block
         if not 0 <= num_computed_tokens <= min(capacity, len(token_ids)):
@@ -161,7 +181,10 @@ class KVCacheManager:
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
         """Sliding-window groups: drop references to blocks entirely before the window of the next
-        token (position num_computed_tokens). Returns the number of references dropped."""
+        token (position num_computed_tokens); block_ids shows -1 there. Returns the number of
+        references dropped. A private block is freed at once; a block in the reuse tree stays cached
+        and becomes reclaimable only when no block below it is in use (with block reuse on, that is
+        usually when the request ends: eviction takes leaves only)."""
         req = self._request(request_id)
         released = 0
         for i, g in enumerate(self._groups):
@@ -238,17 +261,7 @@ class KVCacheManager:
         """Raise KVCacheError describing the first broken invariant (O(blocks); tests, debug)."""
         for i, g in enumerate(self._groups):
             check_block_manager(g.bm, f"window {g.window}")
-            if g.bm.copies:
-                raise KVCacheError(f"window {g.window}: {len(g.bm.copies)} copies were never executed")
-            refs: dict[int, int] = {}
-            for req in self._requests.values():
-                for b in req.blocks[i]:
-                    if b is not None:
-                        refs[b.id] = refs.get(b.id, 0) + 1
-            for b in g.bm.blocks:
-                if b.ref != refs.get(b.id, 0):
-                    raise KVCacheError(f"window {g.window}: block {b.id} has ref={b.ref} but "
-                                       f"{refs.get(b.id, 0)} request references")
+            check_request_refs(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
 
     def stats(self) -> KVCacheStats:
         s = KVCacheStats(prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens)
