@@ -122,9 +122,11 @@ class KVReceiver:
 
     def close(self) -> None:
         """Cancel every running pull (results are dropped) and stop the socket thread."""
-        for pull in list(self._pulls.values()):
+        pulls = list(self._pulls.values())
+        for pull in pulls:
             self._fail(pull, "cancelled", "the generation server is shutting down", report=False)
-        time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
+        if pulls:
+            time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
 
     # ---- messages ----------------------------------------------------------------------------
