@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_cpu import QuietGate
 from bench_hf_baseline import load_model, run_hf_baseline
 from bench_hf_baseline import warm_up as hf_warm_up
 from bench_launch import REPO, ServerUnderTest
@@ -36,11 +37,11 @@ from bench_measure import (
     measure,
     medians,
     model_vocab,
+    own_cpu_s,
     random_figure,
     server_target,
     shared_prefix_figure,
 )
-from bench_quiet import QuietGate
 from bench_report import Comparison, comparisons_table, figures_table
 from bench_stats import RequestResult, ratio
 from transformers import PreTrainedModel
@@ -58,6 +59,9 @@ class HFTarget:
     def run(self, figure: Figure, repeat: int) -> list[RequestResult]:
         return run_hf_baseline(self.model, figure.workload(repeat))
 
+    def cpu_s(self) -> float:
+        return own_cpu_s()  # generate runs in this process
+
 
 def hf_target(model: str, vocab: list[int]) -> HFTarget:
     print("loading the transformers generate baseline", file=sys.stderr, flush=True)
@@ -68,8 +72,9 @@ def hf_target(model: str, vocab: list[int]) -> HFTarget:
 
 def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: list[int]) -> Target:
     print(f"starting {part}: {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
-    url = stack.enter_context(ServerUnderTest(config, reuse=reuse))
-    return server_target(part, url, vocab)
+    server = ServerUnderTest(config, reuse=reuse)
+    url = stack.enter_context(server)
+    return server_target(part, url, vocab, pgid=server.pid)
 
 
 def _series(runs: Runs, part: str, figure: Figure, key: str) -> list[float] | None:
@@ -85,7 +90,7 @@ def _paired_median(numerators: list[float], denominators: list[float]) -> float:
 
 def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comparison]:
     """Every goal comparison whose two figures were measured (medians of the runs, and paired)."""
-    tok_s, ttft = "output_tok_s", "ttft_mean_ms"
+    tok_s, ttft, cpu = "output_tok_s", "ttft_mean_ms", "server_cpu_ms_per_token"
     specs = [
         ("aggregated c=8 tok/s / HF generate tok/s", ("aggregated", c8, tok_s), ("hf", c1, tok_s), 4.0, True),
         ("aggregated c=1 tok/s / HF generate tok/s", ("aggregated", c1, tok_s), ("hf", c1, tok_s), 1.0, True),
@@ -96,6 +101,9 @@ def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comp
         ("disagg c=8 tok/s / aggregated", ("disagg", c8, tok_s), ("aggregated", c8, tok_s), 0.8, True),
         ("disagg c=1 tok/s / aggregated", ("disagg", c1, tok_s), ("aggregated", c1, tok_s), 0.8, True),
         ("disagg c=1 mean TTFT / aggregated", ("disagg", c1, ttft), ("aggregated", c1, ttft), 1.3, False),
+        # the same throughput goals in CPU time per output token (2 cores: rate ~ 1 / CPU per token)
+        ("CPU/token: HF generate / aggregated c=8", ("hf", c1, cpu), ("aggregated", c8, cpu), 4.0, True),
+        ("CPU/token: disagg c=8 / aggregated c=8", ("disagg", c8, cpu), ("aggregated", c8, cpu), 1.25, False),
     ]
     out = []
     for name, num, den, goal, at_least in specs:

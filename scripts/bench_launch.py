@@ -83,6 +83,11 @@ class ServerUnderTest:
         self.url = ""
 
     @property
+    def pid(self) -> int | None:
+        """The child's pid, which is also its process group id (it leads a new session)."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
     def log_path(self) -> Path:
         return self.workdir / "server.log"
 

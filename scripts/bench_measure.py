@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bench_client import bench, first_errors, served_model
-from bench_quiet import QuietGate
+from bench_cpu import QuietGate, group_cpu_s
 from bench_stats import RequestResult, Summary, median_summary, summarize
 from bench_workloads import (
     SharedPrefixShape,
@@ -76,7 +76,7 @@ def warm_up(url: str, model: str, vocab: list[int]) -> None:
         raise RuntimeError(f"warm-up failed: {errors}")
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
     """CPU seconds this benchmark process used so far: the client shares the cores with the server."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -89,20 +89,28 @@ class Target(Protocol):
 
     def run(self, figure: Figure, repeat: int) -> list[RequestResult]: ...
 
+    def cpu_s(self) -> float:
+        """CPU seconds the serving side has used so far (NaN when unknown)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ServerTarget:
     name: str
     url: str
     model: str  # as GET /v1/models names it
+    pgid: int | None = None  # the server's process group, when we started it: its CPU time is measured
+
+    def cpu_s(self) -> float:
+        return group_cpu_s(self.pgid) if self.pgid is not None else math.nan
 
     def run(self, figure: Figure, repeat: int) -> list[RequestResult]:
         return bench(self.url, self.model, figure.workload(repeat), figure.concurrency)
 
 
-def server_target(name: str, url: str, vocab: list[int]) -> ServerTarget:
+def server_target(name: str, url: str, vocab: list[int], pgid: int | None = None) -> ServerTarget:
     """The server at `url`, warmed up."""
-    target = ServerTarget(name, url, served_model(url))
+    target = ServerTarget(name, url, served_model(url), pgid)
     warm_up(url, target.model, vocab)
     return target
 
@@ -112,10 +120,13 @@ Runs = dict[str, dict[str, list[Summary]]]  # target name -> figure name -> one 
 
 def _measure_once(target: Target, figure: Figure, repeat: int, of: int, gate: QuietGate | None) -> Summary:
     busy_before = gate.wait() if gate is not None else math.nan
-    cpu_before = _own_cpu_s()
+    cpu_before, server_before = own_cpu_s(), target.cpu_s()
     results = target.run(figure, repeat)
-    summary = summarize(results) | {"client_cpu_s": _own_cpu_s() - cpu_before, "busy_before": busy_before,
-                                    "load_1m": os.getloadavg()[0]}  # other work on the machine shows here
+    server_cpu = target.cpu_s() - server_before
+    summary = summarize(results)
+    summary |= {"client_cpu_s": own_cpu_s() - cpu_before, "busy_before": busy_before,
+                "server_cpu_ms_per_token": 1e3 * server_cpu / max(summary["output_tokens"], 1.0),
+                "load_1m": os.getloadavg()[0]}  # other work on the machine shows here
     errors = first_errors(results)
     print(f"  [{target.name}: {figure.name} run {repeat + 1}/{of}] {summary['output_tok_s']:.1f} tok/s, "
           f"TTFT mean {summary['ttft_mean_ms']:.1f} ms" + (f", errors: {errors}" if errors else ""),

@@ -21,6 +21,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ITL p99 ms", "itl_p99_ms", "{:.2f}"),
     ("E2E p50 ms", "e2e_p50_ms", "{:.1f}"),
     ("hit %", "cache_hit_rate", "{:.0%}"),
+    ("server CPU ms/tok", "server_cpu_ms_per_token", "{:.2f}"),
     ("client CPU s", "client_cpu_s", "{:.2f}"),
     ("busy before", "busy_before", "{:.0%}"),
     ("load 1m", "load_1m", "{:.1f}"),

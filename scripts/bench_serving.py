@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench_compare import run_comparisons
+from bench_cpu import QuietGate
 from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
     WorkloadArgs,
@@ -28,7 +29,6 @@ from bench_measure import (
     server_target,
     shared_prefix_figure,
 )
-from bench_quiet import QuietGate
 from bench_report import figures_table
 from bench_workloads import SharedPrefixShape
 
@@ -77,9 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     figures = [make(vocab, wargs, c) for c in args.concurrency]
     name = args.url or f"{args.config.name} reuse={'off' if args.no_reuse else 'on'}"
     with ExitStack() as stack:
-        url = args.url or stack.enter_context(
-            ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile))
-        runs = measure([(server_target(name, url, vocab), figures)], args.repeat, quiet_gate(args))
+        server = None if args.url else ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile)
+        url = args.url or stack.enter_context(server)
+        target = server_target(name, url, vocab, pgid=server.pid if server else None)
+        runs = measure([(target, figures)], args.repeat, quiet_gate(args))
     found = medians(runs)[name]
     print(figures_table(list(found.items())))
     emit({"target": name, "repeat": args.repeat, "figures": found, "runs": runs[name]}, args.json_out)

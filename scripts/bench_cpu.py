@@ -1,19 +1,24 @@
-"""Wait for a quiet machine before each measured figure (other work shares these 2 cores).
+"""CPU accounting on a shared machine: how busy it is, waiting for quiet, CPU time of a server.
 
 `busy_fraction` samples /proc/stat: the share of all cores' time spent outside idle/iowait over a
 short window. The servers under test are idle between figures, so what shows is other load.
 `QuietGate.wait` polls until that share drops under `max_busy` or `timeout_s` passes; it returns
 the last sample, recorded with the figure so that a reader can see how quiet it was.
+`group_cpu_s` sums user+system time of every live process of a process group (a launched server
+and its children): CPU per output token is far less sensitive to other load than wall-clock rates.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PROC_STAT = Path("/proc/stat")
+PROC = Path("/proc")
+PROC_STAT = PROC / "stat"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times(stat_text: str) -> tuple[int, int]:
@@ -51,3 +56,24 @@ class QuietGate:
             print(f"  (machine still {busy:.0%} busy after {self.timeout_s:.0f} s; measuring anyway)",
                   file=sys.stderr, flush=True)
         return busy
+
+
+def pgrp_and_cpu_ticks(pid_stat: str) -> tuple[int, int]:
+    """(process group, utime + stime ticks) from one /proc/PID/stat line."""
+    fields = pid_stat[pid_stat.rindex(")") + 2:].split()  # after "PID (comm) ": state is fields[0]
+    return int(fields[2]), int(fields[11]) + int(fields[12])
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds used so far by the live processes of process group `pgid`."""
+    ticks = 0
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            group, used = pgrp_and_cpu_ticks((entry / "stat").read_text())
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        if group == pgid:
+            ticks += used
+    return ticks / CLOCK_TICKS
