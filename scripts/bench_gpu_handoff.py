@@ -46,14 +46,15 @@ def build_model(out: Path, layers: int) -> Path:
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
-    LlamaConfig(num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                tie_word_embeddings=False, torch_dtype="bfloat16", **LLAMA_8B).save_pretrained(out)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    LlamaConfig(architectures=["LlamaForCausalLM"], num_hidden_layers=layers, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16", **LLAMA_8B).save_pretrained(out)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
     h, i, v = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["vocab_size"]
     kvd = LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02).cpu()
 
     save_file({"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
                "lm_head.weight": rnd(v, h)}, out / "model-00000.safetensors")
@@ -101,7 +102,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server {url} exited with {proc.returncode}")
+            log = Path(proc.args[-3]).with_suffix(".log")  # <workdir>/<role>.log beside <role>.yaml
+            raise SystemExit(f"server {url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -159,7 +161,7 @@ def main() -> None:
         rng = torch.Generator().manual_seed(1)
         results = []
         for k in range(args.prompts + 1):  # the first is a warm-up (connection set-up, allocator)
-            prompt = torch.randint(10, 120000, (args.prompt_len,), generator=rng).tolist()
+            prompt = torch.randint(10, 500, (args.prompt_len,), generator=rng).tolist()  # the tokenizer is the tiny one
             r = one_handoff(ctx, gen, prompt)
             print(("warm-up " if k == 0 else "") + json.dumps(r), flush=True)
             if k:
