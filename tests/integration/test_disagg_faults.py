@@ -1,0 +1,342 @@
+"""Fault injection on real disaggregated deployments (`pdserve launch`, real processes on loopback).
+
+One shared `disagg.yaml` deployment (fixed auth token, a short context-side lease) serves the
+tests that leave it intact: a generation server that never pulls, forged/truncated/replayed/
+wrong-version transceiver messages, pulls for unknown, stale-epoch and expired leases, and a client
+that disconnects mid-stream. Destructive tests launch their own: a generation server SIGKILLed
+mid-stream (`disagg.yaml`) and a context server SIGKILLed in `disagg_2x2.yaml`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import deploy_harness as dh
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from transceiver.messages import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
+
+TOKEN = "fault-injection-token-0123456789abcdef"
+LEASE_MS = 1500  # the shared deployment's context-side kv_transfer_timeout_ms
+TPB = 32  # tokens_per_block of disagg.yaml
+SHARED = {
+    "cache_transceiver_config": {"auth_token": TOKEN},
+    "context_servers": {"cache_transceiver_config": {"kv_transfer_timeout_ms": LEASE_MS}},
+}
+PROMPT = "Fault injection keeps the server honest: " + "every lease ends, every block comes back. " * 3
+LONG_TOKENS = 1800  # a stream that cannot end on its own while a test watches it
+FAST_S = 3.0  # a failure that does not wait for any timeout answers within this
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def in_use(dep: dh.Deployment, url: str) -> float:
+    return dep.metric(url, "pdserve_kv_cache_blocks", 'state="in_use"')
+
+
+def running(dep: dh.Deployment, url: str) -> float:
+    return dep.metric(url, "pdserve_requests", 'state="running"')
+
+
+def wait_idle(dep: dh.Deployment, urls: list[str], timeout_s: float) -> None:
+    for url in urls:
+        dh.wait_until(lambda u=url: in_use(dep, u) == 0 and running(dep, u) == 0, timeout_s,
+                      what=f"no block in use and nothing running on {url}")
+
+
+def data_events(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of an SSE stream's `data:` lines."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def fresh_prompt(tag: str) -> str:
+    """A prompt no server has cached (a local prefix hit on the generation server skips the pull)."""
+    return f"[{tag} {secrets.token_hex(4)}] {PROMPT}"
+
+
+def context_only(url: str, prompt: str = PROMPT) -> tuple[dict, float]:
+    """A `context_only` answer straight from a context server, and when it arrived (monotonic)."""
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+            "disaggregated_params": {"request_type": "context_only"}}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    arrived = time.monotonic()
+    assert response.status_code == 200, response.text
+    return response.json(), arrived
+
+
+def complete(url: str, prompt: str = PROMPT, max_tokens: int = 8) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["usage"]["completion_tokens"] == max_tokens
+    return answer
+
+
+def pid_of(dep: dh.Deployment, name: str) -> int:
+    """pid of the launcher's child `name` ("context-0", "generation-1", ...)."""
+    import psutil
+
+    [pid] = [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
+             if f"{name}.yaml" in " ".join(c.cmdline())]
+    return pid
+
+
+@contextmanager
+def launched_with_output(config: str, tmp_path: Path, overrides: dict | None = None):
+    """`deploy_harness.launched`, but the launcher's own stdout (its exit reports) goes to a file."""
+    path, cfg = dh.write_config(dh.ROOT / "configs" / config, tmp_path, overrides)
+    out = tmp_path / "launcher.out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    with open(out, "wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir", str(tmp_path / "logs")],
+            cwd=dh.ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    dep = dh.Deployment(
+        url=f"http://127.0.0.1:{cfg['port']}",
+        context_urls=[f"http://{u}" for u in cfg["context_servers"]["urls"]],
+        generation_urls=[f"http://{u}" for u in cfg["generation_servers"]["urls"]],
+        process=process, log_dir=tmp_path / "logs", config=cfg)
+    try:
+        dh._wait_ready(dep)  # the router answers; the launcher may still be probing it:
+        dh.wait_until(lambda: "[pdserve launch] ready:" in out.read_text(), 60, what="the launcher's ready line")
+        yield dep, out
+    finally:
+        dh._stop(process)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Iterator[dh.Deployment]:
+    with dh.launched("disagg.yaml", tmp_path_factory.mktemp("faults"), SHARED) as dep:
+        yield dep
+
+
+# ---- 1. generation server killed mid-stream ---------------------------------------------------
+
+def test_generation_server_killed_mid_stream(tmp_path):
+    with launched_with_output("disagg.yaml", tmp_path) as (dep, out):
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        [gen_pid] = dep.server_pids("generation")
+        body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=httpx.Timeout(10.0)) as client, \
+                client.stream("POST", f"{dep.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = data_events(response.iter_lines())
+            assert all(json.loads(next(events))["choices"][0]["text"] is not None for _ in range(3))
+            os.kill(gen_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = list(events)
+            ended_after = time.monotonic() - killed
+        assert ended_after < FAST_S, f"the stream took {ended_after:.1f} s to end"
+        assert "[DONE]" not in rest
+        error = json.loads(rest[-1])["error"]
+        assert error["message"].startswith("generation leg failed mid-stream"), error
+        assert error["type"] == "server_error"
+
+        # the context server released its lease on the Ack, long before the lease would expire
+        dh.wait_until(lambda: in_use(dep, ctx) == 0, 5, what="context blocks released")
+        assert dep.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == 0
+
+        def router_health() -> httpx.Response:
+            return httpx.get(f"{dep.url}/health", timeout=5)
+
+        dh.wait_until(lambda: router_health().status_code == 503, 5, what="router /health 503")
+        servers = router_health().json()["servers"]
+        assert (servers[gen]["healthy"], servers[ctx]["healthy"]) == (False, True)
+        dh.wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 5,
+                      what="the launcher reports the exit")
+        assert dep.process.poll() is None  # the launcher keeps the rest running
+
+        # a new request: the generation leg has nowhere to go; the context server keeps nothing
+        response = httpx.post(f"{dep.url}/v1/completions", timeout=30,
+                              json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0})
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "generation leg failed: no healthy generation server"
+        dh.wait_until(lambda: in_use(dep, ctx) == 0, 5, what="no context lease left behind")
+
+
+# ---- 2. context server killed (2 + 2) -----------------------------------------------------------
+
+HASHES_LEARNT_S = 2.0  # the server's hash snapshot (0.5 s) + the router's poll interval (1 s), with margin
+TOPICS = ("rivers", "bridges", "tides", "comets", "glaciers", "lanterns")
+
+
+def topic_prompt(topic: str) -> str:
+    return f"Topic: {topic}. " + "Keep the answer short, clear and correct. " * 3
+
+
+def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
+    with dh.launched("disagg_2x2.yaml", tmp_path) as dep:
+        dead, alive = dep.context_urls
+        dead_pid = pid_of(dep, "context-0")
+        for topic in TOPICS:  # warm `dead`'s prefix cache so kv_cache_aware keeps choosing it
+            context_only(dead, topic_prompt(topic))
+        time.sleep(HASHES_LEARNT_S)
+        os.kill(dead_pid, signal.SIGKILL)
+        for topic in TOPICS:  # the first ones race the health monitor: the retry must cover them
+            complete(dep.url, topic_prompt(topic))
+        servers = httpx.get(f"{dep.url}/health", timeout=5).json()["servers"]
+        assert (servers[dead]["healthy"], servers[alive]["healthy"]) == (False, True)
+        assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200
+        wait_idle(dep, [alive, *dep.generation_urls], 10)
+
+
+# ---- 3. a generation server that never pulls ----------------------------------------------------
+
+def test_lease_expires_when_nobody_pulls(shared):
+    ctx = shared.context_urls[0]
+    expired_before = shared.metric(ctx, "pdserve_kv_transfer_lease_expired_total")
+    answer, arrived = context_only(ctx, fresh_prompt("lease"))
+    params = answer["choices"][0]["disaggregated_params"]
+    assert params["ctx_request_id"] and params["ctx_endpoint"].startswith("tcp://127.0.0.1:")
+    leased = math.ceil(answer["usage"]["prompt_tokens"] / TPB)
+    dh.wait_until(lambda: in_use(shared, ctx) == leased, 1.0, what=f"{leased} blocks pinned by the lease")
+    dh.wait_until(lambda: in_use(shared, ctx) == 0, LEASE_MS / 1000 + 3, what="lease reaped")
+    held_s = time.monotonic() - arrived
+    assert held_s >= 0.8 * LEASE_MS / 1000, f"released after {held_s:.2f} s, before the lease ended"
+    assert shared.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == expired_before + 1
+    wait_idle(shared, shared.context_urls + shared.generation_urls, 5)
+
+
+# ---- 4. forged, truncated, replayed, wrong-version transceiver messages ------------------------
+
+BOGUS_LAYOUT = Layout(tokens_per_block=TPB, windows=[], fingerprint="fault-injection")
+REPLY_WAIT_MS = 300
+
+
+def seal(body: Body, *, token: str = TOKEN, version: int = PROTOCOL_VERSION) -> list[bytes]:
+    """[header, mac] as a receiver would send it (transceiver/codec.py's layout, built here)."""
+    env = Envelope(version=version, sender_epoch="fault-injection", msg_id=secrets.randbits(64),
+                   ts=time.time(), body=msgspec.Raw(msgspec.msgpack.encode(body)))
+    header = msgspec.msgpack.encode(env)
+    return [header, hmac.new(token.encode(), header, hashlib.sha256).digest()]
+
+
+def reply(sock: zmq.Socket) -> Body | None:
+    """The authenticated answer on `sock` within REPLY_WAIT_MS, or None."""
+    if not sock.poll(REPLY_WAIT_MS):
+        return None
+    header, mac = sock.recv_multipart()
+    assert hmac.compare_digest(hmac.new(TOKEN.encode(), header, hashlib.sha256).digest(), mac)
+    env = msgspec.msgpack.decode(header, type=Envelope)
+    return msgspec.msgpack.decode(env.body, type=Body)
+
+
+def test_bad_transceiver_messages_are_dropped_and_counted(shared):
+    ctx = shared.context_urls[0]
+    endpoint = context_only(ctx)[0]["choices"][0]["disaggregated_params"]["ctx_endpoint"]
+    hello = seal(Hello(layout=BOGUS_LAYOUT))
+    good_mac = hello[1]
+    undecodable = b"\x93not-an-envelope"
+    bad = {
+        "forged (wrong token)": seal(Hello(layout=BOGUS_LAYOUT), token="an-attackers-guess-0123456789"),
+        "truncated header": [hello[0][: len(hello[0]) // 2], good_mac],
+        "truncated multipart (no mac)": [hello[0]],
+        "authentic but undecodable": [undecodable, hmac.new(TOKEN.encode(), undecodable, hashlib.sha256).digest()],
+        "wrong protocol version": seal(Hello(layout=BOGUS_LAYOUT), version=PROTOCOL_VERSION + 1),
+        "replayed": hello,
+    }
+    rejected = shared.metric(ctx, "pdserve_kv_transfer_rejected_messages_total")
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(hello)  # the original of the replay: authentic, so it is answered
+        answer = reply(sock)
+        assert isinstance(answer, Failed) and answer.reason == "incompatible", answer
+        for what, frames in bad.items():
+            sock.send_multipart(frames)
+            rejected += 1
+            assert reply(sock) is None, f"{what}: answered"
+            dh.wait_until(lambda r=rejected: shared.metric(ctx, "pdserve_kv_transfer_rejected_messages_total") == r,
+                          3, what=f"{what}: counted once")
+        sock.send_multipart(seal(Hello(layout=BOGUS_LAYOUT)))  # the link still answers fresh messages
+        assert isinstance(reply(sock), Failed)
+    finally:
+        sock.close()
+        zctx.term()
+    assert httpx.get(f"{ctx}/health", timeout=5).status_code == 200
+    complete(shared.url)
+    assert shared.metric(ctx, "pdserve_kv_transfer_rejected_messages_total") == rejected
+    wait_idle(shared, shared.context_urls + shared.generation_urls, LEASE_MS / 1000 + 3)
+
+
+# ---- 5. pulls for unknown, stale-epoch and expired leases ---------------------------------------
+
+def generation_only(url: str, prompt: str, params: dict) -> tuple[httpx.Response, float]:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+            "disaggregated_params": {**params, "request_type": "generation_only"}}
+    start = time.monotonic()
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return response, time.monotonic() - start
+
+
+def assert_transfer_failed(response: httpx.Response, seconds: float, detail: str) -> None:
+    assert seconds < FAST_S, f"the failure took {seconds:.1f} s"
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["message"].startswith("KV transfer from the context server failed: "), error
+    assert detail in error["message"], error
+
+
+def test_pull_for_unknown_stale_or_expired_lease_fails_fast(shared):
+    ctx, gen = shared.context_urls[0], shared.generation_urls[0]
+    failures = lambda reason: shared.metric(gen, "pdserve_kv_transfer_failures_total", f'reason="{reason}"')
+    unknown_before, stale_before = failures("unknown_request"), failures("epoch_mismatch")
+    prompt = fresh_prompt("pull")
+    params = context_only(ctx, prompt)[0]["choices"][0]["disaggregated_params"]
+    rid = params["ctx_request_id"]
+
+    response, seconds = generation_only(gen, prompt, {**params, "ctx_request_id": "no-such-request"})
+    assert_transfer_failed(response, seconds, "no lease for ctx_request_id 'no-such-request'")
+    response, seconds = generation_only(gen, prompt, {**params, "ctx_epoch": "0" * 32})
+    assert_transfer_failed(response, seconds, f"the request was prefilled by epoch {'0' * 32}")
+    dh.wait_until(lambda: in_use(shared, ctx) == 0, LEASE_MS / 1000 + 3, what="the real lease expired")
+    response, seconds = generation_only(gen, prompt, params)
+    assert_transfer_failed(response, seconds, f"no lease for ctx_request_id '{rid}'")
+
+    dh.wait_until(lambda: (failures("unknown_request"), failures("epoch_mismatch"))
+                  == (unknown_before + 2, stale_before + 1), 2, what="each failure counted once by reason")
+    wait_idle(shared, [ctx, gen], 5)
+    complete(shared.url)
+
+
+# ---- 6. a client that disconnects mid-stream ----------------------------------------------------
+
+def test_client_disconnect_mid_stream_cancels_both_legs(shared):
+    ctx, gen = shared.context_urls[0], shared.generation_urls[0]
+    tokens = lambda: shared.metric(gen, "pdserve_generation_tokens_total")
+    before = tokens()
+    body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client, \
+            client.stream("POST", f"{shared.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = data_events(response.iter_lines())
+        assert all(json.loads(next(events))["choices"][0]["text"] is not None for _ in range(3))
+        dh.wait_until(lambda: running(shared, gen) == 1, 2, what="the stream decoding")
+    # leaving the block closed the connection mid-stream
+    wait_idle(shared, [ctx, gen], 5)
+    produced = tokens() - before
+    time.sleep(0.5)
+    assert tokens() - before == produced, "decoding went on after the client left"
+    assert 3 <= produced < LONG_TOKENS
