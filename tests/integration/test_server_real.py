@@ -1,0 +1,141 @@
+"""One real aggregated server process (`pdserve serve --config`) driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import deploy_harness as dh
+import hf_reference
+import httpx
+import openai
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+from server.models.builtin import resolve_model
+
+MODEL = "builtin:tiny-llama"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+METRICS = ["pdserve_kv_cache_blocks", "pdserve_kv_offloaded_blocks_total", "pdserve_kv_onboarded_blocks_total",
+           "pdserve_prefix_cache_query_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_requests",
+           "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+           "pdserve_generation_tokens_total"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = dh.free_port()
+    cfg = {"model": MODEL, "hostname": "127.0.0.1", "port": port, "max_seq_len": 512, "max_batch_size": 8,
+           "max_num_tokens": 256, "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
+    (tmp / "server.yaml").write_text(yaml.safe_dump(cfg))
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(tmp / "server.yaml")],
+                            cwd=dh.ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        dh.wait_until(lambda: _healthy(url, proc), 120, what="server health")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _healthy(url: str, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, "server exited"
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _in_use(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve_kv_cache_blocks") and 'state="in_use"' in line)
+
+
+def test_completion_matches_transformers_and_reuses_prefix(client):
+    model_dir = resolve_model(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 5
+    expected = tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(prompt), 20),
+                                skip_special_tokens=True)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, **GREEDY)
+    assert first.choices[0].text == again.choices[0].text == expected
+    assert first.usage.completion_tokens == 20 and first.choices[0].finish_reason == "length"
+    assert first.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_streaming_equals_whole_for_completion_and_chat(client):
+    kwargs = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, **GREEDY}
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant"
+
+
+BAD = [
+    ({"prompt": ""}, 400), ({"prompt": "hi", "max_tokens": 0}, 400), ({"prompt": "hi", "temperature": -1}, 400),
+    ({"prompt": "hi", "top_p": 0}, 400), ({"prompt": "hi", "top_p": 1.5}, 400), ({"prompt": "hi", "n": 2}, 400),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400), ({"prompt": "x " * 600}, 400),
+    ({"prompt": "hi", "max_tokens": 600}, 400),
+    ({"prompt": "hi", "model": "no-such-model"}, 404),
+]
+
+
+@pytest.mark.parametrize("body, status", BAD)
+def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(server, client, body, status):
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and {"message", "type", "param", "code"} <= set(error)
+    good = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=2, **GREEDY)
+    assert good.usage.completion_tokens == 2
+
+
+def test_malformed_json_is_400(server):
+    response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def _generated(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("pdserve_generation_tokens_total"))
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    time.sleep(0.3)
+    before = _generated(server)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 490, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 6:
+                break  # leave mid-stream
+    dh.wait_until(lambda: _in_use(server) == 0, 10, what="blocks freed after the client left")
+    time.sleep(0.5)
+    assert _generated(server) - before < 300  # aborted, not run to its 490 tokens
+
+
+def test_metrics_expose_every_required_name(server):
+    time.sleep(0.3)
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    for name in METRICS:
+        assert f"\n{name}" in text, name
