@@ -74,7 +74,7 @@ def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: 
     print(f"starting {part}: {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
     server = ServerUnderTest(config, reuse=reuse)
     url = stack.enter_context(server)
-    return server_target(part, url, vocab, pgid=server.pid)
+    return server_target(part, url, vocab, pid=server.pid)
 
 
 def _series(runs: Runs, part: str, figure: Figure, key: str) -> list[float] | None:

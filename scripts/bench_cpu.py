@@ -4,8 +4,8 @@
 short window. The servers under test are idle between figures, so what shows is other load.
 `QuietGate.wait` polls until that share drops under `max_busy` or `timeout_s` passes; it returns
 the last sample, recorded with the figure so that a reader can see how quiet it was.
-`group_cpu_s` sums user+system time of every live process of a process group (a launched server
-and its children): CPU per output token is far less sensitive to other load than wall-clock rates.
+`tree_cpu_s` sums user+system time of a process and its live descendants (a launched server and
+its children): CPU per output token is far less sensitive to other load than wall-clock rates.
 """
 
 from __future__ import annotations
@@ -58,22 +58,39 @@ class QuietGate:
         return busy
 
 
-def pgrp_and_cpu_ticks(pid_stat: str) -> tuple[int, int]:
-    """(process group, utime + stime ticks) from one /proc/PID/stat line."""
+def ppid_and_cpu_ticks(pid_stat: str) -> tuple[int, int]:
+    """(parent pid, utime + stime ticks) from one /proc/PID/stat line."""
     fields = pid_stat[pid_stat.rindex(")") + 2:].split()  # after "PID (comm) ": state is fields[0]
-    return int(fields[2]), int(fields[11]) + int(fields[12])
+    return int(fields[1]), int(fields[11]) + int(fields[12])
 
 
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds used so far by the live processes of process group `pgid`."""
-    ticks = 0
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, CPU ticks) of every live process."""
+    table = {}
     for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            group, used = pgrp_and_cpu_ticks((entry / "stat").read_text())
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-        if group == pgid:
-            ticks += used
-    return ticks / CLOCK_TICKS
+        if entry.name.isdigit():
+            try:
+                table[int(entry.name)] = ppid_and_cpu_ticks((entry / "stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
+    return table
+
+
+def tree_cpu_ticks(table: dict[int, tuple[int, int]], root: int) -> int:
+    """CPU ticks of `root` and all its live descendants (the launcher starts each server in its own
+    session, so a process group would miss them)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            total += table[pid][1]
+            todo += children.get(pid, [])
+    return total
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by process `root` and its live descendants."""
+    return tree_cpu_ticks(process_table(), root) / CLOCK_TICKS

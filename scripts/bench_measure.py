@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from bench_client import bench, first_errors, served_model
-from bench_cpu import QuietGate, group_cpu_s
+from bench_cpu import QuietGate, tree_cpu_s
 from bench_stats import RequestResult, Summary, median_summary, summarize
 from bench_workloads import (
     SharedPrefixShape,
@@ -99,18 +99,18 @@ class ServerTarget:
     name: str
     url: str
     model: str  # as GET /v1/models names it
-    pgid: int | None = None  # the server's process group, when we started it: its CPU time is measured
+    pid: int | None = None  # the server (or launcher) process, when we started it: its CPU is measured
 
     def cpu_s(self) -> float:
-        return group_cpu_s(self.pgid) if self.pgid is not None else math.nan
+        return tree_cpu_s(self.pid) if self.pid is not None else math.nan
 
     def run(self, figure: Figure, repeat: int) -> list[RequestResult]:
         return bench(self.url, self.model, figure.workload(repeat), figure.concurrency)
 
 
-def server_target(name: str, url: str, vocab: list[int], pgid: int | None = None) -> ServerTarget:
+def server_target(name: str, url: str, vocab: list[int], pid: int | None = None) -> ServerTarget:
     """The server at `url`, warmed up."""
-    target = ServerTarget(name, url, served_model(url), pgid)
+    target = ServerTarget(name, url, served_model(url), pid)
     warm_up(url, target.model, vocab)
     return target
 

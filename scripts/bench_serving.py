@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         server = None if args.url else ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile)
         url = args.url or stack.enter_context(server)
-        target = server_target(name, url, vocab, pgid=server.pid if server else None)
+        target = server_target(name, url, vocab, pid=server.pid if server else None)
         runs = measure([(target, figures)], args.repeat, quiet_gate(args))
     found = medians(runs)[name]
     print(figures_table(list(found.items())))

@@ -14,7 +14,7 @@ if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
 from bench_compare import _best, _paired_median  # noqa: E402
-from bench_cpu import cpu_times, group_cpu_s, pgrp_and_cpu_ticks  # noqa: E402
+from bench_cpu import cpu_times, ppid_and_cpu_ticks, tree_cpu_s, tree_cpu_ticks  # noqa: E402
 from bench_report import Comparison, comparisons_table, figures_table  # noqa: E402
 from bench_stats import RequestResult, median_summary, percentile, ratio, summarize  # noqa: E402
 from bench_workloads import (  # noqa: E402
@@ -161,9 +161,10 @@ def test_best_run_is_the_fastest_rate_or_the_lowest_latency():
     assert math.isnan(_best([math.nan], "ttft_mean_ms"))
 
 
-def test_process_group_cpu_time_is_read_from_proc():
-    line = "4242 (python -m x) S 1 4200 4200 0 -1 4194304 10 0 0 0 150 25 0 0 20 0 3 0 1000 0 0"
-    assert pgrp_and_cpu_ticks(line) == (4200, 175)  # fields 5 (pgrp), 14 (utime), 15 (stime)
-    mine = group_cpu_s(os.getpgrp())  # this test process is in that group and has used CPU
-    assert mine > 0.0
-    assert group_cpu_s(2**22 + 12345) == 0.0  # no such group
+def test_process_tree_cpu_time_sums_a_process_and_its_descendants():
+    line = "4242 (python -m x) S 4200 4242 4242 0 -1 4194304 10 0 0 0 150 25 0 0 20 0 3 0 1000 0 0"
+    assert ppid_and_cpu_ticks(line) == (4200, 175)  # fields 4 (ppid), 14 (utime), 15 (stime)
+    table = {10: (1, 5), 11: (10, 7), 12: (11, 100), 13: (10, 1), 20: (1, 1000)}  # pid: (ppid, ticks)
+    assert tree_cpu_ticks(table, 10) == 113  # 10, its children 11 and 13, grandchild 12; not 20
+    assert tree_cpu_ticks(table, 99) == 0
+    assert tree_cpu_s(os.getpid()) > 0.0  # this test process has used CPU
