@@ -32,7 +32,7 @@ import zmq
 from transceiver.messages import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
 
 TOKEN = "fault-injection-token-0123456789abcdef"
-LEASE_MS = 1500  # the shared deployment's context-side kv_transfer_timeout_ms
+LEASE_MS = 3000  # the shared deployment's context-side kv_transfer_timeout_ms
 TPB = 32  # tokens_per_block of disagg.yaml
 SHARED = {
     "cache_transceiver_config": {"auth_token": TOKEN},
@@ -175,6 +175,7 @@ def test_generation_server_killed_mid_stream(tmp_path):
 
 # ---- 2. context server killed (2 + 2) -----------------------------------------------------------
 
+GEN_TIMEOUT_MS = 3000  # the 2 + 2 deployment's generation-side kv_transfer_timeout_ms
 HASHES_LEARNT_S = 2.0  # the server's hash snapshot (0.5 s) + the router's poll interval (1 s), with margin
 TOPICS = ("rivers", "bridges", "tides", "comets", "glaciers", "lanterns")
 
@@ -184,11 +185,17 @@ def topic_prompt(topic: str) -> str:
 
 
 def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
-    with dh.launched("disagg_2x2.yaml", tmp_path) as dep:
+    pull_timeout = {"generation_servers": {"cache_transceiver_config": {"kv_transfer_timeout_ms": GEN_TIMEOUT_MS}}}
+    with dh.launched("disagg_2x2.yaml", tmp_path, pull_timeout) as dep:
         dead, alive = dep.context_urls
+        gen0, gen1 = dep.generation_urls
         dead_pid = pid_of(dep, "context-0")
         for topic in TOPICS:  # warm `dead`'s prefix cache so kv_cache_aware keeps choosing it
             context_only(dead, topic_prompt(topic))
+        # leases on `dead` for pulls after its death; gen0 pulls once first, so it holds a live link
+        orphans = [(p, context_only(dead, p)[0]["choices"][0]["disaggregated_params"])
+                   for p in (fresh_prompt("link"), fresh_prompt("lost"), fresh_prompt("refused"))]
+        assert generation_only(gen0, *orphans[0])[0].status_code == 200
         time.sleep(HASHES_LEARNT_S)
         os.kill(dead_pid, signal.SIGKILL)
         for topic in TOPICS:  # the first ones race the health monitor: the retry must cover them
@@ -196,7 +203,17 @@ def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
         servers = httpx.get(f"{dep.url}/health", timeout=5).json()["servers"]
         assert (servers[dead]["healthy"], servers[alive]["healthy"]) == (False, True)
         assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200
+
+        # a pull from the dead server fails with a clear error, whether the link to it was up (gen0) or
+        # not (gen1). Today the receiver notices only at its kv_transfer_timeout_ms; branch
+        # faults/receiver-liveness fails it at once ("... is unreachable"): tighten this when it lands.
+        for gen, (prompt, params) in zip((gen0, gen1), orphans[1:], strict=True):
+            response, seconds = generation_only(gen, prompt, params)
+            assert_transfer_failed(response, seconds, "", limit_s=GEN_TIMEOUT_MS / 1000 + FAST_S)
+            message = response.json()["error"]["message"]
+            assert "is unreachable" in message or f"did not finish within {GEN_TIMEOUT_MS} ms" in message
         wait_idle(dep, [alive, *dep.generation_urls], 10)
+        complete(dep.url, fresh_prompt("after"))
 
 
 # ---- 3. a generation server that never pulls ----------------------------------------------------
@@ -290,8 +307,9 @@ def generation_only(url: str, prompt: str, params: dict) -> tuple[httpx.Response
     return response, time.monotonic() - start
 
 
-def assert_transfer_failed(response: httpx.Response, seconds: float, detail: str) -> None:
-    assert seconds < FAST_S, f"the failure took {seconds:.1f} s"
+def assert_transfer_failed(response: httpx.Response, seconds: float, detail: str,
+                           limit_s: float = FAST_S) -> None:
+    assert seconds < limit_s, f"the failure took {seconds:.1f} s"
     assert response.status_code == 502, response.text
     error = response.json()["error"]
     assert error["message"].startswith("KV transfer from the context server failed: "), error
