@@ -18,7 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +70,10 @@ def hf_target(model: str, vocab: list[int]) -> HFTarget:
     return HFTarget("hf", hf_model)
 
 
-def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: list[int]) -> Target:
+def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: list[int],
+                 env: Mapping[str, str]) -> Target:
     print(f"starting {part}: {config} (block reuse {'on' if reuse else 'off'})", file=sys.stderr, flush=True)
-    server = ServerUnderTest(config, reuse=reuse)
+    server = ServerUnderTest(config, reuse=reuse, env=env)
     url = stack.enter_context(server)
     return server_target(part, url, vocab, pid=server.pid)
 
@@ -147,12 +148,13 @@ def _lscpu() -> str:
 
 
 def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
-                    agg_config: Path, disagg_config: Path, gate: QuietGate | None = None) -> dict:
+                    agg_config: Path, disagg_config: Path, gate: QuietGate | None = None,
+                    server_env: Mapping[str, str] | None = None) -> dict:
     """Start every requested server, measure all parts interleaved, print the tables, return the record."""
     unknown = set(parts) - {"hf", "agg", "noreuse", "disagg"}
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; known: hf, agg, noreuse, disagg")
-    vocab = model_vocab(model)
+    vocab, env = model_vocab(model), dict(server_env or {})
     c1, c8 = random_figure(vocab, wargs, 1), random_figure(vocab, wargs, 8)
     shared = shared_prefix_figure(vocab, wargs, wargs.shared_concurrency)
     with ExitStack() as stack:
@@ -160,14 +162,14 @@ def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str
         if "hf" in parts:
             plan.append((hf_target(model, vocab), [c1]))
         if "agg" in parts:
-            plan.append((start_server(stack, "aggregated", agg_config, True, vocab), [c1, c8, shared]))
+            plan.append((start_server(stack, "aggregated", agg_config, True, vocab, env), [c1, c8, shared]))
         if "noreuse" in parts:
-            plan.append((start_server(stack, "noreuse", agg_config, False, vocab), [shared, c8]))
+            plan.append((start_server(stack, "noreuse", agg_config, False, vocab, env), [shared, c8]))
         if "disagg" in parts:
-            plan.append((start_server(stack, "disagg", disagg_config, True, vocab), [c1, c8]))
+            plan.append((start_server(stack, "disagg", disagg_config, True, vocab, env), [c1, c8]))
         runs = measure(plan, repeat, gate)
     found, results = comparisons(runs, c1, c8, shared), medians(runs)
     rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
     print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
-    return {"environment": environment(), "model": model, "repeat": repeat, "figures": results,
+    return {"environment": environment(), "server_env": env, "model": model, "repeat": repeat, "figures": results,
             "comparisons": [c.as_dict() for c in found], "runs": runs}

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,10 @@ class ServerUnderTest:
     """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL."""
 
     def __init__(self, config: Path, *, reuse: bool = True, profile: Path | None = None,
-                 health_timeout_s: float = HEALTH_TIMEOUT_S):
+                 env: Mapping[str, str] | None = None, health_timeout_s: float = HEALTH_TIMEOUT_S):
         self.config = config
         self.reuse = reuse
+        self.env = {**os.environ, **(env or {})}  # e.g. OMP_NUM_THREADS for the servers only
         self.profile = profile
         self.health_timeout_s = health_timeout_s
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
@@ -99,7 +101,8 @@ class ServerUnderTest:
         self.url = f"http://127.0.0.1:{deployment['port']}"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *verb], cwd=REPO,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         try:
             self._wait_healthy()
             if self.profile is not None:

@@ -52,6 +52,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                         help="before each figure run, wait until other work uses less than this share "
                              "of the CPUs (1 disables the wait)")
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="longest wait, seconds")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the started servers only, e.g. OMP_NUM_THREADS=1 (repeatable)")
 
 
 def workload_args(args: argparse.Namespace) -> WorkloadArgs:
@@ -59,6 +61,14 @@ def workload_args(args: argparse.Namespace) -> WorkloadArgs:
                               args.shared_output_len)
     return WorkloadArgs(args.num_prompts_c1, args.num_prompts_per_slot, args.input_len, args.output_len,
                         args.shared_concurrency, shape)
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    pairs = [item.partition("=") for item in args.server_env]
+    bad = [key for key, sep, _ in pairs if not sep or not key]
+    if bad:
+        raise SystemExit(f"--server-env wants KEY=VALUE, got {args.server_env}")
+    return {key: value for key, _, value in pairs}
 
 
 def quiet_gate(args: argparse.Namespace) -> QuietGate | None:
@@ -78,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     figures = [make(vocab, wargs, c) for c in args.concurrency]
     name = args.url or f"{args.config.name} reuse={'off' if args.no_reuse else 'on'}"
     with ExitStack() as stack:
-        server = None if args.url else ServerUnderTest(args.config, reuse=not args.no_reuse, profile=args.profile)
+        server = None if args.url else ServerUnderTest(args.config, reuse=not args.no_reuse,
+                                                       profile=args.profile, env=server_env(args))
         url = args.url or stack.enter_context(server)
         target = server_target(name, url, vocab, pid=server.pid if server else None)
         runs = measure([(target, figures)], args.repeat, quiet_gate(args))
@@ -90,8 +101,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    record = run_comparisons(args.model, workload_args(args), args.repeat, parts,
-                             args.aggregated_config, args.disagg_config, quiet_gate(args))
+    record = run_comparisons(args.model, workload_args(args), args.repeat, parts, args.aggregated_config,
+                             args.disagg_config, quiet_gate(args), server_env(args))
     emit(record, args.json_out)
     return 0
 
