@@ -24,6 +24,7 @@ class TransceiverConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: an ephemeral port, advertised through `KVSender.endpoint`
     max_chunk_bytes: int = 8 * 1024 * 1024  # payload bytes per chunk message (and per frame)
+    same_host_ipc: bool = True  # CUDA pools on one GPU: copy device-to-device via CUDA IPC (false: bytes)
 
     def __post_init__(self) -> None:
         problem = _first_problem(self)
@@ -82,4 +83,6 @@ def _first_problem(c: TransceiverConfig) -> tuple[str, str] | None:
         return "max_chunk_bytes", (
             f"expected a multiple of 8 in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk!r}"
         )
+    if not isinstance(c.same_host_ipc, bool):
+        return "same_host_ipc", f"expected true or false, got {c.same_host_ipc!r}"
     return None

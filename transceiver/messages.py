@@ -5,6 +5,13 @@ in front): `header` is msgpack of `Envelope`, `mac` = HMAC-SHA256(auth_token, he
 `codec.py`), and only `ChunkHeader` carries payload frames (raw KV bytes). The envelope holds the
 protocol version, the sender's epoch, a random 64-bit `msg_id` (replay guard) and `ts` (unix
 seconds, staleness guard); `body` is one of the tagged structs below.
+
+Same-GPU fast path (CUDA IPC): the receiver's `Hello` says where it runs (`PeerIdentity`); a sender
+on the same GPU answers with `InstanceInfo.ipc`, the CUDA IPC handles of its primary pools. A
+receiver that could open them sends `PullRequest(via_ipc=True)`, and the sender answers with
+`IpcChunk`s (source slots + checksum, no payload) where it would send `ChunkHeader`s; `Done`, `Ack`,
+`Cancel`, `Failed` and the timeouts are the same on both paths. Fields added for it have defaults, so a peer of the
+previous version simply never offers or asks for IPC.
 """
 
 from __future__ import annotations
@@ -49,16 +56,62 @@ class Layout(msgspec.Struct, frozen=True):
     fingerprint: str  # model identity (the caller's choice, e.g. a hash of the model config)
 
 
+class PeerIdentity(msgspec.Struct, frozen=True):
+    """Where a process's primary pools live (CUDA pools only)."""
+
+    hostname: str
+    boot_id: str  # /proc/sys/kernel/random/boot_id: a reboot or another kernel gives another id
+    gpu_uuid: str  # torch.cuda.get_device_properties(i).uuid: the same GPU whatever its index
+    pid: int
+
+    def shares_gpu_with(self, other: PeerIdentity) -> bool:
+        """Another process on the same running host and the same GPU (CUDA IPC cannot open a
+        handle in the process that exported it, hence the pid)."""
+        return (self.hostname, self.boot_id, self.gpu_uuid) == (other.hostname, other.boot_id, other.gpu_uuid) \
+            and self.pid != other.pid
+
+
+class CudaIpcPool(msgspec.Struct, frozen=True):
+    """One window group's primary pool, exported with `torch.UntypedStorage._share_cuda_()`.
+
+    The eight fields after `num_slots` are that tuple, in its order, raw (torch 2.4 .. 2.13), for
+    `torch.UntypedStorage._new_shared_cuda(*fields)` on the receiver (which passes its own index of
+    the same GPU as `device`). The pool is the storage's start: `[num_slots, *slot shape]`, contiguous.
+    """
+
+    window: int
+    num_slots: int
+    device: int  # the sender's CUDA index (the receiver's index of that GPU may differ)
+    handle: bytes  # cudaIpcMemHandle_t of the allocation (or torch's expandable-segment handle)
+    storage_size_bytes: int
+    storage_offset_bytes: int  # of the storage in that allocation
+    ref_counter_handle: bytes  # name of the sender's shared-memory ref-counter file
+    ref_counter_offset: int
+    event_handle: bytes  # cudaIpcEventHandle_t recorded when the pool was exported
+    event_sync_required: bool
+
+
+class IpcOffer(msgspec.Struct, frozen=True):
+    """The sender's pools, readable by a receiver on the same GPU."""
+
+    identity: PeerIdentity
+    pools: list[CudaIpcPool]
+
+
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """gen -> ctx, once per (endpoint, epoch): the receiver's layout."""
+    """gen -> ctx, once per (endpoint, epoch): the receiver's layout (and, when its pools are CUDA
+    and same_host_ipc is on, where they are)."""
 
     layout: Layout
+    identity: PeerIdentity | None = None
 
 
 class InstanceInfo(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen, answer to Hello: the sender's layout; its epoch is the envelope's."""
+    """ctx -> gen, answer to Hello: the sender's layout; its epoch is the envelope's. `ipc` only
+    when the Hello's identity shares the sender's GPU and the sender could export its pools."""
 
     layout: Layout
+    ipc: IpcOffer | None = None
 
 
 class WindowRange(msgspec.Struct, frozen=True):
@@ -76,6 +129,7 @@ class PullRequest(msgspec.Struct, tag=True, frozen=True):
     ctx_request_id: str
     ctx_epoch: str
     ranges: list[WindowRange]
+    via_ipc: bool = False  # answer with IpcChunks (only after an InstanceInfo with `ipc` of this epoch)
 
 
 class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
@@ -91,6 +145,20 @@ class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
     first: int
     count: int
     nbytes: int
+    checksum: int
+
+
+class IpcChunk(msgspec.Struct, tag=True, frozen=True):
+    """ctx -> gen, on the CUDA IPC path instead of a ChunkHeader and its payload: blocks
+    [first, first + len(slots)) of `window` are in these primary slots of the sender's pool (of the
+    InstanceInfo's offer), written, synchronized and pinned until the Ack. `checksum` is
+    `payload.checksum` of their bytes. A pull's chunks are followed by `Done`, as on the byte path.
+    """
+
+    pull_id: int
+    window: int
+    first: int
+    slots: list[int]
     checksum: int
 
 
@@ -125,7 +193,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     pull_id: int | None = None
 
 
-Body = Hello | InstanceInfo | PullRequest | ChunkHeader | Done | Ack | Cancel | Failed
+Body = Hello | InstanceInfo | PullRequest | ChunkHeader | IpcChunk | Done | Ack | Cancel | Failed
 
 
 class Envelope(msgspec.Struct, frozen=True):

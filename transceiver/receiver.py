@@ -5,25 +5,46 @@ scatter into its own primary slots); the socket thread (`receiver_link.ReceiverL
 DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
 (in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
 and the caller frees them when the result says it failed.
+
+Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
+(endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
+(the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
+the checksum of what it wrote; `Done` and the Ack are the byte path's.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
+from transceiver.ipc import copy_slots, open_pools, receiver_identity
 from transceiver.layout import layout_of
 from transceiver.link import SocketThread
-from transceiver.messages import REASONS, Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
+from transceiver.messages import (
+    REASONS,
+    Ack,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Failed,
+    IpcChunk,
+    IpcOffer,
+    PullRequest,
+    WindowRange,
+)
 from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver_link import Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.receiver_link import IpcPools, Pull, PullRefused, Received, ReceiverLink, Send
 from transceiver.stats import TransferStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,7 @@ class _Pull:
     next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
     nbytes: int = 0
     chunks: int = 0
+    via_ipc: bool = False  # chunks came as CUDA IPC copies
 
 
 class KVReceiver:
@@ -62,7 +84,15 @@ class KVReceiver:
         self._pulls: dict[int, _Pull] = {}  # by pull_id
         self._by_request: dict[str, int] = {}  # request_id -> pull_id
         self._results: list[PullResult] = []
-        link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats)
+        # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
+        self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
+        identity = receiver_identity(pools, config.same_host_ipc)
+
+        def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
+            return open_pools(offer, pools)
+
+        link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, identity, open_ipc)
         self._thread = SocketThread("kv-receiver", link, inbox_size=16)
         self._thread.start()
 
@@ -93,6 +123,10 @@ class KVReceiver:
         for item in self._thread.drain():
             if isinstance(item, PullRefused):
                 self._fail_id(item.pull_id, item.reason, item.detail, notify=False)
+            elif isinstance(item, IpcPools):
+                self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
+                if item.epoch is not None and item.pools is not None:
+                    self._ipc_pools[item.endpoint] = (item.epoch, item.pools)
             else:
                 self._on_received(item)
         now = time.monotonic()
@@ -128,6 +162,7 @@ class KVReceiver:
         if pulls:
             time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
+        self._ipc_pools.clear()
 
     # ---- messages ----------------------------------------------------------------------------
 
@@ -143,6 +178,8 @@ class KVReceiver:
             problem = self._apply_chunk(pull, body, item.payload)
             if problem is not None:
                 self._fail(pull, "integrity", problem)
+        elif isinstance(body, IpcChunk):
+            self._on_ipc_chunk(pull, body)
         elif isinstance(body, Done):
             self._finish(pull, body)
         elif isinstance(body, Failed):
@@ -171,6 +208,41 @@ class KVReceiver:
         self.stats.bytes_received += h.nbytes
         return None
 
+    def _on_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> None:
+        try:
+            problem = self._apply_ipc_chunk(pull, h)
+        except Exception as e:  # a CUDA error must fail this pull, not the engine loop
+            log.exception("KV receiver: CUDA IPC copy of pull %d failed", pull.pull_id)
+            self._fail(pull, "internal_error", f"the generation server failed to copy the blocks: {e}")
+            return
+        if problem is not None:
+            self._fail(pull, "integrity", problem)
+
+    def _apply_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> str | None:
+        """Copy the sender's slots `h.slots` into ours (same GPU) and check what was written."""
+        opened = self._ipc_pools.get(pull.endpoint)
+        if opened is None or opened[0] != pull.ctx_epoch:
+            return f"CUDA IPC chunk but no pools of {pull.endpoint} epoch {pull.ctx_epoch} are open"
+        if h.window not in pull.wanted or h.first != pull.next_first[h.window]:
+            return f"unexpected chunk: window {h.window}, block {h.first}"
+        first, slots = pull.wanted[h.window]
+        src = opened[1][h.window]  # [sender's num_slots, layers, 2, tpb, heads, dim]
+        count = len(h.slots)
+        if count < 1 or h.first + count > first + len(slots) or any(not 0 <= s < src.shape[0] for s in h.slots):
+            return f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
+        dst = slots[h.first - first : h.first - first + count]
+        written = copy_slots(src, h.slots, self._kv.pool(h.window, Level.PRIMARY), dst, h.first)
+        if written != h.checksum:
+            return f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, " \
+                   f"blocks {h.first}..{h.first + count - 1})"
+        nbytes = count * self._kv.slot_bytes(h.window)
+        pull.next_first[h.window] = h.first + count
+        pull.nbytes += nbytes
+        pull.chunks += 1
+        pull.via_ipc = True
+        self.stats.bytes_received += nbytes
+        return None
+
     def _finish(self, pull: _Pull, done: Done) -> None:
         missing = [w for w, (first, slots) in pull.wanted.items() if pull.next_first[w] != first + len(slots)]
         if missing or done.total_bytes != pull.nbytes or done.chunks != pull.chunks:
@@ -178,11 +250,16 @@ class KVReceiver:
                 f"transfer incomplete: windows {missing} short, {pull.nbytes}/{done.total_bytes} bytes, "
                 f"{pull.chunks}/{done.chunks} chunks"))
             return
+        self._succeed(pull)
+
+    def _succeed(self, pull: _Pull) -> None:
+        """Every wanted block is written: Ack (the sender drops the lease) and report."""
         ack = Ack(pull_id=pull.pull_id, ctx_request_id=pull.ctx_request_id)
         self._thread.submit(Send(pull.endpoint, ack))
         self._forget(pull)
         seconds = time.monotonic() - pull.started
         self.stats.count_ok(seconds, pull.nbytes)
+        self.stats.ipc_transfers += pull.via_ipc
         self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))
 
     # ---- failure -------------------------------------------------------------------------------

@@ -3,15 +3,23 @@
 Runs only inside `link.SocketThread`. A pull waits here until its endpoint has answered a Hello
 from the epoch the pull expects (once per (endpoint, epoch)); a peer that answers with another
 epoch (it restarted) or an incompatible layout fails the pull without sending it.
+
+CUDA IPC: when the answer of a new epoch offers the sender's pools (same GPU), they are opened here,
+once per (endpoint, epoch), and handed to the engine thread (`IpcPools`) before any pull of that
+epoch leaves with `via_ipc`; an offer that cannot be opened leaves that epoch on the byte path.
+A new epoch without an offer, or an idle close, hands over `IpcPools(..., None)` so the engine
+drops the old mapping (which would keep a dead sender's pools allocated).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from transceiver.codec import Codec, Rejected
@@ -25,11 +33,16 @@ from transceiver.messages import (
     Failed,
     Hello,
     InstanceInfo,
+    IpcChunk,
+    IpcOffer,
     Layout,
+    PeerIdentity,
     PullRequest,
     layout_mismatch,
 )
 from transceiver.stats import TransferStats
+
+log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0  # resend an unanswered Hello (the peer may have been down or restarting)
 IDLE_CLOSE_S = 600.0  # close a DEALER unused this long
@@ -57,8 +70,18 @@ class Received:
 
     endpoint: str
     sender_epoch: str
-    body: ChunkHeader | Done | Failed
+    body: ChunkHeader | IpcChunk | Done | Failed
     payload: list[zmq.Frame] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IpcPools:
+    """The sender's primary pools of `epoch` at `endpoint`, opened through CUDA IPC (window -> view
+    `[num_slots, layers, 2, tpb, heads, dim]` on our device); None: forget that endpoint's pools."""
+
+    endpoint: str
+    epoch: str | None
+    pools: dict[int, Any] | None
 
 
 @dataclass(frozen=True)
@@ -76,16 +99,21 @@ class _Peer:
     hello_at: float | None = None  # when the pending Hello was sent (None: no handshake running)
     waiting: list[PullRequest] = field(default_factory=list)
     last_used: float = 0.0
+    ipc_epoch: str | None = None  # the epoch whose pools are open (its pulls go with via_ipc)
 
 
 class ReceiverLink:
     """LinkHandler of `KVReceiver`; socket keys are context endpoints."""
 
-    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats) -> None:
+    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
+                 identity: PeerIdentity | None = None,
+                 open_ipc: Callable[[IpcOffer], dict[int, Any]] | None = None) -> None:
         self._codec = Codec(config.token_bytes(), epoch)
         self._layout = layout
         self._stats = stats
         self._peers: dict[str, _Peer] = {}
+        self._identity = identity  # None: never ask for IPC
+        self._open_ipc = open_ipc
 
     def setup(self, io: SocketIO) -> None:
         return None
@@ -109,7 +137,7 @@ class ReceiverLink:
                 peer.waiting = [r for r in peer.waiting if r.pull_id != cmd.body.pull_id]
             io.send(cmd.endpoint, self._codec.seal(cmd.body))
         elif peer.epoch == cmd.request.ctx_epoch:
-            io.send(cmd.endpoint, self._codec.seal(cmd.request))
+            self._send_pull(io, cmd.endpoint, peer, cmd.request)
         else:
             peer.waiting.append(cmd.request)
             if peer.hello_at is None:
@@ -117,7 +145,12 @@ class ReceiverLink:
 
     def _hello(self, io: SocketIO, endpoint: str, peer: _Peer, now: float) -> None:
         peer.hello_at = now
-        io.send(endpoint, self._codec.seal(Hello(layout=self._layout)))
+        io.send(endpoint, self._codec.seal(Hello(layout=self._layout, identity=self._identity)))
+
+    def _send_pull(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
+        if peer.ipc_epoch == req.ctx_epoch:
+            req = msgspec.structs.replace(req, via_ipc=True)
+        io.send(endpoint, self._codec.seal(req))
 
     def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None:
         endpoint = str(key)
@@ -136,7 +169,7 @@ class ReceiverLink:
             self._on_info(io, endpoint, epoch, body)
         elif isinstance(body, Failed) and body.pull_id is None:
             self._refuse_waiting(io, endpoint, body.reason, body.detail)
-        elif isinstance(body, ChunkHeader | Done | Failed):
+        elif isinstance(body, ChunkHeader | IpcChunk | Done | Failed):
             io.deliver(Received(endpoint, epoch, body, payload))
         else:
             self._stats.count_rejected("unexpected")
@@ -149,16 +182,34 @@ class ReceiverLink:
         if problem is not None:
             self._refuse_waiting(io, endpoint, "incompatible", f"incompatible peers: {problem}")
             return
+        if peer.epoch != epoch or peer.ipc_epoch != epoch:
+            self._take_offer(io, endpoint, peer, epoch, info.ipc)
         peer.epoch, peer.hello_at = epoch, None
         waiting, peer.waiting = peer.waiting, []
         for req in waiting:
             if req.ctx_epoch == epoch:
-                io.send(endpoint, self._codec.seal(req))
+                self._send_pull(io, endpoint, peer, req)
             else:
                 io.deliver(PullRefused(req.pull_id, "epoch_mismatch", (
                     f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
                     f"{endpoint} now runs epoch {epoch}"
                 )))
+
+    def _take_offer(self, io: SocketIO, endpoint: str, peer: _Peer, epoch: str, offer: IpcOffer | None) -> None:
+        """Open the pools of a new epoch's offer (or forget the old ones): the engine gets them
+        before any pull of that epoch is sent."""
+        pools = None
+        if offer is not None and self._open_ipc is not None and self._identity is not None \
+                and offer.identity.shares_gpu_with(self._identity):
+            try:
+                pools = self._open_ipc(offer)
+            except Exception as e:  # CUDA refused (container, driver, permissions): bytes it is
+                self._stats.ipc_open_failures += 1
+                log.warning("KV receiver: cannot open the CUDA IPC pools of %s (epoch %s), using the byte "
+                            "path: %s", endpoint, epoch, e)
+        if pools is not None or peer.ipc_epoch is not None:
+            io.deliver(IpcPools(endpoint, epoch if pools is not None else None, pools))
+        peer.ipc_epoch = epoch if pools is not None else None
 
     def _refuse_waiting(self, io: SocketIO, endpoint: str, reason: str, detail: str) -> None:
         peer = self._peers.get(endpoint)
@@ -181,3 +232,5 @@ class ReceiverLink:
             elif not peer.waiting and now - peer.last_used > IDLE_CLOSE_S:
                 io.close(endpoint)
                 del self._peers[endpoint]
+                if peer.ipc_epoch is not None:
+                    io.deliver(IpcPools(endpoint, None, None))

@@ -11,6 +11,11 @@ offloaded, so its primary slot is stable while the lease lives. Large blocks of 
 sent as zero-copy frames of the pool itself; a lease that ends while such frames are still with
 zmq is unpinned only once zmq has released them (`_unpin_later`), so a slot is never rewritten
 under a frame in flight.
+
+Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported once at start; a pull with
+`via_ipc` is answered at once, after a device synchronize, with the blocks' primary slots and
+checksums (`IpcChunk`s, then `Done`), and the receiver copies them itself. The lease, its pins and its end (Ack,
+Cancel, expiry, ...) are the same as on the byte path.
 """
 
 from __future__ import annotations
@@ -19,15 +24,25 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 
 import zmq
 
 from kvcache import KVCacheManager, Level, OutOfBlocksError
 from transceiver.config import TransceiverConfig
+from transceiver.ipc import sender_offer, slots_checksum, synchronize
 from transceiver.layout import layout_of
+from transceiver.lease import Job, Lease
 from transceiver.link import SocketThread
-from transceiver.messages import Ack, Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange
+from transceiver.messages import (
+    Ack,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Failed,
+    IpcChunk,
+    PullRequest,
+    WindowRange,
+)
 from transceiver.payload import (
     ChunkPlan,
     StagingPool,
@@ -50,29 +65,14 @@ CHUNKS_PER_STEP = 4  # bounds the engine thread's time in one `step`
 CHUNKS_PER_PULL = 8  # aim: a pull in at least this many chunks ...
 MIN_CHUNK_TARGET = 1 << 20  # ... of at least this many bytes (up to max_chunk_bytes)
 ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
+MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under codec.MAX_HEADER_BYTES
 
 
-@dataclass
-class _Job:
-    """One pull being served: chunks left to send, then Done, then waiting for the Ack."""
-
-    peer: bytes  # ROUTER identity of the receiver
-    pull_id: int
-    chunks: deque[ChunkPlan]
-    started: float  # monotonic
-    sent_bytes: int = 0
-    sent_chunks: int = 0
-    done_sent: bool = False
-
-
-@dataclass
-class _Lease:
-    blocks: dict[int, list[int]]  # window -> block ids of the prompt, -1 = released (out of window)
-    num_tokens: int
-    deadline: float  # monotonic
-    job: _Job | None = None
-    pinned: dict[int, list[int]] = field(default_factory=dict)
-    pool_frames: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames of its slots
+def _ipc_parts(r: WindowRange) -> list[WindowRange]:
+    """`r` cut into ranges of at most MAX_IPC_SLOTS blocks."""
+    end = r.first + r.count
+    return [WindowRange(window=r.window, first=first, count=min(MAX_IPC_SLOTS, end - first))
+            for first in range(r.first, end, MAX_IPC_SLOTS)]
 
 
 class KVSender:
@@ -83,13 +83,16 @@ class KVSender:
         self._config = config
         self.epoch = uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
         self.stats = TransferStats()
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
         self._active: deque[str] = deque()  # ctx_request_ids whose job still has chunks or Done to send
         pin = any(kv.pool(w, Level.PRIMARY).is_cuda for w in kv.window_sizes)
         self._staging = StagingPool(config.max_chunk_bytes, STAGING_BUFFERS, pin)
         self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
         self._unpin_later: list[tuple[list[zmq.MessageTracker], dict[int, list[int]]]] = []
-        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats)
+        pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
+        # exported here, before the socket thread exists: nothing else touches the pools yet
+        self.ipc_offer = sender_offer(pools, config.same_host_ipc)
+        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, self.ipc_offer)
         self._thread = SocketThread("kv-sender", self._link)
         self._thread.start()
         self.endpoint = self._link.endpoint
@@ -105,7 +108,7 @@ class KVSender:
         if unknown:
             valid = sorted(self._kv.window_sizes)
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
-        lease = _Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
+        lease = Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
                        time.monotonic() + self._config.timeout_s)
         try:
             for window, ids in lease.blocks.items():
@@ -190,12 +193,16 @@ class KVSender:
             self._reply_failed(peer, req.pull_id, *problem)
             return
         assert lease is not None
-        lease.job = _Job(peer, req.pull_id, deque(), time.monotonic())
+        lease.job = Job(peer, req.pull_id, deque(), time.monotonic())
         try:
             for r in req.ranges:
-                self._kv.ensure_primary(self._range_ids(lease, r), r.window)
+                self._kv.ensure_primary(lease.range_ids(r), r.window)
         except OutOfBlocksError as e:
             self._end_lease(req.ctx_request_id, "out_of_blocks", f"cannot onboard offloaded blocks: {e}")
+            return
+        lease.deadline = time.monotonic() + self._config.timeout_s  # a live pull renews the lease
+        if req.via_ipc:
+            self._serve_ipc(req.ctx_request_id, lease, req.ranges)
             return
         sizes = {r.window: self._kv.slot_bytes(r.window) for r in req.ranges}
         total = sum(r.count * sizes[r.window] for r in req.ranges)
@@ -203,10 +210,9 @@ class KVSender:
         target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
         lease.job.chunks = deque(c for r in req.ranges
                                  for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
-        lease.deadline = time.monotonic() + self._config.timeout_s  # a live pull renews the lease
         self._active.append(req.ctx_request_id)
 
-    def _check_pull(self, req: PullRequest, lease: _Lease | None) -> tuple[str, str] | None:
+    def _check_pull(self, req: PullRequest, lease: Lease | None) -> tuple[str, str] | None:
         if req.ctx_epoch != self.epoch:
             return "epoch_mismatch", (
                 f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
@@ -217,23 +223,41 @@ class KVSender:
                 f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
         if lease.job is not None:
             return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
-        for r in req.ranges:
-            ids = lease.blocks.get(r.window)
-            if ids is None:
-                return "bad_request", f"window {r.window} is not part of the lease"
-            if r.first < 0 or r.count < 0 or r.first + r.count > len(ids):
-                return "bad_request", f"window {r.window}: blocks [{r.first}, {r.first + r.count}) " \
-                                      f"outside the lease's {len(ids)} blocks"
-            if any(b < 0 for b in ids[r.first : r.first + r.count]):
-                return "bad_request", f"window {r.window}: some blocks in [{r.first}, " \
-                                      f"{r.first + r.count}) left the sliding window and were released"
-        return None
-
-    @staticmethod
-    def _range_ids(lease: _Lease, r: WindowRange) -> list[int]:
-        return lease.blocks[r.window][r.first : r.first + r.count]
+        if req.via_ipc and self.ipc_offer is None:
+            return "bad_request", "the pull asks for CUDA IPC, which this context server does not offer"
+        problem = lease.range_problem(req.ranges)
+        return None if problem is None else ("bad_request", problem)
 
     # ---- data path -----------------------------------------------------------------------------
+
+    def _serve_ipc(self, cid: str, lease: Lease, ranges: list[WindowRange]) -> None:
+        """Same-GPU pull: every block's primary slot and checksum, sent once all writes to them
+        (prefill, onboard) have finished on the device, then Done; the receiver copies, then Acks."""
+        job = lease.job
+        assert job is not None
+        try:
+            chunks = [self._ipc_chunk(lease, job.pull_id, part) for r in ranges for part in _ipc_parts(r)]
+            for device in {self._kv.pool(r.window, Level.PRIMARY).device for r in ranges}:
+                synchronize(device)
+        except Exception as e:  # a broken invariant must fail this pull, not the engine loop
+            log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
+            self._end_lease(cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            return
+        for chunk in chunks:
+            self._thread.submit(Outgoing(job.peer, chunk))
+        job.sent_bytes = sum(r.count * self._kv.slot_bytes(r.window) for r in ranges)
+        job.sent_chunks = len(chunks)
+        self._thread.submit(Outgoing(job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes,
+                                                    chunks=job.sent_chunks)))
+        job.done_sent = True
+        self.stats.bytes_sent += job.sent_bytes
+        self.stats.ipc_transfers += 1
+
+    def _ipc_chunk(self, lease: Lease, pull_id: int, r: WindowRange) -> IpcChunk:
+        # translate only now, like `_send_chunk`: the slot is where the bytes are
+        slots = self._kv.get_memory_pool_block_indices(lease.range_ids(r), r.window, require_primary=True)
+        digest = slots_checksum(self._kv.pool(r.window, Level.PRIMARY), slots, r.first)
+        return IpcChunk(pull_id=pull_id, window=r.window, first=r.first, slots=slots, checksum=digest)
 
     def _pump(self) -> None:
         """Gather and hand over chunks while staging buffers are free; Done after the last one."""
@@ -263,7 +287,7 @@ class KVSender:
         self._inflight = [t for t in self._inflight if not t.done]
         return len(self._inflight) < MAX_INFLIGHT
 
-    def _send_chunk(self, lease: _Lease, job: _Job, plan: ChunkPlan) -> bool:
+    def _send_chunk(self, lease: Lease, job: Job, plan: ChunkPlan) -> bool:
         """Hand one chunk to the socket thread; False (nothing done) when no staging buffer is free."""
         ids = lease.blocks[plan.window][plan.first : plan.first + plan.count]
         # translate only now: the slot is where the bytes are; a non-primary block raises here

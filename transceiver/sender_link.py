@@ -22,6 +22,7 @@ from transceiver.messages import (
     Failed,
     Hello,
     InstanceInfo,
+    IpcOffer,
     Layout,
     PullRequest,
     layout_mismatch,
@@ -57,10 +58,12 @@ class PeerGone:
 class SenderLink:
     """LinkHandler of `KVSender`."""
 
-    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats) -> None:
+    def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
+                 ipc_offer: IpcOffer | None = None) -> None:
         self._config = config
         self._codec = Codec(config.token_bytes(), epoch)
         self._layout = layout
+        self._ipc_offer = ipc_offer  # None: this sender serves bytes only
         self._stats = stats
         self._io: SocketIO | None = None
         self.endpoint = ""
@@ -104,7 +107,10 @@ class SenderLink:
         problem = layout_mismatch(self._layout, hello.layout)
         if problem is not None:
             return Failed(reason="incompatible", detail=f"incompatible peers: {problem}")
-        return InstanceInfo(layout=self._layout)
+        offer = self._ipc_offer
+        if offer is None or hello.identity is None or not offer.identity.shares_gpu_with(hello.identity):
+            offer = None
+        return InstanceInfo(layout=self._layout, ipc=offer)
 
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
         peer = frames[0]

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TransferStats:
-    """Counters only grow. Writers: the engine thread, except `rejected_*` (the socket thread).
+    """Counters only grow. Writers: the engine thread, except `rejected_*` and `ipc_open_failures`
+    (the socket thread).
 
     `on_transfer(seconds, nbytes)` is called once per successful transfer (e.g. to feed a histogram).
     """
@@ -16,6 +17,8 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfers_ok: int = 0
+    ipc_transfers: int = 0  # pulls answered (sender) or copied and verified (receiver) through CUDA IPC
+    ipc_open_failures: int = 0  # receiver: offers of the same GPU that could not be opened (byte path used)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     lease_expired: int = 0
     rejected_messages: int = 0

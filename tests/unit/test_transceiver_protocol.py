@@ -9,24 +9,29 @@ import time
 import msgspec
 import pytest
 
-from transceiver.codec import MAX_SKEW_S, Codec, Rejected, ReplayGuard
+from transceiver.codec import MAX_HEADER_BYTES, MAX_SKEW_S, Codec, Rejected, ReplayGuard
 from transceiver.config import TransceiverConfig
 from transceiver.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
     ChunkHeader,
+    CudaIpcPool,
     Done,
     Envelope,
     Failed,
     Hello,
     InstanceInfo,
+    IpcChunk,
+    IpcOffer,
     Layout,
+    PeerIdentity,
     PullRequest,
     WindowLayout,
     WindowRange,
     layout_mismatch,
 )
+from transceiver.sender import MAX_IPC_SLOTS
 
 TOKEN = b"k" * 32
 K = "cache_transceiver_config."
@@ -42,9 +47,20 @@ def _layout(**changes) -> Layout:
     return Layout(**base)
 
 
+IDENTITY = PeerIdentity(hostname="node-1", boot_id="0b5c3c2e-7d1f-4e55-9a0e-1f2d3c4b5a69",
+                        gpu_uuid="GPU-8d3f0c1e-2b4a-5c6d-7e8f-9a0b1c2d3e4f", pid=4242)
+OFFER = IpcOffer(identity=IDENTITY, pools=[
+    CudaIpcPool(window=w, num_slots=1000, device=0, handle=bytes(range(64)), storage_size_bytes=1000 * 8192,
+                storage_offset_bytes=2 << 20, ref_counter_handle=b"/torch_4242_3781_0", ref_counter_offset=w,
+                event_handle=b"\xff" * 64, event_sync_required=True) for w in (64, 2048)])
+
 BODIES = [
     Hello(layout=_layout()),
+    Hello(layout=_layout(), identity=IDENTITY),
     InstanceInfo(layout=_layout()),
+    InstanceInfo(layout=_layout(), ipc=OFFER),
+    PullRequest(pull_id=7, ctx_request_id="req-1", ctx_epoch="e1", ranges=[], via_ipc=True),
+    IpcChunk(pull_id=7, window=2048, first=3, slots=[17, 4, 999, 0], checksum=2**64 - 1),
     PullRequest(pull_id=7, ctx_request_id="req-1", ctx_epoch="e1",
                 ranges=[WindowRange(window=64, first=2, count=3),
                         WindowRange(window=2048, first=0, count=5)]),
@@ -64,6 +80,14 @@ def test_every_message_round_trips(body) -> None:
     header, mac = tx.seal(body)
     assert len(mac) == 32
     assert rx.open(header, mac) == ("epoch-tx", body)
+
+
+def test_the_largest_ipc_chunk_fits_in_a_header() -> None:
+    body = IpcChunk(pull_id=2**63 - 1, window=2**31, first=2**31, slots=[2**63 - 1] * MAX_IPC_SLOTS,
+                    checksum=2**64 - 1)  # 9 bytes per slot
+    header, mac = Codec(TOKEN, "tx").seal(body)
+    assert len(header) < MAX_HEADER_BYTES
+    assert Codec(TOKEN, "rx").open(header, mac) == ("tx", body)
 
 
 def _forge(version: int = PROTOCOL_VERSION, ts: float | None = None, msg_id: int = 1234,
@@ -138,7 +162,8 @@ def test_incompatible_layouts_name_the_difference(change, expected) -> None:
 def test_config_defaults_and_token() -> None:
     cfg = TransceiverConfig.from_dict({"auth_token": "t" * 16}, "d.yaml")
     assert (cfg.kv_transfer_timeout_ms, cfg.host, cfg.port) == (60000, "127.0.0.1", 0)
-    assert cfg.max_chunk_bytes == 8 << 20
+    assert cfg.max_chunk_bytes == 8 << 20 and cfg.same_host_ipc is True
+    assert TransceiverConfig.from_dict({"same_host_ipc": False}, "d.yaml").same_host_ipc is False
     assert cfg.token_bytes() == b"t" * 16 and cfg.timeout_s == 60.0
     with pytest.raises(ValueError, match="auth_token is not set"):
         TransceiverConfig().token_bytes()
@@ -153,6 +178,8 @@ def test_config_defaults_and_token() -> None:
     ({"host": ""}, K + "host: expected an interface address"),
     ({"max_chunk_bytes": 1000}, K + "max_chunk_bytes: expected a multiple of 8 in 65536"),
     ({"backend": "NIXL"}, K + "backend in d.yaml: unknown key"),
+    ({"same_host_ipc": "yes"}, K + "same_host_ipc: expected true or false, got 'yes' (in d.yaml)"),
+    ({"same_host_ipc": 1}, K + "same_host_ipc: expected true or false, got 1 (in d.yaml)"),
     ([1, 2], "cache_transceiver_config in d.yaml: expected a mapping"),
 ])
 def test_config_errors_name_key_and_source(data, message) -> None:

@@ -1,0 +1,146 @@
+"""Same-GPU fast path of the KV link: CUDA IPC handles of the primary pools, device-side copies.
+
+The sender exports each primary pool once (`export_pools`, at start, on the engine thread: it
+rewraps the storage's data pointer, which must not race with other users of the pool); the
+receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull, copies the
+sender's slots into its own with `copy_slots`. Both sides compute `slots_checksum`, which equals
+`payload.checksum` of the same bytes, on the GPU.
+
+Importing this module needs no CUDA; the functions that export, open or identify pools need it
+(callers use them only for CUDA pools). On the ref counter that torch attaches to an export: the
+sender's pool lives as long as its process, and each receiver decrements the counter when it drops
+its mapping (a new epoch, or exit), best effort; nothing else reads it, so several receivers of one
+export (counter below zero) are harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from transceiver.messages import CudaIpcPool, IpcOffer, PeerIdentity
+from transceiver.payload import pool_rows
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+BATCH_BYTES = 64 << 20  # bound on the temporary gather buffer of a checksum or copy
+MASK64 = (1 << 64) - 1
+
+log = logging.getLogger(__name__)
+
+
+def local_identity(device: torch.device) -> PeerIdentity | None:
+    """This process's host, boot and GPU; None where the boot id cannot be read (not Linux)."""
+    try:
+        boot_id = BOOT_ID.read_text().strip()
+    except OSError:
+        return None
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return PeerIdentity(hostname=socket.gethostname(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
+
+
+def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer:
+    """The IPC handle of every window's primary pool (`[num_slots, layers, 2, tpb, heads, dim]`,
+    CUDA, contiguous, at the start of its own storage); raises RuntimeError when CUDA refuses."""
+    exported = []
+    for window, pool in sorted(pools.items()):
+        if not pool.is_cuda or not pool.is_contiguous() or pool.storage_offset() != 0:
+            raise ValueError(f"window {window}: the primary pool is not a whole contiguous CUDA storage")
+        fields = pool.untyped_storage()._share_cuda_()
+        exported.append(CudaIpcPool(window, int(pool.shape[0]), *fields))
+    return IpcOffer(identity=identity, pools=exported)
+
+
+def open_pools(offer: IpcOffer, own: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Views of the sender's pools, each shaped like our pool of the window (layouts already
+    matched) with the sender's slot count, on our device (the same GPU; raises when the handle
+    cannot be opened or does not fit)."""
+    if sorted(p.window for p in offer.pools) != sorted(own):
+        raise ValueError(f"the offer's windows {[p.window for p in offer.pools]} are not ours {sorted(own)}")
+    views = {}
+    for p in offer.pools:
+        pool = own[p.window]
+        slot_bytes = pool[0].numel() * pool.element_size()
+        if p.num_slots < 1 or p.num_slots * slot_bytes > p.storage_size_bytes:
+            raise ValueError(f"window {p.window}: {p.num_slots} slots of {slot_bytes} B do not fit the "
+                             f"exported {p.storage_size_bytes} B")
+        storage = torch.UntypedStorage._new_shared_cuda(
+            pool.device.index, p.handle, p.storage_size_bytes, p.storage_offset_bytes,
+            p.ref_counter_handle, p.ref_counter_offset, p.event_handle, p.event_sync_required)
+        view = torch.empty(0, dtype=pool.dtype, device=pool.device)
+        views[p.window] = view.set_(storage, 0, (p.num_slots, *pool.shape[1:]))
+    return views
+
+
+def synchronize(device: torch.device) -> None:
+    """Every stream of `device` has finished (the writes a peer is about to read are visible);
+    CPU tensor work is synchronous already."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _index_batches(slots: list[int], slot_bytes: int, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    """(position in `slots`, slot indices on `device`) in batches of at most BATCH_BYTES."""
+    per_batch = max(1, BATCH_BYTES // slot_bytes)
+    index = torch.tensor(slots, dtype=torch.long, device=device)
+    for start in range(0, len(slots), per_batch):
+        yield start, index[start : start + per_batch]
+
+
+def _weighted_sum(rows: torch.Tensor, first: int) -> torch.Tensor:
+    """sum_b (2 * (first + b) + 1) * S_b, wrapping int64, of `rows` [count, words] (S_b: row b's sum)."""
+    sums = rows.sum(dim=1, dtype=torch.int64)  # [count]
+    weights = 2 * (torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device) + first) + 1
+    return (sums * weights).sum()
+
+
+def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
+    """`payload.checksum` of blocks first, first+1, ... stored in `slots` of `pool`, on its device."""
+    rows = pool_rows(pool)  # [num_slots, words]
+    slot_bytes = rows.shape[1] * rows.element_size()
+    total = torch.zeros((), dtype=torch.int64, device=pool.device)
+    for start, index in _index_batches(slots, slot_bytes, pool.device):
+        total += _weighted_sum(rows.index_select(0, index), first + start)
+    return int(total.item()) & MASK64
+
+
+def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
+               first: int) -> int:
+    """dst[dst_slots[i]] = src[src_slots[i]] (same device, same slot shape), in bounded batches;
+    returns the checksum (`slots_checksum`) of the destination slots as written. Returns once the
+    copy has finished (the checksum waits for it), so `src` may change afterwards."""
+    src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # [slots, words]
+    slot_bytes = dst_rows.shape[1] * dst_rows.element_size()
+    dst_index = torch.tensor(dst_slots, dtype=torch.long, device=dst.device)
+    total = torch.zeros((), dtype=torch.int64, device=dst.device)
+    for start, index in _index_batches(src_slots, slot_bytes, src.device):
+        to = dst_index[start : start + index.numel()]
+        dst_rows.index_copy_(0, to, src_rows.index_select(0, index))
+        total += _weighted_sum(dst_rows.index_select(0, to), first + start)
+    return int(total.item()) & MASK64
+
+
+def sender_offer(pools: dict[int, torch.Tensor], enabled: bool) -> IpcOffer | None:
+    """What a sender offers to receivers on its GPU: None unless `enabled` and every pool is CUDA
+    and exportable (a refusal is logged: that sender serves bytes only)."""
+    if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
+        return None
+    identity = local_identity(next(iter(pools.values())).device)
+    if identity is None:
+        return None
+    try:
+        return export_pools(pools, identity)
+    except (RuntimeError, ValueError) as e:
+        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes only: %s", e)
+        return None
+
+
+def receiver_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
+    """What a receiver says in its Hello: None (bytes only) unless `enabled` and its pools are CUDA."""
+    if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
+        return None
+    return local_identity(next(iter(pools.values())).device)
