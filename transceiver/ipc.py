@@ -33,12 +33,13 @@ MASK64 = (1 << 64) - 1
 log = logging.getLogger(__name__)
 
 
-def local_identity(device: torch.device) -> PeerIdentity | None:
-    """This process's host, boot and GPU; None where the boot id cannot be read (not Linux)."""
+def local_identity(device: torch.device) -> PeerIdentity:
+    """This process's host, boot and GPU. The GPU's UUID alone already names one machine; where the
+    boot id cannot be read it is "unknown" (a handle that still cannot be opened means bytes)."""
     try:
         boot_id = BOOT_ID.read_text().strip()
     except OSError:
-        return None
+        boot_id = "unknown"
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     return PeerIdentity(hostname=socket.gethostname(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
 
@@ -129,11 +130,8 @@ def sender_offer(pools: dict[int, torch.Tensor], enabled: bool) -> IpcOffer | No
     and exportable (a refusal is logged: that sender serves bytes only)."""
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
-    identity = local_identity(next(iter(pools.values())).device)
-    if identity is None:
-        return None
     try:
-        return export_pools(pools, identity)
+        return export_pools(pools, local_identity(next(iter(pools.values())).device))
     except (RuntimeError, ValueError) as e:
         log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes only: %s", e)
         return None

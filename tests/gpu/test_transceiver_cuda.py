@@ -1,0 +1,341 @@
+"""KV transfer between two real processes on one GPU, each with a real KVCacheManager on CUDA pools.
+
+The context process (`ctx_main`, driven over JSON lines on stdin/stdout) writes a byte pattern
+derived from each block's tokens into its slots, after forcing offload/onboard so that block ids
+differ from slots, and leases the blocks; this process plays the generation server, pulls, and
+checks every byte on the GPU. The same-GPU path (CUDA IPC handles of the pools, device-to-device
+copy) is the default; `same_host_ipc: false` on either side, or both ends in one process, take the
+byte path (gather -> pinned staging -> ZeroMQ -> scatter), which is checked on CUDA pools too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver, PullResult
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOKEN = "gpu-transceiver-token-0123456789"
+FINGERPRINT = "gpu-test:v1"
+HERE = Path(__file__).resolve().parent
+# "vswa": layers 0, 2 slide over 32 tokens, 1, 3 are full; slot 2 layers * 2 * 8 tpb * 8 heads * 128 * 2 B = 64 KiB
+# "8b": Llama-3.1-8B's KV (32 layers, 8 kv heads, 128 dims, bf16), 32 tokens per block: 4 MiB slots
+SHAPES = {"vswa": dict(windows=(32, 256, 32, 256), max_seq_len=256, tpb=8),
+          "8b": dict(windows=(8192,) * 32, max_seq_len=8192, tpb=32)}
+
+
+def make_kv(shape: str, max_blocks: int, host_blocks: int = 0) -> KVCacheManager:
+    s = SHAPES[shape]
+    layout = CacheLayout(layer_windows=s["windows"], num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                         device="cuda", max_seq_len=s["max_seq_len"])
+    cfg = KvCacheConfig(tokens_per_block=s["tpb"], max_tokens=max_blocks * s["tpb"], secondary_offload_min_priority=0,
+                        host_cache_size=host_blocks * s["tpb"] * layout.bytes_per_token())
+    return KVCacheManager(cfg, layout)
+
+
+def pattern(window: int, index: int, tokens: list[int], nbytes: int) -> torch.Tensor:
+    """The bytes block `index` of `window` holds for `tokens` (same on both sides: same seed, same GPU)."""
+    digest = hashlib.sha256(f"{window}:{index}:{tokens}".encode()).digest()
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(digest[:7], "little"))
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device="cuda")
+
+
+def slot_view(kv: KVCacheManager, window: int, slot: int) -> torch.Tensor:
+    return kv.pool(window, Level.PRIMARY)[slot].view(-1).view(torch.uint8)  # [slot_bytes]
+
+
+def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> None:
+    """'Prefill': write the pattern into every block from token `from_token` on."""
+    tpb = kv.tokens_per_block
+    for w in kv.window_sizes:
+        for i, slot in enumerate(kv.slot_table(rid, w)):
+            if slot >= 0 and (i + 1) * tpb > from_token:
+                slot_view(kv, w, slot).copy_(pattern(w, i, tokens[i * tpb : (i + 1) * tpb], kv.slot_bytes(w)))
+
+
+def tokens_for(topic: int, n: int) -> list[int]:
+    return [(topic * 7919 + i * 31) % 1000 + 1 for i in range(n)]
+
+
+# ---- the context process ---------------------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, shape: str, same_host_ipc: bool) -> None:
+        from transceiver.sender import KVSender
+
+        self.kv = make_kv(shape, max_blocks=16, host_blocks=64) if shape == "vswa" else make_kv(shape, 160)
+        cfg = TransceiverConfig(auth_token=TOKEN, same_host_ipc=same_host_ipc, max_chunk_bytes=1 << 20)
+        self.sender = KVSender(self.kv, cfg, FINGERPRINT)
+
+    def cache(self, rid: str, tokens: list[int]) -> dict:
+        hit = self.kv.admit(rid, tokens)
+        fill(self.kv, rid, tokens, hit)
+        self.kv.commit(rid, tokens, len(tokens))
+        self.kv.release(rid)
+        return {"hit": hit}
+
+    def prefill(self, rid: str, tokens: list[int]) -> dict:
+        hit = self.kv.admit(rid, tokens)
+        fill(self.kv, rid, tokens, hit)
+        self.kv.commit(rid, tokens, len(tokens))
+        self.kv.release_out_of_window(rid, len(tokens))
+        blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
+        slots = {w: self.kv.get_memory_pool_block_indices([b for b in ids if b >= 0], w)
+                 for w, ids in blocks.items()}
+        self.sender.add_lease(rid, blocks, len(tokens))
+        self.kv.release(rid)
+        stats = self.kv.stats()
+        return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads, "onboards": stats.onboards}
+
+    def state(self) -> dict:
+        try:
+            self.kv.check_integrity()
+            integrity = "ok"
+        except Exception as e:  # reported to the test, which asserts on it
+            integrity = str(e)
+        s = self.sender.stats
+        return {"leases": self.sender.num_leases, "integrity": integrity,
+                "ipc_offered": self.sender.ipc_offer is not None,
+                "in_use": sum(n for (_, _, state), n in self.kv.stats().blocks.items() if state == "in_use"),
+                "transfers_ok": s.transfers_ok, "ipc_transfers": s.ipc_transfers, "failures": s.failures_by_reason}
+
+    def handle(self, cmd: dict) -> dict:
+        if cmd["op"] == "cache":
+            return self.cache(cmd["rid"], cmd["tokens"])
+        if cmd["op"] == "prefill":
+            return self.prefill(cmd["rid"], cmd["tokens"])
+        return self.state()
+
+
+def ctx_main(shape: str, same_host_ipc: bool) -> None:
+    """Context process: answers JSON commands on stdin; between them waits on and steps the sender."""
+    ctx = _Ctx(shape, same_host_ipc)
+    print(json.dumps({"endpoint": ctx.sender.endpoint, "epoch": ctx.sender.epoch}), flush=True)
+    buf = b""
+    while True:
+        if select.select([0], [], [], 0)[0]:
+            data = os.read(0, 1 << 20)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                print(json.dumps(ctx.handle(json.loads(line))), flush=True)
+        ctx.sender.wait(0.002)
+        ctx.sender.step()
+    ctx.sender.close()
+
+
+class CtxProcess:
+    def __init__(self, shape: str, same_host_ipc: bool = True) -> None:
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_cuda as m; " \
+               f"m.ctx_main({shape!r}, {same_host_ipc})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=HERE.parent.parent)
+        hello = self._read(timeout_s=120)
+        self.endpoint, self.epoch = hello["endpoint"], hello["epoch"]
+
+    def _read(self, timeout_s: float = 60) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        assert ready, "context process did not answer"
+        line = self.proc.stdout.readline()
+        assert line, f"context process exited with {self.proc.poll()}"
+        return json.loads(line)
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def wait_state(self, cond, timeout_s: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.call("state")
+            if cond(state) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# ---- the generation side (this process) ------------------------------------------------------
+
+
+def wanted_blocks(kv: KVCacheManager, rid: str, num_tokens: int, hit: int) -> dict[int, tuple[int, list[int]]]:
+    """Like the generation engine: skip the local prefix hit and blocks that left the window."""
+    kv.release_out_of_window(rid, num_tokens)
+    n = math.ceil(num_tokens / kv.tokens_per_block)
+    wanted = {}
+    for w in kv.window_sizes:
+        ids = kv.block_ids(rid, w)[:n]
+        first = max(hit // kv.tokens_per_block, next((i for i, b in enumerate(ids) if b >= 0), n))
+        wanted[w] = (first, kv.slot_table(rid, w)[first:n])
+    return wanted
+
+
+def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_tokens: int = 0) -> PullResult:
+    kv = rx._kv
+    hit = kv.admit(rid, tokens, max_cached_tokens=hit_tokens)
+    rx.start_pull(rid, ctx.endpoint, ctx.epoch, rid, wanted_blocks(kv, rid, len(tokens), hit))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        results = rx.step()
+        if results:
+            assert len(results) == 1
+            return results[0]
+        rx.wait(0.001)
+    raise AssertionError("no pull result")
+
+
+def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """Every held block of the request has the pattern of its tokens (compared on the GPU)."""
+    checked, tpb = 0, kv.tokens_per_block
+    for w in kv.window_sizes:
+        for i, slot in enumerate(kv.slot_table(rid, w)[: math.ceil(len(tokens) / tpb)]):
+            if slot >= 0:
+                expected = pattern(w, i, tokens[i * tpb : (i + 1) * tpb], kv.slot_bytes(w))
+                assert torch.equal(slot_view(kv, w, slot), expected), f"window {w} block {i}"
+                checked += 1
+    return checked
+
+
+def offloaded_prefill(ctx: CtxProcess, rid: str) -> list[int]:
+    """A 101-token request whose first 10 blocks came back from the host pool (ids != slots)."""
+    shared = tokens_for(1, 96)
+    ctx.call("cache", rid=f"{rid}-warm", tokens=shared)  # 12 blocks, cached
+    ctx.call("cache", rid=f"{rid}-filler", tokens=tokens_for(2, 112))  # 14 blocks: offloads the warm ones
+    tokens = shared[:80] + tokens_for(3, 21)
+    info = ctx.call("prefill", rid=rid, tokens=tokens)
+    assert info["hit"] == 80 and info["offloads"] > 0 and info["onboards"] > 0
+    live = [b for b in info["blocks"]["256"] if b >= 0]
+    assert any(b != s for b, s in zip(live, info["slots"]["256"], strict=True)), "ids should differ from slots"
+    return tokens
+
+
+def seeded_receiver(same_host_ipc: bool) -> KVReceiver:
+    """A generation side that already holds the first 3 blocks of the test prompt."""
+    kv = make_kv("vswa", max_blocks=32)
+    tokens = tokens_for(1, 24)
+    kv.admit("seed", tokens)
+    fill(kv, "seed", tokens, 0)
+    kv.commit("seed", tokens, 24)
+    kv.release("seed")
+    return KVReceiver(kv, TransceiverConfig(auth_token=TOKEN, same_host_ipc=same_host_ipc), FINGERPRINT)
+
+
+def check_pull(rx: KVReceiver, ctx: CtxProcess, rid: str, via_ipc: bool) -> None:
+    tokens = offloaded_prefill(ctx, rid)
+    before = (rx.stats.ipc_transfers, rx.stats.bytes_received)
+    result = pull(rx, ctx, rid, tokens, hit_tokens=100)
+    assert result.ok, result.error
+    assert result.nbytes == 15 * 65536 == rx.stats.bytes_received - before[1]  # blocks 3..12 + in-window 8..12
+    assert rx.stats.ipc_transfers - before[0] == int(via_ipc)
+    assert assert_blocks_match(rx._kv, rid, tokens) == 13 + 5
+    state = ctx.wait_state(lambda s: s["leases"] == 0)
+    assert (state["leases"], state["in_use"], state["integrity"], state["failures"]) == (0, 0, "ok", {})
+    rx._kv.release(rid)
+    rx._kv.check_integrity()
+
+
+def test_ipc_pull_on_one_gpu_after_offload_moves_every_byte_and_ends_the_lease() -> None:
+    ctx = CtxProcess("vswa")
+    rx = seeded_receiver(same_host_ipc=True)
+    try:
+        assert ctx.call("state")["ipc_offered"], "the context process could not export its pools (see stderr)"
+        check_pull(rx, ctx, "req-a", via_ipc=True)
+        check_pull(rx, ctx, "req-b", via_ipc=True)  # same (endpoint, epoch): the pools stay open
+        assert list(rx._ipc_pools) == [ctx.endpoint] and rx.stats.ipc_open_failures == 0
+        state = ctx.call("state")
+        assert (state["transfers_ok"], state["ipc_transfers"]) == (2, 2)
+    finally:
+        rx.close()
+        ctx.stop()
+
+
+@pytest.mark.parametrize("off_side", ["ctx", "gen"])
+def test_same_host_ipc_false_on_either_side_takes_the_byte_path_on_cuda_pools(off_side: str) -> None:
+    ctx = CtxProcess("vswa", same_host_ipc=off_side != "ctx")
+    rx = seeded_receiver(same_host_ipc=off_side != "gen")
+    try:
+        assert ctx.call("state")["ipc_offered"] is (off_side != "ctx")
+        check_pull(rx, ctx, "req-c", via_ipc=False)
+        assert ctx.call("state")["ipc_transfers"] == 0 and rx._ipc_pools == {}
+    finally:
+        rx.close()
+        ctx.stop()
+
+
+def test_both_ends_in_one_process_take_the_byte_path() -> None:
+    from transceiver.sender import KVSender
+
+    ctx_kv = make_kv("vswa", max_blocks=16)
+    sender = KVSender(ctx_kv, TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    rx = KVReceiver(make_kv("vswa", max_blocks=32), TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    try:
+        assert sender.ipc_offer is not None  # exported, but a handle cannot be opened by its own process
+        tokens = tokens_for(4, 60)
+        ctx_kv.admit("r", tokens)
+        fill(ctx_kv, "r", tokens, 0)
+        sender.add_lease("r", {w: ctx_kv.block_ids("r", w) for w in ctx_kv.window_sizes}, 60)
+        ctx_kv.release("r")
+        rx._kv.admit("r", tokens)
+        rx.start_pull("r", sender.endpoint, sender.epoch, "r", {w: (0, rx._kv.slot_table("r", w))
+                                                                for w in rx._kv.window_sizes})
+        deadline, results = time.monotonic() + 30, []
+        while not results and time.monotonic() < deadline:
+            sender.step()
+            results = rx.step()
+        assert results and results[0].ok, results
+        assert (rx.stats.ipc_transfers, sender.stats.ipc_transfers) == (0, 0)
+        assert assert_blocks_match(rx._kv, "r", tokens) == 8 + 8
+    finally:
+        rx.close()
+        sender.close()
+
+
+def test_ipc_handoff_of_a_4096_token_8b_kv() -> None:
+    """512 MiB of Llama-3.1-8B KV: every byte checked; the time of the second pull (no handshake)."""
+    ctx = CtxProcess("8b")
+    rx = KVReceiver(make_kv("8b", max_blocks=160), TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
+    try:
+        seconds = []
+        for rid, topic in (("big-a", 5), ("big-b", 6)):
+            tokens = tokens_for(topic, 4096)
+            ctx.call("prefill", rid=rid, tokens=tokens)
+            result = pull(rx, ctx, rid, tokens)
+            assert result.ok, result.error
+            assert result.nbytes == 128 * (4 << 20) and assert_blocks_match(rx._kv, rid, tokens) == 128
+            seconds.append(result.seconds)
+            rx._kv.release(rid)
+        print(f"8B KV handoff, 512 MiB over CUDA IPC: first pull {seconds[0] * 1e3:.2f} ms "
+              f"(handshake + handle open), second {seconds[1] * 1e3:.2f} ms "
+              f"({512 / 1024 / seconds[1]:.0f} GiB/s)")
+        assert rx.stats.ipc_transfers == 2
+        assert seconds[1] < 0.05, f"{seconds[1] * 1e3:.1f} ms (the byte path took ~190 ms)"
+        state = ctx.wait_state(lambda s: s["leases"] == 0)
+        assert (state["leases"], state["in_use"], state["ipc_transfers"]) == (0, 0, 2)
+    finally:
+        rx.close()
+        ctx.stop()
