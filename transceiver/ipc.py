@@ -1,16 +1,20 @@
 """Same-GPU fast path of the KV link: CUDA IPC handles of the primary pools, device-side copies.
 
-The sender exports each primary pool once (`export_pools`, at start, on the engine thread: it
-rewraps the storage's data pointer, which must not race with other users of the pool); the
-receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull, copies the
-sender's slots into its own with `copy_slots`. Both sides compute `slots_checksum`, which equals
-`payload.checksum` of the same bytes, on the GPU.
+The sender exports its primary pools once per receiver handshake (`export_pools`, on the engine
+thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
+the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
+copies the sender's slots into its own with `copy_slots`. Both sides compute `slots_checksum`,
+which equals `payload.checksum` of the same bytes, on the GPU.
+
+One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
+shared-memory file of the sender): the receiver that opened it decrements it when it drops its
+mapping (new epoch, idle close, exit). A sender that exits while a count is above zero prints
+torch's "Producer process has been terminated before all shared CUDA tensors released" warning;
+with one export per receiver that only happens when a receiver really still maps the pools. The
+pools themselves live as long as the sender's process, so the count never delays a free.
 
 Importing this module needs no CUDA; the functions that export, open or identify pools need it
-(callers use them only for CUDA pools). On the ref counter that torch attaches to an export: the
-sender's pool lives as long as its process, and each receiver decrements the counter when it drops
-its mapping (a new epoch, or exit), best effort; nothing else reads it, so several receivers of one
-export (counter below zero) are harmless.
+(callers use them only for CUDA pools).
 """
 
 from __future__ import annotations
@@ -125,20 +129,18 @@ def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
     return int(total.item()) & MASK64
 
 
-def sender_offer(pools: dict[int, torch.Tensor], enabled: bool) -> IpcOffer | None:
-    """What a sender offers to receivers on its GPU: None unless `enabled` and every pool is CUDA
-    and exportable (a refusal is logged: that sender serves bytes only)."""
-    if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
-        return None
-    try:
-        return export_pools(pools, local_identity(next(iter(pools.values())).device))
-    except (RuntimeError, ValueError) as e:
-        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes only: %s", e)
-        return None
-
-
-def receiver_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
-    """What a receiver says in its Hello: None (bytes only) unless `enabled` and its pools are CUDA."""
+def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
+    """What a side says about itself in the handshake: None (bytes only) unless `enabled` and every
+    pool is CUDA."""
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
     return local_identity(next(iter(pools.values())).device)
+
+
+def try_export(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
+    """`export_pools`, or None (logged: that receiver gets bytes) when CUDA refuses."""
+    try:
+        return export_pools(pools, identity)
+    except (RuntimeError, ValueError) as e:
+        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes: %s", e)
+        return None

@@ -104,11 +104,13 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
 
     layout: Layout
     identity: PeerIdentity | None = None
+    open_epoch: str | None = None  # the sender epoch whose pools this receiver holds open already
 
 
 class InstanceInfo(msgspec.Struct, tag=True, frozen=True):
     """ctx -> gen, answer to Hello: the sender's layout; its epoch is the envelope's. `ipc` only
-    when the Hello's identity shares the sender's GPU and the sender could export its pools."""
+    when the Hello's identity shares the sender's GPU, its open_epoch is not the sender's epoch, and
+    the sender could export its pools (a fresh export for each such Hello)."""
 
     layout: Layout
     ipc: IpcOffer | None = None

@@ -25,7 +25,7 @@ import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import copy_slots, open_pools, receiver_identity
+from transceiver.ipc import copy_slots, ipc_identity, open_pools
 from transceiver.layout import layout_of
 from transceiver.link import SocketThread
 from transceiver.messages import (
@@ -87,7 +87,7 @@ class KVReceiver:
         # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
-        identity = receiver_identity(pools, config.same_host_ipc)
+        identity = ipc_identity(pools, config.same_host_ipc)
 
         def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
             return open_pools(offer, pools)

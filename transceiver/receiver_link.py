@@ -145,7 +145,8 @@ class ReceiverLink:
 
     def _hello(self, io: SocketIO, endpoint: str, peer: _Peer, now: float) -> None:
         peer.hello_at = now
-        io.send(endpoint, self._codec.seal(Hello(layout=self._layout, identity=self._identity)))
+        hello = Hello(layout=self._layout, identity=self._identity, open_epoch=peer.ipc_epoch)
+        io.send(endpoint, self._codec.seal(hello))
 
     def _send_pull(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
         if peer.ipc_epoch == req.ctx_epoch:

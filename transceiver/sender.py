@@ -12,9 +12,10 @@ sent as zero-copy frames of the pool itself; a lease that ends while such frames
 zmq is unpinned only once zmq has released them (`_unpin_later`), so a slot is never rewritten
 under a frame in flight.
 
-Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported once at start; a pull with
-`via_ipc` is answered at once, after a device synchronize, with the blocks' primary slots and
-checksums (`IpcChunk`s, then `Done`), and the receiver copies them itself. The lease, its pins and its end (Ack,
+Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported for each such receiver's
+handshake (here, on the engine thread: `ExportRequest`); a pull with `via_ipc` is answered at
+once, after a device synchronize, with the blocks' primary slots and checksums (`IpcChunk`s, then
+`Done`), and the receiver copies them itself. The lease, its pins and its end (Ack,
 Cancel, expiry, ...) are the same as on the byte path.
 """
 
@@ -25,11 +26,12 @@ import time
 import uuid
 from collections import deque
 
+import msgspec
 import zmq
 
 from kvcache import KVCacheManager, Level, OutOfBlocksError
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import sender_offer, slots_checksum, synchronize
+from transceiver.ipc import ipc_identity, slots_checksum, synchronize, try_export
 from transceiver.layout import layout_of
 from transceiver.lease import Job, Lease
 from transceiver.link import SocketThread
@@ -54,7 +56,7 @@ from transceiver.payload import (
     tracked_frames,
     wait_any,
 )
-from transceiver.sender_link import Incoming, Outgoing, PeerGone, SenderLink
+from transceiver.sender_link import ExportRequest, Incoming, Outgoing, PeerGone, SenderLink
 from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -89,10 +91,10 @@ class KVSender:
         self._staging = StagingPool(config.max_chunk_bytes, STAGING_BUFFERS, pin)
         self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
         self._unpin_later: list[tuple[list[zmq.MessageTracker], dict[int, list[int]]]] = []
-        pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
-        # exported here, before the socket thread exists: nothing else touches the pools yet
-        self.ipc_offer = sender_offer(pools, config.same_host_ipc)
-        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, self.ipc_offer)
+        self._pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
+        self.ipc_identity = ipc_identity(self._pools, config.same_host_ipc)  # None: bytes only
+        self.ipc_exports = 0  # handshakes answered with an export of the pools
+        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, self.ipc_identity)
         self._thread = SocketThread("kv-sender", self._link)
         self._thread.start()
         self.endpoint = self._link.endpoint
@@ -165,7 +167,10 @@ class KVSender:
 
     # ---- messages ----------------------------------------------------------------------------
 
-    def _on_item(self, item: Incoming | PeerGone) -> None:
+    def _on_item(self, item: Incoming | ExportRequest | PeerGone) -> None:
+        if isinstance(item, ExportRequest):
+            self._answer_with_export(item)
+            return
         if isinstance(item, PeerGone):
             for cid, lease in list(self._leases.items()):
                 if lease.job is not None and lease.job.peer == item.peer:
@@ -184,6 +189,13 @@ class KVSender:
             if body.ctx_epoch not in (None, self.epoch) or body.ctx_request_id not in self._leases:
                 return
             self._end_lease(body.ctx_request_id, "cancelled", "the receiver cancelled", notify=False)
+
+    def _answer_with_export(self, req: ExportRequest) -> None:
+        """Handshake of a receiver on our GPU: a fresh export of the pools for it (see `ipc.py`)."""
+        assert self.ipc_identity is not None
+        offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
+        self.ipc_exports += offer is not None
+        self._thread.submit(Outgoing(req.peer, msgspec.structs.replace(req.info, ipc=offer)))
 
     def _start_job(self, peer: bytes, req: PullRequest) -> None:
         lease = self._leases.get(req.ctx_request_id)
@@ -223,8 +235,8 @@ class KVSender:
                 f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
         if lease.job is not None:
             return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
-        if req.via_ipc and self.ipc_offer is None:
-            return "bad_request", "the pull asks for CUDA IPC, which this context server does not offer"
+        if req.via_ipc and self.ipc_exports == 0:
+            return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
         problem = lease.range_problem(req.ranges)
         return None if problem is None else ("bad_request", problem)
 

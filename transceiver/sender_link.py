@@ -1,7 +1,9 @@
 """The context side's socket thread: one ROUTER, message checks, handshake answers.
 
 Runs only inside `link.SocketThread`. Engine-bound messages become `Incoming` items; the engine
-sends with `Outgoing` commands (sealed here, so their timestamp is fresh).
+sends with `Outgoing` commands (sealed here, so their timestamp is fresh). A Hello is answered
+here, except from a receiver on our GPU that holds no pools of this epoch yet: the engine thread
+exports the pools for it and answers (`ExportRequest`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from transceiver.messages import (
     Failed,
     Hello,
     InstanceInfo,
-    IpcOffer,
     Layout,
+    PeerIdentity,
     PullRequest,
     layout_mismatch,
 )
@@ -49,6 +51,15 @@ class Outgoing:
 
 
 @dataclass(frozen=True)
+class ExportRequest:
+    """A compatible receiver on our GPU said Hello: the engine exports the pools for it and sends
+    `info` with the offer (`_share_cuda_` must run on the engine thread)."""
+
+    peer: bytes
+    info: InstanceInfo  # the answer, without the offer
+
+
+@dataclass(frozen=True)
 class PeerGone:
     """The ROUTER could not route to `peer` any more (it disconnected)."""
 
@@ -59,11 +70,11 @@ class SenderLink:
     """LinkHandler of `KVSender`."""
 
     def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
-                 ipc_offer: IpcOffer | None = None) -> None:
+                 ipc_identity: PeerIdentity | None = None) -> None:
         self._config = config
         self._codec = Codec(config.token_bytes(), epoch)
         self._layout = layout
-        self._ipc_offer = ipc_offer  # None: this sender serves bytes only
+        self._ipc_identity = ipc_identity  # None: this sender serves bytes only
         self._stats = stats
         self._io: SocketIO | None = None
         self.endpoint = ""
@@ -97,20 +108,27 @@ class SenderLink:
             self._stats.count_rejected(e.reason)
             return
         if isinstance(body, Hello):
-            io.send(ROUTER, [peer, *self._codec.seal(self._answer_hello(body))])
+            self._on_hello(io, peer, body)
         elif isinstance(body, ENGINE_KINDS):
             io.deliver(Incoming(peer, epoch, body))
         else:
             self._stats.count_rejected("unexpected")
 
-    def _answer_hello(self, hello: Hello) -> InstanceInfo | Failed:
+    def _on_hello(self, io: SocketIO, peer: bytes, hello: Hello) -> None:
         problem = layout_mismatch(self._layout, hello.layout)
+        info = InstanceInfo(layout=self._layout)
         if problem is not None:
-            return Failed(reason="incompatible", detail=f"incompatible peers: {problem}")
-        offer = self._ipc_offer
-        if offer is None or hello.identity is None or not offer.identity.shares_gpu_with(hello.identity):
-            offer = None
-        return InstanceInfo(layout=self._layout, ipc=offer)
+            io.send(ROUTER, [peer, *self._codec.seal(Failed(reason="incompatible",
+                                                            detail=f"incompatible peers: {problem}"))])
+        elif self._wants_export(hello):
+            io.deliver(ExportRequest(peer, info))
+        else:
+            io.send(ROUTER, [peer, *self._codec.seal(info)])
+
+    def _wants_export(self, hello: Hello) -> bool:
+        me, peer = self._ipc_identity, hello.identity
+        return me is not None and peer is not None and me.shares_gpu_with(peer) \
+            and hello.open_epoch != self._codec.epoch
 
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
         peer = frames[0]

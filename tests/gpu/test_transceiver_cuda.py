@@ -110,7 +110,7 @@ class _Ctx:
             integrity = str(e)
         s = self.sender.stats
         return {"leases": self.sender.num_leases, "integrity": integrity,
-                "ipc_offered": self.sender.ipc_offer is not None,
+                "ipc_enabled": self.sender.ipc_identity is not None, "ipc_exports": self.sender.ipc_exports,
                 "in_use": sum(n for (_, _, state), n in self.kv.stats().blocks.items() if state == "in_use"),
                 "transfers_ok": s.transfers_ok, "ipc_transfers": s.ipc_transfers, "failures": s.failures_by_reason}
 
@@ -221,12 +221,12 @@ def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
     return checked
 
 
-def offloaded_prefill(ctx: CtxProcess, rid: str) -> list[int]:
+def offloaded_prefill(ctx: CtxProcess, rid: str, topic: int) -> list[int]:
     """A 101-token request whose first 10 blocks came back from the host pool (ids != slots)."""
-    shared = tokens_for(1, 96)
+    shared = tokens_for(topic, 96)
     ctx.call("cache", rid=f"{rid}-warm", tokens=shared)  # 12 blocks, cached
-    ctx.call("cache", rid=f"{rid}-filler", tokens=tokens_for(2, 112))  # 14 blocks: offloads the warm ones
-    tokens = shared[:80] + tokens_for(3, 21)
+    ctx.call("cache", rid=f"{rid}-filler", tokens=tokens_for(topic + 1, 112))  # 14 blocks: offloads the warm ones
+    tokens = shared[:80] + tokens_for(topic + 2, 21)
     info = ctx.call("prefill", rid=rid, tokens=tokens)
     assert info["hit"] == 80 and info["offloads"] > 0 and info["onboards"] > 0
     live = [b for b in info["blocks"]["256"] if b >= 0]
@@ -234,19 +234,18 @@ def offloaded_prefill(ctx: CtxProcess, rid: str) -> list[int]:
     return tokens
 
 
-def seeded_receiver(same_host_ipc: bool) -> KVReceiver:
-    """A generation side that already holds the first 3 blocks of the test prompt."""
+def vswa_receiver(same_host_ipc: bool) -> KVReceiver:
     kv = make_kv("vswa", max_blocks=32)
-    tokens = tokens_for(1, 24)
-    kv.admit("seed", tokens)
-    fill(kv, "seed", tokens, 0)
-    kv.commit("seed", tokens, 24)
-    kv.release("seed")
     return KVReceiver(kv, TransceiverConfig(auth_token=TOKEN, same_host_ipc=same_host_ipc), FINGERPRINT)
 
 
-def check_pull(rx: KVReceiver, ctx: CtxProcess, rid: str, via_ipc: bool) -> None:
-    tokens = offloaded_prefill(ctx, rid)
+def check_pull(rx: KVReceiver, ctx: CtxProcess, rid: str, topic: int, via_ipc: bool) -> None:
+    tokens = offloaded_prefill(ctx, rid, topic)
+    kv = rx._kv  # the generation side already holds the first 3 blocks of the prompt
+    kv.admit(f"{rid}-seed", tokens[:24])
+    fill(kv, f"{rid}-seed", tokens[:24], 0)
+    kv.commit(f"{rid}-seed", tokens[:24], 24)
+    kv.release(f"{rid}-seed")
     before = (rx.stats.ipc_transfers, rx.stats.bytes_received)
     result = pull(rx, ctx, rid, tokens, hit_tokens=100)
     assert result.ok, result.error
@@ -261,14 +260,14 @@ def check_pull(rx: KVReceiver, ctx: CtxProcess, rid: str, via_ipc: bool) -> None
 
 def test_ipc_pull_on_one_gpu_after_offload_moves_every_byte_and_ends_the_lease() -> None:
     ctx = CtxProcess("vswa")
-    rx = seeded_receiver(same_host_ipc=True)
+    rx = vswa_receiver(same_host_ipc=True)
     try:
-        assert ctx.call("state")["ipc_offered"], "the context process could not export its pools (see stderr)"
-        check_pull(rx, ctx, "req-a", via_ipc=True)
-        check_pull(rx, ctx, "req-b", via_ipc=True)  # same (endpoint, epoch): the pools stay open
+        assert ctx.call("state")["ipc_enabled"]
+        check_pull(rx, ctx, "req-a", topic=10, via_ipc=True)
+        check_pull(rx, ctx, "req-b", topic=20, via_ipc=True)  # same (endpoint, epoch): the pools stay open
         assert list(rx._ipc_pools) == [ctx.endpoint] and rx.stats.ipc_open_failures == 0
         state = ctx.call("state")
-        assert (state["transfers_ok"], state["ipc_transfers"]) == (2, 2)
+        assert (state["transfers_ok"], state["ipc_transfers"], state["ipc_exports"]) == (2, 2, 1)
     finally:
         rx.close()
         ctx.stop()
@@ -277,11 +276,12 @@ def test_ipc_pull_on_one_gpu_after_offload_moves_every_byte_and_ends_the_lease()
 @pytest.mark.parametrize("off_side", ["ctx", "gen"])
 def test_same_host_ipc_false_on_either_side_takes_the_byte_path_on_cuda_pools(off_side: str) -> None:
     ctx = CtxProcess("vswa", same_host_ipc=off_side != "ctx")
-    rx = seeded_receiver(same_host_ipc=off_side != "gen")
+    rx = vswa_receiver(same_host_ipc=off_side != "gen")
     try:
-        assert ctx.call("state")["ipc_offered"] is (off_side != "ctx")
-        check_pull(rx, ctx, "req-c", via_ipc=False)
-        assert ctx.call("state")["ipc_transfers"] == 0 and rx._ipc_pools == {}
+        assert ctx.call("state")["ipc_enabled"] is (off_side != "ctx")
+        check_pull(rx, ctx, "req-c", topic=30, via_ipc=False)
+        state = ctx.call("state")
+        assert (state["ipc_transfers"], state["ipc_exports"], rx._ipc_pools) == (0, 0, {})
     finally:
         rx.close()
         ctx.stop()
@@ -294,7 +294,7 @@ def test_both_ends_in_one_process_take_the_byte_path() -> None:
     sender = KVSender(ctx_kv, TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
     rx = KVReceiver(make_kv("vswa", max_blocks=32), TransceiverConfig(auth_token=TOKEN), FINGERPRINT)
     try:
-        assert sender.ipc_offer is not None  # exported, but a handle cannot be opened by its own process
+        assert sender.ipc_identity is not None  # on, but a handle cannot be opened by its own process
         tokens = tokens_for(4, 60)
         ctx_kv.admit("r", tokens)
         fill(ctx_kv, "r", tokens, 0)
@@ -308,11 +308,30 @@ def test_both_ends_in_one_process_take_the_byte_path() -> None:
             sender.step()
             results = rx.step()
         assert results and results[0].ok, results
-        assert (rx.stats.ipc_transfers, sender.stats.ipc_transfers) == (0, 0)
+        assert (rx.stats.ipc_transfers, sender.stats.ipc_transfers, sender.ipc_exports) == (0, 0, 0)
         assert assert_blocks_match(rx._kv, "r", tokens) == 8 + 8
     finally:
         rx.close()
         sender.close()
+
+
+def device_ms(kv: KVCacheManager, what: str, repeats: int = 5) -> float:
+    """Best time of `ipc.slots_checksum` or `ipc.copy_slots` over 128 scattered 4 MiB slots."""
+    from transceiver import ipc
+
+    pool = kv.pool(8192, Level.PRIMARY)
+    src = list(range(159, 31, -1))  # 128 slots, reversed: no run of consecutive slots
+    dst = torch.empty((128, *pool.shape[1:]), dtype=pool.dtype, device="cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if what == "checksum":
+            ipc.slots_checksum(pool, src, 0)
+        else:
+            ipc.copy_slots(pool, src, dst, list(range(128)), 0)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def test_ipc_handoff_of_a_4096_token_8b_kv() -> None:
@@ -332,10 +351,12 @@ def test_ipc_handoff_of_a_4096_token_8b_kv() -> None:
         print(f"8B KV handoff, 512 MiB over CUDA IPC: first pull {seconds[0] * 1e3:.2f} ms "
               f"(handshake + handle open), second {seconds[1] * 1e3:.2f} ms "
               f"({512 / 1024 / seconds[1]:.0f} GiB/s)")
+        print(f"  of which, in this process: {device_ms(rx._kv, 'checksum'):.2f} ms to checksum 512 MiB of "
+              f"slots, {device_ms(rx._kv, 'copy'):.2f} ms to copy them and checksum the copy")
         assert rx.stats.ipc_transfers == 2
         assert seconds[1] < 0.05, f"{seconds[1] * 1e3:.1f} ms (the byte path took ~190 ms)"
         state = ctx.wait_state(lambda s: s["leases"] == 0)
-        assert (state["leases"], state["in_use"], state["ipc_transfers"]) == (0, 0, 2)
+        assert (state["leases"], state["in_use"], state["ipc_transfers"], state["ipc_exports"]) == (0, 0, 2, 1)
     finally:
         rx.close()
         ctx.stop()

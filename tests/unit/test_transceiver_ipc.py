@@ -31,7 +31,7 @@ from transceiver.messages import (
 )
 from transceiver.payload import checksum, pool_rows
 from transceiver.receiver_link import IpcPools, Pull, ReceiverLink
-from transceiver.sender_link import SenderLink
+from transceiver.sender_link import ExportRequest, SenderLink
 from transceiver.stats import TransferStats
 
 TOKEN = "ipc-unit-token-0123456789"
@@ -86,37 +86,50 @@ def test_identity_shares_the_gpu_only_on_same_host_boot_and_gpu(other, shared) -
 
 def test_cpu_pools_and_the_knob_never_offer_or_ask() -> None:
     pools = {128: torch.zeros(4, 8)}
-    assert ipc.sender_offer(pools, True) is None and ipc.receiver_identity(pools, True) is None
-    assert ipc.sender_offer(pools, False) is None and ipc.receiver_identity(pools, False) is None
+    assert ipc.ipc_identity(pools, True) is None and ipc.ipc_identity(pools, False) is None
+    with pytest.raises(ValueError, match="window 128: the primary pool is not a whole contiguous CUDA storage"):
+        ipc.export_pools(pools, HOST)
+    assert ipc.try_export(pools, HOST) is None  # logged; that receiver gets bytes
 
 
 # ---- the sender's handshake answer -------------------------------------------------------------
 
 
 @pytest.fixture
-def offering_sender():
-    link = SenderLink(TransceiverConfig(auth_token=TOKEN), "ctx-epoch", LAYOUT, TransferStats(), OFFER)
+def ipc_sender_link():
+    link = SenderLink(TransceiverConfig(auth_token=TOKEN), "ctx-epoch", LAYOUT, TransferStats(), HOST)
     thread = SocketThread("test-ipc-sender", link)
     thread.start()
     dealer = shared_context().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(link.endpoint)
-    yield dealer
+    yield thread, dealer
     dealer.close(linger=0)
     thread.close()
 
 
-@pytest.mark.parametrize("identity, offered", [
-    (PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=7), True),
-    (PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-9", pid=7), False),
-    (None, False),  # CPU pools or same_host_ipc: false on the receiver
+SAME_GPU = PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=7)
+
+
+@pytest.mark.parametrize("hello, exported", [
+    (Hello(layout=LAYOUT, identity=SAME_GPU), True),
+    (Hello(layout=LAYOUT, identity=SAME_GPU, open_epoch="ctx-epoch-before-restart"), True),
+    (Hello(layout=LAYOUT, identity=SAME_GPU, open_epoch="ctx-epoch"), False),  # holds our pools already
+    (Hello(layout=LAYOUT, identity=PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-9", pid=7)), False),
+    (Hello(layout=LAYOUT), False),  # CPU pools or same_host_ipc: false on the receiver
 ])
-def test_the_offer_goes_only_to_receivers_on_the_same_gpu(offering_sender, identity, offered) -> None:
+def test_only_a_receiver_on_our_gpu_without_our_pools_gets_an_export(ipc_sender_link, hello, exported) -> None:
+    thread, dealer = ipc_sender_link
     codec = Codec(TOKEN.encode(), "gen")
-    offering_sender.send_multipart(codec.seal(Hello(layout=LAYOUT, identity=identity)))
-    assert offering_sender.poll(5000)
-    epoch, info = codec.open(*offering_sender.recv_multipart())
-    assert (epoch, info) == ("ctx-epoch", InstanceInfo(layout=LAYOUT, ipc=OFFER if offered else None))
+    dealer.send_multipart(codec.seal(hello))
+    if exported:  # the engine thread exports and answers
+        [request] = _items(thread, 1)
+        assert isinstance(request, ExportRequest) and request.info == InstanceInfo(layout=LAYOUT)
+        assert not dealer.poll(200)
+    else:
+        assert dealer.poll(5000)
+        assert codec.open(*dealer.recv_multipart()) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
+        assert thread.drain() == []
 
 
 # ---- the receiver's handshake ------------------------------------------------------------------
@@ -165,14 +178,14 @@ def test_receiver_opens_once_per_epoch_hands_pools_over_first_and_forgets_them()
     first, second = Codec(TOKEN.encode(), "e1"), Codec(TOKEN.encode(), "e2")
     try:
         thread.submit(Pull(ctx.endpoint, _pull(1, "e1")))
-        assert ctx.recv(first) == Hello(layout=LAYOUT, identity=me)
+        assert ctx.recv(first) == Hello(layout=LAYOUT, identity=me, open_epoch=None)
         ctx.send(first, InstanceInfo(layout=LAYOUT, ipc=OFFER))
         assert ctx.recv(first) == msgspec.structs.replace(_pull(1, "e1"), via_ipc=True)
         thread.submit(Pull(ctx.endpoint, _pull(2, "e1")))  # same epoch: no handshake, no second open
         assert ctx.recv(first).via_ipc is True
         assert _items(thread, 1) == [IpcPools(ctx.endpoint, "e1", {128: "pool-view"})] and opened == [OFFER]
         thread.submit(Pull(ctx.endpoint, _pull(3, "e2")))  # the context server restarted without IPC
-        assert isinstance(ctx.recv(first), Hello)
+        assert ctx.recv(first) == Hello(layout=LAYOUT, identity=me, open_epoch="e1")
         ctx.send(second, InstanceInfo(layout=LAYOUT))
         pull = ctx.recv(second)
         assert (pull.pull_id, pull.via_ipc) == (3, False)

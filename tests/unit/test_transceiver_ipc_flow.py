@@ -3,7 +3,7 @@ KV cache managers, where only the CUDA boundary is replaced (the sender's export
 without handles, the receiver's open returns the sender's pool tensor itself, which is what a
 CUDA IPC mapping is: the same memory). Checks the protocol around it: slots translated after
 offload/onboard, every byte, the checksum, the lease released on Ack or on a failed copy, the knob,
-and a sender that offers nothing refusing an IPC pull. The real handles: tests/gpu/test_transceiver_cuda.py."""
+and a sender that exported nothing refusing an IPC pull. The real handles: tests/gpu/test_transceiver_cuda.py."""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def _cache(kv: KVCacheManager, rid: str, tokens: list[int], lease: KVSender | No
 def same_gpu(monkeypatch):
     """The CUDA boundary of both sides, as in-process tensors; yields the sender's KV manager."""
     ctx_kv = _kv(max_blocks=8, host_blocks=16)
-    monkeypatch.setattr(sender_mod, "sender_offer",
-                        lambda pools, enabled: IpcOffer(identity=CTX, pools=[]) if enabled else None)
-    monkeypatch.setattr(receiver_mod, "receiver_identity", lambda pools, enabled: GEN if enabled else None)
+    monkeypatch.setattr(sender_mod, "ipc_identity", lambda pools, enabled: CTX if enabled else None)
+    monkeypatch.setattr(sender_mod, "try_export", lambda pools, identity: IpcOffer(identity=identity, pools=[]))
+    monkeypatch.setattr(receiver_mod, "ipc_identity", lambda pools, enabled: GEN if enabled else None)
     monkeypatch.setattr(receiver_mod, "open_pools", lambda offer, own: {W: ctx_kv.pool(W, Level.PRIMARY)})
     return ctx_kv
 
@@ -110,6 +110,7 @@ def test_ipc_pull_copies_every_block_from_translated_slots_and_ends_the_lease(sa
         assert (result.ok, result.nbytes) == (True, 6 * 1024), result.error
         assert values == [1000 * tokens[b * TPB] + b for b in range(6)]
         assert (sender.stats.ipc_transfers, rx.stats.ipc_transfers, rx.stats.bytes_received) == (1, 1, 6 * 1024)
+        assert sender.ipc_exports == 1
         assert (sender.num_leases, sender.stats.transfers_ok, rx.stats.failures_by_reason) == (0, 1, {})
         same_gpu.check_integrity()
     finally:
@@ -137,12 +138,13 @@ def test_same_host_ipc_false_on_the_receiver_uses_the_byte_path(same_gpu) -> Non
         assert result.ok, result.error
         assert values == [1000 * tokens[b * TPB] + b for b in range(6)]
         assert (sender.stats.ipc_transfers, rx.stats.ipc_transfers, sender.num_leases) == (0, 0, 0)
+        assert sender.ipc_exports == 0  # nobody asked: nothing exported
     finally:
         rx.close()
         sender.close()
 
 
-def test_a_sender_without_an_offer_refuses_an_ipc_pull() -> None:
+def test_a_sender_that_exported_nothing_refuses_an_ipc_pull() -> None:
     kv = _kv(max_blocks=8)
     sender = KVSender(kv, TransceiverConfig(auth_token=TOKEN), "fp")  # CPU pools: nothing offered
     dealer = shared_context().socket(zmq.DEALER)
@@ -158,9 +160,9 @@ def test_a_sender_without_an_offer_refuses_an_ipc_pull() -> None:
         while not dealer.poll(0) and time.monotonic() < deadline:
             sender.step()
             time.sleep(0.002)
-        assert sender.ipc_offer is None
+        assert (sender.ipc_identity, sender.ipc_exports) == (None, 0)
         assert codec.open(*dealer.recv_multipart())[1] == Failed(
-            reason="bad_request", detail="the pull asks for CUDA IPC, which this context server does not offer",
+            reason="bad_request", detail="the pull asks for CUDA IPC, which this context server never offered",
             pull_id=9)
         assert sender.num_leases == 1  # a refused pull leaves the lease for a correct one
     finally:
