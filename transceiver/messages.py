@@ -74,7 +74,8 @@ class PeerIdentity(msgspec.Struct, frozen=True):
 class CudaIpcPool(msgspec.Struct, frozen=True):
     """One window group's primary pool, exported with `torch.UntypedStorage._share_cuda_()`.
 
-    The eight fields after `num_slots` are that tuple, in its order, raw (torch 2.4 .. 2.13), for
+    The eight fields after `num_slots` are that tuple, in its order, raw (the order of
+    torch/multiprocessing/reductions.py; run on torch 2.11, read in 2.13's source), for
     `torch.UntypedStorage._new_shared_cuda(*fields)` on the receiver (which passes its own index of
     the same GPU as `device`). The pool is the storage's start: `[num_slots, *slot shape]`, contiguous.
     """
