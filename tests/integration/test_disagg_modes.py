@@ -87,3 +87,22 @@ def test_two_by_two_deployment(tmp_path, policy):
             assert all(h > 0 for h in hits), hits
         served = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
         assert all(s > 0 for s in served), served  # both context servers took work
+
+
+def test_sigterm_stops_every_process_and_frees_every_port(tmp_path):
+    import socket
+
+    import psutil
+
+    with dh.launched("disagg.yaml", tmp_path) as dep:
+        pids = [p.pid for p in psutil.Process(dep.process.pid).children(recursive=True)]
+        assert len(dep.server_pids("context")) == 1 and len(dep.server_pids("generation")) == 1
+        ports = [int(u.rsplit(":", 1)[1]) for u in [dep.url, *dep.context_urls, *dep.generation_urls]]
+    assert dep.process.returncode == 0  # the launcher stopped cleanly on SIGTERM
+    dh.wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids),
+                  10, what="no child process left")
+    for port in ports:
+        with socket.socket() as s:  # as a restarted server would bind (TIME_WAIT of old clients allowed)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # raises if anything still listens there
+            s.listen()
