@@ -71,7 +71,7 @@ def test_streaming_and_chat_through_the_router(tmp_path):
         assert one.usage.completion_tokens == 1
 
 
-@pytest.mark.parametrize("policy", ["kv_cache_aware", "load_balancing"])
+@pytest.mark.parametrize("policy", ["kv_cache_aware", "load_balancing", "round_robin"])
 def test_two_by_two_deployment(tmp_path, policy):
     model = "builtin:tiny-llama"
     prompts = [f"Topic: {t}. " + FILLER * 3 for t in ("maps", "clocks", "lamps")]
