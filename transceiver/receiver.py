@@ -41,7 +41,7 @@ from transceiver.messages import (
     WindowRange,
 )
 from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver_link import IpcPools, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.receiver_link import IpcPools, PeerDown, Pull, PullRefused, Received, ReceiverLink, Send
 from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,9 @@ class KVReceiver:
                 self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
                 if item.epoch is not None and item.pools is not None:
                     self._ipc_pools[item.endpoint] = (item.epoch, item.pools)
+            elif isinstance(item, PeerDown):  # Cancel anyway: it reaches the peer if it comes back
+                for pull in [p for p in self._pulls.values() if p.endpoint == item.endpoint]:
+                    self._fail(pull, "peer_gone", item.detail)
             else:
                 self._on_received(item)
         now = time.monotonic()

@@ -9,10 +9,16 @@ once per (endpoint, epoch), and handed to the engine thread (`IpcPools`) before 
 epoch leaves with `via_ipc`; an offer that cannot be opened leaves that epoch on the byte path.
 A new epoch without an offer, or an idle close, hands over `IpcPools(..., None)` so the engine
 drops the old mapping (which would keep a dead sender's pools allocated).
+
+Liveness: a monitor on each DEALER reports a lost connection (the context server died or closed)
+and every failed reconnect attempt. Either fails at once what depends on that peer (`PeerDown`
+for pulls already sent, `PullRefused` for pulls waiting for a handshake), instead of letting them
+wait for kv_transfer_timeout_ms; the next pull to that endpoint shakes hands again.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -21,6 +27,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from transceiver.codec import Codec, Rejected
 from transceiver.config import TransceiverConfig
@@ -46,6 +53,8 @@ log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0  # resend an unanswered Hello (the peer may have been down or restarting)
 IDLE_CLOSE_S = 600.0  # close a DEALER unused this long
+MONITOR = "monitor"  # socket key (MONITOR, endpoint): the PAIR reading the DEALER's monitor events
+_monitor_ids = itertools.count()  # inproc names are per zmq context, and the context is per process
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,14 @@ class PullRefused:
     detail: str
 
 
+@dataclass(frozen=True)
+class PeerDown:
+    """The connection to `endpoint` was lost: pulls sent there will get no answer."""
+
+    endpoint: str
+    detail: str
+
+
 @dataclass
 class _Peer:
     epoch: str | None = None  # epoch of the last InstanceInfo answer
@@ -124,6 +141,9 @@ class ReceiverLink:
             sock = io.socket(endpoint, zmq.DEALER)
             sock.setsockopt(zmq.RCVHWM, 8)  # chunk messages are up to max_chunk_bytes each
             sock.setsockopt(zmq.SNDHWM, 1024)
+            address = f"inproc://kv-receiver-monitor-{next(_monitor_ids)}"
+            sock.monitor(address, zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            io.socket((MONITOR, endpoint), zmq.PAIR).connect(address)
             sock.connect(endpoint)
             peer = self._peers[endpoint] = _Peer()
         peer.last_used = now
@@ -154,6 +174,9 @@ class ReceiverLink:
         io.send(endpoint, self._codec.seal(req))
 
     def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None:
+        if isinstance(key, tuple):
+            self._on_monitor(io, key[1], frames)
+            return
         endpoint = str(key)
         if len(frames) < 2:
             self._stats.count_rejected("malformed")
@@ -220,8 +243,24 @@ class ReceiverLink:
         for req in waiting:
             io.deliver(PullRefused(req.pull_id, reason, detail))
 
+    def _on_monitor(self, io: SocketIO, endpoint: str, frames: list[zmq.Frame]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])["event"]
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            detail = f"the context server at {endpoint} is unreachable (connection lost)"
+            peer.epoch = None  # whoever answers next must shake hands again
+            io.deliver(PeerDown(endpoint, detail))
+        elif event == zmq.EVENT_CONNECT_RETRIED:  # a connect attempt failed
+            detail = f"the context server at {endpoint} is unreachable (connection refused)"
+        else:
+            return
+        if peer.waiting:
+            self._refuse_waiting(io, endpoint, "peer_gone", detail)
+
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
-        return None  # DEALERs queue until connected; the engine's timeout covers a dead peer
+        return None  # DEALERs queue until connected; the monitor reports a peer that is gone
 
     def on_tick(self, io: SocketIO, now: float) -> None:
         for endpoint, peer in list(self._peers.items()):
@@ -232,6 +271,7 @@ class ReceiverLink:
                     peer.hello_at = None
             elif not peer.waiting and now - peer.last_used > IDLE_CLOSE_S:
                 io.close(endpoint)
+                io.close((MONITOR, endpoint))
                 del self._peers[endpoint]
                 if peer.ipc_epoch is not None:
                     io.deliver(IpcPools(endpoint, None, None))

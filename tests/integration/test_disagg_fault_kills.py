@@ -136,13 +136,10 @@ def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
         assert (servers[dead]["healthy"], servers[alive]["healthy"]) == (False, True)
         assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200
 
-        # a pull from the dead server fails with a clear error, whether the link to it was up (gen0) or
-        # not (gen1). Today the receiver notices only at its kv_transfer_timeout_ms; branch
-        # faults/receiver-liveness fails it at once ("... is unreachable"): tighten this when it lands.
+        # a pull from the dead server fails at once, whether the link to it was up (gen0) or not (gen1)
         for gen, (prompt, params) in zip((gen0, gen1), orphans[1:], strict=True):
             response, seconds = generation_only(gen, prompt, params)
-            assert_transfer_failed(response, seconds, "", limit_s=GEN_TIMEOUT_MS / 1000 + FAST_S)
-            message = response.json()["error"]["message"]
-            assert "is unreachable" in message or f"did not finish within {GEN_TIMEOUT_MS} ms" in message
+            assert_transfer_failed(response, seconds, f"the context server at {params['ctx_endpoint']} "
+                                                      "is unreachable")
         wait_idle(dep, [alive, *dep.generation_urls], 10)
         complete(dep.url, fresh_prompt("after"))

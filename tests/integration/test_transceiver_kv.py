@@ -398,7 +398,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_killed_context_fails_the_pull_within_the_timeout_and_a_restart_changes_epoch() -> None:
+def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> None:
     port = _free_port()
     ctx = CtxProcess(port=port)
     kv = make_kv(max_blocks=32)
@@ -408,17 +408,18 @@ def test_killed_context_fails_the_pull_within_the_timeout_and_a_restart_changes_
         ctx.call("prefill", rid="req-k", tokens=tokens)
         ctx.call("pause_after_bytes", n=1)  # stop after the first step (at most 4 of the 6 chunks)
         kv.admit("req-k", tokens)
-        start = time.monotonic()
         receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
         deadline = time.monotonic() + 10
         while receiver.stats.bytes_received == 0 and time.monotonic() < deadline:
             assert receiver.step() == []
             receiver.wait(0.01)
         ctx.kill()
+        killed = time.monotonic()
         result = wait_result(receiver)
-        assert (result.ok, result.reason) == (False, "timeout")
+        assert (result.ok, result.reason) == (False, "peer_gone"), result
+        assert result.error == f"the context server at {ctx.endpoint} is unreachable (connection lost)"
         assert 0 < result.nbytes == receiver.stats.bytes_received <= 13 * 16384 < 18 * 16384
-        assert 1.4 < time.monotonic() - start < 3.0
+        assert time.monotonic() - killed < 1.0  # kv_transfer_timeout_ms is 1500
         old_epoch = ctx.epoch
         ctx = CtxProcess(port=port)  # the context server restarts on the same address
         assert ctx.epoch != old_epoch
