@@ -80,7 +80,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     app = create_app(engine_factory, metrics=metrics)
     app.state.telemetry = telemetry
     metrics.set_stats_provider(telemetry.kv_stats)
-    install_kv_routes(app)
+    install_kv_routes(app, cfg.cache_transceiver.get("auth_token"))
     return app
 
 

@@ -37,8 +37,10 @@ class TelemetryBridge:
         return self._kv_stats
 
     def on_tick(self, core) -> None:
+        """After a productive step always (a scrape right after an answer sees its effect), else
+        at most every SNAPSHOT_INTERVAL_S."""
         now = time.monotonic()
-        if now - self._last < SNAPSHOT_INTERVAL_S:
+        if not core.did_work and now - self._last < SNAPSHOT_INTERVAL_S:
             return
         self._last = now
         self._kv_stats = core.kv.stats()

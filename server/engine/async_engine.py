@@ -77,6 +77,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def release_lease(self, ctx_request_id: str) -> None:
+        """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
+        self._inbox.put(("release", ctx_request_id))
+
     # ---- engine thread
     def _run(self) -> None:
         try:
@@ -112,6 +116,8 @@ class AsyncEngine:
     def _apply(self, kind: str, payload: object) -> None:
         if kind == "add":
             self.core.add_request(payload)
+        elif kind == "release":
+            self.core.release_lease(payload)
         elif kind == "abort":
             output = self.core.abort(payload)
             if output is not None:

@@ -15,7 +15,6 @@ from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from server.models.runner import ModelRunner, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
 
-
 IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
 BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
 
@@ -30,6 +29,8 @@ class DisaggHooks(Protocol):
     def after_prefill(self, request: Request) -> DisaggParams: ...
 
     def on_abort(self, request: Request) -> None: ...
+
+    def release_lease(self, ctx_request_id: str) -> None: ...
 
     def busy(self) -> bool: ...
 
@@ -67,6 +68,10 @@ class EngineCore:
         self.scheduler.remove(request)
         request.finish("abort")
         return self._output(request, [])
+
+    def release_lease(self, ctx_request_id: str) -> None:
+        if self.disagg is not None:
+            self.disagg.release_lease(ctx_request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.disagg is not None and self.disagg.busy())

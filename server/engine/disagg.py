@@ -40,6 +40,9 @@ class ContextRole:
     def on_abort(self, request: Request) -> None:
         return None
 
+    def release_lease(self, ctx_request_id: str) -> None:
+        self.sender.drop_lease(ctx_request_id)
+
     def busy(self) -> bool:
         return self.sender.busy or self.sender.num_leases > 0
 
@@ -108,6 +111,9 @@ class GenerationRole:
             self.receiver.cancel(request.request_id)
         else:
             self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id)
+
+    def release_lease(self, ctx_request_id: str) -> None:
+        return None  # leases live on context servers
 
     def busy(self) -> bool:
         return bool(self._pulling or self._local)

@@ -35,6 +35,7 @@ class RouterSettings:
     model: str | None = None  # to tokenise prompts for kv_cache_aware routing
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
+    auth_token: str | None = None  # the deployment's token: authorises lease releases on context servers
 
 
 class ClientGone(Exception):
@@ -80,7 +81,7 @@ def _build_state(settings: RouterSettings) -> RouterState:
                             poll_hashes=kv_aware)
     orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
                                 make_policy("load_balancing" if kv_aware else settings.policy),
-                                settings.request_timeout_s)
+                                settings.request_timeout_s, settings.auth_token)
     return RouterState(settings, client, context, generation, orchestrator, monitor,
                        _load_tokenizer(settings.model) if kv_aware else None)
 
@@ -153,10 +154,15 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
     if orchestrator.disaggregated:
         orchestrator.require_generation()
         ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
-        if context_finished(ctx):
-            return _final_answer(ctx, body, chat)
-        params = ctx["choices"][0]["disaggregated_params"]
-    upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
+        if context_finished(ctx.json):
+            return _final_answer(ctx.json, body, chat)
+        params = ctx.json["choices"][0]["disaggregated_params"]
+    try:
+        upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
+    except BaseException:
+        if params is not None:  # the generation leg never pulled: free the context server's lease
+            await asyncio.shield(orchestrator.release_context(ctx.backend, params))
+        raise
     if upstream.stream is not None:
         return StreamingResponse(relay_sse(upstream.stream, upstream.backend), media_type="text/event-stream")
     return JSONResponse(upstream.json)

@@ -11,6 +11,7 @@ A leg that fails ends the request with a 502/503 naming the leg.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ import httpx
 from server.router.backends import Backend
 from server.router.policies import PromptTokens, RoundRobin
 
+log = logging.getLogger(__name__)
+RELEASE_TOKEN_HEADER = "x-pdserve-token"
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 NO_GENERATION = "generation leg failed: no healthy generation server"
 
@@ -45,7 +48,9 @@ class Upstream:
 
 class Orchestrator:
     def __init__(self, client: httpx.AsyncClient, context: Sequence[Backend], generation: Sequence[Backend],
-                 context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float) -> None:
+                 context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
+                 auth_token: str | None = None) -> None:
+        self.auth_token = auth_token
         self.client = client
         self.context = list(context)
         self.generation = list(generation)
@@ -63,7 +68,7 @@ class Orchestrator:
         if not any(b.healthy for b in self.generation):
             raise LegError(503, NO_GENERATION)
 
-    async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> dict:
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> Upstream:
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = {"request_type": "context_only"}
@@ -75,7 +80,7 @@ class Orchestrator:
                 break
             tried.add(backend)
             try:
-                return await self._post_json(backend, path, ctx_body)
+                return Upstream(backend, json=await self._post_json(backend, path, ctx_body))
             except LegError as exc:
                 if exc.status < 500:
                     raise
@@ -99,6 +104,15 @@ class Orchestrator:
         except LegError as exc:
             body = exc.body if exc.status < 500 else None
             raise LegError(exc.status, f"generation leg failed: {exc}", body) from exc
+
+    async def release_context(self, backend: Backend, params: dict) -> None:
+        """The generation leg never ran: free the context server's lease now, not at its expiry."""
+        headers = {RELEASE_TOKEN_HEADER: self.auth_token} if self.auth_token else {}
+        try:
+            await self.client.post(f"{backend.url}/kv_cache/release", headers=headers, timeout=5.0,
+                                   json={"ctx_request_id": params.get("ctx_request_id")})
+        except httpx.HTTPError as exc:  # the lease still expires on its own
+            log.warning("could not release lease %s on %s: %s", params.get("ctx_request_id"), backend.url, exc)
 
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
         backend.active += 1

@@ -1,0 +1,32 @@
+"""A generation leg that fails before pulling makes the router release the context lease at once."""
+
+from __future__ import annotations
+
+import time
+
+import deploy_harness as dh
+import httpx
+
+TOKEN = "release-test-token-0123456789abcdef"
+FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
+
+
+def test_rejected_generation_leg_releases_the_context_lease(tmp_path):
+    overrides = {"cache_transceiver_config": {"auth_token": TOKEN},
+                 "generation_servers": {"max_seq_len": 128}}  # the context side accepts longer prompts
+    with dh.launched("disagg.yaml", tmp_path, overrides) as dep:
+        ctx = dep.context_urls[0]
+        started = time.monotonic()
+        body = {"prompt": FILLER * 6, "max_tokens": 8, "temperature": 0}  # ~300 tokens
+        response = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert "max_seq_len" in response.json()["error"]["message"] or "context" in response.json()["error"]["message"]
+        dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                      what="context lease released")
+        assert time.monotonic() - started < 20  # far below the 60 s lease
+        assert dep.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == 0
+        denied = httpx.post(f"{ctx}/kv_cache/release", json={"ctx_request_id": "x"}, timeout=10)
+        assert denied.status_code == 401
+        allowed = httpx.post(f"{ctx}/kv_cache/release", json={"ctx_request_id": "x"}, timeout=10,
+                             headers={"x-pdserve-token": TOKEN})
+        assert allowed.status_code == 200
