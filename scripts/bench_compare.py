@@ -43,7 +43,7 @@ from bench_measure import (
     shared_prefix_figure,
 )
 from bench_report import Comparison, comparisons_table, figures_table
-from bench_stats import RequestResult, ratio
+from bench_stats import RequestResult, Summary, ratio
 from transformers import PreTrainedModel
 
 from server.models.builtin import resolve_model
@@ -78,8 +78,8 @@ def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: 
     return server_target(part, url, vocab, pid=server.pid)
 
 
-def _series(runs: Runs, part: str, figure: Figure, key: str) -> list[float] | None:
-    found = runs.get(part, {}).get(figure.name)
+def _series(runs: Runs, part: str, figure: str, key: str) -> list[float] | None:
+    found = runs.get(part, {}).get(figure)
     return None if found is None else [summary[key] for summary in found]
 
 
@@ -89,8 +89,8 @@ def _paired_median(numerators: list[float], denominators: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comparison]:
-    """Every goal comparison whose two figures were measured (medians of the runs, and paired)."""
+def comparisons(runs: Runs, c1: str, c8: str, shared: str) -> list[Comparison]:
+    """Every goal comparison whose two figures (named c1, c8, shared) were measured."""
     tok_s, ttft, cpu = "output_tok_s", "ttft_mean_ms", "server_cpu_ms_per_token"
     specs = [
         ("aggregated c=8 tok/s / HF generate tok/s", ("aggregated", c8, tok_s), ("hf", c1, tok_s), 4.0, True),
@@ -117,11 +117,11 @@ def comparisons(runs: Runs, c1: Figure, c8: Figure, shared: Figure) -> list[Comp
 
 
 def _best(values: list[float], key: str) -> float:
-    """The least disturbed run: the lowest latency (`*_ms`) or the highest rate."""
+    """The least disturbed run: the lowest latency or CPU cost (`*_ms*`), else the highest rate."""
     kept = [v for v in values if not math.isnan(v)]
     if not kept:
         return math.nan
-    return min(kept) if key.endswith("_ms") else max(kept)
+    return min(kept) if "_ms" in key else max(kept)
 
 
 def _median(values: list[float]) -> float:
@@ -147,6 +147,19 @@ def _lscpu() -> str:
         return ""
 
 
+def print_tables(results: dict[str, dict[str, Summary]], found: list[Comparison]) -> None:
+    rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
+    print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
+
+
+def report(record: dict, shared_concurrency: int = 8) -> list[Comparison]:
+    """Tables and comparisons again from a saved `compare` record (its raw runs)."""
+    runs: Runs = record["runs"]
+    found = comparisons(runs, "random c=1", "random c=8", f"shared-prefix c={shared_concurrency}")
+    print_tables(medians(runs), found)
+    return found
+
+
 def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
                     agg_config: Path, disagg_config: Path, gate: QuietGate | None = None,
                     server_env: Mapping[str, str] | None = None) -> dict:
@@ -168,8 +181,7 @@ def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str
         if "disagg" in parts:
             plan.append((start_server(stack, "disagg", disagg_config, True, vocab, env), [c1, c8]))
         runs = measure(plan, repeat, gate)
-    found, results = comparisons(runs, c1, c8, shared), medians(runs)
-    rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
-    print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
+    found, results = comparisons(runs, c1.name, c8.name, shared.name), medians(runs)
+    print_tables(results, found)
     return {"environment": environment(), "server_env": env, "model": model, "repeat": repeat, "figures": results,
             "comparisons": [c.as_dict() for c in found], "runs": runs}

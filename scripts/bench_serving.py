@@ -18,7 +18,7 @@ import signal
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench_compare import run_comparisons
+from bench_compare import report, run_comparisons
 from bench_cpu import QuietGate
 from bench_launch import REPO, ServerUnderTest
 from bench_measure import (
@@ -107,6 +107,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    record = json.loads(args.record.read_text())
+    print(json.dumps(record.get("environment", {})), f"server_env={record.get('server_env', {})}")
+    report(record, args.shared_concurrency)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma list of: hf, agg, noreuse, disagg")
     add_workload_args(compare)
     compare.set_defaults(func=cmd_compare)
+    again = sub.add_parser("report", help="the tables again from a `compare --json-out` file")
+    again.add_argument("record", type=Path)
+    again.add_argument("--shared-concurrency", type=int, default=8)
+    again.set_defaults(func=cmd_report)
     return parser
 
 

@@ -158,6 +158,7 @@ def test_paired_median_ratio_is_robust_to_a_slow_repeat():
 def test_best_run_is_the_fastest_rate_or_the_lowest_latency():
     assert _best([100.0, math.nan, 300.0, 200.0], "output_tok_s") == 300.0
     assert _best([100.0, math.nan, 300.0, 200.0], "ttft_mean_ms") == 100.0
+    assert _best([3.0, 1.0, 2.0], "server_cpu_ms_per_token") == 1.0  # less CPU per token is better
     assert math.isnan(_best([math.nan], "ttft_mean_ms"))
 
 
