@@ -82,12 +82,18 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     _say(f"logs and per-server configs in {log_dir}")
     servers, router = plan_children(cfg, Path(path), log_dir)
     env = {**os.environ, AUTH_TOKEN_ENV: cfg.auth_token or "", "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_server(len(servers))))
     group = _Group(options, env, log_dir)
     with _StopOnSignals() as stop:
         try:
             return _run(group, servers, router, cfg, stop)
         finally:
             group.stop_all()
+
+
+def threads_per_server(num_servers: int) -> int:
+    """CPU threads for each engine's torch ops: the cores shared out, so engines do not fight."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_servers))
 
 
 def plan_children(cfg: DeploymentConfig, deployment_path: Path,

@@ -30,7 +30,7 @@ from transceiver.sender import KVSender
 log = logging.getLogger(__name__)
 
 
-def build_core(cfg: ServerConfig, metrics: ServerMetrics) -> EngineCore:
+def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCore:
     """Everything tensor-owning is made here, on the engine thread."""
     from transformers import AutoTokenizer
 
@@ -44,20 +44,20 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics) -> EngineCore:
                          max_batch_size=cfg.max_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint))
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake))
     log.info("engine ready: %s on %s/%s, KV windows %s, %s primary blocks", model_dir, device, dtype,
              kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes])
     return core
 
 
-def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str):
+def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake):
     if cfg.role == "aggregated":
         return None
     settings = {"host": cfg.host, **cfg.cache_transceiver}  # bind beside the server unless configured
     transceiver = TransceiverConfig.from_dict(settings, "cache_transceiver_config")
     if cfg.role == "context":
-        return ContextRole(KVSender(kv, transceiver, fingerprint), kv)
-    return GenerationRole(KVReceiver(kv, transceiver, fingerprint), kv)
+        return ContextRole(KVSender(kv, transceiver, fingerprint, on_message=wake), kv)
+    return GenerationRole(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
 
 
 def make_app(cfg: ServerConfig, on_fatal=None):
@@ -67,7 +67,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[AsyncEngine]:
-        engine = AsyncEngine(lambda: build_core(cfg, metrics), served_name(cfg.model), cfg.max_seq_len)
+        engine = AsyncEngine(lambda: build_core(cfg, metrics, engine.wake), served_name(cfg.model), cfg.max_seq_len)
         engine.add_tick_hook(telemetry.on_tick)
         engine.start()
         watcher = asyncio.create_task(_watch_load(engine, on_fatal))

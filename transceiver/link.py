@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import zmq
@@ -44,8 +44,9 @@ class LinkHandler(Protocol):
 class SocketIO:
     """The socket thread's own view of its sockets; only handler methods (in that thread) use it."""
 
-    def __init__(self, inbox: queue.Queue) -> None:
+    def __init__(self, inbox: queue.Queue, notify: Callable[[], None] | None = None) -> None:
         self.ctx = shared_context()
+        self._notify = notify  # tells the engine thread that items arrived (it may be sleeping)
         self.sockets: dict[Hashable, zmq.Socket] = {}
         self._pending_sends: dict[Hashable, deque[list[Any]]] = {}
         self._pending_deliveries: deque[Any] = deque()
@@ -79,12 +80,16 @@ class SocketIO:
         self.flush_deliveries()
 
     def flush_deliveries(self) -> None:
+        delivered = False
         while self._pending_deliveries:
             try:
                 self._inbox.put_nowait(self._pending_deliveries[0])
             except queue.Full:
-                return
+                break
             self._pending_deliveries.popleft()
+            delivered = True
+        if delivered and self._notify is not None:
+            self._notify()
 
     def flush_sends(self, key: Hashable) -> list[list[Any]]:
         """Send what is pending on `key`; returns the messages the socket could not route."""
@@ -110,8 +115,9 @@ class SocketThread:
     """Runs `handler` on a private thread that owns all its sockets."""
 
     def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256,
-                 outbox_size: int = 1024, tick_s: float = 0.05) -> None:
+                 outbox_size: int = 1024, tick_s: float = 0.05, notify: Callable[[], None] | None = None) -> None:
         self._handler = handler
+        self._notify = notify
         self._inbox: queue.Queue = queue.Queue(maxsize=inbox_size)
         self._outbox: queue.Queue = queue.Queue(maxsize=outbox_size)
         self._early: deque[Any] = deque()  # items `wait` took from the inbox before `drain`
@@ -184,7 +190,7 @@ class SocketThread:
             pass  # pipe full (already woken) or closed (shutting down)
 
     def _run(self) -> None:
-        io = SocketIO(self._inbox)
+        io = SocketIO(self._inbox, self._notify)
         try:
             self._handler.setup(io)
         except BaseException as e:  # reported to `start` in the creating thread

@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,9 @@ class _Pull:
 class KVReceiver:
     """Pulls KV blocks from context servers into this server's primary pool."""
 
-    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str) -> None:
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
+                 on_message: Callable[[], None] | None = None) -> None:
+        """`on_message()` is called (from the socket thread) whenever messages await `step`."""
         self._kv = kv
         self._config = config
         self.epoch = uuid.uuid4().hex
@@ -93,7 +96,7 @@ class KVReceiver:
             return open_pools(offer, pools)
 
         link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, identity, open_ipc)
-        self._thread = SocketThread("kv-receiver", link, inbox_size=16)
+        self._thread = SocketThread("kv-receiver", link, inbox_size=16, notify=on_message)
         self._thread.start()
 
     # ---- engine thread API -------------------------------------------------------------------

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -80,7 +81,9 @@ def _ipc_parts(r: WindowRange) -> list[WindowRange]:
 class KVSender:
     """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
 
-    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str) -> None:
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
+                 on_message: Callable[[], None] | None = None) -> None:
+        """`on_message()` is called (from the socket thread) whenever messages await `step`."""
         self._kv = kv
         self._config = config
         self.epoch = uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
@@ -95,7 +98,7 @@ class KVSender:
         self.ipc_identity = ipc_identity(self._pools, config.same_host_ipc)  # None: bytes only
         self.ipc_exports = 0  # handshakes answered with an export of the pools
         self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, self.ipc_identity)
-        self._thread = SocketThread("kv-sender", self._link)
+        self._thread = SocketThread("kv-sender", self._link, notify=on_message)
         self._thread.start()
         self.endpoint = self._link.endpoint
 

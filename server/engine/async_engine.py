@@ -77,6 +77,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def wake(self) -> None:
+        """Any thread: end the engine thread's idle wait now (e.g. a KV transfer message arrived)."""
+        self._inbox.put(("wake", None))
+
     def release_lease(self, ctx_request_id: str) -> None:
         """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
         self._inbox.put(("release", ctx_request_id))
@@ -96,8 +100,8 @@ class AsyncEngine:
             except Exception as exc:  # a broken step must not kill the server: fail what was in flight
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine error: {exc}")
-            for output in outputs:
-                self._loop.call_soon_threadsafe(self._deliver, output)
+            if outputs:  # one hand-over per step, not one per request
+                self._loop.call_soon_threadsafe(self._deliver_all, outputs)
             for hook in self._on_tick:
                 hook(self.core)
 
@@ -127,6 +131,10 @@ class AsyncEngine:
         scheduler = self.core.scheduler
         requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
         return [self.core.fail(r, message, code=500) for r in requests]
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
