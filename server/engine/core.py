@@ -92,7 +92,8 @@ class EngineCore:
             self._release_remote(request)
             outputs.append(self._output(request, []))
         if plan.to_pull:
-            self.disagg.start_pulls(plan.to_pull)
+            outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
+            self.disagg.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])
         if plan.chunks:
             logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])
             outputs += self._postprocess(plan.chunks, logits)
@@ -128,16 +129,20 @@ class EngineCore:
             self.scheduler.remove(request)
         return self._output(request, [token])
 
-    def kv_arrived(self, request: Request) -> RequestOutput:
-        """Generation side: KV is in place; emit the first token (sampled by the context server)."""
-        self.scheduler.kv_arrived(request)
-        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+    def _emit_first_tokens(self, request: Request) -> RequestOutput:
+        """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
         self._record_timing(request)
         for token in request.output_token_ids:
             self._check_stop(request, token)
-        if request.status == Status.FINISHED:
+        if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
+            self._release_remote(request)
             self.scheduler.remove(request)
         return self._output(request, list(request.output_token_ids))
+
+    def kv_arrived(self, request: Request) -> None:
+        """Generation side: the prompt's KV is in place; the request decodes from the next step."""
+        self.scheduler.kv_arrived(request)
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
 
     def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
         self.scheduler.remove(request)

@@ -61,7 +61,7 @@ class GenerationRole:
         for rid in self._local:
             request = core.scheduler.transferring.get(rid)
             if request is not None:
-                outputs.append(core.kv_arrived(request))
+                core.kv_arrived(request)
         self._local.clear()
         for result in self.receiver.step():
             self._pulling.discard(result.request_id)
@@ -69,7 +69,7 @@ class GenerationRole:
             if request is None:
                 continue  # aborted meanwhile
             if result.ok:
-                outputs.append(core.kv_arrived(request))
+                core.kv_arrived(request)
             else:
                 message = f"KV transfer from the context server failed: {result.error}"
                 outputs.append(core.fail(request, message, code=502))
