@@ -2,20 +2,21 @@
 
 The runner lays a step out as `StepLayout`: decode sequences (one query each) first, then prefill
 chunks, all tokens in one flattened batch of T rows. A backend turns the layout into per-window
-metadata ONCE per step (`plan`), then every layer calls `forward` with its q/k/v:
+metadata ONCE per step (`plan`), then every layer calls `forward` with its q and new K/V:
 
 1. write the new K/V into the layer's cache at (slot, offset) of each token's position;
 2. read each sequence's context back through its block table (primary slots) and attend, with a
    causal + sliding-window mask: a query at position p sees keys k with p - window < k <= p.
 
 No host synchronisation in `forward`: every index and mask is a tensor built in `plan` from host
-lists, and Python branches only on host-known sizes. Pools are zero-initialised, so padded or
-masked slots never inject NaN.
+lists (uploaded in one copy per step), and Python branches only on host-known sizes. Pools are
+zero-initialised, so padded or masked slots never inject NaN.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +31,8 @@ class PagedKV(Protocol):
     window_sizes: tuple[int, ...]
 
     def layer_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each [num_primary_slots, tokens_per_block, kv_heads, head_dim] (views)."""
+        """K and V of one layer, each [num_primary_slots, tokens_per_block, kv_heads, head_dim] (views);
+        in each slot V must follow K directly (one pool, slot-major), see `layer_units`."""
         ...
 
     def layer_window(self, layer_idx: int) -> int: ...
@@ -65,124 +67,192 @@ class AttentionBackend(ABC):
         """Metadata for the step; `positions` [T] int64 on the device, in flattened order."""
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: object) -> torch.Tensor:
-        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> attention output [T, heads, head_dim]."""
+    def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: object) -> torch.Tensor:
+        """q [T, heads, head_dim], kv [T, 2, kv_heads, head_dim] (K then V of each new token)
+        -> attention output [T, heads, head_dim]."""
 
 
 @dataclass
-class _Prefill:
-    rows: slice  # rows of the flattened batch
-    slots: torch.Tensor  # [num_blocks] int64, the blocks holding keys this chunk may see
-    mask: torch.Tensor  # [num_new, num_blocks * tpb] bool, True = attend
+class _Attend:
+    """One attention call: `rows` of the flattened batch against the keys of `units`."""
+
+    rows: slice
+    units: torch.Tensor  # [2 * seqs * blocks] int64: every K unit, then every V unit (padding: slot 0)
+    mask: torch.Tensor  # [seqs, 1, 1, keys] (decode) or [rows, keys] (prefill): 0 = attend, -inf = not
 
 
 @dataclass
 class _WindowPlan:
     """Shared by every layer of one window group for one step."""
 
-    write_slots: torch.Tensor  # [T] int64 primary slot of each new token
-    write_offsets: torch.Tensor  # [T] int64 offset inside the block
-    decode_slots: torch.Tensor | None  # [num_decode * blocks] int64 (padding: slot 0, masked)
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, blocks * tpb] bool
-    prefills: list[_Prefill]
+    write_rows: torch.Tensor  # [T, 2] int64 token row (units view) of each new token's K and V
+    decode: _Attend | None  # all decode sequences at once, one query each
+    prefills: list[_Attend]  # one per prefill chunk
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Portable backend (CPU and CUDA): gathers blocks with index_select, attends with SDPA."""
+    """Portable backend (CPU and CUDA): gathers K and V blocks with one index_select, attends with SDPA."""
 
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int) -> None:
         self.kv = kv
         self.tpb = kv.tokens_per_block
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
-        # per layer (window, K view, V view); the manager allocates its pools once, so views stay valid
-        self.layers = [(kv.layer_window(i), *kv.layer_cache(i)) for i in range(num_layers)]
+        # the manager allocates its pools once, so these views stay valid
+        self.layers: list[LayerUnits] = [layer_units(kv.layer_window(i), *kv.layer_cache(i))
+                                         for i in range(num_layers)]
+        self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
+        cache = self.layers[0].blocks
+        self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
-        return {w: self._plan_window(layout, positions, w) for w in self.kv.window_sizes}
+        host = HostInts()
+        specs = {w: _HostWindow(layout, w, self.tpb, self.units_per_slot[w], host)
+                 for w in self.kv.window_sizes}
+        ints = host.upload(positions.device)
+        return {w: spec.on_device(ints, self._additive_mask) for w, spec in specs.items()}
 
-    def _plan_window(self, layout: StepLayout, positions: torch.Tensor, window: int) -> _WindowPlan:
-        decode_slots = decode_mask = None
-        nd = layout.num_decode
-        if nd:
-            decode_slots, decode_mask = self._plan_decode(layout.seqs[:nd], positions[:nd], window)
-        prefills, row = [], nd
-        for seq in layout.seqs[nd:]:
-            rows = slice(row, row + seq.num_new)
-            prefills.append(self._plan_prefill(seq, positions[rows], rows, window))
-            row += seq.num_new
-        # after the span checks above: every new token's block is present
-        ws, wo = _write_indices(layout.seqs, window, self.tpb)
-        write_slots = torch.tensor(ws, dtype=torch.int64).to(positions.device, non_blocking=True)
-        write_offsets = torch.tensor(wo, dtype=torch.int64).to(positions.device, non_blocking=True)
-        return _WindowPlan(write_slots, write_offsets, decode_slots, decode_mask, prefills)
-
-    def _plan_decode(self, seqs: list[SeqLayout], pos: torch.Tensor,
-                     window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        spans = [_block_span(s, window, self.tpb) for s in seqs]
-        width = max(hi - lo for lo, hi in spans)  # blocks per sequence, padded
-        table, first = [], []
-        for seq, (lo, hi) in zip(seqs, spans, strict=True):
-            table += _checked_slots(seq, window, lo, hi) + [0] * (width - (hi - lo))
-            first.append(lo * self.tpb)
-        slots = torch.tensor(table, dtype=torch.int64).to(pos.device, non_blocking=True)
-        key_start = torch.tensor(first, dtype=torch.int64).to(pos.device, non_blocking=True)
-        key_pos = key_start[:, None] + torch.arange(width * self.tpb, device=pos.device)  # [S, L]
-        mask = _visible(pos[:, None], key_pos, window)
-        return slots, mask[:, None, None, :]
-
-    def _plan_prefill(self, seq: SeqLayout, pos: torch.Tensor, rows: slice, window: int) -> _Prefill:
-        lo, hi = _block_span(seq, window, self.tpb)
-        slots = torch.tensor(_checked_slots(seq, window, lo, hi), dtype=torch.int64)
-        key_pos = torch.arange(lo * self.tpb, hi * self.tpb, device=pos.device)
-        mask = _visible(pos[:, None], key_pos[None, :], window)
-        return _Prefill(rows, slots.to(pos.device, non_blocking=True), mask)
+    def _additive_mask(self, hi: torch.Tensor, lo: torch.Tensor | None, width: int) -> torch.Tensor:
+        """hi, lo [R] int64 -> [R, width]: key j visible (0) iff lo < j <= hi, else -inf."""
+        j = torch.arange(width, device=hi.device)
+        visible = j <= hi[:, None]
+        if lo is not None:
+            visible &= j > lo[:, None]
+        return torch.where(visible, self._zero, self._neg_inf)
 
     # ---- per layer
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
                 meta: dict[int, _WindowPlan]) -> torch.Tensor:
-        window, k_cache, v_cache = self.layers[layer]  # caches [slots, tpb, kv_heads, head_dim]
-        plan = meta[window]
-        k_cache[plan.write_slots, plan.write_offsets] = k
-        v_cache[plan.write_slots, plan.write_offsets] = v
+        cache = self.layers[layer]
+        plan = meta[cache.window]
+        cache.tokens.index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
         outs = []
-        if plan.decode_slots is not None:
-            outs.append(self._decode(q[: plan.decode_mask.shape[0]], k_cache, v_cache, plan))
+        if plan.decode is not None:
+            outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode))
         for p in plan.prefills:
-            outs.append(self._prefill(q[p.rows], k_cache, v_cache, p))
+            outs.append(self._prefill(q[p.rows], cache.blocks, p))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                plan: _WindowPlan) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
         head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
-        s, kv_heads, d = q.shape[0], k_cache.shape[2], q.shape[2]
-        keys = _gather(k_cache, plan.decode_slots, s)  # [S, kv_heads, L, D]
-        values = _gather(v_cache, plan.decode_slots, s)
+        s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
+        keys, values = _gather(blocks, a.units, s)  # each [S, kv_heads, L, D]
         qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.decode_mask, scale=self.scale)
-        return out.reshape(s, self.num_heads, d)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale)
+        return out.view(s, self.num_heads, d)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 p: _Prefill) -> torch.Tensor:
-        keys = _gather(k_cache, p.slots, 1)[0]  # [kv_heads, L, D]
-        values = _gather(v_cache, p.slots, 1)[0]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=p.mask,
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
+        keys, values = _gather(blocks, a.units, 1)  # each [1, kv_heads, L, D]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys[0], values[0], attn_mask=a.mask,
                                              scale=self.scale, enable_gqa=True)  # [heads, Q, D]
         return out.transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """cache [slots, tpb, kv_heads, D], slots [num_seqs * blocks] -> [num_seqs, kv_heads, blocks * tpb, D]."""
-    blocks = cache.index_select(0, slots)  # [num_seqs * blocks, tpb, kv_heads, D]
-    return blocks.view(num_seqs, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [units, tpb, kv_heads, D], units [2 * num_seqs * nb] -> K, V each
+    [num_seqs, kv_heads, nb * tpb, D] (views of one gathered tensor)."""
+    kv = blocks.index_select(0, units).view(2, num_seqs, -1, blocks.shape[2], blocks.shape[3])
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal + sliding window: p - window < k <= p (transformers' rule)."""
-    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+@dataclass
+class _HostAttend:
+    """Host half of an `_Attend`: slices of the step's `HostInts`."""
+
+    rows: slice
+    units: slice
+    hi: slice  # per query row: index of its own key (the last visible one)
+    lo: slice | None  # per query row: hi - window (keys at or below are out of the window); None: none are
+    width: int  # keys per sequence (blocks * tpb)
+
+
+_MaskFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+
+class _HostWindow:
+    """Host half of one window's plan: index data appended to the step's `HostInts`, as slices."""
+
+    def __init__(self, layout: StepLayout, window: int, tpb: int, units_per_slot: int,
+                 host: HostInts) -> None:
+        self.window, self.tpb, self.ups, self.host = window, tpb, units_per_slot, host
+        nd = layout.num_decode
+        self.decode = self._attend(layout.seqs[:nd], slice(0, nd)) if nd else None
+        self.prefills, row = [], nd
+        for seq in layout.seqs[nd:]:
+            self.prefills.append(self._attend([seq], slice(row, row + seq.num_new)))
+            row += seq.num_new
+        # after the span checks above: every new token's block is present
+        self.write = host.add(_write_rows(layout.seqs, window, tpb, units_per_slot))
+
+    def _attend(self, seqs: list[SeqLayout], rows: slice) -> _HostAttend:
+        """Host data of one attention call over `seqs` (several only for decode, one query each)."""
+        spans = [_block_span(s, self.window, self.tpb) for s in seqs]
+        nb = max(hi - lo for lo, hi in spans)  # blocks per sequence, padded
+        slots, his = [], []
+        for seq, (lo, hi) in zip(seqs, spans, strict=True):
+            slots += _checked_slots(seq, self.window, lo, hi) + [0] * (nb - (hi - lo))
+            start = seq.num_past - lo * self.tpb  # key index of the chunk's first query
+            his += range(start, start + seq.num_new)
+        units = [s * self.ups for s in slots]
+        sliding = any(h - self.window >= 0 for h in his)
+        return _HostAttend(rows, self.host.add(units + [u + 1 for u in units]), self.host.add(his),
+                           self.host.add([h - self.window for h in his]) if sliding else None, nb * self.tpb)
+
+    def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> _WindowPlan:
+        """`ints` is the uploaded `HostInts`; every index becomes a view of it."""
+        def attend(a: _HostAttend, decode: bool) -> _Attend:
+            mask = mask_fn(ints[a.hi], None if a.lo is None else ints[a.lo], a.width)
+            return _Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
+
+        return _WindowPlan(ints[self.write].view(-1, 2),
+                           attend(self.decode, True) if self.decode else None,
+                           [attend(p, False) for p in self.prefills])
+
+
+@dataclass(frozen=True)
+class LayerUnits:
+    """One layer's K/V cache seen as units of one block of K or V: unit u = slot * units_per_slot + j,
+    j = 0 for K and 1 for V. The views span the whole pool, so other layers' units sit between ours;
+    only indices built with `units_per_slot` are used."""
+
+    window: int
+    units_per_slot: int  # pool slot stride / unit size (2 * layers of the window group)
+    blocks: torch.Tensor  # [num_units, tpb, kv_heads, head_dim] (view of the pool)
+    tokens: torch.Tensor  # [num_units * tpb, kv_heads, head_dim], same memory; row = unit * tpb + offset
+
+
+def layer_units(window: int, k: torch.Tensor, v: torch.Tensor) -> LayerUnits:
+    """Units views from a layer's K and V views (`PagedKV.layer_cache`); V must follow K in each slot."""
+    slots, tpb, heads, dim = k.shape
+    unit = tpb * heads * dim
+    fits = (v.shape == k.shape and v.stride() == k.stride() and k.stride()[1:] == (heads * dim, dim, 1)
+            and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+            and v.storage_offset() - k.storage_offset() == unit and k.stride(0) % unit == 0)
+    if not fits:
+        raise ValueError(f"KV cache layout not supported: K {tuple(k.shape)} strides {k.stride()}, V must "
+                         "follow K directly in each slot of one slot-major pool")
+    per_slot = k.stride(0) // unit
+    num_units = (slots - 1) * per_slot + 2  # up to the last slot's V
+    tokens = torch.as_strided(k, (num_units * tpb, heads, dim), (heads * dim, dim, 1), k.storage_offset())
+    return LayerUnits(window, per_slot, tokens.view(num_units, tpb, heads, dim), tokens)
+
+
+class HostInts:
+    """A step's int64 index data collected on the host, so it reaches the device in one copy."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def add(self, values: list[int]) -> slice:
+        start = len(self.values)
+        self.values += values
+        return slice(start, len(self.values))
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _block_span(seq: SeqLayout, window: int, tpb: int) -> tuple[int, int]:
@@ -199,16 +269,12 @@ def _checked_slots(seq: SeqLayout, window: int, lo: int, hi: int) -> list[int]:
     return slots
 
 
-def _write_indices(seqs: list[SeqLayout], window: int, tpb: int) -> tuple[list[int], list[int]]:
-    """(slot, offset) of every new token, in flattened order."""
-    slots: list[int] = []
-    offsets: list[int] = []
+def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int) -> list[int]:
+    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]."""
+    rows: list[int] = []
     for seq in seqs:
         table = seq.slot_tables[window]
-        start, end = seq.num_past, seq.num_past + seq.num_new
-        while start < end:  # one run of offsets per block
-            stop = min(end, (start // tpb + 1) * tpb)
-            slots += [table[start // tpb]] * (stop - start)
-            offsets += range(start % tpb, (stop - 1) % tpb + 1)
-            start = stop
-    return slots, offsets
+        for pos in range(seq.num_past, seq.num_past + seq.num_new):
+            k_row = table[pos // tpb] * units_per_slot * tpb + pos % tpb
+            rows += (k_row, k_row + tpb)
+    return rows

@@ -50,29 +50,29 @@ class LlamaModel:
         self.lm_head = weights.lm_head(self.embed)  # [vocab, hidden]
         weights.check_all_used()
         self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
         h = F.embedding(token_ids, self.embed)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, 1, head_dim]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, heads + 2 * kv_heads, head_dim]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, self._norm(h, layer.input_norm), cos, sin, meta)
-            h = h + self._mlp(layer, self._norm(h, layer.post_norm))
+            h += self._attention(i, layer, self._norm(h, layer.input_norm), cos, sin, meta)
+            h += self._mlp(layer, self._norm(h, layer.post_norm))
         h = self._norm(h.index_select(0, logit_rows), self.final_norm)  # [N, hidden]
         return F.linear(h, self.lm_head).float()
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
-        t, d = x.shape[0], self.spec.head_dim
-        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)  # [T, heads or kv_heads, head_dim]
+        t, d, heads = x.shape[0], self.spec.head_dim, self.spec.num_heads
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(t, -1, d)  # [T, heads + 2 * kv_heads, head_dim]
         if layer.q_norm is not None:
-            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attention.forward(i, q, k, v, meta)  # [T, heads, head_dim]
+            q, k, v = qkv.split([heads, self.spec.num_kv_heads, self.spec.num_kv_heads], 1)
+            qkv = torch.cat((self._norm(q, layer.q_norm), self._norm(k, layer.k_norm), v), 1)
+        qkv = apply_rotary(qkv, cos, sin)  # rotates q and k; v passes through unchanged
+        kv = qkv[:, heads:].view(t, 2, -1, d)  # [T, 2, kv_heads, head_dim]: K then V of each token
+        out = self.attention.forward(i, qkv[:, :heads], kv, meta)  # [T, heads, head_dim]
         return F.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -27,23 +27,37 @@ def inv_freq_and_scaling(spec: ModelSpec, device: torch.device) -> tuple[torch.T
 
 
 class Rotary:
-    """cos/sin for explicit positions and their application to q and k."""
+    """cos/sin for explicit positions and their application to the q, k and v heads of a step."""
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
-        self.inv_freq, self.scaling = inv_freq_and_scaling(spec, device)  # [head_dim // 2]
+        inv_freq, scaling = inv_freq_and_scaling(spec, device)  # [head_dim // 2] float32
+        self.inv_freq = torch.cat((inv_freq, inv_freq))  # [head_dim]: HF's emb = cat(freqs, freqs)
+        half = inv_freq.shape[0]
+        # rotate_half's sign (-1 on the first half) and the attention scaling, folded into one factor
+        self.sin_factor = torch.tensor([-scaling] * half + [scaling] * half, device=device)
+        self.cos_factor = scaling
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        # [heads + 2 * kv_heads, 1]: True for q and k heads (rotated), False for v heads (unchanged)
+        self.rotated = (torch.arange(heads + 2 * kv_heads, device=device) < heads + kv_heads)[:, None]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin each [T, 1, head_dim] in `dtype` (broadcast over heads)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, head_dim // 2] float32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
-        if self.scaling != 1.0:
-            cos, sin = cos * self.scaling, sin * self.scaling
+        """positions [T] int64 -> cos, signed sin, each [T, heads + 2 * kv_heads, head_dim] in `dtype`.
+
+        q and k heads get HF's cos/sin with the first half of sin negated (see `apply_rotary`); v heads
+        get cos 1 and sin 0, so one `apply_rotary` over the fused qkv leaves v unchanged."""
+        emb = positions[:, None].float() * self.inv_freq  # [T, head_dim] float32
+        cos = emb.cos() if self.cos_factor == 1.0 else emb.cos() * self.cos_factor
+        sin = emb.sin() * self.sin_factor  # x * -s == -(x * s) exactly
+        cos = torch.where(self.rotated, cos[:, None, :], 1.0)
+        sin = torch.where(self.rotated, sin[:, None, :], 0.0)
         return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by position: x * cos + rotate_half(x) * sin (HF's formula)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [T, heads, head_dim] contiguous, rotated by position: HF's x * cos + rotate_half(x) * sin.
+
+    rotate_half(x) = cat(-x2, x1) equals the swapped halves cat(x2, x1) times (-1, +1), and `cos_sin`
+    folded that sign into sin, so this is x * cos + swap(x) * signed_sin: the same products, exactly."""
+    t, n, d = x.shape
+    swapped = x.view(t, n, 2, d // 2).flip(2).view(t, n, d)
+    return x * cos + swapped * sin

@@ -88,9 +88,10 @@ class ModelRunner:
         rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         layout = StepLayout([_seq_layout(chunks[i]) for i in order],
                             num_decode=sum(len(c.token_ids) == 1 for c in chunks))
-        pos = _to_device(positions, self.device)
-        return StepInputs(_to_device(token_ids, self.device), pos, _to_device(rows, self.device),
-                          self.attention.plan(layout, pos))
+        t = len(token_ids)
+        ints = torch.tensor(token_ids + positions + rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = ints[t:2 * t]
+        return StepInputs(ints[:t], pos, ints[2 * t:], self.attention.plan(layout, pos))
 
     @torch.no_grad()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -104,10 +105,6 @@ class ModelRunner:
                              f"max_batch_size={self.max_batch_size} / max_num_tokens={self.max_num_tokens}")
         if any(not c.token_ids for c in chunks):
             raise ValueError("a chunk without tokens")
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _seq_layout(chunk: SeqChunk) -> SeqLayout:

@@ -1,0 +1,71 @@
+"""Pieces of the runner's hot path, exactly: the K/V "units" views over the real pool, and RoPE applied
+once to the fused qkv (q and k as transformers rotates them, v untouched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from server.models.attention import layer_units
+from server.models.builtin import build_tiny_model
+from server.models.rope import Rotary, apply_rotary
+from server.models.spec import load_spec
+
+TPB = 4
+
+
+def _kv() -> KVCacheManager:
+    layout = CacheLayout((64, 64, 64), num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu",
+                         max_seq_len=64)
+    return KVCacheManager(KvCacheConfig(max_tokens=32, tokens_per_block=TPB), layout)
+
+
+def test_units_views_address_k_and_v_of_every_slot_and_layer() -> None:
+    kv = _kv()
+    pool = kv.pool(64)  # [slots, layers, 2, tpb, kv_heads, head_dim]
+    pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view_as(pool))
+    for layer in range(3):
+        units = layer_units(64, *kv.layer_cache(layer))
+        assert units.units_per_slot == 6  # 3 layers x (K, V)
+        assert units.blocks.shape == ((pool.shape[0] - 1) * 6 + 2, TPB, 2, 8)
+        for slot in range(pool.shape[0]):
+            for j in (0, 1):  # K, V
+                u = slot * 6 + j
+                assert torch.equal(units.blocks[u], pool[slot, layer, j])
+                assert torch.equal(units.tokens[u * TPB + 3], pool[slot, layer, j, 3])
+        units.tokens[(2 * 6 + 1) * TPB + 1] = -1.0  # slot 2, V, offset 1: writes reach the pool
+        assert (pool[2, layer, 1, 1] == -1.0).all()
+        assert (pool[2, layer, 0, 1] != -1.0).all()
+
+
+def test_units_views_refuse_a_layout_where_v_does_not_follow_k() -> None:
+    kv = _kv()
+    k, v = kv.layer_cache(1)
+    with pytest.raises(ValueError, match="V must follow K directly"):
+        layer_units(64, k, kv.layer_cache(2)[1])  # V of another layer
+    with pytest.raises(ValueError, match="V must follow K directly"):
+        layer_units(64, k, v.clone())  # not in the pool
+
+
+@pytest.mark.parametrize("rope", [{}, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                           "factor": 4.0,
+                                                           "original_max_position_embeddings": 64}}])
+def test_fused_rope_equals_hf_on_q_and_k_and_leaves_v_unchanged(tmp_path: Path, rope: dict) -> None:
+    spec = load_spec(build_tiny_model(tmp_path / "m", "llama", **rope))
+    rotary = Rotary(spec, torch.device("cpu"))
+    heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    positions = torch.tensor([0, 1, 5, 63, 200, 1000])
+    qkv = torch.randn(len(positions), heads + 2 * kv_heads, d)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    out = apply_rotary(qkv, cos, sin)
+    # transformers' own rotary embedding and apply_rotary_pos_emb on the same positions
+    hf_cos, hf_sin = LlamaRotaryEmbedding(spec.hf_config)(qkv, positions[None])  # [1, T, head_dim]
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.equal(out[:, :heads], hf_q[0].transpose(0, 1))
+    assert torch.equal(out[:, heads:heads + kv_heads], hf_k[0].transpose(0, 1))
+    assert torch.equal(out[:, heads + kv_heads:], v)
