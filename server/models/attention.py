@@ -77,7 +77,8 @@ class _Attend:
     """One attention call: `rows` of the flattened batch against the keys of `units`."""
 
     rows: slice
-    units: torch.Tensor  # [2 * seqs * blocks] int64: every K unit, then every V unit (padding: slot 0)
+    units: torch.Tensor  # [seqs * 2 * blocks] int64: per sequence its K units, then its V units (padding:
+    # slot 0); sequence-major, so a thread that gathers a sequence's blocks is likely to attend over them
     mask: torch.Tensor  # [seqs, 1, 1, keys] (decode) or [rows, keys] (prefill): 0 = attend, -inf = not
 
 
@@ -152,10 +153,10 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [units, tpb, kv_heads, D], units [2 * num_seqs * nb] -> K, V each
+    """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
     [num_seqs, kv_heads, nb * tpb, D] (views of one gathered tensor)."""
-    kv = blocks.index_select(0, units).view(2, num_seqs, -1, blocks.shape[2], blocks.shape[3])
-    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    kv = blocks.index_select(0, units).view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
+    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
 @dataclass
@@ -189,17 +190,18 @@ class _HostWindow:
 
     def _attend(self, seqs: list[SeqLayout], rows: slice) -> _HostAttend:
         """Host data of one attention call over `seqs` (several only for decode, one query each)."""
-        spans = [_block_span(s, self.window, self.tpb) for s in seqs]
+        window, tpb = self.window, self.tpb
+        spans = [_block_span(s, window, tpb) for s in seqs]
         nb = max(hi - lo for lo, hi in spans)  # blocks per sequence, padded
-        slots, his = [], []
+        units, his = [], []
         for seq, (lo, hi) in zip(seqs, spans, strict=True):
-            slots += _checked_slots(seq, self.window, lo, hi) + [0] * (nb - (hi - lo))
-            start = seq.num_past - lo * self.tpb  # key index of the chunk's first query
+            k_units = [s * self.ups for s in _checked_slots(seq, window, lo, hi)] + [0] * (nb - (hi - lo))
+            units += k_units + [u + 1 for u in k_units]  # the sequence's K units, then its V units
+            start = seq.num_past - lo * tpb  # key index of the chunk's first query
             his += range(start, start + seq.num_new)
-        units = [s * self.ups for s in slots]
-        sliding = any(h - self.window >= 0 for h in his)
-        return _HostAttend(rows, self.host.add(units + [u + 1 for u in units]), self.host.add(his),
-                           self.host.add([h - self.window for h in his]) if sliding else None, nb * self.tpb)
+        sliding = max(his) >= window  # else no query's window starts after key 0 of its span
+        return _HostAttend(rows, self.host.add(units), self.host.add(his),
+                           self.host.add([h - window for h in his]) if sliding else None, nb * tpb)
 
     def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> _WindowPlan:
         """`ints` is the uploaded `HostInts`; every index becomes a view of it."""
