@@ -1,4 +1,7 @@
-"""Per-step cost: one runner step of 8 decode tokens against one transformers `generate` decode step.
+"""Runner step benchmark: one step of 8 decode tokens against one transformers `generate` decode step.
+
+    python scripts/bench_runner_step.py [--rounds 7]
+
 
 The issue's goal is >= 4x HF's output tok/s at concurrency 8 (HF serving one request at a time), so
 the runner's 8-token step must take at most 2x one HF decode step. Measured on builtin:tiny-llama,
@@ -11,8 +14,6 @@ import statistics
 import time
 from pathlib import Path
 
-import hf_reference
-import pytest
 import torch
 
 from kvcache import KvCacheConfig, KVCacheManager
@@ -23,9 +24,10 @@ from server.models.spec import load_spec
 CONTEXT, BATCH, ROUNDS = 256, 8, 7
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize_builtin("tiny-llama", root=tmp_path_factory.mktemp("speed"))
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _decode_runner(model_dir: Path) -> tuple[ModelRunner, list[dict[int, list[int]]]]:
@@ -44,7 +46,7 @@ def _decode_runner(model_dir: Path) -> tuple[ModelRunner, list[dict[int, list[in
 
 def _hf_decode_step_seconds(model_dir: Path) -> float:
     """One HF decode step: (generate 33 tokens - generate 1 token) / 32, prefill cancelled out."""
-    model = hf_reference.hf_model(str(model_dir))
+    model = _hf_model(model_dir)
     ids = torch.tensor([[5 + j % 500 for j in range(CONTEXT)]])
 
     def run(n: int) -> float:
@@ -57,12 +59,12 @@ def _hf_decode_step_seconds(model_dir: Path) -> float:
     return (run(33) - run(1)) / 32
 
 
-def test_batch8_decode_step_reaches_4x_hf_throughput(model_dir: Path) -> None:
+def measure(model_dir: Path, rounds: int) -> float:
     runner, tables = _decode_runner(model_dir)
     ours, hf = [], []  # per round: median of 10 runner steps; one HF decode step
     past = CONTEXT
     _hf_decode_step_seconds(model_dir)  # warm-up
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         steps = []
         for _ in range(10):
             chunks = [SeqChunk([7], past, t, need_logits=True) for t in tables]
@@ -75,6 +77,16 @@ def test_batch8_decode_step_reaches_4x_hf_throughput(model_dir: Path) -> None:
     # best round of each: other processes on this shared machine only ever add time
     ours_s, hf_s = min(ours), min(hf)
     ratio = (BATCH / ours_s) / (1 / hf_s)
-    print(f"\nrunner step, {BATCH} decode tokens: {ours_s * 1e3:.2f} ms; "
-          f"HF decode step: {hf_s * 1e3:.2f} ms; output tok/s ratio {ratio:.1f}x")
-    assert ratio >= 4.0
+    print(f"runner step, {BATCH} decode tokens: {ours_s * 1e3:.2f} ms; "
+          f"HF decode step: {hf_s * 1e3:.2f} ms; output tok/s ratio {ratio:.1f}x (per-step goal >= 4x)")
+    return ratio
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    args = parser.parse_args()
+    measure(materialize_builtin("tiny-llama", root=Path(tempfile.mkdtemp())), args.rounds)
