@@ -99,17 +99,13 @@ def start_server(workdir: Path, model: Path, role: str, port: int) -> subprocess
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log = Path(proc.args[-3]).with_suffix(".log")  # <workdir>/<role>.log beside <role>.yaml
-            raise SystemExit(f"server {url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    from server.launcher import wait_for_health
+
+    if wait_for_health(url, timeout_s, lambda: proc.poll() is None, interval_s=1.0):
+        return
+    if proc.poll() is not None:
+        log = Path(proc.args[-3]).with_suffix(".log")  # <workdir>/<role>.log beside <role>.yaml
+        raise SystemExit(f"server {url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
     raise SystemExit(f"{url} not healthy in time")
 
 

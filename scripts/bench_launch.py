@@ -24,8 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+
+from server.launcher import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
@@ -116,16 +117,11 @@ class ServerUnderTest:
         self.stop()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.health_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        alive = lambda: self.proc is None or self.proc.poll() is None
+        if wait_for_health(self.url, self.health_timeout_s, alive):
+            return
+        if not alive():
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
         raise TimeoutError(f"{self.url}/health not 200 after {self.health_timeout_s} s:\n{self.log_tail()}")
 
     def stop(self) -> None:

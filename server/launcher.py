@@ -241,6 +241,18 @@ def _healthy(url: str, timeout_s: float) -> bool:
         return False
 
 
+def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
+                    interval_s: float = 0.25) -> bool:
+    """Poll `base_url`/health until it answers 200 (True), or `alive()` turns False or `timeout_s`
+    passes (False). Shared by the launcher's callers: tests and benchmarks that start servers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        if _healthy(f"{base_url}/health", 2.0):
+            return True
+        time.sleep(interval_s)
+    return False
+
+
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn asking Linux to SIGTERM the child when the launcher dies (even by SIGKILL)."""
     if sys.platform != "linux":

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from server.launcher import wait_for_health
+
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
 
@@ -102,16 +104,11 @@ def launched(config: str, tmp_path: Path, overrides: dict | None = None) -> Iter
 
 
 def _wait_ready(deployment: Deployment) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if deployment.process.poll() is not None:
-            raise AssertionError(f"launcher exited with {deployment.process.returncode}\n{deployment.logs()}")
-        try:
-            if httpx.get(f"{deployment.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    alive = lambda: deployment.process.poll() is None
+    if wait_for_health(deployment.url, STARTUP_TIMEOUT_S, alive, interval_s=0.3):
+        return
+    if not alive():
+        raise AssertionError(f"launcher exited with {deployment.process.returncode}\n{deployment.logs()}")
     raise AssertionError(f"deployment not healthy within {STARTUP_TIMEOUT_S} s\n{deployment.logs()}")
 
 
