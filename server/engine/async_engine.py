@@ -18,6 +18,18 @@ from server.types import GenerateRequest, RequestOutput
 log = logging.getLogger(__name__)
 
 
+def _merged(output: RequestOutput, stream: asyncio.Queue[RequestOutput]) -> RequestOutput:
+    """Fold outputs that queued up while the consumer was busy into one (fewer, larger SSE events
+    when HTTP lags behind the engine; the concatenated tokens and text are unchanged)."""
+    while not output.finished and not stream.empty():
+        later = stream.get_nowait()
+        later.new_token_ids = output.new_token_ids + later.new_token_ids
+        later.new_text = output.new_text + later.new_text
+        later.disagg = later.disagg or output.disagg
+        output = later
+    return output
+
+
 class AsyncEngine:
     """`build_core` runs on the engine thread (which then owns every tensor); until it returns,
     `is_ready()` is False and the HTTP layer answers 503."""
@@ -66,7 +78,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                output = await stream.get()
+                output = _merged(await stream.get(), stream)
                 finished = output.finished
                 yield output
         finally:
