@@ -131,7 +131,9 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: object) -> None:
         if kind == "add":
-            self.core.add_request(payload)
+            refused = self.core.add_request(payload)
+            if refused is not None:
+                self._loop.call_soon_threadsafe(self._deliver, refused)
         elif kind == "release":
             self.core.release_lease(payload)
         elif kind == "abort":

@@ -22,6 +22,8 @@ BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
 class DisaggHooks(Protocol):
     """What the disaggregated roles add to the engine step (see server/engine/disagg.py)."""
 
+    accepts: tuple[str, ...]  # the disaggregated_params.request_type values this role serves
+
     def step(self, core: EngineCore) -> list[RequestOutput]: ...
 
     def start_pulls(self, requests: list[Request]) -> None: ...
@@ -51,7 +53,12 @@ class EngineCore:
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
 
     # ---- receive
-    def add_request(self, gen: GenerateRequest) -> None:
+    def add_request(self, gen: GenerateRequest) -> RequestOutput | None:
+        """Queue a request; a request this server's role cannot run is answered at once (400)."""
+        problem = self._role_problem(gen)
+        if problem is not None:
+            return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
+                                 prompt_tokens=len(gen.prompt_token_ids), error=problem, error_code=400)
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
                           self.eos_token_ids, gen.arrival_time, gen.disagg)
         if request.is_generation_only:
@@ -59,6 +66,20 @@ class EngineCore:
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
         self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, gen.sampling.stop)
         self.scheduler.add(request)
+        return None
+
+    def _role_problem(self, gen: GenerateRequest) -> str | None:
+        kind = gen.disagg.request_type if gen.disagg is not None else "context_and_generation"
+        accepted = self.disagg.accepts if self.disagg is not None else ("context_and_generation",)
+        if kind not in accepted:
+            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {list(accepted)})"
+        if kind == "generation_only":
+            params = gen.disagg
+            missing = [name for name in ("ctx_request_id", "ctx_endpoint", "ctx_epoch", "first_gen_tokens")
+                       if not getattr(params, name)]
+            if missing:
+                return f"disaggregated_params of a generation_only request lacks {', '.join(missing)}"
+        return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.find(request_id)

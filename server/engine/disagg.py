@@ -16,6 +16,8 @@ from server.types import DisaggParams, RequestOutput
 class ContextRole:
     """Prefill, sample the first token, then park the prompt's blocks under a lease for the pull."""
 
+    accepts = ("context_only", "context_and_generation")
+
     def __init__(self, sender, kv: KVCacheManager) -> None:
         self.sender = sender
         self.kv = kv
@@ -49,6 +51,8 @@ class ContextRole:
 
 class GenerationRole:
     """Reuse the local prefix cache, pull only the missing blocks, then decode."""
+
+    accepts = ("generation_only", "context_and_generation")
 
     def __init__(self, receiver, kv: KVCacheManager) -> None:
         self.receiver = receiver

@@ -97,6 +97,8 @@ BAD = [
     ({"prompt": "hi", "max_tokens": "ten"}, 400), ({"prompt": "x " * 600}, 400),
     ({"prompt": "hi", "max_tokens": 600}, 400),
     ({"prompt": "hi", "model": "no-such-model"}, 404),
+    ({"prompt": "hi", "disaggregated_params": {"request_type": "context_only"}}, 400),  # an aggregated server
+    ({"prompt": "hi", "disaggregated_params": {"request_type": "generation_only"}}, 400),
 ]
 
 

@@ -78,3 +78,14 @@ def test_max_seq_len_caps_generation():
     out = _run(core, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), PROMPT)
     assert out.final.finish_reason == "length"
     assert len(PROMPT) + len(out.token_ids) == 32
+
+
+def test_a_request_type_the_role_does_not_serve_is_refused_alone(core):
+    from server.types import DisaggParams, GenerateRequest
+
+    for params in (DisaggParams("context_only"), DisaggParams("generation_only", "c1", "tcp://127.0.0.1:1", "e", (5,))):
+        refused = core.add_request(GenerateRequest("odd", list(PROMPT), eh.greedy(4), disagg=params))
+        assert refused.finished and refused.finish_reason == "error" and refused.error_code == 400
+        assert params.request_type in refused.error
+    assert not core.has_work()
+    assert _run(core, eh.greedy(4)).final.finish_reason == "length"  # the engine serves on
