@@ -21,6 +21,8 @@ from starlette.types import Receive, Scope, Send
 
 from server.api.errors import output_error
 from server.api.formatting import Formatter
+from server.api.prompts import build_request, new_request_id
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -190,3 +192,13 @@ class SSEResponse(Response):
 
 async def _event(send: Send, data: str) -> None:
     await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+
+
+async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
+                 id_prefix: str, formatter: type[Formatter]) -> Response:
+    """The whole handling of one completion or chat request: build it, run it, answer JSON or SSE."""
+    request_id = new_request_id(id_prefix)
+    gen = build_request(body, engine, request_id)
+    fmt = formatter(request_id, engine.model_name, include_usage=body.include_usage)
+    respond = respond_stream if body.stream else respond_json
+    return await respond(request, engine, gen, fmt)

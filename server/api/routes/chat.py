@@ -9,8 +9,7 @@ from starlette.responses import Response
 
 from server.api.deps import get_ready_engine, json_body
 from server.api.formatting import ChatFormatter
-from server.api.generation import respond_json, respond_stream
-from server.api.prompts import build_request, new_request_id
+from server.api.generation import answer
 from server.api.protocol import ChatCompletionRequest
 from server.types import EngineClient
 
@@ -21,8 +20,4 @@ ReadyEngine = Annotated[EngineClient, Depends(get_ready_engine)]
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: Body, request: Request, engine: ReadyEngine) -> Response:
-    request_id = new_request_id("chatcmpl")
-    gen = build_request(body, engine, request_id)
-    fmt = ChatFormatter(request_id, engine.model_name, include_usage=body.include_usage)
-    respond = respond_stream if body.stream else respond_json
-    return await respond(request, engine, gen, fmt)
+    return await answer(request, engine, body, "chatcmpl", ChatFormatter)
