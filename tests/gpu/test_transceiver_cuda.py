@@ -10,12 +10,8 @@ byte path (gather -> pinned staging -> ZeroMQ -> scatter), which is checked on C
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import select
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,11 +23,20 @@ from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the shared harness lives in tests/
+from kv_transfer_harness import (  # noqa: E402
+    JsonChild,
+    assert_blocks_match,
+    fill,
+    serve_json_commands,
+    tokens_for,
+)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 TOKEN = "gpu-transceiver-token-0123456789"
 FINGERPRINT = "gpu-test:v1"
-HERE = Path(__file__).resolve().parent
 # "vswa": layers 0, 2 slide over 32 tokens, 1, 3 are full; slot 2 layers * 2 * 8 tpb * 8 heads * 128 * 2 B = 64 KiB
 # "8b": Llama-3.1-8B's KV (32 layers, 8 kv heads, 128 dims, bf16), 32 tokens per block: 4 MiB slots
 SHAPES = {"vswa": dict(windows=(32, 256, 32, 256), max_seq_len=256, tpb=8),
@@ -45,30 +50,6 @@ def make_kv(shape: str, max_blocks: int, host_blocks: int = 0) -> KVCacheManager
     cfg = KvCacheConfig(tokens_per_block=s["tpb"], max_tokens=max_blocks * s["tpb"], secondary_offload_min_priority=0,
                         host_cache_size=host_blocks * s["tpb"] * layout.bytes_per_token())
     return KVCacheManager(cfg, layout)
-
-
-def pattern(window: int, index: int, tokens: list[int], nbytes: int) -> torch.Tensor:
-    """The bytes block `index` of `window` holds for `tokens` (same on both sides: same seed, same GPU)."""
-    digest = hashlib.sha256(f"{window}:{index}:{tokens}".encode()).digest()
-    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(digest[:7], "little"))
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device="cuda")
-
-
-def slot_view(kv: KVCacheManager, window: int, slot: int) -> torch.Tensor:
-    return kv.pool(window, Level.PRIMARY)[slot].view(-1).view(torch.uint8)  # [slot_bytes]
-
-
-def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> None:
-    """'Prefill': write the pattern into every block from token `from_token` on."""
-    tpb = kv.tokens_per_block
-    for w in kv.window_sizes:
-        for i, slot in enumerate(kv.slot_table(rid, w)):
-            if slot >= 0 and (i + 1) * tpb > from_token:
-                slot_view(kv, w, slot).copy_(pattern(w, i, tokens[i * tpb : (i + 1) * tpb], kv.slot_bytes(w)))
-
-
-def tokens_for(topic: int, n: int) -> list[int]:
-    return [(topic * 7919 + i * 31) % 1000 + 1 for i in range(n)]
 
 
 # ---- the context process ---------------------------------------------------------------------
@@ -126,58 +107,24 @@ def ctx_main(shape: str, same_host_ipc: bool) -> None:
     """Context process: answers JSON commands on stdin; between them waits on and steps the sender."""
     ctx = _Ctx(shape, same_host_ipc)
     print(json.dumps({"endpoint": ctx.sender.endpoint, "epoch": ctx.sender.epoch}), flush=True)
-    buf = b""
-    while True:
-        if select.select([0], [], [], 0)[0]:
-            data = os.read(0, 1 << 20)
-            if not data:
-                break
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                print(json.dumps(ctx.handle(json.loads(line))), flush=True)
+
+    def tick() -> None:
         ctx.sender.wait(0.002)
         ctx.sender.step()
+
+    serve_json_commands(ctx.handle, tick, lambda: 0)
     ctx.sender.close()
 
 
-class CtxProcess:
+class CtxProcess(JsonChild):
     def __init__(self, shape: str, same_host_ipc: bool = True) -> None:
         code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_cuda as m; " \
                f"m.ctx_main({shape!r}, {same_host_ipc})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=HERE.parent.parent)
-        hello = self._read(timeout_s=120)
-        self.endpoint, self.epoch = hello["endpoint"], hello["epoch"]
+        super().__init__(code, startup_timeout_s=120, read_timeout_s=60)
+        self.endpoint, self.epoch = self.hello["endpoint"], self.hello["epoch"]
 
-    def _read(self, timeout_s: float = 60) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        assert ready, "context process did not answer"
-        line = self.proc.stdout.readline()
-        assert line, f"context process exited with {self.proc.poll()}"
-        return json.loads(line)
-
-    def call(self, op: str, **kw) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def wait_state(self, cond, timeout_s: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.call("state")
-            if cond(state) or time.monotonic() > deadline:
-                return state
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+    def stop(self, grace_s: float = 20.0) -> None:
+        super().stop(grace_s)
 
 
 # ---- the generation side (this process) ------------------------------------------------------
@@ -207,18 +154,6 @@ def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_token
             return results[0]
         rx.wait(0.001)
     raise AssertionError("no pull result")
-
-
-def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
-    """Every held block of the request has the pattern of its tokens (compared on the GPU)."""
-    checked, tpb = 0, kv.tokens_per_block
-    for w in kv.window_sizes:
-        for i, slot in enumerate(kv.slot_table(rid, w)[: math.ceil(len(tokens) / tpb)]):
-            if slot >= 0:
-                expected = pattern(w, i, tokens[i * tpb : (i + 1) * tpb], kv.slot_bytes(w))
-                assert torch.equal(slot_view(kv, w, slot), expected), f"window {w} block {i}"
-                checked += 1
-    return checked
 
 
 def offloaded_prefill(ctx: CtxProcess, rid: str, topic: int) -> list[int]:

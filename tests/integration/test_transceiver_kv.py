@@ -10,13 +10,9 @@ or restarted context process, an incompatible layout, cancel.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import select
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,17 +22,26 @@ import pytest
 import torch
 import zmq
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
 from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
 from transceiver.receiver import KVReceiver, PullResult
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the shared harness lives in tests/
+from kv_transfer_harness import (  # noqa: E402
+    JsonChild,
+    assert_blocks_match,
+    fill,
+    serve_json_commands,
+    tokens_for,
+)
+
 TOKEN = "integration-token-0123456789"
 TPB = 8
 WINDOWS = (32, 256, 32, 256)  # layers 0, 2: sliding window of 32 tokens; layers 1, 3: full
 FINGERPRINT = "test-model:v1"
-HERE = Path(__file__).resolve().parent
 
 
 def make_kv(max_blocks: int, host_blocks: int = 0, tpb: int = TPB) -> KVCacheManager:
@@ -46,26 +51,6 @@ def make_kv(max_blocks: int, host_blocks: int = 0, tpb: int = TPB) -> KVCacheMan
     cfg = KvCacheConfig(tokens_per_block=tpb, max_tokens=max_blocks * tpb, host_cache_size=host,
                         secondary_offload_min_priority=0)
     return KVCacheManager(cfg, layout)
-
-
-def pattern(window: int, index: int, tokens: list[int], nbytes: int) -> torch.Tensor:
-    """The bytes block `index` of `window` holds for `tokens` (its own tokens) on both sides."""
-    digest = hashlib.sha256(f"{window}:{index}:{tokens}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-def slot_bytes_of(kv: KVCacheManager, window: int, slot: int) -> torch.Tensor:
-    return kv.pool(window, Level.PRIMARY)[slot].view(-1).view(torch.uint8)  # [slot_bytes]
-
-
-def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> None:
-    """'Prefill': write the pattern into every block from token `from_token` on."""
-    for w in kv.window_sizes:
-        for i, slot in enumerate(kv.slot_table(rid, w)):
-            if slot >= 0 and (i + 1) * kv.tokens_per_block > from_token:
-                block_tokens = tokens[i * kv.tokens_per_block : (i + 1) * kv.tokens_per_block]
-                slot_bytes_of(kv, w, slot).copy_(pattern(w, i, block_tokens, kv.slot_bytes(w)))
 
 
 # ---- the context process ---------------------------------------------------------------------
@@ -130,64 +115,27 @@ def ctx_main(timeout_ms: int, port: int) -> None:
     """Context process: answers JSON commands on stdin, steps the sender in between."""
     ctx = _Ctx(timeout_ms, port)
     print(json.dumps({"endpoint": ctx.sender.endpoint, "epoch": ctx.sender.epoch}), flush=True)
-    buf = b""
-    while True:
-        ready, _, _ = select.select([0], [], [], 0 if ctx.sender.busy else 0.002)
-        if ready:
-            data = os.read(0, 65536)
-            if not data:
-                break
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                print(json.dumps(ctx.handle(json.loads(line))), flush=True)
+
+    def tick() -> None:
         paused = ctx.pause_after_bytes is not None and ctx.sender.stats.bytes_sent >= ctx.pause_after_bytes
         if not paused:
             ctx.sender.step()
+
+    serve_json_commands(ctx.handle, tick, lambda: 0 if ctx.sender.busy else 0.002)
     ctx.sender.close()
 
 
-class CtxProcess:
+class CtxProcess(JsonChild):
     """The test's handle on a context process."""
 
     def __init__(self, timeout_ms: int = 30000, port: int = 0) -> None:
         code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_kv as m; " \
                f"m.ctx_main({timeout_ms}, {port})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent.parent)
-        hello = self._read(timeout_s=60)
-        self.endpoint, self.epoch = hello["endpoint"], hello["epoch"]
-
-    def _read(self, timeout_s: float = 10) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        assert ready, "context process did not answer"
-        line = self.proc.stdout.readline()
-        assert line, f"context process exited with {self.proc.poll()}"
-        return json.loads(line)
-
-    def call(self, op: str, **kw) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        super().__init__(code, startup_timeout_s=60, read_timeout_s=10)
+        self.endpoint, self.epoch = self.hello["endpoint"], self.hello["epoch"]
 
 
 # ---- the generation side (this process) ------------------------------------------------------
-
-
-def tokens_for(topic: int, n: int) -> list[int]:
-    return [(topic * 7919 + i * 31) % 1000 + 1 for i in range(n)]
 
 
 def wanted_blocks(kv: KVCacheManager, rid: str, num_tokens: int,
@@ -212,27 +160,6 @@ def wait_result(rx: KVReceiver, timeout_s: float = 15.0) -> PullResult:
             return results[0]
         rx.wait(0.01)
     raise AssertionError("no pull result")
-
-
-def wait_state(ctx: CtxProcess, cond, timeout_s: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = ctx.call("state")
-        if cond(state) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.05)
-
-
-def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
-    """Every held block of the request has the pattern of its tokens; returns blocks checked."""
-    checked = 0
-    for w in kv.window_sizes:
-        for i, slot in enumerate(kv.slot_table(rid, w)[: math.ceil(len(tokens) / TPB)]):
-            if slot >= 0:
-                expected = pattern(w, i, tokens[i * TPB : (i + 1) * TPB], kv.slot_bytes(w))
-                assert torch.equal(slot_bytes_of(kv, w, slot), expected), f"window {w} block {i}"
-                checked += 1
-    return checked
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +208,7 @@ def test_pull_after_offload_and_onboard_moves_every_byte(ctx: CtxProcess, rx: KV
     assert result.ok, result.error
     assert result.nbytes == 15 * 16384 == rx.stats.bytes_received
     assert assert_blocks_match(rx._kv, "req-a", tokens) == 13 + 5
-    state = wait_state(ctx, lambda s: s["leases"] == 0)
+    state = ctx.wait_state(lambda s: s["leases"] == 0)
     assert (state["leases"], state["in_use"], state["integrity"], state["transfers_ok"]) == (0, 0, "ok", 1)
     assert rx.stats.transfers_ok == 1 and rx.stats.failures_by_reason == {}
     rx._kv.release("req-a")
@@ -304,7 +231,7 @@ def test_epoch_mismatch_fails_without_reading(ctx: CtxProcess, rx: KVReceiver) -
     assert (result.ok, result.reason, result.nbytes) == (False, "epoch_mismatch", 0)
     assert "context server restarted" in result.error
     rx.release_remote(ctx.endpoint, "req-e")
-    assert wait_state(ctx, lambda s: s["leases"] == 0)["in_use"] == 0
+    assert ctx.wait_state(lambda s: s["leases"] == 0)["in_use"] == 0
 
 
 def test_cancel_releases_the_lease(ctx: CtxProcess, rx: KVReceiver) -> None:
@@ -318,7 +245,7 @@ def test_cancel_releases_the_lease(ctx: CtxProcess, rx: KVReceiver) -> None:
     rx.cancel("req-c")
     assert rx.num_pulls == 0 and rx.stats.failures_by_reason == {"cancelled": 1}
     ctx.call("pause_after_bytes", n=None)
-    state = wait_state(ctx, lambda s: s["leases"] == 0)
+    state = ctx.wait_state(lambda s: s["leases"] == 0)
     assert (state["leases"], state["in_use"], state["integrity"]) == (0, 0, "ok")
     assert rx.step() == []
 
@@ -353,7 +280,7 @@ def test_forged_messages_are_dropped_and_the_next_pull_succeeds(ctx: CtxProcess,
         sock.send_multipart([old, good.mac(old)])  # wrong version, valid MAC
     finally:
         sock.close(linger=0)
-    state = wait_state(ctx, lambda s: sum(s["rejected"].values()) - sum(before.values()) >= 5)
+    state = ctx.wait_state(lambda s: sum(s["rejected"].values()) - sum(before.values()) >= 5)
     delta = {k: v - before.get(k, 0) for k, v in state["rejected"].items() if v - before.get(k, 0)}
     assert delta == {"bad_mac": 2, "malformed": 1, "replayed": 1, "wrong_version": 1}
     result, _ = pull(rx, ctx, "req-f", tokens)
@@ -382,7 +309,7 @@ def test_lease_expires_when_nobody_pulls_and_late_pull_fails() -> None:
         tokens = tokens_for(9, 64)
         ctx.call("prefill", rid="req-x", tokens=tokens)
         assert ctx.call("state")["in_use"] == 8 + 4
-        state = wait_state(ctx, lambda s: s["lease_expired"] == 1)
+        state = ctx.wait_state(lambda s: s["lease_expired"] == 1)
         assert (state["lease_expired"], state["leases"], state["in_use"]) == (1, 0, 0)
         assert state["integrity"] == "ok"
         result, _ = pull(receiver, ctx, "req-x", tokens)
