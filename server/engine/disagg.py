@@ -81,7 +81,8 @@ class GenerationRole:
 
     def start_pulls(self, requests: list[Request]) -> None:
         for request in requests:
-            wanted = self.wanted_blocks(request)
+            wanted = blocks_to_pull(self.kv, request.request_id, request.num_prompt_tokens,
+                                    request.num_computed_tokens)
             params = request.disagg
             if not any(slots for _, slots in wanted.values()):
                 self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id)
@@ -90,23 +91,6 @@ class GenerationRole:
             self.receiver.start_pull(request.request_id, params.ctx_endpoint, params.ctx_epoch,
                                      params.ctx_request_id, wanted)
             self._pulling.add(request.request_id)
-
-    def wanted_blocks(self, request: Request) -> dict[int, tuple[int, list[int]]]:
-        """Per window: (first block index, destination slots) of the prompt blocks not held locally.
-
-        Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first
-        decode step can no longer see were released by the scheduler and are not pulled either.
-        """
-        rid, tpb = request.request_id, self.kv.tokens_per_block
-        self.kv.release_out_of_window(rid, request.num_prompt_tokens)
-        num_blocks = math.ceil(request.num_prompt_tokens / tpb)
-        wanted = {}
-        for window in self.kv.window_sizes:
-            ids = self.kv.block_ids(rid, window)[:num_blocks]
-            first_held = next((i for i, b in enumerate(ids) if b >= 0), num_blocks)
-            first = max(request.num_computed_tokens // tpb, first_held)
-            wanted[window] = (first, self.kv.slot_table(rid, window)[first:num_blocks])
-        return wanted
 
     def on_abort(self, request: Request) -> None:
         params = request.disagg
@@ -121,3 +105,22 @@ class GenerationRole:
 
     def busy(self) -> bool:
         return bool(self._pulling or self._local)
+
+
+def blocks_to_pull(kv: KVCacheManager, request_id: str, num_prompt_tokens: int,
+                   cached_tokens: int) -> dict[int, tuple[int, list[int]]]:
+    """Per window: (first block index, destination slots) of the prompt blocks not held locally.
+
+    Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first
+    decode step can no longer see are released here and not pulled either.
+    """
+    tpb = kv.tokens_per_block
+    kv.release_out_of_window(request_id, num_prompt_tokens)
+    num_blocks = math.ceil(num_prompt_tokens / tpb)
+    wanted = {}
+    for window in kv.window_sizes:
+        ids = kv.block_ids(request_id, window)[:num_blocks]
+        first_held = next((i for i, b in enumerate(ids) if b >= 0), num_blocks)
+        first = max(cached_tokens // tpb, first_held)
+        wanted[window] = (first, kv.slot_table(request_id, window)[first:num_blocks])
+    return wanted

@@ -11,7 +11,6 @@ byte path (gather -> pinned staging -> ZeroMQ -> scatter), which is checked on C
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from server.engine.disagg import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 
@@ -130,22 +130,10 @@ class CtxProcess(JsonChild):
 # ---- the generation side (this process) ------------------------------------------------------
 
 
-def wanted_blocks(kv: KVCacheManager, rid: str, num_tokens: int, hit: int) -> dict[int, tuple[int, list[int]]]:
-    """Like the generation engine: skip the local prefix hit and blocks that left the window."""
-    kv.release_out_of_window(rid, num_tokens)
-    n = math.ceil(num_tokens / kv.tokens_per_block)
-    wanted = {}
-    for w in kv.window_sizes:
-        ids = kv.block_ids(rid, w)[:n]
-        first = max(hit // kv.tokens_per_block, next((i for i, b in enumerate(ids) if b >= 0), n))
-        wanted[w] = (first, kv.slot_table(rid, w)[first:n])
-    return wanted
-
-
 def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_tokens: int = 0) -> PullResult:
     kv = rx._kv
     hit = kv.admit(rid, tokens, max_cached_tokens=hit_tokens)
-    rx.start_pull(rid, ctx.endpoint, ctx.epoch, rid, wanted_blocks(kv, rid, len(tokens), hit))
+    rx.start_pull(rid, ctx.endpoint, ctx.epoch, rid, blocks_to_pull(kv, rid, len(tokens), hit))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         results = rx.step()

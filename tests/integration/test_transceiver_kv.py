@@ -11,7 +11,6 @@ or restarted context process, an incompatible layout, cancel.
 from __future__ import annotations
 
 import json
-import math
 import socket
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 import zmq
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from server.engine.disagg import blocks_to_pull
 from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
 from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
@@ -138,19 +138,6 @@ class CtxProcess(JsonChild):
 # ---- the generation side (this process) ------------------------------------------------------
 
 
-def wanted_blocks(kv: KVCacheManager, rid: str, num_tokens: int,
-                  hit: int) -> dict[int, tuple[int, list[int]]]:
-    """Like the generation engine: skip the local prefix hit and blocks that left the window."""
-    kv.release_out_of_window(rid, num_tokens)
-    n = math.ceil(num_tokens / kv.tokens_per_block)
-    wanted = {}
-    for w in kv.window_sizes:
-        ids = kv.block_ids(rid, w)[:n]
-        first = max(hit // kv.tokens_per_block, next((i for i, b in enumerate(ids) if b >= 0), n))
-        wanted[w] = (first, kv.slot_table(rid, w)[first:n])
-    return wanted
-
-
 def wait_result(rx: KVReceiver, timeout_s: float = 15.0) -> PullResult:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -180,7 +167,7 @@ def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_token
          epoch: str | None = None) -> tuple[PullResult, dict]:
     kv = rx._kv
     hit = kv.admit(rid, tokens, max_cached_tokens=hit_tokens)
-    wanted = wanted_blocks(kv, rid, len(tokens), hit)
+    wanted = blocks_to_pull(kv, rid, len(tokens), hit)
     rx.start_pull(rid, ctx.endpoint, epoch or ctx.epoch, rid, wanted)
     return wait_result(rx), wanted
 
@@ -240,7 +227,7 @@ def test_cancel_releases_the_lease(ctx: CtxProcess, rx: KVReceiver) -> None:
     ctx.call("pause_after_bytes", n=0)  # the sender stops serving: the pull stays open
     kv = rx._kv
     kv.admit("req-c", tokens)
-    rx.start_pull("req-c", ctx.endpoint, ctx.epoch, "req-c", wanted_blocks(kv, "req-c", 60, 0))
+    rx.start_pull("req-c", ctx.endpoint, ctx.epoch, "req-c", blocks_to_pull(kv, "req-c", 60, 0))
     rx.step()
     rx.cancel("req-c")
     assert rx.num_pulls == 0 and rx.stats.failures_by_reason == {"cancelled": 1}
@@ -335,7 +322,7 @@ def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> 
         ctx.call("prefill", rid="req-k", tokens=tokens)
         ctx.call("pause_after_bytes", n=1)  # stop after the first step (at most 4 of the 6 chunks)
         kv.admit("req-k", tokens)
-        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", blocks_to_pull(kv, "req-k", 100, 0))
         deadline = time.monotonic() + 10
         while receiver.stats.bytes_received == 0 and time.monotonic() < deadline:
             assert receiver.step() == []
@@ -351,10 +338,10 @@ def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> 
         ctx = CtxProcess(port=port)  # the context server restarts on the same address
         assert ctx.epoch != old_epoch
         ctx.call("prefill", rid="req-k", tokens=tokens)
-        receiver.start_pull("req-k", ctx.endpoint, old_epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        receiver.start_pull("req-k", ctx.endpoint, old_epoch, "req-k", blocks_to_pull(kv, "req-k", 100, 0))
         result = wait_result(receiver)
         assert (result.ok, result.reason) == (False, "epoch_mismatch")
-        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", wanted_blocks(kv, "req-k", 100, 0))
+        receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", blocks_to_pull(kv, "req-k", 100, 0))
         result = wait_result(receiver)
         assert result.ok, result.error
         assert assert_blocks_match(kv, "req-k", tokens) == 13 + 5
