@@ -14,7 +14,7 @@ def install_kv_routes(app: FastAPI, auth_token: str | None) -> None:
     @app.get("/kv_cache/hashes")
     async def kv_cache_hashes(request: Request) -> JSONResponse:
         """Hashes of the blocks in this server's reuse cache (kv_cache_aware routing reads them)."""
-        return JSONResponse(request.app.state.telemetry.hashes)
+        return JSONResponse(request.app.state.telemetry.read_hashes())
 
     @app.post("/kv_cache/release")
     async def release_lease(request: Request) -> JSONResponse:

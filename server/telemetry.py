@@ -14,6 +14,7 @@ from server.metrics import ServerMetrics
 
 SNAPSHOT_INTERVAL_S = 0.1
 HASHES_INTERVAL_S = 0.5
+HASHES_WANTED_S = 10.0  # a router polls every second; stop listing hashes once nobody asks
 
 
 @dataclass
@@ -30,11 +31,17 @@ class TelemetryBridge:
         self.hashes: dict = {"salt": "", "tokens_per_block": 0, "hashes": []}
         self._last = 0.0
         self._last_hashes = 0.0
+        self._hashes_wanted_until = 0.0  # only routers using kv_cache_aware read them: skip otherwise
         self._seen: dict[int, _Seen] = {}
         self._hooked: set[int] = set()
 
     def kv_stats(self):
         return self._kv_stats
+
+    def read_hashes(self) -> dict:
+        """The latest snapshot of cached block hashes; keeps them refreshed while someone asks."""
+        self._hashes_wanted_until = time.monotonic() + HASHES_WANTED_S
+        return self.hashes
 
     def on_tick(self, core) -> None:
         """After a productive step always (a scrape right after an answer sees its effect), else
@@ -47,7 +54,7 @@ class TelemetryBridge:
         self.metrics.set_request_counts(core.scheduler.counts())
         for stats in _transfer_stats(core):
             self._forward_transfer(stats)
-        if now - self._last_hashes >= HASHES_INTERVAL_S:
+        if now < self._hashes_wanted_until and now - self._last_hashes >= HASHES_INTERVAL_S:
             self._last_hashes = now
             self.hashes = {"salt": core.kv.salt, "tokens_per_block": core.kv.tokens_per_block,
                            "hashes": [h.hex() for h in core.kv.cached_block_hashes()]}
