@@ -148,7 +148,9 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     return response
 
 
+import time, sys
 async def _route(request: Request, state: RouterState, path: str, body: dict, chat: bool, prompt) -> Response:
+    t0 = time.perf_counter()
     orchestrator = state.orchestrator
     params = None
     if orchestrator.disaggregated:
@@ -157,12 +159,15 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
         if context_finished(ctx.json):
             return _final_answer(ctx.json, body, chat)
         params = ctx.json["choices"][0]["disaggregated_params"]
+    t1 = time.perf_counter()
     try:
         upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
     except BaseException:
         if params is not None:  # the generation leg never pulled: free the context server's lease
             await asyncio.shield(orchestrator.release_context(ctx.backend, params))
         raise
+    t2 = time.perf_counter()
+    print(f"TIMING ctx {1e3*(t1-t0):.2f} gen_open {1e3*(t2-t1):.2f}", file=sys.stderr, flush=True)
     if upstream.stream is not None:
         return StreamingResponse(relay_sse(upstream.stream, upstream.backend), media_type="text/event-stream")
     return JSONResponse(upstream.json)
