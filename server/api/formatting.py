@@ -42,7 +42,9 @@ def _finish(output: RequestOutput) -> str | None:
 
 
 class CompletionFormatter:
-    def __init__(self, response_id: str, model: str, include_usage: bool = False):
+    """`continued`: someone else (the router) opened this stream; only chat needs to know."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False):
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
@@ -67,13 +69,14 @@ class CompletionFormatter:
 
 
 class ChatFormatter:
-    """Chat chunks: the first carries `role`, the last `finish_reason` (OpenAI's delta shape)."""
+    """Chat chunks: the first carries `role`, the last `finish_reason` (OpenAI's delta shape).
+    `continued`: the router already sent the role chunk."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool = False):
+    def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False):
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
-        self._role_sent = False
+        self._role_sent = continued
 
     def _chunk(self, delta: ChatDelta, output: RequestOutput | None) -> str:
         choice = ChatChunkChoice(delta=delta)

@@ -199,6 +199,8 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     """The whole handling of one completion or chat request: build it, run it, answer JSON or SSE."""
     request_id = new_request_id(id_prefix)
     gen = build_request(body, engine, request_id)
-    fmt = formatter(request_id, engine.model_name, include_usage=body.include_usage)
+    continued = gen.disagg is not None and gen.disagg.first_text_streamed  # the router began the stream
+    response_id = gen.disagg.ctx_request_id if continued else request_id
+    fmt = formatter(response_id, engine.model_name, include_usage=body.include_usage, continued=continued)
     respond = respond_stream if body.stream else respond_json
     return await respond(request, engine, gen, fmt)

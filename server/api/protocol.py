@@ -56,6 +56,7 @@ class DisaggregatedParams(BaseModel):
     first_gen_tokens: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     ctx_cached_tokens: int = Field(default=0, ge=0)
+    first_text_streamed: bool = Field(default=False, exclude=True)  # request only: the router streamed the first text
 
     def to_internal(self) -> DisaggParams:
         return DisaggParams(
@@ -66,6 +67,7 @@ class DisaggregatedParams(BaseModel):
             first_gen_tokens=_tuple_or_none(self.first_gen_tokens),
             prompt_token_ids=_tuple_or_none(self.prompt_token_ids),
             ctx_cached_tokens=self.ctx_cached_tokens,
+            first_text_streamed=self.first_text_streamed,
         )
 
     @classmethod
@@ -78,6 +80,7 @@ class DisaggregatedParams(BaseModel):
             first_gen_tokens=_list_or_none(params.first_gen_tokens),
             prompt_token_ids=_list_or_none(params.prompt_token_ids),
             ctx_cached_tokens=params.ctx_cached_tokens,
+            first_text_streamed=params.first_text_streamed,
         )
 
 

@@ -155,6 +155,8 @@ class EngineCore:
         self._record_timing(request)
         for token in request.output_token_ids:
             self._check_stop(request, token)
+        if request.disagg.first_text_streamed:  # the router sent this text already: skip it
+            self._detok[request.request_id].take(False)
         if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
             self._release_remote(request)
             self.scheduler.remove(request)
@@ -202,12 +204,16 @@ class EngineCore:
     def _output(self, request: Request, new_tokens: list[int],
                 disagg: DisaggParams | None = None) -> RequestOutput:
         finished = request.status == Status.FINISHED
+        # A context leg hands over (`disagg`): the text goes on elsewhere, so no flush and no release
+        # of held-back text; its text is exactly what the generation side streams for those tokens.
+        final_text = finished and disagg is None
         detok = self._detok[request.request_id]
-        if finished:
+        if final_text:
             detok.flush_partial()
+        if finished:
             self._detok.pop(request.request_id)
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(finished),
+            request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
             cached_tokens=self._reported_cached(request), error=request.error,

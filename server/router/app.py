@@ -14,15 +14,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from server.router.backends import Backend, HealthMonitor
-from server.router.orchestrator import (
-    LegError,
-    Orchestrator,
-    context_finished,
-    error_body,
+from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
+from server.router.policies import make_policy
+from server.router.streaming import (
+    generation_params,
+    opening_events,
     relay_sse,
     sse_from_final,
+    stream_after_context,
 )
-from server.router.policies import make_policy
 
 DISCONNECT_POLL_S = 0.25
 
@@ -148,9 +148,7 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     return response
 
 
-import time, sys
 async def _route(request: Request, state: RouterState, path: str, body: dict, chat: bool, prompt) -> Response:
-    t0 = time.perf_counter()
     orchestrator = state.orchestrator
     params = None
     if orchestrator.disaggregated:
@@ -158,19 +156,29 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
         ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
         if context_finished(ctx.json):
             return _final_answer(ctx.json, body, chat)
-        params = ctx.json["choices"][0]["disaggregated_params"]
-    t1 = time.perf_counter()
+        if body.get("stream"):
+            return _stream_from_context(orchestrator, ctx, path, body, chat, prompt)
+        params = generation_params(ctx.json, first_text_streamed=False)
     try:
         upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
     except BaseException:
         if params is not None:  # the generation leg never pulled: free the context server's lease
             await asyncio.shield(orchestrator.release_context(ctx.backend, params))
         raise
-    t2 = time.perf_counter()
-    print(f"TIMING ctx {1e3*(t1-t0):.2f} gen_open {1e3*(t2-t1):.2f}", file=sys.stderr, flush=True)
     if upstream.stream is not None:
         return StreamingResponse(relay_sse(upstream.stream, upstream.backend), media_type="text/event-stream")
     return JSONResponse(upstream.json)
+
+
+def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, body: dict, chat: bool,
+                         prompt) -> Response:
+    """The router sends the context answer's first token itself, then relays the generation leg."""
+    params = generation_params(ctx.json, first_text_streamed=True)
+    events = stream_after_context(
+        opening_events(ctx.json, chat),
+        lambda: orchestrator.generation_leg(path, body, prompt, params),
+        lambda: orchestrator.release_context(ctx.backend, params))
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:

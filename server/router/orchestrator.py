@@ -10,9 +10,8 @@ A leg that fails ends the request with a 502/503 naming the leg.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -93,7 +92,7 @@ class Orchestrator:
                              params: dict | None) -> Upstream:
         gen_body = dict(body)
         if params is not None:
-            gen_body["disaggregated_params"] = {**params, "request_type": "generation_only"}
+            gen_body["disaggregated_params"] = params
         backend = self.generation_policy.pick(self.generation, prompt, set())
         if backend is None:
             raise LegError(503, NO_GENERATION)
@@ -166,41 +165,3 @@ def context_finished(ctx: dict) -> bool:
     choices = ctx.get("choices") or [{}]
     params = choices[0].get("disaggregated_params") or {}
     return not params.get("ctx_request_id")
-
-
-async def relay_sse(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
-    """Pass the generation server's SSE bytes through as they arrive; closing stops the upstream."""
-    backend.active += 1
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        message = f"generation leg failed mid-stream: {type(exc).__name__}"
-        yield f"data: {json.dumps(error_body(message))}\n\n".encode()
-        backend.fence(message)
-    finally:
-        backend.active -= 1
-        await upstream.aclose()
-
-
-def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    """Turn a finished non-streaming answer (context leg ended the request) into SSE events."""
-    async def events() -> AsyncIterator[bytes]:
-        for chunk in final_chunks(body, chat, include_usage):
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-    return events()
-
-
-def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
-    choice = dict(body["choices"][0])
-    choice.pop("disaggregated_params", None)
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    if chat:
-        message = choice.pop("message", {}) or {}
-        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
-    base = {"id": body.get("id"), "object": kind, "created": body.get("created"), "model": body.get("model")}
-    chunks = [{**base, "choices": [choice]}]
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body.get("usage")})
-    return chunks

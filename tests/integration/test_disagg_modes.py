@@ -69,6 +69,24 @@ def test_streaming_and_chat_through_the_router(tmp_path):
         one = _complete(client, model, prompt, 1)  # the context leg alone finishes it
         assert one.choices[0].text == whole.choices[0].text[: len(one.choices[0].text)]
         assert one.usage.completion_tokens == 1
+        assert len({c.id for c in chunks}) == 1  # the router's first chunk and the rest: one response
+        streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                                       temperature=0, extra_body={"ignore_eos": True},
+                                                       stream=True))
+        assert len({c.id for c in streamed}) == 1
+        assert [c.choices[0].delta.role for c in streamed if c.choices].count("assistant") == 1
+        _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, one.choices[0].text, whole)
+
+
+def _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, first, whole):
+    """A stop string that starts with the first token's last character: the context server holds that
+    character back, the router streams only what is safe, and the generation server goes on from there."""
+    assert len(first) >= 2, first
+    stop = first[-1] + "@@@"  # never completed, so the text is unchanged
+    chunks = list(_complete(client, model, prompt, 20, stream=True, stop=[stop]))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert texts[0] == first[:-1]
+    assert "".join(texts) == whole.choices[0].text
 
 
 @pytest.mark.parametrize("policy", ["kv_cache_aware", "load_balancing", "round_robin"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import deploy_harness as dh
@@ -23,6 +24,12 @@ def test_rejected_generation_leg_releases_the_context_lease(tmp_path):
         assert "max_seq_len" in response.json()["error"]["message"] or "context" in response.json()["error"]["message"]
         dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
                       what="context lease released")
+        events = _streamed_events(dep.url, {**body, "stream": True})
+        assert all("choices" in event for event in events[:-1])  # at most the router's first token
+        error = events[-1]["error"]
+        assert error["message"].startswith("generation leg failed (HTTP 400): "), error
+        dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                      what="context lease released after the streamed attempt")
         assert time.monotonic() - started < 20  # far below the 60 s lease
         assert dep.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == 0
         denied = httpx.post(f"{ctx}/kv_cache/release", json={"ctx_request_id": "x"}, timeout=10)
@@ -30,3 +37,12 @@ def test_rejected_generation_leg_releases_the_context_lease(tmp_path):
         allowed = httpx.post(f"{ctx}/kv_cache/release", json={"ctx_request_id": "x"}, timeout=10,
                              headers={"x-pdserve-token": TOKEN})
         assert allowed.status_code == 200
+
+
+def _streamed_events(url: str, body: dict) -> list[dict]:
+    """The JSON events of one streamed request, up to [DONE] (the status is 200 once streaming began)."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
