@@ -143,7 +143,7 @@ class TorchPagedAttention(AttentionBackend):
         keys, values = _gather(blocks, a.units, s)  # each [S, kv_heads, L, D]
         qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale)
-        return out.view(s, self.num_heads, d)
+        return out.reshape(s, self.num_heads, d)  # CUDA kernels may return another memory layout
 
     def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
