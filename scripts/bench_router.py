@@ -1,0 +1,125 @@
+"""Router overhead: time to the first SSE event through the router against the backends alone.
+
+The context and generation "servers" here answer at once (a fixed context answer; a 3-event
+stream), so what remains is the router's own work: its HTTP front end, the context leg's HTTP
+exchange, the opening events it makes from the context answer, and the relay. Baseline in the same
+run: the same client posting straight to the fake context server.
+
+    python scripts/bench_router.py [--requests 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_launch import free_ports  # noqa: E402
+
+from server.launcher import wait_for_health  # noqa: E402
+
+PROMPT = list(range(256))
+PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-bench", "ctx_endpoint": "tcp://127.0.0.1:1",
+          "ctx_epoch": "e", "first_gen_tokens": [5], "prompt_token_ids": PROMPT, "ctx_cached_tokens": 0}
+CONTEXT_ANSWER = json.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 1, "model": "m",
+    "choices": [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None, "disaggregated_params": PARAMS}],
+    "usage": {"prompt_tokens": 256, "completion_tokens": 1, "total_tokens": 257}}).encode()
+EVENT = b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+
+
+async def _read_body(receive) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
+async def instant_backend(scope, receive, send) -> None:
+    """ASGI app: /health 200; a streaming request gets 3 events and [DONE]; any other the context answer."""
+    if scope["type"] != "http":
+        return
+    body = await _read_body(receive)
+    if scope["path"] == "/health":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+        return
+    if json.loads(body).get("stream"):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": CONTEXT_ANSWER})
+
+
+def _serve_backend(port: int) -> None:
+    uvicorn.run(instant_backend, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+
+
+def _serve_router(port: int, ctx_port: int, gen_port: int) -> None:
+    from server.router.app import RouterSettings, create_router_app
+
+    settings = RouterSettings(context_urls=(f"127.0.0.1:{ctx_port}",), generation_urls=(f"127.0.0.1:{gen_port}",))
+    uvicorn.run(create_router_app(settings), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def first_event_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, float]:
+    """(ms to the first `data:` line, or to the whole body when there is none; ms to the end)."""
+    start, first = time.perf_counter(), None
+    with client.stream("POST", url, json=body) as response:
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: "):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return ((first or end) - start) * 1e3, (end - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=500)
+    args = parser.parse_args()
+    router_port, ctx_port, gen_port = free_ports(3)
+    procs = [mp.Process(target=_serve_backend, args=(ctx_port,), daemon=True),
+             mp.Process(target=_serve_backend, args=(gen_port,), daemon=True),
+             mp.Process(target=_serve_router, args=(router_port, ctx_port, gen_port), daemon=True)]
+    for proc in procs:
+        proc.start()
+    router, context = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{ctx_port}"
+    try:
+        if not wait_for_health(router, 60.0, lambda: all(p.is_alive() for p in procs)):
+            raise SystemExit("router did not become healthy")
+        body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+        with httpx.Client(timeout=30) as client:
+            for _ in range(50):  # warm-up: connections, imports, caches
+                first_event_ms(client, f"{router}/v1/completions", body)
+                first_event_ms(client, f"{context}/v1/completions", {**body, "stream": False})
+            via, direct = [], []
+            for _ in range(args.requests):  # interleaved, so both see the same machine
+                via.append(first_event_ms(client, f"{router}/v1/completions", body))
+                direct.append(first_event_ms(client, f"{context}/v1/completions", {**body, "stream": False}))
+        med = lambda xs: statistics.median(xs)
+        print(f"through the router: first event {med(v[0] for v in via):.2f} ms, whole stream "
+              f"{med(v[1] for v in via):.2f} ms (median of {args.requests})")
+        print(f"context backend alone (its answer): {med(d[1] for d in direct):.2f} ms")
+        print(f"router overhead to the first event: {med(v[0] for v in via) - med(d[1] for d in direct):.2f} ms")
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.join(5)
+
+
+if __name__ == "__main__":
+    main()
