@@ -8,6 +8,8 @@ The concatenation of every chunk's text equals the non-streaming text (both are 
 
 from __future__ import annotations
 
+import hashlib
+
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -22,6 +24,13 @@ from server.api.protocol import (
     Usage,
 )
 from server.types import RequestOutput
+
+
+def continued_response_id(ctx_request_id: str) -> str:
+    """The id of a stream the router opened from a context answer and a generation server continues:
+    derived from the context request id, not equal to it (that id is the key of the KV lease)."""
+    prefix = ctx_request_id.split("-", 1)[0] if "-" in ctx_request_id else "cmpl"
+    return f"{prefix}-{hashlib.blake2b(ctx_request_id.encode(), digest_size=16).hexdigest()}"
 
 
 def usage_of(final: RequestOutput) -> Usage:

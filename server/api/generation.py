@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import anyio
@@ -20,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from server.api.errors import output_error
-from server.api.formatting import Formatter
+from server.api.formatting import Formatter, continued_response_id
 from server.api.prompts import build_request, new_request_id
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.types import EngineClient, GenerateRequest, RequestOutput
@@ -177,6 +178,9 @@ class SSEResponse(Response):
         output = self._first
         while True:
             if failed(output):
+                if output.new_text:  # text folded into the failure (`_merged`) still goes out first
+                    for data in self._fmt.chunks(replace(output, finished=False, finish_reason=None)):
+                        await _event(send, data)
                 await _event(send, json.dumps(output_error(output).body()))
                 break
             for data in self._fmt.chunks(output):
@@ -200,7 +204,7 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     request_id = new_request_id(id_prefix)
     gen = build_request(body, engine, request_id)
     continued = gen.disagg is not None and gen.disagg.first_text_streamed  # the router began the stream
-    response_id = gen.disagg.ctx_request_id if continued else request_id
+    response_id = continued_response_id(gen.disagg.ctx_request_id) if continued else request_id
     fmt = formatter(response_id, engine.model_name, include_usage=body.include_usage, continued=continued)
     respond = respond_stream if body.stream else respond_json
     return await respond(request, engine, gen, fmt)

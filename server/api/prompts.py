@@ -131,6 +131,11 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         prompt_ids, param = completion_prompt_ids(body, tokenizer), "prompt"
         requested, default = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
     disagg = body.disaggregated_params.to_internal() if body.disaggregated_params else None
+    if disagg is not None and disagg.first_text_streamed and (disagg.request_type != "generation_only"
+                                                             or not body.stream):
+        raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "
+                       "requests (the router sets it when it streamed the first token itself)",
+                       param="disaggregated_params.first_text_streamed")
     if disagg is not None and disagg.request_type == "generation_only" and disagg.prompt_token_ids:
         # The KV the context server made is for exactly these ids: they win over re-tokenising.
         prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), len(tokenizer),

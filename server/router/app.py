@@ -12,19 +12,22 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import TypeAdapter, ValidationError
 
 from server.router.backends import Backend, HealthMonitor
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
 from server.router.policies import make_policy
 from server.router.streaming import (
+    ContextFirstResponse,
+    ContextFirstStream,
     generation_params,
     opening_events,
     relay_sse,
     sse_from_final,
-    stream_after_context,
 )
 
 DISCONNECT_POLL_S = 0.25
+_BOOL = TypeAdapter(bool)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,11 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
         return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
     if not isinstance(body, dict):
         return JSONResponse(error_body("request body must be a JSON object", "invalid_request_error"), 400)
+    try:  # read `stream` as the servers do, so that router and server agree on what is streamed
+        body["stream"] = _BOOL.validate_python(body.get("stream", False))
+    except ValidationError:
+        return JSONResponse(error_body(f"stream must be a boolean, got {body.get('stream')!r}",
+                                       "invalid_request_error"), 400)
     cache: list = []
     prompt = lambda: cache[0] if cache else cache.append(state.prompt_tokens(body, chat)) or cache[0]
     try:
@@ -174,11 +182,10 @@ def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, b
                          prompt) -> Response:
     """The router sends the context answer's first token itself, then relays the generation leg."""
     params = generation_params(ctx.json, first_text_streamed=True)
-    events = stream_after_context(
+    return ContextFirstResponse(ContextFirstStream(
         opening_events(ctx.json, chat),
         lambda: orchestrator.generation_leg(path, body, prompt, params),
-        lambda: orchestrator.release_context(ctx.backend, params))
-    return StreamingResponse(events, media_type="text/event-stream")
+        lambda: orchestrator.release_context(ctx.backend, params)))
 
 
 def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:

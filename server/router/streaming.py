@@ -16,9 +16,11 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import anyio
 import httpx
+from starlette.responses import StreamingResponse
 
-from server.api.formatting import ChatFormatter, CompletionFormatter
+from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
 from server.router.backends import Backend
 from server.router.orchestrator import LegError, Upstream, error_body
 from server.types import RequestOutput
@@ -70,10 +72,10 @@ def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
 
 def opening_events(ctx: dict, chat: bool) -> list[bytes]:
     """The stream's first events from an unfinished context answer: the chat role chunk and the
-    first token's text (none when that text is still held back), under the id `ctx_request_id`,
-    with the same formatters the servers use."""
+    first token's text (none when that text is still held back), under the id the generation server
+    will use too (`continued_response_id`), with the same formatters the servers use."""
     choice = ctx["choices"][0]
-    response_id = choice["disaggregated_params"]["ctx_request_id"]
+    response_id = continued_response_id(choice["disaggregated_params"]["ctx_request_id"])
     text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
     fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "")
     return [sse(data) for data in fmt.chunks(RequestOutput(response_id, [], text, finished=False))]
@@ -84,30 +86,67 @@ def generation_params(ctx: dict, first_text_streamed: bool) -> dict:
     return {**params, "request_type": "generation_only", "first_text_streamed": first_text_streamed}
 
 
-async def stream_after_context(opening: list[bytes], leg: Callable[[], Awaitable[Upstream]],
-                               release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-    """`opening`, then the generation leg's stream. The leg starts before the first event is sent.
-    If it fails, or the client leaves before it answers, `release()` frees the context lease."""
-    task = asyncio.ensure_future(leg())
-    try:
-        for event in opening:
+class ContextFirstStream:
+    """`opening`, then the generation leg's stream; the leg starts before the first event is sent.
+
+    `close()` ends it however the response ended (finished, leg failed, client gone before or while
+    the leg opened, or before the stream even started): a leg still opening is cancelled, an opened
+    upstream is closed (the generation server then aborts and frees the lease itself), and if the
+    generation leg never opened, `release()` frees the context lease at once.
+    """
+
+    def __init__(self, opening: list[bytes], leg: Callable[[], Awaitable[Upstream]],
+                 release: Callable[[], Awaitable[None]]) -> None:
+        self._opening, self._leg, self._release = opening, leg, release
+        self._task: asyncio.Future[Upstream] | None = None
+        self._leg_opened = False
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        self._task = asyncio.ensure_future(self._leg())
+        for event in self._opening:
             yield event
-        upstream = await task
-    except Exception as exc:  # the generation leg failed before its stream opened
-        await asyncio.shield(release())
-        yield sse(json.dumps(_leg_error(exc)))
-        yield DONE
-        return
-    except BaseException:  # the client went away (cancelled) before the stream was relayed
-        task.cancel()
-        opened = (await asyncio.gather(task, return_exceptions=True))[0]
-        if isinstance(opened, Upstream) and opened.stream is not None:
-            await asyncio.shield(opened.stream.aclose())  # the generation server aborts and releases
-        else:
-            await asyncio.shield(release())
-        raise
-    async for chunk in relay_sse(upstream.stream, upstream.backend):
-        yield chunk
+        try:
+            upstream = await self._task
+        except Exception as exc:  # the generation leg failed before its stream opened
+            yield sse(json.dumps(_leg_error(exc)))
+            yield DONE
+            return
+        self._leg_opened = True
+        async for chunk in relay_sse(upstream.stream, upstream.backend):
+            yield chunk
+
+    async def close(self) -> None:
+        """Idempotent. Run it shielded from cancellation (see `ContextFirstResponse`)."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()  # no-op once done
+            opened = (await asyncio.gather(task, return_exceptions=True))[0]
+            if isinstance(opened, Upstream) and opened.stream is not None:
+                self._leg_opened = True
+                await opened.stream.aclose()  # idempotent; relay_sse may have closed it already
+        if not self._leg_opened:
+            await self._release()
+
+
+class ContextFirstResponse(StreamingResponse):
+    """A `ContextFirstStream` as an SSE response that closes it when the exchange ends, however it
+    ends. The close runs shielded: Starlette cancels the response on a client disconnect, and an
+    unshielded cleanup would itself be cancelled at its first await."""
+
+    def __init__(self, stream: ContextFirstStream) -> None:
+        super().__init__(stream.events(), media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stream.close()
 
 
 def _leg_error(exc: Exception) -> dict:

@@ -224,3 +224,47 @@ def test_dependency_override_swaps_the_engine():
         body = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
         assert body["model"] == "swapped"
     assert (len(started.requests), len(swapped.requests)) == (0, 1)
+
+
+CONTINUED = {"request_type": "generation_only", "ctx_request_id": "cmpl-c1", "ctx_endpoint": "tcp://127.0.0.1:1",
+             "ctx_epoch": "e", "first_gen_tokens": [5], "first_text_streamed": True}
+
+
+def test_first_text_streamed_is_refused_outside_a_streamed_generation_only_request(client, engine):
+    before = len(engine.requests)
+    for body in ({"prompt": "hi", "max_tokens": 3, "disaggregated_params": CONTINUED},  # not streamed
+                 {"prompt": "hi", "max_tokens": 3, "stream": True,
+                  "disaggregated_params": {**CONTINUED, "request_type": "context_and_generation"}}):
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "disaggregated_params.first_text_streamed"
+    assert len(engine.requests) == before  # nothing reached the engine
+
+
+def test_a_continued_stream_uses_the_derived_id_and_sends_no_second_role_chunk(client):
+    from server.api.formatting import continued_response_id
+
+    events, _ = stream(client, "/v1/chat/completions",
+                       {"messages": messages(), "max_tokens": 3, "disaggregated_params": CONTINUED})
+    assert {e["id"] for e in events} == {continued_response_id("cmpl-c1")}
+    assert all("role" not in e["choices"][0]["delta"] for e in events if e["choices"])
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+def test_text_folded_into_a_failure_is_streamed_before_the_error():
+    """Outputs that queued up behind a busy consumer are folded into one; if the last is a failure,
+    the text of the ones before it still reaches the client, then the error event."""
+    from server.types import RequestOutput
+
+    class FoldingEngine(FakeEngine):
+        async def generate(self, request):
+            self.requests.append(request)
+            yield RequestOutput(request.request_id, [5], "ab", finished=False, prompt_tokens=1, completion_tokens=1)
+            yield RequestOutput(request.request_id, [6], "cd", finished=True, finish_reason="error",
+                                prompt_tokens=1, completion_tokens=2, error="generation leg lost", error_code=502)
+
+    with TestClient(create_app(FoldingEngine)) as folding:
+        response = folding.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True})
+    events = [json.loads(e) for e in sse_events(response.text)[:-1]]
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", "cd"]
+    assert events[-1]["error"]["message"] == "generation leg lost"

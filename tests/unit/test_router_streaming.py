@@ -8,9 +8,16 @@ import json
 
 import httpx
 
+from server.api.formatting import continued_response_id
 from server.router.backends import Backend
 from server.router.orchestrator import LegError, Upstream
-from server.router.streaming import DONE, generation_params, opening_events, stream_after_context
+from server.router.streaming import (
+    DONE,
+    ContextFirstResponse,
+    ContextFirstStream,
+    generation_params,
+    opening_events,
+)
 
 PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-ctx1", "ctx_endpoint": "tcp://127.0.0.1:1",
           "ctx_epoch": "e1", "first_gen_tokens": [7], "prompt_token_ids": [1, 2, 3], "ctx_cached_tokens": 0}
@@ -29,7 +36,8 @@ def _events(raw: list[bytes]) -> list[dict]:
 
 def test_completion_opening_is_the_first_text_under_the_context_id():
     [event] = _events(opening_events(_ctx(" Hel", chat=False), chat=False))
-    assert event["id"] == "cmpl-ctx1" and event["object"] == "text_completion" and event["model"] == "m"
+    assert event["id"] == continued_response_id("cmpl-ctx1") != "cmpl-ctx1"  # not the lease key
+    assert event["object"] == "text_completion" and event["model"] == "m"
     assert event["choices"][0]["text"] == " Hel" and event["choices"][0]["finish_reason"] is None
 
 
@@ -43,7 +51,7 @@ def test_chat_opening_is_the_role_then_the_first_text():
     role, text = _events(opening_events(_ctx("Hi", chat=True), chat=True))
     assert role["object"] == text["object"] == "chat.completion.chunk"
     assert role["choices"][0]["delta"]["role"] == "assistant"
-    assert text["choices"][0]["delta"]["content"] == "Hi" and text["id"] == "cmpl-ctx1"
+    assert text["choices"][0]["delta"]["content"] == "Hi" and text["id"] == role["id"]
 
 
 def test_generation_params_carry_the_context_answer_and_the_streamed_flag():
@@ -56,7 +64,10 @@ def _collect(opening, leg, released: list[str]) -> list[bytes]:
         released.append("released")
 
     async def run() -> list[bytes]:
-        return [e async for e in stream_after_context(opening, leg, release)]
+        stream = ContextFirstStream(opening, leg, release)
+        events = [e async for e in stream.events()]
+        await stream.close()
+        return events
     return asyncio.run(run())
 
 
@@ -82,44 +93,102 @@ def test_an_unexpected_leg_exception_is_reported_too():
     assert released == ["released"]
 
 
-def test_the_generation_stream_follows_the_opening():
-    class Body(httpx.AsyncByteStream):
-        async def __aiter__(self):
-            yield b'data: {"choices": [{"text": "lo"}]}\n\n'
-            yield b"data: [DONE]\n\n"
+class _Body(httpx.AsyncByteStream):
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self):
+        yield b'data: {"choices": [{"text": "lo"}]}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_the_generation_stream_follows_the_opening_and_the_lease_is_left_to_the_generation_server():
+    body = _Body()
 
     async def leg() -> Upstream:
-        return Upstream(Backend("http://gen", "generation"), stream=httpx.Response(200, stream=Body()))
+        return Upstream(Backend("http://gen", "generation"), stream=httpx.Response(200, stream=body))
 
     released: list[str] = []
     raw = b"".join(_collect([b"data: {\"first\": 1}\n\n"], leg, released))
     assert raw == b'data: {"first": 1}\n\ndata: {"choices": [{"text": "lo"}]}\n\ndata: [DONE]\n\n'
-    assert released == []
+    assert released == [] and body.closed
 
 
-def test_a_client_gone_before_the_leg_answers_cancels_it_and_releases_the_lease():
-    started, cancelled = asyncio.Event(), []
+async def _pending_leg(started: asyncio.Event, cancelled: list[bool]) -> Upstream:
+    started.set()
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+    raise AssertionError("not reached")
 
-    async def leg() -> Upstream:
-        started.set()
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
 
+def _run_response(leg, disconnect_when) -> tuple[list[dict], list[str]]:
+    """The response as Starlette serves it; the client disconnects when `disconnect_when` is set."""
+    sent: list[dict] = []
     released: list[str] = []
 
     async def release() -> None:
+        await asyncio.sleep(0)  # an await that an unshielded, cancelled cleanup would not get past
         released.append("released")
 
     async def run() -> None:
-        events = stream_after_context([b"data: {}\n\n"], leg, release)
-        consumer = asyncio.ensure_future(anext(events))
-        assert await consumer == b"data: {}\n\n"
-        waiting = asyncio.ensure_future(anext(events))
-        await asyncio.wait_for(started.wait(), 5)
-        waiting.cancel()  # what Starlette does when the client disconnects
-        await asyncio.gather(waiting, return_exceptions=True)
+        gone = disconnect_when()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        response = ContextFirstResponse(ContextFirstStream([b"data: {}\n\n"], leg, release))
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
+        await asyncio.wait_for(response(scope, receive, send), 10)
     asyncio.run(run())
+    return sent, released
+
+
+def test_a_client_gone_while_the_leg_opens_cancels_it_and_releases_the_lease():
+    started, cancelled = asyncio.Event(), []
+
+    def disconnect_when() -> asyncio.Event:
+        return started  # the client leaves as soon as the leg is under way
+
+    sent, released = _run_response(lambda: _pending_leg(started, cancelled), disconnect_when)
     assert cancelled == [True] and released == ["released"]
+    assert any(m.get("body") == b"data: {}\n\n" for m in sent)  # the opening went out first
+
+
+def test_a_client_gone_before_the_stream_started_still_releases_the_lease():
+    legs: list[str] = []
+
+    async def leg() -> Upstream:
+        legs.append("called")
+        raise AssertionError("the leg must not matter here")
+
+    def disconnect_when() -> asyncio.Event:
+        gone = asyncio.Event()
+        gone.set()  # already gone
+        return gone
+
+    _, released = _run_response(leg, disconnect_when)
+    assert released == ["released"]
+
+
+def test_the_router_reads_stream_as_the_servers_do():
+    from fastapi.testclient import TestClient
+
+    from server.router.app import RouterSettings, create_router_app
+
+    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    with TestClient(create_router_app(settings)) as client:
+        bad = client.post("/v1/completions", json={"prompt": "x", "stream": "maybe"})
+        assert bad.status_code == 400 and "stream must be a boolean" in bad.json()["error"]["message"]
+        # "false" is a boolean to the servers too: the request goes on (to no healthy server here)
+        fine = client.post("/v1/completions", json={"prompt": "x", "stream": "false"})
+        assert fine.status_code == 503, fine.text
