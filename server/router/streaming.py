@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 import httpx
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
 from server.router.backends import Backend
@@ -141,7 +142,7 @@ class ContextFirstResponse(StreamingResponse):
         super().__init__(stream.events(), media_type="text/event-stream")
         self._stream = stream
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
