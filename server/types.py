@@ -46,7 +46,7 @@ class DisaggParams:
     prompt_token_ids: tuple[int, ...] | None = None
     ctx_cached_tokens: int = 0  # prefix-cache hit on the context server (for honest usage)
     # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
-    # chunk) under the response id ctx_request_id; stream only what follows, under that id
+    # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
     first_text_streamed: bool = False
 
 

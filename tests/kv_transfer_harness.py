@@ -22,7 +22,8 @@ import torch
 
 from kvcache import KVCacheManager, Level
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 
 def pattern(window: int, index: int, tokens: list[int], nbytes: int, device: str | torch.device) -> torch.Tensor:
@@ -81,9 +82,13 @@ def serve_json_commands(handle: Callable[[dict], dict], tick: Callable[[], None]
 
 
 class JsonChild:
-    """Parent side: runs `code` in a child Python process; its first line is `hello`."""
+    """Parent side: runs `call` (e.g. "ctx_main(3)") of the test module `module` in a child Python
+    process, with tests/ and the module's folder on its path; the child's first line is `hello`."""
 
-    def __init__(self, code: str, startup_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(self, module: str | Path, call: str, startup_timeout_s: float, read_timeout_s: float) -> None:
+        module = Path(module)
+        code = (f"import sys; sys.path[:0] = [{str(module.parent)!r}, {str(TESTS)!r}]; "
+                f"import {module.stem} as m; m.{call}")
         self.read_timeout_s = read_timeout_s
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=ROOT)

@@ -46,10 +46,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_tick: list[Callable[[EngineCore], None]] = []
-        # outputs waiting for the event loop; one wake-up is scheduled at a time (see _hand_over)
+        # outputs waiting for the event loop; while it is non-empty a wake-up is pending (_hand_over)
         self._handed: list[RequestOutput] = []
         self._handed_lock = threading.Lock()
-        self._wake_pending = False
 
     @property
     def tokenizer(self):
@@ -155,16 +154,14 @@ class AsyncEngine:
         While the loop is busy (many streams), steps add to the same batch instead of each paying
         a self-pipe write and a GIL hand-off; the order of outputs is kept."""
         with self._handed_lock:
+            wake = not self._handed  # else the wake-up scheduled for those is still to run
             self._handed.extend(outputs)
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-        self._loop.call_soon_threadsafe(self._deliver_handed)
+        if wake:
+            self._loop.call_soon_threadsafe(self._deliver_handed)
 
     def _deliver_handed(self) -> None:
         with self._handed_lock:
             outputs, self._handed = self._handed, []
-            self._wake_pending = False
         for output in outputs:
             self._deliver(output)
 

@@ -100,7 +100,6 @@ class ContextFirstStream:
                  release: Callable[[], Awaitable[None]]) -> None:
         self._opening, self._leg, self._release = opening, leg, release
         self._task: asyncio.Future[Upstream] | None = None
-        self._leg_opened = False
         self._closed = False
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -113,7 +112,6 @@ class ContextFirstStream:
             yield sse(json.dumps(_leg_error(exc)))
             yield DONE
             return
-        self._leg_opened = True
         async for chunk in relay_sse(upstream.stream, upstream.backend):
             yield chunk
 
@@ -123,13 +121,13 @@ class ContextFirstStream:
             return
         self._closed = True
         task, self._task = self._task, None
+        opened = None
         if task is not None:
             task.cancel()  # no-op once done
             opened = (await asyncio.gather(task, return_exceptions=True))[0]
-            if isinstance(opened, Upstream) and opened.stream is not None:
-                self._leg_opened = True
-                await opened.stream.aclose()  # idempotent; relay_sse may have closed it already
-        if not self._leg_opened:
+        if isinstance(opened, Upstream) and opened.stream is not None:
+            await opened.stream.aclose()  # idempotent; relay_sse may have closed it already
+        else:  # the generation leg never opened: nobody else will free the lease before it expires
             await self._release()
 
 

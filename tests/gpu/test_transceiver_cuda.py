@@ -11,27 +11,22 @@ byte path (gather -> pinned staging -> ZeroMQ -> scatter), which is checked on C
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from server.engine.disagg import blocks_to_pull
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver, PullResult
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the shared harness lives in tests/
-from kv_transfer_harness import (  # noqa: E402
+from kv_transfer_harness import (
     JsonChild,
     assert_blocks_match,
     fill,
     serve_json_commands,
     tokens_for,
 )
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from server.engine.disagg import blocks_to_pull
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver, PullResult
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -118,12 +113,10 @@ def ctx_main(shape: str, same_host_ipc: bool) -> None:
 
 class CtxProcess(JsonChild):
     def __init__(self, shape: str, same_host_ipc: bool = True) -> None:
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_cuda as m; " \
-               f"m.ctx_main({shape!r}, {same_host_ipc})"
-        super().__init__(code, startup_timeout_s=120, read_timeout_s=60)
+        super().__init__(__file__, f"ctx_main({shape!r}, {same_host_ipc})", startup_timeout_s=120, read_timeout_s=60)
         self.endpoint, self.epoch = self.hello["endpoint"], self.hello["epoch"]
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float = 20.0) -> None:  # a CUDA context takes longer to tear down
         super().stop(grace_s)
 
 

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
-from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 import zmq
+from kv_transfer_harness import (
+    JsonChild,
+    assert_blocks_match,
+    fill,
+    serve_json_commands,
+    tokens_for,
+)
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.engine.disagg import blocks_to_pull
@@ -27,16 +32,6 @@ from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
 from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
 from transceiver.receiver import KVReceiver, PullResult
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the shared harness lives in tests/
-from kv_transfer_harness import (  # noqa: E402
-    JsonChild,
-    assert_blocks_match,
-    fill,
-    serve_json_commands,
-    tokens_for,
-)
 
 TOKEN = "integration-token-0123456789"
 TPB = 8
@@ -129,9 +124,7 @@ class CtxProcess(JsonChild):
     """The test's handle on a context process."""
 
     def __init__(self, timeout_ms: int = 30000, port: int = 0) -> None:
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_transceiver_kv as m; " \
-               f"m.ctx_main({timeout_ms}, {port})"
-        super().__init__(code, startup_timeout_s=60, read_timeout_s=10)
+        super().__init__(__file__, f"ctx_main({timeout_ms}, {port})", startup_timeout_s=60, read_timeout_s=10)
         self.endpoint, self.epoch = self.hello["endpoint"], self.hello["epoch"]
 
 
