@@ -8,13 +8,13 @@ from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import TypeAdapter, ValidationError
 
 from server.router.backends import Backend, HealthMonitor
+from server.router.http_client import HttpClient, HttpError
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
 from server.router.policies import make_policy
 from server.router.streaming import (
@@ -48,7 +48,7 @@ class ClientGone(Exception):
 @dataclass
 class RouterState:
     settings: RouterSettings
-    client: httpx.AsyncClient
+    client: HttpClient
     context: list[Backend]
     generation: list[Backend]
     orchestrator: Orchestrator
@@ -75,7 +75,7 @@ class RouterState:
 
 
 def _build_state(settings: RouterSettings) -> RouterState:
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    client = HttpClient()
     role = "context" if settings.context_urls else "aggregated"
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
@@ -218,9 +218,9 @@ async def _models(request: Request) -> Response:
     for backend in state.generation + state.context:
         if backend.healthy:
             try:
-                response = await state.client.get(f"{backend.url}/v1/models", timeout=5.0)
-                return JSONResponse(response.json(), status_code=response.status_code)
-            except (httpx.HTTPError, ValueError):
+                response = await state.client.request("GET", f"{backend.url}/v1/models", timeout=5.0)
+                return JSONResponse(response.json(), status_code=response.status)
+            except (HttpError, ValueError):
                 continue
     return JSONResponse(error_body("no healthy server"), 503)
 

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+from server.router.http_client import HttpClient, HttpError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Backend:
 class HealthMonitor:
     """Polls every backend's /health (and, if asked, its cached block hashes) on an interval."""
 
-    def __init__(self, backends: list[Backend], client: httpx.AsyncClient, *, interval_s: float = 1.0,
+    def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0,
                  timeout_s: float = 2.0, poll_hashes: bool = False) -> None:
         self.backends = backends
         self.client = client
@@ -60,13 +60,13 @@ class HealthMonitor:
 
     async def check(self, backend: Backend) -> None:
         try:
-            response = await self.client.get(f"{backend.url}/health", timeout=self.timeout_s)
-            ok = response.status_code == 200
-        except httpx.HTTPError as exc:
+            response = await self.client.request("GET", f"{backend.url}/health", timeout=self.timeout_s)
+            ok = response.status == 200
+        except HttpError as exc:
             ok, response = False, None
             backend.last_error = f"{type(exc).__name__}: {exc}"
         if not ok:
-            reason = backend.last_error if response is None else f"/health returned {response.status_code}"
+            reason = backend.last_error if response is None else f"/health returned {response.status}"
             backend.fence(reason)
         elif not backend.healthy:
             log.info("%s backend %s is healthy", backend.role, backend.url)
@@ -77,12 +77,12 @@ class HealthMonitor:
 
     async def _fetch_hashes(self, backend: Backend) -> None:
         try:
-            response = await self.client.get(f"{backend.url}/kv_cache/hashes", timeout=self.timeout_s)
+            response = await self.client.request("GET", f"{backend.url}/kv_cache/hashes", timeout=self.timeout_s)
             body = response.json()
             backend.cached_hashes = frozenset(body["hashes"])
             backend.hash_salt = body["salt"]
             backend.tokens_per_block = int(body["tokens_per_block"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (HttpError, ValueError, KeyError, TypeError) as exc:
             log.warning("could not read cached block hashes of %s: %s", backend.url, exc)
 
     async def _loop(self) -> None:

@@ -14,14 +14,21 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
-
 from server.router.backends import Backend
+from server.router.http_client import (
+    ConnectError,
+    HttpClient,
+    HttpError,
+    ReadError,
+    RequestTimeout,
+    Response,
+    StreamResponse,
+)
 from server.router.policies import PromptTokens, RoundRobin
 
 log = logging.getLogger(__name__)
 RELEASE_TOKEN_HEADER = "x-pdserve-token"
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
 NO_GENERATION = "generation leg failed: no healthy generation server"
 
 
@@ -42,11 +49,11 @@ class Upstream:
 
     backend: Backend
     json: dict | None = None
-    stream: httpx.Response | None = None
+    stream: StreamResponse | None = None
 
 
 class Orchestrator:
-    def __init__(self, client: httpx.AsyncClient, context: Sequence[Backend], generation: Sequence[Backend],
+    def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
                  context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
                  auth_token: str | None = None) -> None:
         self.auth_token = auth_token
@@ -55,7 +62,7 @@ class Orchestrator:
         self.generation = list(generation)
         self.context_policy = context_policy
         self.generation_policy = generation_policy
-        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self.timeout_s = timeout_s
 
     @property
     def disaggregated(self) -> bool:
@@ -108,49 +115,49 @@ class Orchestrator:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""
         headers = {RELEASE_TOKEN_HEADER: self.auth_token} if self.auth_token else {}
         try:
-            await self.client.post(f"{backend.url}/kv_cache/release", headers=headers, timeout=5.0,
-                                   json={"ctx_request_id": params.get("ctx_request_id")})
-        except httpx.HTTPError as exc:  # the lease still expires on its own
+            await self.client.request("POST", f"{backend.url}/kv_cache/release", headers=headers, timeout=5.0,
+                                      json={"ctx_request_id": params.get("ctx_request_id")})
+        except HttpError as exc:  # the lease still expires on its own
             log.warning("could not release lease %s on %s: %s", params.get("ctx_request_id"), backend.url, exc)
 
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
         backend.active += 1
         try:
-            response = await self.client.post(backend.url + path, json=body, timeout=self.timeout)
+            response = await self.client.request("POST", backend.url + path, json=body, timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
             raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})") from exc
-        except httpx.TimeoutException as exc:
+        except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
         finally:
             backend.active -= 1
         return _parse(backend, response)
 
-    async def _open_stream(self, backend: Backend, path: str, body: dict) -> httpx.Response:
-        request = self.client.build_request("POST", backend.url + path, json=body, timeout=self.timeout)
+    async def _open_stream(self, backend: Backend, path: str, body: dict) -> StreamResponse:
         try:
-            response = await self.client.send(request, stream=True)
+            response = await self.client.stream("POST", backend.url + path, json=body, timeout=self.timeout_s)
+            if response.status != 200:
+                try:
+                    _parse(backend, Response(response.status, await response.aread()))
+                finally:
+                    await response.aclose()
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
             raise LegError(502, f"generation leg failed: {backend.url} unreachable") from exc
-        except httpx.TimeoutException as exc:
+        except RequestTimeout as exc:
             raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
-        if response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
-            _parse(backend, httpx.Response(response.status_code, content=content))
         return response
 
 
-def _parse(backend: Backend, response: httpx.Response) -> dict:
+def _parse(backend: Backend, response: Response) -> dict:
     try:
         body = response.json()
     except ValueError:
         body = None
-    if response.status_code == 200 and isinstance(body, dict):
+    if response.status == 200 and isinstance(body, dict):
         return body
-    message = _message(body) or f"{backend.url} returned HTTP {response.status_code}"
-    status = response.status_code if response.status_code != 200 else 502
+    message = _message(body) or f"{backend.url} returned HTTP {response.status}"
+    status = response.status if response.status != 200 else 502
     raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None)
 
 

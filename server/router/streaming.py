@@ -17,12 +17,12 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
-import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
 from server.router.backends import Backend
+from server.router.http_client import HttpError, StreamResponse
 from server.router.orchestrator import LegError, Upstream, error_body
 from server.types import RequestOutput
 
@@ -33,13 +33,13 @@ def sse(data: str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def relay_sse(upstream: httpx.Response, backend: Backend) -> AsyncIterator[bytes]:
+async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator[bytes]:
     """Pass the generation server's SSE bytes through as they arrive; closing stops the upstream."""
     backend.active += 1
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
-    except httpx.HTTPError as exc:
+    except HttpError as exc:
         message = f"generation leg failed mid-stream: {type(exc).__name__}"
         yield sse(json.dumps(error_body(message)))
         backend.fence(message)

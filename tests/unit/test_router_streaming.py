@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
-
 from server.api.formatting import continued_response_id
 from server.router.backends import Backend
+from server.router.http_client import ReadError, StreamResponse
 from server.router.orchestrator import LegError, Upstream
 from server.router.streaming import (
     DONE,
@@ -85,19 +84,19 @@ def test_a_failed_generation_leg_ends_the_stream_with_an_error_naming_it_and_rel
 
 def test_an_unexpected_leg_exception_is_reported_too():
     async def leg() -> Upstream:
-        raise httpx.WriteError("broken pipe")
+        raise ReadError("broken pipe")
 
     released: list[str] = []
     [error] = _events(_collect([], leg, released))
-    assert error["error"]["message"] == "generation leg failed: WriteError: broken pipe"
+    assert error["error"]["message"] == "generation leg failed: ReadError: broken pipe"
     assert released == ["released"]
 
 
-class _Body(httpx.AsyncByteStream):
+class _Body:
     def __init__(self) -> None:
         self.closed = False
 
-    async def __aiter__(self):
+    async def chunks(self):
         yield b'data: {"choices": [{"text": "lo"}]}\n\n'
         yield b"data: [DONE]\n\n"
 
@@ -109,7 +108,7 @@ def test_the_generation_stream_follows_the_opening_and_the_lease_is_left_to_the_
     body = _Body()
 
     async def leg() -> Upstream:
-        return Upstream(Backend("http://gen", "generation"), stream=httpx.Response(200, stream=body))
+        return Upstream(Backend("http://gen", "generation"), stream=StreamResponse(200, body.chunks(), body.aclose))
 
     released: list[str] = []
     raw = b"".join(_collect([b"data: {\"first\": 1}\n\n"], leg, released))
