@@ -1,17 +1,24 @@
-"""The router's FastAPI app: OpenAI endpoints in front of context and generation servers."""
+"""The router's ASGI app: OpenAI endpoints in front of context and generation servers.
+
+A plain Starlette app: the router validates nothing beyond what it routes on (the servers validate
+the requests), so FastAPI's request models and dependency layer would only add work to every hop.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import TypeAdapter, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from server.router.backends import Backend, HealthMonitor
 from server.router.http_client import HttpClient, HttpError
@@ -101,9 +108,9 @@ def _http(url: str) -> str:
     return url if url.startswith("http") else f"http://{url}"
 
 
-def create_router_app(settings: RouterSettings) -> FastAPI:
+def create_router_app(settings: RouterSettings) -> Starlette:
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         state = _build_state(settings)
         app.state.router = state
         await state.monitor.check_all()
@@ -112,13 +119,20 @@ def create_router_app(settings: RouterSettings) -> FastAPI:
         await state.monitor.stop()
         await state.client.aclose()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
-    app.add_api_route("/v1/completions", _completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
-    app.add_api_route("/v1/models", _models, methods=["GET"])
-    app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/metrics", _metrics, methods=["GET"])
-    return app
+    return Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error}, routes=[
+        Route("/v1/completions", _completions, methods=["POST"]),
+        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ])
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown path, wrong method: the OpenAI error shape, like every other error of the router."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(error_body(message, "invalid_request_error"), exc.status_code, headers=exc.headers)
 
 
 async def _completions(request: Request) -> Response:
@@ -132,7 +146,7 @@ async def _chat(request: Request) -> Response:
 async def _handle(request: Request, path: str, chat: bool) -> Response:
     state: RouterState = request.app.state.router
     try:
-        body = json.loads(await request.body())
+        body = msgspec.json.decode(await request.body())
     except ValueError as exc:
         return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
     if not isinstance(body, dict):

@@ -20,7 +20,6 @@ exchange). A streamed body that the reader does not keep up with pauses the sock
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+import msgspec
 
 MAX_BUFFERED = 256 << 10  # bytes of a streamed body waiting for its reader before the socket pauses
 MAX_IDLE_PER_HOST = 64
@@ -56,7 +56,7 @@ class Response:
 
     def json(self) -> object:
         """The body as JSON; ValueError if it is not JSON."""
-        return json.loads(self.content)
+        return msgspec.json.decode(self.content)
 
 
 class StreamResponse:
@@ -330,7 +330,7 @@ def _request_bytes(method: str, host: str, port: int, target: str, body: object,
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}:{port}"]
     content = b""
     if body is not None:
-        content = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        content = msgspec.json.encode(body)
         lines.append("Content-Type: application/json")
     if body is not None or method in ("POST", "PUT", "PATCH"):
         lines.append(f"Content-Length: {len(content)}")

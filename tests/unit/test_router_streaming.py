@@ -191,3 +191,20 @@ def test_the_router_reads_stream_as_the_servers_do():
         # "false" is a boolean to the servers too: the request goes on (to no healthy server here)
         fine = client.post("/v1/completions", json={"prompt": "x", "stream": "false"})
         assert fine.status_code == 503, fine.text
+
+
+def test_the_router_answers_bad_paths_methods_and_bodies_with_json_errors():
+    from fastapi.testclient import TestClient
+
+    from server.router.app import RouterSettings, create_router_app
+
+    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    with TestClient(create_router_app(settings)) as client:
+        missing = client.post("/v1/nothing", json={})
+        assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
+        wrong = client.get("/v1/completions")
+        assert wrong.status_code == 405 and "GET /v1/completions" in wrong.json()["error"]["message"]
+        assert "POST" in wrong.headers["allow"]
+        for body, says in [(b"{nope", "malformed JSON"), (b"[1, 2]", "must be a JSON object")]:
+            bad = client.post("/v1/completions", content=body)
+            assert bad.status_code == 400 and says in bad.json()["error"]["message"], bad.text
