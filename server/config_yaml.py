@@ -62,6 +62,12 @@ class Where:
             raise self.key(name).error(f"must be >= {minimum}, got {value}")
         return value
 
+    def boolean(self, data: dict[str, Any], name: str, default: bool) -> bool:
+        value = data.get(name, default)
+        if not isinstance(value, bool):
+            raise self.key(name).error(f"must be true or false, got {_kind(value)} {value!r}")
+        return value
+
     def port(self, data: dict[str, Any], name: str, default: int) -> int:
         value = self.integer(data, name, default, minimum=1)
         if value > 65535:

@@ -15,6 +15,7 @@ from server.api.app import create_app
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
+from server.engine.cpu_threads import cpu_threads_policy
 from server.engine.disagg import ContextRole, GenerationRole
 from server.engine.scheduler import SchedulerConfig
 from server.kv_routes import install_kv_routes
@@ -44,7 +45,8 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
                          max_batch_size=cfg.max_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake))
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake),
+                      threads=cpu_threads_policy(device, cfg.borrow_idle_cores))
     log.info("engine ready: %s on %s/%s, KV windows %s, %s primary blocks", model_dir, device, dtype,
              kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes])
     return core

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from kvcache import KVCacheManager
+from server.engine.cpu_threads import BorrowIdleCores, FixedThreads
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.request import Request, Status
 from server.engine.sampler import sample
@@ -39,7 +40,8 @@ class DisaggHooks(Protocol):
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
-                 *, metrics=None, disagg: DisaggHooks | None = None) -> None:
+                 *, metrics=None, disagg: DisaggHooks | None = None,
+                 threads: FixedThreads | BorrowIdleCores | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.config = config
@@ -47,6 +49,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, kv)
         self.metrics = metrics
         self.disagg = disagg
+        self.threads = threads or FixedThreads()
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.did_work = False
@@ -116,6 +119,7 @@ class EngineCore:
             outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
             self.disagg.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])
         if plan.chunks:
+            self.threads.before_step(sum(c.num_new_tokens for c in plan.chunks))
             logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])
             outputs += self._postprocess(plan.chunks, logits)
         return outputs

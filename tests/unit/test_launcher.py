@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from server.config import AUTH_TOKEN_ENV, HOSTNAME_ENV, load_deployment, load_server_config, with_auth_token
-from server.launcher import Child, pdserve_command, plan_children
+from server.launcher import BORROWER_SPINCOUNT, Child, child_env, pdserve_command, plan_children
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "f" * 64
@@ -52,3 +52,14 @@ def test_pdserve_commands():
                                        "/logs/context-0.yaml", "--role", "context"]
     assert pdserve_command(router) == [sys.executable, "-m", "server.cli", "router", "--config",
                                        "/cfg/d.yaml"]
+
+
+def test_children_share_the_cores_and_borrowers_spin_briefly(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    env = child_env({"PATH": "/bin"}, "tok", num_servers=2)
+    assert env["OMP_NUM_THREADS"] == "2" and env["GOMP_SPINCOUNT"] == BORROWER_SPINCOUNT
+    assert env[AUTH_TOKEN_ENV] == "tok" and env["PATH"] == "/bin"
+    alone = child_env({}, "tok", num_servers=1)  # one engine has every core: nothing to borrow
+    assert alone["OMP_NUM_THREADS"] == "4" and "GOMP_SPINCOUNT" not in alone
+    chosen = child_env({"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "0"}, "tok", num_servers=2)
+    assert (chosen["OMP_NUM_THREADS"], chosen["GOMP_SPINCOUNT"]) == ("3", "0")  # the user's choice stands
