@@ -36,8 +36,8 @@ HOSTNAME_ENV = "PDSERVE_HOSTNAME"
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 # hosts that bind every interface, so they collide with any host on the same port
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "dtype", "device",
-               "borrow_idle_cores", "kv_cache_config", "cache_transceiver_config")
+ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "max_prefill_batch_tokens",
+               "dtype", "device", "borrow_idle_cores", "kv_cache_config", "cache_transceiver_config")
 SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
 SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port")
 DEPLOYMENT_KEYS = (*SERVER_KEYS, "router", "context_servers", "generation_servers")
@@ -61,6 +61,9 @@ class ServerConfig:
     max_seq_len: int = 2048
     max_batch_size: int = 64
     max_num_tokens: int = 2048
+    # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
+    # default (server/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
+    max_prefill_batch_tokens: int | None = None
     dtype: str = "auto"
     device: str = "auto"
     borrow_idle_cores: bool = True  # CPU engines: big steps also use CPUs idle at that moment
@@ -172,7 +175,8 @@ def server_config_to_yaml(cfg: ServerConfig) -> str:
     data = {
         "model": cfg.model, "hostname": cfg.host, "port": cfg.port,
         "max_seq_len": cfg.max_seq_len, "max_batch_size": cfg.max_batch_size,
-        "max_num_tokens": cfg.max_num_tokens, "dtype": cfg.dtype, "device": cfg.device,
+        "max_num_tokens": cfg.max_num_tokens, "max_prefill_batch_tokens": cfg.max_prefill_batch_tokens,
+        "dtype": cfg.dtype, "device": cfg.device,
         "borrow_idle_cores": cfg.borrow_idle_cores,
         "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
     }
@@ -205,6 +209,8 @@ def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Wh
     for key, default in (("max_seq_len", 2048), ("max_batch_size", 64), ("max_num_tokens", 2048)):
         d, w = pick(key)
         out[key] = w.integer(d, key, default, minimum=1)
+    d, w = pick("max_prefill_batch_tokens")
+    out["max_prefill_batch_tokens"] = w.optional_integer(d, "max_prefill_batch_tokens", minimum=1)
     for key, choices in (("dtype", DTYPES), ("device", DEVICES)):
         d, w = pick(key)
         out[key] = w.choice(d, key, choices, "auto")

@@ -62,6 +62,9 @@ class Where:
             raise self.key(name).error(f"must be >= {minimum}, got {value}")
         return value
 
+    def optional_integer(self, data: dict[str, Any], name: str, minimum: int) -> int | None:
+        return None if data.get(name) is None else self.integer(data, name, minimum, minimum)
+
     def boolean(self, data: dict[str, Any], name: str, default: bool) -> bool:
         value = data.get(name, default)
         if not isinstance(value, bool):

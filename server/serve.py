@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 import uvicorn
 
 from kvcache import KVCacheManager
@@ -44,12 +45,25 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    limits = SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len)
+    limits = scheduler_limits(cfg, device)
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake),
                       threads=cpu_threads_policy(device, cfg.borrow_idle_cores))
     log.info("engine ready: %s on %s/%s, KV windows %s, %s primary blocks", model_dir, device, dtype,
              kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes])
     return core
+
+
+# On a CPU a prefill step costs about the same per token for 1 to 8 prompts of 256 tokens
+# (docs/BENCHMARKS.md), so batching more prompts only delays the first ones' first tokens.
+CPU_PREFILL_BATCH_TOKENS = 256
+
+
+def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig:
+    """The engine's step limits; an unset max_prefill_batch_tokens takes the device's default."""
+    prefill = cfg.max_prefill_batch_tokens
+    if prefill is None and device.type == "cpu":
+        prefill = CPU_PREFILL_BATCH_TOKENS
+    return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
 
 
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake):

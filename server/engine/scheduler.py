@@ -7,6 +7,8 @@ Invariants:
 - every request in `running` or `transferring` holds blocks for all of its computed tokens and for
   the tokens scheduled this step; a request in `waiting` holds none;
 - a step never schedules more than `max_num_tokens` tokens nor more than `max_batch_size` requests;
+- a step starts no further waiting prompt once its prefill tokens reach `max_prefill_batch_tokens`
+  (a prompt already started goes on in chunks under `max_num_tokens`; decode tokens do not count);
 - preemption picks the newest running request: its computed full blocks are committed to the reuse
   tree and released, so with a host tier they are offloaded on eviction and onboarded on resume
   ("swap"), and without one they are recomputed.
@@ -27,6 +29,9 @@ class SchedulerConfig:
     max_num_tokens: int = 2048
     max_batch_size: int = 64
     max_seq_len: int = 2048
+    # Batching prompts pays where a step's cost grows slower than its tokens (a GPU); where it
+    # grows in step with them (a CPU) it only makes every prompt of the batch wait for the last.
+    max_prefill_batch_tokens: int | None = None  # None: max_num_tokens
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,13 @@ class Scheduler:
         self._schedule_waiting(budget, out)
         return out
 
+    def _prefill_batch_full(self, out: SchedulerOutput) -> bool:
+        """The step's prefill tokens (chunks of more than one token) reached the prefill batch limit."""
+        limit = self.config.max_prefill_batch_tokens
+        if limit is None:
+            return False
+        return sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) >= limit
+
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
@@ -138,10 +150,11 @@ class Scheduler:
                 request.finish("error", self._too_big_message(request), code=400)
                 out.rejected.append(request)
                 continue
-            if not self._admit(request):
+            pulls_kv = request.is_generation_only and not request.admitted_once  # computes nothing here
+            if (not pulls_kv and self._prefill_batch_full(out)) or not self._admit(request):
                 return
             self.waiting.popleft()
-            if request.is_generation_only and not request.admitted_once:
+            if pulls_kv:
                 request.admitted_once = True
                 request.status = Status.WAITING_FOR_KV
                 self.transferring[request.request_id] = request

@@ -4,6 +4,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from kvcache import KvCacheConfig
@@ -189,3 +190,31 @@ def test_borrow_idle_cores_defaults_on_inherits_and_survives_the_child_yaml(tmp_
     assert load_server_config(path, "context").borrow_idle_cores is False
     with pytest.raises(ConfigError, match=r"borrow_idle_cores: must be true or false, got a string 'yes'"):
         load_deployment(write(tmp_path, disagg(borrow_idle_cores="yes"), "bad.yaml"))
+
+
+def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp_path):
+    data = disagg(max_prefill_batch_tokens=512)
+    data["context_servers"]["max_prefill_batch_tokens"] = 128
+    cfg = load_deployment(write(tmp_path, data))
+    ctx, gen = cfg.context_servers[0], cfg.generation_servers[0]
+    assert (ctx.max_prefill_batch_tokens, gen.max_prefill_batch_tokens) == (128, 512)
+    assert load_deployment(write(tmp_path, disagg(), "d.yaml")).context_servers[0].max_prefill_batch_tokens is None
+    path = tmp_path / "child.yaml"
+    path.write_text(server_config_to_yaml(ctx))
+    assert load_server_config(path, "context").max_prefill_batch_tokens == 128
+    with pytest.raises(ConfigError, match=r"bad.yaml: context_servers.max_prefill_batch_tokens: must be >= 1, got 0"):
+        data["context_servers"]["max_prefill_batch_tokens"] = 0
+        load_deployment(write(tmp_path, data, "bad.yaml"))
+    with pytest.raises(ConfigError, match=r"max_prefill_batch_tokens: must be an integer, got a string 'all'"):
+        load_deployment(write(tmp_path, disagg(max_prefill_batch_tokens="all"), "bad2.yaml"))
+
+
+def test_scheduler_limits_default_the_prefill_batch_by_device():
+    from server.serve import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
+
+    cfg = server_config_from_dict({"model": "builtin:tiny-llama", "max_num_tokens": 1024})
+    cpu, cuda = scheduler_limits(cfg, torch.device("cpu")), scheduler_limits(cfg, torch.device("cuda"))
+    assert (cpu.max_num_tokens, cpu.max_prefill_batch_tokens) == (1024, CPU_PREFILL_BATCH_TOKENS)
+    assert cuda.max_prefill_batch_tokens is None  # a GPU batches prompts up to max_num_tokens
+    chosen = replace(cfg, max_prefill_batch_tokens=64)
+    assert scheduler_limits(chosen, torch.device("cpu")).max_prefill_batch_tokens == 64

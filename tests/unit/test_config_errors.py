@@ -158,5 +158,6 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_server_config(path)
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
-                               "max_seq_len, max_batch_size, max_num_tokens, dtype, device, borrow_idle_cores, "
+                               "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
+                               "borrow_idle_cores, "
                                "kv_cache_config, cache_transceiver_config, hostname, port")
