@@ -66,7 +66,9 @@ class ServerConfig:
     max_prefill_batch_tokens: int | None = None
     dtype: str = "auto"
     device: str = "auto"
-    borrow_idle_cores: bool = True  # CPU engines: big steps also use CPUs idle at that moment
+    # CPU engines: big steps also use CPUs idle at that moment. Off by default: on VMs whose idle vCPUs
+    # wake slowly a two-thread step after an idle spell is slower than a one-thread one (BENCHMARKS.md)
+    borrow_idle_cores: bool = False
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     cache_transceiver: dict[str, Any] = field(default_factory=dict)
 
@@ -215,7 +217,7 @@ def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Wh
         d, w = pick(key)
         out[key] = w.choice(d, key, choices, "auto")
     d, w = pick("borrow_idle_cores")
-    out["borrow_idle_cores"] = w.boolean(d, "borrow_idle_cores", True)
+    out["borrow_idle_cores"] = w.boolean(d, "borrow_idle_cores", False)
     out["kv_cache_config"] = _kv_cache(top_data, sec_data, top, sec)
     out["cache_transceiver"] = _transceiver(top_data, sec_data, top, sec)
     return out

@@ -9,8 +9,13 @@ are idle: before a step of at least `min_tokens` tokens it reads how many tasks 
 runnable at this moment (`/proc/loadavg`) and adds one thread per idle CPU, up to the CPUs this
 process may run on. Decode steps, and steps on a busy machine, keep the engine's share. (A core
 that gets busy during the step is shared for the rest of that step; the next step sees it.)
-`FixedThreads` is the null policy: GPU engines, a share that is already every CPU, or no
-`/proc/loadavg`.
+`FixedThreads` is the null policy: GPU engines, a share that is already every CPU, no
+`/proc/loadavg`, or `borrow_idle_cores: false` (the default).
+
+Opt-in because it did not pay on the 2-core VM the benchmarks run on (docs/BENCHMARKS.md): the
+context engine of a pair is idle between prefills, the vCPUs it would borrow wake slowly, and a
+two-thread prefill right after an idle spell took longer than a one-thread one (unloaded TTFT
+16.1 ms without, 18.0 ms with, same run); under load it gained about 2% throughput.
 """
 
 from __future__ import annotations

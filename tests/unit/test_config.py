@@ -178,16 +178,16 @@ def test_shipped_config_shapes():
     assert load_server_config(CONFIGS / "aggregated.yaml") == agg.servers[0]
 
 
-def test_borrow_idle_cores_defaults_on_inherits_and_survives_the_child_yaml(tmp_path):
-    data = disagg(borrow_idle_cores=False)
-    data["generation_servers"]["borrow_idle_cores"] = True
+def test_borrow_idle_cores_defaults_off_inherits_and_survives_the_child_yaml(tmp_path):
+    data = disagg(borrow_idle_cores=True)
+    data["context_servers"]["borrow_idle_cores"] = False
     cfg = load_deployment(write(tmp_path, data))
     ctx, gen = cfg.context_servers[0], cfg.generation_servers[0]
     assert (ctx.borrow_idle_cores, gen.borrow_idle_cores) == (False, True)
-    assert load_deployment(write(tmp_path, disagg(), "d.yaml")).context_servers[0].borrow_idle_cores is True
+    assert load_deployment(write(tmp_path, disagg(), "d.yaml")).context_servers[0].borrow_idle_cores is False
     path = tmp_path / "child.yaml"
-    path.write_text(server_config_to_yaml(ctx))
-    assert load_server_config(path, "context").borrow_idle_cores is False
+    path.write_text(server_config_to_yaml(gen))
+    assert load_server_config(path, "generation").borrow_idle_cores is True
     with pytest.raises(ConfigError, match=r"borrow_idle_cores: must be true or false, got a string 'yes'"):
         load_deployment(write(tmp_path, disagg(borrow_idle_cores="yes"), "bad.yaml"))
 
