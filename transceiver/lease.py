@@ -1,14 +1,74 @@
-"""The sender's bookkeeping of one leased context request: its pinned blocks and the pull serving them."""
+"""One leased context request, as each of the sender's two threads sees it.
+
+Engine thread (`Lease`): the blocks it pinned and until when. Socket thread (`Offered`): the primary
+slots of those blocks, translated once when the lease was made (pinned blocks never move), and the
+pull serving them. The engine never reads slot memory of a lease and the socket thread never
+touches the KV manager; `SenderLink` hands the lease back (`Ended`) once it reads those slots no
+more, and only then may the engine unpin them.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 import zmq
 
 from transceiver.messages import WindowRange
 from transceiver.payload import ChunkPlan
+
+
+@dataclass
+class Lease:
+    """Engine side: pinned block ids per window, -1 = released (left a sliding window)."""
+
+    blocks: dict[int, list[int]]
+    num_tokens: int
+    deadline: float  # monotonic; a pull that starts renews it
+    pinned: dict[int, list[int]] = field(default_factory=dict)
+    withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`
+
+
+@dataclass(frozen=True)
+class OfferedWindow:
+    pool: torch.Tensor  # the window's primary pool [num_slots, layers, 2, tpb, heads, dim]
+    slots: list[int]  # primary slot of block i, -1 = released
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Engine -> socket thread: serve pulls of `cid` from these slots."""
+
+    cid: str
+    windows: dict[int, OfferedWindow]
+    ready: Any = None  # torch.cuda.Event after the writes to these slots (onboard copies), or None
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """Engine -> socket thread: the lease ended (expired, aborted, closing); a running pull fails."""
+
+    cid: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """Socket thread -> engine: a pull of `cid` began (the lease is renewed)."""
+
+    cid: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Socket thread -> engine: `cid`'s slots are read no more, once zmq released `trackers`."""
+
+    cid: str
+    trackers: list[zmq.MessageTracker]
 
 
 @dataclass
@@ -25,27 +85,27 @@ class Job:
 
 
 @dataclass
-class Lease:
-    blocks: dict[int, list[int]]  # window -> block ids of the prompt, -1 = released (out of window)
-    num_tokens: int
-    deadline: float  # monotonic
+class Offered:
+    """Socket side of a lease."""
+
+    offer: Offer
     job: Job | None = None
-    pinned: dict[int, list[int]] = field(default_factory=dict)
     pool_frames: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames of its slots
 
-    def range_ids(self, r: WindowRange) -> list[int]:
-        return self.blocks[r.window][r.first : r.first + r.count]
+    def range_slots(self, r: WindowRange) -> list[int]:
+        return self.offer.windows[r.window].slots[r.first : r.first + r.count]
 
     def range_problem(self, ranges: list[WindowRange]) -> str | None:
         """A sentence when some range asks for blocks this lease does not hold."""
         for r in ranges:
-            ids = self.blocks.get(r.window)
-            if ids is None:
+            window = self.offer.windows.get(r.window)
+            if window is None:
                 return f"window {r.window} is not part of the lease"
-            if r.first < 0 or r.count < 0 or r.first + r.count > len(ids):
+            slots = window.slots
+            if r.first < 0 or r.count < 0 or r.first + r.count > len(slots):
                 return f"window {r.window}: blocks [{r.first}, {r.first + r.count}) outside the lease's " \
-                       f"{len(ids)} blocks"
-            if any(b < 0 for b in ids[r.first : r.first + r.count]):
+                       f"{len(slots)} blocks"
+            if any(s < 0 for s in slots[r.first : r.first + r.count]):
                 return f"window {r.window}: some blocks in [{r.first}, {r.first + r.count}) left the " \
                        f"sliding window and were released"
         return None

@@ -4,8 +4,9 @@ Every zmq socket is created, used and closed by the `SocketThread` that owns it 
 not thread-safe). Other threads talk to it only through `submit` (commands, bounded) and `drain`/
 `wait` (delivered items, bounded). All sockets have linger=0; every wait is a poll with a timeout.
 A handler (the protocol side: sender or receiver) reacts to commands, incoming multipart
-messages and ticks, and uses `SocketIO` to send and deliver. Handler exceptions are logged and
-never kill the thread.
+messages and ticks, and uses `SocketIO` to send and deliver; a handler with work of its own (the
+sender's outgoing chunks) also has `pump`, called on every turn of the loop. Handler exceptions are
+logged and never kill the thread.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class LinkHandler(Protocol):
     def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None: ...
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None: ...
     def on_tick(self, io: SocketIO, now: float) -> None: ...
+
+
+class Pumping(Protocol):
+    def pump(self, io: SocketIO) -> float | None:
+        """Do some of the handler's own work; seconds until it wants the next call (None: only
+        when something arrives)."""
+        ...
 
 
 class SocketIO:
@@ -206,6 +214,7 @@ class SocketThread:
 
     def _loop(self, io: SocketIO) -> None:
         next_tick = time.monotonic()
+        pump = getattr(self._handler, "pump", None)
         while not self._stop.is_set():
             self._guard(self._flush, io)
             poller = zmq.Poller()
@@ -215,6 +224,9 @@ class SocketThread:
                 for sock in io.sockets.values():
                     poller.register(sock, zmq.POLLIN)
             timeout = BACKOFF_S if io.held_back else max(0.0, next_tick - time.monotonic())
+            if pump is not None:
+                again = self._guard(pump, io)
+                timeout = timeout if again is None else min(timeout, again)
             events = dict(poller.poll(timeout * 1000))
             if self._wake_r in events:
                 self._drain_wake_pipe()
@@ -259,11 +271,12 @@ class SocketThread:
         except (BlockingIOError, OSError):
             pass
 
-    def _guard(self, fn: Any, *args: Any) -> None:
+    def _guard(self, fn: Any, *args: Any) -> Any:
         try:
-            fn(*args)
+            return fn(*args)
         except Exception:
             log.exception("%s: handler error (message dropped)", self._thread.name)
+            return None
 
     def _close_all(self, io: SocketIO) -> None:
         for key in list(io.sockets):

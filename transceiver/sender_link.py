@@ -1,14 +1,16 @@
-"""The context side's socket thread: one ROUTER, message checks, handshake answers.
+"""The context side's socket thread: one ROUTER, message checks, handshakes, and the pulls.
 
-Runs only inside `link.SocketThread`. Engine-bound messages become `Incoming` items; the engine
-sends with `Outgoing` commands (sealed here, so their timestamp is fresh). A Hello is answered
-here, except from a receiver on our GPU that holds no pools of this epoch yet: the engine thread
-exports the pools for it and answers (`ExportRequest`).
+Runs only inside `link.SocketThread`. Pulls, Acks and Cancels are served here by `PullServer`
+(sender_serve.py) from the leases the engine offers (`Offer`, `Withdraw` commands; `Started`,
+`Ended` items back). A Hello is answered here, except from a receiver on our GPU that holds no
+pools of this epoch yet: the engine thread exports the pools for it and answers with an
+`Outgoing` command (sealed here, so its timestamp is fresh).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ import zmq
 
 from transceiver.codec import Codec, Rejected
 from transceiver.config import TransceiverConfig
+from transceiver.lease import Offer, Withdraw
 from transceiver.link import SocketIO
 from transceiver.messages import (
     Ack,
@@ -29,18 +32,11 @@ from transceiver.messages import (
     PullRequest,
     layout_mismatch,
 )
+from transceiver.sender_serve import PullServer
 from transceiver.stats import TransferStats
 
 ROUTER = "router"
 MAX_INCOMING_BYTES = 64 * 1024  # receivers send only small control messages
-ENGINE_KINDS = (PullRequest, Ack, Cancel)  # what the engine thread handles; Hello is answered here
-
-
-@dataclass(frozen=True)
-class Incoming:
-    peer: bytes  # ROUTER identity of the receiver that sent it
-    sender_epoch: str
-    body: Body
 
 
 @dataclass(frozen=True)
@@ -59,18 +55,12 @@ class ExportRequest:
     info: InstanceInfo  # the answer, without the offer
 
 
-@dataclass(frozen=True)
-class PeerGone:
-    """The ROUTER could not route to `peer` any more (it disconnected)."""
-
-    peer: bytes
-
-
 class SenderLink:
     """LinkHandler of `KVSender`."""
 
     def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
-                 ipc_identity: PeerIdentity | None = None) -> None:
+                 ipc_identity: PeerIdentity | None = None, *, pool_lock: threading.Lock | None = None,
+                 ipc_offered: Callable[[], bool] = lambda: False) -> None:
         self._config = config
         self._codec = Codec(config.token_bytes(), epoch)
         self._layout = layout
@@ -78,6 +68,7 @@ class SenderLink:
         self._stats = stats
         self._io: SocketIO | None = None
         self.endpoint = ""
+        self._server = PullServer(config, epoch, stats, self._send, pool_lock or threading.Lock(), ipc_offered)
 
     def setup(self, io: SocketIO) -> None:
         self._io = io
@@ -94,8 +85,19 @@ class SenderLink:
     def has_pending_sends(self) -> bool:
         return self._io is not None and self._io.held_back
 
-    def on_command(self, io: SocketIO, cmd: Outgoing) -> None:
-        io.send(ROUTER, [cmd.peer, *self._codec.seal(cmd.body), *cmd.payload])
+    def _send(self, io: SocketIO, peer: bytes, body: Body, payload: list[Any]) -> None:
+        io.send(ROUTER, [peer, *self._codec.seal(body), *payload])
+
+    def on_command(self, io: SocketIO, cmd: Outgoing | Offer | Withdraw) -> None:
+        if isinstance(cmd, Offer):
+            self._server.offer(cmd)
+        elif isinstance(cmd, Withdraw):
+            self._server.withdraw(io, cmd)
+        else:
+            self._send(io, cmd.peer, cmd.body, cmd.payload)
+
+    def pump(self, io: SocketIO) -> float | None:
+        return self._server.pump(io)
 
     def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None:
         if len(frames) != 3:  # identity, header, mac: receivers never send payload
@@ -109,8 +111,12 @@ class SenderLink:
             return
         if isinstance(body, Hello):
             self._on_hello(io, peer, body)
-        elif isinstance(body, ENGINE_KINDS):
-            io.deliver(Incoming(peer, epoch, body))
+        elif isinstance(body, PullRequest):
+            self._server.pull(io, peer, body)
+        elif isinstance(body, Ack):
+            self._server.ack(io, body)
+        elif isinstance(body, Cancel):
+            self._server.cancel(io, body)
         else:
             self._stats.count_rejected("unexpected")
 
@@ -132,7 +138,7 @@ class SenderLink:
 
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
         peer = frames[0]
-        io.deliver(PeerGone(peer.bytes if isinstance(peer, zmq.Frame) else bytes(peer)))
+        self._server.peer_gone(io, peer.bytes if isinstance(peer, zmq.Frame) else bytes(peer))
 
     def on_tick(self, io: SocketIO, now: float) -> None:
         return None

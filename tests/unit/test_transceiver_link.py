@@ -1,5 +1,6 @@
 """The context side's socket thread on real loopback sockets: bad messages are dropped and counted
-without stalling it, handshakes are answered, engine-bound messages reach the engine queue."""
+without stalling it, handshakes are answered, pulls are served from offered slots by the thread
+itself (no engine involved) and each lease comes back to the engine once (`Ended`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import hmac
 import time
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 import zmq
 
 from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
+from transceiver.lease import Ended, Offer, OfferedWindow, Started, Withdraw
 from transceiver.link import SocketThread, shared_context
 from transceiver.messages import (
     PROTOCOL_VERSION,
+    Ack,
+    ChunkHeader,
+    Done,
     Envelope,
     Failed,
     Hello,
@@ -23,8 +30,10 @@ from transceiver.messages import (
     Layout,
     PullRequest,
     WindowLayout,
+    WindowRange,
 )
-from transceiver.sender_link import Incoming, SenderLink
+from transceiver.payload import checksum
+from transceiver.sender_link import SenderLink
 from transceiver.stats import TransferStats
 
 TOKEN = "s" * 24
@@ -111,14 +120,58 @@ def test_incompatible_hello_is_refused_naming_the_difference(sender_link) -> Non
                             detail="incompatible peers: tokens_per_block differs: context 4 vs generation 8")
 
 
-def test_engine_messages_reach_the_engine_queue(sender_link) -> None:
-    _, thread, dealer, _ = sender_link
-    pull = PullRequest(pull_id=5, ctx_request_id="r", ctx_epoch="ctx-epoch", ranges=[])
-    dealer.send_multipart(Codec(TOKEN.encode(), "gen-epoch").seal(pull))
-    assert thread.wait(5.0)
-    [item] = thread.drain()
-    assert isinstance(item, Incoming) and (item.sender_epoch, item.body) == ("gen-epoch", pull)
+def _offer(thread: SocketThread) -> torch.Tensor:
+    """Offer lease "r": blocks 0..2 in slots [5, 2, 7] of a 1 KiB-slot pool with a byte pattern."""
+    pool = torch.arange(8 * 256, dtype=torch.int32).reshape(8, 256)  # [slots, 1 KiB]
+    thread.submit(Offer("r", {128: OfferedWindow(pool, [5, 2, 7], 1024)}))
+    return pool
+
+
+def _items(thread: SocketThread, count: int) -> list:
+    items: list = []
+    deadline = time.monotonic() + 5
+    while len(items) < count and time.monotonic() < deadline:
+        thread.wait(0.05)
+        items += thread.drain()
+    return items
+
+
+def test_a_pull_is_served_by_the_socket_thread_and_the_lease_comes_back_once(sender_link) -> None:
+    _, thread, dealer, stats = sender_link
+    pool = _offer(thread)
+    gen = Codec(TOKEN.encode(), "gen-epoch")
+    dealer.send_multipart(gen.seal(PullRequest(pull_id=5, ctx_request_id="r", ctx_epoch="ctx-epoch",
+                                               ranges=[WindowRange(window=128, first=1, count=2)])))
+    assert dealer.poll(5000)
+    header, mac, payload = dealer.recv_multipart()
+    chunk = gen.open(header, mac)[1]
+    part = np.frombuffer(payload, dtype=np.uint8)
+    assert (chunk.first, chunk.count, chunk.nbytes) == (1, 2, 2048) and isinstance(chunk, ChunkHeader)
+    assert payload == pool[2].numpy().tobytes() + pool[7].numpy().tobytes()  # blocks 1, 2 = slots 2, 7
+    assert checksum([part], 1024, 1) == chunk.checksum
+    assert _reply(dealer, gen)[1] == Done(pull_id=5, total_bytes=2048, chunks=1)
+    assert _items(thread, 1) == [Started("r")]
+    dealer.send_multipart(gen.seal(Ack(pull_id=5, ctx_request_id="r")))
+    assert _items(thread, 1) == [Ended("r", [])]
+    assert (stats.transfers_ok, stats.bytes_sent) == (1, 2048)
+    thread.submit(Withdraw("r", "lease_expired", "late"))  # ended already: nothing more comes back
+    dealer.send_multipart(gen.seal(PullRequest(pull_id=6, ctx_request_id="r", ctx_epoch="ctx-epoch", ranges=[])))
+    failed = _reply(dealer, gen)[1]
+    assert (failed.reason, failed.pull_id) == ("unknown_request", 6)
     assert thread.drain() == []
+
+
+def test_a_withdrawn_lease_fails_its_pull_and_bad_ranges_are_refused(sender_link) -> None:
+    _, thread, dealer, stats = sender_link
+    _offer(thread)
+    gen = Codec(TOKEN.encode(), "gen-epoch")
+    dealer.send_multipart(gen.seal(PullRequest(pull_id=1, ctx_request_id="r", ctx_epoch="ctx-epoch",
+                                               ranges=[WindowRange(window=128, first=2, count=2)])))
+    refused = _reply(dealer, gen)[1]
+    assert (refused.reason, refused.pull_id) == ("bad_request", 1) and "outside the lease" in refused.detail
+    thread.submit(Withdraw("r", "lease_expired", "the lease expired"))
+    assert _items(thread, 1) == [Ended("r", [])]  # no pull ran: withdrawn quietly
+    assert stats.failures_by_reason == {"bad_request": 1}
 
 
 def test_sender_refuses_to_start_without_a_token() -> None:

@@ -31,7 +31,7 @@ from transceiver.messages import (
     WindowRange,
     layout_mismatch,
 )
-from transceiver.sender import MAX_IPC_SLOTS
+from transceiver.sender_serve import MAX_IPC_SLOTS
 
 TOKEN = b"k" * 32
 K = "cache_transceiver_config."

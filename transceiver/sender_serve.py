@@ -1,0 +1,266 @@
+"""The context side's data path, run by its socket thread: serve pulls from leased slots.
+
+A pull is served as soon as it arrives, whatever the engine thread is doing (a long prefill step
+no longer holds up the KV of requests that finished before it). Per pull: check it against the
+lease (`Offered`), then per chunk gather the blocks' primary slots (translated when the lease was
+made: pinned blocks never move) into a staging buffer, or for big CPU blocks take frames of the
+pool itself, checksum, send; then Done. Same-GPU pulls (`via_ipc`) get the slots and GPU checksums
+instead. CUDA reads run on a side stream that first waits for the lease's `ready` event (the
+onboard copies made when it was pinned), so they never wait behind the engine's own kernels, and
+under `pool_lock`, which the engine holds while it exports the pools (`_share_cuda_`).
+
+Every lease ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or the
+engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import zmq
+
+from transceiver.config import TransceiverConfig
+from transceiver.ipc import slots_checksum
+from transceiver.lease import Ended, Job, Offer, Offered, Started, Withdraw
+from transceiver.link import SocketIO
+from transceiver.messages import Ack, Body, Cancel, ChunkHeader, Done, Failed, IpcChunk, PullRequest, WindowRange
+from transceiver.payload import (
+    ChunkPlan,
+    StagingPool,
+    checksum,
+    frame_bounds,
+    gather,
+    plan_chunks,
+    pool_views,
+    tracked_frames,
+)
+from transceiver.stats import TransferStats
+
+log = logging.getLogger(__name__)
+
+STAGING_BUFFERS = 4  # gathered chunks in flight per sender (each max_chunk_bytes)
+MAX_INFLIGHT = 4  # chunks handed to zmq and not yet released by it, staged or zero-copy
+CHUNKS_PER_PUMP = 4  # then the socket thread looks at its sockets again
+CHUNKS_PER_PULL = 8  # aim: a pull in at least this many chunks ...
+MIN_CHUNK_TARGET = 1 << 20  # ... of at least this many bytes (up to max_chunk_bytes)
+ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
+MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under codec.MAX_HEADER_BYTES
+ROOM_POLL_S = 0.0005  # how soon to look again while zmq still holds MAX_INFLIGHT chunks
+
+Send = Callable[[SocketIO, bytes, Body, list[Any]], None]  # (io, peer, body, payload frames)
+
+
+def _ipc_parts(r: WindowRange) -> list[WindowRange]:
+    """`r` cut into ranges of at most MAX_IPC_SLOTS blocks."""
+    end = r.first + r.count
+    return [WindowRange(window=r.window, first=first, count=min(MAX_IPC_SLOTS, end - first))
+            for first in range(r.first, end, MAX_IPC_SLOTS)]
+
+
+class PullServer:
+    def __init__(self, config: TransceiverConfig, epoch: str, stats: TransferStats, send: Send,
+                 pool_lock: threading.Lock, ipc_offered: Callable[[], bool]) -> None:
+        self._config, self._epoch, self._stats, self._send = config, epoch, stats, send
+        self._pool_lock = pool_lock
+        self._ipc_offered = ipc_offered  # has the engine exported the pools to anyone (this epoch)?
+        self._offers: dict[str, Offered] = {}
+        self._active: deque[str] = deque()  # leases whose job still has chunks or Done to send
+        self._staging: StagingPool | None = None  # made on first use, pinned for CUDA pools
+        self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    # ---- from the engine -----------------------------------------------------------------------
+
+    def offer(self, offer: Offer) -> None:
+        self._offers[offer.cid] = Offered(offer)
+
+    def withdraw(self, io: SocketIO, w: Withdraw) -> None:
+        if w.cid in self._offers:  # else it ended here already and its `Ended` is on the way
+            self._end(io, w.cid, w.reason, w.detail)
+
+    # ---- from receivers ------------------------------------------------------------------------
+
+    def pull(self, io: SocketIO, peer: bytes, req: PullRequest) -> None:
+        off = self._offers.get(req.ctx_request_id)
+        problem = self._pull_problem(req, off)
+        if problem is not None:
+            self._stats.count_failure(problem[0])
+            self._send(io, peer, Failed(reason=problem[0], detail=problem[1], pull_id=req.pull_id), [])
+            return
+        assert off is not None
+        off.job = Job(peer, req.pull_id, deque(), time.monotonic())
+        io.deliver(Started(req.ctx_request_id))
+        if req.via_ipc:
+            self._serve_ipc(io, req.ctx_request_id, off, req.ranges)
+            return
+        sizes = {r.window: off.offer.windows[r.window].slot_bytes for r in req.ranges}
+        total = sum(r.count * sizes[r.window] for r in req.ranges)
+        # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
+        target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
+        off.job.chunks = deque(c for r in req.ranges
+                               for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
+        self._active.append(req.ctx_request_id)
+
+    def ack(self, io: SocketIO, body: Ack) -> None:
+        off = self._offers.get(body.ctx_request_id)
+        job = off.job if off is not None else None
+        if job is not None and job.pull_id == body.pull_id and job.done_sent:
+            self._end(io, body.ctx_request_id, None, "")
+            self._stats.count_ok(time.monotonic() - job.started, job.sent_bytes)
+
+    def cancel(self, io: SocketIO, body: Cancel) -> None:
+        if body.ctx_epoch in (None, self._epoch) and body.ctx_request_id in self._offers:
+            self._end(io, body.ctx_request_id, "cancelled", "the receiver cancelled", notify=False)
+
+    def peer_gone(self, io: SocketIO, peer: bytes) -> None:
+        for cid, off in list(self._offers.items()):
+            if off.job is not None and off.job.peer == peer:
+                self._end(io, cid, "peer_gone", "the receiver disconnected", notify=False)
+
+    def _pull_problem(self, req: PullRequest, off: Offered | None) -> tuple[str, str] | None:
+        if req.ctx_epoch != self._epoch:
+            return "epoch_mismatch", (
+                f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
+                f"this is epoch {self._epoch}"
+            )
+        if off is None:
+            return "unknown_request", (
+                f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
+        if off.job is not None:
+            return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
+        if req.via_ipc and not self._ipc_offered():
+            return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
+        problem = off.range_problem(req.ranges)
+        return None if problem is None else ("bad_request", problem)
+
+    # ---- the data path -------------------------------------------------------------------------
+
+    def pump(self, io: SocketIO) -> float | None:
+        """Send chunks while zmq has room; seconds until the next call is wanted (None: idle)."""
+        budget = CHUNKS_PER_PUMP
+        while self._active and budget > 0 and self._room():
+            cid = self._active[0]
+            off = self._offers[cid]
+            job = off.job
+            assert job is not None
+            if not job.chunks:
+                done = Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks)
+                self._send(io, job.peer, done, [])
+                job.done_sent = True
+                self._active.popleft()
+                continue
+            budget -= 1
+            try:
+                if not self._send_chunk(io, off, job, job.chunks[0]):
+                    return ROOM_POLL_S  # every staging buffer is still with zmq
+            except Exception as e:  # a broken invariant must fail this pull, not the thread
+                log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
+                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+                continue
+            job.chunks.popleft()
+        if not self._active:
+            return None
+        return 0.0 if self._room() else ROOM_POLL_S
+
+    def _room(self) -> bool:
+        self._inflight = [t for t in self._inflight if not t.done]
+        return len(self._inflight) < MAX_INFLIGHT
+
+    def _send_chunk(self, io: SocketIO, off: Offered, job: Job, plan: ChunkPlan) -> bool:
+        """Send one chunk; False (nothing done) when no staging buffer is free."""
+        window = off.offer.windows[plan.window]
+        slots = window.slots[plan.first : plan.first + plan.count]  # primary slots: where the bytes are
+        pool, max_frame = window.pool, self._config.max_chunk_bytes
+        if pool.device.type == "cpu" and plan.slot_bytes >= ZERO_COPY_SLOT_BYTES:
+            parts = [v[s:e] for v in pool_views(pool, slots) for s, e in frame_bounds(v.size, max_frame)]
+            frames, tracker = tracked_frames(parts)
+            off.pool_frames.append(tracker)
+        else:
+            staging = self._staging_pool(pool)
+            i = staging.acquire()
+            if i is None:
+                return False
+            with self._reading(off, pool.device):
+                gather(pool, slots, staging.buffer(i))
+            bounds = frame_bounds(plan.nbytes, max_frame)
+            parts = staging.parts(i, bounds)
+            frames, tracker = staging.frames(i, bounds)
+        digest = checksum(parts, plan.slot_bytes, plan.first)
+        header = ChunkHeader(pull_id=job.pull_id, window=plan.window, first=plan.first, count=plan.count,
+                             nbytes=plan.nbytes, checksum=digest)
+        self._send(io, job.peer, header, frames)
+        self._inflight.append(tracker)
+        job.sent_bytes += plan.nbytes
+        job.sent_chunks += 1
+        self._stats.bytes_sent += plan.nbytes
+        return True
+
+    def _staging_pool(self, pool: torch.Tensor) -> StagingPool:
+        if self._staging is None:
+            self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
+        return self._staging
+
+    def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, ranges: list[WindowRange]) -> None:
+        """Same-GPU pull: every block's primary slot and checksum, once the lease's writes are done
+        on the device, then Done; the receiver copies, then Acks."""
+        job = off.job
+        assert job is not None
+        try:
+            chunks = [self._ipc_chunk(off, job.pull_id, part) for r in ranges for part in _ipc_parts(r)]
+        except Exception as e:  # a broken invariant must fail this pull, not the thread
+            log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
+            self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            return
+        for chunk in chunks:
+            self._send(io, job.peer, chunk, [])
+        job.sent_bytes = sum(r.count * off.offer.windows[r.window].slot_bytes for r in ranges)
+        job.sent_chunks = len(chunks)
+        self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
+        job.done_sent = True
+        self._stats.bytes_sent += job.sent_bytes
+        self._stats.ipc_transfers += 1
+
+    def _ipc_chunk(self, off: Offered, pull_id: int, r: WindowRange) -> IpcChunk:
+        pool = off.offer.windows[r.window].pool
+        slots = off.range_slots(r)
+        with self._reading(off, pool.device):
+            digest = slots_checksum(pool, slots, r.first)  # waits for the side stream's work
+        return IpcChunk(pull_id=pull_id, window=r.window, first=r.first, slots=slots, checksum=digest)
+
+    @contextmanager
+    def _reading(self, off: Offered, device: torch.device) -> Iterator[None]:
+        """Read the lease's slots: under the pool lock, on CUDA after its writes, on a side stream;
+        on exit every read issued inside has finished."""
+        with self._pool_lock:
+            if device.type != "cuda":
+                yield
+                return
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                if off.offer.ready is not None:
+                    stream.wait_event(off.offer.ready)
+                yield
+            stream.synchronize()
+
+    # ---- the end of a lease --------------------------------------------------------------------
+
+    def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, notify: bool = True) -> None:
+        """The only place a lease ends on this side: it runs once per lease."""
+        off = self._offers.pop(cid)
+        if cid in self._active:
+            self._active.remove(cid)
+        job = off.job
+        if job is not None and reason is not None:
+            self._stats.count_failure(reason)
+            if notify:
+                self._send(io, job.peer, Failed(reason=reason, detail=detail, pull_id=job.pull_id), [])
+        io.deliver(Ended(cid, [t for t in off.pool_frames if not t.done]))
