@@ -46,7 +46,9 @@ class ContextRole:
         self.sender.drop_lease(ctx_request_id)
 
     def busy(self) -> bool:
-        return self.sender.busy or self.sender.num_leases > 0
+        # Leases alone need no fast ticks: their pulls are served on the sender's socket thread,
+        # whose `Ended` items wake the engine, and expiry is checked on every (idle) tick.
+        return self.sender.busy
 
 
 class GenerationRole:
