@@ -5,6 +5,8 @@
     python scripts/bench_serving.py run --config configs/aggregated.yaml --workload shared-prefix --no-reuse
     # every goal comparison of the engine and disaggregation issues, baselines in the same run
     python scripts/bench_serving.py compare --repeat 5 --json-out /tmp/bench.json
+    # deployments side by side (all started, repeats interleaved); ratios to the first one
+    python scripts/bench_serving.py ab --concurrency 1 --repeat 10 agg=configs/aggregated.yaml pair=configs/disagg.yaml
 
 Each figure runs `--repeat` times with fresh prompts and reports per-metric medians (bench_measure).
 Output: progress on stderr, markdown tables on stdout, then one JSON line (also `--json-out`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -99,6 +102,39 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ab(args: argparse.Namespace) -> int:
+    """The same random figure on several deployments, interleaved; every ratio is to the first."""
+    vocab, wargs = model_vocab(args.model), workload_args(args)
+    figure = random_figure(vocab, wargs, args.concurrency)
+    pairs = [spec.partition("=") for spec in args.deployments]
+    if any(not name or not sep or not cfg for name, sep, cfg in pairs):
+        raise SystemExit(f"deployments are NAME=CONFIG, got {args.deployments}")
+    with ExitStack() as stack:
+        plan = []
+        for name, _, cfg in pairs:
+            server = ServerUnderTest(Path(cfg), env=server_env(args))
+            url = stack.enter_context(server)
+            plan.append((server_target(name, url, vocab, pid=server.pid), [figure]))
+        runs = measure(plan, args.repeat, quiet_gate(args))
+    found = medians(runs)
+    print(figures_table([(f"{name}: {figure.name}", figs[figure.name]) for name, figs in found.items()]))
+    print(ab_table(runs, figure.name))
+    emit({"figure": figure.name, "repeat": args.repeat, "figures": found, "runs": runs}, args.json_out)
+    return 0
+
+
+def ab_table(runs: dict, figure: str) -> str:
+    """Per deployment: medians of the runs' mean TTFT, p50 TTFT and tok/s, and their ratio to the first."""
+    keys = ("ttft_mean_ms", "ttft_p50_ms", "output_tok_s")
+    med = {name: {k: statistics.median(s[k] for s in figs[figure]) for k in keys} for name, figs in runs.items()}
+    base = next(iter(med.values()))
+    lines = ["| deployment | TTFT mean ms | ratio | TTFT p50 ms | ratio | out tok/s | ratio |", "|---" * 7 + "|"]
+    for name, m in med.items():
+        cells = [f"{m[k]:.2f} | {m[k] / base[k]:.2f}x" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     record = run_comparisons(args.model, workload_args(args), args.repeat, parts, args.aggregated_config,
@@ -128,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     add_workload_args(run)
     run.set_defaults(func=cmd_run)
+    ab = sub.add_parser("ab", help="one random figure on several deployments, interleaved")
+    ab.add_argument("deployments", nargs="+", metavar="NAME=CONFIG")
+    ab.add_argument("--concurrency", type=int, default=1)
+    add_workload_args(ab)
+    ab.set_defaults(func=cmd_ab)
     compare = sub.add_parser("compare", help="every goal comparison, baselines in the same run")
     compare.add_argument("--aggregated-config", type=Path, default=REPO / "configs/aggregated.yaml")
     compare.add_argument("--disagg-config", type=Path, default=REPO / "configs/disagg.yaml")
