@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_GPU_FRACTION = 0.9  # TensorRT-LLM's default free_gpu_memory_fraction
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -23,8 +25,8 @@ def _field_problem(name: str, value: object) -> str | None:
     if name == "max_tokens":
         return None if value is None or (_is_int(value) and value > 0) else "must be null or an integer > 0"
     if name == "free_gpu_memory_fraction":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
-        return None if ok else "must be a number in (0, 1]"
+        ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0)
+        return None if ok else "must be null or a number in (0, 1]"
     if name == "host_cache_size":
         return None if _is_int(value) and value >= 0 else "must be an integer >= 0 (bytes)"
     if name == "secondary_offload_min_priority":
@@ -38,7 +40,9 @@ class KvCacheConfig:
 
     tokens_per_block: int = 32
     max_tokens: int | None = None  # primary capacity in tokens; None: from free memory (see manager)
-    free_gpu_memory_fraction: float = 0.9  # used when max_tokens is None and the device is CUDA
+    # share of the free GPU memory (after the weights) for the primary pool, when max_tokens is None
+    # on CUDA; None: DEFAULT_GPU_FRACTION, which `pdserve launch` splits between servers on the GPU
+    free_gpu_memory_fraction: float | None = None
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True

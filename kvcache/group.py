@@ -6,7 +6,7 @@ import torch
 
 from kvcache.block import Level
 from kvcache.block_manager import BlockManager
-from kvcache.config import CacheLayout, KvCacheConfig
+from kvcache.config import DEFAULT_GPU_FRACTION, CacheLayout, KvCacheConfig
 from kvcache.errors import KVCacheError
 from kvcache.pool import GroupPools
 from kvcache.stats import KVCacheStats
@@ -14,16 +14,17 @@ from kvcache.stats import KVCacheStats
 
 def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
     """Primary capacity in tokens per window group: config.max_tokens; else on CUDA
-    free_gpu_memory_fraction of the free memory over bytes_per_token (all layers); else (CPU)
-    8 * max_seq_len."""
+    free_gpu_memory_fraction (default DEFAULT_GPU_FRACTION) of the free memory over bytes_per_token
+    (all layers); else (CPU) 8 * max_seq_len. Load the weights first: the fraction is of what is left."""
     if config.max_tokens is not None:
         return config.max_tokens
     if layout.device.type == "cuda":
+        fraction = config.free_gpu_memory_fraction or DEFAULT_GPU_FRACTION
         free, _ = torch.cuda.mem_get_info(layout.device)
-        tokens = int(config.free_gpu_memory_fraction * free) // layout.bytes_per_token()
+        tokens = int(fraction * free) // layout.bytes_per_token()
         if tokens < config.tokens_per_block:
-            raise KVCacheError(f"free GPU memory ({free} B) x free_gpu_memory_fraction="
-                               f"{config.free_gpu_memory_fraction} holds less than one block")
+            raise KVCacheError(f"free GPU memory ({free} B) x free_gpu_memory_fraction={fraction} holds "
+                               f"less than one block")
         return tokens
     return 8 * layout.max_seq_len
 

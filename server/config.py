@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from kvcache import KvCacheConfig
+from kvcache.config import DEFAULT_GPU_FRACTION
 from server.config_yaml import ConfigError, Where, read_yaml
 from transceiver.config import TransceiverConfig
 
@@ -159,8 +160,22 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
         servers = [_single_server(data, top, "aggregated", host, port)]
     _check_same_model(servers, top)
     _check_ports(servers, host, port, has_router, top)
-    cfg = DeploymentConfig(str(path), host, port, router_type, tuple(servers), has_router, None)
+    cfg = DeploymentConfig(str(path), host, port, router_type, share_gpu_memory(servers), has_router, None)
     return with_auth_token(cfg, token)
+
+
+def share_gpu_memory(servers: list[ServerConfig]) -> tuple[ServerConfig, ...]:
+    """The servers of one deployment run on one host and, with device auto or cuda, on its first
+    GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
+    use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
+    gpu = [s for s in servers if s.device != "cpu"]
+    out = []
+    for s in servers:
+        kv = s.kv_cache_config
+        if len(gpu) > 1 and s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
+            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=DEFAULT_GPU_FRACTION / len(gpu)))
+        out.append(s)
+    return tuple(out)
 
 
 def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfig:

@@ -22,7 +22,7 @@ from server.engine.scheduler import SchedulerConfig
 from server.kv_routes import install_kv_routes
 from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
-from server.models.runner import ModelRunner, resolve_device, resolve_dtype
+from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.models.spec import load_spec
 from server.telemetry import TelemetryBridge
 from transceiver.config import TransceiverConfig
@@ -40,10 +40,11 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     spec = load_spec(model_dir)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    weights = load_weights(model_dir, dtype, device)  # first: a GPU pool takes a share of what is left
     kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
                         salt=spec.fingerprint)
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
-                         max_batch_size=cfg.max_batch_size)
+                         max_batch_size=cfg.max_batch_size, tensors=weights)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake),

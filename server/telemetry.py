@@ -61,7 +61,7 @@ class TelemetryBridge:
 
     def _forward_transfer(self, stats) -> None:
         key = id(stats)
-        if key not in self._hooked:  # histogram samples arrive as they happen (engine thread)
+        if key not in self._hooked:  # samples arrive as transfers end (engine or sender socket thread)
             stats.on_transfer = lambda seconds, nbytes: self.metrics.observe_transfer(nbytes, seconds)
             self._hooked.add(key)
         seen = self._seen.setdefault(key, _Seen())

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TransferStats:
-    """Counters only grow. Writers: the engine thread, except `rejected_*` and `ipc_open_failures`
-    (the socket thread).
+    """Counters only grow; each has one writing thread. Receiver: the engine thread, except
+    `rejected_*` and `ipc_open_failures` (its socket thread). Sender: its socket thread (which
+    serves the pulls), except `lease_expired` (the engine thread, which reaps leases).
 
-    `on_transfer(seconds, nbytes)` is called once per successful transfer (e.g. to feed a histogram).
+    `on_transfer(seconds, nbytes)` is called once per successful transfer, from the thread that
+    saw it end (e.g. to feed a thread-safe histogram).
     """
 
     bytes_sent: int = 0

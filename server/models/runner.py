@@ -56,9 +56,16 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every safetensors tensor of `model_dir` as `dtype` on `device`."""
+    return load_tensors(safetensors_files(load_spec(model_dir).model_dir), dtype=dtype, device=device)
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
-                 max_num_tokens: int, max_batch_size: int) -> None:
+                 max_num_tokens: int, max_batch_size: int,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized."""
         self.spec: ModelSpec = load_spec(model_dir)
         self.device, self.dtype = device, dtype
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
@@ -66,7 +73,8 @@ class ModelRunner:
         self.kv = kv
         spec = self.spec
         self.attention = TorchPagedAttention(kv, spec.num_layers, spec.num_heads, spec.head_dim)
-        tensors = load_tensors(safetensors_files(self.spec.model_dir), dtype=dtype, device=device)
+        if tensors is None:
+            tensors = load_weights(model_dir, dtype, device)
         self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
 
     @torch.no_grad()

@@ -54,7 +54,7 @@ def test_disagg_defaults_and_roles(tmp_path):
     ctx = cfg.context_servers[0]
     assert (ctx.max_seq_len, ctx.max_batch_size, ctx.max_num_tokens, ctx.dtype, ctx.device) == (
         2048, 64, 2048, "auto", "auto")
-    assert ctx.kv_cache_config == KvCacheConfig()
+    assert ctx.kv_cache_config == KvCacheConfig(free_gpu_memory_fraction=0.45)  # half the GPU's default share
     assert ctx.cache_transceiver == {"auth_token": None}
     assert cfg.auth_token is None
     assert cfg.generation_servers[0].url == "http://127.0.0.1:8002"
@@ -218,3 +218,21 @@ def test_scheduler_limits_default_the_prefill_batch_by_device():
     assert cuda.max_prefill_batch_tokens is None  # a GPU batches prompts up to max_num_tokens
     chosen = replace(cfg, max_prefill_batch_tokens=64)
     assert scheduler_limits(chosen, torch.device("cpu")).max_prefill_batch_tokens == 64
+
+
+def test_servers_that_may_share_the_gpu_split_the_default_pool_fraction(tmp_path):
+    shared = load_deployment(write(tmp_path, disagg(), "d.yaml"))
+    assert [s.kv_cache_config.free_gpu_memory_fraction for s in shared.servers] == [0.45, 0.45]
+    chosen = disagg(kv_cache_config={"free_gpu_memory_fraction": 0.3})
+    assert [s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, chosen)).servers] \
+        == [0.3, 0.3]  # a fraction the file gives is the server's own
+    data = disagg()
+    data["context_servers"]["device"] = "cpu"  # the generation server is the GPU's only user
+    assert [s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, data)).servers] \
+        == [None, None]
+    fixed = disagg(kv_cache_config={"max_tokens": 4096})
+    assert {s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, fixed)).servers} \
+        == {None}
+    path = tmp_path / "child.yaml"
+    path.write_text(server_config_to_yaml(shared.servers[0]))
+    assert load_server_config(path, "context").kv_cache_config.free_gpu_memory_fraction == 0.45
