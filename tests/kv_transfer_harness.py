@@ -26,6 +26,16 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
+def delivered(thread, count: int, timeout_s: float = 5.0) -> list:
+    """What a `link.SocketThread` handed over, once `count` items came (or `timeout_s` passed)."""
+    items: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(items) < count and time.monotonic() < deadline:
+        thread.wait(0.05)
+        items += thread.drain()
+    return items
+
+
 def pattern(window: int, index: int, tokens: list[int], nbytes: int, device: str | torch.device) -> torch.Tensor:
     """The bytes block `index` of `window` holds for `tokens` (its own tokens), the same on both sides."""
     digest = hashlib.sha256(f"{window}:{index}:{tokens}".encode()).digest()

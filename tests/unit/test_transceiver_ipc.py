@@ -6,13 +6,12 @@ tensors. tests/gpu/test_transceiver_cuda.py runs the real handles between two pr
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
+from kv_transfer_harness import delivered
 
 import transceiver.ipc as ipc
 from transceiver.codec import Codec
@@ -123,7 +122,7 @@ def test_only_a_receiver_on_our_gpu_without_our_pools_gets_an_export(ipc_sender_
     codec = Codec(TOKEN.encode(), "gen")
     dealer.send_multipart(codec.seal(hello))
     if exported:  # the engine thread exports and answers
-        [request] = _items(thread, 1)
+        [request] = delivered(thread, 1)
         assert isinstance(request, ExportRequest) and request.info == InstanceInfo(layout=LAYOUT)
         assert not dealer.poll(200)
     else:
@@ -158,14 +157,6 @@ def _pull(pull_id: int, epoch: str) -> PullRequest:
                        ranges=[WindowRange(window=128, first=0, count=1)])
 
 
-def _items(thread: SocketThread, n: int) -> list:
-    items: list = []
-    deadline = time.monotonic() + 5
-    while len(items) < n and time.monotonic() < deadline:
-        thread.wait(0.05)
-        items += thread.drain()
-    return items
-
 
 def test_receiver_opens_once_per_epoch_hands_pools_over_first_and_forgets_them() -> None:
     opened: list[IpcOffer] = []
@@ -183,13 +174,13 @@ def test_receiver_opens_once_per_epoch_hands_pools_over_first_and_forgets_them()
         assert ctx.recv(first) == msgspec.structs.replace(_pull(1, "e1"), via_ipc=True)
         thread.submit(Pull(ctx.endpoint, _pull(2, "e1")))  # same epoch: no handshake, no second open
         assert ctx.recv(first).via_ipc is True
-        assert _items(thread, 1) == [IpcPools(ctx.endpoint, "e1", {128: "pool-view"})] and opened == [OFFER]
+        assert delivered(thread, 1) == [IpcPools(ctx.endpoint, "e1", {128: "pool-view"})] and opened == [OFFER]
         thread.submit(Pull(ctx.endpoint, _pull(3, "e2")))  # the context server restarted without IPC
         assert ctx.recv(first) == Hello(layout=LAYOUT, identity=me, open_epoch="e1")
         ctx.send(second, InstanceInfo(layout=LAYOUT))
         pull = ctx.recv(second)
         assert (pull.pull_id, pull.via_ipc) == (3, False)
-        assert _items(thread, 1) == [IpcPools(ctx.endpoint, None, None)] and opened == [OFFER]
+        assert delivered(thread, 1) == [IpcPools(ctx.endpoint, None, None)] and opened == [OFFER]
         assert stats.ipc_open_failures == 0
     finally:
         thread.close()

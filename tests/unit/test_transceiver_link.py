@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from kv_transfer_harness import delivered
 
 from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
@@ -127,14 +128,6 @@ def _offer(thread: SocketThread) -> torch.Tensor:
     return pool
 
 
-def _items(thread: SocketThread, count: int) -> list:
-    items: list = []
-    deadline = time.monotonic() + 5
-    while len(items) < count and time.monotonic() < deadline:
-        thread.wait(0.05)
-        items += thread.drain()
-    return items
-
 
 def test_a_pull_is_served_by_the_socket_thread_and_the_lease_comes_back_once(sender_link) -> None:
     _, thread, dealer, stats = sender_link
@@ -150,9 +143,9 @@ def test_a_pull_is_served_by_the_socket_thread_and_the_lease_comes_back_once(sen
     assert payload == pool[2].numpy().tobytes() + pool[7].numpy().tobytes()  # blocks 1, 2 = slots 2, 7
     assert checksum([part], 1024, 1) == chunk.checksum
     assert _reply(dealer, gen)[1] == Done(pull_id=5, total_bytes=2048, chunks=1)
-    assert _items(thread, 1) == [Started("r")]
+    assert delivered(thread, 1) == [Started("r")]
     dealer.send_multipart(gen.seal(Ack(pull_id=5, ctx_request_id="r")))
-    assert _items(thread, 1) == [Ended("r", [])]
+    assert delivered(thread, 1) == [Ended("r", [])]
     assert (stats.transfers_ok, stats.bytes_sent) == (1, 2048)
     thread.submit(Withdraw("r", "lease_expired", "late"))  # ended already: nothing more comes back
     dealer.send_multipart(gen.seal(PullRequest(pull_id=6, ctx_request_id="r", ctx_epoch="ctx-epoch", ranges=[])))
@@ -170,7 +163,7 @@ def test_a_withdrawn_lease_fails_its_pull_and_bad_ranges_are_refused(sender_link
     refused = _reply(dealer, gen)[1]
     assert (refused.reason, refused.pull_id) == ("bad_request", 1) and "outside the lease" in refused.detail
     thread.submit(Withdraw("r", "lease_expired", "the lease expired"))
-    assert _items(thread, 1) == [Ended("r", [])]  # no pull ran: withdrawn quietly
+    assert delivered(thread, 1) == [Ended("r", [])]  # no pull ran: withdrawn quietly
     assert stats.failures_by_reason == {"bad_request": 1}
 
 
