@@ -148,6 +148,10 @@ class SocketThread:
             self.close()
             raise self._setup_error
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, cmd: Any, timeout_s: float = 10.0) -> None:
         """Queue a command for the socket thread (blocks at most `timeout_s` when the queue is full)."""
         if not self._thread.is_alive():

@@ -10,9 +10,10 @@ engine's current step.
 Ownership: `add_lease` pins the request's blocks. A pinned block is never evicted or offloaded, so
 its primary slot is stable while the lease lives and the slots offered stay right. The socket
 thread ends each lease exactly once (Ack, Cancel, the receiver gone, a failure, or the engine's
-`Withdraw`: expiry, checked every `step`; an engine abort; close) and hands it back (`Ended`) with
-the zmq trackers of frames of its slots still in flight; the engine unpins once zmq has released
-them, so a slot is never rewritten under a frame on the wire.
+`Withdraw`: expiry, checked every `step`; an engine abort; close) and always hands it back
+(`Ended`) with the zmq trackers of frames of its slots still in flight; the engine unpins once zmq
+has released them, so a slot is never rewritten under a frame on the wire. Should the socket
+thread die, nothing reads the slots any more and `step` unpins every lease itself.
 
 Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported for each such receiver's
 handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket thread holds
@@ -119,12 +120,18 @@ class KVSender:
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
         for item in self._thread.drain():
-            self._on_item(item)
+            try:
+                self._on_item(item)
+            except Exception:  # one broken item must not lose the others of the batch
+                log.exception("KV sender: handling %r failed", item)
+        if not self._thread.running:
+            self._take_back_all("the sender's socket thread stopped")
         self._reap(time.monotonic())
         self._unpin_released()
 
     def wait(self, timeout_s: float) -> None:
-        """Block until `step` has something to do (an item, frames released) or timeout."""
+        """Block until `step` has something to do or timeout: an item arrived, or (while ended
+        leases wait for zmq) frames were released."""
         if self._unpin_later:
             wait_any([t for trackers, _ in self._unpin_later for t in trackers], timeout_s)
         else:
@@ -187,15 +194,29 @@ class KVSender:
     # ---- lease end -----------------------------------------------------------------------------
 
     def _withdraw(self, cid: str, reason: str, detail: str) -> None:
+        """Ask the socket thread to end the lease; it is unpinned when `Ended` comes back. If the
+        command cannot be queued the lease stays as it is, and the next reap tries again."""
         lease = self._leases.get(cid)
-        if lease is not None and not lease.withdrawn:
-            lease.withdrawn = True
-            self._thread.submit(Withdraw(cid, reason, detail))
+        if lease is None or lease.withdrawn:
+            return
+        try:
+            self._thread.submit(Withdraw(cid, reason, detail), timeout_s=0.1)
+        except RuntimeError as e:  # queue full, or the thread is gone (then `step` takes all back)
+            log.warning("KV sender: could not withdraw lease %r yet: %s", cid, e)
+            return
+        lease.withdrawn = True
+
+    def _take_back_all(self, why: str) -> None:
+        """The socket thread is gone, so nothing reads the leases' slots any more: unpin them."""
+        if self._leases:
+            log.error("KV sender: %s; releasing %d leases", why, len(self._leases))
+        for lease in self._leases.values():
+            self._unpin(lease.pinned)
+        self._leases.clear()
 
     def _reap(self, now: float) -> None:
         for cid, lease in list(self._leases.items()):
-            if lease.deadline <= now and not lease.withdrawn:
-                self.stats.lease_expired += 1
+            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (sender_serve)
                 self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
 
     def _unpin(self, pinned: dict[int, list[int]]) -> None:

@@ -5,12 +5,15 @@ no longer holds up the KV of requests that finished before it). Per pull: check 
 lease (`Offered`), then per chunk gather the blocks' primary slots (translated when the lease was
 made: pinned blocks never move) into a staging buffer, or for big CPU blocks take frames of the
 pool itself, checksum, send; then Done. Same-GPU pulls (`via_ipc`) get the slots and GPU checksums
-instead. CUDA reads run on a side stream that first waits for the lease's `ready` event (the
-onboard copies made when it was pinned), so they never wait behind the engine's own kernels, and
+instead. CUDA reads run on a side stream that first waits for the lease's `ready` event (every
+write the engine issued before the lease: the prefill, onboard copies), so they never wait
+behind the engine's later kernels, and
 under `pool_lock`, which the engine holds while it exports the pools (`_share_cuda_`).
 
-Every lease ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or the
-engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still out.
+Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or
+the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
+out. A lease that was withdrawn because it expired is counted (`lease_expired`) here, so one that
+an Ack ended first is not.
 """
 
 from __future__ import annotations
@@ -97,9 +100,17 @@ class PullServer:
         assert off is not None
         off.job = Job(peer, req.pull_id, deque(), time.monotonic())
         io.deliver(Started(req.ctx_request_id))
+        try:
+            self._start(io, req, off)
+        except Exception as e:  # a broken invariant must fail this pull, not the thread
+            log.exception("KV sender: pull %d of %r failed", req.pull_id, req.ctx_request_id)
+            self._end(io, req.ctx_request_id, "internal_error", f"the context server failed to serve the pull: {e}")
+
+    def _start(self, io: SocketIO, req: PullRequest, off: Offered) -> None:
         if req.via_ipc:
             self._serve_ipc(io, req.ctx_request_id, off, req.ranges)
             return
+        assert off.job is not None
         sizes = {r.window: off.offer.windows[r.window].slot_bytes for r in req.ranges}
         total = sum(r.count * sizes[r.window] for r in req.ranges)
         # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
@@ -150,24 +161,28 @@ class PullServer:
             off = self._offers[cid]
             job = off.job
             assert job is not None
-            if not job.chunks:
-                done = Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks)
-                self._send(io, job.peer, done, [])
-                job.done_sent = True
-                self._active.popleft()
-                continue
             budget -= 1
             try:
-                if not self._send_chunk(io, off, job, job.chunks[0]):
+                if not self._next(io, off, job):
                     return ROOM_POLL_S  # every staging buffer is still with zmq
             except Exception as e:  # a broken invariant must fail this pull, not the thread
                 log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
                 self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
-                continue
-            job.chunks.popleft()
         if not self._active:
             return None
         return 0.0 if self._room() else ROOM_POLL_S
+
+    def _next(self, io: SocketIO, off: Offered, job: Job) -> bool:
+        """Send the job's next chunk, or Done after the last; False when no staging buffer is free."""
+        if not job.chunks:
+            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
+            job.done_sent = True
+            self._active.popleft()
+            return True
+        if not self._send_chunk(io, off, job, job.chunks[0]):
+            return False
+        job.chunks.popleft()
+        return True
 
     def _room(self) -> bool:
         self._inflight = [t for t in self._inflight if not t.done]
@@ -254,13 +269,18 @@ class PullServer:
     # ---- the end of a lease --------------------------------------------------------------------
 
     def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, notify: bool = True) -> None:
-        """The only place a lease ends on this side: it runs once per lease."""
+        """The only place a lease ends on this side: it runs once per lease, and whatever fails
+        here, the engine gets the lease back (`Ended`)."""
         off = self._offers.pop(cid)
         if cid in self._active:
             self._active.remove(cid)
+        self._stats.lease_expired += reason == "lease_expired"
         job = off.job
         if job is not None and reason is not None:
             self._stats.count_failure(reason)
             if notify:
-                self._send(io, job.peer, Failed(reason=reason, detail=detail, pull_id=job.pull_id), [])
+                try:
+                    self._send(io, job.peer, Failed(reason=reason, detail=detail, pull_id=job.pull_id), [])
+                except Exception:  # the receiver then times out; the lease still comes back
+                    log.exception("KV sender: could not tell pull %d of %r that it failed", job.pull_id, cid)
         io.deliver(Ended(cid, [t for t in off.pool_frames if not t.done]))

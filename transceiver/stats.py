@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 @dataclass
 class TransferStats:
     """Counters only grow; each has one writing thread. Receiver: the engine thread, except
-    `rejected_*` and `ipc_open_failures` (its socket thread). Sender: its socket thread (which
-    serves the pulls), except `lease_expired` (the engine thread, which reaps leases).
+    `rejected_*` and `ipc_open_failures` (its socket thread). Sender: its socket thread, which
+    serves the pulls and ends the leases (`lease_expired` too: the engine only asks).
 
     `on_transfer(seconds, nbytes)` is called once per successful transfer, from the thread that
     saw it end (e.g. to feed a thread-safe histogram).

@@ -111,10 +111,13 @@ def ctx_main(timeout_ms: int, port: int) -> None:
     ctx = _Ctx(timeout_ms, port)
     print(json.dumps({"endpoint": ctx.sender.endpoint, "epoch": ctx.sender.epoch}), flush=True)
 
+    paused = lambda: ctx.pause_after_bytes is not None and ctx.sender.stats.bytes_sent >= ctx.pause_after_bytes
+    server = ctx.sender._link._server  # the socket thread's pull server: hold its chunks while paused
+    pump = server.pump
+    server.pump = lambda io: 0.002 if paused() else pump(io)
+
     def tick() -> None:
-        paused = ctx.pause_after_bytes is not None and ctx.sender.stats.bytes_sent >= ctx.pause_after_bytes
-        if not paused:
-            ctx.sender.step()
+        ctx.sender.step()
 
     serve_json_commands(ctx.handle, tick, lambda: 0 if ctx.sender.busy else 0.002)
     ctx.sender.close()
@@ -289,7 +292,7 @@ def test_lease_expires_when_nobody_pulls_and_late_pull_fails() -> None:
         tokens = tokens_for(9, 64)
         ctx.call("prefill", rid="req-x", tokens=tokens)
         assert ctx.call("state")["in_use"] == 8 + 4
-        state = ctx.wait_state(lambda s: s["lease_expired"] == 1)
+        state = ctx.wait_state(lambda s: s["lease_expired"] == 1 and s["leases"] == 0)  # expired, handed back
         assert (state["lease_expired"], state["leases"], state["in_use"]) == (1, 0, 0)
         assert state["integrity"] == "ok"
         result, _ = pull(receiver, ctx, "req-x", tokens)
@@ -313,7 +316,7 @@ def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> 
     try:
         tokens = tokens_for(10, 100)
         ctx.call("prefill", rid="req-k", tokens=tokens)
-        ctx.call("pause_after_bytes", n=1)  # stop after the first step (at most 4 of the 6 chunks)
+        ctx.call("pause_after_bytes", n=1)  # stop after the first pump (at most 4 of the 6 chunks)
         kv.admit("req-k", tokens)
         receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", blocks_to_pull(kv, "req-k", 100, 0))
         deadline = time.monotonic() + 10

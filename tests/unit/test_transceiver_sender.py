@@ -1,8 +1,10 @@
 """KVSender in-process with a real KVCacheManager and a raw DEALER as the receiver: zero-copy frames
-of large blocks, unpinning deferred until zmq has released frames of the lease's slots."""
+of large blocks, unpinning deferred until zmq has released frames of the lease's slots, and leases
+that come back however their pull or the socket thread fails."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -13,9 +15,12 @@ import zmq
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
+from transceiver.lease import Ended, Offer, OfferedWindow, Started
 from transceiver.messages import ChunkHeader, Done, Failed, PullRequest, WindowRange
 from transceiver.payload import checksum
 from transceiver.sender import KVSender
+from transceiver.sender_serve import PullServer
+from transceiver.stats import TransferStats
 
 TOKEN = "unit-sender-token-0123456"
 MIB = 1 << 20
@@ -106,3 +111,40 @@ def test_unpin_waits_until_zmq_released_the_frames_of_the_slots(leased) -> None:
     assert sender.num_leases == 0 and _in_use(kv) == 0
     kv.check_integrity()
     assert sender.stats.failures_by_reason == {"cancelled": 1}
+
+
+class _FakeIO:
+    """What PullServer needs of a SocketIO: deliver (recorded) and, through `send`, nothing else."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def deliver(self, item) -> None:
+        self.items.append(item)
+
+
+def test_a_lease_comes_back_even_when_its_pull_and_its_failure_notice_cannot_be_sent() -> None:
+    def broken_send(io, peer, body, payload) -> None:
+        raise zmq.ZMQError(zmq.EFSM, "socket in a bad state")
+
+    stats = TransferStats()
+    server = PullServer(TransceiverConfig(auth_token=TOKEN), "e", stats, broken_send, threading.Lock(),
+                        lambda: False)
+    pool = torch.zeros((4, 256), dtype=torch.int32)  # [slots, 1 KiB]
+    server.offer(Offer("r", {W: OfferedWindow(pool, [3, 1], 1024)}))
+    io = _FakeIO()
+    server.pull(io, b"peer", PullRequest(pull_id=1, ctx_request_id="r", ctx_epoch="e",
+                                         ranges=[WindowRange(window=W, first=0, count=2)]))
+    assert server.pump(io) is None  # the chunk's send failed: the pull ended, nothing is left to do
+    assert io.items == [Started("r"), Ended("r", [])]
+    assert stats.failures_by_reason == {"internal_error": 1}
+
+
+def test_if_the_socket_thread_dies_the_engine_unpins_every_lease_itself(leased) -> None:
+    kv, sender, _, _, _ = leased
+    assert _in_use(kv) == 16
+    sender._thread.close()  # as if it had died
+    sender.drop_lease("r")  # cannot be queued: logged, not raised into the engine
+    sender.step()
+    assert sender.num_leases == 0 and _in_use(kv) == 0
+    kv.check_integrity()
