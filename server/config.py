@@ -168,12 +168,14 @@ def share_gpu_memory(servers: list[ServerConfig]) -> tuple[ServerConfig, ...]:
     """The servers of one deployment run on one host and, with device auto or cuda, on its first
     GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
     use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
-    gpu = [s for s in servers if s.device != "cpu"]
-    out = []
+    sharing = sum(s.device != "cpu" for s in servers)
+    if sharing < 2:
+        return tuple(servers)
+    fraction, out = DEFAULT_GPU_FRACTION / sharing, []
     for s in servers:
         kv = s.kv_cache_config
-        if len(gpu) > 1 and s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
-            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=DEFAULT_GPU_FRACTION / len(gpu)))
+        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
+            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=fraction))
         out.append(s)
     return tuple(out)
 

@@ -40,7 +40,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     spec = load_spec(model_dir)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    weights = load_weights(model_dir, dtype, device)  # first: a GPU pool takes a share of what is left
+    weights = load_weights(spec, dtype, device)  # first: a GPU pool takes a share of what is left
     kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
                         salt=spec.fingerprint)
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,

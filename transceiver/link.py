@@ -5,7 +5,8 @@ not thread-safe). Other threads talk to it only through `submit` (commands, boun
 `wait` (delivered items, bounded). All sockets have linger=0; every wait is a poll with a timeout.
 A handler (the protocol side: sender or receiver) reacts to commands, incoming multipart
 messages and ticks, and uses `SocketIO` to send and deliver; a handler with work of its own (the
-sender's outgoing chunks) also has `pump`, called on every turn of the loop. Handler exceptions are
+sender's outgoing chunks) also has `pump(io) -> float | None`, called on every turn of the loop and
+returning how soon it wants the next call (None: only when something arrives). Handler exceptions are
 logged and never kill the thread.
 """
 
@@ -40,13 +41,6 @@ class LinkHandler(Protocol):
     def on_frames(self, io: SocketIO, key: Hashable, frames: list[zmq.Frame]) -> None: ...
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None: ...
     def on_tick(self, io: SocketIO, now: float) -> None: ...
-
-
-class Pumping(Protocol):
-    def pump(self, io: SocketIO) -> float | None:
-        """Do some of the handler's own work; seconds until it wants the next call (None: only
-        when something arrives)."""
-        ...
 
 
 class SocketIO:

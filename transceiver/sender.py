@@ -97,9 +97,8 @@ class KVSender:
         where the bytes are, and a pinned block keeps it until the lease ends."""
         ids = lease.blocks[window]
         live = [b for b in ids if b >= 0]
-        self._kv.pin_blocks(live, window)  # may onboard; raises OutOfBlocksError before pinning
+        self._kv.pin_blocks(live, window)  # ensure_primary, then pin; OutOfBlocksError before pinning
         lease.pinned[window] = live
-        self._kv.ensure_primary(live, window)
         slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
         return OfferedWindow(self._pools[window], [next(slots) if b >= 0 else -1 for b in ids],
                              self._kv.slot_bytes(window))
@@ -119,11 +118,7 @@ class KVSender:
 
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
-        for item in self._thread.drain():
-            try:
-                self._on_item(item)
-            except Exception:  # one broken item must not lose the others of the batch
-                log.exception("KV sender: handling %r failed", item)
+        self._take_items()
         if not self._thread.running:
             self._take_back_all("the sender's socket thread stopped")
         self._reap(time.monotonic())
@@ -153,8 +148,7 @@ class KVSender:
             self._withdraw(cid, "peer_gone", "the context server is shutting down")
         deadline = time.monotonic() + CLOSE_WAIT_S
         while (self._leases or self._link.has_pending_sends()) and time.monotonic() < deadline:
-            for item in self._thread.drain():
-                self._on_item(item)
+            self._take_items()
             time.sleep(0.005)  # give the Failed notices a moment to leave
         self._thread.close()  # closes the socket: zmq drops whatever it still held
         for lease in self._leases.values():
@@ -165,6 +159,13 @@ class KVSender:
         self._unpin_later.clear()
 
     # ---- items from the socket thread ----------------------------------------------------------
+
+    def _take_items(self) -> None:
+        for item in self._thread.drain():
+            try:
+                self._on_item(item)
+            except Exception:  # one broken item must not lose the others of the batch
+                log.exception("KV sender: handling %r failed", item)
 
     def _on_item(self, item: Ended | Started | ExportRequest) -> None:
         if isinstance(item, ExportRequest):

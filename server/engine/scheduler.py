@@ -103,13 +103,6 @@ class Scheduler:
         self._schedule_waiting(budget, out)
         return out
 
-    def _prefill_batch_full(self, out: SchedulerOutput) -> bool:
-        """The step's prefill tokens (chunks of more than one token) reached the prefill batch limit."""
-        limit = self.config.max_prefill_batch_tokens
-        if limit is None:
-            return False
-        return sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) >= limit
-
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
@@ -143,6 +136,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        prefill_limit = self.config.max_prefill_batch_tokens or self.config.max_num_tokens
+        prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)  # decode does not count
         while self.waiting and budget > 0 and self._batch_has_room():
             request = self.waiting[0]
             if self._never_fits(request):
@@ -151,7 +146,7 @@ class Scheduler:
                 out.rejected.append(request)
                 continue
             pulls_kv = request.is_generation_only and not request.admitted_once  # computes nothing here
-            if (not pulls_kv and self._prefill_batch_full(out)) or not self._admit(request):
+            if (not pulls_kv and prefill >= prefill_limit) or not self._admit(request):
                 return
             self.waiting.popleft()
             if pulls_kv:
@@ -166,6 +161,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
+            prefill += n if n > 1 else 0
 
     def _admit(self, request: Request) -> bool:
         """Allocate blocks (prefix reuse first).

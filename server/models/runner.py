@@ -56,9 +56,9 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every safetensors tensor of `model_dir` as `dtype` on `device`."""
-    return load_tensors(safetensors_files(load_spec(model_dir).model_dir), dtype=dtype, device=device)
+def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every safetensors tensor of the model as `dtype` on `device`."""
+    return load_tensors(safetensors_files(spec.model_dir), dtype=dtype, device=device)
 
 
 class ModelRunner:
@@ -74,7 +74,7 @@ class ModelRunner:
         spec = self.spec
         self.attention = TorchPagedAttention(kv, spec.num_layers, spec.num_heads, spec.head_dim)
         if tensors is None:
-            tensors = load_weights(model_dir, dtype, device)
+            tensors = load_weights(spec, dtype, device)
         self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
 
     @torch.no_grad()
