@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -69,7 +68,7 @@ def _router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from server.config import AUTH_TOKEN_ENV, ConfigError, load_deployment
+    from server.config import ConfigError, load_deployment
     from server.router.app import RouterSettings, create_router_app
 
     try:
@@ -83,7 +82,7 @@ def _router(args: argparse.Namespace) -> int:
     settings = RouterSettings(
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
         generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
-        policy=cfg.router_type, model=cfg.model, auth_token=os.environ.get(AUTH_TOKEN_ENV) or cfg.auth_token)
+        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token)
     uvicorn.run(create_router_app(settings), host=cfg.host, port=cfg.port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
     return 0

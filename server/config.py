@@ -10,7 +10,8 @@ behind the router, or, with no server section at all, one aggregated server list
 Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
 Environment: PDSERVE_HOSTNAME replaces the deployment's top-level `hostname` (the Docker image sets
 0.0.0.0 with it); PDSERVE_AUTH_TOKEN supplies `cache_transceiver_config.auth_token` when the file
-leaves it null (the launcher hands the token to its children that way, never through argv or files).
+leaves it null (the launcher hands the token to its children that way, never through argv), or
+PDSERVE_AUTH_TOKEN_FILE names a file holding it (an operator restarting one server by hand).
 """
 
 from __future__ import annotations
@@ -35,18 +36,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 HOSTNAME_ENV = "PDSERVE_HOSTNAME"
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
+AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (operators restarting by hand)
 # hosts that bind every interface, so they collide with any host on the same port
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "max_prefill_batch_tokens",
                "dtype", "device", "borrow_idle_cores", "kv_cache_config", "cache_transceiver_config")
 SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
-SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port")
-DEPLOYMENT_KEYS = (*SERVER_KEYS, "router", "context_servers", "generation_servers")
+SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port", "context_urls")  # context_urls: generation servers
+DEPLOYMENT_KEYS = (*ENGINE_KEYS, "hostname", "port", "router", "context_servers", "generation_servers")
 
 __all__ = [
-    "AUTH_TOKEN_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "ServerConfig",
+    "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "ServerConfig",
     "load_deployment", "load_server_config", "server_config_from_dict", "server_config_to_yaml",
-    "with_auth_token",
+    "with_auth_token", "env_auth_token",
 ]
 
 
@@ -72,6 +74,9 @@ class ServerConfig:
     borrow_idle_cores: bool = False
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     cache_transceiver: dict[str, Any] = field(default_factory=dict)
+    # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
+    # KV senders only, never from an address a request names (server/api/context_directory.py)
+    context_urls: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -133,8 +138,26 @@ def server_config_from_dict(data: dict[str, Any], source: str = "<arguments>",
     top.check_keys(data, SERVER_KEYS)
     host = top.string(data, "hostname", "127.0.0.1")
     cfg = _single_server(data, top, role, host, top.port(data, "port", 8000))
-    token = cfg.cache_transceiver.get("auth_token") or os.environ.get(AUTH_TOKEN_ENV) or None
-    return replace(cfg, cache_transceiver={**cfg.cache_transceiver, "auth_token": token})
+    listed = top.url_list(data, "context_urls") if "context_urls" in data else []
+    context_urls = tuple(host_port(h, p) for h, p in listed)
+    token = cfg.cache_transceiver.get("auth_token") or env_auth_token()
+    return replace(cfg, cache_transceiver={**cfg.cache_transceiver, "auth_token": token}, context_urls=context_urls)
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def env_auth_token() -> str | None:
+    """The token from PDSERVE_AUTH_TOKEN, else from the file PDSERVE_AUTH_TOKEN_FILE names."""
+    token = os.environ.get(AUTH_TOKEN_ENV)
+    path = os.environ.get(AUTH_TOKEN_FILE_ENV)
+    if token or not path:
+        return token or None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as exc:
+        raise ConfigError(f"{AUTH_TOKEN_FILE_ENV}={path}: cannot read the token file: {exc.strerror or exc}") from exc
 
 
 def load_deployment(path: str | Path) -> DeploymentConfig:
@@ -160,8 +183,15 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
         servers = [_single_server(data, top, "aggregated", host, port)]
     _check_same_model(servers, top)
     _check_ports(servers, host, port, has_router, top)
-    cfg = DeploymentConfig(str(path), host, port, router_type, share_gpu_memory(servers), has_router, None)
+    servers = _with_context_urls(share_gpu_memory(servers))
+    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None)
     return with_auth_token(cfg, token)
+
+
+def _with_context_urls(servers: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
+    """Every generation server learns its deployment's context servers (where it may pull from)."""
+    urls = tuple(host_port(s.host, s.port) for s in servers if s.role == "context")
+    return tuple(replace(s, context_urls=urls) if s.role == "generation" else s for s in servers)
 
 
 def share_gpu_memory(servers: list[ServerConfig]) -> tuple[ServerConfig, ...]:
@@ -199,6 +229,8 @@ def server_config_to_yaml(cfg: ServerConfig) -> str:
         "borrow_idle_cores": cfg.borrow_idle_cores,
         "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
     }
+    if cfg.context_urls:
+        data["context_urls"] = list(cfg.context_urls)
     header = f"# generated by pdserve launch: one {cfg.role} server\n"
     return header + yaml.safe_dump(data, sort_keys=False)
 
@@ -211,7 +243,7 @@ def _auth_token(data: dict[str, Any], top: Where) -> str | None:
             where = top.key(section).key("cache_transceiver_config").key("auth_token")
             raise where.error("one token serves the whole deployment: set it at the top level")
     token = top.key("cache_transceiver_config").optional_string(ctc, "auth_token")
-    return token or os.environ.get(AUTH_TOKEN_ENV) or None
+    return token or env_auth_token()
 
 
 def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,

@@ -1,33 +1,52 @@
-"""Extra endpoints of an engine server beyond the OpenAI API (used by the router)."""
+"""Internal endpoints of an engine server beyond the OpenAI API, for the deployment's own processes.
+
+Each needs the deployment token (`server.auth`): the router releases leases and reads the cache
+index, generation servers ask a context server where its KV sender listens.
+"""
 
 from __future__ import annotations
-
-import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from server.router.orchestrator import RELEASE_TOKEN_HEADER, error_body
+from server.api.access import require_token
+from server.api.errors import APIError
 
 
-def install_kv_routes(app: FastAPI, auth_token: str | None) -> None:
+def install_kv_routes(app: FastAPI) -> None:
     @app.get("/kv_cache/hashes")
     async def kv_cache_hashes(request: Request) -> JSONResponse:
         """Hashes of the blocks in this server's reuse cache (kv_cache_aware routing reads them)."""
+        require_token(request, "GET /kv_cache/hashes")
         return JSONResponse(request.app.state.telemetry.read_hashes())
+
+    @app.get("/kv_cache/endpoint")
+    async def kv_endpoint(request: Request) -> JSONResponse:
+        """Context side: the address and epoch of this server's KV sender."""
+        require_token(request, "GET /kv_cache/endpoint")
+        advertised = _advertised(request.app.state.engine)
+        if advertised is None:
+            raise APIError(404, "this server has no KV sender (not a context server, or not ready yet)")
+        return JSONResponse(advertised)
 
     @app.post("/kv_cache/release")
     async def release_lease(request: Request) -> JSONResponse:
         """Drop a context request's lease now (the router's generation leg never ran)."""
-        given = request.headers.get(RELEASE_TOKEN_HEADER, "")
-        if auth_token and not hmac.compare_digest(given.encode(), auth_token.encode()):
-            return JSONResponse(error_body("missing or wrong " + RELEASE_TOKEN_HEADER, "authentication_error"), 401)
+        require_token(request, "POST /kv_cache/release")
         try:
             body = await request.json()
             ctx_request_id = body["ctx_request_id"]
         except (ValueError, KeyError, TypeError):
-            return JSONResponse(error_body("body must be {\"ctx_request_id\": str}", "invalid_request_error"), 400)
+            raise APIError(400, "body must be {\"ctx_request_id\": str}") from None
         if not isinstance(ctx_request_id, str):
-            return JSONResponse(error_body("ctx_request_id must be a string", "invalid_request_error"), 400)
+            raise APIError(400, "ctx_request_id must be a string", param="ctx_request_id")
         request.app.state.engine.release_lease(ctx_request_id)
         return JSONResponse({"ctx_request_id": ctx_request_id, "release": "queued"})
+
+
+def _advertised(engine) -> dict | None:
+    core = getattr(engine, "core", None)
+    sender = getattr(getattr(core, "disagg", None), "sender", None)
+    if sender is None:
+        return None
+    return {"endpoint": sender.endpoint, "epoch": sender.epoch}

@@ -13,6 +13,7 @@ import uvicorn
 
 from kvcache import KVCacheManager
 from server.api.app import create_app
+from server.api.context_directory import ContextDirectory
 from server.config import ServerConfig
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
@@ -94,10 +95,12 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
 
-    app = create_app(engine_factory, metrics=metrics)
+    token = cfg.cache_transceiver.get("auth_token")
+    directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
+    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
     app.state.telemetry = telemetry
     metrics.set_stats_provider(telemetry.kv_stats)
-    install_kv_routes(app, cfg.cache_transceiver.get("auth_token"))
+    install_kv_routes(app)
     return app
 
 

@@ -27,10 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before by this process (the kernel may offer a port again
+    as soon as its probe socket closes, and one config must not get the same port twice)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _merge(base: dict, extra: dict) -> dict:

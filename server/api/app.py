@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 
 from fastapi import FastAPI
 
+from server.api.access import EndpointDirectory
 from server.api.errors import install_error_handlers
 from server.api.routes import chat, completions, health, models
 from server.api.routes import metrics as metrics_route
@@ -29,17 +30,23 @@ async def _enter_engine(stack: AsyncExitStack, factory: EngineFactory) -> Engine
     return made
 
 
-def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
+               auth_token: str | None = None, context_directory: EndpointDirectory | None = None) -> FastAPI:
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`).
 
     `metrics` is the registry `/metrics` exposes; pass the same object to the engine so it can feed
-    it (a fresh, unfed one is made when omitted).
+    it (a fresh, unfed one is made when omitted). `auth_token` is the deployment token that
+    `disaggregated_params` and the internal routes need; `context_directory` (generation servers)
+    knows the only KV endpoints this server may pull from (`server.api.access`).
     """
     server_metrics = metrics if metrics is not None else ServerMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            if context_directory is not None:
+                context_directory.start()
+                stack.push_async_callback(context_directory.stop)
             app.state.engine = await _enter_engine(stack, engine_factory)
             try:
                 yield
@@ -48,6 +55,8 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = server_metrics
+    app.state.auth_token = auth_token
+    app.state.context_directory = context_directory
     install_error_handlers(app)
     for module in (completions, chat, models, health, metrics_route):
         app.include_router(module.router)

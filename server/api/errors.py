@@ -5,7 +5,11 @@ Status codes:
   `max_seq_len`, `max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` > 1), malformed
   JSON, and **wrong types** too. pdserve answers wrong types with 400, not FastAPI's 422, as OpenAI
   and vLLM do (so the `openai` client raises `BadRequestError`); the message names the field.
-- 404 `not_found_error`: unknown route, unknown model name.
+- 401 `authentication_error`: `disaggregated_params` or an internal endpoint without the deployment
+  token; 403 `permission_error`: a generation_only request naming a KV endpoint that is not one of
+  the deployment's context servers (`server.api.access`).
+- 404 `not_found_error`: unknown route, unknown model name, a KV lease the context server does not
+  hold; 409 a second pull of a lease already being pulled.
 - 405 for a wrong method on a known route.
 - 500/502/503 from the engine: a `RequestOutput` with `finish_reason == "error"` carries its status
   in `error_code`; an engine-side abort is a 503; an unexpected exception is a 500.
@@ -25,7 +29,8 @@ from server.types import RequestOutput
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error",
           422: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable"}
 
 

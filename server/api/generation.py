@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from server.api.access import check_disagg_access
 from server.api.errors import output_error
 from server.api.formatting import Formatter, continued_response_id
 from server.api.prompts import build_request, new_request_id
@@ -201,6 +202,7 @@ async def _event(send: Send, data: str) -> None:
 async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
                  id_prefix: str, formatter: type[Formatter]) -> Response:
     """The whole handling of one completion or chat request: build it, run it, answer JSON or SSE."""
+    await check_disagg_access(request, body.disaggregated_params)
     request_id = new_request_id(id_prefix)
     gen = build_request(body, engine, request_id)
     continued = gen.disagg is not None and gen.disagg.first_text_streamed  # the router began the stream

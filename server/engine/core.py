@@ -60,8 +60,9 @@ class EngineCore:
         """Queue a request; a request this server's role cannot run is answered at once (400)."""
         problem = self._role_problem(gen)
         if problem is not None:
+            message, code = problem
             return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
-                                 prompt_tokens=len(gen.prompt_token_ids), error=problem, error_code=400)
+                                 prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code)
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
                           self.eos_token_ids, gen.arrival_time, gen.disagg)
         if request.is_generation_only:
@@ -71,18 +72,29 @@ class EngineCore:
         self.scheduler.add(request)
         return None
 
-    def _role_problem(self, gen: GenerateRequest) -> str | None:
+    def _role_problem(self, gen: GenerateRequest) -> tuple[str, int] | None:
+        """(message, HTTP status) when this server cannot take the request."""
         kind = gen.disagg.request_type if gen.disagg is not None else "context_and_generation"
         accepted = self.disagg.accepts if self.disagg is not None else ("context_and_generation",)
         if kind not in accepted:
-            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {list(accepted)})"
+            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {list(accepted)})", 400
         if kind == "generation_only":
             params = gen.disagg
             missing = [name for name in ("ctx_request_id", "ctx_endpoint", "ctx_epoch", "first_gen_tokens")
                        if not getattr(params, name)]
             if missing:
-                return f"disaggregated_params of a generation_only request lacks {', '.join(missing)}"
+                return f"disaggregated_params of a generation_only request lacks {', '.join(missing)}", 400
+            if self._pulls_same_lease(params):
+                return (f"the KV of ctx_request_id {params.ctx_request_id!r} is already being taken over by "
+                        "another request on this server"), 409
         return None
+
+    def _pulls_same_lease(self, params: DisaggParams) -> bool:
+        """Another live generation_only request here names the same context lease."""
+        key = (params.ctx_endpoint, params.ctx_request_id)
+        scheduler = self.scheduler
+        return any(r.is_generation_only and (r.disagg.ctx_endpoint, r.disagg.ctx_request_id) == key
+                   for r in (*scheduler.waiting, *scheduler.running, *scheduler.transferring.values()))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.find(request_id)

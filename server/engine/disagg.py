@@ -12,6 +12,10 @@ from kvcache import KVCacheManager
 from server.engine.request import Request
 from server.types import DisaggParams, RequestOutput
 
+# A pull refused for what the request named (a lease the context server does not hold, or one
+# another pull is already taking) is the caller's error; anything else is the servers'.
+PULL_FAILURE_STATUS = {"unknown_request": 404, "bad_request": 409}
+
 
 class ContextRole:
     """Prefill, sample the first token, then park the prompt's blocks under a lease for the pull."""
@@ -78,7 +82,7 @@ class GenerationRole:
                 core.kv_arrived(request)
             else:
                 message = f"KV transfer from the context server failed: {result.error}"
-                outputs.append(core.fail(request, message, code=502))
+                outputs.append(core.fail(request, message, code=PULL_FAILURE_STATUS.get(result.reason, 502)))
         return outputs
 
     def start_pulls(self, requests: list[Request]) -> None:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from server.auth import token_headers
 from server.router.backends import Backend, HealthMonitor
 from server.router.http_client import HttpClient, HttpError
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
@@ -34,6 +35,8 @@ from server.router.streaming import (
 )
 
 DISCONNECT_POLL_S = 0.25
+CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
+                        "may not carry it")
 _BOOL = TypeAdapter(bool)
 
 
@@ -45,7 +48,7 @@ class RouterSettings:
     model: str | None = None  # to tokenise prompts for kv_cache_aware routing
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
-    auth_token: str | None = None  # the deployment's token: authorises lease releases on context servers
+    auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
 
 
 class ClientGone(Exception):
@@ -88,7 +91,7 @@ def _build_state(settings: RouterSettings) -> RouterState:
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     kv_aware = settings.policy == "kv_cache_aware"
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s,
-                            poll_hashes=kv_aware)
+                            poll_hashes=kv_aware, headers=token_headers(settings.auth_token))
     orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
                                 make_policy("load_balancing" if kv_aware else settings.policy),
                                 settings.request_timeout_s, settings.auth_token)
@@ -151,6 +154,9 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
         return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
     if not isinstance(body, dict):
         return JSONResponse(error_body("request body must be a JSON object", "invalid_request_error"), 400)
+    if "disaggregated_params" in body:  # set by the router alone: a client never drives the KV plane
+        return JSONResponse(error_body(CLIENT_DISAGG_PARAMS, "invalid_request_error",
+                                       "disaggregated_params_not_allowed"), 400)
     try:  # read `stream` as the servers do, so that router and server agree on what is streamed
         body["stream"] = _BOOL.validate_python(body.get("stream", False))
     except ValidationError:

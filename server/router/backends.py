@@ -39,8 +39,9 @@ class HealthMonitor:
     """Polls every backend's /health (and, if asked, its cached block hashes) on an interval."""
 
     def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, poll_hashes: bool = False) -> None:
+                 timeout_s: float = 2.0, poll_hashes: bool = False, headers: dict[str, str] | None = None) -> None:
         self.backends = backends
+        self.headers = headers or {}  # the deployment token: the cache index is internal
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -77,7 +78,8 @@ class HealthMonitor:
 
     async def _fetch_hashes(self, backend: Backend) -> None:
         try:
-            response = await self.client.request("GET", f"{backend.url}/kv_cache/hashes", timeout=self.timeout_s)
+            response = await self.client.request("GET", f"{backend.url}/kv_cache/hashes", headers=self.headers,
+                                                 timeout=self.timeout_s)
             body = response.json()
             backend.cached_hashes = frozenset(body["hashes"])
             backend.hash_salt = body["salt"]

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from server.auth import token_headers
 from server.router.backends import Backend
 from server.router.http_client import (
     ConnectError,
@@ -27,7 +28,6 @@ from server.router.http_client import (
 from server.router.policies import PromptTokens, RoundRobin
 
 log = logging.getLogger(__name__)
-RELEASE_TOKEN_HEADER = "x-pdserve-token"
 RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
 NO_GENERATION = "generation leg failed: no healthy generation server"
 
@@ -56,7 +56,7 @@ class Orchestrator:
     def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
                  context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
                  auth_token: str | None = None) -> None:
-        self.auth_token = auth_token
+        self.headers = token_headers(auth_token)  # every call to a server carries the deployment token
         self.client = client
         self.context = list(context)
         self.generation = list(generation)
@@ -113,9 +113,8 @@ class Orchestrator:
 
     async def release_context(self, backend: Backend, params: dict) -> None:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""
-        headers = {RELEASE_TOKEN_HEADER: self.auth_token} if self.auth_token else {}
         try:
-            await self.client.request("POST", f"{backend.url}/kv_cache/release", headers=headers, timeout=5.0,
+            await self.client.request("POST", f"{backend.url}/kv_cache/release", headers=self.headers, timeout=5.0,
                                       json={"ctx_request_id": params.get("ctx_request_id")})
         except HttpError as exc:  # the lease still expires on its own
             log.warning("could not release lease %s on %s: %s", params.get("ctx_request_id"), backend.url, exc)
@@ -123,7 +122,8 @@ class Orchestrator:
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
         backend.active += 1
         try:
-            response = await self.client.request("POST", backend.url + path, json=body, timeout=self.timeout_s)
+            response = await self.client.request("POST", backend.url + path, json=body, headers=self.headers,
+                                                 timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
             raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})") from exc
@@ -135,7 +135,8 @@ class Orchestrator:
 
     async def _open_stream(self, backend: Backend, path: str, body: dict) -> StreamResponse:
         try:
-            response = await self.client.stream("POST", backend.url + path, json=body, timeout=self.timeout_s)
+            response = await self.client.stream("POST", backend.url + path, json=body, headers=self.headers,
+                                                timeout=self.timeout_s)
             if response.status != 200:
                 try:
                     _parse(backend, Response(response.status, await response.aread()))

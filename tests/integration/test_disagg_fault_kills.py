@@ -22,6 +22,7 @@ import httpx
 from test_disagg_faults import (
     FAST_S,
     PROMPT,
+    TOKEN,
     assert_transfer_failed,
     complete,
     context_only,
@@ -117,7 +118,8 @@ def topic_prompt(topic: str) -> str:
 
 
 def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
-    pull_timeout = {"generation_servers": {"cache_transceiver_config": {"kv_transfer_timeout_ms": GEN_TIMEOUT_MS}}}
+    pull_timeout = {"cache_transceiver_config": {"auth_token": TOKEN},
+                    "generation_servers": {"cache_transceiver_config": {"kv_transfer_timeout_ms": GEN_TIMEOUT_MS}}}
     with dh.launched("disagg_2x2.yaml", tmp_path, pull_timeout) as dep:
         dead, alive = dep.context_urls
         gen0, gen1 = dep.generation_urls

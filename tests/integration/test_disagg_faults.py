@@ -14,6 +14,7 @@ import hmac
 import json
 import math
 import secrets
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ import zmq
 from transceiver.messages import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
 
 TOKEN = "fault-injection-token-0123456789abcdef"
+AUTHORISED = {"x-pdserve-token": TOKEN}  # what the router sends to its servers
 LEASE_MS = 3000  # the shared deployment's context-side kv_transfer_timeout_ms
 TPB = 32  # tokens_per_block of disagg.yaml
 SHARED = {
@@ -85,7 +87,7 @@ def context_only(url: str, prompt: str = PROMPT) -> tuple[dict, float]:
     """A `context_only` answer straight from a context server, and when it arrived (monotonic)."""
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
             "disaggregated_params": {"request_type": "context_only"}}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTHORISED, timeout=60)
     arrived = time.monotonic()
     assert response.status_code == 200, response.text
     return response.json(), arrived
@@ -104,14 +106,14 @@ def generation_only(url: str, prompt: str, params: dict) -> tuple[httpx.Response
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
             "disaggregated_params": {**params, "request_type": "generation_only"}}
     start = time.monotonic()
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTHORISED, timeout=60)
     return response, time.monotonic() - start
 
 
 def assert_transfer_failed(response: httpx.Response, seconds: float, detail: str,
-                           limit_s: float = FAST_S) -> None:
+                           limit_s: float = FAST_S, status: int = 502) -> None:
     assert seconds < limit_s, f"the failure took {seconds:.1f} s"
-    assert response.status_code == 502, response.text
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"].startswith("KV transfer from the context server failed: "), error
     assert detail in error["message"], error
@@ -215,12 +217,12 @@ def test_pull_for_unknown_stale_or_expired_lease_fails_fast(shared):
     rid = params["ctx_request_id"]
 
     response, seconds = generation_only(gen, prompt, {**params, "ctx_request_id": "no-such-request"})
-    assert_transfer_failed(response, seconds, "no lease for ctx_request_id 'no-such-request'")
+    assert_transfer_failed(response, seconds, "no lease for ctx_request_id 'no-such-request'", status=404)
     response, seconds = generation_only(gen, prompt, {**params, "ctx_epoch": "0" * 32})
     assert_transfer_failed(response, seconds, f"the request was prefilled by epoch {'0' * 32}")
     dh.wait_until(lambda: in_use(shared, ctx) == 0, LEASE_MS / 1000 + 3, what="the real lease expired")
     response, seconds = generation_only(gen, prompt, params)
-    assert_transfer_failed(response, seconds, f"no lease for ctx_request_id '{rid}'")
+    assert_transfer_failed(response, seconds, f"no lease for ctx_request_id '{rid}'", status=404)
 
     dh.wait_until(lambda: (failures("unknown_request"), failures("epoch_mismatch"))
                   == (unknown_before + 2, stale_before + 1), 2, what="each failure counted once by reason")
@@ -242,3 +244,98 @@ def test_client_disconnect_mid_stream_cancels_both_legs(shared):
     time.sleep(0.5)
     assert tokens() - before == produced, "decoding went on after the client left"
     assert 3 <= produced < LONG_TOKENS
+
+
+# ---- 7. only the deployment drives the KV plane -------------------------------------------------
+
+def prefix_queries(dep: dh.Deployment, url: str) -> float:
+    """Prompt tokens the server looked up in its prefix cache: moves for every request it admits."""
+    return dep.metric(url, "pdserve_prefix_cache_query_tokens_total")
+
+
+@contextmanager
+def listener() -> Iterator[tuple[str, socket.socket]]:
+    """A TCP port nobody should connect to: (its tcp:// address, the listening socket)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        sock.settimeout(1.0)
+        yield f"tcp://127.0.0.1:{sock.getsockname()[1]}", sock
+
+
+def assert_no_connection(sock: socket.socket) -> None:
+    try:
+        peer = sock.accept()
+    except TimeoutError:
+        return
+    peer[0].close()
+    raise AssertionError(f"a server connected to the client-named address from {peer[1]}")
+
+
+def test_unauthenticated_context_only_pins_nothing(shared):
+    ctx = shared.context_urls[0]
+    queried = prefix_queries(shared, ctx)
+    body = {"prompt": fresh_prompt("pin"), "max_tokens": 8, "disaggregated_params": {"request_type": "context_only"}}
+    for headers in ({}, {"x-pdserve-token": "an-attackers-guess-0123456789"}):
+        response = httpx.post(f"{ctx}/v1/completions", json=body, headers=headers, timeout=10)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert in_use(shared, ctx) == 0
+    assert prefix_queries(shared, ctx) == queried, "the refused requests reached the engine"
+    for path in ("/kv_cache/hashes", "/kv_cache/endpoint"):
+        assert httpx.get(ctx + path, timeout=10).status_code == 401
+
+
+def test_generation_server_never_connects_where_a_request_says(shared):
+    ctx, gen = shared.context_urls[0], shared.generation_urls[0]
+    prompt = fresh_prompt("ssrf")
+    params = context_only(ctx, prompt)[0]["choices"][0]["disaggregated_params"]
+    with listener() as (address, sock):
+        forged = {**params, "ctx_endpoint": address, "request_type": "generation_only"}
+        body = {"prompt": prompt, "max_tokens": 8, "disaggregated_params": forged}
+        unauthenticated = httpx.post(f"{gen}/v1/completions", json=body, timeout=10)
+        assert unauthenticated.status_code == 401, unauthenticated.text
+        response, seconds = generation_only(gen, prompt, forged)
+        assert response.status_code == 403, response.text
+        assert response.json()["error"]["param"] == "disaggregated_params.ctx_endpoint"
+        assert seconds < FAST_S
+        assert_no_connection(sock)
+    ok, _ = generation_only(gen, prompt, params)  # the real lease is still there and still served
+    assert ok.status_code == 200, ok.text
+    wait_idle(shared, [ctx, gen], 5)
+
+
+def test_router_refuses_client_disaggregated_params(shared):
+    ctx = shared.context_urls[0]
+    queried = prefix_queries(shared, ctx)
+    for params in ({"request_type": "context_only"},
+                   {"request_type": "generation_only", "ctx_endpoint": "tcp://127.0.0.1:1"}):
+        body = {"prompt": "hi", "max_tokens": 4, "disaggregated_params": params}
+        response = httpx.post(f"{shared.url}/v1/completions", json=body, timeout=10)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "disaggregated_params_not_allowed")
+    assert prefix_queries(shared, ctx) == queried
+    complete(shared.url)
+
+
+def test_duplicate_and_spent_transfer_ids_get_4xx_and_disturb_nothing(shared):
+    ctx, gen = shared.context_urls[0], shared.generation_urls[0]
+    prompt = fresh_prompt("dup")
+    params = context_only(ctx, prompt)[0]["choices"][0]["disaggregated_params"]
+    long = 600  # the first request decodes for a while: the duplicate arrives while it is live
+    reference = complete(shared.url, prompt, max_tokens=long)["choices"][0]["text"]
+    body = {"prompt": prompt, "max_tokens": long, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "disaggregated_params": {**params, "request_type": "generation_only"}}
+    with httpx.Client(timeout=httpx.Timeout(30.0)) as client, \
+            client.stream("POST", f"{gen}/v1/completions", json=body, headers=AUTHORISED) as first:
+        assert first.status_code == 200
+        events = data_events(first.iter_lines())
+        texts = [json.loads(next(events))["choices"][0]["text"]]  # the first is live on the server now
+        duplicate, _ = generation_only(gen, prompt, params)
+        assert duplicate.status_code == 409, duplicate.text
+        texts += [json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]"]
+    assert "".join(texts) == reference  # the first request went on undisturbed
+    spent, seconds = generation_only(gen, prompt, params)  # its lease was released by the Ack
+    assert_transfer_failed(spent, seconds, f"no lease for ctx_request_id '{params['ctx_request_id']}'", status=404)
+    wait_idle(shared, [ctx, gen], 5)

@@ -97,8 +97,9 @@ BAD = [
     ({"prompt": "hi", "max_tokens": "ten"}, 400), ({"prompt": "x " * 600}, 400),
     ({"prompt": "hi", "max_tokens": 600}, 400),
     ({"prompt": "hi", "model": "no-such-model"}, 404),
-    ({"prompt": "hi", "disaggregated_params": {"request_type": "context_only"}}, 400),  # an aggregated server
-    ({"prompt": "hi", "disaggregated_params": {"request_type": "generation_only"}}, 400),
+    # a server without a deployment token takes no disaggregated_params at all (docs/SECURITY.md)
+    ({"prompt": "hi", "disaggregated_params": {"request_type": "context_only"}}, 401),
+    ({"prompt": "hi", "disaggregated_params": {"request_type": "generation_only"}}, 401),
 ]
 
 

@@ -51,6 +51,7 @@ class FakeEngine:
         self.ready = ready
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
+        self.released: list[str] = []  # ctx_request_ids of leases released through /kv_cache/release
         self.closed: list[str] = []  # request ids whose output iterator ended (any way)
         self._seen_prompts: set[tuple[int, ...]] = set()
         self._cached: dict[str, int] = {}  # request id -> its prefix-cache hit, fixed at arrival
@@ -64,6 +65,9 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def release_lease(self, ctx_request_id: str) -> None:
+        self.released.append(ctx_request_id)
 
     def expected_text(self, prompt_ids: list[int], max_tokens: int) -> str:
         start = sum(prompt_ids)
@@ -179,3 +183,32 @@ def sse_events(body: str) -> list[str]:
     blocks = body[:-2].split("\n\n")
     assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
     return [b.removeprefix("data: ") for b in blocks]
+
+
+TOKEN = "unit-test-deployment-token-0123456789"
+KNOWN_ENDPOINTS = frozenset({"tcp://h:1", "tcp://127.0.0.1:1"})
+
+
+class KnownEndpoints:
+    """A `ContextDirectory` stand-in for HTTP-layer tests: the deployment's KV endpoints, fixed."""
+
+    def __init__(self, endpoints: frozenset[str] = KNOWN_ENDPOINTS) -> None:
+        self.endpoints = endpoints
+        self.asked: list[str] = []
+
+    async def knows(self, endpoint: str) -> bool:
+        self.asked.append(endpoint)
+        return endpoint in self.endpoints
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def deployment_app(engine_factory, directory: KnownEndpoints | None = None):
+    """An app configured as a server of a deployment: it holds `TOKEN` and knows its context servers."""
+    from server.api import create_app
+
+    return create_app(engine_factory, auth_token=TOKEN, context_directory=directory or KnownEndpoints())

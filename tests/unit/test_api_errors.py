@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from test_api_engine_fake import FakeEngine
+from test_api_engine_fake import TOKEN, FakeEngine, deployment_app
 
 from server.api import create_app
 
@@ -21,7 +21,7 @@ def engine() -> FakeEngine:
 
 @pytest.fixture(scope="module")
 def client(engine):
-    with TestClient(create_app(lambda: engine)) as c:
+    with TestClient(deployment_app(lambda: engine), headers={"x-pdserve-token": TOKEN}) as c:
         yield c
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from test_api_engine_fake import FakeEngine, sse_events
+from test_api_engine_fake import TOKEN, FakeEngine, deployment_app, sse_events
 
 from server.api import create_app
 from server.types import DisaggParams, SamplingParams
@@ -22,7 +22,7 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine):
-    with TestClient(create_app(lambda: engine)) as c:
+    with TestClient(deployment_app(lambda: engine), headers={"x-pdserve-token": TOKEN}) as c:
         yield c
 
 

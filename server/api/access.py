@@ -1,0 +1,50 @@
+"""Who may drive the KV plane through a server's OpenAI endpoints.
+
+`disaggregated_params` makes a context server pin blocks and a generation server open a ZeroMQ
+connection, so a request that carries them must hold the deployment token, and a generation_only
+request may only name the KV endpoint of one of this deployment's context servers
+(`ContextDirectory`). Both checks run before anything reaches the engine: a refused request pins
+nothing and connects nowhere.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from starlette.requests import Request
+
+from server.api.errors import APIError
+from server.api.protocol import DisaggregatedParams
+from server.auth import TOKEN_HEADER, missing_token_message, token_matches
+
+PARAM = "disaggregated_params"
+
+
+class EndpointDirectory(Protocol):
+    """The KV endpoints a generation server may pull from (`ContextDirectory`)."""
+
+    async def knows(self, endpoint: str) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def require_token(request: Request, what: str) -> None:
+    """401 unless the request carries this server's deployment token."""
+    token = getattr(request.app.state, "auth_token", None)
+    if not token_matches(request.headers.get(TOKEN_HEADER), token):
+        raise APIError(401, missing_token_message(token, what), code="unauthorized")
+
+
+async def check_disagg_access(request: Request, params: DisaggregatedParams | None) -> None:
+    if params is None:
+        return
+    require_token(request, PARAM)
+    if params.request_type != "generation_only" or params.ctx_endpoint is None:
+        return  # a generation_only request without an endpoint is refused by the engine (400)
+    directory = getattr(request.app.state, "context_directory", None)
+    if directory is None or not await directory.knows(params.ctx_endpoint):
+        raise APIError(403, f"{PARAM}.ctx_endpoint {params.ctx_endpoint!r} is not the KV endpoint of a "
+                       "context server of this deployment; this server pulls from no other address",
+                       param=f"{PARAM}.ctx_endpoint", code="unknown_context_server")

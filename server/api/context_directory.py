@@ -1,0 +1,86 @@
+"""Generation side: the KV endpoints of this deployment's context servers, learned from them.
+
+A generation server is configured with its deployment's context servers' HTTP URLs
+(`context_urls`, the launcher fills them in). It asks each, with the deployment token, for the
+address its KV sender listens on (`GET /kv_cache/endpoint`) and pulls from those addresses only. A
+context server that restarts comes back on a new ephemeral port: an endpoint not yet known triggers
+one refresh (at most one per `min_refresh_s`, so unknown endpoints cannot make it poll in a loop),
+and a background task refreshes every `interval_s`, so endpoints are known before the first request
+and stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from server.auth import token_headers
+
+log = logging.getLogger(__name__)
+ENDPOINT_PATH = "/kv_cache/endpoint"
+
+
+class ContextDirectory:
+    def __init__(self, context_urls: Sequence[str], token: str | None, *, timeout_s: float = 2.0,
+                 min_refresh_s: float = 0.5, interval_s: float = 2.0) -> None:
+        self.context_urls = tuple(u if u.startswith("http") else f"http://{u}" for u in context_urls)
+        self._headers = token_headers(token)
+        self._timeout_s = timeout_s
+        self._min_refresh_s = min_refresh_s
+        self._endpoints: dict[str, str] = {}  # context URL -> its KV endpoint
+        self._last_refresh = float("-inf")
+        self._lock = asyncio.Lock()
+        self._interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Refresh in the background until `stop` (call from the server's event loop)."""
+        self._task = asyncio.create_task(self._keep_fresh())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            async with self._lock:
+                await self.refresh()
+            await asyncio.sleep(self._interval_s)
+
+    @property
+    def endpoints(self) -> frozenset[str]:
+        return frozenset(self._endpoints.values())
+
+    async def knows(self, endpoint: str) -> bool:
+        """True if `endpoint` is the KV endpoint of one of the deployment's context servers."""
+        if endpoint in self.endpoints:
+            return True
+        async with self._lock:
+            if endpoint not in self.endpoints and time.monotonic() - self._last_refresh >= self._min_refresh_s:
+                await self.refresh()
+        return endpoint in self.endpoints
+
+    async def refresh(self) -> None:
+        self._last_refresh = time.monotonic()
+        async with httpx.AsyncClient(timeout=self._timeout_s, trust_env=False) as client:
+            found = await asyncio.gather(*(self._ask(client, url) for url in self.context_urls))
+        for url, endpoint in zip(self.context_urls, found, strict=True):
+            if endpoint is not None:
+                self._endpoints[url] = endpoint
+
+    async def _ask(self, client: httpx.AsyncClient, url: str) -> str | None:
+        try:
+            response = await client.get(url + ENDPOINT_PATH, headers=self._headers)
+            endpoint = response.json().get("endpoint") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.info("context server %s did not say its KV endpoint: %s", url, exc)
+            return None
+        if not isinstance(endpoint, str):
+            log.warning("context server %s answered %s to %s", url, response.status_code, ENDPOINT_PATH)
+            return None
+        return endpoint

@@ -1,0 +1,32 @@
+"""The deployment token on internal HTTP endpoints: only the deployment drives the KV plane.
+
+Every process of a deployment holds one shared secret (the launcher makes it, or the operator
+supplies it: `cache_transceiver_config.auth_token`, `PDSERVE_AUTH_TOKEN`, or a file named by
+`PDSERVE_AUTH_TOKEN_FILE`). The router sends it in the `x-pdserve-token` header on every internal
+call; a server answers 401 to a request that carries `disaggregated_params`, releases a lease, or
+reads its cache index without it. A server with no token refuses those requests altogether.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+TOKEN_HEADER = "x-pdserve-token"
+
+
+def token_matches(given: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; False whenever this process has no token."""
+    if not expected or given is None:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def token_headers(token: str | None) -> dict[str, str]:
+    """Headers that authenticate an internal call (none when there is no token)."""
+    return {TOKEN_HEADER: token} if token else {}
+
+
+def missing_token_message(token: str | None, what: str) -> str:
+    if not token:
+        return f"{what} needs the deployment token, and this server has none configured"
+    return f"{what} needs the deployment token (header {TOKEN_HEADER}): missing or wrong"
