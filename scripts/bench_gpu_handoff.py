@@ -86,13 +86,19 @@ def pinned_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, flo
     return out
 
 
+TOKEN = "bench-handoff-token-0123456789"
+AUTHORISED = {"x-pdserve-token": TOKEN}  # what the router sends (docs/SECURITY.md)
+CONTEXT_URL = "127.0.0.1:18801"
+
+
 def start_server(workdir: Path, model: Path, role: str, port: int) -> subprocess.Popen:
     cfg = workdir / f"{role}.yaml"
-    cfg.write_text(json.dumps({"model": str(model), "hostname": "127.0.0.1", "port": port,
+    peers = {"context_urls": [CONTEXT_URL]} if role == "generation" else {}
+    cfg.write_text(json.dumps({**peers, "model": str(model), "hostname": "127.0.0.1", "port": port,
                                "max_seq_len": 8192, "max_num_tokens": 8192, "max_batch_size": 8,
                                "kv_cache_config": {"max_tokens": 16384, "tokens_per_block": 32},
                                "cache_transceiver_config": {"kv_transfer_timeout_ms": 120000}}))
-    env = {**os.environ, "PDSERVE_AUTH_TOKEN": "bench-handoff-token-0123456789", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PDSERVE_AUTH_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
     log = open(workdir / f"{role}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--role", role],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -119,12 +125,12 @@ def metric(url: str, name: str) -> float:
 def one_handoff(ctx: str, gen: str, prompt: list[int]) -> dict[str, float]:
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
-    answer = httpx.post(f"{ctx}/v1/completions", timeout=600,
+    answer = httpx.post(f"{ctx}/v1/completions", timeout=600, headers=AUTHORISED,
                         json={**body, "disaggregated_params": {"request_type": "context_only"}}).json()
     t1 = time.perf_counter()
     params = answer["choices"][0]["disaggregated_params"]
     secs0, bytes0 = metric(gen, "pdserve_kv_transfer_seconds_sum"), metric(gen, "pdserve_kv_transfer_bytes_total")
-    done = httpx.post(f"{gen}/v1/completions", timeout=600,
+    done = httpx.post(f"{gen}/v1/completions", timeout=600, headers=AUTHORISED,
                       json={**body, "disaggregated_params": {**params, "request_type": "generation_only"}})
     t2 = time.perf_counter()
     assert done.status_code == 200, done.text
