@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from server.models.rope import apply_rotary
+
 
 class PagedKV(Protocol):
     """What attention needs from the KV cache manager (`kvcache.KVCacheManager` provides it)."""
@@ -67,9 +69,11 @@ class AttentionBackend(ABC):
         """Metadata for the step; `positions` [T] int64 on the device, in flattened order."""
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: object) -> torch.Tensor:
-        """q [T, heads, head_dim], kv [T, 2, kv_heads, head_dim] (K then V of each new token)
-        -> attention output [T, heads, head_dim]."""
+    def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: object) -> torch.Tensor:
+        """qkv [T, heads + 2 * kv_heads, head_dim] (q, k, v heads of each new token, before RoPE),
+        cos / signed sin [T, head_dim] (`Rotary.cos_sin`) -> attention output [T, heads, head_dim].
+        Rotates q and k, writes the new K/V into the cache, attends."""
 
 
 @dataclass
@@ -98,6 +102,7 @@ class TorchPagedAttention(AttentionBackend):
         self.kv = kv
         self.tpb = kv.tokens_per_block
         self.num_heads = num_heads
+        self.num_kv_heads = kv.layer_cache(0)[0].shape[2]
         self.scale = head_dim**-0.5
         # the manager allocates its pools once, so these views stay valid
         self.layers: list[LayerUnits] = [layer_units(kv.layer_window(i), *kv.layer_cache(i))
@@ -124,8 +129,12 @@ class TorchPagedAttention(AttentionBackend):
         return torch.where(visible, self._zero, self._neg_inf)
 
     # ---- per layer
-    def forward(self, layer: int, q: torch.Tensor, kv: torch.Tensor,
+    def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: dict[int, _WindowPlan]) -> torch.Tensor:
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q = apply_rotary(qkv[:, :heads], cos, sin)
+        k = apply_rotary(qkv[:, heads:heads + kv_heads], cos, sin)
+        kv = torch.stack((k, qkv[:, heads + kv_heads:]), 1)  # [T, 2, kv_heads, head_dim]: K then V
         cache = self.layers[layer]
         plan = meta[cache.window]
         cache.tokens.index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]

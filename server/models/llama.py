@@ -3,7 +3,9 @@
 Math follows transformers' modeling code step for step (RMSNorm in float32, HF's rotate_half RoPE,
 SiLU-gated MLP, Qwen3's per-head q/k RMSNorm before RoPE). Weights are loaded by their HF names and
 fused once at load time: q/k/v into one projection, gate/up into one. The model is stateless
-between steps: the KV cache lives in the pool and is reached only through the attention backend.
+between steps: the KV cache lives in the pool and is reached only through the attention backend,
+which also applies RoPE to q and k (so a GPU backend can fuse it with the cache write). The
+residual add is fused into the next RMSNorm (`ops.add_rms_norm`); `ops` is torch or Triton.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from server.models.attention import AttentionBackend
-from server.models.rope import Rotary, apply_rotary
+from server.models.ops import ModelOps, TorchOps
+from server.models.rope import Rotary
 from server.models.spec import ModelSpec
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
@@ -38,9 +41,10 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], attention: AttentionBackend,
-                 *, dtype: torch.dtype, device: torch.device) -> None:
+                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None) -> None:
         self.spec = spec
         self.attention = attention
+        self.ops = ops or TorchOps(spec.rms_norm_eps)
         self.dtype = dtype
         self.rotary = Rotary(spec, device)
         weights = _WeightTable(spec, tensors)
@@ -55,13 +59,15 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
-        h = F.embedding(token_ids, self.embed)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, heads + 2 * kv_heads, head_dim]
+        ops = self.ops
+        h = F.embedding(token_ids, self.embed)  # [T, hidden]: the residual stream
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
+        x = ops.rms_norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            h += self._attention(i, layer, self._norm(h, layer.input_norm), cos, sin, meta)
-            h += self._mlp(layer, self._norm(h, layer.post_norm))
-        h = self._norm(h.index_select(0, logit_rows), self.final_norm)  # [N, hidden]
-        return F.linear(h, self.lm_head).float()
+            x = ops.add_rms_norm(self._attention(i, layer, x, cos, sin, meta), h, layer.post_norm)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x = ops.add_rms_norm(self._mlp(layer, x), h, after)  # h += mlp; x = next norm of h
+        return F.linear(x.index_select(0, logit_rows), self.lm_head).float()  # [N, vocab]
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
@@ -69,23 +75,13 @@ class LlamaModel:
         qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(t, -1, d)  # [T, heads + 2 * kv_heads, head_dim]
         if layer.q_norm is not None:
             q, k, v = qkv.split([heads, self.spec.num_kv_heads, self.spec.num_kv_heads], 1)
-            qkv = torch.cat((self._norm(q, layer.q_norm), self._norm(k, layer.k_norm), v), 1)
-        qkv = apply_rotary(qkv, cos, sin)  # rotates q and k; v passes through unchanged
-        kv = qkv[:, heads:].view(t, 2, -1, d)  # [T, 2, kv_heads, head_dim]: K then V of each token
-        out = self.attention.forward(i, qkv[:, :heads], kv, meta)  # [T, heads, head_dim]
+            qkv = torch.cat((self.ops.rms_norm(q, layer.q_norm), self.ops.rms_norm(k, layer.k_norm), v), 1)
+        out = self.attention.forward(i, qkv, cos, sin, meta)  # [T, heads, head_dim]; RoPE inside
         return F.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNorm: normalize in float32, cast back, then scale by the weight."""
-        if x.dtype == torch.float32:  # the fused op computes exactly this in float32
-            return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+        return F.linear(self.ops.silu_mul(gate_up), layer.down, layer.down_bias)
 
 
 class _WeightTable:

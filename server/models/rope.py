@@ -2,7 +2,8 @@
 
 Inverse frequencies come from transformers' `ROPE_INIT_FUNCTIONS` for every scaled rope type, and
 from the original formula for "default", so each variant matches HF exactly. cos/sin are built
-once per step from the explicit positions and shared by all layers.
+once per step from the explicit positions ([T, head_dim] each) and shared by all layers and heads;
+the attention backend rotates q and k with them (`apply_rotary`, or a fused GPU kernel).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def inv_freq_and_scaling(spec: ModelSpec, device: torch.device) -> tuple[torch.T
 
 
 class Rotary:
-    """cos/sin for explicit positions and their application to the q, k and v heads of a step."""
+    """cos/sin for explicit positions (applied to the q and k heads of a step by the backend)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         inv_freq, scaling = inv_freq_and_scaling(spec, device)  # [head_dim // 2] float32
@@ -36,28 +37,21 @@ class Rotary:
         # rotate_half's sign (-1 on the first half) and the attention scaling, folded into one factor
         self.sin_factor = torch.tensor([-scaling] * half + [scaling] * half, device=device)
         self.cos_factor = scaling
-        heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        # [heads + 2 * kv_heads, 1]: True for q and k heads (rotated), False for v heads (unchanged)
-        self.rotated = (torch.arange(heads + 2 * kv_heads, device=device) < heads + kv_heads)[:, None]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, signed sin, each [T, heads + 2 * kv_heads, head_dim] in `dtype`.
-
-        q and k heads get HF's cos/sin with the first half of sin negated (see `apply_rotary`); v heads
-        get cos 1 and sin 0, so one `apply_rotary` over the fused qkv leaves v unchanged."""
+        """positions [T] int64 -> cos, signed sin, each [T, head_dim] in `dtype`: HF's cos/sin with
+        the first half of sin negated (see `apply_rotary`)."""
         emb = positions[:, None].float() * self.inv_freq  # [T, head_dim] float32
         cos = emb.cos() if self.cos_factor == 1.0 else emb.cos() * self.cos_factor
         sin = emb.sin() * self.sin_factor  # x * -s == -(x * s) exactly
-        cos = torch.where(self.rotated, cos[:, None, :], 1.0)
-        sin = torch.where(self.rotated, sin[:, None, :], 0.0)
         return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] contiguous, rotated by position: HF's x * cos + rotate_half(x) * sin.
+    """x [T, heads, head_dim], rotated by position: HF's x * cos + rotate_half(x) * sin.
 
     rotate_half(x) = cat(-x2, x1) equals the swapped halves cat(x2, x1) times (-1, +1), and `cos_sin`
     folded that sign into sin, so this is x * cos + swap(x) * signed_sin: the same products, exactly."""
     t, n, d = x.shape
-    swapped = x.view(t, n, 2, d // 2).flip(2).view(t, n, d)
-    return x * cos + swapped * sin
+    swapped = x.reshape(t, n, 2, d // 2).flip(2).reshape(t, n, d)
+    return x * cos[:, None] + swapped * sin[:, None]

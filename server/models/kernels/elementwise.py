@@ -1,0 +1,127 @@
+"""Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add), SiLU-and-mul, and
+RoPE fused with the KV cache write.
+
+Each rounds where transformers' modules round, so bf16 results match them op for op: an op on bf16
+tensors computes in float32 and rounds its result to bf16, and these kernels round after the same
+ops (RMSNorm normalises in float32, rounds, then scales by the weight; RoPE rounds each product and
+the sum). Float32 models round nowhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(X, RES, W, OUT, stride_x, stride_r, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+              ADD: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=live, other=0.0)
+    if ADD:  # RES += X (rounded as a torch add), then normalise RES
+        x = (tl.load(RES + row * stride_r + cols, mask=live, other=0.0).to(tl.float32) + x.to(tl.float32))
+        x = x.to(RES.dtype.element_ty)
+        tl.store(RES + row * stride_r + cols, x, mask=live)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(OUT.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _silu_mul(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n_cols
+    gate = tl.load(GU + row * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_g + n_cols + cols, mask=live, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (act * up).to(OUT.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh,
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+    """Program (token, head of q|k|v): rotate q in place; rotate k and write it, and v, to the cache."""
+    t, j = tl.program_id(0), tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    base = QKV + t * stride_t + j * D
+    x1 = tl.load(base + half)
+    x2 = tl.load(base + D // 2 + half)
+    slot = tl.load(SLOT + t)
+    if j < H + KVH:
+        dt = x1.dtype
+        c1 = tl.load(COS + t * stride_c + half).to(tl.float32)
+        c2 = tl.load(COS + t * stride_c + D // 2 + half).to(tl.float32)
+        s1 = tl.load(SIN + t * stride_c + half).to(tl.float32)  # signed: rotate_half's minus folded in
+        s2 = tl.load(SIN + t * stride_c + D // 2 + half).to(tl.float32)
+        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+        b1 = (x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+        y1 = (a1 + b1).to(dt)
+        y2 = (a2 + b2).to(dt)
+        if j < H:
+            tl.store(base + half, y1)
+            tl.store(base + D // 2 + half, y2)
+        elif slot >= 0:
+            dst = K + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H) * stride_kh
+            tl.store(dst + half, y1)
+            tl.store(dst + D // 2 + half, y2)
+    elif slot >= 0:
+        dst = V + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H - KVH) * stride_kh
+        tl.store(dst + half, x1)
+        tl.store(dst + D // 2 + half, x2)
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm."""
+    out = torch.empty_like(x) if out is None else out
+    n = x.shape[-1]
+    _rms_norm[(x.shape[0],)](x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), n, eps,
+                             BLOCK=_block(n), ADD=False, num_warps=_warps(n))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns RMSNorm(residual) * weight."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rms_norm[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps,
+                             BLOCK=_block(n), ADD=True, num_warps=_warps(n))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(2048, _block(n))
+    _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block,
+                                              num_warps=4)
+    return out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor, num_heads: int,
+               num_kv_heads: int) -> None:
+    """qkv [T, H + 2 KVH, D] (heads contiguous): q rotated in place, k rotated and v written to the
+    cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin [T, D]."""
+    t, heads, d = qkv.shape
+    if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride():
+        raise ValueError("rope_write needs heads laid out contiguously and K, V views with equal strides")
+    ks, kt, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    _rope_write[(t, heads)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0),
+                            ks, kt, kh, H=num_heads, KVH=num_kv_heads, D=d, num_warps=1)
+
+
+def _warps(n: int) -> int:
+    return 4 if n <= 2048 else 8

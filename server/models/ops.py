@@ -1,0 +1,67 @@
+"""The model's steps between GEMMs, as one small interface with a plain torch implementation and a
+fused Triton one (`server.models.kernels`, CUDA only). The model calls these; which one it gets is
+decided outside it (`ModelRunner`), so the model code stays plain (STYLE.md #10).
+
+Both compute what transformers' modules compute, rounding where they round (see kernels/elementwise.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class ModelOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of x [..., N]."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, [R, N]); returns rms_norm(residual)."""
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+
+
+class TorchOps:
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm: normalize in float32, cast back, then scale by the weight."""
+        if x.dtype == torch.float32:  # the fused op computes exactly this in float32
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        residual += x
+        return self.rms_norm(residual, weight)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps(TorchOps):
+    """Fused kernels for 2-D rows with unit column stride; anything else (Qwen3's per-head q/k norm
+    on strided views) takes the torch path."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__(eps)
+        from server.models.kernels import elementwise
+
+        self._k = elementwise
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return super().rms_norm(x, weight)
+        return self._k.rms_norm(x, weight, self.eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._k.add_rms_norm(x, residual, weight, self.eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_mul(gate_up)
