@@ -40,7 +40,9 @@ AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (ope
 # hosts that bind every interface, so they collide with any host on the same port
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "max_prefill_batch_tokens",
-               "dtype", "device", "borrow_idle_cores", "kv_cache_config", "cache_transceiver_config")
+               "dtype", "device", "kernels", "cuda_graphs", "borrow_idle_cores", "kv_cache_config",
+               "cache_transceiver_config")
+KERNELS = ("auto", "torch", "triton")
 SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
 SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port", "context_urls")  # context_urls: generation servers
 DEPLOYMENT_KEYS = (*ENGINE_KEYS, "hostname", "port", "router", "context_servers", "generation_servers")
@@ -69,6 +71,9 @@ class ServerConfig:
     max_prefill_batch_tokens: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
+    kernels: str = "auto"
+    cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
     # CPU engines: big steps also use CPUs idle at that moment. Off by default: on VMs whose idle vCPUs
     # wake slowly a two-thread step after an idle spell is slower than a one-thread one (BENCHMARKS.md)
     borrow_idle_cores: bool = False
@@ -225,7 +230,7 @@ def server_config_to_yaml(cfg: ServerConfig) -> str:
         "model": cfg.model, "hostname": cfg.host, "port": cfg.port,
         "max_seq_len": cfg.max_seq_len, "max_batch_size": cfg.max_batch_size,
         "max_num_tokens": cfg.max_num_tokens, "max_prefill_batch_tokens": cfg.max_prefill_batch_tokens,
-        "dtype": cfg.dtype, "device": cfg.device,
+        "dtype": cfg.dtype, "device": cfg.device, "kernels": cfg.kernels, "cuda_graphs": cfg.cuda_graphs,
         "borrow_idle_cores": cfg.borrow_idle_cores,
         "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
     }
@@ -262,9 +267,11 @@ def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Wh
         out[key] = w.integer(d, key, default, minimum=1)
     d, w = pick("max_prefill_batch_tokens")
     out["max_prefill_batch_tokens"] = w.optional_integer(d, "max_prefill_batch_tokens", minimum=1)
-    for key, choices in (("dtype", DTYPES), ("device", DEVICES)):
+    for key, choices in (("dtype", DTYPES), ("device", DEVICES), ("kernels", KERNELS)):
         d, w = pick(key)
         out[key] = w.choice(d, key, choices, "auto")
+    d, w = pick("cuda_graphs")
+    out["cuda_graphs"] = w.boolean(d, "cuda_graphs", True)
     d, w = pick("borrow_idle_cores")
     out["borrow_idle_cores"] = w.boolean(d, "borrow_idle_cores", False)
     out["kv_cache_config"] = _kv_cache(top_data, sec_data, top, sec)

@@ -45,13 +45,16 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
                         salt=spec.fingerprint)
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
-                         max_batch_size=cfg.max_batch_size, tensors=weights)
+                         max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
+                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len)
+    warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake),
                       threads=cpu_threads_policy(device, cfg.borrow_idle_cores))
-    log.info("engine ready: %s on %s/%s, KV windows %s, %s primary blocks", model_dir, device, dtype,
-             kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes])
+    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
+             model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
+             [kv.num_slots(w) for w in kv.window_sizes])
     return core
 
 

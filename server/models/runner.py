@@ -7,13 +7,17 @@ tokens to compute and where their blocks are (primary slots). Logits come back i
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from server.models.attention import PagedKV, SeqLayout, StepLayout, TorchPagedAttention
+from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.llama import LlamaModel
+from server.models.ops import ModelOps, TorchOps, TritonOps
 from server.models.spec import ModelSpec, load_spec
 from server.models.weights import load_tensors, safetensors_files
 
@@ -61,26 +65,102 @@ def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> d
     return load_tensors(safetensors_files(spec.model_dir), dtype=dtype, device=device)
 
 
+KERNELS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_kernels(name: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA when Triton is installed, else "torch" (CPU: always torch)."""
+    if name not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU "
+                         "interpreter, for tests)")
+    return name
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
                  max_num_tokens: int, max_batch_size: int,
-                 tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized."""
+                 tensors: dict[str, torch.Tensor] | None = None, kernels: str = "auto",
+                 cuda_graphs: bool = True, max_seq_len: int | None = None) -> None:
+        """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized.
+        `kernels`: "torch" (portable) or "triton" (CUDA: paged kernels, fused ops, and with
+        `cuda_graphs` decode steps replayed as CUDA graphs captured by `warm_up`)."""
         self.spec: ModelSpec = load_spec(model_dir)
         self.device, self.dtype = device, dtype
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         _check_kv(self.spec, kv, dtype)
         self.kv = kv
         spec = self.spec
-        self.attention = TorchPagedAttention(kv, spec.num_layers, spec.num_heads, spec.head_dim)
+        self.kernels = resolve_kernels(kernels, device)
+        self.attention, ops = self._backend(max_seq_len or max(kv.window_sizes))
         if tensors is None:
             tensors = load_weights(spec, dtype, device)
-        self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device)
+        self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device, ops=ops)
+        self.graphs = None
+        if self.kernels == "triton" and cuda_graphs:
+            from server.models.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size)
+
+    def _backend(self, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
+        spec = self.spec
+        if self.kernels == "triton":
+            from server.models.triton_attention import TritonPagedAttention
+
+            backend = TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
+                                           max_seq_len=max_seq_len)
+            return backend, TritonOps(spec.rms_norm_eps)
+        return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim), TorchOps(spec.rms_norm_eps)
+
+    def warm_up(self) -> float:
+        """Run every kernel once and capture the decode graphs, so the first request runs at
+        steady-state speed; returns the seconds it took (0 on the torch path)."""
+        if self.kernels != "triton":
+            return 0.0
+        start = time.perf_counter()
+        self._warm_prefill()
+        if self.graphs is not None:
+            self.graphs.capture()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def _warm_prefill(self) -> None:
+        """One step as large as the token budget allows (a decode row, a fresh prompt, a chunk after
+        a cached prefix) on free slots: compiles the Triton kernels and loads the GEMM and SDPA
+        kernels of prompt-sized shapes before any request. Nothing is cached yet, so what it
+        writes into those slots is never read."""
+        tpb = self.kv.tokens_per_block
+        slots = min(self.kv.num_slots(w) for w in self.kv.window_sizes)
+        n = max(1, min(self.max_num_tokens - 1 - tpb, (slots - 1) * tpb))
+        tables = {w: list(range(math.ceil((n + tpb) / tpb))) for w in self.kv.window_sizes}
+        chunks = [SeqChunk([1], 0, tables, True), SeqChunk([1] * n, 0, tables, True),
+                  SeqChunk([1] * tpb, n, tables, True)]
+        for start in range(0, len(chunks), self.max_batch_size):
+            self.forward(self.prepare(chunks[start:start + self.max_batch_size]))
 
     @torch.no_grad()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order."""
+        if self.graphs is not None and self._graph_step(chunks):
+            self._check_limits(chunks)
+            return self.graphs.run([_seq_layout(c) for c in chunks], [c.token_ids[0] for c in chunks])
         return self.forward(self.prepare(chunks))
+
+    def _graph_step(self, chunks: list[SeqChunk]) -> bool:
+        """A decode-only step whose every chunk wants its logits and that fits a captured bucket."""
+        return (bool(self.graphs.graphs) and len(chunks) <= self.graphs.max_batch
+                and all(len(c.token_ids) == 1 and c.need_logits for c in chunks))
 
     def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
         """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,

@@ -1,5 +1,7 @@
-"""The runner on CUDA: float32 token-exact against transformers, bfloat16 agreement counted, and no
-host synchronisation inside the forward. Skipped without CUDA."""
+"""The runner on CUDA, with the portable torch kernels and with the Triton kernels (eager, and decode
+replayed as CUDA graphs): float32 token-exact against transformers, graphs equal to eager, bfloat16
+agreement with transformers bfloat16 counted over 64 tokens, and no host synchronisation inside the
+forward. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 MODELS = ["tiny-llama", "tiny-qwen3-swa"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
+BF16_TOKENS = 64
+# (kernels, CUDA graphs): the portable path, Triton eager, Triton with decode graphs
+VARIANTS = [("torch", False), ("triton", False), ("triton", True)]
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +36,21 @@ def _prompts() -> list[list[int]]:
     return [[5 + (n * 13 + j * 29) % 500 for j in range(n)] for n in PROMPT_LENS]
 
 
-def _batched_greedy(model_dir: Path, dtype: torch.dtype) -> tuple[list[list[int]], ModelRunner]:
+def _batched_greedy(model_dir: Path, dtype: torch.dtype, kernels: str = "torch", graphs: bool = False,
+                    new_tokens: int = NEW_TOKENS) -> tuple[list[list[int]], ModelRunner]:
     """Prefill every prompt in one step, then decode all of them together (EOS masked like HF)."""
     device = resolve_device("auto")
     layout = load_spec(model_dir).cache_layout(1024, dtype, device)
     kv = KVCacheManager(KvCacheConfig(max_tokens=8192, tokens_per_block=32), layout)
-    runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=1024, max_batch_size=8)
+    runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=1024, max_batch_size=8,
+                         kernels=kernels, cuda_graphs=graphs, max_seq_len=1024)
+    runner.warm_up()
+    assert (runner.graphs is not None and bool(runner.graphs.graphs)) == graphs
     prompts = _prompts()
     for i, p in enumerate(prompts):
-        kv.admit(f"r{i}", p, num_tokens=len(p) + NEW_TOKENS)
+        kv.admit(f"r{i}", p, num_tokens=len(p) + new_tokens)
     outs: list[list[int]] = [[] for _ in prompts]
-    for _ in range(NEW_TOKENS):
+    for _ in range(new_tokens):
         chunks = []
         for i, p in enumerate(prompts):
             done = len(p) + len(outs[i]) - (1 if outs[i] else len(p))
@@ -55,31 +64,44 @@ def _batched_greedy(model_dir: Path, dtype: torch.dtype) -> tuple[list[list[int]
     return outs, runner
 
 
+@pytest.mark.parametrize("kernels, graphs", VARIANTS)
 @pytest.mark.parametrize("name", MODELS)
-def test_float32_on_cuda_matches_hf_token_for_token(model_dirs: dict[str, Path], name: str) -> None:
-    outs, _ = _batched_greedy(model_dirs[name], torch.float32)
+def test_float32_on_cuda_matches_hf_token_for_token(model_dirs: dict[str, Path], name: str, kernels: str,
+                                                    graphs: bool) -> None:
+    outs, _ = _batched_greedy(model_dirs[name], torch.float32, kernels, graphs)
     for prompt, out in zip(_prompts(), outs, strict=True):
         assert out == hf_reference.hf_greedy(model_dirs[name], prompt, NEW_TOKENS, device="cuda")
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: str) -> None:
+def test_graphs_equal_eager(model_dirs: dict[str, Path], name: str) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        eager, _ = _batched_greedy(model_dirs[name], dtype, "triton", False)
+        graphed, _ = _batched_greedy(model_dirs[name], dtype, "triton", True)
+        assert graphed == eager, dtype
+
+
+@pytest.mark.parametrize("kernels, graphs", VARIANTS)
+@pytest.mark.parametrize("name", MODELS)
+def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: str, kernels: str,
+                                             graphs: bool) -> None:
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    outs, _ = _batched_greedy(model_dirs[name], torch.bfloat16)
+    outs, _ = _batched_greedy(model_dirs[name], torch.bfloat16, kernels, graphs, BF16_TOKENS)
     matched = []
     for prompt, out in zip(_prompts(), outs, strict=True):
-        ref = hf_reference.hf_greedy(model_dirs[name], prompt, NEW_TOKENS, dtype=torch.bfloat16,
+        ref = hf_reference.hf_greedy(model_dirs[name], prompt, BF16_TOKENS, dtype=torch.bfloat16,
                                      device="cuda")
         same = [a == b for a, b in zip(out, ref, strict=True)]
         matched.append(same.index(False) if False in same else len(same))
-    print(f"\n{name} bf16: greedy tokens equal to HF bf16 before the first divergence: "
-          f"{matched} of {NEW_TOKENS}")
+    print(f"\n{name} {kernels} graphs={graphs} bf16: greedy tokens equal to HF bf16 before the first "
+          f"divergence: {matched} of {BF16_TOKENS}")
     assert all(m >= 1 for m in matched)  # the first token (prefill) agrees for every prompt
-    assert sum(matched) >= len(matched) * NEW_TOKENS // 2
+    assert sum(matched) >= len(matched) * BF16_TOKENS // 2
 
 
-def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path]) -> None:
-    _, runner = _batched_greedy(model_dirs["tiny-qwen3-swa"], torch.bfloat16)
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str) -> None:
+    _, runner = _batched_greedy(model_dirs["tiny-qwen3-swa"], torch.bfloat16, kernels)
     tables = {w: runner.kv.slot_table("r3", w) for w in runner.kv.window_sizes}
     # a decode token of r3 and a prefill chunk rewriting r3's first 20 positions, in one step
     chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True),

@@ -46,7 +46,7 @@ def _silu_mul(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
 @triton.jit
 def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
-    """Program (token, head of q|k|v): rotate q in place; rotate k and write it, and v, to the cache."""
+    """Program (token, head of q|k|v): rotate q and k in place; write k and v to the cache."""
     t, j = tl.program_id(0), tl.program_id(1)
     half = tl.arange(0, D // 2)
     base = QKV + t * stride_t + j * D
@@ -65,10 +65,9 @@ def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, s
         b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
         y1 = (a1 + b1).to(dt)
         y2 = (a2 + b2).to(dt)
-        if j < H:
-            tl.store(base + half, y1)
-            tl.store(base + D // 2 + half, y2)
-        elif slot >= 0:
+        tl.store(base + half, y1)  # q and k rotated in place (a dense prefill reads k from here)
+        tl.store(base + D // 2 + half, y2)
+        if j >= H and slot >= 0:
             dst = K + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H) * stride_kh
             tl.store(dst + half, y1)
             tl.store(dst + D // 2 + half, y2)
@@ -113,7 +112,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor, num_heads: int,
                num_kv_heads: int) -> None:
-    """qkv [T, H + 2 KVH, D] (heads contiguous): q rotated in place, k rotated and v written to the
+    """qkv [T, H + 2 KVH, D] (heads contiguous): q and k rotated in place, k and v written to the
     cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin [T, D]."""
     t, heads, d = qkv.shape
     if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride():

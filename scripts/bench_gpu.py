@@ -1,0 +1,245 @@
+"""GPU fast-path figures of issue 10, engine level, in one process: the ceilings first, then ratios.
+
+Builds (once) a random-weight bfloat16 model with Llama-3.1-8B dimensions (`bench_gpu_handoff.
+build_model`), builds the engine exactly as `pdserve serve` does (`server.serve.build_core`: weights,
+KV pool, runner warm-up with graph capture) and drives `EngineCore` directly (no HTTP):
+
+- ceilings measured in the same run: HBM read GB/s (`x.sum()` over 4 GiB, median of 20), pinned
+  host->device GB/s, bf16 GEMM TFLOP/s;
+- batch-1 TPOT (128 in / 256 out, greedy) against bytes read per step / HBM and against the CUDA
+  graph replay time of the same forward;
+- c=64 decode output tok/s (128 in / 256 out) against 64 / (GPU time of one b64 step);
+- long context: decode step time at batch 64 with 2,048-token contexts against
+  (weights + KV bytes read) / HBM;
+- 4,096-token prefill (cache miss): TTFT and TFLOP/s (model FLOPs: 2 x params x tokens + causal
+  attention), and the first such request after start against the steady state;
+- host tier: a 4,096-token prompt evicted to the host pool and hit again, TTFT against a miss and a
+  GPU hit, onboard GB/s against pinned H2D.
+
+    python scripts/bench_gpu.py --workdir /tmp/bench-gpu [--layers 32] [--kernels triton|torch]
+
+Prints one JSON line per figure and a SUMMARY line; `--out FILE` also writes them as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from bench_gpu_handoff import LLAMA_8B, build_model  # same folder: scripts/ is on sys.path
+
+from server.config import server_config_from_dict
+from server.engine.core import EngineCore
+from server.metrics import ServerMetrics
+from server.serve import build_core
+from server.types import GenerateRequest, SamplingParams
+
+RESULTS: list[dict] = []
+
+
+def record(name: str, **figures: object) -> None:
+    row = {"figure": name, **figures}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+# ---- ceilings ------------------------------------------------------------------------------------
+
+def timed_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    big = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
+    hbm = big.numel() * 2 / timed_ms(big.sum) / 1e6
+    del big
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    h2d = host.numel() / timed_ms(lambda: dev.copy_(host, non_blocking=True), repeats=5) / 1e6
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    gemm = 2 * 8192**3 / timed_ms(lambda: a @ a, repeats=10) / 1e9
+    out = {"hbm_read_gb_s": hbm, "pinned_h2d_gb_s": h2d, "bf16_gemm_tflop_s": gemm}
+    record("ceilings", **out)
+    return out
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def make_core(model_dir: Path, args: argparse.Namespace, kv: dict) -> tuple[EngineCore, float]:
+    cfg = server_config_from_dict({
+        "model": str(model_dir), "max_seq_len": 8192, "max_num_tokens": args.max_num_tokens,
+        "max_batch_size": 64, "kernels": args.kernels, "cuda_graphs": not args.no_graphs,
+        "kv_cache_config": {"tokens_per_block": 32, **kv},
+        "cache_transceiver_config": {"auth_token": "bench-gpu-token-0123456789"}}, "bench_gpu")
+    start = time.perf_counter()
+    core = build_core(cfg, ServerMetrics())
+    torch.cuda.synchronize()
+    return core, time.perf_counter() - start
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(10, 30000, (n,)).tolist()
+
+
+def submit(core: EngineCore, prompt_ids: list[int], max_tokens: int) -> str:
+    rid = uuid.uuid4().hex
+    core.add_request(GenerateRequest(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                     ignore_eos=True)))
+    return rid
+
+
+def drive(core: EngineCore) -> tuple[dict[str, list[float]], list[tuple[float, int, bool]]]:
+    """Step until idle: token times per request, and (seconds, tokens, decode-only) per step."""
+    times: dict[str, list[float]] = {}
+    steps = []
+    while core.scheduler.has_work():
+        decode_only = bool(core.scheduler.running) and not core.scheduler.waiting and all(
+            r.num_computed_tokens + 1 == r.num_tokens for r in core.scheduler.running)
+        start = time.perf_counter()
+        outputs = core.step()
+        now = time.perf_counter()
+        steps.append((now - start, sum(len(o.new_token_ids) for o in outputs), decode_only))
+        for o in outputs:
+            times.setdefault(o.request_id, []).extend([now] * len(o.new_token_ids))
+    return times, steps
+
+
+def ttft_ms(core: EngineCore, prompt_ids: list[int]) -> float:
+    start = time.perf_counter()
+    rid = submit(core, prompt_ids, 1)
+    times, _ = drive(core)
+    return (times[rid][0] - start) * 1000
+
+
+def replay_ms(core: EngineCore, batch: int) -> float:
+    graphs = core.runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return float("nan")
+    return timed_ms(graphs.graphs[batch].replay, repeats=50)
+
+
+def weight_bytes(core: EngineCore) -> int:
+    model = core.runner.model
+    seen, total = set(), 0
+    per_layer = (v for layer in model.layers for v in vars(layer).values())
+    for t in [model.embed, model.final_norm, model.lm_head, *per_layer]:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total - model.embed.numel() * model.embed.element_size()  # a step reads one embedding row
+
+
+def model_flops(layers: int, tokens: int) -> float:
+    h, i, kvd = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_key_value_heads"] * 128
+    per_token = 2 * layers * (h * h * 2 + 2 * h * kvd + 3 * h * i) + 2 * h * LLAMA_8B["vocab_size"] / tokens
+    attention = 2 * 2 * layers * h * tokens * tokens / 2  # QK^T and PV, causal half
+    return per_token * tokens + attention
+
+
+def decode_figures(core: EngineCore, hbm: float, args: argparse.Namespace) -> None:
+    weights = weight_bytes(core)
+    kv_per_token = core.kv.layout.bytes_per_token()
+    rid = submit(core, prompt(128), 256)
+    times, _ = drive(core)
+    tpot = (times[rid][-1] - times[rid][1]) / (len(times[rid]) - 2) * 1000
+    roof = weights / hbm / 1e6
+    b1 = replay_ms(core, 1)
+    record("tpot_b1", tpot_ms=tpot, roofline_ms=roof, vs_roofline=tpot / roof, graph_replay_ms=b1,
+           vs_replay=tpot / b1, goal="<= 1.25x roofline and <= 1.1x replay")
+
+    for _ in range(64):
+        submit(core, prompt(128), 256)
+    _, steps = drive(core)
+    decode = [(s, n) for s, n, d in steps if d]
+    tok_s = sum(n for _, n in decode) / sum(s for s, _ in decode)
+    b64 = replay_ms(core, 64)
+    record("decode_c64", tok_s=tok_s, graph_replay_b64_ms=b64, ideal_tok_s=64 / b64 * 1000,
+           vs_ideal=tok_s / (64 / b64 * 1000), goal=">= 0.8")
+
+    for _ in range(64):
+        submit(core, prompt(2048), 32)
+    _, steps = drive(core)
+    decode = [s for s, n, d in steps if d]
+    step = statistics.median(decode) * 1000
+    kv_bytes = 64 * 2048 * kv_per_token
+    roof = (weights + kv_bytes) / hbm / 1e6
+    record("long_context_b64_2048", step_ms=step, roofline_ms=roof, vs_roofline=step / roof, goal="<= 1.3")
+
+
+def prefill_figures(core: EngineCore, args: argparse.Namespace, first_ms: float) -> None:
+    steady = statistics.median(ttft_ms(core, prompt(4096)) for _ in range(args.repeats))
+    flops = model_flops(args.layers, 4096)
+    record("prefill_4096", ttft_ms=steady, tflop_s=flops / steady / 1e9, vs_peak=flops / steady / 1e9 / 989,
+           goal=">= 0.6 of 989 TFLOP/s (TTFT <= 118 ms at 32 layers)")
+    record("first_request_after_start", first_ttft_ms=first_ms, steady_ttft_ms=steady, ratio=first_ms / steady,
+           goal="<= 1.2")
+
+
+def host_tier_figures(model_dir: Path, args: argparse.Namespace, h2d: float) -> None:
+    core, _ = make_core(model_dir, args, {"max_tokens": 5 * 4096, "host_cache_size": 8 << 30})
+    a = prompt(4096)
+    miss = ttft_ms(core, a)
+    gpu_hit = ttft_ms(core, a)
+    for _ in range(5):  # other prompts push a's blocks out to the host pool
+        ttft_ms(core, prompt(4096))
+    stats_before = core.kv.stats()
+    host_hit = ttft_ms(core, a)
+    onboarded = core.kv.stats().onboards - stats_before.onboards
+    nbytes = core.kv.stats().bytes_onboarded - stats_before.bytes_onboarded
+    onboard_gb_s = nbytes / max(1e-9, (host_hit - gpu_hit) / 1000) / 1e9
+    record("host_tier", miss_ttft_ms=miss, gpu_hit_ttft_ms=gpu_hit, host_hit_ttft_ms=host_hit,
+           host_hit_vs_miss=host_hit / miss, onboarded_blocks=onboarded, onboard_gb_s=onboard_gb_s,
+           onboard_vs_pinned=onboard_gb_s / h2d, goal="host hit <= 0.3 of a miss; onboard >= 0.8 pinned")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated: decode,prefill,host")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.manual_seed(0)
+    ceil = ceilings()
+    t = time.perf_counter()
+    model_dir = build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers)
+    record("model", dir=str(model_dir), build_s=time.perf_counter() - t)
+    core, start_s = make_core(model_dir, args, {})
+    record("startup", seconds=start_s, warm_up_s=getattr(core.runner.graphs, "capture_s", 0.0),
+           kernels=core.runner.kernels)
+    first = ttft_ms(core, prompt(4096))
+    if "decode" not in skip:
+        decode_figures(core, ceil["hbm_read_gb_s"], args)
+    if "prefill" not in skip:
+        prefill_figures(core, args, first)
+    del core
+    torch.cuda.empty_cache()
+    if "host" not in skip:
+        host_tier_figures(model_dir, args, ceil["pinned_h2d_gb_s"])
+    print("SUMMARY " + json.dumps(RESULTS), flush=True)
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in RESULTS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""CUDA graphs for decode steps, applied from outside the model (STYLE.md #10).
+
+At start-up the runner captures one graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...
+up to the engine's max_batch_size), largest first, sharing one memory pool. Each graph replays the
+whole forward of a decode-only step over static buffers (`StaticDecodePlan`: token ids, positions,
+block tables, sequence lengths, window bounds, write slots); a step of n sequences fills the
+smallest bucket >= n (padding rows write nothing and attend to nothing) with one host-to-device
+copy and replays it. Capture runs every kernel first, so Triton and cuBLAS are warm after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from server.models.attention import SeqLayout
+from server.models.llama import LlamaModel
+from server.models.triton_attention import StaticDecodePlan, TritonPagedAttention
+
+log = logging.getLogger(__name__)
+WARMUP_RUNS = 2
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    sizes += list(range(96, max_batch + 32, 32))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, attention: TritonPagedAttention, max_batch: int) -> None:
+        self.model, self.attention = model, attention
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.plans: dict[int, StaticDecodePlan] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for batch in reversed(self.buckets):
+            plan = self.attention.static_decode_plan(batch)
+            rows = torch.arange(batch, device=plan.dev.device)
+            run = lambda plan=plan, rows=rows: self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)  # noqa: E731
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(WARMUP_RUNS):  # compiles every Triton kernel of this shape, warms cuBLAS
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                self.logits[batch] = run()
+            self.graphs[batch], self.plans[batch] = graph, plan
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets, self.capture_s)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, seqs: list[SeqLayout], token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode-only step (every seq has one new token)."""
+        batch = self.bucket(len(seqs))
+        self.plans[batch].fill(seqs, token_ids)
+        self.graphs[batch].replay()
+        return self.logits[batch][: len(seqs)]

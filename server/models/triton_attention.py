@@ -1,0 +1,252 @@
+"""GPU attention backend: Triton kernels that read K/V through block tables (no per-step gather).
+
+Per layer: one kernel rotates q and k and writes the new K/V into the cache (`rope_write`), then
+- decode rows: split-K paged decode (`paged_decode`), all decode sequences in one launch;
+- a prefill chunk with nothing cached before it whose every key is in its window: torch's fused
+  SDPA (FlashAttention/cuDNN class) over the chunk's own contiguous q/k/v, causal;
+- any other prefill chunk (a cached prefix, chunked prefill, or a sliding window shorter than the
+  chunk): the Triton paged prefill kernel over the cached prefix and the chunk.
+
+`plan` packs every index of a step into one int32 host buffer uploaded in one copy. A plan whose
+tensors live in static buffers (`StaticDecodePlan`) is what CUDA graphs replay (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
+from server.models.kernels.attention import (
+    decode_scratch,
+    decode_splits,
+    group_rows,
+    paged_decode,
+    paged_prefill,
+    prefill_tokens_per_tile,
+)
+from server.models.kernels.elementwise import rope_write
+
+
+@dataclass
+class DecodeMeta:
+    block_table: torch.Tensor  # [B, NB] int32 primary slots in token order (padding 0, never read)
+    seq_lens: torch.Tensor  # [B] int32 keys in the cache including the new token (0: padding row)
+    lo: torch.Tensor  # [B] int32 first key in the window
+    splits: int
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # graphs: preallocated
+
+
+@dataclass
+class PrefillMeta:
+    block_table: torch.Tensor  # [S, NB] int32
+    tiles: torch.Tensor  # [4, tiles] int32: sequence, first flattened row, first position, tokens
+    lo_seq: torch.Tensor  # [S] int32 first key each sequence's chunk may see
+
+
+@dataclass
+class WindowMeta:
+    slot: torch.Tensor  # [T] int32 slot of each new token (-1: padding, not written)
+    offset: torch.Tensor  # [T] int32 position within the slot
+    decode: DecodeMeta | None
+    dense: list[slice]  # prefill chunks attended with SDPA over their own q/k/v
+    paged: PrefillMeta | None
+
+
+class _Ints:
+    """int32 host data of one step, uploaded in one copy; `add` returns where each part lands."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def add(self, values: list[int]) -> tuple[int, int]:
+        start = len(self.values)
+        self.values += values
+        return start, len(self.values)
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.values, dtype=torch.int32).to(device)
+
+
+class TritonPagedAttention(AttentionBackend):
+    def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int, *,
+                 max_seq_len: int) -> None:
+        self.kv = kv
+        self.tpb = kv.tokens_per_block
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.views = [kv.layer_cache(i) for i in range(num_layers)]  # (K, V) [slots, tpb, kv_heads, D]
+        self.windows = [kv.layer_window(i) for i in range(num_layers)]
+        self.num_kv_heads = self.views[0][0].shape[2]
+        self.max_blocks = math.ceil(max_seq_len / self.tpb)
+        device = self.views[0][0].device
+        self.device = device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        if head_dim & (head_dim - 1) or head_dim < 32:
+            raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 32, got {head_dim}")
+
+    # ---- per step
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowMeta]:
+        ints = _Ints()
+        host = {w: self._host_window(layout, w, ints) for w in self.kv.window_sizes}
+        dev = ints.upload(self.device)
+        return {w: make(dev) for w, make in host.items()}
+
+    def _host_window(self, layout: StepLayout, window: int, ints: _Ints):
+        seqs, nd = layout.seqs, layout.num_decode
+        slots, offsets = _write_locations(seqs, window, self.tpb)
+        at_slot, at_off = ints.add(slots), ints.add(offsets)
+        decode = self._host_decode(seqs[:nd], window, ints) if nd else None
+        dense, paged_seqs, row = [], [], nd
+        for seq in seqs[nd:]:
+            rows = slice(row, row + seq.num_new)
+            if seq.num_past == 0 and seq.num_new <= window:
+                dense.append(rows)
+            else:
+                paged_seqs.append((seq, row))
+            row += seq.num_new
+        paged = self._host_prefill(paged_seqs, window, ints) if paged_seqs else None
+
+        def make(dev: torch.Tensor) -> WindowMeta:
+            view = lambda span: dev[span[0]:span[1]]  # noqa: E731
+            return WindowMeta(view(at_slot), view(at_off), decode(dev) if decode else None, dense,
+                              paged(dev) if paged else None)
+
+        return make
+
+    def _host_decode(self, seqs: list[SeqLayout], window: int, ints: _Ints):
+        lens = [s.num_past + 1 for s in seqs]
+        nb = max(math.ceil(n / self.tpb) for n in lens)
+        table = _padded_tables(seqs, window, nb)
+        spans = [ints.add(table), ints.add(lens), ints.add([max(0, n - window) for n in lens])]
+        splits = decode_splits(len(seqs), self.num_kv_heads, self.num_sms)
+        b = len(seqs)
+
+        def make(dev: torch.Tensor) -> DecodeMeta:
+            t, n, lo = (dev[a:z] for a, z in spans)
+            return DecodeMeta(t.view(b, nb), n, lo, splits)
+
+        return make
+
+    def _host_prefill(self, seqs: list[tuple[SeqLayout, int]], window: int, ints: _Ints):
+        per_tile = prefill_tokens_per_tile(self.num_heads, self.num_kv_heads)
+        nb = max(math.ceil((s.num_past + s.num_new) / self.tpb) for s, _ in seqs)
+        table = _padded_tables([s for s, _ in seqs], window, nb)
+        tiles: list[list[int]] = [[], [], [], []]
+        for index, (seq, row) in enumerate(seqs):
+            for t0 in range(0, seq.num_new, per_tile):
+                for column, value in zip(tiles, (index, row + t0, seq.num_past + t0,
+                                                 min(per_tile, seq.num_new - t0)), strict=True):
+                    column.append(value)
+        num_tiles = len(tiles[0])
+        spans = [ints.add(table), ints.add([v for column in tiles for v in column]),
+                 ints.add([max(0, s.num_past - window + 1) for s, _ in seqs])]
+        n = len(seqs)
+
+        def make(dev: torch.Tensor) -> PrefillMeta:
+            t, tl, lo = (dev[a:z] for a, z in spans)
+            return PrefillMeta(t.view(n, nb), tl.view(4, num_tiles), lo)
+
+        return make
+
+    # ---- per layer
+    def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: dict[int, WindowMeta]) -> torch.Tensor:
+        k_cache, v_cache = self.views[layer]
+        window = self.windows[layer]
+        plan = meta[window]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        rope_write(qkv, cos, sin, k_cache, v_cache, plan.slot, plan.offset, heads, kv_heads)
+        q = qkv[:, :heads]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.decode is not None:
+            d = plan.decode
+            nd = d.seq_lens.shape[0]
+            paged_decode(q[:nd], k_cache, v_cache, d.block_table, d.seq_lens, d.lo, out[:nd], self.scale,
+                         d.splits, d.scratch)
+        for rows in plan.dense:
+            out[rows] = _causal_sdpa(qkv[rows], heads, kv_heads, self.scale)
+        if plan.paged is not None:
+            p = plan.paged
+            paged_prefill(q, k_cache, v_cache, out, p.block_table, p.tiles, p.lo_seq, self.scale, window)
+        return out
+
+    # ---- CUDA graphs
+    def static_decode_plan(self, batch: int) -> StaticDecodePlan:
+        return StaticDecodePlan(self, batch)
+
+
+class StaticDecodePlan:
+    """A decode-only plan for `batch` rows whose tensors never move: `fill` rewrites their contents
+    (one host-to-device copy) before each replay; rows past the real batch are padding."""
+
+    def __init__(self, backend: TritonPagedAttention, batch: int) -> None:
+        self.backend, self.batch = backend, batch
+        windows, nb = backend.kv.window_sizes, backend.max_blocks
+        # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens, positions
+        self.per_window = 4 * batch + batch * nb
+        size = len(windows) * self.per_window + 2 * batch
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=backend.device.type == "cuda")
+        self.dev = torch.zeros(size, dtype=torch.int32, device=backend.device)
+        splits = decode_splits(batch, backend.num_kv_heads, backend.num_sms)
+        gp = group_rows(backend.num_heads, backend.num_kv_heads)
+        self.meta: dict[int, WindowMeta] = {}
+        for i, window in enumerate(windows):
+            base = i * self.per_window
+            part = lambda k, base=base: self.dev[base + k * batch: base + (k + 1) * batch]  # noqa: E731
+            table = self.dev[base + 4 * batch: base + self.per_window].view(batch, nb)
+            scratch = decode_scratch(batch, backend.num_kv_heads, gp, backend.head_dim, splits, backend.device)
+            self.meta[window] = WindowMeta(part(0), part(1), DecodeMeta(table, part(2), part(3), splits, scratch),
+                                           [], None)
+        tail = len(windows) * self.per_window
+        self.token_ids = self.dev[tail: tail + batch]
+        self.positions = self.dev[tail + batch: tail + 2 * batch]
+        self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
+
+    def fill(self, seqs: list[SeqLayout], token_ids: list[int]) -> None:
+        """Write one decode step (len(seqs) <= batch) into the static buffers."""
+        b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
+        pad = b - len(seqs)
+        values: list[int] = []
+        for window in self.backend.kv.window_sizes:
+            slots, offsets = _write_locations(seqs, window, tpb)
+            lens = [s.num_past + 1 for s in seqs]
+            values += slots + [-1] * pad + offsets + [0] * pad + lens + [0] * pad
+            values += [max(0, n - window) for n in lens] + [0] * pad
+            values += _padded_tables(seqs, window, nb) + [0] * (pad * nb)
+        values += token_ids + [0] * pad + [s.num_past for s in seqs] + [0] * pad
+        self.host.copy_(torch.tensor(values, dtype=torch.int32))
+        self.dev.copy_(self.host, non_blocking=True)
+
+
+def _causal_sdpa(qkv: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+    """qkv [n, heads + 2 kv_heads, D] of one chunk with nothing before it -> [n, heads, D]."""
+    q = qkv[:, :heads].transpose(0, 1)[None]
+    k = qkv[:, heads:heads + kv_heads].transpose(0, 1)[None]
+    v = qkv[:, heads + kv_heads:].transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _write_locations(seqs: list[SeqLayout], window: int, tpb: int) -> tuple[list[int], list[int]]:
+    slots, offsets = [], []
+    for seq in seqs:
+        table = seq.slot_tables[window]
+        for pos in range(seq.num_past, seq.num_past + seq.num_new):
+            slots.append(table[pos // tpb])
+            offsets.append(pos % tpb)
+    return slots, offsets
+
+
+def _padded_tables(seqs: list[SeqLayout], window: int, nb: int) -> list[int]:
+    """Flattened [len(seqs), nb] slot tables; -1 (released) and missing entries become 0: the
+    kernels never read a key outside [lo, len), so those entries are never used."""
+    out: list[int] = []
+    for seq in seqs:
+        table = seq.slot_tables[window][:nb]
+        out += [max(s, 0) for s in table] + [0] * (nb - len(table))
+    return out
