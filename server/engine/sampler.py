@@ -1,4 +1,11 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds, min_tokens."""
+"""Token sampling for one step, batched on the logits' device: greedy, temperature, top-k, top-p,
+per-request seeds, min_tokens. One host copy of the chosen token ids per step.
+
+Sampling from softmax(scores) is done as argmax(scores - log E) with E ~ Exp(1) drawn per row
+(the exponential race, equivalent to Gumbel-max): every row of the batch is sampled by one argmax.
+A request with a seed draws its row's noise from its own generator, so its tokens depend only on
+its seed and its logits, never on what else is in the batch.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row. `logits`: float32 [num_requests, vocab], row i belongs to requests[i]."""
     logits = _mask_banned(logits, requests)
     greedy = logits.argmax(dim=-1)  # [num_requests]; ties -> first index, as transformers
-    tokens = greedy.tolist()
-    for row, request in enumerate(requests):
-        if not request.sampling.greedy:
-            tokens[row] = _sample_row(logits[row], request)
-    return tokens
+    random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+    if not random_rows:
+        return greedy.tolist()
+    rows = torch.tensor(random_rows, device=logits.device)
+    chosen = _sample_rows(logits.index_select(0, rows), [requests[i] for i in random_rows])
+    return greedy.index_copy(0, rows, chosen).tolist()
 
 
 def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -34,25 +42,40 @@ def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
-def _sample_row(row: torch.Tensor, request: Request) -> int:
-    params = request.sampling
-    scores = row / params.temperature  # [vocab]
-    if params.top_k > 0 and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        scores = _top_p_filter(scores, params.top_p)
-    probs = torch.softmax(scores, dim=-1)
-    generator = request.generator
-    if generator is not None and generator.device != probs.device:
-        probs = probs.cpu()
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [R, vocab] of requests that sample -> [R] token ids (on the device)."""
+    device = logits.device
+    temps = torch.tensor([r.sampling.temperature for r in requests], device=device)
+    scores = logits / temps[:, None]
+    ks = [r.sampling.top_k if 0 < r.sampling.top_k < scores.shape[1] else 0 for r in requests]
+    ps = [r.sampling.top_p for r in requests]
+    if any(ks) or any(p < 1.0 for p in ps):
+        scores = _top_k_top_p(scores, ks, ps)
+    noise = _exponential(scores.shape, requests, device)
+    return (scores - noise.log()).argmax(dim=-1)
 
 
-def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability mass reaches top_p."""
-    sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-    drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= top_p  # mass before this token already enough
+def _top_k_top_p(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Keep per row its top_k scores (0: all) and then the smallest set of most likely tokens whose
+    probability mass reaches top_p; everything else becomes -inf."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+    vocab = scores.shape[1]
+    ranks = torch.arange(vocab, device=scores.device)[None, :]
+    k = torch.tensor([k or vocab for k in ks], device=scores.device)[:, None]
+    drop = ranks >= k
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scores).scatter_(0, order, sorted_scores)
+    probs = torch.softmax(sorted_scores, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+    top_p = torch.tensor(ps, device=scores.device)[:, None]
+    sorted_scores = sorted_scores.masked_fill(before >= top_p, float("-inf"))
+    return torch.empty_like(scores).scatter_(1, order, sorted_scores)
+
+
+def _exponential(shape: torch.Size, requests: list[Request], device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [R, vocab]: seeded rows from their own generator (CPU), the rest batched."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            own = torch.empty(shape[1]).exponential_(generator=request.generator)
+            noise[row] = own.to(device)
+    return noise

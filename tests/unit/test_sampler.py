@@ -53,3 +53,29 @@ def test_top_k_restricts_support():
     logits = _logits([[5.0, 4.0, 3.0, -1.0, -2.0]])
     request = _request(top_k=2, temperature=5.0, seed=0)
     assert {sample(logits, [request])[0] for _ in range(200)} == {0, 1}
+
+
+def test_batched_draws_follow_the_softmax_of_the_tempered_scores():
+    """The exponential race over a batch: 8000 rows of one distribution in one call."""
+    torch.manual_seed(5)
+    row = [2.0, 1.0, 0.0, -1.0, 1.5]
+    requests = [_request(temperature=0.7) for _ in range(8000)]
+    tokens = torch.tensor(sample(_logits([row] * len(requests)), requests))
+    freq = torch.bincount(tokens, minlength=len(row)).float() / len(requests)
+    torch.testing.assert_close(freq, torch.softmax(torch.tensor(row) / 0.7, 0), atol=0.015, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    torch.manual_seed(6)
+    row = [3.0, 2.9, 0.0, -5.0]  # p ~ (0.51, 0.47, 0.02, 0.0): top_p 0.6 keeps the first two
+    requests = [_request(temperature=1.0, top_p=0.6) for _ in range(4000)]
+    assert set(sample(_logits([row] * len(requests)), requests)) == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(7)
+    logits = torch.randn(3, 50)
+    alone = sample(logits[1:2], [_request(temperature=1.0, seed=99)])
+    mixed = sample(logits, [_request(temperature=0.0), _request(temperature=1.0, seed=99), _request(temperature=2.0)])
+    assert mixed[1] == alone[0]
+    assert mixed[0] == int(logits[0].argmax())
