@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -208,18 +209,30 @@ class StaticDecodePlan:
         self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
 
     def fill(self, seqs: list[SeqLayout], token_ids: list[int]) -> None:
-        """Write one decode step (len(seqs) <= batch) into the static buffers."""
+        """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
+        into the pinned staging buffer, then one asynchronous host-to-device copy."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
-        pad = b - len(seqs)
-        values: list[int] = []
-        for window in self.backend.kv.window_sizes:
-            slots, offsets = _write_locations(seqs, window, tpb)
-            lens = [s.num_past + 1 for s in seqs]
-            values += slots + [-1] * pad + offsets + [0] * pad + lens + [0] * pad
-            values += [max(0, n - window) for n in lens] + [0] * pad
-            values += _padded_tables(seqs, window, nb) + [0] * (pad * nb)
-        values += token_ids + [0] * pad + [s.num_past for s in seqs] + [0] * pad
-        self.host.copy_(torch.tensor(values, dtype=torch.int32))
+        n = len(seqs)
+        host = self.host.numpy()
+        lens = np.fromiter((s.num_past + 1 for s in seqs), dtype=np.int32, count=n)
+        for i, window in enumerate(self.backend.kv.window_sizes):
+            part = host[i * self.per_window:(i + 1) * self.per_window]
+            slot, offset, seq_len, lo = (part[k * b:(k + 1) * b] for k in range(4))
+            table = part[4 * b:].reshape(b, nb)
+            table[:] = 0
+            for row, seq in enumerate(seqs):
+                slots = seq.slot_tables[window][:nb]
+                table[row, :len(slots)] = slots
+            np.maximum(table, 0, out=table)  # -1 (released below the window) is never read
+            pos = lens - 1
+            slot[:n] = table[np.arange(n), pos // tpb]
+            slot[n:] = -1
+            offset[:n], offset[n:] = pos % tpb, 0
+            seq_len[:n], seq_len[n:] = lens, 0
+            lo[:n], lo[n:] = np.maximum(lens - window, 0), 0
+        tail = host[len(self.backend.kv.window_sizes) * self.per_window:]
+        tail[:n], tail[n:b] = token_ids, 0
+        tail[b:b + n], tail[b + n:] = lens - 1, 0
         self.dev.copy_(self.host, non_blocking=True)
 
 

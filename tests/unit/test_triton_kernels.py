@@ -21,6 +21,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extra)")
 
 from kvcache import KvCacheConfig, KVCacheManager  # noqa: E402
+from server.models.attention import SeqLayout  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
 from server.models.kernels import attention as A  # noqa: E402
 from server.models.kernels import elementwise as E  # noqa: E402
@@ -145,3 +146,29 @@ def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[
             outs[i].append(token)
     for p, out in zip(prompts, outs, strict=True):
         assert out == hf_reference.hf_greedy(model_dir, p, steps)
+
+
+def test_static_decode_plan_equals_the_eager_plan() -> None:
+    """What a CUDA graph replays: the forward over a `StaticDecodePlan` (bucket of 4 rows, 3 real,
+    block tables padded to max_seq_len) gives the eager step's logits."""
+    from server.models.attention import StepLayout
+
+    model_dir = resolve_model("builtin:tiny-qwen3-swa")
+    layout = load_spec(model_dir).cache_layout(256, torch.float32, "cpu")
+    kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=16), layout)
+    runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
+                         max_batch_size=4, kernels="triton", cuda_graphs=False, max_seq_len=256)
+    prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
+    chunks = []
+    for i, p in enumerate(prompts):
+        kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
+        tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
+        runner.execute([SeqChunk(p, 0, tables, True)])
+        chunks.append(SeqChunk([3 + i], len(p), tables, True))
+    eager = runner.execute(chunks)  # the static run below writes the same K/V at the same places again
+    plan = runner.attention.static_decode_plan(4)
+    seqs = StepLayout([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], 3).seqs
+    plan.fill(seqs, [c.token_ids[0] for c in chunks])
+    logits = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
+    torch.testing.assert_close(logits[:3], eager, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(logits[3]).all()  # the padding row attends to nothing and writes nothing
