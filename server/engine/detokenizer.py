@@ -6,6 +6,7 @@ held back until it cannot, and text is only emitted once the tokenizer has produ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -18,16 +19,21 @@ class IncrementalDetokenizer:
     _ids: list[int] = field(default_factory=list)
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _prefix_text: str = ""  # decode of _ids[_prefix_offset:_read_offset], kept while the offsets stay
+
+    def __post_init__(self) -> None:
+        self._decode_ids = fast_decoder(self.tokenizer)
 
     def add(self, token_id: int) -> bool:
         """Append one token; returns True when a stop string has appeared (text is truncated before it)."""
         self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix = self._prefix_text
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return self._truncate_at_stop()
 
     def take(self, finished: bool) -> str:
@@ -45,10 +51,11 @@ class IncrementalDetokenizer:
             self.text += tail[len(prefix) :]
             self._read_offset = len(self._ids)
             self._prefix_offset = self._read_offset
+            self._prefix_text = ""
             self._truncate_at_stop()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decode_ids(ids) if ids else ""
 
     def _truncate_at_stop(self) -> bool:
         if not self.stop:
@@ -70,3 +77,12 @@ class IncrementalDetokenizer:
                     hold = max(hold, k)
                     break
         return len(self.text) - hold
+
+
+def fast_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight through the Rust tokenizer when
+    transformers would add nothing to it (no clean-up of spaces); about 4x less Python per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
