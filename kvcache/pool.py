@@ -7,9 +7,13 @@ out-of-window positions, but 0 * NaN would still be NaN. The secondary pool live
 pinned when the primary pool is on CUDA.
 
 Copies: `execute` runs the block manager's copy ops in order, one batched indexed copy per run of
-consecutive ops with the same (src level, dst level). On CUDA every copy is issued on the current
-stream (host<->device with non_blocking DMA from/to pinned memory); the CPU never reads the host pool
-in this path, so stream order alone keeps offload-then-onboard of one slot correct.
+consecutive ops with the same (src level, dst level). On CUDA the device-side gathers and scatters
+run on the current stream; the host<->device DMAs (from/to pinned memory) run on two side streams,
+one per direction (`_TierStreams`), so an admission that offloads evicted blocks while it onboards
+others moves both at once on the GPU's two copy engines. Order is kept where it matters: a scatter
+waits for its onboard DMA; a DMA waits for the gather that staged it; a DMA that touches a host slot
+another direction's DMA may still be using waits for that one first. The CPU never reads the host
+pool in this path.
 """
 
 from __future__ import annotations
@@ -61,6 +65,44 @@ def _rows(pool: torch.Tensor) -> torch.Tensor:
         return flat.view(torch.uint8)
 
 
+class _TierStreams:
+    """The two DMA streams of a CUDA pool pair, and which host slots a DMA may still be using."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.writing: set[int] = set()  # host slots written by offloads (d2h) since `written`
+        self.written: torch.cuda.Event | None = None
+        self.reading: set[int] = set()  # host slots read by onboards (h2d) since `read`
+        self.read: torch.cuda.Event | None = None
+
+    def before_offload(self, host_slots: list[int]) -> None:
+        """The d2h stream waits for onboards still reading any of these host slots."""
+        if self.read is not None and self.reading.intersection(host_slots):
+            self.d2h.wait_event(self.read)
+
+    def before_onboard(self, host_slots: list[int]) -> None:
+        if self.written is not None and self.writing.intersection(host_slots):
+            self.h2d.wait_event(self.written)
+
+    def after_offload(self, host_slots: list[int]) -> None:
+        self.written = self._record(self.d2h, self.written, self.writing, host_slots)
+
+    def after_onboard(self, host_slots: list[int]) -> torch.cuda.Event:
+        self.read = self._record(self.h2d, self.read, self.reading, host_slots)
+        return self.read
+
+    @staticmethod
+    def _record(stream: torch.cuda.Stream, last: torch.cuda.Event | None, slots: set[int],
+                new: list[int]) -> torch.cuda.Event:
+        if last is not None and last.query():  # everything before it is done: forget those slots
+            slots.clear()
+        slots.update(new)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+
 class GroupPools:
     def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
                  num_primary: int, num_secondary: int) -> None:
@@ -74,6 +116,7 @@ class GroupPools:
             self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
         self._rows = (_rows(self.primary), None if self.secondary is None else _rows(self.secondary))
+        self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None
 
     def pool(self, level: Level) -> torch.Tensor | None:
         return self.primary if level is Level.PRIMARY else self.secondary
@@ -93,9 +136,9 @@ class GroupPools:
         if src_rows.device == dst_rows.device:
             self._copy_same_device(src_rows, dst_rows, src, dst)
         elif dst_rows.device.type == "cpu":
-            self._copy_to_host(src_rows, dst_rows, src, dst)
+            self._copy_to_host(src_rows, dst_rows, src, dst, self._streams)
         else:
-            self._copy_to_device(src_rows, dst_rows, src, dst)
+            self._copy_to_device(src_rows, dst_rows, src, dst, self._streams)
 
     @staticmethod
     def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
@@ -120,18 +163,35 @@ class GroupPools:
 
     @staticmethod
     def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
-                      dst: list[int]) -> None:
+                      dst: list[int], streams: _TierStreams | None) -> None:
         staged = src_rows.index_select(0, torch.tensor(src, dtype=torch.int64, device=src_rows.device))
-        for i, first, n in _runs(dst):
-            dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+        if streams is None:  # no CUDA: plain copies
+            for i, first, n in _runs(dst):
+                dst_rows[first:first + n].copy_(staged[i:i + n])
+            return
+        streams.before_offload(dst)
+        streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
+        with torch.cuda.stream(streams.d2h):
+            for i, first, n in _runs(dst):
+                dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+        staged.record_stream(streams.d2h)
+        streams.after_offload(dst)
 
     @staticmethod
     def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
-                        dst: list[int]) -> None:
+                        dst: list[int], streams: _TierStreams | None) -> None:
         order = sorted(range(len(src)), key=src.__getitem__)
         src_sorted = [src[i] for i in order]
         staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
-        for i, first, n in _runs(src_sorted):
-            staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True)
+        if streams is None:
+            for i, first, n in _runs(src_sorted):
+                staged[i:i + n].copy_(src_rows[first:first + n])
+        else:
+            streams.before_onboard(src_sorted)
+            streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
+            with torch.cuda.stream(streams.h2d):
+                for i, first, n in _runs(src_sorted):
+                    staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True)
+            torch.cuda.current_stream(staged.device).wait_event(streams.after_onboard(src_sorted))
         dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
         dst_rows.index_copy_(0, dst_idx, staged)
