@@ -37,6 +37,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.plans: dict[int, StaticDecodePlan] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # every tensor a graph reads must outlive it: a freed one's memory is reused by later steps
+        self.rows: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
 
     def capture(self) -> None:
@@ -45,7 +47,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         for batch in reversed(self.buckets):
             plan = self.attention.static_decode_plan(batch)
-            rows = torch.arange(batch, device=plan.dev.device)
+            rows = self.rows[batch] = torch.arange(batch, device=plan.dev.device)
             run = lambda plan=plan, rows=rows: self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)  # noqa: E731
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
