@@ -3,3 +3,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Triton decides at kernel definition whether a kernel runs compiled (CUDA) or interpreted (CPU
+# tensors), so this is set before any test module imports a kernel: without a GPU, the kernels'
+# tests run through the interpreter (tests/unit/test_triton_kernels.py).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
