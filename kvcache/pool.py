@@ -66,41 +66,49 @@ def _rows(pool: torch.Tensor) -> torch.Tensor:
 
 
 class _TierStreams:
-    """The two DMA streams of a CUDA pool pair, and which host slots a DMA may still be using."""
+    """The two DMA streams of a CUDA pool pair, and the DMAs still in flight with their host slots."""
 
     def __init__(self, device: torch.device) -> None:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
-        self.writing: set[int] = set()  # host slots written by offloads (d2h) since `written`
-        self.written: torch.cuda.Event | None = None
-        self.reading: set[int] = set()  # host slots read by onboards (h2d) since `read`
-        self.read: torch.cuda.Event | None = None
+        self.writes: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # offloads writing host slots
+        self.reads: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # onboards reading host slots
 
     def before_offload(self, host_slots: list[int]) -> None:
         """The d2h stream waits for onboards still reading any of these host slots."""
-        if self.read is not None and self.reading.intersection(host_slots):
-            self.d2h.wait_event(self.read)
+        _wait_for_overlap(self.d2h, self.reads, host_slots)
 
     def before_onboard(self, host_slots: list[int]) -> None:
-        if self.written is not None and self.writing.intersection(host_slots):
-            self.h2d.wait_event(self.written)
+        _wait_for_overlap(self.h2d, self.writes, host_slots)
 
     def after_offload(self, host_slots: list[int]) -> None:
-        self.written = self._record(self.d2h, self.written, self.writing, host_slots)
+        _prune(self.writes)
+        self.writes.append((_recorded(self.d2h), frozenset(host_slots)))
 
     def after_onboard(self, host_slots: list[int]) -> torch.cuda.Event:
-        self.read = self._record(self.h2d, self.read, self.reading, host_slots)
-        return self.read
-
-    @staticmethod
-    def _record(stream: torch.cuda.Stream, last: torch.cuda.Event | None, slots: set[int],
-                new: list[int]) -> torch.cuda.Event:
-        if last is not None and last.query():  # everything before it is done: forget those slots
-            slots.clear()
-        slots.update(new)
-        event = torch.cuda.Event()
-        event.record(stream)
+        _prune(self.reads)
+        event = _recorded(self.h2d)
+        self.reads.append((event, frozenset(host_slots)))
         return event
+
+
+def _prune(pending: list[tuple[torch.cuda.Event, frozenset[int]]]) -> None:
+    pending[:] = [(event, slots) for event, slots in pending if not event.query()]
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait_for_overlap(stream: torch.cuda.Stream, pending: list[tuple[torch.cuda.Event, frozenset[int]]],
+                      host_slots: list[int]) -> None:
+    """Drop finished DMAs from `pending`; make `stream` wait for those that touch `host_slots`."""
+    _prune(pending)
+    for event, slots in pending:
+        if not slots.isdisjoint(host_slots):
+            stream.wait_event(event)
 
 
 class GroupPools:

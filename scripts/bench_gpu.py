@@ -182,6 +182,14 @@ def decode_figures(core: EngineCore, hbm: float, args: argparse.Namespace) -> No
 
 
 def prefill_figures(core: EngineCore, args: argparse.Namespace, first_ms: float) -> None:
+    import os
+
+    for kind, length in (("cudnn", 4000), ("triton", 3900), ("flash", 3800)):  # flash (the default) last
+        os.environ["PDSERVE_DENSE_PREFILL"] = kind
+        new_shape = ttft_ms(core, prompt(length))  # a prompt length this process has not seen
+        steady = statistics.median(ttft_ms(core, prompt(4096)) for _ in range(args.repeats))
+        record(f"prefill_4096_{kind}", ttft_ms=steady, tflop_s=model_flops(args.layers, 4096) / steady / 1e9,
+               new_length_ttft_ms=new_shape)
     steady = statistics.median(ttft_ms(core, prompt(4096)) for _ in range(args.repeats))
     flops = model_flops(args.layers, 4096)
     record("prefill_4096", ttft_ms=steady, tflop_s=flops / steady / 1e9, vs_peak=flops / steady / 1e9 / 989,

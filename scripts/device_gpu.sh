@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): install the serving wheels carried in .whl
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
-#   MODE: tests | bench | all   (extra arguments go to scripts/bench_gpu.py)
+#   MODE: tests | bench | serving | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
 set -uo pipefail
 mode="${1:-all}"; shift || true
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdserve-cache
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 nproc
 if [[ "$mode" == tests || "$mode" == all ]]; then
-  python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
+  python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
   python3 scripts/bench_gpu.py --workdir /tmp/bench-gpu --out "$out/bench_gpu.jsonl" "$@" 2>&1 | tee "$out/bench_gpu.log" | grep -v '^SUMMARY'
+fi
+if [[ "$mode" == serving || "$mode" == all ]]; then
+  python3 scripts/bench_gpu_serving.py --workdir /tmp/bench-gpu "$@" 2>&1 | tee "$out/bench_gpu_serving.log" | grep -v '^SUMMARY'
 fi

@@ -14,11 +14,13 @@ tensors live in static buffers (`StaticDecodePlan`) is what CUDA graphs replay (
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
 from server.models.kernels.attention import (
@@ -105,7 +107,7 @@ class TritonPagedAttention(AttentionBackend):
         dense, paged_seqs, row = [], [], nd
         for seq in seqs[nd:]:
             rows = slice(row, row + seq.num_new)
-            if seq.num_past == 0 and seq.num_new <= window:
+            if seq.num_past == 0 and seq.num_new <= window and dense_prefill_kind() != "triton":
                 dense.append(rows)
             else:
                 paged_seqs.append((seq, row))
@@ -236,12 +238,29 @@ class StaticDecodePlan:
         self.dev.copy_(self.host, non_blocking=True)
 
 
+# Which fused SDPA kernel a fresh prompt uses. FlashAttention needs no per-shape set-up; cuDNN's
+# is faster at 4k tokens but builds an execution plan for every new prompt length (seen on the H200:
+# the first 4,096-token prompt after start 985 ms against 104 ms steady), so it is not the default.
+DENSE_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+                  "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]}
+
+
+def dense_prefill_kind() -> str:
+    """"flash" (default), "cudnn", or "triton" (the paged prefill kernel for every prompt); from
+    PDSERVE_DENSE_PREFILL, read per step so a benchmark can compare them in one process."""
+    return os.environ.get("PDSERVE_DENSE_PREFILL", "flash")
+
+
 def _causal_sdpa(qkv: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
     """qkv [n, heads + 2 kv_heads, D] of one chunk with nothing before it -> [n, heads, D]."""
     q = qkv[:, :heads].transpose(0, 1)[None]
     k = qkv[:, heads:heads + kv_heads].transpose(0, 1)[None]
     v = qkv[:, heads + kv_heads:].transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if q.device.type != "cuda":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        with sdpa_kernel(DENSE_BACKENDS[dense_prefill_kind()]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -85,18 +85,31 @@ def test_graphs_equal_eager(model_dirs: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: str, kernels: str,
                                              graphs: bool) -> None:
+    """bf16 kernels round differently from transformers' (reduction orders, exp), and on a random
+    tiny model near-tied logits then pick other tokens: the prefill logits must agree to bf16
+    precision; greedy agreement over 64 tokens is reported."""
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    outs, _ = _batched_greedy(model_dirs[name], torch.bfloat16, kernels, graphs, BF16_TOKENS)
+    outs, runner = _batched_greedy(model_dirs[name], torch.bfloat16, kernels, graphs, BF16_TOKENS)
     matched = []
-    for prompt, out in zip(_prompts(), outs, strict=True):
+    for i, (prompt, out) in enumerate(zip(_prompts(), outs, strict=True)):
         ref = hf_reference.hf_greedy(model_dirs[name], prompt, BF16_TOKENS, dtype=torch.bfloat16,
                                      device="cuda")
         same = [a == b for a, b in zip(out, ref, strict=True)]
         matched.append(same.index(False) if False in same else len(same))
+        ours = _prefill_logits(runner, f"check{i}", prompt)
+        theirs = hf_reference.hf_logits(model_dirs[name], prompt, dtype=torch.bfloat16, device="cuda")[-1]
+        error = ((ours - theirs).norm() / theirs.norm()).item()
+        assert error < 2e-2, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
     print(f"\n{name} {kernels} graphs={graphs} bf16: greedy tokens equal to HF bf16 before the first "
           f"divergence: {matched} of {BF16_TOKENS}")
-    assert all(m >= 1 for m in matched)  # the first token (prefill) agrees for every prompt
-    assert sum(matched) >= len(matched) * BF16_TOKENS // 2
+
+
+def _prefill_logits(runner: ModelRunner, request_id: str, prompt: list[int]) -> torch.Tensor:
+    runner.kv.admit(request_id, prompt, num_tokens=len(prompt))
+    tables = {w: runner.kv.slot_table(request_id, w) for w in runner.kv.window_sizes}
+    logits = runner.execute([SeqChunk(prompt, 0, tables, True)])[0].float().cpu()
+    runner.kv.release(request_id)
+    return logits
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
