@@ -100,7 +100,7 @@ def run_load(url: str, errors: list) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def one(i: int) -> None:
-        prompt = f"Request {i}: " + " ".join(f"fox {i * 1000 + j} jumps" for j in range(40))  # ~10 blocks
+        prompt = f"Request {i}: " + " ".join(f"fox {i * 1000 + j} jumps" for j in range(40))  # 246 tokens, 8 blocks
         answer = client.completions.create(model="builtin:tiny-llama", prompt=prompt, max_tokens=24, temperature=0)
         assert answer.usage.completion_tokens > 0
 
