@@ -10,12 +10,12 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from server.auth import token_headers
 from server.router.backends import Backend
 from server.router.dashboard.samples import parse_metrics
 from server.router.dashboard.views import deployment_view, server_view
 from server.router.dashboard.window import Window
 from server.router.http_client import HttpClient, HttpError
-from server.router.orchestrator import RELEASE_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ class Dashboard:
         self.backends = backends
         self.client = client
         self.router_registry = router_registry
-        # the deployment token, as the router sends it to internal endpoints (for a guarded /metrics)
-        self.headers = {RELEASE_TOKEN_HEADER: auth_token} if auth_token else {}
+        self.headers = token_headers(auth_token)  # the deployment token, as on every internal call
         self.windows = {b.url: Window() for b in backends}
         self.router = Window()
 
