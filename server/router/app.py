@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from server.auth import token_headers
 from server.router.backends import Backend, HealthMonitor
+from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
 from server.router.policies import make_policy
@@ -65,6 +66,7 @@ class RouterState:
     monitor: HealthMonitor
     tokenizer: object | None = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    dashboard: Dashboard | None = None  # GET /dashboard: fed by scrapes after each health round
 
     def __post_init__(self) -> None:
         self.requests = Counter("pdserve_router_requests", "Requests handled by the router, by outcome",
@@ -95,8 +97,11 @@ def _build_state(settings: RouterSettings) -> RouterState:
     orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
                                 make_policy("load_balancing" if kv_aware else settings.policy),
                                 settings.request_timeout_s, settings.auth_token)
-    return RouterState(settings, client, context, generation, orchestrator, monitor,
-                       _load_tokenizer(settings.model) if kv_aware else None)
+    state = RouterState(settings, client, context, generation, orchestrator, monitor,
+                        _load_tokenizer(settings.model) if kv_aware else None)
+    state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
+    monitor.on_round = state.dashboard.scrape_all
+    return state
 
 
 def _load_tokenizer(model: str | None):
@@ -128,6 +133,7 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        *dashboard_routes(),
     ])
 
 

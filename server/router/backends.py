@@ -1,7 +1,8 @@
 """Backend servers as the router sees them: health, load and (for kv_cache_aware) cached block hashes.
 
 A backend that refuses a connection or fails its health check is fenced (skipped by every policy)
-until a later health check succeeds.
+until a later health check succeeds. The /health body's `status` (e.g. "draining") and `epoch` (new
+on every process start) are kept; a changed epoch counts as a restart of the server behind the URL.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from server.router.http_client import HttpClient, HttpError
+from server.router.http_client import HttpClient, HttpError, Response
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,27 @@ class Backend:
     tokens_per_block: int = 0
     last_error: str = ""
     last_checked: float = field(default=0.0)
+    status: str = ""  # the /health body's "status" ("ok", "draining"), else what went wrong
+    epoch: str = ""  # the /health body's "epoch": changes when the server restarts
+    restarts: int = 0  # epoch changes seen
+
+    def note_health(self, response: Response | None) -> None:
+        """Keep the status and epoch a /health answer reports (`None`: the server did not answer)."""
+        if response is None:
+            self.status = "unreachable"
+            return
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        body = body if isinstance(body, dict) else {}
+        status = body.get("status")
+        self.status = status if isinstance(status, str) else f"HTTP {response.status}"
+        epoch = body.get("epoch")
+        if isinstance(epoch, str) and epoch:
+            if self.epoch and epoch != self.epoch:
+                self.restarts += 1
+            self.epoch = epoch
 
     def fence(self, reason: str) -> None:
         if self.healthy:
@@ -46,6 +69,7 @@ class HealthMonitor:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.poll_hashes = poll_hashes
+        self.on_round: Callable[[], Awaitable[None]] | None = None  # after each round of checks
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -66,6 +90,7 @@ class HealthMonitor:
         except HttpError as exc:
             ok, response = False, None
             backend.last_error = f"{type(exc).__name__}: {exc}"
+        backend.note_health(response)
         if not ok:
             reason = backend.last_error if response is None else f"/health returned {response.status}"
             backend.fence(reason)
@@ -90,4 +115,9 @@ class HealthMonitor:
     async def _loop(self) -> None:
         while True:
             await self.check_all()
+            if self.on_round is not None:
+                try:
+                    await self.on_round()
+                except Exception:  # a failing observer must not stop the health checks
+                    log.exception("health monitor round hook failed")
             await asyncio.sleep(self.interval_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -193,7 +194,10 @@ def test_models_lists_the_served_model(client):
     assert [(m["id"], m["object"], m["owned_by"], m["max_model_len"]) for m in body["data"]] == [
         ("fake-model", "model", "pdserve", MAX_SEQ_LEN)]
     assert client.get("/v1/models/fake-model").json()["id"] == "fake-model"
-    assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
+    health = client.get("/health").json()
+    assert health == {"status": "ok", "model": "fake-model", "epoch": health["epoch"]}
+    assert re.fullmatch(r"[0-9a-f]{32}", health["epoch"])  # the process's epoch: the same on every call
+    assert client.get("/health").json()["epoch"] == health["epoch"]
 
 
 def test_engine_factory_may_be_an_async_context_manager():

@@ -1,0 +1,102 @@
+"""What the page shows, computed from the windows of samples: plain JSON-ready dicts.
+
+Per server: health, epoch and restarts (from its /health), requests per state, the KV pool per
+window and level, prefix hit rate, offload / onboard rates, KV transfers and latency percentiles.
+For the deployment: requests per second (the router's own counter), TTFT over the servers that
+make first tokens (context or aggregated), TPOT over the servers that decode (generation or
+aggregated), and KV transfers as the receiving side counts them. A server that stopped answering
+keeps its last figures, marked `stale`; its rates are None and leave the deployment's sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from server.router.backends import Backend
+from server.router.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
+
+TTFT = "pdserve_time_to_first_token_seconds"
+TPOT = "pdserve_time_per_output_token_seconds"
+TRANSFER = "pdserve_kv_transfer_seconds"
+HIT, QUERY = "pdserve_prefix_cache_hit_tokens_total", "pdserve_prefix_cache_query_tokens_total"
+FIRST_TOKEN_ROLES, DECODE_ROLES = ("context", "aggregated"), ("generation", "aggregated")
+LEVELS = ("primary", "secondary")
+
+
+def server_view(backend: Backend, window: Window, now: float) -> dict:
+    latest = window.latest
+    view = {"url": backend.url, "role": backend.role, "healthy": backend.healthy,
+            "status": backend.status or ("ok" if backend.healthy else "unknown"), "epoch": backend.epoch,
+            "restarts": backend.restarts, "last_error": "" if backend.healthy else backend.last_error,
+            "in_flight": backend.active, "stale": not window.fresh(now),
+            "scraped_s_ago": None if latest is None else round(now - latest.t, 1)}
+    if latest is None:
+        return view
+    view.update(
+        requests={state: int(v) for state, v in latest.by_label("pdserve_requests", "state").items()},
+        pool=pool_view(latest.series.get("pdserve_kv_cache_blocks", [])),
+        prefix_hit_rate=_ratio(window.increase(HIT, now), window.increase(QUERY, now)),
+        offload_per_s=window.rate("pdserve_kv_offloaded_blocks_total", now),
+        onboard_per_s=window.rate("pdserve_kv_onboarded_blocks_total", now),
+        tokens_per_s=window.rate("pdserve_generation_tokens_total", now),
+        transfers=transfer_view([window], now),
+        ttft=percentiles(window.bucket_increase(TTFT, now)),
+        tpot=percentiles(window.bucket_increase(TPOT, now)))
+    return view
+
+
+def pool_view(series: list[tuple[Mapping[str, str], float]]) -> list[dict]:
+    """[{"window", "level", "free", "cached", "in_use", "total"}] by window, primary level first; a
+    level without blocks (no host tier configured) is left out."""
+    bars: dict[tuple[int, str], dict] = {}
+    for labels, count in series:
+        key = (int(labels["window"]), labels["level"])
+        bar = bars.setdefault(key, {"window": key[0], "level": key[1], "free": 0, "cached": 0, "in_use": 0})
+        bar[labels["state"]] = int(count)
+    level_order = lambda level: LEVELS.index(level) if level in LEVELS else len(LEVELS)
+    ordered = sorted(bars.values(), key=lambda b: (b["window"], level_order(b["level"])))
+    for bar in ordered:
+        bar["total"] = bar["free"] + bar["cached"] + bar["in_use"]
+    return [bar for bar in ordered if bar["total"] > 0]
+
+
+def transfer_view(windows: list[Window], now: float) -> dict:
+    """KV transfers as the given servers count them: lifetime count, failures and lease expiries,
+    transfers and bytes per second over the last RATE_S."""
+    latest = [w.latest for w in windows if w.latest is not None]
+    return {"count": int(sum(s.value(f"{TRANSFER}_count") for s in latest)),
+            "failures": int(sum(s.value("pdserve_kv_transfer_failures_total") for s in latest)),
+            "lease_expired": int(sum(s.value("pdserve_kv_transfer_lease_expired_total") for s in latest)),
+            "per_s": _sum(w.rate(f"{TRANSFER}_count", now) for w in windows),
+            "bytes_per_s": _sum(w.rate("pdserve_kv_transfer_bytes_total", now) for w in windows)}
+
+
+def deployment_view(backends: list[Backend], windows: Mapping[str, Window], router: Window, now: float) -> dict:
+    of_roles = lambda roles: [windows[b.url] for b in backends if b.role in roles]
+    every = list(windows.values())
+    transfers = transfer_view(of_roles(("generation",)), now)
+    either_side = transfer_view(every, now)  # failures and lease expiries: whichever side counted them
+    transfers.update(failures=either_side["failures"], lease_expired=either_side["lease_expired"])
+    latest = router.latest
+    return {
+        "healthy": sum(b.healthy for b in backends), "servers": len(backends),
+        "requests": int(latest.value("pdserve_router_requests_total")) if latest else 0,
+        "errors": int(latest.value("pdserve_router_requests_total", outcome="error")) if latest else 0,
+        "requests_per_s": router.rate("pdserve_router_requests_total", now),
+        "prefix_hit_rate": _ratio(sum(w.increase(HIT, now) for w in every), sum(w.increase(QUERY, now) for w in every)),
+        "offload_per_s": _sum(w.rate("pdserve_kv_offloaded_blocks_total", now) for w in every),
+        "onboard_per_s": _sum(w.rate("pdserve_kv_onboarded_blocks_total", now) for w in every),
+        "transfers": transfers,
+        "ttft": percentiles(merge_buckets(w.bucket_increase(TTFT, now) for w in of_roles(FIRST_TOKEN_ROLES))),
+        "tpot": percentiles(merge_buckets(w.bucket_increase(TPOT, now) for w in of_roles(DECODE_ROLES))),
+        "window_s": WINDOW_S, "rate_s": RATE_S,
+    }
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _sum(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None

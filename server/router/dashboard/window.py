@@ -1,0 +1,102 @@
+"""The last minute of samples of one source: counter increases, rates and histogram quantiles.
+
+Counters only grow, except when the process behind them restarts: a value lower than the one
+before is counted from zero (as Prometheus' `increase` does), so a restart never makes a rate negative.
+Spans end at `now` (the reader's clock): a server that stopped answering has no rate once its last
+sample is older than STALE_S, and its figures leave the one-minute window as they age.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+from server.router.dashboard.samples import Sample
+
+WINDOW_S = 60.0  # percentiles and hit rates are over this span
+RATE_S = 10.0  # rates (per second) are over this span: short enough to follow the load
+STALE_S = 5.0  # a source whose newest sample is older than this has no rate
+
+
+class Window:
+    def __init__(self, span_s: float = WINDOW_S) -> None:
+        self.span_s = span_s
+        self.samples: deque[Sample] = deque()
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        while self.samples and self.samples[0].t < sample.t - self.span_s:
+            self.samples.popleft()
+
+    @property
+    def latest(self) -> Sample | None:
+        return self.samples[-1] if self.samples else None
+
+    def fresh(self, now: float) -> bool:
+        return bool(self.samples) and now - self.samples[-1].t <= STALE_S
+
+    def recent(self, now: float, seconds: float) -> list[Sample]:
+        """The samples of the `seconds` before `now`."""
+        return [s for s in self.samples if s.t >= now - seconds]
+
+    def increase(self, name: str, now: float, seconds: float = WINDOW_S, **labels: str) -> float:
+        return _increase(s.value(name, **labels) for s in self.recent(now, seconds))
+
+    def rate(self, name: str, now: float, seconds: float = RATE_S, **labels: str) -> float | None:
+        """Increase per second over the samples of the last `seconds`; None until two samples span
+        some time, or when the newest is stale."""
+        samples = self.recent(now, seconds)
+        span = samples[-1].t - samples[0].t if samples else 0.0
+        if span <= 0 or not self.fresh(now):
+            return None
+        return _increase(s.value(name, **labels) for s in samples) / span
+
+    def bucket_increase(self, histogram: str, now: float, seconds: float = WINDOW_S) -> dict[float, float]:
+        """Upper bound -> increase of that (cumulative) bucket over the last `seconds`."""
+        samples = self.recent(now, seconds)
+        bounds = samples[-1].buckets(histogram).keys() if samples else ()
+        per_sample = [s.buckets(histogram) for s in samples]
+        return {le: _increase(b.get(le, 0.0) for b in per_sample) for le in bounds}
+
+
+def _increase(values: Iterable[float]) -> float:
+    total, previous = 0.0, None
+    for v in values:
+        if previous is not None:
+            total += v - previous if v >= previous else v  # lower: the counter restarted from zero
+        previous = v
+    return total
+
+
+def merge_buckets(histograms: Iterable[Mapping[float, float]]) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for h in histograms:
+        for le, count in h.items():
+            out[le] = out.get(le, 0.0) + count
+    return out
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The q-quantile of cumulative histogram buckets, interpolated linearly inside its bucket as
+    Prometheus' histogram_quantile does (the highest finite bound if it falls in +Inf); None when
+    the histogram is empty."""
+    ordered = sorted(buckets.items())
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in ordered:
+        if count >= rank and count > below:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = (le if not math.isinf(le) else lower), count
+    return lower
+
+
+def percentiles(buckets: Mapping[float, float], qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict:
+    """{"p50": s, "p90": s, "p99": s, "count": n} of cumulative buckets (None values when empty)."""
+    out: dict = {f"p{round(q * 100)}": quantile(q, buckets) for q in qs}
+    out["count"] = max(buckets.values(), default=0.0)
+    return out

@@ -1,0 +1,167 @@
+"""The router's /dashboard in a real browser: Debian's headless chromium (driven through selenium and
+Debian's chromedriver) against a real deployment on loopback (configs/disagg_host_offload.yaml: 1 context
+server with a small device pool and a host tier + 1 generation server + router, builtin:tiny-llama).
+It checks the server rows and pool bars, sees the numbers move while load runs (and blocks offloaded
+to the host tier), and sees a SIGKILLed generation server's row turn red. Screenshots are kept in the test's
+tmp dir and in test-artifacts/ (git-ignored).
+
+Without chromium the test fails (CI installs it in .ci/run); a developer may skip it with
+PDSERVE_ALLOW_NO_BROWSER=1, which CI (CI set) ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import deploy_harness as dh
+import httpx
+import openai
+import pytest
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+ARTIFACTS = dh.ROOT / "test-artifacts"
+LOAD_REQUESTS, LOAD_CONCURRENCY = 12, 4
+RED_WITHIN_S = 5.0  # health is polled every second; a refused connection fences at once
+
+# One call reads everything the assertions need from the live DOM (no stale element handles).
+READ_DOM = """
+const text = (sel) => (document.querySelector(sel) || {}).textContent;
+const rows = Array.from(document.querySelectorAll('#servers tr.server')).map((r) => ({
+  url: r.dataset.url, health: r.dataset.health, role: r.querySelector('.role').textContent,
+  status: r.querySelector('.status').textContent, epoch: r.querySelector('.epoch').title,
+  restarts: r.querySelector('.restarts').textContent, transfers: r.querySelector('.transfers').textContent,
+  dot: getComputedStyle(r.querySelector('.dot')).backgroundColor}));
+const pools = Array.from(document.querySelectorAll('.pool')).map((p) => ({
+  url: p.dataset.url,
+  bars: Array.from(p.querySelectorAll('.bar')).map((b) => ({
+    level: b.dataset.level, window: b.dataset.window, label: b.previousSibling.textContent,
+    segs: Array.from(b.querySelectorAll('.seg')).map((s) => [s.classList[1], s.getBoundingClientRect().width])}))}));
+return {rows, pools, overall: text('#overall'), requests: text('#requests-total'), rps: text('#rps'),
+        xfer: text('#xfer-count'), ttft: text('#ttft-p50'), tpot: text('#tpot-p50'), offload: text('#offload-rate')};
+"""
+
+
+@pytest.fixture
+def browser():
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
+    if missing:
+        if os.environ.get("PDSERVE_ALLOW_NO_BROWSER") == "1" and not os.environ.get("CI"):
+            pytest.skip(f"{missing} missing and PDSERVE_ALLOW_NO_BROWSER=1")
+        pytest.fail(f"{missing} missing: install Debian's browser (apt-get install chromium chromium-driver, as "
+                    ".ci/run does), or set PDSERVE_ALLOW_NO_BROWSER=1 to skip this test outside CI")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1440,1000", "--no-first-run", "--disable-extensions"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)  # a driver path: no download
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_dom(driver, predicate, timeout_s: float, what: str) -> dict:
+    """The DOM reading once `predicate(dom)` holds (fails with the last reading otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dom = driver.execute_script(READ_DOM)
+        if predicate(dom):
+            return dom
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within {timeout_s} s; the page shows {dom}")
+        time.sleep(0.2)
+
+
+def row(dom: dict, url: str) -> dict:
+    [found] = [r for r in dom["rows"] if r["url"] == url]
+    return found
+
+
+def screenshot(driver, tmp_path, name: str) -> None:
+    path = tmp_path / name
+    assert driver.save_screenshot(str(path)), "chromium took no screenshot"
+    assert path.stat().st_size > 10_000
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copyfile(path, ARTIFACTS / name)
+
+
+def run_load(url: str, errors: list) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def one(i: int) -> None:
+        prompt = f"Request {i}: " + " ".join(f"fox {i * 1000 + j} jumps" for j in range(40))  # 246 tokens, 8 blocks
+        answer = client.completions.create(model="builtin:tiny-llama", prompt=prompt, max_tokens=24, temperature=0)
+        assert answer.usage.completion_tokens > 0
+
+    with ThreadPoolExecutor(LOAD_CONCURRENCY) as pool:
+        for future in [pool.submit(one, i) for i in range(LOAD_REQUESTS)]:
+            try:
+                future.result()
+            except Exception as exc:  # reported by the test thread
+                errors.append(exc)
+
+
+def test_dashboard_shows_the_deployment_live(tmp_path, browser):
+    with dh.launched("disagg_host_offload.yaml", tmp_path) as dep:
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        epochs = {u: httpx.get(f"{u}/health", timeout=10).json()["epoch"] for u in (ctx, gen)}
+        browser.get(f"{dep.url}/dashboard")
+        assert browser.title == "pdserve deployment"
+
+        # every server: its role, healthy (green), its epoch from /health, no restarts; its pool bars
+        dom = wait_dom(browser, lambda d: len(d["rows"]) == 2 and all(r["health"] == "ok" for r in d["rows"])
+                       and all(p["bars"] for p in d["pools"]), 15, "two healthy rows with pool bars")
+        assert [(r["url"], r["role"], r["status"], r["restarts"]) for r in dom["rows"]] == [
+            (ctx, "context", "ok", "0"), (gen, "generation", "ok", "0")]
+        assert {r["url"]: r["epoch"] for r in dom["rows"]} == epochs
+        assert {r["dot"] for r in dom["rows"]} == {"rgb(31, 157, 85)"}  # green
+        assert dom["overall"] == "2 of 2 servers healthy"
+        pools = {p["url"]: p["bars"] for p in dom["pools"]}
+        assert [(b["level"], b["window"]) for b in pools[ctx]] == [("primary", "2048"), ("secondary", "2048")]
+        assert [(b["level"], b["window"]) for b in pools[gen]] == [("primary", "2048")]  # no host tier
+        assert pools[ctx][0]["label"].endswith("free 32 of 32 blocks")  # max_tokens 1024 / 32 per block
+        for bar in pools[ctx] + pools[gen]:
+            segs = dict(bar["segs"])
+            assert sorted(segs) == ["cached", "free", "in_use"] and segs["free"] > 0
+        requests_before, xfer_before = int(dom["requests"]), int(dom["xfer"])
+
+        # load: the numbers move on the open page
+        errors: list = []
+        load = threading.Thread(target=run_load, args=(dep.url, errors))
+        load.start()
+        try:
+            wait_dom(browser, lambda d: d["rps"] not in ("–", "0.00"), 30, "requests per second above 0 under load")
+            dom = wait_dom(browser, lambda d: int(d["requests"]) >= requests_before + LOAD_REQUESTS
+                           and int(d["xfer"]) >= xfer_before + LOAD_REQUESTS, 60, "the load's requests and transfers")
+        finally:
+            load.join(timeout=120)
+        assert errors == []
+        assert re.fullmatch(r"[\d.]+ m?s", dom["ttft"]) and re.fullmatch(r"[\d.]+ m?s", dom["tpot"]), dom
+        assert row(dom, gen)["transfers"] == f"{LOAD_REQUESTS} (0 failed)"
+        host = [b for b in next(p["bars"] for p in dom["pools"] if p["url"] == ctx) if b["level"] == "secondary"]
+        assert int(re.search(r"cached (\d+)", host[0]["label"]).group(1)) > 0, host  # evicted blocks went to the host
+        assert float(dom["offload"]) > 0, dom  # blocks/s over the last 10 s
+        screenshot(browser, tmp_path, "dashboard.png")
+
+        # a killed generation server turns red within seconds; the context server stays green
+        [gen_pid] = dep.server_pids("generation")
+        os.kill(gen_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        dom = wait_dom(browser, lambda d: row(d, gen)["health"] == "down", RED_WITHIN_S, "the killed server's red row")
+        print(f"generation server shown down {time.monotonic() - killed:.1f} s after SIGKILL")
+        assert row(dom, gen)["dot"] == "rgb(214, 69, 69)"  # red
+        assert row(dom, gen)["status"].startswith("unreachable")
+        assert row(dom, ctx)["health"] == "ok"
+        assert dom["overall"] == "1 of 2 servers healthy"
+        screenshot(browser, tmp_path, "dashboard-server-killed.png")

@@ -1,0 +1,172 @@
+"""The dashboard's numbers: /metrics text parsed back, counter increases across restarts, rates,
+histogram quantiles, staleness, and the per-server and deployment views, from real `ServerMetrics`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvcache.stats import KVCacheStats
+from server.metrics import ServerMetrics
+from server.router.backends import Backend
+from server.router.dashboard.samples import parse_metrics
+from server.router.dashboard.views import deployment_view, pool_view, server_view
+from server.router.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
+
+
+def sample(metrics: ServerMetrics, t: float):
+    return parse_metrics(metrics.render().decode(), t)
+
+
+def test_parse_reads_values_labels_and_buckets_of_a_real_exposition():
+    stats = KVCacheStats(prefix_query_tokens=64, prefix_hit_tokens=32,
+                         blocks={(2048, "primary", "free"): 10, (2048, "primary", "in_use"): 2})
+    metrics = ServerMetrics(stats_provider=lambda: stats)
+    metrics.observe_ttft(0.03)
+    metrics.observe_ttft(0.3)
+    metrics.add_transfer_failure("timeout")
+    metrics.add_transfer_failure("timeout")
+    metrics.add_transfer_failure("epoch_mismatch")
+    metrics.set_request_counts({"running": 3, "waiting": 1})
+    s = sample(metrics, 5.0)
+    assert s.t == 5.0
+    assert s.value("pdserve_prefix_cache_hit_tokens_total") == 32
+    assert s.value("pdserve_kv_transfer_failures_total") == 3
+    assert s.value("pdserve_kv_transfer_failures_total", reason="timeout") == 2
+    assert s.by_label("pdserve_requests", "state") == {"waiting": 1, "running": 3, "transferring": 0}
+    assert s.value("pdserve_kv_cache_blocks", level="primary", state="free") == 10
+    buckets = s.buckets("pdserve_time_to_first_token_seconds")
+    assert (buckets[0.02], buckets[0.04], buckets[0.25], buckets[0.5], buckets[math.inf]) == (0, 1, 1, 2, 2)
+    assert "pdserve_generation_tokens_created" not in s.series
+    assert s.value("no_such_metric") == 0
+
+
+def test_bad_exposition_is_a_value_error():
+    with pytest.raises(ValueError):
+        parse_metrics("pdserve_requests{state=\"running\" 1\n", 0.0)
+
+
+def test_increase_and_rate_count_a_restarted_counter_from_zero():
+    metrics, window = ServerMetrics(), Window()
+    for t, tokens in ((0.0, 0), (1.0, 10), (2.0, 30)):
+        metrics.add_generation_tokens(tokens)
+        window.add(sample(metrics, t))
+    restarted = ServerMetrics()  # the process restarted: its counter starts again from 0
+    restarted.add_generation_tokens(5)
+    window.add(sample(restarted, 3.0))
+    assert window.increase("pdserve_generation_tokens_total", now=3.0) == 10 + 30 + 5
+    assert window.rate("pdserve_generation_tokens_total", now=3.0) == pytest.approx(45 / 3.0)
+    # the last 1.5 s hold t=2 (40 tokens) and t=3 (5, after the restart): 5 tokens in 1 s, not -35
+    assert window.rate("pdserve_generation_tokens_total", now=3.0, seconds=1.5) == 5.0
+
+
+def test_rates_need_two_fresh_samples_and_old_samples_age_out():
+    metrics, window = ServerMetrics(), Window()
+    window.add(sample(metrics, 0.0))
+    assert window.rate("pdserve_generation_tokens_total", now=0.0) is None  # one sample spans no time
+    metrics.add_generation_tokens(8)
+    window.add(sample(metrics, 2.0))
+    assert window.rate("pdserve_generation_tokens_total", now=2.0) == 4.0
+    assert window.fresh(2.0 + STALE_S) and not window.fresh(2.0 + STALE_S + 0.1)
+    assert window.rate("pdserve_generation_tokens_total", now=2.0 + STALE_S + 0.1) is None  # the server went quiet
+    assert window.increase("pdserve_generation_tokens_total", now=2.0 + WINDOW_S) == 0  # only t=2.0 is left
+    window.add(sample(metrics, 70.0))
+    assert [s.t for s in window.samples] == [70.0]  # older than a minute: dropped
+
+
+def test_percentiles_cover_only_the_window():
+    metrics, window = ServerMetrics(), Window()
+    for seconds in (0.5, 0.5, 0.5):  # before the window's first sample: not counted
+        metrics.observe_ttft(seconds)
+    window.add(sample(metrics, 0.0))
+    for seconds in (0.015, 0.015, 0.015, 0.03):  # buckets (0.01, 0.02] x3, (0.02, 0.04] x1
+        metrics.observe_ttft(seconds)
+    window.add(sample(metrics, 1.0))
+    buckets = window.bucket_increase("pdserve_time_to_first_token_seconds", now=1.0)
+    assert buckets[0.02] == 3 and buckets[0.04] == 4 and buckets[math.inf] == 4 and buckets[1.0] == 4
+    got = percentiles(buckets)
+    assert got["count"] == 4
+    assert got["p50"] == pytest.approx(0.01 + 0.01 * 2 / 3)  # rank 2 of 3 in (0.01, 0.02]
+    assert got["p90"] == pytest.approx(0.02 + 0.02 * 0.6)  # rank 3.6: 0.6 into (0.02, 0.04]
+
+
+def test_quantile_edges():
+    assert quantile(0.5, {}) is None
+    assert quantile(0.5, {0.1: 0, math.inf: 0}) is None
+    assert quantile(0.99, {0.1: 1, 1.0: 1, math.inf: 10}) == 1.0  # in +Inf: the highest finite bound
+    assert quantile(0.5, {0.1: 4, 0.2: 4, math.inf: 4}) == pytest.approx(0.05)
+
+
+def test_pool_view_orders_levels_and_drops_a_missing_host_tier():
+    stats = KVCacheStats(blocks={
+        (2048, "secondary", "free"): 90, (2048, "secondary", "cached"): 10, (2048, "secondary", "in_use"): 0,
+        (2048, "primary", "free"): 5, (2048, "primary", "cached"): 3, (2048, "primary", "in_use"): 8,
+        (64, "primary", "free"): 4, (64, "primary", "cached"): 0, (64, "primary", "in_use"): 0,
+        (64, "secondary", "free"): 0, (64, "secondary", "cached"): 0, (64, "secondary", "in_use"): 0})
+    s = sample(ServerMetrics(stats_provider=lambda: stats), 0.0)
+    assert pool_view(s.series["pdserve_kv_cache_blocks"]) == [
+        {"window": 64, "level": "primary", "free": 4, "cached": 0, "in_use": 0, "total": 4},
+        {"window": 2048, "level": "primary", "free": 5, "cached": 3, "in_use": 8, "total": 16},
+        {"window": 2048, "level": "secondary", "free": 90, "cached": 10, "in_use": 0, "total": 100}]
+
+
+def two_samples(first: ServerMetrics, then) -> Window:
+    window = Window()
+    window.add(sample(first, 0.0))
+    then(first)
+    window.add(sample(first, 2.0))
+    return window
+
+
+def test_server_and_deployment_views():
+    ctx_stats = KVCacheStats(prefix_query_tokens=0, prefix_hit_tokens=0,
+                             blocks={(2048, "primary", "free"): 30, (2048, "primary", "in_use"): 2})
+    ctx_metrics, gen_metrics = ServerMetrics(stats_provider=lambda: ctx_stats), ServerMetrics()
+
+    def ctx_work(m: ServerMetrics) -> None:
+        ctx_stats.prefix_query_tokens, ctx_stats.prefix_hit_tokens, ctx_stats.offloads = 200, 50, 6
+        m.observe_ttft(0.015)
+        m.add_lease_expired()
+        m.set_request_counts({"running": 1, "transferring": 2})
+
+    def gen_work(m: ServerMetrics) -> None:
+        for _ in range(4):
+            m.observe_transfer(1000, 0.002)
+        m.add_transfer_failure("timeout")
+        m.observe_tpot(0.003)
+
+    ctx, gen = Backend("http://c", "context", healthy=True), Backend("http://g", "generation", healthy=True)
+    ctx.status, ctx.epoch, gen.status, gen.restarts = "ok", "e1", "ok", 2
+    windows = {ctx.url: two_samples(ctx_metrics, ctx_work), gen.url: two_samples(gen_metrics, gen_work)}
+    view = server_view(ctx, windows[ctx.url], now=2.5)
+    keys = ("url", "role", "healthy", "status", "epoch", "restarts", "stale", "scraped_s_ago")
+    assert {k: view[k] for k in keys} == {
+        "url": "http://c", "role": "context", "healthy": True, "status": "ok", "epoch": "e1", "restarts": 0,
+        "stale": False, "scraped_s_ago": 0.5}
+    assert view["requests"] == {"waiting": 0, "running": 1, "transferring": 2}
+    assert view["pool"] == [{"window": 2048, "level": "primary", "free": 30, "cached": 0, "in_use": 2, "total": 32}]
+    assert view["prefix_hit_rate"] == 0.25 and view["offload_per_s"] == 3.0 and view["ttft"]["count"] == 1
+    assert view["transfers"] == {"count": 0, "failures": 0, "lease_expired": 1, "per_s": 0.0, "bytes_per_s": 0.0}
+
+    router_registry = CollectorRegistry()
+    requests = Counter("pdserve_router_requests", "", ["outcome"], registry=router_registry)
+    router = Window()
+    router.add(parse_metrics(generate_latest(router_registry).decode(), 0.0))
+    requests.labels("ok").inc(9)
+    requests.labels("error").inc(1)
+    router.add(parse_metrics(generate_latest(router_registry).decode(), 2.0))
+    deployment = deployment_view([ctx, gen], windows, router, now=2.5)
+    assert (deployment["healthy"], deployment["servers"], deployment["requests"], deployment["errors"]) == (2, 2, 10, 1)
+    assert deployment["requests_per_s"] == 5.0
+    assert deployment["transfers"] == {"count": 4, "failures": 1, "lease_expired": 1, "per_s": 2.0,
+                                       "bytes_per_s": 2000.0}
+    assert deployment["ttft"]["count"] == 1 and deployment["tpot"]["count"] == 1  # ttft: context; tpot: generation
+    assert deployment["prefix_hit_rate"] == 0.25 and deployment["offload_per_s"] == 3.0
+
+    gen.healthy, gen.status = False, "unreachable"  # it stopped answering: last figures kept, stale, no rates
+    quiet = server_view(gen, windows[gen.url], now=2.0 + STALE_S + 1)
+    assert quiet["stale"] and quiet["restarts"] == 2 and quiet["status"] == "unreachable"
+    assert quiet["transfers"]["count"] == 4 and quiet["transfers"]["per_s"] is None
+    assert deployment_view([ctx, gen], windows, router, now=2.0 + STALE_S + 1)["transfers"]["per_s"] is None
