@@ -11,3 +11,7 @@ python="${PYTHON:-python3}"
 # an unpinned torch would pull a multi-GB CUDA build.
 "$venv/bin/pip" install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 "$venv/bin/pip" install --quiet -e "$here[test]"
+# Debian's headless chromium for the dashboard's browser test, where this machine can install it
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
