@@ -5,13 +5,11 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-import torch
-
 from kvcache import KVCacheManager
 from server.engine.cpu_threads import BorrowIdleCores, FixedThreads
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.request import Request, Status
-from server.engine.sampler import sample
+from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from server.models.runner import ModelRunner, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
@@ -52,6 +50,8 @@ class EngineCore:
         self.threads = threads or FixedThreads()
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
+        self._timings: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
         self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
 
@@ -123,7 +123,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         outputs = self.disagg.step(self) if self.disagg is not None else []
         plan = self.scheduler.schedule()
-        self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected)
+        self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred)
         for request in plan.rejected:
             self._release_remote(request)
             outputs.append(self._output(request, []))
@@ -132,8 +132,16 @@ class EngineCore:
             self.disagg.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])
         if plan.chunks:
             self.threads.before_step(sum(c.num_new_tokens for c in plan.chunks))
-            logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])
-            outputs += self._postprocess(plan.chunks, logits)
+            logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])  # a GPU runs it now
+            sampled = [c.request for c in plan.chunks if c.need_logits]  # before the computed counts move
+            picked = sample_on_device(logits, sampled) if sampled else None
+            self._advance(plan.chunks)
+            outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
+            tokens = picked.tolist() if picked is not None else []
+            accepted = [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
+            outputs += [o for o in accepted if o is not None]
+        else:
+            outputs += self._flush_text()
         return outputs
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
@@ -142,20 +150,27 @@ class EngineCore:
         return SeqChunk(request.all_token_ids[start:start + chunk.num_new_tokens], start, slots,
                         chunk.need_logits)
 
-    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [c.request for c in chunks if c.need_logits]  # before the computed counts move
+    def _advance(self, chunks: list[ScheduledChunk]) -> None:
+        """The step's tokens are computed: move the counts and commit full blocks for reuse."""
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if self._sliding:
                 self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
-        tokens = sample(logits, sampled) if sampled else []
-        return [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
 
-    def _accept_token(self, request: Request, token: int) -> RequestOutput:
+    def _accept_token(self, request: Request, token: int) -> RequestOutput | None:
+        """Everything the next step depends on happens here (the token, stop conditions, freeing a
+        finished request). The text of a request without stop strings, its output and its timing
+        metrics wait for `_flush_text`, which the next step runs while the GPU computes."""
         request.append_token(token)
-        self._record_timing(request)
+        self._note_timing(request)
+        if not request.sampling.stop and not request.is_context_only:
+            self._stop_without_text(request, token, False)
+            if request.status == Status.FINISHED:
+                self.scheduler.remove(request)
+            self._deferred.append((request, token))
+            return None
         self._check_stop(request, token)
         if request.status != Status.FINISHED and request.is_context_only:
             params = self.disagg.after_prefill(request)
@@ -165,6 +180,18 @@ class EngineCore:
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, [token])
+
+    def _flush_text(self) -> list[RequestOutput]:
+        """Outputs of the tokens `_accept_token` deferred (a request aborted meanwhile is skipped)."""
+        deferred, self._deferred = self._deferred, []
+        self._observe_timings()
+        outputs = []
+        for request, token in deferred:
+            detok = self._detok.get(request.request_id)
+            if detok is not None:
+                detok.add(token)
+                outputs.append(self._output(request, [token]))
+        return outputs
 
     def _emit_first_tokens(self, request: Request) -> RequestOutput:
         """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
@@ -195,8 +222,10 @@ class EngineCore:
 
     # ---- postprocess helpers
     def _check_stop(self, request: Request, token: int) -> None:
+        self._stop_without_text(request, token, self._detok[request.request_id].add(token))
+
+    def _stop_without_text(self, request: Request, token: int, hit_stop_string: bool) -> None:
         params, produced = request.sampling, len(request.output_token_ids)
-        hit_stop_string = self._detok[request.request_id].add(token)
         if produced >= params.min_tokens and token in params.stop_token_ids:
             request.finish("stop")
         elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
@@ -207,15 +236,27 @@ class EngineCore:
             request.finish("length")
 
     def _record_timing(self, request: Request) -> None:
+        self._note_timing(request)
+        self._observe_timings()
+
+    def _note_timing(self, request: Request) -> None:
+        """Stamp a new token now; the metrics observe it later (`_observe_timings`)."""
         now = time.monotonic()
-        if self.metrics is not None:
-            if request.first_token_time is None:
-                self.metrics.observe_ttft(now - request.arrival_time)
-            else:
-                self.metrics.observe_tpot(now - request.last_token_time)
-            self.metrics.add_generation_tokens(1)
+        if request.first_token_time is None:
+            self._timings.append((True, now - request.arrival_time))
+        else:
+            self._timings.append((False, now - request.last_token_time))
         request.first_token_time = request.first_token_time or now
         request.last_token_time = now
+
+    def _observe_timings(self) -> None:
+        timings, self._timings = self._timings, []
+        if self.metrics is None:
+            return
+        for first, seconds in timings:
+            (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
+        if timings:
+            self.metrics.add_generation_tokens(len(timings))
 
     def _output(self, request: Request, new_tokens: list[int],
                 disagg: DisaggParams | None = None) -> RequestOutput:

@@ -16,14 +16,20 @@ from server.engine.request import Request
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row. `logits`: float32 [num_requests, vocab], row i belongs to requests[i]."""
+    return sample_on_device(logits, requests).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """`sample` without the host copy: [num_requests] token ids on the logits' device (on a GPU the
+    work is only queued, so the caller can do host work before it waits for the ids)."""
     logits = _mask_banned(logits, requests)
     greedy = logits.argmax(dim=-1)  # [num_requests]; ties -> first index, as transformers
     random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
     if not random_rows:
-        return greedy.tolist()
+        return greedy
     rows = torch.tensor(random_rows, device=logits.device)
     chosen = _sample_rows(logits.index_select(0, rows), [requests[i] for i in random_rows])
-    return greedy.index_copy(0, rows, chosen).tolist()
+    return greedy.index_copy(0, rows, chosen)
 
 
 def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
