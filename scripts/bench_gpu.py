@@ -107,7 +107,7 @@ def drive(core: EngineCore) -> tuple[dict[str, list[float]], list[tuple[float, i
     """Step until idle: token times per request, and (seconds, tokens, decode-only) per step."""
     times: dict[str, list[float]] = {}
     steps = []
-    while core.scheduler.has_work():
+    while core.has_work():
         decode_only = bool(core.scheduler.running) and not core.scheduler.waiting and all(
             r.num_computed_tokens + 1 == r.num_tokens for r in core.scheduler.running)
         start = time.perf_counter()

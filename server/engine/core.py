@@ -110,7 +110,9 @@ class EngineCore:
             self.disagg.release_lease(ctx_request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.disagg is not None and self.disagg.busy())
+        """Requests to run, outputs still to make (`_deferred`), or transfers in flight."""
+        return (self.scheduler.has_work() or bool(self._deferred)
+                or (self.disagg is not None and self.disagg.busy()))
 
     def idle_wait_s(self) -> float:
         """How long the loop may sleep before the next tick: not at all after a productive step,

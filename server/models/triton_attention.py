@@ -241,8 +241,9 @@ class StaticDecodePlan:
 # Which fused SDPA kernel a fresh prompt uses. FlashAttention needs no per-shape set-up; cuDNN's
 # is faster at 4k tokens but builds an execution plan for every new prompt length (seen on the H200:
 # the first 4,096-token prompt after start 985 ms against 104 ms steady), so it is not the default.
-DENSE_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
-                  "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]}
+# float32 (no fused kernel takes it with GQA) falls back to the math kernel.
+DENSE_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+                  "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]}
 
 
 def dense_prefill_kind() -> str:
