@@ -2,7 +2,7 @@
 #   docker build -t pdserve .
 #   docker run --rm -p 8000:8000 pdserve
 #   curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
-#        -d '{"model": "builtin:tiny-llama", "prompt": "Hello", "max_tokens": 16}'
+#        -d '{"model": "builtin:tiny-story", "prompt": "Hello", "max_tokens": 16}'
 # Inside the container the router listens on 0.0.0.0: PDSERVE_HOSTNAME replaces the config's
 # top-level `hostname` (only the router's address; the servers stay on the container's loopback).
 # Another deployment: docker run ... pdserve pdserve launch configs/disagg_2x2.yaml

@@ -25,6 +25,9 @@ from server.launcher import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
+# The shipped configs name the trained default model; the tests that launch them compare against
+# transformers on the random tiny model, so they run that one unless `overrides` name a model.
+TEST_MODELS = {"builtin:tiny-story": "builtin:tiny-llama"}
 
 
 _HANDED_OUT: set[int] = set()
@@ -81,8 +84,12 @@ class Deployment:
 
 
 def write_config(source: Path, tmp_path: Path, overrides: dict | None = None) -> tuple[Path, dict]:
-    """Copy a shipped YAML with every port replaced by a free one (and `overrides` merged in)."""
-    cfg = _merge(yaml.safe_load(source.read_text()), overrides or {})
+    """Copy a shipped YAML with every port replaced by a free one (and `overrides` merged in).
+
+    The default model becomes its test model (TEST_MODELS) unless `overrides` set `model`."""
+    cfg = yaml.safe_load(source.read_text())
+    cfg["model"] = TEST_MODELS.get(cfg["model"], cfg["model"])
+    cfg = _merge(cfg, overrides or {})
     cfg["port"] = free_port()
     for section in ("context_servers", "generation_servers"):
         if section in cfg:

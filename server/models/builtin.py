@@ -1,5 +1,10 @@
-"""Deterministic tiny models, built on first use and then loaded like any Hugging Face directory.
+"""Built-in models: a trained default that ships in the package, and deterministic random tiny models.
 
+`builtin:tiny-story` (the default in configs/) is a ~2 M parameter Llama trained on English text that
+ships with Python (scripts/train_tiny_story.py); its folder is package data,
+`server/models/data/tiny-story/`, and `resolve_model` returns it as is.
+
+The random tiny models (`builtin:tiny-llama`, `builtin:tiny-qwen3-swa`) serve the exactness tests.
 `resolve_model("builtin:tiny-llama")` materializes the model into
 `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models/<name>-v<N>`) and returns
 the folder. Several processes may start at once: each builds into a private temporary folder next
@@ -38,6 +43,9 @@ from server.models.tiny_tokenizer import train_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
 SEED = 1234
+PACKAGED_ROOT = Path(__file__).resolve().parent / "data"
+# trained models shipped as package data: name -> folder under PACKAGED_ROOT, and what rebuilds it
+PACKAGED_MODELS: dict[str, str] = {"tiny-story": "scripts/train_tiny_story.py"}
 
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -88,11 +96,23 @@ def resolve_model(name_or_path: str, *, root: Path | None = None) -> Path:
 
 
 def builtin_names() -> list[str]:
-    return [BUILTIN_PREFIX + name for name in sorted(BUILTIN_MODELS)]
+    return [BUILTIN_PREFIX + name for name in sorted({*BUILTIN_MODELS, *PACKAGED_MODELS})]
+
+
+def packaged_model(name: str) -> Path:
+    """The folder of the shipped model `name`; a ValueError if the package lacks its files."""
+    path = PACKAGED_ROOT / name
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"builtin model {name!r}: {path} lacks {', '.join(missing)} "
+                         f"(rebuild it with `python {PACKAGED_MODELS[name]}`)")
+    return path
 
 
 def materialize_builtin(name: str, *, root: Path | None = None) -> Path:
-    """Build the built-in model `name` once (atomically) and return its folder."""
+    """The folder of the built-in model `name`: the shipped one, or built once (atomically) into the cache."""
+    if name in PACKAGED_MODELS:
+        return packaged_model(name)
     recipe = BUILTIN_MODELS.get(name)
     if recipe is None:
         raise ValueError(f"unknown builtin model {name!r}; known: {builtin_names()}")

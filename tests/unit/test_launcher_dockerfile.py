@@ -12,10 +12,10 @@ from server.config import HOSTNAME_ENV
 REPO = Path(__file__).resolve().parents[2]
 
 
-def instructions() -> list[tuple[str, str]]:
-    """[(INSTRUCTION, arguments)] with comments dropped and continuation lines joined."""
+def instructions(name: str = "Dockerfile") -> list[tuple[str, str]]:
+    """[(INSTRUCTION, arguments)] of REPO/name with comments dropped and continuation lines joined."""
     out, pending = [], ""
-    for line in (REPO / "Dockerfile").read_text().splitlines():
+    for line in (REPO / name).read_text().splitlines():
         if line.strip().startswith("#") or not line.strip():
             continue
         pending += line.rstrip()
