@@ -1,4 +1,4 @@
-"""Train `builtin:tiny-story`, the default model: a ~2 M parameter Llama that writes English-like text.
+"""Train `builtin:tiny-story`, the default model: a 2.4 M parameter Llama that writes English-like text.
 
     .venv/bin/python scripts/train_tiny_story.py            # writes server/models/data/tiny-story/
 
@@ -6,12 +6,16 @@ The text ships with Python (scripts/tiny_story_corpus.py: the language reference
 library docstrings, the Zen of Python), as running text and as chat turns rendered with the model's
 own chat template, so `/v1/chat/completions` answers look like answers. Nothing is downloaded.
 
-Deterministic: fixed seeds, two CPU threads, deterministic torch algorithms, single-threaded
-tokenizer training. The output folder is an ordinary Hugging Face model directory (config.json,
-generation_config.json, model.safetensors, tokenizer files, chat template) plus training.json,
-which records the command, the wall time, the final loss and a digest of the corpus.
+Deterministic on one kind of CPU: fixed seeds, one torch thread (`--threads`), deterministic torch
+algorithms, single-threaded tokenizer training (another instruction set may round differently).
+The output folder is an ordinary Hugging Face model directory (config.json, generation_config.json,
+model.safetensors, tokenizer files, chat template) plus training.json, which records the command,
+the wall time, the final loss and a digest of the corpus.
 
-Recorded run (2-core CPU, torch 2.13.0, Python 3.11.7): see docs/BENCHMARKS.md, "tiny-story".
+Recorded run of the shipped model (docs/BENCHMARKS.md, "Training builtin:tiny-story"): the command
+above with its defaults, 1,200 steps, 2,361,024 parameters, 295,445 corpus tokens; 1,325 s wall time
+on the 2-core dev box under other load (Python 3.11.7, torch 2.13.0+cpu); final training loss 0.429
+(mean of the last 100 steps).
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@ transformers, and readable (its greedy words come from its English training text
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import engine_harness as eh
@@ -127,3 +131,24 @@ def test_readability_check_rejects_the_random_model(words):
     tok = AutoTokenizer.from_pretrained(random_dir)
     texts = [r.text for r in _greedy_texts("builtin:tiny-llama", [tok.encode(p) for p in PROMPTS], 48)]
     assert known_fraction(" ".join(texts), words) < 0.5
+
+
+def test_an_installed_wheel_carries_the_model(tmp_path):
+    """Build the wheel from a copy of the sources, unpack it, and resolve the model from there."""
+    src = tmp_path / "src"
+    for name in ("server", "kvcache", "transceiver"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    [wheel] = (tmp_path / "dist").glob("pdserve-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(tmp_path / "site")
+    code = ("from server.models.builtin import resolve_model; from server.models.spec import load_spec; "
+            "p = resolve_model('builtin:tiny-story'); load_spec(p); print(p)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()) == tmp_path / "site" / "server" / "models" / "data" / "tiny-story"
