@@ -7,29 +7,30 @@ figures of all parts are measured `repeat` times, interleaved, and reduced to me
 - noreuse: the same server binary and YAML with `enable_block_reuse: false`: shared-prefix, random c=8;
 - disagg:  configs/disagg.yaml (router + context + generation): random c=1, random c=8.
 Ratios use figures of this one run only.
+
+    pdserve-bench compare --repeat 5 [--parts hf,agg,noreuse,disagg] [--server-env OMP_NUM_THREADS=1]
+
+One record per (part, figure); `pdserve-bench report` rebuilds the comparisons from them.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
-import os
-import platform
-import statistics
-import subprocess
+import argparse
 import sys
 from collections.abc import Mapping, Set
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-from bench_cpu import QuietGate
-from bench_hf_baseline import load_model, run_hf_baseline
-from bench_hf_baseline import warm_up as hf_warm_up
-from bench_launch import REPO, ServerUnderTest
-from bench_measure import (
+from transformers import PreTrainedModel
+
+from pdserve_bench import options
+from pdserve_bench.cpu import QuietGate
+from pdserve_bench.goals import comparisons
+from pdserve_bench.hf_baseline import load_model, run_hf_baseline
+from pdserve_bench.hf_baseline import warm_up as hf_warm_up
+from pdserve_bench.launch import ServerUnderTest
+from pdserve_bench.measure import (
     Figure,
     Runs,
     Target,
@@ -42,11 +43,13 @@ from bench_measure import (
     server_target,
     shared_prefix_figure,
 )
-from bench_report import Comparison, comparisons_table, figures_table
-from bench_stats import RequestResult, Summary, ratio
-from transformers import PreTrainedModel
-
+from pdserve_bench.record import REPO
+from pdserve_bench.stats import SLO, RequestResult, Summary
+from pdserve_bench.tables import Comparison, comparisons_table, figures_table
 from server.models.builtin import resolve_model
+
+HELP = "every goal comparison of the engine and disaggregation issues, baselines in the same run"
+PARTS = ("hf", "agg", "noreuse", "disagg")
 
 
 @dataclass(frozen=True)
@@ -78,95 +81,20 @@ def start_server(stack: ExitStack, part: str, config: Path, reuse: bool, vocab: 
     return server_target(part, url, vocab, pid=server.pid)
 
 
-def _series(runs: Runs, part: str, figure: str, key: str) -> list[float] | None:
-    found = runs.get(part, {}).get(figure)
-    return None if found is None else [summary[key] for summary in found]
-
-
-def _paired_median(numerators: list[float], denominators: list[float]) -> float:
-    values = [ratio(a, b) for a, b in zip(numerators, denominators, strict=True)]
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
-
-
-def comparisons(runs: Runs, c1: str, c8: str, shared: str) -> list[Comparison]:
-    """Every goal comparison whose two figures (named c1, c8, shared) were measured."""
-    tok_s, ttft, cpu = "output_tok_s", "ttft_mean_ms", "server_cpu_ms_per_token"
-    specs = [
-        ("aggregated c=8 tok/s / HF generate tok/s", ("aggregated", c8, tok_s), ("hf", c1, tok_s), 4.0, True),
-        ("aggregated c=1 tok/s / HF generate tok/s", ("aggregated", c1, tok_s), ("hf", c1, tok_s), 1.0, True),
-        ("shared-prefix mean TTFT, reuse off / on", ("noreuse", shared, ttft), ("aggregated", shared, ttft),
-         3.0, True),
-        ("aggregated c=8 tok/s, reuse on / off (0% hits)", ("aggregated", c8, tok_s), ("noreuse", c8, tok_s),
-         0.98, True),
-        ("disagg c=8 tok/s / aggregated", ("disagg", c8, tok_s), ("aggregated", c8, tok_s), 0.8, True),
-        ("disagg c=1 tok/s / aggregated", ("disagg", c1, tok_s), ("aggregated", c1, tok_s), 0.8, True),
-        ("disagg c=1 mean TTFT / aggregated", ("disagg", c1, ttft), ("aggregated", c1, ttft), 1.3, False),
-        # the same throughput goals in CPU time per output token (2 cores: rate ~ 1 / CPU per token)
-        ("CPU/token: HF generate / aggregated c=8", ("hf", c1, cpu), ("aggregated", c8, cpu), 4.0, True),
-        ("CPU/token: disagg c=8 / aggregated c=8", ("disagg", c8, cpu), ("aggregated", c8, cpu), 1.25, False),
-    ]
-    out = []
-    for name, num, den, goal, at_least in specs:
-        a, b = _series(runs, *num), _series(runs, *den)
-        if a is not None and b is not None:
-            best = ratio(_best(a, num[2]), _best(b, den[2]))
-            out.append(Comparison(name, _median(a), _median(b), goal, at_least,
-                                  paired=_paired_median(a, b), best=best))
-    return out
-
-
-def _best(values: list[float], key: str) -> float:
-    """The least disturbed run: the lowest latency or CPU cost (`*_ms*`), else the highest rate."""
-    kept = [v for v in values if not math.isnan(v)]
-    if not kept:
-        return math.nan
-    return min(kept) if "_ms" in key else max(kept)
-
-
-def _median(values: list[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return statistics.median(kept) if kept else math.nan
-
-
-def environment() -> dict[str, str]:
-    """Where and when: CPU model, cores, date, commit, library versions."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _lscpu().splitlines()
-                if line.startswith("Model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True, check=False).stdout.strip()
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "date": datetime.date.today().isoformat(),
-            "commit": commit, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": str(torch.get_num_threads())}
-
-
-def _lscpu() -> str:
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
 def print_tables(results: dict[str, dict[str, Summary]], found: list[Comparison]) -> None:
     rows = [(f"{part}: {name}", s) for part, figs in results.items() for name, s in figs.items()]
     print(figures_table(rows), "", comparisons_table(found), sep="\n", flush=True)
 
 
-def report(record: dict, shared_concurrency: int = 8) -> list[Comparison]:
-    """Tables and comparisons again from a saved `compare` record (its raw runs)."""
-    runs: Runs = record["runs"]
-    found = comparisons(runs, "random c=1", "random c=8", f"shared-prefix c={shared_concurrency}")
-    print_tables(medians(runs), found)
-    return found
-
-
 def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str],
                     agg_config: Path, disagg_config: Path, gate: QuietGate | None = None,
-                    server_env: Mapping[str, str] | None = None) -> dict:
-    """Start every requested server, measure all parts interleaved, print the tables, return the record."""
-    unknown = set(parts) - {"hf", "agg", "noreuse", "disagg"}
+                    server_env: Mapping[str, str] | None = None,
+                    slo: SLO | None = None) -> tuple[Runs, dict[str, list[Figure]]]:
+    """Start every requested server, measure all parts interleaved, print the tables; the runs and
+    which figures each target measured."""
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; known: hf, agg, noreuse, disagg")
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     vocab, env = model_vocab(model), dict(server_env or {})
     c1, c8 = random_figure(vocab, wargs, 1), random_figure(vocab, wargs, 8)
     shared = shared_prefix_figure(vocab, wargs, wargs.shared_concurrency)
@@ -180,8 +108,36 @@ def run_comparisons(model: str, wargs: WorkloadArgs, repeat: int, parts: Set[str
             plan.append((start_server(stack, "noreuse", agg_config, False, vocab, env), [shared, c8]))
         if "disagg" in parts:
             plan.append((start_server(stack, "disagg", disagg_config, True, vocab, env), [c1, c8]))
-        runs = measure(plan, repeat, gate)
-    found, results = comparisons(runs, c1.name, c8.name, shared.name), medians(runs)
-    print_tables(results, found)
-    return {"environment": environment(), "server_env": env, "model": model, "repeat": repeat, "figures": results,
-            "comparisons": [c.as_dict() for c in found], "runs": runs}
+        runs = measure(plan, repeat, gate, slo)
+    print_tables(medians(runs), comparisons(runs, c1.name, c8.name, shared.name))
+    return runs, {target.name: figures for target, figures in plan}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--aggregated-config", type=Path, default=REPO / "configs/aggregated.yaml")
+    parser.add_argument("--disagg-config", type=Path, default=REPO / "configs/disagg.yaml")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of: {', '.join(PARTS)}")
+    options.add_common(parser, repeat=5)
+    options.add_serving(parser, concurrency=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    config = {"aggregated": args.aggregated_config, "noreuse": args.aggregated_config,
+              "disagg": args.disagg_config, "hf": "transformers generate"}
+    runs, plan = run_comparisons(args.model, options.workload_args(args), args.repeat, parts,
+                                 args.aggregated_config, args.disagg_config, options.quiet_gate(args),
+                                 options.server_env(args), options.slo(args))
+    found = medians(runs)
+    for target, figures in plan.items():
+        for figure in figures:
+            point = {"target": target, "deployment": target, "source": str(config[target]),
+                     "reuse": {"hf": None, "noreuse": False}.get(target, True), "workload": figure.workload_kind,
+                     "figure": figure.name, "concurrency": figure.concurrency, **figure.shape,
+                     "repeat": args.repeat, "slo": options.slo(args).as_dict(), "model": args.model,
+                     "server_env": options.server_env(args)}
+            out.write("compare", point, found[target][figure.name], runs[target][figure.name])
+    if out.path is not None:
+        print(f"\n{len(out.written)} records appended to {out.path}", file=sys.stderr)
+    return 0

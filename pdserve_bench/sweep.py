@@ -1,199 +1,144 @@
-"""Serving benchmark: TTFT, TPOT, ITL, E2E and output tok/s through the OpenAI streaming API.
+"""Serving sweep: TTFT, TPOT, ITL, E2E, output tok/s and goodput through the OpenAI streaming API.
 
-    # one workload against a running server, or against one started from a deployment YAML
-    python scripts/bench_serving.py run --url http://127.0.0.1:8000 --workload random --concurrency 1 8
-    python scripts/bench_serving.py run --config configs/aggregated.yaml --workload shared-prefix --no-reuse
-    # every goal comparison of the engine and disaggregation issues, baselines in the same run
-    python scripts/bench_serving.py compare --repeat 5 --json-out /tmp/bench.json
-    # deployments side by side (all started, repeats interleaved); ratios to the first one
-    python scripts/bench_serving.py ab --concurrency 1 --repeat 10 agg=configs/aggregated.yaml pair=configs/disagg.yaml
+    # aggregated vs disaggregated side by side, a concurrency sweep, repeats interleaved
+    pdserve-bench sweep --deploy agg=configs/aggregated.yaml --deploy disagg=configs/disagg.yaml \\
+        --workload random --concurrency 1 2 4 8 --repeat 3
+    # prefix reuse on vs off (enable_block_reuse true / false) on the chat replay and shared prefixes
+    pdserve-bench sweep --deploy agg=configs/aggregated.yaml --reuse both --workload multi-turn shared-prefix
+    # the peers' length grid at 1/16 of its sizes, against a server that is already running
+    pdserve-bench sweep --deploy live=http://127.0.0.1:8000 --workload grid --scale 1/16 --concurrency 4
 
-Each figure runs `--repeat` times with fresh prompts and reports per-metric medians (bench_measure).
-Output: progress on stderr, markdown tables on stdout, then one JSON line (also `--json-out`).
+A deployment is NAME=CONFIG.yaml (started here on free loopback ports, stopped at the end) or
+NAME=URL (a running server or router). Every started deployment is up before anything is measured;
+then repeat r of every figure of every deployment runs before repeat r+1, so that other load on
+the machine hits all of them alike. Each figure's repeats draw fresh prompts (no cache hits across
+repeats). One record per (deployment, reuse, figure) with per-metric medians over the repeats.
+Progress on stderr, markdown tables on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import statistics
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from bench_compare import report, run_comparisons
-from bench_cpu import QuietGate
-from bench_launch import REPO, ServerUnderTest
-from bench_measure import (
-    WorkloadArgs,
-    measure,
-    medians,
-    model_vocab,
-    random_figure,
-    server_target,
-    shared_prefix_figure,
-)
-from bench_report import figures_table
-from bench_workloads import SharedPrefixShape
+from pdserve_bench import options
+from pdserve_bench.launch import ServerUnderTest
+from pdserve_bench.measure import WORKLOADS, Figure, Runs, figures_for, measure, medians, model_vocab, server_target
+from pdserve_bench.record import RecordWriter
+from pdserve_bench.tables import figures_table
+
+HELP = "workloads x concurrencies on one or more deployments, repeats interleaved"
+REUSE = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="builtin:tiny-llama", help="for the vocabulary (and the baseline)")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--num-prompts-c1", type=int, default=8)
-    parser.add_argument("--num-prompts-per-slot", type=int, default=4, help="prompts = concurrency x this")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--shared-concurrency", type=int, default=8)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--prompts-per-group", type=int, default=8)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--question-len", type=int, default=32)
-    parser.add_argument("--shared-output-len", type=int, default=32)
-    parser.add_argument("--json-out", type=Path, help="also write the JSON line here")
-    parser.add_argument("--quiet-max-busy", type=float, default=0.25,
-                        help="before each figure run, wait until other work uses less than this share "
-                             "of the CPUs (1 disables the wait)")
-    parser.add_argument("--quiet-timeout", type=float, default=60.0, help="longest wait, seconds")
-    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="environment for the started servers only, e.g. OMP_NUM_THREADS=1 (repeatable)")
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    source: str  # a deployment YAML, or the URL of a running server
+    reuse: bool | None  # enable_block_reuse for a started one; None: a running server, as it is
+
+    @property
+    def is_url(self) -> bool:
+        return self.source.startswith(("http://", "https://"))
+
+    @property
+    def label(self) -> str:
+        return self.name if self.reuse in (True, None) else f"{self.name} reuse=off"
 
 
-def workload_args(args: argparse.Namespace) -> WorkloadArgs:
-    shape = SharedPrefixShape(args.groups, args.prompts_per_group, args.prefix_len, args.question_len,
-                              args.shared_output_len)
-    return WorkloadArgs(args.num_prompts_c1, args.num_prompts_per_slot, args.input_len, args.output_len,
-                        args.shared_concurrency, shape)
+def parse_deployments(specs: list[str], reuse: str) -> list[Deployment]:
+    """NAME=CONFIG or NAME=URL, each config once per reuse setting (`on`, `off` or `both`)."""
+    out = []
+    for spec in specs:
+        name, sep, source = spec.partition("=")
+        if not (name and sep and source):
+            raise SystemExit(f"--deploy wants NAME=CONFIG.yaml or NAME=URL, got {spec!r}")
+        if source.startswith(("http://", "https://")):
+            out.append(Deployment(name, source.rstrip("/"), None))
+        elif not Path(source).is_file():
+            raise SystemExit(f"--deploy {spec}: no such file {source}")
+        else:
+            out += [Deployment(name, source, on) for on in REUSE[reuse]]
+    labels = [d.label for d in out]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"deployment names must differ, got {labels}")
+    return out
 
 
-def server_env(args: argparse.Namespace) -> dict[str, str]:
-    pairs = [item.partition("=") for item in args.server_env]
-    bad = [key for key, sep, _ in pairs if not sep or not key]
-    if bad:
-        raise SystemExit(f"--server-env wants KEY=VALUE, got {args.server_env}")
-    return {key: value for key, _, value in pairs}
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deploy", action="append", required=True, metavar="NAME=CONFIG|URL",
+                        help="a deployment YAML to start, or a running server's URL (repeatable)")
+    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["random"])
+    parser.add_argument("--reuse", choices=tuple(REUSE), default="on",
+                        help="enable_block_reuse of the started deployments; both: each config twice")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="py-spy every started deployment into DIR/NAME.txt (see `profile`)")
+    options.add_common(parser, repeat=5)
+    options.add_serving(parser, concurrency=[1, 8])
 
 
-def quiet_gate(args: argparse.Namespace) -> QuietGate | None:
-    return QuietGate(args.quiet_max_busy, args.quiet_timeout) if args.quiet_max_busy < 1 else None
+def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, vocab: list[int]):
+    if deployment.is_url:
+        return server_target(deployment.label, deployment.source, vocab)
+    profile = None
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profile = args.profile / f"{deployment.label.replace(' ', '_').replace('=', '-')}.txt"
+    server = ServerUnderTest(Path(deployment.source), reuse=bool(deployment.reuse), profile=profile,
+                             env=options.server_env(args))
+    url = stack.enter_context(server)
+    return server_target(deployment.label, url, vocab, pid=server.pid)
 
 
-def emit(record: dict, json_out: Path | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if json_out is not None:
-        json_out.write_text(line + "\n")
+def point_config(deployment: Deployment, figure: Figure, args: argparse.Namespace) -> dict[str, Any]:
+    """What a record says it measured."""
+    return {"deployment": deployment.name, "target": deployment.label, "source": deployment.source,
+            "reuse": deployment.reuse, "workload": figure.workload_kind, "figure": figure.name,
+            "concurrency": figure.concurrency, **figure.shape, "repeat": args.repeat,
+            "slo": options.slo(args).as_dict(), "server_env": options.server_env(args)}
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    vocab, wargs = model_vocab(args.model), workload_args(args)
-    make = random_figure if args.workload == "random" else shared_prefix_figure
-    figures = [make(vocab, wargs, c) for c in args.concurrency]
-    name = args.url or f"{args.config.name} reuse={'off' if args.no_reuse else 'on'}"
-    with ExitStack() as stack:
-        server = None if args.url else ServerUnderTest(args.config, reuse=not args.no_reuse,
-                                                       profile=args.profile, env=server_env(args))
-        url = args.url or stack.enter_context(server)
-        target = server_target(name, url, vocab, pid=server.pid if server else None)
-        runs = measure([(target, figures)], args.repeat, quiet_gate(args))
-    found = medians(runs)[name]
-    print(figures_table(list(found.items())))
-    emit({"target": name, "repeat": args.repeat, "figures": found, "runs": runs[name]}, args.json_out)
-    return 0
-
-
-def cmd_ab(args: argparse.Namespace) -> int:
-    """The same random figure on several deployments, interleaved; every ratio is to the first."""
-    vocab, wargs = model_vocab(args.model), workload_args(args)
-    figure = random_figure(vocab, wargs, args.concurrency)
-    pairs = [spec.partition("=") for spec in args.deployments]
-    if any(not name or not sep or not cfg for name, sep, cfg in pairs):
-        raise SystemExit(f"deployments are NAME=CONFIG, got {args.deployments}")
-    with ExitStack() as stack:
-        plan = []
-        for name, _, cfg in pairs:
-            server = ServerUnderTest(Path(cfg), env=server_env(args))
-            url = stack.enter_context(server)
-            plan.append((server_target(name, url, vocab, pid=server.pid), [figure]))
-        runs = measure(plan, args.repeat, quiet_gate(args))
+def write_records(out: RecordWriter, command: str, deployments: list[Deployment], figures: list[Figure],
+                  runs: Runs, args: argparse.Namespace) -> None:
     found = medians(runs)
-    print(figures_table([(f"{name}: {figure.name}", figs[figure.name]) for name, figs in found.items()]))
-    print(ab_table(runs, figure.name))
-    emit({"figure": figure.name, "repeat": args.repeat, "figures": found, "runs": runs}, args.json_out)
-    return 0
+    for deployment in deployments:
+        for figure in figures:
+            repeats = runs[deployment.label][figure.name]
+            out.write(command, point_config(deployment, figure, args), found[deployment.label][figure.name], repeats)
 
 
-def ab_table(runs: dict, figure: str) -> str:
-    """Per deployment: medians of the runs' mean TTFT, p50 TTFT and tok/s, and their ratio to the first."""
-    keys = ("ttft_mean_ms", "ttft_p50_ms", "output_tok_s")
-    med = {name: {k: statistics.median(s[k] for s in figs[figure]) for k in keys} for name, figs in runs.items()}
+def ratio_table(runs: Runs, figure: str) -> str:
+    """Per target: medians of TTFT mean / p50, TPOT p50 and tok/s of one figure, and ratios to the first."""
+    keys = ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "output_tok_s")
+    med = {name: {k: statistics.median(s[k] for s in figs[figure]) for k in keys}
+           for name, figs in runs.items() if figure in figs}
     base = next(iter(med.values()))
-    lines = ["| deployment | TTFT mean ms | ratio | TTFT p50 ms | ratio | out tok/s | ratio |", "|---" * 7 + "|"]
+    lines = [f"| {figure} | TTFT mean ms | ratio | TTFT p50 ms | ratio | TPOT p50 ms | ratio | out tok/s | ratio |",
+             "|---" * 9 + "|"]
     for name, m in med.items():
-        cells = [f"{m[k]:.2f} | {m[k] / base[k]:.2f}x" for k in keys]
+        cells = [f"{m[k]:.2f} | {m[k] / base[k]:.2f}x" if base[k] else f"{m[k]:.2f} | -" for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    record = run_comparisons(args.model, workload_args(args), args.repeat, parts, args.aggregated_config,
-                             args.disagg_config, quiet_gate(args), server_env(args))
-    emit(record, args.json_out)
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
+    deployments = parse_deployments(args.deploy, args.reuse)
+    vocab, wargs = model_vocab(args.model), options.workload_args(args)
+    figures = [f for c in args.concurrency for kind in args.workload for f in figures_for(kind, vocab, wargs, c)]
+    with ExitStack() as stack:
+        plan = [(_start(stack, d, args, vocab), figures) for d in deployments]
+        runs = measure(plan, args.repeat, options.quiet_gate(args), options.slo(args))
+    found = medians(runs)
+    print(figures_table([(f"{name}: {fig}", s) for name, figs in found.items() for fig, s in figs.items()]))
+    if len(deployments) > 1:
+        for figure in figures:
+            print("", ratio_table(runs, figure.name), sep="\n")
+    write_records(out, "sweep", deployments, figures, runs, args)
+    if out.path is not None:
+        print(f"\n{len(out.written)} records appended to {out.path}")
     return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    record = json.loads(args.record.read_text())
-    print(json.dumps(record.get("environment", {})), f"server_env={record.get('server_env', {})}")
-    report(record, args.shared_concurrency)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="one workload against one server")
-    target = run.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="a running server or router, e.g. http://127.0.0.1:8000")
-    target.add_argument("--config", type=Path, help="start this deployment YAML for the run")
-    run.add_argument("--no-reuse", action="store_true", help="with --config: enable_block_reuse false")
-    run.add_argument("--profile", type=Path, help="with --config: py-spy the server into this file")
-    run.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
-    run.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    add_workload_args(run)
-    run.set_defaults(func=cmd_run)
-    ab = sub.add_parser("ab", help="one random figure on several deployments, interleaved")
-    ab.add_argument("deployments", nargs="+", metavar="NAME=CONFIG")
-    ab.add_argument("--concurrency", type=int, default=1)
-    add_workload_args(ab)
-    ab.set_defaults(func=cmd_ab)
-    compare = sub.add_parser("compare", help="every goal comparison, baselines in the same run")
-    compare.add_argument("--aggregated-config", type=Path, default=REPO / "configs/aggregated.yaml")
-    compare.add_argument("--disagg-config", type=Path, default=REPO / "configs/disagg.yaml")
-    compare.add_argument("--parts", default="hf,agg,noreuse,disagg",
-                         help="comma list of: hf, agg, noreuse, disagg")
-    add_workload_args(compare)
-    compare.set_defaults(func=cmd_compare)
-    again = sub.add_parser("report", help="the tables again from a `compare --json-out` file")
-    again.add_argument("record", type=Path)
-    again.add_argument("--shared-concurrency", type=int, default=8)
-    again.set_defaults(func=cmd_report)
-    return parser
-
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds the ExitStack: every started server is stopped
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # a shell's background job starts with SIGINT ignored; both signals must stop the servers we started
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
