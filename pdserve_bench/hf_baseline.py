@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     figures = median_summary(runs)
     print(figures_table([("hf-generate", figures)]))
     config = {"target": "hf", "deployment": "hf", "source": "transformers generate", "workload": "random",
-              "concurrency": 1, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "figure": "random c=1", "concurrency": 1, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "seed": args.seed, "repeat": args.repeat, "model": args.model}
     out.write("hf", config, figures, runs)
     return 0

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def is_serving(record: Record) -> bool:
-    return record["command"] in SERVING and "ttft_p50_ms" in record["figures"]
+    return (record["command"] in SERVING and "ttft_p50_ms" in record["figures"]
+            and {"figure", "concurrency"} <= record["config"].keys())
 
 
 def family(record: Record) -> str:
