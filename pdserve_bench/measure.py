@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol
 
@@ -80,13 +80,13 @@ def random_figure(vocab: list[int], args: WorkloadArgs, concurrency: int) -> Fig
 def shared_prefix_figure(vocab: list[int], args: WorkloadArgs, concurrency: int) -> Figure:
     make = lambda seed: shared_prefix_workload(vocab, args.shape, seed=seed)
     name = f"shared-prefix c={concurrency}"
-    return Figure(name, make, concurrency, 2_000_000 + 1_000 * concurrency, "shared-prefix", vars(args.shape))
+    return Figure(name, make, concurrency, 2_000_000 + 1_000 * concurrency, "shared-prefix", asdict(args.shape))
 
 
 def multi_turn_figure(vocab: list[int], args: WorkloadArgs, concurrency: int) -> Figure:
     make = lambda seed: multi_turn_workload(vocab, args.multi_turn, seed=seed)
     name = f"multi-turn c={concurrency}"
-    return Figure(name, make, concurrency, 3_000_000 + 1_000 * concurrency, "multi-turn", vars(args.multi_turn))
+    return Figure(name, make, concurrency, 3_000_000 + 1_000 * concurrency, "multi-turn", asdict(args.multi_turn))
 
 
 def grid_figures(vocab: list[int], args: WorkloadArgs, concurrency: int) -> list[Figure]:

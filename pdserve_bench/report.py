@@ -11,7 +11,7 @@ Serving records (sweep, compare, hf) are grouped by workload; per workload:
 - the length grid: per grid point and concurrency, one bar per target.
 The markdown holds the percentile tables (TTFT / TPOT / ITL / E2E p50, p90, p99; goodput within
 the SLO the records name), the goal comparisons of `compare` records, one table per other command,
-and links to the PNGs. Needs matplotlib (`pip install -e '.[bench]'`).
+and links to the PNGs (`report.md`, or `PREFIXreport.md`). Needs matplotlib (`pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from pdserve_bench.tables import comparisons_table, percentile_table
 HELP = "records (JSON lines) -> markdown tables and PNG plots"
 Record = Mapping[str, Any]
 SERVING = ("sweep", "compare", "hf")
-REPORT_FILE = "report.md"
+REPORT_FILE = "report.md"  # with --prefix P: Preport.md
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("records", type=Path, nargs="+", help="records.jsonl files (or folders holding one)")
     parser.add_argument("--out", type=Path, help="folder for report.md and the PNGs (default: beside the first)")
-    parser.add_argument("--prefix", default="", help="prepended to every PNG name, e.g. cpu-")
+    parser.add_argument("--prefix", default="", help="prepended to every file name, e.g. cpu-")
     parser.add_argument("--title", default="Benchmark report")
 
 
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     families = latest_points(records)
     pngs = {name: plot_family(name, points, out, args.prefix) for name, points in families.items()}
-    report = out / REPORT_FILE
+    report = out / f"{args.prefix}{REPORT_FILE}"
     report.write_text(markdown(args.title, records, families, pngs))
     print(report.read_text())
     print(f"wrote {report} and {sum(len(p) for p in pngs.values())} PNGs", flush=True)

@@ -27,7 +27,17 @@ from typing import Any
 
 from pdserve_bench import options
 from pdserve_bench.launch import ServerUnderTest
-from pdserve_bench.measure import WORKLOADS, Figure, Runs, figures_for, measure, medians, model_vocab, server_target
+from pdserve_bench.measure import (
+    WORKLOADS,
+    Figure,
+    Runs,
+    ServerTarget,
+    figures_for,
+    measure,
+    medians,
+    model_vocab,
+    server_target,
+)
 from pdserve_bench.record import RecordWriter
 from pdserve_bench.tables import figures_table
 
@@ -81,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_serving(parser, concurrency=[1, 8])
 
 
-def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, vocab: list[int]):
+def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, vocab: list[int]) -> ServerTarget:
+    """The deployment's target, warmed up: started here (stopped when `stack` closes) or at its URL."""
     if deployment.is_url:
         return server_target(deployment.label, deployment.source, vocab)
     profile = None

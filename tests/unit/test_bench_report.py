@@ -75,7 +75,7 @@ def test_report_writes_every_supported_plot_and_the_tables(records_dir, tmp_path
                     "cpu-random-64in-16out-latency.png", "cpu-random-64in-16out-throughput.png"]
     for name in pngs:
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
-    text = (out / "report.md").read_text()
+    text = (out / "cpu-report.md").read_text()
     assert text.startswith("# T\n\n15 records.\n")
     assert "- commit 0123456789 plus uncommitted changes" in text
     assert "Goodput counts requests within TTFT <= 2000 ms, TPOT <= 50 ms." in text
