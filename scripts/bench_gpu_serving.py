@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import torch
 import yaml
-from bench_gpu_handoff import build_model  # same folder: scripts/ is on sys.path
 
+from pdserve_bench.gpu_handoff import build_model
 from server.launcher import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import uvicorn
 from test_api_engine_fake import FakeEngine
 
+from pdserve_bench.client import run_workload, served_model
+from pdserve_bench.launch import bench_deployment
+from pdserve_bench.workloads import Workload
 from server.api import create_app
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from bench_client import run_workload, served_model  # noqa: E402
-from bench_launch import bench_deployment  # noqa: E402
-from bench_workloads import Workload  # noqa: E402
 
 START_TIMEOUT_S = 20.0
 
@@ -84,3 +77,18 @@ def test_bench_deployment_moves_every_server_to_free_ports_and_sets_reuse():
     assert out["context_servers"]["kv_cache_config"] == {"enable_block_reuse": False}
     assert "kv_cache_config" not in out["generation_servers"]  # inherits the top level
     assert base["port"] == 8000 and base["kv_cache_config"]["enable_block_reuse"] is True  # not mutated
+
+
+def test_a_conversation_sends_its_turns_one_after_the_other(base_url):
+    # two conversations of three turns; each turn's prompt extends the last (as multi-turn draws them)
+    first = [list(range(40, 50)), list(range(40, 60)), list(range(40, 70))]
+    second = [list(range(100, 105)), list(range(100, 110)), list(range(100, 115))]
+    workload = Workload("chat", first + second, 4, sessions=((0, 1, 2), (3, 4, 5)))
+    results = asyncio.run(run_workload(base_url, "fake-model", workload, concurrency=2))
+    assert [r.error for r in results] == [None] * 6
+    assert [r.prompt_tokens for r in results] == [10, 20, 30, 5, 10, 15]  # results in prompt order
+    for session in ((0, 1, 2), (3, 4, 5)):
+        turns = [results[i] for i in session]
+        for previous, current in zip(turns, turns[1:], strict=False):
+            assert current.start >= previous.end  # the next turn waits for the answer
+    assert results[3].start < results[0].end  # the two conversations ran side by side

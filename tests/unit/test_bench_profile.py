@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from bench_profile import parse_collapsed, self_and_inclusive, totals  # noqa: E402
+from pdserve_bench.profile_stacks import parse_collapsed, self_and_inclusive, totals
 
 SERVE = 'process 7:"python -m server.cli serve"'
 ROUTER = 'process 1:"python -m server.cli launch";process 9:"python -m server.cli router"'

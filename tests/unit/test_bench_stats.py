@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from bench_compare import _best, _paired_median  # noqa: E402
-from bench_cpu import cpu_times, ppid_and_cpu_ticks, tree_cpu_s, tree_cpu_ticks  # noqa: E402
-from bench_report import Comparison, comparisons_table, figures_table  # noqa: E402
-from bench_stats import RequestResult, median_summary, percentile, ratio, summarize  # noqa: E402
-from bench_workloads import (  # noqa: E402
+from pdserve_bench.cpu import cpu_times, ppid_and_cpu_ticks, tree_cpu_s, tree_cpu_ticks
+from pdserve_bench.goals import _best, _paired_median
+from pdserve_bench.stats import RequestResult, median_summary, percentile, ratio, summarize
+from pdserve_bench.tables import Comparison, comparisons_table, figures_table
+from pdserve_bench.workloads import (
     SharedPrefixShape,
     random_workload,
     shared_prefix_workload,

@@ -5,7 +5,9 @@ stream), so what remains is the router's own work: its HTTP front end, the conte
 exchange, the opening events it makes from the context answer, and the relay. Baseline in the same
 run: the same client posting straight to the fake context server.
 
-    python scripts/bench_router.py [--requests 500]
+    pdserve-bench router [--requests 500]
+
+One record: medians over the requests (each request is one sample; `--repeat` is not used).
 """
 
 from __future__ import annotations
@@ -14,18 +16,16 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import uvicorn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve_bench import options
+from pdserve_bench.launch import free_ports
+from server.launcher import wait_for_health
 
-from bench_launch import free_ports  # noqa: E402
-
-from server.launcher import wait_for_health  # noqa: E402
+HELP = "router overhead: time to the first SSE event through the router against the backend alone"
 
 PROMPT = list(range(256))
 PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-bench", "ctx_endpoint": "tcp://127.0.0.1:1",
@@ -87,10 +87,13 @@ def first_event_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, f
     return ((first or end) - start) * 1e3, (end - start) * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=500)
-    args = parser.parse_args()
+    options.add_common(parser, repeat=None, model=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
     router_port, ctx_port, gen_port = free_ports(3)
     procs = [mp.Process(target=_serve_backend, args=(ctx_port,), daemon=True),
              mp.Process(target=_serve_backend, args=(gen_port,), daemon=True),
@@ -110,16 +113,17 @@ def main() -> None:
             for _ in range(args.requests):  # interleaved, so both see the same machine
                 via.append(first_event_ms(client, f"{router}/v1/completions", body))
                 direct.append(first_event_ms(client, f"{context}/v1/completions", {**body, "stream": False}))
-        med = lambda xs: statistics.median(xs)
-        print(f"through the router: first event {med(v[0] for v in via):.2f} ms, whole stream "
-              f"{med(v[1] for v in via):.2f} ms (median of {args.requests})")
-        print(f"context backend alone (its answer): {med(d[1] for d in direct):.2f} ms")
-        print(f"router overhead to the first event: {med(v[0] for v in via) - med(d[1] for d in direct):.2f} ms")
     finally:
         for proc in procs:
             proc.terminate()
             proc.join(5)
-
-
-if __name__ == "__main__":
-    main()
+    med = statistics.median
+    figures = {"first_event_ms": med(v[0] for v in via), "stream_ms": med(v[1] for v in via),
+               "direct_ms": med(d[1] for d in direct)}
+    figures["overhead_ms"] = figures["first_event_ms"] - figures["direct_ms"]
+    print(f"through the router: first event {figures['first_event_ms']:.2f} ms, whole stream "
+          f"{figures['stream_ms']:.2f} ms (median of {args.requests})")
+    print(f"context backend alone (its answer): {figures['direct_ms']:.2f} ms")
+    print(f"router overhead to the first event: {figures['overhead_ms']:.2f} ms")
+    out.write("router", {"requests": args.requests, "prompt_tokens": len(PROMPT)}, figures)
+    return 0

@@ -7,7 +7,11 @@ times the context leg (prefill + first token) and the KV handoff the generation 
 same run, is the pinned host<->device copy bandwidth of the same machine (the transfer is staged
 through host memory: device gather -> pinned staging -> ZeroMQ -> pinned staging -> device scatter).
 
-    python scripts/bench_gpu_handoff.py --workdir /tmp/handoff [--layers 32] [--prompts 3]
+    pdserve-bench gpu-handoff --workdir /tmp/handoff [--layers 32] [--repeat 3]
+
+`--repeat` is the number of timed prompts (after one warm-up). One record: medians (handoff and
+context leg) and the best handoff rate; each prompt a repeat. `build_model` is importable
+(`from pdserve_bench.gpu_handoff import build_model`) for other GPU benchmarks.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from pathlib import Path
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdserve_bench import options
+from pdserve_bench.record import REPO
+
+HELP = "KV handoff on one GPU between a context and a generation server (8B-shaped model)"
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=8192,
@@ -101,7 +107,7 @@ def start_server(workdir: Path, model: Path, role: str, port: int) -> subprocess
     env = {**os.environ, "PDSERVE_AUTH_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}
     log = open(workdir / f"{role}.log", "w")
     return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--role", role],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -141,13 +147,15 @@ def one_handoff(ctx: str, gen: str, prompt: list[int]) -> dict[str, float]:
             "handoff_gb_s": nbytes / secs / 1e9 if secs else 0.0}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/pdserve-handoff"))
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=4096)
-    args = parser.parse_args()
+    options.add_common(parser, repeat=3, model=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     model = build_model(args.workdir / "llama8b-shaped", args.layers)
@@ -162,7 +170,7 @@ def main() -> None:
             wait_healthy(url, proc)
         rng = torch.Generator().manual_seed(1)
         results = []
-        for k in range(args.prompts + 1):  # the first is a warm-up (connection set-up, allocator)
+        for k in range(args.repeat + 1):  # the first is a warm-up (connection set-up, allocator)
             prompt = torch.randint(10, 500, (args.prompt_len,), generator=rng).tolist()  # the tokenizer is the tiny one
             r = one_handoff(ctx, gen, prompt)
             print(("warm-up " if k == 0 else "") + json.dumps(r), flush=True)
@@ -181,7 +189,7 @@ def main() -> None:
             proc.terminate()
         for proc in servers:
             proc.wait(timeout=30)
-
-
-if __name__ == "__main__":
-    main()
+    config = {"model": "Llama-3.1-8B-shaped, random bf16", "layers": args.layers, "prompt_tokens": args.prompt_len,
+              "repeat": args.repeat}
+    out.write("gpu-handoff", config, {k: float(v) for k, v in summary.items()}, results)
+    return 0

@@ -6,7 +6,7 @@ folder with free loopback ports and the requested `enable_block_reuse`, then run
 (context/generation servers behind the router). The child gets its own process group; stopping
 sends SIGINT to the child (the launcher forwards it), then SIGTERM and SIGKILL to that group.
 With `profile=PATH`, py-spy samples the server and all its children from health until stop and
-writes collapsed stacks to PATH (summarize them with bench_profile.py).
+writes collapsed stacks to PATH (summarize them with `pdserve-bench profile`).
 """
 
 from __future__ import annotations

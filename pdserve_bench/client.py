@@ -2,7 +2,11 @@
 
 Every request is greedy, streamed, with `ignore_eos` and `stream_options.include_usage`; the final
 usage chunk gives the token counts. A request whose completion_tokens differs from max_tokens is
-recorded as an error: the throughput figures assume exact lengths.
+recorded as an error: the throughput figures assume exact lengths. TTFT and the inter-token gaps
+are the arrival times of the SSE events, as the client sees them.
+
+Each of `concurrency` workers takes the next session of the workload and sends its prompts one after
+the other (a conversation's turns); a session of one prompt is one request.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import time
 from collections.abc import Sequence
 
 import httpx
-from bench_stats import RequestResult
-from bench_workloads import Workload
+
+from pdserve_bench.stats import RequestResult
+from pdserve_bench.workloads import Workload
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -82,24 +87,26 @@ async def stream_completion(
 
 
 async def _worker(client: httpx.AsyncClient, model: str, workload: Workload,
-                  queue: asyncio.Queue[int], results: list[RequestResult | None]) -> None:
+                  queue: asyncio.Queue[tuple[int, ...]], results: list[RequestResult | None]) -> None:
     while True:
         try:
-            index = queue.get_nowait()
+            session = queue.get_nowait()
         except asyncio.QueueEmpty:
             return
-        results[index] = await stream_completion(client, model, workload.prompts[index], workload.max_tokens)
+        for index in session:  # a conversation's turns, in order
+            results[index] = await stream_completion(client, model, workload.prompts[index], workload.max_tokens)
 
 
 async def run_workload(
     base_url: str, model: str, workload: Workload, concurrency: int
 ) -> list[RequestResult]:
-    """Send every prompt of `workload` in order with at most `concurrency` in flight (no rate limit)."""
+    """Every session of `workload` in order with at most `concurrency` in flight (no rate limit);
+    the results in prompt order."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(workload.prompts)):
-        queue.put_nowait(index)
+    queue: asyncio.Queue[tuple[int, ...]] = asyncio.Queue()
+    for session in workload.session_list():
+        queue.put_nowait(session)
     results: list[RequestResult | None] = [None] * len(workload.prompts)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:

@@ -6,6 +6,9 @@ Times are `time.perf_counter()` seconds of the benchmark process. Definitions (v
 - ITL: gap between consecutive streamed chunks of one request (a chunk may carry several tokens
   when the server merges them, e.g. an incomplete UTF-8 sequence).
 - output tok/s of a run: successful output tokens / (last end - first start).
+- goodput (DistServe's): requests per second that finished within the SLO, i.e. with TTFT <= the
+  TTFT target and TPOT <= the TPOT target (a one-token answer has no TPOT and meets that part);
+  failed requests never meet it. `slo_attainment` is the share of all requests that met it.
 A run is summarized as a flat `dict[str, float]`, so K runs reduce to per-key medians.
 """
 
@@ -56,6 +59,22 @@ class RequestResult:
         return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
+@dataclass(frozen=True)
+class SLO:
+    """The latency target goodput is counted within (peers' default: TTFT <= 2 s, TPOT <= 50 ms)."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.050
+
+    def met_by(self, result: RequestResult) -> bool:
+        if not result.ok or result.ttft is None or result.ttft > self.ttft_s:
+            return False
+        return result.tpot is None or result.tpot <= self.tpot_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3}
+
+
 def percentile(values: Sequence[float], p: float) -> float:
     """The p-th percentile (0..100) with linear interpolation between ranks (numpy's default)."""
     if not values:
@@ -81,8 +100,17 @@ def _distribution(prefix: str, seconds: Sequence[float], pcts: Sequence[int]) ->
     return out
 
 
-def summarize(results: Sequence[RequestResult]) -> Summary:
-    """Throughput and latency distributions of one run (errors are counted, not timed)."""
+def goodput(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> Summary:
+    """Requests/s and output tokens/s of the requests that met `slo`, and the share that did."""
+    met = [r for r in results if slo.met_by(r)]
+    rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: math.nan)
+    return {"goodput_req_s": rate(len(met)), "goodput_tok_s": rate(sum(r.output_tokens for r in met)),
+            "slo_attainment": len(met) / len(results) if results else math.nan}
+
+
+def summarize(results: Sequence[RequestResult], slo: SLO | None = None) -> Summary:
+    """Throughput, goodput within `slo` (default `SLO()`) and latency distributions of one run
+    (errors are counted, not timed)."""
     ok = [r for r in results if r.ok]
     duration = (max(r.end for r in results) - min(r.start for r in results)) if results else math.nan
     out_tokens = sum(r.output_tokens for r in ok)
@@ -98,8 +126,9 @@ def summarize(results: Sequence[RequestResult]) -> Summary:
     }
     summary |= _distribution("ttft", [r.ttft for r in ok if r.ttft is not None], (50, 90, 99))
     summary |= _distribution("tpot", [r.tpot for r in ok if r.tpot is not None], (50, 90, 99))
-    summary |= _distribution("itl", [gap for r in ok for gap in r.itls], (50, 99))
-    summary |= _distribution("e2e", [r.e2e for r in ok], (50, 99))
+    summary |= _distribution("itl", [gap for r in ok for gap in r.itls], (50, 90, 99))
+    summary |= _distribution("e2e", [r.e2e for r in ok], (50, 90, 99))
+    summary |= goodput(results, duration, slo or SLO())
     return summary
 
 

@@ -1,10 +1,11 @@
-"""Summarize py-spy collapsed stacks (`bench_serving.py run --profile FILE`): where the server's time goes.
+"""Summarize py-spy collapsed stacks (`pdserve-bench sweep --profile DIR`): where the server's time goes.
 
-    python scripts/bench_profile.py /tmp/agg.txt --top 25
+    pdserve-bench profile /tmp/prof/agg.txt --top 25
 
 Prints samples per process and thread, then the functions with the most samples on top of the
 stack (self) and anywhere in the stack (inclusive), as a share of all samples. Line numbers are
-dropped so that one function is one row.
+dropped so that one function is one row. It reads a profile and measures nothing, so it writes
+no record.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+HELP = "summarize py-spy collapsed stacks of a profiled sweep (no record)"
 Stack = tuple[list[str], int]  # frames outermost first, sample count
 _LINE = re.compile(r":\d+\)$")
 
@@ -69,12 +71,12 @@ def _print_top(title: str, counts: Counter[str], total: int, top: int) -> None:
         print(f"{100.0 * count / total:6.1f}%  {count:7d}  {name}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", type=Path)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path, help="py-spy raw (collapsed) output")
     parser.add_argument("--top", type=int, default=25)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     stacks = parse_collapsed(args.path.read_text(errors="replace"))
     total = sum(count for _, count in stacks)
     if total == 0:
@@ -86,7 +88,3 @@ def main(argv: list[str] | None = None) -> int:
     _print_top("self (top of stack)", own, total, args.top)
     _print_top("inclusive", inclusive, total, args.top)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,10 @@
 """KV transfer throughput: the transceiver against raw pyzmq, same bytes, same two processes, same run.
 
-    python scripts/bench_transfer.py [--sizes 16 64 256] [--repeats 5] [--chunk-mib 8]
+    pdserve-bench transfer [--sizes 16 64 256] [--repeat 5] [--chunk-mib 8]
 
-The parent process is the generation side (KVReceiver + KVCacheManager); it starts this script
-again as the context side (KVSender + KVCacheManager), driven by JSON lines on stdin/stdout.
+The parent process is the generation side (KVReceiver + KVCacheManager); it starts this module
+(`python -m pdserve_bench.transfer_bench --context ...`) as the context side (KVSender +
+KVCacheManager), driven by JSON lines on stdin/stdout.
 Per size and repeat:
 - transceiver: the context side "prefills" a request of that many KV bytes (random bytes in its
   slots) and leases it; timed from `start_pull` to the ok `PullResult` (chunks gathered, sent,
@@ -13,6 +14,7 @@ Per size and repeat:
   into a preallocated buffer (numpy, the fastest copy measured here); timed from the request to
   the last byte copied.
 The two are interleaved; the table shows the best and the median of the repeats (GB/s = 1e9 B/s).
+One record per size.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from pdserve_bench import options
 from transceiver.config import TransceiverConfig
+
+HELP = "KV transfer throughput: the transceiver against raw pyzmq, same bytes, same run"
 
 TOKEN = "bench-transfer-token-0123456789"
 TPB = 32
@@ -108,9 +112,8 @@ class Bench:
     def __init__(self, max_mib: int, chunk: int) -> None:
         from transceiver.receiver import KVReceiver
 
-        script = Path(__file__).resolve()
-        self.proc = subprocess.Popen([sys.executable, str(script), "--context", str(max_mib), str(chunk)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-m", "pdserve_bench.transfer_bench", "--context", str(max_mib), str(chunk)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(self.proc.stdout.readline())
         self.endpoint, self.epoch = info["endpoint"], info["epoch"]
         self.kv = make_kv(max_mib)
@@ -165,7 +168,7 @@ class Bench:
         self.proc.wait(30)
 
 
-def run(sizes: list[int], repeats: int, chunk: int) -> list[dict]:
+def measure(sizes: list[int], repeats: int, chunk: int) -> list[dict]:
     bench = Bench(max(sizes), chunk)
     try:
         bench.transceiver_seconds(1)  # warm-up: connect and handshake once
@@ -178,7 +181,8 @@ def run(sizes: list[int], repeats: int, chunk: int) -> list[dict]:
                 rs.append(bench.raw_seconds(mib))
             gb = mib * MIB / 1e9
             rows.append({"mib": mib, "xfer_best": gb / min(xs), "xfer_median": gb / statistics.median(xs),
-                         "raw_best": gb / min(rs), "raw_median": gb / statistics.median(rs)})
+                         "raw_best": gb / min(rs), "raw_median": gb / statistics.median(rs),
+                         "repeats": [{"xfer_gb_s": gb / x, "raw_gb_s": gb / r} for x, r in zip(xs, rs, strict=True)]})
         return rows
     finally:
         bench.close()
@@ -197,22 +201,28 @@ def table(rows: list[dict], chunk: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--context":
-        context_main(int(sys.argv[2]), int(sys.argv[3]))
-        return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="MiB of KV per transfer")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=8, help="max_chunk_bytes / raw frame size, MiB")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
-    args = parser.parse_args()
+    options.add_common(parser, repeat=5, model=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
     chunk = args.chunk_mib * MIB
-    rows = run(args.sizes, args.repeats, chunk)
+    rows = measure(args.sizes, args.repeat, chunk)
     print(table(rows, chunk))
-    if args.json:
-        print(json.dumps(rows))
+    for row in rows:
+        figures = {k: v for k, v in row.items() if k not in ("mib", "repeats")}
+        figures |= {"ratio_best": row["xfer_best"] / row["raw_best"],
+                    "ratio_median": row["xfer_median"] / row["raw_median"]}
+        config = {"kv_mib": row["mib"], "chunk_mib": args.chunk_mib, "repeat": args.repeat,
+                  "link": "tcp://127.0.0.1", "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+        out.write("transfer", config, figures, row["repeats"])
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the context side, started by `Bench`
+    if len(sys.argv) != 4 or sys.argv[1] != "--context":
+        raise SystemExit("this module is the context side of `pdserve-bench transfer`; run that instead")
+    context_main(int(sys.argv[2]), int(sys.argv[3]))

@@ -1,4 +1,4 @@
-"""Text tables of benchmark figures and of the goal ratios (plain text, fixed-width, markdown-ready)."""
+"""Markdown tables of benchmark figures and of the goal ratios."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench_stats import Summary, ratio
+from pdserve_bench.stats import Summary, ratio
 
 # (header, summary key, format)
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -32,14 +32,36 @@ def _cell(fmt: str, value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else fmt.format(value)
 
 
-def figures_table(rows: Sequence[tuple[str, Summary]]) -> str:
-    """A markdown table: one row per (figure name, median summary)."""
-    header = ["figure", *[h for h, _, _ in _COLUMNS]]
+# the serving report's columns: every percentile, goodput within the SLO
+_PERCENTILE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("reqs", "requests", "{:.0f}"),
+    ("err", "errors", "{:.0f}"),
+    ("out tok/s", "output_tok_s", "{:.1f}"),
+    ("goodput req/s", "goodput_req_s", "{:.2f}"),
+    ("SLO met", "slo_attainment", "{:.0%}"),
+    *((f"{name} p{p}", f"{name.lower()}_p{p}_ms", fmt) for name, fmt in
+      (("TTFT", "{:.1f}"), ("TPOT", "{:.2f}"), ("ITL", "{:.2f}"), ("E2E", "{:.1f}")) for p in (50, 90, 99)),
+    ("hit %", "cache_hit_rate", "{:.0%}"),
+)
+
+
+def _table(rows: Sequence[tuple[str, Summary]], columns: Sequence[tuple[str, str, str]], first: str) -> str:
+    header = [first, *[h for h, _, _ in columns]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, summary in rows:
-        cells = [name, *[_cell(fmt, summary.get(key)) for _, key, fmt in _COLUMNS]]
+        cells = [name, *[_cell(fmt, summary.get(key)) for _, key, fmt in columns]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def figures_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """A markdown table: one row per (figure name, median summary)."""
+    return _table(rows, _COLUMNS, "figure")
+
+
+def percentile_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """A markdown table of p50/p90/p99 of TTFT, TPOT, ITL and E2E (ms), tok/s and goodput."""
+    return _table(rows, _PERCENTILE_COLUMNS, "target: figure")
 
 
 @dataclass(frozen=True)

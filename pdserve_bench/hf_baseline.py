@@ -4,21 +4,25 @@ Greedy, float32 on CPU, `min_new_tokens == max_new_tokens` so every request make
 workload's output length (random weights emit EOS at random). A streamer records the time of each
 generated token, so TTFT and TPOT mean the same as for the server (there is no HTTP in between).
 
-    python scripts/bench_hf_baseline.py --num-prompts 8 --input-len 256 --output-len 64 --repeat 5
+    pdserve-bench hf --num-prompts 8 --input-len 256 --output-len 64 --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from bench_stats import RequestResult, Summary, median_summary, summarize
-from bench_workloads import Workload, random_workload, usable_token_ids
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
+
+from pdserve_bench import options
+from pdserve_bench.stats import RequestResult, Summary, median_summary, summarize
+from pdserve_bench.tables import figures_table
+from pdserve_bench.workloads import Workload, random_workload, usable_token_ids
+
+HELP = "baseline: transformers generate on the same model, one request at a time"
 
 
 class _TokenClock(BaseStreamer):
@@ -68,18 +72,18 @@ def warm_up(model: PreTrainedModel, vocab: list[int]) -> None:
     run_hf_baseline(model, warm)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="builtin:tiny-llama")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    options.add_common(parser, repeat=5)
+
+
+def run(args: argparse.Namespace) -> int:
     from server.models.builtin import resolve_model
 
+    out = options.writer(args)
     model_dir = resolve_model(args.model)
     model = load_model(model_dir)
     vocab = usable_token_ids(AutoTokenizer.from_pretrained(model_dir))
@@ -89,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         workload = random_workload(vocab, num_prompts=args.num_prompts, input_len=args.input_len,
                                    output_len=args.output_len, seed=args.seed + r)
         runs.append(summarize(run_hf_baseline(model, workload)))
-    print(json.dumps({"figure": "hf-generate", "model": args.model, **median_summary(runs)}))
+    figures = median_summary(runs)
+    print(figures_table([("hf-generate", figures)]))
+    config = {"target": "hf", "deployment": "hf", "source": "transformers generate", "workload": "random",
+              "figure": "random c=1", "concurrency": 1, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "seed": args.seed, "repeat": args.repeat, "model": args.model}
+    out.write("hf", config, figures, runs)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

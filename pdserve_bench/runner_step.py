@@ -1,7 +1,6 @@
 """Runner step benchmark: one step of 8 decode tokens against one transformers `generate` decode step.
 
-    python scripts/bench_runner_step.py [--rounds 7]
-
+    pdserve-bench runner-step [--repeat 7]
 
 The issue's goal is >= 4x HF's output tok/s at concurrency 8 (HF serving one request at a time), so
 the runner's 8-token step must take at most 2x one HF decode step. Measured on builtin:tiny-llama,
@@ -10,18 +9,22 @@ the runner's 8-token step must take at most 2x one HF decode step. Measured on b
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from kvcache import KvCacheConfig, KVCacheManager
+from pdserve_bench import options
 from server.models.builtin import materialize_builtin
 from server.models.runner import ModelRunner, SeqChunk
 from server.models.spec import load_spec
 
 CONTEXT, BATCH, ROUNDS = 256, 8, 7
+HELP = "one engine step of 8 decode tokens against one transformers generate decode step"
 
 
 def _hf_model(model_dir: Path):
@@ -59,7 +62,8 @@ def _hf_decode_step_seconds(model_dir: Path) -> float:
     return (run(33) - run(1)) / 32
 
 
-def measure(model_dir: Path, rounds: int) -> float:
+def measure(model_dir: Path, rounds: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The best rounds' figures, and every round's."""
     runner, tables = _decode_runner(model_dir)
     ours, hf = [], []  # per round: median of 10 runner steps; one HF decode step
     past = CONTEXT
@@ -79,14 +83,19 @@ def measure(model_dir: Path, rounds: int) -> float:
     ratio = (BATCH / ours_s) / (1 / hf_s)
     print(f"runner step, {BATCH} decode tokens: {ours_s * 1e3:.2f} ms; "
           f"HF decode step: {hf_s * 1e3:.2f} ms; output tok/s ratio {ratio:.1f}x (per-step goal >= 4x)")
-    return ratio
+    figures = lambda o, h: {"runner_step_ms": o * 1e3, "hf_decode_step_ms": h * 1e3,
+                            "tok_s_ratio": (BATCH / o) / (1 / h)}
+    return figures(ours_s, hf_s), [figures(o, h) for o, h in zip(ours, hf, strict=True)]
 
 
-if __name__ == "__main__":
-    import argparse
-    import tempfile
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_common(parser, repeat=ROUNDS, model=False)
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
-    args = parser.parse_args()
-    measure(materialize_builtin("tiny-llama", root=Path(tempfile.mkdtemp())), args.rounds)
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
+    best, rounds = measure(materialize_builtin("tiny-llama", root=Path(tempfile.mkdtemp())), args.repeat)
+    config = {"model": "builtin:tiny-llama", "context": CONTEXT, "batch": BATCH, "repeat": args.repeat,
+              "reduce": "best round"}
+    out.write("runner-step", config, best, rounds)
+    return 0

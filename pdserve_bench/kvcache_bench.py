@@ -10,7 +10,8 @@
    that does it, against a plain copy of the same bytes between the same pools in the same run
    (one contiguous tensor copy; device<->pinned host on CUDA), best of 5 rounds each. Goal: ratio >= 0.8.
 
-Usage: python scripts/bench_kvcache.py [--device cpu|cuda] [--runs 5]   (prints each run, then medians)
+Usage: pdserve-bench kvcache [--device cpu|cuda] [--repeat 5]   (prints each run, then medians)
+One record: the medians over the runs, each run a repeat.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from collections.abc import Callable
 import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from pdserve_bench import options
+
+HELP = "KV cache manager overhead per block, and offload/onboard against a plain copy"
 
 TPB = 32
 PROMPT = 4096
@@ -114,21 +118,23 @@ def offload_onboard(device: str, iters: int = 5, blocks: int = 64) -> dict[str, 
             "onboard ratio": gbs["onboard"] / gbs["plain_h2d"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--runs", type=int, default=5)
-    args = ap.parse_args()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    options.add_common(parser, repeat=5, model=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = options.writer(args)
     runs: list[dict[str, float]] = []
-    for r in range(args.runs):
+    for r in range(args.repeat):
         fig = {f"{k} us/block": v for k, v in manager_overhead(args.device).items()}
         fig.update(offload_onboard(args.device))
         runs.append(fig)
         print(f"run {r + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in fig.items()), flush=True)
-    print(f"median of {args.runs} runs on {args.device}:")
-    for key in runs[0]:
-        print(f"  {key:22s} {statistics.median(run[key] for run in runs):.3g}")
-
-
-if __name__ == "__main__":
-    main()
+    medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    print(f"median of {args.repeat} runs on {args.device}:")
+    for key, value in medians.items():
+        print(f"  {key:22s} {value:.3g}")
+    config = {"device": args.device, "tokens_per_block": TPB, "prompt_tokens": PROMPT, "repeat": args.repeat}
+    out.write("kvcache", config, medians, runs)
+    return 0

@@ -1,0 +1,3 @@
+from pdserve_bench.cli import main
+
+raise SystemExit(main())
