@@ -44,6 +44,7 @@ class BlockManager:
         self.offload_min_priority = offload_min_priority
         self.copies: list[CopyOp] = []  # pending, in order; drained by the facade after each call
         self.num_in_use = 0  # blocks with ref + pins > 0 (all primary)
+        self.num_refs = self.num_pins = 0  # sums of every block's ref and pins (cheap health checks)
         self.num_reclaimable = 0  # primary tree blocks that are not busy
         self.clock = 0
         self.evictions = self.offloads = self.onboards = 0
@@ -75,12 +76,14 @@ class BlockManager:
     def acquire(self, b: Block, priority: int) -> None:
         assert b.level is P, b
         b.ref += 1
+        self.num_refs += 1
         b.priority = priority
         if b.ref + b.pins == 1:
             self._became_used(b)
 
     def release(self, b: Block) -> None:
         b.ref -= 1
+        self.num_refs -= 1
         self.clock += 1
         b.tick = self.clock
         if b.ref + b.pins == 0:
@@ -89,11 +92,13 @@ class BlockManager:
     def pin(self, b: Block) -> None:
         assert b.level is P, b
         b.pins += 1
+        self.num_pins += 1
         if b.ref + b.pins == 1:
             self._became_used(b)
 
     def unpin(self, b: Block) -> None:
         b.pins -= 1
+        self.num_pins -= 1
         if b.ref + b.pins == 0:
             self._became_idle(b)
 
@@ -110,6 +115,7 @@ class BlockManager:
         """A new private primary block with ref 1 (evicts a cached block if no block is free)."""
         b = self.free[P].popleft() if self.free[P] else self._take_primary()
         b.ref = 1
+        self.num_refs += 1
         b.priority = priority
         b.busy = True  # private: no ancestors to update
         self.num_in_use += 1

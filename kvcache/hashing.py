@@ -44,7 +44,8 @@ def chain_hashes(token_ids: Sequence[int], tokens_per_block: int, salt_dig: byte
 
 def request_salt(manager_salt: str, salt: str | None) -> str:
     """The hashing namespace of a request: the manager's salt (model fingerprint), refined by the
-    request's own salt (LoRA-like variant) when it has one. Pass the result to `block_hashes`."""
+    request's own salt (a tenant's `cache_salt`) when it has one; the salt enters every block's
+    hash, so no block of one namespace matches another's. Pass the result to `block_hashes`."""
     return manager_salt if salt is None else f"{manager_salt}\x1f{salt}"
 
 

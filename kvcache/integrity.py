@@ -1,4 +1,6 @@
-"""Full recomputation of a BlockManager's invariants (tests and debug runs; O(number of blocks))."""
+"""A BlockManager's invariants: the full recomputation (`check_block_manager`, `check_request_refs`:
+tests, debug runs and idle engines; O(number of blocks)) and the cheap subset a busy engine checks
+periodically (`check_accounting`: O(blocks of live requests), no pass over the pool)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,34 @@ def check_request_refs(bm: BlockManager, label: str, request_blocks: list[list[B
     for b in bm.blocks:
         if b.ref != refs[b.id]:
             raise KVCacheError(f"{label}: block {b.id} has ref={b.ref} but {refs[b.id]} request references")
+    total_refs, pins = sum(b.ref for b in bm.blocks), sum(b.pins for b in bm.blocks)
+    if (total_refs, pins) != (bm.num_refs, bm.num_pins):
+        raise KVCacheError(f"{label}: num_refs={bm.num_refs}, num_pins={bm.num_pins} but the blocks hold "
+                           f"{total_refs} refs, {pins} pins")
+
+
+def check_accounting(bm: BlockManager, label: str, request_blocks: list[list[Block | None]]) -> None:
+    """The cheap subset: the request references counted equal those the live requests hold, and the
+    pool's counters fit its size (free + in use + cached == slots, each part >= 0)."""
+    refs = sum(b is not None for blocks in request_blocks for b in blocks)
+    if refs != bm.num_refs:
+        raise KVCacheError(f"{label}: blocks count {bm.num_refs} request references, live requests hold {refs}")
+    (num_p, num_s), free_p, free_s = bm.num_slots, len(bm.free[Level.PRIMARY]), len(bm.free[Level.SECONDARY])
+    in_use = bm.num_in_use
+    problems = [
+        (bm.num_pins < 0, f"num_pins={bm.num_pins} is negative"),
+        (not 0 <= in_use <= bm.num_refs + bm.num_pins,
+         f"num_in_use={in_use} outside [0, refs {bm.num_refs} + pins {bm.num_pins}]"),
+        (free_p + in_use > num_p, f"primary: {free_p} free + {in_use} in use > {num_p} slots"),
+        (free_s > num_s, f"secondary: {free_s} free > {num_s} slots"),
+        (len(bm.tree) > num_p + num_s - free_p - free_s,
+         f"the reuse tree holds {len(bm.tree)} blocks but only {num_p + num_s - free_p - free_s} are not free"),
+        (not 0 <= bm.num_reclaimable <= num_p - free_p - in_use,
+         f"num_reclaimable={bm.num_reclaimable} outside [0, cached primary {num_p - free_p - in_use}]"),
+    ]
+    for broken, message in problems:
+        if broken:
+            raise KVCacheError(f"{label}: {message}")
 
 
 def _check_block(b: Block, is_free: bool, fail) -> None:

@@ -21,7 +21,7 @@ from kvcache.config import CacheLayout, KvCacheConfig
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, primary_tokens
 from kvcache.hashing import request_salt, salt_digest
-from kvcache.integrity import check_block_manager, check_request_refs
+from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
 from kvcache.matching import NoReuse, PrefixReuse
 from kvcache.requests import RequestState
 from kvcache.stats import KVCacheStats
@@ -109,15 +109,20 @@ class KVCacheManager:
     # ---- requests
     @_flushes
     def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
-              max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None) -> int:
+              max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None,
+              partial_only_if_complete: bool = False) -> int:
         """Admit a request: reuse its longest cached prefix, allocate blocks for `num_tokens` tokens
         (default len(token_ids)); return the number of reused (cached) tokens.
 
         Full blocks match by chained hash, then one partly matching block is reused (copied, or
         taken over when copy_on_partial_reuse is off); matched host blocks are onboarded. The hit
         is capped at max_cached_tokens (default len(token_ids) - 1: the last prompt token must be
-        computed for its logits) and, with VSWA, is the minimum over window groups. The blocks get
-        `priority` (0..100) for eviction. OutOfBlocksError is raised before any change."""
+        computed for its logits) and, with VSWA, is the minimum over window groups; with
+        `partial_only_if_complete` a partly matching block is reused only when the hit then reaches
+        that cap (a caller that fetches the rest by whole blocks would overwrite the copy). `salt`
+        (a tenant's cache_salt) refines the manager's namespace: requests share cached blocks only
+        under equal salts. The blocks get `priority` (0..100) for eviction, and keep the priority of
+        the last request that used them. OutOfBlocksError is raised before any change."""
         if request_id in self._requests:
             raise KVCacheError(f"request {request_id!r} is already admitted")
         n_tok = len(token_ids) if num_tokens is None else num_tokens
@@ -132,7 +137,7 @@ class KVCacheManager:
                            [[] for _ in range(n)], committed=[0] * n, commit_stopped=[False] * n,
                            released_upto=[0] * n)
         plan = self._policy.plan(req, [g.bm for g in self._groups], token_ids, max(cap, 0),
-                                 -(-n_tok // self.tokens_per_block))
+                                 -(-n_tok // self.tokens_per_block), partial_only_if_complete)
         take_over = self._policy.take_over
         check_capacity(f"request {request_id!r}", [(g.bm, g.window, gp.primary_needed(take_over), gp.keep())
                                                    for g, gp in zip(self._groups, plan.groups, strict=True)])
@@ -262,6 +267,24 @@ class KVCacheManager:
         for i, g in enumerate(self._groups):
             check_block_manager(g.bm, f"window {g.window}")
             check_request_refs(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
+
+    def check_accounting(self) -> None:
+        """The cheap subset of `check_integrity` (O(blocks of live requests)): request references
+        counted equal those live requests hold, and pool counters add up. For periodic health checks."""
+        for i, g in enumerate(self._groups):
+            check_accounting(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
+
+    def request_ids(self) -> list[str]:
+        """Requests admitted and not yet released."""
+        return list(self._requests)
+
+    def num_pins(self, window: int) -> int:
+        """Pins held on the group's blocks in total (a block pinned twice counts twice); O(1)."""
+        return self._group(window).bm.num_pins
+
+    def pinned_blocks(self, window: int) -> Counter[int]:
+        """Block id -> pins, for every pinned block of the group (O(blocks): to describe a problem)."""
+        return Counter({b.id: b.pins for b in self._group(window).bm.blocks if b.pins})
 
     def stats(self) -> KVCacheStats:
         s = KVCacheStats(prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens)

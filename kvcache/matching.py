@@ -61,7 +61,7 @@ class NoReuse:
     take_over = False
 
     def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
-             cap: int, total_blocks: int) -> AdmitPlan:
+             cap: int, total_blocks: int, partial_only_if_complete: bool = False) -> AdmitPlan:
         return AdmitPlan(0, [GroupPlan([], None, total_blocks) for _ in bms])
 
     def commit(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
@@ -77,8 +77,10 @@ class PrefixReuse:
         self.onboard = onboard
 
     def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
-             cap: int, total_blocks: int) -> AdmitPlan:
-        """Longest reusable prefix, the same in every window group (VSWA: minimum over groups)."""
+             cap: int, total_blocks: int, partial_only_if_complete: bool = False) -> AdmitPlan:
+        """Longest reusable prefix, the same in every window group (VSWA: minimum over groups).
+        `partial_only_if_complete`: a partly matching block is reused only if the hit then reaches
+        `cap` (else its tokens would still have to come from elsewhere, and the copy is wasted)."""
         tpb = self.tpb
         req.hashes = chain_hashes(token_ids, tpb, req.salt_digest, 0, ROOT_HASH, len(token_ids) // tpb)
         full = [bm.tree.match(req.hashes, primary_only=not self.onboard) for bm in bms]
@@ -92,6 +94,8 @@ class PrefixReuse:
             if all(found):
                 k = min(kg for _, kg in found)
                 sources = [b for b, _ in found]
+            if partial_only_if_complete and n * tpb + k < cap:
+                k, sources = 0, [None] * len(bms)
         new = total_blocks - n - (1 if k and self.take_over else 0)
         groups = [GroupPlan(f[:n], src, new) for f, src in zip(full, sources, strict=True)]
         return AdmitPlan(n * tpb + k, groups)

@@ -79,10 +79,14 @@ def _router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
+    if cfg.router_access.tenant_salt_from_api_key and not cfg.auth_token:
+        print(f"pdserve router: {cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
+              "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)", file=sys.stderr)
+        return 2
     settings = RouterSettings(
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
         generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
-        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token)
+        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access)
     uvicorn.run(create_router_app(settings), host=cfg.host, port=cfg.port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
     return 0

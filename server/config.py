@@ -28,6 +28,7 @@ import yaml
 from kvcache import KvCacheConfig
 from kvcache.config import DEFAULT_GPU_FRACTION
 from server.config_yaml import ConfigError, Where, read_yaml
+from server.router.auth import ACCESS_KEYS, RouterAccess, router_access_from_yaml
 from transceiver.config import TransceiverConfig
 
 Role = Literal["aggregated", "context", "generation"]
@@ -99,6 +100,7 @@ class DeploymentConfig:
     servers: tuple[ServerConfig, ...]
     has_router: bool
     auth_token: str | None  # None: the launcher makes one per deployment
+    router_access: RouterAccess = RouterAccess()  # API keys, open paths, tenant salts (router/auth.py)
 
     @property
     def url(self) -> str:
@@ -173,8 +175,9 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     host = os.environ.get(HOSTNAME_ENV) or host
     port = top.port(data, "port", 8000)
     router = top.mapping(data, "router")
-    top.key("router").check_keys(router, ("type",))
+    top.key("router").check_keys(router, ("type", *ACCESS_KEYS))
     router_type = top.key("router").choice(router, "type", ROUTER_TYPES, "round_robin")
+    access = router_access_from_yaml(router, top.key("router"), Path(path).resolve().parent)
     token = _auth_token(data, top)
     if "context_servers" in data and "generation_servers" not in data:
         raise top.key("generation_servers").error("required when context_servers is given")
@@ -189,7 +192,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     _check_same_model(servers, top)
     _check_ports(servers, host, port, has_router, top)
     servers = _with_context_urls(share_gpu_memory(servers))
-    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None)
+    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None, access)
     return with_auth_token(cfg, token)
 
 

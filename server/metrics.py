@@ -30,6 +30,9 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# vLLM's e2e / queue-time bounds, with small ones in front (tiny models answer in milliseconds)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                   20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0)
 
@@ -116,6 +119,17 @@ class ServerMetrics:
         self._tpot = Histogram("pdserve_time_per_output_token_seconds", "Time between output tokens.",
                                buckets=TPOT_BUCKETS, registry=reg)
         self._gen_tokens = Counter("pdserve_generation_tokens", "Generated tokens.", registry=reg)
+        # vLLM's names with the pdserve_ prefix: vllm:prompt_tokens_total, vllm:num_preemptions_total,
+        # vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds
+        self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here (a "
+                                      "generation server's pulled prompts are not counted).", registry=reg)
+        self._preemptions = Counter("pdserve_num_preemptions", "Requests preempted (blocks released, "
+                                    "resumed later).", registry=reg)
+        self._e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the request's end on "
+                              "this server (a context server: to the hand-over).", buckets=LATENCY_BUCKETS,
+                              registry=reg)
+        self._queue = Histogram("pdserve_request_queue_time_seconds", "Arrival to first admission "
+                                "(blocks allocated).", buckets=LATENCY_BUCKETS, registry=reg)
 
     def _make_transfer_metrics(self) -> None:
         reg = self.registry
@@ -147,6 +161,18 @@ class ServerMetrics:
 
     def add_generation_tokens(self, n: int) -> None:
         self._gen_tokens.inc(n)
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self._prompt_tokens.inc(n)
+
+    def add_preemptions(self, n: int) -> None:
+        self._preemptions.inc(n)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
 
     def set_request_counts(self, counts: Mapping[str, int]) -> None:
         """Set the number of requests per state; a state seen before but absent from `counts` is 0."""

@@ -102,6 +102,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
     app.state.telemetry = telemetry
+    app.state.role = cfg.role  # the leg /health_generate names
     metrics.set_stats_provider(telemetry.kv_stats)
     install_kv_routes(app)
     return app

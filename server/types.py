@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+DEFAULT_RETENTION_PRIORITY = 35  # TensorRT-LLM's default KV retention priority
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
 
@@ -48,6 +49,9 @@ class DisaggParams:
     # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
     # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
     first_text_streamed: bool = False
+    # the cache_salt the context server hashed the prompt's blocks with: the generation server
+    # reuses its own cache, and pulls, under the same one
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -59,6 +63,8 @@ class GenerateRequest:
     sampling: SamplingParams
     disagg: DisaggParams | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only under equal salts
+    kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY  # 0..100: evicted last when high
 
 
 @dataclass

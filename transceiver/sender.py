@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -141,6 +142,20 @@ class KVSender:
     def num_leases(self) -> int:
         """Leases whose blocks are still pinned (including ended ones waiting for zmq)."""
         return len(self._leases) + len(self._unpin_later)
+
+    def pinned_blocks(self) -> dict[int, Counter[int]]:
+        """Window -> pins per block id that this sender holds (live leases, and ended ones waiting
+        for zmq): on a context server, exactly the KV manager's pins (the engine's health check)."""
+        out: dict[int, Counter[int]] = {}
+        for pinned in [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]:
+            for window, ids in pinned.items():
+                out.setdefault(window, Counter()).update(ids)
+        return out
+
+    def expired_leases(self, now: float) -> list[str]:
+        """Ids of leases past their deadline that still pin blocks (`step` reaps them at once:
+        one that stays is stuck)."""
+        return [cid for cid, lease in self._leases.items() if lease.deadline <= now]
 
     def close(self) -> None:
         """Fail running pulls, stop the socket thread, unpin every lease."""

@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from server.types import EngineClient, GenerateRequest, SamplingParams
+from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, EngineClient, GenerateRequest, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -141,5 +141,19 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), len(tokenizer),
                                         "disaggregated_params.prompt_token_ids")
     max_tokens = resolve_max_tokens(requested, default, len(prompt_ids), engine.max_seq_len, param)
+    priority = body.kv_retention_priority
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                           sampling=sampling_params(body, max_tokens), disagg=disagg)
+                           sampling=sampling_params(body, max_tokens), disagg=disagg,
+                           cache_salt=request_cache_salt(body.cache_salt, disagg),
+                           kv_retention_priority=DEFAULT_RETENTION_PRIORITY if priority is None else priority)
+
+
+def request_cache_salt(salt: str | None, disagg: DisaggParams | None) -> str | None:
+    """The salt the prompt's blocks are hashed with. A generation_only request takes the context
+    server's (it made the KV this server pulls), which must agree with the body's when both are set."""
+    if disagg is None or disagg.request_type != "generation_only" or disagg.cache_salt is None:
+        return salt
+    if salt is not None and salt != disagg.cache_salt:
+        raise APIError(400, "cache_salt differs from disaggregated_params.cache_salt (the salt the context "
+                       "server hashed this prompt with)", param="cache_salt")
+    return disagg.cache_salt

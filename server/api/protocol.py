@@ -1,7 +1,9 @@
 """OpenAI request and response bodies for /v1/completions and /v1/chat/completions (pydantic v2).
 
 Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, `top_k`,
-`stop_token_ids`) and TensorRT-LLM's `disaggregated_params`; unknown fields are ignored. Value checks
+`stop_token_ids`, `cache_salt`), a KV retention priority (`kv_retention_priority`, TensorRT-LLM's
+`KvCacheRetentionConfig` priority) and TensorRT-LLM's `disaggregated_params`; unknown fields are
+ignored. Value checks
 that need no model (ranges, `n`) live here; checks that need the tokenizer or `max_seq_len` live in
 `server.api.prompts`. Any validation failure becomes a 400 (see `server.api.errors`).
 """
@@ -57,6 +59,7 @@ class DisaggregatedParams(BaseModel):
     prompt_token_ids: list[int] | None = None
     ctx_cached_tokens: int = Field(default=0, ge=0)
     first_text_streamed: bool = Field(default=False, exclude=True)  # request only: the router streamed the first text
+    cache_salt: str | None = None  # the context server's: the generation server hashes with it too
 
     def to_internal(self) -> DisaggParams:
         return DisaggParams(
@@ -68,6 +71,7 @@ class DisaggregatedParams(BaseModel):
             prompt_token_ids=_tuple_or_none(self.prompt_token_ids),
             ctx_cached_tokens=self.ctx_cached_tokens,
             first_text_streamed=self.first_text_streamed,
+            cache_salt=self.cache_salt,
         )
 
     @classmethod
@@ -81,6 +85,7 @@ class DisaggregatedParams(BaseModel):
             prompt_token_ids=_list_or_none(params.prompt_token_ids),
             ctx_cached_tokens=params.ctx_cached_tokens,
             first_text_streamed=params.first_text_streamed,
+            cache_salt=params.cache_salt,
         )
 
 
@@ -110,6 +115,11 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     top_k: int | None = Field(default=None, ge=-1)
     stop_token_ids: list[int] | None = None
+    # vLLM's prefix-cache namespace: requests share cached blocks only under equal salts
+    cache_salt: str | None = None
+    # retention priority of the request's KV blocks: 0..100, evicted lowest first; evicted blocks of
+    # priority >= kv_cache_config.secondary_offload_min_priority go to the host tier. Default 35.
+    kv_retention_priority: int | None = Field(default=None, ge=0, le=100)
     # TensorRT-LLM's disaggregation extension
     disaggregated_params: DisaggregatedParams | None = None
 
@@ -121,6 +131,13 @@ class SamplingRequest(BaseModel):
         if n < 1:
             raise ValueError("n must be 1")
         return n
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        return salt
 
     @property
     def include_usage(self) -> bool:

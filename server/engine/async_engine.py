@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from server.engine.core import EngineCore
+from server.engine.health import HealthCheck
 from server.types import GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_tick: list[Callable[[EngineCore], None]] = []
+        self.health = HealthCheck()  # its KV invariants, checked on the engine thread between steps
         # outputs waiting for the event loop; while it is non-empty a wake-up is pending (_hand_over)
         self._handed: list[RequestOutput] = []
         self._handed_lock = threading.Lock()
@@ -56,6 +58,10 @@ class AsyncEngine:
 
     def is_ready(self) -> bool:
         return self.core is not None and self._thread is not None and self._thread.is_alive()
+
+    def health_problem(self) -> str | None:
+        """None while the engine's KV invariants hold; else a sentence naming the broken check."""
+        return self.health.problem
 
     def add_tick_hook(self, hook: Callable[[EngineCore], None]) -> None:
         """Run `hook(core)` on the engine thread after every tick (e.g. metrics snapshots)."""
@@ -119,6 +125,7 @@ class AsyncEngine:
                 self._hand_over(outputs)
             for hook in self._on_tick:
                 hook(self.core)
+            self.health.maybe_check(self.core)
 
     def _drain_inbox(self, wait_s: float) -> None:
         try:

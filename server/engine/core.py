@@ -52,6 +52,7 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
         self._timings: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
+        self._prompt_tokens = 0  # prompt tokens of first tokens not yet counted
         self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
 
@@ -64,7 +65,8 @@ class EngineCore:
             return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
                                  prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code)
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
-                          self.eos_token_ids, gen.arrival_time, gen.disagg)
+                          self.eos_token_ids, gen.arrival_time, gen.disagg, gen.cache_salt,
+                          gen.kv_retention_priority)
         if request.is_generation_only:
             request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
@@ -246,6 +248,8 @@ class EngineCore:
         now = time.monotonic()
         if request.first_token_time is None:
             self._timings.append((True, now - request.arrival_time))
+            if not request.is_generation_only:  # its prompt was computed here (not pulled)
+                self._prompt_tokens += request.num_prompt_tokens
         else:
             self._timings.append((False, now - request.last_token_time))
         request.first_token_time = request.first_token_time or now
@@ -253,8 +257,11 @@ class EngineCore:
 
     def _observe_timings(self) -> None:
         timings, self._timings = self._timings, []
+        prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
         if self.metrics is None:
             return
+        if prompt_tokens:
+            self.metrics.add_prompt_tokens(prompt_tokens)
         for first, seconds in timings:
             (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
         if timings:
@@ -271,6 +278,7 @@ class EngineCore:
             detok.flush_partial()
         if finished:
             self._detok.pop(request.request_id)
+            self._observe_finished(request)
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
@@ -278,6 +286,16 @@ class EngineCore:
             cached_tokens=self._reported_cached(request), error=request.error,
             error_code=request.error_code, disagg=disagg,
         )
+
+    def _observe_finished(self, request: Request) -> None:
+        """End-to-end latency (arrival to the last output here) and queue time (arrival to the
+        first admission) of a request that ended on this server, whatever the reason."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        self.metrics.observe_e2e(now - request.arrival_time)
+        if request.scheduled_time is not None:
+            self.metrics.observe_queue_time(request.scheduled_time - request.arrival_time)
 
     def _reported_cached(self, request: Request) -> int:
         """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""

@@ -41,6 +41,7 @@ class ContextRole:
             request_type="context_only", ctx_request_id=rid, ctx_endpoint=self.sender.endpoint,
             ctx_epoch=self.sender.epoch, first_gen_tokens=tuple(request.output_token_ids),
             prompt_token_ids=tuple(request.prompt_token_ids), ctx_cached_tokens=request.num_cached_tokens,
+            cache_salt=request.cache_salt,
         )
 
     def on_abort(self, request: Request) -> None:
@@ -118,15 +119,19 @@ def blocks_to_pull(kv: KVCacheManager, request_id: str, num_prompt_tokens: int,
     """Per window: (first block index, destination slots) of the prompt blocks not held locally.
 
     Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first
-    decode step can no longer see are released here and not pulled either.
+    decode step can no longer see are released here and not pulled either. The hit ends on a block
+    boundary unless a partly matching block completed the prompt (the scheduler admits generation
+    requests so: `partial_only_if_complete`): then every prompt token is local and nothing is
+    pulled, where a pull of the last block would only bring its tokens again.
     """
     tpb = kv.tokens_per_block
     kv.release_out_of_window(request_id, num_prompt_tokens)
     num_blocks = math.ceil(num_prompt_tokens / tpb)
+    missing_from = num_blocks if cached_tokens >= num_prompt_tokens else cached_tokens // tpb
     wanted = {}
     for window in kv.window_sizes:
         ids = kv.block_ids(request_id, window)[:num_blocks]
         first_held = next((i for i, b in enumerate(ids) if b >= 0), num_blocks)
-        first = max(cached_tokens // tpb, first_held)
+        first = max(missing_from, first_held)
         wanted[window] = (first, kv.slot_table(request_id, window)[first:num_blocks])
     return wanted

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.types import DisaggParams, FinishReason, SamplingParams
+from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, FinishReason, SamplingParams
 
 
 class Status(enum.Enum):
@@ -33,6 +33,8 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
     disagg: DisaggParams | None = None
+    cache_salt: str | None = None  # prefix-cache namespace (KVCacheManager.admit's salt)
+    kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY  # eviction priority of its blocks
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -44,6 +46,7 @@ class Request:
     error: str | None = None
     error_code: int = 500
     generator: torch.Generator | None = None
+    scheduled_time: float | None = None  # first admission (end of the queue time)
     first_token_time: float | None = None
     last_token_time: float | None = None
 

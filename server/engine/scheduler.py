@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -149,6 +150,7 @@ class Scheduler:
             if (not pulls_kv and prefill >= prefill_limit) or not self._admit(request):
                 return
             self.waiting.popleft()
+            request.scheduled_time = request.scheduled_time or time.monotonic()
             if pulls_kv:
                 request.admitted_once = True
                 request.status = Status.WAITING_FOR_KV
@@ -168,6 +170,8 @@ class Scheduler:
 
         A generation-only request arrives holding its first token: it reuses what it can of the
         prompt (all of it may match, no logits are needed) and reserves room for that token too.
+        It pulls the rest by whole blocks, so a partly matching block is reused only if it
+        completes the prompt (else the pull would overwrite the copy: DESIGN.md §2 step 5).
         """
         prompt_kv_only = request.is_generation_only and not request.admitted_once
         tokens = request.prompt_token_ids if prompt_kv_only else request.all_token_ids
@@ -176,6 +180,8 @@ class Scheduler:
                 request.request_id, tokens,
                 num_tokens=request.num_tokens if prompt_kv_only else None,
                 max_cached_tokens=len(tokens) if prompt_kv_only else None,
+                priority=request.kv_retention_priority, salt=request.cache_salt,
+                partial_only_if_complete=prompt_kv_only,
             )
         except OutOfBlocksError:
             return False

@@ -12,20 +12,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.auth import token_headers
+from server.router.auth import ApiKeyMiddleware, RouterAccess, effective_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
-from server.router.policies import make_policy
+from server.router.policies import Prompt, make_policy
+from server.router.probe import health_generate
 from server.router.streaming import (
     ContextFirstResponse,
     ContextFirstStream,
@@ -39,6 +42,7 @@ DISCONNECT_POLL_S = 0.25
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
                         "may not carry it")
 _BOOL = TypeAdapter(bool)
+LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
+    access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
 
 
 class ClientGone(Exception):
@@ -73,6 +78,10 @@ class RouterState:
                                 ["outcome"], registry=self.registry)
         self.healthy = Gauge("pdserve_router_backend_healthy", "1 if the backend passes health checks",
                              ["role", "url"], registry=self.registry)
+        legs = Histogram("pdserve_router_leg_latency_seconds", "Time of one leg of a request, from sending it "
+                         "to its answer (a stream: to its end), by leg", ["leg"], buckets=LEG_BUCKETS,
+                         registry=self.registry)
+        self.orchestrator.observe_leg = lambda leg, seconds: legs.labels(leg).observe(seconds)
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:
@@ -127,11 +136,13 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         await state.monitor.stop()
         await state.client.aclose()
 
-    return Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error}, routes=[
+    return Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                     middleware=[Middleware(ApiKeyMiddleware, access=settings.access)], routes=[
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/v1/chat/completions", _chat, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         *dashboard_routes(),
     ])
@@ -168,8 +179,15 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     except ValidationError:
         return JSONResponse(error_body(f"stream must be a boolean, got {body.get('stream')!r}",
                                        "invalid_request_error"), 400)
-    cache: list = []
-    prompt = lambda: cache[0] if cache else cache.append(state.prompt_tokens(body, chat)) or cache[0]
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        return JSONResponse(error_body("cache_salt must be a non-empty string if provided",
+                                       "invalid_request_error"), 400)
+    body["cache_salt"] = effective_cache_salt(state.settings.access, state.settings.auth_token,
+                                              getattr(request.state, "api_key", None), salt)
+    if body["cache_salt"] is None:
+        del body["cache_salt"]
+    prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"))
     try:
         response = await _route(request, state, path, body, chat, prompt)
     except LegError as exc:

@@ -92,7 +92,7 @@ class HealthMonitor:
             backend.last_error = f"{type(exc).__name__}: {exc}"
         backend.note_health(response)
         if not ok:
-            reason = backend.last_error if response is None else f"/health returned {response.status}"
+            reason = backend.last_error if response is None else _unhealthy(response)
             backend.fence(reason)
         elif not backend.healthy:
             log.info("%s backend %s is healthy", backend.role, backend.url)
@@ -121,3 +121,13 @@ class HealthMonitor:
                 except Exception:  # a failing observer must not stop the health checks
                     log.exception("health monitor round hook failed")
             await asyncio.sleep(self.interval_s)
+
+
+def _unhealthy(response) -> str:
+    """`/health returned 503: <the server's reason>` (an engine names the KV check that failed)."""
+    try:
+        body = response.json()
+        detail = body.get("reason") or (body.get("error") or {}).get("message")
+    except (ValueError, AttributeError, TypeError):
+        detail = None
+    return f"/health returned {response.status}" + (f": {detail}" if detail else "")

@@ -11,7 +11,8 @@ A leg that fails ends the request with a 502/503 naming the leg.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from server.auth import token_headers
@@ -63,6 +64,8 @@ class Orchestrator:
         self.context_policy = context_policy
         self.generation_policy = generation_policy
         self.timeout_s = timeout_s
+        # (leg, seconds) of every leg that answered: "context", "generation" (a stream: until it closed)
+        self.observe_leg: Callable[[str, float], None] = lambda leg, seconds: None
 
     @property
     def disaggregated(self) -> bool:
@@ -85,8 +88,11 @@ class Orchestrator:
             if backend is None:
                 break
             tried.add(backend)
+            start = time.monotonic()
             try:
-                return Upstream(backend, json=await self._post_json(backend, path, ctx_body))
+                upstream = Upstream(backend, json=await self._post_json(backend, path, ctx_body))
+                self.observe_leg("context", time.monotonic() - start)
+                return upstream
             except LegError as exc:
                 if exc.status < 500:
                     raise
@@ -96,20 +102,32 @@ class Orchestrator:
         raise LegError(503, "context leg failed: no healthy context server")
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens,
-                             params: dict | None) -> Upstream:
+                             params: dict | None, backend: Backend | None = None) -> Upstream:
+        """`backend`: this one rather than the policy's pick (the readiness probe)."""
         gen_body = dict(body)
         if params is not None:
             gen_body["disaggregated_params"] = params
-        backend = self.generation_policy.pick(self.generation, prompt, set())
+        backend = backend or self.generation_policy.pick(self.generation, prompt, set())
         if backend is None:
             raise LegError(503, NO_GENERATION)
+        start = time.monotonic()
         if body.get("stream"):
-            return Upstream(backend, stream=await self._open_stream(backend, path, gen_body))
+            stream = await self._open_stream(backend, path, gen_body)
+            return Upstream(backend, stream=self._timed(stream, start))
         try:
-            return Upstream(backend, json=await self._post_json(backend, path, gen_body))
+            upstream = Upstream(backend, json=await self._post_json(backend, path, gen_body))
+            self.observe_leg("generation", time.monotonic() - start)
+            return upstream
         except LegError as exc:
             body = exc.body if exc.status < 500 else None
             raise LegError(exc.status, f"generation leg failed: {exc}", body) from exc
+
+    def _timed(self, stream: StreamResponse, start: float) -> StreamResponse:
+        """The same stream; closing it records the generation leg's time (once)."""
+        async def close() -> None:
+            self.observe_leg("generation", time.monotonic() - start)
+            await stream.aclose()
+        return StreamResponse(stream.status, stream.aiter_raw(), close)
 
     async def release_context(self, backend: Backend, params: dict) -> None:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""

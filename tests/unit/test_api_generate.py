@@ -154,7 +154,7 @@ def test_context_only_request_returns_disaggregated_params(client, engine):
         "request_type": "context_only", "ctx_request_id": f"ctx-{request_id}",
         "ctx_endpoint": "tcp://127.0.0.1:5555", "ctx_epoch": "epoch-1",
         "first_gen_tokens": engine.tokenizer.encode(choice["text"]), "prompt_token_ids": prompt_ids,
-        "ctx_cached_tokens": 0}
+        "ctx_cached_tokens": 0, "cache_salt": None}
 
 
 def test_generation_only_request_uses_the_context_prompt_ids(client, engine):

@@ -1,24 +1,73 @@
-"""GET /health: 200 once the engine is ready, 503 before.
+"""GET /health: 200 while the engine runs and its KV invariants hold, 503 otherwise (with the reason).
+GET /health_generate: a readiness probe that runs one real token through this server's engine.
 
-The body carries the process's `epoch`, a uuid made when the process started: a router that sees it
-change knows the server behind the URL restarted (its dashboard counts restarts so).
+The /health body carries the process's `epoch`, a uuid made when the process started: a router that
+sees it change knows the server behind the URL restarted (its dashboard counts restarts so).
+
+`/health` stays cheap (no engine round trip): the engine thread checks its KV state periodically
+(`server/engine/health.py`) and this route reports the verdict. `/health_generate` proves that the
+model actually runs: one greedy token of a short prompt, under a fresh `cache_salt` so it reuses
+no cached block and leaves none for anybody else. On a context or generation server it runs the
+engine as an aggregated request would (both roles accept that); the router's `/health_generate`
+runs the real pair, transfer included.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import time
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from server.api.deps import get_ready_engine
-from server.types import EngineClient
+from server.api.prompts import new_request_id
+from server.types import EngineClient, GenerateRequest, SamplingParams
 
 router = APIRouter()
 
 EPOCH = uuid.uuid4().hex  # once per process start
+PROBE_TIMEOUT_S = 30.0
+PROBE_PROMPT = "pdserve readiness probe"
 
 
 @router.get("/health")
-async def health(engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> dict:
-    return {"status": "ok", "model": engine.model_name, "epoch": EPOCH}
+async def health(engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+    problem = getattr(engine, "health_problem", lambda: None)()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "model": engine.model_name, "epoch": EPOCH,
+                             "reason": problem}, 503)
+    return JSONResponse({"status": "ok", "model": engine.model_name, "epoch": EPOCH})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request,
+                          engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+    leg = getattr(request.app.state, "role", "aggregated")
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            error = await _one_token(engine)
+    except TimeoutError:
+        error = f"no token within {PROBE_TIMEOUT_S:.0f} s"
+    seconds = round(time.monotonic() - start, 4)
+    if error is not None:
+        return JSONResponse({"status": "unavailable", "leg": leg, "error": error, "seconds": seconds}, 503)
+    return JSONResponse({"status": "ok", "leg": leg, "model": engine.model_name, "seconds": seconds})
+
+
+async def _one_token(engine: EngineClient) -> str | None:
+    """None once the engine produced one token; else what went wrong. Leaving early (timeout)
+    closes the engine's stream, which aborts the request and frees its blocks."""
+    prompt = list(engine.tokenizer.encode(PROBE_PROMPT))
+    probe = GenerateRequest(new_request_id("health"), prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                            cache_salt=f"health-{secrets.token_hex(16)}")
+    async for output in engine.generate(probe):
+        if output.finished:
+            if output.finish_reason in ("error", "abort"):
+                return output.error or f"the probe ended with {output.finish_reason}"
+            return None if output.completion_tokens == 1 else f"{output.completion_tokens} tokens, not 1"
+    return "the engine ended the probe without a final output"
