@@ -100,10 +100,12 @@ def write_config(source: Path, tmp_path: Path, overrides: dict | None = None) ->
 
 
 @contextmanager
-def launched(config: str, tmp_path: Path, overrides: dict | None = None) -> Iterator[Deployment]:
+def launched(config: str, tmp_path: Path, overrides: dict | None = None,
+             env: dict[str, str] | None = None) -> Iterator[Deployment]:
+    """`env` is added to every process's environment (e.g. tests/faults' fault injection)."""
     path, cfg = write_config(ROOT / "configs" / config, tmp_path, overrides)
     log_dir = tmp_path / "logs"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir", str(log_dir)],
                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
