@@ -179,3 +179,8 @@ def test_the_router_hands_its_servers_the_tenant_salt():
         bad = client.post("/v1/completions", json={"prompt": "hi", "cache_salt": ""},
                           headers={"Authorization": "Bearer key-alpha"})
         assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+        probe = client.get("/health_generate", headers={"Authorization": "Bearer key-beta"})
+        assert probe.status_code == 200 and probe.json()["generation"] == f"http://{backend.url}", probe.text
+        sent = backend.bodies[-1]  # an aggregated server runs the whole probe, under a salt of its own
+        assert sent["max_tokens"] == 2 and sent["cache_salt"].startswith("health-")
+        assert "disaggregated_params" not in sent
