@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.auth import token_headers
-from server.router.auth import ApiKeyMiddleware, RouterAccess, effective_cache_salt
+from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
@@ -179,14 +179,10 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     except ValidationError:
         return JSONResponse(error_body(f"stream must be a boolean, got {body.get('stream')!r}",
                                        "invalid_request_error"), 400)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        return JSONResponse(error_body("cache_salt must be a non-empty string if provided",
-                                       "invalid_request_error"), 400)
-    body["cache_salt"] = effective_cache_salt(state.settings.access, state.settings.auth_token,
-                                              getattr(request.state, "api_key", None), salt)
-    if body["cache_salt"] is None:
-        del body["cache_salt"]
+    problem = set_cache_salt(body, state.settings.access, state.settings.auth_token,
+                             getattr(request.state, "api_key", None))
+    if problem is not None:
+        return JSONResponse(error_body(problem, "invalid_request_error"), 400)
     prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"))
     try:
         response = await _route(request, state, path, body, chat, prompt)

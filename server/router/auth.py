@@ -75,6 +75,18 @@ def effective_cache_salt(access: RouterAccess, token: str | None, api_key: str |
     return tenant if client_salt is None else f"{tenant}:{client_salt}"
 
 
+def set_cache_salt(body: dict, access: RouterAccess, token: str | None, api_key: str | None) -> str | None:
+    """Put the effective cache_salt into a request body for the servers; a sentence if the client's
+    salt is not a non-empty string (then the body is left as it was)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        return "cache_salt must be a non-empty string if provided"
+    effective = effective_cache_salt(access, token, api_key, salt)
+    if effective is not None:
+        body["cache_salt"] = effective
+    return None
+
+
 def _bearer(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
