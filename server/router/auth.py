@@ -3,7 +3,8 @@
 Keys come from the deployment YAML (`router.api_keys`: a list; `router.api_keys_file`: a file of one
 key per line, `#` comments, relative to the YAML's folder) and the environment (`PDSERVE_API_KEYS`,
 comma-separated); all of them are valid. With no key configured the router is open, as before.
-With keys, every path except `router.open_paths` (default `/health` and `/metrics`) needs one, and
+With keys, every path except `router.open_paths` (default `/health` and `/metrics`; an entry ending
+in `*` opens a prefix, e.g. `/dashboard*` for the dashboard page, its feed and its files) needs one, and
 a request without a valid key gets 401 in OpenAI's error shape before its body is read. Keys are
 compared in constant time (SHA-256 digests, every key compared), and never logged or echoed.
 
@@ -46,6 +47,10 @@ class RouterAccess:
     @property
     def required(self) -> bool:
         return bool(self.api_keys)
+
+    def is_open(self, path: str) -> bool:
+        """An open path needs no key: listed exactly, or under an entry ending in `*` (a prefix)."""
+        return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.open_paths)
 
     def match(self, given: str | None) -> str | None:
         """The configured key equal to `given`, or None. Constant time in `given` and in which key
@@ -108,7 +113,7 @@ class ApiKeyMiddleware:
         self.app, self.access = app, access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.access.required or scope["path"] in self.access.open_paths:
+        if scope["type"] != "http" or not self.access.required or self.access.is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _bearer(scope)
@@ -184,8 +189,10 @@ def _keys_env() -> list[str]:
 def _open_paths(router: dict[str, Any], where: Where) -> tuple[str, ...]:
     value = router.get("open_paths", list(DEFAULT_OPEN_PATHS))
     w = where.key("open_paths")
-    if not isinstance(value, list) or not all(isinstance(p, str) and p.startswith("/") for p in value):
-        raise w.error(f"must be a list of paths starting with '/', got {value!r}")
+    if not isinstance(value, list) or not all(isinstance(p, str) and p.startswith("/") and "*" not in p[:-1]
+                                              for p in value):
+        raise w.error(f"must be a list of paths starting with '/' (a trailing * opens every path under a "
+                      f"prefix), got {value!r}")
     if "/health" not in value:
         raise w.error("must include /health (pdserve launch and load balancers probe it without a key)")
     return tuple(value)

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.api.app import create_app
+from server.api.routes.health import EPOCH
 from server.engine.async_engine import AsyncEngine
 from server.engine.disagg import ContextRole
 from server.engine.health import HealthCheck, find_problems
@@ -129,7 +130,7 @@ def test_health_route_says_503_with_the_reason_while_blocks_are_stranded():
     pending: list = []  # run on the engine thread, which owns the KV manager
     engine.add_tick_hook(lambda core: pending and pending.pop(0)(core))
     with TestClient(create_app(lambda: _engine(engine))) as client:
-        assert _wait(client, "/health", 200).json() == {"status": "ok", "model": "tiny-llama"}
+        assert _wait(client, "/health", 200).json() == {"status": "ok", "model": "tiny-llama", "epoch": EPOCH}
         probe = client.get("/health_generate")
         assert probe.status_code == 200 and probe.json()["leg"] == "aggregated"
         pinned: list[int] = []
@@ -141,7 +142,7 @@ def test_health_route_says_503_with_the_reason_while_blocks_are_stranded():
         pending.append(pin_a_cached_block)
         response = _wait(client, "/health", 503)
         assert response.status_code == 503
-        assert response.json() == {"status": "unhealthy", "model": "tiny-llama", "reason":
+        assert response.json() == {"status": "unhealthy", "model": "tiny-llama", "epoch": EPOCH, "reason":
                                    f"stranded_pins: window 512: 1 pins on blocks {pinned} held by no live lease"}
         pending.append(lambda core: core.kv.unpin_blocks(pinned, 512))
         assert _wait(client, "/health", 200).status_code == 200

@@ -63,6 +63,7 @@ def test_keys_come_from_the_yaml_a_file_and_the_environment(tmp_path, monkeypatc
     ({"tenant_salt_from_api_key": True}, r"router\.tenant_salt_from_api_key: needs API keys"),
     ({"api_keys": ["k"], "open_paths": ["/metrics"]}, r"router\.open_paths: must include /health"),
     ({"api_keys": ["k"], "open_paths": "/health"}, r"router\.open_paths: must be a list of paths"),
+    ({"api_keys": ["k"], "open_paths": ["/health", "/a*b"]}, r"router\.open_paths: must be a list of paths"),
     ({"api_key": ["k"]}, r"router\.api_key: unknown key \(did you mean 'api_keys'\?\)"),
 ])
 def test_config_errors_name_the_file_and_the_key(tmp_path, router, message):
@@ -125,6 +126,9 @@ def test_requests_without_a_valid_key_get_401_and_open_paths_stay_open():
         ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer key-beta"})
         assert ok.status_code == 503, ok.text  # past the key check: no healthy server to route to
     with _router(RouterAccess(KEYS, open_paths=("/health",))) as client:
+        _assert_401(client.get("/metrics"), "missing_api_key")
+    with _router(RouterAccess(KEYS, open_paths=("/health", "/v1/mod*"))) as client:  # a prefix
+        assert client.get("/v1/models").status_code == 503  # open: no healthy server to ask
         _assert_401(client.get("/metrics"), "missing_api_key")
     with _router(RouterAccess()) as client:  # no keys configured: open as before
         assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
