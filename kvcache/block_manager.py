@@ -12,6 +12,7 @@ Invariants (checked by `kvcache.integrity.check_block_manager`), between public 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from kvcache.block import Block, CopyOp, Level
@@ -40,7 +41,8 @@ class BlockManager:
         self.num_slots = (num_primary, num_secondary)
         self.free = (deque(self.blocks[:num_primary]), deque(self.blocks[num_primary:]))
         self.tree = ReuseTree()
-        self.queues = (EvictionQueue(num_primary), EvictionQueue(num_secondary))
+        seqs = itertools.count(1)  # one counter for both levels' queues (see eviction.py)
+        self.queues = (EvictionQueue(num_primary, seqs), EvictionQueue(num_secondary, seqs))
         self.offload_min_priority = offload_min_priority
         self.copies: list[CopyOp] = []  # pending, in order; drained by the facade after each call
         self.num_in_use = 0  # blocks with ref + pins > 0 (all primary)

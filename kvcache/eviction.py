@@ -4,27 +4,33 @@ A binary heap of (priority, tick, seq, block) entries with lazy deletion: pushin
 the block leaving the candidate set, makes older entries stale; `pop` skips stale entries (an entry is
 live only while `block.queue_seq == seq` and the caller's `is_candidate(block)` holds). The heap is
 rebuilt from live entries when stale ones dominate, so its size stays O(number of blocks).
+
+The queues of one block manager (one per level) draw `seq` from one shared counter: a block moves
+between levels, and a stale entry in one queue must never carry the seq of its live entry in the
+other (it would look live there, and popping it would drop the block from the queue it is in).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 from kvcache.block import Block
 
 
 class EvictionQueue:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, seqs: Iterator[int] | None = None) -> None:
+        """`seqs`: the counter shared with the other queues the same blocks can be in."""
         self._heap: list[tuple[int, int, int, Block]] = []
-        self._seq = 0
+        self._seqs = seqs if seqs is not None else itertools.count(1)
         self._compact_at = 4 * capacity + 64
 
     def push(self, block: Block) -> None:
         """(Re)queue `block` with its current priority and tick; older entries of it become stale."""
-        self._seq += 1
-        block.queue_seq = self._seq
-        heapq.heappush(self._heap, (block.priority, block.tick, self._seq, block))
+        seq = next(self._seqs)
+        block.queue_seq = seq
+        heapq.heappush(self._heap, (block.priority, block.tick, seq, block))
         if len(self._heap) > self._compact_at:
             self._heap = [e for e in self._heap if e[3].queue_seq == e[2]]
             heapq.heapify(self._heap)

@@ -13,6 +13,7 @@ from test_kvcache_support import (
     make_manager,
     refs,
     run_prefill,
+    write_kv,
 )
 
 from kvcache import KVCacheError, Level, OutOfBlocksError, block_hashes
@@ -143,4 +144,47 @@ def test_pin_blocks_onboards_and_pinned_blocks_survive_release(device):
     assert locate(m, [ids[0]])[0][0] == "p"
     assert refs(m)[ids[0]] == (0, 1)
     m.unpin_blocks([ids[0]], 64)
+    m.check_integrity()
+
+
+def test_a_stale_entry_in_one_level_queue_never_hides_the_live_entry_in_the_other():
+    from kvcache.block_manager import BlockManager
+
+    bm = BlockManager(2, 2, offload_min_priority=0)
+    b = bm.blocks[0]
+    primary, secondary = bm.queues
+    primary.push(b)
+    primary.push(b)  # the first entry is stale now
+    secondary.push(b)  # b moved levels; with a counter per queue this entry took the stale one's seq
+    assert primary.pop(lambda block: False) is None
+    assert b.id in secondary.live_entries()
+
+
+def test_offload_under_mixed_priorities_keeps_every_host_leaf_evictable():
+    """The sequence hypothesis found (test_kvcache_stateful): a leaf offloaded while its level's
+    queue still held a stale entry of it fell out of the host queue."""
+    m = make_manager("cpu", primary_blocks=7, host_blocks=4, copy_on_partial_reuse=False)
+
+    def prefill(rid, tokens, priority, extra=0):
+        hit = m.admit(rid, tokens, num_tokens=len(tokens) + extra, priority=priority)
+        write_kv(m, rid, tokens, hit, len(tokens))
+        m.commit(rid, tokens, len(tokens))
+        m.check_integrity()
+
+    prefill("r0", [1, 2, 3, 4, 9, 0, 0, 0], 80)
+    m.release("r0")
+    m.ensure_primary([0], 64)
+    prefill("r1", [1, 2, 3, 4, 9, 0, 0, 0], 35)
+    pinned = m.block_ids("r1")
+    m.pin_blocks(pinned, 64)
+    m.ensure_primary([0], 64)
+    m.release("r1")
+    m.ensure_primary([0], 64)
+    m.unpin_blocks(pinned, 64)
+    prefill("r2", [7] * 9 + [0] * 7, 80)
+    m.release("r2")
+    m.ensure_primary([0], 64)
+    prefill("r3", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], 10, extra=3)  # offloads blocks 1 and 5
+    assert locate(m, [1, 5]) == [("s", 0), ("s", 1)]
+    m.release("r3")
     m.check_integrity()
