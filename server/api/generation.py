@@ -25,6 +25,7 @@ from server.api.errors import output_error
 from server.api.formatting import Formatter, continued_response_id
 from server.api.prompts import build_request, new_request_id
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.sse import sse_event
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class SSEResponse(Response):
 
 
 async def _event(send: Send, data: str) -> None:
-    await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+    await send({"type": "http.response.body", "body": sse_event(data), "more_body": True})
 
 
 async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,

@@ -24,13 +24,14 @@ from server.api.formatting import ChatFormatter, CompletionFormatter, continued_
 from server.router.backends import Backend
 from server.router.http_client import HttpError, StreamResponse
 from server.router.orchestrator import LegError, Upstream, error_body
+from server.sse import sse_event
 from server.types import RequestOutput
 
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(data: str) -> bytes:
-    return f"data: {data}\n\n".encode()
+    return sse_event(data)
 
 
 async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator[bytes]:
