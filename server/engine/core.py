@@ -213,6 +213,8 @@ class EngineCore:
         self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
 
     def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
+        if request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
+            self._release_remote(request)
         self.scheduler.remove(request)
         request.finish("error", message, code)
         return self._output(request, [])
