@@ -16,11 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.auth import token_headers
+from server.drain import Drain, DrainGate
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
@@ -50,6 +52,8 @@ class RouterSettings:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
+    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/drain.py)
+    migration_limit: int = 1  # moves of one streamed request to another generation server (orchestrator)
 
 
 class ClientGone(Exception):
@@ -127,7 +131,9 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         await state.monitor.stop()
         await state.client.aclose()
 
-    return Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error}, routes=[
+    drain = Drain(settings.drain_timeout_s)
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(DrainGate, drain=drain)], routes=[
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/v1/chat/completions", _chat, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
@@ -135,6 +141,8 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         Route("/metrics", _metrics, methods=["GET"]),
         *dashboard_routes(),
     ])
+    app.state.drain = drain
+    return app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -252,6 +260,8 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    if request.app.state.drain.draining:
+        return JSONResponse(request.app.state.drain.report(), 503)
     state: RouterState = request.app.state.router
     ctx_ok = any(b.healthy for b in state.context)
     gen_ok = any(b.healthy for b in state.generation)

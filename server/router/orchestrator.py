@@ -4,8 +4,10 @@
    if that server cannot be reached or fails;
 2. if the context answer already finishes the request, return it;
 3. else send it as `generation_only` with the returned `disaggregated_params` to a generation
-   server and hand its JSON or SSE stream back to the client.
-A leg that fails ends the request with a 502/503 naming the leg.
+   server and hand its JSON or SSE stream back to the client; a generation server that cannot be
+   reached or is draining (503, code `draining`) took nothing, so the leg goes to another one.
+A leg that fails ends the request with a 502/503 naming the leg. A server that cannot be reached or
+answers that it is draining is fenced at once (the health monitor unfences it when /health is 200).
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ NO_GENERATION = "generation leg failed: no healthy generation server"
 
 
 class LegError(Exception):
-    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body or error_body(message, "server_error" if status >= 500 else "invalid_request_error")
+        self.untouched = untouched  # the server never took the request (unreachable, draining): try another
 
 
 def error_body(message: str, kind: str = "server_error", code: str | None = None) -> dict:
@@ -95,21 +98,36 @@ class Orchestrator:
             raise LegError(last.status, f"context leg failed: {last}")
         raise LegError(503, "context leg failed: no healthy context server")
 
-    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens,
-                             params: dict | None) -> Upstream:
+    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None,
+                             exclude: frozenset[Backend] = frozenset()) -> Upstream:
         gen_body = dict(body)
         if params is not None:
             gen_body["disaggregated_params"] = params
-        backend = self.generation_policy.pick(self.generation, prompt, set())
-        if backend is None:
-            raise LegError(503, NO_GENERATION)
-        if body.get("stream"):
-            return Upstream(backend, stream=await self._open_stream(backend, path, gen_body))
+        tried: set[Backend] = set(exclude)
+        last: LegError | None = None
+        for _ in range(2):  # the first choice, and another if the first never took the request
+            backend = self.generation_policy.pick(self.generation, prompt, tried)
+            if backend is None:
+                break
+            tried.add(backend)
+            try:
+                return await self._generation_once(backend, path, gen_body, bool(body.get("stream")))
+            except LegError as exc:
+                if not exc.untouched:
+                    raise
+                last = exc
+        if last is not None:
+            raise last
+        raise LegError(503, NO_GENERATION)
+
+    async def _generation_once(self, backend: Backend, path: str, body: dict, stream: bool) -> Upstream:
+        if stream:
+            return Upstream(backend, stream=await self._open_stream(backend, path, body))
         try:
-            return Upstream(backend, json=await self._post_json(backend, path, gen_body))
+            return Upstream(backend, json=await self._post_json(backend, path, body))
         except LegError as exc:
-            body = exc.body if exc.status < 500 else None
-            raise LegError(exc.status, f"generation leg failed: {exc}", body) from exc
+            kept = exc.body if exc.status < 500 else None
+            raise LegError(exc.status, f"generation leg failed: {exc}", kept, untouched=exc.untouched) from exc
 
     async def release_context(self, backend: Backend, params: dict) -> None:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""
@@ -126,7 +144,8 @@ class Orchestrator:
                                                  timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})") from exc
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
+                           untouched=isinstance(exc, ConnectError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
         finally:
@@ -144,7 +163,8 @@ class Orchestrator:
                     await response.aclose()
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"generation leg failed: {backend.url} unreachable") from exc
+            raise LegError(502, f"generation leg failed: {backend.url} unreachable",
+                           untouched=isinstance(exc, ConnectError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
         return response
@@ -159,7 +179,16 @@ def _parse(backend: Backend, response: Response) -> dict:
         return body
     message = _message(body) or f"{backend.url} returned HTTP {response.status}"
     status = response.status if response.status != 200 else 502
-    raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None)
+    draining = status == 503 and _code(body) == "draining"
+    if draining:
+        backend.fence("draining")
+    raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None, untouched=draining)
+
+
+def _code(body: object) -> str | None:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body["error"].get("code")
+    return None
 
 
 def _message(body: object) -> str | None:
