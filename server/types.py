@@ -48,6 +48,12 @@ class DisaggParams:
     # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
     # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
     first_text_streamed: bool = False
+    # Migration (the router moves a stream whose generation server died, server/router/migration.py):
+    # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
+    # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
+    prior_output_tokens: int = 0
+    response_id: str | None = None  # generation_only: the id of the client's stream to continue
+    report_tokens: bool = False  # streamed generation_only: each event's token ids in an SSE comment
 
 
 @dataclass

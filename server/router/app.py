@@ -26,6 +26,7 @@ from server.drain import Drain, DrainGate
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
+from server.router.migration import new_migration
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
 from server.router.policies import make_policy
 from server.router.streaming import (
@@ -77,6 +78,9 @@ class RouterState:
                                 ["outcome"], registry=self.registry)
         self.healthy = Gauge("pdserve_router_backend_healthy", "1 if the backend passes health checks",
                              ["role", "url"], registry=self.registry)
+        self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
+                                  "after theirs died", registry=self.registry)
+        self.orchestrator.on_migration = self.migrations.inc
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:
@@ -100,7 +104,7 @@ def _build_state(settings: RouterSettings) -> RouterState:
                             poll_hashes=kv_aware, headers=token_headers(settings.auth_token))
     orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
                                 make_policy("load_balancing" if kv_aware else settings.policy),
-                                settings.request_timeout_s, settings.auth_token)
+                                settings.request_timeout_s, settings.auth_token, settings.migration_limit)
     state = RouterState(settings, client, context, generation, orchestrator, monitor,
                         _load_tokenizer(settings.model) if kv_aware else None)
     state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
@@ -214,12 +218,16 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
 
 def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, body: dict, chat: bool,
                          prompt) -> Response:
-    """The router sends the context answer's first token itself, then relays the generation leg."""
+    """The router sends the context answer's first token itself, then relays the generation leg
+    (and moves the request to another generation server if that one dies: server/router/migration.py)."""
     params = generation_params(ctx.json, first_text_streamed=True)
+    migration = new_migration(orchestrator, ctx.json, path, body, chat)
+    if migration is not None:
+        params["report_tokens"] = True
     return ContextFirstResponse(ContextFirstStream(
         opening_events(ctx.json, chat),
         lambda: orchestrator.generation_leg(path, body, prompt, params),
-        lambda: orchestrator.release_context(ctx.backend, params)))
+        lambda: orchestrator.release_context(ctx.backend, params), migration))
 
 
 def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:

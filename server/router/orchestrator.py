@@ -13,7 +13,7 @@ answers that it is draining is fenced at once (the health monitor unfences it wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from server.auth import token_headers
@@ -40,6 +40,7 @@ class LegError(Exception):
         self.status = status
         self.body = body or error_body(message, "server_error" if status >= 500 else "invalid_request_error")
         self.untouched = untouched  # the server never took the request (unreachable, draining): try another
+        self.lost = False  # the connection broke after the server took the request (it died)
 
 
 def error_body(message: str, kind: str = "server_error", code: str | None = None) -> dict:
@@ -58,7 +59,7 @@ class Upstream:
 class Orchestrator:
     def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
                  context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, migration_limit: int = 0) -> None:
         self.headers = token_headers(auth_token)  # every call to a server carries the deployment token
         self.client = client
         self.context = list(context)
@@ -66,6 +67,8 @@ class Orchestrator:
         self.context_policy = context_policy
         self.generation_policy = generation_policy
         self.timeout_s = timeout_s
+        self.migration_limit = migration_limit  # moves of one stream to another generation server
+        self.on_migration: Callable[[], None] = lambda: None  # counts them (the router's metrics)
 
     @property
     def disaggregated(self) -> bool:
@@ -77,10 +80,11 @@ class Orchestrator:
         if not any(b.healthy for b in self.generation):
             raise LegError(503, NO_GENERATION)
 
-    async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> Upstream:
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None = None) -> Upstream:
+        """`params`: more `disaggregated_params` (a moved stream's prompt ids and prior output)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
-        ctx_body["disaggregated_params"] = {"request_type": "context_only"}
+        ctx_body["disaggregated_params"] = {"request_type": "context_only", **(params or {})}
         tried: set[Backend] = set()
         last: LegError | None = None
         for _ in range(2):  # the first choice and one retry elsewhere
@@ -163,8 +167,10 @@ class Orchestrator:
                     await response.aclose()
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"generation leg failed: {backend.url} unreachable",
-                           untouched=isinstance(exc, ConnectError)) from exc
+            error = LegError(502, f"generation leg failed: {backend.url} unreachable",
+                             untouched=isinstance(exc, ConnectError))
+            error.lost = isinstance(exc, ReadError)
+            raise error from exc
         except RequestTimeout as exc:
             raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
         return response
