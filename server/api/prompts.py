@@ -137,6 +137,10 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "
                        "requests (the router sets it when it streamed the first token itself)",
                        param="disaggregated_params.first_text_streamed")
+    if body.stop_token_ids:
+        _checked_token_ids(body.stop_token_ids, len(tokenizer), "stop_token_ids")
+    if disagg is not None and disagg.first_gen_tokens:
+        _checked_token_ids(list(disagg.first_gen_tokens), len(tokenizer), "disaggregated_params.first_gen_tokens")
     prior = disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
         # The KV the context server made is for exactly these ids: they win over re-tokenising.

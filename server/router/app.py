@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from server.api.openapi import openapi_document
 from server.auth import token_headers
 from server.drain import Drain, DrainGate
 from server.router.backends import Backend, HealthMonitor
@@ -144,6 +145,7 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         *dashboard_routes(),
+        Route("/openapi.json", _openapi, methods=["GET"]),
     ])
     app.state.drain = drain
     return app
@@ -277,6 +279,10 @@ async def _health(request: Request) -> Response:
     detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
               for b in state.context + state.generation}
     return JSONResponse({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
+
+
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document("pdserve router"))
 
 
 async def _metrics(request: Request) -> Response:
