@@ -19,3 +19,17 @@ def test_token_ids_outside_the_vocabulary_are_400():
         assert bad.status_code == 400, bad.text
         assert bad.json()["error"]["param"] == "disaggregated_params.first_gen_tokens"
     assert engine.requests == []  # nothing reached the engine
+
+
+def test_extreme_top_p_and_temperature_sample_a_token():
+    """top_p 5e-324 dropped every token and a tiny temperature made inf logits: NaN probabilities, 500."""
+    import torch
+
+    from server.engine.request import Request
+    from server.engine.sampler import sample
+    from server.types import SamplingParams
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
+    requests = [Request("a", [1], SamplingParams(temperature=1.0, top_p=5e-324, seed=1), frozenset()),
+                Request("b", [1], SamplingParams(temperature=5e-324, top_p=1.0, seed=1), frozenset())]
+    assert sample(logits, requests) == [1, 1]  # only the most likely token can be picked
