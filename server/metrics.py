@@ -116,6 +116,8 @@ class ServerMetrics:
         self._tpot = Histogram("pdserve_time_per_output_token_seconds", "Time between output tokens.",
                                buckets=TPOT_BUCKETS, registry=reg)
         self._gen_tokens = Counter("pdserve_generation_tokens", "Generated tokens.", registry=reg)
+        self._preemptions = Counter("pdserve_preemptions", "Running requests preempted for lack of KV blocks.",
+                                    registry=reg)
 
     def _make_transfer_metrics(self) -> None:
         reg = self.registry
@@ -147,6 +149,9 @@ class ServerMetrics:
 
     def add_generation_tokens(self, n: int) -> None:
         self._gen_tokens.inc(n)
+
+    def add_preemptions(self, n: int) -> None:
+        self._preemptions.inc(n)
 
     def set_request_counts(self, counts: Mapping[str, int]) -> None:
         """Set the number of requests per state; a state seen before but absent from `counts` is 0."""

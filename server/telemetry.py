@@ -34,6 +34,7 @@ class TelemetryBridge:
         self._hashes_wanted_until = 0.0  # only routers using kv_cache_aware read them: skip otherwise
         self._seen: dict[int, _Seen] = {}
         self._hooked: set[int] = set()
+        self._preemptions = 0
 
     def kv_stats(self):
         return self._kv_stats
@@ -52,6 +53,9 @@ class TelemetryBridge:
         self._last = now
         self._kv_stats = core.kv.stats()
         self.metrics.set_request_counts(core.scheduler.counts())
+        if core.scheduler.num_preemptions > self._preemptions:
+            self.metrics.add_preemptions(core.scheduler.num_preemptions - self._preemptions)
+            self._preemptions = core.scheduler.num_preemptions
         for stats in _transfer_stats(core):
             self._forward_transfer(stats)
         if now < self._hashes_wanted_until and now - self._last_hashes >= HASHES_INTERVAL_S:
