@@ -74,6 +74,8 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
         killed = time.monotonic()
         joiner.join(90)
         assert len(results) == 6 and all(r in (200, 502, 503) for r in results), results  # honest answers
+        dh.wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 10,
+                      what="the launcher sees the death")
         dh.wait_until(lambda: router_ready(dep), 60, what="the generation server back and unfenced")
         recovered_s = time.monotonic() - killed
         assert "restarting generation-0 in 0.2 s" in out.read_text()
