@@ -69,6 +69,7 @@ def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.config import ConfigError, load_deployment
+    from server.drain import DrainingServer
     from server.router.app import RouterSettings, create_router_app
 
     try:
@@ -86,9 +87,12 @@ def _router(args: argparse.Namespace) -> int:
     settings = RouterSettings(
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
         generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
-        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access)
-    uvicorn.run(create_router_app(settings), host=cfg.host, port=cfg.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=5)
+        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access,
+        drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit)
+    app = create_router_app(settings)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.drain).run()
     return 0
 
 

@@ -42,14 +42,18 @@ AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (ope
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "max_prefill_batch_tokens",
                "dtype", "device", "kernels", "cuda_graphs", "borrow_idle_cores", "kv_cache_config",
-               "cache_transceiver_config")
+               "cache_transceiver_config", "drain_timeout_s")
 KERNELS = ("auto", "torch", "triton")
 SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
 SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port", "context_urls")  # context_urls: generation servers
-DEPLOYMENT_KEYS = (*ENGINE_KEYS, "hostname", "port", "router", "context_servers", "generation_servers")
+DEPLOYMENT_KEYS = (*ENGINE_KEYS, "hostname", "port", "router", "context_servers", "generation_servers", "restart")
+ROUTER_KEYS = ("type", "migration_limit")
+RESTART_KEYS = ("max_quick_deaths", "backoff_s", "quick_s")
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 __all__ = [
-    "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "ServerConfig",
+    "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
+    "ServerConfig",
     "load_deployment", "load_server_config", "server_config_from_dict", "server_config_to_yaml",
     "with_auth_token", "env_auth_token",
 ]
@@ -83,10 +87,25 @@ class ServerConfig:
     # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
     # KV senders only, never from an address a request names (server/api/context_directory.py)
     context_urls: tuple[str, ...] = ()
+    # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """`restart:` of a deployment: how `pdserve launch` brings back a child that died.
+
+    A death within `quick_s` of the child's (re)start is quick; the launcher restarts after
+    `backoff_s`, doubled for each quick death in a row (at most 30 s), and gives up on the child
+    after `max_quick_deaths` quick deaths in a row. `max_quick_deaths: 0` never restarts."""
+
+    max_quick_deaths: int = 5
+    backoff_s: float = 1.0
+    quick_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,10 @@ class DeploymentConfig:
     has_router: bool
     auth_token: str | None  # None: the launcher makes one per deployment
     router_access: RouterAccess = RouterAccess()  # API keys, open paths, tenant salts (router/auth.py)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # router: how many times one request may move to another generation server when its own dies
+    migration_limit: int = 1
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # the router's (servers have their own)
 
     @property
     def url(self) -> str:
@@ -175,9 +198,10 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     host = os.environ.get(HOSTNAME_ENV) or host
     port = top.port(data, "port", 8000)
     router = top.mapping(data, "router")
-    top.key("router").check_keys(router, ("type", *ACCESS_KEYS))
+    top.key("router").check_keys(router, (*ROUTER_KEYS, *ACCESS_KEYS))
     router_type = top.key("router").choice(router, "type", ROUTER_TYPES, "round_robin")
     access = router_access_from_yaml(router, top.key("router"), Path(path).resolve().parent)
+    migration_limit = top.key("router").integer(router, "migration_limit", 1, minimum=0)
     token = _auth_token(data, top)
     if "context_servers" in data and "generation_servers" not in data:
         raise top.key("generation_servers").error("required when context_servers is given")
@@ -192,8 +216,18 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     _check_same_model(servers, top)
     _check_ports(servers, host, port, has_router, top)
     servers = _with_context_urls(share_gpu_memory(servers))
-    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None, access)
+    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None, access, _restart(data, top),
+                           migration_limit, top.number(data, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0))
     return with_auth_token(cfg, token)
+
+
+def _restart(data: dict[str, Any], top: Where) -> RestartPolicy:
+    where, restart = top.key("restart"), top.mapping(data, "restart")
+    where.check_keys(restart, RESTART_KEYS)
+    default = RestartPolicy()
+    return RestartPolicy(where.integer(restart, "max_quick_deaths", default.max_quick_deaths, minimum=0),
+                         where.number(restart, "backoff_s", default.backoff_s, minimum=0),
+                         where.number(restart, "quick_s", default.quick_s, minimum=0))
 
 
 def _with_context_urls(servers: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
@@ -234,7 +268,7 @@ def server_config_to_yaml(cfg: ServerConfig) -> str:
         "max_seq_len": cfg.max_seq_len, "max_batch_size": cfg.max_batch_size,
         "max_num_tokens": cfg.max_num_tokens, "max_prefill_batch_tokens": cfg.max_prefill_batch_tokens,
         "dtype": cfg.dtype, "device": cfg.device, "kernels": cfg.kernels, "cuda_graphs": cfg.cuda_graphs,
-        "borrow_idle_cores": cfg.borrow_idle_cores,
+        "borrow_idle_cores": cfg.borrow_idle_cores, "drain_timeout_s": cfg.drain_timeout_s,
         "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
     }
     if cfg.context_urls:
@@ -277,6 +311,8 @@ def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Wh
     out["cuda_graphs"] = w.boolean(d, "cuda_graphs", True)
     d, w = pick("borrow_idle_cores")
     out["borrow_idle_cores"] = w.boolean(d, "borrow_idle_cores", False)
+    d, w = pick("drain_timeout_s")
+    out["drain_timeout_s"] = w.number(d, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0)
     out["kv_cache_config"] = _kv_cache(top_data, sec_data, top, sec)
     out["cache_transceiver"] = _transceiver(top_data, sec_data, top, sec)
     return out

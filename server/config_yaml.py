@@ -62,6 +62,15 @@ class Where:
             raise self.key(name).error(f"must be >= {minimum}, got {value}")
         return value
 
+    def number(self, data: dict[str, Any], name: str, default: float, minimum: float) -> float:
+        """An int or float >= `minimum` (seconds, say)."""
+        value = data.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise self.key(name).error(f"must be a number, got {_kind(value)} {value!r}")
+        if value < minimum:
+            raise self.key(name).error(f"must be >= {minimum:g}, got {value}")
+        return float(value)
+
     def optional_integer(self, data: dict[str, Any], name: str, minimum: int) -> int | None:
         return None if data.get(name) is None else self.integer(data, name, minimum, minimum)
 

@@ -2,55 +2,47 @@
 
 Life of a launch:
 1. Load the deployment; make an auth token when the file has none (secrets.token_hex). The token
-   reaches the children only through the PDSERVE_AUTH_TOKEN environment variable.
+   reaches the children only through the PDSERVE_AUTH_TOKEN environment variable, and is written to
+   `<log dir>/auth_token` (mode 0600) so that an operator can start one server again by hand
+   (PDSERVE_AUTH_TOKEN_FILE names that file; the launcher prints the command).
 2. Write each server's own YAML (server_config_to_yaml) into the log dir; start the servers, each in
    its own session (process group) and, on Linux, with PR_SET_PDEATHSIG so that even a SIGKILLed
    launcher takes them down. Output goes to <log dir>/<name>.log.
-3. Wait until every server answers GET /health with 200; then start the router and wait for it.
+3. Wait until every server answers GET /health with 200 (a server that reports its peers
+   `incompatible` fails the launch at once, naming the field); wait until every generation server
+   has shaken hands with every context server; then start the router and wait for it.
    A child that exits meanwhile, or the startup timeout, stops everything and returns 1.
-4. Print the URL and supervise: a dead server is reported with its exit code (the router fences it
-   by health checks); if the router (or the only server when there is no router) dies, or every
-   child is gone, stop everything and return 1. SIGINT/SIGTERM/SIGHUP: stop everything, return 0.
-Stopping: SIGTERM to each child's process group, wait `grace_s`, then SIGKILL what is left.
+4. Print the URL and supervise (server/supervisor.py): a child that dies is restarted on its port
+   with backoff, up to `restart.max_quick_deaths` quick deaths in a row; giving up on the router (or
+   the only server when there is no router) stops everything and returns 1. SIGINT/SIGTERM/SIGHUP:
+   drain and stop everything (the router first, then the servers), return 0.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config import (
     AUTH_TOKEN_ENV,
+    AUTH_TOKEN_FILE_ENV,
     DeploymentConfig,
     load_deployment,
     server_config_to_yaml,
     with_auth_token,
 )
+from server.supervisor import Child, StopOnSignals, Supervisor, health
 
-_PR_SET_PDEATHSIG = 1
-_LOG_TAIL_LINES = 20
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TOKEN_FILE = "auth_token"
+HANDSHAKE_TIMEOUT_S = 30.0  # generation servers shaking hands with every context server at startup
 
-
-@dataclass(frozen=True)
-class Child:
-    """One process the launcher runs; `config_path` is the YAML it reads."""
-
-    name: str  # "context-0", "generation-1", "aggregated-0", "router"
-    role: str  # context | generation | aggregated | router
-    config_path: Path
-    health_url: str  # GET answers 200 once the child serves
-
+__all__ = ["Child", "LaunchOptions", "launch", "pdserve_command", "plan_children", "wait_for_health"]
 
 CommandBuilder = Callable[[Child], list[str]]
 
@@ -68,7 +60,7 @@ class LaunchOptions:
     log_dir: Path | None = None  # None: a fresh temporary directory
     startup_timeout_s: float = 300.0  # for the servers, and again for the router
     poll_interval_s: float = 0.5
-    grace_s: float = 10.0  # SIGTERM -> SIGKILL
+    grace_s: float = 10.0  # after a child's drain timeout: SIGTERM -> SIGKILL
     command: CommandBuilder = field(default=pdserve_command)
 
 
@@ -80,14 +72,34 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     _say(f"logs and per-server configs in {log_dir}")
+    token_file = write_token_file(log_dir, cfg.auth_token or "")
     servers, router = plan_children(cfg, Path(path), log_dir)
     env = child_env(dict(os.environ), cfg.auth_token or "", len(servers))
-    group = _Group(options, env, log_dir)
-    with _StopOnSignals() as stop:
+    group = Supervisor(options.command, env, log_dir, cfg.restart, options.poll_interval_s, _say)
+    with StopOnSignals() as stop:
         try:
-            return _run(group, servers, router, cfg, stop)
+            return _run(group, servers, router, cfg, stop, options, token_file)
         finally:
-            group.stop_all()
+            group.stop_all(_stop_stages(cfg, router, options.grace_s))
+
+
+def write_token_file(log_dir: Path, token: str) -> Path:
+    """`<log_dir>/auth_token`, readable by its owner only (created 0600, never wider)."""
+    path = log_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an older file of the same name keeps its mode otherwise
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def _stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) -> list[tuple[list[str], float]]:
+    """The router drains first (its requests need the servers), then every server at once."""
+    server_wait = max((s.drain_timeout_s for s in cfg.servers), default=0.0) + grace_s
+    stages = [(["router"], cfg.drain_timeout_s + grace_s)] if router else []
+    return [*stages, ([], server_wait)]
 
 
 BORROWER_SPINCOUNT = "10000"
@@ -128,133 +140,55 @@ def plan_children(cfg: DeploymentConfig, deployment_path: Path,
     return servers, router
 
 
-def _run(group: _Group, servers: list[Child], router: Child | None, cfg: DeploymentConfig,
-         stop: _StopOnSignals) -> int:
-    for stage in (servers, [router] if router else []):
-        for child in stage:
-            group.start(child)
-        if not group.wait_healthy(stop):
+def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: DeploymentConfig,
+         stop: StopOnSignals, options: LaunchOptions, token_file: Path) -> int:
+    for child in servers:
+        group.start(child)
+    if not group.wait_healthy(stop, options.startup_timeout_s) or not _handshakes_done(stop, servers):
+        return 0 if stop.signum is not None else 1
+    if router:
+        group.start(router)
+        if not group.wait_healthy(stop, options.startup_timeout_s):
             return 0 if stop.signum is not None else 1
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
+    _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} pdserve serve "
+         f"--config {servers[0].config_path} --role {servers[0].role}  (any <name>.yaml of {token_file.parent})")
     return group.supervise("router" if router else servers[0].name, stop)
 
 
-@dataclass
-class _Running:
-    child: Child
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    reported: bool = False  # its exit has been reported
-
-
-class _Group:
-    """The running children: start, wait for health, supervise, stop."""
-
-    def __init__(self, options: LaunchOptions, env: dict[str, str], log_dir: Path) -> None:
-        self.options, self.env, self.log_dir = options, env, log_dir
-        self.running: list[_Running] = []
-
-    def start(self, child: Child) -> None:
-        log_path = self.log_dir / f"{child.name}.log"
-        argv = self.options.command(child)
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True, preexec_fn=_die_with_parent())
-        self.running.append(_Running(child, popen, log_path))
-        _say(f"started {child.name} (pid {popen.pid}): {' '.join(argv)}  > {log_path}")
-
-    def wait_healthy(self, stop: _StopOnSignals) -> bool:
-        """True once every started child answers /health; False on exit, timeout or stop signal."""
-        deadline = time.monotonic() + self.options.startup_timeout_s
-        waiting = [r for r in self.running if not _healthy(r.child.health_url, 0.0)]
-        while waiting:
-            if stop.signum is not None:
-                _say(f"stop requested ({signal.Signals(stop.signum).name}) during startup")
+def _handshakes_done(stop: StopOnSignals, servers: list[Child]) -> bool:
+    """Every generation server has shaken hands with every context server (the KV layouts agree):
+    True; a pair that disagrees fails the launch, naming what differs, before any request."""
+    pending = [c for c in servers if c.role == "generation"]
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    while pending and stop.signum is None:
+        still = []
+        for child in pending:
+            peers = health(child.health_url, 2.0)[1].get("context_servers")
+            if not isinstance(peers, dict):  # a server that does not report its peers
+                continue
+            bad = {url: state for url, state in peers.items() if str(state).startswith("incompatible")}
+            if bad:
+                _say(f"{child.name} cannot use its context servers: "
+                     + "; ".join(f"{url}: {state}" for url, state in bad.items()))
                 return False
-            for r in waiting:
-                if r.popen.poll() is not None:
-                    _say(f"{r.child.name} exited during startup with {_exit_text(r.popen.returncode)}"
-                         f"{_log_tail(r.log_path)}")
-                    return False
-            if time.monotonic() > deadline:
-                names = ", ".join(r.child.name for r in waiting)
-                _say(f"startup timeout ({self.options.startup_timeout_s:g} s): no healthy /health from "
-                     f"{names}" + "".join(_log_tail(r.log_path) for r in waiting))
-                return False
-            time.sleep(self.options.poll_interval_s)
-            waiting = [r for r in waiting if not _healthy(r.child.health_url, self.options.poll_interval_s)]
-        return True
-
-    def supervise(self, front: str, stop: _StopOnSignals) -> int:
-        while stop.signum is None:
-            for r in self.running:
-                if not r.reported and r.popen.poll() is not None:
-                    r.reported = True
-                    code = _exit_text(r.popen.returncode)
-                    _say(f"{r.child.name} exited with {code}{_log_tail(r.log_path)}")
-                    if r.child.name == front or all(x.reported for x in self.running):
-                        _say("the deployment cannot serve any more: stopping")
-                        return 1
-            time.sleep(self.options.poll_interval_s)
-        _say(f"{signal.Signals(stop.signum).name}: stopping")
-        return 0
-
-    def stop_all(self) -> None:
-        """SIGTERM every child's process group, wait up to grace_s, SIGKILL what is left, reap all."""
-        for r in self.running:
-            _signal_group(r.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.options.grace_s
-        for r in self.running:
-            try:
-                r.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _say(f"{r.child.name} ignored SIGTERM for {self.options.grace_s:g} s: SIGKILL")
-        for r in self.running:  # the group may outlive its leader (grandchildren)
-            _signal_group(r.popen.pid, signal.SIGKILL)
-            try:
-                r.popen.wait(timeout=self.options.grace_s)
-            except subprocess.TimeoutExpired:
-                _say(f"{r.child.name} (pid {r.popen.pid}) did not die on SIGKILL")
-        self.running = []
-
-
-class _StopOnSignals:
-    """Records the first stop signal (SIGINT/SIGTERM/SIGHUP) while active; restores handlers after."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _StopOnSignals:
-        for sig in _STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        if self.signum is None:
-            self.signum = signum
+            if any(state != "compatible" for state in peers.values()):
+                still.append(child)
+        pending = still
+        if pending and time.monotonic() > deadline:
+            _say(f"warning: {', '.join(c.name for c in pending)} did not finish the KV handshake with every "
+                 f"context server within {HANDSHAKE_TIMEOUT_S:g} s; going on")
+            return True
+        if pending:
+            time.sleep(0.2)
+    return stop.signum is None
 
 
 def _health_url(host: str, port: int) -> str:
     probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard bind answers on loopback
     return f"http://{probe}:{port}/health"
-
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
-
-
-def _healthy(url: str, timeout_s: float) -> bool:
-    try:
-        with _NO_PROXY.open(url, timeout=max(timeout_s, 0.2)) as response:
-            return response.status == 200
-    except (OSError, ValueError):  # refused, reset, timeout, HTTP error status
-        return False
 
 
 def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
@@ -263,45 +197,10 @@ def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] =
     passes (False). Shared by the launcher's callers: tests and benchmarks that start servers."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
-        if _healthy(f"{base_url}/health", 2.0):
+        if health(f"{base_url}/health", 2.0)[0] == 200:
             return True
         time.sleep(interval_s)
     return False
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child when the launcher dies (even by SIGKILL)."""
-    if sys.platform != "linux":
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    """Signal a child's process group (its pid: each child leads its own session)."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):  # the whole group is gone already
-        pass
-
-
-def _exit_text(returncode: int) -> str:
-    return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
-
-
-def _log_tail(log_path: Path) -> str:
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-    except OSError:
-        return ""
-    return f"\n--- last lines of {log_path} ---\n" + "\n".join(lines) if lines else f" (empty log {log_path})"
 
 
 def _say(message: str) -> None:

@@ -14,7 +14,9 @@ import uvicorn
 from kvcache import KVCacheManager
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
+from server.api.readiness import health_report, transceiver
 from server.config import ServerConfig
+from server.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.cpu_threads import cpu_threads_policy
@@ -97,6 +99,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
         finally:
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(_close_transceiver, engine)
 
     token = cfg.cache_transceiver.get("auth_token")
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
@@ -105,7 +108,50 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     app.state.role = cfg.role  # the leg /health_generate names
     metrics.set_stats_provider(telemetry.kv_stats)
     install_kv_routes(app)
+    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
+    if directory is not None:
+        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
     return app
+
+
+def install_health(app, drain: Drain) -> None:
+    """Drain on SIGTERM (server/drain.py) and /health's report (server/api/readiness.py)."""
+    app.state.drain = drain
+    app.state.health_report = lambda: health_report(app)
+    app.add_middleware(DrainGate, drain=drain)
+
+
+def engine_idle(engine) -> bool:
+    """Nothing left to finish: no request queued or running, no KV lease or pull (read from the
+    event loop's thread: plain reads of the engine thread's containers)."""
+    core = getattr(engine, "core", None)
+    if core is None:
+        return True
+    sender, receiver = transceiver(engine)
+    return not core.scheduler.has_work() and (sender is None or sender.num_leases == 0) \
+        and (receiver is None or receiver.num_pulls == 0)
+
+
+def probe_context_servers(engine, directory: ContextDirectory) -> None:
+    """Generation side: shake hands with every known context server (the KV layouts must agree)."""
+    receiver = transceiver(engine)[1]
+    if receiver is None or not receiver.link_alive:
+        return
+    for endpoint in directory.endpoints:
+        try:
+            receiver.probe(endpoint)
+        except RuntimeError as exc:  # the socket thread stopped or is swamped: /health says so
+            log.warning("could not probe %s: %s", endpoint, exc)
+
+
+def _close_transceiver(engine) -> None:
+    """After the engine thread stopped: fail what still runs with an explicit message, close sockets."""
+    thread = getattr(engine, "_thread", None)
+    if thread is not None and thread.is_alive():  # still in a step: the engine thread owns them
+        return
+    for link in transceiver(engine):
+        if link is not None:
+            link.close()
 
 
 async def _watch_load(engine: AsyncEngine, on_fatal) -> None:
@@ -129,8 +175,9 @@ def serve(cfg: ServerConfig) -> int:
         failed.append(True)
         server.should_exit = True
 
-    config = uvicorn.Config(make_app(cfg, on_fatal), host=cfg.host, port=cfg.port, log_level="warning",
+    app = make_app(cfg, on_fatal)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_graceful_shutdown=5, access_log=False)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.drain)
     server.run()
     return 1 if failed else 0

@@ -35,6 +35,7 @@ class TelemetryBridge:
         self._seen: dict[int, _Seen] = {}
         self._preemptions = 0
         self._hooked: set[int] = set()
+        self._preemptions = 0
 
     def kv_stats(self):
         return self._kv_stats

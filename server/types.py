@@ -52,6 +52,12 @@ class DisaggParams:
     # the cache_salt the context server hashed the prompt's blocks with: the generation server
     # reuses its own cache, and pulls, under the same one
     cache_salt: str | None = None
+    # Migration (the router moves a stream whose generation server died, server/router/migration.py):
+    # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
+    # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
+    prior_output_tokens: int = 0
+    response_id: str | None = None  # generation_only: the id of the client's stream to continue
+    report_tokens: bool = False  # streamed generation_only: each event's token ids in an SSE comment
 
 
 @dataclass

@@ -133,8 +133,8 @@ def _wait_ready(deployment: Deployment) -> None:
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
+        try:  # the router, then the servers, drain first (server/drain.py)
+            process.wait(timeout=90)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)

@@ -146,6 +146,10 @@ class SocketThread:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def name(self) -> str:
+        return self._thread.name
+
     def submit(self, cmd: Any, timeout_s: float = 10.0) -> None:
         """Queue a command for the socket thread (blocks at most `timeout_s` when the queue is full)."""
         if not self._thread.is_alive():
@@ -207,6 +211,9 @@ class SocketThread:
         self._ready.set()
         try:
             self._loop(io)
+        except BaseException:  # `running` turns False: the server reports it unhealthy (/health)
+            log.exception("%s: socket thread died", self._thread.name)
+            raise
         finally:
             self._close_all(io)
 

@@ -6,6 +6,11 @@ DEALER per context endpoint. The caller owns the destination blocks: they must s
 (in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
 and the caller frees them when the result says it failed.
 
+No late writer: the only writes into our slots happen in `step`, on the engine thread, for pulls
+still registered here. `cancel` (and every failure) unregisters the pull at once, before the caller
+frees its blocks, so chunks of it that are still on the wire are dropped unwritten (`late_chunks`)
+and a slot handed to another request is never written by the old transfer.
+
 Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
 (endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
 (the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
@@ -42,7 +47,7 @@ from transceiver.messages import (
     WindowRange,
 )
 from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver_link import IpcPools, PeerDown, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.receiver_link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
 from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,7 @@ class KVReceiver:
             return open_pools(offer, pools)
 
         link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, identity, open_ipc)
+        self._link = link
         self._thread = SocketThread("kv-receiver", link, inbox_size=16, notify=on_message)
         self._thread.start()
 
@@ -160,6 +166,25 @@ class KVReceiver:
     def num_pulls(self) -> int:
         return len(self._pulls)
 
+    # ---- any thread (the HTTP layer's health) -------------------------------------------------
+
+    def probe(self, ctx_endpoint: str) -> None:
+        """Shake hands with a context server now, before any pull needs it (layout check)."""
+        self._thread.submit(Probe(ctx_endpoint), timeout_s=0.5)
+
+    def peer_status(self) -> dict[str, str]:
+        """endpoint -> "compatible", "unchecked", "unreachable" or "incompatible: <what differs>"."""
+        return dict(self._link.peer_status)
+
+    @property
+    def link_alive(self) -> bool:
+        """False once the socket thread has died: no pull can run (the server reports it)."""
+        return self._thread.running
+
+    @property
+    def link_name(self) -> str:
+        return self._thread.name
+
     def close(self) -> None:
         """Cancel every running pull (results are dropped) and stop the socket thread."""
         pulls = list(self._pulls.values())
@@ -175,8 +200,9 @@ class KVReceiver:
     def _on_received(self, item: Received) -> None:
         body = item.body
         pull = self._pulls.get(body.pull_id) if body.pull_id is not None else None
-        if pull is None or pull.endpoint != item.endpoint:
-            return  # late message of a pull that already ended
+        if pull is None or pull.endpoint != item.endpoint:  # a pull that ended: never written (no late writer)
+            self.stats.late_chunks += isinstance(body, ChunkHeader | IpcChunk)
+            return
         if item.sender_epoch != pull.ctx_epoch:
             self._fail(pull, "epoch_mismatch", f"context server restarted (epoch {item.sender_epoch}, "
                                                f"the request was prefilled by epoch {pull.ctx_epoch})")

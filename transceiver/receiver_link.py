@@ -14,6 +14,11 @@ Liveness: a monitor on each DEALER reports a lost connection (the context server
 and every failed reconnect attempt. Either fails at once what depends on that peer (`PeerDown`
 for pulls already sent, `PullRefused` for pulls waiting for a handshake), instead of letting them
 wait for kv_transfer_timeout_ms; the next pull to that endpoint shakes hands again.
+
+Probes (`Probe`): the generation server shakes hands with each context server it knows before any
+request needs it, so a layout that disagrees (dtype, tokens_per_block, layers, KV heads, head_dim,
+window groups, model fingerprint) is known up front. `peer_status` (endpoint -> PEER_* or
+"incompatible: <what differs>") is written here and read by the server's /health.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ from transceiver.stats import TransferStats
 log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0  # resend an unanswered Hello (the peer may have been down or restarting)
+PROBE_INTERVAL_S = 10.0  # at most one probing Hello per endpoint this often while it does not answer
+PEER_COMPATIBLE = "compatible"
+PEER_UNCHECKED = "unchecked"
+PEER_UNREACHABLE = "unreachable"
+INCOMPATIBLE = "incompatible"
 IDLE_CLOSE_S = 600.0  # close a DEALER unused this long
 MONITOR = "monitor"  # socket key (MONITOR, endpoint): the PAIR reading the DEALER's monitor events
 _monitor_ids = itertools.count()  # inproc names are per zmq context, and the context is per process
@@ -63,6 +73,13 @@ class Pull:
 
     endpoint: str
     request: PullRequest
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Command: shake hands with `endpoint` unless that is done or under way (no pull needed)."""
+
+    endpoint: str
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class _Peer:
     waiting: list[PullRequest] = field(default_factory=list)
     last_used: float = 0.0
     ipc_epoch: str | None = None  # the epoch whose pools are open (its pulls go with via_ipc)
+    probed_at: float = float("-inf")  # when a probe last sent a Hello
 
 
 class ReceiverLink:
@@ -131,6 +149,7 @@ class ReceiverLink:
         self._peers: dict[str, _Peer] = {}
         self._identity = identity  # None: never ask for IPC
         self._open_ipc = open_ipc
+        self.peer_status: dict[str, str] = {}  # endpoint -> PEER_* or "incompatible: ...", read by /health
 
     def setup(self, io: SocketIO) -> None:
         return None
@@ -149,8 +168,11 @@ class ReceiverLink:
         peer.last_used = now
         return peer
 
-    def on_command(self, io: SocketIO, cmd: Pull | Send) -> None:
+    def on_command(self, io: SocketIO, cmd: Pull | Send | Probe) -> None:
         now = time.time()
+        if isinstance(cmd, Probe):
+            self._probe(io, cmd.endpoint, now)
+            return
         peer = self._peer(io, cmd.endpoint, now)
         if isinstance(cmd, Send):
             if isinstance(cmd.body, Cancel) and cmd.body.pull_id is not None:
@@ -162,6 +184,23 @@ class ReceiverLink:
             peer.waiting.append(cmd.request)
             if peer.hello_at is None:
                 self._hello(io, cmd.endpoint, peer, now)
+
+    def _probe(self, io: SocketIO, endpoint: str, now: float) -> None:
+        """A Hello without a pull, once per connection; a peer that does not answer is asked again
+        at most every PROBE_INTERVAL_S (its Hellos queue in the DEALER until it connects)."""
+        old = self._peers.get(endpoint)
+        used = old.last_used if old is not None else now
+        peer = self._peer(io, endpoint, now)
+        peer.last_used = used  # probes alone do not keep a DEALER open (IDLE_CLOSE_S)
+        self.peer_status.setdefault(endpoint, PEER_UNCHECKED)
+        if peer.epoch is not None or peer.hello_at is not None or now - peer.probed_at < PROBE_INTERVAL_S:
+            return
+        peer.probed_at = now
+        self._hello(io, endpoint, peer, now)
+
+    def _peer_problem(self, endpoint: str, detail: str) -> None:
+        self.peer_status[endpoint] = f"{INCOMPATIBLE}: {detail}"
+        log.error("KV receiver: the context server at %s is incompatible: %s", endpoint, detail)
 
     def _hello(self, io: SocketIO, endpoint: str, peer: _Peer, now: float) -> None:
         peer.hello_at = now
@@ -192,6 +231,8 @@ class ReceiverLink:
         elif isinstance(body, InstanceInfo):
             self._on_info(io, endpoint, epoch, body)
         elif isinstance(body, Failed) and body.pull_id is None:
+            if body.reason == INCOMPATIBLE:
+                self._peer_problem(endpoint, body.detail.removeprefix("incompatible peers: "))
             self._refuse_waiting(io, endpoint, body.reason, body.detail)
         elif isinstance(body, ChunkHeader | IpcChunk | Done | Failed):
             io.deliver(Received(endpoint, epoch, body, payload))
@@ -204,8 +245,10 @@ class ReceiverLink:
             return  # an answer to a Hello we no longer wait for
         problem = layout_mismatch(info.layout, self._layout)
         if problem is not None:
-            self._refuse_waiting(io, endpoint, "incompatible", f"incompatible peers: {problem}")
+            self._peer_problem(endpoint, problem)
+            self._refuse_waiting(io, endpoint, INCOMPATIBLE, f"incompatible peers: {problem}")
             return
+        self.peer_status[endpoint] = PEER_COMPATIBLE
         if peer.epoch != epoch or peer.ipc_epoch != epoch:
             self._take_offer(io, endpoint, peer, epoch, info.ipc)
         peer.epoch, peer.hello_at = epoch, None
@@ -256,6 +299,8 @@ class ReceiverLink:
             detail = f"the context server at {endpoint} is unreachable (connection refused)"
         else:
             return
+        if endpoint in self.peer_status:
+            self.peer_status[endpoint] = PEER_UNREACHABLE
         if peer.waiting:
             self._refuse_waiting(io, endpoint, "peer_gone", detail)
 
@@ -273,5 +318,6 @@ class ReceiverLink:
                 io.close(endpoint)
                 io.close((MONITOR, endpoint))
                 del self._peers[endpoint]
+                self.peer_status.pop(endpoint, None)
                 if peer.ipc_epoch is not None:
                     io.deliver(IpcPools(endpoint, None, None))

@@ -139,6 +139,15 @@ class KVSender:
         return bool(self._unpin_later)
 
     @property
+    def link_alive(self) -> bool:
+        """False once the socket thread has died: no pull is served (the server reports it)."""
+        return self._thread.running
+
+    @property
+    def link_name(self) -> str:
+        return self._thread.name
+
+    @property
     def num_leases(self) -> int:
         """Leases whose blocks are still pinned (including ended ones waiting for zmq)."""
         return len(self._leases) + len(self._unpin_later)

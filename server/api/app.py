@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from server.api.access import EndpointDirectory
 from server.api.errors import install_error_handlers
+from server.api.openapi import openapi_document
 from server.api.routes import chat, completions, health, models
 from server.api.routes import metrics as metrics_route
 from server.metrics import ServerMetrics
@@ -54,6 +55,7 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
                 app.state.engine = None
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = openapi_document  # request bodies included (FastAPI's own shows none: see json_body)
     app.state.metrics = server_metrics
     app.state.auth_token = auth_token
     app.state.context_directory = context_directory

@@ -7,6 +7,7 @@ context server that restarts comes back on a new ephemeral port: an endpoint not
 one refresh (at most one per `min_refresh_s`, so unknown endpoints cannot make it poll in a loop),
 and a background task refreshes every `interval_s`, so endpoints are known before the first request
 and stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
+After every refresh `on_refresh()` runs (the server shakes hands with the endpoints: layout check).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -36,15 +37,31 @@ class ContextDirectory:
         self._lock = asyncio.Lock()
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
+        self._nudged: asyncio.Task | None = None
+        self.on_refresh: Callable[[], None] | None = None  # runs after every refresh
 
     def start(self) -> None:
         """Refresh in the background until `stop` (call from the server's event loop)."""
         self._task = asyncio.create_task(self._keep_fresh())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._nudged):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def nudge(self) -> None:
+        """Refresh soon (at most once per `min_refresh_s`), without waiting for the interval."""
+        if self._nudged is None or self._nudged.done():
+            self._nudged = asyncio.create_task(self._refresh_if_due())
+
+    async def _refresh_if_due(self) -> None:
+        async with self._lock:
+            if time.monotonic() - self._last_refresh >= self._min_refresh_s:
+                await self.refresh()
+
+    def endpoint_of(self, url: str) -> str | None:
+        return self._endpoints.get(url)
 
     async def _keep_fresh(self) -> None:
         while True:
@@ -72,6 +89,11 @@ class ContextDirectory:
         for url, endpoint in zip(self.context_urls, found, strict=True):
             if endpoint is not None:
                 self._endpoints[url] = endpoint
+        if self.on_refresh is not None:
+            try:
+                self.on_refresh()
+            except Exception:  # a failing hook must not stop the refreshes
+                log.exception("context directory: on_refresh failed")
 
     async def _ask(self, client: httpx.AsyncClient, url: str) -> str | None:
         try:

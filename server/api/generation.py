@@ -25,6 +25,7 @@ from server.api.errors import output_error
 from server.api.formatting import Formatter, continued_response_id
 from server.api.prompts import build_request, new_request_id
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.sse import sse_event
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ async def respond_json(request: Request, engine: EngineClient, gen: GenerateRequ
 
 
 async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRequest,
-                         fmt: Formatter) -> Response:
+                         fmt: Formatter, tokens: TokenReport | None = None) -> Response:
     """Waits for the first output before answering, so a failure before it still gets its HTTP status."""
     stream = EngineStream(engine, gen)
     try:
@@ -144,7 +145,7 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
         await stream.close()
         raise
     if done and not failed(first):
-        return SSEResponse(stream, first, fmt)  # it closes the stream when the exchange ends
+        return SSEResponse(stream, first, fmt, tokens)  # it closes the stream when the exchange ends
     await stream.close()
     if not done:
         return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -152,15 +153,20 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
 
 
 class SSEResponse(Response):
-    """`data: {json}\\n\\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`."""
+    """`data: {json}\\n\\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
+
+    With `tokens` (the router asks, `report_tokens`), each output's token ids go in an SSE comment
+    line (`: tokens 12 34`, `final` on the last) in the same event as that output's text, so the
+    router knows exactly which tokens the text it relayed came from (it moves the stream to another
+    server with them if this one dies). Clients ignore comments; the router takes them out."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, stream: EngineStream, first: RequestOutput, fmt: Formatter):
+    def __init__(self, stream: EngineStream, first: RequestOutput, fmt: Formatter, tokens: TokenReport | None = None):
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._stream, self._first, self._fmt = stream, first, fmt
+        self._stream, self._first, self._fmt, self._tokens = stream, first, fmt, tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -184,8 +190,7 @@ class SSEResponse(Response):
                         await _event(send, data)
                 await _event(send, json.dumps(output_error(output).body()))
                 break
-            for data in self._fmt.chunks(output):
-                await _event(send, data)
+            await self._send_output(send, output)
             if output.finished:
                 if self._fmt.include_usage:
                     await _event(send, self._fmt.usage_chunk(output))
@@ -195,8 +200,35 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+    async def _send_output(self, send: Send, output: RequestOutput) -> None:
+        chunks = self._fmt.chunks(output)
+        comment = self._tokens.comment(output) if self._tokens is not None else b""
+        if comment and not chunks:
+            await send({"type": "http.response.body", "body": comment + b"\n", "more_body": True})
+        for i, data in enumerate(chunks):
+            event = sse_event(data)
+            await send({"type": "http.response.body", "body": comment + event if i == 0 else event, "more_body": True})
+
+
+class TokenReport:
+    """The token ids of each output as an SSE comment line; ids whose text the router streamed
+    itself (`first_text_streamed`: the first tokens) are not repeated."""
+
+    def __init__(self, skip: int) -> None:
+        self._skip = skip
+
+    def comment(self, output: RequestOutput) -> bytes:
+        ids = output.new_token_ids
+        if self._skip:
+            ids, self._skip = ids[self._skip:], max(0, self._skip - len(ids))
+        if not ids and not output.finished:
+            return b""
+        final = " final" if output.finished else ""
+        return f": tokens {' '.join(map(str, ids))}{final}\n".encode()
+
+
 async def _event(send: Send, data: str) -> None:
-    await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
+    await send({"type": "http.response.body", "body": sse_event(data), "more_body": True})
 
 
 async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
@@ -205,8 +237,15 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     await check_disagg_access(request, body.disaggregated_params)
     request_id = new_request_id(id_prefix)
     gen = build_request(body, engine, request_id)
-    continued = gen.disagg is not None and gen.disagg.first_text_streamed  # the router began the stream
-    response_id = continued_response_id(gen.disagg.ctx_request_id) if continued else request_id
+    disagg = gen.disagg
+    continued = disagg is not None and disagg.first_text_streamed  # the router began the stream
+    response_id = request_id
+    if continued:
+        response_id = disagg.response_id or continued_response_id(disagg.ctx_request_id)
     fmt = formatter(response_id, engine.model_name, include_usage=body.include_usage, continued=continued)
-    respond = respond_stream if body.stream else respond_json
-    return await respond(request, engine, gen, fmt)
+    if not body.stream:
+        return await respond_json(request, engine, gen, fmt)
+    tokens = None
+    if disagg is not None and disagg.report_tokens:
+        tokens = TokenReport(len(disagg.first_gen_tokens or ()) if continued else 0)
+    return await respond_stream(request, engine, gen, fmt, tokens)

@@ -7,6 +7,7 @@ pydantic's (`server.api.protocol`). Every failure is an `APIError` (400, or 404 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 from jinja2 import TemplateError
 
@@ -136,14 +137,29 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "
                        "requests (the router sets it when it streamed the first token itself)",
                        param="disaggregated_params.first_text_streamed")
-    if disagg is not None and disagg.request_type == "generation_only" and disagg.prompt_token_ids:
+    if body.stop_token_ids:
+        _checked_token_ids(body.stop_token_ids, len(tokenizer), "stop_token_ids")
+    if disagg is not None and disagg.first_gen_tokens:
+        _checked_token_ids(list(disagg.first_gen_tokens), len(tokenizer), "disaggregated_params.first_gen_tokens")
+    prior = disagg.prior_output_tokens if disagg is not None else 0
+    if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
         # The KV the context server made is for exactly these ids: they win over re-tokenising.
+        # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
         prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), len(tokenizer),
                                         "disaggregated_params.prompt_token_ids")
-    max_tokens = resolve_max_tokens(requested, default, len(prompt_ids), engine.max_seq_len, param)
+    if prior >= len(prompt_ids):
+        raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "
+                       "prompt_token_ids", param="disaggregated_params.prior_output_tokens")
+    # max_tokens and min_tokens count the output a moved stream already produced (`prior`)
+    max_tokens = resolve_max_tokens(requested, default, len(prompt_ids) - prior, engine.max_seq_len, param)
+    if max_tokens <= prior:
+        raise APIError(400, f"nothing left to generate: {prior} of max_tokens {max_tokens} were produced",
+                       param="disaggregated_params.prior_output_tokens")
+    sampling = sampling_params(body, max_tokens)
+    if prior:
+        sampling = replace(sampling, max_tokens=max_tokens - prior, min_tokens=max(0, sampling.min_tokens - prior))
     priority = body.kv_retention_priority
-    return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                           sampling=sampling_params(body, max_tokens), disagg=disagg,
+    return GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, disagg=disagg,
                            cache_salt=request_cache_salt(body.cache_salt, disagg),
                            kv_retention_priority=DEFAULT_RETENTION_PRIORITY if priority is None else priority)
 

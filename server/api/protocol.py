@@ -60,6 +60,10 @@ class DisaggregatedParams(BaseModel):
     ctx_cached_tokens: int = Field(default=0, ge=0)
     first_text_streamed: bool = Field(default=False, exclude=True)  # request only: the router streamed the first text
     cache_salt: str | None = None  # the context server's: the generation server hashes with it too
+    # request only, set by the router when it moves a stream to another server (server/types.py)
+    prior_output_tokens: int = Field(default=0, ge=0, exclude=True)
+    response_id: str | None = Field(default=None, exclude=True)
+    report_tokens: bool = Field(default=False, exclude=True)
 
     def to_internal(self) -> DisaggParams:
         return DisaggParams(
@@ -72,6 +76,9 @@ class DisaggregatedParams(BaseModel):
             ctx_cached_tokens=self.ctx_cached_tokens,
             first_text_streamed=self.first_text_streamed,
             cache_salt=self.cache_salt,
+            prior_output_tokens=self.prior_output_tokens,
+            response_id=self.response_id,
+            report_tokens=self.report_tokens,
         )
 
     @classmethod

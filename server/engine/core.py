@@ -70,9 +70,19 @@ class EngineCore:
         if request.is_generation_only:
             request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
-        self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer, gen.sampling.stop)
+        self._detok[request.request_id] = self._detokenizer(gen)
         self.scheduler.add(request)
         return None
+
+    def _detokenizer(self, gen: GenerateRequest) -> IncrementalDetokenizer:
+        """A moved stream (`prior_output_tokens`) goes on from the output it had: its text so far is
+        decoded (and held back) exactly as before, and only what follows is reported."""
+        detok = IncrementalDetokenizer(self.tokenizer, gen.sampling.stop)
+        prior = gen.disagg.prior_output_tokens if gen.disagg is not None else 0
+        for token in gen.prompt_token_ids[len(gen.prompt_token_ids) - prior:] if prior else ():
+            detok.add(token)
+        detok.take(False)  # streamed already
+        return detok
 
     def _role_problem(self, gen: GenerateRequest) -> tuple[str, int] | None:
         """(message, HTTP status) when this server cannot take the request."""
@@ -215,6 +225,8 @@ class EngineCore:
         self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
 
     def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
+        if request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
+            self._release_remote(request)
         self.scheduler.remove(request)
         request.finish("error", message, code)
         return self._output(request, [])
@@ -279,12 +291,13 @@ class EngineCore:
         if finished:
             self._detok.pop(request.request_id)
             self._observe_finished(request)
+        prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
-            prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
-            cached_tokens=self._reported_cached(request), error=request.error,
-            error_code=request.error_code, disagg=disagg,
+            prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
+            cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
+            error=request.error, error_code=request.error_code, disagg=disagg,
         )
 
     def _observe_finished(self, request: Request) -> None:

@@ -13,6 +13,8 @@ import torch
 
 from server.engine.request import Request
 
+MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities); this close to 0 it is greedy anyway
+
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Pick one token per row. `logits`: float32 [num_requests, vocab], row i belongs to requests[i]."""
@@ -51,7 +53,7 @@ def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits [R, vocab] of requests that sample -> [R] token ids (on the device)."""
     device = logits.device
-    temps = torch.tensor([r.sampling.temperature for r in requests], device=device)
+    temps = torch.tensor([max(r.sampling.temperature, MIN_TEMPERATURE) for r in requests], device=device)
     scores = logits / temps[:, None]
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < scores.shape[1] else 0 for r in requests]
     ps = [r.sampling.top_p for r in requests]
@@ -73,7 +75,9 @@ def _top_k_top_p(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.
     probs = torch.softmax(sorted_scores, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
     top_p = torch.tensor(ps, device=scores.device)[:, None]
-    sorted_scores = sorted_scores.masked_fill(before >= top_p, float("-inf"))
+    drop = before >= top_p
+    drop[:, 0] = False  # the most likely token always stays (a tiny top_p, or rounding, would drop them all)
+    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 

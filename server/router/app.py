@@ -21,11 +21,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from server.api.openapi import openapi_document
 from server.auth import token_headers
+from server.drain import Drain, DrainGate
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
+from server.router.migration import new_migration
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
 from server.router.policies import Prompt, make_policy
 from server.router.probe import health_generate
@@ -55,6 +58,8 @@ class RouterSettings:
     health_interval_s: float = 1.0
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
+    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/drain.py)
+    migration_limit: int = 1  # moves of one streamed request to another generation server (orchestrator)
 
 
 class ClientGone(Exception):
@@ -82,6 +87,9 @@ class RouterState:
                          "to its answer (a stream: to its end), by leg", ["leg"], buckets=LEG_BUCKETS,
                          registry=self.registry)
         self.orchestrator.observe_leg = lambda leg, seconds: legs.labels(leg).observe(seconds)
+        self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
+                                  "after theirs died", registry=self.registry)
+        self.orchestrator.on_migration = self.migrations.inc
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:
@@ -105,7 +113,7 @@ def _build_state(settings: RouterSettings) -> RouterState:
                             poll_hashes=kv_aware, headers=token_headers(settings.auth_token))
     orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
                                 make_policy("load_balancing" if kv_aware else settings.policy),
-                                settings.request_timeout_s, settings.auth_token)
+                                settings.request_timeout_s, settings.auth_token, settings.migration_limit)
     state = RouterState(settings, client, context, generation, orchestrator, monitor,
                         _load_tokenizer(settings.model) if kv_aware else None)
     state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
@@ -136,8 +144,10 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         await state.monitor.stop()
         await state.client.aclose()
 
-    return Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                     middleware=[Middleware(ApiKeyMiddleware, access=settings.access)], routes=[
+    drain = Drain(settings.drain_timeout_s)
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(ApiKeyMiddleware, access=settings.access),
+                                Middleware(DrainGate, drain=drain)], routes=[
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/v1/chat/completions", _chat, methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
@@ -145,7 +155,10 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         *dashboard_routes(),
+        Route("/openapi.json", _openapi, methods=["GET"]),
     ])
+    app.state.drain = drain
+    return app
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -220,12 +233,16 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
 
 def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, body: dict, chat: bool,
                          prompt) -> Response:
-    """The router sends the context answer's first token itself, then relays the generation leg."""
+    """The router sends the context answer's first token itself, then relays the generation leg
+    (and moves the request to another generation server if that one dies: server/router/migration.py)."""
     params = generation_params(ctx.json, first_text_streamed=True)
+    migration = new_migration(orchestrator, ctx.json, path, body, chat)
+    if migration is not None:
+        params["report_tokens"] = True
     return ContextFirstResponse(ContextFirstStream(
         opening_events(ctx.json, chat),
         lambda: orchestrator.generation_leg(path, body, prompt, params),
-        lambda: orchestrator.release_context(ctx.backend, params)))
+        lambda: orchestrator.release_context(ctx.backend, params), migration))
 
 
 def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:
@@ -266,6 +283,8 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    if request.app.state.drain.draining:
+        return JSONResponse(request.app.state.drain.report(), 503)
     state: RouterState = request.app.state.router
     ctx_ok = any(b.healthy for b in state.context)
     gen_ok = any(b.healthy for b in state.generation)
@@ -273,6 +292,10 @@ async def _health(request: Request) -> Response:
     detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
               for b in state.context + state.generation}
     return JSONResponse({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
+
+
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document("pdserve router"))
 
 
 async def _metrics(request: Request) -> Response:

@@ -4,8 +4,10 @@
    if that server cannot be reached or fails;
 2. if the context answer already finishes the request, return it;
 3. else send it as `generation_only` with the returned `disaggregated_params` to a generation
-   server and hand its JSON or SSE stream back to the client.
-A leg that fails ends the request with a 502/503 naming the leg.
+   server and hand its JSON or SSE stream back to the client; a generation server that cannot be
+   reached or is draining (503, code `draining`) took nothing, so the leg goes to another one.
+A leg that fails ends the request with a 502/503 naming the leg. A server that cannot be reached or
+answers that it is draining is fenced at once (the health monitor unfences it when /health is 200).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ NO_GENERATION = "generation leg failed: no healthy generation server"
 
 
 class LegError(Exception):
-    def __init__(self, status: int, message: str, body: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body or error_body(message, "server_error" if status >= 500 else "invalid_request_error")
+        self.untouched = untouched  # the server never took the request (unreachable, draining): try another
+        self.lost = False  # the connection broke after the server took the request (it died)
 
 
 def error_body(message: str, kind: str = "server_error", code: str | None = None) -> dict:
@@ -56,7 +60,7 @@ class Upstream:
 class Orchestrator:
     def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
                  context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, migration_limit: int = 0) -> None:
         self.headers = token_headers(auth_token)  # every call to a server carries the deployment token
         self.client = client
         self.context = list(context)
@@ -66,6 +70,8 @@ class Orchestrator:
         self.timeout_s = timeout_s
         # (leg, seconds) of every leg that answered: "context", "generation" (a stream: until it closed)
         self.observe_leg: Callable[[str, float], None] = lambda leg, seconds: None
+        self.migration_limit = migration_limit  # moves of one stream to another generation server
+        self.on_migration: Callable[[], None] = lambda: None  # counts them (the router's metrics)
 
     @property
     def disaggregated(self) -> bool:
@@ -77,10 +83,11 @@ class Orchestrator:
         if not any(b.healthy for b in self.generation):
             raise LegError(503, NO_GENERATION)
 
-    async def context_leg(self, path: str, body: dict, prompt: PromptTokens) -> Upstream:
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None = None) -> Upstream:
+        """`params`: more `disaggregated_params` (a moved stream's prompt ids and prior output)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
-        ctx_body["disaggregated_params"] = {"request_type": "context_only"}
+        ctx_body["disaggregated_params"] = {"request_type": "context_only", **(params or {})}
         tried: set[Backend] = set()
         last: LegError | None = None
         for _ in range(2):  # the first choice and one retry elsewhere
@@ -101,26 +108,44 @@ class Orchestrator:
             raise LegError(last.status, f"context leg failed: {last}")
         raise LegError(503, "context leg failed: no healthy context server")
 
-    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens,
-                             params: dict | None, backend: Backend | None = None) -> Upstream:
-        """`backend`: this one rather than the policy's pick (the readiness probe)."""
+    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None,
+                             exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None) -> Upstream:
+        """`backend`: this one rather than the policy's pick (the readiness probe); else the policy's
+        pick, and another if the first never took the request."""
         gen_body = dict(body)
         if params is not None:
             gen_body["disaggregated_params"] = params
-        backend = backend or self.generation_policy.pick(self.generation, prompt, set())
-        if backend is None:
-            raise LegError(503, NO_GENERATION)
+        stream = bool(body.get("stream"))
+        if backend is not None:
+            return await self._generation_once(backend, path, gen_body, stream)
+        tried: set[Backend] = set(exclude)
+        last: LegError | None = None
+        for _ in range(2):  # the first choice, and another if the first never took the request
+            backend = self.generation_policy.pick(self.generation, prompt, tried)
+            if backend is None:
+                break
+            tried.add(backend)
+            try:
+                return await self._generation_once(backend, path, gen_body, stream)
+            except LegError as exc:
+                if not exc.untouched:
+                    raise
+                last = exc
+        if last is not None:
+            raise last
+        raise LegError(503, NO_GENERATION)
+
+    async def _generation_once(self, backend: Backend, path: str, body: dict, stream: bool) -> Upstream:
         start = time.monotonic()
-        if body.get("stream"):
-            stream = await self._open_stream(backend, path, gen_body)
-            return Upstream(backend, stream=self._timed(stream, start))
+        if stream:
+            return Upstream(backend, stream=self._timed(await self._open_stream(backend, path, body), start))
         try:
-            upstream = Upstream(backend, json=await self._post_json(backend, path, gen_body))
+            upstream = Upstream(backend, json=await self._post_json(backend, path, body))
             self.observe_leg("generation", time.monotonic() - start)
             return upstream
         except LegError as exc:
-            body = exc.body if exc.status < 500 else None
-            raise LegError(exc.status, f"generation leg failed: {exc}", body) from exc
+            kept = exc.body if exc.status < 500 else None
+            raise LegError(exc.status, f"generation leg failed: {exc}", kept, untouched=exc.untouched) from exc
 
     def _timed(self, stream: StreamResponse, start: float) -> StreamResponse:
         """The same stream; closing it records the generation leg's time (once)."""
@@ -144,7 +169,8 @@ class Orchestrator:
                                                  timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})") from exc
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
+                           untouched=isinstance(exc, ConnectError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
         finally:
@@ -162,7 +188,10 @@ class Orchestrator:
                     await response.aclose()
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"generation leg failed: {backend.url} unreachable") from exc
+            error = LegError(502, f"generation leg failed: {backend.url} unreachable",
+                             untouched=isinstance(exc, ConnectError))
+            error.lost = isinstance(exc, ReadError)
+            raise error from exc
         except RequestTimeout as exc:
             raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
         return response
@@ -177,7 +206,16 @@ def _parse(backend: Backend, response: Response) -> dict:
         return body
     message = _message(body) or f"{backend.url} returned HTTP {response.status}"
     status = response.status if response.status != 200 else 502
-    raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None)
+    draining = status == 503 and _code(body) == "draining"
+    if draining:
+        backend.fence("draining")
+    raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None, untouched=draining)
+
+
+def _code(body: object) -> str | None:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body["error"].get("code")
+    return None
 
 
 def _message(body: object) -> str | None:

@@ -23,14 +23,16 @@ from starlette.types import Receive, Scope, Send
 from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
 from server.router.backends import Backend
 from server.router.http_client import HttpError, StreamResponse
+from server.router.migration import Migration
 from server.router.orchestrator import LegError, Upstream, error_body
+from server.sse import sse_event
 from server.types import RequestOutput
 
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(data: str) -> bytes:
-    return f"data: {data}\n\n".encode()
+    return sse_event(data)
 
 
 async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator[bytes]:
@@ -71,14 +73,15 @@ def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
     return chunks
 
 
-def opening_events(ctx: dict, chat: bool) -> list[bytes]:
+def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
     """The stream's first events from an unfinished context answer: the chat role chunk and the
     first token's text (none when that text is still held back), under the id the generation server
-    will use too (`continued_response_id`), with the same formatters the servers use."""
+    will use too (`continued_response_id`), with the same formatters the servers use. A moved stream
+    (`continued`) goes on under its own `response_id` and sends no second role chunk."""
     choice = ctx["choices"][0]
-    response_id = continued_response_id(choice["disaggregated_params"]["ctx_request_id"])
+    response_id = response_id or continued_response_id(choice["disaggregated_params"]["ctx_request_id"])
     text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "")
+    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", continued=continued)
     return [sse(data) for data in fmt.chunks(RequestOutput(response_id, [], text, finished=False))]
 
 
@@ -90,15 +93,19 @@ def generation_params(ctx: dict, first_text_streamed: bool) -> dict:
 class ContextFirstStream:
     """`opening`, then the generation leg's stream; the leg starts before the first event is sent.
 
-    `close()` ends it however the response ended (finished, leg failed, client gone before or while
-    the leg opened, or before the stream even started): a leg still opening is cancelled, an opened
-    upstream is closed (the generation server then aborts and frees the lease itself), and if the
-    generation leg never opened, `release()` frees the context lease at once.
+    With a `migration` (server/router/migration.py) the relay passes whole events and notes their
+    tokens; if the generation server dies mid-stream the request moves to another one and the
+    client's stream goes on. `close()` ends it however the response ended (finished, leg failed,
+    client gone before or while the leg opened, or before the stream even started): a leg still
+    opening is cancelled, an opened upstream is closed (the generation server then aborts and frees
+    the lease itself), and if the latest generation leg never opened, `release()` frees its context
+    lease at once.
     """
 
     def __init__(self, opening: list[bytes], leg: Callable[[], Awaitable[Upstream]],
-                 release: Callable[[], Awaitable[None]]) -> None:
+                 release: Callable[[], Awaitable[None]], migration: Migration | None = None) -> None:
         self._opening, self._leg, self._release = opening, leg, release
+        self._migration = migration
         self._task: asyncio.Future[Upstream] | None = None
         self._closed = False
 
@@ -106,14 +113,75 @@ class ContextFirstStream:
         self._task = asyncio.ensure_future(self._leg())
         for event in self._opening:
             yield event
+        while self._task is not None:
+            task = self._task
+            try:
+                upstream = await task
+            except Exception as exc:  # the generation leg failed before its stream opened
+                if isinstance(exc, LegError) and exc.lost and self._can_move(None):
+                    async for event in self._move():
+                        yield event
+                    continue
+                yield sse(json.dumps(_leg_error(exc)))
+                yield DONE
+                return
+            async for event in self._relay(upstream):
+                yield event
+            if self._task is task:  # the request did not move: its stream has ended
+                return
+
+    async def _relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
+        """One generation leg's events; on a broken stream, move the request on or end with an error."""
+        if self._migration is None:
+            async for chunk in relay_sse(upstream.stream, upstream.backend):
+                yield chunk
+            return
+        tracker = self._migration.tracker()
+        upstream.backend.active += 1
         try:
-            upstream = await self._task
-        except Exception as exc:  # the generation leg failed before its stream opened
-            yield sse(json.dumps(_leg_error(exc)))
+            async for chunk in upstream.stream.aiter_raw():
+                if forward := tracker.feed(chunk):
+                    yield forward
+            return
+        except HttpError as exc:
+            failure = f"generation leg failed mid-stream: {type(exc).__name__}"
+        finally:
+            upstream.backend.active -= 1
+            await upstream.stream.aclose()
+        upstream.backend.fence(failure)
+        if tracker.finished:  # everything was generated; only the end of the stream was lost
+            yield DONE
+        elif self._can_move(upstream.backend):
+            async for event in self._move():
+                yield event
+        else:
+            yield sse(json.dumps(error_body(failure)))
+
+    def _can_move(self, dead: Backend | None) -> bool:
+        if self._migration is None:
+            return False
+        if dead is not None:
+            self._migration.dead.add(dead)
+        return self._migration.possible()
+
+    async def _move(self) -> AsyncIterator[bytes]:
+        """A new context leg from the tokens so far, its first text, then a new generation leg."""
+        migration = self._migration
+        assert migration is not None
+        try:
+            events, ctx, params = await migration.move()
+        except LegError as exc:
+            self._task, self._release = None, _nothing
+            yield sse(json.dumps(error_body(f"generation leg failed mid-stream and could not move on: {exc}")))
             yield DONE
             return
-        async for chunk in relay_sse(upstream.stream, upstream.backend):
-            yield chunk
+        if ctx is None:  # that context leg finished the request: no lease, nothing more to relay
+            self._task, self._release = None, _nothing
+        else:
+            self._task = asyncio.ensure_future(migration.generation_leg(params)())
+            self._release = lambda: migration.orchestrator.release_context(ctx.backend, params)
+        for event in events:
+            yield event
 
     async def close(self) -> None:
         """Idempotent. Run it shielded from cancellation (see `ContextFirstResponse`)."""
@@ -126,8 +194,8 @@ class ContextFirstStream:
             task.cancel()  # no-op once done
             opened = (await asyncio.gather(task, return_exceptions=True))[0]
         if isinstance(opened, Upstream) and opened.stream is not None:
-            await opened.stream.aclose()  # idempotent; relay_sse may have closed it already
-        else:  # the generation leg never opened: nobody else will free the lease before it expires
+            await opened.stream.aclose()  # idempotent; the relay may have closed it already
+        else:  # the latest generation leg never opened (or never started): free its lease now
             await self._release()
 
 
@@ -146,6 +214,10 @@ class ContextFirstResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stream.close()
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _leg_error(exc: Exception) -> dict:

@@ -69,8 +69,11 @@ def launched_with_output(config: str, tmp_path: Path,
 
 # ---- 1. generation server killed mid-stream ---------------------------------------------------
 
+NO_RESTART = {"restart": {"max_quick_deaths": 0}}  # the killed server stays dead (test_supervision.py restarts)
+
+
 def test_generation_server_killed_mid_stream(tmp_path):
-    with launched_with_output("disagg.yaml", tmp_path) as (dep, out):
+    with launched_with_output("disagg.yaml", tmp_path, NO_RESTART) as (dep, out):
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]
         [gen_pid] = dep.server_pids("generation")
         with long_stream(dep.url) as events:
@@ -118,7 +121,7 @@ def topic_prompt(topic: str) -> str:
 
 
 def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
-    pull_timeout = {"cache_transceiver_config": {"auth_token": TOKEN},
+    pull_timeout = {**NO_RESTART, "cache_transceiver_config": {"auth_token": TOKEN},
                     "generation_servers": {"cache_transceiver_config": {"kv_transfer_timeout_ms": GEN_TIMEOUT_MS}}}
     with dh.launched("disagg_2x2.yaml", tmp_path, pull_timeout) as dep:
         dead, alive = dep.context_urls

@@ -34,8 +34,23 @@ p.add_argument("--exit-after", type=float, default=None)
 p.add_argument("--code", type=int, default=0)
 p.add_argument("--ignore-term", action="store_true")
 p.add_argument("--grandchild", action="store_true")
+p.add_argument("--die-times", type=int, default=None)  # with --exit-after: only the first N starts die
+p.add_argument("--drain", type=float, default=None)  # on SIGTERM: log it, wait this long, exit 0
 a = p.parse_args()
 print(f"pid={os.getpid()} argv={sys.argv!r} token={os.environ.get('PDSERVE_AUTH_TOKEN')}", flush=True)
+if a.die_times is not None:
+    counter = os.path.join(os.path.dirname(os.path.abspath(__file__)), urlparse(a.url).netloc + ".starts")
+    starts = int(open(counter).read()) if os.path.exists(counter) else 0
+    open(counter, "w").write(str(starts + 1))
+    if starts >= a.die_times:
+        a.exit_after = None
+if a.drain is not None:
+    def on_term(*_):
+        print(f"term at {time.time():.3f}", flush=True)
+        time.sleep(a.drain)
+        print(f"drained at {time.time():.3f}", flush=True)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
 if a.grandchild:
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"grandchild={g.pid}", flush=True)
@@ -81,12 +96,15 @@ def _clean_env(monkeypatch):
 
 
 @pytest.fixture
-def setup(tmp_path):
-    """(deployment path: 1 context + 1 generation + router on free ports, fake child script, log dir)."""
+def setup(tmp_path, request):
+    """(deployment path: 1 context + 1 generation + router on free ports, fake child script, log dir).
+    A test marked `restart(...)` sets the deployment's `restart:` mapping (default: never restart)."""
     ports = free_ports(3)
+    marker = request.node.get_closest_marker("restart")
+    restart = marker.kwargs if marker else {"max_quick_deaths": 0}
     deployment = tmp_path / "deploy.yaml"
     deployment.write_text(yaml.safe_dump({
-        "model": "builtin:tiny-llama", "port": ports[0],
+        "model": "builtin:tiny-llama", "port": ports[0], "restart": restart, "drain_timeout_s": 3,
         "context_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ports[1]}"]},
         "generation_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ports[2]}"]},
     }))
@@ -208,6 +226,9 @@ def test_token_travels_by_environment_only(setup):
     assert len(argv_lines) == 3 and all(token not in line for line in argv_lines)
     assert sorted(p.name for p in log_dir.glob("*.yaml")) == ["context-0.yaml", "generation-0.yaml"]
     assert all(token not in p.read_text() for p in log_dir.glob("*.yaml"))
+    token_file = log_dir / "auth_token"  # for an operator who starts one server by hand
+    assert token_file.read_text() == token
+    assert token_file.stat().st_mode & 0o777 == 0o600
 
 
 def test_child_exiting_at_startup_stops_everything(setup, capsys):
@@ -246,13 +267,16 @@ def test_server_dying_later_is_reported_and_the_rest_keeps_running(setup):
     assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
 
 
-def test_router_death_stops_all_and_escalates_to_sigkill(setup, capsys):
+@pytest.mark.restart(max_quick_deaths=2, backoff_s=0.1)
+def test_router_dying_quickly_is_given_up_stops_all_and_escalates_to_sigkill(setup, capsys):
     modes = {"router": ["--exit-after", "1", "--code", "5"], "context-0": ["--ignore-term"]}
     assert run_inline(setup, modes, grace_s=0.5) == 1
     out = capsys.readouterr().out
-    assert "router exited with exit code 5" in out
+    assert out.count("router exited with exit code 5") == 2  # restarted once, then given up
+    assert "restarting router in 0.1 s (quick deaths in a row: 1)" in out
+    assert "GIVING UP on router: it died 2 times in a row within 60 s of starting" in out
     assert "the deployment cannot serve any more: stopping" in out
-    assert "context-0 ignored SIGTERM for 0.5 s: SIGKILL" in out
+    assert "context-0 ignored SIGTERM for 3.5 s: SIGKILL" in out  # drain_timeout_s 3 + grace 0.5
     assert [pid for pid in child_pids(setup[2]).values() if alive(pid)] == []
 
 
@@ -273,7 +297,8 @@ def test_killed_launcher_takes_its_children_down(setup):
 def test_aggregated_without_router(tmp_path, capsys):
     port = free_ports(1)[0]
     deployment = tmp_path / "agg.yaml"
-    deployment.write_text(yaml.safe_dump({"model": "builtin:tiny-llama", "port": port}))
+    deployment.write_text(yaml.safe_dump({"model": "builtin:tiny-llama", "port": port,
+                                          "restart": {"max_quick_deaths": 0}}))
     script = tmp_path / "fake_child.py"
     script.write_text(FAKE_CHILD)
     seen: list[Child] = []
@@ -289,4 +314,63 @@ def test_aggregated_without_router(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"ready: http://127.0.0.1:{port}  (1 aggregated server(s))" in out
     assert "aggregated-0 exited with exit code 0" in out
+    assert "aggregated-0 is not restarted (restart.max_quick_deaths is 0)" in out
     assert os.path.exists(tmp_path / "logs" / "aggregated-0.yaml")
+
+
+# ---- supervision: restart, give up, ordered drain ---------------------------------------------
+
+@pytest.mark.restart(max_quick_deaths=3, backoff_s=0.2)
+def test_dead_server_is_restarted_on_its_port_with_backoff(setup):
+    modes = {"generation-0": ["--exit-after", "1", "--code", "9", "--die-times", "2"]}
+    proc, out = start_runner(setup, modes)
+    try:
+        wait_ready(proc, out)
+        first = child_pids(setup[2])["generation-0"]
+        wait_for(lambda: out.read_text().count("generation-0 is back: healthy") == 2, 30, "two restarts")
+        text = out.read_text()
+        assert "restarting generation-0 in 0.2 s (quick deaths in a row: 1)" in text
+        assert "restarting generation-0 in 0.4 s (quick deaths in a row: 2)" in text  # backoff doubles
+        assert "GIVING UP" not in text
+        log = (setup[2] / "generation-0.log").read_text()
+        pids = [int(p) for p in re.findall(r"^pid=(\d+)", log, re.M)]
+        assert len(pids) == 3 and pids[0] == first and len(set(pids)) == 3  # two restarts, new processes
+        assert health(setup[3][2]) == 200  # the same port
+        assert alive(pids[-1]) and not alive(first)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+
+
+@pytest.mark.restart(max_quick_deaths=3, backoff_s=0.05)
+def test_a_server_that_keeps_dying_is_given_up_loudly_and_the_rest_serves(setup):
+    proc, out = start_runner(setup, {"generation-0": ["--exit-after", "0.5", "--code", "4"]})
+    try:
+        wait_ready(proc, out)
+        wait_for(lambda: "GIVING UP on generation-0" in out.read_text(), 30, "the launcher to give up")
+        text = out.read_text()
+        assert text.count("generation-0 exited with exit code 4") == 3
+        assert "it died 3 times in a row within 60 s of starting (restart.max_quick_deaths)" in text
+        time.sleep(0.5)
+        assert proc.poll() is None  # not the front: the launcher keeps the rest running
+        assert health(setup[3][0]) == 200 and health(setup[3][1]) == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+
+
+def test_stop_drains_the_router_before_the_servers(setup):
+    modes = {name: ["--drain", "1.0"] for name in ("router", "context-0", "generation-0")}
+    proc, out = start_runner(setup, modes)
+    try:
+        wait_ready(proc, out)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    logs = {name: (setup[2] / f"{name}.log").read_text() for name in ("router", "context-0", "generation-0")}
+    stamp = lambda name, what: float(re.search(rf"^{what} at (\S+)", logs[name], re.M).group(1))
+    for server in ("context-0", "generation-0"):  # the router has drained before a server is told
+        assert stamp(server, "term") >= stamp("router", "drained"), logs

@@ -1,4 +1,6 @@
-"""GET /health: 200 while the engine runs and its KV invariants hold, 503 otherwise (with the reason).
+"""GET /health: 200 while the engine runs and its KV invariants hold; 503 before the engine is
+ready, while draining, when a part the server needs is broken (`server.api.readiness`), or while
+its KV state is inconsistent (the body's `status` and `reason`/`detail` say which).
 GET /health_generate: a readiness probe that runs one real token through this server's engine.
 
 The /health body carries the process's `epoch`, a uuid made when the process started: a router that
@@ -35,12 +37,13 @@ PROBE_PROMPT = "pdserve readiness probe"
 
 
 @router.get("/health")
-async def health(engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+async def health(request: Request, engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+    report = getattr(request.app.state, "health_report", None)
+    body = {"status": "ok", "model": engine.model_name, "epoch": EPOCH, **(report() if report is not None else {})}
     problem = getattr(engine, "health_problem", lambda: None)()
-    if problem is not None:
-        return JSONResponse({"status": "unhealthy", "model": engine.model_name, "epoch": EPOCH,
-                             "reason": problem}, 503)
-    return JSONResponse({"status": "ok", "model": engine.model_name, "epoch": EPOCH})
+    if problem is not None and body["status"] == "ok":
+        body.update(status="unhealthy", reason=problem)
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
 
 @router.get("/health_generate")

@@ -1,0 +1,57 @@
+"""What /health reports beyond a loaded engine (`health_report(app)`, set up by server/serve.py).
+
+In order of precedence, a status other than "ok" makes /health answer 503:
+- `draining`: SIGTERM was received (server/drain.py);
+- `unhealthy`: a transceiver socket thread died, so no KV transfer can run (never a silent hang);
+- `incompatible`: a generation server's handshake with one of its context servers found KV layouts
+  that disagree (dtype, tokens_per_block, layers, KV heads, head_dim, window groups, model
+  fingerprint); `detail` names the field. A generation server also lists every context server
+  with the state of that handshake (`context_servers`: url -> "compatible", "unchecked",
+  "unreachable", "unknown" (its KV endpoint is not known yet) or "incompatible: ...").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transceiver.receiver_link import INCOMPATIBLE, PEER_COMPATIBLE
+
+UNKNOWN_ENDPOINT = "unknown"
+
+
+def transceiver(engine: Any) -> tuple[Any, Any]:
+    """(KVSender or None, KVReceiver or None) of a loaded engine."""
+    role = getattr(getattr(engine, "core", None), "disagg", None)
+    return getattr(role, "sender", None), getattr(role, "receiver", None)
+
+
+def health_report(app: Any) -> dict:
+    drain = getattr(app.state, "drain", None)
+    if drain is not None and drain.draining:
+        return drain.report()
+    sender, receiver = transceiver(getattr(app.state, "engine", None))
+    dead = [link.link_name for link in (sender, receiver) if link is not None and not link.link_alive]
+    if dead:
+        return {"status": "unhealthy",
+                "detail": f"the transceiver socket thread {', '.join(dead)} died: no KV transfer can run"}
+    directory = getattr(app.state, "context_directory", None)
+    if directory is None or receiver is None:
+        return {}
+    peers = context_servers(directory, receiver.peer_status())
+    if any(state != PEER_COMPATIBLE for state in peers.values()):
+        directory.nudge()  # learn endpoints and shake hands now, not at the next interval
+    bad = {url: state for url, state in peers.items() if state.startswith(INCOMPATIBLE)}
+    if bad:
+        detail = "; ".join(f"context server {url}: {state.removeprefix(INCOMPATIBLE + ': ')}"
+                           for url, state in bad.items())
+        return {"status": INCOMPATIBLE, "detail": detail, "context_servers": peers}
+    return {"context_servers": peers}
+
+
+def context_servers(directory: Any, status: dict[str, str]) -> dict[str, str]:
+    """context server URL -> the state of this generation server's handshake with its KV sender."""
+    out = {}
+    for url in directory.context_urls:
+        endpoint = directory.endpoint_of(url)
+        out[url] = UNKNOWN_ENDPOINT if endpoint is None else status.get(endpoint, "unchecked")
+    return out

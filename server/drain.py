@@ -1,0 +1,135 @@
+"""Graceful drain on SIGTERM, for an engine server and for the router.
+
+1. SIGTERM: the process starts draining. /health answers 503 `{"status": "draining", ...}` (the
+   router fences the server; the launcher's probes see it), and every new request on an admission
+   route (`/v1/completions`, `/v1/chat/completions`) gets 503 in OpenAI's error shape with code
+   `draining`. Internal routes keep answering: a generation server still pulls the KV of the leases
+   a draining context server holds.
+2. Requests in flight run to their end (the gate counts each until its response, streamed or not,
+   is sent), and so does whatever the `idle` check watches (an engine's queued requests, its KV
+   leases still to be pulled, its pulls running), for at most `timeout_s`.
+3. Then uvicorn shuts down as usual (connections closed, lifespan ends). The process exits 0.
+A second SIGTERM, or SIGINT, stops at once as before (uvicorn's own handling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+ADMISSION_PATHS = ("/v1/completions", "/v1/chat/completions")
+POLL_S = 0.05
+DRAINING_MESSAGE = ("this server is draining (shutting down): it takes no new requests; requests already "
+                    "running finish. Retry on another server")
+
+
+class Drain:
+    def __init__(self, timeout_s: float, idle: Callable[[], bool] = lambda: True,
+                 paths: tuple[str, ...] = ADMISSION_PATHS) -> None:
+        self.timeout_s = timeout_s
+        self.idle = idle  # True when the process has nothing left to finish besides HTTP requests
+        self.paths = paths
+        self.in_flight = 0
+        self.started: float | None = None  # monotonic, once draining
+
+    @property
+    def draining(self) -> bool:
+        return self.started is not None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            log.warning("SIGTERM: draining (%d requests in flight, at most %g s)", self.in_flight, self.timeout_s)
+
+    def report(self) -> dict:
+        """The /health body while draining."""
+        left = max(0.0, self.timeout_s - (time.monotonic() - (self.started or 0.0)))
+        return {"status": "draining", "in_flight": self.in_flight, "seconds_left": round(left, 1),
+                "detail": "no new requests; those in flight and their KV transfers finish, then the process exits"}
+
+    def done(self) -> bool:
+        return self.in_flight == 0 and self.idle()
+
+    async def run(self, exit_now: Callable[[], None]) -> None:
+        """Wait until nothing is left (twice in a row: a request between the gate and the engine
+        is not missed) or the timeout, then `exit_now()`."""
+        self.begin()
+        deadline = self.started + self.timeout_s
+        quiet = 0
+        while time.monotonic() < deadline and quiet < 2:
+            quiet = quiet + 1 if self.done() else 0
+            await asyncio.sleep(POLL_S)
+        if quiet < 2:
+            log.warning("drain timeout (%g s): %d requests still in flight; exiting", self.timeout_s, self.in_flight)
+        else:
+            log.warning("drained in %.1f s; exiting", time.monotonic() - self.started)
+        exit_now()
+
+
+class DrainGate:
+    """ASGI middleware: counts requests on the admission routes and refuses new ones while draining."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.drain.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            await _refuse(send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+def draining_error() -> dict:
+    return {"error": {"message": DRAINING_MESSAGE, "type": "service_unavailable", "param": None, "code": "draining"}}
+
+
+async def _refuse(send: Send) -> None:
+    body = json.dumps(draining_error()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains (`Drain`) before the usual shutdown."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.drain.draining and not self.should_exit and self._loop is not None:
+            self.drain.begin()  # at once: the next /health and the next request see it
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._task = asyncio.ensure_future(self.drain.run(self._exit))
+
+    def _exit(self) -> None:
+        self.should_exit = True

@@ -1,0 +1,180 @@
+"""Supervision and graceful drain on real deployments (issue 11, items 2 and 3).
+
+1. `pdserve launch` restarts a SIGKILLed generation server, then a SIGKILLed context server, on
+   their ports: the router fences each at once and unfences it when healthy, the peer that stayed
+   up keeps running (the context server survives a generation server that restarts on its address:
+   smg #2503) and shakes hands with the new process (new epoch; a context server comes back on a
+   new KV endpoint that the generation server learns), and answers equal an undisturbed run. A
+   context server SIGTERMed while it holds a lease drains: /health 503 "draining", the lease is
+   still pulled, then it exits 0 and is restarted.
+2. With restarts off: a generation server SIGTERMed mid-stream finishes the stream, refuses new
+   work (503 "draining") and exits 0; an operator starts it again by hand with the command the
+   launcher printed (the token from the file it names); SIGTERM on the launcher drains the router
+   (a stream in flight ends complete, new requests get 503) and then the servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import deploy_harness as dh
+import httpx
+from test_disagg_fault_kills import launched_with_output, pid_of
+from test_disagg_faults import AUTHORISED, SHARED, complete, context_only, fresh_prompt, generation_only, in_use
+
+RESTARTING = {**SHARED, "restart": {"max_quick_deaths": 3, "backoff_s": 0.2}}
+NOT_RESTARTING = {**SHARED, "restart": {"max_quick_deaths": 0}}
+PROMPT = "Supervision brings a dead server back: " + "every request ends, every block comes back. " * 2
+
+
+def router_ready(dep: dh.Deployment) -> bool:
+    response = httpx.get(f"{dep.url}/health", timeout=5)
+    return response.status_code == 200 and all(s["healthy"] for s in response.json()["servers"].values())
+
+
+def kv_endpoint(url: str) -> dict:
+    return httpx.get(f"{url}/kv_cache/endpoint", headers=AUTHORISED, timeout=5).json()
+
+
+def load(dep: dh.Deployment, n: int, results: list) -> threading.Thread:
+    """`n` concurrent requests with long prompts (so transfers are under way), outcomes into `results`."""
+    def one(i: int) -> None:
+        body = {"prompt": fresh_prompt(f"load{i}") * 3, "max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+        try:
+            results.append(httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60).status_code)
+        except httpx.HTTPError as exc:
+            results.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    joiner = threading.Thread(target=lambda: [t.join() for t in threads])
+    joiner.start()
+    return joiner
+
+
+def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
+    with launched_with_output("disagg.yaml", tmp_path, RESTARTING) as (dep, out):
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        reference = complete(dep.url, PROMPT)["choices"][0]["text"]
+        ctx_pid, gen_pid = pid_of(dep, "context-0"), pid_of(dep, "generation-0")
+
+        results: list = []
+        joiner = load(dep, 6, results)
+        time.sleep(0.5)
+        os.kill(gen_pid, signal.SIGKILL)  # transfers and decodes under way
+        killed = time.monotonic()
+        joiner.join(90)
+        assert len(results) == 6 and all(r in (200, 502, 503) for r in results), results  # honest answers
+        dh.wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 10,
+                      what="the launcher sees the death")
+        dh.wait_until(lambda: router_ready(dep), 60, what="the generation server back and unfenced")
+        recovered_s = time.monotonic() - killed
+        assert "restarting generation-0 in 0.2 s" in out.read_text()
+        assert pid_of(dep, "generation-0") != gen_pid
+        assert pid_of(dep, "context-0") == ctx_pid  # the context server lived through it
+        assert complete(dep.url, PROMPT)["choices"][0]["text"] == reference
+        dh.wait_until(lambda: in_use(dep, ctx) == 0, 5, what="no lease left on the context server")
+
+        before = kv_endpoint(ctx)
+        os.kill(ctx_pid, signal.SIGKILL)
+        dh.wait_until(lambda: not router_ready(dep), 5, what="the router fences the dead context server")
+        dh.wait_until(lambda: router_ready(dep), 60, what="the context server back and unfenced")
+        after = kv_endpoint(ctx)
+        assert after["epoch"] != before["epoch"] and after["endpoint"] != before["endpoint"]
+        gen_pid = pid_of(dep, "generation-0")
+        assert complete(dep.url, PROMPT)["choices"][0]["text"] == reference  # pulled from the new endpoint
+        peers = httpx.get(f"{gen}/health", timeout=5).json()["context_servers"]
+        assert peers == {ctx: "compatible"}
+
+        # SIGTERM with a lease held: the context server drains, the lease is still pulled, it exits 0
+        prompt = fresh_prompt("drain")
+        params = context_only(ctx, prompt)[0]["choices"][0]["disaggregated_params"]
+        os.kill(pid_of(dep, "context-0"), signal.SIGTERM)
+        health = httpx.get(f"{ctx}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        refused = httpx.post(f"{ctx}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        pulled, _ = generation_only(gen, prompt, params)
+        assert pulled.status_code == 200, pulled.text
+        dh.wait_until(lambda: "context-0 exited with exit code 0" in out.read_text(), 20, what="a clean exit")
+        dh.wait_until(lambda: router_ready(dep), 60, what="the drained context server restarted")
+        assert pid_of(dep, "generation-0") == gen_pid  # the generation server lived through both
+        assert complete(dep.url, PROMPT)["choices"][0]["text"] == reference
+        print(f"generation server SIGKILL -> router healthy again in {recovered_s:.1f} s")
+
+
+def stream(url: str, results: dict) -> threading.Thread:
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+    def run() -> None:
+        texts, lines = [], []
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            results["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    results["events"] = len(lines)
+                    if line != "data: [DONE]":
+                        texts.append(json.loads(line[6:])["choices"][0].get("text") or "")
+        results["done"] = lines[-1] == "data: [DONE]" if lines else False
+        results["text"] = "".join(texts)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    dh.wait_until(lambda: results.get("events", 0) >= 3, 30, what="the stream under way")
+    return thread
+
+
+def test_drain_then_restart_by_hand_then_drain_the_whole_deployment(tmp_path):
+    with launched_with_output("disagg.yaml", tmp_path, NOT_RESTARTING) as (dep, out):
+        gen = dep.generation_urls[0]
+        reference = complete(dep.url, PROMPT, max_tokens=400)["choices"][0]["text"]
+        results: dict = {}
+        thread = stream(dep.url, results)
+        os.kill(pid_of(dep, "generation-0"), signal.SIGTERM)
+        health = httpx.get(f"{gen}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        refused = httpx.post(f"{dep.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503, refused.text  # the only generation server takes nothing new
+        thread.join(60)
+        assert results["done"] and results["text"] == reference  # the stream in flight ended complete
+        dh.wait_until(lambda: "generation-0 exited with exit code 0" in out.read_text(), 20, what="a clean exit")
+        assert "generation-0 is not restarted" in out.read_text()
+
+        # the operator starts it again with the command the launcher printed
+        command = re.search(r"start one server again by hand: (\S+)=(\S+) pdserve serve --config (\S+)",
+                            out.read_text())
+        env_name, token_file, some_config = command.groups()
+        config = some_config.replace("context-0.yaml", "generation-0.yaml")
+        env = {**os.environ, env_name: token_file}
+        env.pop("PDSERVE_AUTH_TOKEN", None)
+        argv = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--role", "generation"]
+        with open(tmp_path / "by-hand.log", "wb") as log:
+            by_hand = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=dh.ROOT)
+        try:
+            dh.wait_until(lambda: router_ready(dep), 90, what=f"the server started by hand: {shlex.join(argv)}")
+            assert complete(dep.url, PROMPT, max_tokens=400)["choices"][0]["text"] == reference
+
+            # SIGTERM on the launcher: the router drains first, the stream in flight ends complete
+            results = {}
+            thread = stream(dep.url, results)
+            dep.process.send_signal(signal.SIGTERM)
+            dh.wait_until(lambda: httpx.get(f"{dep.url}/health", timeout=5).status_code == 503, 5,
+                          what="the router draining")
+            refused = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            thread.join(60)
+            assert results["done"] and results["text"] == reference
+            assert dep.process.wait(timeout=60) == 0
+        finally:
+            by_hand.send_signal(signal.SIGTERM)
+            by_hand.wait(timeout=60)

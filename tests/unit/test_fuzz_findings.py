@@ -1,0 +1,35 @@
+"""Requests the HTTP fuzzer (tests/http_fuzz.py) found answered with 500; now 400 naming the field."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from test_api_engine_fake import TOKEN, FakeEngine, deployment_app
+
+
+def test_token_ids_outside_the_vocabulary_are_400():
+    engine = FakeEngine()
+    with TestClient(deployment_app(lambda: engine)) as client:
+        bad = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "min_tokens": 1,
+                                                    "stop_token_ids": [-404245]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids", bad.text
+        params = {"request_type": "generation_only", "ctx_request_id": "c", "ctx_endpoint": "tcp://h:1",
+                  "ctx_epoch": "e", "first_gen_tokens": [10 ** 9]}
+        bad = client.post("/v1/completions", headers={"x-pdserve-token": TOKEN},
+                          json={"prompt": "hi", "max_tokens": 2, "disaggregated_params": params})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "disaggregated_params.first_gen_tokens"
+    assert engine.requests == []  # nothing reached the engine
+
+
+def test_extreme_top_p_and_temperature_sample_a_token():
+    """top_p 5e-324 dropped every token and a tiny temperature made inf logits: NaN probabilities, 500."""
+    import torch
+
+    from server.engine.request import Request
+    from server.engine.sampler import sample
+    from server.types import SamplingParams
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
+    requests = [Request("a", [1], SamplingParams(temperature=1.0, top_p=5e-324, seed=1), frozenset()),
+                Request("b", [1], SamplingParams(temperature=5e-324, top_p=1.0, seed=1), frozenset())]
+    assert sample(logits, requests) == [1, 1]  # only the most likely token can be picked

@@ -1,0 +1,144 @@
+"""/health beyond a loaded engine (server/api/readiness.py) with real transceivers in-process:
+a dead socket thread makes the server unhealthy, naming the thread (issue 11 item 2); a generation
+server's background handshake names the layout field a context server disagrees on (item 6); a
+draining server says so and refuses new requests (item 3)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from test_api_engine_fake import FakeEngine, KnownEndpoints, deployment_app
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from server.drain import Drain
+from server.serve import install_health
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver
+from transceiver.sender import KVSender
+
+CONFIG = TransceiverConfig(auth_token="unit-health-token-0123456789")
+
+
+def kv(dtype: torch.dtype = torch.float32, tokens_per_block: int = 4, heads: int = 2) -> KVCacheManager:
+    layout = CacheLayout(layer_windows=(64, 64), num_kv_heads=heads, head_dim=8, dtype=dtype, device="cpu",
+                         max_seq_len=64)
+    return KVCacheManager(KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=64), layout)
+
+
+class Directory(KnownEndpoints):
+    """The ContextDirectory surface readiness reads: URLs, their endpoints, nudge."""
+
+    def __init__(self, endpoints: dict[str, str]) -> None:
+        super().__init__(frozenset(endpoints.values()))
+        self.context_urls = tuple(endpoints)
+        self._by_url = endpoints
+        self.nudged = 0
+
+    def endpoint_of(self, url: str) -> str | None:
+        return self._by_url.get(url)
+
+    def nudge(self) -> None:
+        self.nudged += 1
+
+
+def app_with(engine: FakeEngine, directory=None, drain: Drain | None = None):
+    app = deployment_app(lambda: engine, directory)
+    install_health(app, drain or Drain(5.0))
+    return app
+
+
+def engine_with(sender=None, receiver=None) -> FakeEngine:
+    engine = FakeEngine()
+    engine.core = SimpleNamespace(disagg=SimpleNamespace(sender=sender, receiver=receiver))
+    return engine
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.02)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected death
+def test_a_dead_socket_thread_makes_health_503_naming_it():
+    sender = KVSender(kv(), CONFIG, "fp")
+    try:
+        with TestClient(app_with(engine_with(sender=sender))) as client:
+            assert client.get("/health").status_code == 200
+
+            def boom(*_args):
+                raise RuntimeError("injected: the socket thread's loop breaks")
+
+            sender._thread._read_ready = boom  # the next turn of its loop raises outside every guard
+            wait_for(lambda: not sender.link_alive)
+            response = client.get("/health")
+            assert response.status_code == 503
+            assert response.json()["status"] == "unhealthy"
+            assert "kv-sender" in response.json()["detail"] and "died" in response.json()["detail"]
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("skew, field", [
+    (dict(tokens_per_block=8), "tokens_per_block differs: context 4 vs generation 8"),
+    (dict(dtype=torch.bfloat16), "dtype differs: context 'float32' vs generation 'bfloat16'"),
+    (dict(heads=4), "kv_heads differs: context 2 vs generation 4"),
+])
+def test_handshake_in_the_background_names_the_skewed_field(skew, field):
+    sender = KVSender(kv(), CONFIG, "fp")
+    receiver = KVReceiver(kv(**skew), CONFIG, "fp")
+    same = KVSender(kv(**skew), CONFIG, "fp")  # a second context server that agrees
+    urls = {"http://ctx-a:1": sender.endpoint, "http://ctx-b:2": same.endpoint}
+    directory = Directory(urls)
+    try:
+        with TestClient(app_with(engine_with(receiver=receiver), directory)) as client:
+            body = client.get("/health").json()
+            assert body["context_servers"] == {"http://ctx-a:1": "unchecked", "http://ctx-b:2": "unchecked"}
+            assert directory.nudged  # not yet known: look now, not at the next interval
+            for endpoint in urls.values():
+                receiver.probe(endpoint)
+            wait_for(lambda: all(receiver.peer_status().get(e, "unchecked") != "unchecked" for e in urls.values()))
+            response = client.get("/health")
+            assert response.status_code == 503, response.text
+            body = response.json()
+            assert body["status"] == "incompatible"
+            assert field in body["detail"] and "http://ctx-a:1" in body["detail"]
+            assert body["context_servers"]["http://ctx-b:2"] == "compatible"
+            assert body["context_servers"]["http://ctx-a:1"].startswith("incompatible: ")
+    finally:
+        for link in (receiver, sender, same):
+            link.close()
+
+
+def test_probes_do_not_repeat_a_done_handshake():
+    sender = KVSender(kv(), CONFIG, "fp")
+    receiver = KVReceiver(kv(), CONFIG, "fp")
+    try:
+        for _ in range(5):
+            receiver.probe(sender.endpoint)
+        wait_for(lambda: receiver.peer_status().get(sender.endpoint) == "compatible")
+        time.sleep(0.2)
+        assert sender.stats.rejected_messages == 0
+        assert receiver.peer_status() == {sender.endpoint: "compatible"}
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_draining_server_reports_it_and_refuses_new_requests():
+    drain = Drain(5.0)
+    with TestClient(app_with(FakeEngine(), drain=drain)) as client:
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        drain.begin()
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "draining"
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert client.get("/v1/models").status_code == 200  # only admissions are refused
