@@ -78,10 +78,13 @@ def measure(url: str, repeats: int, rng: torch.Generator, pair: tuple[str, str] 
     """Misses first (with the pair's handoff and context-leg time over just those), then hits of
     the same prompts, then a streamed b1 decode."""
     prompts = [torch.randint(10, min(30000, VOCAB), (4096,), generator=rng).tolist() for _ in range(repeats + 1)]
+    fresh = [torch.randint(10, min(30000, VOCAB), (4096,), generator=rng).tolist() for _ in range(repeats)]
     out: dict[str, float] = {}
     stream(url, prompts[0], 2)  # warm-up: connections, first request
+    misses = [stream(url, p, 1)[0] for p in prompts[1:]]  # TTFT: an answer of one token (context leg only)
     before = _pair_metrics(pair)
-    misses = [stream(url, p, 1)[0] for p in prompts[1:]]  # TTFT: an answer of one token
+    for p in fresh:  # two tokens: the generation leg runs and pulls the prompt's KV
+        stream(url, p, 2)
     after = _pair_metrics(pair)
     hits = [stream(url, p, 1)[0] for p in prompts[1:]]
     if pair is not None:
