@@ -1,6 +1,6 @@
 from kvcache import block_hashes, request_salt
 from server.router.backends import Backend
-from server.router.policies import KvCacheAware, LoadBalancing, Prompt, RoundRobin, matched_blocks
+from server.router.policies import KvCacheSnapshot, LoadBalancing, Prompt, RoundRobin, matched_blocks
 
 TOKENS = list(range(100, 196))  # 3 full blocks of 32
 
@@ -35,12 +35,12 @@ def _report(backend: Backend, tokens: list[int], salt: str = "fp") -> None:
     backend.cached_hashes = frozenset(h.hex() for h in block_hashes(tokens, 32, salt))
 
 
-def test_kv_cache_aware_picks_longest_cached_prefix_then_load():
+def test_kv_cache_snapshot_picks_longest_cached_prefix_then_load():
     a, b, c = _backends(3)
     _report(a, TOKENS[:32])
     _report(b, TOKENS[:64] + [1] * 32)
     assert matched_blocks(a, TOKENS) == 1 and matched_blocks(b, TOKENS) == 2 and matched_blocks(c, TOKENS) == 0
-    policy = KvCacheAware()
+    policy = KvCacheSnapshot()
     assert policy.pick([a, b, c], lambda: TOKENS, set()) is b
     b.fence("health check failed")
     assert policy.pick([a, b, c], lambda: TOKENS, set()) is a
@@ -48,7 +48,7 @@ def test_kv_cache_aware_picks_longest_cached_prefix_then_load():
     assert policy.pick([a, c], lambda: [7] * 64, set()) is c  # no prefix anywhere: fewest active
 
 
-def test_kv_cache_aware_hashes_the_prompt_under_the_request_salt():
+def test_kv_cache_snapshot_hashes_the_prompt_under_the_request_salt():
     a, b = _backends(2)
     a.tokens_per_block, a.hash_salt = 32, "fp"  # the server's salt; the request's refines it
     a.cached_hashes = frozenset(h.hex() for h in block_hashes(TOKENS, 32, request_salt("fp", "tenant-a")))
@@ -57,7 +57,7 @@ def test_kv_cache_aware_hashes_the_prompt_under_the_request_salt():
     a.active = 2  # busier: only a cached prefix makes it the choice
     calls = []
     prompt = Prompt(lambda: calls.append(1) or TOKENS, "tenant-a")
-    policy = KvCacheAware()
+    policy = KvCacheSnapshot()
     assert policy.pick([a, b], prompt, set()) is a and policy.pick([a, b], prompt, set()) is a
     assert calls == [1]  # tokenised once
     assert policy.pick([a, b], Prompt(lambda: TOKENS, "tenant-b"), set()) is b
