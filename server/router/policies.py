@@ -107,7 +107,9 @@ class ScoreWeights:
 
 
 class KvCacheAware(RoundRobin):
-    """The highest tier-weighted hit minus load (module docstring); round robin among equals."""
+    """The highest tier-weighted hit minus load (module docstring); among equals the fewest legs in
+    flight, then round robin (its turn moves only when there is a choice, so that requests which go
+    where their prefix is do not skew the turns of those that may go anywhere)."""
 
     def __init__(self, weights: ScoreWeights = ScoreWeights()) -> None:
         super().__init__()
@@ -124,7 +126,10 @@ class KvCacheAware(RoundRobin):
             return None
         scores = {b: self.score(b, prompt) for b in candidates}
         best = max(scores.values())
-        return super().pick([b for b in candidates if scores[b] == best], prompt, set())
+        tied = [b for b in candidates if scores[b] == best]
+        least = min(b.active for b in tied)
+        tied = [b for b in tied if b.active == least]
+        return tied[0] if len(tied) == 1 else super().pick(tied, prompt, set())
 
 
 class KvCacheSnapshot(LoadBalancing):
