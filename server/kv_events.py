@@ -196,7 +196,14 @@ class KvEventSource:
         if self._wanted:
             with self._lock:
                 wanted, self._wanted = self._wanted, []
-            snapshot = self._snapshot(core.kv)
+            wanted = [f for f in wanted if f.set_running_or_notify_cancel()]  # not given up on
+            try:
+                snapshot = self._snapshot(core.kv)
+            except Exception as exc:  # a broken snapshot fails its askers, never the engine thread
+                log.exception("KV cache snapshot failed")
+                for future in wanted:
+                    future.set_exception(exc)
+                return
             for future in wanted:
                 future.set_result(snapshot)
 
