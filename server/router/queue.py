@@ -68,9 +68,9 @@ class LegPicker:
     """The server of one kind of leg ("context" or "generation"): policy + saturation + queue."""
 
     def __init__(self, leg: str, policy: RoundRobin, limits: QueueLimits, metrics: QueueMetrics,
-                 decode_share: bool = False) -> None:
+                 decodes: bool = False) -> None:
         self.leg, self.policy, self.limits, self.metrics = leg, policy, limits, metrics
-        self.decode_share = decode_share  # generation legs: the tokens they decode count as load
+        self.decodes = decodes  # generation legs: their load is the whole context they decode with
         self._waiters: deque[asyncio.Event] = deque()
 
     def saturated(self, backend: Backend) -> bool:
@@ -82,10 +82,13 @@ class LegPicker:
         return self.policy.pick([b for b in backends if not self.saturated(b)], prompt, exclude)
 
     def book(self, backend: Backend, prompt: PromptTokens) -> Booking:
-        """Book a leg on `backend` (chosen already) for its estimated tokens."""
-        tokens = max(0, prompt_length(prompt) - hit_tokens(backend, prompt))
-        if self.decode_share:
-            tokens += getattr(prompt, "max_tokens", 0)
+        """Book a leg on `backend` (chosen already) for its load: a context leg, the prompt tokens it
+        must prefill there (those not cached); a generation leg, prompt + max_tokens, the KV it holds
+        and attends to while it decodes (Dynamo's "active blocks")."""
+        if self.decodes:
+            tokens = prompt_length(prompt) + getattr(prompt, "max_tokens", 0)
+        else:
+            tokens = max(0, prompt_length(prompt) - hit_tokens(backend, prompt))
         return Booking(backend, tokens, self._wake_first)
 
     async def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Booking | None:

@@ -29,7 +29,7 @@ class Routing:
         gen_policy = "load_balancing" if policy == "kv_cache_snapshot" else policy
         self.context_picker = LegPicker("context", make_policy(policy, config.weights), config.queue, metrics)
         self.generation_picker = LegPicker("generation", make_policy(gen_policy, config.weights), config.queue,
-                                           metrics, decode_share=True)
+                                           metrics, decodes=True)
         self.conditional: Conditional = config.conditional if self.context else Conditional()
         self.sync: KvEventSync | None = None
         self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone "

@@ -143,3 +143,29 @@ def test_a_client_that_leaves_ends_its_legs_booking():
             # the server is free again for the next request: nothing stayed booked
             backend.gate.release()
             assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30).status_code == 200
+
+
+def test_bookings_count_what_each_leg_loads_its_server_with():
+    from prometheus_client import CollectorRegistry
+
+    from kvcache import block_hashes
+    from server.router.backends import Backend
+    from server.router.policies import KvCacheAware, Prompt
+    from server.router.queue import LegPicker, QueueMetrics
+
+    tokens = list(range(100, 200))  # 100 tokens: 3 full blocks of 32
+    server = Backend("http://127.0.0.1:1", "context", healthy=True)
+    server.kv_index.reset({"salt": "fp", "tokens_per_block": 32, "windows": {"2048": {
+        "primary": [h.hex() for h in block_hashes(tokens[:64], 32, "fp")], "secondary": []}}})
+    metrics = QueueMetrics(CollectorRegistry())
+    context = LegPicker("context", KvCacheAware(), QueueLimits(), metrics)
+    generation = LegPicker("generation", KvCacheAware(), QueueLimits(), metrics, decodes=True)
+    prompt = Prompt(lambda: tokens, max_tokens=20)
+    prefill = context.book(server, prompt)  # 100 - 64 cached: 36 tokens to prefill
+    decode = generation.book(server, prompt)  # the whole context it decodes with: 100 + 20
+    assert (prefill.tokens, decode.tokens, server.active, server.load_tokens) == (36, 120, 2, 156)
+    prefill.done()
+    prefill.done()  # idempotent
+    assert (server.active, server.load_tokens) == (1, 120)
+    decode.done()
+    assert (server.active, server.load_tokens) == (0, 0)
