@@ -17,6 +17,7 @@ from collections import deque
 
 from kvcache.block import Block, CopyOp, Level
 from kvcache.errors import KVCacheError, UnknownBlockError
+from kvcache.events import MOVED, NO_EVENTS, REMOVED, STORED, EventSink
 from kvcache.eviction import EvictionQueue
 from kvcache.reuse_tree import ReuseTree
 
@@ -45,6 +46,7 @@ class BlockManager:
         self.queues = (EvictionQueue(num_primary, seqs), EvictionQueue(num_secondary, seqs))
         self.offload_min_priority = offload_min_priority
         self.copies: list[CopyOp] = []  # pending, in order; drained by the facade after each call
+        self.events: EventSink = NO_EVENTS  # tree changes for a router's index (kvcache/events.py)
         self.num_in_use = 0  # blocks with ref + pins > 0 (all primary)
         self.num_refs = self.num_pins = 0  # sums of every block's ref and pins (cheap health checks)
         self.num_reclaimable = 0  # primary tree blocks that are not busy
@@ -134,6 +136,7 @@ class BlockManager:
         """Put in-use private block `b` into the tree under `parent` (None: the root)."""
         assert b.in_use and b.hash is None and (parent is None or parent.level is P), (b, parent)
         self.tree.add(b, block_hash, parent, tokens, salt_digest)
+        self.events.append((STORED, block_hash, P))
         if parent is not None:
             parent.children[b.id] = b
             parent.primary_children += 1
@@ -152,6 +155,7 @@ class BlockManager:
         self._swap_slots(b, spare)
         self.free[S].append(spare)
         self.onboards += 1
+        self.events.append((MOVED, b.hash, P))
         if b.parent is not None:
             b.parent.primary_children += 1
         if not b.busy:
@@ -228,6 +232,7 @@ class BlockManager:
         self._swap_slots(b, spare)
         self.free[P].append(spare)
         self.offloads += 1
+        self.events.append((MOVED, b.hash, S))
         self.num_reclaimable -= 1  # b was a non-busy primary tree block
         parent = b.parent
         if parent is not None:
@@ -256,6 +261,7 @@ class BlockManager:
         if b.level is P and not b.busy:
             self.num_reclaimable -= 1
         parent = b.parent
+        self.events.append((REMOVED, b.hash, b.level))
         self.tree.remove(b)
         if parent is not None:
             del parent.children[b.id]

@@ -261,6 +261,33 @@ class KVCacheManager:
         g = self._groups[-1] if window is None else self._group(window)
         return list(g.bm.tree.by_hash)
 
+    def cached_blocks(self) -> dict[int, dict[Level, list[bytes]]]:
+        """Window -> level -> hashes of the reuse tree's blocks there (a KV events snapshot; O(blocks))."""
+        out: dict[int, dict[Level, list[bytes]]] = {}
+        for g in self._groups:
+            levels: dict[Level, list[bytes]] = {level: [] for level in Level}
+            for block_hash, b in g.bm.tree.by_hash.items():
+                levels[b.level].append(block_hash)
+            out[g.window] = levels
+        return out
+
+    # ---- KV events (kvcache/events.py)
+    def enable_events(self) -> None:
+        """From now on record every reuse-tree change; drain them with `drain_events` (else they pile up)."""
+        for g in self._groups:
+            if not isinstance(g.bm.events, list):
+                g.bm.events = []
+
+    def drain_events(self) -> list[tuple[int, int, bytes, int]]:
+        """(window, kind, block hash, level) of every change since the last drain, in order per window."""
+        out: list[tuple[int, int, bytes, int]] = []
+        for g in self._groups:
+            events = g.bm.events
+            if isinstance(events, list) and events:
+                out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in events]
+                events.clear()
+        return out
+
     # ---- checks and counters
     def check_integrity(self) -> None:
         """Raise KVCacheError describing the first broken invariant (O(blocks); tests, debug)."""

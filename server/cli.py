@@ -88,7 +88,7 @@ def _router(args: argparse.Namespace) -> int:
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
         generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
         policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access,
-        drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit)
+        drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit, routing=cfg.routing)
     app = create_router_app(settings)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)

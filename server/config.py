@@ -29,10 +29,11 @@ from kvcache import KvCacheConfig
 from kvcache.config import DEFAULT_GPU_FRACTION
 from server.config_yaml import ConfigError, Where, read_yaml
 from server.router.auth import ACCESS_KEYS, RouterAccess, router_access_from_yaml
+from server.router.routing_config import POLICIES, ROUTING_KEYS, RoutingConfig, routing_from_yaml
 from transceiver.config import TransceiverConfig
 
 Role = Literal["aggregated", "context", "generation"]
-ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+ROUTER_TYPES = POLICIES  # round_robin, load_balancing, kv_cache_aware, kv_cache_snapshot (docs/ROUTING.md)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 HOSTNAME_ENV = "PDSERVE_HOSTNAME"
@@ -124,6 +125,7 @@ class DeploymentConfig:
     # router: how many times one request may move to another generation server when its own dies
     migration_limit: int = 1
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # the router's (servers have their own)
+    routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (router/routing_config.py)
 
     @property
     def url(self) -> str:
@@ -198,10 +200,14 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     host = os.environ.get(HOSTNAME_ENV) or host
     port = top.port(data, "port", 8000)
     router = top.mapping(data, "router")
-    top.key("router").check_keys(router, (*ROUTER_KEYS, *ACCESS_KEYS))
+    top.key("router").check_keys(router, (*ROUTER_KEYS, *ACCESS_KEYS, *ROUTING_KEYS))
     router_type = top.key("router").choice(router, "type", ROUTER_TYPES, "round_robin")
     access = router_access_from_yaml(router, top.key("router"), Path(path).resolve().parent)
     migration_limit = top.key("router").integer(router, "migration_limit", 1, minimum=0)
+    routing = routing_from_yaml(router, top.key("router"))
+    if routing.conditional.enabled and "context_servers" not in data:
+        raise top.key("router").key("conditional").error("needs context_servers: it lets generation servers "
+                                                         "serve some requests without a context leg")
     token = _auth_token(data, top)
     if "context_servers" in data and "generation_servers" not in data:
         raise top.key("generation_servers").error("required when context_servers is given")
@@ -217,7 +223,8 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
     _check_ports(servers, host, port, has_router, top)
     servers = _with_context_urls(share_gpu_memory(servers))
     cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None, access, _restart(data, top),
-                           migration_limit, top.number(data, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0))
+                           migration_limit, top.number(data, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0),
+                           routing)
     return with_auth_token(cfg, token)
 
 

@@ -1,7 +1,7 @@
 """Internal endpoints of an engine server beyond the OpenAI API, for the deployment's own processes.
 
-Each needs the deployment token (`server.auth`): the router releases leases and reads the cache
-index, generation servers ask a context server where its KV sender listens.
+Each needs the deployment token (`server.auth`): the router releases leases, reads cache snapshots
+and subscribes to KV events, generation servers ask a context server where its KV sender listens.
 """
 
 from __future__ import annotations
@@ -16,9 +16,25 @@ from server.api.errors import APIError
 def install_kv_routes(app: FastAPI) -> None:
     @app.get("/kv_cache/hashes")
     async def kv_cache_hashes(request: Request) -> JSONResponse:
-        """Hashes of the blocks in this server's reuse cache (kv_cache_aware routing reads them)."""
+        """A snapshot of this server's reuse cache: block hashes per window and level, and the
+        sequence number of the last KV event it includes (server/kv_events.py)."""
         require_token(request, "GET /kv_cache/hashes")
-        return JSONResponse(request.app.state.telemetry.read_hashes())
+        engine = request.app.state.engine
+        if engine is None or not engine.is_ready():
+            raise APIError(503, "the engine is not ready yet")
+        try:
+            return JSONResponse(await request.app.state.kv_events.snapshot())
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer the cache snapshot in time (still loading?)") from None
+
+    @app.get("/kv_cache/events")
+    async def kv_events(request: Request) -> JSONResponse:
+        """Where this server publishes its KV events, and its epoch."""
+        require_token(request, "GET /kv_cache/events")
+        source = request.app.state.kv_events
+        if source.publisher is None:
+            raise APIError(404, "this server publishes no KV events (it has no deployment token)")
+        return JSONResponse({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
 
     @app.get("/kv_cache/endpoint")
     async def kv_endpoint(request: Request) -> JSONResponse:

@@ -15,6 +15,7 @@ from kvcache import KVCacheManager
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
 from server.api.readiness import health_report, transceiver
+from server.api.routes.health import EPOCH
 from server.config import ServerConfig
 from server.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
@@ -22,6 +23,7 @@ from server.engine.core import EngineCore
 from server.engine.cpu_threads import cpu_threads_policy
 from server.engine.disagg import ContextRole, GenerationRole
 from server.engine.scheduler import SchedulerConfig
+from server.kv_events import KvEventPublisher, KvEventSource
 from server.kv_routes import install_kv_routes
 from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
@@ -87,11 +89,22 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     """The server's app. `on_fatal()` is called if the engine cannot load (the process should exit)."""
     metrics = ServerMetrics()
     telemetry = TelemetryBridge(metrics)
+    token = cfg.cache_transceiver.get("auth_token")
+    kv_events = KvEventSource(_event_publisher(cfg, token), EPOCH)
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[AsyncEngine]:
-        engine = AsyncEngine(lambda: build_core(cfg, metrics, engine.wake), served_name(cfg.model), cfg.max_seq_len)
+        def build() -> EngineCore:  # on the engine thread
+            core = build_core(cfg, metrics, engine.wake)
+            kv_events.attach(core.kv)
+            return core
+
+        engine = AsyncEngine(build, served_name(cfg.model), cfg.max_seq_len)
+        kv_events.wake = engine.wake
         engine.add_tick_hook(telemetry.on_tick)
+        engine.add_tick_hook(kv_events.on_tick)
+        if kv_events.publisher is not None:
+            kv_events.publisher.start()
         engine.start()
         watcher = asyncio.create_task(_watch_load(engine, on_fatal))
         try:
@@ -100,11 +113,13 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
             await asyncio.to_thread(_close_transceiver, engine)
+            if kv_events.publisher is not None:
+                kv_events.publisher.close()
 
-    token = cfg.cache_transceiver.get("auth_token")
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
     app.state.telemetry = telemetry
+    app.state.kv_events = kv_events
     app.state.role = cfg.role  # the leg /health_generate names
     metrics.set_stats_provider(telemetry.kv_stats)
     install_kv_routes(app)
@@ -152,6 +167,13 @@ def _close_transceiver(engine) -> None:
     for link in transceiver(engine):
         if link is not None:
             link.close()
+
+
+def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher | None:
+    """KV events for the router's index, on the transceiver's interface; none without the token."""
+    if not token:
+        return None
+    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver.get("host") or cfg.host)
 
 
 async def _watch_load(engine: AsyncEngine, on_fatal) -> None:

@@ -2,7 +2,8 @@
 
 The engine thread owns the KV manager and the transceiver, so their counters are read there, on
 each tick (rate-limited), and published as immutable snapshots the HTTP thread reads at scrape
-time. Transfer counters are forwarded as deltas.
+time. Transfer counters are forwarded as deltas. The cache's block events and snapshots for the
+router's index: server/kv_events.py (another tick hook).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from dataclasses import dataclass, field
 from server.metrics import ServerMetrics
 
 SNAPSHOT_INTERVAL_S = 0.1
-HASHES_INTERVAL_S = 0.5
-HASHES_WANTED_S = 10.0  # a router polls every second; stop listing hashes once nobody asks
 
 
 @dataclass
@@ -28,10 +27,7 @@ class TelemetryBridge:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._kv_stats = None
-        self.hashes: dict = {"salt": "", "tokens_per_block": 0, "hashes": []}
         self._last = 0.0
-        self._last_hashes = 0.0
-        self._hashes_wanted_until = 0.0  # only routers using kv_cache_aware read them: skip otherwise
         self._seen: dict[int, _Seen] = {}
         self._preemptions = 0
         self._hooked: set[int] = set()
@@ -39,11 +35,6 @@ class TelemetryBridge:
 
     def kv_stats(self):
         return self._kv_stats
-
-    def read_hashes(self) -> dict:
-        """The latest snapshot of cached block hashes; keeps them refreshed while someone asks."""
-        self._hashes_wanted_until = time.monotonic() + HASHES_WANTED_S
-        return self.hashes
 
     def on_tick(self, core) -> None:
         """After a productive step always (a scrape right after an answer sees its effect), else
@@ -59,10 +50,6 @@ class TelemetryBridge:
             self._preemptions = core.scheduler.num_preemptions
         for stats in _transfer_stats(core):
             self._forward_transfer(stats)
-        if now < self._hashes_wanted_until and now - self._last_hashes >= HASHES_INTERVAL_S:
-            self._last_hashes = now
-            self.hashes = {"salt": core.kv.salt, "tokens_per_block": core.kv.tokens_per_block,
-                           "hashes": [h.hex() for h in core.kv.cached_block_hashes()]}
 
     def _forward_transfer(self, stats) -> None:
         key = id(stats)

@@ -30,14 +30,16 @@ from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
 from server.router.migration import new_migration
 from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
-from server.router.policies import Prompt, make_policy
+from server.router.policies import Prompt
 from server.router.probe import health_generate
+from server.router.routing import Routing
+from server.router.routing_config import RoutingConfig
 from server.router.streaming import (
     ContextFirstResponse,
     ContextFirstStream,
+    RelayResponse,
     generation_params,
     opening_events,
-    relay_sse,
     sse_from_final,
 )
 
@@ -53,13 +55,14 @@ class RouterSettings:
     context_urls: tuple[str, ...]
     generation_urls: tuple[str, ...]
     policy: str = "round_robin"
-    model: str | None = None  # to tokenise prompts for kv_cache_aware routing
+    model: str | None = None  # to tokenise prompts for the kv policies and conditional disaggregation
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
     drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/drain.py)
     migration_limit: int = 1  # moves of one streamed request to another generation server (orchestrator)
+    routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (docs/ROUTING.md)
 
 
 class ClientGone(Exception):
@@ -74,6 +77,7 @@ class RouterState:
     generation: list[Backend]
     orchestrator: Orchestrator
     monitor: HealthMonitor
+    routing: Routing
     tokenizer: object | None = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     dashboard: Dashboard | None = None  # GET /dashboard: fed by scrapes after each health round
@@ -108,14 +112,16 @@ def _build_state(settings: RouterSettings) -> RouterState:
     role = "context" if settings.context_urls else "aggregated"
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
-    kv_aware = settings.policy == "kv_cache_aware"
+    registry = CollectorRegistry()
+    headers = token_headers(settings.auth_token)
+    routing = Routing(settings.policy, settings.routing, context, generation, registry)
+    routing.follow_events(client, settings.auth_token, headers, registry)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s,
-                            poll_hashes=kv_aware, headers=token_headers(settings.auth_token))
-    orchestrator = Orchestrator(client, context, generation, make_policy(settings.policy),
-                                make_policy("load_balancing" if kv_aware else settings.policy),
+                            poll_hashes=settings.policy == "kv_cache_snapshot", headers=headers)
+    orchestrator = Orchestrator(client, context, generation, routing.context_picker, routing.generation_picker,
                                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
-    state = RouterState(settings, client, context, generation, orchestrator, monitor,
-                        _load_tokenizer(settings.model) if kv_aware else None)
+    state = RouterState(settings, client, context, generation, orchestrator, monitor, routing,
+                        _load_tokenizer(settings.model) if routing.needs_tokens else None, registry)
     state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
     monitor.on_round = state.dashboard.scrape_all
     return state
@@ -140,7 +146,9 @@ def create_router_app(settings: RouterSettings) -> Starlette:
         app.state.router = state
         await state.monitor.check_all()
         state.monitor.start()
+        await state.routing.start()
         yield
+        await state.routing.stop()
         await state.monitor.stop()
         await state.client.aclose()
 
@@ -196,7 +204,7 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
                              getattr(request.state, "api_key", None))
     if problem is not None:
         return JSONResponse(error_body(problem, "invalid_request_error"), 400)
-    prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"))
+    prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
     try:
         response = await _route(request, state, path, body, chat, prompt)
     except LegError as exc:
@@ -212,7 +220,7 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
 async def _route(request: Request, state: RouterState, path: str, body: dict, chat: bool, prompt) -> Response:
     orchestrator = state.orchestrator
     params = None
-    if orchestrator.disaggregated:
+    if orchestrator.disaggregated and not state.routing.serve_locally(prompt):
         orchestrator.require_generation()
         ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
         if context_finished(ctx.json):
@@ -227,8 +235,14 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
             await asyncio.shield(orchestrator.release_context(ctx.backend, params))
         raise
     if upstream.stream is not None:
-        return StreamingResponse(relay_sse(upstream.stream, upstream.backend), media_type="text/event-stream")
+        return RelayResponse(upstream.stream, upstream.backend)
     return JSONResponse(upstream.json)
+
+
+def _max_tokens(body: dict) -> int:
+    """The tokens a request may generate, as its generation leg's share of a server's load."""
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 16
 
 
 def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, body: dict, chat: bool,

@@ -1,4 +1,5 @@
-"""Backend servers as the router sees them: health, load and (for kv_cache_aware) cached block hashes.
+"""Backend servers as the router sees them: health, load, and what their caches hold (kv_cache_aware:
+`kv_index`, kept from the server's KV events by kv_sync.py; kv_cache_snapshot: `cached_hashes`, polled).
 
 A backend that refuses a connection or fails its health check is fenced (skipped by every policy)
 until a later health check succeeds. The /health body's `status` (e.g. "draining") and `epoch` (new
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from server.router.http_client import HttpClient, HttpError, Response
+from server.router.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,9 @@ class Backend:
     url: str  # "http://host:port"
     role: str  # "context" | "generation" | "aggregated"
     healthy: bool = False
-    active: int = 0  # requests in flight through this router
+    active: int = 0  # legs in flight through this router (server/router/queue.py books them)
+    load_tokens: int = 0  # their tokens still to compute here, as estimated when booked
+    kv_index: KvIndex = field(default_factory=KvIndex)
     cached_hashes: frozenset[str] = frozenset()
     hash_salt: str = ""
     tokens_per_block: int = 0

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.auth import token_headers
 from server.router.backends import Backend
@@ -28,7 +29,10 @@ from server.router.http_client import (
     Response,
     StreamResponse,
 )
-from server.router.policies import PromptTokens, RoundRobin
+from server.router.policies import PromptTokens
+
+if TYPE_CHECKING:
+    from server.router.queue import Booking, LegPicker
 
 log = logging.getLogger(__name__)
 RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
@@ -59,7 +63,7 @@ class Upstream:
 
 class Orchestrator:
     def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
-                 context_policy: RoundRobin, generation_policy: RoundRobin, timeout_s: float,
+                 context_policy: LegPicker, generation_policy: LegPicker, timeout_s: float,
                  auth_token: str | None = None, migration_limit: int = 0) -> None:
         self.headers = token_headers(auth_token)  # every call to a server carries the deployment token
         self.client = client
@@ -91,9 +95,10 @@ class Orchestrator:
         tried: set[Backend] = set()
         last: LegError | None = None
         for _ in range(2):  # the first choice and one retry elsewhere
-            backend = self.context_policy.pick(self.context, prompt, tried)
-            if backend is None:
+            booking = await self.context_policy.pick(self.context, prompt, tried)  # may queue (queue.py)
+            if booking is None:
                 break
+            backend = booking.backend
             tried.add(backend)
             start = time.monotonic()
             try:
@@ -104,6 +109,8 @@ class Orchestrator:
                 if exc.status < 500:
                     raise
                 last = exc
+            finally:
+                booking.done()
         if last is not None:
             raise LegError(last.status, f"context leg failed: {last}")
         raise LegError(503, "context leg failed: no healthy context server")
@@ -116,17 +123,18 @@ class Orchestrator:
         if params is not None:
             gen_body["disaggregated_params"] = params
         stream = bool(body.get("stream"))
+        picker = self.generation_policy
         if backend is not None:
-            return await self._generation_once(backend, path, gen_body, stream)
+            return await self._generation_once(picker.book(backend, prompt), path, gen_body, stream)
         tried: set[Backend] = set(exclude)
         last: LegError | None = None
         for _ in range(2):  # the first choice, and another if the first never took the request
-            backend = self.generation_policy.pick(self.generation, prompt, tried)
-            if backend is None:
+            booking = await picker.pick(self.generation, prompt, tried)  # may queue (queue.py)
+            if booking is None:
                 break
-            tried.add(backend)
+            tried.add(booking.backend)
             try:
-                return await self._generation_once(backend, path, gen_body, stream)
+                return await self._generation_once(booking, path, gen_body, stream)
             except LegError as exc:
                 if not exc.untouched:
                     raise
@@ -135,10 +143,16 @@ class Orchestrator:
             raise last
         raise LegError(503, NO_GENERATION)
 
-    async def _generation_once(self, backend: Backend, path: str, body: dict, stream: bool) -> Upstream:
-        start = time.monotonic()
+    async def _generation_once(self, booking: Booking, path: str, body: dict, stream: bool) -> Upstream:
+        """One try on the booked server; the booking ends with the leg (a stream: when it is closed)."""
+        backend, start = booking.backend, time.monotonic()
         if stream:
-            return Upstream(backend, stream=self._timed(await self._open_stream(backend, path, body), start))
+            try:
+                opened = await self._open_stream(backend, path, body)
+            except BaseException:
+                booking.done()
+                raise
+            return Upstream(backend, stream=self._timed(opened, start, booking.done))
         try:
             upstream = Upstream(backend, json=await self._post_json(backend, path, body))
             self.observe_leg("generation", time.monotonic() - start)
@@ -146,10 +160,13 @@ class Orchestrator:
         except LegError as exc:
             kept = exc.body if exc.status < 500 else None
             raise LegError(exc.status, f"generation leg failed: {exc}", kept, untouched=exc.untouched) from exc
+        finally:
+            booking.done()
 
-    def _timed(self, stream: StreamResponse, start: float) -> StreamResponse:
-        """The same stream; closing it records the generation leg's time (once)."""
+    def _timed(self, stream: StreamResponse, start: float, done: Callable[[], None]) -> StreamResponse:
+        """The same stream; closing it records the generation leg's time and ends its booking (once)."""
         async def close() -> None:
+            done()
             self.observe_leg("generation", time.monotonic() - start)
             await stream.aclose()
         return StreamResponse(stream.status, stream.aiter_raw(), close)
@@ -163,7 +180,6 @@ class Orchestrator:
             log.warning("could not release lease %s on %s: %s", params.get("ctx_request_id"), backend.url, exc)
 
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
-        backend.active += 1
         try:
             response = await self.client.request("POST", backend.url + path, json=body, headers=self.headers,
                                                  timeout=self.timeout_s)
@@ -173,8 +189,6 @@ class Orchestrator:
                            untouched=isinstance(exc, ConnectError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
-        finally:
-            backend.active -= 1
         return _parse(backend, response)
 
     async def _open_stream(self, backend: Backend, path: str, body: dict) -> StreamResponse:

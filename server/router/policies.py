@@ -1,30 +1,75 @@
-"""Routing policies behind one small interface: pick a healthy backend, or None."""
+"""Routing policies behind one small interface: pick a healthy backend, or None.
+
+- round_robin; load_balancing (fewest legs in flight, round robin among equals);
+- kv_cache_aware (docs/ROUTING.md): the highest score
+
+      score(server) = sum over the prompt's leading blocks the server holds of
+                      tokens_per_block x kv_weight[tier of the block]  -  load_weight x load_tokens(server)
+
+  from the router's index of the server's cache (`Backend.kv_index`, kept from its KV events) and
+  the tokens the router's legs in flight there still have to compute (`Backend.load_tokens`); ties
+  go round robin;
+- kv_cache_snapshot (the earlier kv_cache_aware): the longest prefix in a polled snapshot of cached
+  block hashes (`Backend.cached_hashes`, any tier alike), then the fewest legs in flight.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from kvcache import block_hashes, request_salt
+from kvcache import Level, block_hashes, request_salt
 from server.router.backends import Backend
 
 Backends = Sequence[Backend]
-PromptTokens = Callable[[], Sequence[int] | None]  # lazily tokenised prompt (only kv_cache_aware asks)
+PromptTokens = Callable[[], Sequence[int] | None]  # lazily tokenised prompt (only the kv policies ask)
 
 
 class Prompt:
-    """A request's prompt as kv_cache_aware scores it: tokenised on the first call (then kept), and
-    the request's `cache_salt` (a server hashes the prompt's blocks under it: so must the router)."""
+    """A request's prompt as the kv policies score it: tokenised on the first call (then kept), the
+    request's `cache_salt` (a server hashes the prompt's blocks under it: so must the router), and
+    the tokens it asks for (`max_tokens`, the generation leg's share of a server's load)."""
 
-    def __init__(self, tokenize: PromptTokens, cache_salt: str | None = None) -> None:
+    def __init__(self, tokenize: PromptTokens, cache_salt: str | None = None, max_tokens: int = 0) -> None:
         self._tokenize = tokenize
         self._tokens: list[Sequence[int] | None] = []
+        self._hashes: dict[tuple[str, int], list[bytes]] = {}
         self.cache_salt = cache_salt
+        self.max_tokens = max_tokens
 
     def __call__(self) -> Sequence[int] | None:
         if not self._tokens:
             self._tokens.append(self._tokenize())
         return self._tokens[0]
+
+    def hashes(self, server_salt: str, tokens_per_block: int) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks as a server with that salt and block size has
+        them (kept per (salt, block size): servers of one deployment share them)."""
+        key = (server_salt, tokens_per_block)
+        if key not in self._hashes:
+            tokens = self()
+            self._hashes[key] = (block_hashes(tokens, tokens_per_block, request_salt(server_salt, self.cache_salt))
+                                 if tokens and tokens_per_block > 0 else [])
+        return self._hashes[key]
+
+
+def prompt_length(prompt: PromptTokens) -> int:
+    tokens = prompt()
+    return len(tokens) if tokens else 0
+
+
+def hit_tiers(backend: Backend, prompt: PromptTokens) -> list[int]:
+    """The tier of each leading block of the prompt that the backend's index says it holds."""
+    index = backend.kv_index
+    if not index.windows or not isinstance(prompt, Prompt):
+        return []
+    return index.match(prompt.hashes(index.salt, index.tokens_per_block))
+
+
+def hit_tokens(backend: Backend, prompt: PromptTokens) -> int:
+    """Prompt tokens the backend would reuse, any tier (by its index)."""
+    return len(hit_tiers(backend, prompt)) * backend.kv_index.tokens_per_block
 
 
 class RoundRobin:
@@ -39,7 +84,7 @@ class RoundRobin:
 
 
 class LoadBalancing(RoundRobin):
-    """Fewest requests in flight; round robin among equals."""
+    """Fewest legs in flight; round robin among equals."""
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
         candidates = [b for b in backends if b.healthy and b not in exclude]
@@ -49,8 +94,46 @@ class LoadBalancing(RoundRobin):
         return super().pick([b for b in candidates if b.active == least], prompt, set())
 
 
-class KvCacheAware(LoadBalancing):
-    """Longest prompt prefix already cached on a backend (from its reported block hashes), then load."""
+@dataclass(frozen=True)
+class ScoreWeights:
+    """kv_cache_aware's weights (router.kv_weights, router.load_weight)."""
+
+    primary: float = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
+    secondary: float = 0.75  # a block on the host tier: onboarded (copied back) before reuse
+    load: float = 1.0  # per token the server still has to compute for the router's legs in flight
+
+    def tier(self, level: int) -> float:
+        return self.primary if level == Level.PRIMARY else self.secondary
+
+
+class KvCacheAware(RoundRobin):
+    """The highest tier-weighted hit minus load (module docstring); among equals the fewest legs in
+    flight, then round robin (its turn moves only when there is a choice, so that requests which go
+    where their prefix is do not skew the turns of those that may go anywhere)."""
+
+    def __init__(self, weights: ScoreWeights = ScoreWeights()) -> None:
+        super().__init__()
+        self.weights = weights
+
+    def score(self, backend: Backend, prompt: PromptTokens) -> float:
+        tpb, weights = backend.kv_index.tokens_per_block, self.weights
+        hit = sum(tpb * weights.tier(level) for level in hit_tiers(backend, prompt))
+        return hit - weights.load * backend.load_tokens
+
+    def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
+        candidates = [b for b in backends if b.healthy and b not in exclude]
+        if not candidates:
+            return None
+        scores = {b: self.score(b, prompt) for b in candidates}
+        best = max(scores.values())
+        tied = [b for b in candidates if scores[b] == best]
+        least = min(b.active for b in tied)
+        tied = [b for b in tied if b.active == least]
+        return tied[0] if len(tied) == 1 else super().pick(tied, prompt, set())
+
+
+class KvCacheSnapshot(LoadBalancing):
+    """Longest prompt prefix cached on a backend (from its polled block hashes), then load."""
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
         candidates = [b for b in backends if b.healthy and b not in exclude]
@@ -65,7 +148,7 @@ class KvCacheAware(LoadBalancing):
 
 def matched_blocks(backend: Backend, tokens: Sequence[int], cache_salt: str | None = None) -> int:
     """How many leading full blocks of `tokens`, hashed under the request's `cache_salt` as the
-    servers hash them (kvcache.request_salt), the backend reports as cached."""
+    servers hash them (kvcache.request_salt), the backend reports as cached (kv_cache_snapshot)."""
     if not backend.cached_hashes or backend.tokens_per_block <= 0:
         return 0
     count = 0
@@ -76,8 +159,11 @@ def matched_blocks(backend: Backend, tokens: Sequence[int], cache_salt: str | No
     return count
 
 
-POLICIES = {"round_robin": RoundRobin, "load_balancing": LoadBalancing, "kv_cache_aware": KvCacheAware}
+POLICIES = ("round_robin", "load_balancing", "kv_cache_aware", "kv_cache_snapshot")
+KV_POLICIES = ("kv_cache_aware", "kv_cache_snapshot")  # they tokenise prompts
 
 
-def make_policy(name: str) -> RoundRobin:
-    return POLICIES[name]()
+def make_policy(name: str, weights: ScoreWeights = ScoreWeights()) -> RoundRobin:
+    if name == "kv_cache_aware":
+        return KvCacheAware(weights)
+    return {"round_robin": RoundRobin, "load_balancing": LoadBalancing, "kv_cache_snapshot": KvCacheSnapshot}[name]()

@@ -84,7 +84,7 @@ async def _run(orch: Orchestrator, where: dict) -> dict:
 
 
 async def _generation(orch: Orchestrator, body: dict, prompt: Prompt, params: dict | None, where: dict):
-    backend = orch.generation_policy.pick(orch.generation, prompt, set())
+    backend = orch.generation_policy.choose(orch.generation, prompt, set())
     if backend is None:
         raise ProbeFailed("generation", "no healthy generation server")
     where["server"] = backend.url

@@ -36,8 +36,8 @@ def sse(data: str) -> bytes:
 
 
 async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator[bytes]:
-    """Pass the generation server's SSE bytes through as they arrive; closing stops the upstream."""
-    backend.active += 1
+    """Pass the generation server's SSE bytes through as they arrive; closing stops the upstream
+    (and ends the leg's booking: server/router/queue.py)."""
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
@@ -46,7 +46,6 @@ async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator
         yield sse(json.dumps(error_body(message)))
         backend.fence(message)
     finally:
-        backend.active -= 1
         await upstream.aclose()
 
 
@@ -137,7 +136,6 @@ class ContextFirstStream:
                 yield chunk
             return
         tracker = self._migration.tracker()
-        upstream.backend.active += 1
         try:
             async for chunk in upstream.stream.aiter_raw():
                 if forward := tracker.feed(chunk):
@@ -146,8 +144,7 @@ class ContextFirstStream:
         except HttpError as exc:
             failure = f"generation leg failed mid-stream: {type(exc).__name__}"
         finally:
-            upstream.backend.active -= 1
-            await upstream.stream.aclose()
+            await upstream.stream.aclose()  # ends the leg's booking (server/router/queue.py)
         upstream.backend.fence(failure)
         if tracker.finished:  # everything was generated; only the end of the stream was lost
             yield DONE
@@ -218,6 +215,22 @@ class ContextFirstResponse(StreamingResponse):
 
 async def _nothing() -> None:
     return None
+
+
+class RelayResponse(StreamingResponse):
+    """The generation server's stream relayed as is; the upstream is closed when the exchange ends,
+    however it ends, even if the client left before the first byte (the relay never started)."""
+
+    def __init__(self, upstream: StreamResponse, backend: Backend) -> None:
+        super().__init__(relay_sse(upstream, backend), media_type="text/event-stream")
+        self._upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()
 
 
 def _leg_error(exc: Exception) -> dict:

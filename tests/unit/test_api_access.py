@@ -70,14 +70,21 @@ def test_generation_only_may_only_name_a_context_server_of_the_deployment(engine
     assert [r.disagg.ctx_endpoint for r in engine.requests] == ["tcp://h:1"]
 
 
-class _Telemetry:
-    def read_hashes(self) -> dict:
-        return {"hashes": ["ab"], "salt": "s", "tokens_per_block": 32}
+class _Publisher:
+    endpoint = "tcp://127.0.0.1:5999"
+
+
+class _KvEvents:
+    publisher = _Publisher()
+    epoch = "e1"
+
+    async def snapshot(self) -> dict:
+        return {"hashes": ["ab"], "salt": "s", "tokens_per_block": 32, "seq": 7, "epoch": "e1"}
 
 
 def _kv_app(engine):
     app = deployment_app(lambda: engine)
-    app.state.telemetry = _Telemetry()
+    app.state.kv_events = _KvEvents()
     install_kv_routes(app)
     return app
 
@@ -85,11 +92,13 @@ def _kv_app(engine):
 def test_internal_kv_routes_need_the_token(engine):
     with TestClient(_kv_app(engine)) as client:
         calls = (("GET", "/kv_cache/hashes", None), ("GET", "/kv_cache/endpoint", None),
-                 ("POST", "/kv_cache/release", {"ctx_request_id": "x"}))
+                 ("GET", "/kv_cache/events", None), ("POST", "/kv_cache/release", {"ctx_request_id": "x"}))
         for method, path, body in calls:
             assert_refused(client.request(method, path, json=body), 401, "authentication_error", path)
         authorised = {TOKEN_HEADER: TOKEN}
         assert client.get("/kv_cache/hashes", headers=authorised).json()["hashes"] == ["ab"]
+        assert client.get("/kv_cache/events", headers=authorised).json() == {"endpoint": "tcp://127.0.0.1:5999",
+                                                                             "epoch": "e1"}
         assert_refused(client.get("/kv_cache/endpoint", headers=authorised), 404, "not_found_error",
                        "no KV sender")
         assert engine.released == []

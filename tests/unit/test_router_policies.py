@@ -1,6 +1,16 @@
-from kvcache import block_hashes, request_salt
+from kvcache import Level, block_hashes, request_salt
+from kvcache.events import REMOVED
 from server.router.backends import Backend
-from server.router.policies import KvCacheAware, LoadBalancing, Prompt, RoundRobin, matched_blocks
+from server.router.policies import (
+    KvCacheAware,
+    KvCacheSnapshot,
+    LoadBalancing,
+    Prompt,
+    RoundRobin,
+    ScoreWeights,
+    hit_tiers,
+    matched_blocks,
+)
 
 TOKENS = list(range(100, 196))  # 3 full blocks of 32
 
@@ -35,12 +45,12 @@ def _report(backend: Backend, tokens: list[int], salt: str = "fp") -> None:
     backend.cached_hashes = frozenset(h.hex() for h in block_hashes(tokens, 32, salt))
 
 
-def test_kv_cache_aware_picks_longest_cached_prefix_then_load():
+def test_kv_cache_snapshot_picks_longest_cached_prefix_then_load():
     a, b, c = _backends(3)
     _report(a, TOKENS[:32])
     _report(b, TOKENS[:64] + [1] * 32)
     assert matched_blocks(a, TOKENS) == 1 and matched_blocks(b, TOKENS) == 2 and matched_blocks(c, TOKENS) == 0
-    policy = KvCacheAware()
+    policy = KvCacheSnapshot()
     assert policy.pick([a, b, c], lambda: TOKENS, set()) is b
     b.fence("health check failed")
     assert policy.pick([a, b, c], lambda: TOKENS, set()) is a
@@ -48,7 +58,7 @@ def test_kv_cache_aware_picks_longest_cached_prefix_then_load():
     assert policy.pick([a, c], lambda: [7] * 64, set()) is c  # no prefix anywhere: fewest active
 
 
-def test_kv_cache_aware_hashes_the_prompt_under_the_request_salt():
+def test_kv_cache_snapshot_hashes_the_prompt_under_the_request_salt():
     a, b = _backends(2)
     a.tokens_per_block, a.hash_salt = 32, "fp"  # the server's salt; the request's refines it
     a.cached_hashes = frozenset(h.hex() for h in block_hashes(TOKENS, 32, request_salt("fp", "tenant-a")))
@@ -57,8 +67,53 @@ def test_kv_cache_aware_hashes_the_prompt_under_the_request_salt():
     a.active = 2  # busier: only a cached prefix makes it the choice
     calls = []
     prompt = Prompt(lambda: calls.append(1) or TOKENS, "tenant-a")
-    policy = KvCacheAware()
+    policy = KvCacheSnapshot()
     assert policy.pick([a, b], prompt, set()) is a and policy.pick([a, b], prompt, set()) is a
     assert calls == [1]  # tokenised once
     assert policy.pick([a, b], Prompt(lambda: TOKENS, "tenant-b"), set()) is b
     assert policy.pick([a, b], Prompt(lambda: TOKENS), set()) is b
+
+
+# ---- kv_cache_aware: tier-weighted hits minus load, from the index the KV events keep (kv_index.py)
+
+def _index(backend: Backend, primary: list[bytes], secondary: list[bytes] = (), salt: str = "fp") -> None:
+    backend.kv_index.reset({"salt": salt, "tokens_per_block": 32, "windows": {"2048": {
+        "primary": [h.hex() for h in primary], "secondary": [h.hex() for h in secondary]}}})
+
+
+def test_kv_cache_aware_weights_host_tier_hits_and_subtracts_load():
+    a, b, c = _backends(3)
+    hashes = block_hashes(TOKENS, 32, "fp")
+    _index(a, hashes[:2])  # 2 blocks on the device pool: 64
+    _index(b, hashes[:1], hashes[1:])  # 1 device + 2 host blocks: 32 + 64 x 0.75 = 80
+    prompt = Prompt(lambda: TOKENS)
+    policy = KvCacheAware()
+    assert [policy.score(x, prompt) for x in (a, b, c)] == [64.0, 80.0, 0.0]
+    assert policy.pick([a, b, c], prompt, set()) is b
+    assert hit_tiers(b, prompt) == [Level.PRIMARY, Level.SECONDARY, Level.SECONDARY]
+    assert KvCacheAware(ScoreWeights(secondary=0.25)).pick([a, b, c], prompt, set()) is a  # 32 + 16 < 64
+    b.load_tokens = 20  # 80 - 20 = 60 < 64
+    assert policy.pick([a, b, c], prompt, set()) is a
+    a.load_tokens = 100  # -36: an idle server without the prefix is better
+    assert policy.pick([a, b, c], prompt, set()) is b
+    assert KvCacheAware(ScoreWeights(load=0.0)).pick([a, b, c], prompt, set()) is b  # load ignored: 80
+    assert policy.pick([a, b, c], Prompt(lambda: TOKENS, "tenant-x"), set()) is c  # another salt: no hit
+
+
+def test_kv_cache_aware_needs_every_window_group_and_spreads_ties():
+    a, b = _backends(2)
+    hashes = block_hashes(TOKENS, 32, "fp")
+    a.kv_index.reset({"salt": "fp", "tokens_per_block": 32, "windows": {
+        "2048": {"primary": [h.hex() for h in hashes], "secondary": []},
+        "64": {"primary": [hashes[0].hex(), hashes[2].hex()], "secondary": [hashes[1].hex()]}}})
+    assert hit_tiers(a, Prompt(lambda: TOKENS)) == [Level.PRIMARY, Level.SECONDARY, Level.PRIMARY]
+    a.kv_index.apply(64, REMOVED, hashes[1], Level.SECONDARY)  # a chain with a hole ends there
+    assert hit_tiers(a, Prompt(lambda: TOKENS)) == [Level.PRIMARY]
+    policy = KvCacheAware()
+    fresh = [Prompt(lambda i=i: [i] * 64) for i in range(4)]
+    assert [policy.pick([a, b], p, set()) for p in fresh] == [a, b, a, b]  # no hit anywhere: round robin
+    assert policy.pick([a, b], Prompt(lambda: TOKENS), set()) is a
+    assert policy.pick([a, b], fresh[0], set()) is a  # a's turn again: the pick by score took no turn
+    a.active = 1
+    assert policy.pick([a, b], fresh[1], set()) is b  # equal scores: fewest legs in flight first
+    assert policy.pick([a, b], fresh[2], set()) is b  # ... whatever the turn

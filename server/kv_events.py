@@ -1,0 +1,228 @@
+"""KV events: an engine server tells its router which blocks its reuse cache gained, lost or moved.
+
+Engine thread (`KvEventSource.on_tick`, a tick hook): drain the KV manager's events (a list the block
+manager appends small tuples to: kvcache/events.py), number them with a per-process sequence
+number, and hand the batch to the publisher thread (one non-blocking queue put per tick with events;
+no socket work, no encoding). The same hook builds the snapshots `GET /kv_cache/hashes` asks for, so
+a snapshot is exactly the state after the event numbered `seq`.
+
+Publisher thread (`_Publisher`, a `transceiver.link.SocketThread` handler): a ROUTER socket bound on
+the transceiver's interface, ephemeral port (`GET /kv_cache/events` says where). A subscriber (the
+router's DEALER) sends `Subscribe` every few seconds; the publisher sends each batch to every
+subscriber heard from in the last SUBSCRIBER_TTL_S, and an empty batch (a heartbeat carrying the next
+sequence number) every HEARTBEAT_S and at once to a new subscriber. A slow or gone subscriber's
+messages are dropped by ZeroMQ; the subscriber sees the gap in sequence numbers and resynchronises
+from a snapshot. Messages are the transceiver's framing: msgpack envelope + HMAC-SHA256 with a key
+derived from the deployment token (`event_key`), so only the deployment's processes can subscribe
+or publish, and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvcache import Level
+from transceiver.codec import Codec, Rejected
+from transceiver.link import SocketIO, SocketThread
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+SUBSCRIBE_EVERY_S = 2.0  # a subscriber repeats Subscribe this often
+SUBSCRIBER_TTL_S = 3 * SUBSCRIBE_EVERY_S + 1.0
+MAX_EVENTS_PER_MESSAGE = 1000  # ~30 kB: well under the codec's 64 kB header limit
+SNAPSHOT_TIMEOUT_S = 10.0
+SOCKET = "events"
+
+KvEvent = tuple[int, int, bytes, int]  # (window, kind, block hash, level): kvcache/events.py
+
+
+class Subscribe(msgspec.Struct, tag=True, frozen=True):
+    """Subscriber -> publisher: send me the batches (repeated every SUBSCRIBE_EVERY_S)."""
+
+
+class KvEventBatch(msgspec.Struct, tag=True, frozen=True):
+    """Publisher -> subscriber: events numbered first_seq, first_seq + 1, ...; without events, a
+    heartbeat whose first_seq is the number the next event will get."""
+
+    first_seq: int
+    events: list[tuple[int, int, bytes, int]]
+
+
+EventBody = Subscribe | KvEventBatch
+
+
+def event_key(token: str) -> bytes:
+    """The HMAC key of the events channel: derived from the deployment token, so a message of the
+    KV transfer link is never valid here (and the other way round)."""
+    return hmac.new(token.encode(), b"pdserve kv events v1", hashlib.sha256).digest()
+
+
+class EventCodec(Codec):
+    """The transceiver's sealing and checks, opening `EventBody` messages."""
+
+    def __init__(self, token: str, epoch: str) -> None:
+        super().__init__(event_key(token), epoch)
+        self._body_decoder = msgspec.msgpack.Decoder(EventBody)
+
+
+def message_batches(first_seq: int, events: list[KvEvent]) -> list[KvEventBatch]:
+    """`events` cut into messages of at most MAX_EVENTS_PER_MESSAGE, numbered on."""
+    return [KvEventBatch(first_seq + i, events[i:i + MAX_EVENTS_PER_MESSAGE])
+            for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE)]
+
+
+class _Publisher:
+    """The publisher thread's handler: one ROUTER socket, the subscribers heard from lately."""
+
+    def __init__(self, token: str, epoch: str, host: str) -> None:
+        self._codec = EventCodec(token, epoch)
+        self._host = host
+        self.endpoint = ""
+        self.next_seq = 1  # the number the next event sent will have (heartbeats carry it)
+        self.subscribers: dict[bytes, float] = {}  # peer identity -> last Subscribe (monotonic)
+        self.rejected = 0
+        self._last_beat = 0.0
+
+    def setup(self, io: SocketIO) -> None:
+        sock = io.socket(SOCKET, zmq.ROUTER)  # not ROUTER_MANDATORY: a message to a gone peer is dropped
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        sock.bind(f"tcp://{self._host}:*")
+        self.endpoint = f"tcp://{self._host}:{sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(':', 1)[1]}"
+
+    def on_command(self, io: SocketIO, cmd: tuple[int, list[KvEvent]]) -> None:
+        first_seq, events = cmd
+        for batch in message_batches(first_seq, events):
+            self._broadcast(io, batch)
+        self.next_seq = first_seq + len(events)
+
+    def on_frames(self, io: SocketIO, key, frames: list) -> None:
+        if len(frames) != 3:
+            self.rejected += 1
+            return
+        peer = frames[0].bytes
+        try:
+            _, body = self._codec.open(frames[1].bytes, frames[2].bytes)
+        except Rejected as exc:
+            self.rejected += 1
+            log.warning("KV events: dropped a message (%s)", exc.reason)
+            return
+        if isinstance(body, Subscribe):
+            if peer not in self.subscribers:
+                self._send(io, peer, KvEventBatch(self.next_seq, []))  # tells it where the numbers stand
+            self.subscribers[peer] = time.monotonic()
+
+    def on_unroutable(self, io: SocketIO, key, frames: list) -> None:
+        return None
+
+    def on_tick(self, io: SocketIO, now: float) -> None:
+        mono = time.monotonic()
+        for peer, seen in list(self.subscribers.items()):
+            if mono - seen > SUBSCRIBER_TTL_S:
+                del self.subscribers[peer]
+        if mono - self._last_beat >= HEARTBEAT_S:
+            self._broadcast(io, KvEventBatch(self.next_seq, []))
+
+    def _broadcast(self, io: SocketIO, batch: KvEventBatch) -> None:
+        self._last_beat = time.monotonic()
+        if self.subscribers:
+            sealed = self._codec.seal(batch)
+            for peer in self.subscribers:
+                io.send(SOCKET, [peer, *sealed])
+
+    def _send(self, io: SocketIO, peer: bytes, batch: KvEventBatch) -> None:
+        io.send(SOCKET, [peer, *self._codec.seal(batch)])
+
+
+class KvEventPublisher:
+    """Owns the publisher thread. `publish` is called on the engine thread and never blocks."""
+
+    def __init__(self, token: str, epoch: str, host: str) -> None:
+        self._handler = _Publisher(token, epoch, host)
+        self._thread = SocketThread("pdserve-kv-events", self._handler, tick_s=0.25)
+        self.dropped_batches = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self._handler.endpoint
+
+    def publish(self, first_seq: int, events: list[KvEvent]) -> None:
+        try:
+            self._thread.submit((first_seq, events), timeout_s=0)
+        except (RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
+            self.dropped_batches += 1
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+class KvEventSource:
+    """The engine thread's side: events out every tick, snapshots on request (any thread asks)."""
+
+    def __init__(self, publisher: KvEventPublisher | None, epoch: str) -> None:
+        self.publisher = publisher  # None: no events (a server without the deployment token)
+        self.epoch = epoch
+        self.seq = 0  # the number of the last event drained (the state a snapshot now shows)
+        self.wake: Callable[[], None] = lambda: None  # ends the engine thread's idle wait (AsyncEngine.wake)
+        self._wanted: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+
+    def attach(self, kv) -> None:
+        """Engine thread, before the first step: the KV manager records events from its first block on."""
+        if self.publisher is not None:
+            kv.enable_events()
+
+    def on_tick(self, core) -> None:
+        """Engine thread, after every step."""
+        if self.publisher is not None:
+            events = core.kv.drain_events()
+            if events:
+                self.publisher.publish(self.seq + 1, events)
+                self.seq += len(events)
+        if self._wanted:
+            with self._lock:
+                wanted, self._wanted = self._wanted, []
+            wanted = [f for f in wanted if f.set_running_or_notify_cancel()]  # not given up on
+            try:
+                snapshot = self._snapshot(core.kv)
+            except Exception as exc:  # a broken snapshot fails its askers, never the engine thread
+                log.exception("KV cache snapshot failed")
+                for future in wanted:
+                    future.set_exception(exc)
+                return
+            for future in wanted:
+                future.set_result(snapshot)
+
+    async def snapshot(self) -> dict:
+        """The cache's blocks per window and level, and the `seq` of the last event they include.
+        Raises TimeoutError if the engine thread does not answer within SNAPSHOT_TIMEOUT_S."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._wanted.append(future)
+        self.wake()  # an idle engine thread ticks at once
+        return await asyncio.wait_for(asyncio.wrap_future(future), SNAPSHOT_TIMEOUT_S)
+
+    def _snapshot(self, kv) -> dict:
+        blocks = kv.cached_blocks()
+        largest = blocks[max(blocks)]
+        return {
+            "salt": kv.salt, "tokens_per_block": kv.tokens_per_block, "epoch": self.epoch, "seq": self.seq,
+            # the snapshot policy's view (kv_cache_snapshot): the largest window, any level
+            "hashes": [h.hex() for level in Level for h in largest[level]],
+            "windows": {str(w): {level.name.lower(): [h.hex() for h in hashes] for level, hashes in levels.items()}
+                        for w, levels in blocks.items()},
+        }

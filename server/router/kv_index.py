@@ -1,0 +1,73 @@
+"""The router's index of one server's reuse cache: which block hashes it holds, per window and tier.
+
+Kept from the server's KV events (server/kv_events.py): `reset` from a snapshot (`GET
+/kv_cache/hashes`), then `apply` every event numbered after it. `match` answers what kv_cache_aware
+routing asks: how many leading blocks of a prompt the server would reuse, and on which tier each one
+is. Like the server's own prefix match (kvcache/matching.py), a block counts only if every window
+group holds it and all blocks before it, so a prompt's hit is the shortest chain over the groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache import Level
+from kvcache.events import MOVED, STORED
+
+LEVELS = {level.name.lower(): level for level in Level}  # "primary", "secondary"
+
+
+class KvIndex:
+    """Hash -> tier per window group of one server (a tier is a `kvcache.Level` value)."""
+
+    def __init__(self) -> None:
+        self.windows: dict[int, dict[bytes, int]] = {}
+        self.counts: dict[tuple[int, int], int] = {}  # (window, tier) -> blocks
+        self.salt = ""  # the server's hashing namespace (model fingerprint)
+        self.tokens_per_block = 0
+
+    def reset(self, snapshot: dict) -> None:
+        """Replace the content with a snapshot's (`windows`: {window: {level name: [hex hashes]}}).
+        Raises ValueError, KeyError or TypeError on a malformed snapshot (the index is then unchanged)."""
+        windows: dict[int, dict[bytes, int]] = {}
+        for window, levels in snapshot["windows"].items():
+            blocks: dict[bytes, int] = {}
+            for name, hashes in levels.items():
+                level = int(LEVELS[name])
+                blocks.update((bytes.fromhex(h), level) for h in hashes)
+            windows[int(window)] = blocks
+        tokens_per_block = int(snapshot["tokens_per_block"])
+        salt = snapshot["salt"]
+        if not isinstance(salt, str):
+            raise TypeError(f"salt must be a string, got {salt!r}")
+        self.windows, self.salt, self.tokens_per_block = windows, salt, tokens_per_block
+        self.counts = {}
+        for window, blocks in windows.items():
+            for level in blocks.values():
+                self.counts[window, level] = self.counts.get((window, level), 0) + 1
+
+    def clear(self) -> None:
+        self.windows, self.counts = {}, {}
+
+    def apply(self, window: int, kind: int, block_hash: bytes, level: int) -> None:
+        blocks = self.windows.setdefault(window, {})
+        old = blocks.pop(block_hash, None)
+        if old is not None:
+            self.counts[window, old] -= 1
+        if kind in (STORED, MOVED):
+            blocks[block_hash] = level
+            self.counts[window, level] = self.counts.get((window, level), 0) + 1
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The tier of each leading block of `hashes` that every window group holds (a secondary
+        copy in any group makes the block secondary: it must be onboarded first)."""
+        groups = list(self.windows.values())
+        if not groups:
+            return []
+        tiers: list[int] = []
+        for block_hash in hashes:
+            levels = [blocks.get(block_hash) for blocks in groups]
+            if None in levels:
+                break
+            tiers.append(max(levels))
+        return tiers

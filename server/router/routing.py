@@ -1,0 +1,85 @@
+"""What the router decides for each request (docs/ROUTING.md), built from `router:` in the YAML:
+the server of each leg (policy + saturation queue: `LegPicker`), the KV index the kv_cache_aware
+score reads (`KvEventSync`), and conditional disaggregation (a generation server alone serves a
+request whose prefill is short there, or whose prefix it already holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+
+from server.router.backends import Backend
+from server.router.http_client import HttpClient
+from server.router.kv_sync import KvEventSync
+from server.router.policies import KV_POLICIES, PromptTokens, hit_tokens, make_policy, prompt_length
+from server.router.queue import LegPicker, QueueMetrics
+from server.router.routing_config import Conditional, RoutingConfig
+
+
+class Routing:
+    def __init__(self, policy: str, config: RoutingConfig, context: Sequence[Backend],
+                 generation: Sequence[Backend], registry: CollectorRegistry) -> None:
+        self.policy, self.config = policy, config
+        self.context, self.generation = list(context), list(generation)
+        metrics = QueueMetrics(registry)
+        # generation servers: kv_cache_aware scores them too (their own hit saves a pull); the
+        # snapshot policy polls context servers only, so its generation legs go by load
+        gen_policy = "load_balancing" if policy == "kv_cache_snapshot" else policy
+        self.context_picker = LegPicker("context", make_policy(policy, config.weights), config.queue, metrics)
+        self.generation_picker = LegPicker("generation", make_policy(gen_policy, config.weights), config.queue,
+                                           metrics, decodes=True)
+        self.conditional: Conditional = config.conditional if self.context else Conditional()
+        self.sync: KvEventSync | None = None
+        self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone "
+                              "(conditional disaggregation), by reason (short_prefill, prefix_hit)", ["reason"],
+                              registry=registry)
+        self._split = Counter("pdserve_router_disaggregated_requests", "Requests that ran a context leg "
+                              "(disaggregated deployments)", registry=registry)
+
+    @property
+    def needs_tokens(self) -> bool:
+        """The router tokenises prompts (kv policies, conditional disaggregation)."""
+        return self.policy in KV_POLICIES or self.conditional.enabled
+
+    @property
+    def needs_events(self) -> bool:
+        """The router follows the servers' KV events (kv_cache_aware, or a minimum prefix hit)."""
+        return self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None
+
+    def follow_events(self, client: HttpClient, token: str | None, headers: dict[str, str],
+                      registry: CollectorRegistry) -> None:
+        if self.needs_events and token:
+            self.sync = KvEventSync(self.context + self.generation, client, token, headers, registry)
+
+    async def start(self) -> None:
+        if self.sync is not None:
+            await self.sync.start()
+
+    async def stop(self) -> None:
+        if self.sync is not None:
+            await self.sync.stop()
+
+    def serve_locally(self, prompt: PromptTokens) -> bool:
+        """Decide (and count) whether a request of a disaggregated deployment skips its context leg."""
+        reason = self._local_reason(prompt) if self.conditional.enabled else None
+        if reason is None:
+            self._split.inc()
+            return False
+        self._local.labels(reason).inc()
+        return True
+
+    def _local_reason(self, prompt: PromptTokens) -> str | None:
+        length = prompt_length(prompt)
+        if not length:
+            return None  # not tokenised (no tokenizer, or a prompt the router cannot read)
+        backend = self.generation_picker.choose(self.generation, prompt, set())
+        if backend is None:
+            return None
+        hit, c = hit_tokens(backend, prompt), self.conditional
+        if c.min_prefix_hit is not None and hit >= c.min_prefix_hit:
+            return "prefix_hit"
+        if c.max_local_prefill_length is not None and length - hit <= c.max_local_prefill_length:
+            return "short_prefill"
+        return None

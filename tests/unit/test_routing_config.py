@@ -1,0 +1,62 @@
+"""router: keys of docs/ROUTING.md: read from the deployment YAML with their defaults, and errors that
+name the file and the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.config import AUTH_TOKEN_ENV, ConfigError, load_deployment
+from server.router.policies import ScoreWeights
+from server.router.queue import QueueLimits
+from server.router.routing_config import Conditional, RoutingConfig
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+
+
+def _load(tmp_path: Path, router: dict, disaggregated: bool = True):
+    data = {"model": "builtin:tiny-llama", "router": router,
+            "generation_servers": {"num_instances": 1, "urls": ["127.0.0.1:8002"]}}
+    if disaggregated:
+        data["context_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:8001"]}
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_deployment(path)
+
+
+def test_defaults_and_every_key(tmp_path):
+    assert _load(tmp_path, {"type": "kv_cache_aware"}).routing == RoutingConfig(
+        ScoreWeights(1.0, 0.75, 1.0), QueueLimits(64, 1024, 60.0), Conditional(None, None))
+    cfg = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"primary": 2, "secondary": 0.5},
+                           "load_weight": 0.25, "queue": {"max_inflight_per_server": 0, "max_waiting": 8,
+                                                          "timeout_s": 1.5},
+                           "conditional": {"max_local_prefill_length": 128, "min_prefix_hit": 256}})
+    assert cfg.routing == RoutingConfig(ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
+    assert cfg.routing.conditional.enabled and not Conditional().enabled
+
+
+@pytest.mark.parametrize(("router", "expected"), [
+    ({"kv_weights": {"host": 0.5}}, "router.kv_weights.host: unknown key; valid keys: primary, secondary"),
+    ({"kv_weights": {"secondary": -1}}, "router.kv_weights.secondary: must be a number >= 0, got -1"),
+    ({"load_weight": "high"}, "router.load_weight: must be a number >= 0, got 'high'"),
+    ({"load_weight": float("nan")}, "router.load_weight: must be a number >= 0, got nan"),
+    ({"queue": {"max_inflight_per_server": -1}}, "router.queue.max_inflight_per_server: must be >= 0, got -1"),
+    ({"queue": {"timeout": 5}}, "router.queue.timeout: unknown key (did you mean 'timeout_s'?)"),
+    ({"queue": {"timeout_s": True}}, "router.queue.timeout_s: must be a number >= 0, got True"),
+    ({"conditional": {"min_prefix_hit": 0}}, "router.conditional.min_prefix_hit: must be >= 1, got 0"),
+    ({"conditional": {"max_local_prefill": 8}}, "router.conditional.max_local_prefill: unknown key (did you "
+                                                "mean 'max_local_prefill_length'?)"),
+    ({"kv_weight": {}}, "router.kv_weight: unknown key (did you mean 'kv_weights'?)"),
+])
+def test_errors_name_the_file_and_the_key(tmp_path, router, expected):
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, router)
+    assert str(info.value).startswith(f"{tmp_path / 'd.yaml'}: {expected}"), str(info.value)
+
+
+def test_conditional_needs_context_servers(tmp_path):
+    with pytest.raises(ConfigError, match=r"d.yaml: router.conditional: needs context_servers"):
+        _load(tmp_path, {"conditional": {"max_local_prefill_length": 64}}, disaggregated=False)
