@@ -141,6 +141,30 @@ def _time_decode(q, k, v, meta, out, backend, splits, block_n, warps, stages) ->
         return None
 
 
+def host_hit_profile(core) -> None:
+    """A 4k prompt pushed out to the host pool, then hit again under torch.profiler: wall time, and
+    GPU time and count per kernel / memcpy kind (what an onboard costs and where it waits)."""
+    from bench_gpu import prompt, ttft_ms
+
+    a = prompt(4096)
+    ttft_ms(core, a)
+    gpu_hit = ttft_ms(core, a)
+    for _ in range(5):
+        ttft_ms(core, prompt(4096))
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        host_hit = ttft_ms(core, a)
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        table = per_name if ev.device_type == torch.autograd.DeviceType.CUDA else cpu
+        key = ev.name[:70]
+        table[key][0] += (ev.device_time_total if table is per_name else ev.cpu_time_total) / 1000
+        table[key][1] += 1
+    top = lambda t: [[n, round(ms, 2), c] for n, (ms, c) in sorted(t.items(), key=lambda kv: -kv[1][0])[:12]]  # noqa: E731
+    emit("host_hit", gpu_hit_ms=gpu_hit, host_hit_ms=host_hit, gpu_top_ms=top(per_name), cpu_top_ms=top(cpu))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
@@ -149,7 +173,14 @@ def main() -> None:
     parser.add_argument("--kernels", default="auto")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--host-tier", action="store_true", help="profile a host-tier hit instead")
     args = parser.parse_args()
+    if args.host_tier:
+        model_dir = build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers)
+        core, _ = make_core(model_dir, args, {"max_tokens": 5 * 4096, "host_cache_size": 8 << 30})
+        for _ in range(2):
+            host_hit_profile(core)
+        return
     hbm = ceilings()["hbm_read_gb_s"]
     core, _ = make_core(build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers), args, {})
     for case in args.cases.split(","):

@@ -104,6 +104,12 @@ class EngineClient(Protocol):
     def tokenizer(self):  # transformers PreTrainedTokenizerBase
         ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: the bound of every token id a request may carry (it can
+        exceed len(tokenizer): models pad their vocabulary, and sample ids the tokenizer lacks)."""
+        ...
+
     def is_ready(self) -> bool: ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -29,7 +29,7 @@ def check_model(requested: str | None, engine: EngineClient) -> None:
                        param="model", code="model_not_found")
 
 
-def completion_prompt_ids(body: CompletionRequest, tokenizer) -> list[int]:
+def completion_prompt_ids(body: CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
     """Token ids of a completions prompt (a string, token ids, or a list holding one of those)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -41,7 +41,7 @@ def completion_prompt_ids(body: CompletionRequest, tokenizer) -> list[int]:
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return list(tokenizer.encode(prompt))
-    return _checked_token_ids(prompt, len(tokenizer), "prompt")
+    return _checked_token_ids(prompt, vocab_size, "prompt")
 
 
 def _checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
@@ -129,7 +129,7 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         prompt_ids, param = chat_prompt_ids(body, tokenizer), "messages"
         requested, default = body.requested_max_tokens, None
     else:
-        prompt_ids, param = completion_prompt_ids(body, tokenizer), "prompt"
+        prompt_ids, param = completion_prompt_ids(body, tokenizer, engine.vocab_size), "prompt"
         requested, default = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
     disagg = body.disaggregated_params.to_internal() if body.disaggregated_params else None
     if disagg is not None and disagg.first_text_streamed and (disagg.request_type != "generation_only"
@@ -138,14 +138,14 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
                        "requests (the router sets it when it streamed the first token itself)",
                        param="disaggregated_params.first_text_streamed")
     if body.stop_token_ids:
-        _checked_token_ids(body.stop_token_ids, len(tokenizer), "stop_token_ids")
+        _checked_token_ids(body.stop_token_ids, engine.vocab_size, "stop_token_ids")
     if disagg is not None and disagg.first_gen_tokens:
-        _checked_token_ids(list(disagg.first_gen_tokens), len(tokenizer), "disaggregated_params.first_gen_tokens")
+        _checked_token_ids(list(disagg.first_gen_tokens), engine.vocab_size, "disaggregated_params.first_gen_tokens")
     prior = disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
         # The KV the context server made is for exactly these ids: they win over re-tokenising.
         # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
-        prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), len(tokenizer),
+        prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
                                         "disaggregated_params.prompt_token_ids")
     if prior >= len(prompt_ids):
         raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "

@@ -56,6 +56,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.core.tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        return self.core.runner.spec.vocab_size
+
     def is_ready(self) -> bool:
         return self.core is not None and self._thread is not None and self._thread.is_alive()
 

@@ -45,8 +45,10 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 class FakeEngine:
     """Deterministic `EngineClient`; records every request, abort and closed output iterator."""
 
-    def __init__(self, model_name: str = "fake-model", max_seq_len: int = 128, ready: bool = True):
+    def __init__(self, model_name: str = "fake-model", max_seq_len: int = 128, ready: bool = True,
+                 vocab_size: int | None = None):
         self.model_name = model_name
+        self._vocab_size = vocab_size  # the model's; None: as many as the tokenizer has
         self.max_seq_len = max_seq_len
         self.ready = ready
         self.requests: list[GenerateRequest] = []
@@ -59,6 +61,10 @@ class FakeEngine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
         return make_tokenizer()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size or len(make_tokenizer())
 
     def is_ready(self) -> bool:
         return self.ready

@@ -21,6 +21,25 @@ def test_token_ids_outside_the_vocabulary_are_400():
     assert engine.requests == []  # nothing reached the engine
 
 
+def test_token_ids_are_bounded_by_the_model_vocabulary_not_the_tokenizer():
+    """A model's vocabulary may be larger than its tokenizer's (padded; the 8B-shaped GPU benchmark
+    model keeps a 512-token tokenizer): the generation leg must take any token the context leg sampled."""
+    tokenizer_size = 258
+    engine = FakeEngine(vocab_size=1000)
+    params = {"request_type": "generation_only", "ctx_request_id": "c", "ctx_endpoint": "tcp://h:1",
+              "ctx_epoch": "e", "prompt_token_ids": [1, 2, 700], "first_gen_tokens": [999]}
+    with TestClient(deployment_app(lambda: engine)) as client:
+        ok = client.post("/v1/completions", headers={"x-pdserve-token": TOKEN},
+                         json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": [tokenizer_size + 1],
+                               "disaggregated_params": params})
+        assert ok.status_code != 400, ok.text
+        params["first_gen_tokens"] = [1000]
+        bad = client.post("/v1/completions", headers={"x-pdserve-token": TOKEN},
+                          json={"prompt": "hi", "max_tokens": 2, "disaggregated_params": params})
+        assert bad.status_code == 400 and "[0, 1000)" in bad.json()["error"]["message"], bad.text
+    assert [r.prompt_token_ids for r in engine.requests] == [[1, 2, 700]]
+
+
 def test_extreme_top_p_and_temperature_sample_a_token():
     """top_p 5e-324 dropped every token and a tiny temperature made inf logits: NaN probabilities, 500."""
     import torch
