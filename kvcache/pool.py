@@ -18,7 +18,7 @@ pool in this path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,23 +37,34 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _batches(ops: Sequence[CopyOp]) -> Iterator[tuple[tuple[Level, Level], list[CopyOp]]]:
-    """Runs of consecutive ops with the same (src level, dst level). A run is also cut before an op
-    that reads a slot written earlier in it (possible only within one level): a batch gathers all its
-    sources before it writes."""
-    key: tuple[Level, Level] | None = None
-    batch: list[CopyOp] = []
-    written: set[int] = set()
+def _batches(ops: Sequence[CopyOp]) -> list[tuple[tuple[Level, Level], list[CopyOp]]]:
+    """Ops grouped into ordered batches of one (src level, dst level) each, with the result of running
+    them one by one: a batch gathers all its sources, then writes. An op goes after the last batch it
+    conflicts with (reads a slot written there, or writes a slot read or written there) — into that
+    batch itself when it only writes a slot the batch reads or writes (the batch keeps the last
+    write) — else into the first later batch of its kind. So the offloads and onboards that one admission interleaves (offload a victim,
+    onboard into its slot, ...) become one batch each: one gather, one scatter, few DMAs."""
+    batches: list[tuple[tuple[Level, Level], list[CopyOp], set, set]] = []
     for op in ops:
-        k = (op.src_level, op.dst_level)
-        if k != key or (op.src_level is op.dst_level and op.src_slot in written):
-            if batch:
-                yield key, batch
-            key, batch, written = k, [], set()
-        batch.append(op)
-        written.add(op.dst_slot)
-    if batch:
-        yield key, batch
+        key, src, dst = (op.src_level, op.dst_level), (op.src_level, op.src_slot), (op.dst_level, op.dst_slot)
+        home, start = None, 0
+        for i in range(len(batches) - 1, -1, -1):
+            k, _, reads, writes = batches[i]
+            if src in writes:
+                start = i + 1
+                break
+            if dst in reads or dst in writes:
+                home, start = (batches[i] if k == key else None), i + 1
+                break
+        if home is None:
+            home = next((b for b in batches[start:] if b[0] == key), None)
+        if home is None:
+            home = (key, [], set(), set())
+            batches.append(home)
+        home[1].append(op)
+        home[2].add(src)
+        home[3].add(dst)
+    return [(key, batch) for key, batch, _, _ in batches]
 
 
 def _rows(pool: torch.Tensor) -> torch.Tensor:
@@ -130,8 +141,7 @@ class GroupPools:
         return self.primary if level is Level.PRIMARY else self.secondary
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
-        """Run `ops` with the result of running them one by one, batching consecutive ops of the same
-        (src level, dst level)."""
+        """Run `ops` with the result of running them one by one, in a few batches (`_batches`)."""
         for (src_level, dst_level), batch in _batches(ops):
             # a destination written twice keeps the later source: the dict keeps the last write
             pairs = sorted({op.dst_slot: op.src_slot for op in batch}.items())

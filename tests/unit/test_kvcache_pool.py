@@ -81,3 +81,36 @@ def test_offloading_many_blocks_is_one_indexed_copy(device):
     assert m.stats().onboards == 7
     assert len(counter.calls) <= 2
     m.check_integrity()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_op_sequences_match_one_by_one_copies(device):
+    """Batching reorders ops across batches: any sequence must still end as if run one by one."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        pools = _pools(device)
+        ops = [CopyOp(rng.choice((P, S)), rng.randrange(4), rng.choice((P, S)), rng.randrange(4))
+               for _ in range(rng.randrange(1, 12))]
+        ops = [op for op in ops if (op.src_level, op.src_slot) != (op.dst_level, op.dst_slot)]
+        ref = _reference(pools, ops)
+        pools.execute(ops)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(pools.primary.cpu(), ref[P].cpu()) and torch.equal(pools.secondary, ref[S]), ops
+
+
+def test_an_admission_that_offloads_and_onboards_block_by_block_runs_two_batches():
+    """Evict a victim to the host, onboard a needed block into the freed slot, repeat: the manager
+    records the ops interleaved; the pool runs all offloads in one batch, then all onboards (on CUDA
+    one small index upload and sync per batch instead of per block: a 4k host-tier hit took 74 ms
+    on an H200 with 257 batches, against 20 ms of DMA)."""
+    from kvcache.pool import _batches
+
+    ops = []
+    for i in range(4):  # primary slot i holds a victim; host slot 4 + i is free; the needed block is on host slot i
+        ops += [CopyOp(P, i, S, 4 + i), CopyOp(S, i, P, i)]
+    batches = _batches(ops)
+    assert [key for key, _ in batches] == [(P, S), (S, P)]
+    assert [len(b) for _, b in batches] == [4, 4]
