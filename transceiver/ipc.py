@@ -116,16 +116,18 @@ def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
 def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
                first: int) -> int:
     """dst[dst_slots[i]] = src[src_slots[i]] (same device, same slot shape), in bounded batches;
-    returns the checksum (`slots_checksum`) of the destination slots as written. Returns once the
-    copy has finished (the checksum waits for it), so `src` may change afterwards."""
+    returns the checksum (`slots_checksum`) of the rows written, summed from the gathered rows (not
+    read back: a third of the traffic). Returns once the copy has finished (the checksum waits for
+    it), so `src` may change afterwards."""
     src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # [slots, words]
     slot_bytes = dst_rows.shape[1] * dst_rows.element_size()
     dst_index = torch.tensor(dst_slots, dtype=torch.long, device=dst.device)
     total = torch.zeros((), dtype=torch.int64, device=dst.device)
     for start, index in _index_batches(src_slots, slot_bytes, src.device):
         to = dst_index[start : start + index.numel()]
-        dst_rows.index_copy_(0, to, src_rows.index_select(0, index))
-        total += _weighted_sum(dst_rows.index_select(0, to), first + start)
+        rows = src_rows.index_select(0, index)
+        dst_rows.index_copy_(0, to, rows)
+        total += _weighted_sum(rows, first + start)
     return int(total.item()) & MASK64
 
 
