@@ -42,8 +42,9 @@ def _batches(ops: Sequence[CopyOp]) -> list[tuple[tuple[Level, Level], list[Copy
     them one by one: a batch gathers all its sources, then writes. An op goes after the last batch it
     conflicts with (reads a slot written there, or writes a slot read or written there) — into that
     batch itself when it only writes a slot the batch reads or writes (the batch keeps the last
-    write) — else into the first later batch of its kind. So the offloads and onboards that one admission interleaves (offload a victim,
-    onboard into its slot, ...) become one batch each: one gather, one scatter, few DMAs."""
+    write) — else into the first later batch of its kind. So the offloads and onboards that one
+    admission interleaves (offload a victim, onboard into its slot, ...) become one batch each: one
+    gather, one scatter, few DMAs."""
     batches: list[tuple[tuple[Level, Level], list[CopyOp], set, set]] = []
     for op in ops:
         key, src, dst = (op.src_level, op.dst_level), (op.src_level, op.src_slot), (op.dst_level, op.dst_slot)
