@@ -315,7 +315,7 @@ def test_aggregated_without_router(tmp_path, capsys):
     assert f"ready: http://127.0.0.1:{port}  (1 aggregated server(s))" in out
     assert "aggregated-0 exited with exit code 0" in out
     assert "aggregated-0 is not restarted (restart.max_quick_deaths is 0)" in out
-    assert os.path.exists(tmp_path / "logs" / "aggregated-0.yaml")
+    assert seen[0].config_path == deployment.resolve()  # the child reads the deployment file itself
 
 
 # ---- supervision: restart, give up, ordered drain ---------------------------------------------
