@@ -4,9 +4,10 @@ See DESIGN.md §3. Dependencies point inward only: kvcache imports nothing of se
 """
 
 from kvcache.block import Level
-from kvcache.config import CacheLayout, KvCacheConfig
+from kvcache.config import KvCacheConfig
 from kvcache.errors import KVCacheError, OutOfBlocksError, UnknownBlockError
 from kvcache.hashing import block_hashes, request_salt
+from kvcache.layout import CacheLayout
 from kvcache.manager import KVCacheManager
 from kvcache.stats import KVCacheStats
 

@@ -6,8 +6,9 @@ import torch
 
 from kvcache.block import Level
 from kvcache.block_manager import BlockManager
-from kvcache.config import DEFAULT_GPU_FRACTION, CacheLayout, KvCacheConfig
+from kvcache.config import DEFAULT_GPU_FRACTION, KvCacheConfig
 from kvcache.errors import KVCacheError
+from kvcache.layout import CacheLayout
 from kvcache.pool import GroupPools
 from kvcache.stats import KVCacheStats
 

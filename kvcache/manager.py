@@ -17,11 +17,12 @@ import torch
 
 from kvcache.admission import check_capacity, execute_plan, make_primary
 from kvcache.block import Level
-from kvcache.config import CacheLayout, KvCacheConfig
+from kvcache.config import KvCacheConfig
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, primary_tokens
 from kvcache.hashing import request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
+from kvcache.layout import CacheLayout
 from kvcache.matching import NoReuse, PrefixReuse
 from kvcache.requests import RequestState
 from kvcache.stats import KVCacheStats

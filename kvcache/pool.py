@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.block import CopyOp, Level
-from kvcache.config import CacheLayout
+from kvcache.layout import CacheLayout
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

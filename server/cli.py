@@ -23,8 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser("serve", help="run one engine server (OpenAI API)")
     serve.add_argument("model", nargs="?", help="builtin:tiny-llama or a Hugging Face model directory")
-    serve.add_argument("--config", help="server YAML (model, hostname, port, kv_cache_config, limits)")
-    serve.add_argument("--role", default="aggregated", choices=["aggregated", "context", "generation"])
+    serve.add_argument("--config", help="server YAML (model, hostname, port, kv_cache_config, limits), or with "
+                       "--server a deployment YAML")
+    serve.add_argument("--role", choices=["aggregated", "context", "generation"], help="default: aggregated")
+    serve.add_argument("--server", help="with --config DEPLOYMENT.yaml: the server of it to run (context-0, "
+                       "generation-1, aggregated-0: role and index in the file, as `pdserve launch` names them)")
     serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
     serve.add_argument("--max-seq-len", type=int, default=None)
@@ -41,20 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.config import ConfigError, load_server_config, server_config_from_dict
+    from server.config import ConfigError, load_server, load_server_config, server_config_from_dict
     from server.serve import serve
 
     overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
                  "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                  "dtype": args.dtype, "device": args.device}
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    role = args.role or "aggregated"
     try:
         if args.config:
-            cfg = load_server_config(args.config, args.role)
-            if overrides or args.model:
-                raise ConfigError("--config cannot be combined with a model or option flags")
+            if overrides or args.model or (args.server and args.role):
+                raise ConfigError("--config cannot be combined with a model or option flags (nor --server with --role)")
+            cfg = load_server(args.config, args.server) if args.server else load_server_config(args.config, role)
+        elif args.server:
+            raise ConfigError("--server needs --config DEPLOYMENT.yaml")
         elif args.model:
-            cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", args.role)
+            cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", role)
         else:
             raise ConfigError("give a model (e.g. builtin:tiny-llama) or --config FILE")
     except ConfigError as exc:

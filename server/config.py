@@ -1,11 +1,14 @@
-"""YAML configuration -> frozen dataclasses, validated on load.
+"""The deployment YAML as one declared schema: msgspec Structs, each key and its default declared once.
 
-The deployment file has TensorRT-LLM's `trtllm-serve disaggregated` shape: top-level engine keys
-(ENGINE_KEYS) are inherited by `context_servers` and `generation_servers`, and a section may override
-them; `kv_cache_config` and `cache_transceiver_config` merge key by key (section keys win). Without
-`context_servers` the deployment runs aggregated: the `generation_servers` become aggregated servers
-behind the router, or, with no server section at all, one aggregated server listens on
-`hostname:port` and no router runs.
+`ServerConfig` is one engine process: the whole `pdserve serve --config FILE` file, or one server of
+a deployment. A deployment file has TensorRT-LLM's `trtllm-serve disaggregated` shape: top-level
+engine keys (every ServerConfig key but its placement: role, hostname, port, context_urls) are
+inherited by `context_servers` and `generation_servers` (`inherit`), and a section may override
+them; `kv_cache_config` and `cache_transceiver_config` merge key by key. Without `context_servers`
+the deployment runs aggregated: the `generation_servers` become aggregated servers behind the
+router, or, with no server section at all, one aggregated server listens on `hostname:port` and no
+router runs. `router:` is server/router/routing_config.py's RouterConfig. The launcher's children
+read the same file and pick their own server by name (`pdserve serve --config FILE --server context-0`).
 
 Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
 Environment: PDSERVE_HOSTNAME replaces the deployment's top-level `hostname` (the Docker image sets
@@ -16,101 +19,130 @@ PDSERVE_AUTH_TOKEN_FILE names a file holding it (an operator restarting one serv
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
+import msgspec
+from msgspec import Meta
+from msgspec.structs import replace
 
-from kvcache import KvCacheConfig
-from kvcache.config import DEFAULT_GPU_FRACTION
-from server.config_yaml import ConfigError, Where, read_yaml
-from server.router.auth import ACCESS_KEYS, RouterAccess, router_access_from_yaml
-from server.router.routing_config import POLICIES, ROUTING_KEYS, RoutingConfig, routing_from_yaml
+from kvcache.config import KvCacheConfig
+from server.config_checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
+from server.config_yaml import ConfigError, KeyPath, check_keys, convert, read_yaml
+from server.router.auth import RouterAccess
+from server.router.routing_config import RouterConfig, RoutingConfig
 from transceiver.config import TransceiverConfig
 
 Role = Literal["aggregated", "context", "generation"]
-ROUTER_TYPES = POLICIES  # round_robin, load_balancing, kv_cache_aware, kv_cache_snapshot (docs/ROUTING.md)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 HOSTNAME_ENV = "PDSERVE_HOSTNAME"
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (operators restarting by hand)
-# hosts that bind every interface, so they collide with any host on the same port
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-ENGINE_KEYS = ("model", "max_seq_len", "max_batch_size", "max_num_tokens", "max_prefill_batch_tokens",
-               "dtype", "device", "kernels", "cuda_graphs", "borrow_idle_cores", "kv_cache_config",
-               "cache_transceiver_config", "drain_timeout_s")
-KERNELS = ("auto", "torch", "triton")
-SECTION_KEYS = (*ENGINE_KEYS, "num_instances", "urls")
-SERVER_KEYS = (*ENGINE_KEYS, "hostname", "port", "context_urls")  # context_urls: generation servers
-DEPLOYMENT_KEYS = (*ENGINE_KEYS, "hostname", "port", "router", "context_servers", "generation_servers", "restart")
-ROUTER_KEYS = ("type", "migration_limit")
-RESTART_KEYS = ("max_quick_deaths", "backoff_s", "quick_s")
+
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(ge=0)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Host = Annotated[str, Meta(min_length=1)]
+HostPort = Annotated[str, Meta(pattern=r"^(\[[^\]\s/]+\]|[^:\s/\[\]]+):\d{1,5}$",  # IPv6 in brackets
+                               description="host:port (like 127.0.0.1:8001)")]
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 __all__ = [
     "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
-    "ServerConfig",
-    "load_deployment", "load_server_config", "server_config_from_dict", "server_config_to_yaml",
-    "with_auth_token", "env_auth_token",
+    "ServerConfig", "env_auth_token", "inherit", "load_deployment", "load_server", "load_server_config",
+    "server_config_from_dict", "with_auth_token",
 ]
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """One engine process. `cache_transceiver` is the merged `cache_transceiver_config` mapping,
-    passed through as given (the transceiver owns its schema); it holds the resolved `auth_token`."""
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine process."""
 
-    role: Role
-    model: str
-    host: str
-    port: int
-    max_seq_len: int = 2048
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
+    model: Annotated[str, Meta(min_length=1, description="builtin:tiny-llama or a Hugging Face model directory")]
+    host: Host = msgspec.field(default="127.0.0.1", name="hostname")
+    port: Port = 8000
+    max_seq_len: Positive = 2048
+    max_batch_size: Positive = 64
+    max_num_tokens: Positive = 2048
     # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
     # default (server/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
-    max_prefill_batch_tokens: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
+    max_prefill_batch_tokens: Positive | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
-    kernels: str = "auto"
+    kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
-    # CPU engines: big steps also use CPUs idle at that moment. Off by default: on VMs whose idle vCPUs
-    # wake slowly a two-thread step after an idle spell is slower than a one-thread one (BENCHMARKS.md)
-    borrow_idle_cores: bool = False
-    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
-    cache_transceiver: dict[str, Any] = field(default_factory=dict)
+    kv_cache_config: KvCacheConfig = KvCacheConfig()
+    # its `host` is the server's own unless the file sets it; its auth_token the deployment's
+    cache_transceiver_config: TransceiverConfig = TransceiverConfig()
+    # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
+    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
     # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
     # KV senders only, never from an address a request names (server/api/context_directory.py)
-    context_urls: tuple[str, ...] = ()
-    # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    context_urls: tuple[HostPort, ...] = ()
+    role: Role = "aggregated"  # set by the section (a deployment) or `--role`, never in the file
+
+    def __post_init__(self) -> None:
+        _check_ports_in("context_urls", self.context_urls)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
+PLACEMENT_KEYS = ("role", "hostname", "port", "context_urls")
+ENGINE_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(ServerConfig) if f.encode_name not in PLACEMENT_KEYS)
+MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config")  # a section overrides these key by key
+
+
+class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`restart:` of a deployment: how `pdserve launch` brings back a child that died.
 
     A death within `quick_s` of the child's (re)start is quick; the launcher restarts after
     `backoff_s`, doubled for each quick death in a row (at most 30 s), and gives up on the child
     after `max_quick_deaths` quick deaths in a row. `max_quick_deaths: 0` never restarts."""
 
-    max_quick_deaths: int = 5
-    backoff_s: float = 1.0
-    quick_s: float = 60.0
+    max_quick_deaths: Annotated[int, Meta(ge=0)] = 5
+    backoff_s: Seconds = 1.0
+    quick_s: Seconds = 60.0
 
 
-@dataclass(frozen=True)
-class DeploymentConfig:
+class Section(msgspec.Struct, kw_only=True):
+    """`context_servers` / `generation_servers`: where the servers listen; any engine key besides."""
+
+    num_instances: Positive | None = None  # if given, must equal len(urls)
+    urls: Annotated[tuple[HostPort, ...], Meta(min_length=1, description="a non-empty list of host:port strings")]
+
+    def __post_init__(self) -> None:
+        _check_ports_in("urls", self.urls)
+        if self.num_instances not in (None, len(self.urls)):
+            raise ValueError(f"num_instances: must equal the number of urls ({len(self.urls)}), "
+                             f"got {self.num_instances}")
+
+
+class DeploymentFile(msgspec.Struct, kw_only=True):
+    """A deployment file's own keys; its engine keys are read per server (`inherit`)."""
+
+    hostname: Host = "127.0.0.1"  # the router's (or the single server's)
+    port: Port = 8000
+    router: RouterConfig = RouterConfig()
+    restart: RestartPolicy = RestartPolicy()
+    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
+    context_servers: Section | None = None
+    generation_servers: Section | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_servers and not self.generation_servers:
+            raise ValueError("generation_servers: required when context_servers is given")
+        if self.router.conditional.enabled and not self.context_servers:
+            raise ValueError("router.conditional: needs context_servers: it lets generation servers serve some "
+                             "requests without a context leg")
+
+
+DEPLOYMENT_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(DeploymentFile))
+SECTION_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(Section))
+
+
+class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The whole deployment. `servers` keeps file order: context servers, then generation ones."""
 
     source: str
@@ -120,12 +152,11 @@ class DeploymentConfig:
     servers: tuple[ServerConfig, ...]
     has_router: bool
     auth_token: str | None  # None: the launcher makes one per deployment
-    router_access: RouterAccess = RouterAccess()  # API keys, open paths, tenant salts (router/auth.py)
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    # router: how many times one request may move to another generation server when its own dies
-    migration_limit: int = 1
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # the router's (servers have their own)
-    routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (router/routing_config.py)
+    router_access: RouterAccess  # API keys, open paths, tenant salts (router/auth.py)
+    restart: RestartPolicy
+    migration_limit: int
+    drain_timeout_s: float  # the router's (the top level's `drain_timeout_s`; servers have their own)
+    routing: RoutingConfig  # scores, queue, conditional disaggregation (router/routing_config.py)
 
     @property
     def url(self) -> str:
@@ -151,33 +182,122 @@ class DeploymentConfig:
     def aggregated_servers(self) -> tuple[ServerConfig, ...]:
         return tuple(s for s in self.servers if s.role == "aggregated")
 
+    def named(self) -> dict[str, ServerConfig]:
+        """Every server by its name, `<role>-<index within the role>` (context-0, generation-1)."""
+        roles = [s.role for s in self.servers]
+        return {f"{s.role}-{roles[:i].count(s.role)}": s for i, s in enumerate(self.servers)}
+
+
+# ---- loading ---------------------------------------------------------------------------------------
 
 def load_server_config(path: str | Path, role: Role = "aggregated") -> ServerConfig:
     """The `pdserve serve --config FILE` form: model, hostname, port, engine limits, caches."""
     data = read_yaml(path)
-    top = Where(str(path))
     for key in ("router", "context_servers", "generation_servers"):
         if key in data:
-            raise top.key(key).error("not allowed in a server config (it describes a deployment: "
-                                     "use `pdserve launch`)")
+            raise ConfigError(f"{path}: {key}: not allowed in a server config (it describes a deployment: "
+                              "use `pdserve launch`, or `pdserve serve --config FILE --server NAME`)")
     return server_config_from_dict(data, str(path), role)
 
 
 def server_config_from_dict(data: dict[str, Any], source: str = "<arguments>",
                             role: Role = "aggregated") -> ServerConfig:
-    """Build one server's config from a mapping (a file's, or the command line's with source set)."""
-    top = Where(source)
-    top.check_keys(data, SERVER_KEYS)
-    host = top.string(data, "hostname", "127.0.0.1")
-    cfg = _single_server(data, top, role, host, top.port(data, "port", 8000))
-    listed = top.url_list(data, "context_urls") if "context_urls" in data else []
-    context_urls = tuple(host_port(h, p) for h, p in listed)
-    token = cfg.cache_transceiver.get("auth_token") or env_auth_token()
-    return replace(cfg, cache_transceiver={**cfg.cache_transceiver, "auth_token": token}, context_urls=context_urls)
+    """One server's config from a mapping (a file's, or the command line's with source set)."""
+    check_keys(data, (*ENGINE_KEYS, *PLACEMENT_KEYS[1:]), source, [])
+    cfg = _server(dict(data), role, source)
+    token = cfg.cache_transceiver_config.auth_token or env_auth_token()
+    return replace(cfg, cache_transceiver_config=replace(cfg.cache_transceiver_config, auth_token=token))
 
 
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def load_server(path: str | Path, name: str) -> ServerConfig:
+    """The server called `name` (context-0, generation-1, aggregated-0) of the deployment in `path`."""
+    servers = load_deployment(path).named()
+    if name not in servers:
+        raise ConfigError(f"{path}: no server {name!r}; the deployment has {', '.join(servers)}")
+    return servers[name]
+
+
+def load_deployment(path: str | Path) -> DeploymentConfig:
+    source, data = str(path), read_yaml(path)
+    check_keys(data, (*DEPLOYMENT_KEYS, *ENGINE_KEYS), source, [])
+    file = convert(data, DeploymentFile, source)
+    host = os.environ.get(HOSTNAME_ENV) or file.hostname
+    servers = _section_servers(data, file, source)
+    has_router = bool(servers)
+    if not has_router:  # no server section: one aggregated server on hostname:port, no router
+        servers = [_server({**inherit(data, {}), "hostname": host, "port": file.port}, "aggregated", source)]
+    check_same_model(servers, source)
+    check_ports(servers, (host, file.port) if has_router else None, source)
+    router = file.router
+    cfg = DeploymentConfig(
+        source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),
+        has_router=has_router, auth_token=None, router_access=router.access(Path(path).resolve().parent, source),
+        restart=file.restart, migration_limit=router.migration_limit, drain_timeout_s=file.drain_timeout_s,
+        routing=router.routing)
+    return with_auth_token(cfg, _auth_token(data))
+
+
+def inherit(top: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
+    """One server's engine keys, TensorRT-LLM's way: the top level's, then its section's on top;
+    `kv_cache_config` and `cache_transceiver_config` merge key by key (the section's keys win)."""
+    out = {k: v for k, v in top.items() if k in ENGINE_KEYS}
+    for key, value in section.items():
+        if key in ENGINE_KEYS and not (key in MERGED_KEYS and value is None):  # null: the top level's
+            below = out.get(key)
+            merge = key in MERGED_KEYS and isinstance(below, dict) and isinstance(value, dict)
+            out[key] = {**below, **value} if merge else value
+    return out
+
+
+def _section_servers(data: dict[str, Any], file: DeploymentFile, source: str) -> list[ServerConfig]:
+    roles: tuple[tuple[str, Role], ...] = (("context_servers", "context"), ("generation_servers", "generation"))
+    if file.context_servers is None:  # aggregated: the generation servers run both phases
+        roles = (("generation_servers", "aggregated"),)
+    servers = []
+    for name, role in roles:
+        section: Section | None = getattr(file, name)
+        if section is None:
+            continue
+        raw = data[name]
+        check_keys(raw, (*SECTION_KEYS, *ENGINE_KEYS), source, [name])
+        if "auth_token" in (raw.get("cache_transceiver_config") or {}):
+            raise ConfigError(f"{source}: {name}.cache_transceiver_config.auth_token: one token serves the whole "
+                              "deployment: set it at the top level")
+        for url in section.urls:
+            host, port = split_host_port(url)
+            settings = {**inherit(data, raw), "hostname": host, "port": port}
+            servers.append(_server(settings, role, source, _origin(name, raw)))
+    servers = share_gpu_memory(servers)
+    urls = tuple(host_port(s.host, s.port) for s in servers if s.role == "context")
+    return [replace(s, context_urls=urls) if s.role == "generation" else s for s in servers]
+
+
+def _origin(section: str, raw: dict[str, Any]):
+    """Where a key of a section's server was written: in the section, or (inherited) at the top level."""
+    return lambda path: [section, *path] if _written(raw, path) else path
+
+
+def _server(settings: dict[str, Any], role: Role, source: str, origin=list) -> ServerConfig:
+    """Convert one server's settings; its transceiver binds beside it unless the file says where."""
+    cfg = convert({**settings, "role": role}, ServerConfig, source, origin)
+    if _written(settings, ["cache_transceiver_config", "host"]):
+        return cfg
+    return replace(cfg, cache_transceiver_config=replace(cfg.cache_transceiver_config, host=cfg.host))
+
+
+def _written(data: Any, path: KeyPath) -> bool:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _check_ports_in(key: str, urls: tuple[str, ...]) -> None:
+    for i, url in enumerate(urls):
+        port = split_host_port(url)[1]
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{key}[{i}]: must be a port in 1..65535, got {port}")
 
 
 def env_auth_token() -> str | None:
@@ -192,221 +312,14 @@ def env_auth_token() -> str | None:
         raise ConfigError(f"{AUTH_TOKEN_FILE_ENV}={path}: cannot read the token file: {exc.strerror or exc}") from exc
 
 
-def load_deployment(path: str | Path) -> DeploymentConfig:
-    data = read_yaml(path)
-    top = Where(str(path))
-    top.check_keys(data, DEPLOYMENT_KEYS)
-    host = top.string(data, "hostname", "127.0.0.1")
-    host = os.environ.get(HOSTNAME_ENV) or host
-    port = top.port(data, "port", 8000)
-    router = top.mapping(data, "router")
-    top.key("router").check_keys(router, (*ROUTER_KEYS, *ACCESS_KEYS, *ROUTING_KEYS))
-    router_type = top.key("router").choice(router, "type", ROUTER_TYPES, "round_robin")
-    access = router_access_from_yaml(router, top.key("router"), Path(path).resolve().parent)
-    migration_limit = top.key("router").integer(router, "migration_limit", 1, minimum=0)
-    routing = routing_from_yaml(router, top.key("router"))
-    if routing.conditional.enabled and "context_servers" not in data:
-        raise top.key("router").key("conditional").error("needs context_servers: it lets generation servers "
-                                                         "serve some requests without a context leg")
-    token = _auth_token(data, top)
-    if "context_servers" in data and "generation_servers" not in data:
-        raise top.key("generation_servers").error("required when context_servers is given")
-    sections: tuple[tuple[str, Role], ...] = (("context_servers", "context"),
-                                              ("generation_servers", "generation"))
-    if "context_servers" not in data:  # aggregated: the generation servers run both phases
-        sections = (("generation_servers", "aggregated"),)
-    servers = [s for name, role in sections if name in data for s in _section_servers(data, name, role, top)]
-    has_router = bool(servers)
-    if not has_router:  # no server section: one aggregated server on hostname:port, no router
-        servers = [_single_server(data, top, "aggregated", host, port)]
-    _check_same_model(servers, top)
-    _check_ports(servers, host, port, has_router, top)
-    servers = _with_context_urls(share_gpu_memory(servers))
-    cfg = DeploymentConfig(str(path), host, port, router_type, servers, has_router, None, access, _restart(data, top),
-                           migration_limit, top.number(data, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0),
-                           routing)
-    return with_auth_token(cfg, token)
-
-
-def _restart(data: dict[str, Any], top: Where) -> RestartPolicy:
-    where, restart = top.key("restart"), top.mapping(data, "restart")
-    where.check_keys(restart, RESTART_KEYS)
-    default = RestartPolicy()
-    return RestartPolicy(where.integer(restart, "max_quick_deaths", default.max_quick_deaths, minimum=0),
-                         where.number(restart, "backoff_s", default.backoff_s, minimum=0),
-                         where.number(restart, "quick_s", default.quick_s, minimum=0))
-
-
-def _with_context_urls(servers: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
-    """Every generation server learns its deployment's context servers (where it may pull from)."""
-    urls = tuple(host_port(s.host, s.port) for s in servers if s.role == "context")
-    return tuple(replace(s, context_urls=urls) if s.role == "generation" else s for s in servers)
-
-
-def share_gpu_memory(servers: list[ServerConfig]) -> tuple[ServerConfig, ...]:
-    """The servers of one deployment run on one host and, with device auto or cuda, on its first
-    GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
-    use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
-    sharing = sum(s.device != "cpu" for s in servers)
-    if sharing < 2:
-        return tuple(servers)
-    fraction, out = DEFAULT_GPU_FRACTION / sharing, []
-    for s in servers:
-        kv = s.kv_cache_config
-        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
-            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=fraction))
-        out.append(s)
-    return tuple(out)
+def _auth_token(data: dict[str, Any]) -> str | None:
+    ctc = data.get("cache_transceiver_config")
+    token = ctc.get("auth_token") if isinstance(ctc, dict) else None  # its type: checked per server
+    return token or env_auth_token()
 
 
 def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfig:
     """A copy whose deployment and every server carry `token`."""
-    servers = tuple(replace(s, cache_transceiver={**s.cache_transceiver, "auth_token": token})
+    servers = tuple(replace(s, cache_transceiver_config=replace(s.cache_transceiver_config, auth_token=token))
                     for s in cfg.servers)
     return replace(cfg, servers=servers, auth_token=token)
-
-
-def server_config_to_yaml(cfg: ServerConfig) -> str:
-    """The `pdserve serve --config` file for one server. The role travels separately (`--role`)
-    and the auth token is left out (it travels in the PDSERVE_AUTH_TOKEN environment variable)."""
-    ctc = {k: v for k, v in cfg.cache_transceiver.items() if k != "auth_token"}
-    data = {
-        "model": cfg.model, "hostname": cfg.host, "port": cfg.port,
-        "max_seq_len": cfg.max_seq_len, "max_batch_size": cfg.max_batch_size,
-        "max_num_tokens": cfg.max_num_tokens, "max_prefill_batch_tokens": cfg.max_prefill_batch_tokens,
-        "dtype": cfg.dtype, "device": cfg.device, "kernels": cfg.kernels, "cuda_graphs": cfg.cuda_graphs,
-        "borrow_idle_cores": cfg.borrow_idle_cores, "drain_timeout_s": cfg.drain_timeout_s,
-        "kv_cache_config": dataclasses.asdict(cfg.kv_cache_config), "cache_transceiver_config": ctc,
-    }
-    if cfg.context_urls:
-        data["context_urls"] = list(cfg.context_urls)
-    header = f"# generated by pdserve launch: one {cfg.role} server\n"
-    return header + yaml.safe_dump(data, sort_keys=False)
-
-
-def _auth_token(data: dict[str, Any], top: Where) -> str | None:
-    ctc = top.mapping(data, "cache_transceiver_config")
-    for section in ("context_servers", "generation_servers"):
-        sec = data.get(section)
-        if isinstance(sec, dict) and "auth_token" in (sec.get("cache_transceiver_config") or {}):
-            where = top.key(section).key("cache_transceiver_config").key("auth_token")
-            raise where.error("one token serves the whole deployment: set it at the top level")
-    token = top.key("cache_transceiver_config").optional_string(ctc, "auth_token")
-    return token or env_auth_token()
-
-
-def _engine_settings(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
-                     sec: Where) -> dict[str, Any]:
-    """Engine keys of one server: the section's value, else the top level's, else the default."""
-    def pick(key: str) -> tuple[dict[str, Any], Where]:
-        return (sec_data, sec) if key in sec_data else (top_data, top)
-
-    out: dict[str, Any] = {}
-    d, w = pick("model")
-    if "model" not in d:
-        raise top.key("model").error("required (builtin:tiny-llama or a Hugging Face model directory)")
-    out["model"] = w.string(d, "model", "")
-    for key, default in (("max_seq_len", 2048), ("max_batch_size", 64), ("max_num_tokens", 2048)):
-        d, w = pick(key)
-        out[key] = w.integer(d, key, default, minimum=1)
-    d, w = pick("max_prefill_batch_tokens")
-    out["max_prefill_batch_tokens"] = w.optional_integer(d, "max_prefill_batch_tokens", minimum=1)
-    for key, choices in (("dtype", DTYPES), ("device", DEVICES), ("kernels", KERNELS)):
-        d, w = pick(key)
-        out[key] = w.choice(d, key, choices, "auto")
-    d, w = pick("cuda_graphs")
-    out["cuda_graphs"] = w.boolean(d, "cuda_graphs", True)
-    d, w = pick("borrow_idle_cores")
-    out["borrow_idle_cores"] = w.boolean(d, "borrow_idle_cores", False)
-    d, w = pick("drain_timeout_s")
-    out["drain_timeout_s"] = w.number(d, "drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S, minimum=0)
-    out["kv_cache_config"] = _kv_cache(top_data, sec_data, top, sec)
-    out["cache_transceiver"] = _transceiver(top_data, sec_data, top, sec)
-    return out
-
-
-def _kv_cache(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
-              sec: Where) -> KvCacheConfig:
-    """Top-level keys alone first (so their errors name the top level), then the merge."""
-    top_kv, sec_kv, where = _layers(top_data, sec_data, top, sec, "kv_cache_config", KvCacheConfig)
-    kv = _build(KvCacheConfig.from_dict, top_kv, top.key("kv_cache_config"))
-    return _build(KvCacheConfig.from_dict, {**top_kv, **sec_kv}, where) if sec_kv else kv
-
-
-def _transceiver(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where,
-                 sec: Where) -> dict[str, Any]:
-    """Merged `cache_transceiver_config`, checked against TransceiverConfig, kept as a dict."""
-    top_ctc, sec_ctc, where = _layers(top_data, sec_data, top, sec, "cache_transceiver_config",
-                                      TransceiverConfig)
-    merged = {**top_ctc, **sec_ctc}
-    _build(lambda d, _source: TransceiverConfig(**d), merged, where)
-    return merged
-
-
-def _layers(top_data: dict[str, Any], sec_data: dict[str, Any], top: Where, sec: Where, name: str,
-            schema: type) -> tuple[dict[str, Any], dict[str, Any], Where]:
-    """The top-level and section mappings of `name` (keys checked against the dataclass `schema`)
-    and where a problem of the merge is reported."""
-    known = tuple(f.name for f in dataclasses.fields(schema))
-    top_map, sec_map = top.mapping(top_data, name), sec.mapping(sec_data, name)
-    top.key(name).check_keys(top_map, known)
-    sec.key(name).check_keys(sec_map, known)
-    return top_map, sec_map, (sec if name in sec_data else top).key(name)
-
-
-def _build(factory: Callable[[dict[str, Any], str], Any], data: dict[str, Any], where: Where) -> Any:
-    """Run a component's validating constructor; its ValueError names `<path>.<key>` already."""
-    path = ".".join(where.path)
-    try:
-        return factory(data, path)
-    except ValueError as exc:
-        message = str(exc)
-        # TransceiverConfig names keys from `cache_transceiver_config.`; give the full path
-        leaf = where.path[-1]
-        if path != leaf and message.startswith(f"{leaf}."):
-            message = f"{path}{message[len(leaf):]}"
-        raise ConfigError(f"{where.source}: {message}") from exc
-
-
-def _section_servers(data: dict[str, Any], section: str, role: Role, top: Where) -> list[ServerConfig]:
-    sec = top.key(section)
-    sec_data = top.mapping(data, section)
-    sec.check_keys(sec_data, SECTION_KEYS)
-    urls = sec.url_list(sec_data, "urls")
-    count = sec.integer(sec_data, "num_instances", len(urls), minimum=1)
-    if count != len(urls):
-        raise sec.key("num_instances").error(f"must equal the number of urls ({len(urls)}), got {count}")
-    engine = _engine_settings(data, sec_data, top, sec)
-    return [ServerConfig(role=role, host=h, port=p, **engine) for h, p in urls]
-
-
-def _single_server(data: dict[str, Any], top: Where, role: Role, host: str, port: int) -> ServerConfig:
-    return ServerConfig(role=role, host=host, port=port, **_engine_settings(data, {}, top, top))
-
-
-def _check_same_model(servers: list[ServerConfig], top: Where) -> None:
-    models = {s.model for s in servers}
-    if len(models) > 1:
-        raise top.key("model").error(f"every server must serve the same model, got {sorted(models)}")
-
-
-def _check_ports(servers: list[ServerConfig], host: str, port: int, has_router: bool, top: Where) -> None:
-    """No two listeners (router, servers, context transceivers) may share a port on one host."""
-    seen: list[tuple[str, int, str]] = [(host, port, "router (hostname:port)")] if has_router else []
-    for s in servers:
-        seen.append((s.host, s.port, f"{s.role} server {s.host}:{s.port}"))
-        ctc_port = s.cache_transceiver.get("port")
-        if s.role == "context" and ctc_port:  # 0: ephemeral
-            seen.append((s.host, ctc_port, f"the transceiver of context server {s.host}:{s.port}"))
-    for i, (h1, p1, name1) in enumerate(seen):
-        for h2, p2, name2 in seen[:i]:
-            if p1 == p2 and _same_host(h1, h2):
-                raise top.error(f"duplicate port {p1}: {name2} and {name1}")
-
-
-def _same_host(a: str, b: str) -> bool:
-    if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
-        return True
-    loopback = ("localhost", "127.0.0.1")
-    return a == b or (a in loopback and b in loopback)
-

@@ -1,110 +1,175 @@
-"""Reading config YAML: strict loading and typed readers whose errors name the file and key path.
+"""Reading config YAML: strict loading, and msgspec conversion whose errors name the file and key.
 
-`Where` is a position in one file (`configs/x.yaml: context_servers.urls[0]`); its readers check a
-value's type and range and raise ConfigError there. The schema itself lives in server/config.py.
+`convert(data, Schema, source)` is msgspec.convert with its ValidationError turned into a
+ConfigError `<file>: <key.path>: <what is wrong>`; unknown keys get a close match and the valid keys.
+The schema itself lives in server/config.py (and the components' own Structs).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
+import msgspec.inspect as mi
 import yaml
+
+T = TypeVar("T")
+KeyPath = list[str]  # key names and "[i]" list positions
+
+_AT = re.compile(r"(.*) - at `\$(.*)`", re.S)
+_PATH_PART = re.compile(r"\.([^.\[]+)|(\[\d+\])")
+_OWN_KEY = re.compile(r"([A-Za-z_][\w.]*(?:\[\d+\])?): (.*)", re.S)  # a __post_init__'s "key.path: problem"
+_FIELD = re.compile(r"Object (contains unknown|missing required) field `(.+)`")
+_ENUM = re.compile(r"Invalid enum value (.+)", re.S)
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and the key path."""
 
 
-class Where:
-    """A position in one config file (`file: a.b.c`) with the typed readers that report there."""
+def convert(data: Any, schema: type[T], source: str, origin: Callable[[KeyPath], KeyPath] = list) -> T:
+    """`data` as a `schema` instance. `origin` maps a key path of `data` to where the file wrote it
+    (a deployment's section inherits top-level keys)."""
+    try:
+        return msgspec.convert(_nulls_dropped(data, mi.type_info(schema)), schema)
+    except msgspec.ValidationError as exc:
+        raise _error(str(exc), schema, data, source, origin) from None
 
-    def __init__(self, source: str, path: tuple[str, ...] = ()) -> None:
-        self.source, self.path = source, path
 
-    def key(self, name: str) -> Where:
-        return Where(self.source, (*self.path, name))
+def _nulls_dropped(data: Any, node: Any) -> Any:
+    """`data` without the nulls given for sections (`kv_cache_config:` with nothing under it): a null
+    section takes its defaults, as an empty one does."""
+    node = node.type if isinstance(node, mi.Metadata) else node
+    if not isinstance(node, mi.StructType) or not isinstance(data, dict):
+        return data
+    fields = {f.encode_name: f.type for f in node.fields}
+    section = {k for k, t in fields.items() if isinstance(t.type if isinstance(t, mi.Metadata) else t, mi.StructType)}
+    return {k: _nulls_dropped(v, fields.get(k)) for k, v in data.items() if v is not None or k not in section}
 
-    def error(self, message: str) -> ConfigError:
-        where = ".".join(self.path)
-        return ConfigError(f"{self.source}: {where}: {message}" if where else f"{self.source}: {message}")
 
-    def check_keys(self, data: dict[str, Any], allowed: tuple[str, ...]) -> None:
-        for name in data:
-            if name not in allowed:
-                close = difflib.get_close_matches(str(name), allowed, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise self.key(str(name)).error(f"unknown key{hint}; valid keys: {', '.join(allowed)}")
+def unknown_key(source: str, path: KeyPath, valid: Iterable[str]) -> ConfigError:
+    valid = list(valid)
+    close = difflib.get_close_matches(path[-1], valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{source}: {join(path)}: unknown key{hint}; valid keys: {', '.join(valid)}")
 
-    def mapping(self, data: dict[str, Any], name: str) -> dict[str, Any]:
-        value = data.get(name)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.key(name).error(f"must be a mapping, got {_kind(value)}")
-        return value
 
-    def string(self, data: dict[str, Any], name: str, default: str) -> str:
-        value = data.get(name, default)
-        if not isinstance(value, str) or not value:
-            raise self.key(name).error(f"must be a non-empty string, got {value!r}")
-        return value
+def check_keys(data: dict[str, Any], valid: Iterable[str], source: str, at: KeyPath) -> None:
+    """For mappings whose keys more than one Struct reads (a deployment's inherited engine keys)."""
+    valid = tuple(valid)
+    for key in data:
+        if key not in valid:
+            raise unknown_key(source, [*at, str(key)], valid)
 
-    def optional_string(self, data: dict[str, Any], name: str) -> str | None:
-        return None if data.get(name) is None else self.string(data, name, "")
 
-    def integer(self, data: dict[str, Any], name: str, default: int, minimum: int) -> int:
-        value = data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.key(name).error(f"must be an integer, got {_kind(value)} {value!r}")
-        if value < minimum:
-            raise self.key(name).error(f"must be >= {minimum}, got {value}")
-        return value
+def join(path: KeyPath) -> str:
+    return "".join(p if p.startswith("[") else f".{p}" for p in path).lstrip(".")
 
-    def number(self, data: dict[str, Any], name: str, default: float, minimum: float) -> float:
-        """An int or float >= `minimum` (seconds, say)."""
-        value = data.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-            raise self.key(name).error(f"must be a number, got {_kind(value)} {value!r}")
-        if value < minimum:
-            raise self.key(name).error(f"must be >= {minimum:g}, got {value}")
-        return float(value)
 
-    def optional_integer(self, data: dict[str, Any], name: str, minimum: int) -> int | None:
-        return None if data.get(name) is None else self.integer(data, name, minimum, minimum)
+def _error(text: str, schema: type, data: Any, source: str, origin: Callable[[KeyPath], KeyPath]) -> ConfigError:
+    match = _AT.fullmatch(text)
+    message, at = (match[1], match[2]) if match else (text, "")
+    path = [a or b for a, b in _PATH_PART.findall(at)]
+    node = _type_at(mi.type_info(schema), path)
+    if field := _FIELD.fullmatch(message):
+        path = [*path, field[2]]
+        if field[1] == "contains unknown":
+            return unknown_key(source, origin(path), _keys(node))
+        about = _description(_type_at(mi.type_info(schema), path))
+        message = f"required ({about})" if about else "required"
+    elif own := _OWN_KEY.fullmatch(message):
+        path, message = [*path, *re.findall(r"[^.\[]+|\[\d+\]", own[1])], own[2]
+    else:
+        message = _expected(message, node, _literal(schema, path), *_value_at(data, path))
+    where = join(origin(path))
+    return ConfigError(f"{source}: {where}: {message}" if where else f"{source}: {message}")
 
-    def boolean(self, data: dict[str, Any], name: str, default: bool) -> bool:
-        value = data.get(name, default)
-        if not isinstance(value, bool):
-            raise self.key(name).error(f"must be true or false, got {_kind(value)} {value!r}")
-        return value
 
-    def port(self, data: dict[str, Any], name: str, default: int) -> int:
-        value = self.integer(data, name, default, minimum=1)
-        if value > 65535:
-            raise self.key(name).error(f"must be a port in 1..65535, got {value}")
-        return value
+def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, value: Any) -> str:
+    """msgspec's "Expected `int` >= 1" as "must be >= 1, got 0"; a described type says what it is."""
+    if enum := _ENUM.fullmatch(message):
+        return f"must be one of {', '.join(map(str, choices))}, got {enum[1]}"
+    expected = _EXPECTED.fullmatch(message)
+    if expected is None or not found:
+        return message[0].lower() + message[1:]
+    names, constraint, mismatch = expected.groups()
+    got = f", got {_kind(value)} {value!r}" if mismatch else f", got {value!r}"
+    if about := _description(node):
+        return f"must be {about}{got}"
+    if mismatch:
+        return f"must be {' or '.join(_NAMES.get(n, n) for n in names.split(' | '))}{got}"
+    if constraint == "of length >= 1":
+        return f"must be a non-empty {_NOUNS.get(names, names)}{got}"
+    constraint = re.sub(r"(?<=\d)\.0\b", "", constraint.removeprefix("that's "))  # ">= 0.0": ">= 0"
+    return f"must be {constraint}{got}"
 
-    def choice(self, data: dict[str, Any], name: str, choices: tuple[str, ...], default: str) -> str:
-        value = data.get(name, default)
-        if value not in choices:
-            raise self.key(name).error(f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
 
-    def url_list(self, data: dict[str, Any], name: str) -> list[tuple[str, int]]:
-        """`urls: ["host:port", ...]` -> [(host, port)]; IPv6 hosts in brackets."""
-        urls = data.get(name)
-        if not isinstance(urls, list) or not urls:
-            raise self.key(name).error(f"must be a non-empty list of host:port strings, got {urls!r}")
-        out = []
-        for i, url in enumerate(urls):
-            where = self.key(f"{name}[{i}]")
-            host, sep, port = url.rpartition(":") if isinstance(url, str) else ("", "", "")
-            if not sep or not host or not port.isdigit() or "/" in url:
-                raise where.error(f"must be host:port (like 127.0.0.1:8001), got {url!r}")
-            out.append((host.strip("[]"), where.port({"port": int(port)}, "port", 0)))
-        return out
+def _literal(schema: type, path: KeyPath) -> tuple[Any, ...]:
+    """The choices of the Literal at `path`, in the order the schema declares them."""
+    parent = _unwrap(_type_at(mi.type_info(schema), path[:-1])) if path else None
+    if not isinstance(parent, mi.StructType):
+        return ()
+    field = next((f for f in msgspec.structs.fields(parent.cls) if f.encode_name == path[-1]), None)
+    todo = [field.type] if field else []
+    while todo:
+        tp = todo.pop(0)
+        if typing.get_origin(tp) is typing.Literal:
+            return typing.get_args(tp)
+        todo += typing.get_args(tp)
+    return ()
+
+
+_EXPECTED = re.compile(r"Expected `([^`]+)`(?: (.+?))?(, got `[^`]+`)?")
+_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+          "object": "a mapping", "array": "a list", "null": "null"}
+_NOUNS = {"str": "string", "array": "list", "object": "mapping"}
+
+
+def _description(node: Any) -> str | None:
+    return node.extra_json_schema.get("description") if isinstance(node, mi.Metadata) else None
+
+
+def _unwrap(node: Any) -> Any:
+    """The non-null member of `X | None`, without its description."""
+    if isinstance(node, mi.Metadata):
+        node = node.type
+    if isinstance(node, mi.UnionType):
+        node = next((t for t in node.types if not isinstance(t, mi.NoneType)), node)
+    return node.type if isinstance(node, mi.Metadata) else node
+
+
+def _type_at(node: Any, path: KeyPath) -> Any:
+    """The type at `path` (a described type keeps its mi.Metadata wrapper)."""
+    for part in path:
+        node = _unwrap(node)
+        if isinstance(node, mi.StructType):
+            node = next((f.type for f in node.fields if f.encode_name == part), None)
+        else:
+            node = getattr(node, "item_type", None)
+    if isinstance(node, mi.UnionType):
+        node = next((t for t in node.types if not isinstance(t, mi.NoneType)), node)
+    return node
+
+
+def _keys(node: Any) -> list[str]:
+    node = _unwrap(node)
+    return [f.encode_name for f in node.fields] if isinstance(node, mi.StructType) else []
+
+
+def _value_at(data: Any, path: KeyPath) -> tuple[bool, Any]:
+    for part in path:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.startswith("[") and int(part[1:-1]) < len(data):
+            data = data[int(part[1:-1])]
+        else:
+            return False, None
+    return True, data
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -142,5 +207,5 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)

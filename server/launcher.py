@@ -5,9 +5,10 @@ Life of a launch:
    reaches the children only through the PDSERVE_AUTH_TOKEN environment variable, and is written to
    `<log dir>/auth_token` (mode 0600) so that an operator can start one server again by hand
    (PDSERVE_AUTH_TOKEN_FILE names that file; the launcher prints the command).
-2. Write each server's own YAML (server_config_to_yaml) into the log dir; start the servers, each in
-   its own session (process group) and, on Linux, with PR_SET_PDEATHSIG so that even a SIGKILLed
-   launcher takes them down. Output goes to <log dir>/<name>.log.
+2. Start the servers, each reading the deployment file and its own server in it
+   (`pdserve serve --config FILE --server context-0`), each in its own session (process group) and,
+   on Linux, with PR_SET_PDEATHSIG so that even a SIGKILLed launcher takes them down. Output goes
+   to <log dir>/<name>.log.
 3. Wait until every server answers GET /health with 200 (a server that reports its peers
    `incompatible` fails the launch at once, naming the field); wait until every generation server
    has shaken hands with every context server; then start the router and wait for it.
@@ -34,7 +35,6 @@ from server.config import (
     AUTH_TOKEN_FILE_ENV,
     DeploymentConfig,
     load_deployment,
-    server_config_to_yaml,
     with_auth_token,
 )
 from server.supervisor import Child, StopOnSignals, Supervisor, health
@@ -52,7 +52,7 @@ def pdserve_command(child: Child) -> list[str]:
     base = [sys.executable, "-m", "server.cli"]
     if child.role == "router":
         return [*base, "router", "--config", str(child.config_path)]
-    return [*base, "serve", "--config", str(child.config_path), "--role", child.role]
+    return [*base, "serve", "--config", str(child.config_path), "--server", child.name]
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     cfg = with_auth_token(cfg, cfg.auth_token or secrets.token_hex(32))
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    _say(f"logs and per-server configs in {log_dir}")
+    _say(f"logs in {log_dir}")
     token_file = write_token_file(log_dir, cfg.auth_token or "")
-    servers, router = plan_children(cfg, Path(path), log_dir)
+    servers, router = plan_children(cfg, Path(path))
     env = child_env(dict(os.environ), cfg.auth_token or "", len(servers))
     group = Supervisor(options.command, env, log_dir, cfg.restart, options.poll_interval_s, _say)
     with StopOnSignals() as stop:
@@ -102,20 +102,10 @@ def _stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) ->
     return [*stages, ([], server_wait)]
 
 
-BORROWER_SPINCOUNT = "10000"
-
-
 def child_env(base: dict[str, str], auth_token: str, num_servers: int) -> dict[str, str]:
-    """The children's environment: the token, and torch threads shared out unless the user chose.
-
-    Engines with less than every core may borrow idle ones for a step (`borrow_idle_cores`); an
-    OpenMP worker then spins ~0.5 ms after the step on the borrowed core instead of libgomp's
-    default of about 15 ms, which would take that core from the engine it was borrowed from."""
+    """The children's environment: the token, and torch threads shared out unless the user chose."""
     env = {**base, AUTH_TOKEN_ENV: auth_token, "PYTHONUNBUFFERED": "1"}
-    threads = threads_per_server(num_servers)
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    if threads < (os.cpu_count() or 1):
-        env.setdefault("GOMP_SPINCOUNT", BORROWER_SPINCOUNT)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_server(num_servers)))
     return env
 
 
@@ -124,19 +114,12 @@ def threads_per_server(num_servers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_servers))
 
 
-def plan_children(cfg: DeploymentConfig, deployment_path: Path,
-                  log_dir: Path) -> tuple[list[Child], Child | None]:
-    """Write `<log_dir>/<name>.yaml` for every server; the router reads the deployment file itself."""
-    servers, counts = [], {}
-    for server in cfg.servers:
-        index = counts[server.role] = counts.get(server.role, -1) + 1
-        name = f"{server.role}-{index}"
-        config_path = log_dir / f"{name}.yaml"
-        config_path.write_text(server_config_to_yaml(server))
-        servers.append(Child(name, server.role, config_path, _health_url(server.host, server.port)))
-    router = None
-    if cfg.has_router:
-        router = Child("router", "router", deployment_path.resolve(), _health_url(cfg.host, cfg.port))
+def plan_children(cfg: DeploymentConfig, deployment_path: Path) -> tuple[list[Child], Child | None]:
+    """One child per server and the router; each reads the deployment file itself."""
+    path = deployment_path.resolve()
+    servers = [Child(name, server.role, path, _health_url(server.host, server.port))
+               for name, server in cfg.named().items()]
+    router = Child("router", "router", path, _health_url(cfg.host, cfg.port)) if cfg.has_router else None
     return servers, router
 
 
@@ -154,7 +137,8 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
     _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} pdserve serve "
-         f"--config {servers[0].config_path} --role {servers[0].role}  (any <name>.yaml of {token_file.parent})")
+         f"--config {servers[0].config_path} --server {servers[0].name}  (names: "
+         f"{', '.join(c.name for c in servers)})")
     return group.supervise("router" if router else servers[0].name, stop)
 
 

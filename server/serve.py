@@ -20,7 +20,6 @@ from server.config import ServerConfig
 from server.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
-from server.engine.cpu_threads import cpu_threads_policy
 from server.engine.disagg import ContextRole, GenerationRole
 from server.engine.scheduler import SchedulerConfig
 from server.kv_events import KvEventPublisher, KvEventSource
@@ -30,7 +29,6 @@ from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.models.spec import load_spec
 from server.telemetry import TelemetryBridge
-from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
@@ -54,8 +52,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake),
-                      threads=cpu_threads_policy(device, cfg.borrow_idle_cores))
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake))
     log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
              model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
              [kv.num_slots(w) for w in kv.window_sizes])
@@ -78,8 +75,7 @@ def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake):
     if cfg.role == "aggregated":
         return None
-    settings = {"host": cfg.host, **cfg.cache_transceiver}  # bind beside the server unless configured
-    transceiver = TransceiverConfig.from_dict(settings, "cache_transceiver_config")
+    transceiver = cfg.cache_transceiver_config
     if cfg.role == "context":
         return ContextRole(KVSender(kv, transceiver, fingerprint, on_message=wake), kv)
     return GenerationRole(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
@@ -89,7 +85,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     """The server's app. `on_fatal()` is called if the engine cannot load (the process should exit)."""
     metrics = ServerMetrics()
     telemetry = TelemetryBridge(metrics)
-    token = cfg.cache_transceiver.get("auth_token")
+    token = cfg.cache_transceiver_config.auth_token
     kv_events = KvEventSource(_event_publisher(cfg, token), EPOCH)
 
     @asynccontextmanager
@@ -173,7 +169,7 @@ def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher |
     """KV events for the router's index, on the transceiver's interface; none without the token."""
     if not token:
         return None
-    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver.get("host") or cfg.host)
+    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver_config.host)
 
 
 async def _watch_load(engine: AsyncEngine, on_fatal) -> None:

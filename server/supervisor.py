@@ -37,7 +37,7 @@ MAX_BACKOFF_S = 30.0
 
 @dataclass(frozen=True)
 class Child:
-    """One process the launcher runs; `config_path` is the YAML it reads."""
+    """One process the launcher runs; `config_path` is the deployment YAML it reads."""
 
     name: str  # "context-0", "generation-1", "aggregated-0", "router"
     role: str  # context | generation | aggregated | router

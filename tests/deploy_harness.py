@@ -78,7 +78,7 @@ class Deployment:
         pids = []
         for child in psutil.Process(self.process.pid).children(recursive=True):
             cmd = " ".join(child.cmdline())
-            if (role == "router" and " router " in cmd) or f"--role {role}" in cmd:
+            if (role == "router" and " router " in cmd) or f"--server {role}-" in cmd:
                 pids.append(child.pid)
         return pids
 

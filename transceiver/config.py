@@ -1,35 +1,35 @@
-"""`cache_transceiver_config`: settings of the KV transceiver, loaded from the deployment YAML."""
+"""`cache_transceiver_config`: how one server's KV transceiver listens, authenticates and times out.
+
+A msgspec Struct: the deployment loader (server/config.py) checks types, ranges and unknown keys
+when it converts the YAML. No torch here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated
+
+import msgspec
 
 MIN_CHUNK_BYTES = 64 * 1024  # pyzmq copies frames below 64 KiB even with copy=False
 MAX_CHUNK_BYTES = 1024 * 1024 * 1024
 MIN_TOKEN_CHARS = 16
+_TOKEN = f"null or a string of at least {MIN_TOKEN_CHARS} characters"
+_ADDRESS = "an interface address such as 127.0.0.1"
+_CHUNK = f"a multiple of 8 in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}"
 
 
-@dataclass(frozen=True)
-class TransceiverConfig:
-    """How one server's transceiver listens, authenticates and times out.
+class TransceiverConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`auth_token` may be None in YAML only: the launcher then generates one per deployment and
+    hands every server a copy; a sender or receiver refuses to start without one (`token_bytes`)."""
 
-    `auth_token` may be None in YAML only: the launcher then generates one per deployment and
-    hands every server a copy with `dataclasses.replace`; a sender or receiver refuses to start
-    without one (`token_bytes`).
-    """
-
-    kv_transfer_timeout_ms: int = 60000
-    auth_token: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: an ephemeral port, advertised through `KVSender.endpoint`
-    max_chunk_bytes: int = 8 * 1024 * 1024  # payload bytes per chunk message (and per frame)
+    kv_transfer_timeout_ms: Annotated[int, msgspec.Meta(gt=0)] = 60000
+    auth_token: Annotated[str, msgspec.Meta(min_length=MIN_TOKEN_CHARS, description=_TOKEN)] | None = None
+    # an interface address (a deployment's servers bind beside their HTTP address unless set)
+    host: Annotated[str, msgspec.Meta(pattern=r"^\S+$", description=_ADDRESS)] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: ephemeral, advertised via `KVSender.endpoint`
+    # payload bytes per chunk message (and per frame)
+    max_chunk_bytes: Annotated[int, msgspec.Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, multiple_of=8,
+                                                 description=_CHUNK)] = 8 << 20
     same_host_ipc: bool = True  # CUDA pools on one GPU: copy device-to-device via CUDA IPC (false: bytes)
-
-    def __post_init__(self) -> None:
-        problem = _first_problem(self)
-        if problem is not None:
-            raise ValueError(f"cache_transceiver_config.{problem[0]}: {problem[1]}")
 
     @property
     def timeout_s(self) -> float:
@@ -43,46 +43,3 @@ class TransceiverConfig:
                 "generate one per deployment (the transceiver never runs unauthenticated)"
             )
         return self.auth_token.encode()
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, source: str) -> TransceiverConfig:
-        """Build from the YAML mapping; any error names the key and `source` (the file)."""
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise ValueError(f"cache_transceiver_config in {source}: expected a mapping, got {d!r}")
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ValueError(
-                    f"cache_transceiver_config.{key} in {source}: unknown key (known: {sorted(known)})"
-                )
-        try:
-            return cls(**d)
-        except ValueError as e:
-            raise ValueError(f"{e} (in {source})") from None
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _first_problem(c: TransceiverConfig) -> tuple[str, str] | None:
-    """(key, what is wrong) for the first invalid field, or None."""
-    if not _is_int(c.kv_transfer_timeout_ms) or c.kv_transfer_timeout_ms <= 0:
-        return "kv_transfer_timeout_ms", f"expected a positive integer, got {c.kv_transfer_timeout_ms!r}"
-    token = c.auth_token
-    if token is not None and (not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS):
-        return "auth_token", f"expected null or a string of at least {MIN_TOKEN_CHARS} characters"
-    if not isinstance(c.host, str) or not c.host or c.host.strip() != c.host:
-        return "host", f"expected an interface address such as 127.0.0.1, got {c.host!r}"
-    if not _is_int(c.port) or not 0 <= c.port <= 65535:
-        return "port", f"expected an integer in 0..65535, got {c.port!r}"
-    chunk = c.max_chunk_bytes
-    if not _is_int(chunk) or not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES or chunk % 8:
-        return "max_chunk_bytes", (
-            f"expected a multiple of 8 in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk!r}"
-        )
-    if not isinstance(c.same_host_ipc, bool):
-        return "same_host_ipc", f"expected true or false, got {c.same_host_ipc!r}"
-    return None

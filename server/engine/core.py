@@ -6,7 +6,6 @@ import time
 from typing import Protocol
 
 from kvcache import KVCacheManager
-from server.engine.cpu_threads import BorrowIdleCores, FixedThreads
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
@@ -38,8 +37,7 @@ class DisaggHooks(Protocol):
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
-                 *, metrics=None, disagg: DisaggHooks | None = None,
-                 threads: FixedThreads | BorrowIdleCores | None = None) -> None:
+                 *, metrics=None, disagg: DisaggHooks | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.config = config
@@ -47,7 +45,6 @@ class EngineCore:
         self.scheduler = Scheduler(config, kv)
         self.metrics = metrics
         self.disagg = disagg
-        self.threads = threads or FixedThreads()
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
@@ -145,7 +142,6 @@ class EngineCore:
             outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
             self.disagg.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])
         if plan.chunks:
-            self.threads.before_step(sum(c.num_new_tokens for c in plan.chunks))
             logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])  # a GPU runs it now
             sampled = [c.request for c in plan.chunks if c.need_logits]  # before the computed counts move
             picked = sample_on_device(logits, sampled) if sampled else None

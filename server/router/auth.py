@@ -18,20 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.config_yaml import ConfigError, Where
-
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
-ACCESS_KEYS = ("api_keys", "api_keys_file", "open_paths", "tenant_salt_from_api_key")
 
 
 def _digest(key: str) -> bytes:
@@ -126,73 +119,3 @@ class ApiKeyMiddleware:
             return
         scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
-
-
-# ---- configuration (`router:` section of the deployment YAML) ----------------------------------------
-
-def router_access_from_yaml(router: dict[str, Any], where: Where, yaml_dir: Path) -> RouterAccess:
-    """Read the access keys of the `router:` mapping; errors name the file and the key."""
-    keys = _keys_list(router, where) + _keys_file(router, where, yaml_dir) + _keys_env()
-    open_paths = _open_paths(router, where)
-    tenant = where.boolean(router, "tenant_salt_from_api_key", False)
-    if tenant and not keys:
-        raise where.key("tenant_salt_from_api_key").error(
-            f"needs API keys (router.api_keys, router.api_keys_file or {API_KEYS_ENV})")
-    return RouterAccess(tuple(dict.fromkeys(keys)), open_paths, tenant)
-
-
-def _checked_keys(keys: Iterable[object], where: Where) -> list[str]:
-    out = []
-    for i, key in enumerate(keys):
-        if not isinstance(key, str) or not key or any(c.isspace() for c in key) or "," in key:
-            raise where.error(f"key #{i + 1} must be a non-empty string without spaces or commas")
-        out.append(key)
-    return out
-
-
-def _keys_list(router: dict[str, Any], where: Where) -> list[str]:
-    value = router.get("api_keys")
-    if value is None:
-        return []
-    if not isinstance(value, list) or not value:
-        raise where.key("api_keys").error("must be a non-empty list of keys")
-    return _checked_keys(value, where.key("api_keys"))
-
-
-def _keys_file(router: dict[str, Any], where: Where, yaml_dir: Path) -> list[str]:
-    name = where.optional_string(router, "api_keys_file")
-    if name is None:
-        return []
-    path = yaml_dir / name
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise where.key("api_keys_file").error(f"cannot read {path}: {exc.strerror or exc}") from exc
-    lines = [line.strip() for line in text.splitlines()]
-    keys = [line for line in lines if line and not line.startswith("#")]
-    if not keys:
-        raise where.key("api_keys_file").error(f"{path} holds no key (one key per line)")
-    return _checked_keys(keys, where.key("api_keys_file"))
-
-
-def _keys_env() -> list[str]:
-    raw = os.environ.get(API_KEYS_ENV, "")
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if raw.strip() and not keys:
-        raise ConfigError(f"{API_KEYS_ENV}: holds no key (comma-separated keys)")
-    for key in keys:
-        if any(c.isspace() for c in key):
-            raise ConfigError(f"{API_KEYS_ENV}: a key contains a space")
-    return keys
-
-
-def _open_paths(router: dict[str, Any], where: Where) -> tuple[str, ...]:
-    value = router.get("open_paths", list(DEFAULT_OPEN_PATHS))
-    w = where.key("open_paths")
-    if not isinstance(value, list) or not all(isinstance(p, str) and p.startswith("/") and "*" not in p[:-1]
-                                              for p in value):
-        raise w.error(f"must be a list of paths starting with '/' (a trailing * opens every path under a "
-                      f"prefix), got {value!r}")
-    if "/health" not in value:
-        raise w.error("must include /health (pdserve launch and load balancers probe it without a key)")
-    return tuple(value)

@@ -1,36 +1,62 @@
-"""The deployment YAML's routing keys under `router:` (docs/ROUTING.md), read and checked here.
+"""The deployment YAML's `router:` section, declared once (server/config.py converts the YAML into it).
 
 ```yaml
 router:
   type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware | kv_cache_snapshot
+  migration_limit: 1              # moves of one request to another generation server when its own dies
+  api_keys: [...]                 # and api_keys_file, open_paths, tenant_salt_from_api_key (router/auth.py)
   kv_weights: {primary: 1.0, secondary: 0.75}   # kv_cache_aware: value of a hit token per tier
   load_weight: 1.0                # kv_cache_aware: cost of a token a server still has to compute
   queue: {max_inflight_per_server: 64, max_waiting: 1024, timeout_s: 60}
   conditional: {max_local_prefill_length: 256, min_prefix_hit: 512}   # off unless given
 ```
+
+Routing (docs/ROUTING.md) and access (docs/SECURITY.md) keys; their defaults are those of the
+router's own types (`ScoreWeights`, `QueueLimits`, `RouterAccess`).
 """
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Literal
 
-from server.config_yaml import Where
+import msgspec
+from msgspec import Meta
+
+from server.config_yaml import ConfigError
+from server.router.auth import API_KEYS_ENV, DEFAULT_OPEN_PATHS, RouterAccess
 from server.router.policies import POLICIES, ScoreWeights
 from server.router.queue import QueueLimits
 
-ROUTING_KEYS = ("kv_weights", "load_weight", "queue", "conditional")
+Weight = Annotated[float, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=0)]
+ApiKey = Annotated[str, Meta(pattern=r"^[^\s,]+$", description="a key without spaces or commas")]
+_TRAILING = "starting with '/' (a trailing * opens every path under a prefix)"
+OpenPath = Annotated[str, Meta(pattern=r"^/[^*]*\*?$", description=f"a path {_TRAILING}")]
 
 
-@dataclass(frozen=True)
-class Conditional:
+class KvWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    primary: Weight = ScoreWeights.primary
+    secondary: Weight = ScoreWeights.secondary
+
+
+class Queue(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`QueueLimits` as the YAML gives it (server/router/queue.py)."""
+
+    max_inflight_per_server: Count = QueueLimits.max_inflight_per_server  # 0: a server is never saturated
+    max_waiting: Count = QueueLimits.max_waiting
+    timeout_s: Weight = QueueLimits.timeout_s
+
+
+class Conditional(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Requests a generation server serves alone (prefill and decode), skipping the context leg:
     those with at most `max_local_prefill_length` prompt tokens it does not hold yet, or whose
     prompt it holds at least `min_prefix_hit` tokens of (by the router's index). None: not used."""
 
-    max_local_prefill_length: int | None = None
-    min_prefix_hit: int | None = None
+    max_local_prefill_length: Count | None = None
+    min_prefix_hit: Annotated[int, Meta(ge=1)] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -44,30 +70,66 @@ class RoutingConfig:
     conditional: Conditional = field(default_factory=Conditional)
 
 
-def routing_from_yaml(router: dict[str, Any], where: Where) -> RoutingConfig:
-    weights_map = where.mapping(router, "kv_weights")
-    w = where.key("kv_weights")
-    w.check_keys(weights_map, ("primary", "secondary"))
-    weights = ScoreWeights(primary=_number(weights_map, "primary", 1.0, w),
-                           secondary=_number(weights_map, "secondary", 0.75, w),
-                           load=_number(router, "load_weight", 1.0, where))
-    queue_map, q = where.mapping(router, "queue"), where.key("queue")
-    q.check_keys(queue_map, ("max_inflight_per_server", "max_waiting", "timeout_s"))
-    queue = QueueLimits(max_inflight_per_server=q.integer(queue_map, "max_inflight_per_server", 64, minimum=0),
-                        max_waiting=q.integer(queue_map, "max_waiting", 1024, minimum=0),
-                        timeout_s=_number(queue_map, "timeout_s", 60.0, q))
-    cond_map, c = where.mapping(router, "conditional"), where.key("conditional")
-    c.check_keys(cond_map, ("max_local_prefill_length", "min_prefix_hit"))
-    conditional = Conditional(c.optional_integer(cond_map, "max_local_prefill_length", minimum=0),
-                              c.optional_integer(cond_map, "min_prefix_hit", minimum=1))
-    return RoutingConfig(weights, queue, conditional)
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`router:` of a deployment."""
+
+    type: Literal[POLICIES] = "round_robin"  # type: ignore[valid-type]
+    migration_limit: Count = 1
+    api_keys: Annotated[tuple[ApiKey, ...], Meta(min_length=1, description="a non-empty list of keys")] | None = None
+    api_keys_file: str | None = None  # one key per line, `#` comments; relative to the YAML's folder
+    open_paths: Annotated[tuple[OpenPath, ...], Meta(description=f"a list of paths {_TRAILING}")] = DEFAULT_OPEN_PATHS
+    tenant_salt_from_api_key: bool = False
+    kv_weights: KvWeights = KvWeights()
+    load_weight: Weight = ScoreWeights.load
+    queue: Queue = Queue()
+    conditional: Conditional = Conditional()
+
+    def __post_init__(self) -> None:
+        if "/health" not in self.open_paths:
+            raise ValueError("open_paths: must include /health (pdserve launch and load balancers probe it "
+                             "without a key)")
+
+    @property
+    def routing(self) -> RoutingConfig:
+        weights = ScoreWeights(self.kv_weights.primary, self.kv_weights.secondary, self.load_weight)
+        return RoutingConfig(weights, QueueLimits(**msgspec.structs.asdict(self.queue)), self.conditional)
+
+    def access(self, yaml_dir: Path, source: str) -> RouterAccess:
+        """API keys from `api_keys`, `api_keys_file` and PDSERVE_API_KEYS (all valid), open paths,
+        tenant salts; errors name the file and the key."""
+        keys = [*(self.api_keys or ()), *_keys_file(self.api_keys_file, yaml_dir, source), *_keys_env()]
+        if self.tenant_salt_from_api_key and not keys:
+            raise ConfigError(f"{source}: router.tenant_salt_from_api_key: needs API keys (router.api_keys, "
+                              f"router.api_keys_file or {API_KEYS_ENV})")
+        return RouterAccess(tuple(dict.fromkeys(keys)), self.open_paths, self.tenant_salt_from_api_key)
 
 
-def _number(data: dict[str, Any], name: str, default: float, where: Where) -> float:
-    value = data.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise where.key(name).error(f"must be a number >= 0, got {value!r}")
-    return float(value)
+def _keys_file(name: str | None, yaml_dir: Path, source: str) -> list[str]:
+    if name is None:
+        return []
+    path, where = yaml_dir / name, f"{source}: router.api_keys_file"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from exc
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ConfigError(f"{where}: {path} holds no key (one key per line)")
+    for i, key in enumerate(keys):
+        if any(c.isspace() for c in key) or "," in key:
+            raise ConfigError(f"{where}: key #{i + 1} must be a non-empty string without spaces or commas")
+    return keys
 
 
-__all__ = ["POLICIES", "ROUTING_KEYS", "Conditional", "RoutingConfig", "routing_from_yaml"]
+def _keys_env() -> list[str]:
+    raw = os.environ.get(API_KEYS_ENV, "")
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if raw.strip() and not keys:
+        raise ConfigError(f"{API_KEYS_ENV}: holds no key (comma-separated keys)")
+    for key in keys:
+        if any(c.isspace() for c in key):
+            raise ConfigError(f"{API_KEYS_ENV}: a key contains a space")
+    return keys
+
+
+__all__ = ["POLICIES", "Conditional", "RouterConfig", "RoutingConfig"]

@@ -39,7 +39,7 @@ def pid_of(dep: dh.Deployment, name: str) -> int:
     import psutil
 
     [pid] = [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
-             if f"{name}.yaml" in " ".join(c.cmdline())]
+             if c.cmdline()[-2:] == ["--server", name]]
     return pid
 
 

@@ -37,9 +37,9 @@ def pid_serving(dep: dh.Deployment, url: str) -> int:
     """pid of the launcher's child for generation server `url` (generation-<its index>)."""
     import psutil
 
-    name = f"generation-{dep.generation_urls.index(url)}.yaml"
+    name = f"generation-{dep.generation_urls.index(url)}"
     [pid] = [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
-             if name in " ".join(c.cmdline())]
+             if c.cmdline()[-2:] == ["--server", name]]
     return pid
 
 

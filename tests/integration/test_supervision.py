@@ -151,13 +151,12 @@ def test_drain_then_restart_by_hand_then_drain_the_whole_deployment(tmp_path):
         assert "generation-0 is not restarted" in out.read_text()
 
         # the operator starts it again with the command the launcher printed
-        command = re.search(r"start one server again by hand: (\S+)=(\S+) pdserve serve --config (\S+)",
-                            out.read_text())
-        env_name, token_file, some_config = command.groups()
-        config = some_config.replace("context-0.yaml", "generation-0.yaml")
+        command = re.search(r"start one server again by hand: (\S+)=(\S+) pdserve serve --config (\S+) --server "
+                            r"context-0  \(names: context-0, generation-0\)", out.read_text())
+        env_name, token_file, deployment = command.groups()
         env = {**os.environ, env_name: token_file}
         env.pop("PDSERVE_AUTH_TOKEN", None)
-        argv = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--role", "generation"]
+        argv = [sys.executable, "-m", "server.cli", "serve", "--config", deployment, "--server", "generation-0"]
         with open(tmp_path / "by-hand.log", "wb") as log:
             by_hand = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=dh.ROOT)
         try:

@@ -1,23 +1,26 @@
 """server/config.py: loading, inheritance, defaults, and the shipped configs."""
 
-from dataclasses import replace
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from msgspec.structs import replace
 
 from kvcache import KvCacheConfig
 from server.config import (
     AUTH_TOKEN_ENV,
     HOSTNAME_ENV,
     ConfigError,
+    inherit,
     load_deployment,
+    load_server,
     load_server_config,
     server_config_from_dict,
-    server_config_to_yaml,
     with_auth_token,
 )
+from transceiver.config import TransceiverConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "0123456789abcdef0123"
@@ -55,7 +58,7 @@ def test_disagg_defaults_and_roles(tmp_path):
     assert (ctx.max_seq_len, ctx.max_batch_size, ctx.max_num_tokens, ctx.dtype, ctx.device) == (
         2048, 64, 2048, "auto", "auto")
     assert ctx.kv_cache_config == KvCacheConfig(free_gpu_memory_fraction=0.45)  # half the GPU's default share
-    assert ctx.cache_transceiver == {"auth_token": None}
+    assert ctx.cache_transceiver_config == TransceiverConfig(auth_token=None)
     assert cfg.auth_token is None
     assert cfg.generation_servers[0].url == "http://127.0.0.1:8002"
 
@@ -72,8 +75,8 @@ def test_sections_inherit_and_override_top_level(tmp_path):
     assert (ctx.max_seq_len, gen.max_seq_len, ctx.dtype, gen.dtype) == (1024, 4096, "float32", "float32")
     assert ctx.kv_cache_config == KvCacheConfig(tokens_per_block=16, max_tokens=1024, host_cache_size=4096)
     assert gen.kv_cache_config == KvCacheConfig(tokens_per_block=16, max_tokens=512)
-    assert ctx.cache_transceiver == {"kv_transfer_timeout_ms": 5000, "port": 9100, "auth_token": TOKEN}
-    assert gen.cache_transceiver == {"kv_transfer_timeout_ms": 5000, "auth_token": TOKEN}
+    assert ctx.cache_transceiver_config == TransceiverConfig(kv_transfer_timeout_ms=5000, port=9100, auth_token=TOKEN)
+    assert gen.cache_transceiver_config == TransceiverConfig(kv_transfer_timeout_ms=5000, auth_token=TOKEN)
     assert cfg.auth_token == TOKEN
 
 
@@ -105,36 +108,49 @@ def test_auth_token_env_fills_a_null_token(tmp_path, monkeypatch):
     monkeypatch.setenv(AUTH_TOKEN_ENV, TOKEN)
     cfg = load_deployment(write(tmp_path, disagg()))
     assert cfg.auth_token == TOKEN
-    assert [s.cache_transceiver["auth_token"] for s in cfg.servers] == [TOKEN, TOKEN]
+    assert [s.cache_transceiver_config.auth_token for s in cfg.servers] == [TOKEN, TOKEN]
     path = write(tmp_path, {"model": "m"}, "server.yaml")
-    assert load_server_config(path, "context").cache_transceiver == {"auth_token": TOKEN}
+    assert load_server_config(path, "context").cache_transceiver_config == TransceiverConfig(auth_token=TOKEN)
 
 
 def test_with_auth_token_sets_every_server(tmp_path):
     cfg = with_auth_token(load_deployment(write(tmp_path, disagg())), TOKEN)
     assert cfg.auth_token == TOKEN
-    assert [s.cache_transceiver["auth_token"] for s in cfg.servers] == [TOKEN, TOKEN]
+    assert [s.cache_transceiver_config.auth_token for s in cfg.servers] == [TOKEN, TOKEN]
 
 
-def test_server_yaml_round_trip_drops_the_token(tmp_path):
-    data = disagg(cache_transceiver_config={"auth_token": TOKEN, "kv_transfer_timeout_ms": 7000})
+def test_inheritance_is_one_function_and_sections_win():
+    top = {"model": "m", "max_seq_len": 64, "port": 9000, "router": {},
+           "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 512}}
+    section = {"urls": ["h:1"], "max_seq_len": 32, "kv_cache_config": {"max_tokens": 1024}}
+    assert inherit(top, section) == {"model": "m", "max_seq_len": 32,
+                                     "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 1024}}
+
+
+def test_each_child_reads_its_own_server_from_the_deployment_file(tmp_path, monkeypatch):
+    data = disagg(cache_transceiver_config={"kv_transfer_timeout_ms": 7000})
     data["context_servers"]["kv_cache_config"] = {"max_tokens": 1024, "host_cache_size": 1 << 20,
                                                   "secondary_offload_min_priority": 0}
-    ctx = load_deployment(write(tmp_path, data)).context_servers[0]
-    text = server_config_to_yaml(ctx)
-    assert TOKEN not in text
-    path = tmp_path / "child.yaml"
-    path.write_text(text)
-    loaded = load_server_config(path, "context")
-    assert loaded.cache_transceiver == {"kv_transfer_timeout_ms": 7000, "auth_token": None}
-    assert replace(loaded, cache_transceiver={**loaded.cache_transceiver, "auth_token": TOKEN}) == ctx
+    path = write(tmp_path, data)
+    monkeypatch.setenv(AUTH_TOKEN_ENV, TOKEN)  # as the launcher hands it to its children
+    cfg = load_deployment(path)
+    assert list(cfg.named()) == ["context-0", "generation-0"]
+    ctx, gen = load_server(path, "context-0"), load_server(path, "generation-0")
+    assert (ctx, gen) == cfg.servers
+    assert ctx.cache_transceiver_config == TransceiverConfig(kv_transfer_timeout_ms=7000, auth_token=TOKEN)
+    assert ctx.kv_cache_config == KvCacheConfig(max_tokens=1024, host_cache_size=1 << 20,
+                                                secondary_offload_min_priority=0)
+    assert gen.context_urls == ("127.0.0.1:8001",) and gen.role == "generation"
+    with pytest.raises(ConfigError, match=r"x\.yaml: no server 'context-1'; the deployment has context-0, "
+                                          r"generation-0$"):
+        load_server(path, "context-1")
 
 
 def test_server_config_from_dict_for_the_command_line():
     cfg = server_config_from_dict({"model": "/models/x", "port": 8100}, "command line")
     assert (cfg.role, cfg.model, cfg.host, cfg.port, cfg.max_num_tokens) == (
         "aggregated", "/models/x", "127.0.0.1", 8100, 2048)
-    with pytest.raises(ConfigError, match=r"^command line: port: must be a port in 1\.\.65535, got 70000$"):
+    with pytest.raises(ConfigError, match=r"^command line: port: must be <= 65535, got 70000$"):
         server_config_from_dict({"model": "m", "port": 70000}, "command line")
 
 
@@ -178,20 +194,6 @@ def test_shipped_config_shapes():
     assert load_server_config(CONFIGS / "aggregated.yaml") == agg.servers[0]
 
 
-def test_borrow_idle_cores_defaults_off_inherits_and_survives_the_child_yaml(tmp_path):
-    data = disagg(borrow_idle_cores=True)
-    data["context_servers"]["borrow_idle_cores"] = False
-    cfg = load_deployment(write(tmp_path, data))
-    ctx, gen = cfg.context_servers[0], cfg.generation_servers[0]
-    assert (ctx.borrow_idle_cores, gen.borrow_idle_cores) == (False, True)
-    assert load_deployment(write(tmp_path, disagg(), "d.yaml")).context_servers[0].borrow_idle_cores is False
-    path = tmp_path / "child.yaml"
-    path.write_text(server_config_to_yaml(gen))
-    assert load_server_config(path, "generation").borrow_idle_cores is True
-    with pytest.raises(ConfigError, match=r"borrow_idle_cores: must be true or false, got a string 'yes'"):
-        load_deployment(write(tmp_path, disagg(borrow_idle_cores="yes"), "bad.yaml"))
-
-
 def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp_path):
     data = disagg(max_prefill_batch_tokens=512)
     data["context_servers"]["max_prefill_batch_tokens"] = 128
@@ -199,13 +201,11 @@ def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp
     ctx, gen = cfg.context_servers[0], cfg.generation_servers[0]
     assert (ctx.max_prefill_batch_tokens, gen.max_prefill_batch_tokens) == (128, 512)
     assert load_deployment(write(tmp_path, disagg(), "d.yaml")).context_servers[0].max_prefill_batch_tokens is None
-    path = tmp_path / "child.yaml"
-    path.write_text(server_config_to_yaml(ctx))
-    assert load_server_config(path, "context").max_prefill_batch_tokens == 128
+    assert load_server(write(tmp_path, data), "context-0").max_prefill_batch_tokens == 128
     with pytest.raises(ConfigError, match=r"bad.yaml: context_servers.max_prefill_batch_tokens: must be >= 1, got 0"):
         data["context_servers"]["max_prefill_batch_tokens"] = 0
         load_deployment(write(tmp_path, data, "bad.yaml"))
-    with pytest.raises(ConfigError, match=r"max_prefill_batch_tokens: must be an integer, got a string 'all'"):
+    with pytest.raises(ConfigError, match=r"max_prefill_batch_tokens: must be an integer or null, got a string 'all'"):
         load_deployment(write(tmp_path, disagg(max_prefill_batch_tokens="all"), "bad2.yaml"))
 
 
@@ -233,6 +233,30 @@ def test_servers_that_may_share_the_gpu_split_the_default_pool_fraction(tmp_path
     fixed = disagg(kv_cache_config={"max_tokens": 4096})
     assert {s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, fixed)).servers} \
         == {None}
-    path = tmp_path / "child.yaml"
-    path.write_text(server_config_to_yaml(shared.servers[0]))
-    assert load_server_config(path, "context").kv_cache_config.free_gpu_memory_fraction == 0.45
+    assert load_server(tmp_path / "d.yaml", "context-0").kv_cache_config.free_gpu_memory_fraction == 0.45
+
+
+def test_a_null_section_takes_its_defaults_and_a_null_override_keeps_the_top_level(tmp_path):
+    data = disagg(kv_cache_config={"tokens_per_block": 16}, router=None, restart=None)
+    data["context_servers"]["kv_cache_config"] = None
+    data["generation_servers"]["cache_transceiver_config"] = None
+    cfg = load_deployment(write(tmp_path, data))
+    assert [s.kv_cache_config.tokens_per_block for s in cfg.servers] == [16, 16]
+    assert cfg.router_type == "round_robin" and cfg.restart.max_quick_deaths == 5
+    path = write(tmp_path, {"model": "m", "kv_cache_config": None}, "server.yaml")
+    assert load_server_config(path).kv_cache_config == KvCacheConfig()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--server", "context-9"], r"x\.yaml: no server 'context-9'; the deployment has context-0, generation-0"),
+    (["--server", "context-0", "--role", "context"], "nor --server with --role"),
+    (["--port", "9000"], "cannot be combined"),
+])
+def test_serve_command_line_names_a_server_of_the_deployment(tmp_path, capsys, argv, expected):
+    from server.cli import main
+
+    path = write(tmp_path, disagg())
+    assert main(["serve", "--config", str(path), *argv]) == 2
+    assert re.search(expected, capsys.readouterr().err)
+    assert main(["serve", "--server", "context-0"]) == 2
+    assert "--server needs --config DEPLOYMENT.yaml" in capsys.readouterr().err

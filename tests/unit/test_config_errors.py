@@ -45,10 +45,10 @@ def with_(path: str, value) -> dict:
 
 CASES = [
     ("context_servers.kv_cache_config.tokens_per_block", 0,
-     "context_servers.kv_cache_config.tokens_per_block=0: must be an integer > 0"),
-    ("kv_cache_config.tokens_per_block", -1, "kv_cache_config.tokens_per_block=-1: must be an integer > 0"),
+     "context_servers.kv_cache_config.tokens_per_block: must be >= 1, got 0"),
+    ("kv_cache_config.tokens_per_block", -1, "kv_cache_config.tokens_per_block: must be >= 1, got -1"),
     ("generation_servers.kv_cache_config.enable_block_reuse", "yes",
-     "generation_servers.kv_cache_config.enable_block_reuse='yes': must be true or false"),
+     "generation_servers.kv_cache_config.enable_block_reuse: must be true or false, got a string 'yes'"),
     ("context_servers.kv_cache_config.host_cache_sise", 1,
      "context_servers.kv_cache_config.host_cache_sise: unknown key (did you mean 'host_cache_size'?)"),
     ("context_servers.num_instances", 2,
@@ -57,7 +57,7 @@ CASES = [
     ("context_servers.urls", ["http://h:80/x"], "context_servers.urls[0]: must be host:port"),
     ("context_servers.urls", [], "context_servers.urls: must be a non-empty list"),
     ("generation_servers.urls", ["127.0.0.1:70000"],
-     "generation_servers.urls[0].port: must be a port in 1..65535"),
+     "generation_servers.urls[0]: must be a port in 1..65535, got 70000"),
     ("generation_servers.urls", ["localhost:8001"], "duplicate port 8001: context server 127.0.0.1:8001 and "
      "generation server localhost:8001"),
     ("port", 8001, "duplicate port 8001: router (hostname:port) and context server 127.0.0.1:8001"),
@@ -86,7 +86,8 @@ CASES = [
     ("context_servers.cache_transceiver_config.auth_token", "a" * 20,
      "context_servers.cache_transceiver_config.auth_token: one token serves the whole deployment"),
     ("cache_transceiver_config.auth_token", 123,
-     "cache_transceiver_config.auth_token: must be a non-empty string"),
+     "cache_transceiver_config.auth_token: must be null or a string of at least 16 characters, got an "
+     "integer 123"),
     ("generation_servers.model", "other", "model: every server must serve the same model"),
     ("kv_cache_config", [1], "kv_cache_config: must be a mapping, got a list"),
     ("hostname", "", "hostname: must be a non-empty string, got ''"),
@@ -110,7 +111,7 @@ def test_merge_problem_is_reported_in_the_section(tmp_path):
     data = with_("kv_cache_config.tokens_per_block", 64)
     data["context_servers"]["kv_cache_config"] = {"max_tokens": 32}
     message = error_of(tmp_path, data)
-    assert message.endswith("d.yaml: context_servers.kv_cache_config.max_tokens=32: below one block "
+    assert message.endswith("d.yaml: context_servers.kv_cache_config.max_tokens: 32 is below one block "
                             "(tokens_per_block=64)")
 
 
@@ -159,6 +160,6 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
         load_server_config(path)
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
-                               "kernels, cuda_graphs, borrow_idle_cores, "
+                               "kernels, cuda_graphs, "
                                "kv_cache_config, cache_transceiver_config, drain_timeout_s, hostname, port, "
                                "context_urls")

@@ -10,31 +10,34 @@ import torch
 from test_kvcache_support import make_manager
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
+from server.config import ConfigError, server_config_from_dict
 
 
 @pytest.mark.parametrize(("key", "value", "why"), [
-    ("tokens_per_block", 0, "must be an integer > 0"),
-    ("tokens_per_block", 4.0, "must be an integer > 0"),
-    ("max_tokens", 16, "below one block"),
-    ("max_tokens", -32, "must be null or an integer > 0"),
-    ("free_gpu_memory_fraction", 1.5, r"must be null or a number in \(0, 1\]"),
-    ("free_gpu_memory_fraction", 0, r"must be null or a number in \(0, 1\]"),
-    ("enable_block_reuse", "yes", "must be true or false"),
-    ("host_cache_size", -1, "must be an integer >= 0"),
-    ("secondary_offload_min_priority", 101, r"must be an integer in \[0, 100\]"),
-    ("tokens_per_blocks", 32, "unknown key"),
+    ("tokens_per_block", 0, "must be >= 1, got 0"),
+    ("tokens_per_block", 4.0, "must be an integer, got a number 4.0"),
+    ("max_tokens", 16, r"16 is below one block \(tokens_per_block=32\)"),
+    ("max_tokens", -32, "must be >= 1, got -32"),
+    ("free_gpu_memory_fraction", 1.5, "must be <= 1, got 1.5"),
+    ("free_gpu_memory_fraction", 0, "must be > 0, got 0"),
+    ("enable_block_reuse", "yes", "must be true or false, got a string 'yes'"),
+    ("host_cache_size", -1, "must be >= 0, got -1"),
+    ("secondary_offload_min_priority", 101, "must be <= 100, got 101"),
+    ("tokens_per_blocks", 32, r"unknown key \(did you mean 'tokens_per_block'\?\)"),
 ])
-def test_from_dict_names_source_key_and_value(key, value, why):
-    with pytest.raises(ValueError, match=rf"^ctx\.kv_cache_config\.{key}={value!r}: {why}"):
-        KvCacheConfig.from_dict({key: value}, source="ctx.kv_cache_config")
+def test_yaml_errors_name_file_key_and_value(key, value, why):
+    with pytest.raises(ConfigError, match=rf"^ctx\.yaml: kv_cache_config\.{key}: {why}"):
+        server_config_from_dict({"model": "m", "kv_cache_config": {key: value}}, "ctx.yaml")
 
 
-def test_constructor_validates_and_from_dict_reads_yaml_values():
-    with pytest.raises(ValueError, match=r"^KvCacheConfig\.tokens_per_block=-4: must be an integer > 0"):
-        KvCacheConfig(tokens_per_block=-4)
-    cfg = KvCacheConfig.from_dict({"max_tokens": 1024, "tokens_per_block": 32, "host_cache_size": 268435456,
-                                   "secondary_offload_min_priority": 0, "free_gpu_memory_fraction": 1})
+def test_constructor_checks_across_fields_and_yaml_values_convert():
+    with pytest.raises(ValueError, match=r"^max_tokens: 16 is below one block \(tokens_per_block=32\)"):
+        KvCacheConfig(max_tokens=16)
+    data = {"max_tokens": 1024, "tokens_per_block": 32, "host_cache_size": 268435456,
+            "secondary_offload_min_priority": 0, "free_gpu_memory_fraction": 1}
+    cfg = server_config_from_dict({"model": "m", "kv_cache_config": data}, "ctx.yaml").kv_cache_config
     assert (cfg.max_tokens, cfg.host_cache_size, cfg.secondary_offload_min_priority) == (1024, 268435456, 0)
+    assert cfg.free_gpu_memory_fraction == 1.0 and isinstance(cfg.free_gpu_memory_fraction, float)
     assert cfg.enable_block_reuse and cfg.enable_partial_reuse and cfg.copy_on_partial_reuse
 
 

@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 
+from server.config import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
 from transceiver.codec import MAX_HEADER_BYTES, MAX_SKEW_S, Codec, Rejected, ReplayGuard
 from transceiver.config import TransceiverConfig
 from transceiver.messages import (
@@ -34,7 +35,7 @@ from transceiver.messages import (
 from transceiver.sender_serve import MAX_IPC_SLOTS
 
 TOKEN = b"k" * 32
-K = "cache_transceiver_config."
+K = "d.yaml: cache_transceiver_config."
 
 
 def _layout(**changes) -> Layout:
@@ -159,30 +160,37 @@ def test_incompatible_layouts_name_the_difference(change, expected) -> None:
     assert layout_mismatch(_layout(), _layout(**change)) == expected
 
 
-def test_config_defaults_and_token() -> None:
-    cfg = TransceiverConfig.from_dict({"auth_token": "t" * 16}, "d.yaml")
+def _transceiver(data) -> TransceiverConfig:
+    """`cache_transceiver_config` as a server file gives it (the one conversion, server/config_yaml.py)."""
+    return server_config_from_dict({"model": "m", "cache_transceiver_config": data}, "d.yaml").cache_transceiver_config
+
+
+def test_config_defaults_and_token(monkeypatch) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    cfg = _transceiver({"auth_token": "t" * 16})
     assert (cfg.kv_transfer_timeout_ms, cfg.host, cfg.port) == (60000, "127.0.0.1", 0)
     assert cfg.max_chunk_bytes == 8 << 20 and cfg.same_host_ipc is True
-    assert TransceiverConfig.from_dict({"same_host_ipc": False}, "d.yaml").same_host_ipc is False
+    assert _transceiver({"same_host_ipc": False}).same_host_ipc is False
     assert cfg.token_bytes() == b"t" * 16 and cfg.timeout_s == 60.0
     with pytest.raises(ValueError, match="auth_token is not set"):
         TransceiverConfig().token_bytes()
-    assert TransceiverConfig.from_dict(None, "d.yaml") == TransceiverConfig()
+    assert _transceiver(None) == TransceiverConfig()
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"port": 70000}, K + "port: expected an integer in 0..65535, got 70000 (in d.yaml)"),
-    ({"port": True}, K + "port: expected an integer in 0..65535, got True (in d.yaml)"),
-    ({"kv_transfer_timeout_ms": 0}, K + "kv_transfer_timeout_ms: expected a positive"),
-    ({"auth_token": "short"}, K + "auth_token: expected null or a string of at least 16"),
-    ({"host": ""}, K + "host: expected an interface address"),
-    ({"max_chunk_bytes": 1000}, K + "max_chunk_bytes: expected a multiple of 8 in 65536"),
-    ({"backend": "NIXL"}, K + "backend in d.yaml: unknown key"),
-    ({"same_host_ipc": "yes"}, K + "same_host_ipc: expected true or false, got 'yes' (in d.yaml)"),
-    ({"same_host_ipc": 1}, K + "same_host_ipc: expected true or false, got 1 (in d.yaml)"),
-    ([1, 2], "cache_transceiver_config in d.yaml: expected a mapping"),
+    ({"port": 70000}, K + "port: must be <= 65535, got 70000"),
+    ({"port": True}, K + "port: must be an integer, got a boolean True"),
+    ({"kv_transfer_timeout_ms": 0}, K + "kv_transfer_timeout_ms: must be >= 1, got 0"),
+    ({"auth_token": "short"}, K + "auth_token: must be null or a string of at least 16 characters, got 'short'"),
+    ({"host": ""}, K + "host: must be an interface address such as 127.0.0.1, got ''"),
+    ({"max_chunk_bytes": 1000}, K + "max_chunk_bytes: must be a multiple of 8 in 65536..1073741824, got 1000"),
+    ({"max_chunk_bytes": 65540}, K + "max_chunk_bytes: must be a multiple of 8 in 65536..1073741824, got 65540"),
+    ({"backend": "NIXL"}, K + "backend: unknown key; valid keys: kv_transfer_timeout_ms"),
+    ({"same_host_ipc": "yes"}, K + "same_host_ipc: must be true or false, got a string 'yes'"),
+    ({"same_host_ipc": 1}, K + "same_host_ipc: must be true or false, got an integer 1"),
+    ([1, 2], "d.yaml: cache_transceiver_config: must be a mapping, got a list [1, 2]"),
 ])
 def test_config_errors_name_key_and_source(data, message) -> None:
-    with pytest.raises(ValueError) as err:
-        TransceiverConfig.from_dict(data, "d.yaml")
-    assert str(err.value).startswith(message)
+    with pytest.raises(ConfigError) as err:
+        _transceiver(data)
+    assert str(err.value).startswith(message), str(err.value)

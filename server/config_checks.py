@@ -1,0 +1,70 @@
+"""Rules that span a deployment's servers (one model, no shared port, the GPU's memory shared out),
+and host:port strings."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from msgspec.structs import replace
+
+from kvcache.config import DEFAULT_GPU_FRACTION
+from server.config_yaml import ConfigError
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+
+# hosts that bind every interface, so they collide with any host on the same port
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_LOOPBACK = ("localhost", "127.0.0.1")
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(url: str) -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port)."""
+    host, _, port = url.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_same_model(servers: list[ServerConfig], source: str) -> None:
+    models = {s.model for s in servers}
+    if len(models) > 1:
+        raise ConfigError(f"{source}: model: every server must serve the same model, got {sorted(models)}")
+
+
+def check_ports(servers: list[ServerConfig], router: tuple[str, int] | None, source: str) -> None:
+    """No two listeners (router, servers, context transceivers) may share a port on one host."""
+    seen: list[tuple[str, int, str]] = [(*router, "router (hostname:port)")] if router else []
+    for s in servers:
+        seen.append((s.host, s.port, f"{s.role} server {s.host}:{s.port}"))
+        ctc_port = s.cache_transceiver_config.port
+        if s.role == "context" and ctc_port:  # 0: ephemeral
+            seen.append((s.host, ctc_port, f"the transceiver of context server {s.host}:{s.port}"))
+    for i, (h1, p1, name1) in enumerate(seen):
+        for h2, p2, name2 in seen[:i]:
+            if p1 == p2 and _same_host(h1, h2):
+                raise ConfigError(f"{source}: duplicate port {p1}: {name2} and {name1}")
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
+        return True
+    return a == b or (a in _LOOPBACK and b in _LOOPBACK)
+
+
+def share_gpu_memory(servers: list[ServerConfig]) -> list[ServerConfig]:
+    """The servers of one deployment run on one host and, with device auto or cuda, on its first
+    GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
+    use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
+    sharing = sum(s.device != "cpu" for s in servers)
+    if sharing < 2:
+        return servers
+    fraction, out = DEFAULT_GPU_FRACTION / sharing, []
+    for s in servers:
+        kv = s.kv_cache_config
+        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
+            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=fraction))
+        out.append(s)
+    return out
