@@ -136,7 +136,10 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
-    _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} pdserve serve "
+    # the children's torch threads too: a by-hand server with every core's threads spins against its peers
+    threads = group.env.get("OMP_NUM_THREADS")
+    _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} "
+         f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}pdserve serve "
          f"--config {servers[0].config_path} --server {servers[0].name}  (names: "
          f"{', '.join(c.name for c in servers)})")
     return group.supervise("router" if router else servers[0].name, stop)
