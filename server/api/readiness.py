@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transceiver.receiver_link import INCOMPATIBLE, PEER_COMPATIBLE
+from transceiver.receiver.link import INCOMPATIBLE, PEER_COMPATIBLE
 
 UNKNOWN_ENDPOINT = "unknown"
 

@@ -28,10 +28,9 @@ from kv_transfer_harness import (
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.engine.disagg import blocks_to_pull
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
-from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
 from transceiver.receiver import KVReceiver, PullResult
+from transceiver.wire import PROTOCOL_VERSION, Codec, Envelope, Hello, Layout, PullRequest
 
 TOKEN = "integration-token-0123456789"
 TPB = 8

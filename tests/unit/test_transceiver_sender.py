@@ -13,14 +13,13 @@ import torch
 import zmq
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
-from transceiver.lease import Ended, Offer, OfferedWindow, Started
-from transceiver.messages import ChunkHeader, Done, Failed, PullRequest, WindowRange
 from transceiver.payload import checksum
 from transceiver.sender import KVSender
-from transceiver.sender_serve import PullServer
+from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started
+from transceiver.sender.serve import PullServer
 from transceiver.stats import TransferStats
+from transceiver.wire import ChunkHeader, Codec, Done, Failed, PullRequest, WindowRange
 
 TOKEN = "unit-sender-token-0123456"
 MIB = 1 << 20

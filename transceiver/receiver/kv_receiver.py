@@ -1,7 +1,7 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
 Threads: the engine thread calls every public method and does all tensor work (checksum and
-scatter into its own primary slots); the socket thread (`receiver_link.ReceiverLink`) owns one
+scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one
 DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
 (in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
 and the caller frees them when the result says it failed.
@@ -32,9 +32,11 @@ import torch
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import copy_slots, ipc_identity, open_pools
-from transceiver.layout import layout_of
 from transceiver.link import SocketThread
-from transceiver.messages import (
+from transceiver.payload import checksum, parts_are_valid, scatter
+from transceiver.receiver.link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.stats import TransferStats
+from transceiver.wire import (
     REASONS,
     Ack,
     Cancel,
@@ -45,10 +47,8 @@ from transceiver.messages import (
     IpcOffer,
     PullRequest,
     WindowRange,
+    layout_of,
 )
-from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver_link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
-from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 class PullResult:
     request_id: str
     ok: bool
-    reason: str | None = None  # one of messages.REASONS when not ok
+    reason: str | None = None  # one of wire.REASONS when not ok
     error: str | None = None  # a sentence for the client when not ok
     nbytes: int = 0
     seconds: float = 0.0
@@ -100,7 +100,7 @@ class KVReceiver:
         def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
             return open_pools(offer, pools)
 
-        link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, identity, open_ipc)
+        link = ReceiverLink(config, self.epoch, layout_of(kv, pools, fingerprint), self.stats, identity, open_ipc)
         self._link = link
         self._thread = SocketThread("kv-receiver", link, inbox_size=16, notify=on_message)
         self._thread.start()

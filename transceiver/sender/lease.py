@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import zmq
 
-from transceiver.messages import WindowRange
 from transceiver.payload import ChunkPlan
+from transceiver.wire import WindowRange
 
 
 @dataclass
