@@ -21,7 +21,7 @@ UNKNOWN_ENDPOINT = "unknown"
 
 def transceiver(engine: Any) -> tuple[Any, Any]:
     """(KVSender or None, KVReceiver or None) of a loaded engine."""
-    role = getattr(getattr(engine, "core", None), "disagg", None)
+    role = getattr(getattr(engine, "core", None), "connector", None)
     return getattr(role, "sender", None), getattr(role, "receiver", None)
 
 

@@ -106,8 +106,8 @@ def _request_problem(core) -> str | None:
 
 
 def _sender(core):
-    """The context role's KV sender, or None: only its leases pin blocks."""
-    return getattr(core.disagg, "sender", None)
+    """The context connector's KV sender, or None: only its leases pin blocks."""
+    return getattr(core.connector, "sender", None)
 
 
 def _pin_problem(core, expected: dict[int, Counter], exact: bool) -> str | None:

@@ -24,7 +24,7 @@ from kv_transfer_harness import (
 )
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from server.engine.disagg import blocks_to_pull
+from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 

@@ -27,7 +27,7 @@ from kv_transfer_harness import (
 )
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
-from server.engine.disagg import blocks_to_pull
+from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.wire import PROTOCOL_VERSION, Codec, Envelope, Hello, Layout, PullRequest
