@@ -200,7 +200,8 @@ class EngineCore:
 
     def _emit_first_tokens(self, request: Request) -> RequestOutput:
         """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
-        self._record_timing(request)
+        self._note_timing(request)
+        self._observe_timings()
         for token in request.output_token_ids:
             self._check_stop(request, token)
         if request.disagg.first_text_streamed:  # the router sent this text already: skip it
@@ -231,10 +232,6 @@ class EngineCore:
             request.finish("stop")
         elif produced >= params.max_tokens or request.num_tokens >= self.config.max_seq_len:
             request.finish("length")
-
-    def _record_timing(self, request: Request) -> None:
-        self._note_timing(request)
-        self._observe_timings()
 
     def _note_timing(self, request: Request) -> None:
         """Stamp a new token now; the metrics observe it later (`_observe_timings`)."""

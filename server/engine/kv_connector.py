@@ -34,19 +34,14 @@ class PullFailure(NamedTuple):
     code: int  # HTTP status
 
 
-class Polled(NamedTuple):
-    arrived: list[str]  # request ids whose prompt KV is now in place
-    failed: list[PullFailure]
-
-
 class KVConnector:
     """What the engine step hands over; the defaults are the aggregated server's: nothing."""
 
     accepts: tuple[str, ...] = ("context_and_generation",)  # disaggregated_params.request_type served
 
-    def poll(self) -> Polled:
-        """Every engine tick, idle or not: what ended since the last one."""
-        return Polled([], [])
+    def poll(self) -> tuple[list[str], list[PullFailure]]:
+        """Every engine tick, idle or not: (ids of requests whose prompt KV is now in place, failed pulls)."""
+        return [], []
 
     def start_pulls(self, requests: list[Request]) -> None:
         """Generation side: admitted requests (blocks allocated, prefix reused) pull the rest."""
@@ -80,17 +75,16 @@ class ContextConnector(KVConnector):
         self.sender = sender
         self.kv = kv
 
-    def poll(self) -> Polled:
+    def poll(self) -> tuple[list[str], list[PullFailure]]:
         self.sender.step()  # take back ended leases, reap expired ones, unpin
-        return Polled([], [])
+        return [], []
 
     def offer(self, requests: list[Request]) -> list[DisaggParams]:
         return [self._lease(r) for r in requests]
 
     def _lease(self, request: Request) -> DisaggParams:
         rid = request.request_id
-        self.sender.add_lease(rid, {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes},
-                              request.num_prompt_tokens)
+        self.sender.add_lease(rid, {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes})
         return DisaggParams(
             request_type="context_only", ctx_request_id=rid, ctx_endpoint=self.sender.endpoint,
             ctx_epoch=self.sender.epoch, first_gen_tokens=tuple(request.output_token_ids),
@@ -115,21 +109,19 @@ class GenerationConnector(KVConnector):
     def __init__(self, receiver: KVReceiver, kv: KVCacheManager) -> None:
         self.receiver = receiver
         self.kv = kv
-        self._pulling: set[str] = set()
         self._local: list[str] = []  # everything was already cached here: nothing to pull
 
-    def poll(self) -> Polled:
+    def poll(self) -> tuple[list[str], list[PullFailure]]:
         arrived, self._local = self._local, []
         failed = []
         for result in self.receiver.step():
-            self._pulling.discard(result.request_id)
             if result.ok:
                 arrived.append(result.request_id)
             else:
                 failed.append(PullFailure(result.request_id,
                                           f"KV transfer from the context server failed: {result.error}",
                                           PULL_FAILURE_STATUS.get(result.reason, 502)))
-        return Polled(arrived, failed)
+        return arrived, failed
 
     def start_pulls(self, requests: list[Request]) -> None:
         for request in requests:
@@ -142,21 +134,15 @@ class GenerationConnector(KVConnector):
                 continue
             self.receiver.start_pull(request.request_id, params.ctx_endpoint, params.ctx_epoch,
                                      params.ctx_request_id, wanted)
-            self._pulling.add(request.request_id)
 
     def release(self, request: Request) -> None:
         """A generation-only request that ends before its KV arrived frees the context side's lease;
         a running pull is cancelled first, so no chunk of it is written into freed blocks."""
-        if not request.is_generation_only or request.kv_received:
-            return
-        if request.request_id in self._pulling:
-            self._pulling.discard(request.request_id)
-            self.receiver.cancel(request.request_id)
-        else:
+        if request.is_generation_only and not request.kv_received and not self.receiver.cancel(request.request_id):
             self.receiver.release_remote(request.disagg.ctx_endpoint, request.disagg.ctx_request_id)
 
     def busy(self) -> bool:
-        return bool(self._pulling or self._local)
+        return self.receiver.num_pulls > 0 or bool(self._local)
 
 
 def blocks_to_pull(kv: KVCacheManager, request_id: str, num_prompt_tokens: int,

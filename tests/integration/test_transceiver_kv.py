@@ -74,7 +74,7 @@ class _Ctx:
         self.kv.release_out_of_window(rid, len(tokens))
         blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
         slots = {w: self.kv.get_memory_pool_block_indices(ids, w) for w, ids in blocks.items()}
-        self.sender.add_lease(rid, blocks, len(tokens))
+        self.sender.add_lease(rid, blocks)
         self.kv.release(rid)
         stats = self.kv.stats()
         return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads,

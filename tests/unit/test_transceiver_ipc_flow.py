@@ -48,7 +48,7 @@ def _cache(kv: KVCacheManager, rid: str, tokens: list[int], lease: KVSender | No
             _rows(kv)[slot] = 1000 * tokens[b * TPB] + b
     kv.commit(rid, tokens, len(tokens))
     if lease is not None:
-        lease.add_lease(rid, {W: kv.block_ids(rid, W)}, len(tokens))
+        lease.add_lease(rid, {W: kv.block_ids(rid, W)})
     kv.release(rid)
     return hit
 

@@ -42,7 +42,7 @@ def leased():
     sender = KVSender(kv, TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=2 * MIB), "fp")
     kv.admit("r", list(range(16 * 64)))  # 16 blocks of 1 MiB
     kv.pool(W, Level.PRIMARY).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
-    sender.add_lease("r", {W: kv.block_ids("r", W)}, 16 * 64)
+    sender.add_lease("r", {W: kv.block_ids("r", W)})
     slots = kv.slot_table("r", W)
     kv.release("r")
     dealer = zmq.Context.instance().socket(zmq.DEALER)

@@ -131,7 +131,8 @@ class KVReceiver:
         """Apply received chunks (checksum, scatter), finish or fail pulls; returns finished pulls."""
         for item in self._thread.drain():
             if isinstance(item, PullRefused):
-                self._fail_id(item.pull_id, item.reason, item.detail, notify=False)
+                if item.pull_id in self._pulls:
+                    self._fail(self._pulls[item.pull_id], item.reason, item.detail, notify=False)
             elif isinstance(item, IpcPools):
                 self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
                 if item.epoch is not None and item.pools is not None:
@@ -152,11 +153,13 @@ class KVReceiver:
         """Block until a message arrives for `step` or `timeout_s` passes."""
         self._thread.wait(timeout_s)
 
-    def cancel(self, request_id: str) -> None:
-        """Abandon a pull (client gone, request aborted): the context side drops its lease."""
+    def cancel(self, request_id: str) -> bool:
+        """Abandon a pull (client gone, request aborted): the context side drops its lease. False
+        when `request_id` has no running pull."""
         pull_id = self._by_request.get(request_id)
         if pull_id is not None:
             self._fail(self._pulls[pull_id], "cancelled", "cancelled by the generation server", report=False)
+        return pull_id is not None
 
     def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
         """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
@@ -295,11 +298,6 @@ class KVReceiver:
         self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))
 
     # ---- failure -------------------------------------------------------------------------------
-
-    def _fail_id(self, pull_id: int, reason: str, detail: str, notify: bool) -> None:
-        pull = self._pulls.get(pull_id)
-        if pull is not None:
-            self._fail(pull, reason, detail, notify=notify)
 
     def _fail(self, pull: _Pull, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
         """End a pull that did not succeed; `notify` tells the context side to drop its lease."""

@@ -75,7 +75,7 @@ class KVSender:
 
     # ---- engine thread API -------------------------------------------------------------------
 
-    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]], num_tokens: int) -> None:
+    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
         """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
         -1 = released, not sendable) for at most kv_transfer_timeout_ms and offer their slots."""
         if ctx_request_id in self._leases:
@@ -84,8 +84,7 @@ class KVSender:
         if unknown:
             valid = sorted(self._kv.window_sizes)
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
-        lease = Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
-                      time.monotonic() + self._config.timeout_s)
+        lease = Lease({w: list(ids) for w, ids in blocks.items()}, time.monotonic() + self._config.timeout_s)
         try:
             windows = {w: self._pin_and_translate(lease, w) for w in lease.blocks}
             self._thread.submit(Offer(ctx_request_id, windows, self._ready_event()))
