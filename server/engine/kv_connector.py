@@ -7,7 +7,6 @@ failed); it never holds the engine. `EngineCore.step` calls it in plain lines:
     arrived, failed = connector.poll()     # KV in: pulls that ended since the last step
     connector.start_pulls(admitted)        # KV in: ask for the blocks admitted requests lack
     params = connector.offer(prefilled)    # KV out: lease prefilled blocks, answer with where they are
-
 """
 
 from __future__ import annotations
