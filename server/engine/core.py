@@ -66,9 +66,9 @@ class EngineCore:
     def _role_problem(self, gen: GenerateRequest) -> tuple[str, int] | None:
         """(message, HTTP status) when this server cannot take the request."""
         kind = gen.disagg.request_type if gen.disagg is not None else "context_and_generation"
-        accepted = self.connector.accepts
-        if kind not in accepted:
-            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {list(accepted)})", 400
+        if kind not in self.connector.accepts:
+            accepted = list(self.connector.accepts)
+            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {accepted})", 400
         if kind == "generation_only":
             params = gen.disagg
             missing = [name for name in ("ctx_request_id", "ctx_endpoint", "ctx_epoch", "first_gen_tokens")
