@@ -77,7 +77,7 @@ class ContextSide:
         if cmd["op"] == "lease":
             rid = f"r{cmd['rid']}"
             self.kv.admit(rid, tokens_of(cmd["rid"], cmd["mib"]))
-            self.sender.add_lease(rid, {self.window: self.kv.block_ids(rid, self.window)}, cmd["mib"] * TPB)
+            self.sender.add_lease(rid, {self.window: self.kv.block_ids(rid, self.window)})
             self.kv.release(rid)
         elif cmd["op"] == "raw":
             view = memoryview(self.raw_src.numpy())

@@ -32,8 +32,8 @@ import msgspec
 import zmq
 
 from kvcache import Level
-from transceiver.codec import Codec, Rejected
 from transceiver.link import SocketIO, SocketThread
+from transceiver.wire import Codec, Rejected
 
 log = logging.getLogger(__name__)
 

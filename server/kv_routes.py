@@ -62,7 +62,7 @@ def install_kv_routes(app: FastAPI) -> None:
 
 def _advertised(engine) -> dict | None:
     core = getattr(engine, "core", None)
-    sender = getattr(getattr(core, "disagg", None), "sender", None)
+    sender = getattr(getattr(core, "connector", None), "sender", None)
     if sender is None:
         return None
     return {"endpoint": sender.endpoint, "epoch": sender.epoch}

@@ -20,7 +20,7 @@ from server.config import ServerConfig
 from server.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
-from server.engine.disagg import ContextRole, GenerationRole
+from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
 from server.kv_events import KvEventPublisher, KvEventSource
 from server.kv_routes import install_kv_routes
@@ -52,7 +52,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, disagg=_role(cfg, kv, spec.fingerprint, wake))
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake))
     log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
              model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
              [kv.num_slots(w) for w in kv.window_sizes])
@@ -72,13 +72,13 @@ def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig
     return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
 
 
-def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake):
+def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake) -> KVConnector:
     if cfg.role == "aggregated":
-        return None
+        return AggregatedConnector()
     transceiver = cfg.cache_transceiver_config
     if cfg.role == "context":
-        return ContextRole(KVSender(kv, transceiver, fingerprint, on_message=wake), kv)
-    return GenerationRole(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
+        return ContextConnector(KVSender(kv, transceiver, fingerprint, on_message=wake), kv)
+    return GenerationConnector(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
 
 
 def make_app(cfg: ServerConfig, on_fatal=None):

@@ -71,8 +71,5 @@ class TelemetryBridge:
 
 
 def _transfer_stats(core) -> list:
-    role = core.disagg
-    if role is None:
-        return []
-    endpoint = getattr(role, "sender", None) or getattr(role, "receiver", None)
-    return [endpoint.stats]
+    endpoint = getattr(core.connector, "sender", None) or getattr(core.connector, "receiver", None)
+    return [endpoint.stats] if endpoint is not None else []

@@ -1,7 +1,11 @@
-"""ZeroMQ KV transfer between a context server (`sender.KVSender`) and a generation server
-(`receiver.KVReceiver`): typed msgpack messages with an HMAC per message (`messages`, `codec`),
-one socket-owning thread per side (`link`), zero-copy chunk frames (`payload`).
+"""ZeroMQ KV transfer between a context server and a generation server, laid out by side and thread:
 
-Import the classes from their modules (`transceiver.sender`, ...): this package file stays light so
-that `transceiver.config` can be imported without torch or the KV cache.
+- `wire`: the typed msgpack messages, their HMAC sealing and opening, and the KV layout check;
+- `link`: the one socket-owning thread (`SocketThread`) both sides run, fed through bounded queues;
+- `sender/`: `KVSender` (engine thread: leases) and its socket thread (`link`, `serve`: the pulls);
+- `receiver/`: `KVReceiver` (engine thread: checks and scatters chunks) and its socket thread (`link`);
+- `payload` (chunking, checksums, staging), `ipc` (same-GPU CUDA IPC), `stats`, `config`.
+
+This package file stays light so that `transceiver.config` and `transceiver.wire` import without
+torch or the KV cache.
 """

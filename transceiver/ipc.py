@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from transceiver.messages import CudaIpcPool, IpcOffer, PeerIdentity
 from transceiver.payload import pool_rows
+from transceiver.wire import CudaIpcPool, IpcOffer, PeerIdentity
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BATCH_BYTES = 64 << 20  # bound on the temporary gather buffer of a checksum or copy

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from transceiver.receiver_link import INCOMPATIBLE, PEER_COMPATIBLE
+from transceiver.receiver.link import INCOMPATIBLE, PEER_COMPATIBLE
 
 UNKNOWN_ENDPOINT = "unknown"
 
 
 def transceiver(engine: Any) -> tuple[Any, Any]:
     """(KVSender or None, KVReceiver or None) of a loaded engine."""
-    role = getattr(getattr(engine, "core", None), "disagg", None)
+    role = getattr(getattr(engine, "core", None), "connector", None)
     return getattr(role, "sender", None), getattr(role, "receiver", None)
 
 

@@ -149,7 +149,7 @@ class AsyncEngine:
             if refused is not None:
                 self._hand_over([refused])
         elif kind == "release":
-            self.core.release_lease(payload)
+            self.core.connector.drop_lease(payload)
         elif kind == "abort":
             output = self.core.abort(payload)
             if output is not None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from kvcache import KVCacheManager
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.kv_connector import AggregatedConnector, KVConnector, PullFailure
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -17,34 +17,16 @@ IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
 BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
 
 
-class DisaggHooks(Protocol):
-    """What the disaggregated roles add to the engine step (see server/engine/disagg.py)."""
-
-    accepts: tuple[str, ...]  # the disaggregated_params.request_type values this role serves
-
-    def step(self, core: EngineCore) -> list[RequestOutput]: ...
-
-    def start_pulls(self, requests: list[Request]) -> None: ...
-
-    def after_prefill(self, request: Request) -> DisaggParams: ...
-
-    def on_abort(self, request: Request) -> None: ...
-
-    def release_lease(self, ctx_request_id: str) -> None: ...
-
-    def busy(self) -> bool: ...
-
-
 class EngineCore:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
-                 *, metrics=None, disagg: DisaggHooks | None = None) -> None:
+                 *, metrics=None, connector: KVConnector | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, kv)
         self.metrics = metrics
-        self.disagg = disagg
+        self.connector = connector or AggregatedConnector()  # the KV hand-over of this server's role
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
@@ -84,9 +66,9 @@ class EngineCore:
     def _role_problem(self, gen: GenerateRequest) -> tuple[str, int] | None:
         """(message, HTTP status) when this server cannot take the request."""
         kind = gen.disagg.request_type if gen.disagg is not None else "context_and_generation"
-        accepted = self.disagg.accepts if self.disagg is not None else ("context_and_generation",)
-        if kind not in accepted:
-            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {list(accepted)})", 400
+        if kind not in self.connector.accepts:
+            accepted = list(self.connector.accepts)
+            return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {accepted})", 400
         if kind == "generation_only":
             params = gen.disagg
             missing = [name for name in ("ctx_request_id", "ctx_endpoint", "ctx_epoch", "first_gen_tokens")
@@ -109,19 +91,14 @@ class EngineCore:
         request = self.scheduler.find(request_id)
         if request is None:
             return None
-        self._release_remote(request)
+        self.connector.release(request)
         self.scheduler.remove(request)
         request.finish("abort")
         return self._output(request, [])
 
-    def release_lease(self, ctx_request_id: str) -> None:
-        if self.disagg is not None:
-            self.disagg.release_lease(ctx_request_id)
-
     def has_work(self) -> bool:
         """Requests to run, outputs still to make (`_deferred`), or transfers in flight."""
-        return (self.scheduler.has_work() or bool(self._deferred)
-                or (self.disagg is not None and self.disagg.busy()))
+        return self.scheduler.has_work() or bool(self._deferred) or self.connector.busy()
 
     def idle_wait_s(self) -> float:
         """How long the loop may sleep before the next tick: not at all after a productive step,
@@ -132,15 +109,16 @@ class EngineCore:
 
     # ---- the step
     def step(self) -> list[RequestOutput]:
-        outputs = self.disagg.step(self) if self.disagg is not None else []
+        arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
+        outputs = self._pulls_ended(arrived, failed)
         plan = self.scheduler.schedule()
         self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred)
         for request in plan.rejected:
-            self._release_remote(request)
+            self.connector.release(request)
             outputs.append(self._output(request, []))
         if plan.to_pull:
             outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
-            self.disagg.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])
+            self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
         if plan.chunks:
             logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])  # a GPU runs it now
             sampled = [c.request for c in plan.chunks if c.need_logits]  # before the computed counts move
@@ -150,9 +128,23 @@ class EngineCore:
             tokens = picked.tolist() if picked is not None else []
             accepted = [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
             outputs += [o for o in accepted if o is not None]
+            prefilled = [r for r in sampled if r.is_context_only and r.status != Status.FINISHED]
+            if prefilled:
+                params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
+                outputs += [self._handed_over(r, p) for r, p in zip(prefilled, params, strict=True)]
         else:
             outputs += self._flush_text()
         return outputs
+
+    def _pulls_ended(self, arrived: list[str], failed: list[PullFailure]) -> list[RequestOutput]:
+        """Generation side: an arrived prompt's KV is in place, so the request decodes from the next
+        schedule; a failed pull ends its request (one aborted meanwhile is gone already)."""
+        transferring = self.scheduler.transferring
+        for request in [transferring[rid] for rid in arrived if rid in transferring]:
+            self.scheduler.kv_arrived(request)
+            self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        return [self.fail(transferring[f.request_id], f.message, f.code) for f in failed
+                if f.request_id in transferring]
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
@@ -183,10 +175,7 @@ class EngineCore:
             return None
         self._check_stop(request, token)
         if request.status != Status.FINISHED and request.is_context_only:
-            params = self.disagg.after_prefill(request)
-            self.scheduler.remove(request)
-            request.finish(None)  # the context leg is over; generation continues elsewhere
-            return self._output(request, [token], disagg=params)
+            return None  # handed over in `step` (its KV is offered first)
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, [token])
@@ -203,34 +192,31 @@ class EngineCore:
                 outputs.append(self._output(request, [token]))
         return outputs
 
+    def _handed_over(self, request: Request, params: DisaggParams) -> RequestOutput:
+        """Context side: the KV is offered; the context leg is over and generation goes on elsewhere."""
+        self.scheduler.remove(request)
+        request.finish(None)
+        return self._output(request, request.output_token_ids[-1:], disagg=params)
+
     def _emit_first_tokens(self, request: Request) -> RequestOutput:
         """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
-        self._record_timing(request)
+        self._note_timing(request)
+        self._observe_timings()
         for token in request.output_token_ids:
             self._check_stop(request, token)
         if request.disagg.first_text_streamed:  # the router sent this text already: skip it
             self._detok[request.request_id].take(False)
         if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
-            self._release_remote(request)
+            self.connector.release(request)
             self.scheduler.remove(request)
         return self._output(request, list(request.output_token_ids))
 
-    def kv_arrived(self, request: Request) -> None:
-        """Generation side: the prompt's KV is in place; the request decodes from the next step."""
-        self.scheduler.kv_arrived(request)
-        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
-
     def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
         if request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
-            self._release_remote(request)
+            self.connector.release(request)
         self.scheduler.remove(request)
         request.finish("error", message, code)
         return self._output(request, [])
-
-    def _release_remote(self, request: Request) -> None:
-        """A generation-only request that ends before its KV arrived frees the context side's lease."""
-        if request.is_generation_only and not request.kv_received and self.disagg is not None:
-            self.disagg.on_abort(request)
 
     # ---- postprocess helpers
     def _check_stop(self, request: Request, token: int) -> None:
@@ -246,10 +232,6 @@ class EngineCore:
             request.finish("stop")
         elif produced >= params.max_tokens or request.num_tokens >= self.config.max_seq_len:
             request.finish("length")
-
-    def _record_timing(self, request: Request) -> None:
-        self._note_timing(request)
-        self._observe_timings()
 
     def _note_timing(self, request: Request) -> None:
         """Stamp a new token now; the metrics observe it later (`_observe_timings`)."""

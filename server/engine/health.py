@@ -83,7 +83,7 @@ def find_problems(core, now: float, full: bool = False) -> dict[str, str]:
     requests = _request_problem(core)
     if requests:
         found["stranded_requests"] = requests
-    sender = _sender(core)
+    sender = getattr(core.connector, "sender", None)  # only a context server's leases pin blocks
     pins = _pin_problem(core, sender.pinned_blocks() if sender is not None else {}, exact=full)
     if pins:
         found["stranded_pins"] = pins
@@ -103,11 +103,6 @@ def _request_problem(core) -> str | None:
     if live - held:
         parts.append(f"live requests {_ids(live - held)} hold no blocks")
     return "; ".join(parts) or None
-
-
-def _sender(core):
-    """The context role's KV sender, or None: only its leases pin blocks."""
-    return getattr(core.disagg, "sender", None)
 
 
 def _pin_problem(core, expected: dict[int, Counter], exact: bool) -> str | None:

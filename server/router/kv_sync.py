@@ -26,8 +26,8 @@ from server.kv_events import HEARTBEAT_S, SUBSCRIBE_EVERY_S, EventCodec, KvEvent
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError
 from server.router.kv_feed import KvFeed
-from transceiver.codec import Rejected
 from transceiver.link import SocketIO, SocketThread
+from transceiver.wire import Rejected
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,11 @@ def _on(name: str) -> bool:
 
 
 def _install() -> None:
-    from transceiver import sender, sender_serve
+    from transceiver.sender.kv_sender import KVSender
+    from transceiver.sender.serve import PullServer
 
-    unpin = sender.KVSender._unpin
-    pull = sender_serve.PullServer.pull
+    unpin = KVSender._unpin
+    pull = PullServer.pull
 
     def _unpin(self, pinned):
         if not _on("suppress_unpin"):
@@ -36,8 +37,8 @@ def _install() -> None:
         if not _on("drop_pulls"):
             pull(self, io, peer, req)
 
-    sender.KVSender._unpin = _unpin
-    sender_serve.PullServer.pull = _pull
+    KVSender._unpin = _unpin
+    PullServer.pull = _pull
 
 
 if _FAULTS:

@@ -24,7 +24,7 @@ from kv_transfer_harness import (
 )
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from server.engine.disagg import blocks_to_pull
+from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 
@@ -73,7 +73,7 @@ class _Ctx:
         blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
         slots = {w: self.kv.get_memory_pool_block_indices([b for b in ids if b >= 0], w)
                  for w, ids in blocks.items()}
-        self.sender.add_lease(rid, blocks, len(tokens))
+        self.sender.add_lease(rid, blocks)
         self.kv.release(rid)
         stats = self.kv.stats()
         return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads, "onboards": stats.onboards}
@@ -214,7 +214,7 @@ def test_both_ends_in_one_process_take_the_byte_path() -> None:
         tokens = tokens_for(4, 60)
         ctx_kv.admit("r", tokens)
         fill(ctx_kv, "r", tokens, 0)
-        sender.add_lease("r", {w: ctx_kv.block_ids("r", w) for w in ctx_kv.window_sizes}, 60)
+        sender.add_lease("r", {w: ctx_kv.block_ids("r", w) for w in ctx_kv.window_sizes})
         ctx_kv.release("r")
         rx._kv.admit("r", tokens)
         rx.start_pull("r", sender.endpoint, sender.epoch, "r", {w: (0, rx._kv.slot_table("r", w))

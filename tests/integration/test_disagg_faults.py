@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import zmq
 
-from transceiver.messages import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
+from transceiver.wire import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
 
 TOKEN = "fault-injection-token-0123456789abcdef"
 AUTHORISED = {"x-pdserve-token": TOKEN}  # what the router sends to its servers
@@ -149,7 +149,7 @@ REPLY_WAIT_MS = 300
 
 
 def seal(body: Body, *, token: str = TOKEN, version: int = PROTOCOL_VERSION) -> list[bytes]:
-    """[header, mac] as a receiver would send it (transceiver/codec.py's layout, built here)."""
+    """[header, mac] as a receiver would send it (transceiver/wire.py's layout, built here)."""
     env = Envelope(version=version, sender_epoch="fault-injection", msg_id=secrets.randbits(64),
                    ts=time.time(), body=msgspec.Raw(msgspec.msgpack.encode(body)))
     header = msgspec.msgpack.encode(env)

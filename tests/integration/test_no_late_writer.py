@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
-from server.engine.disagg import ContextRole, GenerationRole
+from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.engine.scheduler import SchedulerConfig
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner
@@ -52,11 +52,11 @@ def build(role: str, pool_tokens: int) -> EngineCore:
                          max_batch_size=8)
     config = TransceiverConfig(**TRANSCEIVER)
     if role == "context":
-        disagg = ContextRole(KVSender(kv, config, spec.fingerprint), kv)
+        connector = ContextConnector(KVSender(kv, config, spec.fingerprint), kv)
     else:
-        disagg = GenerationRole(KVReceiver(kv, config, spec.fingerprint), kv)
+        connector = GenerationConnector(KVReceiver(kv, config, spec.fingerprint), kv)
     return EngineCore(runner, kv, SchedulerConfig(2048, 8, 2048), AutoTokenizer.from_pretrained(model_dir),
-                      disagg=disagg)
+                      connector=connector)
 
 
 def prefill_on_context(ctx: EngineCore, rid: str, prompt: list[int]) -> DisaggParams:
@@ -106,7 +106,7 @@ def abort_mid_pull(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]
     params = prefill_on_context(ctx, f"ctx-{rid}", prompt)
     gen.add_request(GenerateRequest(rid, prompt, greedy(NEW_TOKENS),
                                     dataclasses.replace(params, request_type="generation_only")))
-    receiver = gen.disagg.receiver
+    receiver = gen.connector.receiver
     step_until([gen, ctx], lambda: rid in receiver._by_request, f"{rid}: its pull started")
     step_until([gen, ctx], lambda: pull_state(receiver, rid) != "waiting", f"{rid}: the first chunk")
     mid_pull = pull_state(receiver, rid) == "landed"
@@ -118,7 +118,7 @@ def abort_mid_pull(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]
 def test_abort_mid_pull_then_same_size_request_gets_clean_slots():
     ctx = build("context", 8 * PROMPT_TOKENS)
     gen = build("generation", PROMPT_TOKENS + 6 * TPB)  # room for one such request, not two
-    receiver: KVReceiver = gen.disagg.receiver
+    receiver: KVReceiver = gen.connector.receiver
     rng = random.Random(11)
     vocab = len(gen.tokenizer)
     model_dir = resolve_model(MODEL)
@@ -133,11 +133,11 @@ def test_abort_mid_pull_then_same_size_request_gets_clean_slots():
             other = [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)]
             assert generate(gen, ctx, f"next-{round_}", other) == hf_reference.hf_greedy(model_dir, other, NEW_TOKENS)
             assert receiver.stats.bytes_received == received  # nothing was written after the abort
-            sender = ctx.disagg.sender
+            sender = ctx.connector.sender
             step_until([ctx, gen], lambda s=sender: s.num_leases == 0, f"round {round_}: the lease ended")
         assert rounds == ROUNDS
         assert blocks_in_use(gen.kv) == 0 and blocks_in_use(ctx.kv) == 0
         assert receiver.stats.late_chunks > 0  # chunks of aborted pulls did arrive, and were dropped
     finally:
-        gen.disagg.receiver.close()
-        ctx.disagg.sender.close()
+        gen.connector.receiver.close()
+        ctx.connector.sender.close()

@@ -27,11 +27,10 @@ from kv_transfer_harness import (
 )
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
-from server.engine.disagg import blocks_to_pull
-from transceiver.codec import Codec
+from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
-from transceiver.messages import PROTOCOL_VERSION, Envelope, Hello, Layout, PullRequest
 from transceiver.receiver import KVReceiver, PullResult
+from transceiver.wire import PROTOCOL_VERSION, Codec, Envelope, Hello, Layout, PullRequest
 
 TOKEN = "integration-token-0123456789"
 TPB = 8
@@ -75,7 +74,7 @@ class _Ctx:
         self.kv.release_out_of_window(rid, len(tokens))
         blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
         slots = {w: self.kv.get_memory_pool_block_indices(ids, w) for w, ids in blocks.items()}
-        self.sender.add_lease(rid, blocks, len(tokens))
+        self.sender.add_lease(rid, blocks)
         self.kv.release(rid)
         stats = self.kv.stats()
         return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads,

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from server.api.app import create_app
 from server.api.routes.health import EPOCH
 from server.engine.async_engine import AsyncEngine
-from server.engine.disagg import ContextRole
 from server.engine.health import HealthCheck, find_problems
+from server.engine.kv_connector import ContextConnector
 from server.types import DisaggParams
 from transceiver.config import TransceiverConfig
 from transceiver.sender import KVSender
@@ -85,7 +85,7 @@ def test_broken_pool_state_is_named_by_the_cheap_and_the_idle_full_check():
 def context_core():
     core = eh.make_core()
     sender = KVSender(core.kv, TransceiverConfig(auth_token="health-check-token-0123456789"), "fp")
-    core.disagg = ContextRole(sender, core.kv)
+    core.connector = ContextConnector(sender, core.kv)
     yield core
     sender.close()
 
@@ -94,15 +94,15 @@ def test_lease_pins_are_healthy_and_a_lost_lease_is_not(context_core):
     core = context_core
     result = _run(core, disagg=DisaggParams("context_only"))
     lease = result.final.disagg.ctx_request_id
-    assert core.kv.num_pins(512) == 3 and core.disagg.sender.num_leases == 1
+    assert core.kv.num_pins(512) == 3 and core.connector.sender.num_leases == 1
     assert find_problems(core, time.monotonic(), full=True) == {}  # pinned, and a live lease holds them
-    core.disagg.sender._leases[lease].deadline = time.monotonic() - 10  # never reaped: stuck
+    core.connector.sender._leases[lease].deadline = time.monotonic() - 10  # never reaped: stuck
     assert find_problems(core, time.monotonic()) == {
         "expired_leases": f"leases ['{lease}'] are past their deadline and still pin blocks"}
-    pinned = core.disagg.sender._leases.pop(lease).pinned  # the lease is gone, its pins are not
+    pinned = core.connector.sender._leases.pop(lease).pinned  # the lease is gone, its pins are not
     assert find_problems(core, time.monotonic()) == {
         "stranded_pins": "window 512: 3 pins on blocks [0, 1, 2] held by no live lease"}
-    core.disagg.sender._unpin(pinned)
+    core.connector.sender._unpin(pinned)
     assert find_problems(core, time.monotonic(), full=True) == {}
 
 

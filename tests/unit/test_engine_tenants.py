@@ -13,7 +13,7 @@ import hf_reference
 import pytest
 
 from kvcache import KvCacheConfig
-from server.engine.disagg import ContextRole, GenerationRole
+from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
 from server.types import DisaggParams
@@ -122,7 +122,7 @@ def pair():
     cfg = TransceiverConfig(auth_token=TOKEN)
     ctx, gen = eh.make_core(LLAMA), eh.make_core(LLAMA)
     sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.disagg, gen.disagg = ContextRole(sender, ctx.kv), GenerationRole(receiver, gen.kv)
+    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
     yield ctx, gen
     receiver.close()
     sender.close()
@@ -135,7 +135,7 @@ def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tupl
     assert params is not None and params.cache_salt == salt  # the salt travels to the generation leg
     gen_params = DisaggParams("generation_only", params.ctx_request_id, params.ctx_endpoint, params.ctx_epoch,
                               params.first_gen_tokens, params.prompt_token_ids, cache_salt=params.cache_salt)
-    before = gen.disagg.receiver.stats.bytes_received
+    before = gen.connector.receiver.stats.bytes_received
     eh.submit(gen, prompt, eh.greedy(n), disagg=gen_params, cache_salt=params.cache_salt)
     deadline = time.monotonic() + 60
     result = eh.Result()
@@ -147,7 +147,7 @@ def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tupl
             result.final = output if output.finished else None
         time.sleep(0.001)
     assert result.final.finish_reason == "length", result.final.error
-    return result.token_ids, gen.disagg.receiver.stats.bytes_received - before, params
+    return result.token_ids, gen.connector.receiver.stats.bytes_received - before, params
 
 
 def test_the_pair_pulls_only_what_it_lacks_under_the_request_salt(pair):

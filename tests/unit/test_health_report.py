@@ -53,7 +53,7 @@ def app_with(engine: FakeEngine, directory=None, drain: Drain | None = None):
 
 def engine_with(sender=None, receiver=None) -> FakeEngine:
     engine = FakeEngine()
-    engine.core = SimpleNamespace(disagg=SimpleNamespace(sender=sender, receiver=receiver))
+    engine.core = SimpleNamespace(connector=SimpleNamespace(sender=sender, receiver=receiver))
     return engine
 
 

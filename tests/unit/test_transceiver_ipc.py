@@ -14,10 +14,14 @@ import zmq
 from kv_transfer_harness import delivered
 
 import transceiver.ipc as ipc
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketThread, shared_context
-from transceiver.messages import (
+from transceiver.payload import checksum, pool_rows
+from transceiver.receiver.link import IpcPools, Pull, ReceiverLink
+from transceiver.sender.link import ExportRequest, SenderLink
+from transceiver.stats import TransferStats
+from transceiver.wire import (
+    Codec,
     CudaIpcPool,
     Hello,
     InstanceInfo,
@@ -28,10 +32,6 @@ from transceiver.messages import (
     WindowLayout,
     WindowRange,
 )
-from transceiver.payload import checksum, pool_rows
-from transceiver.receiver_link import IpcPools, Pull, ReceiverLink
-from transceiver.sender_link import ExportRequest, SenderLink
-from transceiver.stats import TransferStats
 
 TOKEN = "ipc-unit-token-0123456789"
 HOST = PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=100)

@@ -13,15 +13,14 @@ import pytest
 import torch
 import zmq
 
-import transceiver.receiver as receiver_mod
-import transceiver.sender as sender_mod
+import transceiver.receiver.kv_receiver as receiver_mod
+import transceiver.sender.kv_sender as sender_mod
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
 from transceiver.link import shared_context
-from transceiver.messages import Failed, IpcOffer, PeerIdentity, PullRequest, WindowRange
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.sender import KVSender
+from transceiver.wire import Codec, Failed, IpcOffer, PeerIdentity, PullRequest, WindowRange
 
 TOKEN = "ipc-flow-token-0123456789"
 W, TPB = 64, 4
@@ -49,7 +48,7 @@ def _cache(kv: KVCacheManager, rid: str, tokens: list[int], lease: KVSender | No
             _rows(kv)[slot] = 1000 * tokens[b * TPB] + b
     kv.commit(rid, tokens, len(tokens))
     if lease is not None:
-        lease.add_lease(rid, {W: kv.block_ids(rid, W)}, len(tokens))
+        lease.add_lease(rid, {W: kv.block_ids(rid, W)})
     kv.release(rid)
     return hit
 

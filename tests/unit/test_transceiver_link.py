@@ -15,14 +15,17 @@ import torch
 import zmq
 from kv_transfer_harness import delivered
 
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
-from transceiver.lease import Ended, Offer, OfferedWindow, Started, Withdraw
 from transceiver.link import SocketThread, shared_context
-from transceiver.messages import (
+from transceiver.payload import checksum
+from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started, Withdraw
+from transceiver.sender.link import SenderLink
+from transceiver.stats import TransferStats
+from transceiver.wire import (
     PROTOCOL_VERSION,
     Ack,
     ChunkHeader,
+    Codec,
     Done,
     Envelope,
     Failed,
@@ -33,9 +36,6 @@ from transceiver.messages import (
     WindowLayout,
     WindowRange,
 )
-from transceiver.payload import checksum
-from transceiver.sender_link import SenderLink
-from transceiver.stats import TransferStats
 
 TOKEN = "s" * 24
 LAYOUT = Layout(tokens_per_block=4, fingerprint="fp", windows=[

@@ -10,13 +10,16 @@ import msgspec
 import pytest
 
 from server.config import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
-from transceiver.codec import MAX_HEADER_BYTES, MAX_SKEW_S, Codec, Rejected, ReplayGuard
 from transceiver.config import TransceiverConfig
-from transceiver.messages import (
+from transceiver.sender.serve import MAX_IPC_SLOTS
+from transceiver.wire import (
+    MAX_HEADER_BYTES,
+    MAX_SKEW_S,
     PROTOCOL_VERSION,
     Ack,
     Cancel,
     ChunkHeader,
+    Codec,
     CudaIpcPool,
     Done,
     Envelope,
@@ -28,11 +31,12 @@ from transceiver.messages import (
     Layout,
     PeerIdentity,
     PullRequest,
+    Rejected,
+    ReplayGuard,
     WindowLayout,
     WindowRange,
     layout_mismatch,
 )
-from transceiver.sender_serve import MAX_IPC_SLOTS
 
 TOKEN = b"k" * 32
 K = "d.yaml: cache_transceiver_config."

@@ -12,12 +12,10 @@ import torch
 import zmq
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
-from transceiver.layout import layout_of
-from transceiver.messages import Ack, Cancel, ChunkHeader, Done, Failed, Hello, InstanceInfo, PullRequest
 from transceiver.payload import checksum
 from transceiver.receiver import KVReceiver, PullResult
+from transceiver.wire import Ack, Cancel, ChunkHeader, Codec, Done, Failed, Hello, InstanceInfo, PullRequest, layout_of
 
 TOKEN = b"unit-receiver-token-0123"
 SLOT = 2 * 2 * 4 * 2 * 8 * 4  # layers * K/V * tpb * kv_heads * head_dim * float32 = 1 KiB
@@ -38,7 +36,7 @@ class FakeContext:
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.layout = layout_of(kv, "fp")
+        self.layout = layout_of(kv, {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}, "fp")
         self.peer = b""
 
     def recv(self):

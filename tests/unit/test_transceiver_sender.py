@@ -13,14 +13,13 @@ import torch
 import zmq
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from transceiver.codec import Codec
 from transceiver.config import TransceiverConfig
-from transceiver.lease import Ended, Offer, OfferedWindow, Started
-from transceiver.messages import ChunkHeader, Done, Failed, PullRequest, WindowRange
 from transceiver.payload import checksum
 from transceiver.sender import KVSender
-from transceiver.sender_serve import PullServer
+from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started
+from transceiver.sender.serve import PullServer
 from transceiver.stats import TransferStats
+from transceiver.wire import ChunkHeader, Codec, Done, Failed, PullRequest, WindowRange
 
 TOKEN = "unit-sender-token-0123456"
 MIB = 1 << 20
@@ -43,7 +42,7 @@ def leased():
     sender = KVSender(kv, TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=2 * MIB), "fp")
     kv.admit("r", list(range(16 * 64)))  # 16 blocks of 1 MiB
     kv.pool(W, Level.PRIMARY).view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
-    sender.add_lease("r", {W: kv.block_ids("r", W)}, 16 * 64)
+    sender.add_lease("r", {W: kv.block_ids("r", W)})
     slots = kv.slot_table("r", W)
     kv.release("r")
     dealer = zmq.Context.instance().socket(zmq.DEALER)

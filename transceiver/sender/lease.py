@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import zmq
 
-from transceiver.messages import WindowRange
 from transceiver.payload import ChunkPlan
+from transceiver.wire import WindowRange
 
 
 @dataclass
@@ -25,7 +25,6 @@ class Lease:
     """Engine side: pinned block ids per window, -1 = released (left a sliding window)."""
 
     blocks: dict[int, list[int]]
-    num_tokens: int
     deadline: float  # monotonic; a pull that starts renews it
     pinned: dict[int, list[int]] = field(default_factory=dict)
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`

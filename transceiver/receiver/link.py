@@ -34,13 +34,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from transceiver.codec import Codec, Rejected
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketIO
-from transceiver.messages import (
+from transceiver.stats import TransferStats
+from transceiver.wire import (
     Body,
     Cancel,
     ChunkHeader,
+    Codec,
     Done,
     Failed,
     Hello,
@@ -50,9 +51,9 @@ from transceiver.messages import (
     Layout,
     PeerIdentity,
     PullRequest,
+    Rejected,
     layout_mismatch,
 )
-from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Threads: the engine thread calls every public method and owns the KV manager: it pins a lease's
 blocks, onboards any that were offloaded (`ensure_primary`), translates their ids to primary-pool
 slots once (`get_memory_pool_block_indices(..., require_primary=True)`) and offers those slots to
-the socket thread (`link.SocketThread` running `SenderLink`), which checks every incoming message,
-answers handshakes and serves the pulls itself (sender_serve.py), so a pull never waits for the
+the socket thread (`transceiver.link.SocketThread` running `SenderLink`), which checks every incoming message,
+answers handshakes and serves the pulls itself (`serve.py`), so a pull never waits for the
 engine's current step.
 
 Ownership: `add_lease` pins the request's blocks. A pinned block is never evicted or offloaded, so
@@ -38,12 +38,12 @@ import zmq
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, try_export
-from transceiver.layout import layout_of
-from transceiver.lease import Ended, Lease, Offer, OfferedWindow, Started, Withdraw
 from transceiver.link import SocketThread
 from transceiver.payload import wait_any
-from transceiver.sender_link import ExportRequest, Outgoing, SenderLink
+from transceiver.sender.lease import Ended, Lease, Offer, OfferedWindow, Started, Withdraw
+from transceiver.sender.link import ExportRequest, Outgoing, SenderLink
 from transceiver.stats import TransferStats
+from transceiver.wire import layout_of
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class KVSender:
         self.ipc_identity = ipc_identity(self._pools, config.same_host_ipc)  # None: bytes only
         self.ipc_exports = 0  # handshakes answered with an export of the pools
         self._pool_lock = threading.Lock()  # exports (here) vs slot reads (socket thread)
-        self._link = SenderLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, self.ipc_identity,
+        layout = layout_of(kv, self._pools, fingerprint)
+        self._link = SenderLink(config, self.epoch, layout, self.stats, self.ipc_identity,
                                 pool_lock=self._pool_lock, ipc_offered=lambda: self.ipc_exports > 0)
         self._thread = SocketThread("kv-sender", self._link, notify=on_message)
         self._thread.start()
@@ -74,7 +75,7 @@ class KVSender:
 
     # ---- engine thread API -------------------------------------------------------------------
 
-    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]], num_tokens: int) -> None:
+    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
         """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
         -1 = released, not sendable) for at most kv_transfer_timeout_ms and offer their slots."""
         if ctx_request_id in self._leases:
@@ -83,8 +84,7 @@ class KVSender:
         if unknown:
             valid = sorted(self._kv.window_sizes)
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
-        lease = Lease({w: list(ids) for w, ids in blocks.items()}, num_tokens,
-                      time.monotonic() + self._config.timeout_s)
+        lease = Lease({w: list(ids) for w, ids in blocks.items()}, time.monotonic() + self._config.timeout_s)
         try:
             windows = {w: self._pin_and_translate(lease, w) for w in lease.blocks}
             self._thread.submit(Offer(ctx_request_id, windows, self._ready_event()))
@@ -241,7 +241,7 @@ class KVSender:
 
     def _reap(self, now: float) -> None:
         for cid, lease in list(self._leases.items()):
-            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (sender_serve)
+            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (serve.py)
                 self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
 
     def _unpin(self, pinned: dict[int, list[int]]) -> None:

@@ -1,7 +1,7 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
 Threads: the engine thread calls every public method and does all tensor work (checksum and
-scatter into its own primary slots); the socket thread (`receiver_link.ReceiverLink`) owns one
+scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one
 DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
 (in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
 and the caller frees them when the result says it failed.
@@ -32,9 +32,11 @@ import torch
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import copy_slots, ipc_identity, open_pools
-from transceiver.layout import layout_of
 from transceiver.link import SocketThread
-from transceiver.messages import (
+from transceiver.payload import checksum, parts_are_valid, scatter
+from transceiver.receiver.link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.stats import TransferStats
+from transceiver.wire import (
     REASONS,
     Ack,
     Cancel,
@@ -45,10 +47,8 @@ from transceiver.messages import (
     IpcOffer,
     PullRequest,
     WindowRange,
+    layout_of,
 )
-from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver_link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
-from transceiver.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 class PullResult:
     request_id: str
     ok: bool
-    reason: str | None = None  # one of messages.REASONS when not ok
+    reason: str | None = None  # one of wire.REASONS when not ok
     error: str | None = None  # a sentence for the client when not ok
     nbytes: int = 0
     seconds: float = 0.0
@@ -100,7 +100,7 @@ class KVReceiver:
         def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
             return open_pools(offer, pools)
 
-        link = ReceiverLink(config, self.epoch, layout_of(kv, fingerprint), self.stats, identity, open_ipc)
+        link = ReceiverLink(config, self.epoch, layout_of(kv, pools, fingerprint), self.stats, identity, open_ipc)
         self._link = link
         self._thread = SocketThread("kv-receiver", link, inbox_size=16, notify=on_message)
         self._thread.start()
@@ -131,7 +131,8 @@ class KVReceiver:
         """Apply received chunks (checksum, scatter), finish or fail pulls; returns finished pulls."""
         for item in self._thread.drain():
             if isinstance(item, PullRefused):
-                self._fail_id(item.pull_id, item.reason, item.detail, notify=False)
+                if item.pull_id in self._pulls:
+                    self._fail(self._pulls[item.pull_id], item.reason, item.detail, notify=False)
             elif isinstance(item, IpcPools):
                 self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
                 if item.epoch is not None and item.pools is not None:
@@ -152,11 +153,13 @@ class KVReceiver:
         """Block until a message arrives for `step` or `timeout_s` passes."""
         self._thread.wait(timeout_s)
 
-    def cancel(self, request_id: str) -> None:
-        """Abandon a pull (client gone, request aborted): the context side drops its lease."""
+    def cancel(self, request_id: str) -> bool:
+        """Abandon a pull (client gone, request aborted): the context side drops its lease. False
+        when `request_id` has no running pull."""
         pull_id = self._by_request.get(request_id)
         if pull_id is not None:
             self._fail(self._pulls[pull_id], "cancelled", "cancelled by the generation server", report=False)
+        return pull_id is not None
 
     def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
         """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
@@ -295,11 +298,6 @@ class KVReceiver:
         self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))
 
     # ---- failure -------------------------------------------------------------------------------
-
-    def _fail_id(self, pull_id: int, reason: str, detail: str, notify: bool) -> None:
-        pull = self._pulls.get(pull_id)
-        if pull is not None:
-            self._fail(pull, reason, detail, notify=notify)
 
     def _fail(self, pull: _Pull, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
         """End a pull that did not succeed; `notify` tells the context side to drop its lease."""

@@ -31,9 +31,7 @@ import zmq
 
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import slots_checksum
-from transceiver.lease import Ended, Job, Offer, Offered, Started, Withdraw
 from transceiver.link import SocketIO
-from transceiver.messages import Ack, Body, Cancel, ChunkHeader, Done, Failed, IpcChunk, PullRequest, WindowRange
 from transceiver.payload import (
     ChunkPlan,
     StagingPool,
@@ -44,7 +42,9 @@ from transceiver.payload import (
     pool_views,
     tracked_frames,
 )
+from transceiver.sender.lease import Ended, Job, Offer, Offered, Started, Withdraw
 from transceiver.stats import TransferStats
+from transceiver.wire import Ack, Body, Cancel, ChunkHeader, Done, Failed, IpcChunk, PullRequest, WindowRange
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ CHUNKS_PER_PUMP = 4  # then the socket thread looks at its sockets again
 CHUNKS_PER_PULL = 8  # aim: a pull in at least this many chunks ...
 MIN_CHUNK_TARGET = 1 << 20  # ... of at least this many bytes (up to max_chunk_bytes)
 ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
-MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under codec.MAX_HEADER_BYTES
+MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under wire.MAX_HEADER_BYTES
 ROOM_POLL_S = 0.0005  # how soon to look again while zmq still holds MAX_INFLIGHT chunks
 
 Send = Callable[[SocketIO, bytes, Body, list[Any]], None]  # (io, peer, body, payload frames)

@@ -1,7 +1,7 @@
 """The context side's socket thread: one ROUTER, message checks, handshakes, and the pulls.
 
 Runs only inside `link.SocketThread`. Pulls, Acks and Cancels are served here by `PullServer`
-(sender_serve.py) from the leases the engine offers (`Offer`, `Withdraw` commands; `Started`,
+(`serve.py`) from the leases the engine offers (`Offer`, `Withdraw` commands; `Started`,
 `Ended` items back). A Hello is answered here, except from a receiver on our GPU that holds no
 pools of this epoch yet: the engine thread exports the pools for it and answers with an
 `Outgoing` command (sealed here, so its timestamp is fresh).
@@ -16,24 +16,25 @@ from typing import Any
 
 import zmq
 
-from transceiver.codec import Codec, Rejected
 from transceiver.config import TransceiverConfig
-from transceiver.lease import Offer, Withdraw
 from transceiver.link import SocketIO
-from transceiver.messages import (
+from transceiver.sender.lease import Offer, Withdraw
+from transceiver.sender.serve import PullServer
+from transceiver.stats import TransferStats
+from transceiver.wire import (
     Ack,
     Body,
     Cancel,
+    Codec,
     Failed,
     Hello,
     InstanceInfo,
     Layout,
     PeerIdentity,
     PullRequest,
+    Rejected,
     layout_mismatch,
 )
-from transceiver.sender_serve import PullServer
-from transceiver.stats import TransferStats
 
 ROUTER = "router"
 MAX_INCOMING_BYTES = 64 * 1024  # receivers send only small control messages
