@@ -13,6 +13,7 @@ import deploy_harness as dh
 import httpx
 from http_fuzz import FuzzReport, fuzz
 from test_disagg_faults import AUTHORISED, SHARED
+from waiting import wait_until
 
 EXAMPLES = 20
 
@@ -32,5 +33,5 @@ def test_fuzz_router_and_servers(tmp_path):
         assert all(r.cases >= 5 * 5 for r in reports.values())  # every operation, several times
         assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200  # and everything still serves
         for url in dep.context_urls + dep.generation_urls:
-            dh.wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+            wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
                           what=f"no block left in use on {url}")
