@@ -48,12 +48,12 @@ if a.die_times is not None:
 if a.drain is not None:
     def on_term(*_):
         print(f"term at {time.time():.3f}", flush=True)
-        time.sleep(a.drain)
+        time.sleep(a.drain)  # a server's drain takes this long: the order of stops is under test
         print(f"drained at {time.time():.3f}", flush=True)
         os._exit(0)
     signal.signal(signal.SIGTERM, on_term)
 if a.grandchild:
-    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # lives until killed
     print(f"grandchild={g.pid}", flush=True)
 if a.ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -150,6 +150,7 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 
 def partition(seconds: float) -> None:
+    """The data link down for `seconds`: the outage itself is what the test is about."""
     sh("ip", "-n", CTX_NS, "link", "set", DATA_LINK, "down")
     time.sleep(seconds)
     sh("ip", "-n", CTX_NS, "link", "set", DATA_LINK, "up")
