@@ -35,6 +35,6 @@ def test_the_pair_shares_one_gpu_and_matches_the_aggregated_server(tmp_path) -> 
         gen, ctx = pair.generation_urls[0], pair.context_urls[0]
         moved = pair.metric(gen, "pdserve_kv_transfer_bytes_total")
         wait_until(lambda: pair.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
-                                  30, what="context blocks released")
+                   30, what="context blocks released")
     assert got == want
     assert moved > 0

@@ -107,7 +107,7 @@ def test_a_server_with_another_token_is_refused(tmp_path, configs):
         assert answer.status_code == 401, answer.text  # the generation server refuses the router's leg
         assert answer.json()["error"]["type"] == "authentication_error"
         wait_until(lambda: _metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                      what="the context lease released")
+                   what="the context lease released")
         assert _metric(ctx, "pdserve_kv_transfer_bytes_total") == 0
 
 

@@ -100,7 +100,7 @@ def test_generation_server_killed_mid_stream(tmp_path):
         servers = router_health().json()["servers"]
         assert (servers[gen]["healthy"], servers[ctx]["healthy"]) == (False, True)
         wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 5,
-                      what="the launcher reports the exit")
+                   what="the launcher reports the exit")
         assert dep.process.poll() is None  # the launcher keeps the rest running
 
         # a new request: the generation leg has nowhere to go; the context server keeps nothing

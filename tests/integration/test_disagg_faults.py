@@ -54,7 +54,7 @@ def running(dep: dh.Deployment, url: str) -> float:
 def wait_idle(dep: dh.Deployment, urls: list[str], timeout_s: float) -> None:
     for url in urls:
         wait_until(lambda u=url: in_use(dep, u) == 0 and running(dep, u) == 0, timeout_s,
-                      what=f"no block in use and nothing running on {url}")
+                   what=f"no block in use and nothing running on {url}")
 
 
 def data_events(lines: Iterator[str]) -> Iterator[str]:
@@ -195,7 +195,7 @@ def test_bad_transceiver_messages_are_dropped_and_counted(shared):
             rejected += 1
             assert reply(sock) is None, f"{what}: answered"
             wait_until(lambda r=rejected: shared.metric(ctx, "pdserve_kv_transfer_rejected_messages_total") == r,
-                          3, what=f"{what}: counted once")
+                       3, what=f"{what}: counted once")
         sock.send_multipart(seal(Hello(layout=BOGUS_LAYOUT)))  # the link still answers fresh messages
         assert isinstance(reply(sock), Failed)
     finally:

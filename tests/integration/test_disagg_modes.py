@@ -123,7 +123,7 @@ def test_sigterm_stops_every_process_and_frees_every_port(tmp_path):
         ports = [int(u.rsplit(":", 1)[1]) for u in [dep.url, *dep.context_urls, *dep.generation_urls]]
     assert dep.process.returncode == 0  # the launcher stopped cleanly on SIGTERM
     wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids),
-                  10, what="no child process left")
+               10, what="no child process left")
     for port in ports:
         with socket.socket() as s:  # as a restarted server would bind (TIME_WAIT of old clients allowed)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -34,4 +34,4 @@ def test_fuzz_router_and_servers(tmp_path):
         assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200  # and everything still serves
         for url in dep.context_urls + dep.generation_urls:
             wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                          what=f"no block left in use on {url}")
+                       what=f"no block left in use on {url}")

@@ -91,7 +91,7 @@ def check_moved_stream(dep: dh.Deployment, chat: bool, moves_before: float) -> N
     assert dep.metric(dep.url, "pdserve_router_migrations_total") == moves_before + 1
     ctx = dep.context_urls[0]
     wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                  what="no context block left pinned")
+               what="no context block left pinned")
 
 
 def all_healthy(dep: dh.Deployment) -> bool:

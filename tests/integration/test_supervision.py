@@ -76,7 +76,7 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
         joiner.join(90)
         assert len(results) == 6 and all(r in (200, 502, 503) for r in results), results  # honest answers
         wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 10,
-                      what="the launcher sees the death")
+                   what="the launcher sees the death")
         wait_until(lambda: router_ready(dep), 60, what="the generation server back and unfenced")
         recovered_s = time.monotonic() - killed
         assert "restarting generation-0 in 0.2 s" in out.read_text()
@@ -170,7 +170,7 @@ def test_drain_then_restart_by_hand_then_drain_the_whole_deployment(tmp_path):
             thread = stream(dep.url, results)
             dep.process.send_signal(signal.SIGTERM)
             wait_until(lambda: httpx.get(f"{dep.url}/health", timeout=5).status_code == 503, 5,
-                          what="the router draining")
+                       what="the router draining")
             refused = httpx.post(f"{dep.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
             thread.join(60)

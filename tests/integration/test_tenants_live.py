@@ -164,7 +164,7 @@ def test_stranded_blocks_turn_health_503_and_the_router_fences_the_server(dep, f
     (fault_dir / "suppress_unpin").touch()  # every lease that ends now leaves its pins behind
     _complete(dep, KEY_A, _prompt("stranded"))
     wait_until(lambda: httpx.get(f"{ctx}/health", timeout=10).status_code == 503, 30,
-                  what="the context server reports the stranded blocks")
+               what="the context server reports the stranded blocks")
     body = httpx.get(f"{ctx}/health", timeout=10).json()
     assert body["status"] == "unhealthy"
     assert body["reason"].startswith("stranded_pins: window 2048: ") and "held by no live lease" in body["reason"]

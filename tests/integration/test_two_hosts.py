@@ -178,7 +178,7 @@ def test_partition_during_transfers_every_request_ends_and_nothing_leaks(tmp_pat
         for t in threads:
             t.start()
         wait_until(lambda: metric(urls["gen"], "pdserve_kv_transfer_seconds_count") > pulled, 30, interval_s=0.02,
-                      what="the first transfer done")  # the next ones are under way
+                   what="the first transfer done")  # the next ones are under way
         started = time.monotonic()
         partition(PARTITION_S)
         for t in threads:
@@ -192,7 +192,7 @@ def test_partition_during_transfers_every_request_ends_and_nothing_leaks(tmp_pat
         # leases reaped, nothing in use on either side, and service resumes over the link
         for url in (urls["ctx"], urls["gen"]):
             wait_until(lambda u=url: metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
-                          CTX_LEASE_MS / 1000 + 10, what=f"no block in use on {url}")
+                       CTX_LEASE_MS / 1000 + 10, what=f"no block in use on {url}")
         resumed = time.monotonic()
         wait_until(lambda: httpx.get(f"{router}/health", timeout=5).status_code == 200, 30, what="router healthy")
         after = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
