@@ -4,16 +4,17 @@ Every operation of GET /openapi.json, a few dozen generated requests each: no an
 4xx in OpenAI's error shape. The servers are fuzzed as a client would reach them (no token: their
 `disaggregated_params` paths answer 401) and with the deployment token (generated
 `disaggregated_params` then reach the checks behind it: 403 for an unknown KV endpoint, 400 for
-missing fields). A longer run is scripts/fuzz_http.py (figures in docs/RELIABILITY.md).
+missing fields). A longer run is `pdserve-bench fuzz` (figures in docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
 import deploy_harness as dh
 import httpx
-from http_fuzz import FuzzReport, fuzz
 from test_disagg_faults import AUTHORISED, SHARED
 from waiting import wait_until
+
+from pdserve_bench.fuzz import FuzzReport, fuzz
 
 EXAMPLES = 20
 
