@@ -1,4 +1,5 @@
-"""`pdserve-bench SUBCOMMAND ...`: every benchmark of the project, one record format, one report.
+"""`pdserve-bench SUBCOMMAND ...`: every benchmark and long run of the project, one record format,
+one report.
 
 Measuring subcommands share --out (records.jsonl goes there), --repeat and --model; the serving
 ones also share the workload, SLO and machine flags. `report` turns records into markdown + PNGs.
@@ -25,6 +26,8 @@ COMMANDS = {
     "router": ("pdserve_bench.router_bench", "router overhead to the first SSE event vs the backend alone"),
     "gpu-handoff": ("pdserve_bench.gpu_handoff", "KV handoff on one GPU, 8B-shaped model, 4,096-token prompt"),
     "profile": ("pdserve_bench.profile_stacks", "summarize py-spy stacks of a profiled sweep (no record)"),
+    "soak": ("pdserve_bench.soak", "many streams for minutes under KV pool pressure, answers checked"),
+    "fuzz": ("pdserve_bench.fuzz", "schemathesis against the router and both servers of a deployment"),
 }
 
 

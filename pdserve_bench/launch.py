@@ -55,6 +55,20 @@ def _set_reuse(section: dict[str, Any], reuse: bool) -> None:
         section["kv_cache_config"]["enable_block_reuse"] = reuse
 
 
+def merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged in, mapping by mapping (a copy; neither is changed)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in extra.items():
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = merged(out[key], value) if both else copy.deepcopy(value)
+    return out
+
+
+def server_urls(deployment: Mapping[str, Any], section: str) -> list[str]:
+    """Base URLs of a started deployment's `context_servers` or `generation_servers`."""
+    return [f"http://{url}" for url in deployment.get(section, {}).get("urls", [])]
+
+
 def bench_deployment(base: dict[str, Any], reuse: bool) -> dict[str, Any]:
     """`base` on fresh loopback ports with block reuse on or off everywhere (top level and sections)."""
     out = copy.deepcopy(base)
@@ -71,12 +85,18 @@ def bench_deployment(base: dict[str, Any], reuse: bool) -> dict[str, Any]:
 
 
 class ServerUnderTest:
-    """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL."""
+    """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL.
+
+    `overrides` are merged into the YAML (e.g. a model, pool sizes); `deployment` is then the
+    configuration that was started (its servers: `server_urls`)."""
 
     def __init__(self, config: Path, *, reuse: bool = True, profile: Path | None = None,
-                 env: Mapping[str, str] | None = None, health_timeout_s: float = HEALTH_TIMEOUT_S):
+                 env: Mapping[str, str] | None = None, health_timeout_s: float = HEALTH_TIMEOUT_S,
+                 overrides: Mapping[str, Any] | None = None):
         self.config = config
         self.reuse = reuse
+        self.overrides = overrides or {}
+        self.deployment: dict[str, Any] = {}
         self.env = {**os.environ, **(env or {})}  # e.g. OMP_NUM_THREADS for the servers only
         self.profile = profile
         self.health_timeout_s = health_timeout_s
@@ -95,7 +115,8 @@ class ServerUnderTest:
         return self.workdir / "server.log"
 
     def __enter__(self) -> str:
-        deployment = bench_deployment(yaml.safe_load(self.config.read_text()), self.reuse)
+        base = merged(yaml.safe_load(self.config.read_text()), self.overrides)
+        deployment = self.deployment = bench_deployment(base, self.reuse)
         path = self.workdir / self.config.name
         path.write_text(yaml.safe_dump(deployment, sort_keys=False))
         verb = ["launch", str(path)] if is_disaggregated(deployment) else ["serve", "--config", str(path)]

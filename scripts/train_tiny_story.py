@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/train_tiny_story.py            # writes server/models/data/tiny-story/
 
-The text ships with Python (scripts/tiny_story_corpus.py: the language reference topics, standard
+The text ships with Python (pdserve_bench/tiny_story_corpus.py: the language reference topics, standard
 library docstrings, the Zen of Python), as running text and as chat turns rendered with the model's
 own chat template, so `/v1/chat/completions` answers look like answers. Nothing is downloaded.
 
@@ -37,8 +37,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_story_corpus as corpus  # noqa: E402
+from pdserve_bench import tiny_story_corpus as corpus
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "server" / "models" / "data" / "tiny-story"

@@ -3,9 +3,10 @@
 `ServerMetrics` owns its own `CollectorRegistry` (no process globals, so several servers or tests can
 live in one process). Two kinds of sources feed it:
 
-- KV-cache figures are read at scrape time from a `stats_provider` callable that returns the KV
-  manager's cumulative `KVCacheStats`; a custom collector turns that one snapshot into the gauges
-  and counters, so every scrape is a consistent, exact copy of the manager's own counters.
+- Cumulative counters are read at scrape time from their owners, by custom collectors: the KV
+  manager's `KVCacheStats` (`stats_provider`), and the scheduler's preemptions with the
+  transceiver's `TransferStats` (`counters_provider`, `EngineCounters`). Every scrape is an exact
+  copy of the owners' own counters; nothing is forwarded twice or lost.
 - Engine and transfer events are pushed by the engine through the `observe_*`/`add_*`/`set_*`
   methods (prometheus_client objects: thread-safe, callable from the engine thread).
 
@@ -14,14 +15,16 @@ The metric names are part of the acceptance checks: keep them exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "KVStats", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "KVStats", "ServerMetrics", "TransferCounts"]
 
 REQUEST_STATES = ("waiting", "running", "transferring")
 
@@ -56,6 +59,25 @@ class KVStats(Protocol):
 
 
 StatsProvider = Callable[[], KVStats | None]
+
+
+class TransferCounts(Protocol):
+    """What the collector reads from a sender's or receiver's cumulative `TransferStats`."""
+
+    failures_by_reason: Mapping[str, int]
+    lease_expired: int
+    rejected_messages: int
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """The engine's cumulative counters at scrape time: preemptions, and the live transfer stats."""
+
+    preemptions: int = 0
+    transfers: Sequence[TransferCounts] = ()
+
+
+CountersProvider = Callable[[], EngineCounters]
 
 # (exposed name without "_total", KVStats field, help)
 _KV_COUNTERS = (
@@ -97,14 +119,56 @@ class _KVCacheCollector:
             yield family
 
 
+class _CountersCollector:
+    """Preemptions and KV transfer counters, summed from their owners at each scrape."""
+
+    def __init__(self) -> None:
+        self.provider: CountersProvider = EngineCounters
+        self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(EngineCounters())
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.provider())
+
+    def _families(self, counters: EngineCounters) -> Iterator[Metric]:
+        transfers = list(counters.transfers)
+        failures: dict[str, int] = {}
+        for stats in transfers:
+            for reason, count in dict(stats.failures_by_reason).items():  # a copy: another thread counts
+                failures[reason] = failures.get(reason, 0) + count
+        family = CounterMetricFamily("pdserve_kv_transfer_failures", "Failed KV transfers by reason.",
+                                     labels=["reason"])
+        for reason, count in failures.items():
+            family.add_metric([reason], count, created=self.created)
+        yield family
+        for name, help_text, value in (
+            ("pdserve_kv_transfer_lease_expired",
+             "Context-side block leases that expired before the transfer ended.",
+             sum(s.lease_expired for s in transfers)),
+            ("pdserve_kv_transfer_rejected_messages",
+             "Transceiver messages dropped (bad MAC, version or encoding).",
+             sum(s.rejected_messages for s in transfers)),
+            ("pdserve_num_preemptions", "Requests preempted (blocks released, resumed later).",
+             counters.preemptions),
+        ):
+            yield CounterMetricFamily(name, help_text, value, created=self.created)
+
+
 class ServerMetrics:
     """All metrics of one server, in a private registry. Thread-safe."""
 
-    def __init__(self, stats_provider: StatsProvider | None = None) -> None:
+    def __init__(self, stats_provider: StatsProvider | None = None,
+                 counters_provider: CountersProvider | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._kv = _KVCacheCollector()
         self._kv.provider = stats_provider
         self.registry.register(self._kv)
+        self._counters = _CountersCollector()
+        if counters_provider is not None:
+            self._counters.provider = counters_provider
+        self.registry.register(self._counters)
         self._make_engine_metrics()
         self._make_transfer_metrics()
 
@@ -123,8 +187,6 @@ class ServerMetrics:
         # vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds
         self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here (a "
                                       "generation server's pulled prompts are not counted).", registry=reg)
-        self._preemptions = Counter("pdserve_num_preemptions", "Requests preempted (blocks released, "
-                                    "resumed later).", registry=reg)
         self._e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the request's end on "
                               "this server (a context server: to the hand-over).", buckets=LATENCY_BUCKETS,
                               registry=reg)
@@ -137,19 +199,16 @@ class ServerMetrics:
                                    registry=reg)
         self._xfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer time.",
                                        buckets=TRANSFER_BUCKETS, registry=reg)
-        self._xfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers by reason.",
-                                      ["reason"], registry=reg)
-        self._lease_expired = Counter("pdserve_kv_transfer_lease_expired",
-                                      "Context-side block leases that expired before the transfer ended.",
-                                      registry=reg)
-        self._rejected = Counter("pdserve_kv_transfer_rejected_messages",
-                                 "Transceiver messages dropped (bad MAC, version or encoding).", registry=reg)
 
     # -- KV cache (read at scrape time) -------------------------------------------------------------
 
     def set_stats_provider(self, provider: StatsProvider | None) -> None:
         """Set the callable returning the KV manager's cumulative stats (called at every scrape)."""
         self._kv.provider = provider
+
+    def set_counters_provider(self, provider: CountersProvider) -> None:
+        """Set the callable returning the engine's `EngineCounters` (called at every scrape)."""
+        self._counters.provider = provider
 
     # -- engine ---------------------------------------------------------------------------------------
 
@@ -164,9 +223,6 @@ class ServerMetrics:
 
     def add_prompt_tokens(self, n: int) -> None:
         self._prompt_tokens.inc(n)
-
-    def add_preemptions(self, n: int) -> None:
-        self._preemptions.inc(n)
 
     def observe_e2e(self, seconds: float) -> None:
         self._e2e.observe(seconds)
@@ -186,15 +242,6 @@ class ServerMetrics:
         """One request's completed KV transfer."""
         self._xfer_bytes.inc(num_bytes)
         self._xfer_seconds.observe(seconds)
-
-    def add_transfer_failure(self, reason: str) -> None:
-        self._xfer_failures.labels(reason).inc()
-
-    def add_lease_expired(self, n: int = 1) -> None:
-        self._lease_expired.inc(n)
-
-    def add_rejected_message(self, n: int = 1) -> None:
-        self._rejected.inc(n)
 
     # -- exposition -----------------------------------------------------------------------------------
 

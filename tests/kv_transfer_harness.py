@@ -14,11 +14,11 @@ import os
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from waiting import wait_until
 
 from kvcache import KVCacheManager, Level
 
@@ -27,12 +27,15 @@ ROOT = TESTS.parent
 
 
 def delivered(thread, count: int, timeout_s: float = 5.0) -> list:
-    """What a `link.SocketThread` handed over, once `count` items came (or `timeout_s` passed)."""
+    """What a `link.SocketThread` handed over, once `count` items came (waits on its wake-up)."""
     items: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(items) < count and time.monotonic() < deadline:
-        thread.wait(0.05)
-        items += thread.drain()
+
+    def arrived() -> bool:
+        items.extend(thread.drain())
+        return len(items) >= count
+
+    wait_until(arrived, timeout_s, f"{count} item(s) from the socket thread", step=lambda: thread.wait(0.05),
+               on_timeout=lambda: f"got {items}")
     return items
 
 
@@ -117,12 +120,8 @@ class JsonChild:
         return self._read()
 
     def wait_state(self, cond: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.call("state")
-            if cond(state) or time.monotonic() > deadline:
-                return state
-            time.sleep(0.02)
+        """The child's state once `cond(state)` holds."""
+        return wait_until(lambda: self.call("state"), timeout_s, "the child's state", check=cond)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -8,6 +8,7 @@ import deploy_harness
 import httpx
 import pytest
 import torch
+from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,7 +34,7 @@ def test_the_pair_shares_one_gpu_and_matches_the_aggregated_server(tmp_path) -> 
         got = _texts(pair.url)
         gen, ctx = pair.generation_urls[0], pair.context_urls[0]
         moved = pair.metric(gen, "pdserve_kv_transfer_bytes_total")
-        deploy_harness.wait_until(lambda: pair.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
-                                  30, what="context blocks released")
+        wait_until(lambda: pair.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
+                   30, what="context blocks released")
     assert got == want
     assert moved > 0

@@ -22,6 +22,7 @@ from kv_transfer_harness import (
     serve_json_commands,
     tokens_for,
 )
+from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from server.engine.kv_connector import blocks_to_pull
@@ -127,14 +128,8 @@ def pull(rx: KVReceiver, ctx: CtxProcess, rid: str, tokens: list[int], hit_token
     kv = rx._kv
     hit = kv.admit(rid, tokens, max_cached_tokens=hit_tokens)
     rx.start_pull(rid, ctx.endpoint, ctx.epoch, rid, blocks_to_pull(kv, rid, len(tokens), hit))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        results = rx.step()
-        if results:
-            assert len(results) == 1
-            return results[0]
-        rx.wait(0.001)
-    raise AssertionError("no pull result")
+    [result] = wait_until(rx.step, 30, "a pull result", step=lambda: rx.wait(0.001))
+    return result
 
 
 def offloaded_prefill(ctx: CtxProcess, rid: str, topic: int) -> list[int]:
@@ -219,11 +214,12 @@ def test_both_ends_in_one_process_take_the_byte_path() -> None:
         rx._kv.admit("r", tokens)
         rx.start_pull("r", sender.endpoint, sender.epoch, "r", {w: (0, rx._kv.slot_table("r", w))
                                                                 for w in rx._kv.window_sizes})
-        deadline, results = time.monotonic() + 30, []
-        while not results and time.monotonic() < deadline:
+        def step_both() -> list[PullResult]:
             sender.step()
-            results = rx.step()
-        assert results and results[0].ok, results
+            return rx.step()
+
+        results = wait_until(step_both, 30, "a pull result", step=lambda: rx.wait(0.001))
+        assert results[0].ok, results
         assert (rx.stats.ipc_transfers, sender.stats.ipc_transfers, sender.ipc_exports) == (0, 0, 0)
         assert assert_blocks_match(rx._kv, "r", tokens) == 8 + 8
     finally:

@@ -23,6 +23,7 @@ import deploy_harness as dh
 import httpx
 import openai
 import pytest
+from waiting import wait_until
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = dh.ROOT / "test-artifacts"
@@ -73,14 +74,7 @@ def browser():
 
 def wait_dom(driver, predicate, timeout_s: float, what: str) -> dict:
     """The DOM reading once `predicate(dom)` holds (fails with the last reading otherwise)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dom = driver.execute_script(READ_DOM)
-        if predicate(dom):
-            return dom
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not seen within {timeout_s} s; the page shows {dom}")
-        time.sleep(0.2)
+    return wait_until(lambda: driver.execute_script(READ_DOM), timeout_s, what, check=predicate, interval_s=0.2)
 
 
 def row(dom: dict, url: str) -> dict:

@@ -21,6 +21,7 @@ import deploy_harness as dh
 import httpx
 import pytest
 import yaml
+from waiting import wait_until
 
 from server.launcher import wait_for_health
 
@@ -105,8 +106,8 @@ def test_a_server_with_another_token_is_refused(tmp_path, configs):
         answer = httpx.post(f"{router}/v1/chat/completions", json=CHAT, timeout=60)
         assert answer.status_code == 401, answer.text  # the generation server refuses the router's leg
         assert answer.json()["error"]["type"] == "authentication_error"
-        dh.wait_until(lambda: _metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                      what="the context lease released")
+        wait_until(lambda: _metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                   what="the context lease released")
         assert _metric(ctx, "pdserve_kv_transfer_bytes_total") == 0
 
 

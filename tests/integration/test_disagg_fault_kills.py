@@ -20,6 +20,7 @@ from pathlib import Path
 import deploy_harness as dh
 import httpx
 from test_disagg_faults import (
+    AUTHORISED,
     FAST_S,
     PROMPT,
     TOKEN,
@@ -32,6 +33,7 @@ from test_disagg_faults import (
     long_stream,
     wait_idle,
 )
+from waiting import wait_until
 
 
 def pid_of(dep: dh.Deployment, name: str) -> int:
@@ -61,7 +63,7 @@ def launched_with_output(config: str, tmp_path: Path,
         process=process, log_dir=tmp_path / "logs", config=cfg)
     try:
         dh._wait_ready(dep)  # the router answers; the launcher may still be probing it:
-        dh.wait_until(lambda: "[pdserve launch] ready:" in out.read_text(), 60, what="the launcher's ready line")
+        wait_until(lambda: "[pdserve launch] ready:" in out.read_text(), 60, what="the launcher's ready line")
         yield dep, out
     finally:
         dh._stop(process)
@@ -88,17 +90,17 @@ def test_generation_server_killed_mid_stream(tmp_path):
         assert error["type"] == "server_error"
 
         # the context server released its lease on the Ack, long before the lease would expire
-        dh.wait_until(lambda: in_use(dep, ctx) == 0, 5, what="context blocks released")
+        wait_until(lambda: in_use(dep, ctx) == 0, 5, what="context blocks released")
         assert dep.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == 0
 
         def router_health() -> httpx.Response:
             return httpx.get(f"{dep.url}/health", timeout=5)
 
-        dh.wait_until(lambda: router_health().status_code == 503, 5, what="router /health 503")
+        wait_until(lambda: router_health().status_code == 503, 5, what="router /health 503")
         servers = router_health().json()["servers"]
         assert (servers[gen]["healthy"], servers[ctx]["healthy"]) == (False, True)
-        dh.wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 5,
-                      what="the launcher reports the exit")
+        wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 5,
+                   what="the launcher reports the exit")
         assert dep.process.poll() is None  # the launcher keeps the rest running
 
         # a new request: the generation leg has nowhere to go; the context server keeps nothing
@@ -106,14 +108,21 @@ def test_generation_server_killed_mid_stream(tmp_path):
                               json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0})
         assert response.status_code == 503
         assert response.json()["error"]["message"] == "generation leg failed: no healthy generation server"
-        dh.wait_until(lambda: in_use(dep, ctx) == 0, 5, what="no context lease left behind")
+        wait_until(lambda: in_use(dep, ctx) == 0, 5, what="no context lease left behind")
 
 
 # ---- 2. context server killed (2 + 2) -----------------------------------------------------------
 
 GEN_TIMEOUT_MS = 3000  # the 2 + 2 deployment's generation-side kv_transfer_timeout_ms
-HASHES_LEARNT_S = 2.0  # the server's hash snapshot (0.5 s) + the router's poll interval (1 s), with margin
 TOPICS = ("rivers", "bridges", "tides", "comets", "glaciers", "lanterns")
+
+
+def router_knows_cache_of(dep: dh.Deployment, url: str) -> bool:
+    """The router's index of `url`'s cache (kept from its KV events) holds as many blocks as the
+    server's own snapshot, and some."""
+    snapshot = httpx.get(f"{url}/kv_cache/hashes", headers=AUTHORISED, timeout=10).json()
+    held = sum(len(hashes) for levels in snapshot["windows"].values() for hashes in levels.values())
+    return held > 0 and dep.metric(dep.url, "pdserve_router_kv_index_blocks", f'server="{url}"') == held
 
 
 def topic_prompt(topic: str) -> str:
@@ -133,7 +142,7 @@ def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
         orphans = [(p, context_only(dead, p)[0]["choices"][0]["disaggregated_params"])
                    for p in (fresh_prompt("link"), fresh_prompt("lost"), fresh_prompt("refused"))]
         assert generation_only(gen0, *orphans[0])[0].status_code == 200
-        time.sleep(HASHES_LEARNT_S)
+        wait_until(lambda: router_knows_cache_of(dep, dead), 30, what="the router's index of the doomed server")
         os.kill(dead_pid, signal.SIGKILL)
         for topic in TOPICS:  # the first ones race the health monitor: the retry must cover them
             complete(dep.url, topic_prompt(topic))

@@ -7,6 +7,7 @@ import time
 
 import deploy_harness as dh
 import httpx
+from waiting import wait_until
 
 TOKEN = "release-test-token-0123456789abcdef"
 FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
@@ -24,14 +25,14 @@ def test_rejected_generation_leg_releases_the_context_lease(tmp_path):
         response = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert "KV cache" in response.json()["error"]["message"], response.text
-        dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                      what="context lease released")
+        wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                   what="context lease released")
         events = _streamed_events(dep.url, {**body, "stream": True})
         assert all("choices" in event for event in events[:-1])  # at most the router's first token
         error = events[-1]["error"]
         assert error["message"].startswith("generation leg failed (HTTP 400): "), error
-        dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                      what="context lease released after the streamed attempt")
+        wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                   what="context lease released after the streamed attempt")
         assert time.monotonic() - started < 20  # far below the 60 s lease
         assert dep.metric(ctx, "pdserve_kv_transfer_lease_expired_total") == 0
         denied = httpx.post(f"{ctx}/kv_cache/release", json={"ctx_request_id": "x"}, timeout=10)

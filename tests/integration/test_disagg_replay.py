@@ -15,6 +15,7 @@ import hf_reference
 import httpx
 import pytest
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
@@ -72,4 +73,4 @@ def test_replay_through_host_offload_pair(tmp_path, reference_texts):
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
         for url in dep.context_urls + dep.generation_urls:
-            dh.wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")
+            wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")

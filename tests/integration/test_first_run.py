@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import deploy_harness as dh
 import httpx
@@ -13,8 +12,7 @@ import openai
 import pytest
 import yaml
 
-sys.path.insert(0, str(dh.ROOT / "scripts"))
-import tiny_story_corpus as corpus  # noqa: E402
+from pdserve_bench import tiny_story_corpus as corpus
 
 DEFAULT_MODEL = "builtin:tiny-story"
 

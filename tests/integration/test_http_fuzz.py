@@ -4,15 +4,17 @@ Every operation of GET /openapi.json, a few dozen generated requests each: no an
 4xx in OpenAI's error shape. The servers are fuzzed as a client would reach them (no token: their
 `disaggregated_params` paths answer 401) and with the deployment token (generated
 `disaggregated_params` then reach the checks behind it: 403 for an unknown KV endpoint, 400 for
-missing fields). A longer run is scripts/fuzz_http.py (figures in docs/RELIABILITY.md).
+missing fields). A longer run is `pdserve-bench fuzz` (figures in docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
 import deploy_harness as dh
 import httpx
-from http_fuzz import FuzzReport, fuzz
 from test_disagg_faults import AUTHORISED, SHARED
+from waiting import wait_until
+
+from pdserve_bench.fuzz import FuzzReport, fuzz
 
 EXAMPLES = 20
 
@@ -32,5 +34,5 @@ def test_fuzz_router_and_servers(tmp_path):
         assert all(r.cases >= 5 * 5 for r in reports.values())  # every operation, several times
         assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200  # and everything still serves
         for url in dep.context_urls + dep.generation_urls:
-            dh.wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                          what=f"no block left in use on {url}")
+            wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                       what=f"no block left in use on {url}")

@@ -14,6 +14,7 @@ import signal
 
 import deploy_harness as dh
 import httpx
+from waiting import wait_until
 
 TWO_GENERATION = {
     "restart": {"max_quick_deaths": 3, "backoff_s": 0.2},  # the killed server comes back for the next case
@@ -89,8 +90,8 @@ def check_moved_stream(dep: dh.Deployment, chat: bool, moves_before: float) -> N
     assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
     assert dep.metric(dep.url, "pdserve_router_migrations_total") == moves_before + 1
     ctx = dep.context_urls[0]
-    dh.wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
-                  what="no context block left pinned")
+    wait_until(lambda: dep.metric(ctx, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+               what="no context block left pinned")
 
 
 def all_healthy(dep: dh.Deployment) -> bool:
@@ -103,5 +104,5 @@ def test_stream_moves_to_the_other_generation_server_and_text_equals_undisturbed
         check_moved_stream(dep, chat=False, moves_before=0)
         servers = httpx.get(dep.url + "/health", timeout=5).json()["servers"]
         assert sorted(servers[u]["healthy"] for u in dep.generation_urls) == [False, True]  # fenced at once
-        dh.wait_until(lambda: all_healthy(dep), 60, what="the killed server restarted and unfenced")
+        wait_until(lambda: all_healthy(dep), 60, what="the killed server restarted and unfenced")
         check_moved_stream(dep, chat=True, moves_before=1)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import hf_reference
 import torch
 from engine_harness import blocks_in_use, greedy
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
@@ -70,12 +70,8 @@ def prefill_on_context(ctx: EngineCore, rid: str, prompt: list[int]) -> DisaggPa
 
 
 def step_until(cores: list[EngineCore], predicate, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        for core in cores:
-            core.step()
-        time.sleep(0.001)
+    """Step the engines until `predicate` holds (their socket threads run beside)."""
+    wait_until(predicate, timeout_s, what, step=lambda: [core.step() for core in cores])
 
 
 def pull_state(receiver: KVReceiver, request_id: str) -> str:

@@ -8,16 +8,13 @@ the `engine` fixture is the one place to swap in the real engine. Requests use t
 from __future__ import annotations
 
 import importlib
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from waiting import uvicorn_in_thread, wait_until
 
 from server.api import create_app
 
@@ -36,20 +33,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race with other tests
-    server = uvicorn.Server(uvicorn.Config(create_app(lambda: engine), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=START_TIMEOUT_S)
-    sock.close()
-    assert not thread.is_alive(), "uvicorn did not stop"
+    with uvicorn_in_thread(create_app(lambda: engine), START_TIMEOUT_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +126,5 @@ def test_client_disconnect_mid_stream_aborts_the_request(base_url, engine):
         first = next(r.iter_lines())
         assert first.startswith("data: {")
     request_id = engine.requests[-1].request_id
-    deadline = time.monotonic() + 5.0
-    while request_id not in engine.aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert request_id in engine.aborted
+    wait_until(lambda: request_id in engine.aborted, 5.0, what="the engine told to abort")
     assert request_id in engine.closed

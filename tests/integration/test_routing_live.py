@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from server.launcher import wait_for_health
 from server.models.builtin import resolve_model
@@ -57,7 +58,7 @@ def _second_router(dep: dh.Deployment, tmp: Path, router: dict) -> tuple[str, su
     if not wait_for_health(url, dh.STARTUP_TIMEOUT_S, lambda: process.poll() is None, interval_s=0.3):
         process.kill()
         raise AssertionError((tmp / "second-router.log").read_text())
-    dh.wait_until(lambda: _feeds_live(url), 60, what="the second router's KV feeds are live")
+    wait_until(lambda: _feeds_live(url), 60, what="the second router's KV feeds are live")
     return url, process
 
 
@@ -87,7 +88,7 @@ def _cached(answer: dict) -> int:
 
 def test_a_request_after_another_with_the_same_prefix_lands_where_the_prefix_is(deployment):
     dep, _ = deployment
-    dh.wait_until(lambda: _feeds_live(dep.url), 60, what="the router's KV feeds are live")
+    wait_until(lambda: _feeds_live(dep.url), 60, what="the router's KV feeds are live")
     repeats = []
     for topic in TOPICS:  # each prompt, then at once a longer one that starts with it (a chat's next turn)
         first = f"Topic: {topic}. " + FILLER * 2

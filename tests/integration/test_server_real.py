@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import deploy_harness as dh
 import hf_reference
@@ -14,6 +13,7 @@ import openai
 import pytest
 import yaml
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        dh.wait_until(lambda: _healthy(url, proc), 120, what="server health")
+        wait_until(lambda: _healthy(url, proc), 120, what="server health")
         yield url
     finally:
         proc.terminate()
@@ -124,21 +124,24 @@ def _generated(url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("pdserve_generation_tokens_total"))
 
 
+def _busy(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("pdserve_requests{"))
+
+
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    time.sleep(0.3)
+    wait_until(lambda: _busy(server) == 0 and _in_use(server) == 0, 10, what="the server idle before the test")
     before = _generated(server)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 490, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i >= 6:
                 break  # leave mid-stream
-    dh.wait_until(lambda: _in_use(server) == 0, 10, what="blocks freed after the client left")
-    time.sleep(0.5)
+    # Not aborted, the request would hold its blocks to its 490th token; freed, it generates no more.
+    wait_until(lambda: _in_use(server) == 0 and _busy(server) == 0, 10, what="blocks freed after the client left")
     assert _generated(server) - before < 300  # aborted, not run to its 490 tokens
 
 
 def test_metrics_expose_every_required_name(server):
-    time.sleep(0.3)
-    text = httpx.get(f"{server}/metrics", timeout=10).text
-    for name in METRICS:
-        assert f"\n{name}" in text, name
+    missing = lambda: [name for name in METRICS if f"\n{name}" not in httpx.get(f"{server}/metrics", timeout=10).text]
+    wait_until(lambda: missing() == [], 10, what="every required metric name", on_timeout=lambda: str(missing()))

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
@@ -162,12 +163,12 @@ def test_stranded_blocks_turn_health_503_and_the_router_fences_the_server(dep, f
     assert httpx.get(f"{ctx}/health", timeout=10).status_code == 200
     (fault_dir / "suppress_unpin").touch()  # every lease that ends now leaves its pins behind
     _complete(dep, KEY_A, _prompt("stranded"))
-    dh.wait_until(lambda: httpx.get(f"{ctx}/health", timeout=10).status_code == 503, 30,
-                  what="the context server reports the stranded blocks")
+    wait_until(lambda: httpx.get(f"{ctx}/health", timeout=10).status_code == 503, 30,
+               what="the context server reports the stranded blocks")
     body = httpx.get(f"{ctx}/health", timeout=10).json()
     assert body["status"] == "unhealthy"
     assert body["reason"].startswith("stranded_pins: window 2048: ") and "held by no live lease" in body["reason"]
-    dh.wait_until(lambda: not _router_view(dep, ctx)["healthy"], 15, what="the router fences the context server")
+    wait_until(lambda: not _router_view(dep, ctx)["healthy"], 15, what="the router fences the context server")
     assert "stranded_pins" in _router_view(dep, ctx)["last_error"]
     probe = httpx.get(f"{dep.url}/health_generate", headers=_authorised(KEY_A), timeout=90)
     assert probe.status_code == 503 and probe.json()["leg"] == "context", probe.text
@@ -177,7 +178,7 @@ def test_readiness_probe_names_a_dead_generation_server(dep):
     gen = dep.generation_urls[0]
     [pid] = dep.server_pids("generation")
     os.kill(pid, signal.SIGKILL)
-    dh.wait_until(lambda: not _router_view(dep, gen)["healthy"], 15, what="the router fences the generation server")
+    wait_until(lambda: not _router_view(dep, gen)["healthy"], 15, what="the router fences the generation server")
     probe = httpx.get(f"{dep.url}/health_generate", headers=_authorised(KEY_B), timeout=90)
     assert probe.status_code == 503, probe.text
     assert probe.json()["leg"] == "generation"

@@ -25,6 +25,7 @@ from kv_transfer_harness import (
     serve_json_commands,
     tokens_for,
 )
+from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.engine.kv_connector import blocks_to_pull
@@ -134,14 +135,8 @@ class CtxProcess(JsonChild):
 
 
 def wait_result(rx: KVReceiver, timeout_s: float = 15.0) -> PullResult:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = rx.step()
-        if results:
-            assert len(results) == 1
-            return results[0]
-        rx.wait(0.01)
-    raise AssertionError("no pull result")
+    [result] = wait_until(rx.step, timeout_s, "a pull result", step=lambda: rx.wait(0.01))
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -318,10 +313,11 @@ def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> 
         ctx.call("pause_after_bytes", n=1)  # stop after the first pump (at most 4 of the 6 chunks)
         kv.admit("req-k", tokens)
         receiver.start_pull("req-k", ctx.endpoint, ctx.epoch, "req-k", blocks_to_pull(kv, "req-k", 100, 0))
-        deadline = time.monotonic() + 10
-        while receiver.stats.bytes_received == 0 and time.monotonic() < deadline:
-            assert receiver.step() == []
-            receiver.wait(0.01)
+        def first_bytes() -> bool:
+            assert receiver.step() == []  # no result before the kill
+            return receiver.stats.bytes_received > 0
+
+        wait_until(first_bytes, 10, "the first bytes", step=lambda: receiver.wait(0.01))
         ctx.kill()
         killed = time.monotonic()
         result = wait_result(receiver)

@@ -29,6 +29,7 @@ import deploy_harness as dh
 import httpx
 import pytest
 import yaml
+from waiting import wait_until
 
 from server.launcher import wait_for_health
 
@@ -149,6 +150,7 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 
 def partition(seconds: float) -> None:
+    """The data link down for `seconds`: the outage itself is what the test is about."""
     sh("ip", "-n", CTX_NS, "link", "set", DATA_LINK, "down")
     time.sleep(seconds)
     sh("ip", "-n", CTX_NS, "link", "set", DATA_LINK, "up")
@@ -175,8 +177,8 @@ def test_partition_during_transfers_every_request_ends_and_nothing_leaks(tmp_pat
         threads = [threading.Thread(target=one, args=(i,)) for i in range(REQUESTS)]
         for t in threads:
             t.start()
-        dh.wait_until(lambda: metric(urls["gen"], "pdserve_kv_transfer_seconds_count") > pulled, 30, interval_s=0.02,
-                      what="the first transfer done")  # the next ones are under way
+        wait_until(lambda: metric(urls["gen"], "pdserve_kv_transfer_seconds_count") > pulled, 30, interval_s=0.02,
+                   what="the first transfer done")  # the next ones are under way
         started = time.monotonic()
         partition(PARTITION_S)
         for t in threads:
@@ -189,10 +191,10 @@ def test_partition_during_transfers_every_request_ends_and_nothing_leaks(tmp_pat
 
         # leases reaped, nothing in use on either side, and service resumes over the link
         for url in (urls["ctx"], urls["gen"]):
-            dh.wait_until(lambda u=url: metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
-                          CTX_LEASE_MS / 1000 + 10, what=f"no block in use on {url}")
+            wait_until(lambda u=url: metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
+                       CTX_LEASE_MS / 1000 + 10, what=f"no block in use on {url}")
         resumed = time.monotonic()
-        dh.wait_until(lambda: httpx.get(f"{router}/health", timeout=5).status_code == 200, 30, what="router healthy")
+        wait_until(lambda: httpx.get(f"{router}/health", timeout=5).status_code == 200, 30, what="router healthy")
         after = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == reference
         ok = sum(status == 200 for status, _ in outcomes)

@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_api_engine_fake import FakeEngine
 
 from server.api import create_app
-from server.metrics import ServerMetrics
+from server.metrics import EngineCounters, ServerMetrics
+from transceiver.stats import TransferStats
 
 REQUIRED_NAMES = [
     "pdserve_kv_cache_blocks", "pdserve_kv_offloaded_blocks_total", "pdserve_kv_onboarded_blocks_total",
@@ -88,18 +89,21 @@ def test_provider_can_be_set_after_construction():
 
 
 def test_engine_and_transfer_events():
-    metrics = ServerMetrics()
+    sender, receiver = TransferStats(), TransferStats()
+    counters = EngineCounters(preemptions=4, transfers=(sender, receiver))
+    metrics = ServerMetrics(counters_provider=lambda: counters)
     metrics.observe_ttft(0.05)
     metrics.observe_ttft(0.15)
     metrics.observe_tpot(0.004)
     metrics.add_generation_tokens(17)
     metrics.observe_transfer(4096, 0.2)
     metrics.observe_transfer(1024, 0.3)
-    metrics.add_transfer_failure("timeout")
-    metrics.add_transfer_failure("timeout")
-    metrics.add_transfer_failure("checksum")
-    metrics.add_lease_expired()
-    metrics.add_rejected_message(3)
+    receiver.count_failure("timeout")
+    sender.count_failure("timeout")
+    receiver.count_failure("checksum")
+    sender.lease_expired += 1
+    for reason in ("mac", "mac", "version"):
+        receiver.count_rejected(reason)
     got = samples(metrics)
     assert got[("pdserve_time_to_first_token_seconds_count", ())] == 2
     assert abs(got[("pdserve_time_to_first_token_seconds_sum", ())] - 0.2) < 1e-9
@@ -112,6 +116,21 @@ def test_engine_and_transfer_events():
     assert got[("pdserve_kv_transfer_failures_total", (("reason", "checksum"),))] == 1
     assert got[("pdserve_kv_transfer_lease_expired_total", ())] == 1
     assert got[("pdserve_kv_transfer_rejected_messages_total", ())] == 3
+    assert got[("pdserve_num_preemptions_total", ())] == 4
+    receiver.count_failure("timeout")  # read from the owners at every scrape
+    counters = EngineCounters(preemptions=5, transfers=(sender, receiver))
+    got = samples(metrics)
+    assert got[("pdserve_kv_transfer_failures_total", (("reason", "timeout"),))] == 3
+    assert got[("pdserve_num_preemptions_total", ())] == 5
+
+
+def test_transfer_counters_are_zero_before_any_provider():
+    got = samples(ServerMetrics())
+    for name in ("pdserve_kv_transfer_lease_expired_total", "pdserve_kv_transfer_rejected_messages_total",
+                 "pdserve_num_preemptions_total"):
+        assert got[(name, ())] == 0
+        assert (name.replace("_total", "_created"), ()) in got
+    assert not [key for key in got if key[0] == "pdserve_kv_transfer_failures_total"]
 
 
 def test_request_counts_zero_the_states_left_out():

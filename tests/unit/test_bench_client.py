@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from test_api_engine_fake import FakeEngine
+from waiting import uvicorn_in_thread
 
 from pdserve_bench.client import run_workload, served_model
 from pdserve_bench.launch import bench_deployment
@@ -21,20 +18,9 @@ START_TIMEOUT_S = 20.0
 
 @pytest.fixture(scope="module")
 def base_url():
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
     engine = FakeEngine(model_name="fake-model", max_seq_len=256)
-    server = uvicorn.Server(uvicorn.Config(create_app(lambda: engine), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=START_TIMEOUT_S)
-    sock.close()
+    with uvicorn_in_thread(create_app(lambda: engine), START_TIMEOUT_S) as url:
+        yield url
 
 
 def test_streamed_requests_are_timed_and_counted_from_usage(base_url):

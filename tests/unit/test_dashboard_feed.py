@@ -9,11 +9,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvcache.stats import KVCacheStats
-from server.metrics import ServerMetrics
+from server.metrics import EngineCounters, ServerMetrics
 from server.router.backends import Backend
 from server.router.dashboard.samples import parse_metrics
 from server.router.dashboard.views import deployment_view, pool_view, server_view
 from server.router.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
+from transceiver.stats import TransferStats
 
 
 def sample(metrics: ServerMetrics, t: float):
@@ -23,12 +24,11 @@ def sample(metrics: ServerMetrics, t: float):
 def test_parse_reads_values_labels_and_buckets_of_a_real_exposition():
     stats = KVCacheStats(prefix_query_tokens=64, prefix_hit_tokens=32,
                          blocks={(2048, "primary", "free"): 10, (2048, "primary", "in_use"): 2})
-    metrics = ServerMetrics(stats_provider=lambda: stats)
+    transfer = TransferStats(failures_by_reason={"timeout": 2, "epoch_mismatch": 1})
+    metrics = ServerMetrics(stats_provider=lambda: stats,
+                            counters_provider=lambda: EngineCounters(transfers=(transfer,)))
     metrics.observe_ttft(0.03)
     metrics.observe_ttft(0.3)
-    metrics.add_transfer_failure("timeout")
-    metrics.add_transfer_failure("timeout")
-    metrics.add_transfer_failure("epoch_mismatch")
     metrics.set_request_counts({"running": 3, "waiting": 1})
     s = sample(metrics, 5.0)
     assert s.t == 5.0
@@ -123,18 +123,21 @@ def two_samples(first: ServerMetrics, then) -> Window:
 def test_server_and_deployment_views():
     ctx_stats = KVCacheStats(prefix_query_tokens=0, prefix_hit_tokens=0,
                              blocks={(2048, "primary", "free"): 30, (2048, "primary", "in_use"): 2})
-    ctx_metrics, gen_metrics = ServerMetrics(stats_provider=lambda: ctx_stats), ServerMetrics()
+    ctx_transfer, gen_transfer = TransferStats(), TransferStats()
+    ctx_metrics = ServerMetrics(stats_provider=lambda: ctx_stats,
+                                counters_provider=lambda: EngineCounters(transfers=(ctx_transfer,)))
+    gen_metrics = ServerMetrics(counters_provider=lambda: EngineCounters(transfers=(gen_transfer,)))
 
     def ctx_work(m: ServerMetrics) -> None:
         ctx_stats.prefix_query_tokens, ctx_stats.prefix_hit_tokens, ctx_stats.offloads = 200, 50, 6
         m.observe_ttft(0.015)
-        m.add_lease_expired()
+        ctx_transfer.lease_expired += 1
         m.set_request_counts({"running": 1, "transferring": 2})
 
     def gen_work(m: ServerMetrics) -> None:
         for _ in range(4):
             m.observe_transfer(1000, 0.002)
-        m.add_transfer_failure("timeout")
+        gen_transfer.count_failure("timeout")
         m.observe_tpot(0.003)
 
     ctx, gen = Backend("http://c", "context", healthy=True), Backend("http://g", "generation", healthy=True)

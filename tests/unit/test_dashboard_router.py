@@ -8,6 +8,7 @@ import json
 import re
 
 from starlette.testclient import TestClient
+from waiting import wait_until_async
 
 from server.router.app import RouterSettings, create_router_app
 from server.router.backends import Backend, HealthMonitor
@@ -56,10 +57,7 @@ def test_a_failing_round_hook_does_not_stop_the_health_checks():
 
         monitor.on_round = hook
         monitor.start()
-        for _ in range(500):
-            if len(rounds) >= 3:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(rounds) >= 3, 5, "3 health rounds")
         await monitor.stop()
         await client.aclose()
         return rounds

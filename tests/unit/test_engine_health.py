@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import engine_harness as eh
 import pytest
 from fastapi.testclient import TestClient
+from waiting import wait_until
 
 from server.api.app import create_app
 from server.api.routes.health import EPOCH
@@ -116,12 +117,8 @@ async def _engine(engine: AsyncEngine):
 
 
 def _wait(client: TestClient, path: str, status: int, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        response = client.get(path)
-        if response.status_code == status or time.monotonic() > deadline:
-            return response
-        time.sleep(0.05)
+    return wait_until(lambda: client.get(path), timeout_s, f"{path} answering {status}",
+                      check=lambda response: response.status_code == status)
 
 
 def test_health_route_says_503_with_the_reason_while_blocks_are_stranded():

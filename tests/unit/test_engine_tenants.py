@@ -6,11 +6,11 @@ loopback) pulls only blocks it lacks under the request's salt."""
 from __future__ import annotations
 
 import random
-import time
 
 import engine_harness as eh
 import hf_reference
 import pytest
+from waiting import wait_until
 
 from kvcache import KvCacheConfig
 from server.engine.kv_connector import ContextConnector, GenerationConnector
@@ -137,15 +137,16 @@ def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tupl
                               params.first_gen_tokens, params.prompt_token_ids, cache_salt=params.cache_salt)
     before = gen.connector.receiver.stats.bytes_received
     eh.submit(gen, prompt, eh.greedy(n), disagg=gen_params, cache_salt=params.cache_salt)
-    deadline = time.monotonic() + 60
     result = eh.Result()
-    while result.final is None:
-        assert time.monotonic() < deadline, "the generation leg did not finish"
+
+    def finished() -> bool:
         ctx.step()  # take back the lease when the pull ends
         for output in gen.step():
             result.token_ids += output.new_token_ids
             result.final = output if output.finished else None
-        time.sleep(0.001)
+        return result.final is not None
+
+    wait_until(finished, 60, "the generation leg to finish", interval_s=0.001)
     assert result.final.finish_reason == "length", result.final.error
     return result.token_ids, gen.connector.receiver.stats.bytes_received - before, params
 

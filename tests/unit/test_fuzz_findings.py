@@ -1,4 +1,4 @@
-"""Requests the HTTP fuzzer (tests/http_fuzz.py) found answered with 500; now 400 naming the field."""
+"""Requests the HTTP fuzzer (pdserve_bench/fuzz.py) found answered with 500; now 400 naming the field."""
 
 from __future__ import annotations
 

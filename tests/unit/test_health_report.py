@@ -5,13 +5,13 @@ draining server says so and refuses new requests (item 3)."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from test_api_engine_fake import FakeEngine, KnownEndpoints, deployment_app
+from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.drain import Drain
@@ -57,13 +57,6 @@ def engine_with(sender=None, receiver=None) -> FakeEngine:
     return engine
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.02)
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected death
 def test_a_dead_socket_thread_makes_health_503_naming_it():
     sender = KVSender(kv(), CONFIG, "fp")
@@ -75,7 +68,7 @@ def test_a_dead_socket_thread_makes_health_503_naming_it():
                 raise RuntimeError("injected: the socket thread's loop breaks")
 
             sender._thread._read_ready = boom  # the next turn of its loop raises outside every guard
-            wait_for(lambda: not sender.link_alive)
+            wait_until(lambda: not sender.link_alive, 10, "the socket thread dead")
             response = client.get("/health")
             assert response.status_code == 503
             assert response.json()["status"] == "unhealthy"
@@ -102,7 +95,8 @@ def test_handshake_in_the_background_names_the_skewed_field(skew, field):
             assert directory.nudged  # not yet known: look now, not at the next interval
             for endpoint in urls.values():
                 receiver.probe(endpoint)
-            wait_for(lambda: all(receiver.peer_status().get(e, "unchecked") != "unchecked" for e in urls.values()))
+            wait_until(lambda: all(receiver.peer_status().get(e, "unchecked") != "unchecked" for e in urls.values()),
+                       10, "every peer checked")
             response = client.get("/health")
             assert response.status_code == 503, response.text
             body = response.json()
@@ -116,18 +110,24 @@ def test_handshake_in_the_background_names_the_skewed_field(skew, field):
 
 
 def test_probes_do_not_repeat_a_done_handshake():
-    sender = KVSender(kv(), CONFIG, "fp")
+    sender, marker = KVSender(kv(), CONFIG, "fp"), KVSender(kv(), CONFIG, "fp")
     receiver = KVReceiver(kv(), CONFIG, "fp")
     try:
         for _ in range(5):
             receiver.probe(sender.endpoint)
-        wait_for(lambda: receiver.peer_status().get(sender.endpoint) == "compatible")
-        time.sleep(0.2)
+        wait_until(lambda: receiver.peer_status().get(sender.endpoint) == "compatible", 10, "the handshake")
+        for _ in range(3):
+            receiver.probe(sender.endpoint)
+        # the receiver's socket thread takes probes in order: once the marker's handshake is done, every
+        # probe above was handled (and anything it sent went out before the marker's Hello)
+        receiver.probe(marker.endpoint)
+        wait_until(lambda: receiver.peer_status().get(marker.endpoint) == "compatible", 10, "the marker's handshake")
         assert sender.stats.rejected_messages == 0
-        assert receiver.peer_status() == {sender.endpoint: "compatible"}
+        assert receiver.peer_status() == {sender.endpoint: "compatible", marker.endpoint: "compatible"}
     finally:
         receiver.close()
         sender.close()
+        marker.close()
 
 
 def test_draining_server_reports_it_and_refuses_new_requests():

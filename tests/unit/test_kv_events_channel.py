@@ -4,7 +4,7 @@ with another token gets nothing, and the publisher counts its Subscribe as rejec
 
 from __future__ import annotations
 
-import time
+from waiting import wait_until
 
 from server.kv_events import MAX_EVENTS_PER_MESSAGE, EventCodec, KvEventBatch, KvEventPublisher
 from server.router.kv_sync import _Subscriber
@@ -20,11 +20,17 @@ def _subscriber(token: str) -> SocketThread:
     return thread
 
 
-def _collect(thread: SocketThread, want: int, timeout_s: float = 10.0) -> list:
-    got, deadline = [], time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < deadline:
-        if thread.wait(0.1):
-            got += thread.drain()
+def _collect(thread: SocketThread, want: int, timeout_s: float = 10.0, events_only: bool = False) -> list:
+    """What the subscriber handed over once `want` items came (with `events_only`: batches with events,
+    heartbeats left out)."""
+    got: list = []
+
+    def enough() -> bool:
+        got.extend(item for item in thread.drain() if not events_only or item[2].events)
+        return len(got) >= want
+
+    wait_until(enough, timeout_s, f"{want} item(s) from the subscriber", step=lambda: thread.wait(0.1),
+               on_timeout=lambda: f"got {got}")
     return got
 
 
@@ -39,7 +45,7 @@ def test_subscriber_gets_heartbeat_then_numbered_batches():
         events = [(64, 0, bytes([i % 256]) * 16, 0) for i in range(MAX_EVENTS_PER_MESSAGE + 5)]
         publisher.publish(1, events)
         publisher.publish(len(events) + 1, [(64, 1, b"\x01" * 16, 0)])
-        got = [b for _, _, b in _collect(thread, 3) if b.events]  # heartbeats may come in between
+        got = [b for _, _, b in _collect(thread, 3, events_only=True)]  # heartbeats may come in between
         assert [(b.first_seq, len(b.events)) for b in got] == [(1, MAX_EVENTS_PER_MESSAGE),
                                                                (MAX_EVENTS_PER_MESSAGE + 1, 5),
                                                                (len(events) + 1, 1)]
@@ -53,14 +59,18 @@ def test_a_subscriber_without_the_token_gets_nothing():
     publisher = KvEventPublisher(TOKEN, "epoch-a", "127.0.0.1")
     publisher.start()
     thread = _subscriber("another-token-of-sufficient-length")
+    marker = _subscriber(TOKEN)  # a subscriber with the token: what it gets, the other one could have got
     try:
         thread.submit(("connect", URL, publisher.endpoint))
-        deadline = time.monotonic() + 10
-        while publisher._handler.rejected == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert publisher._handler.rejected >= 1 and publisher._handler.subscribers == {}
-        publisher.publish(1, [(64, 0, b"\x02" * 16, 0)])
-        assert _collect(thread, 1, timeout_s=1.5) == []
+        wait_until(lambda: publisher._handler.rejected, 10, "the Subscribe without the token rejected")
+        assert publisher._handler.subscribers == {}
+        marker.submit(("connect", "http://127.0.0.1:2", publisher.endpoint))
+        _collect(marker, 1)  # its heartbeat: subscribed
+        for seq in (1, 2):
+            publisher.publish(seq, [(64, 0, bytes([seq]) * 16, 0)])
+            _collect(marker, 1, events_only=True)
+        assert thread.drain() == []  # both batches reached the marker; nothing reached this one
     finally:
+        marker.close()
         thread.close()
         publisher.close()

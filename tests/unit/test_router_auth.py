@@ -8,7 +8,6 @@ import hashlib
 import hmac
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from waiting import wait_until
 
 from server.config import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.app import RouterSettings, create_router_app
@@ -154,10 +154,7 @@ class RecordingServer:
 
     def __enter__(self) -> RecordingServer:
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, 20, "the recording server started")
         return self
 
     def __exit__(self, *exc) -> None:

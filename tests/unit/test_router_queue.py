@@ -18,12 +18,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from waiting import wait_until
 
 from server.router.app import RouterSettings, create_router_app
 from server.router.queue import QueueLimits
 from server.router.routing_config import RoutingConfig
 
 TOKEN = "a-deployment-token-of-enough-length"
+WAIT_S = 20.0
 
 
 class _Served:
@@ -38,7 +40,7 @@ class _Served:
 
     def __enter__(self):
         self.thread.start()
-        wait_until(lambda: self.server.started, "server started")
+        wait_until(lambda: self.server.started, WAIT_S, "server started")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,13 +66,6 @@ class GatedServer(_Served):
                                            Route("/v1/completions", completions, methods=["POST"])]))
 
 
-def wait_until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
-
-
 def metric(url: str, name: str, labels: str = "") -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
@@ -94,9 +89,9 @@ def test_saturated_servers_queue_requests_and_only_a_full_queue_or_a_timeout_is_
                 return httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
 
             first = pool.submit(post)
-            wait_until(lambda: backend.arrived == 1, "the first request reached the server")
+            wait_until(lambda: backend.arrived == 1, WAIT_S, "the first request reached the server")
             second = pool.submit(post)
-            wait_until(lambda: metric(url, "pdserve_router_queue_depth", 'leg="generation"') == 1, "queued")
+            wait_until(lambda: metric(url, "pdserve_router_queue_depth", 'leg="generation"') == 1, WAIT_S, "queued")
             full = post()
             assert full.status_code == 503
             error = full.json()["error"]
@@ -104,12 +99,12 @@ def test_saturated_servers_queue_requests_and_only_a_full_queue_or_a_timeout_is_
             assert "saturated (1 legs in flight each)" in error["message"]
             backend.gate.release()
             assert first.result().status_code == 200
-            wait_until(lambda: backend.arrived == 2, "the queued request went on when the first ended")
+            wait_until(lambda: backend.arrived == 2, WAIT_S, "the queued request went on when the first ended")
             backend.gate.release()
             assert second.result().status_code == 200
 
             third = pool.submit(post)
-            wait_until(lambda: backend.arrived == 3, "the third request reached the server")
+            wait_until(lambda: backend.arrived == 3, WAIT_S, "the third request reached the server")
             started = time.monotonic()
             late = post()  # waits its 3 s in the queue: the server stays busy
             assert late.status_code == 503 and time.monotonic() - started >= 3.0
@@ -138,7 +133,7 @@ def test_a_client_that_leaves_ends_its_legs_booking():
                     httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": stream}, timeout=1.0)
                 except httpx.TimeoutException:
                     pass
-                wait_until(lambda: active(url) == 0, f"the booking ended (stream={stream})")
+                wait_until(lambda: active(url) == 0, WAIT_S, f"the booking ended (stream={stream})")
                 backend.gate.release()  # let the abandoned request on the server end
             # the server is free again for the next request: nothing stayed booked
             backend.gate.release()

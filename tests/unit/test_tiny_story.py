@@ -18,12 +18,11 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, GenerationConfig
 
+from pdserve_bench import tiny_story_corpus as corpus
 from server.models import builtin
 from server.models.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import tiny_story_corpus as corpus  # noqa: E402
 
 STORY = "builtin:tiny-story"
 PROMPTS = ["The", "A list is", "The quick brown fox", "When an exception is raised,", "Python"]

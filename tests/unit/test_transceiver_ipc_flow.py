@@ -7,11 +7,10 @@ and a sender that exported nothing refusing an IPC pull. The real handles: tests
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import zmq
+from waiting import wait_until
 
 import transceiver.receiver.kv_receiver as receiver_mod
 import transceiver.sender.kv_sender as sender_mod
@@ -76,15 +75,17 @@ def _leased(ctx_kv: KVCacheManager, sender: KVSender) -> tuple[list[int], list[i
     return tokens, ids
 
 
+def _step(sender: KVSender) -> None:
+    sender.step()
+    sender.wait(0.002)
+
+
 def _run(sender: KVSender, rx: KVReceiver, timeout_s: float = 10.0) -> PullResult:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def results() -> list[PullResult]:
         sender.step()
-        results = rx.step()
-        if results:
-            return results[0]
-        rx.wait(0.002)
-    raise AssertionError("no pull result")
+        return rx.step()
+
+    return wait_until(results, timeout_s, "a pull result", step=lambda: rx.wait(0.002))[0]
 
 
 def _pull(same_gpu: KVCacheManager, gen_ipc: bool = True):
@@ -96,10 +97,7 @@ def _pull(same_gpu: KVCacheManager, gen_ipc: bool = True):
     dst = gen_kv.slot_table("req", W)
     rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
     result = _run(sender, rx)
-    deadline = time.monotonic() + 5
-    while sender.num_leases and time.monotonic() < deadline:
-        sender.step()
-        time.sleep(0.002)
+    wait_until(lambda: not sender.num_leases, 5, "the lease back", step=lambda: _step(sender))
     return sender, rx, result, [int(_rows(gen_kv)[s][0]) for s in dst], tokens
 
 
@@ -155,10 +153,7 @@ def test_a_sender_that_exported_nothing_refuses_an_ipc_pull() -> None:
         dealer.send_multipart(codec.seal(PullRequest(pull_id=9, ctx_request_id="req", ctx_epoch=sender.epoch,
                                                      ranges=[WindowRange(window=W, first=0, count=2)],
                                                      via_ipc=True)))
-        deadline = time.monotonic() + 5
-        while not dealer.poll(0) and time.monotonic() < deadline:
-            sender.step()
-            time.sleep(0.002)
+        wait_until(lambda: dealer.poll(0), 5, "the sender's answer", step=lambda: _step(sender))
         assert (sender.ipc_identity, sender.ipc_exports) == (None, 0)
         assert codec.open(*dealer.recv_multipart())[1] == Failed(
             reason="bad_request", detail="the pull asks for CUDA IPC, which this context server never offered",

@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 from kv_transfer_harness import delivered
+from waiting import wait_until
 
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketThread, shared_context
@@ -62,13 +63,6 @@ def _reply(dealer: zmq.Socket, codec: Codec, timeout_s: float = 5.0):
     return codec.open(header, mac)
 
 
-def _wait_for(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def _forged(version: int, ts: float) -> list[bytes]:
     enc = msgspec.msgpack.Encoder()
     env = Envelope(version=version, sender_epoch="gen", msg_id=99, ts=ts,
@@ -93,10 +87,14 @@ def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link)
     epoch, info = _reply(dealer, gen)
     assert (epoch, info) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
     dealer.send_multipart(hello)  # replayed
-    _wait_for(lambda: stats.rejected_messages == 8)
+    wait_until(lambda: stats.rejected_messages == 8, 5, "8 messages rejected")
     assert stats.rejected_by_reason == {"malformed": 2, "bad_mac": 3, "wrong_version": 1, "stale": 1,
                                         "replayed": 1}
-    assert dealer.poll(200) == 0  # nothing answered the bad ones
+    # replies come in order, so the next one is the answer to this pull (no lease: Failed), unless a
+    # bad message was answered after all
+    dealer.send_multipart(gen.seal(PullRequest(pull_id=77, ctx_request_id="none", ctx_epoch="ctx-epoch", ranges=[])))
+    epoch, failed = _reply(dealer, gen)
+    assert isinstance(failed, Failed) and (failed.pull_id, failed.reason) == (77, "unknown_request"), failed
     dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))
     assert _reply(dealer, gen) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
 
@@ -104,9 +102,16 @@ def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link)
 def test_oversized_message_is_cut_off_before_anything_reads_it(sender_link) -> None:
     _, thread, dealer, stats = sender_link
     gen = Codec(TOKEN.encode(), "gen-epoch")
-    dealer.send_multipart([b"x" * (1 << 20), b"\0" * 32])  # 1 MiB: zmq drops it and the connection
-    time.sleep(0.2)
-    dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))  # the DEALER has reconnected by now
+    dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))
+    assert _reply(dealer, gen)[0] == "ctx-epoch"  # connected: the next connection is a reconnection
+    monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED)
+    try:
+        dealer.send_multipart([b"x" * (1 << 20), b"\0" * 32])  # 1 MiB: zmq drops it and the connection
+        assert monitor.poll(10_000), "the DEALER did not reconnect"
+    finally:
+        dealer.disable_monitor()
+        monitor.close(linger=0)
+    dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))
     assert _reply(dealer, gen) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
     assert stats.rejected_messages == 0 and thread.drain() == []
 

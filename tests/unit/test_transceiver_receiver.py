@@ -3,13 +3,12 @@ integrity checks (checksum, byte count, missing chunks), Ack and Cancel, relayed
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
+from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from transceiver.config import TransceiverConfig
@@ -71,13 +70,7 @@ def setup():
 
 
 def _wait(rx: KVReceiver) -> PullResult:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        results = rx.step()
-        if results:
-            return results[0]
-        rx.wait(0.01)
-    raise AssertionError("no result")
+    return wait_until(rx.step, 5, "a pull result", step=lambda: rx.wait(0.01))[0]
 
 
 def _chunk(first: int, count: int, seed: int) -> tuple[ChunkHeader, bytes]:
@@ -144,7 +137,8 @@ def test_sender_failure_is_relayed_with_its_reason(setup) -> None:
     result = _wait(rx)
     assert (result.ok, result.reason, result.error) == (False, "lease_expired", "context server: too late")
     ctx.send(Failed(reason="lease_expired", detail="again", pull_id=pull.pull_id))  # late: ignored
-    time.sleep(0.1)
+    ctx.sock.send_multipart([ctx.peer, b"garbage"])  # then a marker: the socket thread rejects it
+    wait_until(lambda: rx.stats.rejected_messages == 1, 5, "the marker after the late failure read")
     assert rx.step() == [] and rx.stats.failures_by_reason == {"lease_expired": 1}
 
 

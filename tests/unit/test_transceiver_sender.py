@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from transceiver.config import TransceiverConfig
@@ -59,31 +60,36 @@ def leased():
 
 
 def _step_for(sender: KVSender, seconds: float) -> None:
+    """Step the sender as an engine would, for `seconds` (at least once)."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while True:
         sender.step()
         sender.wait(0.005)
+        if time.monotonic() >= end:
+            return
 
 
 def test_large_blocks_go_out_zero_copy_and_arrive_intact(leased) -> None:
     kv, sender, dealer, codec, slots = leased
     rows = kv.pool(W, Level.PRIMARY).view(kv.num_slots(W), -1).view(torch.uint8).numpy()  # [slots, 1 MiB]
-    got, done = [], None
-    deadline = time.monotonic() + 20
-    while done is None and time.monotonic() < deadline:
+    got, done = [], []
+
+    def received_done() -> bool:
         sender.step()
         while dealer.poll(0):
             header, mac, *payload = dealer.recv_multipart()
             _, body = codec.open(header, mac)
             if isinstance(body, Done):
-                done = body
+                done.append(body)
             else:
                 assert isinstance(body, ChunkHeader) and body.count == 2 and len(payload) >= 1
                 parts = [np.frombuffer(p, dtype=np.uint8) for p in payload]
                 assert checksum(parts, MIB, body.first) == body.checksum
                 got.append((body.first, b"".join(payload)))
-        sender.wait(0.005)
-    assert done == Done(pull_id=3, total_bytes=16 * MIB, chunks=8)
+        return bool(done)
+
+    wait_until(received_done, 20, "the pull's Done", step=lambda: sender.wait(0.005))
+    assert done == [Done(pull_id=3, total_bytes=16 * MIB, chunks=8)]
     assert [first for first, _ in got] == list(range(0, 16, 2))
     for first, data in got:
         assert data == rows[slots[first]].tobytes() + rows[slots[first + 1]].tobytes()
@@ -92,21 +98,28 @@ def test_large_blocks_go_out_zero_copy_and_arrive_intact(leased) -> None:
 
 def test_unpin_waits_until_zmq_released_the_frames_of_the_slots(leased) -> None:
     kv, sender, dealer, codec, _ = leased
-    _step_for(sender, 0.5)  # the receiver reads nothing: frames of the pool stay with zmq
+    # A receiver that reads nothing for a while, on purpose: the sender hands zmq what it can until
+    # the socket's buffers are full, and frames of the pool stay with zmq (checked next).
+    _step_for(sender, 0.5)
     assert 0 < sender.stats.bytes_sent < 16 * MIB
     sender.drop_lease("r")
-    _step_for(sender, 0.2)
-    assert sender.num_leases == 1 and _in_use(kv) == 16  # ended, but still pinned under the frames
-    failed = None
-    deadline = time.monotonic() + 20
-    while (failed is None or sender.num_leases) and time.monotonic() < deadline:
+    # the lease ends on the socket thread; the engine side takes it back, and unpins only once zmq
+    # released the frames (a sender that unpinned at once would have no lease left here)
+    wait_until(lambda: sender.busy or sender.num_leases == 0, 20, "the ended lease back on the engine side",
+               step=lambda: _step_for(sender, 0))
+    assert sender.busy and sender.num_leases == 1 and _in_use(kv) == 16  # ended, but still pinned under the frames
+    failed = []
+
+    def unpinned() -> bool:
         while dealer.poll(0):
             header, mac, *_ = dealer.recv_multipart()
             body = codec.open(header, mac)[1]
-            failed = body if isinstance(body, Failed) else failed
+            failed.extend([body] if isinstance(body, Failed) else [])
         sender.step()
-        time.sleep(0.005)
-    assert failed == Failed(reason="cancelled", detail="the context server aborted the request", pull_id=3)
+        return bool(failed) and sender.num_leases == 0
+
+    wait_until(unpinned, 20, "the Failed message read and the lease unpinned", interval_s=0.005)
+    assert failed == [Failed(reason="cancelled", detail="the context server aborted the request", pull_id=3)]
     assert sender.num_leases == 0 and _in_use(kv) == 0
     kv.check_integrity()
     assert sender.stats.failures_by_reason == {"cancelled": 1}

@@ -1,4 +1,4 @@
-"""CPU soak (issue 11 item 10): 64 concurrent streams for 10 minutes under KV pool pressure.
+"""CPU soak (issue 11 item 10): many concurrent streams for minutes under KV pool pressure.
 
 1. An aggregated server gives the reference text of every prompt (greedy, ignore_eos).
 2. A disaggregated deployment with small pools: the context server's primary pool holds 1024 tokens
@@ -11,7 +11,10 @@
    onboards, preemptions). At the end: the figures, and whether RSS and pool usage stayed flat
    (the last third of the run against the second third).
 
-    .venv/bin/python scripts/soak.py --minutes 10 --streams 64 --out soak.json
+    pdserve-bench soak --minutes 10 --streams 64
+
+One record (request counts; RSS and blocks in use, middle vs last third), and the samples in
+OUT/soak-samples.jsonl. Exit status 1 unless every answer was complete and equal.
 """
 
 from __future__ import annotations
@@ -21,19 +24,16 @@ import asyncio
 import json
 import re
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path.insert(0, str(TESTS))
+from pdserve_bench import options
+from pdserve_bench.launch import REPO, ServerUnderTest, server_urls
 
-import deploy_harness as dh  # noqa: E402
-
+HELP = "many streams for minutes under KV pool pressure, every answer checked against aggregated"
 TOPICS = ["rivers", "bridges", "tides", "comets", "glaciers", "lanterns", "orchards", "harbors"]
 MAX_TOKENS = 48
 PRESSURE = {
@@ -45,6 +45,15 @@ PRESSURE = {
         "tokens_per_block": 32, "max_tokens": 1536, "enable_block_reuse": True, "host_cache_size": 64 << 20,
         "secondary_offload_min_priority": 0}},
 }
+SERVERS = ("ctx", "gen")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_common(parser, repeat=None, model=False)
+    parser.add_argument("--model", default="builtin:tiny-llama", help="the model the started servers serve")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples of RSS and pools")
 
 
 def prompts() -> list[str]:
@@ -53,10 +62,10 @@ def prompts() -> list[str]:
     return [f"{base}Topic: {t}. Part {i}: write about {t}." for t in TOPICS for i in (1, 2)]
 
 
-def reference_texts(tmp: Path) -> dict[str, str]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    with dh.launched("aggregated.yaml", tmp, {"max_seq_len": 2048}) as agg:
-        return {p: _complete(agg.url, p) for p in prompts()}
+def reference_texts(model: str) -> dict[str, str]:
+    overrides = {"model": model, "max_seq_len": 2048}
+    with ServerUnderTest(REPO / "configs" / "aggregated.yaml", overrides=overrides) as url:
+        return {p: _complete(url, p) for p in prompts()}
 
 
 def _complete(url: str, prompt: str) -> str:
@@ -103,10 +112,22 @@ async def clients(url: str, refs: dict[str, str], streams: int, seconds: float, 
     await asyncio.gather(*(worker(i) for i in range(streams)))
 
 
-def sample(dep: dh.Deployment, pids: dict[str, int]) -> dict:
-    row = {"t": time.monotonic()}
-    for name, url in (("ctx", dep.context_urls[0]), ("gen", dep.generation_urls[0])):
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+def listening_pid(root_pid: int, url: str) -> int:
+    """The pid, among `root_pid`'s descendants, of the process listening on `url`'s port."""
+    port = int(url.rsplit(":", 1)[1])
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp")):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise RuntimeError(f"no process of the deployment listens on {url}")
+
+
+def sample(urls: dict[str, str], pids: dict[str, int]) -> dict:
+    row: dict = {"t": time.monotonic()}
+    for name in SERVERS:
+        text = httpx.get(f"{urls[name]}/metrics", timeout=10).text
         metric = lambda n, lab="", text=text: _metric(text, n, lab)
         row[name] = {"rss_mib": psutil.Process(pids[name]).memory_info().rss / 2**20,
                      "in_use": metric("pdserve_kv_cache_blocks", 'level="primary",state="in_use"'),
@@ -123,13 +144,13 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for lab, v in samples if labels in (lab or ""))
 
 
-async def monitor(dep: dh.Deployment, pids: dict[str, int], every_s: float, seconds: float, rows: list) -> None:
+async def monitor(urls: dict[str, str], pids: dict[str, int], every_s: float, seconds: float, rows: list) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        rows.append(await asyncio.to_thread(sample, dep, pids))
+        rows.append(await asyncio.to_thread(sample, urls, pids))
         print(json.dumps({k: ({m: round(v, 1) for m, v in r.items()} if isinstance(r, dict) else round(r, 1))
                           for k, r in rows[-1].items()}), flush=True)
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(every_s)  # the sampling period
 
 
 def flat(rows: list[dict], server: str, key: str) -> dict:
@@ -140,39 +161,46 @@ def flat(rows: list[dict], server: str, key: str) -> dict:
             "max": round(max(r[server][key] for r in rows), 1)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--sample-s", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        refs = reference_texts(Path(tmp) / "agg")
-        (Path(tmp) / "pair").mkdir()
-        with dh.launched("disagg.yaml", Path(tmp) / "pair", PRESSURE) as dep:
-            pids = {"ctx": dep.server_pids("context")[0], "gen": dep.server_pids("generation")[0]}
-            stats: dict = {}
-            rows: list = []
-            seconds = args.minutes * 60
-            started = time.monotonic()
+def soak(args: argparse.Namespace, refs: dict[str, str]) -> tuple[dict, list, float]:
+    """Run the disaggregated deployment under load: (request counts, samples, seconds)."""
+    overrides = {**PRESSURE, "model": args.model}
+    server = ServerUnderTest(REPO / "configs" / "disagg.yaml", overrides=overrides)
+    with server as url:
+        urls = {"ctx": server_urls(server.deployment, "context_servers")[0],
+                "gen": server_urls(server.deployment, "generation_servers")[0]}
+        pids = {name: listening_pid(server.pid, urls[name]) for name in SERVERS}
+        stats: dict = {}
+        rows: list = []
+        seconds = args.minutes * 60
+        started = time.monotonic()
 
-            async def run() -> None:
-                await asyncio.gather(clients(dep.url, refs, args.streams, seconds, stats),
-                                     monitor(dep, pids, args.sample_s, seconds, rows))
+        async def run_all() -> None:
+            await asyncio.gather(clients(url, refs, args.streams, seconds, stats),
+                                 monitor(urls, pids, args.sample_s, seconds, rows))
 
-            asyncio.run(run())
-            rows.append(sample(dep, pids))
-            elapsed = time.monotonic() - started
+        asyncio.run(run_all())
+        rows.append(sample(urls, pids))
+        return stats, rows, time.monotonic() - started
+
+
+def run(args: argparse.Namespace) -> int:
+    refs = reference_texts(args.model)
+    stats, rows, elapsed = soak(args, refs)
     summary = {"minutes": round(elapsed / 60, 1), "streams": args.streams, "requests": stats,
-               "rss_mib": {s: flat(rows, s, "rss_mib") for s in ("ctx", "gen")},
-               "in_use_blocks": {s: flat(rows, s, "in_use") for s in ("ctx", "gen")},
+               "rss_mib": {s: flat(rows, s, "rss_mib") for s in SERVERS},
+               "in_use_blocks": {s: flat(rows, s, "in_use") for s in SERVERS},
                "final": rows[-1]}
     print(json.dumps(summary, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps({"summary": summary, "samples": rows}, indent=1))
+    figures = {"minutes": elapsed / 60, **{f"requests_{k}": stats.get(k, 0) for k in ("ok", "mismatch", "error")}}
+    for name in SERVERS:
+        for key in ("rss_mib", "in_use_blocks"):
+            figures |= {f"{name}_{key}_{part}": value for part, value in summary[key][name].items()}
+    config = {"model": args.model, "streams": args.streams, "minutes": args.minutes, "sample_s": args.sample_s,
+              "deployment": "configs/disagg.yaml", "pressure": PRESSURE}
+    options.writer(args).write("soak", config, figures)
+    if not args.no_record:
+        out: Path = args.out
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "soak-samples.jsonl").open("a") as samples:
+            samples.writelines(json.dumps(row) + "\n" for row in rows)
     return 0 if stats.get("ok") and not stats.get("mismatch") and not stats.get("error") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,6 +9,9 @@ Only prose is kept: headings become titles, indented blocks (code, grammar) are 
 lines are joined, and every character is folded to ASCII. The same text is also cut into chat
 turns ("What is the "assert" statement?" -> the topic's first paragraphs) so chat replies look like
 answers. Output is deterministic for one Python version (sorted names, no randomness here).
+
+scripts/train_tiny_story.py trains on it; the tests judge the model's readability by its words
+(`from pdserve_bench import tiny_story_corpus`).
 """
 
 from __future__ import annotations
