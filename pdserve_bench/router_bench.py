@@ -3,7 +3,9 @@
 The context and generation "servers" here answer at once (a fixed context answer; a 3-event
 stream), so what remains is the router's own work: its HTTP front end, the context leg's HTTP
 exchange, the opening events it makes from the context answer, and the relay. Baseline in the same
-run: the same client posting straight to the fake context server.
+run: the same client posting straight to the fake context server. Also recorded: the router
+process's CPU per request (both legs' client work included) and its resident memory after the run,
+and the time and memory of importing the router's app in a fresh interpreter.
 
     pdserve-bench router [--requests 500]
 
@@ -15,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -87,6 +92,31 @@ def first_event_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, f
     return ((first or end) - start) * 1e3, (end - start) * 1e3
 
 
+IMPORT_PROBE = ("import resource, time; t = time.perf_counter(); import server.router.app; "
+                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+
+
+def import_cost() -> tuple[float, float]:
+    """(seconds to import the router's app, peak RSS MiB of that interpreter), fresh process, median of 5."""
+    runs = [subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True)
+            for _ in range(5)]
+    seconds, kib = zip(*((float(a), float(b)) for a, b in (r.stdout.split() for r in runs)), strict=True)
+    return statistics.median(seconds), statistics.median(kib) / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=500)
     options.add_common(parser, repeat=None, model=False)
@@ -110,9 +140,12 @@ def run(args: argparse.Namespace) -> int:
                 first_event_ms(client, f"{router}/v1/completions", body)
                 first_event_ms(client, f"{context}/v1/completions", {**body, "stream": False})
             via, direct = [], []
+            router_cpu = cpu_s(procs[2].pid)  # the router's health rounds (1 s apart) are included
             for _ in range(args.requests):  # interleaved, so both see the same machine
                 via.append(first_event_ms(client, f"{router}/v1/completions", body))
                 direct.append(first_event_ms(client, f"{context}/v1/completions", {**body, "stream": False}))
+        router_cpu = cpu_s(procs[2].pid) - router_cpu
+        router_rss = rss_mib(procs[2].pid)
     finally:
         for proc in procs:
             proc.terminate()
@@ -121,9 +154,14 @@ def run(args: argparse.Namespace) -> int:
     figures = {"first_event_ms": med(v[0] for v in via), "stream_ms": med(v[1] for v in via),
                "direct_ms": med(d[1] for d in direct)}
     figures["overhead_ms"] = figures["first_event_ms"] - figures["direct_ms"]
+    figures["router_cpu_ms_per_request"] = router_cpu * 1e3 / args.requests
+    figures["router_rss_mib"] = router_rss
+    figures["import_s"], figures["import_rss_mib"] = import_cost()
     print(f"through the router: first event {figures['first_event_ms']:.2f} ms, whole stream "
           f"{figures['stream_ms']:.2f} ms (median of {args.requests})")
     print(f"context backend alone (its answer): {figures['direct_ms']:.2f} ms")
     print(f"router overhead to the first event: {figures['overhead_ms']:.2f} ms")
+    print(f"router CPU per request: {figures['router_cpu_ms_per_request']:.3f} ms; router RSS after the run: "
+          f"{router_rss:.0f} MiB; importing its app: {figures['import_s']:.2f} s, {figures['import_rss_mib']:.0f} MiB")
     out.write("router", {"requests": args.requests, "prompt_tokens": len(PROMPT)}, figures)
     return 0
