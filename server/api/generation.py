@@ -124,7 +124,7 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
 
 
 async def engine_events(stream: EngineStream, first: RequestOutput, fmt: Formatter,
-                  tokens: TokenReport | None = None) -> AsyncIterator[bytes]:
+                        tokens: TokenReport | None = None) -> AsyncIterator[bytes]:
     """`data: {json}\n\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
 
     With `tokens` (the router asks, `report_tokens`), each output's token ids go in an SSE comment

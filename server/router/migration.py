@@ -25,12 +25,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from server.openai.formatting import ChatFormatter, CompletionFormatter, continued_response_id
+from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
-from server.openai.sse import sse_event
 from server.router.backends import Backend
 from server.router.orchestrator import Orchestrator, Upstream, context_finished, context_params
-from server.types import RequestOutput
 
 COMMENT = b": tokens"
 
@@ -79,7 +77,6 @@ class Migration:
     body: dict  # the client's request
     chat: bool
     response_id: str  # the client's stream id
-    model: str
     prompt_ids: list[int]  # the prompt as the context server tokenised it
     tokens: list[int]  # generated so far (their text is with the client)
     limit: int
@@ -98,7 +95,7 @@ class Migration:
         """(the events the router sends itself, the context leg's answer, the parameters of the
         generation leg that goes on from it); answer None: that context leg ended the request.
         A failing context leg raises `LegError`."""
-        from server.router.streaming import generation_params, opening_events  # modules use each other
+        from server.router.streaming import closing_events, generation_params, opening_events  # modules use each other
 
         self.moves += 1
         self.on_move()
@@ -107,7 +104,8 @@ class Migration:
         ctx = await self.orchestrator.context_leg(self.path, self.body, lambda: prompt, DisaggParams(
             "context_only", prompt_token_ids=tuple(prompt), prior_output_tokens=prior))
         if context_finished(ctx.json):
-            return [sse_event(c) for c in self._closing(ctx.json)], None, None
+            include_usage = bool((self.body.get("stream_options") or {}).get("include_usage"))
+            return closing_events(ctx.json, self.chat, self.response_id, include_usage, continued=True), None, None
         params = replace(generation_params(ctx.json, first_text_streamed=True), response_id=self.response_id,
                          report_tokens=True, prior_output_tokens=prior)
         self.tokens.extend(params.first_gen_tokens or ())
@@ -118,20 +116,6 @@ class Migration:
         return lambda: self.orchestrator.generation_leg(self.path, self.body, lambda: prompt, params,
                                                         exclude=frozenset(self.dead))
 
-    def _closing(self, ctx: dict) -> list[str]:
-        """The final chunk (and usage) of a request the context leg ended, in the client's stream."""
-        choice = ctx["choices"][0]
-        text = ((choice.get("message") or {}).get("content") if self.chat else choice.get("text")) or ""
-        usage = ctx.get("usage") or {}
-        include_usage = bool((self.body.get("stream_options") or {}).get("include_usage"))
-        fmt = (ChatFormatter if self.chat else CompletionFormatter)(self.response_id, self.model, include_usage,
-                                                                    continued=True)
-        final = RequestOutput(self.response_id, [], text, finished=True, finish_reason=choice.get("finish_reason"),
-                              prompt_tokens=usage.get("prompt_tokens", 0),
-                              completion_tokens=usage.get("completion_tokens", 0),
-                              cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        return [*fmt.chunks(final), *([fmt.usage_chunk(final)] if include_usage else []), "[DONE]"]
-
 
 def new_migration(orchestrator: Orchestrator, ctx: dict, path: str, body: dict, chat: bool) -> Migration | None:
     """The migration state of a stream the router opened from context answer `ctx` (None when
@@ -140,6 +124,6 @@ def new_migration(orchestrator: Orchestrator, ctx: dict, path: str, body: dict, 
         return None
     params = context_params(ctx)
     return Migration(orchestrator, path, body, chat, continued_response_id(params.ctx_request_id),
-                     ctx.get("model") or "", list(params.prompt_token_ids or ()),
+                     list(params.prompt_token_ids or ()),
                      list(params.first_gen_tokens or ()), orchestrator.migration_limit,
                      orchestrator.on_migration)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 from server.openai.errors import error_body
-from server.openai.formatting import ChatFormatter, CompletionFormatter, continued_response_id
+from server.openai.formatting import ChatFormatter, CompletionFormatter, Formatter, continued_response_id
 from server.openai.protocol import DisaggParams
 from server.openai.sse import DONE, EventStream, json_event, sse_event
 from server.router.backends import Backend
@@ -49,23 +49,8 @@ async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator
 
 async def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     """Turn a finished non-streaming answer (context leg ended the request) into SSE events."""
-    for chunk in final_chunks(body, chat, include_usage):
-        yield json_event(chunk)
-    yield DONE
-
-
-def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
-    choice = dict(body["choices"][0])
-    choice.pop("disaggregated_params", None)
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    if chat:
-        message = choice.pop("message", {}) or {}
-        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
-    base = {"id": body.get("id"), "object": kind, "created": body.get("created"), "model": body.get("model")}
-    chunks = [{**base, "choices": [choice]}]
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body.get("usage")})
-    return chunks
+    for event in closing_events(body, chat, body.get("id") or "", include_usage):
+        yield event
 
 
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
@@ -73,11 +58,34 @@ def opening_events(ctx: dict, chat: bool, response_id: str | None = None, contin
     first token's text (none when that text is still held back), under the id the generation server
     will use too (`continued_response_id`), with the same formatters the servers use. A moved stream
     (`continued`) goes on under its own `response_id` and sends no second role chunk."""
+    response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
+    fmt, output = _as_output(ctx, chat, response_id, continued, finished=False)
+    return [sse_event(data) for data in fmt.chunks(output)]
+
+
+def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
+                   continued: bool = False) -> list[bytes]:
+    """The rest of a stream whose request the context answer `ctx` ended: its final chunk, usage if
+    asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
+    fmt, final = _as_output(ctx, chat, response_id, continued, finished=True, include_usage=include_usage)
+    usage = [fmt.usage_chunk(final)] if include_usage else []
+    return [*(sse_event(data) for data in [*fmt.chunks(final), *usage]), DONE]
+
+
+def _as_output(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool,
+               include_usage: bool = False) -> tuple[Formatter, RequestOutput]:
+    """A context answer as the engine output the servers would format, and their formatter."""
     choice = ctx["choices"][0]
-    response_id = response_id or continued_response_id(choice["disaggregated_params"]["ctx_request_id"])
     text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", continued=continued)
-    return [sse_event(data) for data in fmt.chunks(RequestOutput(response_id, [], text, finished=False))]
+    usage = ctx.get("usage") or {}
+    output = RequestOutput(response_id, [], text, finished=finished,
+                           finish_reason=choice.get("finish_reason") if finished else None,
+                           prompt_tokens=usage.get("prompt_tokens", 0),
+                           completion_tokens=usage.get("completion_tokens", 0),
+                           cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", include_usage,
+                                                           continued=continued)
+    return fmt, output
 
 
 def generation_params(ctx: dict, first_text_streamed: bool) -> DisaggParams:

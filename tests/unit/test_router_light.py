@@ -9,8 +9,8 @@ import sys
 PROBE = """
 import sys
 import server.router.app
-heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "server.engine", "server.models",
-                                                                         "server.api", "kvcache.manager", "kvcache.pool")))
+HEAVY = ("torch", "server.engine", "server.models", "server.api", "kvcache.manager", "kvcache.pool")
+heavy = sorted(m for m in sys.modules if m.split(".")[0] == "torch" or m.startswith(HEAVY))
 print(",".join(heavy))
 """
 
