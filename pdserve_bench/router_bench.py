@@ -92,16 +92,16 @@ def first_event_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, f
     return ((first or end) - start) * 1e3, (end - start) * 1e3
 
 
-IMPORT_PROBE = ("import resource, time; t = time.perf_counter(); import server.router.app; "
-                "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+IMPORT_PROBE = ("import os, time; t = time.perf_counter(); import server.router.app; "
+                "from pdserve_bench.router_bench import rss_mib; print(time.perf_counter() - t, rss_mib(os.getpid()))")
 
 
 def import_cost() -> tuple[float, float]:
-    """(seconds to import the router's app, peak RSS MiB of that interpreter), fresh process, median of 5."""
+    """(seconds to import the router's app, RSS MiB of that interpreter then), fresh process, median of 5."""
     runs = [subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True)
             for _ in range(5)]
-    seconds, kib = zip(*((float(a), float(b)) for a, b in (r.stdout.split() for r in runs)), strict=True)
-    return statistics.median(seconds), statistics.median(kib) / 1024
+    seconds, mib = zip(*((float(a), float(b)) for a, b in (r.stdout.split() for r in runs)), strict=True)
+    return statistics.median(seconds), statistics.median(mib)
 
 
 def cpu_s(pid: int) -> float:
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     router_port, ctx_port, gen_port = free_ports(3)
     procs = [mp.Process(target=_serve_backend, args=(ctx_port,), daemon=True),
              mp.Process(target=_serve_backend, args=(gen_port,), daemon=True),
-             mp.Process(target=_serve_router, args=(router_port, ctx_port, gen_port), daemon=True)]
+             # a fresh interpreter (not a fork of this one), so that its RSS is the router's own
+             mp.get_context("spawn").Process(target=_serve_router, args=(router_port, ctx_port, gen_port), daemon=True)]
     for proc in procs:
         proc.start()
     router, context = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{ctx_port}"
