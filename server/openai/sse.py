@@ -13,6 +13,7 @@ the next send, so work for a client that left stops at once, however quiet the s
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -52,25 +53,27 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    await _wait_for_disconnect(receive)
-    scope.cancel()
+async def _first_of(work: asyncio.Future, receive: Receive) -> bool:
+    """Wait for `work` or the client's disconnect, whichever comes first; cancel the other (and
+    `work` if this wait is cancelled). True if `work` ended. (Plain asyncio: an anyio task group
+    costs 3x as much, on every request.)"""
+    gone = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (gone, work):
+            task.cancel()  # no-op once done
+        await asyncio.gather(gone, work, return_exceptions=True)
+    return not work.cancelled()
 
 
 async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) -> tuple[bool, T | None]:
     """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None).
     The request's body must have been read already."""
-    result, done, error = None, False, None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-        try:
-            result, done = await fn(), True
-        except Exception as exc:  # re-raised below, unwrapped from the task group
-            error = exc
-        tg.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return done, result
+    work = asyncio.ensure_future(fn())
+    if not await _first_of(work, receive):
+        return False, None
+    return True, work.result()  # raises what fn() raised
 
 
 class EventStream(Response):
@@ -88,13 +91,11 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-                try:
-                    await self._send_all(send)
-                except OSError:  # servers on ASGI spec 2.4 raise on a send to a gone client
-                    pass
-                tg.cancel_scope.cancel()
+            sending = asyncio.ensure_future(self._send_all(send))
+            if await _first_of(sending, receive) and isinstance(sending.exception(), OSError):
+                return  # servers on ASGI spec 2.4 raise on a send to a gone client
+            if not sending.cancelled():
+                sending.result()  # raises what the stream raised
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self._events, "aclose", None)
