@@ -66,13 +66,13 @@ class DisaggParams:
     first_gen_tokens: tuple[int, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     ctx_cached_tokens: int = Field(default=0, ge=0)  # prefix-cache hit on the context server (honest usage)
-    # the cache_salt the context server hashed the prompt's blocks with: the generation server
-    # reuses its own cache, and pulls, under the same one
-    cache_salt: str | None = None
-    # Set by the router on requests only (left out of a body while unset):
+    # Set by the router on requests only (left out of a body while unset), but cache_salt:
     # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
     # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
     first_text_streamed: bool = Field(default=False, exclude_if=_unset)
+    # the cache_salt the context server hashed the prompt's blocks with: the generation server
+    # reuses its own cache, and pulls, under the same one
+    cache_salt: str | None = None
     # Migration (the router moves a stream whose generation server died, server/router/migration.py):
     # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
     # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
