@@ -17,10 +17,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import aiohttp
+import httpx
 
 from server.auth import token_headers
-from server.openai.wire import loads
 
 log = logging.getLogger(__name__)
 ENDPOINT_PATH = "/kv_cache/endpoint"
@@ -85,8 +84,8 @@ class ContextDirectory:
 
     async def refresh(self) -> None:
         self._last_refresh = time.monotonic()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as session:
-            found = await asyncio.gather(*(self._ask(session, url) for url in self.context_urls))
+        async with httpx.AsyncClient(timeout=self._timeout_s, trust_env=False) as client:
+            found = await asyncio.gather(*(self._ask(client, url) for url in self.context_urls))
         for url, endpoint in zip(self.context_urls, found, strict=True):
             if endpoint is not None:
                 self._endpoints[url] = endpoint
@@ -96,15 +95,14 @@ class ContextDirectory:
             except Exception:  # a failing hook must not stop the refreshes
                 log.exception("context directory: on_refresh failed")
 
-    async def _ask(self, session: aiohttp.ClientSession, url: str) -> str | None:
+    async def _ask(self, client: httpx.AsyncClient, url: str) -> str | None:
         try:
-            async with session.get(url + ENDPOINT_PATH, headers=self._headers) as response:
-                status = response.status
-                endpoint = loads(await response.read()).get("endpoint") if status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            response = await client.get(url + ENDPOINT_PATH, headers=self._headers)
+            endpoint = response.json().get("endpoint") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.info("context server %s did not say its KV endpoint: %s", url, exc)
             return None
         if not isinstance(endpoint, str):
-            log.warning("context server %s answered %s to %s", url, status, ENDPOINT_PATH)
+            log.warning("context server %s answered %s to %s", url, response.status_code, ENDPOINT_PATH)
             return None
         return endpoint
