@@ -1,25 +1,30 @@
 """Paged KV cache manager: blocks, reuse tree, pools, offload/onboard, block id -> slot translation.
 
 See DESIGN.md §3. Dependencies point inward only: kvcache imports nothing of server/ or transceiver/.
+The names below load on first use (PEP 562), so a process that needs only `Level` or the block
+hashing (the router) does not import torch with the pools.
 """
 
-from kvcache.block import Level
-from kvcache.config import KvCacheConfig
-from kvcache.errors import KVCacheError, OutOfBlocksError, UnknownBlockError
-from kvcache.hashing import block_hashes, request_salt
-from kvcache.layout import CacheLayout
-from kvcache.manager import KVCacheManager
-from kvcache.stats import KVCacheStats
+from importlib import import_module
 
-__all__ = [
-    "CacheLayout",
-    "KVCacheError",
-    "KVCacheManager",
-    "KVCacheStats",
-    "KvCacheConfig",
-    "Level",
-    "OutOfBlocksError",
-    "UnknownBlockError",
-    "block_hashes",
-    "request_salt",
-]
+_HOMES = {
+    "CacheLayout": "kvcache.layout",
+    "KvCacheConfig": "kvcache.config",
+    "KVCacheError": "kvcache.errors",
+    "OutOfBlocksError": "kvcache.errors",
+    "UnknownBlockError": "kvcache.errors",
+    "KVCacheManager": "kvcache.manager",
+    "KVCacheStats": "kvcache.stats",
+    "Level": "kvcache.block",
+    "block_hashes": "kvcache.hashing",
+    "request_salt": "kvcache.hashing",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

@@ -1,6 +1,6 @@
 """HTTP fuzzing of pdserve's OpenAI surface with schemathesis (issue 11, item 8).
 
-`fuzz(base_url, max_examples)` reads the target's GET /openapi.json (server/api/openapi.py), lets
+`fuzz(base_url, max_examples)` reads the target's GET /openapi.json (server/openai/openapi.py), lets
 schemathesis generate requests for every operation (valid and invalid bodies, wrong types, odd
 strings and numbers) and checks each answer: never a status >= 500, and every 4xx in OpenAI's error
 shape `{"error": {"message", "type", "param", "code"}}`. Generated `max_tokens` are capped so a

@@ -15,7 +15,6 @@ A second SIGTERM, or SIGINT, stops at once as before (uvicorn's own handling).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -23,6 +22,9 @@ from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.openai.errors import error_body
+from server.openai.wire import dumps
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +99,11 @@ class DrainGate:
 
 
 def draining_error() -> dict:
-    return {"error": {"message": DRAINING_MESSAGE, "type": "service_unavailable", "param": None, "code": "draining"}}
+    return error_body(503, DRAINING_MESSAGE, code="draining")
 
 
 async def _refuse(send: Send) -> None:
-    body = json.dumps(draining_error()).encode()
+    body = dumps(draining_error())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     await send({"type": "http.response.start", "status": 503, "headers": headers})

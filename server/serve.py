@@ -16,6 +16,7 @@ from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
 from server.api.readiness import health_report, transceiver
 from server.api.routes.health import EPOCH
+from server.api.routes.kv_cache import install_kv_routes
 from server.config import ServerConfig
 from server.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
@@ -23,7 +24,6 @@ from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
 from server.kv_events import KvEventPublisher, KvEventSource
-from server.kv_routes import install_kv_routes
 from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype

@@ -1,7 +1,8 @@
 """Plain data exchanged between the HTTP layer, the engine and the router.
 
-These are the contracts between `server/api` (HTTP), `server/engine` (scheduler, runner) and the
-disaggregation legs. No torch here: these objects cross threads and are turned into JSON.
+These are the contracts between `server/api` (HTTP) and `server/engine` (scheduler, runner); the
+disaggregation legs' `DisaggParams` is the wire schema's own (server/openai/protocol.py). No torch
+here: these objects cross threads and are turned into JSON.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from server.openai.protocol import DisaggParams, RequestType
+
+__all__ = ["DisaggParams", "EngineClient", "GenerateRequest", "RequestOutput", "RequestType", "SamplingParams"]
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 DEFAULT_RETENTION_PRIORITY = 35  # TensorRT-LLM's default KV retention priority
-RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
 
 @dataclass(frozen=True)
@@ -33,31 +37,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-
-@dataclass(frozen=True)
-class DisaggParams:
-    """`disaggregated_params` of TensorRT-LLM's OpenAI extension (the fields pdserve uses)."""
-
-    request_type: RequestType
-    ctx_request_id: str | None = None
-    ctx_endpoint: str | None = None
-    ctx_epoch: str | None = None
-    first_gen_tokens: tuple[int, ...] | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    ctx_cached_tokens: int = 0  # prefix-cache hit on the context server (for honest usage)
-    # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
-    # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
-    first_text_streamed: bool = False
-    # the cache_salt the context server hashed the prompt's blocks with: the generation server
-    # reuses its own cache, and pulls, under the same one
-    cache_salt: str | None = None
-    # Migration (the router moves a stream whose generation server died, server/router/migration.py):
-    # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
-    # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
-    prior_output_tokens: int = 0
-    response_id: str | None = None  # generation_only: the id of the client's stream to continue
-    report_tokens: bool = False  # streamed generation_only: each event's token ids in an SSE comment
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Protocol
 from starlette.requests import Request
 
 from server.api.errors import APIError
-from server.api.protocol import DisaggregatedParams
 from server.auth import TOKEN_HEADER, missing_token_message, token_matches
+from server.openai.protocol import DisaggParams
 
 PARAM = "disaggregated_params"
 
@@ -37,7 +37,7 @@ def require_token(request: Request, what: str) -> None:
         raise APIError(401, missing_token_message(token, what), code="unauthorized")
 
 
-async def check_disagg_access(request: Request, params: DisaggregatedParams | None) -> None:
+async def check_disagg_access(request: Request, params: DisaggParams | None) -> None:
     if params is None:
         return
     require_token(request, PARAM)

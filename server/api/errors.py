@@ -22,38 +22,14 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
+from server.openai.errors import APIError, error_response
 from server.types import RequestOutput
 
 log = logging.getLogger(__name__)
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error",
-          422: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    """An error to answer with `status` in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+__all__ = ["APIError", "install_error_handlers", "output_error"]
 
 
 def output_error(output: RequestOutput) -> APIError:
@@ -84,25 +60,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {msg}{more}", field
 
 
-async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+async def _on_api_error(_: Request, exc: APIError) -> Response:
     return exc.response()
 
 
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:
     message, field = _validation_message(exc)
-    return JSONResponse(error_body(400, message, param=field), status_code=400)
+    return error_response(400, message, param=field)
 
 
-async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
     where = f"{request.method} {request.url.path}"
     message = f"route not found: {where}" if exc.status_code == 404 else f"{exc.detail}: {where}"
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
-async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _on_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error in the HTTP layer")
-    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,34 +3,30 @@
 Ownership: an `EngineStream` owns the engine's output iterator of one request. Whatever way the
 HTTP exchange ends (finished, client gone, error, cancellation), `EngineStream.close()` runs; if the
 engine has not finished the request it is aborted there, so its KV blocks are freed. Client
-disconnects are watched actively (the ASGI `http.disconnect` message), not only noticed on the next
-send, so a request that is still queued or prefilling is aborted too.
+disconnects are watched actively (server/openai/sse.py), so a request that is still queued or
+prefilling is aborted too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from server.api.access import check_disagg_access
 from server.api.errors import output_error
-from server.api.formatting import Formatter, continued_response_id
 from server.api.prompts import build_request, new_request_id
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.sse import sse_event
+from server.openai.formatting import Formatter, continued_response_id
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 ABORT_TIMEOUT_S = 5.0  # bound on the engine's abort/close when a request ends early
 CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone
 _FAILED = ("error", "abort")
@@ -86,31 +82,6 @@ class EngineStream:
                 log.exception("aborting request %s failed", self.request_id)
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    await _wait_for_disconnect(receive)
-    scope.cancel()
-
-
-async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) -> tuple[bool, T | None]:
-    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None)."""
-    result, done, error = None, False, None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-        try:
-            result, done = await fn(), True
-        except Exception as exc:  # re-raised below, unwrapped from the task group
-            error = exc
-        tg.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return done, result
-
-
 async def _collect(stream: EngineStream) -> tuple[str, RequestOutput]:
     texts = []
     while True:
@@ -145,69 +116,41 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
         await stream.close()
         raise
     if done and not failed(first):
-        return SSEResponse(stream, first, fmt, tokens)  # it closes the stream when the exchange ends
+        return EventStream(engine_events(stream, first, fmt, tokens), stream.close)  # closes it at the end
     await stream.close()
     if not done:
         return Response(status_code=CLIENT_CLOSED_STATUS)
     raise output_error(first)
 
 
-class SSEResponse(Response):
-    """`data: {json}\\n\\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
+async def engine_events(stream: EngineStream, first: RequestOutput, fmt: Formatter,
+                        tokens: TokenReport | None = None) -> AsyncIterator[bytes]:
+    """`data: {json}\n\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
 
     With `tokens` (the router asks, `report_tokens`), each output's token ids go in an SSE comment
     line (`: tokens 12 34`, `final` on the last) in the same event as that output's text, so the
     router knows exactly which tokens the text it relayed came from (it moves the stream to another
     server with them if this one dies). Clients ignore comments; the router takes them out."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, stream: EngineStream, first: RequestOutput, fmt: Formatter, tokens: TokenReport | None = None):
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._stream, self._first, self._fmt, self._tokens = stream, first, fmt, tokens
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-                try:
-                    await self._send_events(send)
-                except OSError:  # servers on ASGI spec 2.4 raise on a send to a gone client
-                    pass
-                tg.cancel_scope.cancel()
-        finally:
-            await self._stream.close()
-
-    async def _send_events(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        output = self._first
-        while True:
-            if failed(output):
-                if output.new_text:  # text folded into the failure (`_merged`) still goes out first
-                    for data in self._fmt.chunks(replace(output, finished=False, finish_reason=None)):
-                        await _event(send, data)
-                await _event(send, json.dumps(output_error(output).body()))
-                break
-            await self._send_output(send, output)
-            if output.finished:
-                if self._fmt.include_usage:
-                    await _event(send, self._fmt.usage_chunk(output))
-                break
-            output = await self._stream.next()
-        await _event(send, "[DONE]")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-    async def _send_output(self, send: Send, output: RequestOutput) -> None:
-        chunks = self._fmt.chunks(output)
-        comment = self._tokens.comment(output) if self._tokens is not None else b""
+    output = first
+    while True:
+        if failed(output):
+            if output.new_text:  # text folded into the failure (`_merged`) still goes out first
+                for data in fmt.chunks(replace(output, finished=False, finish_reason=None)):
+                    yield sse_event(data)
+            yield json_event(output_error(output).body())
+            break
+        chunks = fmt.chunks(output)
+        comment = tokens.comment(output) if tokens is not None else b""
         if comment and not chunks:
-            await send({"type": "http.response.body", "body": comment + b"\n", "more_body": True})
+            yield comment + b"\n"
         for i, data in enumerate(chunks):
-            event = sse_event(data)
-            await send({"type": "http.response.body", "body": comment + event if i == 0 else event, "more_body": True})
+            yield comment + sse_event(data) if i == 0 else sse_event(data)
+        if output.finished:
+            if fmt.include_usage:
+                yield sse_event(fmt.usage_chunk(output))
+            break
+        output = await stream.next()
+    yield DONE
 
 
 class TokenReport:
@@ -225,10 +168,6 @@ class TokenReport:
             return b""
         final = " final" if output.finished else ""
         return f": tokens {' '.join(map(str, ids))}{final}\n".encode()
-
-
-async def _event(send: Send, data: str) -> None:
-    await send({"type": "http.response.body", "body": sse_event(data), "more_body": True})
 
 
 async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,

@@ -1,7 +1,7 @@
 """Request body -> `GenerateRequest`: tokenise the prompt, check it against the model, map sampling.
 
 Checks here need the engine (tokenizer, `max_seq_len`, served model name); plain value checks are
-pydantic's (`server.api.protocol`). Every failure is an `APIError` (400, or 404 for the model).
+pydantic's (`server.openai.protocol`). Every failure is an `APIError` (400, or 404 for the model).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 from jinja2 import TemplateError
 
 from server.api.errors import APIError
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, EngineClient, GenerateRequest, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -131,7 +131,7 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
     else:
         prompt_ids, param = completion_prompt_ids(body, tokenizer, engine.vocab_size), "prompt"
         requested, default = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
-    disagg = body.disaggregated_params.to_internal() if body.disaggregated_params else None
+    disagg = body.disaggregated_params
     if disagg is not None and disagg.first_text_streamed and (disagg.request_type != "generation_only"
                                                              or not body.stream):
         raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "

@@ -9,41 +9,42 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from server.api.openapi import openapi_document
 from server.auth import token_headers
 from server.drain import Drain, DrainGate
+from server.openai.errors import error_response
+from server.openai.openapi import openapi_document
+from server.openai.sse import EventStream, unless_disconnected
+from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.http_client import HttpClient, HttpError
 from server.router.migration import new_migration
-from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished, error_body
+from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished
 from server.router.policies import Prompt
 from server.router.probe import health_generate
 from server.router.routing import Routing
 from server.router.routing_config import RoutingConfig
 from server.router.streaming import (
-    ContextFirstResponse,
     ContextFirstStream,
-    RelayResponse,
+    context_first_response,
     generation_params,
     opening_events,
+    relay_response,
     sse_from_final,
 )
 
-DISCONNECT_POLL_S = 0.25
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
                         "may not carry it")
 _BOOL = TypeAdapter(bool)
@@ -173,7 +174,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown path, wrong method: the OpenAI error shape, like every other error of the router."""
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return JSONResponse(error_body(message, "invalid_request_error"), exc.status_code, headers=exc.headers)
+    return error_response(exc.status_code, message, headers=exc.headers)
 
 
 async def _completions(request: Request) -> Response:
@@ -187,29 +188,27 @@ async def _chat(request: Request) -> Response:
 async def _handle(request: Request, path: str, chat: bool) -> Response:
     state: RouterState = request.app.state.router
     try:
-        body = msgspec.json.decode(await request.body())
+        body = loads(await request.body())
     except ValueError as exc:
-        return JSONResponse(error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400)
+        return error_response(400, f"malformed JSON body: {exc}")
     if not isinstance(body, dict):
-        return JSONResponse(error_body("request body must be a JSON object", "invalid_request_error"), 400)
+        return error_response(400, "request body must be a JSON object")
     if "disaggregated_params" in body:  # set by the router alone: a client never drives the KV plane
-        return JSONResponse(error_body(CLIENT_DISAGG_PARAMS, "invalid_request_error",
-                                       "disaggregated_params_not_allowed"), 400)
+        return error_response(400, CLIENT_DISAGG_PARAMS, code="disaggregated_params_not_allowed")
     try:  # read `stream` as the servers do, so that router and server agree on what is streamed
         body["stream"] = _BOOL.validate_python(body.get("stream", False))
     except ValidationError:
-        return JSONResponse(error_body(f"stream must be a boolean, got {body.get('stream')!r}",
-                                       "invalid_request_error"), 400)
+        return error_response(400, f"stream must be a boolean, got {body.get('stream')!r}")
     problem = set_cache_salt(body, state.settings.access, state.settings.auth_token,
                              getattr(request.state, "api_key", None))
     if problem is not None:
-        return JSONResponse(error_body(problem, "invalid_request_error"), 400)
+        return error_response(400, problem)
     prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
     try:
         response = await _route(request, state, path, body, chat, prompt)
     except LegError as exc:
         state.requests.labels("error").inc()
-        return JSONResponse(exc.body, status_code=exc.status)
+        return JSONBody(exc.body, exc.status)
     except ClientGone:
         state.requests.labels("client_gone").inc()
         return Response(status_code=499)
@@ -235,8 +234,8 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
             await asyncio.shield(orchestrator.release_context(ctx.backend, params))
         raise
     if upstream.stream is not None:
-        return RelayResponse(upstream.stream, upstream.backend)
-    return JSONResponse(upstream.json)
+        return relay_response(upstream.stream, upstream.backend)
+    return JSONBody(upstream.json)
 
 
 def _max_tokens(body: dict) -> int:
@@ -252,8 +251,8 @@ def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, b
     params = generation_params(ctx.json, first_text_streamed=True)
     migration = new_migration(orchestrator, ctx.json, path, body, chat)
     if migration is not None:
-        params["report_tokens"] = True
-    return ContextFirstResponse(ContextFirstStream(
+        params = replace(params, report_tokens=True)
+    return context_first_response(ContextFirstStream(
         opening_events(ctx.json, chat),
         lambda: orchestrator.generation_leg(path, body, prompt, params),
         lambda: orchestrator.release_context(ctx.backend, params), migration))
@@ -264,24 +263,16 @@ def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:
         choice.pop("disaggregated_params", None)
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(sse_from_final(ctx, chat, include_usage), media_type="text/event-stream")
-    return JSONResponse(ctx)
+        return EventStream(sse_from_final(ctx, chat, include_usage))
+    return JSONBody(ctx)
 
 
 async def _unless_disconnected(request: Request, leg: Awaitable):
     """Await a leg, but cancel it (closing the upstream connection) if the client goes away."""
-    task = asyncio.ensure_future(leg)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    done, result = await unless_disconnected(lambda: leg, request.receive)
+    if not done:
+        raise ClientGone()
+    return result
 
 
 async def _models(request: Request) -> Response:
@@ -290,26 +281,26 @@ async def _models(request: Request) -> Response:
         if backend.healthy:
             try:
                 response = await state.client.request("GET", f"{backend.url}/v1/models", timeout=5.0)
-                return JSONResponse(response.json(), status_code=response.status)
+                return JSONBody(response.json(), response.status)
             except (HttpError, ValueError):
                 continue
-    return JSONResponse(error_body("no healthy server"), 503)
+    return error_response(503, "no healthy server")
 
 
 async def _health(request: Request) -> Response:
     if request.app.state.drain.draining:
-        return JSONResponse(request.app.state.drain.report(), 503)
+        return JSONBody(request.app.state.drain.report(), 503)
     state: RouterState = request.app.state.router
     ctx_ok = any(b.healthy for b in state.context)
     gen_ok = any(b.healthy for b in state.generation)
     ok = gen_ok and (ctx_ok or not state.context)
     detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
               for b in state.context + state.generation}
-    return JSONResponse({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
+    return JSONBody({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
 
 
 async def _openapi(request: Request) -> Response:
-    return JSONResponse(openapi_document("pdserve router"))
+    return JSONBody(openapi_document("pdserve router"))
 
 
 async def _metrics(request: Request) -> Response:

@@ -20,8 +20,10 @@ import hashlib
 import hmac
 from dataclasses import dataclass, field
 
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.openai.errors import error_response
 
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
@@ -93,9 +95,8 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
-def unauthorized(message: str, code: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "authentication_error", "param": None, "code": code}}
-    return JSONResponse(body, 401, headers={"www-authenticate": "Bearer"})
+def unauthorized(message: str, code: str) -> Response:
+    return error_response(401, message, code=code, headers={"www-authenticate": "Bearer"})
 
 
 class ApiKeyMiddleware:

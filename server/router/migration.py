@@ -23,12 +23,12 @@ ends with an SSE error event, as without migration.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
+from server.openai.formatting import continued_response_id
+from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
-from server.router.orchestrator import Orchestrator, Upstream, context_finished
-from server.types import RequestOutput
+from server.router.orchestrator import Orchestrator, Upstream, context_finished, context_params
 
 COMMENT = b": tokens"
 
@@ -77,7 +77,6 @@ class Migration:
     body: dict  # the client's request
     chat: bool
     response_id: str  # the client's stream id
-    model: str
     prompt_ids: list[int]  # the prompt as the context server tokenised it
     tokens: list[int]  # generated so far (their text is with the client)
     limit: int
@@ -92,43 +91,30 @@ class Migration:
         others = [b for b in self.orchestrator.generation if b.healthy and b not in self.dead]
         return self.moves < self.limit and bool(others)
 
-    async def move(self) -> tuple[list[bytes], Upstream | None, dict]:
+    async def move(self) -> tuple[list[bytes], Upstream | None, DisaggParams | None]:
         """(the events the router sends itself, the context leg's answer, the parameters of the
         generation leg that goes on from it); answer None: that context leg ended the request.
         A failing context leg raises `LegError`."""
-        from server.router.streaming import generation_params, opening_events, sse  # modules use each other
+        from server.router.streaming import closing_events, generation_params, opening_events  # modules use each other
 
         self.moves += 1
         self.on_move()
         prior = len(self.tokens)
         prompt = [*self.prompt_ids, *self.tokens]
-        ctx = await self.orchestrator.context_leg(self.path, self.body, lambda: prompt,
-                                                  {"prompt_token_ids": prompt, "prior_output_tokens": prior})
+        ctx = await self.orchestrator.context_leg(self.path, self.body, lambda: prompt, DisaggParams(
+            "context_only", prompt_token_ids=tuple(prompt), prior_output_tokens=prior))
         if context_finished(ctx.json):
-            return [sse(c) for c in self._closing(ctx.json)], None, {}
-        params = {**generation_params(ctx.json, first_text_streamed=True), "response_id": self.response_id,
-                  "report_tokens": True, "prior_output_tokens": prior}
-        self.tokens.extend(params.get("first_gen_tokens") or ())
+            include_usage = bool((self.body.get("stream_options") or {}).get("include_usage"))
+            return closing_events(ctx.json, self.chat, self.response_id, include_usage, continued=True), None, None
+        params = replace(generation_params(ctx.json, first_text_streamed=True), response_id=self.response_id,
+                         report_tokens=True, prior_output_tokens=prior)
+        self.tokens.extend(params.first_gen_tokens or ())
         return opening_events(ctx.json, self.chat, self.response_id, continued=True), ctx, params
 
-    def generation_leg(self, params: dict) -> Callable[[], Awaitable[Upstream]]:
-        prompt = params.get("prompt_token_ids")
+    def generation_leg(self, params: DisaggParams) -> Callable[[], Awaitable[Upstream]]:
+        prompt = params.prompt_token_ids
         return lambda: self.orchestrator.generation_leg(self.path, self.body, lambda: prompt, params,
                                                         exclude=frozenset(self.dead))
-
-    def _closing(self, ctx: dict) -> list[str]:
-        """The final chunk (and usage) of a request the context leg ended, in the client's stream."""
-        choice = ctx["choices"][0]
-        text = ((choice.get("message") or {}).get("content") if self.chat else choice.get("text")) or ""
-        usage = ctx.get("usage") or {}
-        include_usage = bool((self.body.get("stream_options") or {}).get("include_usage"))
-        fmt = (ChatFormatter if self.chat else CompletionFormatter)(self.response_id, self.model, include_usage,
-                                                                    continued=True)
-        final = RequestOutput(self.response_id, [], text, finished=True, finish_reason=choice.get("finish_reason"),
-                              prompt_tokens=usage.get("prompt_tokens", 0),
-                              completion_tokens=usage.get("completion_tokens", 0),
-                              cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        return [*fmt.chunks(final), *([fmt.usage_chunk(final)] if include_usage else []), "[DONE]"]
 
 
 def new_migration(orchestrator: Orchestrator, ctx: dict, path: str, body: dict, chat: bool) -> Migration | None:
@@ -136,8 +122,8 @@ def new_migration(orchestrator: Orchestrator, ctx: dict, path: str, body: dict, 
     migration is off: `router.migration_limit: 0`)."""
     if orchestrator.migration_limit <= 0:
         return None
-    params = ctx["choices"][0]["disaggregated_params"]
-    return Migration(orchestrator, path, body, chat, continued_response_id(params["ctx_request_id"]),
-                     ctx.get("model") or "", list(params.get("prompt_token_ids") or ()),
-                     list(params.get("first_gen_tokens") or ()), orchestrator.migration_limit,
+    params = context_params(ctx)
+    return Migration(orchestrator, path, body, chat, continued_response_id(params.ctx_request_id),
+                     list(params.prompt_token_ids or ()),
+                     list(params.first_gen_tokens or ()), orchestrator.migration_limit,
                      orchestrator.on_migration)

@@ -18,7 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pydantic import TypeAdapter
+
 from server.auth import token_headers
+from server.openai.errors import error_body
+from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
 from server.router.http_client import (
     ConnectError,
@@ -37,19 +41,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
 NO_GENERATION = "generation leg failed: no healthy generation server"
+_PARAMS = TypeAdapter(DisaggParams)
+CONTEXT_ONLY = DisaggParams("context_only")
 
 
 class LegError(Exception):
     def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False) -> None:
         super().__init__(message)
         self.status = status
-        self.body = body or error_body(message, "server_error" if status >= 500 else "invalid_request_error")
+        self.body = body or error_body(status, message)
         self.untouched = untouched  # the server never took the request (unreachable, draining): try another
         self.lost = False  # the connection broke after the server took the request (it died)
-
-
-def error_body(message: str, kind: str = "server_error", code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 @dataclass
@@ -87,11 +89,12 @@ class Orchestrator:
         if not any(b.healthy for b in self.generation):
             raise LegError(503, NO_GENERATION)
 
-    async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None = None) -> Upstream:
-        """`params`: more `disaggregated_params` (a moved stream's prompt ids and prior output)."""
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens,
+                          params: DisaggParams = CONTEXT_ONLY) -> Upstream:
+        """`params`: context_only, with a moved stream's prompt ids and prior output if any."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
-        ctx_body["disaggregated_params"] = {"request_type": "context_only", **(params or {})}
+        ctx_body["disaggregated_params"] = params
         tried: set[Backend] = set()
         last: LegError | None = None
         for _ in range(2):  # the first choice and one retry elsewhere
@@ -115,7 +118,7 @@ class Orchestrator:
             raise LegError(last.status, f"context leg failed: {last}")
         raise LegError(503, "context leg failed: no healthy context server")
 
-    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: dict | None,
+    async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
                              exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None) -> Upstream:
         """`backend`: this one rather than the policy's pick (the readiness probe); else the policy's
         pick, and another if the first never took the request."""
@@ -171,13 +174,13 @@ class Orchestrator:
             await stream.aclose()
         return StreamResponse(stream.status, stream.aiter_raw(), close)
 
-    async def release_context(self, backend: Backend, params: dict) -> None:
+    async def release_context(self, backend: Backend, params: DisaggParams) -> None:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""
         try:
             await self.client.request("POST", f"{backend.url}/kv_cache/release", headers=self.headers, timeout=5.0,
-                                      json={"ctx_request_id": params.get("ctx_request_id")})
+                                      json={"ctx_request_id": params.ctx_request_id})
         except HttpError as exc:  # the lease still expires on its own
-            log.warning("could not release lease %s on %s: %s", params.get("ctx_request_id"), backend.url, exc)
+            log.warning("could not release lease %s on %s: %s", params.ctx_request_id, backend.url, exc)
 
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
         try:
@@ -236,6 +239,11 @@ def _message(body: object) -> str | None:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message"))
     return None
+
+
+def context_params(ctx: dict) -> DisaggParams:
+    """The `disaggregated_params` of an unfinished context answer."""
+    return _PARAMS.validate_python(ctx["choices"][0]["disaggregated_params"])
 
 
 def context_finished(ctx: dict) -> bool:

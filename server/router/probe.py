@@ -17,8 +17,8 @@ import secrets
 import time
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
+from server.openai.wire import JSONBody
 from server.router.http_client import HttpError
 from server.router.orchestrator import LegError, Orchestrator, context_finished
 from server.router.policies import Prompt
@@ -40,7 +40,7 @@ def probe_body() -> dict:
             "cache_salt": f"health-{secrets.token_hex(16)}"}
 
 
-async def health_generate(request: Request) -> JSONResponse:
+async def health_generate(request: Request) -> JSONBody:
     state = request.app.state.router
     start = time.monotonic()
     where = {"leg": "context" if state.orchestrator.disaggregated else "generation", "server": None}
@@ -51,11 +51,11 @@ async def health_generate(request: Request) -> JSONResponse:
         return _failed(exc.leg, exc.error, exc.server, start)
     except TimeoutError:
         return _failed(where["leg"], f"no answer within {PROBE_TIMEOUT_S:.0f} s", where["server"], start)
-    return JSONResponse({"status": "ok", **used, "seconds": round(time.monotonic() - start, 4)})
+    return JSONBody({"status": "ok", **used, "seconds": round(time.monotonic() - start, 4)})
 
 
-def _failed(leg: str, error: str, server: str | None, start: float) -> JSONResponse:
-    return JSONResponse({"status": "unavailable", "leg": leg, "server": server, "error": error,
+def _failed(leg: str, error: str, server: str | None, start: float) -> JSONBody:
+    return JSONBody({"status": "unavailable", "leg": leg, "server": server, "error": error,
                          "seconds": round(time.monotonic() - start, 4)}, 503)
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from server.openai.errors import error_body
 from server.router.backends import Backend
-from server.router.orchestrator import LegError, error_body
+from server.router.orchestrator import LegError
 from server.router.policies import Backends, PromptTokens, RoundRobin, hit_tokens, prompt_length
 
 RECHECK_S = 0.5  # a waiting leg looks again this often (a fenced server may have come back)
@@ -142,4 +143,4 @@ class LegPicker:
         limit = self.limits.max_inflight_per_server
         message = (f"{self.leg} leg refused: every healthy {self.leg} server is saturated ({limit} legs in "
                    f"flight each) and {what}; try again later")
-        return LegError(503, message, error_body(message, "server_error", code))
+        return LegError(503, message, error_body(503, message, code=code))

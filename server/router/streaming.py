@@ -13,26 +13,24 @@ generation leg that fails after it ends the stream with an error event that name
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
-import anyio
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from server.api.formatting import ChatFormatter, CompletionFormatter, continued_response_id
+from server.openai.errors import error_body
+from server.openai.formatting import ChatFormatter, CompletionFormatter, Formatter, continued_response_id
+from server.openai.protocol import DisaggParams
+from server.openai.sse import DONE, EventStream, json_event, sse_event
 from server.router.backends import Backend
 from server.router.http_client import HttpError, StreamResponse
 from server.router.migration import Migration
-from server.router.orchestrator import LegError, Upstream, error_body
-from server.sse import sse_event
+from server.router.orchestrator import LegError, Upstream, context_params
 from server.types import RequestOutput
 
-DONE = b"data: [DONE]\n\n"
+MID_STREAM = 500  # the status an error event's type is named after: the stream itself is a 200
 
 
-def sse(data: str) -> bytes:
-    return sse_event(data)
+def mid_stream_error(message: str) -> bytes:
+    return json_event(error_body(MID_STREAM, message))
 
 
 async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator[bytes]:
@@ -43,33 +41,16 @@ async def relay_sse(upstream: StreamResponse, backend: Backend) -> AsyncIterator
             yield chunk
     except HttpError as exc:
         message = f"generation leg failed mid-stream: {type(exc).__name__}"
-        yield sse(json.dumps(error_body(message)))
+        yield mid_stream_error(message)
         backend.fence(message)
     finally:
         await upstream.aclose()
 
 
-def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     """Turn a finished non-streaming answer (context leg ended the request) into SSE events."""
-    async def events() -> AsyncIterator[bytes]:
-        for chunk in final_chunks(body, chat, include_usage):
-            yield sse(json.dumps(chunk))
-        yield DONE
-    return events()
-
-
-def final_chunks(body: dict, chat: bool, include_usage: bool) -> list[dict]:
-    choice = dict(body["choices"][0])
-    choice.pop("disaggregated_params", None)
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    if chat:
-        message = choice.pop("message", {}) or {}
-        choice["delta"] = {"role": "assistant", "content": message.get("content", "")}
-    base = {"id": body.get("id"), "object": kind, "created": body.get("created"), "model": body.get("model")}
-    chunks = [{**base, "choices": [choice]}]
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": body.get("usage")})
-    return chunks
+    for event in closing_events(body, chat, body.get("id") or "", include_usage):
+        yield event
 
 
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
@@ -77,16 +58,39 @@ def opening_events(ctx: dict, chat: bool, response_id: str | None = None, contin
     first token's text (none when that text is still held back), under the id the generation server
     will use too (`continued_response_id`), with the same formatters the servers use. A moved stream
     (`continued`) goes on under its own `response_id` and sends no second role chunk."""
+    response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
+    fmt, output = _as_output(ctx, chat, response_id, continued, finished=False)
+    return [sse_event(data) for data in fmt.chunks(output)]
+
+
+def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
+                   continued: bool = False) -> list[bytes]:
+    """The rest of a stream whose request the context answer `ctx` ended: its final chunk, usage if
+    asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
+    fmt, final = _as_output(ctx, chat, response_id, continued, finished=True, include_usage=include_usage)
+    usage = [fmt.usage_chunk(final)] if include_usage else []
+    return [*(sse_event(data) for data in [*fmt.chunks(final), *usage]), DONE]
+
+
+def _as_output(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool,
+               include_usage: bool = False) -> tuple[Formatter, RequestOutput]:
+    """A context answer as the engine output the servers would format, and their formatter."""
     choice = ctx["choices"][0]
-    response_id = response_id or continued_response_id(choice["disaggregated_params"]["ctx_request_id"])
     text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", continued=continued)
-    return [sse(data) for data in fmt.chunks(RequestOutput(response_id, [], text, finished=False))]
+    usage = ctx.get("usage") or {}
+    output = RequestOutput(response_id, [], text, finished=finished,
+                           finish_reason=choice.get("finish_reason") if finished else None,
+                           prompt_tokens=usage.get("prompt_tokens", 0),
+                           completion_tokens=usage.get("completion_tokens", 0),
+                           cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", include_usage,
+                                                           continued=continued)
+    return fmt, output
 
 
-def generation_params(ctx: dict, first_text_streamed: bool) -> dict:
-    params = ctx["choices"][0]["disaggregated_params"]
-    return {**params, "request_type": "generation_only", "first_text_streamed": first_text_streamed}
+def generation_params(ctx: dict, first_text_streamed: bool) -> DisaggParams:
+    """The generation leg's parameters: the context answer's, as a generation_only request."""
+    return replace(context_params(ctx), request_type="generation_only", first_text_streamed=first_text_streamed)
 
 
 class ContextFirstStream:
@@ -121,7 +125,7 @@ class ContextFirstStream:
                     async for event in self._move():
                         yield event
                     continue
-                yield sse(json.dumps(_leg_error(exc)))
+                yield json_event(_leg_error(exc))
                 yield DONE
                 return
             async for event in self._relay(upstream):
@@ -152,7 +156,7 @@ class ContextFirstStream:
             async for event in self._move():
                 yield event
         else:
-            yield sse(json.dumps(error_body(failure)))
+            yield mid_stream_error(failure)
 
     def _can_move(self, dead: Backend | None) -> bool:
         if self._migration is None:
@@ -169,7 +173,7 @@ class ContextFirstStream:
             events, ctx, params = await migration.move()
         except LegError as exc:
             self._task, self._release = None, _nothing
-            yield sse(json.dumps(error_body(f"generation leg failed mid-stream and could not move on: {exc}")))
+            yield mid_stream_error(f"generation leg failed mid-stream and could not move on: {exc}")
             yield DONE
             return
         if ctx is None:  # that context leg finished the request: no lease, nothing more to relay
@@ -181,7 +185,7 @@ class ContextFirstStream:
             yield event
 
     async def close(self) -> None:
-        """Idempotent. Run it shielded from cancellation (see `ContextFirstResponse`)."""
+        """Idempotent. Run it shielded from cancellation (`EventStream` does)."""
         if self._closed:
             return
         self._closed = True
@@ -196,49 +200,27 @@ class ContextFirstStream:
             await self._release()
 
 
-class ContextFirstResponse(StreamingResponse):
-    """A `ContextFirstStream` as an SSE response that closes it when the exchange ends, however it
-    ends. The close runs shielded: Starlette cancels the response on a client disconnect, and an
-    unshielded cleanup would itself be cancelled at its first await."""
-
-    def __init__(self, stream: ContextFirstStream) -> None:
-        super().__init__(stream.events(), media_type="text/event-stream")
-        self._stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._stream.close()
+def context_first_response(stream: ContextFirstStream) -> EventStream:
+    """A `ContextFirstStream` as an SSE response that closes it when the exchange ends, however it ends."""
+    return EventStream(stream.events(), stream.close)
 
 
 async def _nothing() -> None:
     return None
 
 
-class RelayResponse(StreamingResponse):
+def relay_response(upstream: StreamResponse, backend: Backend) -> EventStream:
     """The generation server's stream relayed as is; the upstream is closed when the exchange ends,
     however it ends, even if the client left before the first byte (the relay never started)."""
-
-    def __init__(self, upstream: StreamResponse, backend: Backend) -> None:
-        super().__init__(relay_sse(upstream, backend), media_type="text/event-stream")
-        self._upstream = upstream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._upstream.aclose()
+    return EventStream(relay_sse(upstream, backend), upstream.aclose)
 
 
 def _leg_error(exc: Exception) -> dict:
     """The error event's body: the generation server's own error, said to come from that leg."""
     if not isinstance(exc, LegError):
-        return error_body(f"generation leg failed: {type(exc).__name__}: {exc}")
-    body = json.loads(json.dumps(exc.body))
-    error = body.setdefault("error", {})
+        return error_body(MID_STREAM, f"generation leg failed: {type(exc).__name__}: {exc}")
+    error = dict(exc.body.get("error") or {})
+    body = {**exc.body, "error": error}
     message = str(error.get("message") or exc)
     if not message.startswith("generation leg failed"):
         message = f"generation leg failed (HTTP {exc.status}): {message}"

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from test_api_engine_fake import TOKEN, FakeEngine, KnownEndpoints, deployment_app
 
 from server.api import create_app
+from server.api.routes.kv_cache import install_kv_routes
 from server.auth import TOKEN_HEADER
-from server.kv_routes import install_kv_routes
 
 CONTEXT_ONLY = {"prompt": "hello", "max_tokens": 4, "disaggregated_params": {"request_type": "context_only"}}
 GEN_PARAMS = {"request_type": "generation_only", "ctx_request_id": "c1", "ctx_endpoint": "tcp://h:1",

@@ -246,7 +246,7 @@ def test_first_text_streamed_is_refused_outside_a_streamed_generation_only_reque
 
 
 def test_a_continued_stream_uses_the_derived_id_and_sends_no_second_role_chunk(client):
-    from server.api.formatting import continued_response_id
+    from server.openai.formatting import continued_response_id
 
     events, _ = stream(client, "/v1/chat/completions",
                        {"messages": messages(), "max_tokens": 3, "disaggregated_params": CONTINUED})

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.api.formatting import continued_response_id
+from server.openai.formatting import continued_response_id
+from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
 from server.router.http_client import ReadError, StreamResponse
 from server.router.orchestrator import LegError, Upstream
 from server.router.streaming import (
     DONE,
-    ContextFirstResponse,
     ContextFirstStream,
+    context_first_response,
     generation_params,
     opening_events,
 )
@@ -55,7 +56,7 @@ def test_chat_opening_is_the_role_then_the_first_text():
 
 def test_generation_params_carry_the_context_answer_and_the_streamed_flag():
     params = generation_params(_ctx("x", chat=False), first_text_streamed=True)
-    assert params == {**PARAMS, "request_type": "generation_only", "first_text_streamed": True}
+    assert params == DisaggParams(**{**PARAMS, "request_type": "generation_only", "first_text_streamed": True})
 
 
 def _collect(opening, leg, released: list[str]) -> list[bytes]:
@@ -145,7 +146,7 @@ def _run_response(leg, disconnect_when) -> tuple[list[dict], list[str]]:
         async def send(message: dict) -> None:
             sent.append(message)
 
-        response = ContextFirstResponse(ContextFirstStream([b"data: {}\n\n"], leg, release))
+        response = context_first_response(ContextFirstStream([b"data: {}\n\n"], leg, release))
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
         await asyncio.wait_for(response(scope, receive, send), 10)
     asyncio.run(run())

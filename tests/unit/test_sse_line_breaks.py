@@ -14,8 +14,8 @@ import httpx
 from fastapi.testclient import TestClient
 from test_api_engine_fake import FakeEngine, deployment_app
 
-from server.router.streaming import opening_events, sse, sse_from_final
-from server.sse import LINE_BREAKS, escape_line_breaks, sse_event
+from server.openai.sse import LINE_BREAKS, escape_line_breaks, sse_event
+from server.router.streaming import opening_events, sse_from_final
 from server.types import GenerateRequest
 
 ODD_TEXT = "a\u2028b\u2029c\u0085d"  # each of the three between letters
@@ -88,7 +88,7 @@ def test_router_events_escape_line_breaks():
     lines = data_lines(asyncio.run(collect()))
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[0])["choices"][0]["text"] == ODD_TEXT
-    assert data_lines(sse(json.dumps({"m": ODD_TEXT}, ensure_ascii=False))) == [
+    assert data_lines(sse_event(json.dumps({"m": ODD_TEXT}, ensure_ascii=False))) == [
         escape_line_breaks(json.dumps({"m": ODD_TEXT}, ensure_ascii=False))]
 
 

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from server.api.deps import get_ready_engine, json_body
-from server.api.formatting import ChatFormatter
 from server.api.generation import answer
-from server.api.protocol import ChatCompletionRequest
+from server.openai.formatting import ChatFormatter
+from server.openai.protocol import ChatCompletionRequest
 from server.types import EngineClient
 
 router = APIRouter()

@@ -23,10 +23,10 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 
 from server.api.deps import get_ready_engine
 from server.api.prompts import new_request_id
+from server.openai.wire import JSONBody
 from server.types import EngineClient, GenerateRequest, SamplingParams
 
 router = APIRouter()
@@ -37,18 +37,18 @@ PROBE_PROMPT = "pdserve readiness probe"
 
 
 @router.get("/health")
-async def health(request: Request, engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+async def health(request: Request, engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
     report = getattr(request.app.state, "health_report", None)
     body = {"status": "ok", "model": engine.model_name, "epoch": EPOCH, **(report() if report is not None else {})}
     problem = getattr(engine, "health_problem", lambda: None)()
     if problem is not None and body["status"] == "ok":
         body.update(status="unhealthy", reason=problem)
-    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+    return JSONBody(body, status_code=200 if body["status"] == "ok" else 503)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request,
-                          engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONResponse:
+                          engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
     leg = getattr(request.app.state, "role", "aggregated")
     start = time.monotonic()
     try:
@@ -58,8 +58,8 @@ async def health_generate(request: Request,
         error = f"no token within {PROBE_TIMEOUT_S:.0f} s"
     seconds = round(time.monotonic() - start, 4)
     if error is not None:
-        return JSONResponse({"status": "unavailable", "leg": leg, "error": error, "seconds": seconds}, 503)
-    return JSONResponse({"status": "ok", "leg": leg, "model": engine.model_name, "seconds": seconds})
+        return JSONBody({"status": "unavailable", "leg": leg, "error": error, "seconds": seconds}, 503)
+    return JSONBody({"status": "ok", "leg": leg, "model": engine.model_name, "seconds": seconds})
 
 
 async def _one_token(engine: EngineClient) -> str | None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+
+from server.openai.wire import JSONBody
 
 STATIC = Path(__file__).parent / "static"
 NO_STORE = {"Cache-Control": "no-store"}
@@ -25,4 +27,4 @@ async def _page(request: Request) -> Response:
 
 
 async def _state(request: Request) -> Response:
-    return JSONResponse(request.app.state.router.dashboard.state(), headers=NO_STORE)
+    return JSONBody(request.app.state.router.dashboard.state(), headers=NO_STORE)

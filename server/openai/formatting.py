@@ -1,6 +1,8 @@
 """Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
 
-Both formatters have the same surface, used by `server.api.generation`:
+The servers format every output with these, and the router the text it streams itself (the first
+token of a context answer, the last of a moved stream: server/router/streaming.py), so both write
+the same chunks. Both formatters have the same surface:
 `chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
 `usage_chunk(final) -> str`, `response(text, final) -> str` (a whole non-streaming body).
 The concatenation of every chunk's text equals the non-streaming text (both are the outputs' `new_text`).
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
-from server.api.protocol import (
+from server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -19,7 +21,6 @@ from server.api.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
-    DisaggregatedParams,
     PromptTokensDetails,
     Usage,
 )
@@ -42,10 +43,6 @@ def usage_of(final: RequestOutput) -> Usage:
     )
 
 
-def _disagg(output: RequestOutput) -> DisaggregatedParams | None:
-    return DisaggregatedParams.from_internal(output.disagg) if output.disagg is not None else None
-
-
 def _finish(output: RequestOutput) -> str | None:
     return output.finish_reason if output.finished else None
 
@@ -62,7 +59,7 @@ class CompletionFormatter:
         if not output.new_text and not output.finished:
             return []  # tokens without text yet (an incomplete UTF-8 sequence)
         choice = CompletionChoice(text=output.new_text, finish_reason=_finish(output),
-                                  disaggregated_params=_disagg(output))
+                                  disaggregated_params=output.disagg)
         return [CompletionResponse(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()]
 
     def usage_chunk(self, final: RequestOutput) -> str:
@@ -71,7 +68,7 @@ class CompletionFormatter:
 
     def response(self, text: str, final: RequestOutput) -> str:
         choice = CompletionChoice(text=text, finish_reason=final.finish_reason,
-                                  disaggregated_params=_disagg(final))
+                                  disaggregated_params=final.disagg)
         body = CompletionResponse(id=self.response_id, model=self.model, choices=[choice],
                                   usage=usage_of(final))
         return body.model_dump_json()
@@ -91,7 +88,7 @@ class ChatFormatter:
         choice = ChatChunkChoice(delta=delta)
         if output is not None:
             choice.finish_reason = _finish(output)
-            choice.disaggregated_params = _disagg(output)
+            choice.disaggregated_params = output.disagg
         return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()
 
     def chunks(self, output: RequestOutput) -> list[str]:
@@ -109,7 +106,7 @@ class ChatFormatter:
 
     def response(self, text: str, final: RequestOutput) -> str:
         choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=final.finish_reason,
-                            disaggregated_params=_disagg(final))
+                            disaggregated_params=final.disagg)
         body = ChatCompletionResponse(id=self.response_id, model=self.model, choices=[choice],
                                       usage=usage_of(final))
         return body.model_dump_json()

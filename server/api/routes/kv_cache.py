@@ -7,15 +7,15 @@ and subscribes to KV events, generation servers ask a context server where its K
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from server.api.access import require_token
-from server.api.errors import APIError
+from server.openai.errors import APIError
+from server.openai.wire import JSONBody
 
 
 def install_kv_routes(app: FastAPI) -> None:
     @app.get("/kv_cache/hashes")
-    async def kv_cache_hashes(request: Request) -> JSONResponse:
+    async def kv_cache_hashes(request: Request) -> JSONBody:
         """A snapshot of this server's reuse cache: block hashes per window and level, and the
         sequence number of the last KV event it includes (server/kv_events.py)."""
         require_token(request, "GET /kv_cache/hashes")
@@ -23,30 +23,30 @@ def install_kv_routes(app: FastAPI) -> None:
         if engine is None or not engine.is_ready():
             raise APIError(503, "the engine is not ready yet")
         try:
-            return JSONResponse(await request.app.state.kv_events.snapshot())
+            return JSONBody(await request.app.state.kv_events.snapshot())
         except TimeoutError:
             raise APIError(503, "the engine did not answer the cache snapshot in time (still loading?)") from None
 
     @app.get("/kv_cache/events")
-    async def kv_events(request: Request) -> JSONResponse:
+    async def kv_events(request: Request) -> JSONBody:
         """Where this server publishes its KV events, and its epoch."""
         require_token(request, "GET /kv_cache/events")
         source = request.app.state.kv_events
         if source.publisher is None:
             raise APIError(404, "this server publishes no KV events (it has no deployment token)")
-        return JSONResponse({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
+        return JSONBody({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
 
     @app.get("/kv_cache/endpoint")
-    async def kv_endpoint(request: Request) -> JSONResponse:
+    async def kv_endpoint(request: Request) -> JSONBody:
         """Context side: the address and epoch of this server's KV sender."""
         require_token(request, "GET /kv_cache/endpoint")
         advertised = _advertised(request.app.state.engine)
         if advertised is None:
             raise APIError(404, "this server has no KV sender (not a context server, or not ready yet)")
-        return JSONResponse(advertised)
+        return JSONBody(advertised)
 
     @app.post("/kv_cache/release")
-    async def release_lease(request: Request) -> JSONResponse:
+    async def release_lease(request: Request) -> JSONBody:
         """Drop a context request's lease now (the router's generation leg never ran)."""
         require_token(request, "POST /kv_cache/release")
         try:
@@ -57,7 +57,7 @@ def install_kv_routes(app: FastAPI) -> None:
         if not isinstance(ctx_request_id, str):
             raise APIError(400, "ctx_request_id must be a string", param="ctx_request_id")
         request.app.state.engine.release_lease(ctx_request_id)
-        return JSONResponse({"ctx_request_id": ctx_request_id, "release": "queued"})
+        return JSONBody({"ctx_request_id": ctx_request_id, "release": "queued"})
 
 
 def _advertised(engine) -> dict | None:

@@ -5,7 +5,8 @@ Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, 
 `KvCacheRetentionConfig` priority) and TensorRT-LLM's `disaggregated_params`; unknown fields are
 ignored. Value checks
 that need no model (ranges, `n`) live here; checks that need the tokenizer or `max_seq_len` live in
-`server.api.prompts`. Any validation failure becomes a 400 (see `server.api.errors`).
+`server.api.prompts`. Any validation failure becomes a 400 (see `server.api.errors`). The router
+reads only `DisaggParams` of these; it passes the rest of a body on as it came.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
+from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
-
-from server.types import DisaggParams, RequestType
 
 _IGNORE_EXTRA = ConfigDict(extra="ignore")
 
@@ -47,61 +47,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class DisaggregatedParams(BaseModel):
-    """TensorRT-LLM's `disaggregated_params` (the fields pdserve uses); maps to `DisaggParams`."""
+RequestType = Literal["context_only", "generation_only", "context_and_generation"]
 
-    model_config = ConfigDict(extra="ignore", coerce_numbers_to_str=True)  # TRT-LLM sends int ids
+
+def _unset(value: Any) -> bool:
+    return not value
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="ignore", coerce_numbers_to_str=True))  # TRT-LLM sends int ids
+class DisaggParams:
+    """TensorRT-LLM's `disaggregated_params` (the fields pdserve uses): the one shape the router sends,
+    the API validates, the engine reads and the context server answers with."""
+
     request_type: RequestType
     ctx_request_id: str | None = None
     ctx_endpoint: str | None = None
     ctx_epoch: str | None = None
-    first_gen_tokens: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    ctx_cached_tokens: int = Field(default=0, ge=0)
-    first_text_streamed: bool = Field(default=False, exclude=True)  # request only: the router streamed the first text
-    cache_salt: str | None = None  # the context server's: the generation server hashes with it too
-    # request only, set by the router when it moves a stream to another server (server/types.py)
-    prior_output_tokens: int = Field(default=0, ge=0, exclude=True)
-    response_id: str | None = Field(default=None, exclude=True)
-    report_tokens: bool = Field(default=False, exclude=True)
-
-    def to_internal(self) -> DisaggParams:
-        return DisaggParams(
-            request_type=self.request_type,
-            ctx_request_id=self.ctx_request_id,
-            ctx_endpoint=self.ctx_endpoint,
-            ctx_epoch=self.ctx_epoch,
-            first_gen_tokens=_tuple_or_none(self.first_gen_tokens),
-            prompt_token_ids=_tuple_or_none(self.prompt_token_ids),
-            ctx_cached_tokens=self.ctx_cached_tokens,
-            first_text_streamed=self.first_text_streamed,
-            cache_salt=self.cache_salt,
-            prior_output_tokens=self.prior_output_tokens,
-            response_id=self.response_id,
-            report_tokens=self.report_tokens,
-        )
-
-    @classmethod
-    def from_internal(cls, params: DisaggParams) -> DisaggregatedParams:
-        return cls(
-            request_type=params.request_type,
-            ctx_request_id=params.ctx_request_id,
-            ctx_endpoint=params.ctx_endpoint,
-            ctx_epoch=params.ctx_epoch,
-            first_gen_tokens=_list_or_none(params.first_gen_tokens),
-            prompt_token_ids=_list_or_none(params.prompt_token_ids),
-            ctx_cached_tokens=params.ctx_cached_tokens,
-            first_text_streamed=params.first_text_streamed,
-            cache_salt=params.cache_salt,
-        )
-
-
-def _tuple_or_none(values: list[int] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)
-
-
-def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
-    return None if values is None else list(values)
+    first_gen_tokens: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    ctx_cached_tokens: int = Field(default=0, ge=0)  # prefix-cache hit on the context server (honest usage)
+    # Set by the router on requests only (left out of a body while unset), but cache_salt:
+    # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
+    # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
+    first_text_streamed: bool = Field(default=False, exclude_if=_unset)
+    # the cache_salt the context server hashed the prompt's blocks with: the generation server
+    # reuses its own cache, and pulls, under the same one
+    cache_salt: str | None = None
+    # Migration (the router moves a stream whose generation server died, server/router/migration.py):
+    # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
+    # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
+    prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_unset)
+    response_id: str | None = Field(default=None, exclude_if=_unset)  # generation_only: the stream to continue
+    report_tokens: bool = Field(default=False, exclude_if=_unset)  # streamed: token ids in an SSE comment
 
 
 class SamplingRequest(BaseModel):
@@ -128,7 +105,7 @@ class SamplingRequest(BaseModel):
     # priority >= kv_cache_config.secondary_offload_min_priority go to the host tier. Default 35.
     kv_retention_priority: int | None = Field(default=None, ge=0, le=100)
     # TensorRT-LLM's disaggregation extension
-    disaggregated_params: DisaggregatedParams | None = None
+    disaggregated_params: DisaggParams | None = None
 
     @field_validator("n")
     @classmethod
@@ -209,7 +186,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
-    disaggregated_params: DisaggregatedParams | None = None
+    disaggregated_params: DisaggParams | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -231,7 +208,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: str | None = None
-    disaggregated_params: DisaggregatedParams | None = None
+    disaggregated_params: DisaggParams | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -259,7 +236,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: None = None
     finish_reason: str | None = None
-    disaggregated_params: DisaggregatedParams | None = None
+    disaggregated_params: DisaggParams | None = None
 
 
 class ChatCompletionChunk(BaseModel):

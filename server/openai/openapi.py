@@ -1,6 +1,6 @@
 """The OpenAPI document of pdserve's OpenAI surface, shared by the servers and the router.
 
-The request bodies are the pydantic models the servers validate with (server/api/protocol.py), so
+The request bodies are the pydantic models the servers validate with (server/openai/protocol.py), so
 the document cannot drift from what is accepted. The servers serve it at GET /openapi.json instead
 of FastAPI's own (which shows no request bodies: they are parsed by `json_body`); the router, a
 plain Starlette app, serves the same document. `tests/integration/test_http_fuzz.py` and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 ERROR = {

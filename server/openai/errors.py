@@ -1,0 +1,38 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for the servers and
+the router alike; the type follows from the HTTP status. What each status means: server/api/errors.py.
+"""
+
+from __future__ import annotations
+
+from server.openai.wire import JSONBody
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error",
+          422: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONBody:
+    return JSONBody(error_body(status, message, param=param, code=code), status, headers=headers)
+
+
+class APIError(Exception):
+    """An error to answer with `status` in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONBody:
+        return JSONBody(self.body(), self.status)
