@@ -5,6 +5,7 @@
 set -uo pipefail
 mode="${1:-all}"; shift || true
 out="${OUT:-/tmp/out}"; mkdir -p "$out"
+python3 -c "import aiohttp; print('machine aiohttp', aiohttp.__version__)" || echo "machine has no aiohttp"
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR=/tmp/pdserve-cache
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
