@@ -74,8 +74,7 @@ def warm_up(model: PreTrainedModel, vocab: list[int]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    options.add_lengths(parser)
     parser.add_argument("--seed", type=int, default=0)
     options.add_common(parser, repeat=5)
 

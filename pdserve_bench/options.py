@@ -34,6 +34,12 @@ def writer(args: argparse.Namespace) -> RecordWriter:
     return RecordWriter(None if args.no_record else args.out, context)
 
 
+def add_lengths(parser) -> None:
+    """--input-len / --output-len of a random workload (a parser or an argument group)."""
+    parser.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="random workload: tokens to generate")
+
+
 def add_serving(parser: argparse.ArgumentParser, *, concurrency: list[int] | None) -> None:
     """Workload shapes, SLO, quiet-machine gate and server environment of the serving benchmarks."""
     if concurrency is not None:
@@ -42,8 +48,7 @@ def add_serving(parser: argparse.ArgumentParser, *, concurrency: list[int] | Non
     group = parser.add_argument_group("workloads")
     group.add_argument("--num-prompts-c1", type=int, default=8, help="prompts of a figure at concurrency 1")
     group.add_argument("--num-prompts-per-slot", type=int, default=4, help="at concurrency c > 1: c x this")
-    group.add_argument("--input-len", type=int, default=256, help="random workload")
-    group.add_argument("--output-len", type=int, default=64, help="random workload")
+    add_lengths(group)
     group.add_argument("--shared-concurrency", type=int, default=8, help="compare's shared-prefix figure")
     group.add_argument("--groups", type=int, default=16, help="shared-prefix")
     group.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix")
