@@ -32,6 +32,7 @@ from server.launcher import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-gpu-serving-token-0123456789"
+PHASES = ("wait", "apply", "rest")  # pdserve_kv_transfer_phase_seconds_total{phase}
 VOCAB = 500  # prompt token ids are drawn below this (the 8B-shaped model keeps the tiny tokenizer)
 
 
@@ -91,6 +92,8 @@ def measure(url: str, repeats: int, rng: torch.Generator, pair: tuple[str, str] 
         n = after["transfers"] - before["transfers"]
         out["handoff_ms_mean"] = (after["transfer_s"] - before["transfer_s"]) / max(1, n) * 1000
         out["context_leg_ms_mean"] = (after["ctx_ttft_s"] - before["ctx_ttft_s"]) / max(1, n) * 1000
+        for phase in PHASES:  # where the handoff's time goes (the receiver's own split)
+            out[f"handoff_{phase}_ms_mean"] = (after[phase] - before[phase]) / max(1, n) * 1000
     prompt = torch.randint(10, min(30000, VOCAB), (128,), generator=rng).tolist()
     one, _ = stream(url, prompt, 1)
     many, _ = stream(url, prompt + [7], 257)
@@ -104,7 +107,8 @@ def _pair_metrics(pair: tuple[str, str] | None) -> dict[str, float]:
     ctx, gen = pair
     return {"transfers": metric(gen, "pdserve_kv_transfer_seconds_count"),
             "transfer_s": metric(gen, "pdserve_kv_transfer_seconds_sum"),
-            "ctx_ttft_s": metric(ctx, "pdserve_time_to_first_token_seconds_sum")}
+            "ctx_ttft_s": metric(ctx, "pdserve_time_to_first_token_seconds_sum"),
+            **{phase: metric(gen, f'pdserve_kv_transfer_phase_seconds_total{{phase="{phase}"}}') for phase in PHASES}}
 
 
 def stop(proc: subprocess.Popen) -> None:

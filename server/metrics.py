@@ -67,6 +67,7 @@ class TransferCounts(Protocol):
     failures_by_reason: Mapping[str, int]
     lease_expired: int
     rejected_messages: int
+    phase_seconds: Mapping[str, float]
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,16 @@ class _CountersCollector:
                                      labels=["reason"])
         for reason, count in failures.items():
             family.add_metric([reason], count, created=self.created)
+        yield family
+        phases: dict[str, float] = {}
+        for stats in transfers:
+            for phase, seconds in dict(stats.phase_seconds).items():
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        family = CounterMetricFamily("pdserve_kv_transfer_phase_seconds",
+                                     "Successful KV pulls' time by phase: wait (until the first answer "
+                                     "arrives), apply (checking and writing chunks), rest.", labels=["phase"])
+        for phase, seconds in phases.items():
+            family.add_metric([phase], seconds, created=self.created)
         yield family
         for name, help_text, value in (
             ("pdserve_kv_transfer_lease_expired",

@@ -26,7 +26,15 @@ class TransferStats:
     late_chunks: int = 0  # receiver: chunks of pulls that had ended (cancelled, failed): dropped unwritten
     rejected_messages: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    # receiver, successful pulls: seconds until the first answer reached the socket thread ("wait":
+    # the request out, the sender's work, the answer back), checking and writing chunks ("apply"),
+    # and the rest (the engine thread picking messages up, the Done)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     on_transfer: Callable[[float, int], None] | None = None
+
+    def add_phases(self, **seconds: float) -> None:
+        for phase, s in seconds.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + s
 
     def count_failure(self, reason: str) -> None:
         self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1

@@ -19,7 +19,7 @@ REQUIRED_NAMES = [
     "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
     "pdserve_generation_tokens_total", "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds",
     "pdserve_kv_transfer_failures_total", "pdserve_kv_transfer_lease_expired_total",
-    "pdserve_kv_transfer_rejected_messages_total", "pdserve_num_preemptions_total", "pdserve_prompt_tokens_total",
+    "pdserve_kv_transfer_rejected_messages_total", "pdserve_kv_transfer_phase_seconds_total", "pdserve_num_preemptions_total", "pdserve_prompt_tokens_total",
     "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds",
 ]
 
@@ -104,7 +104,12 @@ def test_engine_and_transfer_events():
     sender.lease_expired += 1
     for reason in ("mac", "mac", "version"):
         receiver.count_rejected(reason)
+    receiver.add_phases(wait=0.25, apply=0.125, rest=0.0625)
+    receiver.add_phases(wait=0.25, apply=0.125, rest=0.0625)
     got = samples(metrics)
+    assert got[("pdserve_kv_transfer_phase_seconds_total", (("phase", "wait"),))] == 0.5
+    assert got[("pdserve_kv_transfer_phase_seconds_total", (("phase", "apply"),))] == 0.25
+    assert got[("pdserve_kv_transfer_phase_seconds_total", (("phase", "rest"),))] == 0.125
     assert got[("pdserve_time_to_first_token_seconds_count", ())] == 2
     assert abs(got[("pdserve_time_to_first_token_seconds_sum", ())] - 0.2) < 1e-9
     assert got[("pdserve_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 1

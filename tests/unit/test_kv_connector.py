@@ -37,7 +37,10 @@ def pair():
     config = TransceiverConfig(auth_token="unit-connector-token-0123456789")
     ctx_kv, gen_kv = _kv(), _kv()
     sender, receiver = KVSender(ctx_kv, config, "fp"), KVReceiver(gen_kv, config, "fp")
-    yield ContextConnector(sender, ctx_kv), GenerationConnector(receiver, gen_kv)
+    gen = GenerationConnector(receiver, gen_kv)
+    gen.seconds_seen = 0.0
+    receiver.stats.on_transfer = lambda seconds, nbytes: setattr(gen, "seconds_seen", gen.seconds_seen + seconds)
+    yield ContextConnector(sender, ctx_kv), gen
     receiver.close()
     sender.close()
 
@@ -80,6 +83,17 @@ def test_offer_then_pull_moves_the_prompt_blocks_and_reports_arrivals_and_failur
     assert failed[0].message.startswith("KV transfer from the context server failed: ")
     ctx_pool, gen_pool = (kv.pool(W, Level.PRIMARY).view(torch.uint8) for kv in (ctx.kv, gen.kv))
     assert torch.equal(gen_pool[gen.kv.slot_table("g", W)[:3]], ctx_pool[src])  # the bytes, block for block
+    # the one successful pull's time, split into phases that add up to it (exported as
+    # pdserve_kv_transfer_phase_seconds_total{phase})
+    phases, stats = gen.receiver.stats.phase_seconds, gen.receiver.stats
+    assert stats.transfers_ok == 1 and set(phases) == {"wait", "apply", "rest"}
+    assert phases["wait"] > 0 and phases["apply"] > 0 and min(phases.values()) >= 0
+    assert sum(phases.values()) == pytest.approx(received_seconds(gen), abs=1e-6)
+
+
+def received_seconds(gen: GenerationConnector) -> float:
+    """The successful pull's total time as the receiver reported it (its on_transfer hook)."""
+    return gen.seconds_seen
 
 
 def test_release_cancels_a_running_pull_or_frees_the_remote_lease(pair) -> None:

@@ -77,6 +77,8 @@ class _Pull:
     nbytes: int = 0
     chunks: int = 0
     via_ipc: bool = False  # chunks came as CUDA IPC copies
+    first_at: float | None = None  # when the socket thread received the pull's first answer
+    apply_s: float = 0.0  # engine thread: checking and writing chunks
 
 
 class KVReceiver:
@@ -206,15 +208,20 @@ class KVReceiver:
         if pull is None or pull.endpoint != item.endpoint:  # a pull that ended: never written (no late writer)
             self.stats.late_chunks += isinstance(body, ChunkHeader | IpcChunk)
             return
+        if pull.first_at is None:
+            pull.first_at = item.at
         if item.sender_epoch != pull.ctx_epoch:
             self._fail(pull, "epoch_mismatch", f"context server restarted (epoch {item.sender_epoch}, "
                                                f"the request was prefilled by epoch {pull.ctx_epoch})")
-        elif isinstance(body, ChunkHeader):
-            problem = self._apply_chunk(pull, body, item.payload)
-            if problem is not None:
-                self._fail(pull, "integrity", problem)
-        elif isinstance(body, IpcChunk):
-            self._on_ipc_chunk(pull, body)
+        elif isinstance(body, ChunkHeader | IpcChunk):
+            start = time.monotonic()
+            if isinstance(body, IpcChunk):
+                self._on_ipc_chunk(pull, body)
+            else:
+                problem = self._apply_chunk(pull, body, item.payload)
+                if problem is not None:
+                    self._fail(pull, "integrity", problem)
+            pull.apply_s += time.monotonic() - start
         elif isinstance(body, Done):
             self._finish(pull, body)
         elif isinstance(body, Failed):
@@ -293,6 +300,8 @@ class KVReceiver:
         self._thread.submit(Send(pull.endpoint, ack))
         self._forget(pull)
         seconds = time.monotonic() - pull.started
+        wait = (pull.first_at or pull.started) - pull.started
+        self.stats.add_phases(wait=wait, apply=pull.apply_s, rest=max(0.0, seconds - wait - pull.apply_s))
         self.stats.count_ok(seconds, pull.nbytes)
         self.stats.ipc_transfers += pull.via_ipc
         self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))

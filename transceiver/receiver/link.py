@@ -99,6 +99,7 @@ class Received:
     sender_epoch: str
     body: ChunkHeader | IpcChunk | Done | Failed
     payload: list[zmq.Frame] = field(default_factory=list)
+    at: float = field(default_factory=time.monotonic)  # when the socket thread received it
 
 
 @dataclass(frozen=True)
