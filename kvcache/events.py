@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Protocol
 
 STORED, REMOVED, MOVED = 0, 1, 2
-KIND_NAMES = ("stored", "removed", "moved")
 
 Event = tuple[int, bytes, int]  # (kind, block hash, level)
 

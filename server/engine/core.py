@@ -143,7 +143,9 @@ class EngineCore:
         for request in [transferring[rid] for rid in arrived if rid in transferring]:
             self.scheduler.kv_arrived(request)
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
-        return [self.fail(transferring[f.request_id], f.message, f.code) for f in failed
+        # the receiver ended those pulls and told the context side where it had to: no second Cancel
+        # (one for a refused duplicate pull would end the lease the running pull reads)
+        return [self.fail(transferring[f.request_id], f.message, f.code, release=False) for f in failed
                 if f.request_id in transferring]
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
@@ -211,8 +213,9 @@ class EngineCore:
             self.scheduler.remove(request)
         return self._output(request, list(request.output_token_ids))
 
-    def fail(self, request: Request, message: str, code: int = 502) -> RequestOutput:
-        if request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
+    def fail(self, request: Request, message: str, code: int = 502, *, release: bool = True) -> RequestOutput:
+        """End `request` with an error; `release=False` when its pull has ended already."""
+        if release and request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
             self.connector.release(request)
         self.scheduler.remove(request)
         request.finish("error", message, code)

@@ -128,7 +128,7 @@ class GenerationConnector(KVConnector):
                                     request.num_computed_tokens)
             params = request.disagg
             if not any(slots for _, slots in wanted.values()):
-                self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id)
+                self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id, params.ctx_epoch)
                 self._local.append(request.request_id)
                 continue
             self.receiver.start_pull(request.request_id, params.ctx_endpoint, params.ctx_epoch,
@@ -138,7 +138,8 @@ class GenerationConnector(KVConnector):
         """A generation-only request that ends before its KV arrived frees the context side's lease;
         a running pull is cancelled first, so no chunk of it is written into freed blocks."""
         if request.is_generation_only and not request.kv_received and not self.receiver.cancel(request.request_id):
-            self.receiver.release_remote(request.disagg.ctx_endpoint, request.disagg.ctx_request_id)
+            params = request.disagg
+            self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id, params.ctx_epoch)
 
     def busy(self) -> bool:
         return self.receiver.num_pulls > 0 or bool(self._local)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -53,10 +54,15 @@ class RouterAccess:
         if given is None:
             return None
         digest, found = _digest(given), None
-        for key in self.api_keys:
-            if hmac.compare_digest(digest, _digest(key)):
+        for key, key_digest in zip(self.api_keys, self._key_digests, strict=True):
+            if hmac.compare_digest(digest, key_digest):
                 found = key
         return found
+
+    @cached_property
+    def _key_digests(self) -> tuple[bytes, ...]:
+        """Each configured key's digest, made once (not per request)."""
+        return tuple(_digest(key) for key in self.api_keys)
 
 
 def tenant_salt(token: str | None, api_key: str) -> str:

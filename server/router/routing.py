@@ -74,10 +74,11 @@ class Routing:
         length = prompt_length(prompt)
         if not length:
             return None  # not tokenised (no tokenizer, or a prompt the router cannot read)
-        backend = self.generation_picker.choose(self.generation, prompt, set())
-        if backend is None:
+        # the best hit among the servers that could take it; no policy call (round robin's turn would move)
+        free = [b for b in self.generation if b.healthy and not self.generation_picker.saturated(b)]
+        if not free:
             return None
-        hit, c = hit_tokens(backend, prompt), self.conditional
+        hit, c = max(hit_tokens(b, prompt) for b in free), self.conditional
         if c.min_prefix_hit is not None and hit >= c.min_prefix_hit:
             return "prefix_hit"
         if c.max_local_prefill_length is not None and length - hit <= c.max_local_prefill_length:

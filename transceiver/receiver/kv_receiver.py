@@ -175,7 +175,7 @@ class KVReceiver:
 
     def probe(self, ctx_endpoint: str) -> None:
         """Shake hands with a context server now, before any pull needs it (layout check)."""
-        self._thread.submit(Probe(ctx_endpoint), timeout_s=0.5)
+        self._thread.submit(Probe(ctx_endpoint), timeout_s=0)  # best effort: never hold the event loop
 
     def peer_status(self) -> dict[str, str]:
         """endpoint -> "compatible", "unchecked", "unreachable" or "incompatible: <what differs>"."""
