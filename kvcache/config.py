@@ -1,5 +1,5 @@
 """`KvCacheConfig`: the KV cache's settings, with TensorRT-LLM's `kv_cache_config` field names so the
-YAML reads the same. A msgspec Struct: the deployment loader (server/config.py) checks types, ranges
+YAML reads the same. A msgspec Struct: the deployment loader (server/config/schema.py) checks types, ranges
 and unknown keys when it converts the YAML; `__post_init__` checks what spans two fields. No torch
 here, so the router can read a deployment without loading it."""
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from server.launcher import wait_for_health
+from server.deploy.launcher import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0

@@ -29,7 +29,7 @@ import uvicorn
 
 from pdserve_bench import options
 from pdserve_bench.launch import free_ports
-from server.launcher import wait_for_health
+from server.deploy.launcher import wait_for_health
 
 HELP = "router overhead: time to the first SSE event through the router against the backend alone"
 

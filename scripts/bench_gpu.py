@@ -1,7 +1,7 @@
 """GPU fast-path figures of issue 10, engine level, in one process: the ceilings first, then ratios.
 
 Builds (once) a random-weight bfloat16 model with Llama-3.1-8B dimensions (`pdserve_bench.
-gpu_handoff.build_model`), builds the engine exactly as `pdserve serve` does (`server.serve.build_core`: weights,
+gpu_handoff.build_model`), builds the engine exactly as `pdserve serve` does (`server.deploy.serve.build_core`: weights,
 KV pool, runner warm-up with graph capture) and drives `EngineCore` directly (no HTTP):
 
 - ceilings measured in the same run: HBM read GB/s (`x.sum()` over 4 GiB, median of 20), pinned
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from pdserve_bench.gpu_handoff import LLAMA_8B, build_model
-from server.config import server_config_from_dict
+from server.config.schema import server_config_from_dict
+from server.deploy.serve import build_core
 from server.engine.core import EngineCore
-from server.metrics import ServerMetrics
-from server.serve import build_core
+from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest, SamplingParams
 
 RESULTS: list[dict] = []

@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.config import ConfigError, load_server, load_server_config, server_config_from_dict
-    from server.serve import serve
+    from server.config.schema import ConfigError, load_server, load_server_config, server_config_from_dict
+    from server.deploy.serve import serve
 
     overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
                  "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
@@ -74,8 +74,8 @@ def _router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from server.config import ConfigError, load_deployment
-    from server.drain import DrainingServer
+    from server.config.schema import ConfigError, load_deployment
+    from server.deploy.drain import DrainingServer
     from server.router.app import RouterSettings, create_router_app
 
     try:
@@ -105,8 +105,8 @@ def _router(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from server.config import ConfigError
-    from server.launcher import LaunchOptions, launch
+    from server.config.schema import ConfigError
+    from server.deploy.launcher import LaunchOptions, launch
 
     try:
         return launch(args.config, LaunchOptions(log_dir=Path(args.log_dir) if args.log_dir else None))

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from server.launcher import wait_for_health
+from server.deploy.launcher import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
@@ -132,7 +132,7 @@ def _wait_ready(deployment: Deployment) -> None:
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
-        try:  # the router, then the servers, drain first (server/drain.py)
+        try:  # the router, then the servers, drain first (server/deploy/drain.py)
             process.wait(timeout=90)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)

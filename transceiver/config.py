@@ -1,6 +1,6 @@
 """`cache_transceiver_config`: how one server's KV transceiver listens, authenticates and times out.
 
-A msgspec Struct: the deployment loader (server/config.py) checks types, ranges and unknown keys
+A msgspec Struct: the deployment loader (server/config/schema.py) checks types, ranges and unknown keys
 when it converts the YAML. No torch here."""
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from server.api.access import EndpointDirectory
 from server.api.errors import install_error_handlers
 from server.api.routes import chat, completions, health, models
 from server.api.routes import metrics as metrics_route
-from server.metrics import ServerMetrics
 from server.openai.openapi import openapi_document
+from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
 
 # Returns the engine, or an async context manager that yields it and shuts it down on exit.

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError
-from server.metrics import ServerMetrics
+from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
 
 M = TypeVar("M", bound=BaseModel)

@@ -1,7 +1,7 @@
-"""What /health reports beyond a loaded engine (`health_report(app)`, set up by server/serve.py).
+"""What /health reports beyond a loaded engine (`health_report(app)`, set up by server/deploy/serve.py).
 
 In order of precedence, a status other than "ok" makes /health answer 503:
-- `draining`: SIGTERM was received (server/drain.py);
+- `draining`: SIGTERM was received (server/deploy/drain.py);
 - `unhealthy`: a transceiver socket thread died, so no KV transfer can run (never a silent hang);
 - `incompatible`: a generation server's handshake with one of its context servers found KV layouts
   that disagree (dtype, tokens_per_block, layers, KV heads, head_dim, window groups, model

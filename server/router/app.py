@@ -21,29 +21,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.auth import token_headers
-from server.drain import Drain, DrainGate
+from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response
 from server.openai.openapi import openapi_document
 from server.openai.sse import EventStream, unless_disconnected
 from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
+from server.router.context_events import generation_params, opening_events
 from server.router.dashboard import Dashboard, dashboard_routes
+from server.router.errors import LegError
 from server.router.http_client import HttpClient, HttpError
 from server.router.migration import new_migration
-from server.router.orchestrator import LegError, Orchestrator, Upstream, context_finished
+from server.router.orchestrator import Orchestrator, Upstream, context_finished
 from server.router.policies import Prompt
 from server.router.probe import health_generate
 from server.router.routing import Routing
 from server.router.routing_config import RoutingConfig
-from server.router.streaming import (
-    ContextFirstStream,
-    context_first_response,
-    generation_params,
-    opening_events,
-    relay_response,
-    sse_from_final,
-)
+from server.router.streaming import ContextFirstStream, context_first_response, relay_response, sse_from_final
 
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
                         "may not carry it")
@@ -61,7 +56,7 @@ class RouterSettings:
     health_interval_s: float = 1.0
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
-    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/drain.py)
+    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
     migration_limit: int = 1  # moves of one streamed request to another generation server (orchestrator)
     routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (docs/ROUTING.md)
 

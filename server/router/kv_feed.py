@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.kv_events import KvEventBatch
 from server.router.kv_index import KvIndex
+from server.telemetry.kv_events import KvEventBatch
 
 MAX_PENDING_BATCHES = 10_000  # kept while a snapshot is on its way; beyond: start over
 

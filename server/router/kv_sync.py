@@ -22,10 +22,10 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvcache import Level
-from server.kv_events import HEARTBEAT_S, SUBSCRIBE_EVERY_S, EventCodec, KvEventBatch, Subscribe
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError
 from server.router.kv_feed import KvFeed
+from server.telemetry.kv_events import HEARTBEAT_S, SUBSCRIBE_EVERY_S, EventCodec, KvEventBatch, Subscribe
 from transceiver.link import SocketIO, SocketThread
 from transceiver.wire import Rejected
 

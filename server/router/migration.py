@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
+from server.router.context_events import closing_events, generation_params, opening_events
 from server.router.orchestrator import Orchestrator, Upstream, context_finished, context_params
 
 COMMENT = b": tokens"
@@ -95,8 +96,6 @@ class Migration:
         """(the events the router sends itself, the context leg's answer, the parameters of the
         generation leg that goes on from it); answer None: that context leg ended the request.
         A failing context leg raises `LegError`."""
-        from server.router.streaming import closing_events, generation_params, opening_events  # modules use each other
-
         self.moves += 1
         self.on_move()
         prior = len(self.tokens)

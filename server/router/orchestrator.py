@@ -16,14 +16,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pydantic import TypeAdapter
 
 from server.auth import token_headers
-from server.openai.errors import error_body
 from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
+from server.router.errors import LegError
 from server.router.http_client import (
     ConnectError,
     HttpClient,
@@ -34,24 +33,13 @@ from server.router.http_client import (
     StreamResponse,
 )
 from server.router.policies import PromptTokens
-
-if TYPE_CHECKING:
-    from server.router.queue import Booking, LegPicker
+from server.router.queue import Booking, LegPicker
 
 log = logging.getLogger(__name__)
 RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
 NO_GENERATION = "generation leg failed: no healthy generation server"
 _PARAMS = TypeAdapter(DisaggParams)
 CONTEXT_ONLY = DisaggParams("context_only")
-
-
-class LegError(Exception):
-    def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body or error_body(status, message)
-        self.untouched = untouched  # the server never took the request (unreachable, draining): try another
-        self.lost = False  # the connection broke after the server took the request (it died)
 
 
 @dataclass

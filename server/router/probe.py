@@ -19,10 +19,11 @@ import time
 from starlette.requests import Request
 
 from server.openai.wire import JSONBody
+from server.router.context_events import generation_params
+from server.router.errors import LegError
 from server.router.http_client import HttpError
-from server.router.orchestrator import LegError, Orchestrator, context_finished
+from server.router.orchestrator import Orchestrator, context_finished
 from server.router.policies import Prompt
-from server.router.streaming import generation_params
 
 PATH = "/v1/completions"
 PROBE_TIMEOUT_S = 60.0

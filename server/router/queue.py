@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.openai.errors import error_body
 from server.router.backends import Backend
-from server.router.orchestrator import LegError
+from server.router.errors import LegError
 from server.router.policies import Backends, PromptTokens, RoundRobin, hit_tokens, prompt_length
 
 RECHECK_S = 0.5  # a waiting leg looks again this often (a fenced server may have come back)

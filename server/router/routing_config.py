@@ -1,4 +1,4 @@
-"""The deployment YAML's `router:` section, declared once (server/config.py converts the YAML into it).
+"""The deployment YAML's `router:` section, declared once (server/config/schema.py converts the YAML into it).
 
 ```yaml
 router:
@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from server.config_yaml import ConfigError
+from server.config.yaml_io import ConfigError
 from server.router.auth import API_KEYS_ENV, DEFAULT_OPEN_PATHS, RouterAccess
 from server.router.policies import POLICIES, ScoreWeights
 from server.router.queue import QueueLimits

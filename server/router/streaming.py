@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 
 from server.openai.errors import error_body
-from server.openai.formatting import ChatFormatter, CompletionFormatter, Formatter, continued_response_id
-from server.openai.protocol import DisaggParams
-from server.openai.sse import DONE, EventStream, json_event, sse_event
+from server.openai.sse import DONE, EventStream, json_event
 from server.router.backends import Backend
+from server.router.context_events import closing_events
+from server.router.errors import LegError
 from server.router.http_client import HttpError, StreamResponse
 from server.router.migration import Migration
-from server.router.orchestrator import LegError, Upstream, context_params
-from server.types import RequestOutput
+from server.router.orchestrator import Upstream
 
 MID_STREAM = 500  # the status an error event's type is named after: the stream itself is a 200
 
@@ -51,46 +49,6 @@ async def sse_from_final(body: dict, chat: bool, include_usage: bool) -> AsyncIt
     """Turn a finished non-streaming answer (context leg ended the request) into SSE events."""
     for event in closing_events(body, chat, body.get("id") or "", include_usage):
         yield event
-
-
-def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
-    """The stream's first events from an unfinished context answer: the chat role chunk and the
-    first token's text (none when that text is still held back), under the id the generation server
-    will use too (`continued_response_id`), with the same formatters the servers use. A moved stream
-    (`continued`) goes on under its own `response_id` and sends no second role chunk."""
-    response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
-    fmt, output = _as_output(ctx, chat, response_id, continued, finished=False)
-    return [sse_event(data) for data in fmt.chunks(output)]
-
-
-def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
-                   continued: bool = False) -> list[bytes]:
-    """The rest of a stream whose request the context answer `ctx` ended: its final chunk, usage if
-    asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
-    fmt, final = _as_output(ctx, chat, response_id, continued, finished=True, include_usage=include_usage)
-    usage = [fmt.usage_chunk(final)] if include_usage else []
-    return [*(sse_event(data) for data in [*fmt.chunks(final), *usage]), DONE]
-
-
-def _as_output(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool,
-               include_usage: bool = False) -> tuple[Formatter, RequestOutput]:
-    """A context answer as the engine output the servers would format, and their formatter."""
-    choice = ctx["choices"][0]
-    text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    usage = ctx.get("usage") or {}
-    output = RequestOutput(response_id, [], text, finished=finished,
-                           finish_reason=choice.get("finish_reason") if finished else None,
-                           prompt_tokens=usage.get("prompt_tokens", 0),
-                           completion_tokens=usage.get("completion_tokens", 0),
-                           cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", include_usage,
-                                                           continued=continued)
-    return fmt, output
-
-
-def generation_params(ctx: dict, first_text_streamed: bool) -> DisaggParams:
-    """The generation leg's parameters: the context answer's, as a generation_only request."""
-    return replace(context_params(ctx), request_type="generation_only", first_text_streamed=first_text_streamed)
 
 
 class ContextFirstStream:

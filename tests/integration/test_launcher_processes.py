@@ -1,4 +1,4 @@
-"""server/launcher.py with real child processes: tiny stdlib HTTP servers stand in for pdserve.
+"""server/deploy/launcher.py with real child processes: tiny stdlib HTTP servers stand in for pdserve.
 
 Each fake child serves GET /health on its Child.health_url and prints its pid, argv and the auth
 token it received to its log. Modes (extra argv per child name) make it slow, crash or ignore SIGTERM.
@@ -19,8 +19,8 @@ import pytest
 import yaml
 from waiting import wait_until
 
-from server.config import AUTH_TOKEN_ENV, HOSTNAME_ENV
-from server.launcher import Child, LaunchOptions, launch
+from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
+from server.deploy.launcher import Child, LaunchOptions, launch
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_CHILD = r'''
@@ -81,7 +81,7 @@ server.serve_forever()
 RUNNER = r'''
 import json, sys
 from pathlib import Path
-from server.launcher import LaunchOptions, launch
+from server.deploy.launcher import LaunchOptions, launch
 
 script, deployment, log_dir, modes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 build = lambda child: [sys.executable, script, child.health_url, *modes.get(child.name, [])]

@@ -15,7 +15,7 @@ import time
 
 import deploy_harness as dh
 
-from server.launcher import HANDSHAKE_TIMEOUT_S
+from server.deploy.launcher import HANDSHAKE_TIMEOUT_S
 
 
 def test_skewed_pair_fails_the_launch_naming_the_field(tmp_path):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_api_engine_fake import FakeEngine
 
 from server.api import create_app
-from server.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics
 from transceiver.stats import TransferStats
 
 REQUIRED_NAMES = [

@@ -1,4 +1,4 @@
-"""server/config.py: loading, inheritance, defaults, and the shipped configs."""
+"""server/config/schema.py: loading, inheritance, defaults, and the shipped configs."""
 
 import re
 from pathlib import Path
@@ -9,7 +9,7 @@ import yaml
 from msgspec.structs import replace
 
 from kvcache import KvCacheConfig
-from server.config import (
+from server.config.schema import (
     AUTH_TOKEN_ENV,
     HOSTNAME_ENV,
     ConfigError,
@@ -210,7 +210,7 @@ def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp
 
 
 def test_scheduler_limits_default_the_prefill_batch_by_device():
-    from server.serve import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
+    from server.deploy.serve import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
 
     cfg = server_config_from_dict({"model": "builtin:tiny-llama", "max_num_tokens": 1024})
     cpu, cuda = scheduler_limits(cfg, torch.device("cpu")), scheduler_limits(cfg, torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""server/config.py: every error is a ConfigError naming the file and the key path."""
+"""server/config/schema.py: every error is a ConfigError naming the file and the key path."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import AUTH_TOKEN_ENV, HOSTNAME_ENV, ConfigError, load_deployment, load_server_config
+from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, ConfigError, load_deployment, load_server_config
 
 
 @pytest.fixture(autouse=True)

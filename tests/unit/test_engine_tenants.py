@@ -14,8 +14,8 @@ from waiting import wait_until
 
 from kvcache import KvCacheConfig
 from server.engine.kv_connector import ContextConnector, GenerationConnector
-from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
+from server.telemetry.metrics import ServerMetrics
 from server.types import DisaggParams
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
@@ -101,7 +101,7 @@ def test_engine_metrics_count_prompts_preemptions_and_latencies():
     results = eh.generate(core, prompts, eh.greedy(40))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == _expected(prompt, 40)
-    from server.telemetry import TelemetryBridge
+    from server.telemetry.bridge import TelemetryBridge
 
     TelemetryBridge(metrics).on_tick(core)
     text = metrics.render().decode()

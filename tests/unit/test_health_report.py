@@ -14,8 +14,8 @@ from test_api_engine_fake import FakeEngine, KnownEndpoints, deployment_app
 from waiting import wait_until
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
-from server.drain import Drain
-from server.serve import install_health
+from server.deploy.drain import Drain
+from server.deploy.serve import install_health
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender

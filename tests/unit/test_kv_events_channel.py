@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from waiting import wait_until
 
-from server.kv_events import MAX_EVENTS_PER_MESSAGE, EventCodec, KvEventBatch, KvEventPublisher
 from server.router.kv_sync import _Subscriber
+from server.telemetry.kv_events import MAX_EVENTS_PER_MESSAGE, EventCodec, KvEventBatch, KvEventPublisher
 from transceiver.link import SocketThread
 
 TOKEN = "a-deployment-token-of-enough-length"

@@ -13,9 +13,9 @@ from test_kvcache_support import make_manager, run_prefill
 
 from kvcache import Level, block_hashes
 from kvcache.events import MOVED, REMOVED, STORED
-from server.kv_events import KvEventBatch, KvEventSource, message_batches
 from server.router.kv_feed import KvFeed
 from server.router.kv_index import KvIndex
+from server.telemetry.kv_events import KvEventBatch, KvEventSource, message_batches
 
 P, S = int(Level.PRIMARY), int(Level.SECONDARY)
 

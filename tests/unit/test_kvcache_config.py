@@ -10,7 +10,7 @@ import torch
 from test_kvcache_support import make_manager
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
-from server.config import ConfigError, server_config_from_dict
+from server.config.schema import ConfigError, server_config_from_dict
 
 
 @pytest.mark.parametrize(("key", "value", "why"), [

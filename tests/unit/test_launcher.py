@@ -1,10 +1,10 @@
-"""server/launcher.py without processes: child plan, commands, environment."""
+"""server/deploy/launcher.py without processes: child plan, commands, environment."""
 
 import sys
 from pathlib import Path
 
-from server.config import AUTH_TOKEN_ENV, HOSTNAME_ENV, load_deployment, load_server, with_auth_token
-from server.launcher import Child, child_env, pdserve_command, plan_children
+from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, load_deployment, load_server, with_auth_token
+from server.deploy.launcher import Child, child_env, pdserve_command, plan_children
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "f" * 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from server.config import ConfigError, RestartPolicy, load_deployment
+from server.config.schema import ConfigError, RestartPolicy, load_deployment
 
 
 def deployment(tmp_path, **extra):

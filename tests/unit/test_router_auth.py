@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from waiting import wait_until
 
-from server.config import AUTH_TOKEN_ENV, ConfigError, load_deployment
+from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.app import RouterSettings, create_router_app
 from server.router.auth import API_KEYS_ENV, RouterAccess, effective_cache_salt, tenant_salt
 

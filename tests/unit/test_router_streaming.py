@@ -8,16 +8,13 @@ import json
 
 from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
+from server.openai.sse import DONE
 from server.router.backends import Backend
+from server.router.context_events import generation_params, opening_events
+from server.router.errors import LegError
 from server.router.http_client import ReadError, StreamResponse
-from server.router.orchestrator import LegError, Upstream
-from server.router.streaming import (
-    DONE,
-    ContextFirstStream,
-    context_first_response,
-    generation_params,
-    opening_events,
-)
+from server.router.orchestrator import Upstream
+from server.router.streaming import ContextFirstStream, context_first_response
 
 PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-ctx1", "ctx_endpoint": "tcp://127.0.0.1:1",
           "ctx_epoch": "e1", "first_gen_tokens": [7], "prompt_token_ids": [1, 2, 3], "ctx_cached_tokens": 0}

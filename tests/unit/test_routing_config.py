@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import AUTH_TOKEN_ENV, ConfigError, load_deployment
+from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.policies import ScoreWeights
 from server.router.queue import QueueLimits
 from server.router.routing_config import Conditional, RoutingConfig

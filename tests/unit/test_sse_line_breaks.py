@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 from test_api_engine_fake import FakeEngine, deployment_app
 
 from server.openai.sse import LINE_BREAKS, escape_line_breaks, sse_event
-from server.router.streaming import opening_events, sse_from_final
+from server.router.context_events import opening_events
+from server.router.streaming import sse_from_final
 from server.types import GenerateRequest
 
 ODD_TEXT = "a\u2028b\u2029c\u0085d"  # each of the three between letters

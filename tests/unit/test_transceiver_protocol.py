@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from server.config import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
+from server.config.schema import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
 from transceiver.config import TransceiverConfig
 from transceiver.sender.serve import MAX_IPC_SLOTS
 from transceiver.wire import (
@@ -165,7 +165,7 @@ def test_incompatible_layouts_name_the_difference(change, expected) -> None:
 
 
 def _transceiver(data) -> TransceiverConfig:
-    """`cache_transceiver_config` as a server file gives it (the one conversion, server/config_yaml.py)."""
+    """`cache_transceiver_config` as a server file gives it (the one conversion, server/config/yaml_io.py)."""
     return server_config_from_dict({"model": "m", "cache_transceiver_config": data}, "d.yaml").cache_transceiver_config
 
 

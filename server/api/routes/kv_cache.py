@@ -17,7 +17,7 @@ def install_kv_routes(app: FastAPI) -> None:
     @app.get("/kv_cache/hashes")
     async def kv_cache_hashes(request: Request) -> JSONBody:
         """A snapshot of this server's reuse cache: block hashes per window and level, and the
-        sequence number of the last KV event it includes (server/kv_events.py)."""
+        sequence number of the last KV event it includes (server/telemetry/kv_events.py)."""
         require_token(request, "GET /kv_cache/hashes")
         engine = request.app.state.engine
         if engine is None or not engine.is_ready():

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from starlette.responses import Response
 
 from server.api.deps import get_metrics
-from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from server.telemetry.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 router = APIRouter()
 

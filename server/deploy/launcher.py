@@ -13,7 +13,7 @@ Life of a launch:
    `incompatible` fails the launch at once, naming the field); wait until every generation server
    has shaken hands with every context server; then start the router and wait for it.
    A child that exits meanwhile, or the startup timeout, stops everything and returns 1.
-4. Print the URL and supervise (server/supervisor.py): a child that dies is restarted on its port
+4. Print the URL and supervise (server/deploy/supervisor.py): a child that dies is restarted on its port
    with backoff, up to `restart.max_quick_deaths` quick deaths in a row; giving up on the router (or
    the only server when there is no router) stops everything and returns 1. SIGINT/SIGTERM/SIGHUP:
    drain and stop everything (the router first, then the servers), return 0.
@@ -30,14 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import (
+from server.config.schema import (
     AUTH_TOKEN_ENV,
     AUTH_TOKEN_FILE_ENV,
     DeploymentConfig,
     load_deployment,
     with_auth_token,
 )
-from server.supervisor import Child, StopOnSignals, Supervisor, health
+from server.deploy.supervisor import Child, StopOnSignals, Supervisor, health
 
 TOKEN_FILE = "auth_token"
 HANDSHAKE_TIMEOUT_S = 30.0  # generation servers shaking hands with every context server at startup

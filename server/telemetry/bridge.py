@@ -5,14 +5,14 @@ tick (rate-limited), and published as immutable snapshots the HTTP thread reads 
 (`kv_stats`, `counters`). The transceiver's cumulative `TransferStats` are read live at scrape time
 (their writers are the sender's or receiver's threads anyway); only finished transfers are pushed,
 into the transfer histogram. The cache's block events and snapshots for the router's index:
-server/kv_events.py (another tick hook).
+server/telemetry/kv_events.py (another tick hook).
 """
 
 from __future__ import annotations
 
 import time
 
-from server.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics
 
 SNAPSHOT_INTERVAL_S = 0.1
 

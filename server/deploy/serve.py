@@ -17,18 +17,18 @@ from server.api.context_directory import ContextDirectory
 from server.api.readiness import health_report, transceiver
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
-from server.config import ServerConfig
-from server.drain import Drain, DrainGate, DrainingServer
+from server.config.schema import ServerConfig
+from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
-from server.kv_events import KvEventPublisher, KvEventSource
-from server.metrics import ServerMetrics
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.models.spec import load_spec
-from server.telemetry import TelemetryBridge
+from server.telemetry.bridge import TelemetryBridge
+from server.telemetry.kv_events import KvEventPublisher, KvEventSource
+from server.telemetry.metrics import ServerMetrics
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
@@ -126,7 +126,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
 
 
 def install_health(app, drain: Drain) -> None:
-    """Drain on SIGTERM (server/drain.py) and /health's report (server/api/readiness.py)."""
+    """Drain on SIGTERM (server/deploy/drain.py) and /health's report (server/api/readiness.py)."""
     app.state.drain = drain
     app.state.health_report = lambda: health_report(app)
     app.add_middleware(DrainGate, drain=drain)

@@ -28,8 +28,8 @@ from msgspec import Meta
 from msgspec.structs import replace
 
 from kvcache.config import KvCacheConfig
-from server.config_checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
-from server.config_yaml import ConfigError, KeyPath, check_keys, convert, read_yaml
+from server.config.checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
+from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.router.auth import RouterAccess
 from server.router.routing_config import RouterConfig, RoutingConfig
 from transceiver.config import TransceiverConfig
@@ -64,7 +64,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch_size: Positive = 64
     max_num_tokens: Positive = 2048
     # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
-    # default (server/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
+    # default (server/deploy/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
     max_prefill_batch_tokens: Positive | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.config import RestartPolicy
+from server.config.schema import RestartPolicy
 
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 20

@@ -2,7 +2,7 @@
 
 `convert(data, Schema, source)` is msgspec.convert with its ValidationError turned into a
 ConfigError `<file>: <key.path>: <what is wrong>`; unknown keys get a close match and the valid keys.
-The schema itself lives in server/config.py (and the components' own Structs).
+The schema itself lives in server/config/schema.py (and the components' own Structs).
 """
 
 from __future__ import annotations

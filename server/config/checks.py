@@ -3,15 +3,28 @@ and host:port strings."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 from msgspec.structs import replace
 
 from kvcache.config import DEFAULT_GPU_FRACTION
-from server.config_yaml import ConfigError
+from server.config.yaml_io import ConfigError
 
-if TYPE_CHECKING:
-    from server.config import ServerConfig
+
+class ServerLike(Protocol):
+    """What these rules read of a server's config (`schema.ServerConfig`; declared here so this
+    module does not import the schema that imports it)."""
+
+    model: str
+    host: str
+    port: int
+    role: str
+    device: str
+    kv_cache_config: Any
+    cache_transceiver_config: Any
+
+
+S = TypeVar("S", bound=ServerLike)
 
 # hosts that bind every interface, so they collide with any host on the same port
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -28,13 +41,13 @@ def split_host_port(url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def check_same_model(servers: list[ServerConfig], source: str) -> None:
+def check_same_model(servers: list[S], source: str) -> None:
     models = {s.model for s in servers}
     if len(models) > 1:
         raise ConfigError(f"{source}: model: every server must serve the same model, got {sorted(models)}")
 
 
-def check_ports(servers: list[ServerConfig], router: tuple[str, int] | None, source: str) -> None:
+def check_ports(servers: list[S], router: tuple[str, int] | None, source: str) -> None:
     """No two listeners (router, servers, context transceivers) may share a port on one host."""
     seen: list[tuple[str, int, str]] = [(*router, "router (hostname:port)")] if router else []
     for s in servers:
@@ -54,7 +67,7 @@ def _same_host(a: str, b: str) -> bool:
     return a == b or (a in _LOOPBACK and b in _LOOPBACK)
 
 
-def share_gpu_memory(servers: list[ServerConfig]) -> list[ServerConfig]:
+def share_gpu_memory(servers: list[S]) -> list[S]:
     """The servers of one deployment run on one host and, with device auto or cuda, on its first
     GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
     use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
