@@ -142,12 +142,25 @@ class ModelRunner:
         spec = self.spec
         plans, plan_s = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
                                               self.device, self.max_num_tokens)
+        self._choose_skinny_linears()
         if self.graphs is not None:
             self.graphs.capture()
         if self.device.type == "cuda":  # (the Triton path runs on the CPU under TRITON_INTERPRET in tests)
             torch.cuda.synchronize(self.device)
         log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s", compiled_variants(), plans, plan_s)
         return time.perf_counter() - start
+
+    def _choose_skinny_linears(self) -> None:
+        """Decode at small batch: time the Triton skinny GEMM against cuBLAS for each layer weight
+        shape (kernels/gemv.py); before graph capture, so the graphs hold the faster one.
+        PDSERVE_SKINNY_GEMV=0 keeps cuBLAS everywhere."""
+        skinny = getattr(self.model.ops, "skinny", None)
+        if skinny is None or self.device.type != "cuda" or os.environ.get("PDSERVE_SKINNY_GEMV", "1") == "0":
+            return
+        layers = self.model.layers
+        for name in ("qkv", "o", "gate_up", "down"):
+            skinny.choose([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers])
+        log.info("skinny GEMM (rows <= 16) per weight shape: %s", skinny.chosen)
 
     def _warm_chunks(self, step) -> list[SeqChunk]:
         """The chunks of one warm-up step (a `warmup.WarmStep`) on the pool's first slots."""
