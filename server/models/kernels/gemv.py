@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # rows padded to 16 for tl.dot; above, a GEMM is no longer a read of the weight
-CONFIGS = [(64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8)]  # (BLOCK_N, BLOCK_K, warps)
+CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8)]  # (BLOCK_N, BLOCK_K, warps)
 
 
 @triton.jit(do_not_specialize=["M"])
