@@ -6,6 +6,9 @@ fused once at load time: q/k/v into one projection, gate/up into one. The model 
 between steps: the KV cache lives in the pool and is reached only through the attention backend,
 which also applies RoPE to q and k (so a GPU backend can fuse it with the cache write). The
 residual add is fused into the next RMSNorm (`ops.add_rms_norm`); `ops` is torch or Triton.
+Tensor parallelism is applied from outside too: a rank's model holds its slices of the weights
+(server/models/parallel/) and meets the other ranks only through `parallel` (embedding, the sum
+after o and down, the logits); with one rank that is `SingleRank`, which adds nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from server.models.attention import AttentionBackend
 from server.models.ops import ModelOps, TorchOps
+from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
 from server.models.spec import ModelSpec
 
@@ -41,10 +45,14 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], attention: AttentionBackend,
-                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None) -> None:
+                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """`spec` is the shape this model computes with: a tensor-parallel rank's own heads, kv heads
+        and FFN columns (`parallel.shard.local_spec`), whose weight slices `tensors` holds."""
         self.spec = spec
         self.attention = attention
         self.ops = ops or TorchOps(spec.rms_norm_eps)
+        self.parallel = parallel or SingleRank()
         self.dtype = dtype
         self.rotary = Rotary(spec, device)
         weights = _WeightTable(spec, tensors)
@@ -59,15 +67,15 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
-        ops = self.ops
-        h = F.embedding(token_ids, self.embed)  # [T, hidden]: the residual stream
+        ops, tp = self.ops, self.parallel
+        h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
         x = ops.rms_norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
-            x = ops.add_rms_norm(self._attention(i, layer, x, cos, sin, meta), h, layer.post_norm)
+            x = ops.add_rms_norm(tp.reduce(self._attention(i, layer, x, cos, sin, meta)), h, layer.post_norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.add_rms_norm(self._mlp(layer, x), h, after)  # h += mlp; x = next norm of h
-        return F.linear(x.index_select(0, logit_rows), self.lm_head).float()  # [N, vocab]
+            x = ops.add_rms_norm(tp.reduce(self._mlp(layer, x)), h, after)  # h += mlp; x = next norm of h
+        return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()  # [N, vocab]
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:

@@ -19,6 +19,7 @@ from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.llama import LlamaModel
 from server.models.ops import ModelOps, TorchOps, TritonOps
+from server.models.parallel.context import RankShard
 from server.models.spec import ModelSpec, load_spec
 from server.models.weights import load_tensors, safetensors_files
 
@@ -95,29 +96,31 @@ class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
                  max_num_tokens: int, max_batch_size: int,
                  tensors: dict[str, torch.Tensor] | None = None, kernels: str = "auto",
-                 cuda_graphs: bool = True, max_seq_len: int | None = None) -> None:
+                 cuda_graphs: bool = True, max_seq_len: int | None = None, shard: RankShard | None = None) -> None:
         """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized.
         `kernels`: "torch" (portable) or "triton" (CUDA: paged kernels, fused ops, and with
-        `cuda_graphs` decode steps replayed as CUDA graphs captured by `warm_up`)."""
+        `cuda_graphs` decode steps replayed as CUDA graphs captured by `warm_up`). `shard`: run one
+        tensor-parallel rank's part (its weight slices, its kv heads in `kv`); `spec` stays the
+        whole model's."""
         self.spec: ModelSpec = load_spec(model_dir)
         self.device, self.dtype = device, dtype
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
-        _check_kv(self.spec, kv, dtype)
+        local = self.spec if shard is None else shard.local_spec(self.spec)  # what this process computes
+        _check_kv(local, kv, dtype)
         self.kv = kv
-        spec = self.spec
         self.kernels = resolve_kernels(kernels, device)
-        self.attention, ops = self._backend(max_seq_len or max(kv.window_sizes))
+        self.attention, ops = self._backend(local, max_seq_len or max(kv.window_sizes))
         if tensors is None:
-            tensors = load_weights(spec, dtype, device)
-        self.model = LlamaModel(self.spec, tensors, self.attention, dtype=dtype, device=device, ops=ops)
+            tensors = load_weights(self.spec, dtype, device) if shard is None else shard.load(self.spec, dtype, device)
+        self.model = LlamaModel(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
+                                parallel=None if shard is None else shard.context)
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs:
             from server.models.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size)
 
-    def _backend(self, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
-        spec = self.spec
+    def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
         if self.kernels == "triton":
             from server.models.triton_attention import TritonPagedAttention
 

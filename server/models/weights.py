@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -51,12 +52,19 @@ def tensor_signature(files: Iterable[Path]) -> list[tuple[str, str, tuple[int, .
     return sorted(rows)
 
 
-def load_tensors(files: Iterable[Path], *, dtype: torch.dtype,
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """All tensors of `files`, converted to `dtype` on `device`."""
+# (tensor name, safetensors slice handle: `handle[a:b]`, `handle[:, a:b]`, `handle.get_shape()`) -> the
+# part of the tensor to load (a tensor-parallel rank reads only its rows or columns)
+Slicer = Callable[[str, Any], torch.Tensor]
+
+
+def load_tensors(files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
+                 slicer: Slicer | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of `files` (or, with `slicer`, the part of each it picks), converted to `dtype`
+    on `device`. A slice is read from the file alone: the rest of the tensor is never loaded."""
     out: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(name) if slicer is None else slicer(name, f.get_slice(name))
+                out[name] = tensor.to(device=device, dtype=dtype)
     return out

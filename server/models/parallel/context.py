@@ -1,0 +1,115 @@
+"""Where tensor-parallel ranks meet inside the model: three calls, and a null object for one rank.
+
+`LlamaModel` calls its `ParallelContext` at exactly three points: `embed` (the vocabulary-parallel
+embedding: rows this rank does not hold are zero, and an all-reduce sums the ranks' rows),
+`reduce` (the all-reduce after each row-parallel projection, o and down) and `logits` (each rank's
+vocabulary slice of the lm_head, gathered along the vocabulary). `SingleRank` is TP=1: plain
+`F.embedding`, no reduce, plain `F.linear`, so the one-rank model computes exactly what it did
+before. `TensorParallel` does the collectives through a `Comm` (torch.distributed: gloo on the CPU,
+NCCL on CUDA, where the collectives are captured in the decode CUDA graphs like any kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from server.models.parallel.plan import ShardPlan
+from server.models.parallel.shard import load_shard, local_spec
+from server.models.spec import ModelSpec
+
+
+class ParallelContext(Protocol):
+    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] -> the residual stream [T, hidden] (whole on every rank)."""
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel projection's partial output [T, hidden]."""
+
+    def logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden], this rank's lm_head rows -> logits [N, vocab] (every rank gets them)."""
+
+
+class SingleRank:
+    """TP=1, the null object."""
+
+    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, table)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, head)
+
+
+class Comm(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, ...] on each rank -> [size * R, ...]: rank 0's rows, then rank 1's, ..."""
+
+
+class TorchComm:
+    """A torch.distributed process group (the default one unless `group` is given)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        # torch 2.13 renamed all_gather_into_tensor (which still works, with a warning)
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._gather(out, x.contiguous(), group=self.group)
+        return out
+
+
+class TensorParallel:
+    def __init__(self, comm: Comm, plan: ShardPlan) -> None:
+        self.comm = comm
+        self.vocab_start = plan.vocab[0]
+        self.vocab_rows = plan.vocab_per_rank
+        self.vocab_size = plan.vocab_size
+
+    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        h = F.embedding(local.masked_fill(outside, 0), table)  # [T, hidden]
+        return self.comm.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(x)
+
+    def logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        part = F.linear(x, head)  # [N, vocab_rows]
+        n = part.shape[0]
+        gathered = self.comm.all_gather(part).view(self.comm.size, n, self.vocab_rows)
+        return gathered.transpose(0, 1).reshape(n, self.comm.size * self.vocab_rows)[:, :self.vocab_size]
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What a ModelRunner needs to run one rank's part of the model."""
+
+    plan: ShardPlan
+    context: ParallelContext
+
+    def local_spec(self, spec: ModelSpec) -> ModelSpec:
+        return local_spec(spec, self.plan)
+
+    def load(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        return load_shard(spec, self.plan, dtype, device)

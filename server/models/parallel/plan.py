@@ -1,0 +1,76 @@
+"""Which slice of the model one tensor-parallel rank holds (Megatron-style), as plain arithmetic.
+
+Attention: q heads are split evenly (`heads`); kv heads too while there are at least as many kv
+heads as ranks. With more ranks than kv heads (GQA), each kv head is replicated on
+`size // num_kv_heads` consecutive ranks, and every rank keeps the one kv head its q heads read
+(vLLM and TensorRT-LLM do the same). The FFN's intermediate columns and the vocabulary rows are
+split evenly; the vocabulary is padded up to a multiple of the size (padded rows are zero and their
+logits are cut off after the gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def tp_problem(num_heads: int, num_kv_heads: int, size: int) -> str | None:
+    """None when a model with these head counts can be split over `size` ranks, else why not."""
+    if size < 1:
+        return f"must be at least 1, got {size}"
+    if num_heads % size:
+        return f"{size} does not divide the model's {num_heads} attention heads"
+    if num_kv_heads % size and size % num_kv_heads:
+        return (f"{size} neither divides the model's {num_kv_heads} kv heads nor is a multiple of them "
+                "(kv heads are split or replicated whole)")
+    return None
+
+
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the global kv heads `rank` keeps (one replicated head when size > kv heads)."""
+    if size <= num_kv_heads:
+        per = num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    head = rank // (size // num_kv_heads)
+    return head, head + 1
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    size: int
+    num_heads: int  # the model's (global) counts
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        problem = tp_problem(self.num_heads, self.num_kv_heads, self.size)
+        if problem is None and self.intermediate_size % self.size:
+            problem = f"{self.size} does not divide the model's intermediate_size {self.intermediate_size}"
+        if problem is not None:
+            raise ValueError(f"tensor_parallel_size: {problem}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside [0, {self.size})")
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        per = self.num_heads // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        return kv_head_range(self.num_kv_heads, self.size, self.rank)
+
+    @property
+    def ffn(self) -> tuple[int, int]:
+        per = self.intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """Padded [start, end) of this rank's vocabulary rows (end may pass vocab_size)."""
+        return self.rank * self.vocab_per_rank, (self.rank + 1) * self.vocab_per_rank

@@ -1,0 +1,132 @@
+"""Tensor-parallel model shards (gloo, real processes) against one rank and transformers, float32.
+
+Each case runs a prompt through `ModelRunner`s with `RankShard`s in `size` spawned processes (rank
+0 here is a child too), prefilled in two chunks then decoded greedily; every rank gets the whole
+logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on the sliding
+window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
+each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
+does not divide (padded rows).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+from pathlib import Path
+
+import hf_reference
+import pytest
+import torch
+
+from kvcache import KvCacheConfig, KVCacheManager
+from server.models.builtin import build_tiny_model, materialize_builtin
+from server.models.parallel import group
+from server.models.parallel.context import RankShard, TensorParallel, TorchComm
+from server.models.parallel.plan import ShardPlan, kv_head_range, tp_problem
+from server.models.parallel.shard import plan_for
+from server.models.runner import ModelRunner, SeqChunk
+from server.models.spec import load_spec
+
+TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 12
+PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window
+
+
+def _prompt(vocab: int) -> list[int]:
+    rng = random.Random(7)
+    return [rng.randrange(5, vocab) for _ in range(PROMPT_LEN)]
+
+
+def _greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Prefill in two chunks, decode NEW_TOKENS greedily (EOS masked); also the prefill's last logits."""
+    kv.admit("r", ids, num_tokens=len(ids) + NEW_TOKENS)
+    tables = lambda: {w: kv.slot_table("r", w) for w in kv.window_sizes}  # noqa: E731
+    runner.execute([SeqChunk(ids[:FIRST_CHUNK], 0, tables(), need_logits=False)])
+    kv.release_out_of_window("r", FIRST_CHUNK)
+    logits = runner.execute([SeqChunk(ids[FIRST_CHUNK:], FIRST_CHUNK, tables(), need_logits=True)])
+    first, out, past = logits[0].tolist(), [], len(ids)
+    eos = list(runner.spec.eos_token_ids)
+    for _ in range(NEW_TOKENS):
+        kv.release_out_of_window("r", past)
+        logits[:, eos] = float("-inf")
+        out.append(int(logits[0].argmax()))
+        logits = runner.execute([SeqChunk([out[-1]], past, tables(), need_logits=True)])
+        past += 1
+    return out, first
+
+
+def _runner(model_dir: Path, shard: RankShard | None) -> tuple[ModelRunner, KVCacheManager]:
+    spec = load_spec(model_dir)
+    local = spec if shard is None else shard.local_spec(spec)
+    kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
+                        local.cache_layout(MAX_SEQ_LEN, torch.float32, "cpu"))
+    return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
+                       max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard), kv
+
+
+def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: str) -> None:
+    torch.set_num_threads(1)
+    group.join(rank, size, torch.device("cpu"), port=port, timeout_s=120)
+    try:
+        results = {}
+        for name, model_dir in model_dirs.items():
+            plan = plan_for(load_spec(model_dir), rank, size)
+            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)))
+            results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        group.leave()
+
+
+def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path) -> list[dict]:
+    store = group.open_store(size, timeout_s=120)
+    ctx = multiprocessing.get_context("spawn")
+    args = lambda r: (r, size, store.port, {k: str(v) for k, v in model_dirs.items()}, str(out))  # noqa: E731
+    procs = [ctx.Process(target=_rank_main, args=args(r), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert [p.exitcode for p in procs] == [0] * size
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-models")
+    return {
+        "tiny-qwen3-swa": materialize_builtin("tiny-qwen3-swa"),
+        "qwen2-bias-sliding": build_tiny_model(root / "qwen2", "qwen2", use_sliding_window=True,
+                                               sliding_window=24, max_window_layers=2),
+        "tiny-llama": materialize_builtin("tiny-llama"),
+        "llama-tied-bias-odd-vocab": build_tiny_model(root / "llama-odd", "llama", tie_word_embeddings=True,
+                                                      attention_bias=True, mlp_bias=True, vocab_size=498),
+    }
+
+
+@pytest.mark.parametrize(("size", "names"), [(2, ("tiny-qwen3-swa", "qwen2-bias-sliding")),
+                                             (4, ("tiny-llama", "llama-tied-bias-odd-vocab"))])
+def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
+                                                     size: int, names: tuple[str, ...]) -> None:
+    ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
+    for name in names:
+        runner, kv = _runner(model_dirs[name], None)
+        ids = _prompt(runner.spec.vocab_size)
+        one_rank, one_rank_logits = _greedy(runner, kv, ids)
+        assert one_rank == hf_reference.hf_greedy(model_dirs[name], ids, NEW_TOKENS), name
+        for rank, result in enumerate(ranks):
+            tokens, logits = result[name]
+            assert tokens == one_rank, (name, rank)
+            assert (torch.tensor(logits) - torch.tensor(one_rank_logits)).abs().max().item() < 1e-4, (name, rank)
+
+
+def test_shard_plan_heads_replication_and_vocab() -> None:
+    assert tp_problem(4, 2, 2) is None and tp_problem(4, 2, 4) is None
+    assert "does not divide the model's 4 attention heads" in tp_problem(4, 2, 3)
+    assert "neither divides the model's 6 kv heads" in tp_problem(8, 6, 4)
+    assert [kv_head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_head_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+    plan = ShardPlan(rank=3, size=4, num_heads=8, num_kv_heads=2, intermediate_size=256, vocab_size=498)
+    assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
+        ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
