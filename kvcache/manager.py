@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from kvcache.admission import check_capacity, execute_plan, make_primary
-from kvcache.block import Level
+from kvcache.block import CopyOp, Level
 from kvcache.config import KvCacheConfig
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, primary_tokens
@@ -41,6 +41,8 @@ def _flushes(method: T) -> T:
             for g in self._groups:
                 if g.bm.copies:
                     g.pools.execute(g.bm.copies)
+                    for observer in self._copy_observers:
+                        observer(g.window, list(g.bm.copies))
                     g.bm.copies.clear()
 
     return wrapper  # type: ignore[return-value]
@@ -76,6 +78,7 @@ class KVCacheManager:
                                        copy=config.copy_on_partial_reuse, onboard=config.onboard_blocks)
         self._requests: dict[str, RequestState] = {}
         self._query_tokens = self._hit_tokens = 0
+        self._copy_observers: list[Callable[[int, list[CopyOp]], None]] = []
 
     # ---- layout
     def group_layers(self, window: int) -> tuple[int, ...]:
@@ -93,6 +96,16 @@ class KVCacheManager:
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
         """[num_slots, num_layers_in_group, 2, tpb, kv_heads, head_dim]; None if the level has no slots."""
         return self._group(window).pools.pool(level)
+
+    def observe_copies(self, observer: Callable[[int, list[CopyOp]], None]) -> None:
+        """Call `observer(window, ops)` with every batch of copies right after the pools ran it, in
+        order: a tensor-parallel server's other ranks replay them on their slices of the pools."""
+        self._copy_observers.append(observer)
+
+    def apply_copies(self, window: int, ops: Sequence[CopyOp]) -> None:
+        """Run copies that another manager with the same slot counts recorded (`observe_copies`) on
+        these pools; the bookkeeping here is not touched (a rank whose manager is rank 0's)."""
+        self._group(window).pools.execute(ops)
 
     def slot_bytes(self, window: int) -> int:
         return self._group(window).pools.slot_bytes

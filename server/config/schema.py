@@ -30,6 +30,8 @@ from msgspec.structs import replace
 from kvcache.config import KvCacheConfig
 from server.config.checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
+from server.models.catalog import attention_heads
+from server.models.parallel.plan import tp_problem
 from server.router.auth import RouterAccess
 from server.router.routing_config import RouterConfig, RoutingConfig
 from transceiver.config import TransceiverConfig
@@ -71,6 +73,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
     kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
+    # ranks (one process each; on CUDA, rank r on cuda:r of the GPUs the server sees): must divide the
+    # model's attention heads, and divide or be a multiple of its kv heads
+    tensor_parallel_size: Positive = 1
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()
@@ -280,9 +285,17 @@ def _origin(section: str, raw: dict[str, Any]):
 def _server(settings: dict[str, Any], role: Role, source: str, origin=list) -> ServerConfig:
     """Convert one server's settings; its transceiver binds beside it unless the file says where."""
     cfg = convert({**settings, "role": role}, ServerConfig, source, origin)
+    _check_tensor_parallel(cfg, source, origin)
     if _written(settings, ["cache_transceiver_config", "host"]):
         return cfg
     return replace(cfg, cache_transceiver_config=replace(cfg.cache_transceiver_config, host=cfg.host))
+
+
+def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:
+    heads = attention_heads(cfg.model)
+    problem = None if heads is None else tp_problem(*heads, cfg.tensor_parallel_size)
+    if problem is not None:
+        raise ConfigError(f"{source}: {'.'.join(origin(['tensor_parallel_size']))}: {problem}")
 
 
 def _written(data: Any, path: KeyPath) -> bool:

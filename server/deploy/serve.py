@@ -29,6 +29,9 @@ from server.models.spec import load_spec
 from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
+from server.tp.messages import Ready
+from server.tp.ranks import start_ranks
+from server.tp.runner import RankedRunner
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
@@ -43,13 +46,22 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     spec = load_spec(model_dir)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    weights = load_weights(spec, dtype, device)  # first: a GPU pool takes a share of what is left
-    kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
+    ranks = start_ranks(cfg, model_dir, spec, device, dtype) if cfg.tensor_parallel_size > 1 else None
+    shard, device = (ranks.shard, ranks.device) if ranks else (None, device)  # rank 0's share, cuda:0
+    # first the weights: a GPU pool takes a share of what is left
+    weights = load_weights(spec, dtype, device) if shard is None else shard.load(spec, dtype, device)
+    local = spec if shard is None else shard.local_spec(spec)  # a rank's pools hold its kv heads
+    kv = KVCacheManager(cfg.kv_cache_config, local.cache_layout(cfg.max_seq_len, dtype, device),
                         salt=spec.fingerprint)
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
-                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len)
+                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard)
+    if ranks:
+        ranks.attach(kv)  # the other ranks build pools of the same slot counts and mirror its copies
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
+    if ranks:
+        ranks.wait_for(Ready)
+        runner = RankedRunner(runner, ranks)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake))
@@ -109,6 +121,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
             await asyncio.to_thread(_close_transceiver, engine)
+            await asyncio.to_thread(_stop_ranks, engine)
             if kv_events.publisher is not None:
                 kv_events.publisher.close()
 
@@ -163,6 +176,13 @@ def _close_transceiver(engine) -> None:
     for link in transceiver(engine):
         if link is not None:
             link.close()
+
+
+def _stop_ranks(engine) -> None:
+    """A tensor-parallel server's other ranks stop with it (after its engine thread and KV links)."""
+    ranks = getattr(getattr(getattr(engine, "core", None), "runner", None), "ranks", None)
+    if ranks is not None:
+        ranks.stop()
 
 
 def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher | None:

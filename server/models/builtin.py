@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,17 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from server.models.catalog import (  # noqa: F401 (re-exported: the built-in models' names live there)
+    BUILTIN_MODELS,
+    BUILTIN_PREFIX,
+    PACKAGED_MODELS,
+    PACKAGED_ROOT,
+    TINY_SHAPE,
+    BuiltinModel,
+)
 from server.models.tiny_tokenizer import train_tokenizer
 
-BUILTIN_PREFIX = "builtin:"
 SEED = 1234
-PACKAGED_ROOT = Path(__file__).resolve().parent / "data"
-# trained models shipped as package data: name -> folder under PACKAGED_ROOT, and what rebuilds it
-PACKAGED_MODELS: dict[str, str] = {"tiny-story": "scripts/train_tiny_story.py"}
 
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -53,30 +56,7 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
-
-# shared shape of every tiny model: ~0.7 M parameters, head_dim 32 (vLLM CPU needs >= 32)
-_TINY_SHAPE: dict[str, Any] = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    family: str
-    version: int  # bump when the recipe changes: a new folder is built, old caches stay valid
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "tiny-llama": BuiltinModel("llama", 1),
-    "tiny-qwen3-swa": BuiltinModel(
-        "qwen3", 1,
-        dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
-             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
-    ),
-}
+_TINY_SHAPE = TINY_SHAPE
 
 
 def cache_root() -> Path:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from server.models.parallel.plan import ShardPlan
-from server.models.parallel.shard import load_shard, local_spec
+from server.models.parallel.shard import load_shard, local_spec, plan_for
 from server.models.spec import ModelSpec
 
 
@@ -107,6 +107,12 @@ class RankShard:
 
     plan: ShardPlan
     context: ParallelContext
+
+    @classmethod
+    def of(cls, spec: ModelSpec, rank: int, size: int) -> RankShard:
+        """`rank`'s part of the model, meeting the others through the default process group."""
+        plan = plan_for(spec, rank, size)
+        return cls(plan, TensorParallel(TorchComm(), plan))
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         return local_spec(spec, self.plan)

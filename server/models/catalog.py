@@ -1,0 +1,60 @@
+"""The built-in models by name, and the head counts of any model, without torch or transformers.
+
+The config loader checks `tensor_parallel_size` against the model's heads (`attention_heads`), and
+the router reads deployments too, so this module imports neither (builtin.py builds the models).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+PACKAGED_ROOT = Path(__file__).resolve().parent / "data"
+# trained models shipped as package data: name -> folder under PACKAGED_ROOT, and what rebuilds it
+PACKAGED_MODELS: dict[str, str] = {"tiny-story": "scripts/train_tiny_story.py"}
+
+# shared shape of every tiny model: ~0.7 M parameters, head_dim 32 (vLLM CPU needs >= 32)
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    family: str
+    version: int  # bump when the recipe changes: a new folder is built, old caches stay valid
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "tiny-llama": BuiltinModel("llama", 1),
+    "tiny-qwen3-swa": BuiltinModel(
+        "qwen3", 1,
+        dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+    ),
+}
+
+
+def attention_heads(model: str) -> tuple[int, int] | None:
+    """(attention heads, kv heads) of `model` (a built-in name or a model directory); None when its
+    config.json cannot be read here (the server that loads it checks again)."""
+    name = model.removeprefix(BUILTIN_PREFIX)
+    if model.startswith(BUILTIN_PREFIX) and name in BUILTIN_MODELS:
+        config = {**TINY_SHAPE, **BUILTIN_MODELS[name].overrides}
+    else:
+        folder = PACKAGED_ROOT / name if model.startswith(BUILTIN_PREFIX) else Path(model).expanduser()
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    kv = config.get("num_key_value_heads") or heads
+    return heads, kv

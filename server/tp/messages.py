@@ -1,0 +1,112 @@
+"""What rank 0 tells the other ranks of its server, and what they report back (msgspec, never pickle).
+
+Rank 0 sends `Command`s: its operations on the shared state, in the order it made them. Applying
+them in that order is what keeps every rank's slice of the KV pools identical in slot terms to rank
+0's: a copy recorded before a forward is run before it, a lease ends before its slots are written
+again, and a pull starts after the copies that freed its slots.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SeqStep(msgspec.Struct, array_like=True, frozen=True):
+    """One `SeqChunk` of a forward (server/models/runner.py)."""
+
+    token_ids: list[int]
+    num_past: int
+    slot_tables: dict[int, list[int]]  # window -> primary slots, token order; -1 released
+    need_logits: bool
+
+
+class Init(msgspec.Struct, tag=True, frozen=True):
+    """First command: the slot counts of every window group's pools (rank 0's manager decided them)."""
+
+    num_primary: int
+    num_secondary: int
+
+
+class Copies(msgspec.Struct, tag=True, frozen=True):
+    """Pool copies rank 0's KV manager ran on one window group, in order."""
+
+    window: int
+    ops: list[tuple[int, int, int, int]]  # (src level, src slot, dst level, dst slot)
+
+
+class Forward(msgspec.Struct, tag=True, frozen=True):
+    seqs: list[SeqStep]
+
+
+class OfferLease(msgspec.Struct, tag=True, frozen=True):
+    """Context side: serve pulls of lease `cid` from these primary slots (rank 0 pinned them)."""
+
+    cid: str
+    slots: dict[int, list[int]]  # window -> slot of each block, -1 released
+
+
+class EndLease(msgspec.Struct, tag=True, frozen=True):
+    """Context side: the lease ended on rank 0; its slots may be written again after this."""
+
+    cid: str
+
+
+class StartPull(msgspec.Struct, tag=True, frozen=True):
+    """Generation side: pull this rank's kv heads of the request's missing blocks into these slots."""
+
+    request_id: str
+    ctx_endpoint: str
+    ctx_epoch: str
+    ctx_request_id: str
+    wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
+
+
+class CancelPull(msgspec.Struct, tag=True, frozen=True):
+    """Generation side: the request's pull ended on rank 0 (failed, aborted); write nothing more."""
+
+    request_id: str
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+Op = Init | Copies | Forward | OfferLease | EndLease | StartPull | CancelPull | Stop
+
+
+class Command(msgspec.Struct, frozen=True):
+    ops: list[Op]
+
+
+class Joined(msgspec.Struct, tag=True, frozen=True):
+    """A rank connected its channel end (rank 0 sends nothing to a rank before this arrives)."""
+
+    rank: int
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    """A rank loaded its shard and pools; a context rank's KV sender listens at `kv_endpoint`."""
+
+    rank: int
+    kv_endpoint: str | None = None
+
+
+class PullDone(msgspec.Struct, tag=True, frozen=True):
+    """A rank's part of a pull ended (`ok`, or failed with one of transceiver.wire.REASONS)."""
+
+    rank: int
+    request_id: str
+    ok: bool
+    reason: str | None = None
+    error: str | None = None
+    nbytes: int = 0
+
+
+class Failure(msgspec.Struct, tag=True, frozen=True):
+    """A rank hit an error it cannot recover from; it exits after this."""
+
+    rank: int
+    error: str
+
+
+Report = Joined | Ready | PullDone | Failure

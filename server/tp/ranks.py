@@ -1,0 +1,183 @@
+"""Rank 0's handle on the other ranks of its server: start them, keep them in step, stop them.
+
+`Ranks.start` (on the engine thread, before the model loads) draws the channel secret, opens the
+torch.distributed store, spawns ranks 1..N-1 (multiprocessing "spawn": nothing forked after torch
+or CUDA started), waits until each has connected its channel end, and joins the process group.
+From then on rank 0 queues every operation the ranks must mirror (`add`; pool copies arrive
+through `KVCacheManager.observe_copies`) and sends the queue, in order, as one `Command` (`flush`):
+before each forward, and whenever a lease or a pull must start on every rank.
+
+Failure: a watchdog thread waits on the ranks' process sentinels; if one exits while the server is
+not stopping, it kills the others and ends this process with RANK_DIED_EXIT, so the launcher
+restarts the whole server (the router fences it meanwhile). The other ranks watch rank 0 the same
+way (worker.py). A stuck collective is therefore never waited on for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+from kvcache import KVCacheManager, Level
+from kvcache.block import CopyOp
+from server.config.schema import ServerConfig
+from server.models.parallel import group
+from server.models.parallel.context import RankShard
+from server.models.spec import ModelSpec
+from server.tp import worker
+from server.tp.channel import ChannelError, RootEnd
+from server.tp.messages import Command, Copies, Failure, Init, Joined, Op, PullDone, Ready, Report, Stop
+
+log = logging.getLogger(__name__)
+
+RANK_DIED_EXIT = 3  # the server's exit code when one of its ranks died
+START_TIMEOUT_S = 600.0  # a rank loads its shard and warms up within this
+STOP_TIMEOUT_S = 10.0
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+class Ranks:
+    def __init__(self, size: int, end: RootEnd, procs: list[multiprocessing.Process], epoch: str,
+                 on_rank_death: Callable[[], None]) -> None:
+        self.size = size
+        self.epoch = epoch  # the KV senders' epoch, the same on every rank of a context server
+        self._end = end
+        self._procs = procs
+        self._ops: list[Op] = []
+        self._reports: list[Report] = []
+        self._stopping = False
+        self.kv_endpoints: list[str | None] = [None] * size  # per rank, from `Ready`
+        self.shard: RankShard | None = None  # rank 0's part of the model
+        self.device = torch.device("cpu")  # rank 0's
+        self._on_rank_death = on_rank_death
+        threading.Thread(target=self._watch, name="pdserve-rank-watchdog", daemon=True).start()
+
+    @classmethod
+    def start(cls, config_json: bytes, model_dir: str, size: int, device: torch.device, dtype: torch.dtype,
+              on_rank_death: Callable[[], None] = lambda: os._exit(RANK_DIED_EXIT)) -> Ranks:
+        """Spawn ranks 1..size-1 and join the process group as rank 0 (`config_json`: the server's
+        ServerConfig, msgspec JSON). `on_rank_death()` runs once the other ranks are killed after
+        one died (default: end this process)."""
+        secret, epoch = secrets.token_bytes(32), uuid.uuid4().hex
+        end = RootEnd(secret)
+        store = group.open_store(size)
+        spawn = multiprocessing.get_context("spawn")
+        procs = []
+        for rank in range(1, size):
+            args = worker.WorkerArgs(config_json=config_json, model_dir=model_dir, rank=rank, size=size,
+                                     store_port=store.port, channel=end.endpoint, secret=secret.hex(),
+                                     epoch=epoch, device=str(device), dtype=str(dtype).removeprefix("torch."))
+            procs.append(spawn.Process(target=worker.main, args=(msgspec.msgpack.encode(args),), daemon=True,
+                                       name=f"pdserve-rank-{rank}"))
+            procs[-1].start()
+        ranks = cls(size, end, procs, epoch, on_rank_death)
+        group.join(0, size, group.rank_device(device, 0), store=store)
+        ranks.wait_for(Joined)
+        return ranks
+
+    # ---- the commands
+    def attach(self, kv: KVCacheManager) -> None:
+        """Give the ranks the pools' slot counts and mirror every copy `kv` runs from now on."""
+        window = kv.window_sizes[0]
+        self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY)))
+        kv.observe_copies(self._on_copies)
+        self.flush()
+
+    def _on_copies(self, window: int, ops: list[CopyOp]) -> None:
+        self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops]))
+
+    def add(self, op: Op) -> None:
+        self._ops.append(op)
+
+    def flush(self) -> None:
+        """Send every queued operation, in order, to every rank."""
+        if self._ops:
+            ops, self._ops = self._ops, []
+            self._end.send(list(range(1, self.size)), Command(ops))
+
+    # ---- the reports
+    def wait_for(self, kind: type[Joined] | type[Ready], timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until every rank has sent its `kind` report (`Ready`: loaded and warmed up)."""
+        deadline = time.monotonic() + timeout_s
+        done: set[int] = set()
+        others: list[Report] = []
+        while len(done) < self.size - 1:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.size)) - done)
+                raise RankFailed(f"ranks {missing} sent no {kind.__name__} within {timeout_s:.0f} s")
+            for report in self.reports(0.1):
+                if not isinstance(report, kind):
+                    others.append(report)
+                    continue
+                done.add(report.rank)
+                if isinstance(report, Ready):
+                    self.kv_endpoints[report.rank] = report.kv_endpoint
+        self._reports = others + self._reports
+
+    def reports(self, timeout_s: float = 0.0) -> list[Report]:
+        """Reports that arrived (pulls' parts); a rank's `Failure` raises RankFailed."""
+        for report in self._end.receive(timeout_s):
+            if isinstance(report, Failure):
+                raise RankFailed(f"rank {report.rank} failed: {report.error}")
+            self._reports.append(report)
+        out, self._reports = self._reports, []
+        return out
+
+    def pull_reports(self) -> list[PullDone]:
+        return [r for r in self.reports() if isinstance(r, PullDone)]
+
+    # ---- the end
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask every rank to stop, wait for them (then kill), close the channel."""
+        self._stopping = True
+        try:
+            self._ops = [Stop()]
+            self.flush()
+        except ChannelError as exc:
+            log.warning("could not ask the ranks to stop: %s", exc)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self._end.close()
+        group.leave()
+
+    def _watch(self) -> None:
+        procs = {p.sentinel: p for p in self._procs}
+        ready = multiprocessing.connection.wait(list(procs))
+        if self._stopping:
+            return
+        dead = procs[ready[0]]
+        dead.join(1.0)  # its exit code
+        log.error("%s exited with code %s: stopping every rank of this server (exit %d)", dead.name,
+                  dead.exitcode, RANK_DIED_EXIT)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self._on_rank_death()
+
+
+def start_ranks(cfg: ServerConfig, model_dir: Path, spec: ModelSpec, device: torch.device,
+                dtype: torch.dtype) -> Ranks:
+    """Start the other ranks of the server `cfg` describes; rank 0 (this process) gets its shard."""
+    size = cfg.tensor_parallel_size
+    ranks = Ranks.start(msgspec.json.encode(cfg), str(model_dir), size, device, dtype)
+    ranks.device = group.rank_device(device, 0)
+    ranks.shard = RankShard.of(spec, 0, size)
+    return ranks

@@ -1,0 +1,148 @@
+"""Ranks 1..N-1 of a tensor-parallel server: each a process that mirrors rank 0 on its own shards.
+
+A rank joins the process group, loads its slices of the weights, waits for rank 0's `Init` (the
+pools' slot counts), builds its KV pools and model runner, warms up (in step with rank 0: the
+warm-up's collectives pair up), starts its role's KV endpoint (context: a sender of its kv heads;
+generation: a receiver of them) and reports `Ready`. Then it applies rank 0's commands in order:
+copies on its pools, forwards (its part of every collective; the logits are rank 0's business),
+leases and pulls on its own KV link. Its KV manager only holds the pools: rank 0 keeps the books.
+
+It exits when rank 0 says `Stop`, when rank 0's process ends (a watchdog thread, so a collective
+that waits for a dead rank 0 cannot hold it), and with code 1 after reporting a `Failure`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from pathlib import Path
+
+import msgspec
+import torch
+
+from kvcache import KvCacheConfig, KVCacheManager, Level
+from kvcache.block import CopyOp
+from kvcache.layout import CacheLayout
+from server.config.schema import ServerConfig
+from server.models.parallel import group
+from server.models.parallel.context import RankShard
+from server.models.runner import ModelRunner, SeqChunk, resolve_dtype
+from server.models.spec import load_spec
+from server.tp.channel import RankEnd
+from server.tp.messages import Command, Copies, Failure, Forward, Init, Joined, Op, Ready, Stop
+from server.tp.roles import make_role
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05
+BUSY_POLL_S = 0.002  # while KV transfers run
+INIT_TIMEOUT_S = 600.0
+
+
+class WorkerArgs(msgspec.Struct, frozen=True):
+    config_json: bytes  # the server's ServerConfig (msgspec JSON)
+    model_dir: str
+    rank: int
+    size: int
+    store_port: int  # torch.distributed rendezvous on loopback
+    channel: str  # rank 0's channel endpoint
+    secret: str  # hex: the channel's HMAC key
+    epoch: str  # the server's KV sender epoch
+    device: str
+    dtype: str
+
+
+def main(blob: bytes) -> None:
+    """The process target (its only argument: msgpack of WorkerArgs)."""
+    args = msgspec.msgpack.decode(blob, type=WorkerArgs)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    _exit_with_parent()
+    end = RankEnd(bytes.fromhex(args.secret), args.channel, args.rank)
+    try:
+        end.report(Joined(args.rank))
+        Worker(args, end).run()
+    except BaseException as exc:
+        log.exception("rank %d failed", args.rank)
+        try:
+            end.report(Failure(args.rank, f"{type(exc).__name__}: {exc}"))
+        finally:
+            end.close()
+            os._exit(1)
+    end.close()
+    group.leave()
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("rank 0 is gone: exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pdserve-rank0-watch", daemon=True).start()
+
+
+def mirror_config(config: KvCacheConfig, init: Init, layout: CacheLayout) -> KvCacheConfig:
+    """This rank's pools get exactly rank 0's slot counts."""
+    tpb = config.tokens_per_block
+    return msgspec.structs.replace(config, max_tokens=init.num_primary * tpb, free_gpu_memory_fraction=None,
+                                   host_cache_size=init.num_secondary * tpb * layout.bytes_per_token())
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs, end: RankEnd) -> None:
+        self.end = end
+        cfg = msgspec.json.decode(args.config_json, type=ServerConfig)
+        device = group.rank_device(torch.device(args.device), args.rank)
+        dtype = resolve_dtype(args.dtype, device)
+        group.join(args.rank, args.size, device, port=args.store_port)
+        spec = load_spec(args.model_dir)
+        shard = RankShard.of(spec, args.rank, args.size)
+        weights = shard.load(spec, dtype, device)
+        init, self.pending = self._init()
+        layout = shard.local_spec(spec).cache_layout(cfg.max_seq_len, dtype, device)
+        self.kv = KVCacheManager(mirror_config(cfg.kv_cache_config, init, layout), layout, salt=spec.fingerprint)
+        self.runner = ModelRunner(Path(args.model_dir), self.kv, dtype=dtype, device=device,
+                                  max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size,
+                                  tensors=weights, kernels=cfg.kernels, cuda_graphs=cfg.cuda_graphs,
+                                  max_seq_len=cfg.max_seq_len, shard=shard)
+        self.runner.warm_up()
+        self.role = make_role(cfg, self.kv, spec.fingerprint, args.epoch, args.rank, shard.plan)
+        end.report(Ready(args.rank, self.role.endpoint))
+
+    def _init(self) -> tuple[Init, list[Op]]:
+        command = self.end.receive(INIT_TIMEOUT_S)
+        if command is None or not command.ops or not isinstance(command.ops[0], Init):
+            raise RuntimeError("rank 0 sent no Init")
+        return command.ops[0], command.ops[1:]
+
+    def run(self) -> None:
+        ops: list[Op] | None = self.pending
+        while True:
+            if ops and not self.apply(ops):
+                self.role.close()
+                return
+            for report in self.role.step():
+                self.end.report(report)
+            command: Command | None = self.end.receive(BUSY_POLL_S if self.role.busy else IDLE_POLL_S)
+            ops = command.ops if command is not None else None
+
+    def apply(self, ops: list[Op]) -> bool:
+        """Run rank 0's operations in order; False on Stop."""
+        for op in ops:
+            if isinstance(op, Copies):
+                self.kv.apply_copies(op.window, [CopyOp(Level(a), b, Level(c), d) for a, b, c, d in op.ops])
+            elif isinstance(op, Forward):
+                self.runner.execute([SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits)
+                                     for s in op.seqs])
+            elif isinstance(op, Stop):
+                return False
+            else:
+                self.role.apply(op)
+        return True

@@ -1,0 +1,70 @@
+"""A tensor-parallel aggregated server (`tensor_parallel_size: 2`, two real rank processes on gloo)
+replays prompts through a small pool with a host tier, token for token against transformers.
+
+The model is the sliding-window one (window 64 on two of its layers, prompts of ~200 tokens); the
+primary pool holds 32 blocks, fewer than the six prompts need, so blocks are evicted to the host tier
+and onboarded back: every rank must mirror those copies on its own slice of the pools (rank 0 keeps
+the books), and replays read back exactly what was written (identical text, cached tokens > 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import deploy_harness as dh
+import hf_reference
+import httpx
+import pytest
+from transformers import AutoTokenizer
+from waiting import wait_until
+
+from server.models.builtin import resolve_model
+
+MODEL = "builtin:tiny-qwen3-swa"
+TOPICS = ["astronomy", "cooking", "gardening", "history", "music", "sailing"]
+FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
+PROMPTS = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in TOPICS]
+PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+TP_AGGREGATED = {
+    "model": MODEL, "device": "cpu", "max_seq_len": 512, "max_batch_size": 8, "max_num_tokens": 512,
+    "tensor_parallel_size": 2,
+    "kv_cache_config": {"tokens_per_block": 32, "max_tokens": 1024, "host_cache_size": 4 << 20,
+                        "secondary_offload_min_priority": 0},
+}
+
+
+async def _complete(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
+    response = await client.post(f"{url}/v1/completions", json={"prompt": prompt, **PAYLOAD}, timeout=180)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def _all(url: str, concurrent: bool) -> list[dict]:
+    async with httpx.AsyncClient() as client:
+        if concurrent:
+            return await asyncio.gather(*(_complete(client, url, p) for p in PROMPTS))
+        return [await _complete(client, url, p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference_texts() -> list[str]:
+    model_dir = resolve_model(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    assert min(len(i) for i in ids) > 128  # past the sliding window
+    return [tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, i, 12), skip_special_tokens=True)
+            for i in ids]
+
+
+def test_tp2_replay_through_host_tier_matches_transformers(tmp_path, reference_texts):
+    with dh.launched("aggregated.yaml", tmp_path, TP_AGGREGATED) as dep:
+        first = asyncio.run(_all(dep.url, concurrent=False))
+        assert [b["choices"][0]["text"] for b in first] == reference_texts
+        for _ in range(2):
+            replay = asyncio.run(_all(dep.url, concurrent=True))
+            assert [b["choices"][0]["text"] for b in replay] == reference_texts
+            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        assert dep.metric(dep.url, "pdserve_kv_offloaded_blocks_total") > 0
+        assert dep.metric(dep.url, "pdserve_kv_onboarded_blocks_total") > 0
+        wait_until(lambda: dep.metric(dep.url, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                   what="no block in use")
