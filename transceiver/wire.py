@@ -14,6 +14,15 @@ receiver that could open them sends `PullRequest(via_ipc=True)`, and the sender 
 `IpcChunk`s (source slots + checksum, no payload) where it would send `ChunkHeader`s; `Done`, `Ack`,
 `Cancel`, `Failed` and the timeouts are the same on both paths. Fields added for it have defaults,
 so a peer of the previous version simply never offers or asks for IPC.
+
+Tensor parallelism (`transceiver/tp.py`): each rank of a server has its own link and pools holding
+its share of the kv heads; its `Layout` says which (`kv_head_start`, of `kv_heads_total`), and rank
+0's `InstanceInfo.ranks` lists every rank's endpoint and heads. A receiver pulls each of its heads
+from a context rank that holds it: whole slots when the two ranks hold the same heads (the
+one-to-one path), else `PullRequest.heads` names the sender's heads to cut out of each block. When
+either side has more than one rank, the pulls keep the lease (`keep_lease`: an Ack ends the pull
+only) and the generation side ends it with `Release` once every rank's part arrived; leases,
+epochs, checksums and Cancel work per rank pair as on one rank.
 """
 
 from __future__ import annotations
@@ -68,6 +77,24 @@ class Layout(msgspec.Struct, frozen=True):
     tokens_per_block: int
     windows: list[WindowLayout]
     fingerprint: str  # model identity (the caller's choice, e.g. a hash of the model config)
+    kv_heads_total: int = 0  # the model's kv heads (0: those of `windows`, one rank holds them all)
+    kv_head_start: int = 0  # the first of them this rank's pools hold (`windows[i].kv_heads` in all)
+
+    @property
+    def total_heads(self) -> int:
+        return self.kv_heads_total or self.windows[0].kv_heads
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """[start, end) of the model's kv heads this rank holds."""
+        return self.kv_head_start, self.kv_head_start + self.windows[0].kv_heads
+
+
+class RankEndpoint(msgspec.Struct, frozen=True):
+    """One rank of a tensor-parallel context server: its KV endpoint and the kv heads it holds."""
+
+    endpoint: str
+    kv_heads: tuple[int, int]  # [start, end) of the model's kv heads
 
 
 class PeerIdentity(msgspec.Struct, frozen=True):
@@ -129,6 +156,7 @@ class InstanceInfo(msgspec.Struct, tag=True, frozen=True):
 
     layout: Layout
     ipc: IpcOffer | None = None
+    ranks: list[RankEndpoint] = []  # rank 0 of a tensor-parallel server: every rank; else empty
 
 
 class WindowRange(msgspec.Struct, frozen=True):
@@ -147,6 +175,8 @@ class PullRequest(msgspec.Struct, tag=True, frozen=True):
     ctx_epoch: str
     ranges: list[WindowRange]
     via_ipc: bool = False  # answer with IpcChunks (only after an InstanceInfo with `ipc` of this epoch)
+    heads: tuple[int, int] | None = None  # [start, end) of the sender's own kv heads to send; None: all
+    keep_lease: bool = False  # this pull's Ack ends the pull only; the lease ends with `Release`
 
 
 class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
@@ -202,6 +232,13 @@ class Cancel(msgspec.Struct, tag=True, frozen=True):
     ctx_epoch: str | None = None  # when set, a sender with another epoch ignores the message
 
 
+class Release(msgspec.Struct, tag=True, frozen=True):
+    """gen -> ctx (rank 0): every rank's part of the request's KV arrived; the lease ends."""
+
+    ctx_request_id: str
+    ctx_epoch: str
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     """Either direction: the pull (or, with pull_id None, the handshake) failed."""
 
@@ -210,7 +247,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     pull_id: int | None = None
 
 
-Body = Hello | InstanceInfo | PullRequest | ChunkHeader | IpcChunk | Done | Ack | Cancel | Failed
+Body = Hello | InstanceInfo | PullRequest | ChunkHeader | IpcChunk | Done | Ack | Cancel | Release | Failed
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -222,7 +259,8 @@ class Envelope(msgspec.Struct, frozen=True):
 
 
 def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
-    """None when the two layouts are compatible, else a sentence saying what differs."""
+    """None when the two layouts are compatible, else a sentence saying what differs. Ranks of
+    tensor-parallel servers may hold different numbers of the model's kv heads."""
     if ctx.fingerprint != gen.fingerprint:
         return f"model fingerprint differs: context {ctx.fingerprint!r} vs generation {gen.fingerprint!r}"
     if ctx.tokens_per_block != gen.tokens_per_block:
@@ -232,25 +270,39 @@ def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
     gen_w = {w.window: w for w in gen.windows}
     if sorted(ctx_w) != sorted(gen_w):
         return f"window groups differ: context {sorted(ctx_w)} vs generation {sorted(gen_w)}"
+    if ctx.total_heads != gen.total_heads:
+        return f"the model's kv heads differ: context {ctx.total_heads} vs generation {gen.total_heads}"
     for window in sorted(ctx_w):
-        a, b = ctx_w[window], gen_w[window]
-        for name in ("layers", "kv_heads", "head_dim", "dtype", "slot_bytes"):
-            if getattr(a, name) != getattr(b, name):
-                return (
-                    f"window {window}: {name} differs: context {getattr(a, name)!r} "
-                    f"vs generation {getattr(b, name)!r}"
-                )
+        problem = _window_mismatch(ctx_w[window], gen_w[window])
+        if problem is not None:
+            return f"window {window}: {problem}"
     return None
 
 
-def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: str) -> Layout:
+def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
+    for name in ("layers", "head_dim", "dtype"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} differs: context {getattr(a, name)!r} vs generation {getattr(b, name)!r}"
+    if a.kv_heads == b.kv_heads and a.slot_bytes != b.slot_bytes:
+        return f"slot_bytes differs: context {a.slot_bytes!r} vs generation {b.slot_bytes!r}"
+    if a.slot_bytes * b.kv_heads != b.slot_bytes * a.kv_heads:
+        return (f"bytes per kv head differ: context {a.slot_bytes} for {a.kv_heads} heads vs generation "
+                f"{b.slot_bytes} for {b.kv_heads}")
+    return None
+
+
+def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: str,
+              heads: tuple[int, int] | None = None) -> Layout:
     """The layout a server advertises: per window group, the layers, kv heads, head dim, dtype and
-    slot bytes of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb, kv_heads, head_dim])."""
+    slot bytes of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb, kv_heads, head_dim]);
+    `heads`: (first kv head held, the model's kv heads) of a tensor-parallel rank."""
     windows = [WindowLayout(window=w, layers=list(kv.group_layers(w)), kv_heads=int(pools[w].shape[4]),
                             head_dim=int(pools[w].shape[5]), dtype=str(pools[w].dtype).removeprefix("torch."),
                             slot_bytes=kv.slot_bytes(w))
                for w in sorted(kv.window_sizes)]
-    return Layout(tokens_per_block=kv.tokens_per_block, windows=windows, fingerprint=fingerprint)
+    start, total = heads if heads is not None else (0, 0)
+    return Layout(tokens_per_block=kv.tokens_per_block, windows=windows, fingerprint=fingerprint,
+                  kv_heads_total=total, kv_head_start=start)
 
 
 # ---- sealing and opening

@@ -30,8 +30,9 @@ from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
 from server.tp.messages import Ready
-from server.tp.ranks import start_ranks
+from server.tp.ranks import Ranks, start_ranks
 from server.tp.runner import RankedRunner
+from server.tp.transfers import RankedReceiver, RankedSender
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
@@ -64,7 +65,8 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
         runner = RankedRunner(runner, ranks)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake))
+    connector = _role(cfg, kv, spec.fingerprint, wake, ranks)
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=connector)
     log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
              model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
              [kv.num_slots(w) for w in kv.window_sizes])
@@ -84,13 +86,18 @@ def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig
     return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
 
 
-def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake) -> KVConnector:
+def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake, ranks: Ranks | None) -> KVConnector:
+    """The connector of the server's role; a tensor-parallel server's KV endpoints span its ranks."""
     if cfg.role == "aggregated":
         return AggregatedConnector()
     transceiver = cfg.cache_transceiver_config
     if cfg.role == "context":
-        return ContextConnector(KVSender(kv, transceiver, fingerprint, on_message=wake), kv)
-    return GenerationConnector(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
+        sender = KVSender(kv, transceiver, fingerprint, on_message=wake) if ranks is None else \
+            RankedSender(kv, transceiver, fingerprint, wake, ranks, ranks.shard.plan)
+        return ContextConnector(sender, kv)
+    receiver = KVReceiver(kv, transceiver, fingerprint, on_message=wake) if ranks is None else \
+        RankedReceiver(kv, transceiver, fingerprint, wake, ranks, ranks.shard.plan)
+    return GenerationConnector(receiver, kv)
 
 
 def make_app(cfg: ServerConfig, on_fatal=None):

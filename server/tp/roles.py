@@ -8,7 +8,9 @@ from typing import Protocol
 from kvcache import KVCacheManager
 from server.config.schema import ServerConfig
 from server.models.parallel.plan import ShardPlan
-from server.tp.messages import Op, PullDone
+from server.tp.messages import CancelPull, EndLease, OfferLease, Op, PullDone, StartPull
+from transceiver.receiver import KVReceiver
+from transceiver.sender.rank_sender import RankSender
 
 
 class WorkerRole(Protocol):
@@ -41,8 +43,67 @@ class NoTransfers:
         return None
 
 
+class LeaseShare:
+    """A context server's rank: serves its kv heads of the leases rank 0 offers."""
+
+    def __init__(self, sender: RankSender) -> None:
+        self.sender = sender
+        self.endpoint = sender.endpoint
+
+    @property
+    def busy(self) -> bool:
+        return self.sender.busy
+
+    def apply(self, op: Op) -> None:
+        if isinstance(op, OfferLease):
+            self.sender.offer(op.cid, op.slots)
+        elif isinstance(op, EndLease):
+            self.sender.end(op.cid)
+        else:
+            raise RuntimeError(f"a context server's rank got {type(op).__name__}")
+
+    def step(self) -> list[PullDone]:
+        self.sender.step()
+        return []
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class PullShare:
+    """A generation server's rank: pulls its kv heads of the requests rank 0 pulls, reports each."""
+
+    endpoint = None
+
+    def __init__(self, receiver: KVReceiver, rank: int) -> None:
+        self.receiver = receiver
+        self.rank = rank
+
+    @property
+    def busy(self) -> bool:
+        return self.receiver.num_pulls > 0
+
+    def apply(self, op: Op) -> None:
+        if isinstance(op, StartPull):
+            self.receiver.start_pull(op.request_id, op.ctx_endpoint, op.ctx_epoch, op.ctx_request_id, op.wanted)
+        elif isinstance(op, CancelPull):
+            self.receiver.cancel(op.request_id)
+        else:
+            raise RuntimeError(f"a generation server's rank got {type(op).__name__}")
+
+    def step(self) -> list[PullDone]:
+        return [PullDone(self.rank, r.request_id, r.ok, r.reason, r.error, r.nbytes) for r in self.receiver.step()]
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
 def make_role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, epoch: str, rank: int,
               plan: ShardPlan) -> WorkerRole:
-    if cfg.role == "aggregated":
-        return NoTransfers()
-    raise NotImplementedError(f"tensor parallel {cfg.role} servers")
+    heads = (plan.kv_heads[0], plan.num_kv_heads)
+    if cfg.role == "context":
+        return LeaseShare(RankSender(kv, cfg.cache_transceiver_config, fingerprint, epoch, heads))
+    if cfg.role == "generation":
+        return PullShare(KVReceiver(kv, cfg.cache_transceiver_config, fingerprint, kv_heads=heads, releases=False),
+                         rank)
+    return NoTransfers()

@@ -76,10 +76,10 @@ def step_until(cores: list[EngineCore], predicate, what: str, timeout_s: float =
 
 def pull_state(receiver: KVReceiver, request_id: str) -> str:
     """"waiting" (no chunk written yet), "landed" (some written, more to come) or "ended"."""
-    pull_id = receiver._by_request.get(request_id)
-    if pull_id is None:
+    chunks = receiver.chunks_written(request_id)
+    if chunks is None:
         return "ended"
-    return "landed" if receiver._pulls[pull_id].chunks >= 1 else "waiting"
+    return "landed" if chunks >= 1 else "waiting"
 
 
 def generate(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]) -> list[int]:
@@ -103,11 +103,11 @@ def abort_mid_pull(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]
     gen.add_request(GenerateRequest(rid, prompt, greedy(NEW_TOKENS),
                                     dataclasses.replace(params, request_type="generation_only")))
     receiver = gen.connector.receiver
-    step_until([gen, ctx], lambda: rid in receiver._by_request, f"{rid}: its pull started")
+    step_until([gen, ctx], lambda: receiver.chunks_written(rid) is not None, f"{rid}: its pull started")
     step_until([gen, ctx], lambda: pull_state(receiver, rid) != "waiting", f"{rid}: the first chunk")
     mid_pull = pull_state(receiver, rid) == "landed"
     gen.abort(rid)
-    assert rid not in receiver._by_request  # cancel unregistered the pull before the blocks were freed
+    assert receiver.chunks_written(rid) is None  # cancel unregistered the pull before the blocks were freed
     return mid_pull
 
 

@@ -15,6 +15,14 @@ Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender'
 (endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
 (the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
 the checksum of what it wrote; `Done` and the Ack are the byte path's.
+
+Tensor parallelism (transceiver/tp.py): our pools may hold some of the model's kv heads (`kv_heads`)
+and the context server's ranks others. The socket thread plans a pull into parts, one per context
+rank our heads come from (`Planned`, before any chunk of them); the request's result comes once
+every part arrived. With several ranks on either side the parts keep the lease, and the lease ends
+with a `Release` to the context server's rank 0, which this receiver sends unless `releases` is
+False (a rank of a tensor-parallel generation server: its rank 0 releases once every rank's share
+arrived). A failed part fails the request and cancels its other parts.
 """
 
 from __future__ import annotations
@@ -24,17 +32,26 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import copy_slots, ipc_identity, open_pools
+from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
-from transceiver.payload import checksum, parts_are_valid, scatter
-from transceiver.receiver.link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.receiver.link import (
+    IpcPools,
+    PeerDown,
+    Planned,
+    Probe,
+    Pull,
+    PullRefused,
+    Received,
+    ReceiverLink,
+    Send,
+)
+from transceiver.receiver.parts import Part, Pulling, Wanted, apply_chunk, apply_ipc_chunk
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     REASONS,
@@ -46,6 +63,7 @@ from transceiver.wire import (
     IpcChunk,
     IpcOffer,
     PullRequest,
+    Release,
     WindowRange,
     layout_of,
 )
@@ -63,36 +81,23 @@ class PullResult:
     seconds: float = 0.0
 
 
-@dataclass
-class _Pull:
-    request_id: str
-    pull_id: int
-    endpoint: str
-    ctx_epoch: str
-    ctx_request_id: str
-    wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
-    started: float  # monotonic
-    deadline: float
-    next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
-    nbytes: int = 0
-    chunks: int = 0
-    via_ipc: bool = False  # chunks came as CUDA IPC copies
-    first_at: float | None = None  # when the socket thread received the pull's first answer
-    apply_s: float = 0.0  # engine thread: checking and writing chunks
-
-
 class KVReceiver:
     """Pulls KV blocks from context servers into this server's primary pool."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
-                 on_message: Callable[[], None] | None = None) -> None:
-        """`on_message()` is called (from the socket thread) whenever messages await `step`."""
+                 on_message: Callable[[], None] | None = None, *, kv_heads: tuple[int, int] | None = None,
+                 releases: bool = True) -> None:
+        """`on_message()` is called (from the socket thread) whenever messages await `step`. A rank
+        of a tensor-parallel server passes `kv_heads` (its first kv head, the model's kv heads), and
+        `releases=False` unless it is the server's only rank to end leases (see the module doc)."""
         self._kv = kv
         self._config = config
+        self._releases = releases
         self.epoch = uuid.uuid4().hex
         self.stats = TransferStats()
-        self._pulls: dict[int, _Pull] = {}  # by pull_id
-        self._by_request: dict[str, int] = {}  # request_id -> pull_id
+        self._pulling: dict[str, Pulling] = {}  # by request_id
+        self._unplanned: dict[int, Pulling] = {}  # by pull_id, until the socket thread planned them
+        self._parts: dict[int, Part] = {}  # running parts by pull_id
         self._results: list[PullResult] = []
         # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
@@ -102,52 +107,39 @@ class KVReceiver:
         def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
             return open_pools(offer, pools)
 
-        link = ReceiverLink(config, self.epoch, layout_of(kv, pools, fingerprint), self.stats, identity, open_ipc)
-        self._link = link
-        self._thread = SocketThread("kv-receiver", link, inbox_size=16, notify=on_message)
+        layout = layout_of(kv, pools, fingerprint, kv_heads)
+        self._link = ReceiverLink(config, self.epoch, layout, self.stats, identity, open_ipc)
+        self._thread = SocketThread("kv-receiver", self._link, inbox_size=16, notify=on_message)
         self._thread.start()
 
     # ---- engine thread API -------------------------------------------------------------------
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
-                   wanted: dict[int, tuple[int, list[int]]]) -> None:
+                   wanted: Wanted) -> None:
         """Pull, per window, the blocks [first, first + len(slots)) of the context request into
         `slots` (primary slot indices of this server, in block order)."""
-        if request_id in self._by_request:
+        if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} is already pulling")
         self._check_wanted(wanted)
         now = time.monotonic()
-        pull = _Pull(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
-                     {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
-                     now, now + self._config.timeout_s)
-        pull.next_first = {w: first for w, (first, _) in pull.wanted.items()}
-        self._pulls[pull.pull_id] = pull
-        self._by_request[request_id] = pull.pull_id
+        pulling = Pulling(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
+                          {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
+                          now, now + self._config.timeout_s)
+        self._pulling[request_id] = self._unplanned[pulling.pull_id] = pulling
         ranges = [WindowRange(window=w, first=first, count=len(slots))
-                  for w, (first, slots) in sorted(pull.wanted.items()) if slots]
-        req = PullRequest(pull_id=pull.pull_id, ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch,
+                  for w, (first, slots) in sorted(pulling.wanted.items()) if slots]
+        req = PullRequest(pull_id=pulling.pull_id, ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch,
                           ranges=ranges)
         self._thread.submit(Pull(ctx_endpoint, req))
 
     def step(self) -> list[PullResult]:
         """Apply received chunks (checksum, scatter), finish or fail pulls; returns finished pulls."""
         for item in self._thread.drain():
-            if isinstance(item, PullRefused):
-                if item.pull_id in self._pulls:
-                    self._fail(self._pulls[item.pull_id], item.reason, item.detail, notify=False)
-            elif isinstance(item, IpcPools):
-                self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
-                if item.epoch is not None and item.pools is not None:
-                    self._ipc_pools[item.endpoint] = (item.epoch, item.pools)
-            elif isinstance(item, PeerDown):  # Cancel anyway: it reaches the peer if it comes back
-                for pull in [p for p in self._pulls.values() if p.endpoint == item.endpoint]:
-                    self._fail(pull, "peer_gone", item.detail)
-            else:
-                self._on_received(item)
+            self._on_item(item)
         now = time.monotonic()
-        for pull in [p for p in self._pulls.values() if p.deadline <= now]:
-            self._fail(pull, "timeout", f"the KV transfer did not finish within "
-                                        f"{self._config.kv_transfer_timeout_ms} ms")
+        for pulling in [p for p in self._pulling.values() if p.deadline <= now]:
+            self._fail(pulling, "timeout", f"the KV transfer did not finish within "
+                                           f"{self._config.kv_transfer_timeout_ms} ms")
         results, self._results = self._results, []
         return results
 
@@ -158,18 +150,29 @@ class KVReceiver:
     def cancel(self, request_id: str) -> bool:
         """Abandon a pull (client gone, request aborted): the context side drops its lease. False
         when `request_id` has no running pull."""
-        pull_id = self._by_request.get(request_id)
-        if pull_id is not None:
-            self._fail(self._pulls[pull_id], "cancelled", "cancelled by the generation server", report=False)
-        return pull_id is not None
+        pulling = self._pulling.get(request_id)
+        if pulling is not None:
+            self._fail(pulling, "cancelled", "cancelled by the generation server", report=False)
+        return pulling is not None
 
     def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
         """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
         self._thread.submit(Send(ctx_endpoint, Cancel(ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch)))
 
+    def release_lease(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str) -> None:
+        """Every rank's share of a lease's KV arrived: its context server ends the lease (a success)."""
+        self._thread.submit(Send(ctx_endpoint, Release(ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch)))
+
     @property
     def num_pulls(self) -> int:
-        return len(self._pulls)
+        return len(self._pulling)
+
+    def chunks_written(self, request_id: str) -> int | None:
+        """Chunks of the request's pull written so far; None when it is not pulling."""
+        pulling = self._pulling.get(request_id)
+        if pulling is None:
+            return None
+        return sum(p.chunks for p in [*pulling.parts.values(), *pulling.done_parts])
 
     # ---- any thread (the HTTP layer's health) -------------------------------------------------
 
@@ -192,9 +195,9 @@ class KVReceiver:
 
     def close(self) -> None:
         """Cancel every running pull (results are dropped) and stop the socket thread."""
-        pulls = list(self._pulls.values())
-        for pull in pulls:
-            self._fail(pull, "cancelled", "the generation server is shutting down", report=False)
+        pulls = list(self._pulling.values())
+        for pulling in pulls:
+            self._fail(pulling, "cancelled", "the generation server is shutting down", report=False)
         if pulls:
             time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
@@ -202,129 +205,150 @@ class KVReceiver:
 
     # ---- messages ----------------------------------------------------------------------------
 
+    def _on_item(self, item) -> None:
+        if isinstance(item, Planned):
+            self._on_planned(item)
+        elif isinstance(item, PullRefused):
+            pulling = self._unplanned.get(item.pull_id) or self._part_owner(item.pull_id)
+            if pulling is not None:
+                self._fail(pulling, item.reason, item.detail, notify=False)
+        elif isinstance(item, IpcPools):
+            self._ipc_pools.pop(item.endpoint, None)  # drops the old mapping
+            if item.epoch is not None and item.pools is not None:
+                self._ipc_pools[item.endpoint] = (item.epoch, item.pools)
+        elif isinstance(item, PeerDown):  # Cancel anyway: it reaches the peer if it comes back
+            down = {part.pulling.request_id: part.pulling for part in self._parts.values()
+                    if part.endpoint == item.endpoint}
+            for pulling in down.values():
+                self._fail(pulling, "peer_gone", item.detail)
+        else:
+            self._on_received(item)
+
+    def _part_owner(self, pull_id: int) -> Pulling | None:
+        part = self._parts.get(pull_id)
+        return part.pulling if part is not None else None
+
+    def _part(self, pull_id: int, endpoint: str) -> Part | None:
+        """The running part `pull_id`; a pull the socket thread sent as it is (one rank on each side,
+        no `Planned`) becomes its own single part when the first answer from its endpoint comes."""
+        pulling = self._unplanned.get(pull_id)
+        if pulling is not None and pulling.endpoint == endpoint:
+            del self._unplanned[pull_id]
+            pulling.planned = True
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, endpoint, None, None)
+        return self._parts.get(pull_id)
+
+    def _on_planned(self, plan: Planned) -> None:
+        pulling = self._unplanned.pop(plan.pull_id, None)
+        if pulling is None:  # cancelled or failed meanwhile: its parts that went out must stop too
+            for p in plan.parts:
+                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=p.pull_id, ctx_epoch=plan.ctx_epoch)
+                self._thread.submit(Send(p.endpoint, cancel))
+            return
+        pulling.planned, pulling.several = True, plan.several
+        for p in plan.parts:
+            pulling.parts[p.pull_id] = self._parts[p.pull_id] = Part(pulling, p.pull_id, p.endpoint, p.src, p.dst)
+
     def _on_received(self, item: Received) -> None:
         body = item.body
-        pull = self._pulls.get(body.pull_id) if body.pull_id is not None else None
-        if pull is None or pull.endpoint != item.endpoint:  # a pull that ended: never written (no late writer)
+        part = self._part(body.pull_id, item.endpoint) if body.pull_id is not None else None
+        if part is None or part.endpoint != item.endpoint:  # a pull that ended: never written (no late writer)
             self.stats.late_chunks += isinstance(body, ChunkHeader | IpcChunk)
             return
-        if pull.first_at is None:
-            pull.first_at = item.at
-        if item.sender_epoch != pull.ctx_epoch:
-            self._fail(pull, "epoch_mismatch", f"context server restarted (epoch {item.sender_epoch}, "
-                                               f"the request was prefilled by epoch {pull.ctx_epoch})")
+        if part.first_at is None:
+            part.first_at = item.at
+        pulling = part.pulling
+        if item.sender_epoch != pulling.ctx_epoch:
+            self._fail(pulling, "epoch_mismatch", f"context server restarted (epoch {item.sender_epoch}, "
+                                                  f"the request was prefilled by epoch {pulling.ctx_epoch})")
         elif isinstance(body, ChunkHeader | IpcChunk):
             start = time.monotonic()
-            if isinstance(body, IpcChunk):
-                self._on_ipc_chunk(pull, body)
-            else:
-                problem = self._apply_chunk(pull, body, item.payload)
-                if problem is not None:
-                    self._fail(pull, "integrity", problem)
-            pull.apply_s += time.monotonic() - start
+            problem = self._apply(part, body, item.payload)
+            part.apply_s += time.monotonic() - start
+            if problem is not None:
+                self._fail(pulling, *problem)
         elif isinstance(body, Done):
-            self._finish(pull, body)
+            self._finish(part, body)
         elif isinstance(body, Failed):
             reason = body.reason if body.reason in REASONS else "remote_error"
-            self._fail(pull, reason, f"context server: {body.detail}", notify=False)
+            self._fail(pulling, reason, f"context server: {body.detail}", notify=False, failed_part=part)
 
-    def _apply_chunk(self, pull: _Pull, h: ChunkHeader, frames: list) -> str | None:
-        """Check a chunk against the pull and its checksum, then write it; a problem -> sentence."""
-        if h.window not in pull.wanted or h.first != pull.next_first[h.window]:
-            return f"unexpected chunk: window {h.window}, block {h.first}"
-        first, slots = pull.wanted[h.window]
-        slot_bytes = self._kv.slot_bytes(h.window)
-        parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames]  # zero-copy views
-        got = sum(p.size for p in parts)
-        if h.count < 1 or h.first + h.count > first + len(slots) or h.nbytes != h.count * slot_bytes:
-            return f"chunk header does not fit the pull: window {h.window}, blocks {h.first}+{h.count}"
-        if not parts_are_valid(parts, h.count, slot_bytes):
-            return f"chunk byte count mismatch: header says {h.nbytes}, received {got} in {len(parts)} frames"
-        if checksum(parts, slot_bytes, h.first) != h.checksum:
-            return f"chunk checksum mismatch (window {h.window}, blocks {h.first}..{h.first + h.count - 1})"
-        dst = slots[h.first - first : h.first - first + h.count]
-        scatter(self._kv.pool(h.window, Level.PRIMARY), dst, parts)
-        pull.next_first[h.window] = h.first + h.count
-        pull.nbytes += h.nbytes
-        pull.chunks += 1
-        self.stats.bytes_received += h.nbytes
-        return None
-
-    def _on_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> None:
+    def _apply(self, part: Part, body: ChunkHeader | IpcChunk, payload: list) -> tuple[str, str] | None:
+        """Write one chunk of `part`; a problem -> (reason, sentence)."""
+        if body.window not in part.pulling.wanted:
+            return "integrity", f"unexpected chunk: window {body.window}, block {body.first}"
+        pool, slot_bytes = self._kv.pool(body.window, Level.PRIMARY), self._kv.slot_bytes(body.window)
+        if isinstance(body, ChunkHeader):
+            problem = apply_chunk(part, body, payload, pool, slot_bytes, self.stats)
+            return None if problem is None else ("integrity", problem)
+        opened, epoch = self._ipc_pools.get(part.endpoint), part.pulling.ctx_epoch
+        if opened is None or opened[0] != epoch:
+            return "integrity", f"CUDA IPC chunk but no pools of {part.endpoint} epoch {epoch} are open"
         try:
-            problem = self._apply_ipc_chunk(pull, h)
+            problem = apply_ipc_chunk(part, body, opened[1][body.window], pool, slot_bytes, self.stats)
         except Exception as e:  # a CUDA error must fail this pull, not the engine loop
-            log.exception("KV receiver: CUDA IPC copy of pull %d failed", pull.pull_id)
-            self._fail(pull, "internal_error", f"the generation server failed to copy the blocks: {e}")
+            log.exception("KV receiver: CUDA IPC copy of pull %d failed", part.pull_id)
+            return "internal_error", f"the generation server failed to copy the blocks: {e}"
+        return None if problem is None else ("integrity", problem)
+
+    def _finish(self, part: Part, done: Done) -> None:
+        missing = part.missing()
+        if missing or done.total_bytes != part.nbytes or done.chunks != part.chunks:
+            self._fail(part.pulling, "integrity", (
+                f"transfer incomplete: windows {missing} short, {part.nbytes}/{done.total_bytes} bytes, "
+                f"{part.chunks}/{done.chunks} chunks"))
             return
-        if problem is not None:
-            self._fail(pull, "integrity", problem)
+        self._thread.submit(Send(part.endpoint, Ack(pull_id=part.pull_id, ctx_request_id=part.pulling.ctx_request_id)))
+        pulling = part.pulling
+        del self._parts[part.pull_id], pulling.parts[part.pull_id]
+        pulling.done_parts.append(part)
+        if not pulling.parts:
+            self._succeed(pulling)
 
-    def _apply_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> str | None:
-        """Copy the sender's slots `h.slots` into ours (same GPU) and check what was written."""
-        opened = self._ipc_pools.get(pull.endpoint)
-        if opened is None or opened[0] != pull.ctx_epoch:
-            return f"CUDA IPC chunk but no pools of {pull.endpoint} epoch {pull.ctx_epoch} are open"
-        if h.window not in pull.wanted or h.first != pull.next_first[h.window]:
-            return f"unexpected chunk: window {h.window}, block {h.first}"
-        first, slots = pull.wanted[h.window]
-        src = opened[1][h.window]  # [sender's num_slots, layers, 2, tpb, heads, dim]
-        count = len(h.slots)
-        if count < 1 or h.first + count > first + len(slots) or any(not 0 <= s < src.shape[0] for s in h.slots):
-            return f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
-        dst = slots[h.first - first : h.first - first + count]
-        written = copy_slots(src, h.slots, self._kv.pool(h.window, Level.PRIMARY), dst, h.first)
-        if written != h.checksum:
-            return f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, " \
-                   f"blocks {h.first}..{h.first + count - 1})"
-        nbytes = count * self._kv.slot_bytes(h.window)
-        pull.next_first[h.window] = h.first + count
-        pull.nbytes += nbytes
-        pull.chunks += 1
-        pull.via_ipc = True
-        self.stats.bytes_received += nbytes
-        return None
-
-    def _finish(self, pull: _Pull, done: Done) -> None:
-        missing = [w for w, (first, slots) in pull.wanted.items() if pull.next_first[w] != first + len(slots)]
-        if missing or done.total_bytes != pull.nbytes or done.chunks != pull.chunks:
-            self._fail(pull, "integrity", (
-                f"transfer incomplete: windows {missing} short, {pull.nbytes}/{done.total_bytes} bytes, "
-                f"{pull.chunks}/{done.chunks} chunks"))
-            return
-        self._succeed(pull)
-
-    def _succeed(self, pull: _Pull) -> None:
-        """Every wanted block is written: Ack (the sender drops the lease) and report."""
-        ack = Ack(pull_id=pull.pull_id, ctx_request_id=pull.ctx_request_id)
-        self._thread.submit(Send(pull.endpoint, ack))
-        self._forget(pull)
-        seconds = time.monotonic() - pull.started
-        wait = (pull.first_at or pull.started) - pull.started
-        self.stats.add_phases(wait=wait, apply=pull.apply_s, rest=max(0.0, seconds - wait - pull.apply_s))
-        self.stats.count_ok(seconds, pull.nbytes)
-        self.stats.ipc_transfers += pull.via_ipc
-        self._results.append(PullResult(pull.request_id, True, nbytes=pull.nbytes, seconds=seconds))
+    def _succeed(self, pulling: Pulling) -> None:
+        """Every wanted block is written (every part Acked): release the lease and report."""
+        if pulling.several and self._releases:
+            self.release_lease(pulling.endpoint, pulling.ctx_request_id, pulling.ctx_epoch)
+        del self._pulling[pulling.request_id]
+        parts = pulling.done_parts
+        seconds = time.monotonic() - pulling.started
+        first_at = min((p.first_at for p in parts if p.first_at is not None), default=pulling.started)
+        wait, apply = first_at - pulling.started, sum(p.apply_s for p in parts)
+        self.stats.add_phases(wait=wait, apply=apply, rest=max(0.0, seconds - wait - apply))
+        self.stats.count_ok(seconds, pulling.nbytes)
+        self.stats.ipc_transfers += any(p.via_ipc for p in parts)
+        self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds))
 
     # ---- failure -------------------------------------------------------------------------------
 
-    def _fail(self, pull: _Pull, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
-        """End a pull that did not succeed; `notify` tells the context side to drop its lease."""
-        self._forget(pull)
+    def _fail(self, pulling: Pulling, reason: str, detail: str, notify: bool = True, report: bool = True,
+              failed_part: Part | None = None) -> None:
+        """End a pull that did not succeed. Its context ranks are told to drop the lease (Cancel per
+        part), except where the sender itself reported the failure (`notify=False`: a sender that
+        refused a pull must not lose the lease another pull reads)."""
+        self._forget(pulling)
         self.stats.count_failure(reason)
-        if notify:
-            cancel = Cancel(ctx_request_id=pull.ctx_request_id, pull_id=pull.pull_id,
-                            ctx_epoch=pull.ctx_epoch)
-            self._thread.submit(Send(pull.endpoint, cancel))
+        for endpoint, pull_id in self._cancel_targets(pulling, notify, failed_part):
+            cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
+            self._thread.submit(Send(endpoint, cancel))
         if report:
-            self._results.append(PullResult(pull.request_id, False, reason, detail, pull.nbytes,
-                                            time.monotonic() - pull.started))
+            self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
+                                            time.monotonic() - pulling.started))
 
-    def _forget(self, pull: _Pull) -> None:
-        del self._pulls[pull.pull_id]
-        del self._by_request[pull.request_id]
+    @staticmethod
+    def _cancel_targets(pulling: Pulling, notify: bool, failed_part: Part | None) -> list[tuple[str, int]]:
+        if not pulling.several:  # one part (or not planned yet): today's one-to-one pull
+            return [(pulling.endpoint, pulling.pull_id)] if notify else []
+        parts = [*pulling.parts.values(), *pulling.done_parts]
+        return [(p.endpoint, p.pull_id) for p in parts if notify or p is not failed_part]
 
-    def _check_wanted(self, wanted: dict[int, tuple[int, list[int]]]) -> None:
+    def _forget(self, pulling: Pulling) -> None:
+        del self._pulling[pulling.request_id]
+        self._unplanned.pop(pulling.pull_id, None)
+        for pull_id in pulling.parts:
+            del self._parts[pull_id]
+
+    def _check_wanted(self, wanted: Wanted) -> None:
         for window, (first, slots) in wanted.items():
             if window not in self._kv.window_sizes:
                 raise ValueError(f"unknown window {window}; valid: {sorted(self._kv.window_sizes)}")

@@ -15,6 +15,13 @@ and every failed reconnect attempt. Either fails at once what depends on that pe
 for pulls already sent, `PullRefused` for pulls waiting for a handshake), instead of letting them
 wait for kv_transfer_timeout_ms; the next pull to that endpoint shakes hands again.
 
+Tensor parallelism (transceiver/tp.py): a pull names the request's context endpoint (rank 0 of
+its server). Once that endpoint has answered, the pull is planned here (`_plan`) from its answer's
+ranks and our own kv heads: when both sides are one rank, the pull goes out as it is; otherwise as
+one part per context rank our heads come from, each sent to that rank (after a handshake with it)
+with the sender's heads to cut out, and `Planned` tells the engine thread the parts before any of
+their chunks can arrive.
+
 Probes (`Probe`): the generation server shakes hands with each context server it knows before any
 request needs it, so a layout that disagrees (dtype, tokens_per_block, layers, KV heads, head_dim,
 window groups, model fingerprint) is known up front. `peer_status` (endpoint -> PEER_* or
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ from zmq.utils.monitor import parse_monitor_message
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketIO
 from transceiver.stats import TransferStats
+from transceiver.tp import Heads, context_ranks, plan_parts, several_ranks
 from transceiver.wire import (
     Body,
     Cancel,
@@ -113,6 +122,26 @@ class IpcPools:
 
 
 @dataclass(frozen=True)
+class PlannedPart:
+    pull_id: int
+    endpoint: str
+    src: Heads | None  # the sender's kv heads sent (None: whole slots)
+    dst: Heads | None  # where they go among ours (None: whole slots)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The pull `pull_id` goes out as these parts (the first keeps its id); `several`: more than one
+    rank on either side, so the lease ends with a `Release` once every part arrived."""
+
+    pull_id: int
+    several: bool
+    parts: list[PlannedPart]
+    ctx_request_id: str
+    ctx_epoch: str
+
+
+@dataclass(frozen=True)
 class PullRefused:
     """The pull was never sent: handshake refused or the peer's epoch is not the pull's."""
 
@@ -129,11 +158,18 @@ class PeerDown:
     detail: str
 
 
+@dataclass(frozen=True)
+class _Waiting:
+    request: PullRequest
+    plan: bool  # a whole pull to plan once the peer answers (else a part, sent as it is)
+
+
 @dataclass
 class _Peer:
     epoch: str | None = None  # epoch of the last InstanceInfo answer
+    info: InstanceInfo | None = None  # that answer
     hello_at: float | None = None  # when the pending Hello was sent (None: no handshake running)
-    waiting: list[PullRequest] = field(default_factory=list)
+    waiting: list[_Waiting] = field(default_factory=list)
     last_used: float = 0.0
     ipc_epoch: str | None = None  # the epoch whose pools are open (its pulls go with via_ipc)
     probed_at: float = float("-inf")  # when a probe last sent a Hello
@@ -178,14 +214,50 @@ class ReceiverLink:
         peer = self._peer(io, cmd.endpoint, now)
         if isinstance(cmd, Send):
             if isinstance(cmd.body, Cancel) and cmd.body.pull_id is not None:
-                peer.waiting = [r for r in peer.waiting if r.pull_id != cmd.body.pull_id]
+                peer.waiting = [w for w in peer.waiting if w.request.pull_id != cmd.body.pull_id]
             io.send(cmd.endpoint, self._codec.seal(cmd.body))
-        elif peer.epoch == cmd.request.ctx_epoch:
-            self._send_pull(io, cmd.endpoint, peer, cmd.request)
         else:
-            peer.waiting.append(cmd.request)
-            if peer.hello_at is None:
-                self._hello(io, cmd.endpoint, peer, now)
+            self._route(io, cmd.endpoint, peer, _Waiting(cmd.request, plan=True), now)
+
+    def _route(self, io: SocketIO, endpoint: str, peer: _Peer, item: _Waiting, now: float) -> None:
+        """Plan or send `item` now if `endpoint` answered for its epoch, else after a handshake."""
+        if peer.epoch == item.request.ctx_epoch:
+            self._dispatch(io, endpoint, peer, item)
+            return
+        peer.waiting.append(item)
+        if peer.hello_at is None:
+            self._hello(io, endpoint, peer, now)
+
+    def _dispatch(self, io: SocketIO, endpoint: str, peer: _Peer, item: _Waiting) -> None:
+        if item.plan:
+            self._plan(io, endpoint, peer, item.request)
+        else:
+            self._send_pull(io, endpoint, peer, item.request)
+
+    def _plan(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
+        """Cut the pull into one part per context rank our kv heads come from (transceiver/tp.py)."""
+        assert peer.info is not None
+        ranks = context_ranks(endpoint, peer.info)
+        try:
+            parts = plan_parts(ranks, self._layout.heads)
+        except ValueError as e:
+            io.deliver(PullRefused(req.pull_id, INCOMPATIBLE, f"incompatible peers: {e}"))
+            return
+        several = several_ranks(ranks, self._layout)
+        if not several:  # one rank on each side: the pull as it is (its chunks say so to the engine)
+            self._send_pull(io, endpoint, peer, req)
+            return
+        ids = [req.pull_id] + [secrets.randbits(63) for _ in parts[1:]]
+        io.deliver(Planned(req.pull_id, several, [PlannedPart(i, p.endpoint, p.src, p.dst)
+                                                  for i, p in zip(ids, parts, strict=True)],
+                           req.ctx_request_id, req.ctx_epoch))
+        now = time.time()
+        for pull_id, part in zip(ids, parts, strict=True):
+            part_req = msgspec.structs.replace(req, pull_id=pull_id, heads=part.src, keep_lease=several)
+            if part.endpoint == endpoint:
+                self._send_pull(io, endpoint, peer, part_req)
+            else:
+                self._route(io, part.endpoint, self._peer(io, part.endpoint, now), _Waiting(part_req, False), now)
 
     def _probe(self, io: SocketIO, endpoint: str, now: float) -> None:
         """A Hello without a pull, once per connection; a peer that does not answer is asked again
@@ -210,7 +282,7 @@ class ReceiverLink:
         io.send(endpoint, self._codec.seal(hello))
 
     def _send_pull(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
-        if peer.ipc_epoch == req.ctx_epoch:
+        if peer.ipc_epoch == req.ctx_epoch and req.heads is None:
             req = msgspec.structs.replace(req, via_ipc=True)
         io.send(endpoint, self._codec.seal(req))
 
@@ -253,11 +325,12 @@ class ReceiverLink:
         self.peer_status[endpoint] = PEER_COMPATIBLE
         if peer.epoch != epoch or peer.ipc_epoch != epoch:
             self._take_offer(io, endpoint, peer, epoch, info.ipc)
-        peer.epoch, peer.hello_at = epoch, None
+        peer.epoch, peer.info, peer.hello_at = epoch, info, None
         waiting, peer.waiting = peer.waiting, []
-        for req in waiting:
+        for item in waiting:
+            req = item.request
             if req.ctx_epoch == epoch:
-                self._send_pull(io, endpoint, peer, req)
+                self._dispatch(io, endpoint, peer, item)
             else:
                 io.deliver(PullRefused(req.pull_id, "epoch_mismatch", (
                     f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
@@ -285,8 +358,8 @@ class ReceiverLink:
         if peer is None:
             return
         waiting, peer.waiting, peer.hello_at = peer.waiting, [], None
-        for req in waiting:
-            io.deliver(PullRefused(req.pull_id, reason, detail))
+        for item in waiting:
+            io.deliver(PullRefused(item.request.pull_id, reason, detail))
 
     def _on_monitor(self, io: SocketIO, endpoint: str, frames: list[zmq.Frame]) -> None:
         event = parse_monitor_message([f.bytes for f in frames])["event"]

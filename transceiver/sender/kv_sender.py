@@ -43,7 +43,7 @@ from transceiver.payload import wait_any
 from transceiver.sender.lease import Ended, Lease, Offer, OfferedWindow, Started, Withdraw
 from transceiver.sender.link import ExportRequest, Outgoing, SenderLink
 from transceiver.stats import TransferStats
-from transceiver.wire import layout_of
+from transceiver.wire import RankEndpoint, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,14 @@ class KVSender:
     """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
-                 on_message: Callable[[], None] | None = None) -> None:
-        """`on_message()` is called (from the socket thread) whenever items await `step`."""
+                 on_message: Callable[[], None] | None = None, *, epoch: str | None = None,
+                 kv_heads: tuple[int, int] | None = None, other_ranks: list[RankEndpoint] | None = None) -> None:
+        """`on_message()` is called (from the socket thread) whenever items await `step`. Rank 0 of
+        a tensor-parallel server passes the server's `epoch` (every rank's), its `kv_heads` (first kv
+        head held, the model's kv heads) and the `other_ranks`' endpoints (transceiver/tp.py)."""
         self._kv = kv
         self._config = config
-        self.epoch = uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
+        self.epoch = epoch or uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
         self.stats = TransferStats()
         self._leases: dict[str, Lease] = {}
         self._unpin_later: list[tuple[list[zmq.MessageTracker], dict[int, list[int]]]] = []
@@ -66,9 +69,10 @@ class KVSender:
         self.ipc_identity = ipc_identity(self._pools, config.same_host_ipc)  # None: bytes only
         self.ipc_exports = 0  # handshakes answered with an export of the pools
         self._pool_lock = threading.Lock()  # exports (here) vs slot reads (socket thread)
-        layout = layout_of(kv, self._pools, fingerprint)
+        layout = layout_of(kv, self._pools, fingerprint, kv_heads)
         self._link = SenderLink(config, self.epoch, layout, self.stats, self.ipc_identity,
-                                pool_lock=self._pool_lock, ipc_offered=lambda: self.ipc_exports > 0)
+                                pool_lock=self._pool_lock, ipc_offered=lambda: self.ipc_exports > 0,
+                                other_ranks=other_ranks)
         self._thread = SocketThread("kv-sender", self._link, notify=on_message)
         self._thread.start()
         self.endpoint = self._link.endpoint
@@ -146,6 +150,11 @@ class KVSender:
     @property
     def link_name(self) -> str:
         return self._thread.name
+
+    @property
+    def lease_ids(self) -> frozenset[str]:
+        """Leases not yet ended (their blocks pinned, their slots served)."""
+        return frozenset(self._leases)
 
     @property
     def num_leases(self) -> int:

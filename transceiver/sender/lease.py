@@ -80,15 +80,23 @@ class Job:
     started: float  # monotonic
     sent_bytes: int = 0
     sent_chunks: int = 0
-    done_sent: bool = False  # an Ack now ends the lease
+    done_sent: bool = False  # an Ack now ends the pull (and, unless keep_lease, the lease)
+    heads: tuple[int, int] | None = None  # the kv heads sent of each block (None: whole slots)
+    keep_lease: bool = False  # the lease outlives this pull's Ack (a part of a tensor-parallel pull)
+
+    def overlaps(self, heads: tuple[int, int] | None) -> bool:
+        if self.heads is None or heads is None:
+            return True
+        return self.heads[0] < heads[1] and heads[0] < self.heads[1]
 
 
 @dataclass
 class Offered:
-    """Socket side of a lease."""
+    """Socket side of a lease. One pull at a time serves it, or, for tensor-parallel receivers
+    (`keep_lease`), one per distinct set of kv heads."""
 
     offer: Offer
-    job: Job | None = None
+    jobs: dict[int, Job] = field(default_factory=dict)  # by pull_id
     pool_frames: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames of its slots
 
     def range_slots(self, r: WindowRange) -> list[int]:

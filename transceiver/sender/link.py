@@ -32,7 +32,9 @@ from transceiver.wire import (
     Layout,
     PeerIdentity,
     PullRequest,
+    RankEndpoint,
     Rejected,
+    Release,
     layout_mismatch,
 )
 
@@ -61,15 +63,22 @@ class SenderLink:
 
     def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
                  ipc_identity: PeerIdentity | None = None, *, pool_lock: threading.Lock | None = None,
-                 ipc_offered: Callable[[], bool] = lambda: False) -> None:
+                 ipc_offered: Callable[[], bool] = lambda: False,
+                 other_ranks: list[RankEndpoint] | None = None, park_s: float = 0.0) -> None:
+        """`other_ranks`: rank 0 of a tensor-parallel context server names its other ranks (their KV
+        endpoints and kv heads); its handshakes then list every rank (`InstanceInfo.ranks`).
+        `park_s`: another rank's sender lets a pull wait that long for its lease (`PullServer`)."""
         self._config = config
+        self._other_ranks = other_ranks or []
+        self._ranks: list[RankEndpoint] = []
         self._codec = Codec(config.token_bytes(), epoch)
         self._layout = layout
         self._ipc_identity = ipc_identity  # None: this sender serves bytes only
         self._stats = stats
         self._io: SocketIO | None = None
         self.endpoint = ""
-        self._server = PullServer(config, epoch, stats, self._send, pool_lock or threading.Lock(), ipc_offered)
+        self._server = PullServer(config, epoch, stats, self._send, pool_lock or threading.Lock(), ipc_offered,
+                                  park_s)
 
     def setup(self, io: SocketIO) -> None:
         self._io = io
@@ -82,6 +91,8 @@ class SenderLink:
         sock.bind(f"tcp://{self._config.host}:{port}")
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
         self.endpoint = f"tcp://{self._config.host}:{bound.rsplit(':', 1)[1]}"
+        if self._other_ranks:
+            self._ranks = [RankEndpoint(self.endpoint, self._layout.heads), *self._other_ranks]
 
     def has_pending_sends(self) -> bool:
         return self._io is not None and self._io.held_back
@@ -91,7 +102,7 @@ class SenderLink:
 
     def on_command(self, io: SocketIO, cmd: Outgoing | Offer | Withdraw) -> None:
         if isinstance(cmd, Offer):
-            self._server.offer(cmd)
+            self._server.offer(cmd, io)
         elif isinstance(cmd, Withdraw):
             self._server.withdraw(io, cmd)
         else:
@@ -117,13 +128,15 @@ class SenderLink:
         elif isinstance(body, Ack):
             self._server.ack(io, body)
         elif isinstance(body, Cancel):
-            self._server.cancel(io, body)
+            self._server.cancel(io, peer, body)
+        elif isinstance(body, Release):
+            self._server.release(io, body)
         else:
             self._stats.count_rejected("unexpected")
 
     def _on_hello(self, io: SocketIO, peer: bytes, hello: Hello) -> None:
         problem = layout_mismatch(self._layout, hello.layout)
-        info = InstanceInfo(layout=self._layout)
+        info = InstanceInfo(layout=self._layout, ranks=self._ranks)
         if problem is not None:
             io.send(ROUTER, [peer, *self._codec.seal(Failed(reason="incompatible",
                                                             detail=f"incompatible peers: {problem}"))])
@@ -142,4 +155,4 @@ class SenderLink:
         self._server.peer_gone(io, peer.bytes if isinstance(peer, zmq.Frame) else bytes(peer))
 
     def on_tick(self, io: SocketIO, now: float) -> None:
-        return None
+        self._server.expire_parked(io)

@@ -14,6 +14,11 @@ Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gon
 the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
 out. A lease that was withdrawn because it expired is counted (`lease_expired`) here, so one that
 an Ack ended first is not.
+
+Tensor-parallel receivers (transceiver/tp.py) pull parts: a pull may ask for some of the kv heads
+of each block (`heads`, gathered out of the slots into the staging buffer), and several such pulls
+of distinct heads may serve one lease at once; their Acks end the pull only (`keep_lease`), and the
+generation side's `Release` ends the lease.
 """
 
 from __future__ import annotations
@@ -44,7 +49,19 @@ from transceiver.payload import (
 )
 from transceiver.sender.lease import Ended, Job, Offer, Offered, Started, Withdraw
 from transceiver.stats import TransferStats
-from transceiver.wire import Ack, Body, Cancel, ChunkHeader, Done, Failed, IpcChunk, PullRequest, WindowRange
+from transceiver.tp import gather_heads, unit_bytes
+from transceiver.wire import (
+    Ack,
+    Body,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Failed,
+    IpcChunk,
+    PullRequest,
+    Release,
+    WindowRange,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +86,38 @@ def _ipc_parts(r: WindowRange) -> list[WindowRange]:
 
 class PullServer:
     def __init__(self, config: TransceiverConfig, epoch: str, stats: TransferStats, send: Send,
-                 pool_lock: threading.Lock, ipc_offered: Callable[[], bool]) -> None:
+                 pool_lock: threading.Lock, ipc_offered: Callable[[], bool], park_s: float = 0.0) -> None:
+        """`park_s` > 0: a part of a tensor-parallel pull (`keep_lease`) for a lease not offered yet
+        waits this long for its offer (a rank whose offers come from rank 0, possibly after the pull)."""
         self._config, self._epoch, self._stats, self._send = config, epoch, stats, send
         self._pool_lock = pool_lock
         self._ipc_offered = ipc_offered  # has the engine exported the pools to anyone (this epoch)?
         self._offers: dict[str, Offered] = {}
-        self._active: deque[str] = deque()  # leases whose job still has chunks or Done to send
+        self._active: deque[tuple[str, int]] = deque()  # (lease, pull_id) with chunks or Done to send
         self._staging: StagingPool | None = None  # made on first use, pinned for CUDA pools
         self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._park_s = park_s
+        self._parked: dict[str, list[tuple[bytes, PullRequest, float]]] = {}  # cid -> (peer, pull, until)
 
     # ---- from the engine -----------------------------------------------------------------------
 
-    def offer(self, offer: Offer) -> None:
+    def offer(self, offer: Offer, io: SocketIO | None = None) -> None:
+        """Serve pulls of the lease from now on (and the parked ones, through `io`)."""
         self._offers[offer.cid] = Offered(offer)
+        for peer, req, _ in self._parked.pop(offer.cid, []) if io is not None else ():
+            self.pull(io, peer, req)
+
+    def expire_parked(self, io: SocketIO) -> None:
+        """Fail the parked pulls whose offer did not come in time."""
+        now = time.monotonic()
+        for cid, parked in list(self._parked.items()):
+            for peer, req, _ in [p for p in parked if p[2] <= now]:
+                self._refuse(io, peer, req, ("unknown_request", f"no lease for ctx_request_id {cid!r} "
+                                                                "reached this rank in time"))
+            self._parked[cid] = [p for p in parked if p[2] > now]
+            if not self._parked[cid]:
+                del self._parked[cid]
 
     def withdraw(self, io: SocketIO, w: Withdraw) -> None:
         if w.cid in self._offers:  # else it ended here already and its `Ended` is on the way
@@ -92,48 +127,76 @@ class PullServer:
 
     def pull(self, io: SocketIO, peer: bytes, req: PullRequest) -> None:
         off = self._offers.get(req.ctx_request_id)
+        if off is None and self._park_s > 0 and req.keep_lease and req.ctx_epoch == self._epoch:
+            self._parked.setdefault(req.ctx_request_id, []).append((peer, req, time.monotonic() + self._park_s))
+            return
         problem = self._pull_problem(req, off)
         if problem is not None:
-            self._stats.count_failure(problem[0])
-            self._send(io, peer, Failed(reason=problem[0], detail=problem[1], pull_id=req.pull_id), [])
+            self._refuse(io, peer, req, problem)
             return
         assert off is not None
-        off.job = Job(peer, req.pull_id, deque(), time.monotonic())
+        job = off.jobs[req.pull_id] = Job(peer, req.pull_id, deque(), time.monotonic(), heads=req.heads,
+                                          keep_lease=req.keep_lease)
         io.deliver(Started(req.ctx_request_id))
         try:
-            self._start(io, req, off)
+            self._start(io, req, off, job)
         except Exception as e:  # a broken invariant must fail this pull, not the thread
             log.exception("KV sender: pull %d of %r failed", req.pull_id, req.ctx_request_id)
             self._end(io, req.ctx_request_id, "internal_error", f"the context server failed to serve the pull: {e}")
 
-    def _start(self, io: SocketIO, req: PullRequest, off: Offered) -> None:
+    def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
         if req.via_ipc:
-            self._serve_ipc(io, req.ctx_request_id, off, req.ranges)
+            self._serve_ipc(io, req.ctx_request_id, off, job, req.ranges)
             return
-        assert off.job is not None
-        sizes = {r.window: off.offer.windows[r.window].slot_bytes for r in req.ranges}
+        sizes = {r.window: self._unit_bytes(off, r.window, job) for r in req.ranges}
         total = sum(r.count * sizes[r.window] for r in req.ranges)
         # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
         target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
-        off.job.chunks = deque(c for r in req.ranges
-                               for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
-        self._active.append(req.ctx_request_id)
+        job.chunks = deque(c for r in req.ranges
+                           for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
+        self._active.append((req.ctx_request_id, job.pull_id))
+
+    @staticmethod
+    def _unit_bytes(off: Offered, window: int, job: Job) -> int:
+        offered = off.offer.windows[window]
+        if job.heads is None:
+            return offered.slot_bytes
+        return unit_bytes(offered.slot_bytes, offered.pool.shape[4], job.heads)
 
     def ack(self, io: SocketIO, body: Ack) -> None:
         off = self._offers.get(body.ctx_request_id)
-        job = off.job if off is not None else None
-        if job is not None and job.pull_id == body.pull_id and job.done_sent:
+        job = off.jobs.get(body.pull_id) if off is not None else None
+        if job is None or not job.done_sent:
+            return
+        if job.keep_lease:
+            del off.jobs[body.pull_id]
+        else:
             self._end(io, body.ctx_request_id, None, "")
-            self._stats.count_ok(time.monotonic() - job.started, job.sent_bytes)
+        self._stats.count_ok(time.monotonic() - job.started, job.sent_bytes)
 
-    def cancel(self, io: SocketIO, body: Cancel) -> None:
-        if body.ctx_epoch in (None, self._epoch) and body.ctx_request_id in self._offers:
-            self._end(io, body.ctx_request_id, "cancelled", "the receiver cancelled", notify=False)
+    def release(self, io: SocketIO, body: Release) -> None:
+        """Every part of a tensor-parallel pull arrived: the lease ends (a success, counted per part)."""
+        if body.ctx_epoch == self._epoch and body.ctx_request_id in self._offers:
+            self._end(io, body.ctx_request_id, None, "")
+
+    def cancel(self, io: SocketIO, peer: bytes, body: Cancel) -> None:
+        """The lease ends, unless the Cancel names a pull it never served while others run (one
+        refused as a duplicate, or a part of a tensor-parallel pull that already ended here)."""
+        off = self._offers.get(body.ctx_request_id)
+        if off is None or body.ctx_epoch not in (None, self._epoch):
+            return
+        if body.pull_id is not None and off.jobs and body.pull_id not in off.jobs:
+            return
+        self._end(io, body.ctx_request_id, "cancelled", "the receiver cancelled", skip=peer)
 
     def peer_gone(self, io: SocketIO, peer: bytes) -> None:
         for cid, off in list(self._offers.items()):
-            if off.job is not None and off.job.peer == peer:
-                self._end(io, cid, "peer_gone", "the receiver disconnected", notify=False)
+            if any(job.peer == peer for job in off.jobs.values()):
+                self._end(io, cid, "peer_gone", "the receiver disconnected", skip=peer)
+
+    def _refuse(self, io: SocketIO, peer: bytes, req: PullRequest, problem: tuple[str, str]) -> None:
+        self._stats.count_failure(problem[0])
+        self._send(io, peer, Failed(reason=problem[0], detail=problem[1], pull_id=req.pull_id), [])
 
     def _pull_problem(self, req: PullRequest, off: Offered | None) -> tuple[str, str] | None:
         if req.ctx_epoch != self._epoch:
@@ -144,11 +207,13 @@ class PullServer:
         if off is None:
             return "unknown_request", (
                 f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
-        if off.job is not None:
+        if any(not (job.keep_lease and req.keep_lease) or job.overlaps(req.heads) for job in off.jobs.values()):
             return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
         if req.via_ipc and not self._ipc_offered():
             return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
-        problem = off.range_problem(req.ranges)
+        if req.via_ipc and req.heads is not None:
+            return "bad_request", "the pull asks for some kv heads over CUDA IPC (whole slots only)"
+        problem = off.range_problem(req.ranges) or _heads_problem(req.heads, off)
         return None if problem is None else ("bad_request", problem)
 
     # ---- the data path -------------------------------------------------------------------------
@@ -157,10 +222,9 @@ class PullServer:
         """Send chunks while zmq has room; seconds until the next call is wanted (None: idle)."""
         budget = CHUNKS_PER_PUMP
         while self._active and budget > 0 and self._room():
-            cid = self._active[0]
+            cid, pull_id = self._active[0]
             off = self._offers[cid]
-            job = off.job
-            assert job is not None
+            job = off.jobs[pull_id]
             budget -= 1
             try:
                 if not self._next(io, off, job):
@@ -193,7 +257,7 @@ class PullServer:
         window = off.offer.windows[plan.window]
         slots = window.slots[plan.first : plan.first + plan.count]  # primary slots: where the bytes are
         pool, max_frame = window.pool, self._config.max_chunk_bytes
-        if pool.device.type == "cpu" and plan.slot_bytes >= ZERO_COPY_SLOT_BYTES:
+        if job.heads is None and pool.device.type == "cpu" and plan.slot_bytes >= ZERO_COPY_SLOT_BYTES:
             parts = [v[s:e] for v in pool_views(pool, slots) for s, e in frame_bounds(v.size, max_frame)]
             frames, tracker = tracked_frames(parts)
             off.pool_frames.append(tracker)
@@ -203,7 +267,10 @@ class PullServer:
             if i is None:
                 return False
             with self._reading(off, pool.device):
-                gather(pool, slots, staging.buffer(i))
+                if job.heads is None:
+                    gather(pool, slots, staging.buffer(i))
+                else:
+                    gather_heads(pool, slots, job.heads, staging.buffer(i))
             bounds = frame_bounds(plan.nbytes, max_frame)
             parts = staging.parts(i, bounds)
             frames, tracker = staging.frames(i, bounds)
@@ -222,11 +289,9 @@ class PullServer:
             self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
         return self._staging
 
-    def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, ranges: list[WindowRange]) -> None:
+    def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange]) -> None:
         """Same-GPU pull: every block's primary slot and checksum, once the lease's writes are done
         on the device, then Done; the receiver copies, then Acks."""
-        job = off.job
-        assert job is not None
         try:
             chunks = [self._ipc_chunk(off, job.pull_id, part) for r in ranges for part in _ipc_parts(r)]
         except Exception as e:  # a broken invariant must fail this pull, not the thread
@@ -268,19 +333,28 @@ class PullServer:
 
     # ---- the end of a lease --------------------------------------------------------------------
 
-    def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, notify: bool = True) -> None:
+    def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, skip: bytes | None = None) -> None:
         """The only place a lease ends on this side: it runs once per lease, and whatever fails
-        here, the engine gets the lease back (`Ended`)."""
+        here, the engine gets the lease back (`Ended`). Every running pull of it fails (`reason`),
+        and its receiver is told unless it is `skip` (the peer that cancelled, or is gone)."""
         off = self._offers.pop(cid)
-        if cid in self._active:
-            self._active.remove(cid)
+        self._active = deque(a for a in self._active if a[0] != cid)
         self._stats.lease_expired += reason == "lease_expired"
-        job = off.job
-        if job is not None and reason is not None:
+        for job in off.jobs.values() if reason is not None else ():
             self._stats.count_failure(reason)
-            if notify:
-                try:
-                    self._send(io, job.peer, Failed(reason=reason, detail=detail, pull_id=job.pull_id), [])
-                except Exception:  # the receiver then times out; the lease still comes back
-                    log.exception("KV sender: could not tell pull %d of %r that it failed", job.pull_id, cid)
+            if job.peer == skip:
+                continue
+            try:
+                self._send(io, job.peer, Failed(reason=reason, detail=detail, pull_id=job.pull_id), [])
+            except Exception:  # the receiver then times out; the lease still comes back
+                log.exception("KV sender: could not tell pull %d of %r that it failed", job.pull_id, cid)
         io.deliver(Ended(cid, [t for t in off.pool_frames if not t.done]))
+
+
+def _heads_problem(heads: tuple[int, int] | None, off: Offered) -> str | None:
+    if heads is None:
+        return None
+    held = min(w.pool.shape[4] for w in off.offer.windows.values())
+    if not 0 <= heads[0] < heads[1] <= held:
+        return f"kv heads [{heads[0]}, {heads[1]}) are not among this rank's {held}"
+    return None

@@ -38,7 +38,7 @@ def install_kv_routes(app: FastAPI) -> None:
 
     @app.get("/kv_cache/endpoint")
     async def kv_endpoint(request: Request) -> JSONBody:
-        """Context side: the address and epoch of this server's KV sender."""
+        """Context side: the address and epoch of this server's KV sender (and of each rank's)."""
         require_token(request, "GET /kv_cache/endpoint")
         advertised = _advertised(request.app.state.engine)
         if advertised is None:
@@ -65,4 +65,6 @@ def _advertised(engine) -> dict | None:
     sender = getattr(getattr(core, "connector", None), "sender", None)
     if sender is None:
         return None
-    return {"endpoint": sender.endpoint, "epoch": sender.epoch}
+    # a tensor-parallel server: every rank's KV sender (rank 0's first, its handshakes name them too)
+    return {"endpoint": sender.endpoint, "epoch": sender.epoch,
+            "endpoints": list(getattr(sender, "endpoints", [sender.endpoint]))}

@@ -1,0 +1,139 @@
+"""Rank 0's KV sender and receiver of a tensor-parallel server: its own share, plus the other ranks'.
+
+`RankedSender` (context): a lease is made on rank 0 (pins, onboarding, ids -> slots) and offered to
+the other ranks' senders in order after the copies that onboarded it (`OfferLease`); when it ends on
+rank 0 they are told (`EndLease`) before any later forward or copy can write its slots. Handshakes
+list every rank's KV endpoint and kv heads, and /kv_cache/endpoint lists the endpoints.
+
+`RankedReceiver` (generation): a pull starts on every rank (`StartPull`), each pulling its own kv
+heads; it ends when every rank's share arrived (then rank 0 sends the context server `Release`) or
+when one failed (the others are cancelled, and the lease is cancelled if rank 0's share had landed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvcache import KVCacheManager
+from server.models.parallel.plan import ShardPlan, kv_head_range
+from server.tp.messages import CancelPull, EndLease, OfferLease, StartPull
+from server.tp.ranks import Ranks
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver, PullResult
+from transceiver.sender import KVSender
+from transceiver.wire import RankEndpoint
+
+
+def _heads(plan: ShardPlan) -> tuple[int, int]:
+    return plan.kv_heads[0], plan.num_kv_heads
+
+
+class RankedSender(KVSender):
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
+                 on_message: Callable[[], None] | None, ranks: Ranks, plan: ShardPlan) -> None:
+        others = [RankEndpoint(endpoint, kv_head_range(plan.num_kv_heads, plan.size, rank))
+                  for rank, endpoint in enumerate(ranks.kv_endpoints) if rank > 0 and endpoint is not None]
+        super().__init__(kv, config, fingerprint, on_message, epoch=ranks.epoch, kv_heads=_heads(plan),
+                         other_ranks=others)
+        self.endpoints = [self.endpoint, *(o.endpoint for o in others)]
+        self._ranks = ranks
+        self._mirrored: set[str] = set()  # leases the other ranks serve
+
+    def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
+        super().add_lease(ctx_request_id, blocks)
+        slots = {w: self._slots(ids, w) for w, ids in blocks.items()}
+        self._ranks.add(OfferLease(ctx_request_id, slots))
+        self._ranks.flush()
+        self._mirrored.add(ctx_request_id)
+
+    def _slots(self, ids: list[int], window: int) -> list[int]:
+        live = iter(self._kv.get_memory_pool_block_indices([b for b in ids if b >= 0], window))
+        return [next(live) if b >= 0 else -1 for b in ids]
+
+    def step(self) -> None:
+        super().step()
+        ended = self._mirrored - self.lease_ids
+        if ended:
+            for cid in sorted(ended):
+                self._ranks.add(EndLease(cid))
+            self._ranks.flush()
+            self._mirrored -= ended
+
+
+@dataclass
+class _Shares:
+    """One request's pull on every rank."""
+
+    ctx_endpoint: str
+    ctx_epoch: str
+    ctx_request_id: str
+    started: float
+    pending: set[int]  # ranks whose share has not arrived
+    nbytes: int = 0
+
+
+class RankedReceiver(KVReceiver):
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
+                 on_message: Callable[[], None] | None, ranks: Ranks, plan: ShardPlan) -> None:
+        super().__init__(kv, config, fingerprint, on_message, kv_heads=_heads(plan), releases=False)
+        self._ranks = ranks
+        self._shares: dict[str, _Shares] = {}
+
+    def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
+                   wanted: dict[int, tuple[int, list[int]]]) -> None:
+        super().start_pull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted)
+        self._ranks.add(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted))
+        self._ranks.flush()
+        self._shares[request_id] = _Shares(ctx_endpoint, ctx_epoch, ctx_request_id, time.monotonic(),
+                                           set(range(self._ranks.size)))
+
+    def step(self) -> list[PullResult]:
+        results = []
+        for r in super().step():
+            results += self._arrived(r.request_id, 0, r.ok, r.reason, r.error, r.nbytes)
+        for d in self._ranks.pull_reports():
+            results += self._arrived(d.request_id, d.rank, d.ok, d.reason, d.error, d.nbytes)
+        return results
+
+    def _arrived(self, request_id: str, rank: int, ok: bool, reason: str | None, error: str | None,
+                 nbytes: int) -> list[PullResult]:
+        shares = self._shares.get(request_id)
+        if shares is None:  # ended already (another rank failed, or cancelled)
+            return []
+        seconds = time.monotonic() - shares.started
+        if not ok:
+            self._end_others(request_id, shares, rank)
+            detail = error if self._ranks.size == 1 else f"rank {rank}: {error}"
+            return [PullResult(request_id, False, reason, detail, shares.nbytes + nbytes, seconds)]
+        shares.pending.discard(rank)
+        shares.nbytes += nbytes
+        if shares.pending:
+            return []
+        del self._shares[request_id]
+        self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+        return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds)]
+
+    def _end_others(self, request_id: str, shares: _Shares, failed_rank: int) -> None:
+        """A share failed: stop the other ranks' (their receivers cancel their parts), and rank 0's
+        own: a running one is cancelled; if it had landed, the lease is cancelled here."""
+        del self._shares[request_id]
+        self._ranks.add(CancelPull(request_id))
+        self._ranks.flush()
+        if failed_rank != 0 and not super().cancel(request_id) and 0 not in shares.pending:
+            self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+
+    def cancel(self, request_id: str) -> bool:
+        shares = self._shares.pop(request_id, None)
+        own = super().cancel(request_id)
+        if shares is not None:
+            self._ranks.add(CancelPull(request_id))
+            self._ranks.flush()
+            if not own and 0 not in shares.pending:  # rank 0's share landed: end the lease here
+                self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+        return own or shares is not None
+
+    @property
+    def num_pulls(self) -> int:
+        return len(self._shares)

@@ -1,0 +1,81 @@
+"""Context and generation servers of different tensor-parallel sizes, through the router, exact.
+
+Context TP=2 -> generation TP=1 (the generation server merges the two context ranks' kv heads into
+each block) and TP=1 -> TP=2 (each generation rank takes its half of the heads of one sender's
+slots), on the sliding-window model (two window groups; out-of-window blocks are not pulled), in
+the replay style of test_disagg_replay.py: the context pool holds 32 blocks and a host tier takes
+what it evicts, so replayed prompts are onboarded on every context rank before their KV is sent.
+Every text must equal transformers `generate`; replays hit the cache; no block stays in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import deploy_harness as dh
+import hf_reference
+import httpx
+import pytest
+from transformers import AutoTokenizer
+from waiting import wait_until
+
+from server.models.builtin import resolve_model
+
+MODEL = "builtin:tiny-qwen3-swa"
+TOPICS = ["astronomy", "cooking", "gardening", "history", "music", "sailing"]
+FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
+PROMPTS = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in TOPICS]
+PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+def _overrides(ctx_tp: int, gen_tp: int) -> dict:
+    return {"model": MODEL, "device": "cpu", "max_seq_len": 512,
+            "context_servers": {"tensor_parallel_size": ctx_tp, "max_num_tokens": 512,
+                                "kv_cache_config": {"host_cache_size": 4 << 20}},
+            "generation_servers": {"tensor_parallel_size": gen_tp, "max_num_tokens": 512,
+                                   "kv_cache_config": {"max_tokens": 4096}}}
+
+
+async def _complete(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
+    response = await client.post(f"{url}/v1/completions", json={"prompt": prompt, **PAYLOAD}, timeout=180)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def _all(url: str, concurrent: bool) -> list[dict]:
+    async with httpx.AsyncClient() as client:
+        if concurrent:
+            return await asyncio.gather(*(_complete(client, url, p) for p in PROMPTS))
+        return [await _complete(client, url, p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference_texts() -> list[str]:
+    model_dir = resolve_model(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(p), 12),
+                             skip_special_tokens=True) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 1), (1, 2)])
+def test_replay_between_tp_sizes_matches_transformers(tmp_path, reference_texts, ctx_tp, gen_tp):
+    with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp)) as dep:
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        first = asyncio.run(_all(dep.url, concurrent=False))
+        assert [b["choices"][0]["text"] for b in first] == reference_texts
+        for _ in range(2):
+            replay = asyncio.run(_all(dep.url, concurrent=True))
+            assert [b["choices"][0]["text"] for b in replay] == reference_texts
+            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
+        assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
+        assert dep.metric(gen, "pdserve_kv_transfer_seconds_count") > 0
+        for url in (ctx, gen):
+            wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                       what=f"no block in use on {url}")
+        endpoints = httpx.get(f"{ctx}/kv_cache/endpoint", headers={"x-pdserve-token": _token(dep)}).json()
+        assert len(endpoints["endpoints"]) == ctx_tp and endpoints["endpoints"][0] == endpoints["endpoint"]
+
+
+def _token(dep: dh.Deployment) -> str:
+    return (dep.log_dir / "auth_token").read_text().strip()

@@ -1,0 +1,91 @@
+"""The KV sender of a tensor-parallel context server's other ranks (1..N-1).
+
+Rank 0 keeps the leases: it pins the blocks, onboards them, translates their ids to slots and ends
+the leases; it sends each lease's slots to the other ranks in order with everything else they
+mirror (server/tp/). Such a rank serves pulls of its own kv heads from those slots (`offer`) until
+rank 0 says the lease ended (`end`, which returns only once the socket thread reads them no more,
+so the rank may write those slots again right after). A part of a pull that reaches this rank
+before its offer waits for it (`PARK_S`). Bytes only: no CUDA IPC offer from these ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from kvcache import KVCacheManager, Level
+from transceiver.config import TransceiverConfig
+from transceiver.link import SocketThread
+from transceiver.sender.lease import Ended, Offer, OfferedWindow, Withdraw
+from transceiver.sender.link import SenderLink
+from transceiver.stats import TransferStats
+from transceiver.wire import layout_of
+
+log = logging.getLogger(__name__)
+
+PARK_S = 30.0  # a pull may reach this rank before rank 0's offer does (this rank was busy computing)
+END_TIMEOUT_S = 10.0
+
+
+class RankSender:
+    def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str, epoch: str,
+                 kv_heads: tuple[int, int]) -> None:
+        """`epoch`: the server's (rank 0's); `kv_heads`: (first kv head held, the model's kv heads)."""
+        self._kv = kv
+        self.epoch = epoch
+        self.stats = TransferStats()
+        self._pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
+        layout = layout_of(kv, self._pools, fingerprint, kv_heads)
+        self._link = SenderLink(config, epoch, layout, self.stats, park_s=PARK_S)
+        self._thread = SocketThread("kv-sender", self._link)
+        self._thread.start()
+        self.endpoint = self._link.endpoint
+        self._offered: set[str] = set()
+        self._frames: list[zmq.MessageTracker] = []  # zero-copy frames of ended leases still with zmq
+
+    def offer(self, cid: str, slots: dict[int, list[int]]) -> None:
+        windows = {w: OfferedWindow(self._pools[w], s, self._kv.slot_bytes(w)) for w, s in slots.items()}
+        self._thread.submit(Offer(cid, windows, self._ready_event()))
+        self._offered.add(cid)
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """After every write to the pools issued so far (this rank's forwards and copies)."""
+        pool = next(iter(self._pools.values()))
+        if not pool.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(pool.device))
+        return event
+
+    def end(self, cid: str) -> None:
+        """Rank 0 ended the lease: a pull of it still running here fails; returns once its slots
+        are read no more (or after END_TIMEOUT_S, logged)."""
+        if cid not in self._offered:
+            return
+        self._thread.submit(Withdraw(cid, "cancelled", "the lease ended on the context server"))
+        deadline = time.monotonic() + END_TIMEOUT_S
+        while cid in self._offered and time.monotonic() < deadline:
+            self._thread.wait(0.01)
+            self.step()
+        while any(not t.done for t in self._frames) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if cid in self._offered:
+            log.warning("KV sender: the socket thread did not give lease %r back within %s s", cid, END_TIMEOUT_S)
+            self._offered.discard(cid)
+
+    def step(self) -> None:
+        for item in self._thread.drain():
+            if isinstance(item, Ended):
+                self._offered.discard(item.cid)
+                self._frames += item.trackers
+        self._frames = [t for t in self._frames if not t.done]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._offered)
+
+    def close(self) -> None:
+        self._thread.close()

@@ -1,0 +1,82 @@
+"""KV between servers of different tensor-parallel sizes: which context rank sends which kv heads
+to a generation rank, and how a block's heads are cut out of or written into a slot.
+
+A pool slot is `[layers, 2, tokens_per_block, kv_heads, head_dim]`, so a rank's share of the heads
+is a strided part of every slot. A generation rank holding heads [a, b) of the model takes each of
+them from the first context rank that holds it (`plan_parts`): where the two ranks hold exactly
+the same heads the pull moves whole slots (today's path); otherwise the sender gathers the heads
+asked for (`gather_heads`) and the receiver writes them among its own (`scatter_heads`). So context
+TP=2 -> generation TP=1 merges two halves into each slot, and TP=1 -> TP=2 gives each generation
+rank its half of one sender's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from transceiver.wire import InstanceInfo, Layout, RankEndpoint
+
+Heads = tuple[int, int]  # [start, end)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One pull of a generation rank's share: from `endpoint`, the sender's heads `src` into our
+    heads `dst` (both None: whole slots)."""
+
+    endpoint: str
+    src: Heads | None
+    dst: Heads | None
+
+
+def context_ranks(endpoint: str, info: InstanceInfo) -> list[RankEndpoint]:
+    """Every rank of the context server that answered `info` at `endpoint` (one, unless TP)."""
+    return list(info.ranks) or [RankEndpoint(endpoint, info.layout.heads)]
+
+
+def plan_parts(ranks: list[RankEndpoint], mine: Heads) -> list[Part]:
+    """The pulls that bring heads `mine` (of the model) from the context ranks that hold them."""
+    parts, head = [], mine[0]
+    while head < mine[1]:
+        source = next((r for r in ranks if r.kv_heads[0] <= head < r.kv_heads[1]), None)
+        if source is None:
+            raise ValueError(f"no context rank holds kv head {head} (ranks hold {[r.kv_heads for r in ranks]})")
+        start, end = source.kv_heads
+        upto = min(mine[1], end)
+        whole = (start, end) == (head, upto) == mine
+        parts.append(Part(source.endpoint, None if whole else (head - start, upto - start),
+                          None if whole else (head - mine[0], upto - mine[0])))
+        head = upto
+    return parts
+
+
+def several_ranks(ranks: list[RankEndpoint], own: Layout) -> bool:
+    """Either side has more than one rank: the lease ends with a `Release`, not with an Ack."""
+    return len(ranks) > 1 or own.heads != (0, own.total_heads)
+
+
+def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:
+    """Bytes of one block's `heads` (whole slot when None)."""
+    return slot_bytes if heads is None else slot_bytes // kv_heads * (heads[1] - heads[0])
+
+
+def gather_heads(pool: torch.Tensor, slots: list[int], heads: Heads, out: torch.Tensor) -> int:
+    """Copy kv heads `heads` of slots `slots` of `pool` ([num_slots, layers, 2, tpb, kv_heads, dim]),
+    block after block, into the front of uint8 CPU buffer `out`; returns the bytes written."""
+    idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
+    part = pool.index_select(0, idx)[:, :, :, :, heads[0]:heads[1]]  # [n, layers, 2, tpb, h, dim]
+    nbytes = part.numel() * part.element_size()
+    out[:nbytes].view(pool.dtype).view(part.shape).copy_(part)
+    return nbytes
+
+
+def scatter_heads(pool: torch.Tensor, slots: list[int], heads: Heads, parts: list[np.ndarray]) -> None:
+    """Write a chunk's payload (blocks of `gather_heads`' layout) into kv heads `heads` of `slots`."""
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    shape = (len(slots), *pool.shape[1:4], heads[1] - heads[0], pool.shape[5])
+    src = torch.from_numpy(data).view(pool.dtype).view(shape)
+    idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
+    pool[:, :, :, :, heads[0]:heads[1]].index_copy_(0, idx, src.to(pool.device))
