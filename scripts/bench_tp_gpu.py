@@ -41,9 +41,10 @@ def engine_run(model_dir: Path, size: int, c64: bool) -> dict:
     from server.telemetry.metrics import ServerMetrics
     from server.types import GenerateRequest, SamplingParams
 
+    kv_tokens = 64 * 4096 if torch.cuda.is_available() else 8192  # the CPU: a smoke run on a tiny model
     cfg = server_config_from_dict({
         "model": str(model_dir), "max_seq_len": 4096, "max_num_tokens": 4096, "max_batch_size": 64,
-        "tensor_parallel_size": size, "kv_cache_config": {"tokens_per_block": 32, "max_tokens": 64 * 4096 if torch.cuda.is_available() else 8192},
+        "tensor_parallel_size": size, "kv_cache_config": {"tokens_per_block": 32, "max_tokens": kv_tokens},
         "cache_transceiver_config": {"auth_token": "bench-tp-token-0123456789"}}, "bench_tp_gpu")
     core = build_core(cfg, ServerMetrics())
 

@@ -22,6 +22,7 @@ class ServerLike(Protocol):
     device: str
     kv_cache_config: Any
     cache_transceiver_config: Any
+    tensor_parallel_size: int
 
 
 S = TypeVar("S", bound=ServerLike)
@@ -53,8 +54,10 @@ def check_ports(servers: list[S], router: tuple[str, int] | None, source: str) -
     for s in servers:
         seen.append((s.host, s.port, f"{s.role} server {s.host}:{s.port}"))
         ctc_port = s.cache_transceiver_config.port
-        if s.role == "context" and ctc_port:  # 0: ephemeral
-            seen.append((s.host, ctc_port, f"the transceiver of context server {s.host}:{s.port}"))
+        if s.role == "context" and ctc_port:  # 0: ephemeral; rank r of a tensor-parallel server: port + r
+            for rank in range(s.tensor_parallel_size):
+                which = f" (rank {rank})" if s.tensor_parallel_size > 1 else ""
+                seen.append((s.host, ctc_port + rank, f"the transceiver of context server {s.host}:{s.port}{which}"))
     for i, (h1, p1, name1) in enumerate(seen):
         for h2, p2, name2 in seen[:i]:
             if p1 == p2 and _same_host(h1, h2):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import msgspec
+
 from kvcache import KVCacheManager
 from server.config.schema import ServerConfig
 from server.models.parallel.plan import ShardPlan
@@ -101,8 +103,11 @@ class PullShare:
 def make_role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, epoch: str, rank: int,
               plan: ShardPlan) -> WorkerRole:
     heads = (plan.kv_heads[0], plan.num_kv_heads)
-    if cfg.role == "context":
-        return LeaseShare(RankSender(kv, cfg.cache_transceiver_config, fingerprint, epoch, heads))
+    if cfg.role == "context":  # a fixed KV port is rank 0's; rank r listens on port + r
+        transceiver = cfg.cache_transceiver_config
+        if transceiver.port:
+            transceiver = msgspec.structs.replace(transceiver, port=transceiver.port + rank)
+        return LeaseShare(RankSender(kv, transceiver, fingerprint, epoch, heads))
     if cfg.role == "generation":
         return PullShare(KVReceiver(kv, cfg.cache_transceiver_config, fingerprint, kv_heads=heads, releases=False),
                          rank)
