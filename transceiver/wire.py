@@ -271,7 +271,7 @@ def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
     if sorted(ctx_w) != sorted(gen_w):
         return f"window groups differ: context {sorted(ctx_w)} vs generation {sorted(gen_w)}"
     if ctx.total_heads != gen.total_heads:
-        return f"the model's kv heads differ: context {ctx.total_heads} vs generation {gen.total_heads}"
+        return f"the model's kv_heads differs: context {ctx.total_heads} vs generation {gen.total_heads}"
     for window in sorted(ctx_w):
         problem = _window_mismatch(ctx_w[window], gen_w[window])
         if problem is not None:

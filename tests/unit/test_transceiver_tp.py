@@ -151,7 +151,8 @@ def _layout(heads: int, start: int = 0, total: int = 0) -> Layout:
 def test_layouts_of_ranks_with_different_head_shares_are_compatible() -> None:
     assert layout_mismatch(_layout(2, 2, HEADS), _layout(HEADS)) is None
     assert layout_mismatch(_layout(1, 0, HEADS), _layout(2, 2, HEADS)) is None
-    assert layout_mismatch(_layout(2, 0, 2), _layout(HEADS)) == "the model's kv heads differ: context 2 vs generation 4"
+    skewed = layout_mismatch(_layout(2, 0, 2), _layout(HEADS))
+    assert skewed == "the model's kv_heads differs: context 2 vs generation 4"
     bad = Layout(tokens_per_block=TPB, fingerprint="fp", kv_heads_total=HEADS,
                  windows=[WindowLayout(window=W, layers=[0, 1], kv_heads=2, head_dim=8, dtype="bfloat16",
                                        slot_bytes=999)])
