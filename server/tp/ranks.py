@@ -104,10 +104,22 @@ class Ranks:
         self._ops.append(op)
 
     def flush(self) -> None:
-        """Send every queued operation, in order, to every rank."""
+        """Send every queued operation, in order, to every rank. A rank that does not take them can no
+        longer follow rank 0: the server ends (as if it had died)."""
         if self._ops:
             ops, self._ops = self._ops, []
-            self._end.send(list(range(1, self.size)), Command(ops))
+            try:
+                self._end.send(list(range(1, self.size)), Command(ops))
+            except ChannelError as exc:
+                log.error("%s: stopping every rank of this server (exit %d)", exc, RANK_DIED_EXIT)
+                self._kill_all()
+
+    def _kill_all(self) -> None:
+        self._stopping = True  # the watchdog does not report the kills below
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self._on_rank_death()
 
     # ---- the reports
     def wait_for(self, kind: type[Joined] | type[Ready], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -145,8 +157,7 @@ class Ranks:
         """Ask every rank to stop, wait for them (then kill), close the channel."""
         self._stopping = True
         try:
-            self._ops = [Stop()]
-            self.flush()
+            self._end.send(list(range(1, self.size)), Command([Stop()]))
         except ChannelError as exc:
             log.warning("could not ask the ranks to stop: %s", exc)
         deadline = time.monotonic() + timeout_s
@@ -167,10 +178,7 @@ class Ranks:
         dead.join(1.0)  # its exit code
         log.error("%s exited with code %s: stopping every rank of this server (exit %d)", dead.name,
                   dead.exitcode, RANK_DIED_EXIT)
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        self._on_rank_death()
+        self._kill_all()
 
 
 def start_ranks(cfg: ServerConfig, model_dir: Path, spec: ModelSpec, device: torch.device,

@@ -103,16 +103,20 @@ class RankedReceiver(KVReceiver):
         if shares is None:  # ended already (another rank failed, or cancelled)
             return []
         seconds = time.monotonic() - shares.started
+        if rank > 0:
+            self.stats.bytes_received += nbytes  # rank 0's own bytes are counted as they land
         if not ok:
             self._end_others(request_id, shares, rank)
-            detail = error if self._ranks.size == 1 else f"rank {rank}: {error}"
-            return [PullResult(request_id, False, reason, detail, shares.nbytes + nbytes, seconds)]
+            if rank > 0:
+                self.stats.count_failure(reason or "remote_error")
+            return [PullResult(request_id, False, reason, f"rank {rank}: {error}", shares.nbytes + nbytes, seconds)]
         shares.pending.discard(rank)
         shares.nbytes += nbytes
         if shares.pending:
             return []
         del self._shares[request_id]
         self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+        self.stats.count_ok(seconds, shares.nbytes)
         return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds)]
 
     def _end_others(self, request_id: str, shares: _Shares, failed_rank: int) -> None:

@@ -40,18 +40,17 @@ from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
-from transceiver.receiver.link import (
-    IpcPools,
-    PeerDown,
-    Planned,
-    Probe,
-    Pull,
-    PullRefused,
-    Received,
-    ReceiverLink,
-    Send,
+from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
+from transceiver.receiver.link import ReceiverLink
+from transceiver.receiver.parts import (
+    Part,
+    Pulling,
+    Wanted,
+    apply_chunk,
+    apply_ipc_chunk,
+    cancel_targets,
+    check_wanted,
 )
-from transceiver.receiver.parts import Part, Pulling, Wanted, apply_chunk, apply_ipc_chunk
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     REASONS,
@@ -89,7 +88,8 @@ class KVReceiver:
                  releases: bool = True) -> None:
         """`on_message()` is called (from the socket thread) whenever messages await `step`. A rank
         of a tensor-parallel server passes `kv_heads` (its first kv head, the model's kv heads), and
-        `releases=False` unless it is the server's only rank to end leases (see the module doc)."""
+        `releases=False` where its pull is one rank's share of the request's: then it neither ends the
+        lease nor counts the transfer (see the module doc)."""
         self._kv = kv
         self._config = config
         self._releases = releases
@@ -120,7 +120,7 @@ class KVReceiver:
         `slots` (primary slot indices of this server, in block order)."""
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} is already pulling")
-        self._check_wanted(wanted)
+        check_wanted(self._kv, wanted)
         now = time.monotonic()
         pulling = Pulling(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
                           {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
@@ -315,7 +315,8 @@ class KVReceiver:
         first_at = min((p.first_at for p in parts if p.first_at is not None), default=pulling.started)
         wait, apply = first_at - pulling.started, sum(p.apply_s for p in parts)
         self.stats.add_phases(wait=wait, apply=apply, rest=max(0.0, seconds - wait - apply))
-        self.stats.count_ok(seconds, pulling.nbytes)
+        if self._releases:  # else the request's pull is counted where every rank's share comes together
+            self.stats.count_ok(seconds, pulling.nbytes)
         self.stats.ipc_transfers += any(p.via_ipc for p in parts)
         self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds))
 
@@ -328,31 +329,15 @@ class KVReceiver:
         refused a pull must not lose the lease another pull reads)."""
         self._forget(pulling)
         self.stats.count_failure(reason)
-        for endpoint, pull_id in self._cancel_targets(pulling, notify, failed_part):
+        for endpoint, pull_id in cancel_targets(pulling, notify, failed_part):
             cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
             self._thread.submit(Send(endpoint, cancel))
         if report:
             self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
                                             time.monotonic() - pulling.started))
 
-    @staticmethod
-    def _cancel_targets(pulling: Pulling, notify: bool, failed_part: Part | None) -> list[tuple[str, int]]:
-        if not pulling.several:  # one part (or not planned yet): today's one-to-one pull
-            return [(pulling.endpoint, pulling.pull_id)] if notify else []
-        parts = [*pulling.parts.values(), *pulling.done_parts]
-        return [(p.endpoint, p.pull_id) for p in parts if notify or p is not failed_part]
-
     def _forget(self, pulling: Pulling) -> None:
         del self._pulling[pulling.request_id]
         self._unplanned.pop(pulling.pull_id, None)
         for pull_id in pulling.parts:
             del self._parts[pull_id]
-
-    def _check_wanted(self, wanted: Wanted) -> None:
-        for window, (first, slots) in wanted.items():
-            if window not in self._kv.window_sizes:
-                raise ValueError(f"unknown window {window}; valid: {sorted(self._kv.window_sizes)}")
-            num_slots = self._kv.pool(window, Level.PRIMARY).shape[0]
-            if first < 0 or any(not 0 <= s < num_slots for s in slots):
-                raise ValueError(f"window {window}: bad first block {first} "
-                                 f"or slots outside [0, {num_slots})")

@@ -44,10 +44,20 @@ from zmq.utils.monitor import parse_monitor_message
 
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketIO
+from transceiver.receiver.items import (
+    IpcPools,
+    PeerDown,
+    Planned,
+    PlannedPart,
+    Probe,
+    Pull,
+    PullRefused,
+    Received,
+    Send,
+)
 from transceiver.stats import TransferStats
-from transceiver.tp import Heads, context_ranks, plan_parts, several_ranks
+from transceiver.tp import context_ranks, plan_parts, several_ranks
 from transceiver.wire import (
-    Body,
     Cancel,
     ChunkHeader,
     Codec,
@@ -75,87 +85,6 @@ INCOMPATIBLE = "incompatible"
 IDLE_CLOSE_S = 600.0  # close a DEALER unused this long
 MONITOR = "monitor"  # socket key (MONITOR, endpoint): the PAIR reading the DEALER's monitor events
 _monitor_ids = itertools.count()  # inproc names are per zmq context, and the context is per process
-
-
-@dataclass(frozen=True)
-class Pull:
-    """Command: send `request` to `endpoint` once a handshake with `request.ctx_epoch` is done."""
-
-    endpoint: str
-    request: PullRequest
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Command: shake hands with `endpoint` unless that is done or under way (no pull needed)."""
-
-    endpoint: str
-
-
-@dataclass(frozen=True)
-class Send:
-    """Command: send `body` to `endpoint` now (Ack, Cancel: no handshake needed)."""
-
-    endpoint: str
-    body: Body
-
-
-@dataclass(frozen=True)
-class Received:
-    """A message from a context server for the engine thread (payload: a chunk's raw frames)."""
-
-    endpoint: str
-    sender_epoch: str
-    body: ChunkHeader | IpcChunk | Done | Failed
-    payload: list[zmq.Frame] = field(default_factory=list)
-    at: float = field(default_factory=time.monotonic)  # when the socket thread received it
-
-
-@dataclass(frozen=True)
-class IpcPools:
-    """The sender's primary pools of `epoch` at `endpoint`, opened through CUDA IPC (window -> view
-    `[num_slots, layers, 2, tpb, heads, dim]` on our device); None: forget that endpoint's pools."""
-
-    endpoint: str
-    epoch: str | None
-    pools: dict[int, Any] | None
-
-
-@dataclass(frozen=True)
-class PlannedPart:
-    pull_id: int
-    endpoint: str
-    src: Heads | None  # the sender's kv heads sent (None: whole slots)
-    dst: Heads | None  # where they go among ours (None: whole slots)
-
-
-@dataclass(frozen=True)
-class Planned:
-    """The pull `pull_id` goes out as these parts (the first keeps its id); `several`: more than one
-    rank on either side, so the lease ends with a `Release` once every part arrived."""
-
-    pull_id: int
-    several: bool
-    parts: list[PlannedPart]
-    ctx_request_id: str
-    ctx_epoch: str
-
-
-@dataclass(frozen=True)
-class PullRefused:
-    """The pull was never sent: handshake refused or the peer's epoch is not the pull's."""
-
-    pull_id: int
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class PeerDown:
-    """The connection to `endpoint` was lost: pulls sent there will get no answer."""
-
-    endpoint: str
-    detail: str
 
 
 @dataclass(frozen=True)

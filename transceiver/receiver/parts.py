@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvcache import KVCacheManager, Level
 from transceiver.ipc import copy_slots
 from transceiver.payload import checksum, parts_are_valid, scatter
 from transceiver.stats import TransferStats
@@ -116,3 +117,22 @@ def _advance(part: Part, window: int, next_first: int, nbytes: int, stats: Trans
     part.nbytes += nbytes
     part.chunks += 1
     stats.bytes_received += nbytes
+
+
+def cancel_targets(pulling: Pulling, notify: bool, failed_part: Part | None) -> list[tuple[str, int]]:
+    """(endpoint, pull_id) of every Cancel a failed pull sends. One rank on each side (or not planned
+    yet): today's one Cancel, unless the sender reported the failure (`notify` False). Several: one
+    per part, except the part whose sender reported it (a refused duplicate must not end the lease)."""
+    if not pulling.several:
+        return [(pulling.endpoint, pulling.pull_id)] if notify else []
+    parts = [*pulling.parts.values(), *pulling.done_parts]
+    return [(p.endpoint, p.pull_id) for p in parts if notify or p is not failed_part]
+
+
+def check_wanted(kv: KVCacheManager, wanted: Wanted) -> None:
+    for window, (first, slots) in wanted.items():
+        if window not in kv.window_sizes:
+            raise ValueError(f"unknown window {window}; valid: {sorted(kv.window_sizes)}")
+        num_slots = kv.pool(window, Level.PRIMARY).shape[0]
+        if first < 0 or any(not 0 <= s < num_slots for s in slots):
+            raise ValueError(f"window {window}: bad first block {first} or slots outside [0, {num_slots})")
