@@ -2,8 +2,8 @@
 
 Each case runs a prompt through `ModelRunner`s with `RankShard`s in `size` spawned processes (rank
 0 here is a child too), prefilled in two chunks then decoded greedily; every rank gets the whole
-logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on the sliding
-window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
+logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on tiny-llama, on
+the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
 does not divide (padded rows).
 """
@@ -104,7 +104,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize(("size", "names"), [(2, ("tiny-qwen3-swa", "qwen2-bias-sliding")),
+@pytest.mark.parametrize(("size", "names"), [(2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama")),
                                              (4, ("tiny-llama", "llama-tied-bias-odd-vocab"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:

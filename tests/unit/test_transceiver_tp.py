@@ -185,3 +185,30 @@ def test_a_rank_serves_a_pull_that_came_before_its_offer() -> None:
     finally:
         for link in (receiver, rank0, rank1):
             link.close()
+
+
+def test_generation_ranks_holding_the_same_kv_head_pull_it_at_once() -> None:
+    """Generation TP=4 over 2 kv heads: ranks 0 and 1 both hold head 0 (replicated); each is a part
+    of its own receiver, so the sender serves both at once (a second part of one receiver would not)."""
+    ctx = _kv(2)
+    ids = _prefilled(ctx, 6)
+    sender = KVSender(ctx, CONFIG, "fp")
+    gens = [_kv(1) for _ in range(3)]
+    receivers = [KVReceiver(g, CONFIG, "fp", kv_heads=(h, 2), releases=False)
+                 for g, h in zip(gens, (0, 0, 1), strict=True)]
+    try:
+        sender.add_lease("cid", {W: ids})
+        slots = ctx.slot_table("ctx", W)
+        gens[0].admit("g", list(range(10)))
+        dst = gens[0].slot_table("g", W)
+        for r in receivers:
+            r.start_pull("g", sender.endpoint, sender.epoch, "cid", {W: (0, dst)})
+        _pull(receivers, [sender], "g")
+        source = _bits(ctx, slots)
+        for g, head in zip(gens, (0, 0, 1), strict=True):
+            assert torch.equal(_bits(g, dst), source[:, :, :, :, head:head + 1])
+        receivers[0].release_lease(sender.endpoint, "cid", sender.epoch)
+        wait_until(lambda: sender.num_leases == 0, 10, "the Release ended the lease", step=sender.step)
+    finally:
+        for link in (*receivers, sender):
+            link.close()

@@ -84,16 +84,11 @@ class Job:
     heads: tuple[int, int] | None = None  # the kv heads sent of each block (None: whole slots)
     keep_lease: bool = False  # the lease outlives this pull's Ack (a part of a tensor-parallel pull)
 
-    def overlaps(self, heads: tuple[int, int] | None) -> bool:
-        if self.heads is None or heads is None:
-            return True
-        return self.heads[0] < heads[1] and heads[0] < self.heads[1]
-
 
 @dataclass
 class Offered:
     """Socket side of a lease. One pull at a time serves it, or, for tensor-parallel receivers
-    (`keep_lease`), one per distinct set of kv heads."""
+    (`keep_lease`), one part per receiver."""
 
     offer: Offer
     jobs: dict[int, Job] = field(default_factory=dict)  # by pull_id

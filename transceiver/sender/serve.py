@@ -130,7 +130,7 @@ class PullServer:
         if off is None and self._park_s > 0 and req.keep_lease and req.ctx_epoch == self._epoch:
             self._parked.setdefault(req.ctx_request_id, []).append((peer, req, time.monotonic() + self._park_s))
             return
-        problem = self._pull_problem(req, off)
+        problem = self._pull_problem(peer, req, off)
         if problem is not None:
             self._refuse(io, peer, req, problem)
             return
@@ -198,7 +198,7 @@ class PullServer:
         self._stats.count_failure(problem[0])
         self._send(io, peer, Failed(reason=problem[0], detail=problem[1], pull_id=req.pull_id), [])
 
-    def _pull_problem(self, req: PullRequest, off: Offered | None) -> tuple[str, str] | None:
+    def _pull_problem(self, peer: bytes, req: PullRequest, off: Offered | None) -> tuple[str, str] | None:
         if req.ctx_epoch != self._epoch:
             return "epoch_mismatch", (
                 f"context server restarted: the request was prefilled by epoch {req.ctx_epoch}, "
@@ -207,7 +207,8 @@ class PullServer:
         if off is None:
             return "unknown_request", (
                 f"no lease for ctx_request_id {req.ctx_request_id!r} (unknown, expired or released)")
-        if any(not (job.keep_lease and req.keep_lease) or job.overlaps(req.heads) for job in off.jobs.values()):
+        # one pull at a time, or one part per receiver (replicated kv heads: several ranks want the same)
+        if any(not (job.keep_lease and req.keep_lease) or job.peer == peer for job in off.jobs.values()):
             return "bad_request", f"a pull for {req.ctx_request_id!r} is already running"
         if req.via_ipc and not self._ipc_offered():
             return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
