@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from server.models.attention import AttentionBackend
 from server.models.ops import ModelOps, TorchOps

@@ -142,7 +142,7 @@ class ModelRunner:
         for step in warm_steps(self.max_batch_size, self.max_num_tokens, self.kv.tokens_per_block,
                                self.attention.num_kv_heads, self.attention.num_sms):
             self.forward(self.prepare(self._warm_chunks(step)))
-        spec = self.spec
+        spec = self.model.spec  # a tensor-parallel rank's own heads
         plans, plan_s = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
                                               self.device, self.max_num_tokens)
         self._choose_skinny_linears()

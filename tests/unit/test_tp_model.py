@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 from pathlib import Path
 
@@ -55,33 +56,35 @@ def _greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int]) -> tuple[li
     return out, first
 
 
-def _runner(model_dir: Path, shard: RankShard | None) -> tuple[ModelRunner, KVCacheManager]:
+def _runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch") -> tuple[ModelRunner, KVCacheManager]:
     spec = load_spec(model_dir)
     local = spec if shard is None else shard.local_spec(spec)
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
                         local.cache_layout(MAX_SEQ_LEN, torch.float32, "cpu"))
     return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
-                       max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard), kv
+                       max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard, kernels=kernels,
+                       cuda_graphs=False), kv
 
 
-def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: str) -> None:
+def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: str, kernels: str) -> None:
     torch.set_num_threads(1)
     group.join(rank, size, torch.device("cpu"), port=port, timeout_s=120)
     try:
         results = {}
         for name, model_dir in model_dirs.items():
             plan = plan_for(load_spec(model_dir), rank, size)
-            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)))
+            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels)
+            runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size))
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         group.leave()
 
 
-def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path) -> list[dict]:
+def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str = "torch") -> list[dict]:
     store = group.open_store(size, timeout_s=120)
     ctx = multiprocessing.get_context("spawn")
-    args = lambda r: (r, size, store.port, {k: str(v) for k, v in model_dirs.items()}, str(out))  # noqa: E731
+    args = lambda r: (r, size, store.port, {k: str(v) for k, v in model_dirs.items()}, str(out), kernels)  # noqa: E731
     procs = [ctx.Process(target=_rank_main, args=args(r), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
@@ -118,6 +121,17 @@ def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path]
             tokens, logits = result[name]
             assert tokens == one_rank, (name, rank)
             assert (torch.tensor(logits) - torch.tensor(one_rank_logits)).abs().max().item() < 1e-4, (name, rank)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: tests/gpu/test_tp_cuda.py")
+def test_tp2_triton_kernels_after_warm_up_match_transformers(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The Triton path (interpreted on the CPU): each rank warms up with its own heads, in step."""
+    pytest.importorskip("triton")
+    name = "tiny-qwen3-swa"
+    ranks = _run_ranks(2, {name: model_dirs[name]}, tmp_path, kernels="triton")
+    ids = _prompt(load_spec(model_dirs[name]).vocab_size)
+    want = hf_reference.hf_greedy(model_dirs[name], ids, NEW_TOKENS)
+    assert [r[name][0] for r in ranks] == [want, want]
 
 
 def test_shard_plan_heads_replication_and_vocab() -> None:
