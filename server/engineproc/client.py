@@ -75,7 +75,9 @@ class EngineProcess:
         self._end = HttpEnd(directory, secret)
         self._proc = start_engine_process(Launch(self._cfg, str(directory), secret.hex(), self._epoch, os.getpid()))
         log.info("engine process %d started", self._proc.pid)
-        self._tasks.append(asyncio.create_task(self._read()))
+        reader = asyncio.create_task(self._read())
+        reader.add_done_callback(self._reader_ended)
+        self._tasks.append(reader)
 
     async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Shutdown, wait at most `timeout_s`, then SIGKILL; requests still open end with an error."""
@@ -165,6 +167,16 @@ class EngineProcess:
             if not messages and self._proc.poll() is not None:
                 self._died(self._proc.returncode)
                 return
+
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        """A reader that broke (a bug) would leave every request waiting: the server exits instead."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("the engine link's reader failed", exc_info=task.exception())
+        self._stopping = True
+        self._end_all("the server lost its engine (internal error); it is restarting", 500)
+        if self._on_fatal is not None:
+            self._on_fatal()
 
     def _handle(self, message) -> None:
         if isinstance(message, StepOut):

@@ -204,3 +204,12 @@ def test_a_killed_engine_process_fails_requests_in_flight_and_ends_the_server(tm
         assert proc.wait(timeout=60) != 0  # the launcher's supervisor restarts a server that exits so
         log = (tmp_path / "server.log").read_text()
         assert "the engine process exited with signal SIGKILL: failing 1 requests in flight" in log
+
+
+def test_an_engine_process_that_cannot_load_ends_the_server_with_its_error(tmp_path):
+    missing = tmp_path / "no-model-here"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(missing), "--port", str(dh.free_port()),
+                           "--engine-process", "true"], cwd=dh.ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"exiting: the engine could not start: ValueError: model '{missing}': no such directory" in done.stderr
