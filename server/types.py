@@ -75,7 +75,8 @@ class RequestOutput:
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine (in-process; the engine loop runs in its own thread)."""
+    """What the HTTP layer needs from an engine (its loop runs on a thread of this process, or in a
+    process of its own: server/engineproc/)."""
 
     model_name: str
     max_seq_len: int

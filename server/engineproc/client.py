@@ -167,6 +167,7 @@ class EngineProcess:
             if not messages and self._proc.poll() is not None:
                 self._died(self._proc.returncode)
                 return
+            await asyncio.sleep(0)  # the streams' writers run between batches, however fast they come
 
     def _reader_ended(self, task: asyncio.Task) -> None:
         """A reader that broke (a bug) would leave every request waiting: the server exits instead."""
