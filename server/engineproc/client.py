@@ -83,8 +83,9 @@ class EngineProcess:
         """Shutdown, wait at most `timeout_s`, then SIGKILL; requests still open end with an error."""
         self._stopping = True
         if self._proc is not None and self.exit_code is None:
-            self._end.send(Shutdown())
-            self.exit_code = await asyncio.to_thread(stop_engine_process, self._proc, timeout_s)
+            # still loading (no Ready): it reads no Shutdown before its model is up, and holds nothing yet
+            graceful = self.info is not None and self._end.send(Shutdown())
+            self.exit_code = await asyncio.to_thread(stop_engine_process, self._proc, timeout_s if graceful else 0.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

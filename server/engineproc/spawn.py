@@ -54,6 +54,7 @@ def stop_engine_process(proc: subprocess.Popen, timeout_s: float) -> int:
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        log.warning("the engine process (pid %d) did not stop within %g s: SIGKILL", proc.pid, timeout_s)
+        if timeout_s > 0:
+            log.warning("the engine process (pid %d) did not stop within %g s: SIGKILL", proc.pid, timeout_s)
         proc.kill()
         return proc.wait(timeout=KILL_WAIT_S)
