@@ -118,7 +118,7 @@ def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
     """The engine on a thread of this process: (engine factory, KV event source)."""
     telemetry = TelemetryBridge(metrics)
     metrics.set_stats_provider(telemetry.kv_stats)
-    kv_events = KvEventSource(_event_publisher(cfg, cfg.cache_transceiver_config.auth_token), EPOCH)
+    kv_events = KvEventSource(event_publisher(cfg, EPOCH), EPOCH)
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[AsyncEngine]:
@@ -192,11 +192,12 @@ def _close_transceiver(engine: AsyncEngine) -> None:
             link.close()
 
 
-def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher | None:
+def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:
     """KV events for the router's index, on the transceiver's interface; none without the token."""
+    token = cfg.cache_transceiver_config.auth_token
     if not token:
         return None
-    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver_config.host)
+    return KvEventPublisher(token, epoch, cfg.cache_transceiver_config.host)
 
 
 async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:

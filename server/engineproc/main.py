@@ -22,7 +22,7 @@ from server.engineproc.link import EngineEnd
 from server.engineproc.spawn import Launch, read_launch
 from server.engineproc.wire import EngineInfo, LoadFailed, Ready
 from server.telemetry.bridge import TelemetryBridge
-from server.telemetry.kv_events import KvEventPublisher, KvEventSource
+from server.telemetry.kv_events import KvEventSource
 from server.telemetry.relay import MetricsRecorder
 
 log = logging.getLogger("server.engineproc")
@@ -40,13 +40,12 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def build_host(launch: Launch, end: EngineEnd) -> EngineHost:
-    from server.deploy.serve import build_core  # heavy (torch, the model): after the link is up
+    from server.deploy.serve import build_core, event_publisher  # heavy (torch, the model): after the link is up
 
     cfg = launch.config
     recorder = MetricsRecorder()
     bridge = TelemetryBridge(recorder)
-    token = cfg.cache_transceiver_config.auth_token
-    publisher = KvEventPublisher(token, launch.epoch, cfg.cache_transceiver_config.host) if token else None
+    publisher = event_publisher(cfg, launch.epoch)  # the server's epoch, not this process's
     kv_events = KvEventSource(publisher, launch.epoch)
     kv_events.wake = end.wake
     if publisher is not None:
