@@ -71,6 +71,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
     kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
+    # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
+    # its own process on CUDA, the thread on a CPU (server/engineproc/)
+    engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()

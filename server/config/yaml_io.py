@@ -93,7 +93,8 @@ def _error(text: str, schema: type, data: Any, source: str, origin: Callable[[Ke
 def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, value: Any) -> str:
     """msgspec's "Expected `int` >= 1" as "must be >= 1, got 0"; a described type says what it is."""
     if enum := _ENUM.fullmatch(message):
-        return f"must be one of {', '.join(map(str, choices))}, got {enum[1]}"
+        about = _description(node) or f"one of {', '.join(map(str, choices))}"  # a described union says all
+        return f"must be {about}, got {enum[1]}"
     expected = _EXPECTED.fullmatch(message)
     if expected is None or not found:
         return message[0].lower() + message[1:]

@@ -1,9 +1,13 @@
-"""`pdserve serve`: build one engine process (aggregated, context or generation) and serve HTTP."""
+"""`pdserve serve`: build one engine server (aggregated, context or generation) and serve HTTP.
+
+The engine runs on a thread of this process (`AsyncEngine`) or in a child process of its own
+(`EngineProcess`, server/engineproc/): the config's `engine_process` (auto: a child on CUDA)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,21 +18,24 @@ import uvicorn
 from kvcache import KVCacheManager
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
-from server.api.readiness import health_report, transceiver
+from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
+from server.engine import status
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
+from server.engineproc.client import EngineProcess, RemoteKvEvents
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.models.spec import load_spec
 from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
+from server.telemetry.relay import RelayedMetrics
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
@@ -81,12 +88,37 @@ def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake) -> KVCo
     return GenerationConnector(KVReceiver(kv, transceiver, fingerprint, on_message=wake), kv)
 
 
+def engine_in_child(cfg: ServerConfig) -> bool:
+    """`engine_process`: true or false as set; auto: a process of its own on CUDA (the event loop's
+    SSE writes and the engine's host work no longer share one GIL), the engine thread on a CPU."""
+    if cfg.engine_process == "auto":
+        return resolve_device(cfg.device).type == "cuda"
+    return cfg.engine_process
+
+
 def make_app(cfg: ServerConfig, on_fatal=None):
-    """The server's app. `on_fatal()` is called if the engine cannot load (the process should exit)."""
+    """The server's app. `on_fatal()` is called if the engine cannot load, or its process dies
+    (the server process should then exit non-zero)."""
     metrics = ServerMetrics()
-    telemetry = TelemetryBridge(metrics)
     token = cfg.cache_transceiver_config.auth_token
-    kv_events = KvEventSource(_event_publisher(cfg, token), EPOCH)
+    make = _engine_process if engine_in_child(cfg) else _engine_thread
+    engine_factory, kv_events = make(cfg, metrics, on_fatal)
+    directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
+    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
+    app.state.kv_events = kv_events
+    app.state.role = cfg.role  # the leg /health_generate names
+    install_kv_routes(app)
+    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
+    if directory is not None:
+        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
+    return app
+
+
+def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
+    """The engine on a thread of this process: (engine factory, KV event source)."""
+    telemetry = TelemetryBridge(metrics)
+    metrics.set_stats_provider(telemetry.kv_stats)
+    kv_events = KvEventSource(event_publisher(cfg, EPOCH), EPOCH)
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[AsyncEngine]:
@@ -112,17 +144,24 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             if kv_events.publisher is not None:
                 kv_events.publisher.close()
 
-    directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
-    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
-    app.state.telemetry = telemetry
-    app.state.kv_events = kv_events
-    app.state.role = cfg.role  # the leg /health_generate names
-    metrics.set_stats_provider(telemetry.kv_stats)
-    install_kv_routes(app)
-    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
-    if directory is not None:
-        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
-    return app
+    return engine_factory, kv_events
+
+
+def _engine_process(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
+    """The engine in a child process (server/engineproc/): (engine factory, KV event source)."""
+    engine = EngineProcess(cfg, served_name(cfg.model), RelayedMetrics(metrics), EPOCH, on_fatal)
+
+    @asynccontextmanager
+    async def engine_factory() -> AsyncIterator[EngineProcess]:
+        engine.start()
+        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
+        try:
+            yield engine
+        finally:
+            watcher.cancel()
+            await engine.stop()
+
+    return engine_factory, RemoteKvEvents(engine, EPOCH)
 
 
 def install_health(app, drain: Drain) -> None:
@@ -133,46 +172,35 @@ def install_health(app, drain: Drain) -> None:
 
 
 def engine_idle(engine) -> bool:
-    """Nothing left to finish: no request queued or running, no KV lease or pull (read from the
-    event loop's thread: plain reads of the engine thread's containers)."""
-    core = getattr(engine, "core", None)
-    if core is None:
-        return True
-    sender, receiver = transceiver(engine)
-    return not core.scheduler.has_work() and (sender is None or sender.num_leases == 0) \
-        and (receiver is None or receiver.num_pulls == 0)
+    """Nothing left to finish: no request queued or running, no KV lease or pull."""
+    return engine is None or engine.idle()
 
 
 def probe_context_servers(engine, directory: ContextDirectory) -> None:
     """Generation side: shake hands with every known context server (the KV layouts must agree)."""
-    receiver = transceiver(engine)[1]
-    if receiver is None or not receiver.link_alive:
-        return
-    for endpoint in directory.endpoints:
-        try:
-            receiver.probe(endpoint)
-        except RuntimeError as exc:  # the socket thread stopped or is swamped: /health says so
-            log.warning("could not probe %s: %s", endpoint, exc)
+    if engine is not None:
+        engine.probe(directory.endpoints)
 
 
-def _close_transceiver(engine) -> None:
+def _close_transceiver(engine: AsyncEngine) -> None:
     """After the engine thread stopped: fail what still runs with an explicit message, close sockets."""
     thread = getattr(engine, "_thread", None)
     if thread is not None and thread.is_alive():  # still in a step: the engine thread owns them
         return
-    for link in transceiver(engine):
+    for link in status.transceiver(engine.core):
         if link is not None:
             link.close()
 
 
-def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher | None:
+def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:
     """KV events for the router's index, on the transceiver's interface; none without the token."""
+    token = cfg.cache_transceiver_config.auth_token
     if not token:
         return None
-    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver_config.host)
+    return KvEventPublisher(token, epoch, cfg.cache_transceiver_config.host)
 
 
-async def _watch_load(engine: AsyncEngine, on_fatal) -> None:
+async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:
     """A model that cannot load ends the process (the launcher reports the exit code and log)."""
     while engine.load_error is None:
         await asyncio.sleep(0.2)
@@ -185,8 +213,15 @@ def served_name(model: str) -> str:
     return model if model.startswith("builtin:") else Path(model).name
 
 
+# The interpreter's GIL switch interval while the engine thread shares the process with the event
+# loop (the default, 5 ms, is near a GPU decode step: SSE writes waited a step for the GIL).
+IN_THREAD_SWITCH_INTERVAL_S = 0.001
+
+
 def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not engine_in_child(cfg):
+        sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)
     failed = []
 
     def on_fatal() -> None:
