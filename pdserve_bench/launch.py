@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 _SERVER_LISTS = ("context_servers", "generation_servers")
+LAUNCHER_READY = "[pdserve launch] ready: "  # server/deploy/launcher.py prints it, then supervises
 
 
 def free_ports(count: int) -> list[int]:
@@ -148,11 +149,23 @@ class ServerUnderTest:
 
     def _wait_healthy(self) -> None:
         alive = lambda: self.proc is None or self.proc.poll() is None
-        if wait_for_health(self.url, self.health_timeout_s, alive):
+        deadline = time.monotonic() + self.health_timeout_s
+        if wait_for_health(self.url, self.health_timeout_s, alive) and self._launcher_ready(deadline, alive):
             return
         if not alive():
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
         raise TimeoutError(f"{self.url}/health not 200 after {self.health_timeout_s} s:\n{self.log_tail()}")
+
+    def _launcher_ready(self, deadline: float, alive) -> bool:
+        """A launcher prints its ready line after its own checks, and supervises only from then on
+        (a server that dies before is a failed launch, not a restart); `serve` has no such line."""
+        if "launch" not in self.proc.args:
+            return True
+        while alive() and time.monotonic() < deadline:
+            if LAUNCHER_READY in self.log_path.read_text(errors="replace"):
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop(self) -> None:
         """SIGINT, then SIGTERM, then SIGKILL to the child's process group; each step waits."""

@@ -6,6 +6,8 @@ rest, and per-second time series.
   `long_ttft_p50_ms`): the interference of long prefills shows in the background's TPOT and ITL.
 - `window_figures`: mean TTFT of the requests that started in the first `window_s` seconds against
   those that started later (`first_vs_later_ttft`): a fresh server's first minute.
+- `steady_tok_s`: output tokens that arrived between two times, per second (a closed-loop run's
+  rate once every stream has started and before any has stopped).
 - `time_series`: per `bin_s` bin from the run's start, the requests started, their mean TTFT, the
   output tokens that arrived (a chunk's tokens spread evenly over the request's chunks) per second,
   and the errors. NaN where a bin has nothing to average.
@@ -49,6 +51,18 @@ def window_figures(results: Sequence[RequestResult], t0: float, window_s: float)
     return {"window_s": window_s, "ttft_mean_first_window_ms": first_ms, "ttft_mean_later_ms": later_ms,
             "ttft_p90_first_window_ms": percentile(first, 90) * 1e3, "first_window_requests": float(len(first)),
             "first_vs_later_ttft": ratio(first_ms, later_ms)}
+
+
+def steady_tok_s(results: Sequence[RequestResult], start: float, end: float) -> float:
+    """Output tokens per second that arrived in [start, end) (a chunk's tokens spread over its request's chunks)."""
+    if math.isnan(end) or end <= start:
+        return math.nan
+    tokens = 0.0
+    for r in results:
+        if r.ok and r.chunk_times:
+            per_chunk = r.output_tokens / len(r.chunk_times)
+            tokens += per_chunk * sum(1 for at in r.chunk_times if start <= at < end)
+    return tokens / (end - start)
 
 
 def _bin(at: float, bin_s: float) -> int:

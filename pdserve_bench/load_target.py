@@ -18,7 +18,15 @@ import httpx
 from pdserve_bench.client import served_model
 from pdserve_bench.launch import ServerUnderTest, is_disaggregated, server_urls
 from pdserve_bench.load_client import LoadPlan, run_load
-from pdserve_bench.load_figures import Series, load_summary, parse_metrics, server_means, time_series, window_figures
+from pdserve_bench.load_figures import (
+    Series,
+    load_summary,
+    parse_metrics,
+    server_means,
+    steady_tok_s,
+    time_series,
+    window_figures,
+)
 from pdserve_bench.stats import SLO, Summary
 
 SCRAPE_TIMEOUT_S = 10.0
@@ -73,12 +81,15 @@ def _server_figures(before: dict[str, dict[str, float]], after: dict[str, dict[s
 
 def measure_run(target: LoadTarget, plan: LoadPlan, vocab: Sequence[int], procs: int, slo: SLO,
                 window_s: float, bin_s: float, *, scrape_metrics: bool = True) -> tuple[Summary, Series]:
-    """One run of `plan` on `target`: its summary (client figures, first window, the servers' means)
-    and its time series."""
+    """One run of `plan` on `target`: its summary (client figures, first window, the rate between
+    the ramp's end and the duration's, the servers' means) and its time series."""
     before = scrape(target.scrape) if scrape_metrics else {}
     found = run_load(plan, target.url, target.model, vocab, procs)
     after = scrape(target.scrape) if scrape_metrics else {}
     results = found.all
     summary = load_summary(found.by_traffic, slo) | window_figures(results, found.t0, window_s)
-    summary |= {"client_procs": float(found.workers)} | _server_figures(before, after)
+    end = math.nan if plan.duration_s is None else found.t0 + plan.duration_s
+    summary |= {"client_procs": float(found.workers),
+                "steady_output_tok_s": steady_tok_s(results, found.t0 + plan.ramp_s, end)}
+    summary |= _server_figures(before, after)
     return summary, time_series(results, found.t0, bin_s)
