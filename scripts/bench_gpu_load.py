@@ -97,7 +97,7 @@ def start(s: Session, stack: ExitStack, server: ServerUnderTest, name: str) -> L
 def fresh_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None:
     plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.warm_duration)
              for _ in range(args.warm_runs)]
-    runs = s.runs(target, "fresh", plans)
+    runs = s.runs(target, "fresh", "first runs", plans)
     s.goal("b_fresh_server_ttft", f"b: fresh server, server TTFT mean, run 1 / run {len(runs)}",
            runs[0]["server_ttft_mean_ms"], runs[-1]["server_ttft_mean_ms"], 1.5, False)
     s.goal("b_fresh_client_ttft", f"b: fresh server, client TTFT mean, run 1 / run {len(runs)}",
@@ -106,14 +106,14 @@ def fresh_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> Non
 
 def peak_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None:
     """c: the HTTP figures against the engine's."""
-    peak = s.runs(target, "agg peak", [closed_plan(args, args.peak_concurrency, s.seed(),
+    peak = s.runs(target, "agg", "peak", [closed_plan(args, args.peak_concurrency, s.seed(),
                                                    duration_s=args.peak_duration)])[0]
     e = s.engine
     s.goal("c_http_vs_engine_tok_s", "c: HTTP steady output tok/s / engine", peak["steady_output_tok_s"],
            e.get("engine_tok_s"), 0.85, True)
     s.goal("c_http_tpot_vs_engine_step", "c: HTTP TPOT p50 / engine step", peak["tpot_p50_ms"],
            e.get("engine_step_ms"), 1.15, False)
-    b1 = s.runs(target, "agg b1", [closed_plan(args, 1, s.seed(), count=args.b1_requests)])[0]
+    b1 = s.runs(target, "agg", "b1", [closed_plan(args, 1, s.seed(), count=args.b1_requests)])[0]
     hbm = e.get("hbm_read_gb_s")
     floor = (e["weight_bytes"] + e["b1_kv_bytes"]) / hbm / 1e6 if hbm and "weight_bytes" in e else None
     s.goal("c_b1_tpot_vs_roofline", "c: HTTP b1 TPOT p50 / (bytes per step / HBM)", b1["tpot_p50_ms"], floor,
@@ -145,7 +145,7 @@ def aggregated(s: Session, args: argparse.Namespace) -> None:
         if target is None:
             return
         phases = (("b", lambda: fresh_phase(s, args, target)), ("c", lambda: peak_phase(s, args, target)),
-                  ("d-agg", lambda: s.runs(target, "agg mixed", [mixed_plan(args, s.seed())])))
+                  ("d-agg", lambda: s.runs(target, "agg", "mixed", [mixed_plan(args, s.seed())])))
         for name, run in phases:
             if name[0] not in args.skip:
                 with s.phase(name):
@@ -158,8 +158,8 @@ def disaggregated(s: Session, args: argparse.Namespace) -> None:
         target = start(s, stack, server, "disagg")
         warm_up(target.url, target.model, s.vocab)
         peak = closed_plan(args, args.peak_concurrency, s.seed(), duration_s=args.peak_duration)
-        s.runs(target, "disagg peak", [peak])
-        s.runs(target, "disagg mixed", [mixed_plan(args, s.seed())])
+        s.runs(target, "disagg", "peak", [peak])
+        s.runs(target, "disagg", "mixed", [mixed_plan(args, s.seed())])
         disagg_goals(s)
         if args.with_extras:
             with s.phase("f"):
@@ -203,7 +203,7 @@ def restarted(s: Session, args: argparse.Namespace) -> None:
         _wait_restarted(server, old)
         s.emit("restart", restart_s=time.perf_counter() - killed)
         plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.restart_duration) for _ in range(2)]
-        runs = s.runs(target, "restarted", plans)
+        runs = s.runs(target, "restarted", "first runs", plans)
         s.goal("e_restart_server_ttft", "e: restarted server, server TTFT mean, run 1 / run 2",
                runs[0]["server_ttft_mean_ms"], runs[1]["server_ttft_mean_ms"], 1.5, False)
         s.goal("e_restart_client_ttft", "e: restarted server, client TTFT mean, run 1 / run 2",

@@ -82,16 +82,18 @@ class Session:
         print(json.dumps({"phase": name, "elapsed_s": round(time.perf_counter() - start, 1),
                           "total_s": round(time.perf_counter() - self.started, 1)}), flush=True)
 
-    def runs(self, target: LoadTarget, label: str, plans: Sequence[LoadPlan]) -> list[Summary]:
-        """Each plan once on `target`; one `load` record for the group (medians, each run, each series)."""
+    def runs(self, target: LoadTarget, who: str, figure: str, plans: Sequence[LoadPlan]) -> list[Summary]:
+        """Each plan once on `target`; one `load` record for the group (medians, each run, each series),
+        kept as `groups["WHO FIGURE"]`. `pdserve-bench report` draws WHOs of one FIGURE together."""
         found = []
+        label = f"{who} {figure}"
         for index, plan in enumerate(plans):
             summary, series = measure_run(target, plan, self.vocab, self.args.client_procs, self.slo,
                                           self.args.window_s, 1.0)
             found.append((summary, series))
-            print(json.dumps({"figure": label, "run": index + 1, "server": target.name, **_brief(summary)}), flush=True)
+            print(json.dumps({"figure": label, "run": index + 1, **_brief(summary)}), flush=True)
         summaries = [s for s, _ in found]
-        config = {"target": label, "figure": label, "server": target.name, "plan": _plan_config(plans[0]),
+        config = {"target": who, "figure": figure, "server": target.name, "plan": _plan_config(plans[0]),
                   "runs": len(plans), "slo": self.slo.as_dict(), "client_procs": self.args.client_procs}
         self.groups[label] = self.writer.write("load", config, median_summary(summaries), summaries,
                                                [c for _, c in found])
@@ -114,7 +116,10 @@ class Session:
                   "model": self.engine.get("model")}
         self.writer.write("gpu-load", config, self.figures)
         (out / "report.md").write_text(report_markdown(self))
-        write_plots(self, out / "plots")
+        try:
+            write_plots(self, out / "plots")
+        except ImportError as exc:  # matplotlib: `pdserve-bench report records.jsonl` draws them elsewhere
+            print(f"no plots: {exc}", flush=True)
 
 
 KEYS = ("requests", "errors", "output_tok_s", "steady_output_tok_s", "ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms",
@@ -153,7 +158,8 @@ def write_plots(s: Session, folder: Path) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    lines = [(f"{label} run {i + 1}", series) for label in ("fresh", "restarted") if label in s.groups
+    first = [f"{who} first runs" for who in ("fresh", "restarted") if f"{who} first runs" in s.groups]
+    lines = [(f"{label.split()[0]} run {i + 1}", series) for label in first
              for i, series in enumerate(s.groups[label].get("series", []))]
     if lines:
         written.append(plots.time_series(lines, "first runs of a fresh and a restarted server",
