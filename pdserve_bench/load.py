@@ -4,9 +4,11 @@
     pdserve-bench load --deploy agg=configs/aggregated.yaml --concurrency 32 --ramp-s 5 --duration 60 --no-warmup
     # open loop: Poisson arrivals at 4 requests/s (seeded), 200 requests, against a running router
     pdserve-bench load --deploy live=http://127.0.0.1:8000 --rate 4 --num-requests 200
-    # prefill interference: 128/256 streams at c=16 while 2,048/256 prompts arrive at 0.5/s
+    # prefill interference: 128/256 streams at c=16 while 1,536/256 prompts arrive at 0.5/s
+    # (the shipped configs hold 2,048 tokens per sequence; the GPU script's servers hold 8,192)
     pdserve-bench load --deploy agg=configs/aggregated.yaml --deploy disagg=configs/disagg.yaml \\
-        --workload mixed --concurrency 16 --input-len 128 --output-len 256 --long-rate 0.5 --duration 60 --repeat 3
+        --workload mixed --concurrency 16 --input-len 128 --output-len 256 --long-input-len 1536 \\
+        --long-rate 0.5 --duration 60 --repeat 3
 
 The client runs in `--client-procs` worker processes (default min(8, cores)), each an asyncio
 streaming client (aiohttp); their timings come back as JSON lines. Closed loop (`--concurrency C`):
@@ -17,10 +19,12 @@ C streams, each sending its next request when the last one ends, stream k starti
 `background`) and reports each class apart (`background_tpot_p99_ms`, `long_ttft_p50_ms`, ...).
 
 Per run: TTFT / TPOT / ITL / E2E p50, p90, p99, output tok/s, requests/s, goodput within the SLO,
-errors; the mean TTFT of the requests started in the first `--window-s` seconds against the later
-ones; the servers' own mean TTFT, queue time, TPOT and E2E from their /metrics (scraped before and
-after; `server_` = the servers that answer the first token, `generation_` = a pair's generation
-servers); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
+errors; `steady_output_tok_s`, the output tokens that arrived between the ramp's end and the
+duration's end per second (every stream running, none drained yet); the mean TTFT of the requests
+started in the first `--window-s` seconds against the later ones; the servers' own mean TTFT, queue
+time, TPOT and E2E from their /metrics (scraped before and after; `server_` = the servers that
+answer the first token, `generation_` = a pair's generation servers; a router's /metrics has none
+of them); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
 deployments are interleaved (repeat r of each before r+1). One record per deployment: medians over
 the repeats, each repeat, and each repeat's series (`report` plots them).
 """
