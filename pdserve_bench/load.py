@@ -24,7 +24,8 @@ duration's end per second (every stream running, none drained yet); the mean TTF
 started in the first `--window-s` seconds against the later ones; the servers' own mean TTFT, queue
 time, TPOT and E2E from their /metrics (scraped before and after; `server_` = the servers that
 answer the first token, `generation_` = a pair's generation servers; a router's /metrics has none
-of them); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
+of them); the busiest client process's share of a core (`client_busiest_core_share`: near 1, the
+client may have set the pace); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
 deployments are interleaved (repeat r of each before r+1). One record per deployment: medians over
 the repeats, each repeat, and each repeat's series (`report` plots them).
 """

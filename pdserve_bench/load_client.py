@@ -4,7 +4,7 @@
 arrivals are dealt round robin (stream k and arrival k to process k mod N), so every process gets
 an even share of the staggered starts. `run_load` starts `python -m pdserve_bench.load_worker` per
 job, waits until every worker is ready, gives them one start time a moment ahead, and reads their
-`Timing` lines (JSON) until each says `done`. Every wait has a deadline; a worker that misses it is
+`Timing` lines (JSON) until each sends `Done`. Every wait has a deadline; a worker that misses it is
 killed and the run fails naming it.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve_bench.arrivals import poisson_offsets, shares, stream_starts
-from pdserve_bench.load_job import DONE, READY, Arrival, Go, Stream, Timing, Traffic, WorkerJob, encode_line
+from pdserve_bench.load_job import READY, Arrival, Done, Go, Stream, Timing, Traffic, WorkerJob, encode_line
 from pdserve_bench.record import REPO
 from pdserve_bench.stats import RequestResult
 
@@ -84,6 +84,12 @@ class LoadResults:
     t0: float  # perf_counter() of the run's start: time-series bins count from here
     by_traffic: dict[str, list[RequestResult]] = field(default_factory=dict)
     workers: int = 0
+    done: list[Done] = field(default_factory=list)  # each worker's CPU time
+
+    @property
+    def busiest_worker(self) -> float:
+        """The largest share of one core a worker used (near 1: the client may have limited the run)."""
+        return max((d.busy for d in self.done), default=0.0)
 
     @property
     def all(self) -> list[RequestResult]:
@@ -93,14 +99,13 @@ class LoadResults:
 class _Worker:
     """One worker process and the thread that moves its stdout lines into the shared queue."""
 
-    def __init__(self, index: int, job: WorkerJob, lines: queue.Queue[tuple[int, bytes | None]]) -> None:
+    def __init__(self, index: int, lines: queue.Queue[tuple[int, bytes | None]]) -> None:
         self.index = index
         # `-m` from the repository root: the worker runs this checkout's pdserve_bench
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve_bench.load_worker"], cwd=REPO,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.reader = threading.Thread(target=self._pump, args=(lines,), daemon=True)
         self.reader.start()
-        self.send(encode_line(job))
 
     def _pump(self, lines: queue.Queue[tuple[int, bytes | None]]) -> None:
         assert self.proc.stdout is not None
@@ -137,16 +142,17 @@ def _wait_ready(workers: list[_Worker], lines: queue.Queue, deadline: float) -> 
 
 
 def _collect(workers: list[_Worker], lines: queue.Queue, deadline: float, out: LoadResults) -> None:
-    decoder = msgspec.json.Decoder(Timing)
+    timings, finished = msgspec.json.Decoder(Timing), msgspec.json.Decoder(Done)
     running = {w.index for w in workers}
     while running:
         index, line = _next(lines, deadline, f"workers {sorted(running)} done")
         if line is None:
             raise RuntimeError(f"load worker {index} exited with {workers[index].proc.wait(timeout=10)} before done")
-        if line.strip() == DONE.encode():
+        if line.startswith(b"{"):  # Done is an object, Timing an array
+            out.done.append(finished.decode(line))
             running.discard(index)
             continue
-        timing = decoder.decode(line)
+        timing = timings.decode(line)
         out.by_traffic.setdefault(timing.traffic, []).append(timing.result())
 
 
@@ -156,8 +162,10 @@ def run_load(plan: LoadPlan, url: str, model: str, vocab: Sequence[int], procs: 
     lines: queue.Queue[tuple[int, bytes | None]] = queue.Queue()
     workers: list[_Worker] = []
     try:
-        for index, job in enumerate(jobs):
-            workers.append(_Worker(index, job, lines))
+        for index in range(len(jobs)):
+            workers.append(_Worker(index, lines))
+        for worker, job in zip(workers, jobs, strict=True):  # all started first: they import meanwhile
+            worker.send(encode_line(job))
         _wait_ready(workers, lines, time.monotonic() + READY_TIMEOUT_S)
         out = LoadResults(time.perf_counter() + START_DELAY_S, {t.name: [] for t in plan.traffic}, len(workers))
         for worker in workers:

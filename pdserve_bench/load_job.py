@@ -3,7 +3,9 @@ the workers' stdin and stdout: nothing is pickled, nothing from the network is d
 
 The parent writes a `WorkerJob`, waits for every worker's `ready` line, then writes one `Go` with
 the common start time (`time.perf_counter()` is CLOCK_MONOTONIC on Linux: one clock for every
-process of the machine). A worker answers one `Timing` line per finished request, then `done`.
+process of the machine). A worker answers one `Timing` line per finished request (a JSON array),
+then one `Done` (a JSON object) with the CPU time it used: a worker near a whole core's worth
+would be a client that limits the run.
 
 A request's prompt is drawn by the worker from the traffic's seed and the request's key (stream
 and turn, or arrival index): the same plan gives the same prompts in any number of processes.
@@ -19,7 +21,6 @@ import msgspec
 from pdserve_bench.stats import RequestResult
 
 READY = "ready"
-DONE = "done"
 
 
 class Traffic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -78,6 +79,16 @@ class WorkerJob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Go(msgspec.Struct, frozen=True):
     t0: float  # perf_counter() of the run's start, in the future when sent
+
+
+class Done(msgspec.Struct, frozen=True):
+    cpu_s: float  # user + system time of the worker during the run
+    wall_s: float  # from the run's start to the worker's last request's end
+
+    @property
+    def busy(self) -> float:
+        """The share of one core the worker used."""
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):

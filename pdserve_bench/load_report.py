@@ -33,6 +33,7 @@ _LOAD_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("bg ITL p99", "background_itl_p99_ms", "{:.2f}"),
     ("long TTFT p50", "long_ttft_p50_ms", "{:.1f}"),
     ("long TPOT p99", "long_tpot_p99_ms", "{:.2f}"),
+    ("busiest client core", "client_busiest_core_share", "{:.0%}"),
 )
 
 

@@ -89,7 +89,7 @@ def measure_run(target: LoadTarget, plan: LoadPlan, vocab: Sequence[int], procs:
     results = found.all
     summary = load_summary(found.by_traffic, slo) | window_figures(results, found.t0, window_s)
     end = math.nan if plan.duration_s is None else found.t0 + plan.duration_s
-    summary |= {"client_procs": float(found.workers),
+    summary |= {"client_procs": float(found.workers), "client_busiest_core_share": found.busiest_worker,
                 "steady_output_tok_s": steady_tok_s(results, found.t0 + plan.ramp_s, end)}
     summary |= _server_figures(before, after)
     return summary, time_series(results, found.t0, bin_s)

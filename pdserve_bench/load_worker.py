@@ -2,13 +2,14 @@
 
 Reads a `WorkerJob` line on stdin, says `ready`, reads `Go`, then runs its share of the load on one
 asyncio loop with aiohttp (streamed completions, timed as `pdserve_bench.client` times them) and
-writes one `Timing` line per request, then `done`. It imports neither torch nor transformers, so
+writes one `Timing` line per request, then `Done` with its CPU time. It imports neither torch nor transformers, so
 a worker is up in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,18 @@ import aiohttp
 import msgspec
 
 from pdserve_bench.client import apply_event, check_lengths, completion_body
-from pdserve_bench.load_job import DONE, READY, Arrival, Go, Stream, Timing, Traffic, WorkerJob, encode_line, prompt_for
+from pdserve_bench.load_job import (
+    READY,
+    Arrival,
+    Done,
+    Go,
+    Stream,
+    Timing,
+    Traffic,
+    WorkerJob,
+    encode_line,
+    prompt_for,
+)
 from pdserve_bench.stats import RequestResult
 
 Emit = Callable[[Timing], None]
@@ -108,10 +120,16 @@ def main() -> int:
         out.write(encode_line(timing))
         out.flush()
 
+    cpu_before = _cpu_s()
     asyncio.run(run_job(job, go.t0, emit))
-    out.write(f"{DONE}\n".encode())
+    out.write(encode_line(Done(_cpu_s() - cpu_before, time.perf_counter() - go.t0)))
     out.flush()
     return 0
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_mixed_load_from_two_processes_against_a_real_server(tmp_path):
         "long_rate": 4.0, "long_requests": None}
     assert len(record["repeats"]) == 2 and len(record["series"]) == 2
     for run, series in zip(record["repeats"], record["series"], strict=True):
-        assert run["errors"] == 0 and run["client_procs"] == 2.0
+        assert run["errors"] == 0 and run["client_procs"] == 2.0 and run["client_busiest_core_share"] > 0
         assert run["background_requests"] + run["long_requests"] == run["requests"] > 0
         assert run["long_requests"] > 0 and run["slo_attainment"] == 1.0
         assert run["output_tokens"] == 8 * run["background_requests"] + 4 * run["long_requests"]

@@ -188,6 +188,8 @@ def test_worker_processes_run_a_closed_loop_and_an_open_loop_together(base_url):
         assert found.t0 <= r.start < r.first_token <= r.chunk_times[-1] <= r.end
         assert len(r.chunk_times) == r.output_tokens  # the fake streams one character per token
     assert len(found.all) == 10 and [r.start for r in found.all] == sorted(r.start for r in found.all)
+    assert len(found.done) == 2 and all(d.cpu_s > 0 and d.wall_s > 0 for d in found.done)
+    assert 0 < found.busiest_worker == max(d.cpu_s / d.wall_s for d in found.done)
 
 
 def test_server_errors_come_back_as_failed_requests(base_url):
