@@ -54,7 +54,8 @@ class LoadPlan:
             t.check(self.duration_s)
 
     def time_limit_s(self) -> float:
-        """How long the whole run may take before its workers are killed."""
+        """How long the whole run may take before its workers are killed (plus the last open-loop
+        arrival's offset, which only the drawn schedule knows)."""
         longest = max((-(-t.count // t.concurrency) if t.closed and t.count else 1) for t in self.traffic)
         bounded = 1 if self.duration_s is not None else longest  # requests one after another per stream
         return READY_TIMEOUT_S + self.ramp_s + (self.duration_s or 0.0) + self.request_timeout_s * bounded
@@ -170,7 +171,8 @@ def run_load(plan: LoadPlan, url: str, model: str, vocab: Sequence[int], procs: 
         out = LoadResults(time.perf_counter() + START_DELAY_S, {t.name: [] for t in plan.traffic}, len(workers))
         for worker in workers:
             worker.send(encode_line(Go(out.t0)))
-        _collect(workers, lines, time.monotonic() + plan.time_limit_s(), out)
+        last_arrival = max((a.at for job in jobs for a in job.arrivals), default=0.0)  # a count spreads them
+        _collect(workers, lines, time.monotonic() + plan.time_limit_s() + last_arrival, out)
         return out
     finally:
         for worker in workers:

@@ -1,9 +1,10 @@
 """Figures of one load run: the run's summary, each traffic class's own, the first window against the
 rest, and per-second time series.
 
-- `load_summary`: `stats.summarize` of every request, plus for a run of several classes (the mixed
-  workload) each class's TTFT / TPOT / ITL / E2E under `CLASS_` (e.g. `background_tpot_p99_ms`,
-  `long_ttft_p50_ms`): the interference of long prefills shows in the background's TPOT and ITL.
+- `load_summary`: `stats.summarize` of every request and the streamed text chunks per output token
+  (`chunks_per_token`), plus for a run of several classes (the mixed workload) each class's TTFT /
+  TPOT / ITL / E2E under `CLASS_` (e.g. `background_tpot_p99_ms`, `long_ttft_p50_ms`): the
+  interference of long prefills shows in the background's TPOT and ITL.
 - `window_figures`: mean TTFT of the requests that started in the first `window_s` seconds against
   those that started later (`first_vs_later_ttft`): a fresh server's first minute.
 - `steady_tok_s`: output tokens that arrived between two times, per second (a closed-loop run's
@@ -31,6 +32,9 @@ def load_summary(by_traffic: Mapping[str, Sequence[RequestResult]], slo: SLO) ->
     """The whole run's figures; with more than one class of traffic, each class's too."""
     everything = [r for rs in by_traffic.values() for r in rs]
     out = summarize(everything, slo)
+    # SSE sends text only: below 1, some tokens decoded to no text (or merged), and TTFT / ITL count chunks
+    chunks = sum(len(r.chunk_times) for r in everything if r.ok)
+    out["chunks_per_token"] = chunks / out["output_tokens"] if out["output_tokens"] else math.nan
     if len(by_traffic) > 1:
         for name, results in by_traffic.items():
             own = summarize(results, slo)

@@ -125,7 +125,7 @@ class Session:
 KEYS = ("requests", "errors", "output_tok_s", "steady_output_tok_s", "ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms",
         "tpot_p99_ms", "itl_p99_ms", "server_ttft_mean_ms", "server_queue_mean_ms", "first_vs_later_ttft",
         "background_tpot_p50_ms", "background_tpot_p99_ms", "background_itl_p99_ms", "long_ttft_p50_ms",
-        "goodput_req_s", "slo_attainment", "client_busiest_core_share")
+        "goodput_req_s", "slo_attainment", "client_busiest_core_share", "chunks_per_token")
 
 
 def _brief(summary: Summary) -> dict[str, float | None]:

@@ -112,6 +112,7 @@ def test_the_mixed_workload_reports_each_class_apart():
     long = [_request(2.0, 1.0, 0.5, tokens=3)]
     out = load_summary({"background": background, "long": long}, SLO(ttft_s=2.0, tpot_s=0.25))
     assert out["requests"] == 3.0 and out["tpot_p50_ms"] == 250.0  # all of them: 125, 250, 500 ms
+    assert out["chunks_per_token"] == 1.0
     assert out["background_requests"] == 2.0 and out["long_requests"] == 1.0
     assert out["background_tpot_p99_ms"] == pytest.approx(percentile([0.125, 0.25], 99) * 1e3)
     assert out["background_itl_p99_ms"] == 250.0 and out["long_ttft_p50_ms"] == 1000.0
