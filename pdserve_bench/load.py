@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bin-s", type=float, default=1.0, help="time-series bin (default 1 s)")
     parser.add_argument("--no-warmup", action="store_true", help="measure a started server from its first request")
     parser.add_argument("--no-metrics", action="store_true", help="do not scrape the servers' /metrics")
+    parser.add_argument("--scrape", action="append", default=[], metavar="[generation=]URL",
+                        help="for deployments given by URL: a server whose /metrics to read instead of that URL "
+                             "(e.g. a router's context server; generation=URL for a generation server)")
     options.add_common(parser, repeat=1)
     options.add_slo(parser)
     options.add_server_env(parser)
@@ -107,7 +110,7 @@ def figure_name(plan: LoadPlan) -> str:
 
 def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, vocab: list[int]) -> LoadTarget:
     if deployment.is_url:
-        target = url_target(deployment.label, deployment.source)
+        target = url_target(deployment.label, deployment.source, scrape_list(args.scrape))
     else:
         server = ServerUnderTest(Path(deployment.source), env=options.server_env(args))
         stack.enter_context(server)
@@ -115,6 +118,19 @@ def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, v
     if not args.no_warmup:
         warm_up(target.url, target.model, vocab)
     return target
+
+
+def scrape_list(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """--scrape values as (role, URL): `URL` answers first tokens (`server_*`), `generation=URL` not."""
+    out = []
+    for spec in specs:
+        role, sep, url = spec.partition("=")
+        if not sep:
+            role, url = "server", spec
+        if role not in ("server", "generation") or not url.startswith(("http://", "https://")):
+            raise SystemExit(f"--scrape wants URL or generation=URL, got {spec!r}")
+        out.append((role, url.rstrip("/")))
+    return tuple(out)
 
 
 def point_config(deployment: Deployment, plan: LoadPlan, args: argparse.Namespace) -> dict[str, Any]:

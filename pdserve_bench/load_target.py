@@ -4,7 +4,7 @@
 again, and returns the run's summary (`load_figures`) and its per-second series. A started
 deployment's servers are scraped by role: `server` for those that answer the first token (an
 aggregated server, a pair's context servers), `generation` for a pair's generation servers. A
-deployment given by URL is scraped at that URL.
+deployment given by URL is scraped at that URL, or at the servers `--scrape` names.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class LoadTarget:
     startup_s: float = math.nan  # from the start to a healthy deployment, when started here
 
 
-def url_target(name: str, url: str) -> LoadTarget:
-    return LoadTarget(name, url, served_model(url), (("server", url),))
+def url_target(name: str, url: str, scrape: tuple[tuple[str, str], ...] = ()) -> LoadTarget:
+    """A running deployment; its /metrics are read at `scrape` (role, URL), by default at `url`."""
+    return LoadTarget(name, url, served_model(url), scrape or (("server", url),))
 
 
 def started_target(name: str, server: ServerUnderTest) -> LoadTarget:

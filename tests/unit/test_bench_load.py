@@ -12,7 +12,7 @@ import pytest
 from test_api_engine_fake import FakeEngine
 from waiting import uvicorn_in_thread
 
-from pdserve_bench.load import figure_name, load_plan
+from pdserve_bench.load import figure_name, load_plan, scrape_list
 from pdserve_bench.load_client import READY_TIMEOUT_S, LoadPlan, plan_jobs, run_load
 from pdserve_bench.load_figures import (
     load_summary,
@@ -103,6 +103,15 @@ def test_the_subcommand_plans_fresh_seeds_per_repeat_and_names_its_figures():
     assert figure_name(mixed) == "c=4 + 256in@0.5/s"
     with pytest.raises(SystemExit, match="request count or a duration"):
         load_plan(_args(duration=None), 0)
+
+
+def test_scrape_urls_name_their_role():
+    assert scrape_list(["http://a:1/", "generation=http://b:2"]) == (("server", "http://a:1"),
+                                                                     ("generation", "http://b:2"))
+    with pytest.raises(SystemExit, match="--scrape"):
+        scrape_list(["context=http://a:1"])
+    with pytest.raises(SystemExit, match="--scrape"):
+        scrape_list(["a:1"])
 
 
 # ---- the figures ----------------------------------------------------------------------------------
