@@ -147,6 +147,8 @@ def _collect(workers: list[_Worker], lines: queue.Queue, deadline: float, out: L
     running = {w.index for w in workers}
     while running:
         index, line = _next(lines, deadline, f"workers {sorted(running)} done")
+        if line is None and index not in running:
+            continue  # the end of a worker that has sent Done
         if line is None:
             raise RuntimeError(f"load worker {index} exited with {workers[index].proc.wait(timeout=10)} before done")
         if line.startswith(b"{"):  # Done is an object, Timing an array

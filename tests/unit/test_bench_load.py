@@ -206,3 +206,12 @@ def test_server_errors_come_back_as_failed_requests(base_url):
     plan = LoadPlan((Traffic("main", 4, 2, concurrency=1, count=2),))
     found = run_load(plan, base_url, "fake-model", [300], procs=1)  # outside the fake's vocabulary
     assert [r.error[:9] for r in found.by_traffic["main"]] == ["HTTP 400:", "HTTP 400:"]
+
+
+def test_a_worker_that_finishes_early_does_not_end_the_run(base_url):
+    # seed 1 at 4/s: arrivals at 0.04 s and 0.51 s, one per worker; the first worker sends Done and
+    # exits while the second one still waits for its arrival
+    plan = LoadPlan((Traffic("main", 4, 2, rate=4.0, count=2, seed=1),))
+    found = run_load(plan, base_url, "fake-model", list(range(97, 123)), procs=2)
+    assert len(found.done) == 2 and [r.error for r in found.by_traffic["main"]] == [None, None]
+    assert [round(r.start - found.t0, 1) for r in found.all] == [0.0, 0.5]
