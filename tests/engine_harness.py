@@ -23,7 +23,8 @@ _ids = itertools.count()
 
 
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
-              max_num_tokens: int = 256, max_batch_size: int = 16, connector=None) -> EngineCore:
+              max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
+              async_scheduling: bool = False) -> EngineCore:
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
     kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
@@ -33,7 +34,7 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
                          max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
-    return EngineCore(runner, manager, limits, tokenizer, connector=connector)
+    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling)
 
 
 def greedy(max_tokens: int, **extra) -> SamplingParams:

@@ -71,6 +71,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
     kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
+    # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
+    # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
+    async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()

@@ -39,7 +39,7 @@ def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     rows: list[int] = []
     cols: list[int] = []
     for row, request in enumerate(requests):
-        if len(request.output_token_ids) < request.sampling.min_tokens:
+        if request.num_output_tokens < request.sampling.min_tokens:  # a pending token counts
             banned = request.eos_token_ids | set(request.sampling.stop_token_ids)
             rows.extend([row] * len(banned))
             cols.extend(banned)

@@ -190,9 +190,10 @@ class StaticDecodePlan:
     def __init__(self, backend: TritonPagedAttention, batch: int) -> None:
         self.backend, self.batch = backend, batch
         windows, nb = backend.kv.window_sizes, backend.max_blocks
-        # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens, positions
+        # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens,
+        # positions, picks
         self.per_window = 4 * batch + batch * nb
-        size = len(windows) * self.per_window + 2 * batch
+        size = len(windows) * self.per_window + 3 * batch
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=backend.device.type == "cuda")
         self.dev = torch.zeros(size, dtype=torch.int32, device=backend.device)
         splits = decode_splits(batch, backend.num_kv_heads, backend.num_sms)
@@ -208,13 +209,19 @@ class StaticDecodePlan:
         tail = len(windows) * self.per_window
         self.token_ids = self.dev[tail: tail + batch]
         self.positions = self.dev[tail + batch: tail + 2 * batch]
+        self.picks = self.dev[tail + 2 * batch: tail + 3 * batch]  # row of `take_pending`'s source, -1: none
+        # the last upload out of `host`: async scheduling fills the next step before this one ran
+        self._uploaded = torch.cuda.Event() if backend.device.type == "cuda" else None
         self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
 
-    def fill(self, seqs: list[SeqLayout], token_ids: list[int]) -> None:
+    def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None) -> None:
         """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
-        into the pinned staging buffer, then one asynchronous host-to-device copy."""
+        into the pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
+        row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder)."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
         n = len(seqs)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # normally long done: it preceded the step before this one
         host = self.host.numpy()
         lens = np.fromiter((s.num_past + 1 for s in seqs), dtype=np.int32, count=n)
         for i, window in enumerate(self.backend.kv.window_sizes):
@@ -234,8 +241,17 @@ class StaticDecodePlan:
             lo[:n], lo[n:] = np.maximum(lens - window, 0), 0
         tail = host[len(self.backend.kv.window_sizes) * self.per_window:]
         tail[:n], tail[n:b] = token_ids, 0
-        tail[b:b + n], tail[b + n:] = lens - 1, 0
+        tail[b:b + n], tail[b + n:2 * b] = lens - 1, 0
+        tail[2 * b:2 * b + n], tail[2 * b + n:] = picks if picks is not None else -1, -1
         self.dev.copy_(self.host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def take_pending(self, source: torch.Tensor) -> None:
+        """Device side of `fill`'s picks, captured in the graph before the forward: a row with a pick
+        takes its token from `source` ([>= batch] int64, the previous step's sampled ids)."""
+        picked = source.index_select(0, self.picks.clamp(min=0)).to(torch.int32)
+        self.token_ids.copy_(torch.where(self.picks >= 0, picked, self.token_ids))
 
 
 # Which fused SDPA kernel a fresh prompt uses. FlashAttention needs no per-shape set-up; cuDNN's
