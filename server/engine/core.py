@@ -46,7 +46,7 @@ class EngineCore:
         self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
         self.async_scheduling = async_scheduling  # may change between steps (a benchmark compares both)
-        self._inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
+        self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
 
     # ---- receive
@@ -112,7 +112,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Requests to run, outputs still to make (`_deferred`, a step in flight), or transfers in flight."""
-        return (self.scheduler.has_work() or bool(self._deferred) or self._inflight is not None
+        return (self.scheduler.has_work() or bool(self._deferred) or self.inflight is not None
                 or self.connector.busy())
 
     def idle_wait_s(self) -> float:
@@ -128,7 +128,7 @@ class EngineCore:
         outputs = self._pulls_ended(arrived, failed)
         plan = self.scheduler.schedule()
         self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred
-                             or self._inflight)
+                             or self.inflight)
         for request in plan.rejected:
             self.connector.release(request)
             outputs.append(self._output(request, []))
@@ -137,8 +137,8 @@ class EngineCore:
             self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
         launched = self._launch(plan.chunks) if plan.chunks else None  # a GPU runs it from now on
         outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
-        steps = [self._inflight, launched]  # async: the step before is postprocessed, this one waits
-        self._inflight = steps.pop() if self.async_scheduling else None
+        steps = [self.inflight, launched]  # async: the step before is postprocessed, this one waits
+        self.inflight = steps.pop() if self.async_scheduling else None
         for done in filter(None, steps):
             outputs += self._postprocess(done)
         return outputs
@@ -155,8 +155,8 @@ class EngineCore:
 
     def _pending_inputs(self, chunks: list[ScheduledChunk]) -> PendingTokens | None:
         """Rows whose input is a pending token read it from the step in flight, on the device."""
-        rows = {i: self._inflight.rows[c.request] for i, c in enumerate(chunks) if c.request.num_pending}
-        return PendingTokens(self._inflight.picked, rows) if rows else None
+        rows = {i: self.inflight.rows[c.request] for i, c in enumerate(chunks) if c.request.num_pending}
+        return PendingTokens(self.inflight.picked, rows) if rows else None
 
     def _postprocess(self, step: SampledStep) -> list[RequestOutput]:
         """Accept a step's tokens (waiting for them); a request that ended meanwhile (a stop at the
