@@ -29,44 +29,9 @@ def _expected(model: str, prompt: list[int], n: int) -> list[int]:
     return hf_reference.hf_greedy(resolve_model(model), prompt, n)
 
 
-def check_pipeline(core) -> None:
-    """The async invariants between two steps: a request has at most one pending token, and only
-    from the step in flight; a running one has computed every known token (its pending token is the
-    input of its next row); a queued one has none (one preempted with a pending token got it at the
-    end of that step)."""
-    inflight = core.inflight
-    for request in core.scheduler.running:
-        assert request.num_pending in (0, 1)
-        if request.num_pending:
-            assert inflight is not None and request in inflight.rows
-            assert request.num_computed_tokens == request.num_known_tokens
-    assert all(r.num_pending == 0 for r in core.scheduler.waiting)
-    core.kv.check_accounting()
-
-
-def run_checked(core, ids: list[str], max_steps: int = 5000) -> tuple[dict[str, eh.Result], int]:
-    """`engine_harness.run_to_completion` with `check_pipeline` after every step; also returns how
-    many requests were preempted while their token was on the device."""
-    results = {rid: eh.Result() for rid in ids}
-    preempted_pending = 0
-    for _ in range(max_steps):
-        pending = [r for r in core.scheduler.running if r.num_pending]
-        for output in core.step():
-            result = results.setdefault(output.request_id, eh.Result())
-            assert result.final is None, f"{output.request_id}: output after its last one"
-            result.token_ids += output.new_token_ids
-            result.text += output.new_text
-            result.final = output if output.finished else None
-        check_pipeline(core)
-        preempted_pending += sum(r in core.scheduler.waiting for r in pending)
-        if all(r.final is not None for r in results.values()) and not core.has_work():
-            return results, preempted_pending
-    raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")
-
-
 def _generate(core, prompts: list[list[int]], params: list[SamplingParams]) -> list[eh.Result]:
     ids = [eh.submit(core, p, s) for p, s in zip(prompts, params, strict=True)]
-    results, _ = run_checked(core, ids)
+    results, _ = eh.run_checked(core, ids)
     return [results[i] for i in ids]
 
 
@@ -165,7 +130,7 @@ def test_small_pool_preempts_and_offloads_without_changing_output():
                        secondary_offload_min_priority=0)
     core = eh.make_core(LLAMA, kv=kv, max_num_tokens=64, max_batch_size=4, async_scheduling=True)
     prompts = [_prompt(200 + i, 40 + 7 * i) for i in range(4)]  # 4 x ~6 blocks at the end > 12 blocks
-    results, preempted_pending = run_checked(core, [eh.submit(core, p, eh.greedy(48)) for p in prompts])
+    results, preempted_pending = eh.run_checked(core, [eh.submit(core, p, eh.greedy(48)) for p in prompts])
     for prompt, result in zip(prompts, results.values(), strict=True):
         assert result.token_ids == _expected(LLAMA, prompt, 48)
     assert core.scheduler.num_preemptions > 0
@@ -207,11 +172,11 @@ def test_abort_of_a_request_in_the_step_in_flight():
     while len(produced[ids[1]]) < 5:
         for output in core.step():
             produced[output.request_id] += output.new_token_ids
-        check_pipeline(core)
+        eh.check_pipeline(core)
     assert victim.num_pending == 1 and victim in core.inflight.rows  # its next token is on the device
     aborted = core.abort(ids[1])
     assert aborted.finished and aborted.finish_reason == "abort" and aborted.new_token_ids == []
-    results, _ = run_checked(core, [ids[0], ids[2], ids[3]])
+    results, _ = eh.run_checked(core, [ids[0], ids[2], ids[3]])
     assert ids[1] not in results  # no output after the abort
     assert produced[ids[1]] == _expected(LLAMA, prompts[1], 24)[:len(produced[ids[1]])]
     for i in (0, 2, 3):
