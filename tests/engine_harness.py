@@ -24,14 +24,17 @@ _ids = itertools.count()
 
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
               max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
-              async_scheduling: bool = False) -> EngineCore:
+              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch") -> EngineCore:
+    """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns."""
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
     kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, "cpu"),
+    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, device),
                              salt=spec.fingerprint)
-    runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device("cpu"),
-                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+    runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device(device),
+                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kernels=kernels,
+                         max_seq_len=max_seq_len)
+    runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
     return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling)

@@ -194,7 +194,13 @@ class StaticDecodePlan:
         # positions, picks
         self.per_window = 4 * batch + batch * nb
         size = len(windows) * self.per_window + 3 * batch
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=backend.device.type == "cuda")
+        cuda = backend.device.type == "cuda"
+        # two pinned staging buffers in turn, each with the event of its last upload: async scheduling
+        # fills step k+1 while step k's upload may still be queued; the other buffer's upload came
+        # before a step the engine has waited for, so its event is done and the check never waits
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._turn = 0
         self.dev = torch.zeros(size, dtype=torch.int32, device=backend.device)
         splits = decode_splits(batch, backend.num_kv_heads, backend.num_sms)
         gp = group_rows(backend.num_heads, backend.num_kv_heads)
@@ -210,19 +216,19 @@ class StaticDecodePlan:
         self.token_ids = self.dev[tail: tail + batch]
         self.positions = self.dev[tail + batch: tail + 2 * batch]
         self.picks = self.dev[tail + 2 * batch: tail + 3 * batch]  # row of `take_pending`'s source, -1: none
-        # the last upload out of `host`: async scheduling fills the next step before this one ran
-        self._uploaded = torch.cuda.Event() if backend.device.type == "cuda" else None
         self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
 
     def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None) -> None:
         """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
-        into the pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
+        into a pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
         row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder)."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
         n = len(seqs)
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # normally long done: it preceded the step before this one
-        host = self.host.numpy()
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        if self._uploaded is not None and not self._uploaded[self._turn].query():
+            self._uploaded[self._turn].synchronize()  # only if the engine ran ahead of its discipline
+        host = staging.numpy()
         lens = np.fromiter((s.num_past + 1 for s in seqs), dtype=np.int32, count=n)
         for i, window in enumerate(self.backend.kv.window_sizes):
             part = host[i * self.per_window:(i + 1) * self.per_window]
@@ -243,9 +249,9 @@ class StaticDecodePlan:
         tail[:n], tail[n:b] = token_ids, 0
         tail[b:b + n], tail[b + n:2 * b] = lens - 1, 0
         tail[2 * b:2 * b + n], tail[2 * b + n:] = picks if picks is not None else -1, -1
-        self.dev.copy_(self.host, non_blocking=True)
+        self.dev.copy_(staging, non_blocking=True)
         if self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded[self._turn].record()
 
     def take_pending(self, source: torch.Tensor) -> None:
         """Device side of `fill`'s picks, captured in the graph before the forward: a row with a pick
