@@ -12,8 +12,6 @@ Without it, each step's tokens are postprocessed in the same step (sync).
 
 from __future__ import annotations
 
-import time
-
 from kvcache import KVCacheManager
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
@@ -21,6 +19,7 @@ from server.engine.kv_connector import AggregatedConnector, KVConnector, PullFai
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
+from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
 
@@ -36,18 +35,24 @@ class EngineCore:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, kv)
-        self.metrics = metrics
+        self.timings = TokenTimings(metrics)  # TTFT, TPOT, e2e and queue time for `metrics`
         self.connector = connector or AggregatedConnector()  # the KV hand-over of this server's role
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
-        self._timings: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
-        self._prompt_tokens = 0  # prompt tokens of first tokens not yet counted
         self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
         self.async_scheduling = async_scheduling  # may change between steps (a benchmark compares both)
         self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
+
+    @property
+    def metrics(self):
+        return self.timings.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.timings.metrics = metrics
 
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> RequestOutput | None:
@@ -206,7 +211,7 @@ class EngineCore:
         timing metrics wait for `_flush_text`, which the next step runs while the GPU computes (async
         postprocessing runs while the GPU computes already)."""
         request.append_token(token)
-        self._note_timing(request)
+        self.timings.stamp(request)
         if request.num_computed_tokens == request.num_known_tokens:  # async: its K/V is computed already
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
         if not self.async_scheduling and not request.sampling.stop and not request.is_context_only:
@@ -225,7 +230,7 @@ class EngineCore:
     def _flush_text(self) -> list[RequestOutput]:
         """Outputs of the tokens `_accept_token` deferred (a request aborted meanwhile is skipped)."""
         deferred, self._deferred = self._deferred, []
-        self._observe_timings()
+        self.timings.observe()
         outputs = []
         for request, token in deferred:
             detok = self._detok.get(request.request_id)
@@ -242,8 +247,8 @@ class EngineCore:
 
     def _emit_first_tokens(self, request: Request) -> RequestOutput:
         """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
-        self._note_timing(request)
-        self._observe_timings()
+        self.timings.stamp(request)
+        self.timings.observe()
         for token in request.output_token_ids:
             self._check_stop(request, token)
         if request.disagg.first_text_streamed:  # the router sent this text already: skip it
@@ -276,30 +281,6 @@ class EngineCore:
         elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")
 
-    def _note_timing(self, request: Request) -> None:
-        """Stamp a new token now; the metrics observe it later (`_observe_timings`)."""
-        now = time.monotonic()
-        if request.first_token_time is None:
-            self._timings.append((True, now - request.arrival_time))
-            if not request.is_generation_only:  # its prompt was computed here (not pulled)
-                self._prompt_tokens += request.num_prompt_tokens
-        else:
-            self._timings.append((False, now - request.last_token_time))
-        request.first_token_time = request.first_token_time or now
-        request.last_token_time = now
-
-    def _observe_timings(self) -> None:
-        timings, self._timings = self._timings, []
-        prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
-        if self.metrics is None:
-            return
-        if prompt_tokens:
-            self.metrics.add_prompt_tokens(prompt_tokens)
-        for first, seconds in timings:
-            (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
-        if timings:
-            self.metrics.add_generation_tokens(len(timings))
-
     def _output(self, request: Request, new_tokens: list[int],
                 disagg: DisaggParams | None = None) -> RequestOutput:
         finished = request.status == Status.FINISHED
@@ -311,7 +292,7 @@ class EngineCore:
             detok.flush_partial()
         if finished:
             self._detok.pop(request.request_id)
-            self._observe_finished(request)
+            self.timings.finished(request)
         prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
@@ -320,16 +301,6 @@ class EngineCore:
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg,
         )
-
-    def _observe_finished(self, request: Request) -> None:
-        """End-to-end latency (arrival to the last output here) and queue time (arrival to the
-        first admission) of a request that ended on this server, whatever the reason."""
-        if self.metrics is None:
-            return
-        now = time.monotonic()
-        self.metrics.observe_e2e(now - request.arrival_time)
-        if request.scheduled_time is not None:
-            self.metrics.observe_queue_time(request.scheduled_time - request.arrival_time)
 
     def _reported_cached(self, request: Request) -> int:
         """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""
