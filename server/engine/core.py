@@ -1,13 +1,14 @@
 """The engine step: receive -> schedule -> run -> postprocess -> transfer -> send (STYLE.md #3).
 
-Async scheduling (`async_scheduling`, issue 19) pipelines two steps: step k is scheduled and
-launched while step k-1 still runs on the GPU, and step k-1's tokens are postprocessed after that
-(one event wait). A row whose input is step k-1's token reads it on the device (runner.PendingTokens);
-the scheduler counts it as pending (request.py). A request that ends at step k-1 while in step k
-discards its step-k token. Its blocks are released at once: whatever touches KV later is ordered
-after step k, on the engine's stream (the next steps, a pull's scatter, the host tier's copies,
-which wait for that stream) or behind an event recorded on it after step k (a lease's reads).
-Without it, each step's tokens are postprocessed in the same step (sync).
+Async scheduling (issue 19) pipelines two steps: step k is launched while step k-1 runs on the
+GPU, then step k-1 is postprocessed (one event wait). A row whose input is step k-1's token reads
+it on the device (runner.PendingTokens); the scheduler counts that token as pending (request.py).
+A request that ends at step k-1 while in step k discards its step-k token, and its blocks are
+released at once: what touches KV later runs after step k on the engine's stream (the next steps,
+a pull's scatter, the host tier's copies, which wait for that stream) or after an event recorded
+there later (a lease's reads). A step that prefilled context legs is postprocessed before the next
+is scheduled, so their KV is offered right after the step that wrote it (the next may be a long
+prefill). Without async scheduling, every step is postprocessed in the same step.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
+        if self.inflight is not None and self.inflight.hands_over:  # its KV is offered without delay
+            outputs += self._postprocess(self.inflight)
+            self.inflight = None
         plan = self.scheduler.schedule()
         self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred
                              or self.inflight)

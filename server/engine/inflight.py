@@ -43,6 +43,7 @@ class SampledStep:
         self.requests = requests
         self.picked = picked  # [len(requests)] int64 on the device; read by the next step's inputs
         self.rows = {request: row for row, request in enumerate(requests)}
+        self.hands_over = any(r.is_context_only for r in requests)  # a context leg's first token
         self._event: torch.cuda.Event | None = None
         self._host = picked
         if staging is not None:

@@ -5,6 +5,7 @@ against transformers; every lease ends and every block comes back."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import engine_harness as eh
@@ -114,3 +115,19 @@ def test_a_context_leg_ending_at_its_first_token_offers_nothing(pair):
     assert run.final(rid).finish_reason == "length" and run.tokens(rid) == _expected(prompt, 1)
     assert request.num_computed_tokens == len(prompt)
     assert ctx.connector.sender.num_leases == 0 and eh.blocks_in_use(ctx.kv) == 0
+
+
+def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_scheduled(pair):
+    """Its KV is offered right after the step that wrote it (not after the next step, which may be
+    a long prefill), and its batch slot goes to the next request in that same schedule."""
+    ctx, _ = pair
+    ctx.scheduler.config = dataclasses.replace(ctx.config, max_batch_size=1)
+    leg = eh.submit(ctx, _prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
+    waiting = eh.submit(ctx, _prompt(501, 12), eh.greedy(8))
+    after = ctx.scheduler.find(waiting)
+    assert ctx.step() == [] and after.num_computed_tokens == 0  # the leg's prefill; the batch is full
+    [answer] = ctx.step()
+    assert answer.request_id == leg and answer.disagg is not None and ctx.connector.sender.num_leases == 1
+    assert after.num_computed_tokens == 12  # prefilled in the step that handed the leg over
+    ctx.connector.drop_lease(leg)
+    eh.run_to_completion(ctx, [waiting])
