@@ -203,7 +203,8 @@ def decode_figures(core: EngineCore, hbm: float, args: argparse.Namespace) -> No
 def prefill_figures(core: EngineCore, args: argparse.Namespace, first_ms: float) -> None:
     import os
 
-    for kind, length in (("cudnn", 4000), ("triton", 3900), ("flash", 3800)):  # flash (the default) last
+    # auto (the default: cuDNN on length buckets whose plans the warm-up built) last
+    for kind, length in (("cudnn", 4000), ("triton", 3900), ("flash", 3800), ("auto", 3700)):
         os.environ["PDSERVE_DENSE_PREFILL"] = kind
         new_shape = ttft_ms(core, prompt(length))  # a prompt length this process has not seen
         steady = statistics.median(ttft_ms(core, prompt(4096)) for _ in range(args.repeats))
@@ -240,6 +241,29 @@ def host_tier_figures(model_dir: Path, args: argparse.Namespace, h2d: float) -> 
            goal="host hit <= 0.3 of a miss; onboard >= 0.8 pinned")
 
 
+def skinny_figures(core: EngineCore) -> None:
+    """b1 TPOT with the Triton skinny GEMM where the warm-up chose it, then with cuBLAS everywhere
+    (graphs captured again), in the same process: the A/B of kernels/gemv.py."""
+    skinny = getattr(core.runner.model.ops, "skinny", None)
+    if skinny is None or core.runner.graphs is None:
+        return
+    chosen = dict(skinny.chosen)
+
+    def b1() -> float:
+        rid = submit(core, prompt(128), 129)
+        times, _ = drive(core)
+        return (times[rid][-1] - times[rid][1]) / (len(times[rid]) - 2) * 1000
+
+    with_skinny = statistics.median(b1() for _ in range(3))
+    skinny.chosen = {key: None for key in chosen}
+    core.runner.graphs.capture()
+    cublas = statistics.median(b1() for _ in range(3))
+    skinny.chosen = chosen
+    core.runner.graphs.capture()
+    record("skinny_gemv_ab", tpot_b1_ms=with_skinny, tpot_b1_cublas_ms=cublas, ratio=with_skinny / cublas,
+           chosen={f"{n}x{k}": c for (n, k), c in chosen.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
@@ -248,7 +272,7 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated: decode,prefill,host")
+    parser.add_argument("--skip", default="", help="comma-separated: skinny,decode,prefill,host")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -261,6 +285,8 @@ def main() -> None:
     record("startup", seconds=start_s, warm_up_s=getattr(core.runner.graphs, "capture_s", 0.0),
            kernels=core.runner.kernels)
     first = ttft_ms(core, prompt(4096))
+    if "skinny" not in skip:
+        skinny_figures(core)
     if "decode" not in skip:
         decode_figures(core, ceil["hbm_read_gb_s"], args)
     if "prefill" not in skip:

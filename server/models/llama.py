@@ -72,16 +72,16 @@ class LlamaModel:
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
         t, d, heads = x.shape[0], self.spec.head_dim, self.spec.num_heads
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(t, -1, d)  # [T, heads + 2 * kv_heads, head_dim]
+        qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias).view(t, -1, d)  # [T, heads + 2 * kv_heads, head_dim]
         if layer.q_norm is not None:
             q, k, v = qkv.split([heads, self.spec.num_kv_heads, self.spec.num_kv_heads], 1)
             qkv = torch.cat((self.ops.rms_norm(q, layer.q_norm), self.ops.rms_norm(k, layer.k_norm), v), 1)
         out = self.attention.forward(i, qkv, cos, sin, meta)  # [T, heads, head_dim]; RoPE inside
-        return F.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
+        return self.ops.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
-        return F.linear(self.ops.silu_mul(gate_up), layer.down, layer.down_bias)
+        gate_up = self.ops.linear(x, layer.gate_up, layer.gate_up_bias)
+        return self.ops.linear(self.ops.silu_mul(gate_up), layer.down, layer.down_bias)
 
 
 class _WeightTable:

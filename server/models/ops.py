@@ -23,6 +23,9 @@ class ModelOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear: x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
+
 
 class TorchOps:
     def __init__(self, eps: float) -> None:
@@ -44,6 +47,9 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
 
 class TritonOps(TorchOps):
     """Fused kernels for 2-D rows with unit column stride; anything else (Qwen3's per-head q/k norm
@@ -52,8 +58,10 @@ class TritonOps(TorchOps):
     def __init__(self, eps: float) -> None:
         super().__init__(eps)
         from server.models.kernels import elementwise
+        from server.models.kernels.gemv import SkinnyLinear
 
         self._k = elementwise
+        self.skinny = SkinnyLinear()  # decode at small batch: per weight shape, whichever `choose` timed faster
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1:
@@ -65,3 +73,6 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.skinny.linear(x, weight, bias)

@@ -7,7 +7,7 @@ tokens to compute and where their blocks are (primary slots). Logits come back i
 
 from __future__ import annotations
 
-import math
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -15,11 +15,14 @@ from pathlib import Path
 
 import torch
 
+from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.llama import LlamaModel
 from server.models.ops import ModelOps, TorchOps, TritonOps
 from server.models.spec import ModelSpec, load_spec
 from server.models.weights import load_tensors, safetensors_files
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,30 +137,56 @@ class ModelRunner:
         return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim), TorchOps(spec.rms_norm_eps)
 
     def warm_up(self) -> float:
-        """Run every kernel once and capture the decode graphs, so the first request runs at
-        steady-state speed; returns the seconds it took (0 on the torch path)."""
+        """Run every step shape the scheduler can produce once and capture the decode graphs, so
+        no request pays for a compile or a plan (server/models/warmup.py says what varies); returns
+        the seconds it took (0 on the torch path)."""
         if self.kernels != "triton":
             return 0.0
+        from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
+        from server.models.warmup import warm_steps
+
         start = time.perf_counter()
-        self._warm_prefill()
+        for step in warm_steps(self.max_batch_size, self.max_num_tokens, self.kv.tokens_per_block,
+                               self.attention.num_kv_heads, self.attention.num_sms):
+            self.forward(self.prepare(self._warm_chunks(step)))
+        spec = self.spec
+        plans, plan_s = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
+                                              self.device, self.max_num_tokens)
+        self._choose_skinny_linears()
         if self.graphs is not None:
             self.graphs.capture()
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":  # (the Triton path runs on the CPU under TRITON_INTERPRET in tests)
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s", compiled_variants(), plans, plan_s)
         return time.perf_counter() - start
 
-    def _warm_prefill(self) -> None:
-        """One step as large as the token budget allows (a decode row, a fresh prompt, a chunk after
-        a cached prefix) on free slots: compiles the Triton kernels and loads the GEMM and SDPA
-        kernels of prompt-sized shapes before any request. Nothing is cached yet, so what it
-        writes into those slots is never read."""
+    def _choose_skinny_linears(self) -> None:
+        """Decode at small batch: time the Triton skinny GEMM against cuBLAS for each layer weight
+        shape (kernels/gemv.py); before graph capture, so the graphs hold the faster one.
+        PDSERVE_SKINNY_GEMV=0 keeps cuBLAS everywhere."""
+        skinny = getattr(self.model.ops, "skinny", None)
+        if skinny is None or self.device.type != "cuda" or os.environ.get("PDSERVE_SKINNY_GEMV", "1") == "0":
+            return
+        layers = self.model.layers
+        for name in ("qkv", "o", "gate_up", "down"):
+            skinny.choose([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers])
+        log.info("skinny GEMM (rows <= 16) per weight shape: %s", skinny.chosen)
+
+    def _warm_chunks(self, step) -> list[SeqChunk]:
+        """The chunks of one warm-up step (a `warmup.WarmStep`) on the pool's first slots."""
+        from server.models.warmup import blocks_needed
+
         tpb = self.kv.tokens_per_block
         slots = min(self.kv.num_slots(w) for w in self.kv.window_sizes)
-        n = max(1, min(self.max_num_tokens - 1 - tpb, (slots - 1) * tpb))
-        tables = {w: list(range(math.ceil((n + tpb) / tpb))) for w in self.kv.window_sizes}
-        chunks = [SeqChunk([1], 0, tables, True), SeqChunk([1] * n, 0, tables, True),
-                  SeqChunk([1] * tpb, n, tables, True)]
-        for start in range(0, len(chunks), self.max_batch_size):
-            self.forward(self.prepare(chunks[start:start + self.max_batch_size]))
+        tables = {w: list(range(min(slots, blocks_needed(step, tpb)))) for w in self.kv.window_sizes}
+        past = tpb if slots >= 2 else 0
+        chunks = [SeqChunk([1], past, tables, True) for _ in range(step.decode_rows)]
+        prompt = min(step.prompt_tokens, max(1, (slots - 1) * tpb))
+        if step.prompt_tokens and len(chunks) < self.max_batch_size:
+            chunks.append(SeqChunk([1] * prompt, 0, tables, True))
+        if step.chunk_tokens and slots >= 2 and len(chunks) < self.max_batch_size:
+            chunks.append(SeqChunk([1] * step.chunk_tokens, step.chunk_past, tables, True))
+        return chunks
 
     @torch.no_grad()
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:

@@ -14,15 +14,13 @@ tensors live in static buffers (`StaticDecodePlan`) is what CUDA graphs replay (
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
+from server.models.dense_prefill import causal_sdpa, dense_prefill_kind
 from server.models.kernels.attention import (
     decode_scratch,
     decode_splits,
@@ -59,8 +57,16 @@ class WindowMeta:
     paged: PrefillMeta | None
 
 
+ALIGN_INTS = 4  # int32s per 16 bytes: Triton specialises a pointer argument on 16-byte alignment
+
+
 class _Ints:
-    """int32 host data of one step, uploaded in one copy; `add` returns where each part lands."""
+    """int32 host data of one step, uploaded in one copy; `add` returns where each part lands.
+
+    Every part starts on a 16-byte boundary (the buffer itself is a fresh, aligned allocation), so a
+    kernel argument that points at a part is aligned whatever the step's sizes: otherwise Triton
+    compiles a new variant of a kernel for each alignment pattern a step's token count produces,
+    and a fresh server under varied load spends its first minute compiling."""
 
     def __init__(self) -> None:
         self.values: list[int] = []
@@ -68,7 +74,8 @@ class _Ints:
     def add(self, values: list[int]) -> tuple[int, int]:
         start = len(self.values)
         self.values += values
-        return start, len(self.values)
+        self.values += [0] * (-len(self.values) % ALIGN_INTS)
+        return start, start + len(values)
 
     def upload(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.values, dtype=torch.int32).to(device)
@@ -146,13 +153,14 @@ class TritonPagedAttention(AttentionBackend):
                                                  min(per_tile, seq.num_new - t0)), strict=True):
                     column.append(value)
         num_tiles = len(tiles[0])
-        spans = [ints.add(table), ints.add([v for column in tiles for v in column]),
+        width = num_tiles + (-num_tiles % ALIGN_INTS)  # each column starts 16-byte aligned
+        spans = [ints.add(table), ints.add([v for column in tiles for v in column + [0] * (width - num_tiles)]),
                  ints.add([max(0, s.num_past - window + 1) for s, _ in seqs])]
         n = len(seqs)
 
         def make(dev: torch.Tensor) -> PrefillMeta:
             t, tl, lo = (dev[a:z] for a, z in spans)
-            return PrefillMeta(t.view(n, nb), tl.view(4, num_tiles), lo)
+            return PrefillMeta(t.view(n, nb), tl.view(4, width)[:, :num_tiles], lo)
 
         return make
 
@@ -172,7 +180,7 @@ class TritonPagedAttention(AttentionBackend):
             paged_decode(q[:nd], k_cache, v_cache, d.block_table, d.seq_lens, d.lo, out[:nd], self.scale,
                          d.splits, d.scratch)
         for rows in plan.dense:
-            out[rows] = _causal_sdpa(qkv[rows], heads, kv_heads, self.scale)
+            out[rows] = causal_sdpa(qkv[rows], heads, kv_heads, self.scale)
         if plan.paged is not None:
             p = plan.paged
             paged_prefill(q, k_cache, v_cache, out, p.block_table, p.tiles, p.lo_seq, self.scale, window)
@@ -258,33 +266,6 @@ class StaticDecodePlan:
         takes its token from `source` ([>= batch] int64, the previous step's sampled ids)."""
         picked = source.index_select(0, self.picks.clamp(min=0)).to(torch.int32)
         self.token_ids.copy_(torch.where(self.picks >= 0, picked, self.token_ids))
-
-
-# Which fused SDPA kernel a fresh prompt uses. FlashAttention needs no per-shape set-up; cuDNN's
-# is faster at 4k tokens but builds an execution plan for every new prompt length (seen on the H200:
-# the first 4,096-token prompt after start 985 ms against 104 ms steady), so it is not the default.
-# float32 (no fused kernel takes it with GQA) falls back to the math kernel.
-DENSE_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
-                  "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]}
-
-
-def dense_prefill_kind() -> str:
-    """"flash" (default), "cudnn", or "triton" (the paged prefill kernel for every prompt); from
-    PDSERVE_DENSE_PREFILL, read per step so a benchmark can compare them in one process."""
-    return os.environ.get("PDSERVE_DENSE_PREFILL", "flash")
-
-
-def _causal_sdpa(qkv: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
-    """qkv [n, heads + 2 kv_heads, D] of one chunk with nothing before it -> [n, heads, D]."""
-    q = qkv[:, :heads].transpose(0, 1)[None]
-    k = qkv[:, heads:heads + kv_heads].transpose(0, 1)[None]
-    v = qkv[:, heads + kv_heads:].transpose(0, 1)[None]
-    if q.device.type != "cuda":
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        with sdpa_kernel(DENSE_BACKENDS[dense_prefill_kind()]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def _write_locations(seqs: list[SeqLayout], window: int, tpb: int) -> tuple[list[int], list[int]]:

@@ -188,3 +188,16 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     assert plan.token_ids[:3].tolist() == [3, 4, 5]
     picked = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
     assert torch.equal(picked[:3], logits[:3])
+
+
+@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (16, False)])
+def test_skinny_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    """The small-batch GEMM (kernels/gemv.py) over features and a K that no block size divides."""
+    from server.models.kernels.gemv import CONFIGS, skinny_linear
+
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 200), torch.randn(150, 200)
+    b = torch.randn(150) if bias else None
+    for config in CONFIGS[:2]:
+        torch.testing.assert_close(skinny_linear(x, w, b, config), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)

@@ -24,7 +24,9 @@ PREFILL_BLOCK_M = 64  # query rows (token, head-of-group) per tile
 PREFILL_BLOCK_N = 64  # keys per inner step
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton would compile a variant
+# per value class: == 1, divisible by 16, other); the launch-time cost of that is nil here.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
                   stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_bt, sm_scale_log2,
                   KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TPB: tl.constexpr,
@@ -91,7 +93,7 @@ def _decode_merge(OP, MP, LP, OUT, stride_ot, stride_oh,
     tl.store(OUT + b * stride_ot + qh * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
              stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kt, stride_kh, stride_bt,
              sm_scale_log2, window,
