@@ -74,6 +74,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
     # its own process on CUDA, the thread on a CPU (server/engineproc/)
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
+    # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
+    # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
+    async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()

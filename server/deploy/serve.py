@@ -59,10 +59,11 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake))
-    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
-             model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
-             [kv.num_slots(w) for w in kv.window_sizes])
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake),
+                      async_scheduling=use_async_scheduling(cfg, device))
+    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks, "
+             "async scheduling %s", model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
+             [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling)
     return core
 
 
@@ -77,6 +78,13 @@ def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig
     if prefill is None and device.type == "cpu":
         prefill = CPU_PREFILL_BATCH_TOKENS
     return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
+
+
+def use_async_scheduling(cfg: ServerConfig, device: torch.device) -> bool:
+    """`async_scheduling: auto` is on where a forward runs asynchronously to the host (CUDA)."""
+    if cfg.async_scheduling == "auto":
+        return device.type == "cuda"
+    return cfg.async_scheduling
 
 
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake) -> KVConnector:

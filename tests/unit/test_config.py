@@ -220,6 +220,20 @@ def test_scheduler_limits_default_the_prefill_batch_by_device():
     assert scheduler_limits(chosen, torch.device("cpu")).max_prefill_batch_tokens == 64
 
 
+def test_async_scheduling_is_auto_true_or_false_and_auto_means_cuda(tmp_path):
+    from server.deploy.serve import use_async_scheduling
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = server_config_from_dict({"model": "builtin:tiny-llama"})
+    assert cfg.async_scheduling == "auto"
+    assert (use_async_scheduling(cfg, cpu), use_async_scheduling(cfg, cuda)) == (False, True)
+    for value in (True, False):
+        chosen = load_server_config(write(tmp_path, {"model": "m", "async_scheduling": value}, f"{value}.yaml"))
+        assert use_async_scheduling(chosen, cpu) is use_async_scheduling(chosen, cuda) is value
+    with pytest.raises(ConfigError, match=r"bad.yaml: async_scheduling: must be one of auto, true, false, got 'on'"):
+        load_server_config(write(tmp_path, {"model": "m", "async_scheduling": "on"}, "bad.yaml"))
+
+
 def test_servers_that_may_share_the_gpu_split_the_default_pool_fraction(tmp_path):
     shared = load_deployment(write(tmp_path, disagg(), "d.yaml"))
     assert [s.kv_cache_config.free_gpu_memory_fraction for s in shared.servers] == [0.45, 0.45]

@@ -163,6 +163,6 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
         load_server_config(path)
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
-                               "kernels, cuda_graphs, engine_process, "
+                               "kernels, cuda_graphs, engine_process, async_scheduling, "
                                "kv_cache_config, cache_transceiver_config, drain_timeout_s, hostname, port, "
                                "context_urls")
