@@ -5,9 +5,10 @@ blocks that must survive (reused chain, partial-reuse source, blocks to onboard 
 are acquired or held before the first allocation, because an allocation may evict.
 
 A disk block comes up one level at a time: promoted to the secondary (host) level, then onboarded
-like any host block. The facade has read and checked its file before (kvcache/disk_tier.py). As
-many disk blocks as the host level can take at once are promoted first, so their copies run as one
-batch; any left come up one by one, each freeing its host slot for the next.
+like any host block; the facade has read and checked its file before (kvcache/disk_tier.py).
+`_bring_up` onboards the host blocks first (freeing their host slots), then promotes as many disk
+blocks as the host level can take at once, so their copies run as one batch, then onboards them;
+any disk blocks left come up one by one, each through the host slot the one before it freed.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
     held += [gp.partial] if gp.partial is not None else []
     for b in held:
         bm.hold(b)
-    _promote_while_room(bm, gp.disk_blocks())
+    _bring_up(bm, [b for b in gp.chain if b.level is not Level.PRIMARY])
     blocks = []
-    for b in gp.chain:  # primary prefix first (no allocation), then onboards in order
-        _bring_up(bm, b)
+    for b in gp.chain:
         bm.acquire(b, priority)
         blocks.append(b)
     new = gp.new_blocks
@@ -51,20 +51,20 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
     return blocks
 
 
-def _promote_while_room(bm: BlockManager, disk: list[Block]) -> None:
-    """Promote held disk blocks (parents first) while the secondary level has room for them all."""
-    for b in disk:
+def _bring_up(bm: BlockManager, blocks: list[Block]) -> None:
+    """Make held non-primary blocks primary; each comes after its parent, whose level is <= its own.
+    A late promotion cannot fail: by then no secondary block is held (the host blocks and the disk
+    blocks promoted early are primary), so the secondary level has a free block or a candidate."""
+    disk = [b for b in blocks if b.level is Level.DISK]
+    for b in blocks:
+        if b.level is Level.SECONDARY:
+            bm.onboard(b)  # its parent is primary: a host block's parent is never on disk
+    for b in disk:  # while the host level has room for them all: one batch of copies
         if not bm.promote(b):
-            return
-
-
-def _bring_up(bm: BlockManager, b: Block) -> None:
-    """Make held block `b` (its parent primary) primary. A disk block's promotion cannot fail here:
-    no secondary block is held any more (those before it in the plan are primary now), so the
-    secondary level has a free block or a candidate."""
-    if b.level is Level.DISK and not bm.promote(b):
-        raise KVCacheError(f"internal: no secondary block to promote disk block {b.id} into")
-    if b.level is Level.SECONDARY:
+            break
+    for b in disk:
+        if b.level is Level.DISK and not bm.promote(b):
+            raise KVCacheError(f"internal: no secondary block to promote disk block {b.id} into")
         bm.onboard(b)
 
 
@@ -100,9 +100,7 @@ def onboard_closure(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
 
 def make_primary(bm: BlockManager, window: int, blocks: list[Block]) -> None:
     """Onboard the non-primary blocks of `blocks` and their non-primary ancestors, root first (the
-    facade has checked the files of the disk ones). OutOfBlocksError before any change when the
-    primary level cannot take them; when the secondary level cannot relay the disk ones (it is
-    full of held blocks of other paths), OutOfBlocksError after the blocks before them came up."""
+    facade has checked the files of the disk ones); OutOfBlocksError before any change."""
     onboard, keep = onboard_closure(blocks)
     if not onboard:
         return
@@ -110,14 +108,6 @@ def make_primary(bm: BlockManager, window: int, blocks: list[Block]) -> None:
     held = keep + onboard
     for b in held:
         bm.hold(b)
-    try:
-        _promote_while_room(bm, [b for b in onboard if b.level is Level.DISK])
-        for b in onboard:
-            if b.level is Level.DISK and not bm.promote(b):
-                raise OutOfBlocksError(f"onboarding {len(onboard)} blocks in window {window}: the host "
-                                       f"tier has no room to bring disk block {b.id} up")
-            if b.level is Level.SECONDARY:
-                bm.onboard(b)
-    finally:
-        for b in held:
-            bm.unhold(b)
+    _bring_up(bm, onboard)
+    for b in held:
+        bm.unhold(b)
