@@ -351,6 +351,7 @@ class KVCacheManager:
         s = KVCacheStats(prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens)
         for g in self._groups:
             g.add_stats(s)
+        self._disk.add_stats(s)
         return s
 
     # ---- internals
