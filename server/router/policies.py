@@ -104,7 +104,7 @@ class ScoreWeights:
     disk: float = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
 
     def tier(self, level: int) -> float:
-        return (self.primary, self.secondary, self.disk)[level]
+        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
 
 
 class KvCacheAware(RoundRobin):

@@ -26,7 +26,7 @@ def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blo
     Close it when it has a disk tier (its writer threads)."""
     layout = CacheLayout(tuple(windows), heads, dim, dtype, device, max_seq_len)
     block_bytes = tpb * layout.bytes_per_token()
-    tier = DiskTierConfig(path=str(disk_dir), max_bytes=disk_blocks * block_bytes, **(disk or {})) \
+    tier = DiskTierConfig(**{"path": str(disk_dir), "max_bytes": disk_blocks * block_bytes, **(disk or {})}) \
         if disk_blocks else None
     config = KvCacheConfig(tokens_per_block=tpb, max_tokens=primary_blocks * tpb,
                            host_cache_size=host_blocks * block_bytes, disk=tier, **cfg)
