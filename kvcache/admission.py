@@ -36,9 +36,15 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
     held += [gp.partial] if gp.partial is not None else []
     for b in held:
         bm.hold(b)
-    _bring_up(bm, [b for b in gp.chain if b.level is not Level.PRIMARY])
     blocks = []
-    for b in gp.chain:
+    for b in gp.chain:  # the primary prefix first: in use before an onboard may evict
+        if b.level is not Level.PRIMARY:
+            break
+        bm.acquire(b, priority)
+        blocks.append(b)
+    rest = gp.chain[len(blocks):]
+    _bring_up(bm, rest)
+    for b in rest:
         bm.acquire(b, priority)
         blocks.append(b)
     new = gp.new_blocks

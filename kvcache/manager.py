@@ -279,7 +279,10 @@ class KVCacheManager:
         that must come up from disk (they or their ancestors) passed their checks; KVCacheError
         when one failed (it was dropped, so a listed block is gone)."""
         blocks = [g.bm.get(i) for i in block_ids if i != -1]
-        disk = [b for b in onboard_closure(blocks)[0] if b.level is Level.DISK]
+        onboard, keep = onboard_closure(blocks)
+        disk = [b for b in onboard if b.level is Level.DISK]
+        if disk:  # no file is read for a call that cannot go ahead
+            check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
         if disk and self._disk.check([(g, disk)]):
             gone = [b.id for b in blocks if b.hash is None and not b.in_use]
             raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
