@@ -36,6 +36,8 @@ def test_a_restarted_server_hits_its_disk_tier(tmp_path):
     reference = [tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(p), 16),
                                   skip_special_tokens=True) for p in PROMPTS]
     disk = {"path": str(tmp_path / "kv-disk"), "max_bytes": 64 * BLOCK_BYTES}
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
     overrides = {"cache_transceiver_config": {"auth_token": TOKEN},
                  "kv_cache_config": {"max_tokens": 256, "host_cache_size": 4 * BLOCK_BYTES, "disk": disk}}
     with dh.launched("aggregated.yaml", tmp_path / "first", overrides) as dep:
