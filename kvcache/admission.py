@@ -7,8 +7,9 @@ are acquired or held before the first allocation, because an allocation may evic
 A disk block comes up one level at a time: promoted to the secondary (host) level, then onboarded
 like any host block; the facade has read and checked its file before (kvcache/disk_tier.py).
 `_bring_up` onboards the host blocks first (freeing their host slots), then promotes as many disk
-blocks as the host level can take at once, so their copies run as one batch, then onboards them;
-any disk blocks left come up one by one, each through the host slot the one before it freed.
+blocks as the host level can take at once (less one block, where the primary blocks that their
+onboards evict go down), so their copies run as one batch, then onboards them; any disk blocks
+left come up one by one, each through the host slot the one before it freed.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def _bring_up(bm: BlockManager, blocks: list[Block]) -> None:
     for b in blocks:
         if b.level is Level.SECONDARY:
             bm.onboard(b)  # its parent is primary: a host block's parent is never on disk
-    for b in disk:  # while the host level has room for them all: one batch of copies
+    # while the host level has room for them all (one batch of copies), leaving it one block for
+    # the primary blocks their onboards evict, which would otherwise be dropped
+    for b in disk[:bm.num_slots[Level.SECONDARY] - 1]:
         if not bm.promote(b):
             break
     for b in disk:
