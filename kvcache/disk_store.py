@@ -13,49 +13,37 @@ write lands, reads of that slot are answered from its queued bytes. `read_many` 
 batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
 running then counts as failed). hashlib releases the GIL on large buffers, so checks run in parallel.
 
-Start-up (`open`): an exclusive lock on the directory (one server per directory), then the
-manifest. A matching manifest means the block headers are read and checked, and returned for the
-reuse tree; any other (missing, unreadable, another model, layout or token) means the block files
-are deleted, with a warning, and a new manifest is written.
+Start-up (`open`; kvcache/disk_dir.py): an exclusive lock on the directory (one server per
+directory), then the manifest. A matching manifest means the block headers are read and checked,
+and returned for the reuse tree; any other (missing, unreadable, another model, layout or token)
+means the block files are deleted, with a warning, and a new manifest is written.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
-import fcntl
 import itertools
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache.config import DiskTierConfig
+from kvcache.disk_dir import StartUp, read_all, restore_or_reset, take_directory
 from kvcache.disk_format import (
-    MAC_BYTES,
-    PREFIX_BYTES,
     BadFile,
     BlockHeader,
     Manifest,
     check_payload,
     decode_header,
     encode_prefix,
-    header_length,
-    manifest_difference,
-    open_manifest,
     payload_mac,
-    seal_manifest,
 )
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-_BLOCK_FILE = re.compile(r"^(\d+)\.kv$")
-_HEADER_READ = 4096  # bytes read first at start-up: a header of tokens_per_block tokens fits
 
 
 @dataclass(frozen=True)
@@ -111,8 +99,10 @@ class DiskStore:
         key when the directory cannot be used."""
         path = Path(config.path).expanduser()
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()})
-        store._take_directory()
-        found = store._restore_or_reset(manifest, {w: n for w, (n, _) in slots.items()})
+        store._lock_fd = take_directory(path)
+        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes)
+        found = restore_or_reset(start, manifest)
+        store.stats.skipped_at_start = start.skipped
         for writer in store._writers:
             writer.start()
         return store, found
@@ -231,7 +221,7 @@ class DiskStore:
     def _read_file(self, window: int, slot: int, block_hash: bytes) -> memoryview:
         try:
             with open(self._file(window, slot), "rb", buffering=0) as f:
-                data = _read_all(f, os.fstat(f.fileno()).st_size)
+                data = read_all(f, os.fstat(f.fileno()).st_size)
         except FileNotFoundError:
             raise BadFile("missing", f"no file for slot {slot} of window {window}") from None
         header, offset = decode_header(self.key, data)
@@ -243,104 +233,3 @@ class DiskStore:
         payload = memoryview(data)[offset:]
         check_payload(self.key, header, payload)
         return payload
-
-    # ---- start-up
-    def _take_directory(self) -> None:
-        where = f"kv_cache_config.disk.path={str(self.path)!r}"
-        try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot use the directory: {exc.strerror or exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise ValueError(f"{where}: another server uses this directory (give each server its own "
-                                 f"disk.path)") from None
-            raise ValueError(f"{where}: cannot lock the directory: {exc.strerror or exc}") from None
-        self._lock_fd = fd
-
-    def _restore_or_reset(self, wanted: Manifest, num_slots: dict[int, int]) -> dict[int, list[BlockHeader]]:
-        why = self._manifest_mismatch(wanted)
-        if why is None:
-            return {w: self._scan(w, n) for w, n in num_slots.items()}
-        files = self._block_files()
-        if files or why != "no manifest":
-            log.warning("disk tier %s: ignoring its %d block files (%s); starting it empty", self.path,
-                        len(files), why)
-        for name in files:
-            name.unlink(missing_ok=True)
-        for window in num_slots:
-            (self.path / f"w{window}").mkdir(mode=0o700, exist_ok=True)
-        tmp = self.path / f"{MANIFEST}.tmp"
-        tmp.write_bytes(seal_manifest(self.key, wanted))
-        os.replace(tmp, self.path / MANIFEST)
-        return {w: [] for w in num_slots}
-
-    def _manifest_mismatch(self, wanted: Manifest) -> str | None:
-        try:
-            data = (self.path / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            return "no manifest"
-        except OSError as exc:
-            return f"manifest unreadable: {exc.strerror or exc}"
-        try:
-            found = open_manifest(self.key, data)
-        except ValueError as exc:
-            return f"manifest {exc}"
-        difference = manifest_difference(found, wanted)
-        return None if difference is None else f"manifest: {difference}"
-
-    def _block_files(self) -> list[Path]:
-        return [p for d in self.path.glob("w*") if d.is_dir() for p in d.iterdir()
-                if _BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
-
-    def _scan(self, window: int, num_slots: int) -> list[BlockHeader]:
-        """The checked headers of window's block files (a file that fails a check is deleted)."""
-        folder = self.path / f"w{window}"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        found = []
-        for p in sorted(folder.iterdir()):
-            m = _BLOCK_FILE.match(p.name)
-            if m is None or int(m.group(1)) >= num_slots:
-                self._skip(p, "leftover" if m is None else "beyond max_bytes")
-                continue
-            try:
-                found.append(self._read_header(p, window, int(m.group(1))))
-            except BadFile as exc:
-                self._skip(p, exc.reason)
-            except OSError as exc:
-                log.warning("disk tier: cannot read %s: %s", p, exc)
-        return found
-
-    def _read_header(self, p: Path, window: int, slot: int) -> BlockHeader:
-        with open(p, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            data = _read_all(f, min(size, _HEADER_READ))
-            need = PREFIX_BYTES + header_length(data) + MAC_BYTES
-            if need > len(data):
-                data += _read_all(f, min(size, need) - len(data))
-        header, offset = decode_header(self.key, data)
-        if (header.window, header.slot) != (window, slot) or header.payload_bytes != self.slot_bytes[window]:
-            raise BadFile("corrupt", "the header names another slot or size")
-        if size != offset + header.payload_bytes:
-            raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
-        return header
-
-    def _skip(self, p: Path, reason: str) -> None:
-        self.stats.skipped_at_start[reason] = self.stats.skipped_at_start.get(reason, 0) + 1
-        p.unlink(missing_ok=True)
-
-
-def _read_all(f, n: int) -> bytearray:
-    """n bytes from the file's position (fewer only at its end)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            return buf[:got]
-        got += k
-    return buf

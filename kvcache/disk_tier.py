@@ -17,12 +17,14 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
+from kvcache.admission import check_capacity, onboard_closure
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager, DiskEntry
 from kvcache.config import KvCacheConfig
 from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockHeader, Manifest, key_id
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
+from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup
 from kvcache.layout import CacheLayout
 from kvcache.stats import KVCacheStats
@@ -37,6 +39,9 @@ class NoDiskTier:
 
     def check(self, work: Work) -> int:
         return 0
+
+    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+        return None
 
     def after_flush(self, g: WindowGroup) -> None:
         return None
@@ -93,6 +98,20 @@ class DiskTier:
             log.warning("disk tier: window %d slot %d dropped: %s", g.window, b.slot, error)
             self._drop(g, b, error.reason, b.hash)
         return len(bad)
+
+    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+        """Check the files of the disk blocks that bringing `blocks` up needs (they or ancestors),
+        after the capacity check (no file is read for a call that cannot go ahead); KVCacheError when
+        one failed: it was dropped with its subtree, so a listed block is gone."""
+        onboard, keep = onboard_closure(blocks)
+        disk = [b for b in onboard if b.level is Level.DISK]
+        if not disk:
+            return
+        check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
+        if self.check([(g, disk)]):
+            gone = [b.id for b in blocks if b.hash is None and not b.in_use]
+            raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
+                               f"its check: they were dropped (the KV must be computed again)")
 
     def after_flush(self, g: WindowGroup) -> None:
         """Drop the blocks whose write the queue refused during the call that just ended."""

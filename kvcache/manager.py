@@ -15,7 +15,8 @@ from typing import TypeVar
 
 import torch
 
-from kvcache.admission import check_capacity, execute_plan, make_primary, onboard_closure
+from kvcache import events
+from kvcache.admission import check_capacity, execute_plan, make_primary
 from kvcache.block import Block, Level
 from kvcache.config import KvCacheConfig
 from kvcache.disk_tier import DiskTier, NoDiskTier
@@ -275,18 +276,10 @@ class KVCacheManager:
         make_primary(g.bm, g.window, self._onboardable(g, block_ids))
 
     def _onboardable(self, g: WindowGroup, block_ids: Sequence[int]) -> list[Block]:
-        """The listed blocks (-1: a released, out-of-window block, skipped), after the files of those
-        that must come up from disk (they or their ancestors) passed their checks; KVCacheError
-        when one failed (it was dropped, so a listed block is gone)."""
+        """The listed blocks (-1: a released, out-of-window block, skipped), the files of those that
+        come up from disk checked (kvcache/disk_tier.py `before_onboard`)."""
         blocks = [g.bm.get(i) for i in block_ids if i != -1]
-        onboard, keep = onboard_closure(blocks)
-        disk = [b for b in onboard if b.level is Level.DISK]
-        if disk:  # no file is read for a call that cannot go ahead
-            check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
-        if disk and self._disk.check([(g, disk)]):
-            gone = [b.id for b in blocks if b.hash is None and not b.in_use]
-            raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
-                               f"its check: they were dropped (the KV must be computed again)")
+        self._disk.before_onboard(g, blocks)
         return blocks
 
     def cached_block_hashes(self, window: int | None = None) -> list[bytes]:
@@ -296,30 +289,16 @@ class KVCacheManager:
 
     def cached_blocks(self) -> dict[int, dict[Level, list[bytes]]]:
         """Window -> level -> hashes of the reuse tree's blocks there (a KV events snapshot; O(blocks))."""
-        out: dict[int, dict[Level, list[bytes]]] = {}
-        for g in self._groups:
-            levels: dict[Level, list[bytes]] = {level: [] for level in Level}
-            for block_hash, b in g.bm.tree.by_hash.items():
-                levels[b.level].append(block_hash)
-            out[g.window] = levels
-        return out
+        return events.snapshot(self._groups)
 
     # ---- KV events (kvcache/events.py)
     def enable_events(self) -> None:
         """From now on record every reuse-tree change; drain them with `drain_events` (else they pile up)."""
-        for g in self._groups:
-            if not isinstance(g.bm.events, list):
-                g.bm.events = []
+        events.enable(self._groups)
 
     def drain_events(self) -> list[tuple[int, int, bytes, int]]:
         """(window, kind, block hash, level) of every change since the last drain, in order per window."""
-        out: list[tuple[int, int, bytes, int]] = []
-        for g in self._groups:
-            events = g.bm.events
-            if isinstance(events, list) and events:
-                out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in events]
-                events.clear()
-        return out
+        return events.drain(self._groups)
 
     # ---- checks and counters
     def check_integrity(self) -> None:

@@ -151,7 +151,7 @@ def test_a_manifest_of_another_model_or_token_is_ignored(disk, tmp_path, caplog,
     first = disk()
     push_a_to_disk(first)
     first.close()
-    with caplog.at_level(logging.WARNING, logger="kvcache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.disk_dir"):
         again = disk(**change)
     assert f"ignoring its 1 block files (manifest {why}" in caplog.text.replace("manifest: ", "manifest ")
     assert again.cached_blocks()[64][Level.DISK] == [] and again.stats().disk_restored == 0
@@ -163,7 +163,7 @@ def test_a_manifest_of_another_layout_is_ignored(disk, tmp_path, open_managers, 
     first = disk()
     push_a_to_disk(first)
     first.close()
-    with caplog.at_level(logging.WARNING, logger="kvcache.disk_store"):
+    with caplog.at_level(logging.WARNING, logger="kvcache.disk_dir"):
         other = make_manager("cpu", tpb=8, primary_blocks=2, host_blocks=2, disk_blocks=3,
                              disk_dir=str(tmp_path / "kv"), disk_key=KEY, salt="fp")
     open_managers.append(other)
