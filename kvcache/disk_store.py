@@ -101,7 +101,12 @@ class DiskStore:
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()})
         store._lock_fd = take_directory(path)
         start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes)
-        found = restore_or_reset(start, manifest)
+        try:
+            found = restore_or_reset(start, manifest)
+        except OSError as exc:
+            store.close()
+            raise ValueError(f"kv_cache_config.disk.path={str(path)!r}: cannot use the directory: "
+                             f"{exc.strerror or exc}") from None
         store.stats.skipped_at_start = start.skipped
         for writer in store._writers:
             writer.start()
@@ -167,7 +172,8 @@ class DiskStore:
             log.warning("disk tier: %d block writes still queued at close are lost", len(self._pending))
         self._stop.set()
         for writer in self._writers:
-            writer.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            if writer.is_alive():
+                writer.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self._readers.shutdown(wait=False, cancel_futures=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
