@@ -171,6 +171,25 @@ def test_a_manifest_of_another_layout_is_ignored(disk, tmp_path, open_managers, 
     assert other.cached_blocks()[64][Level.DISK] == []
 
 
+def test_kv_events_carry_the_disk_level_to_the_routers_index(disk):
+    from server.router.kv_index import KvIndex
+
+    m = disk()
+    m.enable_events()
+    index = KvIndex()
+    index.reset({"salt": "fp", "tokens_per_block": 4, "windows": {"64": {}}})
+    push_a_to_disk(m)
+    for window, kind, block_hash, level in m.drain_events():
+        index.apply(window, kind, block_hash, level)
+    assert index.match(block_hashes(A, 4, "fp")) == [Level.DISK]
+    assert index.match(block_hashes(E, 4, "fp")) == [Level.PRIMARY]
+    m.admit("a2", A + [9])
+    for event in m.drain_events():
+        index.apply(*event)
+    assert index.match(block_hashes(A, 4, "fp")) == [Level.PRIMARY]
+    assert index.counts[64, Level.DISK] == 2  # b and c went down in its place
+
+
 def test_one_directory_serves_one_manager(disk):
     disk()
     with pytest.raises(ValueError, match=r"kv_cache_config.disk.path=.*another server uses this directory"):
