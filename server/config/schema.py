@@ -28,7 +28,14 @@ from msgspec import Meta
 from msgspec.structs import replace
 
 from kvcache.config import KvCacheConfig
-from server.config.checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
+from server.config.checks import (
+    check_disk_paths,
+    check_ports,
+    check_same_model,
+    host_port,
+    share_gpu_memory,
+    split_host_port,
+)
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.router.auth import RouterAccess
 from server.router.routing_config import RouterConfig, RoutingConfig
@@ -234,6 +241,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
         servers = [_server({**inherit(data, {}), "hostname": host, "port": file.port}, "aggregated", source)]
     check_same_model(servers, source)
     check_ports(servers, (host, file.port) if has_router else None, source)
+    check_disk_paths(servers, source)
     router = file.router
     cfg = DeploymentConfig(
         source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),

@@ -21,6 +21,7 @@ from server.api.context_directory import ContextDirectory
 from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
+from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.engine import status
@@ -52,7 +53,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     dtype = resolve_dtype(cfg.dtype, device)
     weights = load_weights(spec, dtype, device)  # first: a GPU pool takes a share of what is left
     kv = KVCacheManager(cfg.kv_cache_config, spec.cache_layout(cfg.max_seq_len, dtype, device),
-                        salt=spec.fingerprint)
+                        salt=spec.fingerprint, disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
                          cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len)
@@ -149,6 +150,7 @@ def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
             await asyncio.to_thread(_close_transceiver, engine)
+            await asyncio.to_thread(_close_kv, engine)
             if kv_events.publisher is not None:
                 kv_events.publisher.close()
 
@@ -198,6 +200,13 @@ def _close_transceiver(engine: AsyncEngine) -> None:
     for link in status.transceiver(engine.core):
         if link is not None:
             link.close()
+
+
+def _close_kv(engine) -> None:
+    """After the engine thread stopped: let the disk tier's queued writes land (a restart finds them)."""
+    thread, core = getattr(engine, "_thread", None), getattr(engine, "core", None)
+    if core is not None and (thread is None or not thread.is_alive()):
+        core.kv.close()
 
 
 def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:

@@ -65,12 +65,14 @@ def ready(host: EngineHost, launch: Launch) -> Ready:
 
 
 def close(host: EngineHost) -> None:
-    """After the loop: fail what the transceiver still runs with an explicit message, close sockets."""
+    """After the loop: fail what the transceiver still runs with an explicit message, close sockets
+    and the KV manager."""
     for link in status.transceiver(host.core):
         if link is not None:
             link.close()
     if host.kv_events.publisher is not None:
         host.kv_events.publisher.close()
+    host.core.kv.close()  # the disk tier's queued writes land (a restart finds them)
 
 
 def main() -> int:

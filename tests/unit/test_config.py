@@ -80,6 +80,17 @@ def test_sections_inherit_and_override_top_level(tmp_path):
     assert cfg.auth_token == TOKEN
 
 
+def test_a_disk_tier_directory_serves_one_server_of_a_host(tmp_path):
+    disk = {"host_cache_size": 1 << 20, "disk": {"path": "/var/cache/kv", "max_bytes": 1 << 30}}
+    with pytest.raises(ConfigError, match=r"x\.yaml: kv_cache_config\.disk\.path: context server 127\.0\.0\.1:8001 "
+                                          r"and generation server 127\.0\.0\.1:8002 both use '/var/cache/kv'"):
+        load_deployment(write(tmp_path, disagg(kv_cache_config=disk)))
+    data = disagg(kv_cache_config=disk)
+    data["generation_servers"]["kv_cache_config"] = {"disk": {"path": "/var/cache/kv-gen", "max_bytes": 1 << 30}}
+    cfg = load_deployment(write(tmp_path, data))
+    assert [s.kv_cache_config.disk.path for s in cfg.servers] == ["/var/cache/kv", "/var/cache/kv-gen"]
+
+
 def test_only_generation_servers_run_aggregated_behind_the_router(tmp_path):
     data = disagg()
     del data["context_servers"]
