@@ -13,8 +13,10 @@ and a slot handed to another request is never written by the old transfer.
 
 Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
 (endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
-(the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
-the checksum of what it wrote; `Done` and the Ack are the byte path's.
+(the sender's slots, no payload), and `step` queues their copy into our slots on a side stream
+(`ipc_copies.py`: one pass that copies and sums) and checks the checksum of what it wrote in a later
+`step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
+Ack are the byte path's; a pull whose copies are still running finishes when they are checked.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import copy_slots, ipc_identity, open_pools
+from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
 from transceiver.payload import checksum, parts_are_valid, scatter
+from transceiver.receiver.ipc_copies import Copy, IpcCopies
 from transceiver.receiver.link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
 from transceiver.stats import TransferStats
 from transceiver.wire import (
@@ -78,7 +81,8 @@ class _Pull:
     chunks: int = 0
     via_ipc: bool = False  # chunks came as CUDA IPC copies
     first_at: float | None = None  # when the socket thread received the pull's first answer
-    apply_s: float = 0.0  # engine thread: checking and writing chunks
+    apply_s: float = 0.0  # checking and writing chunks (IPC: from queueing each copy until it is checked)
+    done: Done | None = None  # arrived while copies were still on the device
 
 
 class KVReceiver:
@@ -96,6 +100,7 @@ class KVReceiver:
         self._results: list[PullResult] = []
         # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        self._copies = IpcCopies(on_message)  # same-GPU copies on the device
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
         identity = ipc_identity(pools, config.same_host_ipc)
 
@@ -144,6 +149,7 @@ class KVReceiver:
                     self._fail(pull, "peer_gone", item.detail)
             else:
                 self._on_received(item)
+        self._settle_copies()
         now = time.monotonic()
         for pull in [p for p in self._pulls.values() if p.deadline <= now]:
             self._fail(pull, "timeout", f"the KV transfer did not finish within "
@@ -198,6 +204,7 @@ class KVReceiver:
         if pulls:
             time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
+        self._copies.close()
         self._ipc_pools.clear()
 
     # ---- messages ----------------------------------------------------------------------------
@@ -223,7 +230,10 @@ class KVReceiver:
                     self._fail(pull, "integrity", problem)
             pull.apply_s += time.monotonic() - start
         elif isinstance(body, Done):
-            self._finish(pull, body)
+            if self._copies.pending(pull.pull_id):
+                pull.done = body  # finished once its copies are checked (`_settle_copies`)
+            else:
+                self._finish(pull, body)
         elif isinstance(body, Failed):
             reason = body.reason if body.reason in REASONS else "remote_error"
             self._fail(pull, reason, f"context server: {body.detail}", notify=False)
@@ -261,7 +271,7 @@ class KVReceiver:
             self._fail(pull, "integrity", problem)
 
     def _apply_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> str | None:
-        """Copy the sender's slots `h.slots` into ours (same GPU) and check what was written."""
+        """Queue the copy of the sender's slots `h.slots` into ours (same GPU); checked once done."""
         opened = self._ipc_pools.get(pull.endpoint)
         if opened is None or opened[0] != pull.ctx_epoch:
             return f"CUDA IPC chunk but no pools of {pull.endpoint} epoch {pull.ctx_epoch} are open"
@@ -273,17 +283,32 @@ class KVReceiver:
         if count < 1 or h.first + count > first + len(slots) or any(not 0 <= s < src.shape[0] for s in h.slots):
             return f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
         dst = slots[h.first - first : h.first - first + count]
-        written = copy_slots(src, h.slots, self._kv.pool(h.window, Level.PRIMARY), dst, h.first)
-        if written != h.checksum:
-            return f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, " \
-                   f"blocks {h.first}..{h.first + count - 1})"
-        nbytes = count * self._kv.slot_bytes(h.window)
+        self._copies.start(pull.pull_id, h, src, self._kv.pool(h.window, Level.PRIMARY), dst,
+                           count * self._kv.slot_bytes(h.window))
         pull.next_first[h.window] = h.first + count
-        pull.nbytes += nbytes
+        return None
+
+    def _settle_copies(self) -> None:
+        """Check the copies the device has finished; finish pulls whose Done waited for them."""
+        for copy in self._copies.settled():
+            pull = self._pulls.get(copy.pull_id)
+            if pull is not None:
+                self._check_copy(pull, copy)
+        for pull in [p for p in self._pulls.values() if p.done is not None]:
+            if not self._copies.pending(pull.pull_id):
+                self._finish(pull, pull.done)
+
+    def _check_copy(self, pull: _Pull, copy: Copy) -> None:
+        h = copy.chunk
+        pull.apply_s += time.monotonic() - copy.issued
+        if copy.checksum.value() != h.checksum:
+            self._fail(pull, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, "
+                                          f"blocks {h.first}..{h.first + len(h.slots) - 1})")
+            return
+        pull.nbytes += copy.nbytes
         pull.chunks += 1
         pull.via_ipc = True
-        self.stats.bytes_received += nbytes
-        return None
+        self.stats.bytes_received += copy.nbytes
 
     def _finish(self, pull: _Pull, done: Done) -> None:
         missing = [w for w, (first, slots) in pull.wanted.items() if pull.next_first[w] != first + len(slots)]
@@ -321,6 +346,7 @@ class KVReceiver:
                                             time.monotonic() - pull.started))
 
     def _forget(self, pull: _Pull) -> None:
+        self._copies.abandon(pull.pull_id)  # no late writer: before the caller frees the blocks
         del self._pulls[pull.pull_id]
         del self._by_request[pull.request_id]
 
