@@ -251,10 +251,10 @@ class PullServer:
             job.sent_bytes = sum(len(p.slots) * self._offers[cid].offer.windows[p.range.window].slot_bytes
                                  for p in parts)
             job.sent_chunks = len(chunks)
-            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
             job.done_sent = True
-            self._stats.bytes_sent += job.sent_bytes
+            self._stats.bytes_sent += job.sent_bytes  # counted before the Done leaves
             self._stats.ipc_transfers += 1
+            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
 
     @contextmanager
     def _reading(self, off: Offered, device: torch.device, wait: bool = True) -> Iterator[None]:
