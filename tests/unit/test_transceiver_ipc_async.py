@@ -1,10 +1,11 @@
 """The same-GPU handoff never waits for the device on either side's thread (docs/DISAGG_LOAD.md):
 the real KVSender and KVReceiver on CPU pools, as in test_transceiver_ipc_flow.py, where a checksum
-or copy is held "on the device" (not done) until the test releases it. Meanwhile the sender's socket
-thread serves another lease's pull to the end and the receiver's steps return at once; a pull whose Done
-came before its copy was checked finishes only after the check; a pull cancelled with its copy still
-running never reports and drops the copy once it is done. tests/gpu/test_transceiver_kernels_cuda.py
-holds real CUDA work behind a sleeping kernel instead."""
+or copy is held "on the device" (not done) until the test releases it. Meanwhile the context engine
+leases another request and the sender's socket thread serves that pull to the end, and the
+receiver's steps return at once; a pull whose Done came before its copy was checked finishes only
+after the check; a pull cancelled with its copy still running never reports and drops the copy once
+it is done. tests/gpu/test_transceiver_kernels_cuda.py holds real CUDA work behind a sleeping kernel
+instead."""
 
 from __future__ import annotations
 
@@ -79,13 +80,13 @@ def test_the_sender_serves_other_pulls_while_a_checksum_is_on_the_device(pair, m
     ctx_kv, sender, gen_kv, rx = pair
     gate = hold_first(monkeypatch, serve_mod, "start_checksum")
     tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
-    other = list(range(400, 408))  # a second lease of 2 blocks
-    _cache(ctx_kv, "other", other, lease=sender)
-    gen_kv.admit("other", other)
-    other_dst = gen_kv.slot_table("other", W)
     rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})  # its checksum is held
     wait_until(lambda: sender._link._server._ipc, 10, "the first checksum on the device",
                step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    other = list(range(400, 408))  # the engine thread prefills and leases another request meanwhile
+    _cache(ctx_kv, "other", other, lease=sender)
+    gen_kv.admit("other", other)
+    other_dst = gen_kv.slot_table("other", W)
     rx.start_pull("other", sender.endpoint, sender.epoch, "other", {W: (0, other_dst)})
     second = _run(sender, rx)  # served to the end while the first one's checksum is still running
     assert (second.request_id, second.ok) == ("other", True), second.error
