@@ -13,8 +13,10 @@ and a slot handed to another request is never written by the old transfer.
 
 Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
 (endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
-(the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
-the checksum of what it wrote; `Done` and the Ack are the byte path's.
+(the sender's slots, no payload), and `step` queues their copy into our slots on a side stream
+(`ipc_copies.py`: one pass that copies and sums) and checks the checksum of what it wrote in a later
+`step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
+Ack are the byte path's; a pull whose copies are still running finishes when they are checked.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import copy_slots, ipc_identity, open_pools
+from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
 from transceiver.payload import checksum, parts_are_valid, scatter
+from transceiver.receiver.ipc_copies import Copy, IpcCopies
 from transceiver.receiver.link import IpcPools, PeerDown, Probe, Pull, PullRefused, Received, ReceiverLink, Send
+from transceiver.receiver.pull import PullResult, PullState, check_wanted
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     REASONS,
@@ -53,34 +56,6 @@ from transceiver.wire import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PullResult:
-    request_id: str
-    ok: bool
-    reason: str | None = None  # one of wire.REASONS when not ok
-    error: str | None = None  # a sentence for the client when not ok
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class _Pull:
-    request_id: str
-    pull_id: int
-    endpoint: str
-    ctx_epoch: str
-    ctx_request_id: str
-    wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
-    started: float  # monotonic
-    deadline: float
-    next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
-    nbytes: int = 0
-    chunks: int = 0
-    via_ipc: bool = False  # chunks came as CUDA IPC copies
-    first_at: float | None = None  # when the socket thread received the pull's first answer
-    apply_s: float = 0.0  # engine thread: checking and writing chunks
-
-
 class KVReceiver:
     """Pulls KV blocks from context servers into this server's primary pool."""
 
@@ -91,11 +66,12 @@ class KVReceiver:
         self._config = config
         self.epoch = uuid.uuid4().hex
         self.stats = TransferStats()
-        self._pulls: dict[int, _Pull] = {}  # by pull_id
+        self._pulls: dict[int, PullState] = {}  # by pull_id
         self._by_request: dict[str, int] = {}  # request_id -> pull_id
         self._results: list[PullResult] = []
         # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        self._copies = IpcCopies(on_message)  # same-GPU copies on the device
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
         identity = ipc_identity(pools, config.same_host_ipc)
 
@@ -115,9 +91,9 @@ class KVReceiver:
         `slots` (primary slot indices of this server, in block order)."""
         if request_id in self._by_request:
             raise ValueError(f"request {request_id!r} is already pulling")
-        self._check_wanted(wanted)
+        check_wanted(self._kv, wanted)
         now = time.monotonic()
-        pull = _Pull(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
+        pull = PullState(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
                      {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
                      now, now + self._config.timeout_s)
         pull.next_first = {w: first for w, (first, _) in pull.wanted.items()}
@@ -144,6 +120,7 @@ class KVReceiver:
                     self._fail(pull, "peer_gone", item.detail)
             else:
                 self._on_received(item)
+        self._settle_copies()
         now = time.monotonic()
         for pull in [p for p in self._pulls.values() if p.deadline <= now]:
             self._fail(pull, "timeout", f"the KV transfer did not finish within "
@@ -198,6 +175,7 @@ class KVReceiver:
         if pulls:
             time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
+        self._copies.close()
         self._ipc_pools.clear()
 
     # ---- messages ----------------------------------------------------------------------------
@@ -223,12 +201,15 @@ class KVReceiver:
                     self._fail(pull, "integrity", problem)
             pull.apply_s += time.monotonic() - start
         elif isinstance(body, Done):
-            self._finish(pull, body)
+            if self._copies.pending(pull.pull_id):
+                pull.done = body  # finished once its copies are checked (`_settle_copies`)
+            else:
+                self._finish(pull, body)
         elif isinstance(body, Failed):
             reason = body.reason if body.reason in REASONS else "remote_error"
             self._fail(pull, reason, f"context server: {body.detail}", notify=False)
 
-    def _apply_chunk(self, pull: _Pull, h: ChunkHeader, frames: list) -> str | None:
+    def _apply_chunk(self, pull: PullState, h: ChunkHeader, frames: list) -> str | None:
         """Check a chunk against the pull and its checksum, then write it; a problem -> sentence."""
         if h.window not in pull.wanted or h.first != pull.next_first[h.window]:
             return f"unexpected chunk: window {h.window}, block {h.first}"
@@ -250,7 +231,7 @@ class KVReceiver:
         self.stats.bytes_received += h.nbytes
         return None
 
-    def _on_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> None:
+    def _on_ipc_chunk(self, pull: PullState, h: IpcChunk) -> None:
         try:
             problem = self._apply_ipc_chunk(pull, h)
         except Exception as e:  # a CUDA error must fail this pull, not the engine loop
@@ -260,8 +241,8 @@ class KVReceiver:
         if problem is not None:
             self._fail(pull, "integrity", problem)
 
-    def _apply_ipc_chunk(self, pull: _Pull, h: IpcChunk) -> str | None:
-        """Copy the sender's slots `h.slots` into ours (same GPU) and check what was written."""
+    def _apply_ipc_chunk(self, pull: PullState, h: IpcChunk) -> str | None:
+        """Queue the copy of the sender's slots `h.slots` into ours (same GPU); checked once done."""
         opened = self._ipc_pools.get(pull.endpoint)
         if opened is None or opened[0] != pull.ctx_epoch:
             return f"CUDA IPC chunk but no pools of {pull.endpoint} epoch {pull.ctx_epoch} are open"
@@ -273,19 +254,34 @@ class KVReceiver:
         if count < 1 or h.first + count > first + len(slots) or any(not 0 <= s < src.shape[0] for s in h.slots):
             return f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
         dst = slots[h.first - first : h.first - first + count]
-        written = copy_slots(src, h.slots, self._kv.pool(h.window, Level.PRIMARY), dst, h.first)
-        if written != h.checksum:
-            return f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, " \
-                   f"blocks {h.first}..{h.first + count - 1})"
-        nbytes = count * self._kv.slot_bytes(h.window)
+        self._copies.start(pull.pull_id, h, src, self._kv.pool(h.window, Level.PRIMARY), dst,
+                           count * self._kv.slot_bytes(h.window))
         pull.next_first[h.window] = h.first + count
-        pull.nbytes += nbytes
-        pull.chunks += 1
-        pull.via_ipc = True
-        self.stats.bytes_received += nbytes
         return None
 
-    def _finish(self, pull: _Pull, done: Done) -> None:
+    def _settle_copies(self) -> None:
+        """Check the copies the device has finished; finish pulls whose Done waited for them."""
+        for copy in self._copies.settled():
+            pull = self._pulls.get(copy.pull_id)
+            if pull is not None:
+                self._check_copy(pull, copy)
+        for pull in [p for p in self._pulls.values() if p.done is not None]:
+            if not self._copies.pending(pull.pull_id):
+                self._finish(pull, pull.done)
+
+    def _check_copy(self, pull: PullState, copy: Copy) -> None:
+        h = copy.chunk
+        pull.apply_s += time.monotonic() - copy.issued
+        if copy.checksum.value() != h.checksum:
+            self._fail(pull, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, "
+                                          f"blocks {h.first}..{h.first + len(h.slots) - 1})")
+            return
+        pull.nbytes += copy.nbytes
+        pull.chunks += 1
+        pull.via_ipc = True
+        self.stats.bytes_received += copy.nbytes
+
+    def _finish(self, pull: PullState, done: Done) -> None:
         missing = [w for w, (first, slots) in pull.wanted.items() if pull.next_first[w] != first + len(slots)]
         if missing or done.total_bytes != pull.nbytes or done.chunks != pull.chunks:
             self._fail(pull, "integrity", (
@@ -294,7 +290,7 @@ class KVReceiver:
             return
         self._succeed(pull)
 
-    def _succeed(self, pull: _Pull) -> None:
+    def _succeed(self, pull: PullState) -> None:
         """Every wanted block is written: Ack (the sender drops the lease) and report."""
         ack = Ack(pull_id=pull.pull_id, ctx_request_id=pull.ctx_request_id)
         self._thread.submit(Send(pull.endpoint, ack))
@@ -308,7 +304,7 @@ class KVReceiver:
 
     # ---- failure -------------------------------------------------------------------------------
 
-    def _fail(self, pull: _Pull, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
+    def _fail(self, pull: PullState, reason: str, detail: str, notify: bool = True, report: bool = True) -> None:
         """End a pull that did not succeed; `notify` tells the context side to drop its lease."""
         self._forget(pull)
         self.stats.count_failure(reason)
@@ -320,15 +316,7 @@ class KVReceiver:
             self._results.append(PullResult(pull.request_id, False, reason, detail, pull.nbytes,
                                             time.monotonic() - pull.started))
 
-    def _forget(self, pull: _Pull) -> None:
+    def _forget(self, pull: PullState) -> None:
+        self._copies.abandon(pull.pull_id)  # no late writer: before the caller frees the blocks
         del self._pulls[pull.pull_id]
         del self._by_request[pull.request_id]
-
-    def _check_wanted(self, wanted: dict[int, tuple[int, list[int]]]) -> None:
-        for window, (first, slots) in wanted.items():
-            if window not in self._kv.window_sizes:
-                raise ValueError(f"unknown window {window}; valid: {sorted(self._kv.window_sizes)}")
-            num_slots = self._kv.pool(window, Level.PRIMARY).shape[0]
-            if first < 0 or any(not 0 <= s < num_slots for s in slots):
-                raise ValueError(f"window {window}: bad first block {first} "
-                                 f"or slots outside [0, {num_slots})")
