@@ -2,6 +2,7 @@
 
 A block holds `tokens_per_block` tokens of K and V for every layer of one window group. Its id never
 changes; offload and onboard move it between levels and change its slot (so id != slot after that).
+Blocks move only between neighbouring levels: primary <-> secondary (host) <-> disk.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import NamedTuple
 class Level(enum.IntEnum):
     PRIMARY = 0  # the device pool (GPU; CPU on machines without one)
     SECONDARY = 1  # the host pool (pinned when CUDA is present)
+    DISK = 2  # the disk tier: one file per block in a local directory (kvcache/disk_store.py)
 
 
 class CopyOp(NamedTuple):
@@ -28,13 +30,15 @@ class Block:
     """State of one block. Only `BlockManager` mutates it.
 
     States (per level): free (in the free list, not in the tree, unreferenced), cached (in the reuse
-    tree, ref == pins == 0), in use (ref + pins > 0; always PRIMARY between public calls).
+    tree, ref == pins == 0), in use (ref + pins > 0; always PRIMARY between public calls). Down the
+    tree, levels never go back up: a block's level is >= its parent's (PRIMARY < SECONDARY < DISK).
     `busy` == in use or some primary descendant in the tree is in use; a primary block that is in the
     tree and not busy can be reclaimed by evicting leaves.
     """
 
     __slots__ = ("id", "level", "slot", "ref", "pins", "holds", "hash", "parent", "children", "tokens",
-                 "priority", "tick", "busy", "busy_children", "primary_children", "queue_seq")
+                 "priority", "tick", "busy", "busy_children", "primary_children",
+                 "secondary_children", "queue_seq")
 
     def __init__(self, block_id: int, level: Level, slot: int) -> None:
         self.id = block_id
@@ -52,6 +56,7 @@ class Block:
         self.busy = False
         self.busy_children = 0  # children whose `busy` is True (they are all PRIMARY)
         self.primary_children = 0  # children at the PRIMARY level
+        self.secondary_children = 0  # children at the SECONDARY level
         self.queue_seq = -1  # sequence number of this block's live eviction-queue entry, -1 if none
 
     @property

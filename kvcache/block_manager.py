@@ -1,19 +1,25 @@
-"""Blocks of one window group at both levels: free lists, ref counts and pins, the reuse tree,
-eviction (priority, then LRU, leaves only), offload of evicted blocks to the secondary level, onboard.
-Pure Python, no torch: data moves are recorded as `CopyOp`s in `copies`, which the pool executes.
+"""Blocks of one window group at three levels: free lists, ref counts and pins, the reuse tree,
+eviction (priority, then LRU, leaves of each level only), offload of evicted blocks one level down
+(primary -> secondary -> disk), onboard one level up. Pure Python, no torch, no files: data moves
+are recorded as `CopyOp`s in `copies`, which the pools execute.
 
 Invariants (checked by `kvcache.integrity.check_block_manager`), between public calls:
 - each block is exactly one of: free (in its level's free list), cached (in the tree, ref == pins
   == 0), in use (ref + pins > 0); an in-use block is PRIMARY and never evicted, offloaded or moved;
-- the PRIMARY level is prefix-closed: a primary tree block's parent is primary, so the secondary
-  blocks of the tree are whole subtrees (dropping a primary block drops its secondary subtree);
+- down the tree, levels never go back up (a block's level is >= its parent's), so the PRIMARY
+  blocks of the tree are prefix-closed, and the secondary and disk blocks are whole subtrees
+  (dropping a block drops its subtree, all of it farther from the GPU);
 - slots are a permutation of range(num_slots) per level; holds == 0.
+An evicted block moves down when its priority is >= offload_min_priority and the level below has
+room (a free block, or one made by evicting that level's own candidate the same way); else it is
+dropped. A level's candidate is a cached block with no child at its own level and no hold.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 
 from kvcache.block import Block, CopyOp, Level
 from kvcache.errors import KVCacheError, UnknownBlockError
@@ -21,7 +27,8 @@ from kvcache.events import MOVED, NO_EVENTS, REMOVED, STORED, EventSink
 from kvcache.eviction import EvictionQueue
 from kvcache.reuse_tree import ReuseTree
 
-P, S = Level.PRIMARY, Level.SECONDARY
+P, S, D = Level.PRIMARY, Level.SECONDARY, Level.DISK
+DiskEntry = tuple[int, bytes, bytes | None, tuple[int, ...], bytes, int]  # see BlockManager.restore_disk
 
 
 def _primary_candidate(b: Block) -> bool:
@@ -30,20 +37,30 @@ def _primary_candidate(b: Block) -> bool:
 
 
 def _secondary_candidate(b: Block) -> bool:
-    return b.level is S and b.hash is not None and b.holds == 0 and not b.children
+    return b.level is S and b.hash is not None and b.holds == 0 and b.secondary_children == 0
+
+
+def _disk_candidate(b: Block) -> bool:
+    return b.level is D and b.hash is not None and b.holds == 0 and not b.children
+
+
+CANDIDATES = (_primary_candidate, _secondary_candidate, _disk_candidate)  # indexed by Level
 
 
 class BlockManager:
-    def __init__(self, num_primary: int, num_secondary: int, *, offload_min_priority: int) -> None:
-        # ids 0..num_primary-1 start in primary slots 0.., the rest in secondary slots 0..: before any
-        # offload or onboard a primary block's id equals its slot.
-        self.blocks = [Block(i, P, i) for i in range(num_primary)]
-        self.blocks += [Block(num_primary + j, S, j) for j in range(num_secondary)]
-        self.num_slots = (num_primary, num_secondary)
-        self.free = (deque(self.blocks[:num_primary]), deque(self.blocks[num_primary:]))
+    def __init__(self, num_primary: int, num_secondary: int, num_disk: int = 0, *,
+                 offload_min_priority: int) -> None:
+        # ids 0..num_primary-1 start in primary slots 0.., then the secondary blocks, then the disk
+        # ones: before any offload or onboard a primary block's id equals its slot.
+        self.num_slots = (num_primary, num_secondary, num_disk)  # indexed by Level
+        self.blocks: list[Block] = []
+        for level, n in zip(Level, self.num_slots, strict=True):
+            self.blocks += [Block(len(self.blocks) + j, level, j) for j in range(n)]
+        self.free = tuple(deque(b for b in self.blocks if b.level is level) for level in Level)
+        self.owners = tuple(list(f) for f in self.free)  # level -> slot -> the block in that slot
         self.tree = ReuseTree()
-        seqs = itertools.count(1)  # one counter for both levels' queues (see eviction.py)
-        self.queues = (EvictionQueue(num_primary, seqs), EvictionQueue(num_secondary, seqs))
+        seqs = itertools.count(1)  # one counter for every level's queue (see eviction.py)
+        self.queues = tuple(EvictionQueue(n, seqs) for n in self.num_slots)
         self.offload_min_priority = offload_min_priority
         self.copies: list[CopyOp] = []  # pending, in order; drained by the facade after each call
         self.events: EventSink = NO_EVENTS  # tree changes for a router's index (kvcache/events.py)
@@ -51,8 +68,18 @@ class BlockManager:
         self.num_refs = self.num_pins = 0  # sums of every block's ref and pins (cheap health checks)
         self.num_reclaimable = 0  # primary tree blocks that are not busy
         self.clock = 0
-        self.evictions = self.offloads = self.onboards = 0
+        self.evictions = 0  # cached blocks that lost their slot at any level (moved down or dropped)
+        self.moved = {(a, b): 0 for a in Level for b in Level if abs(a - b) == 1}  # blocks per tier move
+        self.discards = 0  # disk blocks dropped because their file could not be read back (`discard`)
         self.copied = {(P, S): 0, (S, P): 0, (P, P): 0, (S, S): 0}  # blocks copied per direction
+
+    @property
+    def offloads(self) -> int:
+        return self.moved[P, S]
+
+    @property
+    def onboards(self) -> int:
+        return self.moved[S, P]
 
     # ---- lookups
     def get(self, block_id: int) -> Block:
@@ -117,7 +144,8 @@ class BlockManager:
 
     def allocate(self, priority: int) -> Block:
         """A new private primary block with ref 1 (evicts a cached block if no block is free)."""
-        b = self.free[P].popleft() if self.free[P] else self._take_primary()
+        self._primary_room()
+        b = self.free[P].popleft()
         b.ref = 1
         self.num_refs += 1
         b.priority = priority
@@ -151,15 +179,53 @@ class BlockManager:
     def onboard(self, b: Block) -> None:
         """Move secondary tree block `b` (held by the caller, parent primary) to a primary slot."""
         assert b.level is S and b.holds > 0 and (b.parent is None or b.parent.level is P), b
-        spare = self._take_primary()
-        self._swap_slots(b, spare)
-        self.free[S].append(spare)
-        self.onboards += 1
-        self.events.append((MOVED, b.hash, P))
-        if b.parent is not None:
-            b.parent.primary_children += 1
-        if not b.busy:
-            self.num_reclaimable += 1
+        self._primary_room()
+        self._move(b, P)
+
+    def promote(self, b: Block) -> bool:
+        """Move disk tree block `b` (held by the caller, parent primary or secondary) to a secondary
+        slot, evicting a secondary candidate if none is free; False (nothing changed) when the
+        secondary level has no room: every block there is held or has a secondary child."""
+        assert b.level is D and b.holds > 0 and (b.parent is None or b.parent.level is not D), b
+        if not self._make_room(S):
+            return False
+        self._move(b, S)
+        return True
+
+    def discard(self, b: Block) -> None:
+        """Drop cached disk block `b` and its subtree (its file could not be read back)."""
+        assert b.level is D and b.hash is not None and b.holds == 0, b
+        self.discards += 1
+        self.evictions += 1
+        self._drop(b)
+
+    def restore_disk(self, entries: Iterable[DiskEntry]) -> list[int]:
+        """Put blocks found on disk at start into the tree as cached disk blocks. Each entry is
+        (disk slot, hash, parent hash or None for a root child, tokens, salt digest, priority), parents
+        before children. Call it before any other change. Skips an entry whose slot is out of range or
+        taken, whose hash is in the tree already, or whose parent is not; returns the slots restored
+        (later entries count as more recently used)."""
+        base = self.num_slots[P] + self.num_slots[S]
+        restored = []
+        for slot, block_hash, parent_hash, tokens, salt_dig, priority in entries:
+            parent = None if parent_hash is None else self.tree.by_hash.get(parent_hash)
+            if not 0 <= slot < self.num_slots[D] or block_hash in self.tree.by_hash or \
+                    (parent_hash is not None and parent is None):
+                continue
+            b = self.blocks[base + slot]
+            assert b.level is D and b.slot == slot and b.hash is None, b  # untouched since construction
+            self.tree.add(b, block_hash, parent, tokens, salt_dig)
+            self.events.append((STORED, block_hash, D))
+            if parent is not None:
+                parent.children[b.id] = b
+            self.clock += 1
+            b.priority, b.tick = priority, self.clock
+            restored.append(slot)
+        self.free[D].clear()
+        self.free[D].extend(b for b in self.blocks[base:] if b.hash is None)
+        for b in self.blocks[base:]:
+            self._maybe_queue(b)
+        return restored
 
     # ---- internals
     def _became_used(self, b: Block) -> None:
@@ -194,63 +260,70 @@ class BlockManager:
                 b.busy_children += 1 if busy else -1
 
     def _maybe_queue(self, b: Block) -> None:
-        if _primary_candidate(b):
-            self.queues[P].push(b)
-        elif _secondary_candidate(b):
-            self.queues[S].push(b)
+        if CANDIDATES[b.level](b):
+            self.queues[b.level].push(b)
 
-    def _take_primary(self) -> Block:
-        if not self.free[P]:
-            self._evict_primary()
-        return self.free[P].popleft()
-
-    def _evict_primary(self) -> None:
-        victim = self.queues[P].pop(_primary_candidate)
-        if victim is None:
+    def _primary_room(self) -> None:
+        if not self._make_room(P):
             raise KVCacheError("internal: no evictable primary block although the capacity check passed")
+
+    def _make_room(self, level: Level) -> bool:
+        """True when `level` has a free block, after evicting one of its candidates if it had none:
+        the victim moves one level down if its priority allows and that level has room (made the
+        same way), else it is dropped. False when the level has no free block and no candidate."""
+        if self.free[level]:
+            return True
+        victim = self.queues[level].pop(CANDIDATES[level])
+        if victim is None:
+            return False
         self.evictions += 1
-        if victim.priority >= self.offload_min_priority and self._secondary_room():
-            self._offload(victim)
+        below = level + 1
+        if below < len(Level) and victim.priority >= self.offload_min_priority and self._make_room(Level(below)):
+            self._move(victim, Level(below))
         else:
             self._drop(victim)
-
-    def _secondary_room(self) -> bool:
-        """True when a secondary block is free, or one could be freed by evicting a secondary leaf."""
-        if self.free[S]:
-            return True
-        if self.num_slots[S] == 0:
-            return False
-        leaf = self.queues[S].pop(_secondary_candidate)
-        if leaf is None:
-            return False
-        self.evictions += 1
-        self._drop(leaf)
         return True
 
-    def _offload(self, b: Block) -> None:
-        spare = self.free[S].popleft()
-        self._swap_slots(b, spare)
-        self.free[P].append(spare)
-        self.offloads += 1
-        self.events.append((MOVED, b.hash, S))
-        self.num_reclaimable -= 1  # b was a non-busy primary tree block
-        parent = b.parent
+    def _move(self, b: Block, level: Level) -> None:
+        """Move cached block b to a free block's slot of the neighbouring `level` (the caller made
+        room there); the free block takes b's slot. Parent counters, queues and events follow."""
+        old, parent = b.level, b.parent
+        if old is P:
+            self.num_reclaimable -= 1  # b was a non-busy primary tree block (an eviction victim)
+        self._swap_slots(b, self.free[level].popleft())
+        self.moved[old, level] += 1
+        self.events.append((MOVED, b.hash, level))
+        if level is P and not b.busy:
+            self.num_reclaimable += 1
         if parent is not None:
-            parent.primary_children -= 1
+            self._count_child(parent, old, -1)
+            self._count_child(parent, level, 1)
             self._maybe_queue(parent)
         self._maybe_queue(b)
 
+    @staticmethod
+    def _count_child(parent: Block, level: Level, delta: int) -> None:
+        if level is P:
+            parent.primary_children += delta
+        elif level is S:
+            parent.secondary_children += delta
+
     def _swap_slots(self, b: Block, spare: Block) -> None:
-        """b takes spare's (level, slot) and spare takes b's; b's data is copied across."""
+        """b takes free block spare's (level, slot) and spare takes b's, back in its new level's free
+        list; b's data is copied across."""
         self.copies.append(CopyOp(b.level, b.slot, spare.level, spare.slot))
-        self.copied[b.level, spare.level] += 1
+        if (b.level, spare.level) in self.copied:
+            self.copied[b.level, spare.level] += 1
         b.level, spare.level = spare.level, b.level
         b.slot, spare.slot = spare.slot, b.slot
+        self.owners[b.level][b.slot] = b
+        self.owners[spare.level][spare.slot] = spare
+        self.free[spare.level].append(spare)
 
     def _drop(self, b: Block) -> None:
-        """Remove cached block b and its (necessarily secondary, unreferenced) subtree; free them."""
+        """Remove cached block b and its subtree (farther from the GPU, unreferenced); free them."""
         for child in list(b.children.values()):
-            assert child.level is S and child.holds == 0, child
+            assert child.level is not P and child.holds == 0, child
             self.evictions += 1
             self._drop(child)
         self._detach(b)
@@ -265,8 +338,7 @@ class BlockManager:
         self.tree.remove(b)
         if parent is not None:
             del parent.children[b.id]
-            if b.level is P:
-                parent.primary_children -= 1
+            self._count_child(parent, b.level, -1)
             self._maybe_queue(parent)
 
     def _free(self, b: Block) -> None:

@@ -14,6 +14,22 @@ DEFAULT_GPU_FRACTION = 0.9  # TensorRT-LLM's default free_gpu_memory_fraction
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
+class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`kv_cache_config.disk`: a third level behind the host pool (kvcache/disk_store.py). Blocks the
+    host pool evicts (at or above secondary_offload_min_priority) are written to `path`, one file per
+    block; a prompt that hits them reads them back (disk -> host -> primary). The directory outlives
+    the server: a server of the same model, KV layout and deployment token finds its blocks again."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1)]  # a directory, created if missing; one per server
+    max_bytes: Positive  # KV bytes the tier holds (block files add a small header each)
+    # bytes of offloaded blocks waiting for their write; an offload beyond it drops the block
+    # instead (the engine never waits for the disk)
+    write_queue_bytes: Positive = 256 << 20
+    read_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8  # files read and checked at once on a hit
+    write_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    io_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # one hit's reads; the writes' flush at close
+
+
 class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Paged KV cache settings. Capacities are per window group (VSWA: one group per window size)."""
 
@@ -29,8 +45,12 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # evicted blocks with priority >= this are offloaded
     secondary_offload_min_priority: Annotated[int, msgspec.Meta(ge=0, le=100)] = 35
     onboard_blocks: bool = True  # reuse host-cached blocks (onboard them); False: host blocks never match
+    disk: DiskTierConfig | None = None  # a disk tier behind the host pool; None: none
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
             raise ValueError(f"max_tokens: {self.max_tokens} is below one block "
                              f"(tokens_per_block={self.tokens_per_block})")
+        if self.disk is not None and self.host_cache_size == 0:
+            raise ValueError("disk: needs a host pool (host_cache_size > 0): the disk tier takes the "
+                             "blocks the host pool evicts, and hands blocks back through it")

@@ -30,12 +30,27 @@ def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
     return 8 * layout.max_seq_len
 
 
+def level_sizes(config: KvCacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
+    """Blocks per window group at each level: primary (primary_tokens), secondary (host_cache_size)
+    and disk (disk.max_bytes), the last two over the bytes of one block of every layer."""
+    tpb, block_bytes = config.tokens_per_block, config.tokens_per_block * layout.bytes_per_token()
+    num_secondary = config.host_cache_size // block_bytes
+    if config.host_cache_size and not num_secondary:  # TensorRT-LLM #2225: silently no host pool
+        raise ValueError(f"kv_cache_config.host_cache_size={config.host_cache_size}: holds no block "
+                         f"(one block of every layer is {block_bytes} bytes)")
+    num_disk = config.disk.max_bytes // block_bytes if config.disk is not None else 0
+    if config.disk is not None and not num_disk:
+        raise ValueError(f"kv_cache_config.disk.max_bytes={config.disk.max_bytes}: holds no block "
+                         f"(one block of every layer is {block_bytes} bytes)")
+    return primary_tokens(config, layout) // tpb, num_secondary, num_disk
+
+
 class WindowGroup:
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, window: int, num_primary: int,
-                 num_secondary: int) -> None:
+                 num_secondary: int, num_disk: int = 0) -> None:
         self.window = window
         self.layers = tuple(i for i, w in enumerate(layout.layer_windows) if w == window)  # ascending
-        self.bm = BlockManager(num_primary, num_secondary,
+        self.bm = BlockManager(num_primary, num_secondary, num_disk,
                                offload_min_priority=config.secondary_offload_min_priority)
         self.pools = GroupPools(layout, config.tokens_per_block, len(self.layers), num_primary, num_secondary)
 
@@ -48,8 +63,12 @@ class WindowGroup:
         s.bytes_offloaded += bm.copied[Level.PRIMARY, Level.SECONDARY] * slot_bytes
         s.bytes_onboarded += bm.copied[Level.SECONDARY, Level.PRIMARY] * slot_bytes
         s.bytes_copied_primary += bm.copied[Level.PRIMARY, Level.PRIMARY] * slot_bytes
-        in_use = (bm.num_in_use, 0)  # in-use blocks are always primary
+        s.disk_offloads += bm.moved[Level.SECONDARY, Level.DISK]
+        s.disk_onboards += bm.moved[Level.DISK, Level.SECONDARY]
+        in_use = (bm.num_in_use, 0, 0)  # in-use blocks are always primary
         for level in Level:
+            if level is Level.DISK and not bm.num_slots[level]:
+                continue
             free = len(bm.free[level])
             name = level.name.lower()
             s.blocks[self.window, name, "free"] = free

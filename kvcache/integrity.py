@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvcache.block import Block, Level
-from kvcache.block_manager import BlockManager, _primary_candidate, _secondary_candidate
+from kvcache.block_manager import CANDIDATES, BlockManager
 from kvcache.errors import KVCacheError
 
 
@@ -21,6 +21,9 @@ def check_block_manager(bm: BlockManager, label: str) -> None:
         slots = sorted(b.slot for b in bm.blocks if b.level is level)
         if slots != list(range(bm.num_slots[level])):
             fail(f"{level.name} slots are not a permutation of 0..{bm.num_slots[level] - 1}: {slots}")
+        stray = [(slot, b.id) for slot, b in enumerate(bm.owners[level]) if (b.level, b.slot) != (level, slot)]
+        if stray:
+            fail(f"{level.name} slot owners are stale: (slot, block) {stray}")
         free = bm.free[level]
         if len({b.id for b in free}) != len(free) or any(b.level is not level for b in free):
             fail(f"{level.name} free list has duplicates or blocks of another level")
@@ -59,7 +62,7 @@ def check_accounting(bm: BlockManager, label: str, request_blocks: list[list[Blo
     refs = sum(b is not None for blocks in request_blocks for b in blocks)
     if refs != bm.num_refs:
         raise KVCacheError(f"{label}: blocks count {bm.num_refs} request references, live requests hold {refs}")
-    (num_p, num_s), free_p, free_s = bm.num_slots, len(bm.free[Level.PRIMARY]), len(bm.free[Level.SECONDARY])
+    (num_p, num_s, num_d), (free_p, free_s, free_d) = bm.num_slots, (len(f) for f in bm.free)
     in_use = bm.num_in_use
     problems = [
         (bm.num_pins < 0, f"num_pins={bm.num_pins} is negative"),
@@ -67,8 +70,10 @@ def check_accounting(bm: BlockManager, label: str, request_blocks: list[list[Blo
          f"num_in_use={in_use} outside [0, refs {bm.num_refs} + pins {bm.num_pins}]"),
         (free_p + in_use > num_p, f"primary: {free_p} free + {in_use} in use > {num_p} slots"),
         (free_s > num_s, f"secondary: {free_s} free > {num_s} slots"),
-        (len(bm.tree) > num_p + num_s - free_p - free_s,
-         f"the reuse tree holds {len(bm.tree)} blocks but only {num_p + num_s - free_p - free_s} are not free"),
+        (free_d > num_d, f"disk: {free_d} free > {num_d} slots"),
+        (len(bm.tree) > num_p + num_s + num_d - free_p - free_s - free_d,
+         f"the reuse tree holds {len(bm.tree)} blocks but only "
+         f"{num_p + num_s + num_d - free_p - free_s - free_d} are not free"),
         (not 0 <= bm.num_reclaimable <= num_p - free_p - in_use,
          f"num_reclaimable={bm.num_reclaimable} outside [0, cached primary {num_p - free_p - in_use}]"),
     ]
@@ -101,22 +106,26 @@ def _check_tree_links(bm: BlockManager, b: Block, fail) -> None:
     if p is not None:
         if p.hash is None or p.children.get(b.id) is not b:
             fail(f"block {b.id}'s parent {p.id} is not in the tree or does not list it")
-        if b.level is Level.PRIMARY and p.level is not Level.PRIMARY:
-            fail(f"primary block {b.id} has a {p.level.name} parent {p.id} (not prefix-closed)")
+        if b.level < p.level:
+            fail(f"{b.level.name.lower()} block {b.id} has a {p.level.name} parent {p.id} (levels go back "
+                 f"up the tree)")
     for c in b.children.values():
         if c.parent is not b:
             fail(f"block {b.id} lists child {c.id} whose parent is another block")
     primary_children = sum(c.level is Level.PRIMARY for c in b.children.values())
+    secondary_children = sum(c.level is Level.SECONDARY for c in b.children.values())
     busy_children = sum(c.busy for c in b.children.values())
     if (primary_children, busy_children) != (b.primary_children, b.busy_children):
         fail(f"block {b.id} counts {b.primary_children} primary / {b.busy_children} busy children, "
              f"has {primary_children} / {busy_children}")
+    if secondary_children != b.secondary_children:
+        fail(f"block {b.id} counts {b.secondary_children} secondary children, has {secondary_children}")
     if b.busy != (b.in_use or busy_children > 0):
         fail(f"block {b.id} busy={b.busy} is stale")
 
 
 def _check_queues(bm: BlockManager, fail) -> None:
-    for level, is_candidate in ((Level.PRIMARY, _primary_candidate), (Level.SECONDARY, _secondary_candidate)):
+    for level, is_candidate in zip(Level, CANDIDATES, strict=True):
         live = bm.queues[level].live_entries()
         missing = [b.id for b in bm.blocks if is_candidate(b) and b.id not in live]
         if missing:

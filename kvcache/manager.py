@@ -15,15 +15,17 @@ from typing import TypeVar
 
 import torch
 
+from kvcache import events
 from kvcache.admission import check_capacity, execute_plan, make_primary
-from kvcache.block import CopyOp, Level
+from kvcache.block import Block, CopyOp, Level
 from kvcache.config import KvCacheConfig
+from kvcache.disk_tier import DiskTier, NoDiskTier
 from kvcache.errors import KVCacheError
-from kvcache.group import WindowGroup, primary_tokens
+from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
 from kvcache.layout import CacheLayout
-from kvcache.matching import NoReuse, PrefixReuse
+from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse
 from kvcache.requests import RequestState
 from kvcache.stats import KVCacheStats
 
@@ -44,32 +46,34 @@ def _flushes(method: T) -> T:
                     for observer in self._copy_observers:
                         observer(g.window, list(g.bm.copies))
                     g.bm.copies.clear()
+                self._disk.after_flush(g)
 
     return wrapper  # type: ignore[return-value]
 
 
 class KVCacheManager:
-    """Paged KV cache of one model: pools, block reuse, host offload, id -> slot translation.
+    """Paged KV cache of one model: pools, block reuse, host and disk offload, id -> slot translation.
 
     Capacity per window group: config.max_tokens // tpb primary slots (None: a fraction of free GPU
-    memory on CUDA, 8 * max_seq_len tokens on CPU) and host_cache_size // bytes_per_token(all layers)
-    // tpb secondary slots. `salt` is the hashing namespace (model fingerprint); a request's own
-    salt refines it (see kvcache.request_salt), so cached blocks are shared only within a namespace.
-    Block ids are per window group; -1 in a block list means "released" (out of the window).
+    memory on CUDA, 8 * max_seq_len tokens on CPU), host_cache_size // bytes_per_token(all layers)
+    // tpb secondary slots and disk.max_bytes // the same disk slots (kvcache.group.level_sizes).
+    `salt` is the hashing namespace (model fingerprint); a request's own salt refines it (see
+    kvcache.request_salt), so cached blocks are shared only within a namespace. `disk_key` seals the
+    disk tier's files (derive it from the deployment token). Block ids are per window group; -1 in a
+    block list means "released" (out of the window). Call `close` at the end (the disk tier's writes).
     """
 
-    def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "") -> None:
+    def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "", disk_key: bytes = b"") -> None:
         self.config = config
         self.layout = layout
         self.salt = salt
         self.tokens_per_block = tpb = config.tokens_per_block
         self.window_sizes: tuple[int, ...] = tuple(sorted(set(layout.layer_windows)))
-        num_primary = primary_tokens(config, layout) // tpb
-        num_secondary = config.host_cache_size // layout.bytes_per_token() // tpb
-        if config.host_cache_size and not num_secondary:  # TensorRT-LLM #2225: silently no host pool
-            raise ValueError(f"kv_cache_config.host_cache_size={config.host_cache_size}: holds no block "
-                             f"(one block of every layer is {tpb * layout.bytes_per_token()} bytes)")
-        self._groups = [WindowGroup(config, layout, w, num_primary, num_secondary) for w in self.window_sizes]
+        sizes = level_sizes(config, layout)
+        self._groups = [WindowGroup(config, layout, w, *sizes) for w in self.window_sizes]
+        self._disk: DiskTier | NoDiskTier = NoDiskTier()
+        if config.disk is not None:
+            self._disk = DiskTier.open(config, layout, salt, disk_key, self._groups)
         self._by_window = {g.window: g for g in self._groups}
         self._layer_group = {layer: g for g in self._groups for layer in g.layers}
         self._policy: PrefixReuse | NoReuse = NoReuse()
@@ -150,17 +154,31 @@ class KVCacheManager:
         req = RequestState(request_id, salt_digest(request_salt(self.salt, salt)), priority,
                            [[] for _ in range(n)], committed=[0] * n, commit_stopped=[False] * n,
                            released_upto=[0] * n)
-        plan = self._policy.plan(req, [g.bm for g in self._groups], token_ids, max(cap, 0),
-                                 -(-n_tok // self.tokens_per_block), partial_only_if_complete)
-        take_over = self._policy.take_over
-        check_capacity(f"request {request_id!r}", [(g.bm, g.window, gp.primary_needed(take_over), gp.keep())
-                                                   for g, gp in zip(self._groups, plan.groups, strict=True)])
+        plan = self._plan(req, token_ids, max(cap, 0), -(-n_tok // self.tokens_per_block), partial_only_if_complete)
         for i, (g, gp) in enumerate(zip(self._groups, plan.groups, strict=True)):
             req.blocks[i] = execute_plan(g.bm, gp, priority, take_over=self._policy.take_over)
         self._requests[request_id] = req
         self._query_tokens += len(token_ids)
         self._hit_tokens += plan.hit_tokens
         return plan.hit_tokens
+
+    def _plan(self, req: RequestState, token_ids: Sequence[int], cap: int, total_blocks: int,
+              partial_only_if_complete: bool) -> AdmitPlan:
+        """The checked admission plan. Its disk blocks' files are read and checked first (when the
+        capacity allows the plan); one that fails is dropped, and the request is planned again."""
+        bms = [g.bm for g in self._groups]
+        plan = self._policy.plan(req, bms, token_ids, cap, total_blocks, partial_only_if_complete)
+        self._check_plan_capacity(req.request_id, plan)
+        disk = [(g, gp.disk_blocks()) for g, gp in zip(self._groups, plan.groups, strict=True)]
+        if any(blocks for _, blocks in disk) and self._disk.check(disk):
+            plan = self._policy.plan(req, bms, token_ids, cap, total_blocks, partial_only_if_complete)
+            self._check_plan_capacity(req.request_id, plan)
+        return plan
+
+    def _check_plan_capacity(self, request_id: str, plan: AdmitPlan) -> None:
+        take_over = self._policy.take_over
+        check_capacity(f"request {request_id!r}", [(g.bm, g.window, gp.primary_needed(take_over), gp.keep())
+                                                   for g, gp in zip(self._groups, plan.groups, strict=True)])
 
     @_flushes
     def extend(self, request_id: str, num_tokens: int) -> None:
@@ -231,7 +249,7 @@ class KVCacheManager:
     def pin_blocks(self, block_ids: Sequence[int], window: int) -> None:
         """Pin blocks (onboarding any that are not primary); a pinned block is never evicted."""
         g = self._resolve(window)
-        blocks = [g.bm.get(i) for i in block_ids if i != -1]  # -1: a released (out-of-window) block
+        blocks = self._onboardable(g, block_ids)
         make_primary(g.bm, g.window, blocks)
         for b in blocks:
             g.bm.pin(b)
@@ -268,7 +286,14 @@ class KVCacheManager:
     def ensure_primary(self, block_ids: Sequence[int], window_size: int | None = None) -> None:
         """Onboard (batched) every listed block not in the primary pool. Pin them to keep them there."""
         g = self._resolve(window_size)
-        make_primary(g.bm, g.window, [g.bm.get(i) for i in block_ids if i != -1])
+        make_primary(g.bm, g.window, self._onboardable(g, block_ids))
+
+    def _onboardable(self, g: WindowGroup, block_ids: Sequence[int]) -> list[Block]:
+        """The listed blocks (-1: a released, out-of-window block, skipped), the files of those that
+        come up from disk checked (kvcache/disk_tier.py `before_onboard`)."""
+        blocks = [g.bm.get(i) for i in block_ids if i != -1]
+        self._disk.before_onboard(g, blocks)
+        return blocks
 
     def cached_block_hashes(self, window: int | None = None) -> list[bytes]:
         """Hashes of the blocks in the group's reuse tree, any level (default: the largest window)."""
@@ -277,30 +302,16 @@ class KVCacheManager:
 
     def cached_blocks(self) -> dict[int, dict[Level, list[bytes]]]:
         """Window -> level -> hashes of the reuse tree's blocks there (a KV events snapshot; O(blocks))."""
-        out: dict[int, dict[Level, list[bytes]]] = {}
-        for g in self._groups:
-            levels: dict[Level, list[bytes]] = {level: [] for level in Level}
-            for block_hash, b in g.bm.tree.by_hash.items():
-                levels[b.level].append(block_hash)
-            out[g.window] = levels
-        return out
+        return events.snapshot(self._groups)
 
     # ---- KV events (kvcache/events.py)
     def enable_events(self) -> None:
         """From now on record every reuse-tree change; drain them with `drain_events` (else they pile up)."""
-        for g in self._groups:
-            if not isinstance(g.bm.events, list):
-                g.bm.events = []
+        events.enable(self._groups)
 
     def drain_events(self) -> list[tuple[int, int, bytes, int]]:
         """(window, kind, block hash, level) of every change since the last drain, in order per window."""
-        out: list[tuple[int, int, bytes, int]] = []
-        for g in self._groups:
-            events = g.bm.events
-            if isinstance(events, list) and events:
-                out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in events]
-                events.clear()
-        return out
+        return events.drain(self._groups)
 
     # ---- checks and counters
     def check_integrity(self) -> None:
@@ -314,6 +325,10 @@ class KVCacheManager:
         counted equal those live requests hold, and pool counters add up. For periodic health checks."""
         for i, g in enumerate(self._groups):
             check_accounting(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
+
+    def close(self) -> None:
+        """Let the disk tier's queued writes land (bounded by disk.io_timeout_s) and stop its threads."""
+        self._disk.close()
 
     def request_ids(self) -> list[str]:
         """Requests admitted and not yet released."""
@@ -331,6 +346,7 @@ class KVCacheManager:
         s = KVCacheStats(prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens)
         for g in self._groups:
             g.add_stats(s)
+        self._disk.add_stats(s)
         return s
 
     # ---- internals

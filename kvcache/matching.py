@@ -18,16 +18,19 @@ from kvcache.requests import RequestState
 
 @dataclass
 class GroupPlan:
-    chain: list[Block]  # reused full blocks in token order (a primary prefix, then secondary ones)
+    chain: list[Block]  # reused full blocks in token order (a primary prefix, then secondary, then disk)
     partial: Block | None  # source block of the partially reused block (copied, or taken over)
     new_blocks: int  # blocks to allocate (a partial-copy destination included)
 
     def primary_needed(self, take_over: bool) -> int:
-        """Primary slots this plan consumes: new blocks plus onboarded secondary blocks."""
-        onboards = sum(b.level is Level.SECONDARY for b in self.chain)
+        """Primary slots this plan consumes: new blocks plus onboarded secondary and disk blocks."""
+        onboards = sum(b.level is not Level.PRIMARY for b in self.chain)
         if take_over and self.partial is not None and self.partial.level is Level.SECONDARY:
             onboards += 1
         return self.new_blocks + onboards
+
+    def disk_blocks(self) -> list[Block]:
+        return [b for b in self.chain if b.level is Level.DISK]
 
     def keep(self) -> list[Block]:
         """Primary blocks that must survive the admission (their ancestors are implied)."""
@@ -75,6 +78,9 @@ class PrefixReuse:
         self.partial = partial
         self.take_over = partial and not copy
         self.onboard = onboard
+        self.max_level = Level.DISK if onboard else Level.PRIMARY  # deepest level a full block matches at
+        # a partly matching block is reused from the primary or the host pool, never read from disk
+        self.max_partial_level = min(self.max_level, Level.SECONDARY)
 
     def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
              cap: int, total_blocks: int, partial_only_if_complete: bool = False) -> AdmitPlan:
@@ -83,7 +89,7 @@ class PrefixReuse:
         `cap` (else its tokens would still have to come from elsewhere, and the copy is wasted)."""
         tpb = self.tpb
         req.hashes = chain_hashes(token_ids, tpb, req.salt_digest, 0, ROOT_HASH, len(token_ids) // tpb)
-        full = [bm.tree.match(req.hashes, primary_only=not self.onboard) for bm in bms]
+        full = [bm.tree.match(req.hashes, self.max_level) for bm in bms]
         n = min(min(len(f) for f in full), cap // tpb)
         sources: list[Block | None] = [None] * len(bms)
         k = 0
@@ -105,7 +111,7 @@ class PrefixReuse:
         """The tree block under `parent` sharing the longest token prefix (>= 1) with `tokens`."""
         best: tuple[int, bool, Block] | None = None
         for c in bm.tree.partial_candidates(parent, tokens[0], salt_dig):
-            if not self.onboard and c.level is not Level.PRIMARY:
+            if c.level > self.max_partial_level:
                 continue
             if self.take_over and (c.in_use or c.children):
                 continue

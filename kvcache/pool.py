@@ -12,18 +12,25 @@ run on the current stream; the host<->device DMAs (from/to pinned memory) run on
 one per direction (`_TierStreams`), so an admission that offloads evicted blocks while it onboards
 others moves both at once on the GPU's two copy engines. Order is kept where it matters: a scatter
 waits for its onboard DMA; a DMA waits for the gather that staged it; a DMA that touches a host slot
-another direction's DMA may still be using waits for that one first. The CPU never reads the host
-pool in this path.
+another direction's DMA may still be using waits for that one first.
+
+Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU: before it
+reads or writes host rows, every DMA still using them has finished (`_TierStreams.settle`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from kvcache.block import CopyOp, Level
+from kvcache.disk_pool import DiskSlots
+from kvcache.errors import KVCacheError
 from kvcache.layout import CacheLayout
+
+DMA_WAIT_S = 30.0  # the longest wait for a DMA before the CPU touches its host rows
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -103,6 +110,15 @@ class _TierStreams:
         self.reads.append((event, frozenset(host_slots)))
         return event
 
+    def settle(self, host_slots: list[int]) -> None:
+        """Wait (at most DMA_WAIT_S) until no DMA in flight reads or writes these host slots."""
+        deadline = time.monotonic() + DMA_WAIT_S
+        for event, slots in self.writes + self.reads:
+            while not slots.isdisjoint(host_slots) and not event.query():
+                if time.monotonic() > deadline:
+                    raise KVCacheError(f"a host<->device copy did not finish within {DMA_WAIT_S} s")
+                time.sleep(50e-6)
+
 
 def _prune(pending: list[tuple[torch.cuda.Event, frozenset[int]]]) -> None:
     pending[:] = [(event, slots) for event, slots in pending if not event.query()]
@@ -137,9 +153,11 @@ class GroupPools:
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
         self._rows = (_rows(self.primary), None if self.secondary is None else _rows(self.secondary))
         self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None
+        self.disk: DiskSlots | None = None  # the disk level's files, when there is a disk tier
 
     def pool(self, level: Level) -> torch.Tensor | None:
-        return self.primary if level is Level.PRIMARY else self.secondary
+        """The level's tensor (None: no slots, or the disk level, which is files)."""
+        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary}.get(level)
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
         """Run `ops` with the result of running them one by one, in a few batches (`_batches`)."""
@@ -150,6 +168,9 @@ class GroupPools:
 
     def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int]) -> None:
         """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run)."""
+        if Level.DISK in (src_level, dst_level):
+            self._copy_disk(dst_level, src, dst)
+            return
         src_rows, dst_rows = self._rows[src_level], self._rows[dst_level]
         assert src_rows is not None and dst_rows is not None
         if src_rows.device == dst_rows.device:
@@ -158,6 +179,17 @@ class GroupPools:
             self._copy_to_host(src_rows, dst_rows, src, dst, self._streams)
         else:
             self._copy_to_device(src_rows, dst_rows, src, dst, self._streams)
+
+    def _copy_disk(self, dst_level: Level, src: list[int], dst: list[int]) -> None:
+        """Host rows -> disk slots (dst_level DISK) or disk slots -> host rows, on the CPU."""
+        host = self._rows[Level.SECONDARY]
+        assert self.disk is not None and host is not None
+        if self._streams is not None:
+            self._streams.settle(src if dst_level is Level.DISK else dst)
+        if dst_level is Level.DISK:
+            self.disk.write(host, src, dst)
+        else:
+            self.disk.read(host, src, dst)
 
     @staticmethod
     def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],

@@ -23,14 +23,14 @@ class ReuseTree:
     def __len__(self) -> int:
         return len(self.by_hash)
 
-    def match(self, hashes: Sequence[bytes], primary_only: bool) -> list[Block]:
-        """Blocks of the longest cached prefix of `hashes` (stops at the first secondary block when
-        `primary_only`)."""
+    def match(self, hashes: Sequence[bytes], max_level: Level = Level.DISK) -> list[Block]:
+        """Blocks of the longest cached prefix of `hashes` (stops at the first block beyond
+        `max_level`: levels never go back up along a path)."""
         out: list[Block] = []
         get = self.by_hash.get
         for h in hashes:
             b = get(h)
-            if b is None or (primary_only and b.level is not Level.PRIMARY):
+            if b is None or b.level > max_level:
                 break
             out.append(b)
         return out
@@ -44,6 +44,11 @@ class ReuseTree:
         key = (parent.hash if parent is not None else salt_digest, tokens[0])
         self._by_first.setdefault(key, {})[block.id] = block
         self._key_of[block.id] = key
+
+    def root_salt(self, block: Block) -> bytes:
+        """The salt digest that keys root child `block`'s namespace."""
+        assert block.parent is None, block
+        return self._key_of[block.id][0]
 
     def remove(self, block: Block) -> None:
         key = self._key_of.pop(block.id)

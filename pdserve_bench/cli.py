@@ -16,6 +16,8 @@ import sys
 # Only the chosen subcommand's module is imported: most of them import torch, `report` does not.
 COMMANDS = {
     "sweep": ("pdserve_bench.sweep", "workloads x concurrencies on one or more deployments, repeats interleaved"),
+    "load": ("pdserve_bench.load", "closed- or open-loop load from several client processes, mixed "
+                                   "prefill interference, per-second series"),
     "compare": ("pdserve_bench.compare", "every goal comparison of the engine and disaggregation issues"),
     "report": ("pdserve_bench.report", "records (JSON lines) -> markdown tables and PNG plots"),
     "timeline": ("pdserve_bench.timeline", "per-request start, TTFT, second token and end under load"),

@@ -15,11 +15,14 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import httpx
 
 from pdserve_bench.stats import RequestResult
-from pdserve_bench.workloads import Workload
+
+if TYPE_CHECKING:  # workloads imports transformers; the load client's worker processes must stay light
+    from pdserve_bench.workloads import Workload
 
 REQUEST_TIMEOUT_S = 300.0
 
@@ -31,7 +34,7 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-def _apply_event(result: RequestResult, data: str, now: float) -> None:
+def apply_event(result: RequestResult, data: str, now: float) -> None:
     """Fold one SSE `data:` payload (a completion chunk) into `result`."""
     chunk = json.loads(data)
     if chunk.get("error"):
@@ -57,11 +60,11 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        _apply_event(result, data, time.perf_counter())
+        apply_event(result, data, time.perf_counter())
     result.error = result.error or "stream ended without [DONE]"
 
 
-def _check_lengths(result: RequestResult, max_tokens: int) -> None:
+def check_lengths(result: RequestResult, max_tokens: int) -> None:
     if result.error is None and result.output_tokens != max_tokens:
         result.error = f"completion_tokens {result.output_tokens} != max_tokens {max_tokens} (no usage?)"
 
@@ -82,7 +85,7 @@ async def stream_completion(
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter()
-    _check_lengths(result, max_tokens)
+    check_lengths(result, max_tokens)
     return result
 
 

@@ -76,19 +76,24 @@ def process_table() -> dict[int, tuple[int, int]]:
     return table
 
 
-def tree_cpu_ticks(table: dict[int, tuple[int, int]], root: int) -> int:
-    """CPU ticks of `root` and all its live descendants (the launcher starts each server in its own
+def descendants(table: dict[int, tuple[int, int]], root: int) -> list[int]:
+    """`root` (when alive) and all its live descendants (the launcher starts each server in its own
     session, so a process group would miss them)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [root]
+    found, todo = [], [root]
     while todo:
         pid = todo.pop()
         if pid in table:
-            total += table[pid][1]
+            found.append(pid)
             todo += children.get(pid, [])
-    return total
+    return found
+
+
+def tree_cpu_ticks(table: dict[int, tuple[int, int]], root: int) -> int:
+    """CPU ticks of `root` and all its live descendants."""
+    return sum(table[pid][1] for pid in descendants(table, root))
 
 
 def tree_cpu_s(root: int) -> float:

@@ -38,10 +38,15 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=3
                 rope_theta=500000.0)
 
 
-def build_model(out: Path, layers: int) -> Path:
-    """Random bfloat16 weights with 8B shapes (written shard by shard from the GPU)."""
+def build_model(out: Path, layers: int, text_tokens: int | None = None) -> Path:
+    """Random bfloat16 weights with 8B shapes (written shard by shard from the GPU).
+
+    With `text_tokens` (e.g. 512, the tiny tokenizer's size), the lm_head rows of every id at or
+    above it and of the tokenizer's special ids are zero, so greedy decoding always picks a token
+    that decodes to text and a streamed answer carries text for every token (SSE sends text only).
+    Without it, argmax lands anywhere in the 128,256 ids (most decode to nothing): as before."""
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from transformers import AutoTokenizer, LlamaConfig
 
     from server.models.builtin import resolve_model
 
@@ -62,8 +67,12 @@ def build_model(out: Path, layers: int) -> Path:
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02).cpu()
 
+    lm_head = rnd(v, h)
+    if text_tokens is not None:
+        lm_head[text_tokens:] = 0  # logit 0 never wins against ~500 random logits of either sign
+        lm_head[AutoTokenizer.from_pretrained(out).all_special_ids] = 0
     save_file({"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-               "lm_head.weight": rnd(v, h)}, out / "model-00000.safetensors")
+               "lm_head.weight": lm_head}, out / "model-00000.safetensors")
     for layer in range(layers):
         p = f"model.layers.{layer}."
         save_file({p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),

@@ -3,7 +3,8 @@
 A deployment YAML (configs/aggregated.yaml or configs/disagg.yaml) is copied into a temporary
 folder with free loopback ports and the requested `enable_block_reuse`, then run as
 `python -m server.cli serve --config X` (no server lists: aggregated) or `... launch X`
-(context/generation servers behind the router). The child gets its own process group; stopping
+(context/generation servers behind the router; with `launcher=True` an aggregated one too, so that
+`pdserve launch` supervises and restarts it). The child gets its own process group; stopping
 sends SIGINT to the child (the launcher forwards it), then SIGTERM and SIGKILL to that group.
 With `profile=PATH`, py-spy samples the server and all its children from health until stop and
 writes collapsed stacks to PATH (summarize them with `pdserve-bench profile`).
@@ -26,12 +27,14 @@ from typing import Any
 
 import yaml
 
+from pdserve_bench.cpu import PROC, descendants, process_table
 from server.deploy.launcher import wait_for_health
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 _SERVER_LISTS = ("context_servers", "generation_servers")
+LAUNCHER_READY = "[pdserve launch] ready: "  # server/deploy/launcher.py prints it, then supervises
 
 
 def free_ports(count: int) -> list[int]:
@@ -88,13 +91,16 @@ class ServerUnderTest:
     """`with ServerUnderTest(Path("configs/aggregated.yaml"), reuse=True) as url:` -> base URL.
 
     `overrides` are merged into the YAML (e.g. a model, pool sizes); `deployment` is then the
-    configuration that was started (its servers: `server_urls`)."""
+    configuration that was started (its servers: `server_urls`); `startup_s` the seconds from the
+    start to a healthy deployment."""
 
     def __init__(self, config: Path, *, reuse: bool = True, profile: Path | None = None,
                  env: Mapping[str, str] | None = None, health_timeout_s: float = HEALTH_TIMEOUT_S,
-                 overrides: Mapping[str, Any] | None = None):
+                 overrides: Mapping[str, Any] | None = None, launcher: bool = False):
         self.config = config
         self.reuse = reuse
+        self.launcher = launcher
+        self.startup_s = float("nan")
         self.overrides = overrides or {}
         self.deployment: dict[str, Any] = {}
         self.env = {**os.environ, **(env or {})}  # e.g. OMP_NUM_THREADS for the servers only
@@ -119,14 +125,18 @@ class ServerUnderTest:
         deployment = self.deployment = bench_deployment(base, self.reuse)
         path = self.workdir / self.config.name
         path.write_text(yaml.safe_dump(deployment, sort_keys=False))
-        verb = ["launch", str(path)] if is_disaggregated(deployment) else ["serve", "--config", str(path)]
+        launched = self.launcher or is_disaggregated(deployment)
+        verb = ["launch", str(path), "--log-dir", str(self.workdir / "logs")] if launched else \
+            ["serve", "--config", str(path)]
         self.url = f"http://127.0.0.1:{deployment['port']}"
+        started = time.perf_counter()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *verb], cwd=REPO,
                                          env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         try:
             self._wait_healthy()
+            self.startup_s = time.perf_counter() - started
             if self.profile is not None:
                 self.profiler = start_py_spy(self.proc.pid, self.profile)
         except BaseException:
@@ -139,11 +149,23 @@ class ServerUnderTest:
 
     def _wait_healthy(self) -> None:
         alive = lambda: self.proc is None or self.proc.poll() is None
-        if wait_for_health(self.url, self.health_timeout_s, alive):
+        deadline = time.monotonic() + self.health_timeout_s
+        if wait_for_health(self.url, self.health_timeout_s, alive) and self._launcher_ready(deadline, alive):
             return
         if not alive():
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
         raise TimeoutError(f"{self.url}/health not 200 after {self.health_timeout_s} s:\n{self.log_tail()}")
+
+    def _launcher_ready(self, deadline: float, alive) -> bool:
+        """A launcher prints its ready line after its own checks, and supervises only from then on
+        (a server that dies before is a failed launch, not a restart); `serve` has no such line."""
+        if "launch" not in self.proc.args:
+            return True
+        while alive() and time.monotonic() < deadline:
+            if LAUNCHER_READY in self.log_path.read_text(errors="replace"):
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop(self) -> None:
         """SIGINT, then SIGTERM, then SIGKILL to the child's process group; each step waits."""
@@ -167,6 +189,20 @@ class ServerUnderTest:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def server_pid(root_pid: int, server: str) -> int:
+    """The pid of `pdserve serve ... --server SERVER` among the live descendants of `root_pid` (a
+    launcher started by `ServerUnderTest`); LookupError when there is none (e.g. it is restarting)."""
+    table = process_table()
+    for pid in descendants(table, root_pid):
+        try:
+            argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and b"--server" in argv and server.encode() in argv:
+            return pid
+    raise LookupError(f"no live server {server!r} under process {root_pid}")
 
 
 def _signal_group(pid: int, sig: signal.Signals, *, whole_group: bool) -> None:

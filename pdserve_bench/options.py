@@ -60,16 +60,26 @@ def add_serving(parser: argparse.ArgumentParser, *, concurrency: list[int] | Non
     group.add_argument("--user-len", type=int, default=128, help="multi-turn: new user tokens per turn")
     group.add_argument("--turn-output-len", type=int, default=32, help="multi-turn: tokens per answer")
     group.add_argument("--scale", default="1", help="grid: lengths times this, e.g. 1/16 on a CPU (default 1)")
-    slo = parser.add_argument_group("goodput SLO")
-    slo.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target (default 2000)")
-    slo.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT target (default 50)")
+    add_slo(parser)
     machine = parser.add_argument_group("machine")
     machine.add_argument("--quiet-max-busy", type=float, default=0.25,
                          help="before each figure run, wait until other work uses less than this share "
                               "of the CPUs (1 disables the wait)")
     machine.add_argument("--quiet-timeout", type=float, default=60.0, help="longest wait, seconds")
-    machine.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                         help="environment for the started servers only, e.g. OMP_NUM_THREADS=1 (repeatable)")
+    add_server_env(machine)
+
+
+def add_slo(parser: argparse.ArgumentParser) -> None:
+    """--slo-ttft-ms / --slo-tpot-ms: the latency target goodput counts within."""
+    slo = parser.add_argument_group("goodput SLO")
+    slo.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target (default 2000)")
+    slo.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT target (default 50)")
+
+
+def add_server_env(parser) -> None:
+    """--server-env KEY=VALUE (a parser or an argument group)."""
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment for the started servers only, e.g. OMP_NUM_THREADS=1 (repeatable)")
 
 
 def workload_args(args: argparse.Namespace) -> WorkloadArgs:

@@ -134,3 +134,19 @@ def grouped_bars(groups: Mapping[str, Mapping[str, Record]], metrics: Sequence[M
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     return _save(fig, path)
+
+
+def time_series(lines: Sequence[tuple[str, Mapping[str, Sequence[float]]]], title: str, path: Path) -> Path:
+    """Mean TTFT and output tok/s per time bin, one line per (label, series columns `t_s`,
+    `ttft_mean_ms`, `output_tok_s`): a server's first run against its later ones."""
+    fig, axes = _panels(2, title)
+    for ax, (key, label) in zip(axes, (("ttft_mean_ms", "mean TTFT ms"), ("output_tok_s", "output tok/s")),
+                                strict=True):
+        for index, (name, columns) in enumerate(lines):
+            ax.plot(columns["t_s"], columns[key], "-", color=f"C{index % 10}", label=name, linewidth=1.2)
+        ax.set_xlabel("seconds from the run's start")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, path)

@@ -11,6 +11,10 @@ A record is a flat JSON object:
 
 `figures` and `repeats` hold numbers only; NaN (nothing to measure, e.g. TPOT of one-token answers)
 is written as null, so that every line is strict JSON, and read back as NaN.
+
+A record may also hold `series`: one object per repeat, each a set of equally long columns of
+numbers over time (`load`: per-second requests started, mean TTFT, output tok/s). Readers that do
+not know the key ignore it; nulls in it are read back as NaN too.
 """
 
 from __future__ import annotations
@@ -97,11 +101,25 @@ class RunContext:
         return cls(tuple(argv), machine_info(), git_info())
 
 
+Columns = Mapping[str, Sequence[float]]
+
+
+def _columns(series: Columns) -> dict[str, list[float | None]]:
+    return {key: [_jsonable(v) for v in values] for key, values in series.items()}
+
+
+def _columns_from_json(series: Mapping[str, Sequence[float | None]]) -> dict[str, list[float]]:
+    return {key: [math.nan if v is None else v for v in values] for key, values in series.items()}
+
+
 def make_record(context: RunContext, command: str, config: Mapping[str, Any], figures: Mapping[str, float],
-                repeats: Sequence[Mapping[str, float]] = ()) -> dict[str, Any]:
-    return {"schema": SCHEMA, "command": command, "time": context.time, "argv": list(context.argv),
-            "machine": dict(context.machine), "git": dict(context.git), "config": dict(config),
-            "figures": _numbers(figures), "repeats": [_numbers(r) for r in repeats]}
+                repeats: Sequence[Mapping[str, float]] = (), series: Sequence[Columns] = ()) -> dict[str, Any]:
+    record = {"schema": SCHEMA, "command": command, "time": context.time, "argv": list(context.argv),
+              "machine": dict(context.machine), "git": dict(context.git), "config": dict(config),
+              "figures": _numbers(figures), "repeats": [_numbers(r) for r in repeats]}
+    if series:
+        record["series"] = [_columns(s) for s in series]
+    return record
 
 
 def dumps(record: Mapping[str, Any]) -> str:
@@ -124,6 +142,8 @@ def loads(line: str, where: str = "<record>") -> dict[str, Any]:
         raise ValueError(f"{where}: record schema {record['schema']}, this tool reads {SCHEMA}")
     record["figures"] = _from_json(record["figures"])
     record["repeats"] = [_from_json(r) for r in record["repeats"]]
+    if "series" in record:
+        record["series"] = [_columns_from_json(s) for s in record["series"]]
     return record
 
 
@@ -136,8 +156,8 @@ class RecordWriter:
         self.written: list[dict[str, Any]] = []
 
     def write(self, command: str, config: Mapping[str, Any], figures: Mapping[str, float],
-              repeats: Sequence[Mapping[str, float]] = ()) -> dict[str, Any]:
-        record = make_record(self.context, command, config, figures, repeats)
+              repeats: Sequence[Mapping[str, float]] = (), series: Sequence[Columns] = ()) -> dict[str, Any]:
+        record = make_record(self.context, command, config, figures, repeats, series)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as out:

@@ -9,6 +9,8 @@ Serving records (sweep, compare, hf) are grouped by workload; per workload:
 - deployments side by side (e.g. aggregated vs disaggregated), where a workload ran on several;
 - block reuse on vs off, where a deployment ran with both;
 - the length grid: per grid point and concurrency, one bar per target.
+`load` records get their own section (pdserve_bench/load_report.py): the percentile and load tables,
+per figure a per-second time series of every run and, for several targets, bars side by side.
 The markdown holds the percentile tables (TTFT / TPOT / ITL / E2E p50, p90, p99; goodput within
 the SLO the records name), the goal comparisons of `compare` records, one table per other command,
 and links to the PNGs (`report.md`, or `PREFIXreport.md`). Needs matplotlib (`pip install -e '.[bench]'`).
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve_bench.goals import comparisons_of, runs_from_records
+from pdserve_bench.load_report import is_load, load_section
 from pdserve_bench.record import read_records
 from pdserve_bench.tables import comparisons_table, percentile_table
 
@@ -184,7 +187,7 @@ def other_section(records: Sequence[Record]) -> list[str]:
     lines: list[str] = []
     by_command: dict[str, list[Record]] = {}
     for record in records:
-        if not is_serving(record):
+        if not is_serving(record) and not is_load(record):
             by_command.setdefault(record["command"], []).append(record)
     for command, found in by_command.items():
         keys = list(dict.fromkeys(k for r in found for k in r["figures"]))
@@ -196,10 +199,12 @@ def other_section(records: Sequence[Record]) -> list[str]:
 
 
 def markdown(title: str, records: Sequence[Record], families: Mapping[str, Mapping[tuple[str, str], Record]],
-             pngs: Mapping[str, list[Path]]) -> str:
+             pngs: Mapping[str, list[Path]], load_lines: Sequence[str] = ()) -> str:
     lines = [f"# {title}", "", f"{len(records)} records.", "", *provenance(records)]
     if families:
         lines += ["", *serving_section(families, pngs)]
+    if load_lines:
+        lines += ["", *load_lines]
     found = comparisons_of(runs_from_records(records))
     if found:
         lines += ["", "## Goal comparisons (compare)", "", comparisons_table(found)]
@@ -216,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     families = latest_points(records)
     pngs = {name: plot_family(name, points, out, args.prefix) for name, points in families.items()}
+    load_lines, load_pngs = load_section(records, out, args.prefix)
     report = out / f"{args.prefix}{REPORT_FILE}"
-    report.write_text(markdown(args.title, records, families, pngs))
+    report.write_text(markdown(args.title, records, families, pngs, load_lines))
     print(report.read_text())
-    print(f"wrote {report} and {sum(len(p) for p in pngs.values())} PNGs", flush=True)
+    print(f"wrote {report} and {sum(len(p) for p in pngs.values()) + len(load_pngs)} PNGs", flush=True)
     return 0

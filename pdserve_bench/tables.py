@@ -45,7 +45,7 @@ _PERCENTILE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _table(rows: Sequence[tuple[str, Summary]], columns: Sequence[tuple[str, str, str]], first: str) -> str:
+def table(rows: Sequence[tuple[str, Summary]], columns: Sequence[tuple[str, str, str]], first: str) -> str:
     header = [first, *[h for h, _, _ in columns]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, summary in rows:
@@ -56,12 +56,12 @@ def _table(rows: Sequence[tuple[str, Summary]], columns: Sequence[tuple[str, str
 
 def figures_table(rows: Sequence[tuple[str, Summary]]) -> str:
     """A markdown table: one row per (figure name, median summary)."""
-    return _table(rows, _COLUMNS, "figure")
+    return table(rows, _COLUMNS, "figure")
 
 
 def percentile_table(rows: Sequence[tuple[str, Summary]]) -> str:
     """A markdown table of p50/p90/p99 of TTFT, TPOT, ITL and E2E (ms), tok/s and goodput."""
-    return _table(rows, _PERCENTILE_COLUMNS, "target: figure")
+    return table(rows, _PERCENTILE_COLUMNS, "target: figure")
 
 
 @dataclass(frozen=True)

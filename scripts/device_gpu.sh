@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): install the serving wheels carried in .whl
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
-#   MODE: tests | bench | serving | profile | tp | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   MODE: tests | bench | serving | profile | load | disk | tp | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   load (issue 19; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
 #   tp: tensor-parallel figures (scripts/bench_tp_gpu.py; sizes the GPUs allow), not part of `all'.
 set -uo pipefail
 mode="${1:-all}"; shift || true
@@ -23,6 +24,12 @@ if [[ "$mode" == serving || "$mode" == all ]]; then
 fi
 if [[ "$mode" == tp ]]; then
   python3 scripts/bench_tp_gpu.py --workdir /tmp/bench-tp --out "$out/bench_tp_gpu.jsonl" "$@" 2>&1 | tee "$out/bench_tp_gpu.log" | grep -v '^SUMMARY'
+fi
+if [[ "$mode" == load ]]; then
+  python3 scripts/bench_gpu_load.py --workdir /tmp/bench-gpu --out "$out" "$@" 2>&1 | tee "$out/bench_gpu_load.log" | grep -v '^SUMMARY'
+fi
+if [[ "$mode" == disk ]]; then  # not in `all`: it writes ~10 GB to WORKDIR's disk
+  python3 scripts/bench_gpu_disk.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_disk.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_disk.log" | grep -v '^SUMMARY'
 fi
 if [[ "$mode" == profile ]]; then
   python3 scripts/profile_gpu.py --workdir /tmp/bench-gpu "$@" 2>&1 | tee "$out/profile_gpu.log"

@@ -9,6 +9,7 @@ reads its cache index without it. A server with no token refuses those requests 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 TOKEN_HEADER = "x-pdserve-token"
@@ -30,3 +31,10 @@ def missing_token_message(token: str | None, what: str) -> str:
     if not token:
         return f"{what} needs the deployment token, and this server has none configured"
     return f"{what} needs the deployment token (header {TOKEN_HEADER}): missing or wrong"
+
+
+def disk_tier_key(token: str | None) -> bytes:
+    """The key that seals a server's disk-tier files (kv_cache_config.disk): derived from the
+    deployment token, so a deployment with another token neither reads nor poisons them. Without a
+    token the files are checked for damage only, and the directory's permissions guard them."""
+    return hmac.new((token or "").encode(), b"pdserve kv disk tier v1", hashlib.sha256).digest()

@@ -8,13 +8,14 @@ here: these objects cross threads and are turned into JSON.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from server.openai.protocol import DisaggParams, RequestType
 
-__all__ = ["DisaggParams", "EngineClient", "GenerateRequest", "RequestOutput", "RequestType", "SamplingParams"]
+__all__ = ["DisaggParams", "EngineClient", "EngineServer", "GenerateRequest", "LinkState", "RequestOutput",
+           "RequestType", "SamplingParams"]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 DEFAULT_RETENTION_PRIORITY = 35  # TensorRT-LLM's default KV retention priority
@@ -74,7 +75,8 @@ class RequestOutput:
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine (in-process; the engine loop runs in its own thread)."""
+    """What the HTTP layer needs from an engine (its loop runs on a thread of this process, or in a
+    process of its own: server/engineproc/)."""
 
     model_name: str
     max_seq_len: int
@@ -96,3 +98,39 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """A server's KV transceiver as `/health` and the KV routes see it (server/api/readiness.py)."""
+
+    dead: tuple[str, ...] = ()  # socket threads that died: no KV transfer can run
+    peers: dict[str, str] | None = None  # a generation server's handshakes: KV endpoint -> state
+    sender: tuple[str, str] | None = None  # a context server's KV sender: (endpoint, epoch)
+    sender_endpoints: tuple[str, ...] = ()  # a tensor-parallel context server's: every rank's, rank 0's first
+
+
+class EngineServer(EngineClient, Protocol):
+    """What one server's routes and its drain read beyond `EngineClient` (server/deploy/serve.py).
+    Two implementations: the engine thread in this process (`server.engine.async_engine`) and the
+    engine in a child process (`server.engineproc.client`)."""
+
+    load_error: BaseException | None  # the engine could not start (the process exits)
+
+    def health_problem(self) -> str | None:
+        """None while the engine's KV invariants hold; else a sentence naming the broken check."""
+        ...
+
+    def release_lease(self, ctx_request_id: str) -> None:
+        """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
+        ...
+
+    def links(self) -> LinkState: ...
+
+    def idle(self) -> bool:
+        """Nothing left to finish: no request queued or running, no KV lease or pull."""
+        ...
+
+    def probe(self, endpoints: Iterable[str]) -> None:
+        """Generation side: shake hands with these KV senders now (best effort, never blocks)."""
+        ...

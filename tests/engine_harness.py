@@ -23,17 +23,21 @@ _ids = itertools.count()
 
 
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
-              max_num_tokens: int = 256, max_batch_size: int = 16, connector=None) -> EngineCore:
+              max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
+              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch") -> EngineCore:
+    """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns."""
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
     kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, "cpu"),
+    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, device),
                              salt=spec.fingerprint)
-    runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device("cpu"),
-                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size)
+    runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device(device),
+                         max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kernels=kernels,
+                         max_seq_len=max_seq_len)
+    runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
-    return EngineCore(runner, manager, limits, tokenizer, connector=connector)
+    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling)
 
 
 def greedy(max_tokens: int, **extra) -> SamplingParams:
@@ -77,3 +81,38 @@ def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams)
 def blocks_in_use(kv: KVCacheManager) -> int:
     """Blocks referenced by a request or pinned, over every window group and level."""
     return sum(n for (_, _, state), n in kv.stats().blocks.items() if state == "in_use")
+
+
+def check_pipeline(core) -> None:
+    """The async invariants between two steps: a request has at most one pending token, and only
+    from the step in flight; a running one has computed every known token (its pending token is the
+    input of its next row); a queued one has none (one preempted with a pending token got it at the
+    end of that step)."""
+    inflight = core.inflight
+    for request in core.scheduler.running:
+        assert request.num_pending in (0, 1)
+        if request.num_pending:
+            assert inflight is not None and request in inflight.rows
+            assert request.num_computed_tokens == request.num_known_tokens
+    assert all(r.num_pending == 0 for r in core.scheduler.waiting)
+    core.kv.check_accounting()
+
+
+def run_checked(core, ids: list[str], max_steps: int = 5000) -> tuple[dict[str, Result], int]:
+    """`run_to_completion` with `check_pipeline` after every step; also returns how
+    many requests were preempted while their token was on the device."""
+    results = {rid: Result() for rid in ids}
+    preempted_pending = 0
+    for _ in range(max_steps):
+        pending = [r for r in core.scheduler.running if r.num_pending]
+        for output in core.step():
+            result = results.setdefault(output.request_id, Result())
+            assert result.final is None, f"{output.request_id}: output after its last one"
+            result.token_ids += output.new_token_ids
+            result.text += output.new_text
+            result.final = output if output.finished else None
+        check_pipeline(core)
+        preempted_pending += sum(r in core.scheduler.waiting for r in pending)
+        if all(r.final is not None for r in results.values()) and not core.has_work():
+            return results, preempted_pending
+    raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")

@@ -3,8 +3,11 @@
 The sender exports its primary pools once per receiver handshake (`export_pools`, on the engine
 thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
 the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
-copies the sender's slots into its own with `copy_slots`. Both sides compute `slots_checksum`,
-which equals `payload.checksum` of the same bytes, on the GPU.
+copies the sender's slots into its own with `start_copy`. Both sides compute the checksum of
+`payload.checksum` on the GPU, queued on a side stream and read once its event has fired
+(`DeviceSum`), so neither side's thread waits for the device: the sender sums its slots in place
+(`start_checksum`), the receiver sums what it copies as it copies. On CUDA both are single-pass
+Triton kernels (`kernels.py`, imported only here and only for CUDA tensors); CPU tensors take torch.
 
 One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
 shared-memory file of the sender): the receiver that opened it decrements it when it drops its
@@ -31,8 +34,9 @@ from transceiver.payload import pool_rows
 from transceiver.wire import CudaIpcPool, IpcOffer, PeerIdentity
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-BATCH_BYTES = 64 << 20  # bound on the temporary gather buffer of a checksum or copy
+BATCH_BYTES = 64 << 20  # bound on the temporary gather buffer of a checksum or copy (torch path)
 MASK64 = (1 << 64) - 1
+KERNELS_ENV = "PDSERVE_IPC_KERNELS"  # "torch": the gather/scatter path on CUDA too (A/B runs)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,69 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceSum:
+    """A checksum the device is computing on the current stream: `done()` asks without waiting,
+    `value()` reads it once done. It keeps the tensors that work reads or writes alive until then
+    (a dropped mapping of a peer's pool must not be unmapped under a running copy). CPU work is
+    done when this is made."""
+
+    def __init__(self, total: torch.Tensor, keep: tuple[torch.Tensor, ...]) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._device = total.device if total.is_cuda else None
+        self._host = total  # int64 scalar
+        if total.is_cuda:
+            self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+            self._host.copy_(total, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(total.device))
+        self._keep: tuple[torch.Tensor, ...] = (total, *keep)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device it runs on; None for CPU work (done already)."""
+        return self._device
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def value(self) -> int:
+        """The checksum (`payload.checksum`'s value); only once `done()`."""
+        assert self.done(), "the device has not finished this checksum"
+        self._keep = ()
+        return int(self._host.item()) & MASK64
+
+    def synchronize(self) -> None:
+        """Block until done (CUDA: releases the GIL while it waits)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def wait(self) -> int:
+        """Block until done, then `value()`."""
+        self.synchronize()
+        return self.value()
+
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
+        """Work queued on `stream` from now on runs after this (GPU-side; no host wait)."""
+        if self._event is not None and stream is not None:
+            stream.wait_event(self._event)
+
+
+def _kernels():
+    """transceiver/kernels.py, or None (no triton, or PDSERVE_IPC_KERNELS=torch): the torch path."""
+    if os.environ.get(KERNELS_ENV, "triton") == "torch":
+        return None
+    try:
+        from transceiver import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _fused(*tensors: torch.Tensor):
+    """The Triton kernels for CUDA tensors, else None."""
+    return _kernels() if all(t.is_cuda for t in tensors) else None
+
+
 def _index_batches(slots: list[int], slot_bytes: int, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
     """(position in `slots`, slot indices on `device`) in batches of at most BATCH_BYTES."""
     per_batch = max(1, BATCH_BYTES // slot_bytes)
@@ -96,39 +163,72 @@ def _index_batches(slots: list[int], slot_bytes: int, device: torch.device) -> I
         yield start, index[start : start + per_batch]
 
 
-def _weighted_sum(rows: torch.Tensor, first: int) -> torch.Tensor:
-    """sum_b (2 * (first + b) + 1) * S_b, wrapping int64, of `rows` [count, words] (S_b: row b's sum)."""
-    sums = rows.sum(dim=1, dtype=torch.int64)  # [count]
-    weights = 2 * (torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device) + first) + 1
+def _device_index(slots: list[int], device: torch.device) -> torch.Tensor:
+    """`slots` as int64 on `device`; to CUDA from pinned memory without waiting (a copy from pageable
+    memory would first wait for everything queued on the stream)."""
+    index = torch.tensor(slots, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def _weighted(sums: torch.Tensor, first: int) -> torch.Tensor:
+    """sum_b (2 * (first + b) + 1) * sums[b], wrapping int64 (`payload.checksum`'s weights)."""
+    weights = 2 * (torch.arange(sums.shape[0], dtype=torch.int64, device=sums.device) + first) + 1
     return (sums * weights).sum()
 
 
-def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
-    """`payload.checksum` of blocks first, first+1, ... stored in `slots` of `pool`, on its device."""
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    return rows.sum(dim=1, dtype=torch.int64)  # [count]: S_b, wrapping
+
+
+def start_checksum(pool: torch.Tensor, slots: list[int], first: int) -> DeviceSum:
+    """`payload.checksum` of blocks first, first+1, ... stored in `slots` of `pool`, queued on the
+    current stream. CUDA: one pass over the slots where they are (`kernels.slot_sums`)."""
     rows = pool_rows(pool)  # [num_slots, words]
+    kernels = _fused(pool)
+    if kernels is not None:
+        index = _device_index(slots, pool.device)
+        sums = kernels.slot_sums(rows, index)
+        return DeviceSum(_weighted(sums, first), (pool, index, sums))
     slot_bytes = rows.shape[1] * rows.element_size()
     total = torch.zeros((), dtype=torch.int64, device=pool.device)
     for start, index in _index_batches(slots, slot_bytes, pool.device):
-        total += _weighted_sum(rows.index_select(0, index), first + start)
-    return int(total.item()) & MASK64
+        total += _weighted(_row_sums(rows.index_select(0, index)), first + start)
+    return DeviceSum(total, (pool,))
+
+
+def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
+               first: int) -> DeviceSum:
+    """dst[dst_slots[i]] = src[src_slots[i]] (same device, same slot shape), queued on the current
+    stream, and the checksum (`start_checksum`'s) of the rows written, summed from the rows as they
+    were read (not read back). CUDA: one pass (`kernels.copy_slot_sums`); else bounded batches of
+    gather, scatter and sum."""
+    src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # [slots, words]
+    dst_index = _device_index(dst_slots, dst.device)
+    kernels = _fused(src, dst)
+    if kernels is not None:
+        src_index = _device_index(src_slots, src.device)
+        sums = kernels.copy_slot_sums(src_rows, src_index, dst_rows, dst_index)
+        return DeviceSum(_weighted(sums, first), (src, dst, src_index, dst_index, sums))
+    slot_bytes = dst_rows.shape[1] * dst_rows.element_size()
+    total = torch.zeros((), dtype=torch.int64, device=dst.device)
+    for start, index in _index_batches(src_slots, slot_bytes, src.device):
+        rows = src_rows.index_select(0, index)
+        dst_rows.index_copy_(0, dst_index[start : start + index.numel()], rows)
+        total += _weighted(_row_sums(rows), first + start)
+    return DeviceSum(total, (src, dst))
+
+
+def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
+    """`start_checksum`, waited for."""
+    return start_checksum(pool, slots, first).wait()
 
 
 def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
                first: int) -> int:
-    """dst[dst_slots[i]] = src[src_slots[i]] (same device, same slot shape), in bounded batches;
-    returns the checksum (`slots_checksum`) of the rows written, summed from the gathered rows (not
-    read back: a third of the traffic). Returns once the copy has finished (the checksum waits for
-    it), so `src` may change afterwards."""
-    src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # [slots, words]
-    slot_bytes = dst_rows.shape[1] * dst_rows.element_size()
-    dst_index = torch.tensor(dst_slots, dtype=torch.long, device=dst.device)
-    total = torch.zeros((), dtype=torch.int64, device=dst.device)
-    for start, index in _index_batches(src_slots, slot_bytes, src.device):
-        to = dst_index[start : start + index.numel()]
-        rows = src_rows.index_select(0, index)
-        dst_rows.index_copy_(0, to, rows)
-        total += _weighted_sum(rows, first + start)
-    return int(total.item()) & MASK64
+    """`start_copy`, waited for: returns once the copy has finished, so `src` may change afterwards."""
+    return start_copy(src, src_slots, dst, dst_slots, first).wait()
 
 
 def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:

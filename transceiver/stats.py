@@ -27,7 +27,8 @@ class TransferStats:
     rejected_messages: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     # receiver, successful pulls: seconds until the first answer reached the socket thread ("wait":
-    # the request out, the sender's work, the answer back), checking and writing chunks ("apply"),
+    # the request out, the sender's work, the answer back), checking and writing chunks ("apply";
+    # CUDA IPC: from queueing each copy until the engine checked it, the device's copy included),
     # and the rest (the engine thread picking messages up, the Done)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     on_transfer: Callable[[float, int], None] | None = None

@@ -8,6 +8,8 @@ one refresh (at most one per `min_refresh_s`, so unknown endpoints cannot make i
 and a background task refreshes every `interval_s`, so endpoints are known before the first request
 and stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
 After every refresh `on_refresh()` runs (the server shakes hands with the endpoints: layout check).
+One HTTP client serves every refresh (a new one per refresh built an SSL context each time: tens of
+milliseconds of the event loop, every `interval_s`, under every stream the server relays).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ContextDirectory:
         self._interval_s = interval_s
         self._task: asyncio.Task | None = None
         self._nudged: asyncio.Task | None = None
+        self._client: httpx.AsyncClient | None = None  # made on the first refresh, in the server's loop
         self.on_refresh: Callable[[], None] | None = None  # runs after every refresh
 
     def start(self) -> None:
@@ -49,6 +52,9 @@ class ContextDirectory:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     def nudge(self) -> None:
         """Refresh soon (at most once per `min_refresh_s`), without waiting for the interval."""
@@ -84,8 +90,9 @@ class ContextDirectory:
 
     async def refresh(self) -> None:
         self._last_refresh = time.monotonic()
-        async with httpx.AsyncClient(timeout=self._timeout_s, trust_env=False) as client:
-            found = await asyncio.gather(*(self._ask(client, url) for url in self.context_urls))
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout_s, trust_env=False)
+        found = await asyncio.gather(*(self._ask(self._client, url) for url in self.context_urls))
         for url, endpoint in zip(self.context_urls, found, strict=True):
             if endpoint is not None:
                 self._endpoints[url] = endpoint

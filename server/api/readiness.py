@@ -14,30 +14,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.types import LinkState
 from transceiver.receiver.link import INCOMPATIBLE, PEER_COMPATIBLE
 
 UNKNOWN_ENDPOINT = "unknown"
-
-
-def transceiver(engine: Any) -> tuple[Any, Any]:
-    """(KVSender or None, KVReceiver or None) of a loaded engine."""
-    role = getattr(getattr(engine, "core", None), "connector", None)
-    return getattr(role, "sender", None), getattr(role, "receiver", None)
 
 
 def health_report(app: Any) -> dict:
     drain = getattr(app.state, "drain", None)
     if drain is not None and drain.draining:
         return drain.report()
-    sender, receiver = transceiver(getattr(app.state, "engine", None))
-    dead = [link.link_name for link in (sender, receiver) if link is not None and not link.link_alive]
-    if dead:
+    engine = getattr(app.state, "engine", None)
+    links: LinkState = engine.links() if engine is not None else LinkState()
+    if links.dead:
         return {"status": "unhealthy",
-                "detail": f"the transceiver socket thread {', '.join(dead)} died: no KV transfer can run"}
+                "detail": f"the transceiver socket thread {', '.join(links.dead)} died: no KV transfer can run"}
     directory = getattr(app.state, "context_directory", None)
-    if directory is None or receiver is None:
+    if directory is None or links.peers is None:
         return {}
-    peers = context_servers(directory, receiver.peer_status())
+    peers = context_servers(directory, links.peers)
     if any(state != PEER_COMPATIBLE for state in peers.values()):
         directory.nudge()  # learn endpoints and shake hands now, not at the next interval
     bad = {url: state for url, state in peers.items() if state.startswith(INCOMPATIBLE)}

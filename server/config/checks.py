@@ -64,6 +64,22 @@ def check_ports(servers: list[S], router: tuple[str, int] | None, source: str) -
                 raise ConfigError(f"{source}: duplicate port {p1}: {name2} and {name1}")
 
 
+def check_disk_paths(servers: list[S], source: str) -> None:
+    """No two servers on one host may share a disk tier directory (kv_cache_config.disk.path): a
+    deployment's sections inherit the top level's kv_cache_config, so give each section its own."""
+    seen: list[tuple[str, str, str]] = []
+    for s in servers:
+        disk = s.kv_cache_config.disk
+        if disk is None:
+            continue
+        name = f"{s.role} server {host_port(s.host, s.port)}"
+        for host, path, other in seen:
+            if path == disk.path and _same_host(host, s.host):
+                raise ConfigError(f"{source}: kv_cache_config.disk.path: {other} and {name} both use "
+                                  f"{path!r}; give each server its own directory (set disk.path per section)")
+        seen.append((s.host, disk.path, name))
+
+
 def _same_host(a: str, b: str) -> bool:
     if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
         return True

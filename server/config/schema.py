@@ -28,7 +28,14 @@ from msgspec import Meta
 from msgspec.structs import replace
 
 from kvcache.config import KvCacheConfig
-from server.config.checks import check_ports, check_same_model, host_port, share_gpu_memory, split_host_port
+from server.config.checks import (
+    check_disk_paths,
+    check_ports,
+    check_same_model,
+    host_port,
+    share_gpu_memory,
+    split_host_port,
+)
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.models.catalog import attention_heads
 from server.models.parallel.plan import tp_problem
@@ -76,6 +83,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # ranks (one process each; on CUDA, rank r on cuda:r of the GPUs the server sees): must divide the
     # model's attention heads, and divide or be a multiple of its kv heads
     tensor_parallel_size: Positive = 1
+    # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
+    # its own process on CUDA, the thread on a CPU (server/engineproc/)
+    engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
+    # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
+    # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
+    async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()
@@ -233,6 +246,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
         servers = [_server({**inherit(data, {}), "hostname": host, "port": file.port}, "aggregated", source)]
     check_same_model(servers, source)
     check_ports(servers, (host, file.port) if has_router else None, source)
+    check_disk_paths(servers, source)
     router = file.router
     cfg = DeploymentConfig(
         source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),

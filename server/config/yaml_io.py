@@ -93,7 +93,8 @@ def _error(text: str, schema: type, data: Any, source: str, origin: Callable[[Ke
 def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, value: Any) -> str:
     """msgspec's "Expected `int` >= 1" as "must be >= 1, got 0"; a described type says what it is."""
     if enum := _ENUM.fullmatch(message):
-        return f"must be one of {', '.join(map(str, choices))}, got {enum[1]}"
+        about = _description(node) or f"one of {', '.join(map(str, choices))}"  # a described union says all
+        return f"must be {about}, got {enum[1]}"
     expected = _EXPECTED.fullmatch(message)
     if expected is None or not found:
         return message[0].lower() + message[1:]
@@ -110,18 +111,22 @@ def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, va
 
 
 def _literal(schema: type, path: KeyPath) -> tuple[Any, ...]:
-    """The choices of the Literal at `path`, in the order the schema declares them."""
+    """The choices of the Literal at `path` (and true, false if a bool is its alternative), in the
+    order the schema declares them."""
     parent = _unwrap(_type_at(mi.type_info(schema), path[:-1])) if path else None
     if not isinstance(parent, mi.StructType):
         return ()
     field = next((f for f in msgspec.structs.fields(parent.cls) if f.encode_name == path[-1]), None)
-    todo = [field.type] if field else []
+    choices, todo = [], [field.type] if field else []
     while todo:
         tp = todo.pop(0)
         if typing.get_origin(tp) is typing.Literal:
-            return typing.get_args(tp)
-        todo += typing.get_args(tp)
-    return ()
+            choices += typing.get_args(tp)
+        elif tp is bool:
+            choices += ["true", "false"]
+        else:
+            todo += typing.get_args(tp)
+    return tuple(choices)
 
 
 _EXPECTED = re.compile(r"Expected `([^`]+)`(?: (.+?))?(, got `[^`]+`)?")

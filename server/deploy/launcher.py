@@ -68,6 +68,10 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     """Run the deployment in `path` until a stop signal (returns 0) or a failure (returns 1)."""
     options = options or LaunchOptions()
     cfg = load_deployment(path)
+    if cfg.auth_token is None and any(s.kv_cache_config.disk is not None for s in cfg.servers):
+        _say("kv_cache_config.disk: this launch makes its own token, so the next launch will not reuse the "
+             "disk tier's files (they are sealed with it); set cache_transceiver_config.auth_token or "
+             "PDSERVE_AUTH_TOKEN to keep them")
     cfg = with_auth_token(cfg, cfg.auth_token or secrets.token_hex(32))
     log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)

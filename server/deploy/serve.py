@@ -1,9 +1,13 @@
-"""`pdserve serve`: build one engine process (aggregated, context or generation) and serve HTTP."""
+"""`pdserve serve`: build one engine server (aggregated, context or generation) and serve HTTP.
+
+The engine runs on a thread of this process (`AsyncEngine`) or in a child process of its own
+(`EngineProcess`, server/engineproc/): the config's `engine_process` (auto: a child on CUDA)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,21 +18,25 @@ import uvicorn
 from kvcache import KVCacheManager
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
-from server.api.readiness import health_report, transceiver
+from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
+from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
+from server.engine import status
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
+from server.engineproc.client import EngineProcess, RemoteKvEvents
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.models.spec import load_spec
 from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
+from server.telemetry.relay import RelayedMetrics
 from server.tp.messages import Ready
 from server.tp.ranks import Ranks, start_ranks
 from server.tp.runner import RankedRunner
@@ -40,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCore:
-    """Everything tensor-owning is made here, on the engine thread."""
+    """Everything tensor-owning is made here, on the engine thread (in the engine process, if any).
+    A tensor-parallel server's other ranks are started here too: this thread's process is rank 0."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(cfg.model)
@@ -53,7 +62,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     weights = load_weights(spec, dtype, device) if shard is None else shard.load(spec, dtype, device)
     local = spec if shard is None else shard.local_spec(spec)  # a rank's pools hold its kv heads
     kv = KVCacheManager(cfg.kv_cache_config, local.cache_layout(cfg.max_seq_len, dtype, device),
-                        salt=spec.fingerprint)
+                        salt=spec.fingerprint, disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
                          cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard)
@@ -65,11 +74,11 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
         runner = RankedRunner(runner, ranks)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
-    connector = _role(cfg, kv, spec.fingerprint, wake, ranks)
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=connector)
-    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks",
-             model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
-             [kv.num_slots(w) for w in kv.window_sizes])
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake,
+                      ranks), async_scheduling=use_async_scheduling(cfg, device))
+    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks, "
+             "async scheduling %s", model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
+             [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling)
     return core
 
 
@@ -86,6 +95,13 @@ def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig
     return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
 
 
+def use_async_scheduling(cfg: ServerConfig, device: torch.device) -> bool:
+    """`async_scheduling: auto` is on where a forward runs asynchronously to the host (CUDA)."""
+    if cfg.async_scheduling == "auto":
+        return device.type == "cuda"
+    return cfg.async_scheduling
+
+
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake, ranks: Ranks | None) -> KVConnector:
     """The connector of the server's role; a tensor-parallel server's KV endpoints span its ranks."""
     if cfg.role == "aggregated":
@@ -100,12 +116,37 @@ def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake, ranks: 
     return GenerationConnector(receiver, kv)
 
 
+def engine_in_child(cfg: ServerConfig) -> bool:
+    """`engine_process`: true or false as set; auto: a process of its own on CUDA (the event loop's
+    SSE writes and the engine's host work no longer share one GIL), the engine thread on a CPU."""
+    if cfg.engine_process == "auto":
+        return resolve_device(cfg.device).type == "cuda"
+    return cfg.engine_process
+
+
 def make_app(cfg: ServerConfig, on_fatal=None):
-    """The server's app. `on_fatal()` is called if the engine cannot load (the process should exit)."""
+    """The server's app. `on_fatal()` is called if the engine cannot load, or its process dies
+    (the server process should then exit non-zero)."""
     metrics = ServerMetrics()
-    telemetry = TelemetryBridge(metrics)
     token = cfg.cache_transceiver_config.auth_token
-    kv_events = KvEventSource(_event_publisher(cfg, token), EPOCH)
+    make = _engine_process if engine_in_child(cfg) else _engine_thread
+    engine_factory, kv_events = make(cfg, metrics, on_fatal)
+    directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
+    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
+    app.state.kv_events = kv_events
+    app.state.role = cfg.role  # the leg /health_generate names
+    install_kv_routes(app)
+    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
+    if directory is not None:
+        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
+    return app
+
+
+def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
+    """The engine on a thread of this process: (engine factory, KV event source)."""
+    telemetry = TelemetryBridge(metrics)
+    metrics.set_stats_provider(telemetry.kv_stats)
+    kv_events = KvEventSource(event_publisher(cfg, EPOCH), EPOCH)
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[AsyncEngine]:
@@ -128,21 +169,29 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
             await asyncio.to_thread(_close_transceiver, engine)
+            await asyncio.to_thread(_close_kv, engine)
             await asyncio.to_thread(_stop_ranks, engine)
             if kv_events.publisher is not None:
                 kv_events.publisher.close()
 
-    directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
-    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
-    app.state.telemetry = telemetry
-    app.state.kv_events = kv_events
-    app.state.role = cfg.role  # the leg /health_generate names
-    metrics.set_stats_provider(telemetry.kv_stats)
-    install_kv_routes(app)
-    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
-    if directory is not None:
-        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
-    return app
+    return engine_factory, kv_events
+
+
+def _engine_process(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
+    """The engine in a child process (server/engineproc/): (engine factory, KV event source)."""
+    engine = EngineProcess(cfg, served_name(cfg.model), RelayedMetrics(metrics), EPOCH, on_fatal)
+
+    @asynccontextmanager
+    async def engine_factory() -> AsyncIterator[EngineProcess]:
+        engine.start()
+        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
+        try:
+            yield engine
+        finally:
+            watcher.cancel()
+            await engine.stop()
+
+    return engine_factory, RemoteKvEvents(engine, EPOCH)
 
 
 def install_health(app, drain: Drain) -> None:
@@ -153,53 +202,56 @@ def install_health(app, drain: Drain) -> None:
 
 
 def engine_idle(engine) -> bool:
-    """Nothing left to finish: no request queued or running, no KV lease or pull (read from the
-    event loop's thread: plain reads of the engine thread's containers)."""
-    core = getattr(engine, "core", None)
-    if core is None:
-        return True
-    sender, receiver = transceiver(engine)
-    return not core.scheduler.has_work() and (sender is None or sender.num_leases == 0) \
-        and (receiver is None or receiver.num_pulls == 0)
+    """Nothing left to finish: no request queued or running, no KV lease or pull."""
+    return engine is None or engine.idle()
 
 
 def probe_context_servers(engine, directory: ContextDirectory) -> None:
     """Generation side: shake hands with every known context server (the KV layouts must agree)."""
-    receiver = transceiver(engine)[1]
-    if receiver is None or not receiver.link_alive:
-        return
-    for endpoint in directory.endpoints:
-        try:
-            receiver.probe(endpoint)
-        except RuntimeError as exc:  # the socket thread stopped or is swamped: /health says so
-            log.warning("could not probe %s: %s", endpoint, exc)
+    if engine is not None:
+        engine.probe(directory.endpoints)
 
 
-def _close_transceiver(engine) -> None:
+def _close_transceiver(engine: AsyncEngine) -> None:
     """After the engine thread stopped: fail what still runs with an explicit message, close sockets."""
     thread = getattr(engine, "_thread", None)
     if thread is not None and thread.is_alive():  # still in a step: the engine thread owns them
         return
-    for link in transceiver(engine):
+    for link in status.transceiver(engine.core):
         if link is not None:
             link.close()
 
 
+def _close_kv(engine) -> None:
+    """After the engine thread stopped: let the disk tier's queued writes land (a restart finds them)."""
+    thread, core = getattr(engine, "_thread", None), getattr(engine, "core", None)
+    if core is not None and (thread is None or not thread.is_alive()):
+        core.kv.close()
+
+
 def _stop_ranks(engine) -> None:
-    """A tensor-parallel server's other ranks stop with it (after its engine thread and KV links)."""
-    ranks = getattr(getattr(getattr(engine, "core", None), "runner", None), "ranks", None)
+    """After the engine thread stopped: a tensor-parallel server's other ranks stop with it."""
+    thread, core = getattr(engine, "_thread", None), getattr(engine, "core", None)
+    if core is not None and (thread is None or not thread.is_alive()):
+        stop_ranks(core)
+
+
+def stop_ranks(core: EngineCore) -> None:
+    """Stop a tensor-parallel engine's other ranks (after its loop, its KV links and KV manager)."""
+    ranks = getattr(core.runner, "ranks", None)
     if ranks is not None:
         ranks.stop()
 
 
-def _event_publisher(cfg: ServerConfig, token: str | None) -> KvEventPublisher | None:
+def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:
     """KV events for the router's index, on the transceiver's interface; none without the token."""
+    token = cfg.cache_transceiver_config.auth_token
     if not token:
         return None
-    return KvEventPublisher(token, EPOCH, cfg.cache_transceiver_config.host)
+    return KvEventPublisher(token, epoch, cfg.cache_transceiver_config.host)
 
 
-async def _watch_load(engine: AsyncEngine, on_fatal) -> None:
+async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:
     """A model that cannot load ends the process (the launcher reports the exit code and log)."""
     while engine.load_error is None:
         await asyncio.sleep(0.2)
@@ -212,8 +264,15 @@ def served_name(model: str) -> str:
     return model if model.startswith("builtin:") else Path(model).name
 
 
+# The interpreter's GIL switch interval while the engine thread shares the process with the event
+# loop (the default, 5 ms, is near a GPU decode step: SSE writes waited a step for the GIL).
+IN_THREAD_SWITCH_INTERVAL_S = 0.001
+
+
 def serve(cfg: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not engine_in_child(cfg):
+        sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)
     failed = []
 
     def on_fatal() -> None:

@@ -10,16 +10,18 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
+from server.engine import status
+from server.engine.commands import Abort, Add, Command, Release, apply, guarded_step
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
-from server.types import GenerateRequest, RequestOutput
+from server.types import GenerateRequest, LinkState, RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-def _merged(output: RequestOutput, stream: asyncio.Queue[RequestOutput]) -> RequestOutput:
+def merged(output: RequestOutput, stream: asyncio.Queue[RequestOutput]) -> RequestOutput:
     """Fold outputs that queued up while the consumer was busy into one (fewer, larger SSE events
     when HTTP lags behind the engine; the concatenated tokens and text are unchanged)."""
     while not output.finished and not stream.empty():
@@ -41,7 +43,7 @@ class AsyncEngine:
         self.load_error: BaseException | None = None
         self.model_name = model_name
         self.max_seq_len = max_seq_len
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: only wake up
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -67,6 +69,16 @@ class AsyncEngine:
         """None while the engine's KV invariants hold; else a sentence naming the broken check."""
         return self.health.problem
 
+    # read from the event loop's thread: plain reads of what the engine thread writes
+    def links(self) -> LinkState:
+        return status.links_of(self.core)
+
+    def idle(self) -> bool:
+        return status.idle_of(self.core)
+
+    def probe(self, endpoints: Iterable[str]) -> None:
+        status.probe(self.core, endpoints)
+
     def add_tick_hook(self, hook: Callable[[EngineCore], None]) -> None:
         """Run `hook(core)` on the engine thread after every tick (e.g. metrics snapshots)."""
         self._on_tick.append(hook)
@@ -79,7 +91,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -87,28 +99,28 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
-        self._inbox.put(("add", request))
+        self._inbox.put(Add(request))
         finished = False
         try:
             while not finished:
-                output = _merged(await stream.get(), stream)
+                output = merged(await stream.get(), stream)
                 finished = output.finished
                 yield output
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:
-                self._inbox.put(("abort", request.request_id))
+                self._inbox.put(Abort(request.request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
 
     def wake(self) -> None:
         """Any thread: end the engine thread's idle wait now (e.g. a KV transfer message arrived)."""
-        self._inbox.put(("wake", None))
+        self._inbox.put(None)
 
     def release_lease(self, ctx_request_id: str) -> None:
         """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
-        self._inbox.put(("release", ctx_request_id))
+        self._inbox.put(Release(ctx_request_id))
 
     # ---- engine thread
     def _run(self) -> None:
@@ -120,11 +132,7 @@ class AsyncEngine:
             return
         while not self._stop.is_set():
             self._drain_inbox(self.core.idle_wait_s())
-            try:
-                outputs = self.core.step()
-            except Exception as exc:  # a broken step must not kill the server: fail what was in flight
-                log.exception("engine step failed")
-                outputs = self._fail_all(f"engine error: {exc}")
+            outputs = guarded_step(self.core)  # a broken step fails what was in flight, not the server
             if outputs:
                 self._hand_over(outputs)
             for hook in self._on_tick:
@@ -137,28 +145,17 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            self._apply(*command)
+            if command is not None:
+                self._apply(command)
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _apply(self, kind: str, payload: object) -> None:
-        if kind == "add":
-            refused = self.core.add_request(payload)
-            if refused is not None:
-                self._hand_over([refused])
-        elif kind == "release":
-            self.core.connector.drop_lease(payload)
-        elif kind == "abort":
-            output = self.core.abort(payload)
-            if output is not None:
-                self._hand_over([output])
-
-    def _fail_all(self, message: str) -> list[RequestOutput]:
-        scheduler = self.core.scheduler
-        requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
-        return [self.core.fail(r, message, code=500) for r in requests]
+    def _apply(self, command: Command) -> None:
+        output = apply(self.core, command)  # a refused add or an abort ends its request at once
+        if output is not None:
+            self._hand_over([output])
 
     def _hand_over(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: queue outputs for the event loop, waking it only if no wake-up is pending.

@@ -1,16 +1,27 @@
-"""The engine step: receive -> schedule -> run -> postprocess -> transfer -> send (STYLE.md #3)."""
+"""The engine step: receive -> schedule -> run -> postprocess -> transfer -> send (STYLE.md #3).
+
+Async scheduling (issue 19) pipelines two steps: step k is launched while step k-1 runs on the
+GPU, then step k-1 is postprocessed (one event wait). A row whose input is step k-1's token reads
+it on the device (runner.PendingTokens); the scheduler counts that token as pending (request.py).
+A request that ends at step k-1 while in step k discards its step-k token, and its blocks are
+released at once: what touches KV later runs after step k on the engine's stream (the next steps,
+a pull's scatter, the host tier's copies, which wait for that stream) or after an event recorded
+there later (a lease's reads). A step that prefilled context legs is postprocessed before the next
+is scheduled, so their KV is offered right after the step that wrote it (the next may be a long
+prefill). Without async scheduling, every step is postprocessed in the same step.
+"""
 
 from __future__ import annotations
 
-import time
-
 from kvcache import KVCacheManager
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.inflight import SampledStep, TokenStaging
 from server.engine.kv_connector import AggregatedConnector, KVConnector, PullFailure
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
-from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from server.models.runner import ModelRunner, SeqChunk
+from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
+from server.engine.timings import TokenTimings
+from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
 
 IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
@@ -19,21 +30,30 @@ BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
-                 *, metrics=None, connector: KVConnector | None = None) -> None:
+                 *, metrics=None, connector: KVConnector | None = None, async_scheduling: bool = False) -> None:
         self.runner = runner
         self.kv = kv
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, kv)
-        self.metrics = metrics
+        self.timings = TokenTimings(metrics)  # TTFT, TPOT, e2e and queue time for `metrics`
         self.connector = connector or AggregatedConnector()  # the KV hand-over of this server's role
         self.eos_token_ids = frozenset(runner.spec.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._deferred: list[tuple[Request, int]] = []  # accepted tokens whose text and output wait
-        self._timings: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
-        self._prompt_tokens = 0  # prompt tokens of first tokens not yet counted
         self.did_work = False
         self._sliding = min(kv.window_sizes) < config.max_seq_len  # some layers use a sliding window
+        self.async_scheduling = async_scheduling  # may change between steps (a benchmark compares both)
+        self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
+        self._staging = TokenStaging(runner.device, runner.max_batch_size)
+
+    @property
+    def metrics(self):
+        return self.timings.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.timings.metrics = metrics
 
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> RequestOutput | None:
@@ -97,8 +117,9 @@ class EngineCore:
         return self._output(request, [])
 
     def has_work(self) -> bool:
-        """Requests to run, outputs still to make (`_deferred`), or transfers in flight."""
-        return self.scheduler.has_work() or bool(self._deferred) or self.connector.busy()
+        """Requests to run, outputs still to make (`_deferred`, a step in flight), or transfers in flight."""
+        return (self.scheduler.has_work() or bool(self._deferred) or self.inflight is not None
+                or self.connector.busy())
 
     def idle_wait_s(self) -> float:
         """How long the loop may sleep before the next tick: not at all after a productive step,
@@ -111,30 +132,55 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
+        if self.inflight is not None and self.inflight.hands_over:  # its KV is offered without delay
+            outputs += self._postprocess(self.inflight)
+            self.inflight = None
         plan = self.scheduler.schedule()
-        self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred)
+        self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred
+                             or self.inflight)
         for request in plan.rejected:
             self.connector.release(request)
             outputs.append(self._output(request, []))
         if plan.to_pull:
             outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
             self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
-        if plan.chunks:
-            logits = self.runner.execute([self._seq_chunk(c) for c in plan.chunks])  # a GPU runs it now
-            sampled = [c.request for c in plan.chunks if c.need_logits]  # before the computed counts move
-            picked = sample_on_device(logits, sampled) if sampled else None
-            self._advance(plan.chunks)
-            outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
-            tokens = picked.tolist() if picked is not None else []
-            accepted = [self._accept_token(r, t) for r, t in zip(sampled, tokens, strict=True)]
-            outputs += [o for o in accepted if o is not None]
-            prefilled = [r for r in sampled if r.is_context_only and r.status != Status.FINISHED]
-            if prefilled:
-                params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
-                outputs += [self._handed_over(r, p) for r, p in zip(prefilled, params, strict=True)]
-        else:
-            outputs += self._flush_text()
+        launched = self._launch(plan.chunks) if plan.chunks else None  # a GPU runs it from now on
+        outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
+        steps = [self.inflight, launched]  # async: the step before is postprocessed, this one waits
+        self.inflight = steps.pop() if self.async_scheduling else None
+        for done in filter(None, steps):
+            outputs += self._postprocess(done)
         return outputs
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> SampledStep | None:
+        """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep."""
+        logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
+        sampled = [c.request for c in chunks if c.need_logits]  # before the computed counts move
+        picked = sample_on_device(logits, sampled) if sampled else None
+        self._advance(chunks)
+        for request in sampled:
+            request.num_pending += 1
+        return SampledStep(sampled, picked, self._staging.take()) if sampled else None
+
+    def _pending_inputs(self, chunks: list[ScheduledChunk]) -> PendingTokens | None:
+        """Rows whose input is a pending token read it from the step in flight, on the device."""
+        rows = {i: self.inflight.rows[c.request] for i, c in enumerate(chunks) if c.request.num_pending}
+        return PendingTokens(self.inflight.picked, rows) if rows else None
+
+    def _postprocess(self, step: SampledStep) -> list[RequestOutput]:
+        """Accept a step's tokens (waiting for them); a request that ended meanwhile (a stop at the
+        step before, an abort, a failure) discards its token. Context legs hand over their KV."""
+        outputs, live = [], []
+        for request, token in zip(step.requests, step.tokens(), strict=True):
+            request.num_pending -= 1
+            if request.status != Status.FINISHED:
+                live.append(request)
+                outputs.append(self._accept_token(request, token))
+        prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED]
+        if prefilled:
+            params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
+            outputs += [self._handed_over(r, p) for r, p in zip(prefilled, params, strict=True)]
+        return [o for o in outputs if o is not None]
 
     def _pulls_ended(self, arrived: list[str], failed: list[PullFailure]) -> list[RequestOutput]:
         """Generation side: an arrived prompt's KV is in place, so the request decodes from the next
@@ -151,25 +197,28 @@ class EngineCore:
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
         slots = {w: self.kv.slot_table(request.request_id, w) for w in self.kv.window_sizes}
-        return SeqChunk(request.all_token_ids[start:start + chunk.num_new_tokens], start, slots,
-                        chunk.need_logits)
+        tokens = [0] if request.num_pending else request.all_token_ids[start:start + chunk.num_new_tokens]
+        return SeqChunk(tokens, start, slots, chunk.need_logits)  # [0]: read on the device (`_pending_inputs`)
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         """The step's tokens are computed: move the counts and commit full blocks for reuse."""
         for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.commit(request.request_id, request.all_token_ids, committable(request))
             if self._sliding:
                 self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
 
     def _accept_token(self, request: Request, token: int) -> RequestOutput | None:
         """Everything the next step depends on happens here (the token, stop conditions, freeing a
-        finished request). The text of a request without stop strings, its output and its timing
-        metrics wait for `_flush_text`, which the next step runs while the GPU computes."""
+        finished request). Sync: the text of a request without stop strings, its output and its
+        timing metrics wait for `_flush_text`, which the next step runs while the GPU computes (async
+        postprocessing runs while the GPU computes already)."""
         request.append_token(token)
-        self._note_timing(request)
-        if not request.sampling.stop and not request.is_context_only:
+        self.timings.stamp(request)
+        if request.num_computed_tokens == request.num_known_tokens:  # async: its K/V is computed already
+            self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        if not self.async_scheduling and not request.sampling.stop and not request.is_context_only:
             self._stop_without_text(request, token, False)
             if request.status == Status.FINISHED:
                 self.scheduler.remove(request)
@@ -177,7 +226,7 @@ class EngineCore:
             return None
         self._check_stop(request, token)
         if request.status != Status.FINISHED and request.is_context_only:
-            return None  # handed over in `step` (its KV is offered first)
+            return None  # handed over in `_postprocess` (its KV is offered first)
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, [token])
@@ -185,7 +234,7 @@ class EngineCore:
     def _flush_text(self) -> list[RequestOutput]:
         """Outputs of the tokens `_accept_token` deferred (a request aborted meanwhile is skipped)."""
         deferred, self._deferred = self._deferred, []
-        self._observe_timings()
+        self.timings.observe()
         outputs = []
         for request, token in deferred:
             detok = self._detok.get(request.request_id)
@@ -202,8 +251,8 @@ class EngineCore:
 
     def _emit_first_tokens(self, request: Request) -> RequestOutput:
         """Generation side: stream the context server's first token at once; the KV pull runs meanwhile."""
-        self._note_timing(request)
-        self._observe_timings()
+        self.timings.stamp(request)
+        self.timings.observe()
         for token in request.output_token_ids:
             self._check_stop(request, token)
         if request.disagg.first_text_streamed:  # the router sent this text already: skip it
@@ -233,32 +282,8 @@ class EngineCore:
             request.finish("stop")
         elif hit_stop_string:
             request.finish("stop")
-        elif produced >= params.max_tokens or request.num_tokens >= self.config.max_seq_len:
+        elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")
-
-    def _note_timing(self, request: Request) -> None:
-        """Stamp a new token now; the metrics observe it later (`_observe_timings`)."""
-        now = time.monotonic()
-        if request.first_token_time is None:
-            self._timings.append((True, now - request.arrival_time))
-            if not request.is_generation_only:  # its prompt was computed here (not pulled)
-                self._prompt_tokens += request.num_prompt_tokens
-        else:
-            self._timings.append((False, now - request.last_token_time))
-        request.first_token_time = request.first_token_time or now
-        request.last_token_time = now
-
-    def _observe_timings(self) -> None:
-        timings, self._timings = self._timings, []
-        prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
-        if self.metrics is None:
-            return
-        if prompt_tokens:
-            self.metrics.add_prompt_tokens(prompt_tokens)
-        for first, seconds in timings:
-            (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
-        if timings:
-            self.metrics.add_generation_tokens(len(timings))
 
     def _output(self, request: Request, new_tokens: list[int],
                 disagg: DisaggParams | None = None) -> RequestOutput:
@@ -271,7 +296,7 @@ class EngineCore:
             detok.flush_partial()
         if finished:
             self._detok.pop(request.request_id)
-            self._observe_finished(request)
+            self.timings.finished(request)
         prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
@@ -280,16 +305,6 @@ class EngineCore:
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg,
         )
-
-    def _observe_finished(self, request: Request) -> None:
-        """End-to-end latency (arrival to the last output here) and queue time (arrival to the
-        first admission) of a request that ended on this server, whatever the reason."""
-        if self.metrics is None:
-            return
-        now = time.monotonic()
-        self.metrics.observe_e2e(now - request.arrival_time)
-        if request.scheduled_time is not None:
-            self.metrics.observe_queue_time(request.scheduled_time - request.arrival_time)
 
     def _reported_cached(self, request: Request) -> int:
         """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""

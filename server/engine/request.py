@@ -5,6 +5,11 @@ the cache). There are no separate prefill/decode phases: a step computes
 `num_tokens - num_computed_tokens` tokens (capped by the token budget), and when the computed count
 reaches `num_tokens` the last logits are sampled. A request that arrives with its KV (generation
 side of a disaggregated pair) simply starts with `num_computed_tokens == len(prompt)`.
+
+With async scheduling a sampled token reaches the host one step late: until then it is *pending*
+(`num_pending`), counted in `num_tokens` (the scheduler gives the request its next row, whose input
+the runner takes from the device) but not yet in `all_token_ids`. When the scheduler runs, a
+request has at most one pending token, and only if every known token is computed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0  # sampled on the device, id not yet on the host (async scheduling)
     num_cached_tokens: int = 0  # prefix-cache hit reported to the client (first admission only)
     admitted_once: bool = False
     kv_received: bool = False  # generation side: the context server's KV has been pulled
@@ -57,7 +63,26 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and generated tokens, the pending one included (the scheduler's count)."""
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (what stop rules and prefix-cache commits see)."""
         return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, the pending ones included (what min_tokens counts when sampling)."""
+        return len(self.output_token_ids) + self.num_pending
+
+    def last_token_pending(self, max_seq_len: int) -> bool:
+        """Its pending token is certainly its last (a context leg's one token, max_tokens, max_seq_len),
+        so a further row could produce nothing."""
+        if not self.num_pending:
+            return False
+        return (self.is_context_only or self.num_output_tokens >= self.sampling.max_tokens
+                or self.num_tokens >= max_seq_len)
 
     @property
     def num_prompt_tokens(self) -> int:

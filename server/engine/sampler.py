@@ -5,6 +5,10 @@ Sampling from softmax(scores) is done as argmax(scores - log E) with E ~ Exp(1) 
 (the exponential race, equivalent to Gumbel-max): every row of the batch is sampled by one argmax.
 A request with a seed draws its row's noise from its own generator, so its tokens depend only on
 its seed and its logits, never on what else is in the batch.
+
+Nothing here waits for the device: host values go up with non-blocking copies (`_upload`;
+`torch.tensor(values, device=cuda)` would synchronise the stream), so async scheduling can queue a
+step's sampling behind its forward and return at once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
     if not random_rows:
         return greedy
-    rows = torch.tensor(random_rows, device=logits.device)
+    rows = _upload(random_rows, torch.int64, logits.device)
     chosen = _sample_rows(logits.index_select(0, rows), [requests[i] for i in random_rows])
     return greedy.index_copy(0, rows, chosen)
 
@@ -39,21 +43,22 @@ def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     rows: list[int] = []
     cols: list[int] = []
     for row, request in enumerate(requests):
-        if len(request.output_token_ids) < request.sampling.min_tokens:
+        if request.num_output_tokens < request.sampling.min_tokens:  # a pending token counts
             banned = request.eos_token_ids | set(request.sampling.stop_token_ids)
             rows.extend([row] * len(banned))
             cols.extend(banned)
     if not rows:
         return logits
     logits = logits.clone()
-    logits[rows, cols] = float("-inf")
+    index = _upload(rows + cols, torch.int64, logits.device)
+    logits.index_put_((index[:len(rows)], index[len(rows):]), logits.new_full((), float("-inf")))
     return logits
 
 
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits [R, vocab] of requests that sample -> [R] token ids (on the device)."""
     device = logits.device
-    temps = torch.tensor([max(r.sampling.temperature, MIN_TEMPERATURE) for r in requests], device=device)
+    temps = _upload([max(r.sampling.temperature, MIN_TEMPERATURE) for r in requests], torch.float32, device)
     scores = logits / temps[:, None]
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < scores.shape[1] else 0 for r in requests]
     ps = [r.sampling.top_p for r in requests]
@@ -69,12 +74,12 @@ def _top_k_top_p(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
     vocab = scores.shape[1]
     ranks = torch.arange(vocab, device=scores.device)[None, :]
-    k = torch.tensor([k or vocab for k in ks], device=scores.device)[:, None]
+    k = _upload([k or vocab for k in ks], torch.int64, scores.device)[:, None]
     drop = ranks >= k
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_scores, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
-    top_p = torch.tensor(ps, device=scores.device)[:, None]
+    top_p = _upload(ps, torch.float32, scores.device)[:, None]
     drop = before >= top_p
     drop[:, 0] = False  # the most likely token always stays (a tiny top_p, or rounding, would drop them all)
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
@@ -87,5 +92,12 @@ def _exponential(shape: torch.Size, requests: list[Request], device: torch.devic
     for row, request in enumerate(requests):
         if request.generator is not None:
             own = torch.empty(shape[1]).exponential_(generator=request.generator)
-            noise[row] = own.to(device)
+            noise[row] = own.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else own
     return noise
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`, copied without waiting for the device's queued work (from
+    pinned memory, which torch keeps until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

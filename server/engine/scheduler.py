@@ -12,6 +12,13 @@ Invariants:
 - preemption picks the newest running request: its computed full blocks are committed to the reuse
   tree and released, so with a host tier they are offloaded on eviction and onboarded on resume
   ("swap"), and without one they are recomputed.
+
+Async scheduling (request.py: a pending token is counted but its id is still on the device):
+- a request whose pending token is certainly its last gets no row (it could produce nothing) and is
+  never preempted;
+- a request preempted with a pending token is not admitted again before the token has arrived (it
+  is recomputed from its ids); it holds the head of the queue meanwhile;
+- commits cover only known ids (`committable`); the token arriving later commits the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     to_pull: list[Request]  # generation side: admitted, KV must now be pulled
     rejected: list[Request]  # can never fit: finished with an error
+
+
+def committable(request: Request) -> int:
+    """Computed tokens whose ids are known: what `KVCacheManager.commit` may hash (a pending token's
+    K/V may be computed already, its id is not on the host yet)."""
+    return min(request.num_computed_tokens, request.num_known_tokens)
 
 
 class Scheduler:
@@ -108,6 +121,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.last_token_pending(self.config.max_seq_len):
+                index += 1
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + n):
                 continue  # `request` itself was preempted; the list shrank
@@ -122,14 +138,21 @@ class Scheduler:
                 self.kv.extend(request.request_id, num_tokens)
                 return True
             except OutOfBlocksError:
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is request:
                     return False
 
+    def _victim(self) -> Request:
+        """The newest running request, passing over those whose pending token ends them (they free
+        their blocks at the next step anyway, and a context leg must still offer its blocks). The
+        request being reserved is never passed over, so there is one."""
+        limit = self.config.max_seq_len
+        return next(r for r in reversed(self.running) if not r.last_token_pending(limit))
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.commit(request.request_id, request.all_token_ids, committable(request))
         self.kv.release(request.request_id)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
@@ -141,6 +164,8 @@ class Scheduler:
         prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)  # decode does not count
         while self.waiting and budget > 0 and self._batch_has_room():
             request = self.waiting[0]
+            if request.num_pending:  # preempted while its token was on the device: wait for it
+                return
             if self._never_fits(request):
                 self.waiting.popleft()
                 request.finish("error", self._too_big_message(request), code=400)

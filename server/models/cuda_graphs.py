@@ -6,6 +6,10 @@ whole forward of a decode-only step over static buffers (`StaticDecodePlan`: tok
 block tables, sequence lengths, window bounds, write slots); a step of n sequences fills the
 smallest bucket >= n (padding rows write nothing and attend to nothing) with one host-to-device
 copy and replays it. Capture runs every kernel first, so Triton and cuBLAS are warm after it.
+
+With async scheduling a row's input token may still be on the device (the previous step sampled
+it): `run` copies those sampled ids into the static `source` buffer, and each graph starts by
+gathering them into its token ids (`StaticDecodePlan.take_pending`), so no id goes through the host.
 """
 
 from __future__ import annotations
@@ -39,16 +43,18 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         # every tensor a graph reads must outlive it: a freed one's memory is reused by later steps
         self.rows: dict[int, torch.Tensor] = {}
+        self.source: torch.Tensor | None = None  # [max_batch] int64: the previous step's sampled ids
         self.capture_s = 0.0
 
     def capture(self) -> None:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        self.source = torch.zeros(self.max_batch, dtype=torch.int64, device=self.attention.device)
         for batch in reversed(self.buckets):
             plan = self.attention.static_decode_plan(batch)
             rows = self.rows[batch] = torch.arange(batch, device=plan.dev.device)
-            run = lambda plan=plan, rows=rows: self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)  # noqa: E731
+            run = lambda plan=plan, rows=rows: self._forward(plan, rows)  # noqa: E731
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(WARMUP_RUNS):  # compiles every Triton kernel of this shape, warms cuBLAS
@@ -65,9 +71,17 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, seqs: list[SeqLayout], token_ids: list[int]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one decode-only step (every seq has one new token)."""
+    def _forward(self, plan: StaticDecodePlan, rows: torch.Tensor) -> torch.Tensor:
+        plan.take_pending(self.source)
+        return self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)
+
+    def run(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
+            source: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode-only step (every seq has one new token); row i
+        with picks[i] >= 0 takes source[picks[i]] (device ids) instead of token_ids[i]."""
         batch = self.bucket(len(seqs))
-        self.plans[batch].fill(seqs, token_ids)
+        self.plans[batch].fill(seqs, token_ids, picks)
+        if source is not None:
+            self.source[: source.numel()].copy_(source)
         self.graphs[batch].replay()
         return self.logits[batch][: len(seqs)]

@@ -36,6 +36,16 @@ class SeqChunk:
 
 
 @dataclass
+class PendingTokens:
+    """Input tokens that are still on the device (async scheduling): the one token of chunk `i` is
+    `source[rows[i]]`, sampled by the step before and never copied to the host for this; that
+    chunk's `token_ids` hold a placeholder."""
+
+    source: torch.Tensor  # [M] int64 token ids sampled by the previous step, on the runner's device
+    rows: dict[int, int]  # chunk index (a one-token chunk) -> row of `source`
+
+
+@dataclass
 class StepInputs:
     """One step's device inputs, flattened with decode tokens first."""
 
@@ -182,21 +192,27 @@ class ModelRunner:
         return chunks
 
     @torch.no_grad()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order."""
+    def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
+        """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order.
+        `pending`: chunks whose token is taken on the device from the previous step's sampled ids."""
         if self.graphs is not None and self._graph_step(chunks):
             self._check_limits(chunks)
-            return self.graphs.run([_seq_layout(c) for c in chunks], [c.token_ids[0] for c in chunks])
-        return self.forward(self.prepare(chunks))
+            picks = [-1] * len(chunks)
+            for i, row in (pending.rows.items() if pending else ()):
+                picks[i] = row
+            return self.graphs.run([_seq_layout(c) for c in chunks], [c.token_ids[0] for c in chunks],
+                                   picks, pending.source if pending else None)
+        return self.forward(self.prepare(chunks, pending))
 
     def _graph_step(self, chunks: list[SeqChunk]) -> bool:
         """A decode-only step whose every chunk wants its logits and that fits a captured bucket."""
         return (bool(self.graphs.graphs) and len(chunks) <= self.graphs.max_batch
                 and all(len(c.token_ids) == 1 and c.need_logits for c in chunks))
 
-    def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
+    def prepare(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> StepInputs:
         """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,
-        and let the attention backend build its metadata once for all layers."""
+        and let the attention backend build its metadata once for all layers. Pending tokens are
+        gathered on the device into the token ids (two small kernels, no host sync)."""
         self._check_limits(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         token_ids, positions, last_row = [], [], {}
@@ -208,10 +224,16 @@ class ModelRunner:
         rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         layout = StepLayout([_seq_layout(chunks[i]) for i in order],
                             num_decode=sum(len(c.token_ids) == 1 for c in chunks))
-        t = len(token_ids)
-        ints = torch.tensor(token_ids + positions + rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos = ints[t:2 * t]
-        return StepInputs(ints[:t], pos, ints[2 * t:], self.attention.plan(layout, pos))
+        t, n = len(token_ids), len(rows)
+        picks = list(pending.rows.items()) if pending else []
+        into, take = [last_row[i] for i, _ in picks], [row for _, row in picks]
+        ints = torch.tensor(token_ids + positions + rows + into + take, dtype=torch.int64).to(
+            self.device, non_blocking=True)
+        tokens, pos = ints[:t], ints[t:2 * t]
+        if picks:
+            at = 2 * t + n
+            tokens.index_copy_(0, ints[at:at + len(picks)], pending.source.index_select(0, ints[at + len(picks):]))
+        return StepInputs(tokens, pos, ints[2 * t:2 * t + n], self.attention.plan(layout, pos))
 
     @torch.no_grad()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -198,10 +198,17 @@ class StaticDecodePlan:
     def __init__(self, backend: TritonPagedAttention, batch: int) -> None:
         self.backend, self.batch = backend, batch
         windows, nb = backend.kv.window_sizes, backend.max_blocks
-        # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens, positions
+        # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens,
+        # positions, picks
         self.per_window = 4 * batch + batch * nb
-        size = len(windows) * self.per_window + 2 * batch
-        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=backend.device.type == "cuda")
+        size = len(windows) * self.per_window + 3 * batch
+        cuda = backend.device.type == "cuda"
+        # two pinned staging buffers in turn, each with the event of its last upload: async scheduling
+        # fills step k+1 while step k's upload may still be queued; the other buffer's upload came
+        # before a step the engine has waited for, so its event is done and the check never waits
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._uploaded = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._turn = 0
         self.dev = torch.zeros(size, dtype=torch.int32, device=backend.device)
         splits = decode_splits(batch, backend.num_kv_heads, backend.num_sms)
         gp = group_rows(backend.num_heads, backend.num_kv_heads)
@@ -216,14 +223,20 @@ class StaticDecodePlan:
         tail = len(windows) * self.per_window
         self.token_ids = self.dev[tail: tail + batch]
         self.positions = self.dev[tail + batch: tail + 2 * batch]
+        self.picks = self.dev[tail + 2 * batch: tail + 3 * batch]  # row of `take_pending`'s source, -1: none
         self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
 
-    def fill(self, seqs: list[SeqLayout], token_ids: list[int]) -> None:
+    def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None) -> None:
         """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
-        into the pinned staging buffer, then one asynchronous host-to-device copy."""
+        into a pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
+        row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder)."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
         n = len(seqs)
-        host = self.host.numpy()
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        if self._uploaded is not None and not self._uploaded[self._turn].query():
+            self._uploaded[self._turn].synchronize()  # only if the engine ran ahead of its discipline
+        host = staging.numpy()
         lens = np.fromiter((s.num_past + 1 for s in seqs), dtype=np.int32, count=n)
         for i, window in enumerate(self.backend.kv.window_sizes):
             part = host[i * self.per_window:(i + 1) * self.per_window]
@@ -242,8 +255,17 @@ class StaticDecodePlan:
             lo[:n], lo[n:] = np.maximum(lens - window, 0), 0
         tail = host[len(self.backend.kv.window_sizes) * self.per_window:]
         tail[:n], tail[n:b] = token_ids, 0
-        tail[b:b + n], tail[b + n:] = lens - 1, 0
-        self.dev.copy_(self.host, non_blocking=True)
+        tail[b:b + n], tail[b + n:2 * b] = lens - 1, 0
+        tail[2 * b:2 * b + n], tail[2 * b + n:] = picks if picks is not None else -1, -1
+        self.dev.copy_(staging, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded[self._turn].record()
+
+    def take_pending(self, source: torch.Tensor) -> None:
+        """Device side of `fill`'s picks, captured in the graph before the forward: a row with a pick
+        takes its token from `source` ([>= batch] int64, the previous step's sampled ids)."""
+        picked = source.index_select(0, self.picks.clamp(min=0)).to(torch.int32)
+        self.token_ids.copy_(torch.where(self.picks >= 0, picked, self.token_ids))
 
 
 def _write_locations(seqs: list[SeqLayout], window: int, tpb: int) -> tuple[list[int], list[int]]:

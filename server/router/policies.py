@@ -101,9 +101,10 @@ class ScoreWeights:
     primary: float = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
     secondary: float = 0.75  # a block on the host tier: onboarded (copied back) before reuse
     load: float = 1.0  # per token the server still has to compute for the router's legs in flight
+    disk: float = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
 
     def tier(self, level: int) -> float:
-        return self.primary if level == Level.PRIMARY else self.secondary
+        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
 
 
 class KvCacheAware(RoundRobin):

@@ -5,7 +5,7 @@ router:
   type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware | kv_cache_snapshot
   migration_limit: 1              # moves of one request to another generation server when its own dies
   api_keys: [...]                 # and api_keys_file, open_paths, tenant_salt_from_api_key (router/auth.py)
-  kv_weights: {primary: 1.0, secondary: 0.75}   # kv_cache_aware: value of a hit token per tier
+  kv_weights: {primary: 1.0, secondary: 0.75, disk: 0.25}   # kv_cache_aware: value of a hit token per tier
   load_weight: 1.0                # kv_cache_aware: cost of a token a server still has to compute
   queue: {max_inflight_per_server: 64, max_waiting: 1024, timeout_s: 60}
   conditional: {max_local_prefill_length: 256, min_prefix_hit: 512}   # off unless given
@@ -40,6 +40,7 @@ OpenPath = Annotated[str, Meta(pattern=r"^/[^*]*\*?$", description=f"a path {_TR
 class KvWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     primary: Weight = ScoreWeights.primary
     secondary: Weight = ScoreWeights.secondary
+    disk: Weight = ScoreWeights.disk
 
 
 class Queue(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,7 +92,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @property
     def routing(self) -> RoutingConfig:
-        weights = ScoreWeights(self.kv_weights.primary, self.kv_weights.secondary, self.load_weight)
+        kv = self.kv_weights
+        weights = ScoreWeights(kv.primary, kv.secondary, self.load_weight, kv.disk)
         return RoutingConfig(weights, QueueLimits(**msgspec.structs.asdict(self.queue)), self.conditional)
 
     def access(self, yaml_dir: Path, source: str) -> RouterAccess:

@@ -210,11 +210,15 @@ class KvEventSource:
     async def snapshot(self) -> dict:
         """The cache's blocks per window and level, and the `seq` of the last event they include.
         Raises TimeoutError if the engine thread does not answer within SNAPSHOT_TIMEOUT_S."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.request_snapshot()), SNAPSHOT_TIMEOUT_S)
+
+    def request_snapshot(self) -> concurrent.futures.Future:
+        """Any thread: a future the engine thread's next tick completes with the snapshot."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._wanted.append(future)
         self.wake()  # an idle engine thread ticks at once
-        return await asyncio.wait_for(asyncio.wrap_future(future), SNAPSHOT_TIMEOUT_S)
+        return future
 
     def _snapshot(self, kv) -> dict:
         blocks = kv.cached_blocks()

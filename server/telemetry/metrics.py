@@ -43,8 +43,9 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class KVStats(Protocol):
     """What the collector reads from the KV manager's cumulative `KVCacheStats`.
 
-    `blocks` maps (window, level, state) to a block count, level in {"primary", "secondary"},
-    state in {"free", "cached", "in_use"}. All other fields are cumulative since start.
+    `blocks` maps (window, level, state) to a block count, level in {"primary", "secondary", "disk"},
+    state in {"free", "cached", "in_use"}; `disk_dropped` maps a reason to dropped disk blocks;
+    `disk_queued_bytes` is a current value. All other fields are cumulative since start.
     """
 
     prefix_query_tokens: int
@@ -55,6 +56,14 @@ class KVStats(Protocol):
     bytes_offloaded: int
     bytes_onboarded: int
     bytes_copied_primary: int
+    disk_offloads: int
+    disk_onboards: int
+    disk_bytes_written: int
+    disk_bytes_read: int
+    disk_write_errors: int
+    disk_restored: int
+    disk_queued_bytes: int
+    disk_dropped: Mapping[str, int]
     blocks: Mapping[tuple[int, str, str], int]
 
 
@@ -90,6 +99,13 @@ _KV_COUNTERS = (
     ("pdserve_kv_offloaded_bytes", "bytes_offloaded", "Bytes copied primary -> host."),
     ("pdserve_kv_onboarded_bytes", "bytes_onboarded", "Bytes copied host -> primary."),
     ("pdserve_kv_copied_bytes", "bytes_copied_primary", "Bytes copied inside the primary pool."),
+    ("pdserve_kv_disk_offloaded_blocks", "disk_offloads", "Blocks moved from the host pool to the disk tier."),
+    ("pdserve_kv_disk_onboarded_blocks", "disk_onboards",
+     "Blocks read back from the disk tier into the host pool (disk hits; their files checked)."),
+    ("pdserve_kv_disk_written_bytes", "disk_bytes_written", "KV bytes that reached the disk tier's files."),
+    ("pdserve_kv_disk_read_bytes", "disk_bytes_read", "KV bytes read back from the disk tier."),
+    ("pdserve_kv_disk_write_errors", "disk_write_errors", "Disk tier writes that failed (file system errors)."),
+    ("pdserve_kv_disk_restored_blocks", "disk_restored", "Blocks the disk tier found again at start."),
 )
 
 
@@ -118,6 +134,21 @@ class _KVCacheCollector:
             if stats is not None:
                 family.add_metric([], getattr(stats, field))
             yield family
+        yield from _disk_families(stats)
+
+
+def _disk_families(stats: KVStats | None) -> Iterator[Metric]:
+    dropped = CounterMetricFamily(
+        "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
+        "failed its check (corrupt, truncated, stale, missing, timeout, io_error) or the write queue was full "
+        "(queue_full).", labels=["reason"])
+    for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    queued = GaugeMetricFamily("pdserve_kv_disk_write_queue_bytes", "KV bytes waiting for their disk tier write.")
+    if stats is not None:
+        queued.add_metric([], stats.disk_queued_bytes)
+    yield queued
 
 
 class _CountersCollector:

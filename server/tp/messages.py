@@ -35,7 +35,13 @@ class Copies(msgspec.Struct, tag=True, frozen=True):
 
 
 class Forward(msgspec.Struct, tag=True, frozen=True):
+    """One step. With async scheduling, chunk `i` in `pending` takes its one token from row
+    `pending[i]` of the previous step's sampled ids, which are on rank 0's device only: rank 0
+    broadcasts those `num_sampled` ids (int64) right before the forward (server/tp/runner.py)."""
+
     seqs: list[SeqStep]
+    pending: dict[int, int] | None = None  # chunk index -> row of the sampled ids
+    num_sampled: int = 0
 
 
 class OfferLease(msgspec.Struct, tag=True, frozen=True):

@@ -2,14 +2,22 @@
 
 It wraps the rank's own `ModelRunner` (shard 0) from outside (STYLE.md #10): `execute` queues the
 step (`Forward`) after the pool copies rank 0's KV manager ran since the last one, sends them, then
-runs shard 0, whose collectives meet the other ranks'. The engine sees the runner it always saw.
+runs shard 0, whose collectives meet the other ranks'. The engine sees the runner it always saw:
+what `EngineCore` reads of its runner is here (tests/unit/test_tp_runner.py checks that nothing it
+calls is missing).
+
+Async scheduling: a row whose token is still on the device (`PendingTokens`: the ids the step
+before sampled, on rank 0's device only) is named in the `Forward` by its row, and rank 0 broadcasts
+the sampled ids to the other ranks through the process group (`group.share_from_rank0`) right before
+its forward, so every rank embeds the same tokens and no host waits for them (NCCL: only the stream).
 """
 
 from __future__ import annotations
 
 import torch
 
-from server.models.runner import ModelRunner, SeqChunk
+from server.models.parallel import group
+from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.models.spec import ModelSpec
 from server.tp.messages import Forward, SeqStep
 from server.tp.ranks import Ranks
@@ -28,11 +36,31 @@ class RankedRunner:
     def kernels(self) -> str:
         return self.runner.kernels
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.runner.max_batch_size
+
+    @property
+    def graphs(self):
+        """Rank 0's decode graphs (benchmarks read them)."""
+        return self.runner.graphs
+
     def warm_up(self) -> float:
         return self.runner.warm_up()
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Float32 logits [chunks with need_logits, vocab] (the whole vocabulary, on rank 0)."""
-        self.ranks.add(Forward([SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits) for c in chunks]))
+        seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits) for c in chunks]
+        if pending is None:
+            self.ranks.add(Forward(seqs))
+        else:
+            source = pending.source.contiguous()
+            self.ranks.add(Forward(seqs, dict(pending.rows), source.numel()))
         self.ranks.flush()
-        return self.runner.execute(chunks)
+        if pending is not None:
+            group.share_from_rank0(source)
+        return self.runner.execute(chunks, pending)

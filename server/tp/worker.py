@@ -29,7 +29,7 @@ from kvcache.layout import CacheLayout
 from server.config.schema import ServerConfig
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
-from server.models.runner import ModelRunner, SeqChunk, resolve_dtype
+from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_dtype
 from server.models.spec import load_spec
 from server.tp.channel import RankEnd
 from server.tp.messages import Command, Copies, Failure, Forward, Init, Joined, Op, Ready, Stop
@@ -99,7 +99,7 @@ class Worker:
     def __init__(self, args: WorkerArgs, end: RankEnd) -> None:
         self.end = end
         cfg = msgspec.json.decode(args.config_json, type=ServerConfig)
-        device = group.rank_device(torch.device(args.device), args.rank)
+        self.device = device = group.rank_device(torch.device(args.device), args.rank)
         dtype = resolve_dtype(args.dtype, device)
         group.join(args.rank, args.size, device, port=args.store_port)
         spec = load_spec(args.model_dir)
@@ -139,10 +139,19 @@ class Worker:
             if isinstance(op, Copies):
                 self.kv.apply_copies(op.window, [CopyOp(Level(a), b, Level(c), d) for a, b, c, d in op.ops])
             elif isinstance(op, Forward):
-                self.runner.execute([SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits)
-                                     for s in op.seqs])
+                self.forward(op)
             elif isinstance(op, Stop):
                 return False
             else:
                 self.role.apply(op)
         return True
+
+    def forward(self, op: Forward) -> None:
+        """This rank's part of one step; rows with a pending token take it from the sampled ids
+        rank 0 broadcasts (server/tp/runner.py)."""
+        chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits) for s in op.seqs]
+        pending = None
+        if op.pending is not None:
+            sampled = torch.empty(op.num_sampled, dtype=torch.int64, device=self.device)
+            pending = PendingTokens(group.share_from_rank0(sampled), op.pending)
+        self.runner.execute(chunks, pending)

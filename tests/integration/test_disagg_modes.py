@@ -33,10 +33,14 @@ def _complete(client: openai.OpenAI, model: str, prompt: str, n: int = 16, **ext
                                      extra_body={"ignore_eos": True}, **extra)
 
 
-def test_sliding_window_pair_matches_transformers_beyond_the_window(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sliding_window_pair_matches_transformers_beyond_the_window(tmp_path, async_scheduling):
+    """Both ways of stepping the engine (async scheduling is off on a CPU unless set)."""
     model = "builtin:tiny-qwen3-swa"  # window 64 tokens; prompts of ~180 tokens
     prompts = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in ("rivers", "bridges")]
-    with dh.launched("disagg_vswa.yaml", tmp_path) as dep:
+    with dh.launched("disagg_vswa.yaml", tmp_path, {"async_scheduling": async_scheduling}) as dep:
+        logs = "".join(p.read_text(errors="replace") for p in dep.log_dir.glob("*.log"))
+        assert logs.count(f"async scheduling {async_scheduling}") == 2, dep.logs()  # both servers
         client = _client(dep.url)
         for prompt in prompts:
             first = _complete(client, model, prompt, 24)

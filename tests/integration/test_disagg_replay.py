@@ -3,7 +3,9 @@
 Six ~200-token prompts go through `configs/disagg_host_offload.yaml` (a 32-block context pool and
 a host tier), once one by one, then five times all six at once. Replays must hit the prefix cache,
 read back exactly the KV they wrote (identical text) although blocks were offloaded and onboarded
-in between, and match aggregated mode and transformers `generate` token for token.
+in between, and match aggregated mode and transformers `generate` token for token. The same again
+with all three tiers in use: an 8-block host pool and a disk tier behind it on the context server,
+so blocks go down to files and come back up through the host pool.
 """
 
 from __future__ import annotations
@@ -61,16 +63,38 @@ def reference_texts(tmp_path_factory) -> list[str]:
     return hf
 
 
+def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
+    first = asyncio.run(_serial(dep.url))
+    assert [b["choices"][0]["text"] for b in first] == reference_texts
+    for _ in range(5):
+        replay = asyncio.run(_concurrent(dep.url))
+        assert [b["choices"][0]["text"] for b in replay] == reference_texts
+        assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+
+
 def test_replay_through_host_offload_pair(tmp_path, reference_texts):
     with dh.launched("disagg_host_offload.yaml", tmp_path) as dep:
-        first = asyncio.run(_serial(dep.url))
-        assert [b["choices"][0]["text"] for b in first] == reference_texts
-        for _ in range(5):
-            replay = asyncio.run(_concurrent(dep.url))
-            assert [b["choices"][0]["text"] for b in replay] == reference_texts
-            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        _replay(dep, reference_texts)
         ctx = dep.context_urls[0]
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
         for url in dep.context_urls + dep.generation_urls:
             wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")
+
+
+BLOCK_BYTES = 32 * 2048  # tiny-llama: 32 tokens x 2 KiB per token (4 layers, K and V, 2 heads x 32)
+
+
+def test_replay_through_host_and_disk_tiers(tmp_path, reference_texts):
+    disk = {"path": str(tmp_path / "kv-disk"), "max_bytes": 64 * BLOCK_BYTES}
+    tiers = {"host_cache_size": 8 * BLOCK_BYTES, "disk": disk}
+    with dh.launched("disagg_host_offload.yaml", tmp_path, {"context_servers": {"kv_cache_config": tiers}}) as dep:
+        _replay(dep, reference_texts)
+        ctx = dep.context_urls[0]
+        for name in ("offloaded", "onboarded", "disk_offloaded", "disk_onboarded"):
+            assert dep.metric(ctx, f"pdserve_kv_{name}_blocks_total") > 0, name
+        assert dep.metric(ctx, "pdserve_kv_disk_dropped_blocks_total") == 0
+        assert dep.metric(ctx, "pdserve_kv_cache_blocks", 'level="disk",state="cached"') > 0
+        for url in dep.context_urls + dep.generation_urls:
+            wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")
+    assert list((tmp_path / "kv-disk" / "w2048").glob("*.kv"))

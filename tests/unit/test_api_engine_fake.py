@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from server.types import DisaggParams, GenerateRequest, RequestOutput
+from server.types import DisaggParams, GenerateRequest, LinkState, RequestOutput
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 HANG_S = 30.0
@@ -74,6 +74,12 @@ class FakeEngine:
 
     def release_lease(self, ctx_request_id: str) -> None:
         self.released.append(ctx_request_id)
+
+    def links(self) -> LinkState:  # no KV transceiver
+        return LinkState()
+
+    def idle(self) -> bool:
+        return True
 
     def expected_text(self, prompt_ids: list[int], max_tokens: int) -> str:
         start = sum(prompt_ids)

@@ -37,6 +37,14 @@ class Stats:
     bytes_offloaded: int = 0
     bytes_onboarded: int = 0
     bytes_copied_primary: int = 0
+    disk_offloads: int = 0
+    disk_onboards: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_write_errors: int = 0
+    disk_restored: int = 0
+    disk_queued_bytes: int = 0
+    disk_dropped: dict = field(default_factory=dict)
     blocks: dict = field(default_factory=dict)
 
 
@@ -80,6 +88,24 @@ def test_kv_stats_are_read_from_the_provider_at_every_scrape():
     assert got[("pdserve_kv_onboarded_blocks_total", ())] == 5
     in_use = (("level", "primary"), ("state", "in_use"), ("window", "2048"))
     assert got[("pdserve_kv_cache_blocks", in_use)] == 0
+
+
+def test_disk_tier_figures_are_exposed():
+    stats = Stats(disk_offloads=6, disk_onboards=2, disk_bytes_written=6 * 4096, disk_bytes_read=2 * 4096,
+                  disk_write_errors=1, disk_restored=4, disk_queued_bytes=8192,
+                  disk_dropped={"corrupt": 1, "queue_full": 3},
+                  blocks={(2048, "disk", "cached"): 5, (2048, "disk", "free"): 11})
+    got = samples(ServerMetrics(stats_provider=lambda: stats))
+    assert got[("pdserve_kv_disk_offloaded_blocks_total", ())] == 6
+    assert got[("pdserve_kv_disk_onboarded_blocks_total", ())] == 2
+    assert got[("pdserve_kv_disk_written_bytes_total", ())] == 6 * 4096
+    assert got[("pdserve_kv_disk_read_bytes_total", ())] == 2 * 4096
+    assert got[("pdserve_kv_disk_write_errors_total", ())] == 1
+    assert got[("pdserve_kv_disk_restored_blocks_total", ())] == 4
+    assert got[("pdserve_kv_disk_write_queue_bytes", ())] == 8192
+    assert got[("pdserve_kv_disk_dropped_blocks_total", (("reason", "corrupt"),))] == 1
+    assert got[("pdserve_kv_disk_dropped_blocks_total", (("reason", "queue_full"),))] == 3
+    assert got[("pdserve_kv_cache_blocks", (("level", "disk"), ("state", "cached"), ("window", "2048")))] == 5
 
 
 def test_provider_can_be_set_after_construction():

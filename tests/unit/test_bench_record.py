@@ -93,3 +93,15 @@ def test_machine_and_commit_are_read_from_this_machine_and_checkout():
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     assert context.machine["cores"] >= 1 and context.machine["gpu"] == gpu
     assert context.machine["torch"].startswith("2.") and context.git == info
+
+
+def test_a_record_may_carry_series_per_repeat_with_nan_as_null():
+    series = [{"t_s": [0.0, 1.0], "ttft_mean_ms": [12.5, math.nan]}, {"t_s": [0.0], "ttft_mean_ms": [9.0]}]
+    record = make_record(CONTEXT, "load", {"target": "agg"}, {"ttft_mean_ms": 11.0}, [{}, {}], series)
+    line = dumps(record)
+    assert json.loads(line)["series"] == [{"t_s": [0.0, 1.0], "ttft_mean_ms": [12.5, None]},
+                                          {"t_s": [0.0], "ttft_mean_ms": [9.0]}]
+    back = loads(line)["series"]
+    assert back[0]["ttft_mean_ms"][0] == 12.5 and math.isnan(back[0]["ttft_mean_ms"][1])
+    assert back[1] == {"t_s": [0.0], "ttft_mean_ms": [9.0]}
+    assert "series" not in make_record(CONTEXT, "sweep", {}, {})  # other records stay as they were

@@ -105,3 +105,36 @@ def test_report_without_records_says_so(tmp_path):
     (tmp_path / "records.jsonl").write_text("")
     with pytest.raises(SystemExit, match="no records"):
         report.run(argparse.Namespace(records=[tmp_path], out=None, prefix="", title="T"))
+
+
+def _load_point(out: RecordWriter, target: str, figure: str, ttft: float, mixed: bool = False) -> None:
+    figures = _figures(32, 1.0) | {"ttft_mean_ms": ttft, "ttft_mean_first_window_ms": 2 * ttft,
+                                   "ttft_mean_later_ms": ttft, "first_vs_later_ttft": 2.0,
+                                   "server_ttft_mean_ms": ttft / 2, "server_queue_mean_ms": 1.5}
+    if mixed:
+        figures |= {"background_tpot_p50_ms": 5.0, "background_tpot_p99_ms": 9.0, "background_itl_p99_ms": 30.0,
+                    "long_ttft_p50_ms": 80.0, "long_tpot_p99_ms": 7.0}
+    series = [{"t_s": [0.0, 1.0, 2.0], "ttft_mean_ms": [3 * ttft, ttft, ttft], "output_tok_s": [50.0, 90.0, 95.0]}]
+    out.write("load", {"target": target, "figure": figure, "workload": "mixed" if mixed else "random"}, figures,
+              [figures], series)
+
+
+def test_load_records_get_their_tables_and_plots(tmp_path):
+    out = RecordWriter(tmp_path, CONTEXT)
+    _load_point(out, "agg", "c=32", 40.0)
+    _load_point(out, "agg", "c=8 + 2048in@1/s", 50.0, mixed=True)
+    _load_point(out, "disagg", "c=8 + 2048in@1/s", 60.0, mixed=True)
+    args = argparse.Namespace(records=[tmp_path], out=tmp_path / "r", prefix="gpu-", title="T")
+    assert report.run(args) == 0
+    pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
+    assert pngs == ["gpu-load-c-32-series.png", "gpu-load-c-8-2048in-1-s-series.png",
+                    "gpu-load-c-8-2048in-1-s-targets.png"]
+    for name in pngs:
+        assert (tmp_path / "r" / name).read_bytes().startswith(PNG_MAGIC)
+    text = (tmp_path / "r" / "gpu-report.md").read_text()
+    assert "## Load" in text and "## load" not in text  # not again as an "other command" table
+    assert "| agg: c=32 | 0 | - | 40.0 | 80.0 | 40.0 | 2.00 | 20.0 | 1.5 | - | - | - | - | - | - |" in text
+    mixed = "| disagg: c=8 + 2048in@1/s | 0 | - | 60.0 | 120.0 | 60.0 | 2.00 | 30.0 | 1.5 | 5.00 | 9.00 | 30.00 |"
+    assert mixed + " 80.0 | 7.00 | - |" in text
+    for name in pngs:
+        assert f"({name})" in text

@@ -80,6 +80,17 @@ def test_sections_inherit_and_override_top_level(tmp_path):
     assert cfg.auth_token == TOKEN
 
 
+def test_a_disk_tier_directory_serves_one_server_of_a_host(tmp_path):
+    disk = {"host_cache_size": 1 << 20, "disk": {"path": "/var/cache/kv", "max_bytes": 1 << 30}}
+    with pytest.raises(ConfigError, match=r"x\.yaml: kv_cache_config\.disk\.path: context server 127\.0\.0\.1:8001 "
+                                          r"and generation server 127\.0\.0\.1:8002 both use '/var/cache/kv'"):
+        load_deployment(write(tmp_path, disagg(kv_cache_config=disk)))
+    data = disagg(kv_cache_config=disk)
+    data["generation_servers"]["kv_cache_config"] = {"disk": {"path": "/var/cache/kv-gen", "max_bytes": 1 << 30}}
+    cfg = load_deployment(write(tmp_path, data))
+    assert [s.kv_cache_config.disk.path for s in cfg.servers] == ["/var/cache/kv", "/var/cache/kv-gen"]
+
+
 def test_only_generation_servers_run_aggregated_behind_the_router(tmp_path):
     data = disagg()
     del data["context_servers"]
@@ -218,6 +229,20 @@ def test_scheduler_limits_default_the_prefill_batch_by_device():
     assert cuda.max_prefill_batch_tokens is None  # a GPU batches prompts up to max_num_tokens
     chosen = replace(cfg, max_prefill_batch_tokens=64)
     assert scheduler_limits(chosen, torch.device("cpu")).max_prefill_batch_tokens == 64
+
+
+def test_async_scheduling_is_auto_true_or_false_and_auto_means_cuda(tmp_path):
+    from server.deploy.serve import use_async_scheduling
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = server_config_from_dict({"model": "builtin:tiny-llama"})
+    assert cfg.async_scheduling == "auto"
+    assert (use_async_scheduling(cfg, cpu), use_async_scheduling(cfg, cuda)) == (False, True)
+    for value in (True, False):
+        chosen = load_server_config(write(tmp_path, {"model": "m", "async_scheduling": value}, f"{value}.yaml"))
+        assert use_async_scheduling(chosen, cpu) is use_async_scheduling(chosen, cuda) is value
+    with pytest.raises(ConfigError, match=r"bad.yaml: async_scheduling: must be one of auto, true, false, got 'on'"):
+        load_server_config(write(tmp_path, {"model": "m", "async_scheduling": "on"}, "bad.yaml"))
 
 
 def test_servers_that_may_share_the_gpu_split_the_default_pool_fraction(tmp_path):

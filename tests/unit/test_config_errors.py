@@ -91,6 +91,9 @@ CASES = [
     ("generation_servers.model", "other", "model: every server must serve the same model"),
     ("kv_cache_config", [1], "kv_cache_config: must be a mapping, got a list"),
     ("hostname", "", "hostname: must be a non-empty string, got ''"),
+    ("engine_process", "yes", "engine_process: must be auto, true or false, got 'yes'"),
+    ("generation_servers.engine_process", 1,
+     "generation_servers.engine_process: must be auto, true or false, got an integer 1"),
 ]
 
 
@@ -160,6 +163,6 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
         load_server_config(path)
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
-                               "kernels, cuda_graphs, tensor_parallel_size, "
+                               "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
                                "kv_cache_config, cache_transceiver_config, drain_timeout_s, hostname, port, "
                                "context_urls")

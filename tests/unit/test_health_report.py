@@ -16,6 +16,7 @@ from waiting import wait_until
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.deploy.drain import Drain
 from server.deploy.serve import install_health
+from server.engine.status import links_of
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
@@ -52,8 +53,10 @@ def app_with(engine: FakeEngine, directory=None, drain: Drain | None = None):
 
 
 def engine_with(sender=None, receiver=None) -> FakeEngine:
+    """A fake engine whose /health reads these real transceivers as a loaded engine's are read."""
     engine = FakeEngine()
-    engine.core = SimpleNamespace(connector=SimpleNamespace(sender=sender, receiver=receiver))
+    core = SimpleNamespace(connector=SimpleNamespace(sender=sender, receiver=receiver))
+    engine.links = lambda: links_of(core)
     return engine
 
 

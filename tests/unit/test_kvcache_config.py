@@ -30,6 +30,25 @@ def test_yaml_errors_name_file_key_and_value(key, value, why):
         server_config_from_dict({"model": "m", "kv_cache_config": {key: value}}, "ctx.yaml")
 
 
+@pytest.mark.parametrize(("disk", "why"), [
+    ({"path": "/d", "max_bytes": 1 << 20}, r"kv_cache_config\.disk: needs a host pool \(host_cache_size > 0\)"),
+    ({"path": "", "max_bytes": 1, "x": 0}, r"kv_cache_config\.disk\.path: must be a non-empty string"),
+    ({"path": "/d"}, r"kv_cache_config\.disk\.max_bytes: required"),
+    ({"path": "/d", "max_bytes": 1, "read_threads": 0}, r"kv_cache_config\.disk\.read_threads: must be >= 1"),
+    ({"path": "/d", "max_bytes": 1, "paths": 1}, r"kv_cache_config\.disk\.paths: unknown key"),
+])
+def test_disk_tier_errors_name_file_and_key(disk, why):
+    host = {} if "needs a host pool" in why else {"host_cache_size": 1 << 20}
+    with pytest.raises(ConfigError, match=rf"^ctx\.yaml: {why}"):
+        server_config_from_dict({"model": "m", "kv_cache_config": {"disk": disk, **host}}, "ctx.yaml")
+
+
+def test_a_disk_tier_too_small_for_one_block_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"kv_cache_config.disk.max_bytes=100: holds no block \(one block of every "
+                                         r"layer is 256 bytes\)"):
+        make_manager("cpu", host_blocks=2, disk_blocks=1, disk_dir=str(tmp_path), disk={"max_bytes": 100})
+
+
 def test_constructor_checks_across_fields_and_yaml_values_convert():
     with pytest.raises(ValueError, match=r"^max_tokens: 16 is below one block \(tokens_per_block=32\)"):
         KvCacheConfig(max_tokens=16)

@@ -19,9 +19,10 @@ def _manager():
 
 
 def _move_to_secondary(bm, b):
-    """Swap b with the free secondary block holding slot 0 (keeps slots a permutation)."""
+    """Swap b with the free secondary block holding slot 0 (keeps slots a permutation, owners right)."""
     spare = next(x for x in bm.free[Level.SECONDARY] if x.slot == 0)
     b.level, spare.level, b.slot, spare.slot = spare.level, b.level, spare.slot, b.slot
+    bm.owners[b.level][b.slot], bm.owners[spare.level][spare.slot] = b, spare
     bm.free[Level.SECONDARY].remove(spare)
     bm.free[Level.PRIMARY].append(spare)
 
@@ -30,6 +31,8 @@ def _move_to_secondary(bm, b):
     (lambda bm: setattr(bm.blocks[2], "ref", 2), "block 2 has ref=2 but 1 request references"),
     (lambda bm: setattr(bm.blocks[1], "slot", 0), "PRIMARY slots are not a permutation"),
     (lambda bm: _move_to_secondary(bm, bm.blocks[0]), "primary block 1 has a SECONDARY parent 0"),
+    (lambda bm: bm.owners[Level.PRIMARY].reverse(), r"PRIMARY slot owners are stale"),
+    (lambda bm: setattr(bm.blocks[0], "secondary_children", 1), "block 0 counts 1 secondary children, has 0"),
     (lambda bm: setattr(bm, "num_reclaimable", 5), "num_reclaimable=5 but 2"),
     (lambda bm: setattr(bm.blocks[1], "queue_seq", -1), r"eviction candidates \[1\] of the PRIMARY level"),
     (lambda bm: bm.copies.append(CopyOp(Level.PRIMARY, 0, Level.SECONDARY, 0)), "1 copies were never executed"),

@@ -152,7 +152,7 @@ def test_a_stale_entry_in_one_level_queue_never_hides_the_live_entry_in_the_othe
 
     bm = BlockManager(2, 2, offload_min_priority=0)
     b = bm.blocks[0]
-    primary, secondary = bm.queues
+    primary, secondary, _disk = bm.queues
     primary.push(b)
     primary.push(b)  # the first entry is stale now
     secondary.push(b)  # b moved levels; with a counter per queue this entry took the stale one's seq

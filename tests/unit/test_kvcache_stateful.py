@@ -1,11 +1,16 @@
 """Random sequences of admit / decode / release / early release / pin / unpin / ensure_primary under
-eviction pressure, with offload on and off and VSWA on and off (hypothesis stateful testing).
+eviction pressure, with offload on and off (to the host, and on to a disk tier) and VSWA on and off
+(hypothesis stateful testing).
 
-After every step: check_integrity(), every cached block (either level) holds the bytes of its token
+After every step: check_integrity(), every cached block (any level) holds the bytes of its token
 prefix, and every live request's computed positions hold the right KV. OutOfBlocksError must leave
 the state exactly as it was."""
 
 from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
 
 import hypothesis.strategies as st
 import pytest
@@ -35,13 +40,17 @@ PREFIXES = [[], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9], [7] * 9, [1, 2, 3, 4, 5, 6,
 class CacheMachine(RuleBasedStateMachine):
     device = "cpu"
     host_blocks = 0
+    disk_blocks = 0
     windows: tuple[int, ...] = (64,)
     copy = True
 
     def __init__(self) -> None:
         super().__init__()
+        self.disk_dir = tempfile.mkdtemp(prefix="kv-disk-") if self.disk_blocks else None
         self.m = make_manager(self.device, tpb=TPB, primary_blocks=7, host_blocks=self.host_blocks,
-                              windows=self.windows, copy_on_partial_reuse=self.copy)
+                              windows=self.windows, copy_on_partial_reuse=self.copy,
+                              disk_blocks=self.disk_blocks, disk_dir=self.disk_dir, disk_key=b"k" * 32,
+                              secondary_offload_min_priority=0 if self.disk_blocks else 35)
         self.book = PrefixBook(TPB)
         self.live: dict[str, list[int]] = {}  # request -> tokens (all computed)
         self.pins: list[tuple[int, list[int]]] = []
@@ -49,7 +58,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         m = self.m
-        return (m.stats(), {w: m.cached_block_hashes(w) for w in m.window_sizes},
+        stats = dataclasses.replace(m.stats(), disk_bytes_written=0, disk_queued_bytes=0)  # the writers' pace
+        return (stats, {w: m.cached_block_hashes(w) for w in m.window_sizes},
                 {rid: [m.block_ids(rid, w) for w in m.window_sizes] for rid in self.live},
                 {w: sorted(tree_locations(m, w).values()) for w in m.window_sizes})
 
@@ -154,22 +164,27 @@ class CacheMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         in_use = {key: n for key, n in self.m.stats().blocks.items() if key[2] == "in_use"}
         assert set(in_use.values()) == {0}  # after all requests end and pins go, used == 0
+        self.m.close()
+        if self.disk_dir is not None:
+            shutil.rmtree(self.disk_dir)
 
 
-VARIANTS = {  # (host blocks, windows, copy_on_partial_reuse)
-    "plain": (0, (64,), True),
-    "offload": (4, (64,), False),
-    "vswa": (0, (8, 64, 8), False),
-    "vswa_offload": (4, (8, 64), True),
+VARIANTS = {  # (host blocks, disk blocks, windows, copy_on_partial_reuse)
+    "plain": (0, 0, (64,), True),
+    "offload": (4, 0, (64,), False),
+    "vswa": (0, 0, (8, 64, 8), False),
+    "vswa_offload": (4, 0, (8, 64), True),
+    "disk": (1, 6, (64,), True),  # every evicted block goes down (secondary_offload_min_priority 0)
+    "vswa_disk": (1, 4, (8, 64), False),
 }
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_random_operation_sequences(device, variant):
-    host, windows, copy = VARIANTS[variant]
-    machine = type(f"Machine_{variant}", (CacheMachine,),
-                   {"device": device, "host_blocks": host, "windows": windows, "copy": copy})
+    host, disk, windows, copy = VARIANTS[variant]
+    machine = type(f"Machine_{variant}", (CacheMachine,), {"device": device, "host_blocks": host,
+                                                           "disk_blocks": disk, "windows": windows, "copy": copy})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=100, stateful_step_count=40, deadline=None, database=None,
         suppress_health_check=list(HealthCheck)))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes
+from kvcache.config import DiskTierConfig
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MOD = 131071  # values < 2**17, times 64, stay exact in float32
@@ -17,12 +18,19 @@ MOD = 131071  # values < 2**17, times 64, stay exact in float32
 
 def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blocks: int = 0,
                  windows: Sequence[int] = (64,), max_seq_len: int = 64, heads: int = 2, dim: int = 4,
-                 dtype: torch.dtype = torch.float32, salt: str = "", **cfg) -> KVCacheManager:
-    """A manager with `primary_blocks` primary and `host_blocks` secondary blocks per window group."""
+                 dtype: torch.dtype = torch.float32, salt: str = "", disk_blocks: int = 0,
+                 disk_dir: str | None = None, disk_key: bytes = b"", disk: dict | None = None,
+                 **cfg) -> KVCacheManager:
+    """A manager with `primary_blocks` primary, `host_blocks` secondary and `disk_blocks` disk blocks
+    per window group (the disk tier in `disk_dir`, with the other DiskTierConfig keys of `disk`).
+    Close it when it has a disk tier (its writer threads)."""
     layout = CacheLayout(tuple(windows), heads, dim, dtype, device, max_seq_len)
+    block_bytes = tpb * layout.bytes_per_token()
+    tier = DiskTierConfig(**{"path": str(disk_dir), "max_bytes": disk_blocks * block_bytes, **(disk or {})}) \
+        if disk_blocks else None
     config = KvCacheConfig(tokens_per_block=tpb, max_tokens=primary_blocks * tpb,
-                           host_cache_size=host_blocks * tpb * layout.bytes_per_token(), **cfg)
-    return KVCacheManager(config, layout, salt=salt)
+                           host_cache_size=host_blocks * block_bytes, disk=tier, **cfg)
+    return KVCacheManager(config, layout, salt=salt, disk_key=disk_key)
 
 
 def token_values(tokens: Sequence[int]) -> list[int]:
@@ -94,11 +102,22 @@ class PrefixBook:
         for w in m.window_sizes:
             for h, (level, slot) in tree_locations(m, w).items():
                 prefix = self.prefix_of[h]
-                pool = m.pool(w, level)
-                want = _expected(token_values(prefix)[-self.tpb:], pool.shape[1], pool)
-                assert torch.equal(pool[slot], want), f"window {w} cached block at {level.name}:{slot}"
+                got = pool_block(m, w, level, slot, h)
+                want = _expected(token_values(prefix)[-self.tpb:], got.shape[0], got)
+                assert torch.equal(got, want), f"window {w} cached block at {level.name}:{slot}"
                 checked += 1
         return checked
+
+
+def pool_block(m: KVCacheManager, window: int, level: Level, slot: int, block_hash: bytes) -> torch.Tensor:
+    """A cached block's bytes as [layers, 2, tpb, heads, dim]: a pool's slot, or for the disk level
+    what the disk store reads back for it (its queued write, or its file, checked)."""
+    primary = m.pool(window)
+    if level is not Level.DISK:
+        return m.pool(window, level)[slot]
+    payload = m._disk.store.read_many([(window, slot, block_hash)])[0]
+    assert isinstance(payload, memoryview), f"window {window} disk slot {slot}: {payload}"
+    return torch.frombuffer(payload, dtype=primary.dtype).view(primary.shape[1:]).to(primary.device)
 
 
 def tree_locations(m: KVCacheManager, window: int) -> dict[bytes, tuple[Level, int]]:

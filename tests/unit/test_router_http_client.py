@@ -233,3 +233,30 @@ def test_a_stream_closed_early_closes_its_connection():
             await client.aclose()
         assert server.shared["eof"] is True
     run(main())
+
+
+def test_more_legs_than_aiohttps_default_limit_run_at_once_on_one_server():
+    """aiohttp's connector allows 100 connections unless told otherwise; the router's has no limit,
+    so c=160 streams to one generation server are 160 exchanges in flight, not 100 and a queue."""
+    count = 160
+
+    async def hold_until_all_arrived(reader, writer, shared) -> None:
+        while await _read_request(reader) is not None:
+            shared["arrived"] = shared.get("arrived", 0) + 1
+            if shared["arrived"] == count:
+                shared["all"].set()
+            await asyncio.wait_for(shared["all"].wait(), 10)  # a capped pool never gets here: timeout
+            writer.write(_json_reply({"in_flight": shared["arrived"]}))
+            await writer.drain()
+
+    async def main():
+        server = Server(hold_until_all_arrived)
+        server.shared["all"] = asyncio.Event()
+        async with server as url:
+            client = HttpClient()
+            replies = await asyncio.gather(*(client.request("POST", f"{url}/v1/x", json={}, timeout=15)
+                                             for _ in range(count)))
+            await client.aclose()
+        assert [r.json()["in_flight"] for r in replies] == [count] * count
+        assert server.connections == count
+    run(main())

@@ -81,6 +81,19 @@ def _index(backend: Backend, primary: list[bytes], secondary: list[bytes] = (), 
         "primary": [h.hex() for h in primary], "secondary": [h.hex() for h in secondary]}}})
 
 
+def test_kv_cache_aware_weights_disk_tier_hits_below_host_ones():
+    a, b = _backends(2)
+    hashes = block_hashes(TOKENS, 32, "fp")
+    _index(a, hashes[:1])  # 1 device block: 32
+    b.kv_index.reset({"salt": "fp", "tokens_per_block": 32, "windows": {"2048": {  # 32 x 0.25 x 3 = 24
+        "primary": [], "secondary": [], "disk": [h.hex() for h in hashes]}}})
+    prompt = Prompt(lambda: TOKENS)
+    assert hit_tiers(b, prompt) == [Level.DISK] * 3
+    assert [KvCacheAware().score(x, prompt) for x in (a, b)] == [32.0, 24.0]
+    assert KvCacheAware().pick([a, b], prompt, set()) is a
+    assert KvCacheAware(ScoreWeights(disk=0.5)).pick([a, b], prompt, set()) is b  # 48 > 32
+
+
 def test_kv_cache_aware_weights_host_tier_hits_and_subtracts_load():
     a, b, c = _backends(3)
     hashes = block_hashes(TOKENS, 32, "fp")

@@ -36,10 +36,12 @@ def test_defaults_and_every_key(tmp_path):
                            "conditional": {"max_local_prefill_length": 128, "min_prefix_hit": 256}})
     assert cfg.routing == RoutingConfig(ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
     assert cfg.routing.conditional.enabled and not Conditional().enabled
+    disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).routing.weights
+    assert (disk.primary, disk.secondary, disk.disk, disk.load) == (1.0, 0.75, 0.1, 1.0)
 
 
 @pytest.mark.parametrize(("router", "expected"), [
-    ({"kv_weights": {"host": 0.5}}, "router.kv_weights.host: unknown key; valid keys: primary, secondary"),
+    ({"kv_weights": {"host": 0.5}}, "router.kv_weights.host: unknown key; valid keys: primary, secondary, disk"),
     ({"kv_weights": {"secondary": -1}}, "router.kv_weights.secondary: must be >= 0, got -1"),
     ({"load_weight": "high"}, "router.load_weight: must be a number, got a string 'high'"),
     ({"load_weight": float("nan")}, "router.load_weight: must be >= 0, got nan"),

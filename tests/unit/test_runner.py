@@ -17,7 +17,7 @@ import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
-from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_dtype
+from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_device, resolve_dtype
 from server.models.spec import load_spec
 
 TPB = 16
@@ -213,6 +213,29 @@ def test_logits_only_for_chunks_that_want_them(model_dirs: dict[str, Path]) -> N
     last = runner.execute([SeqChunk(ids[20:], 20, _tables(kv, "r"), need_logits=True)])
     ref = hf_reference.hf_logits(model_dirs["llama"], ids)[-1]
     assert (last[0] - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "tiny-qwen3-swa"])
+def test_pending_tokens_are_read_on_the_device(model_dirs: dict[str, Path], family: str) -> None:
+    """Async scheduling: decode rows whose token is still on the device (rows of the step before's
+    sampled ids) give the logits of the same step with those tokens on the host, beside a prefill
+    chunk and a decode row with a host token."""
+    runner, kv = make_runner(model_dirs[family])
+    prompts = {rid: prompt(n, seed) for rid, n, seed in (("a", 30, 1), ("b", 75, 2), ("c", 9, 3), ("d", 20, 4))}
+    for rid in "abc":
+        kv.admit(rid, prompts[rid], num_tokens=len(prompts[rid]) + 1)
+        runner.execute([SeqChunk(prompts[rid], 0, _tables(kv, rid), need_logits=True)])
+    kv.admit("d", prompts["d"])
+    host = {"a": 17, "b": 250, "c": 3}
+
+    def step(tokens: dict[str, int]) -> list[SeqChunk]:
+        decode = [SeqChunk([tokens[rid]], len(prompts[rid]), _tables(kv, rid), True) for rid in "abc"]
+        return [decode[0], SeqChunk(prompts["d"], 0, _tables(kv, "d"), True), decode[1], decode[2]]
+
+    expected = runner.execute(step(host))  # the second run writes the same K/V at the same places
+    source = torch.tensor([99, host["c"], 5, host["a"]])  # [M] int64 on the runner's device
+    logits = runner.execute(step({"a": 0, "b": host["b"], "c": 0}), PendingTokens(source, {0: 3, 3: 1}))
+    assert torch.equal(logits, expected)
 
 
 def test_resolve_dtype_and_device() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
 from transceiver.config import TransceiverConfig
-from transceiver.sender.serve import MAX_IPC_SLOTS
+from transceiver.sender.ipc_serve import MAX_IPC_SLOTS
 from transceiver.wire import (
     MAX_HEADER_BYTES,
     MAX_SKEW_S,

@@ -27,7 +27,7 @@ from server.models.attention import SeqLayout  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
 from server.models.kernels import attention as A  # noqa: E402
 from server.models.kernels import elementwise as E  # noqa: E402
-from server.models.runner import ModelRunner, SeqChunk  # noqa: E402
+from server.models.runner import ModelRunner, PendingTokens, SeqChunk  # noqa: E402
 from server.models.spec import load_spec  # noqa: E402
 
 SLOTS, LAYERS, TPB, KVH, D, H = 40, 3, 8, 2, 32, 8
@@ -122,10 +122,12 @@ def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tenso
     assert changed == [3, 7]
 
 
-@pytest.mark.parametrize("name, prompt_lens", [("tiny-llama", (9, 40)), ("tiny-qwen3-swa", (70,))])
-def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("name, prompt_lens, on_device", [
+    ("tiny-llama", (9, 40), False), ("tiny-qwen3-swa", (70,), False), ("tiny-llama", (9, 40), True)])
+def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[int, ...], on_device: bool) -> None:
     """Prefill (SDPA path for a fresh prompt, paged kernel past tiny-qwen3-swa's 64-token window),
-    then batched decode; float32 greedy tokens equal transformers' generate."""
+    then batched decode; float32 greedy tokens equal transformers' generate. `on_device`: as async
+    scheduling runs it, each decode step's tokens are the step before's argmax, never on the host."""
     model_dir = resolve_model(f"builtin:{name}")
     steps = 5
     layout = load_spec(model_dir).cache_layout(256, torch.float32, "cpu")
@@ -136,15 +138,20 @@ def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[
     outs: list[list[int]] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
         kv.admit(f"r{i}", p, num_tokens=len(p) + steps)
+    picked = None
     for _ in range(steps):
         chunks = []
         for i, p in enumerate(prompts):
             tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
-            done = len(p) + len(outs[i]) - 1
-            chunks.append(SeqChunk([outs[i][-1]], done, tables, True) if outs[i] else SeqChunk(p, 0, tables, True))
-        logits = runner.execute(chunks)
+            if not outs[i]:
+                chunks.append(SeqChunk(p, 0, tables, True))
+            else:  # on the device: a placeholder, the token is row i of `picked`
+                chunks.append(SeqChunk([0 if on_device else outs[i][-1]], len(p) + len(outs[i]) - 1, tables, True))
+        pending = PendingTokens(picked, {i: i for i in range(len(prompts))}) if on_device and outs[0] else None
+        logits = runner.execute(chunks, pending)
         logits[:, list(runner.spec.eos_token_ids)] = float("-inf")
-        for i, token in enumerate(logits.argmax(-1).tolist()):
+        picked = logits.argmax(-1)
+        for i, token in enumerate(picked.tolist()):
             outs[i].append(token)
     for p, out in zip(prompts, outs, strict=True):
         assert out == hf_reference.hf_greedy(model_dir, p, steps)
@@ -171,9 +178,16 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     plan = runner.attention.static_decode_plan(4)
     seqs = StepLayout([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], 3).seqs
     plan.fill(seqs, [c.token_ids[0] for c in chunks])
+    plan.take_pending(torch.zeros(4, dtype=torch.int64))  # no picks: the host tokens stay
     logits = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
     torch.testing.assert_close(logits[:3], eager, atol=1e-4, rtol=1e-4)
     assert torch.isfinite(logits[3]).all()  # the padding row attends to nothing and writes nothing
+    # async scheduling: rows 0 and 2 take their tokens from the step before's sampled ids (device)
+    plan.fill(seqs, [0, 4, 0], picks=[2, -1, 0])
+    plan.take_pending(torch.tensor([5, 9, 3, 8]))
+    assert plan.token_ids[:3].tolist() == [3, 4, 5]
+    picked = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
+    assert torch.equal(picked[:3], logits[:3])
 
 
 @pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (16, False)])

@@ -85,7 +85,8 @@ def test_warm_up_leaves_the_cache_untouched_and_outputs_exact() -> None:
     tables = {w: kv.slot_table("r", w) for w in kv.window_sizes}
     out: list[int] = []
     for _ in range(4):
-        chunk = SeqChunk([out[-1]], len(prompt) + len(out) - 1, tables, True) if out else SeqChunk(prompt, 0, tables, True)
+        past = len(prompt) + len(out) - 1
+        chunk = SeqChunk([out[-1]], past, tables, True) if out else SeqChunk(prompt, 0, tables, True)
         logits = runner.execute([chunk])
         logits[:, list(runner.spec.eos_token_ids)] = float("-inf")
         out.append(int(logits.argmax(-1)))

@@ -13,8 +13,10 @@ and a slot handed to another request is never written by the old transfer.
 
 Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
 (endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
-(the sender's slots, no payload), and `step` copies them into our slots device-to-device and checks
-the checksum of what it wrote; `Done` and the Ack are the byte path's.
+(the sender's slots, no payload), and `step` queues their copy into our slots on a side stream
+(`ipc_copies.py`: one pass that copies and sums) and checks the checksum of what it wrote in a later
+`step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
+Ack are the byte path's; a part whose copies are still running finishes when they are checked.
 
 Tensor parallelism (transceiver/tp.py): our pools may hold some of the model's kv heads (`kv_heads`)
 and the context server's ranks others. The socket thread plans a pull into parts, one per context
@@ -32,7 +34,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -40,17 +41,11 @@ from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
+from transceiver.receiver.ipc_copies import Copy, IpcCopies
 from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
 from transceiver.receiver.link import ReceiverLink
-from transceiver.receiver.parts import (
-    Part,
-    Pulling,
-    Wanted,
-    apply_chunk,
-    apply_ipc_chunk,
-    cancel_targets,
-    check_wanted,
-)
+from transceiver.receiver.parts import apply_chunk, cancel_targets, count_written, ipc_destination
+from transceiver.receiver.pull import Part, Pulling, PullResult, Wanted, check_wanted
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     REASONS,
@@ -68,16 +63,6 @@ from transceiver.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PullResult:
-    request_id: str
-    ok: bool
-    reason: str | None = None  # one of wire.REASONS when not ok
-    error: str | None = None  # a sentence for the client when not ok
-    nbytes: int = 0
-    seconds: float = 0.0
 
 
 class KVReceiver:
@@ -101,6 +86,7 @@ class KVReceiver:
         self._results: list[PullResult] = []
         # endpoint -> (sender epoch, window -> the sender's primary pool opened through CUDA IPC)
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        self._copies = IpcCopies(on_message)  # same-GPU copies on the device
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
         identity = ipc_identity(pools, config.same_host_ipc)
 
@@ -136,6 +122,7 @@ class KVReceiver:
         """Apply received chunks (checksum, scatter), finish or fail pulls; returns finished pulls."""
         for item in self._thread.drain():
             self._on_item(item)
+        self._settle_copies()
         now = time.monotonic()
         for pulling in [p for p in self._pulling.values() if p.deadline <= now]:
             self._fail(pulling, "timeout", f"the KV transfer did not finish within "
@@ -201,6 +188,7 @@ class KVReceiver:
         if pulls:
             time.sleep(0.05)  # let the Cancel notices leave before the sockets close (linger 0)
         self._thread.close()
+        self._copies.close()
         self._ipc_pools.clear()
 
     # ---- messages ----------------------------------------------------------------------------
@@ -268,7 +256,10 @@ class KVReceiver:
             if problem is not None:
                 self._fail(pulling, *problem)
         elif isinstance(body, Done):
-            self._finish(part, body)
+            if self._copies.pending(part.pull_id):
+                part.done = body  # finished once its copies are checked (`_settle_copies`)
+            else:
+                self._finish(part, body)
         elif isinstance(body, Failed):
             reason = body.reason if body.reason in REASONS else "remote_error"
             self._fail(pulling, reason, f"context server: {body.detail}", notify=False, failed_part=part)
@@ -284,12 +275,36 @@ class KVReceiver:
         opened, epoch = self._ipc_pools.get(part.endpoint), part.pulling.ctx_epoch
         if opened is None or opened[0] != epoch:
             return "integrity", f"CUDA IPC chunk but no pools of {part.endpoint} epoch {epoch} are open"
-        try:
-            problem = apply_ipc_chunk(part, body, opened[1][body.window], pool, slot_bytes, self.stats)
+        src = opened[1][body.window]  # [sender's num_slots, layers, 2, tpb, heads, dim]
+        dst, problem = ipc_destination(part, body, src)
+        if problem is not None:
+            return "integrity", problem
+        try:  # queued on a side stream; checked in a later step (`_settle_copies`)
+            self._copies.start(part.pull_id, body, src, pool, dst, len(dst) * slot_bytes)
         except Exception as e:  # a CUDA error must fail this pull, not the engine loop
             log.exception("KV receiver: CUDA IPC copy of pull %d failed", part.pull_id)
             return "internal_error", f"the generation server failed to copy the blocks: {e}"
-        return None if problem is None else ("integrity", problem)
+        return None
+
+    def _settle_copies(self) -> None:
+        """Check the copies the device has finished; finish parts whose Done waited for them."""
+        for copy in self._copies.settled():
+            part = self._parts.get(copy.pull_id)
+            if part is not None:
+                self._check_copy(part, copy)
+        for part in [p for p in self._parts.values() if p.done is not None]:
+            if part.pull_id in self._parts and not self._copies.pending(part.pull_id):
+                self._finish(part, part.done)
+
+    def _check_copy(self, part: Part, copy: Copy) -> None:
+        h = copy.chunk
+        part.apply_s += time.monotonic() - copy.issued
+        if copy.checksum.value() != h.checksum:
+            self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
+                                                  f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
+            return
+        count_written(part, copy.nbytes, self.stats)
+        part.via_ipc = True
 
     def _finish(self, part: Part, done: Done) -> None:
         missing = part.missing()
@@ -340,4 +355,5 @@ class KVReceiver:
         del self._pulling[pulling.request_id]
         self._unplanned.pop(pulling.pull_id, None)
         for pull_id in pulling.parts:
+            self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
             del self._parts[pull_id]

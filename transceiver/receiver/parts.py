@@ -1,70 +1,18 @@
-"""A pull as the generation side's engine thread tracks it: the request (`Pulling`) and its parts,
-one per context rank it comes from (`Part`), and how a part's chunks are checked and written.
-
-Without tensor parallelism a request has one part: whole slots from its context server. Otherwise
-each part brings some kv heads of every block (`src` of the sender's, written into our `dst`).
-"""
+"""How a part of a pull (transceiver/receiver/pull.py `Part`) is checked and written: a byte chunk
+(`apply_chunk`: checksum, then scatter, whole slots or some kv heads), a same-GPU chunk
+(`ipc_destination`: where its copy goes; the copy itself runs on the device, receiver/ipc_copies.py),
+and the Cancels a failed pull sends (`cancel_targets`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kvcache import KVCacheManager, Level
-from transceiver.ipc import copy_slots
 from transceiver.payload import checksum, parts_are_valid, scatter
+from transceiver.receiver.pull import Part, Pulling
 from transceiver.stats import TransferStats
-from transceiver.tp import Heads, scatter_heads, unit_bytes
+from transceiver.tp import scatter_heads, unit_bytes
 from transceiver.wire import ChunkHeader, IpcChunk
-
-Wanted = dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
-
-
-@dataclass
-class Pulling:
-    """One request's pull (the caller's unit: one `PullResult`)."""
-
-    request_id: str
-    pull_id: int  # its first part's id; also the id the link plans it under
-    endpoint: str  # the context server's (its rank 0's)
-    ctx_epoch: str
-    ctx_request_id: str
-    wanted: Wanted
-    started: float  # monotonic
-    deadline: float
-    parts: dict[int, Part] = field(default_factory=dict)  # running parts by pull_id (empty until planned)
-    done_parts: list[Part] = field(default_factory=list)
-    planned: bool = False
-    several: bool = False  # several ranks on a side: the lease ends with Release, not with an Ack
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in [*self.parts.values(), *self.done_parts])
-
-
-@dataclass
-class Part:
-    """What one context rank sends of the request: every block of `wanted`, whole or some heads."""
-
-    pulling: Pulling
-    pull_id: int
-    endpoint: str
-    src: Heads | None  # the sender's kv heads (None: whole slots)
-    dst: Heads | None  # ours they go into
-    next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
-    nbytes: int = 0
-    chunks: int = 0
-    via_ipc: bool = False  # chunks came as CUDA IPC copies
-    first_at: float | None = None  # when the socket thread received its first answer
-    apply_s: float = 0.0  # engine thread: checking and writing chunks
-
-    def __post_init__(self) -> None:
-        self.next_first = {w: first for w, (first, _) in self.pulling.wanted.items()}
-
-    def missing(self) -> list[int]:
-        return [w for w, (first, slots) in self.pulling.wanted.items() if self.next_first[w] != first + len(slots)]
 
 
 def apply_chunk(part: Part, h: ChunkHeader, frames: list, pool: torch.Tensor, slot_bytes: int,
@@ -88,32 +36,26 @@ def apply_chunk(part: Part, h: ChunkHeader, frames: list, pool: torch.Tensor, sl
         scatter(pool, dst, parts)
     else:
         scatter_heads(pool, dst, part.dst, parts)
-    _advance(part, h.window, h.first + h.count, h.nbytes, stats)
+    part.next_first[h.window] = h.first + h.count
+    count_written(part, h.nbytes, stats)
     return None
 
 
-def apply_ipc_chunk(part: Part, h: IpcChunk, src: torch.Tensor, pool: torch.Tensor, slot_bytes: int,
-                    stats: TransferStats) -> str | None:
-    """Copy the sender's slots `h.slots` (its pool `src`, same GPU) into ours and check what was written."""
+def ipc_destination(part: Part, h: IpcChunk, src: torch.Tensor) -> tuple[list[int], str | None]:
+    """Our slots the sender's slots `h.slots` (its pool `src`, same GPU) are copied into, in order,
+    or a problem; the part then expects the blocks after them."""
     wanted = part.pulling.wanted
     if h.window not in wanted or h.first != part.next_first[h.window]:
-        return f"unexpected chunk: window {h.window}, block {h.first}"
+        return [], f"unexpected chunk: window {h.window}, block {h.first}"
     first, slots = wanted[h.window]
     count = len(h.slots)
     if count < 1 or h.first + count > first + len(slots) or any(not 0 <= s < src.shape[0] for s in h.slots):
-        return f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
-    dst = slots[h.first - first : h.first - first + count]
-    written = copy_slots(src, h.slots, pool, dst, h.first)
-    if written != h.checksum:
-        return f"chunk checksum mismatch after the CUDA IPC copy (window {h.window}, " \
-               f"blocks {h.first}..{h.first + count - 1})"
-    _advance(part, h.window, h.first + count, count * slot_bytes, stats)
-    part.via_ipc = True
-    return None
+        return [], f"CUDA IPC chunk does not fit the pull: window {h.window}, blocks {h.first}+{count}"
+    part.next_first[h.window] = h.first + count
+    return slots[h.first - first : h.first - first + count], None
 
 
-def _advance(part: Part, window: int, next_first: int, nbytes: int, stats: TransferStats) -> None:
-    part.next_first[window] = next_first
+def count_written(part: Part, nbytes: int, stats: TransferStats) -> None:
     part.nbytes += nbytes
     part.chunks += 1
     stats.bytes_received += nbytes
@@ -127,12 +69,3 @@ def cancel_targets(pulling: Pulling, notify: bool, failed_part: Part | None) -> 
         return [(pulling.endpoint, pulling.pull_id)] if notify else []
     parts = [*pulling.parts.values(), *pulling.done_parts]
     return [(p.endpoint, p.pull_id) for p in parts if notify or p is not failed_part]
-
-
-def check_wanted(kv: KVCacheManager, wanted: Wanted) -> None:
-    for window, (first, slots) in wanted.items():
-        if window not in kv.window_sizes:
-            raise ValueError(f"unknown window {window}; valid: {sorted(kv.window_sizes)}")
-        num_slots = kv.pool(window, Level.PRIMARY).shape[0]
-        if first < 0 or any(not 0 <= s < num_slots for s in slots):
-            raise ValueError(f"window {window}: bad first block {first} or slots outside [0, {num_slots})")

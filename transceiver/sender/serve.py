@@ -5,10 +5,11 @@ no longer holds up the KV of requests that finished before it). Per pull: check 
 lease (`Offered`), then per chunk gather the blocks' primary slots (translated when the lease was
 made: pinned blocks never move) into a staging buffer, or for big CPU blocks take frames of the
 pool itself, checksum, send; then Done. Same-GPU pulls (`via_ipc`) get the slots and GPU checksums
-instead. CUDA reads run on a side stream that first waits for the lease's `ready` event (every
+instead (`ipc_serve.py`: sent once the device has summed them; the socket thread never waits for
+it). CUDA reads run on a side stream that first waits for the lease's `ready` event (every
 write the engine issued before the lease: the prefill, onboard copies), so they never wait
-behind the engine's later kernels, and
-under `pool_lock`, which the engine holds while it exports the pools (`_share_cuda_`).
+behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds while
+it exports the pools (`_share_cuda_`).
 
 Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or
 the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
@@ -35,7 +36,7 @@ import torch
 import zmq
 
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import slots_checksum
+from transceiver.ipc import start_checksum
 from transceiver.link import SocketIO
 from transceiver.payload import (
     ChunkPlan,
@@ -47,6 +48,7 @@ from transceiver.payload import (
     pool_views,
     tracked_frames,
 )
+from transceiver.sender.ipc_serve import POLL_S, IpcPart, IpcPulls, ipc_parts
 from transceiver.sender.lease import Ended, Job, Offer, Offered, Started, Withdraw
 from transceiver.stats import TransferStats
 from transceiver.tp import gather_heads, unit_bytes
@@ -57,7 +59,6 @@ from transceiver.wire import (
     ChunkHeader,
     Done,
     Failed,
-    IpcChunk,
     PullRequest,
     Release,
     WindowRange,
@@ -71,17 +72,9 @@ CHUNKS_PER_PUMP = 4  # then the socket thread looks at its sockets again
 CHUNKS_PER_PULL = 8  # aim: a pull in at least this many chunks ...
 MIN_CHUNK_TARGET = 1 << 20  # ... of at least this many bytes (up to max_chunk_bytes)
 ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of the pool itself
-MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under wire.MAX_HEADER_BYTES
 ROOM_POLL_S = 0.0005  # how soon to look again while zmq still holds MAX_INFLIGHT chunks
 
 Send = Callable[[SocketIO, bytes, Body, list[Any]], None]  # (io, peer, body, payload frames)
-
-
-def _ipc_parts(r: WindowRange) -> list[WindowRange]:
-    """`r` cut into ranges of at most MAX_IPC_SLOTS blocks."""
-    end = r.first + r.count
-    return [WindowRange(window=r.window, first=first, count=min(MAX_IPC_SLOTS, end - first))
-            for first in range(r.first, end, MAX_IPC_SLOTS)]
 
 
 class PullServer:
@@ -99,6 +92,7 @@ class PullServer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
         self._parked: dict[str, list[tuple[bytes, PullRequest, float]]] = {}  # cid -> (peer, pull, until)
+        self._ipc = IpcPulls()  # same-GPU pulls whose checksums are on the device
 
     # ---- from the engine -----------------------------------------------------------------------
 
@@ -220,7 +214,15 @@ class PullServer:
     # ---- the data path -------------------------------------------------------------------------
 
     def pump(self, io: SocketIO) -> float | None:
-        """Send chunks while zmq has room; seconds until the next call is wanted (None: idle)."""
+        """Send chunks while zmq has room, and the same-GPU pulls whose checksums are done; seconds
+        until the next call is wanted (None: idle)."""
+        self._send_ipc_ready(io)
+        again = self._pump_bytes(io)
+        if self._ipc:
+            again = POLL_S if again is None else min(again, POLL_S)
+        return again
+
+    def _pump_bytes(self, io: SocketIO) -> float | None:
         budget = CHUNKS_PER_PUMP
         while self._active and budget > 0 and self._room():
             cid, pull_id = self._active[0]
@@ -291,34 +293,39 @@ class PullServer:
         return self._staging
 
     def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange]) -> None:
-        """Same-GPU pull: every block's primary slot and checksum, once the lease's writes are done
-        on the device, then Done; the receiver copies, then Acks."""
-        try:
-            chunks = [self._ipc_chunk(off, job.pull_id, part) for r in ranges for part in _ipc_parts(r)]
-        except Exception as e:  # a broken invariant must fail this pull, not the thread
-            log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
-            self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
-            return
-        for chunk in chunks:
-            self._send(io, job.peer, chunk, [])
-        job.sent_bytes = sum(r.count * off.offer.windows[r.window].slot_bytes for r in ranges)
-        job.sent_chunks = len(chunks)
-        self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
-        job.done_sent = True
-        self._stats.bytes_sent += job.sent_bytes
-        self._stats.ipc_transfers += 1
+        """Same-GPU pull: queue every block's checksum on the device (after the lease's writes);
+        its slots, checksums and Done are sent once the device has finished (`_send_ipc_ready`)."""
+        parts = []
+        for part in (p for r in ranges for p in ipc_parts(r)):
+            pool, slots = off.offer.windows[part.window].pool, off.range_slots(part)
+            with self._reading(off, pool.device, wait=False):
+                parts.append(IpcPart(part, slots, start_checksum(pool, slots, part.first)))
+        self._ipc.add(cid, job.pull_id, parts)
+        self._send_ipc_ready(io)  # CPU pools: summed already
 
-    def _ipc_chunk(self, off: Offered, pull_id: int, r: WindowRange) -> IpcChunk:
-        pool = off.offer.windows[r.window].pool
-        slots = off.range_slots(r)
-        with self._reading(off, pool.device):
-            digest = slots_checksum(pool, slots, r.first)  # waits for the side stream's work
-        return IpcChunk(pull_id=pull_id, window=r.window, first=r.first, slots=slots, checksum=digest)
+    def _send_ipc_ready(self, io: SocketIO) -> None:
+        for cid, pull_id, parts in self._ipc.ready():
+            off = self._offers[cid]  # a lease that ended left `_ipc` (`_end`)
+            job = off.jobs[pull_id]
+            try:
+                chunks = [part.chunk(job.pull_id) for part in parts]
+            except Exception as e:  # a broken invariant must fail this pull, not the thread
+                log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
+                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+                continue
+            for chunk in chunks:
+                self._send(io, job.peer, chunk, [])
+            job.sent_bytes = sum(len(p.slots) * off.offer.windows[p.range.window].slot_bytes for p in parts)
+            job.sent_chunks = len(chunks)
+            job.done_sent = True
+            self._stats.bytes_sent += job.sent_bytes  # counted before the Done leaves
+            self._stats.ipc_transfers += 1
+            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
 
     @contextmanager
-    def _reading(self, off: Offered, device: torch.device) -> Iterator[None]:
+    def _reading(self, off: Offered, device: torch.device, wait: bool = True) -> Iterator[None]:
         """Read the lease's slots: under the pool lock, on CUDA after its writes, on a side stream;
-        on exit every read issued inside has finished."""
+        with `wait`, every read issued inside has finished on exit (else it is only queued)."""
         with self._pool_lock:
             if device.type != "cuda":
                 yield
@@ -330,7 +337,8 @@ class PullServer:
                 if off.offer.ready is not None:
                     stream.wait_event(off.offer.ready)
                 yield
-            stream.synchronize()
+            if wait:
+                stream.synchronize()
 
     # ---- the end of a lease --------------------------------------------------------------------
 
@@ -340,6 +348,7 @@ class PullServer:
         and its receiver is told unless it is `skip` (the peer that cancelled, or is gone)."""
         off = self._offers.pop(cid)
         self._active = deque(a for a in self._active if a[0] != cid)
+        self._ipc.drop(cid)
         self._stats.lease_expired += reason == "lease_expired"
         for job in off.jobs.values() if reason is not None else ():
             self._stats.count_failure(reason)

@@ -24,7 +24,7 @@ def install_kv_routes(app: FastAPI) -> None:
             raise APIError(503, "the engine is not ready yet")
         try:
             return JSONBody(await request.app.state.kv_events.snapshot())
-        except TimeoutError:
+        except (TimeoutError, ConnectionError):  # ConnectionError: its process is gone (server/engineproc/)
             raise APIError(503, "the engine did not answer the cache snapshot in time (still loading?)") from None
 
     @app.get("/kv_cache/events")
@@ -33,6 +33,9 @@ def install_kv_routes(app: FastAPI) -> None:
         require_token(request, "GET /kv_cache/events")
         source = request.app.state.kv_events
         if source.publisher is None:
+            engine = request.app.state.engine
+            if engine is None or not engine.is_ready():  # an engine process says where once loaded
+                raise APIError(503, "the engine is not ready yet")
             raise APIError(404, "this server publishes no KV events (it has no deployment token)")
         return JSONBody({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
 
@@ -61,10 +64,9 @@ def install_kv_routes(app: FastAPI) -> None:
 
 
 def _advertised(engine) -> dict | None:
-    core = getattr(engine, "core", None)
-    sender = getattr(getattr(core, "connector", None), "sender", None)
-    if sender is None:
+    links = engine.links() if engine is not None else None
+    if links is None or links.sender is None:
         return None
-    # a tensor-parallel server: every rank's KV sender (rank 0's first, its handshakes name them too)
-    return {"endpoint": sender.endpoint, "epoch": sender.epoch,
-            "endpoints": list(getattr(sender, "endpoints", [sender.endpoint]))}
+    endpoint, epoch = links.sender
+    # a tensor-parallel server lists every rank's KV sender, rank 0's first (its handshakes name them too)
+    return {"endpoint": endpoint, "epoch": epoch, "endpoints": list(links.sender_endpoints or (endpoint,))}

@@ -45,6 +45,13 @@ def join(rank: int, size: int, device: torch.device, *, port: int | None = None,
                             device_id=device if device.type == "cuda" else None)
 
 
+def share_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `tensor` on every rank, in place (every rank calls it, with one of the same shape and
+    dtype on its own device). On CUDA only the stream waits for it, not the host."""
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

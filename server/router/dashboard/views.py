@@ -20,7 +20,7 @@ TPOT = "pdserve_time_per_output_token_seconds"
 TRANSFER = "pdserve_kv_transfer_seconds"
 HIT, QUERY = "pdserve_prefix_cache_hit_tokens_total", "pdserve_prefix_cache_query_tokens_total"
 FIRST_TOKEN_ROLES, DECODE_ROLES = ("context", "aggregated"), ("generation", "aggregated")
-LEVELS = ("primary", "secondary")
+LEVELS = ("primary", "secondary", "disk")
 
 
 def server_view(backend: Backend, window: Window, now: float) -> dict:

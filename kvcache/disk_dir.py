@@ -1,0 +1,156 @@
+"""The disk tier's directory at start-up (no torch): the lock that gives it to one server, and the
+manifest that decides whether the block files in it are this server's to restore.
+
+A matching manifest (same model fingerprint, KV layout and token key: kvcache/disk_format.py)
+means every block file's header is read and checked (a file that fails, or whose slot is beyond
+`max_bytes` now, is deleted) and the headers go back to the tier for the reuse tree. Any other
+manifest, or none, means the block files are deleted, with a warning naming why, and a new
+manifest is written: the tier starts empty.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+from pathlib import Path
+
+from kvcache.disk_format import (
+    MAC_BYTES,
+    PREFIX_BYTES,
+    BadFile,
+    BlockHeader,
+    Manifest,
+    decode_header,
+    header_length,
+    manifest_difference,
+    open_manifest,
+    seal_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+BLOCK_FILE = re.compile(r"^(\d+)\.kv$")
+_HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fits
+
+
+def take_directory(path: Path) -> int:
+    """Create `path` (0700) and lock it for this process; the lock's file descriptor (closing it
+    releases the directory). ValueError naming the key when it cannot be had."""
+    where = f"kv_cache_config.disk.path={str(path)!r}"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot use the directory: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise ValueError(f"{where}: another server uses this directory (give each server its own "
+                             f"disk.path)") from None
+        raise ValueError(f"{where}: cannot lock the directory: {exc.strerror or exc}") from None
+    return fd
+
+
+class StartUp:
+    """What the scan needs: the directory, the key, slots and payload bytes per window; it counts
+    the files it did not use by reason (`skipped`)."""
+
+    def __init__(self, path: Path, key: bytes, num_slots: dict[int, int], slot_bytes: dict[int, int]) -> None:
+        self.path, self.key, self.num_slots, self.slot_bytes = path, key, num_slots, slot_bytes
+        self.skipped: dict[str, int] = {}
+
+
+def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHeader]]:
+    """The checked headers of the blocks to restore per window (none unless the manifest matches)."""
+    path, num_slots = store.path, store.num_slots
+    why = _manifest_mismatch(path, store.key, wanted)
+    if why is None:
+        return {w: _scan(store, w, n) for w, n in num_slots.items()}
+    files = _block_files(path)
+    if files or why != "no manifest":
+        log.warning("disk tier %s: ignoring its %d block files (%s); starting it empty", path, len(files), why)
+    for name in files:
+        name.unlink(missing_ok=True)
+    for window in num_slots:
+        (path / f"w{window}").mkdir(mode=0o700, exist_ok=True)
+    tmp = path / f"{MANIFEST}.tmp"
+    tmp.write_bytes(seal_manifest(store.key, wanted))
+    os.replace(tmp, path / MANIFEST)
+    return {w: [] for w in num_slots}
+
+
+def read_all(f, n: int) -> bytearray:
+    """n bytes from the file's position (fewer only at its end)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            return buf[:got]
+        got += k
+    return buf
+
+
+def _manifest_mismatch(path: Path, key: bytes, wanted: Manifest) -> str | None:
+    try:
+        data = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return "no manifest"
+    except OSError as exc:
+        return f"manifest unreadable: {exc.strerror or exc}"
+    try:
+        found = open_manifest(key, data)
+    except ValueError as exc:
+        return f"manifest {exc}"
+    difference = manifest_difference(found, wanted)
+    return None if difference is None else f"manifest: {difference}"
+
+
+def _block_files(path: Path) -> list[Path]:
+    return [p for d in path.glob("w*") if d.is_dir() for p in d.iterdir()
+            if BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
+
+
+def _scan(store: StartUp, window: int, num_slots: int) -> list[BlockHeader]:
+    """The checked headers of window's block files (a file that fails a check is deleted)."""
+    folder = store.path / f"w{window}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    found = []
+    for p in sorted(folder.iterdir()):
+        m = BLOCK_FILE.match(p.name)
+        if m is None or int(m.group(1)) >= num_slots:
+            _skip(store, p, "leftover" if m is None else "beyond max_bytes")
+            continue
+        try:
+            found.append(_read_header(store, p, window, int(m.group(1))))
+        except BadFile as exc:
+            _skip(store, p, exc.reason)
+        except OSError as exc:
+            log.warning("disk tier: cannot read %s: %s", p, exc)
+    return found
+
+
+def _read_header(store: StartUp, p: Path, window: int, slot: int) -> BlockHeader:
+    with open(p, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = read_all(f, min(size, _HEADER_READ))
+        need = PREFIX_BYTES + header_length(data) + MAC_BYTES
+        if need > len(data):
+            data += read_all(f, min(size, need) - len(data))
+    header, offset = decode_header(store.key, data)
+    if (header.window, header.slot) != (window, slot) or header.payload_bytes != store.slot_bytes[window]:
+        raise BadFile("corrupt", "the header names another slot or size")
+    if size != offset + header.payload_bytes:
+        raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
+    return header
+
+
+def _skip(store: StartUp, p: Path, reason: str) -> None:
+    store.skipped[reason] = store.skipped.get(reason, 0) + 1
+    p.unlink(missing_ok=True)

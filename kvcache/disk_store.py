@@ -1,0 +1,241 @@
+"""The disk tier's directory, files and threads (no torch; bytes in, bytes out).
+
+One file per (window group, slot), written whole to a temporary name and renamed over the slot's
+file, so a reader sees a slot's previous file or its new one, never half of one (the file format:
+kvcache/disk_format.py). Why one file per block and not a few large files with a slot map: a
+rename is atomic and a crash loses at most the blocks being written, the file system is the slot
+map (nothing else to keep consistent on restart), and a block's bytes are one sequential read.
+
+Threads. The engine thread calls every public method. Writes never block it: `write` queues the
+bytes (refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by
+slot so one slot's writes stay in order; a newer write of a slot supersedes a queued one. Until a
+write lands, reads of that slot are answered from its queued bytes. `read_many` reads and checks a
+batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
+running then counts as failed). hashlib releases the GIL on large buffers, so checks run in parallel.
+
+Start-up (`open`; kvcache/disk_dir.py): an exclusive lock on the directory (one server per
+directory), then the manifest. A matching manifest means the block headers are read and checked,
+and returned for the reuse tree; any other (missing, unreadable, another model, layout or token)
+means the block files are deleted, with a warning, and a new manifest is written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcache.config import DiskTierConfig
+from kvcache.disk_dir import StartUp, read_all, restore_or_reset, take_directory
+from kvcache.disk_format import (
+    BadFile,
+    BlockHeader,
+    Manifest,
+    check_payload,
+    decode_header,
+    encode_prefix,
+    payload_mac,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a block file says about its block, besides its bytes (see disk_format.BlockHeader)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    root_salt: bytes
+    tokens: tuple[int, ...]
+    priority: int
+
+
+@dataclass
+class _Write:
+    gen: int
+    meta: BlockMeta
+    payload: memoryview
+
+
+@dataclass
+class DiskIOStats:
+    blocks_written: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    write_refused: int = 0  # the queue was full
+    queued_bytes: int = 0  # waiting for their write now
+    restored: int = 0  # blocks found again at start (set by the tier)
+    skipped_at_start: dict[str, int] = field(default_factory=dict)  # files not restored, by reason
+
+
+class DiskStore:
+    def __init__(self, path: Path, key: bytes, config: DiskTierConfig, slot_bytes: dict[int, int]) -> None:
+        """Use `open`: it takes the lock and checks the manifest first."""
+        self.path, self.key, self.config = path, key, config
+        self.slot_bytes = slot_bytes  # window -> payload bytes of one block
+        self.stats = DiskIOStats()
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], _Write] = {}
+        self._gens = itertools.count(1)
+        self._stop = threading.Event()
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(config.write_threads)]
+        self._writers = [threading.Thread(target=self._write_loop, args=(q,), name=f"kv-disk-write-{i}",
+                                          daemon=True) for i, q in enumerate(self._queues)]
+        self._readers = concurrent.futures.ThreadPoolExecutor(config.read_threads, "kv-disk-read")
+        self._lock_fd = -1
+
+    @classmethod
+    def open(cls, config: DiskTierConfig, key: bytes, manifest: Manifest,
+             slots: dict[int, tuple[int, int]]) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
+        """The store on `config.path`, and the checked headers of the blocks found there per window.
+        `slots`: window -> (number of disk slots, payload bytes of one block). ValueError naming the
+        key when the directory cannot be used."""
+        path = Path(config.path).expanduser()
+        store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()})
+        store._lock_fd = take_directory(path)
+        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes)
+        try:
+            found = restore_or_reset(start, manifest)
+        except OSError as exc:
+            store.close()
+            raise ValueError(f"kv_cache_config.disk.path={str(path)!r}: cannot use the directory: "
+                             f"{exc.strerror or exc}") from None
+        store.stats.skipped_at_start = start.skipped
+        for writer in store._writers:
+            writer.start()
+        return store, found
+
+    # ---- engine thread API
+    def write(self, window: int, slot: int, meta: BlockMeta, payload: memoryview) -> bool:
+        """Queue a block's bytes for its slot's file; False (nothing queued) when the queue is full.
+        `payload` must stay unchanged until written (the caller hands over a copy)."""
+        n = payload.nbytes
+        with self._lock:
+            old = self._pending.get((window, slot))
+            queued = self.stats.queued_bytes - (old.payload.nbytes if old else 0)
+            if queued + n > self.config.write_queue_bytes:
+                self.stats.write_refused += 1
+                return False
+            gen = next(self._gens)
+            self._pending[window, slot] = _Write(gen, meta, payload)
+            self.stats.queued_bytes = queued + n
+        self._queues[slot % len(self._queues)].put((window, slot, gen))
+        return True
+
+    def read_many(self, items: list[tuple[int, int, bytes]]) -> list[memoryview | BadFile]:
+        """The checked payload of each (window, slot, expected block hash), or the BadFile saying why
+        not: from the write queue when the slot's write has not landed, else from its file, read on
+        the reader threads. Waits at most io_timeout_s for the files."""
+        out: list[memoryview | BadFile | None] = [None] * len(items)
+        with self._lock:
+            for i, (window, slot, block_hash) in enumerate(items):
+                job = self._pending.get((window, slot))
+                if job is not None:
+                    out[i] = job.payload if job.meta.block_hash == block_hash else BadFile(
+                        "stale", f"slot {slot} of window {window} is being written with another block")
+        futures = {i: self._readers.submit(self._read_file, *item) for i, item in enumerate(items) if out[i] is None}
+        done, _ = concurrent.futures.wait(futures.values(), timeout=self.config.io_timeout_s)
+        for i, future in futures.items():
+            if future not in done:
+                out[i] = BadFile("timeout", f"not read within io_timeout_s={self.config.io_timeout_s}")
+                continue
+            try:
+                out[i] = future.result()
+            except BadFile as exc:
+                out[i] = exc
+            except OSError as exc:
+                out[i] = BadFile("io_error", str(exc))
+        return out  # type: ignore[return-value]
+
+    def delete(self, window: int, slot: int) -> None:
+        """Remove a slot's file (it failed its check); its slot is free, and no write of it is queued."""
+        try:
+            os.unlink(self._file(window, slot))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("disk tier: could not delete %s: %s", self._file(window, slot), exc)
+
+    def close(self) -> None:
+        """Let queued writes land (at most io_timeout_s), stop the threads, release the directory."""
+        deadline = time.monotonic() + self.config.io_timeout_s
+        while self._pending and time.monotonic() < deadline and any(w.is_alive() for w in self._writers):
+            time.sleep(0.01)
+        if self._pending:
+            log.warning("disk tier: %d block writes still queued at close are lost", len(self._pending))
+        self._stop.set()
+        for writer in self._writers:
+            if writer.is_alive():
+                writer.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    # ---- files
+    def _file(self, window: int, slot: int) -> Path:
+        return self.path / f"w{window}" / f"{slot}.kv"
+
+    def _write_loop(self, jobs: queue.SimpleQueue) -> None:
+        while not (self._stop.is_set() and jobs.empty()):
+            try:
+                window, slot, gen = jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._lock:
+                job = self._pending.get((window, slot))
+            if job is None or job.gen != gen:
+                continue  # superseded by a newer write of the slot
+            ok = self._write_file(window, slot, job)
+            with self._lock:
+                if self._pending.get((window, slot)) is job:
+                    del self._pending[window, slot]
+                    self.stats.queued_bytes -= job.payload.nbytes
+                if ok:
+                    self.stats.blocks_written += 1
+                    self.stats.bytes_written += job.payload.nbytes
+                else:
+                    self.stats.write_errors += 1
+
+    def _write_file(self, window: int, slot: int, job: _Write) -> bool:
+        meta, target = job.meta, self._file(window, slot)
+        header = BlockHeader(window, slot, meta.block_hash, meta.parent_hash, meta.root_salt, meta.tokens,
+                             meta.priority, time.time_ns(), job.payload.nbytes, payload_mac(self.key, job.payload))
+        tmp = target.with_suffix(".tmp")
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(encode_prefix(self.key, header))
+                f.write(job.payload)
+            os.replace(tmp, target)
+            return True
+        except OSError as exc:
+            log.warning("disk tier: writing %s failed: %s", target, exc)
+            for name in (tmp, target):  # no stale file under the slot's name
+                try:
+                    os.unlink(name)
+                except OSError:
+                    pass
+            return False
+
+    def _read_file(self, window: int, slot: int, block_hash: bytes) -> memoryview:
+        try:
+            with open(self._file(window, slot), "rb", buffering=0) as f:
+                data = read_all(f, os.fstat(f.fileno()).st_size)
+        except FileNotFoundError:
+            raise BadFile("missing", f"no file for slot {slot} of window {window}") from None
+        header, offset = decode_header(self.key, data)
+        if (header.window, header.slot, header.block_hash) != (window, slot, block_hash):
+            raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
+        if header.payload_bytes != self.slot_bytes[window]:
+            raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have "
+                                     f"{self.slot_bytes[window]}")
+        payload = memoryview(data)[offset:]
+        check_payload(self.key, header, payload)
+        return payload

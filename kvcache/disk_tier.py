@@ -1,0 +1,176 @@
+"""The disk tier as the facade uses it: open (restore the blocks a previous server left), check disk
+hits before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its
+null object (kv_cache_config.disk unset), so the facade never asks whether there is one.
+
+A disk block is read back only after its file passed its checks, and those happen before the
+bookkeeping relies on it: `check` reads the files of the disk blocks an admission (or an
+ensure_primary) is about to bring up, in one batch over every window group, stages the good ones'
+bytes for their promotion (kvcache/disk_pool.py) and discards the others with their subtrees
+(BlockManager.discard), so the request computes those tokens instead. Writes happen in the pools'
+copies; a write the queue refused leaves its block without bytes, and `after_flush` drops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from kvcache.admission import check_capacity, onboard_closure
+from kvcache.block import Block, Level
+from kvcache.block_manager import BlockManager, DiskEntry
+from kvcache.config import KvCacheConfig
+from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockHeader, Manifest, key_id
+from kvcache.disk_pool import DiskSlots
+from kvcache.disk_store import BlockMeta, DiskStore
+from kvcache.errors import KVCacheError
+from kvcache.group import WindowGroup
+from kvcache.layout import CacheLayout
+from kvcache.stats import KVCacheStats
+
+log = logging.getLogger(__name__)
+
+Work = list[tuple[WindowGroup, list[Block]]]  # disk blocks to check, per window group
+
+
+class NoDiskTier:
+    """No disk tier: nothing to check, drop or count."""
+
+    def check(self, work: Work) -> int:
+        return 0
+
+    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+        return None
+
+    def after_flush(self, g: WindowGroup) -> None:
+        return None
+
+    def add_stats(self, s: KVCacheStats) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class DiskTier:
+    def __init__(self, store: DiskStore, groups: Sequence[WindowGroup]) -> None:
+        self.store = store
+        self.dropped: Counter[str] = Counter()  # disk blocks dropped, by reason
+        self.bytes_read = 0
+        for g in groups:
+            g.pools.disk = DiskSlots(store, g.window, functools.partial(_describe, g.bm))
+
+    @classmethod
+    def open(cls, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
+             groups: Sequence[WindowGroup]) -> DiskTier:
+        """Take the directory and put the blocks a matching manifest vouches for into the groups'
+        trees (before anything else touches them)."""
+        assert config.disk is not None
+        manifest = Manifest(MANIFEST_VERSION, salt, str(layout.dtype).removeprefix("torch."),
+                            config.tokens_per_block, layout.layer_windows, layout.num_kv_heads,
+                            layout.head_dim, key_id(key))
+        slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
+        store, found = DiskStore.open(config.disk, key, manifest, slots)
+        for g in groups:
+            store.stats.restored += len(g.bm.restore_disk(_entries(found[g.window])))
+        if store.stats.restored or store.stats.skipped_at_start:
+            log.info("disk tier %s: %d blocks found again (files not used: %s)", store.path,
+                     store.stats.restored, dict(store.stats.skipped_at_start) or "none")
+        return cls(store, groups)
+
+    def check(self, work: Work) -> int:
+        """Read and check the files of `work`'s disk blocks in one batch; stage the good ones' bytes,
+        discard the others (and their subtrees). Returns the number discarded."""
+        items = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]
+        results = iter(self.store.read_many(items))  # type: ignore[arg-type]
+        bad: list[tuple[WindowGroup, Block, BadFile]] = []
+        for g, blocks in work:
+            for b in blocks:
+                result = next(results)
+                if isinstance(result, BadFile):
+                    bad.append((g, b, result))
+                else:
+                    assert g.pools.disk is not None
+                    g.pools.disk.stage(b.slot, result)
+                    self.bytes_read += result.nbytes
+        for g, b, error in bad:
+            log.warning("disk tier: window %d slot %d dropped: %s", g.window, b.slot, error)
+            self._drop(g, b, error.reason, b.hash)
+        return len(bad)
+
+    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+        """Check the files of the disk blocks that bringing `blocks` up needs (they or ancestors),
+        after the capacity check (no file is read for a call that cannot go ahead); KVCacheError when
+        one failed: it was dropped with its subtree, so a listed block is gone."""
+        onboard, keep = onboard_closure(blocks)
+        disk = [b for b in onboard if b.level is Level.DISK]
+        if not disk:
+            return
+        check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
+        if self.check([(g, disk)]):
+            gone = [b.id for b in blocks if b.hash is None and not b.in_use]
+            raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
+                               f"its check: they were dropped (the KV must be computed again)")
+
+    def after_flush(self, g: WindowGroup) -> None:
+        """Drop the blocks whose write the queue refused during the call that just ended."""
+        assert g.pools.disk is not None
+        for slot in g.pools.disk.end_call():
+            owner = g.bm.owners[Level.DISK][slot]
+            self._drop(g, owner, "queue_full", owner.hash)
+
+    def add_stats(self, s: KVCacheStats) -> None:
+        io = self.store.stats
+        s.disk_bytes_read = self.bytes_read
+        s.disk_bytes_written, s.disk_write_errors = io.bytes_written, io.write_errors
+        s.disk_queued_bytes, s.disk_restored = io.queued_bytes, io.restored
+        s.disk_dropped = dict(self.dropped)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _drop(self, g: WindowGroup, b: Block, reason: str, block_hash: bytes | None) -> None:
+        """Discard disk block b unless it already left (dropped with a failed ancestor, or moved)."""
+        if b.level is not Level.DISK or block_hash is None or b.hash != block_hash:
+            return
+        self.dropped[reason] += 1
+        if reason not in ("missing", "timeout", "queue_full"):
+            self.store.delete(g.window, b.slot)
+        g.bm.discard(b)
+
+
+def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:
+    """What the file of disk slot `slot` must say about the block there (None: the slot is free)."""
+    b = bm.owners[Level.DISK][slot]
+    if b.hash is None:
+        return None
+    parent = b.parent
+    root_salt = bm.tree.root_salt(b) if parent is None else b""
+    return BlockMeta(b.hash, None if parent is None else parent.hash, root_salt, b.tokens, b.priority)
+
+
+def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:
+    """Restore entries, parents before children and, at equal depth, oldest first; of two files of
+    one block the newer counts, and a block whose parent has no file is left out with its subtree."""
+    newest: dict[bytes, BlockHeader] = {}
+    for h in sorted(headers, key=lambda h: h.written_ns):
+        newest[h.block_hash] = h
+    depth: dict[bytes, int] = {}  # 1 for a root child, its parent's + 1 below; 0: not restorable
+    for first in newest.values():
+        path, h, base = [], first, 0
+        while h.block_hash not in depth:
+            path.append(h)
+            parent = None if h.parent_hash is None else newest.get(h.parent_hash)
+            if parent is None or parent in path:  # a root child (base 0), else an orphan or a loop
+                base = 0 if h.parent_hash is None else -len(newest) - 1
+                break
+            h = parent
+        else:
+            base = depth[h.block_hash] or -len(newest) - 1
+        for c in reversed(path):
+            base += 1
+            depth[c.block_hash] = max(base, 0)
+    ordered = sorted((h for h in newest.values() if depth[h.block_hash]),
+                     key=lambda h: (depth[h.block_hash], h.written_ns))
+    return [(h.slot, h.block_hash, h.parent_hash, h.tokens, h.root_salt, h.priority) for h in ordered]

@@ -1,0 +1,282 @@
+"""Issue 19, serving under load on the GPU, in one command: the 8B-shaped model, phases in order.
+
+a. engine ceilings (scripts/bench_gpu_load_engine.py, a child process whose GPU memory is freed
+   before any server starts): HBM GB/s, b1 TPOT, c=C decode tok/s and step time of the engine;
+b. a fresh aggregated server (`pdserve serve`, start-up time): --warm-runs staggered closed-loop runs
+   at --warm-concurrency with no warm-up; the first run's server TTFT mean / the last's (<= 1.5);
+c. the same server: c=--peak-concurrency output tok/s over the steady window / the engine's
+   (>= 0.85), TPOT p50 / the engine's step (<= 1.15); b1 TPOT / (bytes per step / HBM) (<= 1.25);
+d. the same server, then router + context + generation on the same GPU (`pdserve launch`): c=C tok/s
+   disagg / agg (>= 0.95), TTFT p50 disagg / agg (<= 1.5); the mixed workload (long prompts arriving
+   at --long-rate while --mixed-concurrency streams decode): background TPOT p99 disagg / agg
+   (<= 0.7); goodput within the SLO of both;
+e. a fresh aggregated server under `pdserve launch`: its server SIGKILLed, restarted by the launcher
+   (restart time); the first run's server TTFT mean / the second's (<= 1.5);
+f. with --with-extras: the KV handoff / context leg of --handoff-len prompts on the pair, and the
+   prefill TFLOP/s of that length in phase a.
+
+Every phase prints `{"phase": ..., "elapsed_s": ...}`, every figure one JSON line, the end a SUMMARY
+line; a phase that fails prints its error and the next one runs. Under --out: records.jsonl (a
+`load` record per group of runs, a `gpu-load` record of every figure), report.md, plots/ (3 PNGs).
+Every size is a flag, so that the run can be trimmed to the device time there is.
+
+    python scripts/bench_gpu_load.py --workdir /tmp/bench-gpu --out $OUT [--skip e] [--with-extras]
+    python scripts/bench_gpu_load.py --model builtin:tiny-llama --max-seq-len 2048 ... tiny sizes   # a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import yaml
+from bench_gpu_load_session import Session, closed_plan, mixed_plan
+
+from pdserve_bench.launch import ServerUnderTest, server_pid, server_urls
+from pdserve_bench.load_client import default_procs
+from pdserve_bench.load_target import LoadTarget, started_target
+from pdserve_bench.measure import model_vocab, warm_up
+from pdserve_bench.record import RecordWriter, RunContext
+from server.deploy.launcher import wait_for_health
+
+SCRIPTS = Path(__file__).resolve().parent
+RESTART_TIMEOUT_S = 300.0
+
+
+def engine_phase(s: Session, args: argparse.Namespace) -> str:
+    """Phase a in a child process; returns the model the servers serve."""
+    sizes = {"layers": args.layers, "max-seq-len": args.max_seq_len, "max-num-tokens": args.max_num_tokens,
+             "max-batch-size": args.max_batch_size, "input-len": args.input_len, "output-len": args.output_len,
+             "concurrency": args.peak_concurrency, "prefill-len": args.handoff_len if args.with_extras else 0}
+    argv = [sys.executable, str(SCRIPTS / "bench_gpu_load_engine.py"),
+            "--model-dir", str(args.workdir / f"llama8b-text-{args.layers}")]
+    argv += [x for name, value in sizes.items() for x in (f"--{name}", str(value))]
+    argv += (["--model", args.model] if args.model else []) + (["--build-only"] if "a" in args.skip else [])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.engine_timeout_s,
+                          env={**os.environ, **s.server_env})
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("ENGINE ")), None)
+    if line is None:
+        raise RuntimeError(f"engine phase failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    s.engine = json.loads(line[len("ENGINE "):])
+    s.emit("engine", **s.engine)
+    return s.engine["model"]
+
+
+def deployment_file(args: argparse.Namespace, model: str, kind: str) -> Path:
+    """The aggregated, disaggregated or restart deployment (ports are replaced by free ones)."""
+    cfg: dict = {"model": model, "hostname": "127.0.0.1", "port": 18950, "max_seq_len": args.max_seq_len,
+                 "max_num_tokens": args.max_num_tokens, "max_batch_size": args.max_batch_size,
+                 "kv_cache_config": {"tokens_per_block": 32}}
+    if kind == "disagg":
+        cfg["cache_transceiver_config"] = {"kv_transfer_timeout_ms": 120000}
+        cfg["context_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18951"]}
+        cfg["generation_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18952"]}
+    if kind == "restart":
+        cfg["restart"] = {"max_quick_deaths": 3, "backoff_s": 1.0, "quick_s": 60.0}
+    path = args.workdir / f"load-{kind}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def start(s: Session, stack: ExitStack, server: ServerUnderTest, name: str) -> LoadTarget:
+    stack.enter_context(server)
+    target = started_target(name, server)
+    s.emit(f"{name}_startup", startup_s=target.startup_s)
+    return target
+
+
+def fresh_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None:
+    plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.warm_duration)
+             for _ in range(args.warm_runs)]
+    runs = s.runs(target, "fresh", "first runs", plans)
+    s.goal("b_fresh_server_ttft", f"b: fresh server, server TTFT mean, run 1 / run {len(runs)}",
+           runs[0]["server_ttft_mean_ms"], runs[-1]["server_ttft_mean_ms"], 1.5, False)
+    s.goal("b_fresh_client_ttft", f"b: fresh server, client TTFT mean, run 1 / run {len(runs)}",
+           runs[0]["ttft_mean_ms"], runs[-1]["ttft_mean_ms"], 1.5, False)
+
+
+def peak_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None:
+    """c: the HTTP figures against the engine's."""
+    peak = s.runs(target, "agg", "peak", [closed_plan(args, args.peak_concurrency, s.seed(),
+                                                   duration_s=args.peak_duration)])[0]
+    e = s.engine
+    s.goal("c_http_vs_engine_tok_s", "c: HTTP steady output tok/s / engine", peak["steady_output_tok_s"],
+           e.get("engine_tok_s"), 0.85, True)
+    s.goal("c_http_tpot_vs_engine_step", "c: HTTP TPOT p50 / engine step", peak["tpot_p50_ms"],
+           e.get("engine_step_ms"), 1.15, False)
+    b1 = s.runs(target, "agg", "b1", [closed_plan(args, 1, s.seed(), count=args.b1_requests)])[0]
+    hbm = e.get("hbm_read_gb_s")
+    floor = (e["weight_bytes"] + e["b1_kv_bytes"]) / hbm / 1e6 if hbm and "weight_bytes" in e else None
+    s.goal("c_b1_tpot_vs_roofline", "c: HTTP b1 TPOT p50 / (bytes per step / HBM)", b1["tpot_p50_ms"], floor,
+           1.25, False)
+
+
+def disagg_goals(s: Session) -> None:
+    g = {label: r["figures"] for label, r in s.groups.items()}
+    pairs = [("d_peak_tok_s", "d: c=C steady tok/s, disagg / agg", "peak", "steady_output_tok_s", 0.95, True),
+             ("d_peak_ttft_p50", "d: c=C TTFT p50, disagg / agg", "peak", "ttft_p50_ms", 1.5, False),
+             ("d_mixed_bg_tpot_p99", "d: mixed, background TPOT p99, disagg / agg", "mixed", "background_tpot_p99_ms",
+              0.7, False)]
+    for key, name, group, figure, goal, at_least in pairs:
+        num, den = g.get(f"disagg {group}", {}).get(figure), g.get(f"agg {group}", {}).get(figure)
+        s.goal(key, name, num, den, goal, at_least)
+    for who in ("agg", "disagg"):
+        for group in ("peak", "mixed"):
+            found = g.get(f"{who} {group}", {})
+            s.emit(f"goodput {who} {group}", goodput_req_s=found.get("goodput_req_s"),
+                   slo_attainment=found.get("slo_attainment"), slo=s.slo.as_dict())
+
+
+def aggregated(s: Session, args: argparse.Namespace) -> None:
+    """b, c and the aggregated half of d on one fresh server."""
+    with ExitStack() as stack:
+        target = None
+        with s.phase("agg start"):
+            target = start(s, stack, ServerUnderTest(s.config["agg"], env=s.server_env), "agg")
+        if target is None:
+            return
+        phases = (("b", lambda: fresh_phase(s, args, target)), ("c", lambda: peak_phase(s, args, target)),
+                  ("d-agg", lambda: s.runs(target, "agg", "mixed", [mixed_plan(args, s.seed())])))
+        for name, run in phases:
+            if name[0] not in args.skip:
+                with s.phase(name):
+                    run()
+
+
+def disaggregated(s: Session, args: argparse.Namespace) -> None:
+    with ExitStack() as stack, s.phase("d-disagg"):
+        server = ServerUnderTest(s.config["disagg"], env=s.server_env)
+        target = start(s, stack, server, "disagg")
+        warm_up(target.url, target.model, s.vocab)
+        peak = closed_plan(args, args.peak_concurrency, s.seed(), duration_s=args.peak_duration)
+        s.runs(target, "disagg", "peak", [peak])
+        s.runs(target, "disagg", "mixed", [mixed_plan(args, s.seed())])
+        disagg_goals(s)
+        if args.with_extras:
+            with s.phase("f"):
+                s.emit("handoff", **handoff_share(server, target, args, s.vocab))
+
+
+def handoff_share(server: ServerUnderTest, target: LoadTarget, args: argparse.Namespace,
+                  vocab: list[int]) -> dict[str, float]:
+    """f: fresh --handoff-len prompts (two tokens each: the generation leg pulls the KV) through the
+    router; the generation server's handoff time per transfer against the context server's TTFT."""
+    from bench_gpu_serving import PHASES, _pair_metrics
+
+    pair = tuple(server_urls(server.deployment, section)[0] for section in ("context_servers", "generation_servers"))
+    rng = random.Random(19)
+    before = _pair_metrics(pair)
+    for _ in range(args.handoff_prompts):
+        body = {"model": target.model, "prompt": [rng.choice(vocab) for _ in range(args.handoff_len)],
+                "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+        answer = httpx.post(f"{target.url}/v1/completions", json=body, timeout=600)
+        answer.raise_for_status()
+    after = _pair_metrics(pair)
+    n = max(1.0, after["transfers"] - before["transfers"])
+    out = {"prompt_tokens": args.handoff_len, "transfers": after["transfers"] - before["transfers"],
+           "handoff_ms_mean": (after["transfer_s"] - before["transfer_s"]) / n * 1e3,
+           "context_leg_ms_mean": (after["ctx_ttft_s"] - before["ctx_ttft_s"]) / n * 1e3}
+    out |= {f"handoff_{p}_ms_mean": (after[p] - before[p]) / n * 1e3 for p in PHASES}
+    out["handoff_vs_context_leg"] = out["handoff_ms_mean"] / out["context_leg_ms_mean"] if out["context_leg_ms_mean"] \
+        else float("nan")
+    return out
+
+
+def restarted(s: Session, args: argparse.Namespace) -> None:
+    """e: kill the launcher's server, let it come back, measure its first runs."""
+    with ExitStack() as stack, s.phase("e"):
+        server = ServerUnderTest(s.config["restart"], env=s.server_env, launcher=True)
+        target = start(s, stack, server, "launched")
+        warm_up(target.url, target.model, s.vocab)
+        old = server_pid(server.pid, "aggregated-0")
+        killed = time.perf_counter()
+        os.kill(old, signal.SIGKILL)
+        _wait_restarted(server, old)
+        s.emit("restart", restart_s=time.perf_counter() - killed)
+        plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.restart_duration) for _ in range(2)]
+        runs = s.runs(target, "restarted", "first runs", plans)
+        s.goal("e_restart_server_ttft", "e: restarted server, server TTFT mean, run 1 / run 2",
+               runs[0]["server_ttft_mean_ms"], runs[1]["server_ttft_mean_ms"], 1.5, False)
+        s.goal("e_restart_client_ttft", "e: restarted server, client TTFT mean, run 1 / run 2",
+               runs[0]["ttft_mean_ms"], runs[1]["ttft_mean_ms"], 1.5, False)
+
+
+def _wait_restarted(server: ServerUnderTest, old: int) -> None:
+    """Until the launcher has started a new server process and it answers /health."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    alive = lambda: server.proc is not None and server.proc.poll() is None
+    while alive() and time.monotonic() < deadline:
+        try:
+            if server_pid(server.pid, "aggregated-0") != old:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.2)
+    if not wait_for_health(server.url, max(0.0, deadline - time.monotonic()), alive):
+        raise RuntimeError(f"the launcher did not bring the server back:\n{server.log_tail()}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")),
+                   help="records.jsonl, report.md, plots/ (default $OUT)")
+    p.add_argument("--model", help="serve this model instead of building the 8B-shaped one (CPU smoke runs)")
+    p.add_argument("--skip", default="", help="phases to leave out, e.g. e or c,e (a: only build the model)")
+    p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
+    p.add_argument("--client-procs", type=int, default=default_procs())
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the servers and the engine phase (repeatable)")
+    sizes = {  # flag: (default, help)
+        "layers": (32, "of the 8B-shaped model"), "max-seq-len": (8192, ""), "max-num-tokens": (8192, ""),
+        "max-batch-size": (64, ""), "input-len": (128, "every closed-loop request"), "output-len": (256, ""),
+        "warm-concurrency": (32, "b and e"), "warm-runs": (3, "b"), "peak-concurrency": (64, "c, d and a"),
+        "b1-requests": (3, "c"), "mixed-concurrency": (32, "d: background streams"),
+        "long-input-len": (2048, "d"), "long-output-len": (256, "d"), "handoff-len": (4096, "f"),
+        "handoff-prompts": (3, "f")}
+    for name, (default, text) in sizes.items():
+        p.add_argument(f"--{name}", type=int, default=default, help=f"{text} (default {default})")
+    seconds = {"warm-duration": (8.0, "b: each run"), "peak-duration": (10.0, "c and d"),
+               "mixed-duration": (15.0, "d"), "restart-duration": (10.0, "e: each of the two runs"),
+               "ramp-s": (2.0, "staggered start of every run"), "long-rate": (1.0, "d: long prompts per second"),
+               "window-s": (60.0, "first window of a run"), "slo-ttft-ms": (1000.0, "goodput SLO"),
+               "slo-tpot-ms": (20.0, "goodput SLO"), "engine-timeout-s": (400.0, "phase a")}
+    for name, (default, text) in seconds.items():
+        p.add_argument(f"--{name}", type=float, default=default, help=f"{text} (default {default:g})")
+    args = p.parse_args(argv)
+    args.skip = set(filter(None, args.skip.split(",")))
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(item.split("=", 1) for item in args.server_env)
+    s = Session(args, RecordWriter(args.out, RunContext.capture(["scripts/bench_gpu_load.py", *sys.argv[1:]])), env)
+    with s.phase("a"):
+        model = engine_phase(s, args)
+        s.vocab = model_vocab(model)
+        s.config = {kind: deployment_file(args, model, kind) for kind in ("agg", "disagg", "restart")}
+    if s.vocab:
+        if not {"b", "c", "d"} <= args.skip:
+            aggregated(s, args)
+        if "d" not in args.skip:
+            disaggregated(s, args)
+        if "e" not in args.skip:
+            restarted(s, args)
+    s.finish(args.out)
+    return 0 if s.vocab else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Token timings for the engine's metrics: stamped when a token is accepted, handed to the metrics
+later (`observe`, between steps or while the GPU computes), so the step's hot path only appends."""
+
+from __future__ import annotations
+
+import time
+
+from server.engine.request import Request
+
+
+class TokenTimings:
+    def __init__(self, metrics=None) -> None:
+        self.metrics = metrics  # ServerMetrics or None
+        self._pending: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
+        self._prompt_tokens = 0  # prompt tokens of first tokens not yet counted
+
+    def stamp(self, request: Request) -> None:
+        """A new token of `request` now: its TTFT or its time since the token before."""
+        now = time.monotonic()
+        if request.first_token_time is None:
+            self._pending.append((True, now - request.arrival_time))
+            if not request.is_generation_only:  # its prompt was computed here (not pulled)
+                self._prompt_tokens += request.num_prompt_tokens
+        else:
+            self._pending.append((False, now - request.last_token_time))
+        request.first_token_time = request.first_token_time or now
+        request.last_token_time = now
+
+    def observe(self) -> None:
+        """Hand the stamped tokens to the metrics."""
+        timings, self._pending = self._pending, []
+        prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
+        if self.metrics is None:
+            return
+        if prompt_tokens:
+            self.metrics.add_prompt_tokens(prompt_tokens)
+        for first, seconds in timings:
+            (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
+        if timings:
+            self.metrics.add_generation_tokens(len(timings))
+
+    def finished(self, request: Request) -> None:
+        """End-to-end latency (arrival to the last output here) and queue time (arrival to the
+        first admission) of a request that ended on this server, whatever the reason."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        self.metrics.observe_e2e(now - request.arrival_time)
+        if request.scheduled_time is not None:
+            self.metrics.observe_queue_time(request.scheduled_time - request.arrival_time)

@@ -1,0 +1,60 @@
+"""Starting and stopping a server's engine process (the HTTP process's side of its lifecycle).
+
+The child is `python -m server.engineproc.main`: a fresh interpreter (fork + exec, so a parent
+with CUDA initialised is never forked into a child that uses it), in the server's process group
+(the launcher's SIGKILL of the group ends both), with the server's stdout and stderr (one log).
+What it needs arrives on its stdin as one JSON `Launch` (the config carries the deployment token
+and the link's secret: never on argv). It ignores SIGINT and SIGTERM, so a signal to the whole
+group reaches the HTTP process's drain only; the HTTP process stops it with `Shutdown`, then
+SIGKILL after `timeout_s`. The kernel kills it if the HTTP process dies (server/engineproc/main.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import msgspec
+
+from server.config.schema import ServerConfig
+
+log = logging.getLogger(__name__)
+
+MODULE = "server.engineproc.main"
+KILL_WAIT_S = 5.0
+
+
+class Launch(msgspec.Struct, frozen=True):
+    config: ServerConfig
+    directory: str  # the private directory of the link's ipc sockets (server/engineproc/link.py)
+    secret: str  # hex: the link's HMAC secret (server/engineproc/wire.py)
+    epoch: str  # the server's epoch (/health): its KV events carry it
+    parent_pid: int  # the HTTP process: the child exits when it is gone
+
+
+def start_engine_process(launch: Launch) -> subprocess.Popen:
+    """Start the child and hand it `launch` (call on the main thread: the parent-death signal
+    the child asks for fires when the thread that started it ends)."""
+    proc = subprocess.Popen([sys.executable, "-m", MODULE], stdin=subprocess.PIPE, close_fds=True)
+    try:
+        proc.stdin.write(msgspec.json.encode(launch))
+        proc.stdin.close()
+    except OSError as exc:  # it died at once: the HTTP process sees it exit before it was ready
+        log.error("could not hand the engine process its launch settings: %s", exc)
+    return proc
+
+
+def read_launch(raw: bytes) -> Launch:
+    return msgspec.json.decode(raw, type=Launch)
+
+
+def stop_engine_process(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Wait for the child to exit (after its Shutdown) at most `timeout_s`, then SIGKILL it."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if timeout_s > 0:
+            log.warning("the engine process (pid %d) did not stop within %g s: SIGKILL", proc.pid, timeout_s)
+        proc.kill()
+        return proc.wait(timeout=KILL_WAIT_S)

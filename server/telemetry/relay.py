@@ -1,0 +1,159 @@
+"""Metrics of an engine that runs in its own process (server/engineproc/), shown by the HTTP process.
+
+The engine process has no Prometheus registry: its `EngineCore`, `TelemetryBridge` and transceiver
+feed a `MetricsRecorder`, which stands in for `ServerMetrics` and keeps what they observe until the
+next message to the HTTP process takes it (`take`: a `MetricsDelta`, in the same message as the
+step's outputs). The figures read at scrape time (KV blocks and counters, requests per state,
+preemptions, KV transfer counters) travel as `EngineFigures` in the engine's state. On the HTTP
+side `RelayedMetrics` replays each delta into the server's `ServerMetrics` (the same histograms
+and counters, so /metrics is the same in both modes) and serves the last figures to its collectors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import msgspec
+
+from kvcache.stats import KVCacheStats
+from server.telemetry.metrics import EngineCounters, ServerMetrics
+
+
+class TransferFigures(msgspec.Struct, frozen=True):
+    """A copy of one sender's or receiver's cumulative `TransferStats` (`TransferCounts`)."""
+
+    failures_by_reason: dict[str, int]
+    lease_expired: int
+    rejected_messages: int
+    phase_seconds: dict[str, float]
+
+    @classmethod
+    def of(cls, stats) -> TransferFigures:
+        # copies: the transceiver's threads count on while this is read
+        return cls(dict(stats.failures_by_reason), stats.lease_expired, stats.rejected_messages,
+                   dict(stats.phase_seconds))
+
+
+class EngineFigures(msgspec.Struct, frozen=True):
+    """What the collectors read at scrape time, as of the engine's last state."""
+
+    kv: KVCacheStats | None = None
+    request_counts: dict[str, int] = {}
+    preemptions: int = 0
+    transfers: list[TransferFigures] = []
+
+
+class MetricsDelta(msgspec.Struct, frozen=True):
+    """What the engine observed since its previous message (seconds; transfers as (bytes, seconds))."""
+
+    ttft: list[float] = []
+    tpot: list[float] = []
+    e2e: list[float] = []
+    queue_time: list[float] = []
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    transfers: list[tuple[int, float]] = []
+
+
+_LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers")
+
+
+class MetricsRecorder:
+    """The engine process's stand-in for `ServerMetrics` (the methods the engine side calls).
+    Thread-safe: transfers end on the transceiver's socket threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+        self.request_counts: dict[str, int] = {}
+        self.counters_provider: Callable[[], EngineCounters] = EngineCounters
+
+    def _reset(self) -> None:
+        self._lists: dict[str, list] = {name: [] for name in _LISTS}
+        self._generation_tokens = 0
+        self._prompt_tokens = 0
+
+    def _add(self, name: str, value) -> None:
+        with self._lock:
+            self._lists[name].append(value)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._add("ttft", seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self._add("tpot", seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._add("e2e", seconds)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._add("queue_time", seconds)
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        self._add("transfers", (num_bytes, seconds))
+
+    def add_generation_tokens(self, n: int) -> None:
+        with self._lock:
+            self._generation_tokens += n
+
+    def add_prompt_tokens(self, n: int) -> None:
+        with self._lock:
+            self._prompt_tokens += n
+
+    def set_request_counts(self, counts: Mapping[str, int]) -> None:
+        self.request_counts = dict(counts)
+
+    def set_counters_provider(self, provider: Callable[[], EngineCounters]) -> None:
+        self.counters_provider = provider
+
+    def take(self) -> MetricsDelta | None:
+        """What was observed since the last call; None if nothing was."""
+        with self._lock:
+            lists, generated, prompts = self._lists, self._generation_tokens, self._prompt_tokens
+            if not (generated or prompts or any(lists.values())):
+                return None
+            self._reset()
+        return MetricsDelta(generation_tokens=generated, prompt_tokens=prompts, **lists)
+
+    def figures(self, kv: KVCacheStats | None) -> EngineFigures:
+        counters = self.counters_provider()
+        return EngineFigures(kv, dict(self.request_counts), counters.preemptions,
+                             [TransferFigures.of(s) for s in counters.transfers])
+
+
+class RelayedMetrics:
+    """The HTTP process's side: replays deltas into `metrics` and serves the last figures to it."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._figures = EngineFigures()
+        metrics.set_stats_provider(self.kv_stats)
+        metrics.set_counters_provider(self.counters)
+
+    def kv_stats(self) -> KVCacheStats | None:
+        return self._figures.kv
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(self._figures.preemptions, tuple(self._figures.transfers))
+
+    def update(self, figures: EngineFigures) -> None:
+        self._figures = figures
+        self.metrics.set_request_counts(figures.request_counts)
+
+    def replay(self, delta: MetricsDelta) -> None:
+        m = self.metrics
+        for seconds in delta.ttft:
+            m.observe_ttft(seconds)
+        for seconds in delta.tpot:
+            m.observe_tpot(seconds)
+        for seconds in delta.e2e:
+            m.observe_e2e(seconds)
+        for seconds in delta.queue_time:
+            m.observe_queue_time(seconds)
+        for num_bytes, seconds in delta.transfers:
+            m.observe_transfer(num_bytes, seconds)
+        if delta.generation_tokens:
+            m.add_generation_tokens(delta.generation_tokens)
+        if delta.prompt_tokens:
+            m.add_prompt_tokens(delta.prompt_tokens)

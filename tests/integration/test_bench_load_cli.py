@@ -1,0 +1,63 @@
+"""`pdserve-bench load` end to end: a real `pdserve serve` of builtin:tiny-llama on loopback, the
+mixed workload from two client processes, records with per-run series, and `report` plotting them."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve_bench.record import read_records
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300  # ~30 s on 2 idle cores; generous for a loaded CI machine
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "pdserve_bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"pdserve-bench {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_mixed_load_from_two_processes_against_a_real_server(tmp_path):
+    config = yaml.safe_load((ROOT / "configs" / "aggregated.yaml").read_text()) | {"model": "builtin:tiny-llama"}
+    (tmp_path / "agg.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "results"
+    done = _bench("load", "--deploy", f"agg={tmp_path / 'agg.yaml'}", "--workload", "mixed", "--concurrency", "3",
+                  "--input-len", "16", "--output-len", "8", "--long-input-len", "96", "--long-output-len", "4",
+                  "--long-rate", "4", "--duration", "3", "--ramp-s", "0.5", "--client-procs", "2", "--window-s", "1",
+                  "--no-warmup", "--repeat", "2", "--server-env", "OMP_NUM_THREADS=1", "--slo-ttft-ms", "60000",
+                  "--slo-tpot-ms", "60000", "--out", str(out))
+    assert "| agg: c=3 + 96in@4/s |" in done.stdout
+    [record] = read_records([out])
+    assert record["command"] == "load"
+    assert record["config"] | {"slo": None, "server_env": None} == {
+        "deployment": "agg", "target": "agg", "source": str(tmp_path / "agg.yaml"), "workload": "mixed",
+        "figure": "c=3 + 96in@4/s", "concurrency": 3, "rate": 0.0, "input_len": 16, "output_len": 8,
+        "duration_s": 3.0, "num_requests": None, "ramp_s": 0.5, "client_procs": 2, "window_s": 1.0, "bin_s": 1.0,
+        "warmup": False, "repeat": 2, "slo": None, "server_env": None, "long_input_len": 96, "long_output_len": 4,
+        "long_rate": 4.0, "long_requests": None}
+    assert len(record["repeats"]) == 2 and len(record["series"]) == 2
+    for run, series in zip(record["repeats"], record["series"], strict=True):
+        assert run["errors"] == 0 and run["client_procs"] == 2.0 and run["client_busiest_core_share"] > 0
+        assert run["background_requests"] + run["long_requests"] == run["requests"] > 0
+        assert run["long_requests"] > 0 and run["slo_attainment"] == 1.0
+        assert run["output_tokens"] == 8 * run["background_requests"] + 4 * run["long_requests"]
+        assert 0 < run["background_tpot_p50_ms"] <= run["background_tpot_p99_ms"]
+        assert 0 < run["long_ttft_p50_ms"] and 0 < run["server_ttft_mean_ms"] < run["ttft_mean_ms"]
+        assert run["server_queue_mean_ms"] >= 0 and not math.isnan(run["ttft_mean_first_window_ms"])
+        assert run["steady_output_tok_s"] > 0 and 0 < run["chunks_per_token"] <= 1
+        assert len(series["t_s"]) == len(series["started"]) == len(series["output_tok_s"]) >= 3
+        assert sum(series["started"]) == run["requests"]
+        assert sum(series["output_tok_s"]) == pytest.approx(run["output_tokens"])  # 1-s bins: tokens per bin
+    assert record["figures"]["startup_s"] > 0
+
+    _bench("report", str(out), "--out", str(tmp_path / "report"))
+    pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
+    assert pngs == ["load-c-3-96in-4-s-series.png"]
+    assert "## Load" in (tmp_path / "report" / "report.md").read_text()

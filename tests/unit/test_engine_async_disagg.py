@@ -1,0 +1,133 @@
+"""A disaggregated pair with async scheduling forced on both engines (real KV sender and receiver on
+loopback, tiny-llama): context legs prefilled in batches beside aggregated requests in the pipeline,
+generation legs whose KV arrives while other requests decode, and a failed pull, all token for token
+against transformers; every lease ends and every block comes back."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import engine_harness as eh
+import hf_reference
+import pytest
+from waiting import wait_until
+
+from server.engine.kv_connector import ContextConnector, GenerationConnector
+from server.models.builtin import resolve_model
+from server.types import DisaggParams, RequestOutput
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver
+from transceiver.sender import KVSender
+
+LLAMA = "builtin:tiny-llama"
+TOKEN = "async-disagg-test-token-0123456789"
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    return hf_reference.hf_greedy(resolve_model(LLAMA), prompt, n)
+
+
+@pytest.fixture
+def pair():
+    cfg = TransceiverConfig(auth_token=TOKEN)
+    ctx, gen = eh.make_core(LLAMA, async_scheduling=True), eh.make_core(LLAMA, async_scheduling=True)
+    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
+    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
+    yield ctx, gen
+    receiver.close()
+    sender.close()
+
+
+class Pair:
+    """Steps both engines together and gathers each request's outputs."""
+
+    def __init__(self, ctx, gen) -> None:
+        self.ctx, self.gen = ctx, gen
+        self.outputs: dict[str, list[RequestOutput]] = {}
+
+    def step(self) -> None:
+        for core in (self.ctx, self.gen):
+            for output in core.step():
+                self.outputs.setdefault(output.request_id, []).append(output)
+            eh.check_pipeline(core)
+
+    def final(self, rid: str) -> RequestOutput | None:
+        outs = self.outputs.get(rid, [])
+        return outs[-1] if outs and outs[-1].finished else None
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
+
+    def wait(self, rids: list[str], what: str) -> None:
+        wait_until(lambda: all(self.final(r) for r in rids), 60, what, step=self.step, interval_s=0.001)
+
+
+def _generation_params(answer: RequestOutput) -> DisaggParams:
+    p = answer.disagg
+    assert p is not None, answer
+    return DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
+                        p.prompt_token_ids)
+
+
+def test_the_pair_is_exact_with_both_pipelines_busy(pair):
+    ctx, gen = pair
+    run = Pair(ctx, gen)
+    # aggregated requests keep both pipelines full while the legs pass through
+    local = {core: eh.submit(core, _prompt(90 + i, 25), eh.greedy(40)) for i, core in enumerate(pair)}
+    prompts = [_prompt(300 + i, n) for i, n in enumerate([5, 40, 33, 70])]
+    legs = [eh.submit(ctx, p, eh.greedy(10), disagg=DisaggParams("context_only")) for p in prompts]
+    run.wait(legs, "the context legs")
+    for rid, prompt in zip(legs, prompts, strict=True):
+        answer = run.final(rid)
+        assert (answer.finish_reason, answer.new_token_ids) == (None, _expected(prompt, 1))
+    gens = [eh.submit(gen, p, eh.greedy(10), disagg=_generation_params(run.final(rid)))
+            for rid, p in zip(legs, prompts, strict=True)]
+    bogus = DisaggParams("generation_only", "no-such-lease", ctx.connector.sender.endpoint, ctx.connector.sender.epoch,
+                         (7,), tuple(prompts[0]))
+    failed = eh.submit(gen, prompts[0], eh.greedy(10), disagg=bogus)
+    run.wait([*gens, failed, *local.values()], "the generation legs")
+    for rid, prompt in zip(gens, prompts, strict=True):
+        assert run.tokens(rid) == _expected(prompt, 10) and run.final(rid).finish_reason == "length"
+    assert (run.final(failed).finish_reason, run.final(failed).error_code) == ("error", 404)
+    for i, rid in enumerate(local.values()):
+        assert run.tokens(rid) == _expected(_prompt(90 + i, 25), 40)
+    wait_until(lambda: ctx.connector.sender.num_leases == 0, 30, "the leases to end", step=run.step)
+    for core in pair:
+        assert eh.blocks_in_use(core.kv) == 0
+        core.kv.check_integrity()
+
+
+def test_a_context_leg_ending_at_its_first_token_offers_nothing(pair):
+    """max_tokens 1 (or a stop at the first token) ends the request on the context server itself:
+    no lease, no row after the prefill."""
+    ctx, gen = pair
+    run = Pair(ctx, gen)
+    prompt = _prompt(400, 20)
+    rid = eh.submit(ctx, prompt, eh.greedy(1), disagg=DisaggParams("context_only"))
+    request = ctx.scheduler.find(rid)
+    run.wait([rid], "the context leg")
+    assert run.final(rid).finish_reason == "length" and run.tokens(rid) == _expected(prompt, 1)
+    assert request.num_computed_tokens == len(prompt)
+    assert ctx.connector.sender.num_leases == 0 and eh.blocks_in_use(ctx.kv) == 0
+
+
+def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_scheduled(pair):
+    """Its KV is offered right after the step that wrote it (not after the next step, which may be
+    a long prefill), and its batch slot goes to the next request in that same schedule."""
+    ctx, _ = pair
+    ctx.scheduler.config = dataclasses.replace(ctx.config, max_batch_size=1)
+    leg = eh.submit(ctx, _prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
+    waiting = eh.submit(ctx, _prompt(501, 12), eh.greedy(8))
+    after = ctx.scheduler.find(waiting)
+    assert ctx.step() == [] and after.num_computed_tokens == 0  # the leg's prefill; the batch is full
+    [answer] = ctx.step()
+    assert answer.request_id == leg and answer.disagg is not None and ctx.connector.sender.num_leases == 1
+    assert after.num_computed_tokens == 12  # prefilled in the step that handed the leg over
+    ctx.connector.drop_lease(leg)
+    eh.run_to_completion(ctx, [waiting])

@@ -1,0 +1,91 @@
+"""The disk tier's file format, manifest and store on their own (kvcache/disk_format.py,
+disk_store.py), and the order in which found blocks are restored (disk_tier._entries)."""
+
+from __future__ import annotations
+
+import pytest
+from waiting import wait_until
+
+from kvcache.config import DiskTierConfig
+from kvcache.disk_format import (
+    BadFile,
+    BlockHeader,
+    Manifest,
+    check_payload,
+    decode_header,
+    encode_prefix,
+    key_id,
+    open_manifest,
+    payload_mac,
+    seal_manifest,
+)
+from kvcache.disk_store import BlockMeta, DiskStore
+from kvcache.disk_tier import _entries
+
+KEY = b"k" * 32
+
+
+def _header(payload: bytes, **kw) -> BlockHeader:
+    fields = dict(window=64, slot=3, block_hash=b"h" * 16, parent_hash=None, root_salt=b"s" * 16,
+                  tokens=(1, 2, 3, 4), priority=35, written_ns=1, payload_bytes=len(payload),
+                  payload_mac=payload_mac(KEY, payload))
+    return BlockHeader(**{**fields, **kw})
+
+
+def test_a_block_file_round_trips_and_any_change_fails_its_check():
+    payload = bytes(range(256))
+    data = encode_prefix(KEY, _header(payload)) + payload
+    header, offset = decode_header(KEY, data)
+    assert header == _header(payload) and data[offset:] == payload
+    check_payload(KEY, header, memoryview(data)[offset:])
+    with pytest.raises(BadFile, match="header MAC mismatch") as other_key:
+        decode_header(b"other", data)
+    assert other_key.value.reason == "corrupt"
+    flipped = bytearray(data)
+    flipped[-1] ^= 0x80
+    with pytest.raises(BadFile, match="payload checksum mismatch"):
+        check_payload(KEY, header, memoryview(flipped)[offset:])
+    with pytest.raises(BadFile, match="payload has 255 of 256 bytes") as short:
+        check_payload(KEY, header, memoryview(data)[offset:-1])
+    assert short.value.reason == "truncated"
+    with pytest.raises(BadFile, match="not a pdserve KV block file"):
+        decode_header(KEY, b"x" * 64)
+
+
+def test_a_manifest_opens_only_under_its_key_and_unedited():
+    manifest = Manifest(1, "fp", "float32", 4, (64,), 2, 4, key_id(KEY))
+    sealed = seal_manifest(KEY, manifest)
+    assert open_manifest(KEY, sealed) == manifest
+    with pytest.raises(ValueError, match="written under another deployment token"):
+        open_manifest(b"other", sealed)
+    with pytest.raises(ValueError, match="MAC does not match"):
+        open_manifest(KEY, sealed.replace(b'"fp"', b'"fq"'))
+    with pytest.raises(ValueError, match="unreadable"):
+        open_manifest(KEY, b"{")
+
+
+def test_a_queued_write_answers_reads_until_its_file_lands(tmp_path):
+    config = DiskTierConfig(path=str(tmp_path), max_bytes=1 << 20)
+    store = DiskStore(tmp_path, KEY, config, {64: 8})  # not opened: its writer threads wait
+    (tmp_path / "w64").mkdir()
+    meta = BlockMeta(b"h" * 16, None, b"s" * 16, (1,), 35)
+    assert store.write(64, 0, meta, memoryview(bytearray(b"12345678")))
+    assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"12345678"  # from the queue
+    assert store.read_many([(64, 0, b"g" * 16)])[0].reason == "stale"
+    assert store.read_many([(64, 1, b"h" * 16)])[0].reason == "missing"
+    for writer in store._writers:
+        writer.start()
+    wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+    assert not store._pending and store.stats.queued_bytes == 0
+    assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"12345678"  # from the file
+    store.close()
+
+
+def test_found_blocks_are_restored_parents_first_newest_copy_and_no_orphans():
+    def h(name: bytes, parent: bytes | None, slot: int, written: int) -> BlockHeader:
+        return _header(b"", block_hash=name * 16, parent_hash=parent and parent * 16, slot=slot,
+                       written_ns=written)
+
+    headers = [h(b"c", b"b", 0, 5), h(b"b", b"a", 1, 9), h(b"a", None, 2, 7), h(b"a", None, 3, 1),
+               h(b"x", b"q", 4, 2), h(b"y", b"x", 5, 3)]  # q has no file: x and y are orphans
+    assert [(slot, name[:1]) for slot, name, *_ in _entries(headers)] == [(2, b"a"), (1, b"b"), (0, b"c")]

@@ -1,0 +1,69 @@
+"""server/telemetry/relay.py: what an engine process observes shows on the HTTP process's /metrics
+exactly as if the engine had fed `ServerMetrics` itself (histograms, counters, scrape-time figures),
+after a trip through the engine link's codec."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+
+from kvcache.stats import KVCacheStats
+from server.engineproc.wire import EngineState, LinkCodec, StepOut
+from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.relay import MetricsRecorder, RelayedMetrics
+from transceiver.stats import TransferStats
+
+KV = KVCacheStats(prefix_query_tokens=40, prefix_hit_tokens=32, evictions=2, offloads=1, onboards=1,
+                  bytes_offloaded=4096, bytes_onboarded=4096, bytes_copied_primary=0,
+                  blocks={(512, "primary", "free"): 20, (512, "primary", "in_use"): 3})
+
+
+def observe(metrics) -> None:
+    """What an engine and its transceiver report in a few steps."""
+    metrics.add_prompt_tokens(40)
+    metrics.observe_ttft(0.012)
+    for seconds in (0.003, 0.004, 0.2):
+        metrics.observe_tpot(seconds)
+    metrics.add_generation_tokens(4)
+    metrics.observe_e2e(0.3)
+    metrics.observe_queue_time(0.0005)
+    metrics.observe_transfer(65536, 0.02)
+    metrics.set_request_counts({"waiting": 1, "running": 2, "transferring": 0})
+
+
+def samples(metrics: ServerMetrics) -> list[str]:
+    """The exposition without the `_created` timestamps (they differ between two registries)."""
+    return [line for line in metrics.render().decode().splitlines() if not re.search(r"_created(\{| )", line)]
+
+
+def transfer_stats() -> TransferStats:
+    stats = TransferStats(lease_expired=1, rejected_messages=2)
+    stats.count_failure("timeout")
+    stats.add_phases(wait=0.5, apply=0.25)
+    return stats
+
+
+def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
+    direct = ServerMetrics(stats_provider=lambda: KV)
+    stats = transfer_stats()
+    direct.set_counters_provider(lambda: EngineCounters(3, (stats,)))
+    observe(direct)
+
+    recorder = MetricsRecorder()  # the engine process
+    recorder.set_counters_provider(lambda: EngineCounters(3, (stats,)))
+    worker = threading.Thread(target=observe, args=(recorder,))  # the transceiver's threads observe too
+    worker.start()
+    worker.join()
+    secret = secrets.token_bytes(32)
+    http, engine = LinkCodec(secret, engine_side=False), LinkCodec(secret, engine_side=True)
+    message = http.open(engine.seal(StepOut([], recorder.take(), EngineState(figures=recorder.figures(KV)))))
+    assert recorder.take() is None  # taken once
+
+    relayed = ServerMetrics()  # the HTTP process
+    relay = RelayedMetrics(relayed)
+    relay.replay(message.metrics)
+    relay.update(message.state.figures)
+    assert samples(relayed) == samples(direct)
+    assert "pdserve_time_to_first_token_seconds_count 1.0" in samples(relayed)
+    assert 'pdserve_kv_transfer_failures_total{reason="timeout"} 1.0' in samples(relayed)

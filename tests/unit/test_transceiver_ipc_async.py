@@ -1,0 +1,132 @@
+"""The same-GPU handoff never waits for the device on either side's thread (docs/DISAGG_LOAD.md):
+the real KVSender and KVReceiver on CPU pools, as in test_transceiver_ipc_flow.py, where a checksum
+or copy is held "on the device" (not done) until the test releases it. Meanwhile the context engine
+leases another request and the sender's socket thread serves that pull to the end, and the
+receiver's steps return at once; a pull whose Done came before its copy was checked finishes only
+after the check; a pull cancelled with its copy still running never reports and drops the copy once
+it is done. tests/gpu/test_transceiver_kernels_cuda.py holds real CUDA work behind a sleeping kernel
+instead."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from test_transceiver_ipc_flow import TOKEN, W, _cache, _kv, _leased, _rows, _run, _step, same_gpu  # noqa: F401
+from waiting import wait_until
+
+import transceiver.receiver.ipc_copies as copies_mod
+import transceiver.sender.serve as serve_mod
+from kvcache import KVCacheManager
+from transceiver.config import TransceiverConfig
+from transceiver.ipc import DeviceSum
+from transceiver.receiver import KVReceiver
+from transceiver.sender import KVSender
+
+
+class Held:
+    """A checksum the device has not finished until `gate` is set."""
+
+    def __init__(self, real: DeviceSum, gate: threading.Event) -> None:
+        self.real, self.gate = real, gate
+        self.device = None
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+    def value(self) -> int:
+        assert self.done()
+        return self.real.value()
+
+    def synchronize(self) -> None:
+        self.gate.wait(10)
+
+    def order_before(self, stream) -> None:
+        return None
+
+
+def hold_first(monkeypatch, module, name: str) -> threading.Event:
+    """`module.name` (start_checksum / start_copy): its first call's result is held until the gate."""
+    gate, real, calls = threading.Event(), getattr(module, name), []
+
+    def held(*args, **kwargs):
+        calls.append(1)
+        result = real(*args, **kwargs)
+        return Held(result, gate) if len(calls) == 1 else result
+
+    monkeypatch.setattr(module, name, held)
+    return gate
+
+
+def _two_requests(ctx_kv: KVCacheManager, sender: KVSender, gen_kv: KVCacheManager):
+    """The leased request "req" (6 blocks) and its destination slots on the generation side."""
+    tokens, _ = _leased(ctx_kv, sender)
+    gen_kv.admit("req", tokens)
+    return tokens, gen_kv.slot_table("req", W)
+
+
+@pytest.fixture
+def pair(same_gpu):  # noqa: F811 (the fixture imported above)
+    sender = KVSender(same_gpu, TransceiverConfig(auth_token=TOKEN), "fp")
+    gen_kv = _kv(max_blocks=16)
+    rx = KVReceiver(gen_kv, TransceiverConfig(auth_token=TOKEN), "fp")
+    yield same_gpu, sender, gen_kv, rx
+    rx.close()
+    sender.close()
+
+
+def test_the_sender_serves_other_pulls_while_a_checksum_is_on_the_device(pair, monkeypatch) -> None:
+    ctx_kv, sender, gen_kv, rx = pair
+    gate = hold_first(monkeypatch, serve_mod, "start_checksum")
+    tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
+    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})  # its checksum is held
+    wait_until(lambda: sender._link._server._ipc, 10, "the first checksum on the device",
+               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    other = list(range(400, 408))  # the engine thread prefills and leases another request meanwhile
+    _cache(ctx_kv, "other", other, lease=sender)
+    gen_kv.admit("other", other)
+    other_dst = gen_kv.slot_table("other", W)
+    rx.start_pull("other", sender.endpoint, sender.epoch, "other", {W: (0, other_dst)})
+    second = _run(sender, rx)  # served to the end while the first one's checksum is still running
+    assert (second.request_id, second.ok) == ("other", True), second.error
+    assert [int(_rows(gen_kv)[s][0]) for s in other_dst] == [1000 * other[b * 4] + b for b in range(2)]
+    assert rx.num_pulls == 1 and sender.stats.ipc_transfers == 1
+    gate.set()
+    first = _run(sender, rx)
+    assert (first.request_id, first.ok) == ("req", True), first.error
+    assert [int(_rows(gen_kv)[s][0]) for s in dst] == [1000 * tokens[b * 4] + b for b in range(6)]
+    wait_until(lambda: not sender.num_leases, 5, "both leases back", step=lambda: _step(sender))
+
+
+def test_a_pull_finishes_only_once_its_copy_is_checked_and_steps_never_wait(pair, monkeypatch) -> None:
+    ctx_kv, sender, gen_kv, rx = pair
+    gate = hold_first(monkeypatch, copies_mod, "start_copy")
+    tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
+    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
+    wait_until(lambda: any(p.done is not None for p in rx._parts.values()), 10, "Done before the copy is checked",
+               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    start = time.monotonic()
+    assert rx.step() == [] and time.monotonic() - start < 0.5  # nothing waits for the held copy
+    assert rx.num_pulls == 1 and sender.num_leases == 1  # no Ack yet: the lease stays pinned
+    gate.set()
+    result = _run(sender, rx)
+    assert (result.ok, result.nbytes) == (True, 6 * 1024), result.error
+    assert [int(_rows(gen_kv)[s][0]) for s in dst] == [1000 * tokens[b * 4] + b for b in range(6)]
+    assert rx.stats.ipc_transfers == 1
+    wait_until(lambda: not sender.num_leases, 5, "the lease back after the Ack", step=lambda: _step(sender))
+
+
+def test_a_cancelled_pull_with_its_copy_running_never_reports(pair, monkeypatch) -> None:
+    ctx_kv, sender, gen_kv, rx = pair
+    gate = hold_first(monkeypatch, copies_mod, "start_copy")
+    _, dst = _two_requests(ctx_kv, sender, gen_kv)
+    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
+    wait_until(lambda: any(rx._copies.pending(pull_id) for pull_id in rx._parts), 10, "the copy started",
+               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    assert rx.cancel("req") and rx.num_pulls == 0
+    assert rx._copies._copies and rx._copies._copies[0].abandoned  # kept while the device runs it
+    gate.set()
+    assert rx.step() == [] and rx._copies._copies == []
+    wait_until(lambda: not sender.num_leases, 5, "the Cancel ends the lease", step=lambda: _step(sender))
+    assert sender.stats.failures_by_reason == {"cancelled": 1}

@@ -1,0 +1,71 @@
+"""The context side's same-GPU pulls (CUDA IPC), on its socket thread: no bytes, only where the blocks
+are and their checksums.
+
+`PullServer` starts each pull's checksums on its side stream (`ipc.start_checksum`: after the lease's
+`ready` event, one pass over the slots in place) and hands them here; `ready` gives back the pulls
+whose checksums the device has finished, and only then do their `IpcChunk`s and `Done` leave. So
+the socket thread never waits for the device: other pulls, Acks and Cancels are served meanwhile,
+and the engine thread's next prefill is queued on its own stream at the same time.
+
+A pull that ends before its checksums are done (Cancel, the lease withdrawn) is dropped here; the
+side stream may still read its slots after the engine unpinned them, which only makes a checksum
+nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transceiver.ipc import DeviceSum
+from transceiver.wire import IpcChunk, WindowRange
+
+MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under wire.MAX_HEADER_BYTES
+POLL_S = 0.0002  # how soon the socket thread looks again while a checksum is on the device
+
+
+def ipc_parts(r: WindowRange) -> list[WindowRange]:
+    """`r` cut into ranges of at most MAX_IPC_SLOTS blocks."""
+    end = r.first + r.count
+    return [WindowRange(window=r.window, first=first, count=min(MAX_IPC_SLOTS, end - first))
+            for first in range(r.first, end, MAX_IPC_SLOTS)]
+
+
+@dataclass(frozen=True)
+class IpcPart:
+    """One future IpcChunk: blocks `range` of a lease, in the sender's `slots`, being summed."""
+
+    range: WindowRange
+    slots: list[int]
+    checksum: DeviceSum
+
+    def chunk(self, pull_id: int) -> IpcChunk:
+        r = self.range
+        return IpcChunk(pull_id=pull_id, window=r.window, first=r.first, slots=self.slots,
+                        checksum=self.checksum.value())
+
+
+class IpcPulls:
+    """Same-GPU pulls whose checksums are on the device, by (lease id, pull id), in arrival order
+    (a lease serves several at once when tensor-parallel ranks pull their parts, transceiver/tp.py)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, int], list[IpcPart]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, cid: str, pull_id: int, parts: list[IpcPart]) -> None:
+        self._pending[cid, pull_id] = parts
+
+    def drop(self, cid: str) -> None:
+        """Every pull of the lease `cid`."""
+        for key in [k for k in self._pending if k[0] == cid]:
+            del self._pending[key]
+
+    def ready(self) -> list[tuple[str, int, list[IpcPart]]]:
+        """Pulls whose every checksum is done, taken out (arrival order)."""
+        done = [(cid, pull_id, parts) for (cid, pull_id), parts in self._pending.items()
+                if all(p.checksum.done() for p in parts)]
+        for cid, pull_id, _ in done:
+            del self._pending[cid, pull_id]
+        return done
