@@ -38,7 +38,7 @@ from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
 from server.telemetry.relay import RelayedMetrics
 from server.tp.messages import Ready
-from server.tp.ranks import Ranks, start_ranks
+from server.tp.ranks import RANK_DIED_EXIT, Ranks, start_ranks
 from server.tp.runner import RankedRunner
 from server.tp.transfers import RankedReceiver, RankedSender
 from transceiver.receiver import KVReceiver
@@ -126,7 +126,8 @@ def engine_in_child(cfg: ServerConfig) -> bool:
 
 def make_app(cfg: ServerConfig, on_fatal=None):
     """The server's app. `on_fatal()` is called if the engine cannot load, or its process dies
-    (the server process should then exit non-zero)."""
+    (the server process should then exit non-zero); `on_fatal(RANK_DIED_EXIT)` when the engine
+    process ended because one of its tensor-parallel ranks died."""
     metrics = ServerMetrics()
     token = cfg.cache_transceiver_config.auth_token
     make = _engine_process if engine_in_child(cfg) else _engine_thread
@@ -179,7 +180,14 @@ def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
 
 def _engine_process(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
     """The engine in a child process (server/engineproc/): (engine factory, KV event source)."""
-    engine = EngineProcess(cfg, served_name(cfg.model), RelayedMetrics(metrics), EPOCH, on_fatal)
+    def died() -> None:
+        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
+            on_fatal(RANK_DIED_EXIT)
+        else:
+            on_fatal()
+
+    engine = EngineProcess(cfg, served_name(cfg.model), RelayedMetrics(metrics), EPOCH,
+                           None if on_fatal is None else died)
 
     @asynccontextmanager
     async def engine_factory() -> AsyncIterator[EngineProcess]:
@@ -275,8 +283,8 @@ def serve(cfg: ServerConfig) -> int:
         sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)
     failed = []
 
-    def on_fatal() -> None:
-        failed.append(True)
+    def on_fatal(code: int = 1) -> None:
+        failed.append(code)
         server.should_exit = True
 
     app = make_app(cfg, on_fatal)
@@ -284,4 +292,4 @@ def serve(cfg: ServerConfig) -> int:
                             timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, app.state.drain)
     server.run()
-    return 1 if failed else 0
+    return failed[0] if failed else 0

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def main(blob: bytes) -> None:
     """The process target (its only argument: msgpack of WorkerArgs)."""
     args = msgspec.msgpack.decode(blob, type=WorkerArgs)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the server's process group is for its drain:
+        signal.signal(sig, signal.SIG_IGN)      # rank 0 stops this rank (Stop), or it exits when rank 0 is gone
     _exit_with_parent()
     end = RankEnd(bytes.fromhex(args.secret), args.channel, args.rank)
     try:

@@ -5,6 +5,7 @@ The model is the sliding-window one (window 64 on two of its layers, prompts of 
 primary pool holds 32 blocks, fewer than the six prompts need, so blocks are evicted to the host tier
 and onboarded back: every rank must mirror those copies on its own slice of the pools (rank 0 keeps
 the books), and replays read back exactly what was written (identical text, cached tokens > 0).
+Once with the engine's steps one after the other, once with async scheduling forced on.
 """
 
 from __future__ import annotations
@@ -56,8 +57,13 @@ def reference_texts() -> list[str]:
             for i in ids]
 
 
-def test_tp2_replay_through_host_tier_matches_transformers(tmp_path, reference_texts):
-    with dh.launched("aggregated.yaml", tmp_path, TP_AGGREGATED) as dep:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_replay_through_host_tier_matches_transformers(tmp_path, reference_texts, async_scheduling):
+    """With async scheduling forced on (a CPU's default is off), each decode row's token is the one
+    the step before sampled on rank 0, which rank 1 gets by broadcast (server/tp/runner.py)."""
+    with dh.launched("aggregated.yaml", tmp_path, {**TP_AGGREGATED, "async_scheduling": async_scheduling}) as dep:
+        logs = "".join(p.read_text(errors="replace") for p in dep.log_dir.glob("*.log"))
+        assert f"async scheduling {async_scheduling}" in logs
         first = asyncio.run(_all(dep.url, concurrent=False))
         assert [b["choices"][0]["text"] for b in first] == reference_texts
         for _ in range(2):
