@@ -29,6 +29,11 @@ class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     write_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
     io_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # one hit's reads; the writes' flush at close
 
+    def for_rank(self, rank: int) -> DiskTierConfig:
+        """Rank `rank`'s directory of a tensor-parallel server (each rank keeps files of its own kv
+        heads, kvcache/disk_mirror.py): `path` for rank 0, `path.rank<r>` beside it for the others."""
+        return self if rank == 0 else msgspec.structs.replace(self, path=f"{self.path}.rank{rank}")
+
 
 class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Paged KV cache settings. Capacities are per window group (VSWA: one group per window size)."""

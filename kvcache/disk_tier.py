@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcache.admission import check_capacity, onboard_closure
 from kvcache.block import Block, Level
@@ -32,15 +32,25 @@ from kvcache.stats import KVCacheStats
 log = logging.getLogger(__name__)
 
 Work = list[tuple[WindowGroup, list[Block]]]  # disk blocks to check, per window group
+Item = tuple[int, int, bytes]  # (window, disk slot, block hash) of a file to read and check
+# Other holders of the same disk slots (a tensor-parallel server's other ranks, each with files of
+# its own kv heads): given the items of a check, they start reading theirs; the returned call waits
+# for them and gives index -> (reason, detail) of every item one of them could not read back.
+PeerCheck = Callable[[list[Item]], Callable[[], dict[int, tuple[str, str]]]]
 
 
 class NoDiskTier:
     """No disk tier: nothing to check, drop or count."""
 
+    peers: PeerCheck | None = None
+
     def check(self, work: Work) -> int:
         return 0
 
     def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+        return None
+
+    def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
         return None
 
     def after_flush(self, g: WindowGroup) -> None:
@@ -58,6 +68,7 @@ class DiskTier:
         self.store = store
         self.dropped: Counter[str] = Counter()  # disk blocks dropped, by reason
         self.bytes_read = 0
+        self.peers: PeerCheck | None = None  # other ranks' files of the same slots (`check`)
         for g in groups:
             g.pools.disk = DiskSlots(store, g.window, functools.partial(_describe, g.bm))
 
@@ -67,11 +78,8 @@ class DiskTier:
         """Take the directory and put the blocks a matching manifest vouches for into the groups'
         trees (before anything else touches them)."""
         assert config.disk is not None
-        manifest = Manifest(MANIFEST_VERSION, salt, str(layout.dtype).removeprefix("torch."),
-                            config.tokens_per_block, layout.layer_windows, layout.num_kv_heads,
-                            layout.head_dim, key_id(key))
         slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
-        store, found = DiskStore.open(config.disk, key, manifest, slots)
+        store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots)
         for g in groups:
             store.stats.restored += len(g.bm.restore_disk(_entries(found[g.window])))
         if store.stats.restored or store.stats.skipped_at_start:
@@ -82,8 +90,13 @@ class DiskTier:
     def check(self, work: Work) -> int:
         """Read and check the files of `work`'s disk blocks in one batch; stage the good ones' bytes,
         discard the others (and their subtrees). Returns the number discarded."""
-        items = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]
-        results = iter(self.store.read_many(items))  # type: ignore[arg-type]
+        items: list[Item] = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]  # type: ignore[misc]
+        peers = self.peers(items) if self.peers is not None else None  # their reads run meanwhile
+        own = self.store.read_many(items)
+        for i, (reason, detail) in (peers() if peers is not None else {}).items():
+            if not isinstance(own[i], BadFile):
+                own[i] = BadFile(reason, detail)
+        results = iter(own)
         bad: list[tuple[WindowGroup, Block, BadFile]] = []
         for g, blocks in work:
             for b in blocks:
@@ -113,6 +126,10 @@ class DiskTier:
             raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
                                f"its check: they were dropped (the KV must be computed again)")
 
+    def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
+        """What the file of disk slot `slot` must say about the block there now (None: free)."""
+        return _describe(g.bm, slot)
+
     def after_flush(self, g: WindowGroup) -> None:
         """Drop the blocks whose write the queue refused during the call that just ended."""
         assert g.pools.disk is not None
@@ -138,6 +155,12 @@ class DiskTier:
         if reason not in ("missing", "timeout", "queue_full"):
             self.store.delete(g.window, b.slot)
         g.bm.discard(b)
+
+
+def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:
+    """What a disk directory's files must be for: this model, KV layout and key."""
+    return Manifest(MANIFEST_VERSION, salt, str(layout.dtype).removeprefix("torch."), config.tokens_per_block,
+                    layout.layer_windows, layout.num_kv_heads, layout.head_dim, key_id(key))
 
 
 def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:

@@ -18,8 +18,10 @@ import torch
 from kvcache import events
 from kvcache.admission import check_capacity, execute_plan, make_primary
 from kvcache.block import Block, CopyOp, Level
-from kvcache.config import KvCacheConfig
-from kvcache.disk_tier import DiskTier, NoDiskTier
+from kvcache.config import DiskTierConfig, KvCacheConfig
+from kvcache.disk_mirror import DiskMirror
+from kvcache.disk_store import BlockMeta
+from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import request_salt, salt_digest
@@ -110,6 +112,23 @@ class KVCacheManager:
         """Run copies that another manager with the same slot counts recorded (`observe_copies`) on
         these pools; the bookkeeping here is not touched (a rank whose manager is rank 0's)."""
         self._group(window).pools.execute(ops)
+
+    def disk_block_meta(self, window: int, slot: int) -> BlockMeta | None:
+        """What the file of disk slot `slot` says about its block now (None: free, or no disk tier):
+        an observer of copies that wrote it hands this to the ranks that mirror them."""
+        return self._disk.describe(self._group(window), slot)
+
+    def share_disk_checks(self, peers: PeerCheck) -> None:
+        """Every check of disk files (before a disk hit is planned in) asks `peers` too, and a block
+        whose file one of them could not read back is dropped like one whose own file failed."""
+        self._disk.peers = peers
+
+    def mirror_disk(self, disk: DiskTierConfig, key: bytes, num_disk: int) -> DiskMirror:
+        """Files of this manager's pools for another manager's disk slots (`num_disk` per window
+        group): a tensor-parallel rank whose books are rank 0's (kvcache/disk_mirror.py)."""
+        if isinstance(self._disk, DiskTier):
+            raise KVCacheError("a manager with a disk tier of its own cannot mirror another's")
+        return DiskMirror.open(disk, self.config, self.layout, self.salt, key, self._groups, num_disk)
 
     def slot_bytes(self, window: int) -> int:
         return self._group(window).pools.slot_bytes

@@ -73,11 +73,13 @@ def check_disk_paths(servers: list[S], source: str) -> None:
         if disk is None:
             continue
         name = f"{s.role} server {host_port(s.host, s.port)}"
-        for host, path, other in seen:
-            if path == disk.path and _same_host(host, s.host):
-                raise ConfigError(f"{source}: kv_cache_config.disk.path: {other} and {name} both use "
-                                  f"{path!r}; give each server its own directory (set disk.path per section)")
-        seen.append((s.host, disk.path, name))
+        for rank in range(s.tensor_parallel_size):  # rank r > 0 of a tensor-parallel server: path.rank<r>
+            mine = disk.for_rank(rank).path
+            for host, path, other in seen:
+                if path == mine and _same_host(host, s.host):
+                    raise ConfigError(f"{source}: kv_cache_config.disk.path: {other} and {name} both use "
+                                      f"{path!r}; give each server its own directory (set disk.path per section)")
+            seen.append((s.host, mine, name if rank == 0 else f"{name} (rank {rank})"))
 
 
 def _same_host(a: str, b: str) -> bool:

@@ -25,13 +25,35 @@ class Init(msgspec.Struct, tag=True, frozen=True):
 
     num_primary: int
     num_secondary: int
+    num_disk: int = 0  # a disk tier: each rank keeps files of its own kv heads (kvcache/disk_mirror.py)
+
+
+class DiskMeta(msgspec.Struct, array_like=True, frozen=True):
+    """What the file of a disk slot rank 0 wrote says about its block (kvcache.disk_store.BlockMeta)."""
+
+    slot: int
+    block_hash: bytes
+    parent_hash: bytes | None
+    root_salt: bytes
+    tokens: list[int]
+    priority: int
 
 
 class Copies(msgspec.Struct, tag=True, frozen=True):
-    """Pool copies rank 0's KV manager ran on one window group, in order."""
+    """Pool copies rank 0's KV manager ran on one window group, in order; `disk_meta` names the
+    blocks its host -> disk copies wrote."""
 
     window: int
     ops: list[tuple[int, int, int, int]]  # (src level, src slot, dst level, dst slot)
+    disk_meta: list[DiskMeta] = []
+
+
+class CheckDisk(msgspec.Struct, tag=True, frozen=True):
+    """Read and check these disk files (window, disk slot, block hash) and stage their bytes for the
+    copies that follow; answered by `DiskChecked` (rank 0 waits: it plans a disk hit in)."""
+
+    call: int
+    items: list[tuple[int, int, bytes]]
 
 
 class Forward(msgspec.Struct, tag=True, frozen=True):
@@ -77,7 +99,7 @@ class Stop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Op = Init | Copies | Forward | OfferLease | EndLease | StartPull | CancelPull | Stop
+Op = Init | Copies | CheckDisk | Forward | OfferLease | EndLease | StartPull | CancelPull | Stop
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -108,6 +130,15 @@ class PullDone(msgspec.Struct, tag=True, frozen=True):
     nbytes: int = 0
 
 
+class DiskChecked(msgspec.Struct, tag=True, frozen=True):
+    """A rank's answer to `CheckDisk` `call`: item index -> (reason, sentence) of the files it could
+    not read back (rank 0 drops those blocks)."""
+
+    rank: int
+    call: int
+    bad: dict[int, tuple[str, str]]
+
+
 class Failure(msgspec.Struct, tag=True, frozen=True):
     """A rank hit an error it cannot recover from; it exits after this."""
 
@@ -115,4 +146,4 @@ class Failure(msgspec.Struct, tag=True, frozen=True):
     error: str
 
 
-Report = Joined | Ready | PullDone | Failure
+Report = Joined | Ready | PullDone | DiskChecked | Failure

@@ -37,6 +37,7 @@ from server.models.parallel.context import RankShard
 from server.models.spec import ModelSpec
 from server.tp import worker
 from server.tp.channel import ChannelError, RootEnd
+from server.tp.disk import DiskChecks, disk_metas
 from server.tp.messages import Command, Copies, Failure, Init, Joined, Op, PullDone, Ready, Report, Stop
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Ranks:
         self._stopping = False
         self.kv_endpoints: list[str | None] = [None] * size  # per rank, from `Ready`
         self.shard: RankShard | None = None  # rank 0's part of the model
+        self._kv: KVCacheManager | None = None  # rank 0's, once attached
         self.device = torch.device("cpu")  # rank 0's
         self._on_rank_death = on_rank_death
         threading.Thread(target=self._watch, name="pdserve-rank-watchdog", daemon=True).start()
@@ -91,14 +93,20 @@ class Ranks:
 
     # ---- the commands
     def attach(self, kv: KVCacheManager) -> None:
-        """Give the ranks the pools' slot counts and mirror every copy `kv` runs from now on."""
+        """Give the ranks the pools' slot counts and mirror every copy `kv` runs from now on (and with
+        a disk tier, every check of its files: server/tp/disk.py)."""
         window = kv.window_sizes[0]
-        self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY)))
+        num_disk = kv.num_slots(window, Level.DISK)
+        self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY), num_disk))
+        self._kv = kv
         kv.observe_copies(self._on_copies)
+        if num_disk:
+            kv.share_disk_checks(DiskChecks(self, kv.config.disk.io_timeout_s))
         self.flush()
 
     def _on_copies(self, window: int, ops: list[CopyOp]) -> None:
-        self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops]))
+        metas = disk_metas(self._kv, window, ops) if self._kv is not None else []
+        self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops], metas))
 
     def add(self, op: Op) -> None:
         self._ops.append(op)
@@ -124,21 +132,28 @@ class Ranks:
     # ---- the reports
     def wait_for(self, kind: type[Joined] | type[Ready], timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every rank has sent its `kind` report (`Ready`: loaded and warmed up)."""
+        found = self.collect(lambda r: isinstance(r, kind), timeout_s)
+        missing = sorted(set(range(1, self.size)) - set(found))
+        if missing:
+            raise RankFailed(f"ranks {missing} sent no {kind.__name__} within {timeout_s:.0f} s")
+        for rank, report in found.items():
+            if isinstance(report, Ready):
+                self.kv_endpoints[rank] = report.kv_endpoint
+
+    def collect(self, wanted: Callable[[Report], bool], timeout_s: float) -> dict[int, Report]:
+        """The first `wanted` report of each other rank, waiting at most `timeout_s` for them all
+        (a rank missing from the answer sent none in time); other reports stay for `reports`."""
         deadline = time.monotonic() + timeout_s
-        done: set[int] = set()
+        found: dict[int, Report] = {}
         others: list[Report] = []
-        while len(done) < self.size - 1:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(1, self.size)) - done)
-                raise RankFailed(f"ranks {missing} sent no {kind.__name__} within {timeout_s:.0f} s")
-            for report in self.reports(0.1):
-                if not isinstance(report, kind):
+        while len(found) < self.size - 1 and time.monotonic() <= deadline:
+            for report in self.reports(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if wanted(report) and report.rank not in found:  # type: ignore[union-attr]
+                    found[report.rank] = report  # type: ignore[union-attr]
+                else:
                     others.append(report)
-                    continue
-                done.add(report.rank)
-                if isinstance(report, Ready):
-                    self.kv_endpoints[report.rank] = report.kv_endpoint
         self._reports = others + self._reports
+        return found
 
     def reports(self, timeout_s: float = 0.0) -> list[Report]:
         """Reports that arrived (pulls' parts); a rank's `Failure` raises RankFailed."""

@@ -26,14 +26,29 @@ import torch
 
 from kvcache import KvCacheConfig, KVCacheManager, Level
 from kvcache.block import CopyOp
+from kvcache.disk_mirror import DiskMirror
 from kvcache.layout import CacheLayout
+from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_dtype
 from server.models.spec import load_spec
 from server.tp.channel import RankEnd
-from server.tp.messages import Command, Copies, Failure, Forward, Init, Joined, Op, Ready, Stop
+from server.tp.disk import block_metas
+from server.tp.messages import (
+    CheckDisk,
+    Command,
+    Copies,
+    DiskChecked,
+    Failure,
+    Forward,
+    Init,
+    Joined,
+    Op,
+    Ready,
+    Stop,
+)
 from server.tp.roles import make_role
 
 log = logging.getLogger(__name__)
@@ -92,15 +107,24 @@ def _exit_with_parent() -> None:
 
 
 def mirror_config(config: KvCacheConfig, init: Init, layout: CacheLayout) -> KvCacheConfig:
-    """This rank's pools get exactly rank 0's slot counts."""
+    """This rank's pools get exactly rank 0's slot counts (its disk files: `mirror_disk`)."""
     tpb = config.tokens_per_block
     return msgspec.structs.replace(config, max_tokens=init.num_primary * tpb, free_gpu_memory_fraction=None,
-                                   host_cache_size=init.num_secondary * tpb * layout.bytes_per_token())
+                                   host_cache_size=init.num_secondary * tpb * layout.bytes_per_token(), disk=None)
+
+
+def mirror_disk(cfg: ServerConfig, kv: KVCacheManager, init: Init, rank: int) -> DiskMirror | None:
+    """With a disk tier, this rank's files of its kv heads, in its own directory (server/tp/disk.py)."""
+    disk = cfg.kv_cache_config.disk
+    if disk is None or not init.num_disk:
+        return None
+    key = disk_tier_key(cfg.cache_transceiver_config.auth_token)
+    return kv.mirror_disk(disk.for_rank(rank), key, init.num_disk)
 
 
 class Worker:
     def __init__(self, args: WorkerArgs, end: RankEnd) -> None:
-        self.end = end
+        self.end, self.rank = end, args.rank
         cfg = msgspec.json.decode(args.config_json, type=ServerConfig)
         self.device = device = group.rank_device(torch.device(args.device), args.rank)
         dtype = resolve_dtype(args.dtype, device)
@@ -111,6 +135,7 @@ class Worker:
         init, self.pending = self._init()
         layout = shard.local_spec(spec).cache_layout(cfg.max_seq_len, dtype, device)
         self.kv = KVCacheManager(mirror_config(cfg.kv_cache_config, init, layout), layout, salt=spec.fingerprint)
+        self.disk = mirror_disk(cfg, self.kv, init, args.rank)
         self.runner = ModelRunner(Path(args.model_dir), self.kv, dtype=dtype, device=device,
                                   max_num_tokens=cfg.max_num_tokens, max_batch_size=cfg.max_batch_size,
                                   tensors=weights, kernels=cfg.kernels, cuda_graphs=cfg.cuda_graphs,
@@ -130,6 +155,8 @@ class Worker:
         while True:
             if ops and not self.apply(ops):
                 self.role.close()
+                if self.disk is not None:
+                    self.disk.close()  # its queued writes land
                 return
             for report in self.role.step():
                 self.end.report(report)
@@ -140,7 +167,11 @@ class Worker:
         """Run rank 0's operations in order; False on Stop."""
         for op in ops:
             if isinstance(op, Copies):
-                self.kv.apply_copies(op.window, [CopyOp(Level(a), b, Level(c), d) for a, b, c, d in op.ops])
+                self.copy(op)
+            elif isinstance(op, CheckDisk):
+                bad = self.disk.check(op.items) if self.disk is not None else \
+                    dict.fromkeys(range(len(op.items)), ("missing", f"rank {self.rank} has no disk tier"))
+                self.end.report(DiskChecked(self.rank, op.call, bad))
             elif isinstance(op, Forward):
                 self.forward(op)
             elif isinstance(op, Stop):
@@ -148,6 +179,14 @@ class Worker:
             else:
                 self.role.apply(op)
         return True
+
+    def copy(self, op: Copies) -> None:
+        """Rank 0's copies on this rank's pools; its host -> disk copies write this rank's files."""
+        if self.disk is not None:
+            self.disk.before_copies(op.window, block_metas(op.disk_meta))
+        self.kv.apply_copies(op.window, [CopyOp(Level(a), b, Level(c), d) for a, b, c, d in op.ops])
+        if self.disk is not None:
+            self.disk.after_copies(op.window)
 
     def forward(self, op: Forward) -> None:
         """This rank's part of one step; rows with a pending token take it from the sampled ids

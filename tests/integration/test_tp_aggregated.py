@@ -74,3 +74,25 @@ def test_tp2_replay_through_host_tier_matches_transformers(tmp_path, reference_t
         assert dep.metric(dep.url, "pdserve_kv_onboarded_blocks_total") > 0
         wait_until(lambda: dep.metric(dep.url, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
                    what="no block in use")
+
+
+RANK_BLOCK_BYTES = 32 * 1024  # tiny-qwen3-swa's block on one of two ranks: 32 tokens x 4 layers x K, V x 1 head x 32
+
+
+def test_tp2_replay_through_host_and_disk_tiers_matches_transformers(tmp_path, reference_texts):
+    """Blocks go down to disk and come back on both ranks: each rank writes its kv heads to files of
+    its own (rank 1: `path.rank1`), and a hit reads both ranks' files (kvcache/disk_mirror.py)."""
+    disk = {"path": str(tmp_path / "kv-disk"), "max_bytes": 64 * RANK_BLOCK_BYTES}
+    kv = {**TP_AGGREGATED["kv_cache_config"], "host_cache_size": 2 * RANK_BLOCK_BYTES, "disk": disk}
+    with dh.launched("aggregated.yaml", tmp_path, {**TP_AGGREGATED, "kv_cache_config": kv}) as dep:
+        first = asyncio.run(_all(dep.url, concurrent=False))
+        assert [b["choices"][0]["text"] for b in first] == reference_texts
+        for _ in range(2):
+            replay = asyncio.run(_all(dep.url, concurrent=True))
+            assert [b["choices"][0]["text"] for b in replay] == reference_texts
+            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        for name in ("offloaded", "onboarded", "disk_offloaded", "disk_onboarded"):
+            assert dep.metric(dep.url, f"pdserve_kv_{name}_blocks_total") > 0, name
+        assert dep.metric(dep.url, "pdserve_kv_disk_dropped_blocks_total") == 0
+    for path in (tmp_path / "kv-disk", tmp_path / "kv-disk.rank1"):
+        assert list(path.glob("w*/*.kv")), path

@@ -1,0 +1,77 @@
+"""The disk files of a manager whose bookkeeping is another manager's (a tensor-parallel rank's).
+
+Each rank of a tensor-parallel server holds its own kv heads of every block in its pools, so each
+keeps its own files of them: a directory of its own, the same disk slots as rank 0's manager (which
+decides every move), files sealed with the same key, a manifest of its own layout. Rank 0's copies
+reach the rank in order (`KVCacheManager.apply_copies`), and so do its disk copies:
+
+- host -> disk: rank 0 sends what each file must say about its block (`BlockMeta`, from
+  `KVCacheManager.disk_block_meta` when it ran the copy); `before_copies` hands them to the writes.
+- disk -> host: before rank 0 plans a disk hit in, it asks every rank to read and check the same
+  files (`check`: their good bytes are staged for the copies that follow) and drops every block one
+  of them could not read back (kvcache/disk_tier.py `PeerCheck`), as it drops its own bad files. So
+  a block comes up only where every rank has its bytes, and a rank's lost file costs a recompute.
+
+The files a rank finds at start are read again only when rank 0's books (restored from its own
+directory) name them; a file of another block fails its check there, never served.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from kvcache.config import DiskTierConfig, KvCacheConfig
+from kvcache.disk_format import BadFile
+from kvcache.disk_pool import DiskSlots
+from kvcache.disk_store import BlockMeta, DiskStore
+from kvcache.disk_tier import Item, manifest_of
+from kvcache.group import WindowGroup
+from kvcache.layout import CacheLayout
+
+
+class DiskMirror:
+    def __init__(self, store: DiskStore, groups: Sequence[WindowGroup]) -> None:
+        self.store = store
+        self._slots: dict[int, DiskSlots] = {}
+        self._meta: dict[int, dict[int, BlockMeta]] = {}  # window -> disk slot -> its block, for this batch
+        for g in groups:
+            describe = functools.partial(self._describe, g.window)
+            g.pools.disk = self._slots[g.window] = DiskSlots(store, g.window, describe)
+
+    @classmethod
+    def open(cls, disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
+             groups: Sequence[WindowGroup], num_disk: int) -> DiskMirror:
+        """Take `disk.path` for this rank's files of `num_disk` slots per window group."""
+        slots = {g.window: (num_disk, g.pools.slot_bytes) for g in groups}
+        store, _ = DiskStore.open(disk, key, manifest_of(config, layout, salt, key), slots)
+        return cls(store, groups)
+
+    def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
+        """Read and check these files; stage the good ones' bytes for the copies that follow, and
+        return index -> (reason, detail) of the others. What an earlier check staged is forgotten."""
+        for slots in self._slots.values():
+            slots.staged.clear()
+        bad = {}
+        for i, ((window, slot, _), result) in enumerate(zip(items, self.store.read_many(items), strict=True)):
+            if isinstance(result, BadFile):
+                bad[i] = (result.reason, str(result))
+            else:
+                self._slots[window].stage(slot, result)
+        return bad
+
+    def before_copies(self, window: int, metas: dict[int, BlockMeta]) -> None:
+        """The blocks of the disk slots the next copies of `window` write (rank 0's, as it wrote them)."""
+        self._meta[window] = metas
+
+    def after_copies(self, window: int) -> None:
+        """Forget the batch: its metas, its staged bytes (used), its refused writes (their files never
+        appear, so a later check of those slots fails and rank 0 drops the block)."""
+        self._meta.pop(window, None)
+        self._slots[window].end_call()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _describe(self, window: int, slot: int) -> BlockMeta | None:
+        return self._meta.get(window, {}).get(slot)

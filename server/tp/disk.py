@@ -1,0 +1,67 @@
+"""A tensor-parallel server's disk tier: every rank keeps files of its own kv heads (kvcache/disk_mirror.py).
+
+Rank 0's KV manager keeps the books and its own files. The other ranks get, in order with
+everything else they mirror: the blocks its host -> disk copies wrote (`Copies.disk_meta`, so their
+files say the same), and, before rank 0 plans a disk hit in, a `CheckDisk` of the same files, which
+they read, check and stage for the disk -> host copies that follow. Rank 0 waits for every rank's
+`DiskChecked` (its own reads run meanwhile) and drops each block one of them could not read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvcache import KVCacheManager, Level
+from kvcache.block import CopyOp
+from kvcache.disk_store import BlockMeta
+from server.tp.messages import CheckDisk, DiskChecked, DiskMeta
+
+if TYPE_CHECKING:
+    from server.tp.ranks import Ranks
+
+ANSWER_MARGIN_S = 10.0  # beyond the disk's io_timeout_s: a rank that has not answered by then is stuck
+
+
+def disk_metas(kv: KVCacheManager, window: int, ops: list[CopyOp]) -> list[DiskMeta]:
+    """The blocks rank 0's host -> disk copies of `ops` wrote (call it right after they ran)."""
+    out = []
+    for op in ops:
+        if op.dst_level is Level.DISK and (meta := kv.disk_block_meta(window, op.dst_slot)) is not None:
+            out.append(DiskMeta(op.dst_slot, meta.block_hash, meta.parent_hash, meta.root_salt, list(meta.tokens),
+                                meta.priority))
+    return out
+
+
+def block_metas(metas: list[DiskMeta]) -> dict[int, BlockMeta]:
+    """Disk slot -> the block its file must name (a rank's side of `disk_metas`)."""
+    return {m.slot: BlockMeta(m.block_hash, m.parent_hash, m.root_salt, tuple(m.tokens), m.priority) for m in metas}
+
+
+class DiskChecks:
+    """Rank 0's `kvcache.disk_tier.PeerCheck`: every other rank reads the same files of its own."""
+
+    def __init__(self, ranks: Ranks, io_timeout_s: float) -> None:
+        self._ranks = ranks
+        self._timeout_s = io_timeout_s + ANSWER_MARGIN_S
+        self._calls = 0
+
+    def __call__(self, items: list[tuple[int, int, bytes]]) -> Callable[[], dict[int, tuple[str, str]]]:
+        self._calls += 1
+        call = self._calls
+        self._ranks.add(CheckDisk(call, items))
+        self._ranks.flush()
+        return lambda: self._answers(call, len(items))
+
+    def _answers(self, call: int, n: int) -> dict[int, tuple[str, str]]:
+        answers = self._ranks.collect(lambda r: isinstance(r, DiskChecked) and r.call == call, self._timeout_s)
+        bad: dict[int, tuple[str, str]] = {}
+        for rank in range(1, self._ranks.size):
+            answer = answers.get(rank)
+            if answer is None:
+                bad.update({i: ("timeout", f"rank {rank} did not check its file in time") for i in range(n)})
+                continue
+            assert isinstance(answer, DiskChecked)
+            for i, (reason, detail) in answer.bad.items():
+                bad.setdefault(i, (reason, f"rank {rank}: {detail}"))
+        return bad
