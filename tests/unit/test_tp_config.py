@@ -76,3 +76,15 @@ def test_head_counts_are_read_without_loading_the_model(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"num_attention_heads": 32, "num_key_value_heads": 8}')
     assert attention_heads(str(tmp_path)) == (32, 8)
     assert attention_heads(str(tmp_path / "absent")) is None  # checked again when the server loads it
+
+
+def test_a_context_ranks_disk_directory_may_not_be_another_servers(tmp_path) -> None:
+    tier = {"max_bytes": 1 << 20}
+    data = _pair(context={"tensor_parallel_size": 2, "kv_cache_config": {"host_cache_size": 1 << 20,
+                                                                         "disk": {"path": "/kv/ctx", **tier}}},
+                 generation={"kv_cache_config": {"host_cache_size": 1 << 20, "disk": {"path": "/kv/gen", **tier}}})
+    assert load_deployment(_write(tmp_path, data)).servers[0].kv_cache_config.disk.for_rank(1).path == "/kv/ctx.rank1"
+    data["generation_servers"]["kv_cache_config"]["disk"]["path"] = "/kv/ctx.rank1"
+    with pytest.raises(ConfigError, match=r"kv_cache_config.disk.path: context server 127.0.0.1:8001 \(rank 1\) "
+                                          "and generation server 127.0.0.1:8002 both use '/kv/ctx.rank1'"):
+        load_deployment(_write(tmp_path, data))

@@ -130,3 +130,43 @@ def test_a_cancelled_pull_with_its_copy_running_never_reports(pair, monkeypatch)
     assert rx.step() == [] and rx._copies._copies == []
     wait_until(lambda: not sender.num_leases, 5, "the Cancel ends the lease", step=lambda: _step(sender))
     assert sender.stats.failures_by_reason == {"cancelled": 1}
+
+
+def test_two_ranks_pull_one_lease_over_ipc_while_the_first_checksum_runs(same_gpu, monkeypatch) -> None:  # noqa: F811
+    """Tensor parallel: two generation ranks that hold the same kv heads as context rank 0 (heads
+    0-1 of 4) pull its lease at once, each a part of its own (keep_lease) over CUDA IPC. The first
+    part's checksum is held on the "device": the second is served to the end meanwhile, then the first."""
+    ctx_kv = same_gpu
+    sender = KVSender(ctx_kv, TransceiverConfig(auth_token=TOKEN), "fp", kv_heads=(0, 4))
+    gens = [_kv(max_blocks=16) for _ in range(2)]
+    receivers = [KVReceiver(g, TransceiverConfig(auth_token=TOKEN), "fp", kv_heads=(0, 4), releases=False)
+                 for g in gens]
+    try:
+        gate = hold_first(monkeypatch, serve_mod, "start_checksum")
+        tokens, _ = _leased(ctx_kv, sender)
+        dst = []
+        for g, rx in zip(gens, receivers, strict=True):
+            g.admit("req", tokens)
+            dst.append(g.slot_table("req", W))
+            rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst[-1])})
+        done: dict[int, object] = {}
+
+        def step() -> None:
+            sender.step()
+            for i, rx in enumerate(receivers):
+                for result in rx.step():
+                    done[i] = result
+            receivers[0].wait(0.002)
+
+        wait_until(lambda: len(done) == 1, 10, "one part served while the other's checksum is held", step=step)
+        gate.set()
+        wait_until(lambda: len(done) == 2, 10, "the held part served too", step=step)
+        assert all(r.ok for r in done.values()), done
+        for g, slots in zip(gens, dst, strict=True):
+            assert [int(_rows(g)[s][0]) for s in slots] == [1000 * tokens[b * 4] + b for b in range(6)]
+        assert sender.stats.ipc_transfers == 2 and sender.num_leases == 1  # parts keep the lease
+        receivers[0].release_lease(sender.endpoint, "req", sender.epoch)
+        wait_until(lambda: not sender.num_leases, 5, "the Release ends the lease", step=lambda: _step(sender))
+    finally:
+        for link in (*receivers, sender):
+            link.close()
