@@ -83,7 +83,9 @@ def test_tp2_replay_through_host_and_disk_tiers_matches_transformers(tmp_path, r
     """Blocks go down to disk and come back on both ranks: each rank writes its kv heads to files of
     its own (rank 1: `path.rank1`), and a hit reads both ranks' files (kvcache/disk_mirror.py)."""
     disk = {"path": str(tmp_path / "kv-disk"), "max_bytes": 64 * RANK_BLOCK_BYTES}
-    kv = {**TP_AGGREGATED["kv_cache_config"], "host_cache_size": 2 * RANK_BLOCK_BYTES, "disk": disk}
+    # 16 primary and 2 host blocks per window group: the six prompts' ~42 blocks go on down to disk
+    kv = {**TP_AGGREGATED["kv_cache_config"], "max_tokens": 512, "host_cache_size": 2 * RANK_BLOCK_BYTES,
+          "disk": disk}
     with dh.launched("aggregated.yaml", tmp_path, {**TP_AGGREGATED, "kv_cache_config": kv}) as dep:
         first = asyncio.run(_all(dep.url, concurrent=False))
         assert [b["choices"][0]["text"] for b in first] == reference_texts
