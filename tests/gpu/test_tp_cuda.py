@@ -4,7 +4,8 @@ Real servers through `pdserve launch`, float32, Triton kernels with decode CUDA 
 all-reduce and the logits' all-gather are captured in the graphs): an aggregated TP=2 server's
 greedy text equals a TP=1 server's and transformers' on both tiny models; context TP=2 -> generation
 TP=1 and TP=1 -> TP=2 (CUDA pools: heads cut out on the GPU, staged through pinned memory) equal
-the aggregated text through a host-offload replay; TP=4 (kv heads replicated) equals TP=1.
+the aggregated text through a host-offload replay; TP=4 (kv heads replicated) equals TP=1. The
+servers run CUDA's defaults (engine process, async scheduling) unless a test says otherwise.
 
     python -m pytest -q tests/gpu/test_tp_cuda.py
 """
@@ -39,10 +40,11 @@ def _texts(url: str) -> list[str]:
     return out
 
 
-def _aggregated(tmp_path, model: str, tp: int) -> list[str]:
-    (tmp_path / f"{model}-{tp}").mkdir()
-    overrides = {**CUDA, "model": f"builtin:{model}", "tensor_parallel_size": tp}
-    with dh.launched("aggregated.yaml", tmp_path / f"{model}-{tp}", overrides) as dep:
+def _aggregated(tmp_path, model: str, tp: int, extra: dict | None = None) -> list[str]:
+    folder = tmp_path / f"{model}-{tp}-{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    overrides = {**CUDA, "model": f"builtin:{model}", "tensor_parallel_size": tp, **(extra or {})}
+    with dh.launched("aggregated.yaml", folder, overrides) as dep:
         return _texts(dep.url)
 
 
@@ -56,6 +58,14 @@ def _hf(model: str) -> list[str]:
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-swa"])
 def test_tp2_server_equals_tp1_and_transformers(tmp_path, model) -> None:
     assert _aggregated(tmp_path, model, 2) == _aggregated(tmp_path, model, 1) == _hf(model)
+
+
+def test_tp2_engine_process_with_async_scheduling_equals_the_engine_thread(tmp_path) -> None:
+    """CUDA's defaults: the engine in a process of its own (rank 0, which starts rank 1) and async
+    scheduling (each decode row's token broadcast from rank 0's device over NCCL, never the host)."""
+    want = _hf("tiny-llama")
+    assert _aggregated(tmp_path, "tiny-llama", 2, {"engine_process": True, "async_scheduling": True}) == want
+    assert _aggregated(tmp_path, "tiny-llama", 2, {"engine_process": False, "async_scheduling": False}) == want
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
