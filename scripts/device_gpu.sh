@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --form
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 nproc
 if [[ "$mode" == tests || "$mode" == all ]]; then
-  python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
+  python3 -m pytest -q ${TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
   python3 scripts/bench_gpu.py --workdir /tmp/bench-gpu --out "$out/bench_gpu.jsonl" "$@" 2>&1 | tee "$out/bench_gpu.log" | grep -v '^SUMMARY'
