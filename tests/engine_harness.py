@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
 from server.engine.scheduler import SchedulerConfig
+from server.engine.spec.build import build_spec
+from server.engine.spec.config import SpeculativeConfig
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner
 from server.models.spec import load_spec
@@ -24,7 +26,8 @@ _ids = itertools.count()
 
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
               max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
-              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch") -> EngineCore:
+              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch",
+              speculative: SpeculativeConfig | None = None) -> EngineCore:
     """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns."""
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
@@ -37,7 +40,8 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
     runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
-    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling)
+    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling,
+                      spec=build_spec(speculative, limits) if speculative else None)
 
 
 def greedy(max_tokens: int, **extra) -> SamplingParams:

@@ -1,0 +1,16 @@
+"""The speculation policy a server's `speculative:` section asks for."""
+
+from __future__ import annotations
+
+from server.engine.scheduler import SchedulerConfig
+from server.engine.spec.config import SpeculativeConfig
+from server.engine.spec.decoder import NoSpeculation, SpecDecoder
+from server.engine.spec.ngram import NgramDrafter
+
+
+def build_spec(config: SpeculativeConfig, limits: SchedulerConfig) -> SpecDecoder | NoSpeculation:
+    if config.method == "ngram":
+        return SpecDecoder(config, limits, NgramDrafter(config.ngram_min, config.ngram_max))
+    if config.method == "draft_model":
+        raise NotImplementedError("speculative.method draft_model is not built yet")
+    return NoSpeculation()
