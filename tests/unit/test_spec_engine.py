@@ -14,6 +14,8 @@ from kvcache.hashing import block_hashes, request_salt
 from server.engine.spec.config import SpeculativeConfig
 from server.engine.spec.decoder import MIN_BACKOFF, SpecDecoder
 from server.models.builtin import resolve_model
+from server.telemetry.bridge import TelemetryBridge
+from server.telemetry.metrics import ServerMetrics
 from server.types import SamplingParams
 
 LLAMA = "builtin:tiny-llama"
@@ -173,3 +175,25 @@ def test_a_large_decode_batch_does_not_draft():
     results = eh.generate(core, prompts, eh.greedy(16))
     assert [r.token_ids for r in results] == list(expected.values())
     assert core.spec.stats.verified == 0
+
+
+def test_metrics_count_drafts_and_accepted_tokens():
+    prompt = _prompt(13, 20)
+    expected = hf_reference.hf_greedy(resolve_model(LLAMA), prompt, 20)
+    core = _replay_core(LLAMA, {tuple(prompt): expected}, wrong=3)
+    metrics = ServerMetrics()
+    bridge = TelemetryBridge(metrics)
+    [result] = eh.generate(core, [prompt], eh.greedy(20))
+    assert result.token_ids == expected
+    bridge.on_tick(core)
+    text = metrics.render().decode()
+    stats = core.spec.stats
+    assert stats.accepted > 0 and stats.verified > 0
+    assert f"pdserve_spec_draft_tokens_total {float(stats.proposed)}" in text
+    assert f"pdserve_spec_accepted_tokens_total {float(stats.accepted)}" in text
+    assert f"pdserve_spec_emitted_tokens_total {float(stats.emitted)}" in text
+    assert f"pdserve_spec_verify_steps_total {float(stats.verified)}" in text
+    assert f"pdserve_spec_acceptance_rate {stats.accepted / stats.proposed}" in text
+    assert f"pdserve_spec_tokens_per_step {stats.emitted / stats.verified}" in text
+    # every output token after the first came from a verify step or a plain decode step
+    assert stats.emitted <= 19

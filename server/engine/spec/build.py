@@ -8,7 +8,8 @@ from server.engine.spec.decoder import NoSpeculation, SpecDecoder
 from server.engine.spec.ngram import NgramDrafter
 
 
-def build_spec(config: SpeculativeConfig, limits: SchedulerConfig) -> SpecDecoder | NoSpeculation:
+def build_spec(config: SpeculativeConfig, limits: SchedulerConfig, runner=None) -> SpecDecoder | NoSpeculation:
+    """`runner`: the target's model runner (a draft model runs on its device, in its dtype)."""
     if config.method == "ngram":
         return SpecDecoder(config, limits, NgramDrafter(config.ngram_min, config.ngram_max))
     if config.method == "draft_model":
