@@ -16,6 +16,7 @@ from server.engine.core import EngineCore
 from server.engine.scheduler import SchedulerConfig
 from server.engine.spec.build import build_spec
 from server.engine.spec.config import SpeculativeConfig
+from server.engine.spec.decoder import SpecDecoder
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner
 from server.models.spec import load_spec
@@ -42,6 +43,31 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
     return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling,
                       spec=build_spec(speculative, limits) if speculative else None)
+
+
+class ReplayDrafter:
+    """Proposes each request's known continuation (`expected`, keyed by prompt) with every output
+    position p where p % wrong == wrong - 1 changed: verify steps accept, reject and roll back."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], wrong: int = 0) -> None:
+        self.expected, self.wrong = expected, wrong
+
+    def propose(self, requests, ks):
+        out = []
+        for request, k in zip(requests, ks, strict=True):
+            at = len(request.output_token_ids)
+            drafts = self.expected[tuple(request.prompt_token_ids)][at:at + k]
+            out.append([t ^ 1 if self.wrong and (at + i) % self.wrong == self.wrong - 1 else t
+                        for i, t in enumerate(drafts)])
+        return out
+
+
+def with_replay_drafts(core: EngineCore, expected: dict[tuple[int, ...], list[int]], wrong: int = 0,
+                       k: int = 4) -> EngineCore:
+    """`core` speculating with a `ReplayDrafter` (k drafts per step)."""
+    core.spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=k), core.config,
+                            ReplayDrafter(expected, wrong))
+    return core
 
 
 def greedy(max_tokens: int, **extra) -> SamplingParams:

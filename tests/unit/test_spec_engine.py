@@ -28,28 +28,8 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 500) for _ in range(n)]
 
 
-class ReplayDrafter:
-    """Proposes each request's known continuation (`expected`, keyed by prompt) with every output
-    position p where p % wrong == wrong - 1 changed: verify steps accept, reject and roll back."""
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], wrong: int = 0) -> None:
-        self.expected, self.wrong = expected, wrong
-
-    def propose(self, requests, ks):
-        out = []
-        for request, k in zip(requests, ks, strict=True):
-            at = len(request.output_token_ids)
-            drafts = self.expected[tuple(request.prompt_token_ids)][at:at + k]
-            out.append([t ^ 1 if self.wrong and (at + i) % self.wrong == self.wrong - 1 else t
-                        for i, t in enumerate(drafts)])
-        return out
-
-
 def _replay_core(model: str, expected, wrong: int, k: int = 4, **kwargs):
-    core = eh.make_core(model, **kwargs)
-    core.spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=k), core.config,
-                            ReplayDrafter(expected, wrong))
-    return core
+    return eh.with_replay_drafts(eh.make_core(model, **kwargs), expected, wrong, k)
 
 
 @pytest.mark.parametrize("model", [LLAMA, SWA])
@@ -171,7 +151,7 @@ def test_a_large_decode_batch_does_not_draft():
     expected = {tuple(p): hf_reference.hf_greedy(resolve_model(LLAMA), p, 16) for p in prompts}
     core = eh.make_core(LLAMA)
     core.spec = SpecDecoder(SpeculativeConfig(method="ngram", max_decode_batch=2), core.config,
-                            ReplayDrafter(expected))
+                            eh.ReplayDrafter(expected))
     results = eh.generate(core, prompts, eh.greedy(16))
     assert [r.token_ids for r in results] == list(expected.values())
     assert core.spec.stats.verified == 0
