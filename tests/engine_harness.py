@@ -42,7 +42,7 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
     return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling,
-                      spec=build_spec(speculative, limits) if speculative else None)
+                      spec=build_spec(speculative, limits, runner) if speculative else None)
 
 
 class ReplayDrafter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from server.engine.scheduler import SchedulerConfig
 from server.engine.spec.config import SpeculativeConfig
 from server.engine.spec.decoder import NoSpeculation, SpecDecoder
+from server.engine.spec.draft_model import build_draft_drafter
 from server.engine.spec.ngram import NgramDrafter
 
 
@@ -13,5 +14,6 @@ def build_spec(config: SpeculativeConfig, limits: SchedulerConfig, runner=None) 
     if config.method == "ngram":
         return SpecDecoder(config, limits, NgramDrafter(config.ngram_min, config.ngram_max))
     if config.method == "draft_model":
-        raise NotImplementedError("speculative.method draft_model is not built yet")
+        drafter = build_draft_drafter(config.draft_model, runner, limits.max_seq_len, 2 * config.max_decode_batch)
+        return SpecDecoder(config, limits, drafter)
     return NoSpeculation()
