@@ -61,9 +61,11 @@ def test_generation_server_of_a_vswa_pair_speculates_exactly(tmp_path):
 
 
 def test_aggregated_server_speculates_exactly_and_drafts_get_accepted(tmp_path):
-    """The trained tiny-story model repeats itself enough over 160 tokens for some drafts to land."""
+    """The trained tiny-story model repeats itself enough over 160 tokens for some drafts to land. The
+    engine runs in a process of its own: its figures reach /metrics through the engine link."""
     model = "builtin:tiny-story"
-    with dh.launched("aggregated.yaml", tmp_path, {"model": model, "speculative": NGRAM}) as dep:
+    overrides = {"model": model, "speculative": NGRAM, "engine_process": True}
+    with dh.launched("aggregated.yaml", tmp_path, overrides) as dep:
         client = _client(dep.url)
         for prompt in PROMPTS[:1] + STORY_PROMPTS:  # a prompt with no accepted draft, two with some
             assert _complete(client, model, prompt, 160).choices[0].text == _hf_text(model, prompt, 160)
@@ -75,3 +77,15 @@ def test_aggregated_server_speculates_exactly_and_drafts_get_accepted(tmp_path):
         rate = dep.metric(dep.url, "pdserve_spec_acceptance_rate")
         assert 0 < rate <= 1
         wait_until(lambda: dep.metric(dep.url, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10)
+
+
+def test_aggregated_server_with_a_draft_model(tmp_path):
+    """The served model as its own draft (`speculative.draft_model`): every draft is accepted."""
+    model = "builtin:tiny-llama"
+    speculative = {"method": "draft_model", "draft_model": model, "num_speculative_tokens": 3}
+    with dh.launched("aggregated.yaml", tmp_path, {"model": model, "speculative": speculative}) as dep:
+        client = _client(dep.url)
+        for prompt in PROMPTS[:2]:
+            assert _complete(client, model, prompt, 40).choices[0].text == _hf_text(model, prompt, 40)
+        assert dep.metric(dep.url, "pdserve_spec_acceptance_rate") == 1.0
+        assert dep.metric(dep.url, "pdserve_spec_tokens_per_step") > 3
