@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 import yaml
 from bench_gpu_load_session import Session, closed_plan, mixed_plan
+from bench_gpu_mps import mps_daemon
 
 from pdserve_bench.launch import ServerUnderTest, server_pid, server_urls
 from pdserve_bench.load_client import default_procs
@@ -76,10 +77,12 @@ def deployment_file(args: argparse.Namespace, model: str, kind: str) -> Path:
     cfg: dict = {"model": model, "hostname": "127.0.0.1", "port": 18950, "max_seq_len": args.max_seq_len,
                  "max_num_tokens": args.max_num_tokens, "max_batch_size": args.max_batch_size,
                  "kv_cache_config": {"tokens_per_block": 32}}
-    if kind == "disagg":
+    if kind.startswith("disagg"):
         cfg["cache_transceiver_config"] = {"kv_transfer_timeout_ms": 120000}
         cfg["context_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18951"]}
         cfg["generation_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18952"]}
+    if kind == "disagg-mps":
+        cfg["context_servers"]["env"] = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": args.context_sm_pct}
     if kind == "restart":
         cfg["restart"] = {"max_quick_deaths": 3, "backoff_s": 1.0, "quick_s": 60.0}
     path = args.workdir / f"load-{kind}.yaml"
@@ -113,6 +116,11 @@ def peak_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None
            e.get("engine_tok_s"), 0.85, True)
     s.goal("c_http_tpot_vs_engine_step", "c: HTTP TPOT p50 / engine step", peak["tpot_p50_ms"],
            e.get("engine_step_ms"), 1.15, False)
+    # the same closed loop (arrivals, so mixed prefill+decode steps) driven without HTTP: what HTTP costs
+    s.goal("c_http_vs_engine_closed_tok_s", "c: HTTP steady output tok/s / engine, same closed loop",
+           peak["steady_output_tok_s"], e.get("engine_closed_tok_s"), 0.85, True)
+    s.goal("c_http_tpot_vs_engine_closed_step", "c: HTTP TPOT p50 / engine step, same closed loop",
+           peak["tpot_p50_ms"], e.get("engine_closed_step_ms"), 1.15, False)
     b1 = s.runs(target, "agg", "b1", [closed_plan(args, 1, s.seed(), count=args.b1_requests)])[0]
     hbm = e.get("hbm_read_gb_s")
     floor = (e["weight_bytes"] + e["b1_kv_bytes"]) / hbm / 1e6 if hbm and "weight_bytes" in e else None
@@ -120,19 +128,20 @@ def peak_phase(s: Session, args: argparse.Namespace, target: LoadTarget) -> None
            1.25, False)
 
 
-def disagg_goals(s: Session) -> None:
+def disagg_goals(s: Session, who: str) -> None:
     g = {label: r["figures"] for label, r in s.groups.items()}
-    pairs = [("d_peak_tok_s", "d: c=C steady tok/s, disagg / agg", "peak", "steady_output_tok_s", 0.95, True),
-             ("d_peak_ttft_p50", "d: c=C TTFT p50, disagg / agg", "peak", "ttft_p50_ms", 1.5, False),
-             ("d_mixed_bg_tpot_p99", "d: mixed, background TPOT p99, disagg / agg", "mixed", "background_tpot_p99_ms",
-              0.7, False)]
+    tag = "" if who == "disagg" else who[len("disagg"):]
+    pairs = [("d_peak_tok_s", "c=C steady tok/s", "peak", "steady_output_tok_s", 0.95, True),
+             ("d_peak_ttft_p50", "c=C TTFT p50", "peak", "ttft_p50_ms", 1.5, False),
+             ("d_mixed_bg_tpot_p99", "mixed, background TPOT p99", "mixed", "background_tpot_p99_ms", 0.7, False),
+             ("d_mixed_bg_itl_p99", "mixed, background ITL p99", "mixed", "background_itl_p99_ms", 0.7, False)]
     for key, name, group, figure, goal, at_least in pairs:
-        num, den = g.get(f"disagg {group}", {}).get(figure), g.get(f"agg {group}", {}).get(figure)
-        s.goal(key, name, num, den, goal, at_least)
-    for who in ("agg", "disagg"):
+        num, den = g.get(f"{who} {group}", {}).get(figure), g.get(f"agg {group}", {}).get(figure)
+        s.goal(key + tag.replace("-", "_"), f"d: {name}, {who} / agg", num, den, goal, at_least)
+    for target in ("agg", who):
         for group in ("peak", "mixed"):
-            found = g.get(f"{who} {group}", {})
-            s.emit(f"goodput {who} {group}", goodput_req_s=found.get("goodput_req_s"),
+            found = g.get(f"{target} {group}", {})
+            s.emit(f"goodput {target} {group}", goodput_req_s=found.get("goodput_req_s"),
                    slo_attainment=found.get("slo_attainment"), slo=s.slo.as_dict())
 
 
@@ -141,7 +150,8 @@ def aggregated(s: Session, args: argparse.Namespace) -> None:
     with ExitStack() as stack:
         target = None
         with s.phase("agg start"):
-            target = start(s, stack, ServerUnderTest(s.config["agg"], env=s.server_env), "agg")
+            profile = args.out / "agg-py-spy.txt" if args.profile_agg else None
+            target = start(s, stack, ServerUnderTest(s.config["agg"], env=s.server_env, profile=profile), "agg")
         if target is None:
             return
         phases = (("b", lambda: fresh_phase(s, args, target)), ("c", lambda: peak_phase(s, args, target)),
@@ -152,16 +162,22 @@ def aggregated(s: Session, args: argparse.Namespace) -> None:
                     run()
 
 
-def disaggregated(s: Session, args: argparse.Namespace) -> None:
-    with ExitStack() as stack, s.phase("d-disagg"):
-        server = ServerUnderTest(s.config["disagg"], env=s.server_env)
-        target = start(s, stack, server, "disagg")
+def disaggregated(s: Session, args: argparse.Namespace, variant: str) -> None:
+    """d on the pair; variant `mps`: under the MPS daemon, the context server capped at --context-sm-pct."""
+    who = "disagg" if variant == "plain" else f"disagg-{variant}"
+    with ExitStack() as stack, s.phase(f"d-{who}"):
+        env, config = dict(s.server_env), s.config["disagg"]
+        if variant == "mps":
+            env |= stack.enter_context(mps_daemon(args.workdir))
+            config = s.config["disagg-mps"]
+        server = ServerUnderTest(config, env=env)
+        target = start(s, stack, server, who)
         warm_up(target.url, target.model, s.vocab)
         peak = closed_plan(args, args.peak_concurrency, s.seed(), duration_s=args.peak_duration)
-        s.runs(target, "disagg", "peak", [peak])
-        s.runs(target, "disagg", "mixed", [mixed_plan(args, s.seed())])
-        disagg_goals(s)
-        if args.with_extras:
+        s.runs(target, who, "peak", [peak])
+        s.runs(target, who, "mixed", [mixed_plan(args, s.seed())])
+        disagg_goals(s, who)
+        if args.with_extras and variant == "plain":
             with s.phase("f"):
                 s.emit("handoff", **handoff_share(server, target, args, s.vocab))
 
@@ -233,6 +249,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="serve this model instead of building the 8B-shaped one (CPU smoke runs)")
     p.add_argument("--skip", default="", help="phases to leave out, e.g. e or c,e (a: only build the model)")
     p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
+    p.add_argument("--disagg-variants", default="plain", help="d: plain and/or mps (the pair under CUDA MPS, "
+                   "the context server's SM share --context-sm-pct), comma-separated")
+    p.add_argument("--context-sm-pct", type=int, default=50, help="d with mps: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    p.add_argument("--profile-agg", action="store_true", help="py-spy the aggregated server (agg-py-spy.txt)")
     p.add_argument("--client-procs", type=int, default=default_procs())
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the servers and the engine phase (repeatable)")
@@ -266,12 +286,12 @@ def main() -> int:
     with s.phase("a"):
         model = engine_phase(s, args)
         s.vocab = model_vocab(model)
-        s.config = {kind: deployment_file(args, model, kind) for kind in ("agg", "disagg", "restart")}
+        s.config = {kind: deployment_file(args, model, kind) for kind in ("agg", "disagg", "disagg-mps", "restart")}
     if s.vocab:
         if not {"b", "c", "d"} <= args.skip:
             aggregated(s, args)
-        if "d" not in args.skip:
-            disaggregated(s, args)
+        for variant in args.disagg_variants.split(",") if "d" not in args.skip else ():
+            disaggregated(s, args, variant)
         if "e" not in args.skip:
             restarted(s, args)
     s.finish(args.out)

@@ -79,6 +79,32 @@ def decode_figures(core: EngineCore, args: argparse.Namespace) -> dict[str, floa
             "engine_replay_ms": replay_ms(core, args.concurrency), "decode_steps": float(len(decode))}
 
 
+def closed_loop_figures(core: EngineCore, args: argparse.Namespace) -> dict[str, float]:
+    """Phase c's workload without HTTP: C requests in flight, each finished one replaced by a new one.
+
+    The first wave's lengths are staggered (as the HTTP client's ramp staggers them) so arrivals spread
+    over the steps; tok/s and the median step are taken after the first wave has drained.
+    """
+    n, out_len = args.concurrency, args.output_len
+    for i in range(n):
+        submit(core, prompt(args.input_len), max(1, out_len * (i + 1) // n))
+    counted, start, steps, step_times = 0, 0.0, 0, []
+    while steps < 3 * out_len:
+        t0 = time.perf_counter()
+        outputs = core.step()
+        step_times.append(time.perf_counter() - t0)
+        steps += 1
+        if steps == out_len:
+            counted, start, step_times = 0, time.perf_counter(), []
+        counted += sum(len(o.new_token_ids) for o in outputs)
+        for _ in (o for o in outputs if o.finished):
+            submit(core, prompt(args.input_len), out_len)
+    tok_s = counted / (time.perf_counter() - start)
+    while core.has_work():
+        core.step()
+    return {"engine_closed_tok_s": tok_s, "engine_closed_step_ms": statistics.median(step_times) * 1000}
+
+
 def prefill_figures(core: EngineCore, args: argparse.Namespace) -> dict[str, float]:
     def ttft_ms() -> float:
         start = time.perf_counter()
@@ -111,6 +137,7 @@ def main() -> None:
         return
     core, out["engine_startup_s"] = make_core(model, args)
     out |= decode_figures(core, args)
+    out |= closed_loop_figures(core, args)
     if args.prefill_len:
         out |= prefill_figures(core, args)
     print("ENGINE " + json.dumps(out), flush=True)

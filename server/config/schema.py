@@ -20,6 +20,7 @@ PDSERVE_AUTH_TOKEN_FILE names a file holding it (an operator restarting one serv
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -100,6 +101,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
     # KV senders only, never from an address a request names (server/api/context_directory.py)
     context_urls: tuple[HostPort, ...] = ()
+    # extra environment of this server's process under `pdserve launch` (which GPUs it sees:
+    # CUDA_VISIBLE_DEVICES; its share of SMs under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; ...)
+    env: dict[str, str] = {}  # checked and made strings by _env (YAML writes `CUDA_VISIBLE_DEVICES: 0`)
     role: Role = "aggregated"  # set by the section (a deployment) or `--role`, never in the file
 
     def __post_init__(self) -> None:
@@ -301,11 +305,34 @@ def _origin(section: str, raw: dict[str, Any]):
 
 def _server(settings: dict[str, Any], role: Role, source: str, origin=list) -> ServerConfig:
     """Convert one server's settings; its transceiver binds beside it unless the file says where."""
+    if "env" in settings:
+        settings = {**settings, "env": _env(settings["env"], source, origin)}
     cfg = convert({**settings, "role": role}, ServerConfig, source, origin)
     _check_tensor_parallel(cfg, source, origin)
     if _written(settings, ["cache_transceiver_config", "host"]):
         return cfg
     return replace(cfg, cache_transceiver_config=replace(cfg.cache_transceiver_config, host=cfg.host))
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env(env: Any, source: str, origin) -> dict[str, str]:
+    """`env:` as strings; names must be variable names, values scalars; the token is the launcher's."""
+    where = lambda *path: f"{source}: {'.'.join(origin(['env', *path]))}"
+    if not isinstance(env, dict):
+        raise ConfigError(f"{where()}: must be a mapping of variable names to values, got {type(env).__name__}")
+    out = {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            raise ConfigError(f"{where()}: {name!r} is not an environment variable name")
+        if name.startswith("PDSERVE_AUTH_TOKEN"):
+            raise ConfigError(f"{where(name)}: the launcher sets it (cache_transceiver_config.auth_token "
+                              "sets the token)")
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ConfigError(f"{where(name)}: must be a string or a number, got {type(value).__name__}")
+        out[name] = str(value)
+    return out
 
 
 def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:

@@ -121,7 +121,7 @@ def threads_per_server(num_servers: int) -> int:
 def plan_children(cfg: DeploymentConfig, deployment_path: Path) -> tuple[list[Child], Child | None]:
     """One child per server and the router; each reads the deployment file itself."""
     path = deployment_path.resolve()
-    servers = [Child(name, server.role, path, _health_url(server.host, server.port))
+    servers = [Child(name, server.role, path, _health_url(server.host, server.port), dict(server.env))
                for name, server in cfg.named().items()]
     router = Child("router", "router", path, _health_url(cfg.host, cfg.port)) if cfg.has_router else None
     return servers, router

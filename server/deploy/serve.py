@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -280,6 +281,7 @@ IN_THREAD_SWITCH_INTERVAL_S = 0.001
 
 
 def serve(cfg: ServerConfig) -> int:
+    os.environ.update(cfg.env)  # the launcher sets them already; by hand, before CUDA reads them
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not engine_in_child(cfg):
         sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)

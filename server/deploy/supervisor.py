@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config.schema import RestartPolicy
@@ -43,6 +43,7 @@ class Child:
     role: str  # context | generation | aggregated | router
     config_path: Path
     health_url: str  # GET answers 200 once the child serves
+    env: dict[str, str] = field(default_factory=dict)  # the server section's `env`, over the launcher's
 
 
 @dataclass
@@ -71,7 +72,8 @@ class Supervisor:
         argv = self.command(child)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True, preexec_fn=_die_with_parent())
+                                     env={**self.env, **child.env}, start_new_session=True,
+                                     preexec_fn=_die_with_parent())
         self.say(f"started {child.name} (pid {popen.pid}): {' '.join(argv)}  > {log_path}")
         run = Running(child, popen, log_path, time.monotonic())
         self.running.append(run)

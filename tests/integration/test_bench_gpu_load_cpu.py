@@ -21,7 +21,8 @@ TINY = ["--model", "builtin:tiny-llama", "--max-seq-len", "2048", "--max-num-tok
         "--restart-duration", "1.5", "--ramp-s", "0.3", "--window-s", "1", "--with-extras", "--handoff-len", "256",
         "--handoff-prompts", "2", "--client-procs", "2", "--server-env", "OMP_NUM_THREADS=1"]
 GOALS = ["b_fresh_server_ttft", "b_fresh_client_ttft", "c_http_vs_engine_tok_s", "c_http_tpot_vs_engine_step",
-         "c_b1_tpot_vs_roofline", "d_peak_tok_s", "d_peak_ttft_p50", "d_mixed_bg_tpot_p99", "e_restart_server_ttft",
+         "c_http_vs_engine_closed_tok_s", "c_http_tpot_vs_engine_closed_step", "c_b1_tpot_vs_roofline",
+         "d_peak_tok_s", "d_peak_ttft_p50", "d_mixed_bg_tpot_p99", "d_mixed_bg_itl_p99", "e_restart_server_ttft",
          "e_restart_client_ttft"]
 
 
@@ -39,6 +40,7 @@ def test_every_phase_runs_on_a_cpu_and_leaves_records_report_and_plots(tmp_path)
     assert all(math.isfinite(g["ratio"]) and g["verdict"] in ("met", "MISSED") for g in goals.values())
     figures = {x["figure"]: x for x in lines if "figure" in x}
     assert figures["engine"]["engine_tok_s"] > 0 and figures["engine"]["hbm_read_gb_s"] > 0
+    assert figures["engine"]["engine_closed_tok_s"] > 0 and figures["engine"]["engine_closed_step_ms"] > 0
     assert figures["restart"]["restart_s"] > 0 and figures["handoff"]["transfers"] == 2
     summary = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("SUMMARY "))[len("SUMMARY "):])
     assert list(summary["goals"]) == GOALS

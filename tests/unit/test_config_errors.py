@@ -68,6 +68,11 @@ CASES = [
     ("router.typo", "x", "router.typo: unknown key (did you mean 'type'?); valid keys: type"),
     ("router.kind", "x", "router.kind: unknown key; valid keys: type"),
     ("max_num_tokens", 0, "max_num_tokens: must be >= 1, got 0"),
+    ("context_servers.env", {"BAD-NAME": "1"}, "context_servers.env: 'BAD-NAME' is not an environment variable name"),
+    ("generation_servers.env", {"CUDA_VISIBLE_DEVICES": [1]}, "generation_servers.env.CUDA_VISIBLE_DEVICES: must be a "
+     "string or a number, got list"),
+    ("env", {"PDSERVE_AUTH_TOKEN": "x" * 32}, "env.PDSERVE_AUTH_TOKEN: the launcher sets it"),
+    ("env", ["A=1"], "env: must be a mapping"),
     ("context_servers.max_batch_size", -4, "context_servers.max_batch_size: must be >= 1, got -4"),
     ("max_seq_len", True, "max_seq_len: must be an integer, got a boolean True"),
     ("dtype", "fp8", "dtype: must be one of auto, float32, bfloat16, float16, got 'fp8'"),
@@ -170,5 +175,5 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
-                               "kv_cache_config, speculative, cache_transceiver_config, drain_timeout_s, hostname, "
-                               "port, context_urls")
+                               "kv_cache_config, speculative, cache_transceiver_config, drain_timeout_s, env, "
+                               "hostname, port, context_urls")

@@ -1,10 +1,21 @@
 """server/deploy/launcher.py without processes: child plan, commands, environment."""
 
+import os
 import sys
 from pathlib import Path
 
-from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, load_deployment, load_server, with_auth_token
+import yaml
+
+from server.config.schema import (
+    AUTH_TOKEN_ENV,
+    HOSTNAME_ENV,
+    RestartPolicy,
+    load_deployment,
+    load_server,
+    with_auth_token,
+)
 from server.deploy.launcher import Child, child_env, pdserve_command, plan_children
+from server.deploy.supervisor import Supervisor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "f" * 64
@@ -56,3 +67,22 @@ def test_children_share_the_cores(monkeypatch):
     assert child_env({}, "tok", num_servers=1)["OMP_NUM_THREADS"] == "4"
     chosen = child_env({"OMP_NUM_THREADS": "3"}, "tok", num_servers=2)
     assert chosen["OMP_NUM_THREADS"] == "3"  # the user's choice stands
+
+
+def test_each_server_gets_its_sections_env(monkeypatch, tmp_path):
+    """`env` per section (which GPUs a server sees, its MPS share): a real child process reads it."""
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": "builtin:tiny-llama", "env": {"PDSERVE_TEST_ALL": "top"},
+        "context_servers": {"urls": ["127.0.0.1:8001"], "env": {"CUDA_VISIBLE_DEVICES": "0,1"}},
+        "generation_servers": {"urls": ["127.0.0.1:8002"], "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 60}}}))
+    servers, _ = plan_children(load_deployment(path), path)
+    assert [c.env for c in servers] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}]
+    script = "import os, sys; print(os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ['PATH'] != '')"
+    group = Supervisor(lambda child: [sys.executable, "-c", script], {"PATH": os.environ["PATH"]}, tmp_path,
+                       RestartPolicy(), 0.1, lambda _: None)
+    run = group.start(servers[0])
+    assert run.popen.wait(timeout=30) == 0
+    assert run.log_path.read_text().split() == ["0,1", "True"]
