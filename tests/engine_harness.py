@@ -14,6 +14,9 @@ from transformers import AutoTokenizer
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
 from server.engine.scheduler import SchedulerConfig
+from server.engine.spec.build import build_spec
+from server.engine.spec.config import SpeculativeConfig
+from server.engine.spec.decoder import SpecDecoder
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner
 from server.models.spec import load_spec
@@ -24,7 +27,8 @@ _ids = itertools.count()
 
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
               max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
-              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch") -> EngineCore:
+              async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch",
+              speculative: SpeculativeConfig | None = None) -> EngineCore:
     """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns."""
     model_dir = resolve_model(model)
     spec = load_spec(model_dir)
@@ -37,7 +41,33 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
     runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)
-    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling)
+    return EngineCore(runner, manager, limits, tokenizer, connector=connector, async_scheduling=async_scheduling,
+                      spec=build_spec(speculative, limits, runner) if speculative else None)
+
+
+class ReplayDrafter:
+    """Proposes each request's known continuation (`expected`, keyed by prompt) with every output
+    position p where p % wrong == wrong - 1 changed: verify steps accept, reject and roll back."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], wrong: int = 0) -> None:
+        self.expected, self.wrong = expected, wrong
+
+    def propose(self, requests, ks):
+        out = []
+        for request, k in zip(requests, ks, strict=True):
+            at = len(request.output_token_ids)
+            drafts = self.expected[tuple(request.prompt_token_ids)][at:at + k]
+            out.append([t ^ 1 if self.wrong and (at + i) % self.wrong == self.wrong - 1 else t
+                        for i, t in enumerate(drafts)])
+        return out
+
+
+def with_replay_drafts(core: EngineCore, expected: dict[tuple[int, ...], list[int]], wrong: int = 0,
+                       k: int = 4) -> EngineCore:
+    """`core` speculating with a `ReplayDrafter` (k drafts per step)."""
+    core.spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=k), core.config,
+                            ReplayDrafter(expected, wrong))
+    return core
 
 
 def greedy(max_tokens: int, **extra) -> SamplingParams:

@@ -38,6 +38,7 @@ from server.config.checks import (
     split_host_port,
 )
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
+from server.engine.spec.config import SpeculativeConfig
 from server.models.catalog import attention_heads
 from server.models.parallel.plan import tp_problem
 from server.router.auth import RouterAccess
@@ -91,6 +92,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
     async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
+    # speculative decoding (server/engine/spec/): method off | ngram | draft_model, default off
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
@@ -113,7 +116,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 PLACEMENT_KEYS = ("role", "hostname", "port", "context_urls")
 ENGINE_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(ServerConfig) if f.encode_name not in PLACEMENT_KEYS)
-MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config")  # a section overrides these key by key
+MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config", "speculative")  # a section overrides these key by key
 
 
 class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -30,6 +30,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
+from server.engine.spec.build import build_spec
 from server.engineproc.client import EngineProcess, RemoteKvEvents
 from server.models.builtin import resolve_model
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
@@ -76,10 +77,11 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCo
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = scheduler_limits(cfg, device)
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake,
-                      ranks), async_scheduling=use_async_scheduling(cfg, device))
+                      ranks), async_scheduling=use_async_scheduling(cfg, device),
+                      spec=build_spec(cfg.speculative, limits, runner))
     log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks, "
-             "async scheduling %s", model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
-             [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling)
+             "async scheduling %s, speculative %s", model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
+             [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling, cfg.speculative.method)
     return core
 
 

@@ -20,6 +20,7 @@ from server.engine.kv_connector import AggregatedConnector, KVConnector, PullFai
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
+from server.engine.spec.decoder import NoSpeculation, SpecDecoder
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
@@ -30,7 +31,8 @@ BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, config: SchedulerConfig, tokenizer,
-                 *, metrics=None, connector: KVConnector | None = None, async_scheduling: bool = False) -> None:
+                 *, metrics=None, connector: KVConnector | None = None, async_scheduling: bool = False,
+                 spec: SpecDecoder | None = None) -> None:
         self.runner = runner
         self.kv = kv
         self.config = config
@@ -46,6 +48,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling  # may change between steps (a benchmark compares both)
         self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
+        self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/spec/)
+        self._vocab = 0  # width of the last step's logits (a seeded verify rewinds its generator by rows)
 
     @property
     def metrics(self):
@@ -132,7 +136,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
-        if self.inflight is not None and self.inflight.hands_over:  # its KV is offered without delay
+        if self.inflight is not None and (self.inflight.hands_over  # its KV is offered without delay
+                                          or self.spec.wants_tokens(self.inflight.requests)):  # drafts need them
             outputs += self._postprocess(self.inflight)
             self.inflight = None
         plan = self.scheduler.schedule()
@@ -144,10 +149,12 @@ class EngineCore:
         if plan.to_pull:
             outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
             self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
-        launched = self._launch(plan.chunks) if plan.chunks else None  # a GPU runs it from now on
+        chunks = self.spec.draft(plan.chunks, self.kv)  # decode chunks that verify drafts too
+        launched = self._launch(chunks) if chunks else None  # a GPU runs it from now on
         outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
         steps = [self.inflight, launched]  # async: the step before is postprocessed, this one waits
-        self.inflight = steps.pop() if self.async_scheduling else None
+        verifies = launched is not None and launched.drafts is not None  # its tokens decide the next step
+        self.inflight = steps.pop() if self.async_scheduling and not verifies else None
         for done in filter(None, steps):
             outputs += self._postprocess(done)
         return outputs
@@ -155,12 +162,14 @@ class EngineCore:
     def _launch(self, chunks: list[ScheduledChunk]) -> SampledStep | None:
         """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep."""
         logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
-        sampled = [c.request for c in chunks if c.need_logits]  # before the computed counts move
-        picked = sample_on_device(logits, sampled) if sampled else None
+        sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
+        picked = sample_on_device(logits, self.spec.rows(sampled)) if sampled else None
         self._advance(chunks)
-        for request in sampled:
-            request.num_pending += 1
-        return SampledStep(sampled, picked, self._staging.take()) if sampled else None
+        for chunk in sampled:
+            chunk.request.num_pending += 1
+        drafts = [c.drafts for c in sampled] if any(c.drafts for c in sampled) else None
+        self._vocab = logits.shape[-1]
+        return SampledStep([c.request for c in sampled], picked, self._staging.take(), drafts) if sampled else None
 
     def _pending_inputs(self, chunks: list[ScheduledChunk]) -> PendingTokens | None:
         """Rows whose input is a pending token read it from the step in flight, on the device."""
@@ -171,11 +180,13 @@ class EngineCore:
         """Accept a step's tokens (waiting for them); a request that ended meanwhile (a stop at the
         step before, an abort, a failure) discards its token. Context legs hand over their KV."""
         outputs, live = [], []
-        for request, token in zip(step.requests, step.tokens(), strict=True):
+        drafts = step.drafts or [()] * len(step.requests)
+        for request, tokens, drafted in zip(step.requests, step.runs(), drafts, strict=True):
             request.num_pending -= 1
             if request.status != Status.FINISHED:
                 live.append(request)
-                outputs.append(self._accept_token(request, token))
+                outputs.append(self._accept_run(request, drafted, tokens) if drafted
+                               else self._accept_token(request, tokens[0]))
         prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED]
         if prefilled:
             params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
@@ -197,8 +208,11 @@ class EngineCore:
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
         slots = {w: self.kv.slot_table(request.request_id, w) for w in self.kv.window_sizes}
-        tokens = [0] if request.num_pending else request.all_token_ids[start:start + chunk.num_new_tokens]
-        return SeqChunk(tokens, start, slots, chunk.need_logits)  # [0]: read on the device (`_pending_inputs`)
+        if request.num_pending:
+            tokens = [0]  # read on the device (`_pending_inputs`)
+        else:
+            tokens = request.all_token_ids[start:start + chunk.num_new_tokens - len(chunk.drafts)] + list(chunk.drafts)
+        return SeqChunk(tokens, start, slots, chunk.need_logits, 1 + len(chunk.drafts))
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         """The step's tokens are computed: move the counts and commit full blocks for reuse."""
@@ -206,8 +220,8 @@ class EngineCore:
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.commit(request.request_id, request.all_token_ids, committable(request))
-            if self._sliding:
-                self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
+            if self._sliding:  # drafts may be rejected: only what surely stays computed moves the window
+                self.kv.release_out_of_window(request.request_id, request.num_computed_tokens - len(chunk.drafts))
 
     def _accept_token(self, request: Request, token: int) -> RequestOutput | None:
         """Everything the next step depends on happens here (the token, stop conditions, freeing a
@@ -230,6 +244,26 @@ class EngineCore:
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, [token])
+
+    def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> RequestOutput | None:
+        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/spec/).
+        The computed count rolls back over the rejected drafts (their K/V is overwritten later)."""
+        run = self.spec.accept(request, drafts, targets, self._vocab)
+        request.num_computed_tokens -= len(drafts) + 1 - len(run)
+        if self._sliding:
+            self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
+        new: list[int] = []
+        for token in run:
+            request.append_token(token)
+            self.timings.stamp(request)
+            new.append(token)
+            self._check_stop(request, token)
+            if request.status == Status.FINISHED:
+                break
+        self.kv.commit(request.request_id, request.all_token_ids, committable(request))
+        if request.status == Status.FINISHED:
+            self.scheduler.remove(request)
+        return self._output(request, new)
 
     def _flush_text(self) -> list[RequestOutput]:
         """Outputs of the tokens `_accept_token` deferred (a request aborted meanwhile is skipped)."""

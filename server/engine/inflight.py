@@ -39,14 +39,18 @@ class TokenStaging:
 class SampledStep:
     """One launched step's sampled tokens: row i of `picked` belongs to `requests[i]`."""
 
-    def __init__(self, requests: list[Request], picked: torch.Tensor, staging: torch.Tensor | None) -> None:
+    def __init__(self, requests: list[Request], picked: torch.Tensor, staging: torch.Tensor | None,
+                 drafts: list[tuple[int, ...]] | None = None) -> None:
         self.requests = requests
         self.picked = picked  # [len(requests)] int64 on the device; read by the next step's inputs
         self.rows = {request: row for row, request in enumerate(requests)}
         self.hands_over = any(r.is_context_only for r in requests)  # a context leg's first token
+        # speculative decoding: requests[i]'s drafts, its rows 1 + len(drafts[i]) consecutive ones of
+        # `picked` (a verify step is postprocessed before the next schedule: `rows` is not read)
+        self.drafts = drafts
         self._event: torch.cuda.Event | None = None
         self._host = picked
-        if staging is not None:
+        if staging is not None and drafts is None:
             self._host = staging[: len(requests)]
             self._host.copy_(picked, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -57,3 +61,14 @@ class SampledStep:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def runs(self) -> list[list[int]]:
+        """Per request its sampled ids: one, or 1 + its drafts of a verify step."""
+        tokens = self.tokens()
+        if self.drafts is None:
+            return [[t] for t in tokens]
+        runs, at = [], 0
+        for drafts in self.drafts:
+            runs.append(tokens[at:at + 1 + len(drafts)])
+            at += 1 + len(drafts)
+        return runs

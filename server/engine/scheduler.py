@@ -45,11 +45,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    drafts: tuple[int, ...] = ()  # speculative decoding: tokens after the last one to verify (spec/)
 
     @property
     def need_logits(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens - len(self.drafts) == self.request.num_tokens
 
 
 @dataclass

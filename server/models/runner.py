@@ -33,6 +33,7 @@ class SeqChunk:
     slot_tables: dict[int, list[int]]  # window -> primary slots of the request's blocks, token order;
     # covers num_past + len(token_ids) tokens; -1 = released (sliding, out of window)
     need_logits: bool  # logits of the chunk's last token wanted
+    num_logits: int = 1  # with need_logits: logits of its last num_logits tokens (a verify chunk: all)
 
 
 @dataclass
@@ -193,7 +194,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
-        """Run one step; float32 logits [number of chunks with need_logits, vocab], in chunk order.
+        """Run one step; float32 logits [sum of num_logits of chunks with need_logits, vocab], in chunk order.
         `pending`: chunks whose token is taken on the device from the previous step's sampled ids."""
         if self.graphs is not None and self._graph_step(chunks):
             self._check_limits(chunks)
@@ -221,7 +222,8 @@ class ModelRunner:
             token_ids += c.token_ids
             positions += range(c.num_past, c.num_past + len(c.token_ids))
             last_row[i] = len(token_ids) - 1
-        rows = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        rows = [row for i, c in enumerate(chunks) if c.need_logits
+                for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         layout = StepLayout([_seq_layout(chunks[i]) for i in order],
                             num_decode=sum(len(c.token_ids) == 1 for c in chunks))
         t, n = len(token_ids), len(rows)
@@ -247,6 +249,8 @@ class ModelRunner:
                              f"max_batch_size={self.max_batch_size} / max_num_tokens={self.max_num_tokens}")
         if any(not c.token_ids for c in chunks):
             raise ValueError("a chunk without tokens")
+        if any(not 1 <= c.num_logits <= len(c.token_ids) for c in chunks):
+            raise ValueError("num_logits outside 1..len(token_ids)")
 
 
 def _seq_layout(chunk: SeqChunk) -> SeqLayout:

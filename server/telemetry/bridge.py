@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 
 SNAPSHOT_INTERVAL_S = 0.1
 
@@ -44,7 +44,7 @@ class TelemetryBridge:
         transfers = _transfer_stats(core)
         for stats in transfers:
             self._hook(stats)
-        self._counters = EngineCounters(core.scheduler.num_preemptions, tuple(transfers))
+        self._counters = EngineCounters(core.scheduler.num_preemptions, tuple(transfers), spec_counts(core))
 
     def _hook(self, stats) -> None:
         if id(stats) not in self._hooked:  # samples arrive as transfers end (engine or sender socket thread)
@@ -55,3 +55,8 @@ class TelemetryBridge:
 def _transfer_stats(core) -> list:
     endpoint = getattr(core.connector, "sender", None) or getattr(core.connector, "receiver", None)
     return [endpoint.stats] if endpoint is not None else []
+
+
+def spec_counts(core) -> SpecCounts:
+    stats = core.spec.stats  # written by the engine thread only: read there, here
+    return SpecCounts(stats.proposed, stats.accepted, stats.emitted, stats.verified)

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "KVStats", "ServerMetrics", "TransferCounts"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "KVStats", "ServerMetrics", "SpecCounts", "TransferCounts"]
 
 REQUEST_STATES = ("waiting", "running", "transferring")
 
@@ -80,11 +80,23 @@ class TransferCounts(Protocol):
 
 
 @dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding since start (server/engine/spec/decoder.py `SpecStats`)."""
+
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens emitted by verify chunks (accepted + one each)
+    verified: int = 0  # verify chunks (one request in one step)
+
+
+@dataclass(frozen=True)
 class EngineCounters:
-    """The engine's cumulative counters at scrape time: preemptions, and the live transfer stats."""
+    """The engine's cumulative counters at scrape time: preemptions, the live transfer stats, and
+    speculative decoding."""
 
     preemptions: int = 0
     transfers: Sequence[TransferCounts] = ()
+    spec: SpecCounts = SpecCounts()
 
 
 CountersProvider = Callable[[], EngineCounters]
@@ -196,6 +208,24 @@ class _CountersCollector:
              counters.preemptions),
         ):
             yield CounterMetricFamily(name, help_text, value, created=self.created)
+        yield from self._spec_families(counters.spec)
+
+    def _spec_families(self, spec: SpecCounts) -> Iterator[Metric]:
+        for name, help_text, value in (
+            ("pdserve_spec_draft_tokens", "Speculative decoding: draft tokens verified.", spec.proposed),
+            ("pdserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.", spec.accepted),
+            ("pdserve_spec_emitted_tokens", "Speculative decoding: tokens emitted by verify steps "
+             "(accepted drafts and one more each).", spec.emitted),
+            ("pdserve_spec_verify_steps", "Speculative decoding: verify steps (one request in one step).",
+             spec.verified),
+        ):
+            yield CounterMetricFamily(name, help_text, value, created=self.created)
+        yield GaugeMetricFamily("pdserve_spec_acceptance_rate", "Speculative decoding since start: accepted "
+                                "draft tokens / draft tokens verified (0 before any).",
+                                spec.accepted / spec.proposed if spec.proposed else 0.0)
+        yield GaugeMetricFamily("pdserve_spec_tokens_per_step", "Speculative decoding since start: tokens a "
+                                "request emits per verify step (1 + accepted drafts; 0 before any).",
+                                spec.emitted / spec.verified if spec.verified else 0.0)
 
 
 class ServerMetrics:

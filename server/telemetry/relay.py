@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from kvcache.stats import KVCacheStats
-from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 
 
 class TransferFigures(msgspec.Struct, frozen=True):
@@ -42,6 +42,7 @@ class EngineFigures(msgspec.Struct, frozen=True):
     request_counts: dict[str, int] = {}
     preemptions: int = 0
     transfers: list[TransferFigures] = []
+    spec: SpecCounts = SpecCounts()
 
 
 class MetricsDelta(msgspec.Struct, frozen=True):
@@ -119,7 +120,7 @@ class MetricsRecorder:
     def figures(self, kv: KVCacheStats | None) -> EngineFigures:
         counters = self.counters_provider()
         return EngineFigures(kv, dict(self.request_counts), counters.preemptions,
-                             [TransferFigures.of(s) for s in counters.transfers])
+                             [TransferFigures.of(s) for s in counters.transfers], counters.spec)
 
 
 class RelayedMetrics:
@@ -135,7 +136,7 @@ class RelayedMetrics:
         return self._figures.kv
 
     def counters(self) -> EngineCounters:
-        return EngineCounters(self._figures.preemptions, tuple(self._figures.transfers))
+        return EngineCounters(self._figures.preemptions, tuple(self._figures.transfers), self._figures.spec)
 
     def update(self, figures: EngineFigures) -> None:
         self._figures = figures

@@ -18,6 +18,7 @@ class SeqStep(msgspec.Struct, array_like=True, frozen=True):
     num_past: int
     slot_tables: dict[int, list[int]]  # window -> primary slots, token order; -1 released
     need_logits: bool
+    num_logits: int = 1  # a verify chunk of speculative decoding: logits of its last num_logits tokens
 
 
 class Init(msgspec.Struct, tag=True, frozen=True):

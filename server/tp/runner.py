@@ -54,7 +54,8 @@ class RankedRunner:
 
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Float32 logits [chunks with need_logits, vocab] (the whole vocabulary, on rank 0)."""
-        seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits) for c in chunks]
+        seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits, c.num_logits)
+                for c in chunks]
         if pending is None:
             self.ranks.add(Forward(seqs))
         else:

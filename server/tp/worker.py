@@ -191,7 +191,8 @@ class Worker:
     def forward(self, op: Forward) -> None:
         """This rank's part of one step; rows with a pending token take it from the sampled ids
         rank 0 broadcasts (server/tp/runner.py)."""
-        chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits) for s in op.seqs]
+        chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits, s.num_logits)
+                  for s in op.seqs]
         pending = None
         if op.pending is not None:
             sampled = torch.empty(op.num_sampled, dtype=torch.int64, device=self.device)

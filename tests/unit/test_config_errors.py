@@ -99,6 +99,12 @@ CASES = [
     ("engine_process", "yes", "engine_process: must be auto, true or false, got 'yes'"),
     ("generation_servers.engine_process", 1,
      "generation_servers.engine_process: must be auto, true or false, got an integer 1"),
+    ("speculative.method", "medusa", "speculative.method: must be one of off, ngram, draft_model, got 'medusa'"),
+    ("generation_servers.speculative.num_speculative_tokens", 0,
+     "generation_servers.speculative.num_speculative_tokens: must be >= 1, got 0"),
+    ("speculative.ngram_maximum", 3, "speculative.ngram_maximum: unknown key (did you mean 'ngram_max'?)"),
+    ("speculative.ngram_min", 5, "speculative.ngram_min: 5 is above ngram_max (3)"),
+    ("speculative.method", "draft_model", "speculative.draft_model: required when method is draft_model"),
 ]
 
 
@@ -169,5 +175,5 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
-                               "kv_cache_config, cache_transceiver_config, drain_timeout_s, env, hostname, port, "
-                               "context_urls")
+                               "kv_cache_config, speculative, cache_transceiver_config, drain_timeout_s, env, "
+                               "hostname, port, context_urls")

@@ -13,7 +13,7 @@ from server.router.backends import Backend
 from server.router.dashboard.samples import parse_metrics
 from server.router.dashboard.views import deployment_view, pool_view, server_view
 from server.router.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
-from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from transceiver.stats import TransferStats
 
 
@@ -126,7 +126,8 @@ def test_server_and_deployment_views():
     ctx_transfer, gen_transfer = TransferStats(), TransferStats()
     ctx_metrics = ServerMetrics(stats_provider=lambda: ctx_stats,
                                 counters_provider=lambda: EngineCounters(transfers=(ctx_transfer,)))
-    gen_metrics = ServerMetrics(counters_provider=lambda: EngineCounters(transfers=(gen_transfer,)))
+    gen_spec = [SpecCounts()]
+    gen_metrics = ServerMetrics(counters_provider=lambda: EngineCounters(transfers=(gen_transfer,), spec=gen_spec[0]))
 
     def ctx_work(m: ServerMetrics) -> None:
         ctx_stats.prefix_query_tokens, ctx_stats.prefix_hit_tokens, ctx_stats.offloads = 200, 50, 6
@@ -139,6 +140,7 @@ def test_server_and_deployment_views():
             m.observe_transfer(1000, 0.002)
         gen_transfer.count_failure("timeout")
         m.observe_tpot(0.003)
+        gen_spec[0] = SpecCounts(proposed=40, accepted=30, emitted=40, verified=10)
 
     ctx, gen = Backend("http://c", "context", healthy=True), Backend("http://g", "generation", healthy=True)
     ctx.status, ctx.epoch, gen.status, gen.restarts = "ok", "e1", "ok", 2
@@ -152,6 +154,9 @@ def test_server_and_deployment_views():
     assert view["pool"] == [{"window": 2048, "level": "primary", "free": 30, "cached": 0, "in_use": 2, "total": 32}]
     assert view["prefix_hit_rate"] == 0.25 and view["offload_per_s"] == 3.0 and view["ttft"]["count"] == 1
     assert view["transfers"] == {"count": 0, "failures": 0, "lease_expired": 1, "per_s": 0.0, "bytes_per_s": 0.0}
+    assert view["speculation"] == {"acceptance_rate": None, "tokens_per_step": None, "drafts_per_s": 0.0}
+    assert server_view(gen, windows[gen.url], now=2.5)["speculation"] == {
+        "acceptance_rate": 0.75, "tokens_per_step": 4.0, "drafts_per_s": 20.0}
 
     router_registry = CollectorRegistry()
     requests = Counter("pdserve_router_requests", "", ["outcome"], registry=router_registry)
@@ -167,6 +172,7 @@ def test_server_and_deployment_views():
                                        "bytes_per_s": 2000.0}
     assert deployment["ttft"]["count"] == 1 and deployment["tpot"]["count"] == 1  # ttft: context; tpot: generation
     assert deployment["prefix_hit_rate"] == 0.25 and deployment["offload_per_s"] == 3.0
+    assert deployment["speculation"] == {"acceptance_rate": 0.75, "tokens_per_step": 4.0, "drafts_per_s": 20.0}
 
     gen.healthy, gen.status = False, "unreachable"  # it stopped answering: last figures kept, stale, no rates
     quiet = server_view(gen, windows[gen.url], now=2.0 + STALE_S + 1)

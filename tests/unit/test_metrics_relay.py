@@ -10,7 +10,7 @@ import threading
 
 from kvcache.stats import KVCacheStats
 from server.engineproc.wire import EngineState, LinkCodec, StepOut
-from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from server.telemetry.relay import MetricsRecorder, RelayedMetrics
 from transceiver.stats import TransferStats
 
@@ -47,11 +47,12 @@ def transfer_stats() -> TransferStats:
 def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     direct = ServerMetrics(stats_provider=lambda: KV)
     stats = transfer_stats()
-    direct.set_counters_provider(lambda: EngineCounters(3, (stats,)))
+    spec = SpecCounts(proposed=8, accepted=5, emitted=7, verified=2)
+    direct.set_counters_provider(lambda: EngineCounters(3, (stats,), spec))
     observe(direct)
 
     recorder = MetricsRecorder()  # the engine process
-    recorder.set_counters_provider(lambda: EngineCounters(3, (stats,)))
+    recorder.set_counters_provider(lambda: EngineCounters(3, (stats,), spec))
     worker = threading.Thread(target=observe, args=(recorder,))  # the transceiver's threads observe too
     worker.start()
     worker.join()
@@ -67,3 +68,6 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     assert samples(relayed) == samples(direct)
     assert "pdserve_time_to_first_token_seconds_count 1.0" in samples(relayed)
     assert 'pdserve_kv_transfer_failures_total{reason="timeout"} 1.0' in samples(relayed)
+    assert "pdserve_spec_accepted_tokens_total 5.0" in samples(relayed)
+    assert "pdserve_spec_acceptance_rate 0.625" in samples(relayed)
+    assert "pdserve_spec_tokens_per_step 3.5" in samples(relayed)

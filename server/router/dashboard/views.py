@@ -1,7 +1,8 @@
 """What the page shows, computed from the windows of samples: plain JSON-ready dicts.
 
 Per server: health, epoch and restarts (from its /health), requests per state, the KV pool per
-window and level, prefix hit rate, offload / onboard rates, KV transfers and latency percentiles.
+window and level, prefix hit rate, offload / onboard rates, KV transfers, speculative decoding's
+acceptance and latency percentiles.
 For the deployment: requests per second (the router's own counter), TTFT over the servers that
 make first tokens (context or aggregated), TPOT over the servers that decode (generation or
 aggregated), and KV transfers as the receiving side counts them. A server that stopped answering
@@ -19,6 +20,8 @@ TTFT = "pdserve_time_to_first_token_seconds"
 TPOT = "pdserve_time_per_output_token_seconds"
 TRANSFER = "pdserve_kv_transfer_seconds"
 HIT, QUERY = "pdserve_prefix_cache_hit_tokens_total", "pdserve_prefix_cache_query_tokens_total"
+SPEC_DRAFT, SPEC_ACCEPTED = "pdserve_spec_draft_tokens_total", "pdserve_spec_accepted_tokens_total"
+SPEC_EMITTED, SPEC_STEPS = "pdserve_spec_emitted_tokens_total", "pdserve_spec_verify_steps_total"
 FIRST_TOKEN_ROLES, DECODE_ROLES = ("context", "aggregated"), ("generation", "aggregated")
 LEVELS = ("primary", "secondary", "disk")
 
@@ -40,6 +43,7 @@ def server_view(backend: Backend, window: Window, now: float) -> dict:
         onboard_per_s=window.rate("pdserve_kv_onboarded_blocks_total", now),
         tokens_per_s=window.rate("pdserve_generation_tokens_total", now),
         transfers=transfer_view([window], now),
+        speculation=spec_view([window], now),
         ttft=percentiles(window.bucket_increase(TTFT, now)),
         tpot=percentiles(window.bucket_increase(TPOT, now)))
     return view
@@ -71,6 +75,17 @@ def transfer_view(windows: list[Window], now: float) -> dict:
             "bytes_per_s": _sum(w.rate("pdserve_kv_transfer_bytes_total", now) for w in windows)}
 
 
+def spec_view(windows: list[Window], now: float) -> dict:
+    """Speculative decoding over the window: accepted / verified draft tokens, tokens a request emits
+    per verify step, draft tokens verified per second (None while nothing was drafted)."""
+    def increase(name: str) -> float:
+        return sum(w.increase(name, now) for w in windows)
+
+    return {"acceptance_rate": _ratio(increase(SPEC_ACCEPTED), increase(SPEC_DRAFT)),
+            "tokens_per_step": _ratio(increase(SPEC_EMITTED), increase(SPEC_STEPS)),
+            "drafts_per_s": _sum(w.rate(SPEC_DRAFT, now) for w in windows)}
+
+
 def deployment_view(backends: list[Backend], windows: Mapping[str, Window], router: Window, now: float) -> dict:
     of_roles = lambda roles: [windows[b.url] for b in backends if b.role in roles]
     every = list(windows.values())
@@ -87,6 +102,7 @@ def deployment_view(backends: list[Backend], windows: Mapping[str, Window], rout
         "offload_per_s": _sum(w.rate("pdserve_kv_offloaded_blocks_total", now) for w in every),
         "onboard_per_s": _sum(w.rate("pdserve_kv_onboarded_blocks_total", now) for w in every),
         "transfers": transfers,
+        "speculation": spec_view(of_roles(DECODE_ROLES), now),
         "ttft": percentiles(merge_buckets(w.bucket_increase(TTFT, now) for w in of_roles(FIRST_TOKEN_ROLES))),
         "tpot": percentiles(merge_buckets(w.bucket_increase(TPOT, now) for w in of_roles(DECODE_ROLES))),
         "window_s": WINDOW_S, "rate_s": RATE_S,

@@ -55,6 +55,9 @@
     setText("xfer-bw", show.bytesPerS(d.transfers.bytes_per_s));
     setText("xfer-failures", show.int(d.transfers.failures));
     setText("xfer-expired", show.int(d.transfers.lease_expired));
+    setText("spec-accept", show.pct(d.speculation.acceptance_rate));
+    setText("spec-tokens-per-step", show.num(d.speculation.tokens_per_step, 2));
+    setText("spec-drafts", show.num(d.speculation.drafts_per_s, 1));
     document.querySelectorAll(".window-s").forEach((n) => { n.textContent = String(d.window_s); });
     document.querySelectorAll(".rate-s").forEach((n) => { n.textContent = String(d.rate_s); });
   }
@@ -81,6 +84,7 @@
       el("td", { class: "ttft" }, s.ttft ? show.secs(s.ttft.p50) : "–"),
       el("td", { class: "tpot" }, s.tpot ? show.secs(s.tpot.p50) : "–"),
       el("td", { class: "prefix-hit" }, show.pct(s.prefix_hit_rate)),
+      el("td", { class: "spec-accept" }, s.speculation ? show.pct(s.speculation.acceptance_rate) : "–"),
       el("td", { class: "transfers" }, xfer ? `${xfer.count} (${xfer.failures} failed)` : "–"));
   }
 

@@ -1,0 +1,130 @@
+"""Speculative decoding figure of issue 21 (part 3), engine level: batch-1 TPOT with and without
+n-gram speculation on the 8B-shaped random-weight model (`pdserve_bench.gpu_handoff.build_model`),
+the engine built as `pdserve serve` builds it (async scheduling and decode CUDA graphs on CUDA;
+verify steps run eagerly through the mixed-step path).
+
+Workloads (one request at a time, INPUT tokens in, OUTPUT out, ignore_eos):
+- copy: a random 64-token span repeated up to INPUT tokens, greedy (the answer repeats the prompt's
+  spans, and a random-weight model's greedy output falls into loops the drafter then copies);
+- random: random prompts, greedy;
+- sampled: random prompts, temperature 1.0 with a seed per request (near-uniform: drafts almost
+  never land; the adaptive pause must keep it within 5% of no speculation).
+Each figure: median b1 TPOT off / on, the speed-up, acceptance rate, tokens per verify step, and
+whether the outputs were identical (greedy, and seeded sampling: they must be).
+Goal (issue 21): copy >= 1.8x faster; random and sampled never more than 5% slower.
+
+    python scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu [--layers 32] [--k 4]
+    python scripts/bench_gpu_spec.py --model builtin:tiny-llama --output-len 64   # a CPU smoke run
+
+Prints one JSON line per figure and a SUMMARY line; `--out FILE` also writes them as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from pdserve_bench.gpu_handoff import build_model
+from server.config.schema import server_config_from_dict
+from server.deploy.serve import build_core
+from server.engine.core import EngineCore
+from server.engine.spec.config import SpeculativeConfig
+from server.engine.spec.decoder import NoSpeculation, SpecDecoder
+from server.engine.spec.ngram import NgramDrafter
+from server.telemetry.metrics import ServerMetrics
+from server.types import GenerateRequest, SamplingParams
+
+TEXT_TOKENS = 512  # the tiny tokenizer's size: prompt ids are drawn from [10, 500)
+RESULTS: list[dict] = []
+
+
+def make_core(model: str, args: argparse.Namespace) -> EngineCore:
+    cfg = server_config_from_dict({
+        "model": model, "max_seq_len": 4096, "max_num_tokens": 2048, "max_batch_size": 16,
+        "kv_cache_config": {"tokens_per_block": 32, "max_tokens": 65536},
+        "cache_transceiver_config": {"auth_token": "bench-gpu-spec-token-0123456789"}}, "bench_gpu_spec")
+    return build_core(cfg, ServerMetrics())
+
+
+def prompts(workload: str, n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    if workload != "copy":
+        return [torch.randint(10, 500, (length,), generator=gen).tolist() for _ in range(n)]
+    spans = [torch.randint(10, 500, (64,), generator=gen).tolist() for _ in range(n)]
+    return [(span * (length // 64 + 1))[:length] for span in spans]
+
+
+def run_one(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
+    """(tokens, b1 TPOT in ms: the mean time between the first and the last token)."""
+    rid = uuid.uuid4().hex
+    core.add_request(GenerateRequest(rid, prompt, params))
+    tokens, times = [], []
+    while core.has_work():
+        outputs = core.step()
+        now = time.perf_counter()
+        for out in outputs:
+            tokens += out.new_token_ids
+            times += [now] * len(out.new_token_ids)
+    return tokens, (times[-1] - times[0]) / (len(times) - 1) * 1000
+
+
+def figure(core: EngineCore, spec: SpecDecoder, workload: str, args: argparse.Namespace) -> None:
+    sampled = workload == "sampled"
+    cases = prompts(workload, args.requests, args.input_len, seed=len(workload))
+    params = [SamplingParams(max_tokens=args.output_len, temperature=1.0 if sampled else 0.0, ignore_eos=True,
+                             seed=i if sampled else None) for i in range(len(cases))]
+    run_one(core, cases[0], params[0])  # warm: this prompt length's prefill and the eager verify shapes
+    core.spec = NoSpeculation()
+    off = [run_one(core, p, s) for p, s in zip(cases, params, strict=True)]
+    core.spec = spec
+    before = (spec.stats.proposed, spec.stats.accepted, spec.stats.emitted, spec.stats.verified)
+    on = [run_one(core, p, s) for p, s in zip(cases, params, strict=True)]
+    proposed, accepted, emitted, verified = (now - then for now, then in zip(
+        (spec.stats.proposed, spec.stats.accepted, spec.stats.emitted, spec.stats.verified), before, strict=True))
+    off_ms, on_ms = statistics.median(t for _, t in off), statistics.median(t for _, t in on)
+    record("spec_b1_tpot", workload=workload, k=args.k, input_len=args.input_len, output_len=args.output_len,
+           tpot_off_ms=round(off_ms, 3), tpot_on_ms=round(on_ms, 3), speedup=round(off_ms / on_ms, 3),
+           acceptance_rate=round(accepted / proposed, 3) if proposed else None,
+           tokens_per_verify_step=round(emitted / verified, 3) if verified else None,
+           verify_share=round(emitted / (args.output_len * len(cases)), 3),
+           identical=[a for a, _ in off] == [b for b, _ in on])
+
+
+def record(name: str, **figures: object) -> None:
+    row = {"figure": name, **figures}
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
+    parser.add_argument("--model", help="a model instead of the 8B-shaped one (e.g. builtin:tiny-llama)")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--workloads", default="copy,random,sampled")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    model = args.model or str(build_model(args.workdir / f"llama8b-text-{args.layers}", args.layers,
+                                          text_tokens=TEXT_TOKENS))
+    core = make_core(model, args)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
+    spec = SpecDecoder(config, core.config, NgramDrafter(config.ngram_min, config.ngram_max))
+    for workload in args.workloads.split(","):
+        figure(core, spec, workload, args)
+    print("SUMMARY " + json.dumps(RESULTS))
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in RESULTS))
+
+
+if __name__ == "__main__":
+    main()

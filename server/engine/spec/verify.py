@@ -1,0 +1,87 @@
+"""Verification of drafted tokens: which drafts a step accepts, and the sampling rows of a verify chunk.
+
+A verify chunk of a request with known tokens t[0..L) and drafts d[0..k) computes the inputs
+t[L-1], d[0], ..., d[k-1] at positions L-1 .. L-1+k, so its logit row i gives the distribution of
+position L+i after the prefix t + d[:i]. Each row is sampled exactly as a plain decode step samples
+(`VerifyRow` lends it the request's settings, with `min_tokens` counting the i tokens before it),
+giving targets s[0..k]. The step keeps the longest prefix of drafts equal to their targets, plus the
+target after it: s[0..a] with a = the number of leading i where d[i] == s[i].
+
+Greedy: s[i] is the argmax, so the output is the non-speculative greedy output, token for token.
+Sampling: sampling s[i] ~ p_i and accepting d[i] iff s[i] == d[i] is the rejection rule for a
+deterministic drafter (q one-hot at d[i]): d[i] is accepted with probability p_i(d[i]), and a
+rejected position's token is a sample of p_i with d[i] removed and renormalised; every emitted token
+is a sample of the target distribution, so the output distribution is unchanged. A request with a
+seed draws each row's noise from its own generator in row order and is then rewound to the state
+after its emitted rows (`rewind`), so its output equals its non-speculative output for that seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.request import Request
+from server.types import SamplingParams
+
+
+def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Leading drafts equal to their targets (len(targets) == len(drafts) + 1)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+def emitted(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a verify step emits: the accepted drafts, then the target after them."""
+    return list(targets[:accepted_prefix(drafts, targets) + 1])
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyRow:
+    """Row `offset` of a request's verify chunk, as the sampler sees a request (server/engine/sampler.py)."""
+
+    request: Request
+    offset: int
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.request.eos_token_ids
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + self.offset
+
+
+def sampling_rows(request: Request, num_drafts: int) -> list[Request | VerifyRow]:
+    """The sampler rows of one request's chunk: the request itself when it has no drafts."""
+    if not num_drafts:
+        return [request]
+    return [VerifyRow(request, i) for i in range(num_drafts + 1)]
+
+
+def seeded_state(request: Request) -> torch.Tensor | None:
+    """The generator state before a verify chunk's rows draw (None: nothing to rewind)."""
+    if request.generator is None or request.sampling.greedy:
+        return None
+    return request.generator.get_state()
+
+
+def rewind(request: Request, state: torch.Tensor, rows_used: int, vocab: int) -> None:
+    """Put a seeded request's generator where `rows_used` plain decode steps would have left it:
+    back to `state`, then the same draws the sampler makes per row (`sampler._exponential`)."""
+    generator = request.generator
+    generator.set_state(state)
+    for _ in range(rows_used):
+        torch.empty(vocab).exponential_(generator=generator)
