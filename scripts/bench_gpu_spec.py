@@ -1,7 +1,7 @@
 """Speculative decoding figure of issue 21 (part 3), engine level: batch-1 TPOT with and without
 n-gram speculation on the 8B-shaped random-weight model (`pdserve_bench.gpu_handoff.build_model`),
 the engine built as `pdserve serve` builds it (async scheduling and decode CUDA graphs on CUDA;
-verify steps run eagerly through the mixed-step path).
+verify steps replay the decode graphs, each verify token a decode row: runner.as_decode_rows).
 
 Workloads (one request at a time, INPUT tokens in, OUTPUT out, ignore_eos):
 - copy: a random 64-token span repeated up to INPUT tokens, greedy (the answer repeats the prompt's

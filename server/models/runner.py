@@ -196,19 +196,25 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Run one step; float32 logits [sum of num_logits of chunks with need_logits, vocab], in chunk order.
         `pending`: chunks whose token is taken on the device from the previous step's sampled ids."""
-        if self.graphs is not None and self._graph_step(chunks):
+        rows = self._graph_rows(chunks) if self.graphs is not None else None
+        if rows is not None:
             self._check_limits(chunks)
-            picks = [-1] * len(chunks)
+            picks = [-1] * len(rows)
             for i, row in (pending.rows.items() if pending else ()):
-                picks[i] = row
-            return self.graphs.run([_seq_layout(c) for c in chunks], [c.token_ids[0] for c in chunks],
+                picks[first_rows(chunks)[i]] = row
+            return self.graphs.run([_seq_layout(c) for c in rows], [c.token_ids[0] for c in rows],
                                    picks, pending.source if pending else None)
         return self.forward(self.prepare(chunks, pending))
 
-    def _graph_step(self, chunks: list[SeqChunk]) -> bool:
-        """A decode-only step whose every chunk wants its logits and that fits a captured bucket."""
-        return (bool(self.graphs.graphs) and len(chunks) <= self.graphs.max_batch
-                and all(len(c.token_ids) == 1 and c.need_logits for c in chunks))
+    def _graph_rows(self, chunks: list[SeqChunk]) -> list[SeqChunk] | None:
+        """The step as one-token rows a captured decode graph replays, or None (run it eagerly): a
+        decode-only step, or decode and verify chunks (speculative decoding: every token's logits),
+        each verify token a row of its own (`as_decode_rows`), all fitting the largest bucket."""
+        if not self.graphs.graphs or not all(c.need_logits and c.num_logits == len(c.token_ids) for c in chunks):
+            return None
+        if sum(len(c.token_ids) for c in chunks) > self.graphs.max_batch:
+            return None
+        return as_decode_rows(chunks)
 
     def prepare(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> StepInputs:
         """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,
@@ -251,6 +257,25 @@ class ModelRunner:
             raise ValueError("a chunk without tokens")
         if any(not 1 <= c.num_logits <= len(c.token_ids) for c in chunks):
             raise ValueError("num_logits outside 1..len(token_ids)")
+
+
+def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
+    """Each token of each chunk as a one-token chunk at its position, over the same slot tables.
+
+    A verify chunk (its last token sampled, then k drafts; every position's logits wanted) is then k+1
+    decode rows: row j writes its token's K/V at position num_past + j and attends to the keys up to
+    it. A layer writes every row's K/V before any row attends, so row j sees rows < j of its own
+    chunk: the causal attention of the chunk, computed by the decode kernel (and so replayable)."""
+    return [SeqChunk([t], c.num_past + j, c.slot_tables, True) for c in chunks for j, t in enumerate(c.token_ids)]
+
+
+def first_rows(chunks: list[SeqChunk]) -> list[int]:
+    """The row of `as_decode_rows(chunks)` that holds each chunk's first token."""
+    starts, row = [], 0
+    for c in chunks:
+        starts.append(row)
+        row += len(c.token_ids)
+    return starts
 
 
 def _seq_layout(chunk: SeqChunk) -> SeqLayout:

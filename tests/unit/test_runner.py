@@ -248,3 +248,25 @@ def test_resolve_dtype_and_device() -> None:
         resolve_dtype("int8", cpu)
     assert resolve_device("cpu") == cpu
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding", "tiny-qwen3-swa"])
+def test_a_verify_chunk_as_decode_rows_matches_the_chunk(model_dirs: dict[str, Path], family: str) -> None:
+    """What the decode graphs replay for speculative verification (`as_decode_rows`): a chunk's tokens
+    as one-token rows over the same blocks give the chunk's logits, beside a plain decode row."""
+    from server.models.runner import as_decode_rows, first_rows
+
+    runner, kv = make_runner(model_dirs[family])
+    a, b = prompt(90, seed=3), prompt(40, seed=4)  # past the sliding windows (24, 64)
+    for rid, ids in (("a", a), ("b", b)):
+        kv.admit(rid, ids + [7] * 8)
+        runner.execute([SeqChunk(ids, 0, _tables(kv, rid), need_logits=True)])
+    chunks = [SeqChunk([11], 40, _tables(kv, "b"), True), SeqChunk([5, 9, 13, 17, 21], 90, _tables(kv, "a"), True, 5)]
+    whole = runner.execute(chunks)
+    rows = as_decode_rows(chunks)
+    assert [(r.token_ids, r.num_past) for r in rows] == [([11], 40), ([5], 90), ([9], 91), ([13], 92), ([17], 93),
+                                                        ([21], 94)]
+    assert first_rows(chunks) == [0, 1]
+    by_rows = runner.forward(runner.prepare(rows))
+    assert by_rows.shape == whole.shape == (6, 512)
+    assert (by_rows - whole).abs().max().item() < 1e-4
