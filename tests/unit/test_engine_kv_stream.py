@@ -100,11 +100,11 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
     run = make_pair(model, async_scheduling)
     prompt = _prompt(11, 150)
     ctx_id, gen_id = run.legs(prompt, 10)
-    written_during_prefill = 0  # chunks written on the generation side before the first token was sampled
-    while run.final(ctx_id) is None:
-        written_during_prefill = max(written_during_prefill, run.receiver.chunks_written(gen_id) or 0)
-        run.step()
-    assert written_during_prefill >= 2, "the blocks did not arrive while the prompt was prefilled"
+    run.step()  # both legs admitted, the pull sent; the first 32 tokens prefilled: 2 blocks offered
+    wait_until(lambda: run.receiver.chunks_written(gen_id), 10, "a chunk while the prompt is prefilled",
+               step=lambda: run.outputs.setdefault(gen_id, []).extend(run.gen.step()), interval_s=0.001)
+    assert run.final(ctx_id) is None and run.ctx.scheduler.find(ctx_id).num_computed_tokens < len(prompt)
+    run.wait([ctx_id], "the context leg")
     answer = run.final(ctx_id)
     expected = hf_reference.hf_greedy(resolve_model(model), prompt, 10)
     assert answer.disagg.kv_stream and answer.new_token_ids == expected[:1]

@@ -97,6 +97,9 @@ class PullServer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
         self._parked: dict[str, list[tuple[bytes, PullRequest, float]]] = {}  # cid -> (peer, pull, until)
+        # streamed leases that ended or were withdrawn before they opened: cid -> (until, reason, detail),
+        # so a streamed pull that comes later is refused at once instead of waiting for its lease
+        self._dropped: dict[str, tuple[float, str, str]] = {}
         self._ipc = IpcPulls()  # same-GPU pulls whose checksums are on the device
         self._pacer = Pacer(config.test_link_delay_ms, config.test_link_bytes_per_s)  # test only
 
@@ -111,6 +114,7 @@ class PullServer:
     def expire_parked(self, io: SocketIO) -> None:
         """Fail the parked pulls whose offer did not come in time."""
         now = time.monotonic()
+        self._dropped = {cid: d for cid, d in self._dropped.items() if d[0] > now}
         for cid, parked in list(self._parked.items()):
             for peer, req, _ in [p for p in parked if p[2] <= now]:
                 self._refuse(io, peer, req, ("unknown_request", f"no lease for ctx_request_id {cid!r} "
@@ -132,7 +136,9 @@ class PullServer:
     def withdraw(self, io: SocketIO, w: Withdraw) -> None:
         if w.cid in self._offers:  # else it ended here already and its `Ended` is on the way
             self._end(io, w.cid, w.reason, w.detail)
-        for peer, req, _ in self._parked.pop(w.cid, []):  # a streamed lease that never opened
+        else:  # or it is a streamed lease that never opened
+            self._dropped[w.cid] = (time.monotonic() + self._config.timeout_s, w.reason, w.detail)
+        for peer, req, _ in self._parked.pop(w.cid, []):
             self._refuse(io, peer, req, (w.reason, w.detail))
 
     # ---- from receivers ------------------------------------------------------------------------
@@ -140,6 +146,9 @@ class PullServer:
     def pull(self, io: SocketIO, peer: bytes, req: PullRequest) -> None:
         off = self._offers.get(req.ctx_request_id)
         park_s = self._config.timeout_s if req.stream else self._park_s if req.keep_lease else 0.0
+        if off is None and req.stream and req.ctx_request_id in self._dropped:
+            self._refuse(io, peer, req, self._dropped[req.ctx_request_id][1:])
+            return
         if off is None and park_s > 0 and req.ctx_epoch == self._epoch:
             self._parked.setdefault(req.ctx_request_id, []).append((peer, req, time.monotonic() + park_s))
             return
@@ -409,6 +418,9 @@ class PullServer:
         here, the engine gets the lease back (`Ended`). Every running pull of it fails (`reason`),
         and its receiver is told unless it is `skip` (the peer that cancelled, or is gone)."""
         off = self._offers.pop(cid)
+        if not off.offer.final:
+            self._dropped[cid] = (time.monotonic() + self._config.timeout_s, "unknown_request",
+                                  f"the streamed lease {cid!r} has ended")
         self._active = deque(a for a in self._active if a[0] != cid)
         self._ipc.drop(cid)
         self._stats.lease_expired += reason == "lease_expired"
