@@ -79,7 +79,9 @@ async def _leave_mid_prefill(url: str, prompt: list[int]) -> None:
 def whole_prompt_figures(tmp_path_factory) -> tuple[float, float]:
     with dh.launched("disagg.yaml", tmp_path_factory.mktemp("whole"), _overrides("off")) as dep:
         _complete(dep.url, _prompt(1), 2)  # warm up
-        return _figures(dep.url, 1000)
+        figures = _figures(dep.url, 1000)
+        assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") == 0
+        return figures
 
 
 def test_streamed_kv_overlaps_the_prefill_and_is_exact(tmp_path, whole_prompt_figures, capsys):
@@ -97,6 +99,7 @@ def test_streamed_kv_overlaps_the_prefill_and_is_exact(tmp_path, whole_prompt_fi
                   f"{whole:.3f}s ({whole / whole_prompt_figures[0]:.2f}x its context leg)")
         assert streamed - alone < 0.5 * (whole - whole_prompt_figures[0])
         assert streamed <= 1.05 * alone + 0.05
+        assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") >= 2 * RUNS + 1
         asyncio.run(_leave_mid_prefill(dep.url, _prompt(9)))
         wait_until(lambda: _idle(dep), 30, "both servers to release every block")
 

@@ -347,6 +347,7 @@ class KVReceiver:
         if self._releases:  # else the request's pull is counted where every rank's share comes together
             self.stats.count_ok(seconds, pulling.nbytes)
         self.stats.ipc_transfers += any(p.via_ipc for p in parts)
+        self.stats.streamed += pulling.stream and self._releases
         self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds,
                                         first_tokens=pulling.first_tokens, cached_tokens=pulling.cached_tokens))
 

@@ -424,6 +424,7 @@ class PullServer:
         self._active = deque(a for a in self._active if a[0] != cid)
         self._ipc.drop(cid)
         self._stats.lease_expired += reason == "lease_expired"
+        self._stats.streamed += reason is None and not off.offer.final
         for job in off.jobs.values() if reason is not None else ():
             self._stats.count_failure(reason)
             if job.peer == skip:
