@@ -72,6 +72,7 @@ class _Shares:
     started: float
     pending: set[int]  # ranks whose share has not arrived
     nbytes: int = 0
+    stream: bool = False
     first_tokens: tuple[int, ...] = ()  # a streamed pull: from rank 0's share
     cached_tokens: int = 0
 
@@ -89,7 +90,7 @@ class RankedReceiver(KVReceiver):
         self._ranks.add(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
         self._ranks.flush()
         self._shares[request_id] = _Shares(ctx_endpoint, ctx_epoch, ctx_request_id, time.monotonic(),
-                                           set(range(self._ranks.size)))
+                                           set(range(self._ranks.size)), stream=stream)
 
     def step(self) -> list[PullResult]:
         results = []
@@ -122,6 +123,7 @@ class RankedReceiver(KVReceiver):
         del self._shares[request_id]
         self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
         self.stats.count_ok(seconds, shares.nbytes)
+        self.stats.streamed += shares.stream
         return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds, first_tokens=shares.first_tokens,
                            cached_tokens=shares.cached_tokens)]
 
