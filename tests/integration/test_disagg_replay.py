@@ -74,9 +74,10 @@ def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
 
 def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, reference_texts):
     """The same, the KV sent while it is prefilled in 64-token steps (`kv_stream: on`): blocks of a
-    step already sent may be offloaded later, blocks not yet sent are pinned where the step wrote them."""
-    with dh.launched("disagg_host_offload.yaml", tmp_path,
-                     {"context_servers": {"kv_stream": "on", "max_num_tokens": 64}}) as dep:
+    step already sent may be offloaded later, blocks not yet sent are pinned where the step wrote them.
+    The context server runs its engine in a process of its own (the default on CUDA)."""
+    with dh.launched("disagg_host_offload.yaml", tmp_path, {"context_servers": {
+            "kv_stream": "on", "max_num_tokens": 64, "engine_process": True}}) as dep:
         _replay(dep, reference_texts)
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
