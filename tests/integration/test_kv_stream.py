@@ -99,7 +99,8 @@ def test_streamed_kv_overlaps_the_prefill_and_is_exact(tmp_path, whole_prompt_fi
                   f"{whole:.3f}s ({whole / whole_prompt_figures[0]:.2f}x its context leg)")
         assert streamed - alone < 0.5 * (whole - whole_prompt_figures[0])
         assert streamed <= 1.05 * alone + 0.05
-        assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") >= 2 * RUNS + 1
+        # the 6-token request and the pairs; the 1-token requests end on the context server
+        assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") == RUNS + 1
         asyncio.run(_leave_mid_prefill(dep.url, _prompt(9)))
         wait_until(lambda: _idle(dep), 30, "both servers to release every block")
 
