@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): install the serving wheels carried in .whl
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
-#   MODE: tests | bench | serving | profile | load | disk | tp | spec | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   MODE: tests | bench | serving | profile | load | disk | tp | spec | kv_stream | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   kv_stream (issue 21, part 1): a 16k prompt's pair TTFT, KV streamed while prefilled vs sent after it; not part of `all'.
 #   load (issue 19; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
 #   tp: tensor-parallel figures (scripts/bench_tp_gpu.py; sizes the GPUs allow), not part of `all'.
 set -uo pipefail
@@ -33,6 +34,10 @@ if [[ "$mode" == disk ]]; then  # not in `all`: it writes ~10 GB to WORKDIR's di
 fi
 if [[ "$mode" == spec ]]; then  # speculative decoding (issue 21 part 3): b1 TPOT with and without, not in `all'
   python3 scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_spec.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_spec.log" | grep -v '^SUMMARY'
+fi
+if [[ "$mode" == kv_stream ]]; then
+  python3 scripts/bench_gpu_kv_stream.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_kv_stream.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_kv_stream.log" | grep -v '^SUMMARY'
+  grep '^SUMMARY' "$out/bench_gpu_kv_stream.log"
 fi
 if [[ "$mode" == profile ]]; then
   python3 scripts/profile_gpu.py --workdir /tmp/bench-gpu "$@" 2>&1 | tee "$out/profile_gpu.log"

@@ -30,6 +30,11 @@ class TransceiverConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_chunk_bytes: Annotated[int, msgspec.Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, multiple_of=8,
                                                  description=_CHUNK)] = 8 << 20
     same_host_ipc: bool = True  # CUDA pools on one GPU: copy device-to-device via CUDA IPC (false: bytes)
+    # Test only: the sender's byte path paces its chunks as a link with this latency per chunk message
+    # and this bandwidth would (0: off), so CPU tests can show a transfer overlapping the prefill
+    # (transceiver/sender/stream.py `Pacer`). Never set in a production deployment.
+    test_link_delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    test_link_bytes_per_s: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     @property
     def timeout_s(self) -> float:

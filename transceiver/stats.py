@@ -23,6 +23,7 @@ class TransferStats:
     ipc_open_failures: int = 0  # receiver: offers of the same GPU that could not be opened (byte path used)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     lease_expired: int = 0
+    streamed: int = 0  # successful transfers of streamed leases (sent, or pulled) while the prompt was prefilled
     late_chunks: int = 0  # receiver: chunks of pulls that had ended (cancelled, failed): dropped unwritten
     rejected_messages: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)

@@ -177,6 +177,9 @@ class PullRequest(msgspec.Struct, tag=True, frozen=True):
     via_ipc: bool = False  # answer with IpcChunks (only after an InstanceInfo with `ipc` of this epoch)
     heads: tuple[int, int] | None = None  # [start, end) of the sender's own kv heads to send; None: all
     keep_lease: bool = False  # this pull's Ack ends the pull only; the lease ends with `Release`
+    # a streamed lease (the prefill still runs): wait for it up to the transfer timeout if it is not
+    # offered yet; its blocks are sent as the prefill completes them, and its Done carries the first token
+    stream: bool = False
 
 
 class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
@@ -210,11 +213,14 @@ class IpcChunk(msgspec.Struct, tag=True, frozen=True):
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen: every chunk of the pull has been sent."""
+    """ctx -> gen: every chunk of the pull has been sent. A streamed lease's Done also carries what
+    the context answer would have: the first token(s) sampled and the context server's prefix hit."""
 
     pull_id: int
     total_bytes: int
     chunks: int
+    first_tokens: list[int] = []
+    cached_tokens: int = 0
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True):

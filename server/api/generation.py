@@ -18,11 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.api.access import check_disagg_access
+from server.api.context_stream import early_event, result_event, streamed_params
 from server.api.errors import output_error
 from server.api.prompts import build_request, new_request_id
 from server.openai.formatting import Formatter, continued_response_id
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
+from server.openai.wire import dumps
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,27 @@ async def respond_stream(request: Request, engine: EngineClient, gen: GenerateRe
     raise output_error(first)
 
 
+async def respond_context(request: Request, engine: EngineClient, gen: GenerateRequest, fmt: Formatter) -> Response:
+    """A context_only request whose router asked for streamed KV (server/api/context_stream.py): the
+    early event and the answer's, or today's JSON when this server does not stream this prompt."""
+    early = streamed_params(request, engine, gen)
+    if early is None:
+        return await respond_json(request, engine, replace(gen, disagg=replace(gen.disagg, kv_stream=False)), fmt)
+    stream = EngineStream(engine, gen)
+    return EventStream(_context_events(stream, fmt, early_event(early)), stream.close)  # aborts if the router left
+
+
+async def _context_events(stream: EngineStream, fmt: Formatter, early: bytes) -> AsyncIterator[bytes]:
+    yield early
+    text, final = await _collect(stream)
+    if failed(final):
+        error = output_error(final)
+        yield result_event(error.status, dumps(error.body()).decode())
+    else:
+        yield result_event(200, fmt.response(text, final))
+    yield DONE
+
+
 async def engine_events(stream: EngineStream, first: RequestOutput, fmt: Formatter,
                         tokens: TokenReport | None = None) -> AsyncIterator[bytes]:
     """`data: {json}\n\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
@@ -155,13 +178,17 @@ async def engine_events(stream: EngineStream, first: RequestOutput, fmt: Formatt
 
 class TokenReport:
     """The token ids of each output as an SSE comment line; ids whose text the router streamed
-    itself (`first_text_streamed`: the first tokens) are not repeated."""
+    itself (`first_text_streamed`: the first tokens; with streamed KV, those of the first output,
+    which came with the KV) are not repeated."""
 
-    def __init__(self, skip: int) -> None:
+    def __init__(self, skip: int, skip_first_output: bool = False) -> None:
         self._skip = skip
+        self._skip_first = skip_first_output
 
     def comment(self, output: RequestOutput) -> bytes:
         ids = output.new_token_ids
+        if self._skip_first:
+            ids, self._skip_first = [], False
         if self._skip:
             ids, self._skip = ids[self._skip:], max(0, self._skip - len(ids))
         if not ids and not output.finished:
@@ -182,9 +209,11 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     if continued:
         response_id = disagg.response_id or continued_response_id(disagg.ctx_request_id)
     fmt = formatter(response_id, engine.model_name, include_usage=body.include_usage, continued=continued)
+    if disagg is not None and disagg.kv_stream and disagg.request_type == "context_only":
+        return await respond_context(request, engine, gen, fmt)
     if not body.stream:
         return await respond_json(request, engine, gen, fmt)
     tokens = None
     if disagg is not None and disagg.report_tokens:
-        tokens = TokenReport(len(disagg.first_gen_tokens or ()) if continued else 0)
+        tokens = TokenReport(len(disagg.first_gen_tokens or ()) if continued else 0, continued and disagg.kv_stream)
     return await respond_stream(request, engine, gen, fmt, tokens)

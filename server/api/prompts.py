@@ -137,6 +137,9 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "
                        "requests (the router sets it when it streamed the first token itself)",
                        param="disaggregated_params.first_text_streamed")
+    if disagg is not None and disagg.kv_stream and disagg.request_type == "generation_only" and disagg.first_gen_tokens:
+        raise APIError(400, "disaggregated_params.first_gen_tokens: a kv_stream generation_only request takes its "
+                       "first token from the KV transfer", param="disaggregated_params.first_gen_tokens")
     if body.stop_token_ids:
         _checked_token_ids(body.stop_token_ids, engine.vocab_size, "stop_token_ids")
     if disagg is not None and disagg.first_gen_tokens:

@@ -96,6 +96,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative: SpeculativeConfig = SpeculativeConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()
+    # context servers: send a prompt's KV while it is prefilled, block by block (the generation leg
+    # starts at once and pulls them as they are written; server/api/context_stream.py). auto: for
+    # prompts of more than max_num_tokens tokens (prefilled in several steps); on: every prompt; off:
+    # never. A tensor-parallel context server always sends whole prompts.
+    kv_stream: Literal["auto", "on", "off"] = "auto"
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
     drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
     # generation servers: the deployment's context servers ("host:port"); KV is pulled from their

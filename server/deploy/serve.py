@@ -119,6 +119,13 @@ def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake, ranks: 
     return GenerationConnector(receiver, kv)
 
 
+def kv_stream_min_tokens(cfg: ServerConfig) -> int | None:
+    """The shortest prompt whose KV a context server streams while it prefills it (None: none)."""
+    if cfg.role != "context" or cfg.kv_stream == "off" or cfg.tensor_parallel_size > 1:
+        return None
+    return 1 if cfg.kv_stream == "on" else cfg.max_num_tokens + 1
+
+
 def engine_in_child(cfg: ServerConfig) -> bool:
     """`engine_process`: true or false as set; auto: a process of its own on CUDA (the event loop's
     SSE writes and the engine's host work no longer share one GIL), the engine thread on a CPU."""
@@ -139,6 +146,7 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
     app.state.kv_events = kv_events
     app.state.role = cfg.role  # the leg /health_generate names
+    app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)
     install_kv_routes(app)
     install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
     if directory is not None:

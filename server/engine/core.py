@@ -16,7 +16,7 @@ from __future__ import annotations
 from kvcache import KVCacheManager
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
-from server.engine.kv_connector import AggregatedConnector, KVConnector, PullFailure
+from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector, PullFailure
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
@@ -95,8 +95,9 @@ class EngineCore:
             return f"disaggregated_params.request_type {kind!r} is not served here (accepted: {accepted})", 400
         if kind == "generation_only":
             params = gen.disagg
-            missing = [name for name in ("ctx_request_id", "ctx_endpoint", "ctx_epoch", "first_gen_tokens")
-                       if not getattr(params, name)]
+            first = () if params.kv_stream else ("first_gen_tokens",)  # streamed: it comes with the KV
+            needed = ("ctx_request_id", "ctx_endpoint", "ctx_epoch", *first)
+            missing = [name for name in needed if not getattr(params, name)]
             if missing:
                 return f"disaggregated_params of a generation_only request lacks {', '.join(missing)}", 400
             if self._pulls_same_lease(params):
@@ -146,11 +147,12 @@ class EngineCore:
         for request in plan.rejected:
             self.connector.release(request)
             outputs.append(self._output(request, []))
-        if plan.to_pull:
-            outputs += [self._emit_first_tokens(r) for r in plan.to_pull]
+        if plan.to_pull:  # a streamed pull brings the first token with the KV (`_pulls_ended`)
+            outputs += [self._emit_first_tokens(r) for r in plan.to_pull if not r.disagg.kv_stream]
             self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
         chunks = self.spec.draft(plan.chunks, self.kv)  # decode chunks that verify drafts too
         launched = self._launch(chunks) if chunks else None  # a GPU runs it from now on
+        self.connector.progress([c.request for c in chunks])  # KV out, streamed: the blocks just computed
         outputs += self._flush_text()  # the last step's text, made while the GPU computes this one
         steps = [self.inflight, launched]  # async: the step before is postprocessed, this one waits
         verifies = launched is not None and launched.drafts is not None  # its tokens decide the next step
@@ -193,17 +195,22 @@ class EngineCore:
             outputs += [self._handed_over(r, p) for r, p in zip(prefilled, params, strict=True)]
         return [o for o in outputs if o is not None]
 
-    def _pulls_ended(self, arrived: list[str], failed: list[PullFailure]) -> list[RequestOutput]:
+    def _pulls_ended(self, arrived: list[Arrived], failed: list[PullFailure]) -> list[RequestOutput]:
         """Generation side: an arrived prompt's KV is in place, so the request decodes from the next
-        schedule; a failed pull ends its request (one aborted meanwhile is gone already)."""
-        transferring = self.scheduler.transferring
-        for request in [transferring[rid] for rid in arrived if rid in transferring]:
+        schedule (a streamed one first streams the first token that came with it); a failed pull ends
+        its request (one aborted meanwhile is gone already)."""
+        transferring, outputs = self.scheduler.transferring, []
+        for done in [a for a in arrived if a.request_id in transferring]:
+            request = transferring[done.request_id]
             self.scheduler.kv_arrived(request)
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if request.disagg.kv_stream:
+                request.take_first_tokens(done.first_tokens, done.cached_tokens)
+                outputs.append(self._emit_first_tokens(request))
         # the receiver ended those pulls and told the context side where it had to: no second Cancel
         # (one for a refused duplicate pull would end the lease the running pull reads)
-        return [self.fail(transferring[f.request_id], f.message, f.code, release=False) for f in failed
-                if f.request_id in transferring]
+        return outputs + [self.fail(transferring[f.request_id], f.message, f.code, release=False) for f in failed
+                          if f.request_id in transferring]
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens

@@ -6,16 +6,23 @@ failed); it never holds the engine. `EngineCore.step` calls it in plain lines:
 
     arrived, failed = connector.poll()     # KV in: pulls that ended since the last step
     connector.start_pulls(admitted)        # KV in: ask for the blocks admitted requests lack
+    connector.progress(requests)           # KV out, streamed: blocks the step's prefill completed
     params = connector.offer(prefilled)    # KV out: lease prefilled blocks, answer with where they are
+
+Streamed KV (`disaggregated_params.kv_stream`, transceiver/sender/stream.py): a context request's
+lease opens at its first prefill step, every step's completed blocks are offered at once, and the
+offer after its first token adds the rest and that token. Its generation request pulls from the
+start and learns its first token when the pull ends (`Arrived.first_tokens`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvcache import KVCacheManager
-from server.engine.request import Request
+from server.engine.request import Request, Status
 from server.types import DisaggParams
 
 if TYPE_CHECKING:
@@ -25,6 +32,12 @@ if TYPE_CHECKING:
 # A pull refused for what the request named (a lease the context server does not hold, or one
 # another pull is already taking) is the caller's error; anything else is the servers'.
 PULL_FAILURE_STATUS = {"unknown_request": 404, "bad_request": 409}
+
+
+class Arrived(NamedTuple):
+    request_id: str
+    first_tokens: tuple[int, ...] = ()  # a streamed pull: the context server's first token(s)
+    cached_tokens: int = 0  # a streamed pull: the context server's prefix hit
 
 
 class PullFailure(NamedTuple):
@@ -38,9 +51,12 @@ class KVConnector:
 
     accepts: tuple[str, ...] = ("context_and_generation",)  # disaggregated_params.request_type served
 
-    def poll(self) -> tuple[list[str], list[PullFailure]]:
-        """Every engine tick, idle or not: (ids of requests whose prompt KV is now in place, failed pulls)."""
+    def poll(self) -> tuple[list[Arrived], list[PullFailure]]:
+        """Every engine tick, idle or not: (requests whose prompt KV is now in place, failed pulls)."""
         return [], []
+
+    def progress(self, requests: list[Request]) -> None:
+        """Context side, after each step: offer the blocks its prefill completed of streamed requests."""
 
     def start_pulls(self, requests: list[Request]) -> None:
         """Generation side: admitted requests (blocks allocated, prefix reused) pull the rest."""
@@ -73,23 +89,70 @@ class ContextConnector(KVConnector):
     def __init__(self, sender: KVSender, kv: KVCacheManager) -> None:
         self.sender = sender
         self.kv = kv
+        self._streams: dict[str, Streamed] = {}  # streamed requests whose lease is open, by id
 
-    def poll(self) -> tuple[list[str], list[PullFailure]]:
+    def poll(self) -> tuple[list[Arrived], list[PullFailure]]:
         self.sender.step()  # take back ended leases, reap expired ones, unpin
+        for rid, st in list(self._streams.items()):  # ended without a hand-over (the first token was its last)
+            if st.request.status == Status.FINISHED:
+                del self._streams[rid]
+                self.sender.drop_lease(rid)
         return [], []
+
+    def progress(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.is_context_only and request.disagg.kv_stream:
+                self._publish(request)
+
+    def _publish(self, request: Request) -> None:
+        """Open the request's lease at its first step, then offer the full blocks computed since."""
+        rid, total = request.request_id, request.num_prompt_tokens
+        st = self._streams.get(rid)
+        if st is None:
+            blocks = math.ceil(total / self.kv.tokens_per_block)
+            self.sender.open_stream(rid, {w: blocks for w in self.kv.window_sizes})
+            st = self._streams[rid] = Streamed(request)
+        full = min(request.num_computed_tokens, total) // self.kv.tokens_per_block
+        if full > st.published:
+            self.sender.extend_stream(rid, self._blocks(rid, total, st.published, full))
+            st.published = full
+
+    def _blocks(self, rid: str, total: int, start: int, end: int) -> dict[int, tuple[int, list[int]]]:
+        """Per window, blocks [start, end) of the request, less those the generation side's first
+        decode step will not see (sliding windows: they are never pulled)."""
+        out = {}
+        for window in self.kv.window_sizes:
+            first = max(start, max(0, total - window + 1) // self.kv.tokens_per_block)
+            if first < end:
+                out[window] = (first, self.kv.block_ids(rid, window)[first:end])
+        return out
 
     def offer(self, requests: list[Request]) -> list[DisaggParams]:
         return [self._lease(r) for r in requests]
 
     def _lease(self, request: Request) -> DisaggParams:
         rid = request.request_id
-        self.sender.add_lease(rid, {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes})
+        st = self._streams.pop(rid, None)
+        if st is None:
+            self.sender.add_lease(rid, {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes})
+        else:  # the rest of the prompt and the first token; a lease that ended meanwhile takes nothing
+            end = math.ceil(request.num_prompt_tokens / self.kv.tokens_per_block)
+            self.sender.extend_stream(rid, self._blocks(rid, request.num_prompt_tokens, st.published, end),
+                                      final=True, first_tokens=tuple(request.output_token_ids),
+                                      cached_tokens=request.num_cached_tokens)
         return DisaggParams(
             request_type="context_only", ctx_request_id=rid, ctx_endpoint=self.sender.endpoint,
             ctx_epoch=self.sender.epoch, first_gen_tokens=tuple(request.output_token_ids),
             prompt_token_ids=tuple(request.prompt_token_ids), ctx_cached_tokens=request.num_cached_tokens,
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_salt, kv_stream=st is not None,
         )
+
+    def release(self, request: Request) -> None:
+        """A streamed request that ends here (abort, rejection) ends its lease, or refuses the pull
+        that waits for a lease it never opened."""
+        if request.is_context_only and request.disagg.kv_stream:
+            self._streams.pop(request.request_id, None)
+            self.sender.drop_lease(request.request_id)
 
     def drop_lease(self, ctx_request_id: str) -> None:
         self.sender.drop_lease(ctx_request_id)
@@ -98,6 +161,14 @@ class ContextConnector(KVConnector):
         # Leases alone need no fast ticks: their pulls are served on the sender's socket thread,
         # whose `Ended` items wake the engine, and expiry is checked on every (idle) tick.
         return self.sender.busy
+
+
+@dataclass
+class Streamed:
+    """A context request whose lease is open while it prefills: its first `published` blocks are offered."""
+
+    request: Request
+    published: int = 0
 
 
 class GenerationConnector(KVConnector):
@@ -110,12 +181,12 @@ class GenerationConnector(KVConnector):
         self.kv = kv
         self._local: list[str] = []  # everything was already cached here: nothing to pull
 
-    def poll(self) -> tuple[list[str], list[PullFailure]]:
-        arrived, self._local = self._local, []
+    def poll(self) -> tuple[list[Arrived], list[PullFailure]]:
+        arrived, self._local = [Arrived(rid) for rid in self._local], []
         failed = []
         for result in self.receiver.step():
             if result.ok:
-                arrived.append(result.request_id)
+                arrived.append(Arrived(result.request_id, result.first_tokens, result.cached_tokens))
             else:
                 failed.append(PullFailure(result.request_id,
                                           f"KV transfer from the context server failed: {result.error}",
@@ -127,12 +198,13 @@ class GenerationConnector(KVConnector):
             wanted = blocks_to_pull(self.kv, request.request_id, request.num_prompt_tokens,
                                     request.num_computed_tokens)
             params = request.disagg
-            if not any(slots for _, slots in wanted.values()):
+            if not params.kv_stream and not any(slots for _, slots in wanted.values()):
                 self.receiver.release_remote(params.ctx_endpoint, params.ctx_request_id, params.ctx_epoch)
                 self._local.append(request.request_id)
                 continue
+            # streamed: pulled even when every block is here, for the first token that comes with it
             self.receiver.start_pull(request.request_id, params.ctx_endpoint, params.ctx_epoch,
-                                     params.ctx_request_id, wanted)
+                                     params.ctx_request_id, wanted, stream=params.kv_stream)
 
     def release(self, request: Request) -> None:
         """A generation-only request that ends before its KV arrived frees the context side's lease;

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -99,6 +99,12 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def take_first_tokens(self, tokens: tuple[int, ...], ctx_cached_tokens: int) -> None:
+        """Generation side of a streamed pull: the context server's first token(s) came with the KV."""
+        for token in tokens:
+            self.append_token(token)
+        self.disagg = replace(self.disagg, first_gen_tokens=tuple(tokens), ctx_cached_tokens=ctx_cached_tokens)
 
     def finish(self, reason: FinishReason, error: str | None = None, code: int = 500) -> None:
         self.status = Status.FINISHED

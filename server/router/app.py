@@ -30,8 +30,10 @@ from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.context_events import generation_params, opening_events
 from server.router.dashboard import Dashboard, dashboard_routes
+from server.router.early_legs import EarlyLegs
 from server.router.errors import LegError
 from server.router.http_client import HttpClient, HttpError
+from server.router.kv_stream import EarlyContext
 from server.router.migration import new_migration
 from server.router.orchestrator import Orchestrator, Upstream, context_finished
 from server.router.policies import Prompt
@@ -216,7 +218,11 @@ async def _route(request: Request, state: RouterState, path: str, body: dict, ch
     params = None
     if orchestrator.disaggregated and not state.routing.serve_locally(prompt):
         orchestrator.require_generation()
-        ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt))
+        ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt, kv_stream=True))
+        if isinstance(ctx, EarlyContext):  # streamed KV: the generation leg starts now
+            legs = EarlyLegs(orchestrator, ctx, path, body, prompt)
+            answer = await _unless_disconnected(request, legs.context_answer())
+            return await _unless_disconnected(request, legs.respond(answer, chat, _final_answer))
         if context_finished(ctx.json):
             return _final_answer(ctx.json, body, chat)
         if body.get("stream"):

@@ -70,8 +70,9 @@ class StreamResponse:
     not read to its end is closed, not reused."""
 
     def __init__(self, status: int, chunks: AsyncIterator[bytes],
-                 close: Callable[[], Awaitable[None]] | None = None) -> None:
+                 close: Callable[[], Awaitable[None]] | None = None, content_type: str = "") -> None:
         self.status = status
+        self.content_type = content_type  # the media type, without parameters
         self._chunks = chunks
         self._close = close
 
@@ -133,7 +134,7 @@ class HttpClient:
         async def close() -> None:
             response.release()  # back to the pool if the body was read to its end, else closed
 
-        return StreamResponse(response.status, chunks(), close)
+        return StreamResponse(response.status, chunks(), close, response.content_type)
 
     async def aclose(self) -> None:
         session, self._session = self._session, None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import TypeAdapter
 
@@ -32,6 +32,7 @@ from server.router.http_client import (
     Response,
     StreamResponse,
 )
+from server.router.kv_stream import EarlyContext, read_context
 from server.router.policies import PromptTokens
 from server.router.queue import Booking, LegPicker
 
@@ -77,34 +78,50 @@ class Orchestrator:
         if not any(b.healthy for b in self.generation):
             raise LegError(503, NO_GENERATION)
 
-    async def context_leg(self, path: str, body: dict, prompt: PromptTokens,
-                          params: DisaggParams = CONTEXT_ONLY) -> Upstream:
-        """`params`: context_only, with a moved stream's prompt ids and prior output if any."""
+    async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams = CONTEXT_ONLY,
+                          *, kv_stream: bool = False) -> Upstream | EarlyContext:
+        """`params`: context_only, with a moved stream's prompt ids and prior output if any.
+        `kv_stream`: the server may answer early, before its first token (server/router/kv_stream.py)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
-        ctx_body["disaggregated_params"] = params
+        ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
         tried: set[Backend] = set()
         last: LegError | None = None
         for _ in range(2):  # the first choice and one retry elsewhere
             booking = await self.context_policy.pick(self.context, prompt, tried)  # may queue (queue.py)
             if booking is None:
                 break
-            backend = booking.backend
-            tried.add(backend)
-            start = time.monotonic()
+            tried.add(booking.backend)
             try:
-                upstream = Upstream(backend, json=await self._post_json(backend, path, ctx_body))
-                self.observe_leg("context", time.monotonic() - start)
-                return upstream
+                return await self._context_once(booking, path, ctx_body, kv_stream)
             except LegError as exc:
                 if exc.status < 500:
                     raise
                 last = exc
-            finally:
-                booking.done()
         if last is not None:
             raise LegError(last.status, f"context leg failed: {last}")
         raise LegError(503, "context leg failed: no healthy context server")
+
+    async def _context_once(self, booking: Booking, path: str, body: dict, kv_stream: bool) -> Upstream | EarlyContext:
+        """One try; its booking ends with the answer (an early one: when the leg ends, `EarlyContext.close`)."""
+        backend, start = booking.backend, time.monotonic()
+
+        def done() -> None:
+            booking.done()
+            self.observe_leg("context", time.monotonic() - start)
+
+        try:
+            if not kv_stream:
+                answer: dict | EarlyContext = await self._post_json(backend, path, body)
+            else:
+                answer = await read_context(backend, await self._open(backend, path, body), done, _parse)
+        except BaseException:
+            booking.done()
+            raise
+        if isinstance(answer, EarlyContext):
+            return answer
+        done()
+        return Upstream(backend, json=answer)
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
                              exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None) -> Upstream:
@@ -181,6 +198,18 @@ class Orchestrator:
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
         return _parse(backend, response)
+
+    async def _open(self, backend: Backend, path: str, body: dict) -> StreamResponse:
+        """A POST whose body is read as it arrives (any status)."""
+        try:
+            return await self.client.stream("POST", backend.url + path, json=body, headers=self.headers,
+                                            timeout=self.timeout_s)
+        except RETRYABLE as exc:
+            backend.fence(f"{type(exc).__name__}: {exc}")
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
+                           untouched=isinstance(exc, ConnectError)) from exc
+        except RequestTimeout as exc:
+            raise LegError(504, f"{backend.url} timed out") from exc
 
     async def _open_stream(self, backend: Backend, path: str, body: dict) -> StreamResponse:
         try:

@@ -77,6 +77,7 @@ class TransferCounts(Protocol):
     lease_expired: int
     rejected_messages: int
     phase_seconds: Mapping[str, float]
+    streamed: int
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,9 @@ class _CountersCollector:
             ("pdserve_kv_transfer_lease_expired",
              "Context-side block leases that expired before the transfer ended.",
              sum(s.lease_expired for s in transfers)),
+            ("pdserve_kv_transfer_streamed",
+             "KV transfers that ran while the prompt was prefilled (kv_stream), sent or pulled.",
+             sum(s.streamed for s in transfers)),
             ("pdserve_kv_transfer_rejected_messages",
              "Transceiver messages dropped (bad MAC, version or encoding).",
              sum(s.rejected_messages for s in transfers)),

@@ -27,12 +27,13 @@ class TransferFigures(msgspec.Struct, frozen=True):
     lease_expired: int
     rejected_messages: int
     phase_seconds: dict[str, float]
+    streamed: int = 0
 
     @classmethod
     def of(cls, stats) -> TransferFigures:
         # copies: the transceiver's threads count on while this is read
         return cls(dict(stats.failures_by_reason), stats.lease_expired, stats.rejected_messages,
-                   dict(stats.phase_seconds))
+                   dict(stats.phase_seconds), stats.streamed)
 
 
 class EngineFigures(msgspec.Struct, frozen=True):

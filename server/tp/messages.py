@@ -88,6 +88,7 @@ class StartPull(msgspec.Struct, tag=True, frozen=True):
     ctx_epoch: str
     ctx_request_id: str
     wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, destination slots)
+    stream: bool = False  # streamed KV: the context server is still prefilling (transceiver/sender/stream.py)
 
 
 class CancelPull(msgspec.Struct, tag=True, frozen=True):

@@ -87,7 +87,8 @@ class PullShare:
 
     def apply(self, op: Op) -> None:
         if isinstance(op, StartPull):
-            self.receiver.start_pull(op.request_id, op.ctx_endpoint, op.ctx_epoch, op.ctx_request_id, op.wanted)
+            self.receiver.start_pull(op.request_id, op.ctx_endpoint, op.ctx_epoch, op.ctx_request_id, op.wanted,
+                                     stream=op.stream)
         elif isinstance(op, CancelPull):
             self.receiver.cancel(op.request_id)
         else:

@@ -72,6 +72,9 @@ class _Shares:
     started: float
     pending: set[int]  # ranks whose share has not arrived
     nbytes: int = 0
+    stream: bool = False
+    first_tokens: tuple[int, ...] = ()  # a streamed pull: from rank 0's share
+    cached_tokens: int = 0
 
 
 class RankedReceiver(KVReceiver):
@@ -82,16 +85,19 @@ class RankedReceiver(KVReceiver):
         self._shares: dict[str, _Shares] = {}
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
-                   wanted: dict[int, tuple[int, list[int]]]) -> None:
-        super().start_pull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted)
-        self._ranks.add(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted))
+                   wanted: dict[int, tuple[int, list[int]]], stream: bool = False) -> None:
+        super().start_pull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream)
+        self._ranks.add(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
         self._ranks.flush()
         self._shares[request_id] = _Shares(ctx_endpoint, ctx_epoch, ctx_request_id, time.monotonic(),
-                                           set(range(self._ranks.size)))
+                                           set(range(self._ranks.size)), stream=stream)
 
     def step(self) -> list[PullResult]:
         results = []
         for r in super().step():
+            shares = self._shares.get(r.request_id)
+            if shares is not None and r.first_tokens:  # a streamed pull: the first token came with rank 0's share
+                shares.first_tokens, shares.cached_tokens = r.first_tokens, r.cached_tokens
             results += self._arrived(r.request_id, 0, r.ok, r.reason, r.error, r.nbytes)
         for d in self._ranks.pull_reports():
             results += self._arrived(d.request_id, d.rank, d.ok, d.reason, d.error, d.nbytes)
@@ -117,7 +123,9 @@ class RankedReceiver(KVReceiver):
         del self._shares[request_id]
         self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
         self.stats.count_ok(seconds, shares.nbytes)
-        return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds)]
+        self.stats.streamed += shares.stream
+        return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds, first_tokens=shares.first_tokens,
+                           cached_tokens=shares.cached_tokens)]
 
     def _end_others(self, request_id: str, shares: _Shares, failed_rank: int) -> None:
         """A share failed: stop the other ranks' (their receivers cancel their parts), and rank 0's

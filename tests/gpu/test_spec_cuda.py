@@ -1,7 +1,7 @@
 """Speculative decoding on CUDA: Triton kernels, decode CUDA graphs and async scheduling, float32.
 Verify steps replay the decode graphs (each verify token a decode row: runner.as_decode_rows) when
-they fit the largest bucket, else run eagerly; greedy output equals transformers' and seeded sampling equals the run without speculation.
-Skipped without CUDA."""
+they fit the largest bucket, else run eagerly; greedy output equals transformers' and seeded
+sampling equals the run without speculation. Skipped without CUDA."""
 
 from __future__ import annotations
 

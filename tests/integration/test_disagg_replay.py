@@ -72,6 +72,22 @@ def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
         assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
 
 
+def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, reference_texts):
+    """The same, the KV sent while it is prefilled in 64-token steps (`kv_stream: on`): blocks of a
+    step already sent may be offloaded later, blocks not yet sent are pinned where the step wrote them.
+    The context server runs its engine in a process of its own (the default on CUDA)."""
+    with dh.launched("disagg_host_offload.yaml", tmp_path, {"context_servers": {
+            "kv_stream": "on", "max_num_tokens": 64, "engine_process": True}}) as dep:
+        _replay(dep, reference_texts)
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
+        assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
+        assert dep.metric(ctx, "pdserve_kv_transfer_streamed_total") > 0
+        assert dep.metric(gen, "pdserve_kv_transfer_streamed_total") > 0
+        for url in (ctx, gen):
+            wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")
+
+
 def test_replay_through_host_offload_pair(tmp_path, reference_texts):
     with dh.launched("disagg_host_offload.yaml", tmp_path) as dep:
         _replay(dep, reference_texts)

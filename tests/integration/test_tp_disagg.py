@@ -5,7 +5,9 @@ each block) and TP=1 -> TP=2 (each generation rank takes its half of the heads o
 slots), on the sliding-window model (two window groups; out-of-window blocks are not pulled), in
 the replay style of test_disagg_replay.py: the context pool holds 32 blocks and a host tier takes
 what it evicts, so replayed prompts are onboarded on every context rank before their KV is sent.
-Every text must equal transformers `generate`; replays hit the cache; no block stays in use.
+Every text must equal transformers `generate`; replays hit the cache; no block stays in use. The
+last case streams the KV while it is prefilled in 64-token steps (`kv_stream: on`): each generation
+rank's part is served as the context server's prefill writes the blocks.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ PROMPTS = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in TOPICS
 PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
-def _overrides(ctx_tp: int, gen_tp: int) -> dict:
+def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str) -> dict:
     return {"model": MODEL, "device": "cpu", "max_seq_len": 512,
-            "context_servers": {"tensor_parallel_size": ctx_tp, "max_num_tokens": 512,
-                                "kv_cache_config": {"host_cache_size": 4 << 20}},
+            "context_servers": {"tensor_parallel_size": ctx_tp, "max_num_tokens": 64 if kv_stream == "on" else 512,
+                                "kv_stream": kv_stream, "kv_cache_config": {"host_cache_size": 4 << 20}},
             "generation_servers": {"tensor_parallel_size": gen_tp, "max_num_tokens": 512,
                                    "kv_cache_config": {"max_tokens": 4096}}}
 
@@ -57,9 +59,9 @@ def reference_texts() -> list[str]:
                              skip_special_tokens=True) for p in PROMPTS]
 
 
-@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 1), (1, 2)])
-def test_replay_between_tp_sizes_matches_transformers(tmp_path, reference_texts, ctx_tp, gen_tp):
-    with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp)) as dep:
+@pytest.mark.parametrize(("ctx_tp", "gen_tp", "kv_stream"), [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "on")])
+def test_replay_between_tp_sizes_matches_transformers(tmp_path, reference_texts, ctx_tp, gen_tp, kv_stream):
+    with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp, kv_stream)) as dep:
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]
         first = asyncio.run(_all(dep.url, concurrent=False))
         assert [b["choices"][0]["text"] for b in first] == reference_texts
@@ -70,6 +72,7 @@ def test_replay_between_tp_sizes_matches_transformers(tmp_path, reference_texts,
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
         assert dep.metric(gen, "pdserve_kv_transfer_seconds_count") > 0
+        assert (dep.metric(gen, "pdserve_kv_transfer_streamed_total") > 0) == (kv_stream == "on")
         for url in (ctx, gen):
             wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
                        what=f"no block in use on {url}")

@@ -175,5 +175,5 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
-                               "kv_cache_config, speculative, cache_transceiver_config, drain_timeout_s, env, "
-                               "hostname, port, context_urls")
+                               "kv_cache_config, speculative, cache_transceiver_config, kv_stream, drain_timeout_s, "
+                               "env, hostname, port, context_urls")

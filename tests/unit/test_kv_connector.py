@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, PullFailure
+from server.engine.kv_connector import AggregatedConnector, Arrived, ContextConnector, GenerationConnector, PullFailure
 from server.engine.request import Request
 from server.types import DisaggParams, SamplingParams
 from transceiver.config import TransceiverConfig
@@ -78,7 +78,7 @@ def test_offer_then_pull_moves_the_prompt_blocks_and_reports_arrivals_and_failur
     gen.start_pulls([good, bad])
     assert gen.busy()
     arrived, failed = _poll_until_idle(ctx, gen)
-    assert arrived == ["g"]
+    assert arrived == [Arrived("g")]
     assert [(f.request_id, f.code) for f in failed] == [("b", 404)]
     assert failed[0].message.startswith("KV transfer from the context server failed: ")
     ctx_pool, gen_pool = (kv.pool(W, Level.PRIMARY).view(torch.uint8) for kv in (ctx.kv, gen.kv))

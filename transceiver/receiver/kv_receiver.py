@@ -18,6 +18,12 @@ Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender'
 `step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
 Ack are the byte path's; a part whose copies are still running finishes when they are checked.
 
+Streamed pulls (`start_pull(..., stream=True)`, transceiver/sender/stream.py): the context server
+is still prefilling; its sender holds the pull until the lease is offered and sends the blocks as
+the prefill writes them. Chunks are checked and written as any pull's, each one renews the pull's
+deadline, and its `Done` brings the first token and the context server's prefix hit, which the
+`PullResult` carries.
+
 Tensor parallelism (transceiver/tp.py): our pools may hold some of the model's kv heads (`kv_heads`)
 and the context server's ranks others. The socket thread plans a pull into parts, one per context
 rank our heads come from (`Planned`, before any chunk of them); the request's result comes once
@@ -101,21 +107,22 @@ class KVReceiver:
     # ---- engine thread API -------------------------------------------------------------------
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
-                   wanted: Wanted) -> None:
+                   wanted: Wanted, stream: bool = False) -> None:
         """Pull, per window, the blocks [first, first + len(slots)) of the context request into
-        `slots` (primary slot indices of this server, in block order)."""
+        `slots` (primary slot indices of this server, in block order); `stream`: while it is
+        prefilled (the result then carries the first token)."""
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} is already pulling")
         check_wanted(self._kv, wanted)
         now = time.monotonic()
         pulling = Pulling(request_id, secrets.randbits(63), ctx_endpoint, ctx_epoch, ctx_request_id,
                           {w: (first, list(slots)) for w, (first, slots) in wanted.items()},
-                          now, now + self._config.timeout_s)
+                          now, now + self._config.timeout_s, stream=stream)
         self._pulling[request_id] = self._unplanned[pulling.pull_id] = pulling
         ranges = [WindowRange(window=w, first=first, count=len(slots))
                   for w, (first, slots) in sorted(pulling.wanted.items()) if slots]
         req = PullRequest(pull_id=pulling.pull_id, ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch,
-                          ranges=ranges)
+                          ranges=ranges, stream=stream)
         self._thread.submit(Pull(ctx_endpoint, req))
 
     def step(self) -> list[PullResult]:
@@ -251,6 +258,8 @@ class KVReceiver:
                                                   f"the request was prefilled by epoch {pulling.ctx_epoch})")
         elif isinstance(body, ChunkHeader | IpcChunk):
             start = time.monotonic()
+            if pulling.stream:  # the prefill is making progress
+                pulling.deadline = start + self._config.timeout_s
             problem = self._apply(part, body, item.payload)
             part.apply_s += time.monotonic() - start
             if problem is not None:
@@ -313,6 +322,11 @@ class KVReceiver:
                 f"transfer incomplete: windows {missing} short, {part.nbytes}/{done.total_bytes} bytes, "
                 f"{part.chunks}/{done.chunks} chunks"))
             return
+        if part.pulling.stream and not (done.first_tokens or part.pulling.first_tokens):
+            self._fail(part.pulling, "integrity", "the streamed transfer ended without the first token")
+            return
+        if done.first_tokens:
+            part.pulling.first_tokens, part.pulling.cached_tokens = tuple(done.first_tokens), done.cached_tokens
         self._thread.submit(Send(part.endpoint, Ack(pull_id=part.pull_id, ctx_request_id=part.pulling.ctx_request_id)))
         pulling = part.pulling
         del self._parts[part.pull_id], pulling.parts[part.pull_id]
@@ -333,7 +347,9 @@ class KVReceiver:
         if self._releases:  # else the request's pull is counted where every rank's share comes together
             self.stats.count_ok(seconds, pulling.nbytes)
         self.stats.ipc_transfers += any(p.via_ipc for p in parts)
-        self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds))
+        self.stats.streamed += pulling.stream and self._releases
+        self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds,
+                                        first_tokens=pulling.first_tokens, cached_tokens=pulling.cached_tokens))
 
     # ---- failure -------------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ class PullResult:
     error: str | None = None  # a sentence for the client when not ok
     nbytes: int = 0
     seconds: float = 0.0
+    first_tokens: tuple[int, ...] = ()  # a streamed pull: the context server's first token(s)
+    cached_tokens: int = 0  # a streamed pull: the context server's prefix hit
 
 
 @dataclass
@@ -43,6 +45,9 @@ class Pulling:
     done_parts: list[Part] = field(default_factory=list)
     planned: bool = False
     several: bool = False  # several ranks on a side: the lease ends with Release, not with an Ack
+    stream: bool = False  # pulled while the context server prefills (transceiver/sender/stream.py)
+    first_tokens: tuple[int, ...] = ()  # from a streamed pull's Done
+    cached_tokens: int = 0
 
     @property
     def nbytes(self) -> int:

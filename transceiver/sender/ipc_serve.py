@@ -46,26 +46,31 @@ class IpcPart:
 
 class IpcPulls:
     """Same-GPU pulls whose checksums are on the device, by (lease id, pull id), in arrival order
-    (a lease serves several at once when tensor-parallel ranks pull their parts, transceiver/tp.py)."""
+    (a lease serves several at once when tensor-parallel ranks pull their parts, transceiver/tp.py).
+    A pull's parts come in batches (one, or one per `Extend` of a streamed lease: stream.py), the
+    `last` followed by its Done; a pull's batches are handed back in order."""
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[str, int], list[IpcPart]] = {}
+        self._pending: dict[tuple[str, int], list[tuple[list[IpcPart], bool]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, cid: str, pull_id: int, parts: list[IpcPart]) -> None:
-        self._pending[cid, pull_id] = parts
+    def add(self, cid: str, pull_id: int, parts: list[IpcPart], last: bool = True) -> None:
+        self._pending.setdefault((cid, pull_id), []).append((parts, last))
 
     def drop(self, cid: str) -> None:
         """Every pull of the lease `cid`."""
         for key in [k for k in self._pending if k[0] == cid]:
             del self._pending[key]
 
-    def ready(self) -> list[tuple[str, int, list[IpcPart]]]:
-        """Pulls whose every checksum is done, taken out (arrival order)."""
-        done = [(cid, pull_id, parts) for (cid, pull_id), parts in self._pending.items()
-                if all(p.checksum.done() for p in parts)]
-        for cid, pull_id, _ in done:
-            del self._pending[cid, pull_id]
+    def ready(self) -> list[tuple[str, int, list[IpcPart], bool]]:
+        """Batches whose every checksum is done, taken out (arrival order; per pull, in order)."""
+        done = []
+        for (cid, pull_id), batches in list(self._pending.items()):
+            while batches and all(p.checksum.done() for p in batches[0][0]):
+                parts, last = batches.pop(0)
+                done.append((cid, pull_id, parts, last))
+            if not batches:
+                del self._pending[cid, pull_id]
         return done

@@ -15,6 +15,12 @@ thread ends each lease exactly once (Ack, Cancel, the receiver gone, a failure, 
 has released them, so a slot is never rewritten under a frame on the wire. Should the socket
 thread die, nothing reads the slots any more and `step` unpins every lease itself.
 
+Streamed leases (`open_stream`, `extend_stream`; stream.py): a request that is still prefilling
+gets its lease first, with every block pending; after each prefill step the blocks it completed are
+pinned and translated here, like any lease's, and handed to the socket thread (`Extend`), which
+sends them to a pull that is already waiting. The last `extend_stream` (`final`) brings the rest
+and the first token. Its pins, its end and its expiry are any lease's; each extension renews it.
+
 Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported for each such receiver's
 handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket thread holds
 while it reads slots; such pulls are answered with the slots and GPU checksums (`IpcChunk`s, then
@@ -40,7 +46,17 @@ from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, try_export
 from transceiver.link import SocketThread
 from transceiver.payload import wait_any
-from transceiver.sender.lease import Ended, Lease, Offer, OfferedWindow, Started, Withdraw
+from transceiver.sender.lease import (
+    PENDING,
+    RELEASED,
+    Ended,
+    Extend,
+    Lease,
+    Offer,
+    OfferedWindow,
+    Started,
+    Withdraw,
+)
 from transceiver.sender.link import ExportRequest, Outgoing, SenderLink
 from transceiver.stats import TransferStats
 from transceiver.wire import RankEndpoint, layout_of
@@ -97,6 +113,38 @@ class KVSender:
             raise
         self._leases[ctx_request_id] = lease
 
+    def open_stream(self, ctx_request_id: str, num_blocks: dict[int, int]) -> None:
+        """Lease a request that is still prefilling: `num_blocks` per window (its prompt's), all
+        pending until `extend_stream` brings them; pulls of it wait for them."""
+        if ctx_request_id in self._leases:
+            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
+        lease = Lease({w: [] for w in num_blocks}, time.monotonic() + self._config.timeout_s,
+                      pinned={w: [] for w in num_blocks})
+        windows = {w: OfferedWindow(self._pools[w], [PENDING] * n, self._kv.slot_bytes(w))
+                   for w, n in num_blocks.items()}
+        self._thread.submit(Offer(ctx_request_id, windows, final=False))
+        self._leases[ctx_request_id] = lease
+
+    def extend_stream(self, ctx_request_id: str, blocks: dict[int, tuple[int, list[int]]], *, final: bool = False,
+                      first_tokens: tuple[int, ...] = (), cached_tokens: int = 0) -> bool:
+        """Pin and offer more blocks of a streamed lease (window -> (index of the first, their ids;
+        -1 = released)); `final` with the first tokens. False when the lease has ended (its pull
+        failed, was cancelled or expired): nothing is pinned then."""
+        lease = self._leases.get(ctx_request_id)
+        if lease is None or lease.withdrawn:
+            return False
+        windows = {}
+        for window, (first, ids) in blocks.items():
+            live = [b for b in ids if b >= 0]
+            self._kv.pin_blocks(live, window)  # blocks of a running request: primary already
+            lease.pinned[window] += live
+            slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
+            windows[window] = (first, [next(slots) if b >= 0 else RELEASED for b in ids])
+        lease.deadline = time.monotonic() + self._config.timeout_s  # the prefill goes on: renewed
+        self._thread.submit(Extend(ctx_request_id, windows, self._ready_event(), final, tuple(first_tokens),
+                                   cached_tokens))
+        return True
+
     def _pin_and_translate(self, lease: Lease, window: int) -> OfferedWindow:
         """Pin (onboarding what was offloaded), then translate ids to primary slots: the slot is
         where the bytes are, and a pinned block keeps it until the lease ends."""
@@ -118,8 +166,16 @@ class KVSender:
         return event
 
     def drop_lease(self, ctx_request_id: str) -> None:
-        """Engine abort: end the lease now (a running pull is told it failed)."""
-        self._withdraw(ctx_request_id, "cancelled", "the context server aborted the request")
+        """Engine abort: end the lease now (a running pull is told it failed). A streamed pull
+        waiting for a lease that was never opened is refused at once."""
+        if ctx_request_id in self._leases:
+            self._withdraw(ctx_request_id, "cancelled", "the context server aborted the request")
+            return
+        try:
+            self._thread.submit(Withdraw(ctx_request_id, "cancelled", "the context server aborted the request"),
+                                timeout_s=0.1)
+        except RuntimeError:  # the parked pull then fails when its wait ends
+            pass
 
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""

@@ -5,6 +5,11 @@ slots of those blocks, translated once when the lease was made (pinned blocks ne
 pull serving them. The engine never reads slot memory of a lease and the socket thread never
 touches the KV manager; `SenderLink` hands the lease back (`Ended`) once it reads those slots no
 more, and only then may the engine unpin them.
+
+A streamed lease (`Offer.final` False) is offered while its request still prefills: its blocks are
+PENDING until an `Extend` brings their slots (the engine pinned and translated them when the
+prefill step that completed them had run), and the last `Extend` (`final`) brings the rest, the
+first token and the prefix hit. Pulls of it are served as far as its slots go (stream.py).
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ class Lease:
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`
 
 
+RELEASED = -1  # a slot of a block that left the sliding window: never sent
+PENDING = -2  # a streamed lease's block that its prefill has not completed yet
+
+
 @dataclass(frozen=True)
 class OfferedWindow:
     pool: torch.Tensor  # the window's primary pool [num_slots, layers, 2, tpb, heads, dim]
-    slots: list[int]  # primary slot of block i, -1 = released
+    slots: list[int]  # primary slot of block i, RELEASED or (streamed, socket thread fills it) PENDING
     slot_bytes: int
 
 
@@ -44,6 +53,20 @@ class Offer:
     cid: str
     windows: dict[int, OfferedWindow]
     ready: Any = None  # torch.cuda.Event after the writes to these slots (onboard copies), or None
+    final: bool = True  # False: a streamed lease, whose `Extend`s follow
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Engine -> socket thread: more blocks of the streamed lease `cid` are written (window -> (first
+    block index, their primary slots)); `final`: the prefill is over, nothing follows."""
+
+    cid: str
+    windows: dict[int, tuple[int, list[int]]]
+    ready: Any = None  # torch.cuda.Event after the prefill step that wrote them, or None
+    final: bool = False
+    first_tokens: tuple[int, ...] = ()
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,11 @@ class Job:
     done_sent: bool = False  # an Ack now ends the pull (and, unless keep_lease, the lease)
     heads: tuple[int, int] | None = None  # the kv heads sent of each block (None: whole slots)
     keep_lease: bool = False  # the lease outlives this pull's Ack (a part of a tensor-parallel pull)
+    ranges: list[WindowRange] = field(default_factory=list)  # what the pull asked for
+    planned: list[int] = field(default_factory=list)  # per range: the next block not yet planned
+    via_ipc: bool = False
+    target: int = 0  # chunk size aimed at (bytes)
+    queued: bool = False  # in the server's active queue (byte path) or its last IPC batch queued
 
 
 @dataclass
@@ -93,6 +121,21 @@ class Offered:
     offer: Offer
     jobs: dict[int, Job] = field(default_factory=dict)  # by pull_id
     pool_frames: list[zmq.MessageTracker] = field(default_factory=list)  # zero-copy frames of its slots
+    final: bool = True  # every slot is known (a streamed lease: after its final `Extend`)
+    ready: Any = None  # the latest `ready` event: reads wait for it
+    first_tokens: tuple[int, ...] = ()
+    cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.final, self.ready = self.offer.final, self.offer.ready
+
+    def extend(self, ext: Extend) -> None:
+        """Take the slots (and, when final, the first tokens) of an `Extend`."""
+        for window, (first, slots) in ext.windows.items():
+            self.offer.windows[window].slots[first : first + len(slots)] = slots
+        self.ready = ext.ready if ext.ready is not None else self.ready
+        if ext.final:
+            self.final, self.first_tokens, self.cached_tokens = True, ext.first_tokens, ext.cached_tokens
 
     def range_slots(self, r: WindowRange) -> list[int]:
         return self.offer.windows[r.window].slots[r.first : r.first + r.count]
@@ -107,7 +150,7 @@ class Offered:
             if r.first < 0 or r.count < 0 or r.first + r.count > len(slots):
                 return f"window {r.window}: blocks [{r.first}, {r.first + r.count}) outside the lease's " \
                        f"{len(slots)} blocks"
-            if any(s < 0 for s in slots[r.first : r.first + r.count]):
+            if any(s == RELEASED for s in slots[r.first : r.first + r.count]):
                 return f"window {r.window}: some blocks in [{r.first}, {r.first + r.count}) left the " \
                        f"sliding window and were released"
         return None

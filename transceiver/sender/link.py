@@ -18,7 +18,7 @@ import zmq
 
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketIO
-from transceiver.sender.lease import Offer, Withdraw
+from transceiver.sender.lease import Extend, Offer, Withdraw
 from transceiver.sender.serve import PullServer
 from transceiver.stats import TransferStats
 from transceiver.wire import (
@@ -100,9 +100,11 @@ class SenderLink:
     def _send(self, io: SocketIO, peer: bytes, body: Body, payload: list[Any]) -> None:
         io.send(ROUTER, [peer, *self._codec.seal(body), *payload])
 
-    def on_command(self, io: SocketIO, cmd: Outgoing | Offer | Withdraw) -> None:
+    def on_command(self, io: SocketIO, cmd: Outgoing | Offer | Extend | Withdraw) -> None:
         if isinstance(cmd, Offer):
             self._server.offer(cmd, io)
+        elif isinstance(cmd, Extend):
+            self._server.extend(io, cmd)
         elif isinstance(cmd, Withdraw):
             self._server.withdraw(io, cmd)
         else:

@@ -16,6 +16,10 @@ the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers
 out. A lease that was withdrawn because it expired is counted (`lease_expired`) here, so one that
 an Ack ended first is not.
 
+Streamed leases (stream.py): a pull is served as far as the lease's blocks are written, and goes on
+with each `Extend` of the engine; a streamed pull whose lease is not offered yet waits for it (up to
+the transfer timeout).
+
 Tensor-parallel receivers (transceiver/tp.py) pull parts: a pull may ask for some of the kv heads
 of each block (`heads`, gathered out of the slots into the staging buffer), and several such pulls
 of distinct heads may serve one lease at once; their Acks end the pull only (`keep_lease`), and the
@@ -49,7 +53,8 @@ from transceiver.payload import (
     tracked_frames,
 )
 from transceiver.sender.ipc_serve import POLL_S, IpcPart, IpcPulls, ipc_parts
-from transceiver.sender.lease import Ended, Job, Offer, Offered, Started, Withdraw
+from transceiver.sender.lease import Ended, Extend, Job, Offer, Offered, Started, Withdraw
+from transceiver.sender.stream import Pacer, complete, next_ranges
 from transceiver.stats import TransferStats
 from transceiver.tp import gather_heads, unit_bytes
 from transceiver.wire import (
@@ -92,7 +97,11 @@ class PullServer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
         self._parked: dict[str, list[tuple[bytes, PullRequest, float]]] = {}  # cid -> (peer, pull, until)
+        # streamed leases that ended or were withdrawn before they opened: cid -> (until, reason, detail),
+        # so a streamed pull that comes later is refused at once instead of waiting for its lease
+        self._dropped: dict[str, tuple[float, str, str]] = {}
         self._ipc = IpcPulls()  # same-GPU pulls whose checksums are on the device
+        self._pacer = Pacer(config.test_link_delay_ms, config.test_link_bytes_per_s)  # test only
 
     # ---- from the engine -----------------------------------------------------------------------
 
@@ -105,6 +114,7 @@ class PullServer:
     def expire_parked(self, io: SocketIO) -> None:
         """Fail the parked pulls whose offer did not come in time."""
         now = time.monotonic()
+        self._dropped = {cid: d for cid, d in self._dropped.items() if d[0] > now}
         for cid, parked in list(self._parked.items()):
             for peer, req, _ in [p for p in parked if p[2] <= now]:
                 self._refuse(io, peer, req, ("unknown_request", f"no lease for ctx_request_id {cid!r} "
@@ -113,16 +123,34 @@ class PullServer:
             if not self._parked[cid]:
                 del self._parked[cid]
 
+    def extend(self, io: SocketIO, ext: Extend) -> None:
+        """More blocks of a streamed lease are written: its pulls go on (an ended lease: nothing)."""
+        off = self._offers.get(ext.cid)
+        if off is None:
+            return
+        off.extend(ext)
+        for job in list(off.jobs.values()):
+            if ext.cid in self._offers:  # a broken pull ends the lease
+                self._plan_more(io, ext.cid, off, job)
+
     def withdraw(self, io: SocketIO, w: Withdraw) -> None:
         if w.cid in self._offers:  # else it ended here already and its `Ended` is on the way
             self._end(io, w.cid, w.reason, w.detail)
+        else:  # or it is a streamed lease that never opened
+            self._dropped[w.cid] = (time.monotonic() + self._config.timeout_s, w.reason, w.detail)
+        for peer, req, _ in self._parked.pop(w.cid, []):
+            self._refuse(io, peer, req, (w.reason, w.detail))
 
     # ---- from receivers ------------------------------------------------------------------------
 
     def pull(self, io: SocketIO, peer: bytes, req: PullRequest) -> None:
         off = self._offers.get(req.ctx_request_id)
-        if off is None and self._park_s > 0 and req.keep_lease and req.ctx_epoch == self._epoch:
-            self._parked.setdefault(req.ctx_request_id, []).append((peer, req, time.monotonic() + self._park_s))
+        park_s = self._config.timeout_s if req.stream else self._park_s if req.keep_lease else 0.0
+        if off is None and req.stream and req.ctx_request_id in self._dropped:
+            self._refuse(io, peer, req, self._dropped[req.ctx_request_id][1:])
+            return
+        if off is None and park_s > 0 and req.ctx_epoch == self._epoch:
+            self._parked.setdefault(req.ctx_request_id, []).append((peer, req, time.monotonic() + park_s))
             return
         problem = self._pull_problem(peer, req, off)
         if problem is not None:
@@ -139,16 +167,30 @@ class PullServer:
             self._end(io, req.ctx_request_id, "internal_error", f"the context server failed to serve the pull: {e}")
 
     def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
-        if req.via_ipc:
-            self._serve_ipc(io, req.ctx_request_id, off, job, req.ranges)
-            return
-        sizes = {r.window: self._unit_bytes(off, r.window, job) for r in req.ranges}
-        total = sum(r.count * sizes[r.window] for r in req.ranges)
+        job.ranges, job.planned, job.via_ipc = list(req.ranges), [r.first for r in req.ranges], req.via_ipc
+        total = sum(r.count * self._unit_bytes(off, r.window, job) for r in req.ranges)
         # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
-        target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
-        job.chunks = deque(c for r in req.ranges
-                           for c in plan_chunks(r.window, r.first, r.count, sizes[r.window], target))
-        self._active.append((req.ctx_request_id, job.pull_id))
+        job.target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
+        self._plan_more(io, req.ctx_request_id, off, job)
+
+    def _plan_more(self, io: SocketIO, cid: str, off: Offered, job: Job) -> None:
+        """Plan the blocks of the pull that can go out now (all of them, unless the lease is streamed),
+        and queue the pull if it has chunks to send or its Done is due."""
+        ranges, problem = next_ranges(off, job)
+        if problem is not None:
+            self._end(io, cid, "bad_request", problem)
+            return
+        last = complete(off, job)
+        if job.via_ipc:
+            if (ranges or last) and not job.queued:
+                self._serve_ipc(io, cid, off, job, ranges, last)
+                job.queued = last
+            return
+        job.chunks.extend(c for r in ranges for c in plan_chunks(r.window, r.first, r.count,
+                                                                 self._unit_bytes(off, r.window, job), job.target))
+        if (job.chunks or last) and not job.queued:
+            job.queued = True
+            self._active.append((cid, job.pull_id))
 
     @staticmethod
     def _unit_bytes(off: Offered, window: int, job: Job) -> int:
@@ -175,7 +217,10 @@ class PullServer:
 
     def cancel(self, io: SocketIO, peer: bytes, body: Cancel) -> None:
         """The lease ends, unless the Cancel names a pull it never served while others run (one
-        refused as a duplicate, or a part of a tensor-parallel pull that already ended here)."""
+        refused as a duplicate, or a part of a tensor-parallel pull that already ended here). A
+        parked pull of the peer is dropped."""
+        if body.ctx_request_id in self._parked:
+            self._unpark(body.ctx_request_id, lambda p, req: p == peer and body.pull_id in (None, req.pull_id))
         off = self._offers.get(body.ctx_request_id)
         if off is None or body.ctx_epoch not in (None, self._epoch):
             return
@@ -183,7 +228,16 @@ class PullServer:
             return
         self._end(io, body.ctx_request_id, "cancelled", "the receiver cancelled", skip=peer)
 
+    def _unpark(self, cid: str, drop: Callable[[bytes, PullRequest], bool]) -> None:
+        kept = [p for p in self._parked[cid] if not drop(p[0], p[1])]
+        if kept:
+            self._parked[cid] = kept
+        else:
+            del self._parked[cid]
+
     def peer_gone(self, io: SocketIO, peer: bytes) -> None:
+        for cid in list(self._parked):
+            self._unpark(cid, lambda p, _: p == peer)
         for cid, off in list(self._offers.items()):
             if any(job.peer == peer for job in off.jobs.values()):
                 self._end(io, cid, "peer_gone", "the receiver disconnected", skip=peer)
@@ -225,6 +279,8 @@ class PullServer:
     def _pump_bytes(self, io: SocketIO) -> float | None:
         budget = CHUNKS_PER_PUMP
         while self._active and budget > 0 and self._room():
+            if wait := self._pacer.wait_s():  # test only: the modelled link is busy
+                return wait
             cid, pull_id = self._active[0]
             off = self._offers[cid]
             job = off.jobs[pull_id]
@@ -240,11 +296,14 @@ class PullServer:
         return 0.0 if self._room() else ROOM_POLL_S
 
     def _next(self, io: SocketIO, off: Offered, job: Job) -> bool:
-        """Send the job's next chunk, or Done after the last; False when no staging buffer is free."""
+        """Send the job's next chunk, or Done after the last (a streamed pull that has caught up with
+        its prefill leaves the queue until the next `Extend`); False when no staging buffer is free."""
         if not job.chunks:
-            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
-            job.done_sent = True
             self._active.popleft()
+            job.queued = False
+            if complete(off, job):
+                self._send(io, job.peer, self._done(off, job), [])
+                job.done_sent = True
             return True
         if not self._send_chunk(io, off, job, job.chunks[0]):
             return False
@@ -281,6 +340,7 @@ class PullServer:
         header = ChunkHeader(pull_id=job.pull_id, window=plan.window, first=plan.first, count=plan.count,
                              nbytes=plan.nbytes, checksum=digest)
         self._send(io, job.peer, header, frames)
+        self._pacer.sent(plan.nbytes)
         self._inflight.append(tracker)
         job.sent_bytes += plan.nbytes
         job.sent_chunks += 1
@@ -292,20 +352,24 @@ class PullServer:
             self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
         return self._staging
 
-    def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange]) -> None:
+    def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange],
+                   last: bool) -> None:
         """Same-GPU pull: queue every block's checksum on the device (after the lease's writes);
-        its slots, checksums and Done are sent once the device has finished (`_send_ipc_ready`)."""
+        its slots, checksums (and, after the `last` batch, Done) are sent once the device has
+        finished (`_send_ipc_ready`). A streamed lease's pull comes in several batches."""
         parts = []
         for part in (p for r in ranges for p in ipc_parts(r)):
             pool, slots = off.offer.windows[part.window].pool, off.range_slots(part)
             with self._reading(off, pool.device, wait=False):
                 parts.append(IpcPart(part, slots, start_checksum(pool, slots, part.first)))
-        self._ipc.add(cid, job.pull_id, parts)
+        self._ipc.add(cid, job.pull_id, parts, last)
         self._send_ipc_ready(io)  # CPU pools: summed already
 
     def _send_ipc_ready(self, io: SocketIO) -> None:
-        for cid, pull_id, parts in self._ipc.ready():
-            off = self._offers[cid]  # a lease that ended left `_ipc` (`_end`)
+        for cid, pull_id, parts, last in self._ipc.ready():
+            off = self._offers.get(cid)  # a lease that ended left `_ipc` (`_end`)
+            if off is None:
+                continue
             job = off.jobs[pull_id]
             try:
                 chunks = [part.chunk(job.pull_id) for part in parts]
@@ -315,12 +379,19 @@ class PullServer:
                 continue
             for chunk in chunks:
                 self._send(io, job.peer, chunk, [])
-            job.sent_bytes = sum(len(p.slots) * off.offer.windows[p.range.window].slot_bytes for p in parts)
-            job.sent_chunks = len(chunks)
-            job.done_sent = True
-            self._stats.bytes_sent += job.sent_bytes  # counted before the Done leaves
-            self._stats.ipc_transfers += 1
-            self._send(io, job.peer, Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks), [])
+            nbytes = sum(len(p.slots) * off.offer.windows[p.range.window].slot_bytes for p in parts)
+            job.sent_bytes += nbytes
+            job.sent_chunks += len(chunks)
+            self._stats.bytes_sent += nbytes  # counted before the Done leaves
+            if last:
+                job.done_sent = True
+                self._stats.ipc_transfers += 1
+                self._send(io, job.peer, self._done(off, job), [])
+
+    @staticmethod
+    def _done(off: Offered, job: Job) -> Done:
+        return Done(pull_id=job.pull_id, total_bytes=job.sent_bytes, chunks=job.sent_chunks,
+                    first_tokens=list(off.first_tokens), cached_tokens=off.cached_tokens)
 
     @contextmanager
     def _reading(self, off: Offered, device: torch.device, wait: bool = True) -> Iterator[None]:
@@ -334,8 +405,8 @@ class PullServer:
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                if off.offer.ready is not None:
-                    stream.wait_event(off.offer.ready)
+                if off.ready is not None:
+                    stream.wait_event(off.ready)
                 yield
             if wait:
                 stream.synchronize()
@@ -347,9 +418,13 @@ class PullServer:
         here, the engine gets the lease back (`Ended`). Every running pull of it fails (`reason`),
         and its receiver is told unless it is `skip` (the peer that cancelled, or is gone)."""
         off = self._offers.pop(cid)
+        if not off.offer.final:
+            self._dropped[cid] = (time.monotonic() + self._config.timeout_s, "unknown_request",
+                                  f"the streamed lease {cid!r} has ended")
         self._active = deque(a for a in self._active if a[0] != cid)
         self._ipc.drop(cid)
         self._stats.lease_expired += reason == "lease_expired"
+        self._stats.streamed += reason is None and not off.offer.final
         for job in off.jobs.values() if reason is not None else ():
             self._stats.count_failure(reason)
             if job.peer == skip:

@@ -1,0 +1,106 @@
+"""The router's half of streamed KV (issue 21): a context leg that answers early.
+
+The router asks every context leg for streamed KV (`disaggregated_params.kv_stream`). A context
+server that streams this prompt (server/api/context_stream.py) answers at once with an SSE stream
+whose first event holds the lease's parameters; `open_context` returns them as an `EarlyContext`,
+and the router starts the generation leg right away (server/router/app.py `_streamed_kv`), whose
+pull takes the blocks while they are prefilled. The second event is the context answer as it would
+have come (`EarlyContext.rest`), or its error with the status it would have had. A server that does
+not stream the prompt answers plain JSON, as before. The client sees no difference: the first token
+is still streamed from the context answer, and the generation leg continues it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter
+
+from server.openai.protocol import DisaggParams
+from server.openai.wire import loads
+from server.router.backends import Backend
+from server.router.errors import LegError
+from server.router.http_client import HttpError, Response, StreamResponse
+
+_PARAMS = TypeAdapter(DisaggParams)
+EVENT_STREAM = "text/event-stream"
+
+
+class Events:
+    """`data:` payloads of an SSE body as JSON values, one per event (None once it has ended)."""
+
+    def __init__(self, stream: StreamResponse) -> None:
+        self._chunks: AsyncIterator[bytes] = stream.aiter_raw()
+        self._buffer = b""
+
+    async def next(self) -> object | None:
+        while b"\n\n" not in self._buffer:
+            chunk = await anext(self._chunks, None)
+            if chunk is None:
+                return None
+            self._buffer += chunk
+        event, self._buffer = self._buffer.split(b"\n\n", 1)
+        data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+        return None if data in (b"", b"[DONE]") else loads(data)
+
+
+@dataclass
+class EarlyContext:
+    """A context leg whose lease came before its first token."""
+
+    backend: Backend
+    params: DisaggParams  # context_only, kv_stream: the lease, the KV endpoint and epoch, the prompt's ids
+    events: Events
+    stream: StreamResponse
+    done: Callable[[], None]  # ends the leg's booking (and records its time)
+
+    async def rest(self) -> dict:
+        """The context answer (its error as a LegError); the leg ends either way."""
+        try:
+            event = await self.events.next()
+        except HttpError as exc:
+            self.backend.fence(f"{type(exc).__name__}: {exc}")
+            raise LegError(502, f"context leg failed: {self.backend.url} broke the stream ({type(exc).__name__})") \
+                from exc
+        finally:
+            await self.close()
+        if not isinstance(event, dict) or not isinstance(event.get("body"), dict):
+            raise LegError(502, f"context leg failed: {self.backend.url} ended the stream without an answer")
+        status, body = event.get("status"), event["body"]
+        if status == 200:
+            return body
+        message = str((body.get("error") or {}).get("message") or f"HTTP {status}")
+        status = status if isinstance(status, int) and 400 <= status < 600 else 502
+        raise LegError(status, f"context leg failed: {message}", body if status < 500 else None)
+
+    async def close(self) -> None:
+        """Idempotent: closes the context server's stream (it aborts the request if it is unfinished)."""
+        done, self.done = self.done, lambda: None
+        done()
+        await self.stream.aclose()
+
+
+async def read_context(backend: Backend, response: StreamResponse, done: Callable[[], None],
+                       parse: Callable[[Backend, Response], dict]) -> dict | EarlyContext:
+    """A context leg's answer: its JSON (`parse`d as any answer), or its early event (then `done()`
+    runs when the leg ends: `EarlyContext.close`)."""
+    try:
+        if response.status != 200 or response.content_type != EVENT_STREAM:
+            try:
+                return parse(backend, Response(response.status, await response.aread()))
+            finally:
+                await response.aclose()
+        events = Events(response)
+        first = await events.next()
+    except HttpError as exc:
+        await response.aclose()
+        backend.fence(f"{type(exc).__name__}: {exc}")
+        raise LegError(502, f"{backend.url} broke the exchange ({type(exc).__name__})") from exc
+    except BaseException:
+        await response.aclose()
+        raise
+    if not isinstance(first, dict) or not isinstance(first.get("kv_stream"), dict):
+        await response.aclose()
+        raise LegError(502, f"{backend.url} sent no streamed-KV parameters")
+    return EarlyContext(backend, _PARAMS.validate_python(first["kv_stream"]), events, response, done)

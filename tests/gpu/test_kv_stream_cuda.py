@@ -1,0 +1,45 @@
+"""Streamed KV on one GPU (issue 21, part 1): `pdserve launch` of the pair with `kv_stream: on` and
+64-token prefill steps, so each prompt's blocks cross over (CUDA IPC batches, transceiver/sender/
+stream.py, and with `same_host_ipc: false` the byte path) while the prompt is prefilled; the greedy
+text equals the aggregated server's, every transfer was streamed, and no block stays in use.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import deploy_harness
+import httpx
+import pytest
+import torch
+from waiting import wait_until
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = ["Topic: rivers. " + "filler words " * 40 + "Now answer briefly:", "abc " * 300, "The quick brown fox " * 30]
+STREAMED = {"context_servers": {"kv_stream": "on", "max_num_tokens": 64}}
+
+
+def _texts(url: str) -> list[str]:
+    out = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out.append(response.json()["choices"][0]["text"])
+    return out
+
+
+@pytest.mark.parametrize("same_host_ipc", [True, False])
+def test_streamed_pair_on_one_gpu_matches_the_aggregated_server(tmp_path, same_host_ipc) -> None:
+    for name in ("agg", "pair"):
+        (tmp_path / name).mkdir()
+    with deploy_harness.launched("aggregated.yaml", tmp_path / "agg") as agg:
+        want = _texts(agg.url)
+    overrides = {**STREAMED, "cache_transceiver_config": {"same_host_ipc": same_host_ipc}}
+    with deploy_harness.launched("disagg.yaml", tmp_path / "pair", overrides) as pair:
+        got = _texts(pair.url)
+        gen, ctx = pair.generation_urls[0], pair.context_urls[0]
+        assert pair.metric(gen, "pdserve_kv_transfer_streamed_total") == len(PROMPTS)
+        for url in (ctx, gen):
+            wait_until(lambda u=url: pair.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0,
+                       30, what=f"no block in use on {url}")
+    assert got == want
