@@ -14,6 +14,11 @@ export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PDSERVE_C
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 nproc
+# a mode cut short (timeout) can leave servers in their own sessions holding the GPU: clear it after each
+kill_gpu_leftovers() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; }
+kill_gpu_leftovers  # an earlier call on this machine may have left some (a `timeout` stops only its child)
+trap kill_gpu_leftovers EXIT
+trap 'exit 143' TERM INT
 if [[ "$mode" == tests || "$mode" == all ]]; then
   python3 -m pytest -q ${TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
 fi
