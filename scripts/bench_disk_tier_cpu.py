@@ -115,6 +115,8 @@ def read_figure(m: KVCacheManager, tokens: list[int], path: Path, cold: bool) ->
     out = m._disk.store.read_many(items)
     dt = time.perf_counter() - t0
     assert len(items) == len(out) and all(isinstance(o, memoryview) for o in out), "a file failed its check"
+    for o in out:
+        m._disk.store.buffers.give(o)
     return sum(o.nbytes for o in out) / dt / 1e9
 
 
