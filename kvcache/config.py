@@ -23,7 +23,8 @@ class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     path: Annotated[str, msgspec.Meta(min_length=1)]  # a directory, created if missing; one per server
     max_bytes: Positive  # KV bytes the tier holds (block files add a small header each)
     # bytes of offloaded blocks waiting for their write; an offload beyond it drops the block
-    # instead (the engine never waits for the disk)
+    # instead (the engine never waits for the disk). Up to twice this in block buffers is kept for
+    # reuse by the writes and a hit's reads once used (kvcache/disk_buffers.py)
     write_queue_bytes: Positive = 256 << 20
     read_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8  # files read and checked at once on a hit
     write_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2

@@ -51,7 +51,7 @@ class DiskMirror:
         """Read and check these files; stage the good ones' bytes for the copies that follow, and
         return index -> (reason, detail) of the others. What an earlier check staged is forgotten."""
         for slots in self._slots.values():
-            slots.staged.clear()
+            slots.forget()
         bad = {}
         for i, ((window, slot, _), result) in enumerate(zip(items, self.store.read_many(items), strict=True)):
             if isinstance(result, BadFile):

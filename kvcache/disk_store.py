@@ -9,9 +9,16 @@ map (nothing else to keep consistent on restart), and a block's bytes are one se
 Threads. The engine thread calls every public method. Writes never block it: `write` queues the
 bytes (refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by
 slot so one slot's writes stay in order; a newer write of a slot supersedes a queued one. Until a
-write lands, reads of that slot are answered from its queued bytes. `read_many` reads and checks a
-batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
-running then counts as failed). hashlib releases the GIL on large buffers, so checks run in parallel.
+write lands, reads of that slot are answered from (a copy of) its queued bytes. `read_many` reads and
+checks a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read
+still running then counts as failed). hashlib releases the GIL on large buffers, so checks run in
+parallel.
+
+The bytes move once each way. A reader reads a file's header, then its payload straight into a
+reused block-sized buffer (kvcache/disk_buffers.py) in CHUNK_BYTES pieces, feeding each piece to
+the payload MAC while it is in the cache; a writer writes the payload the same way, then the header
+(whose MAC it now knows) in front of it. The payloads handed out and taken in are such buffers: see
+disk_buffers.py for who gives each back.
 
 Start-up (`open`; kvcache/disk_dir.py): an exclusive lock on the directory (one server per
 directory), then the manifest. A matching manifest means the block headers are read and checked,
@@ -31,16 +38,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from kvcache.config import DiskTierConfig
-from kvcache.disk_dir import StartUp, read_all, restore_or_reset, take_directory
+from kvcache.disk_buffers import BufferPool
+from kvcache.disk_dir import StartUp, restore_or_reset, take_directory
 from kvcache.disk_format import (
+    CHUNK_BYTES,
+    MAC_BYTES,
+    PREFIX_BYTES,
     BadFile,
     BlockHeader,
     Manifest,
-    check_payload,
+    check_digest,
     decode_header,
     encode_prefix,
-    payload_mac,
+    header_length,
+    payload_hasher,
 )
 
 log = logging.getLogger(__name__)
@@ -57,11 +71,16 @@ class BlockMeta:
     priority: int
 
 
+_HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fits
+
+
 @dataclass
 class _Write:
     gen: int
     meta: BlockMeta
-    payload: memoryview
+    payload: bytearray | memoryview
+    nbytes: int
+    taken: bool = False  # a writer thread has it (and gives its buffer back)
 
 
 @dataclass
@@ -89,6 +108,8 @@ class DiskStore:
         self._writers = [threading.Thread(target=self._write_loop, args=(q,), name=f"kv-disk-write-{i}",
                                           daemon=True) for i, q in enumerate(self._queues)]
         self._readers = concurrent.futures.ThreadPoolExecutor(config.read_threads, "kv-disk-read")
+        # the write queue's buffers and a hit's read buffers, kept for reuse
+        self.buffers = BufferPool(2 * config.write_queue_bytes)
         self._lock_fd = -1
 
     @classmethod
@@ -113,18 +134,21 @@ class DiskStore:
         return store, found
 
     # ---- engine thread API
-    def write(self, window: int, slot: int, meta: BlockMeta, payload: memoryview) -> bool:
+    def write(self, window: int, slot: int, meta: BlockMeta, payload: bytearray | memoryview) -> bool:
         """Queue a block's bytes for its slot's file; False (nothing queued) when the queue is full.
-        `payload` must stay unchanged until written (the caller hands over a copy)."""
-        n = payload.nbytes
+        `payload` must stay unchanged until written: the caller hands over a copy (a bytearray of
+        `buffers` is given back to it once written; a refused one stays the caller's)."""
+        n = memoryview(payload).nbytes
         with self._lock:
             old = self._pending.get((window, slot))
-            queued = self.stats.queued_bytes - (old.payload.nbytes if old else 0)
+            queued = self.stats.queued_bytes - (old.nbytes if old else 0)
             if queued + n > self.config.write_queue_bytes:
                 self.stats.write_refused += 1
                 return False
             gen = next(self._gens)
-            self._pending[window, slot] = _Write(gen, meta, payload)
+            self._pending[window, slot] = _Write(gen, meta, payload, n)
+            if old is not None and not old.taken:  # superseded before a writer got it
+                self._give(old.payload)
             self.stats.queued_bytes = queued + n
         self._queues[slot % len(self._queues)].put((window, slot, gen))
         return True
@@ -138,7 +162,7 @@ class DiskStore:
             for i, (window, slot, block_hash) in enumerate(items):
                 job = self._pending.get((window, slot))
                 if job is not None:
-                    out[i] = job.payload if job.meta.block_hash == block_hash else BadFile(
+                    out[i] = self._copy(job.payload) if job.meta.block_hash == block_hash else BadFile(
                         "stale", f"slot {slot} of window {window} is being written with another block")
         futures = {i: self._readers.submit(self._read_file, *item) for i, item in enumerate(items) if out[i] is None}
         done, _ = concurrent.futures.wait(futures.values(), timeout=self.config.io_timeout_s)
@@ -191,28 +215,32 @@ class DiskStore:
                 continue
             with self._lock:
                 job = self._pending.get((window, slot))
-            if job is None or job.gen != gen:
-                continue  # superseded by a newer write of the slot
+                if job is None or job.gen != gen:
+                    continue  # superseded by a newer write of the slot
+                job.taken = True
             ok = self._write_file(window, slot, job)
+            self._give(job.payload)
             with self._lock:
                 if self._pending.get((window, slot)) is job:
                     del self._pending[window, slot]
-                    self.stats.queued_bytes -= job.payload.nbytes
+                    self.stats.queued_bytes -= job.nbytes
                 if ok:
                     self.stats.blocks_written += 1
-                    self.stats.bytes_written += job.payload.nbytes
+                    self.stats.bytes_written += job.nbytes
                 else:
                     self.stats.write_errors += 1
 
     def _write_file(self, window: int, slot: int, job: _Write) -> bool:
         meta, target = job.meta, self._file(window, slot)
         header = BlockHeader(window, slot, meta.block_hash, meta.parent_hash, meta.root_salt, meta.tokens,
-                             meta.priority, time.time_ns(), job.payload.nbytes, payload_mac(self.key, job.payload))
+                             meta.priority, time.time_ns(), job.nbytes, bytes(MAC_BYTES))
         tmp = target.with_suffix(".tmp")
         try:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(encode_prefix(self.key, header))
-                f.write(job.payload)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                self._write_block(fd, header, memoryview(job.payload))
+            finally:
+                os.close(fd)
             os.replace(tmp, target)
             return True
         except OSError as exc:
@@ -224,18 +252,78 @@ class DiskStore:
                     pass
             return False
 
+    def _write_block(self, fd: int, header: BlockHeader, payload: memoryview) -> None:
+        """The payload after room for the prefix, hashed piece by piece; then the prefix with its MAC."""
+        start = len(encode_prefix(self.key, header))  # the MAC's length is fixed: so is the prefix's
+        h = payload_hasher(self.key)
+        for at in range(0, payload.nbytes, CHUNK_BYTES):
+            piece = payload[at:at + CHUNK_BYTES]
+            h.update(piece)
+            _pwrite_all(fd, piece, start + at)
+        prefix = encode_prefix(self.key, msgspec.structs.replace(header, payload_mac=h.digest()))
+        assert len(prefix) == start
+        _pwrite_all(fd, memoryview(prefix), 0)
+
     def _read_file(self, window: int, slot: int, block_hash: bytes) -> memoryview:
         try:
-            with open(self._file(window, slot), "rb", buffering=0) as f:
-                data = read_all(f, os.fstat(f.fileno()).st_size)
+            fd = os.open(self._file(window, slot), os.O_RDONLY)
         except FileNotFoundError:
             raise BadFile("missing", f"no file for slot {slot} of window {window}") from None
-        header, offset = decode_header(self.key, data)
+        try:
+            header, offset = self._read_header(fd, window, slot, block_hash)
+            buf = self.buffers.take(header.payload_bytes)
+            try:
+                check_digest(header, self._read_payload(fd, offset, memoryview(buf)))
+            except BaseException:
+                self.buffers.give(buf)
+                raise
+            return memoryview(buf)
+        finally:
+            os.close(fd)
+
+    def _read_header(self, fd: int, window: int, slot: int, block_hash: bytes) -> tuple[BlockHeader, int]:
+        """The file's checked header, if it is of this block and its size is right; the payload's offset."""
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, _HEADER_READ), 0)
+        need = PREFIX_BYTES + header_length(head) + MAC_BYTES
+        if need > len(head) and size > len(head):
+            head += os.pread(fd, min(size, need) - len(head), len(head))
+        header, offset = decode_header(self.key, head)
         if (header.window, header.slot, header.block_hash) != (window, slot, block_hash):
             raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
         if header.payload_bytes != self.slot_bytes[window]:
             raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have "
                                      f"{self.slot_bytes[window]}")
-        payload = memoryview(data)[offset:]
-        check_payload(self.key, header, payload)
-        return payload
+        if size != offset + header.payload_bytes:
+            raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
+        return header, offset
+
+    def _read_payload(self, fd: int, offset: int, view: memoryview) -> bytes:
+        """Fill `view` from the file at `offset`, piece by piece; the payload MAC of what was read."""
+        h = payload_hasher(self.key)
+        for at in range(0, view.nbytes, CHUNK_BYTES):
+            piece = view[at:at + CHUNK_BYTES]
+            got = 0
+            while got < piece.nbytes:
+                n = os.preadv(fd, [piece[got:]], offset + at + got)
+                if not n:
+                    raise BadFile("truncated", f"the file ended {view.nbytes - at - got} bytes early")
+                got += n
+            h.update(piece)
+        return h.digest()
+
+    def _copy(self, payload: bytearray | memoryview) -> memoryview:
+        """A buffer of its own with a queued write's bytes (the writer gives the queued one back)."""
+        buf = self.buffers.take(memoryview(payload).nbytes)
+        view = memoryview(buf)
+        view[:] = payload
+        return view
+
+    def _give(self, payload: bytearray | memoryview) -> None:
+        self.buffers.give(payload)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.pwrite(fd, data[done:], offset + done)

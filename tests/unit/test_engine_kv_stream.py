@@ -116,7 +116,9 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
 def test_aborting_both_legs_mid_prefill_releases_everything(make_pair):
     run = make_pair()
     ctx_id, gen_id = run.legs(_prompt(12, 200), 5)
-    wait_until(lambda: run.receiver.chunks_written(gen_id), 30, "the first chunks", step=run.step, interval_s=0.001)
+    run.step()  # the first 32 of 200 tokens prefilled; only the generation engine steps until they land
+    wait_until(lambda: run.receiver.chunks_written(gen_id), 30, "the first chunks",
+               step=lambda: run.outputs.setdefault(gen_id, []).extend(run.gen.step()), interval_s=0.001)
     assert run.final(ctx_id) is None and run.sender.pinned_blocks()
     run.gen.abort(gen_id)  # the client left: the router closes both legs
     run.ctx.abort(ctx_id)

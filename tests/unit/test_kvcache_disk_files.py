@@ -1,5 +1,5 @@
-"""The disk tier's file format, manifest and store on their own (kvcache/disk_format.py,
-disk_store.py), and the order in which found blocks are restored (disk_tier._entries)."""
+"""The disk tier's file format, manifest, store and buffers on their own (kvcache/disk_format.py,
+disk_store.py, disk_buffers.py), and the order in which found blocks are restored (disk_tier._entries)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 from waiting import wait_until
 
 from kvcache.config import DiskTierConfig
+from kvcache.disk_buffers import BufferPool
 from kvcache.disk_format import (
+    CHUNK_BYTES,
     BadFile,
     BlockHeader,
     Manifest,
@@ -89,3 +91,66 @@ def test_found_blocks_are_restored_parents_first_newest_copy_and_no_orphans():
     headers = [h(b"c", b"b", 0, 5), h(b"b", b"a", 1, 9), h(b"a", None, 2, 7), h(b"a", None, 3, 1),
                h(b"x", b"q", 4, 2), h(b"y", b"x", 5, 3)]  # q has no file: x and y are orphans
     assert [(slot, name[:1]) for slot, name, *_ in _entries(headers)] == [(2, b"a"), (1, b"b"), (0, b"c")]
+
+
+def _store(tmp_path, slot_bytes: int) -> DiskStore:
+    config = DiskTierConfig(path=str(tmp_path), max_bytes=1 << 30)
+    store, _ = DiskStore.open(config, KEY, Manifest(2, "fp", "float16", 4, (64,), 2, 4, key_id(KEY)),
+                              {64: (4, slot_bytes)})
+    return store
+
+
+def test_a_payload_of_many_pieces_round_trips_and_a_flip_in_any_piece_fails(tmp_path):
+    n = 3 * CHUNK_BYTES + 5  # the last piece is short
+    payload = bytes(i * 7 % 251 for i in range(n))
+    store = _store(tmp_path, n)
+    meta = BlockMeta(b"h" * 16, None, b"s" * 16, (1,), 35)
+    try:
+        assert store.write(64, 0, meta, memoryview(bytearray(payload)))
+        wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+        (got,) = store.read_many([(64, 0, b"h" * 16)])
+        assert isinstance(got, memoryview) and bytes(got) == payload
+        path = tmp_path / "w64" / "0.kv"
+        good = path.read_bytes()
+        header, offset = decode_header(KEY, good)
+        assert header.payload_mac == payload_mac(KEY, payload) and len(good) == offset + n
+        for at in (offset, offset + CHUNK_BYTES + 1, len(good) - 1):  # first, middle and last piece
+            flipped = bytearray(good)
+            flipped[at] ^= 1
+            path.write_bytes(flipped)
+            assert store.read_many([(64, 0, b"h" * 16)])[0].reason == "corrupt"
+        for bad, reason in ((good[:-1], "truncated"), (good + b"x", "truncated")):  # shorter or longer
+            path.write_bytes(bad)
+            assert store.read_many([(64, 0, b"h" * 16)])[0].reason == reason
+    finally:
+        store.close()
+
+
+def test_buffers_are_reused_given_back_once_and_only_whole():
+    pool = BufferPool(max_free_bytes=3 * 8)
+    a = pool.take(8)
+    pool.give(memoryview(a)[:4])  # part of a buffer: not taken back
+    pool.give(b"12345678")  # not a buffer of the pool's kind
+    assert pool.free_bytes == 0
+    pool.give(memoryview(a))
+    assert pool.free_bytes == 8 and pool.take(8) is a and pool.free_bytes == 0
+    for buf in [bytearray(8) for _ in range(4)]:
+        pool.give(buf)
+    assert pool.free_bytes == 24  # beyond max_free_bytes: left to the garbage collector
+
+
+def test_a_superseded_write_gives_its_buffer_back_and_a_read_from_the_queue_is_a_copy(tmp_path):
+    config = DiskTierConfig(path=str(tmp_path), max_bytes=1 << 20)
+    store = DiskStore(tmp_path, KEY, config, {64: 8})  # not opened: its writer threads wait
+    (tmp_path / "w64").mkdir()
+    meta = BlockMeta(b"h" * 16, None, b"s" * 16, (1,), 35)
+    first, second = bytearray(b"11111111"), bytearray(b"22222222")
+    assert store.write(64, 0, meta, first) and store.write(64, 0, meta, second)
+    assert store.buffers.free_bytes == 8 and store.buffers.take(8) is first  # no writer had it
+    (queued,) = store.read_many([(64, 0, b"h" * 16)])
+    assert bytes(queued) == b"22222222" and queued.obj is not second  # the writer gives `second` back
+    for writer in store._writers:
+        writer.start()
+    wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+    assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"22222222"
+    store.close()
