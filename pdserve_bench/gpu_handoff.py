@@ -38,13 +38,21 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=3
                 rope_theta=500000.0)
 
 
-def build_model(out: Path, layers: int, text_tokens: int | None = None) -> Path:
+def build_model(out: Path, layers: int, text_tokens: int | None = None, cycle: int | None = None,
+                shape: dict | None = None) -> Path:
     """Random bfloat16 weights with 8B shapes (written shard by shard from the GPU).
 
     With `text_tokens` (e.g. 512, the tiny tokenizer's size), the lm_head rows of every id at or
     above it and of the tokenizer's special ids are zero, so greedy decoding always picks a token
     that decodes to text and a streamed answer carries text for every token (SSE sends text only).
-    Without it, argmax lands anywhere in the 128,256 ids (most decode to nothing): as before."""
+    Without it, argmax lands anywhere in the 128,256 ids (most decode to nothing): as before.
+
+    With `cycle` (needs `text_tokens`), the weights keep their shapes and cost but make greedy
+    decoding walk fixed cycles of `cycle` text ids (`cycle_successors`): the attention and MLP
+    outputs are scaled down so the residual stream stays the current token's embedding, and the
+    lm_head row of id j is the sum of the embeddings of the ids whose successor is j. A random-weight
+    model never repeats its prompt; this one does, so a prompt that walks a cycle has an answer that
+    copies it (the copy-heavy workload of speculative decoding). `shape` overrides LLAMA_8B's sizes."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
@@ -52,36 +60,64 @@ def build_model(out: Path, layers: int, text_tokens: int | None = None) -> Path:
 
     if (out / "config.json").exists():
         return out
+    dims = {**LLAMA_8B, **(shape or {})}
     out.mkdir(parents=True, exist_ok=True)
     tiny = resolve_model("builtin:tiny-llama")
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     LlamaConfig(architectures=["LlamaForCausalLM"], num_hidden_layers=layers, bos_token_id=1, eos_token_id=2,
-                pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16", **LLAMA_8B).save_pretrained(out)
+                pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16", **dims).save_pretrained(out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
-    h, i, v = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["vocab_size"]
-    kvd = LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
+    h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    kvd = dims["num_key_value_heads"] * dims["head_dim"]
+    qd = dims["num_attention_heads"] * dims["head_dim"]
+    out_scale = 1e-4 if cycle else 1.0  # o_proj and down_proj: the layers barely move the residual stream
 
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * (0.02 * scale)).cpu()
 
-    lm_head = rnd(v, h)
+    embed = rnd(v, h)
+    lm_head = _cycle_head(embed, text_tokens, cycle) if cycle else rnd(v, h)
     if text_tokens is not None:
         lm_head[text_tokens:] = 0  # logit 0 never wins against ~500 random logits of either sign
         lm_head[AutoTokenizer.from_pretrained(out).all_special_ids] = 0
-    save_file({"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
                "lm_head.weight": lm_head}, out / "model-00000.safetensors")
     for layer in range(layers):
         p = f"model.layers.{layer}."
         save_file({p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                   p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kvd, h),
-                   p + "self_attn.v_proj.weight": rnd(kvd, h), p + "self_attn.o_proj.weight": rnd(h, h),
+                   p + "self_attn.q_proj.weight": rnd(qd, h), p + "self_attn.k_proj.weight": rnd(kvd, h),
+                   p + "self_attn.v_proj.weight": rnd(kvd, h),
+                   p + "self_attn.o_proj.weight": rnd(h, qd, scale=out_scale),
                    p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
-                   p + "mlp.down_proj.weight": rnd(h, i)}, out / f"model-{layer + 1:05d}.safetensors")
+                   p + "mlp.down_proj.weight": rnd(h, i, scale=out_scale)}, out / f"model-{layer + 1:05d}.safetensors")
     return out
+
+
+CYCLE_FIRST = 10  # the cycles start at id 10, as the benchmarks' prompt ids do
+
+
+def cycle_successors(text_tokens: int, cycle: int) -> dict[int, int]:
+    """The successor of every text id under `build_model(..., cycle=...)`: ids CYCLE_FIRST.. form
+    consecutive cycles of `cycle` ids (a, a+1, ..., a+cycle-1, a); every other id leads into the first."""
+    whole = (text_tokens - CYCLE_FIRST) // cycle * cycle
+    succ = {t: CYCLE_FIRST for t in range(text_tokens)}
+    for t in range(CYCLE_FIRST, CYCLE_FIRST + whole):
+        start = t - (t - CYCLE_FIRST) % cycle
+        succ[t] = start + (t - start + 1) % cycle
+    return succ
+
+
+def _cycle_head(embed: torch.Tensor, text_tokens: int | None, cycle: int) -> torch.Tensor:
+    if text_tokens is None:
+        raise ValueError("build_model(cycle=...) needs text_tokens")
+    head = torch.zeros_like(embed, dtype=torch.float32)
+    for t, nxt in cycle_successors(text_tokens, cycle).items():
+        head[nxt] += embed[t].float()
+    return head.to(torch.bfloat16)
 
 
 def pinned_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> dict[str, float]:

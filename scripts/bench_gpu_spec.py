@@ -4,8 +4,10 @@ the engine built as `pdserve serve` builds it (async scheduling and decode CUDA 
 verify steps replay the decode graphs, each verify token a decode row: runner.as_decode_rows).
 
 Workloads (one request at a time, INPUT tokens in, OUTPUT out, ignore_eos):
-- copy: a random 64-token span repeated up to INPUT tokens, greedy (the answer repeats the prompt's
-  spans, and a random-weight model's greedy output falls into loops the drafter then copies);
+- copy: greedy on a model of the same shapes and cost whose answers walk fixed 64-token cycles
+  (`build_model(..., cycle=64)`; a random-weight model never repeats its prompt, so it cannot give
+  this workload), each prompt INPUT tokens of a cycle from a random start: the answer copies the
+  prompt, as in code editing or RAG answers that quote it (acceptance near 1: the upper bound);
 - random: random prompts, greedy;
 - sampled: random prompts, temperature 1.0 with a seed per request (near-uniform: drafts almost
   never land; the adaptive pause must keep it within 5% of no speculation).
@@ -15,6 +17,7 @@ Goal (issue 21): copy >= 1.8x faster; random and sampled never more than 5% slow
 
     python scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu [--layers 32] [--k 4]
     python scripts/bench_gpu_spec.py --model builtin:tiny-llama --output-len 64   # a CPU smoke run
+    python scripts/bench_gpu_spec.py --small --workloads copy --output-len 64   # the copy model, small
 
 Prints one JSON line per figure and a SUMMARY line; `--out FILE` also writes them as JSON lines.
 """
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_bench.gpu_handoff import build_model
+from pdserve_bench.gpu_handoff import CYCLE_FIRST, build_model
 from server.config.schema import server_config_from_dict
 from server.deploy.serve import build_core
 from server.engine.core import EngineCore
@@ -41,6 +44,9 @@ from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest, SamplingParams
 
 TEXT_TOKENS = 512  # the tiny tokenizer's size: prompt ids are drawn from [10, 500)
+CYCLE = 64  # the copy model's cycle length
+SMALL = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+             vocab_size=TEXT_TOKENS)  # --small: a CPU-sized model with the same construction
 RESULTS: list[dict] = []
 
 
@@ -56,8 +62,13 @@ def prompts(workload: str, n: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     if workload != "copy":
         return [torch.randint(10, 500, (length,), generator=gen).tolist() for _ in range(n)]
-    spans = [torch.randint(10, 500, (64,), generator=gen).tolist() for _ in range(n)]
-    return [(span * (length // 64 + 1))[:length] for span in spans]
+    cycles = (TEXT_TOKENS - CYCLE_FIRST) // CYCLE
+    out = []
+    for _ in range(n):  # the copy model's successor of id t in cycle c is the next id of c, wrapping
+        start = CYCLE_FIRST + CYCLE * int(torch.randint(cycles, (1,), generator=gen))
+        first = int(torch.randint(CYCLE, (1,), generator=gen))
+        out.append([start + (first + j) % CYCLE for j in range(length)])
+    return out
 
 
 def run_one(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
@@ -102,11 +113,22 @@ def record(name: str, **figures: object) -> None:
     print(json.dumps(row), flush=True)
 
 
+def model_for(args: argparse.Namespace, copy: bool) -> str:
+    """--model as given; else the 8B-shaped text model, or its copy twin (cycles) for the copy workload."""
+    if args.model:
+        return args.model
+    shape, size = (SMALL, "small") if args.small else (None, "8b")
+    name = f"llama{size}-{'cycle' + str(CYCLE) if copy else 'text'}-{args.layers}"
+    return str(build_model(args.workdir / name, args.layers, text_tokens=TEXT_TOKENS, cycle=CYCLE if copy else None,
+                           shape=shape))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-gpu"))
     parser.add_argument("--model", help="a model instead of the 8B-shaped one (e.g. builtin:tiny-llama)")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--small", action="store_true", help="CPU-sized models of the same construction")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
@@ -114,13 +136,19 @@ def main() -> None:
     parser.add_argument("--workloads", default="copy,random,sampled")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.model or str(build_model(args.workdir / f"llama8b-text-{args.layers}", args.layers,
-                                          text_tokens=TEXT_TOKENS))
-    core = make_core(model, args)
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
-    spec = SpecDecoder(config, core.config, NgramDrafter(config.ngram_min, config.ngram_max))
-    for workload in args.workloads.split(","):
-        figure(core, spec, workload, args)
+    workloads = args.workloads.split(",")
+    for copy in (True, False):
+        names = [w for w in workloads if (w == "copy") == copy]
+        if not names:
+            continue
+        core = make_core(model_for(args, copy), args)
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
+        spec = SpecDecoder(config, core.config, NgramDrafter(config.ngram_min, config.ngram_max))
+        for workload in names:
+            figure(core, spec, workload, args)
+        del core, spec
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print("SUMMARY " + json.dumps(RESULTS))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in RESULTS))

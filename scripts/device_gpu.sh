@@ -20,7 +20,10 @@ kill_gpu_leftovers  # an earlier call on this machine may have left some (a `tim
 trap kill_gpu_leftovers EXIT
 trap 'exit 143' TERM INT
 if [[ "$mode" == tests || "$mode" == all ]]; then
-  python3 -m pytest -q ${TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" | tail -40
+  # SIGINT at TESTS_TIMEOUT_S: pytest then prints where it hung and its summary; the servers' logs come back
+  timeout -s INT "${TESTS_TIMEOUT_S:-540}" python3 -m pytest -v --durations=15 ${TESTS:-tests/gpu} -p no:cacheprovider \
+    2>&1 | tee "$out/tests_gpu.log" | tail -60
+  find /tmp/pytest-of-* -path '*logs*' -name '*.log' 2>/dev/null | tar czf "$out/tests_gpu_server_logs.tgz" -T - 2>/dev/null
 fi
 if [[ "$mode" == bench || "$mode" == all ]]; then
   python3 scripts/bench_gpu.py --workdir /tmp/bench-gpu --out "$out/bench_gpu.jsonl" "$@" 2>&1 | tee "$out/bench_gpu.log" | grep -v '^SUMMARY'
