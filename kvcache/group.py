@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvcache.block import Level
@@ -11,6 +13,14 @@ from kvcache.errors import KVCacheError
 from kvcache.layout import CacheLayout
 from kvcache.pool import GroupPools
 from kvcache.stats import KVCacheStats
+
+log = logging.getLogger(__name__)
+
+# A pool sized from free GPU memory holds at most this many blocks per window group. Each block is a
+# Python object with a place in the free list (~2 s per million to build): a tiny model on a 141 GB
+# GPU would otherwise get 4 million blocks (130 M tokens) and start 30 s later for nothing. An 8B
+# model gets ~27 k blocks; set kv_cache_config.max_tokens to go past the cap.
+MAX_AUTO_BLOCKS = 1 << 18
 
 
 def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
@@ -26,7 +36,11 @@ def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
         if tokens < config.tokens_per_block:
             raise KVCacheError(f"free GPU memory ({free} B) x free_gpu_memory_fraction={fraction} holds "
                                f"less than one block")
-        return tokens
+        cap = MAX_AUTO_BLOCKS * config.tokens_per_block
+        if tokens > cap:
+            log.info("KV pool: %d tokens fit in free_gpu_memory_fraction=%g of the free memory; capped at %d "
+                     "(%d blocks; kv_cache_config.max_tokens sets more)", tokens, fraction, cap, MAX_AUTO_BLOCKS)
+        return min(tokens, cap)
     return 8 * layout.max_seq_len
 
 

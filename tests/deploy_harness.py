@@ -105,9 +105,11 @@ def launched(config: str, tmp_path: Path, overrides: dict | None = None,
     path, cfg = write_config(ROOT / "configs" / config, tmp_path, overrides)
     log_dir = tmp_path / "logs"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    process = subprocess.Popen([sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir", str(log_dir)],
-                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "launcher.log", "ab") as out:  # what the launcher says (why it stopped a child)
+        process = subprocess.Popen([sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir",
+                                    str(log_dir)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     deployment = Deployment(
         url=f"http://127.0.0.1:{cfg['port']}",
         context_urls=[f"http://{u}" for u in cfg.get("context_servers", {}).get("urls", [])],

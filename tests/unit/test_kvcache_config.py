@@ -126,3 +126,19 @@ def test_manager_uses_the_router_visible_hashes():
     m.admit("a", list(range(9)))
     m.commit("a", list(range(9)), 9)
     assert m.cached_block_hashes() == block_hashes(list(range(9)), 4, request_salt("fp", None))
+
+
+def test_a_pool_sized_from_free_gpu_memory_is_capped_in_blocks(monkeypatch):
+    """A tiny model on a large GPU gets MAX_AUTO_BLOCKS blocks, not millions (each block is a Python
+    object: millions took ~30 s to build); an 8B-sized layout is below the cap; max_tokens overrides."""
+    from kvcache.group import MAX_AUTO_BLOCKS, primary_tokens
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 << 30, 141 << 30))
+    tiny = CacheLayout(layer_windows=(2048,) * 2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                       device="cuda", max_seq_len=2048)
+    big = CacheLayout(layer_windows=(8192,) * 32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                      device="cuda", max_seq_len=8192)
+    cfg = KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=0.9)
+    assert primary_tokens(cfg, tiny) == MAX_AUTO_BLOCKS * 32
+    assert primary_tokens(cfg, big) == int(0.9 * (140 << 30)) // big.bytes_per_token() < MAX_AUTO_BLOCKS * 32
+    assert primary_tokens(KvCacheConfig(tokens_per_block=32, max_tokens=1 << 24), tiny) == 1 << 24
