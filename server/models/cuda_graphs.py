@@ -10,6 +10,11 @@ copy and replays it. Capture runs every kernel first, so Triton and cuBLAS are w
 With async scheduling a row's input token may still be on the device (the previous step sampled
 it): `run` copies those sampled ids into the static `source` buffer, and each graph starts by
 gathering them into its token ids (`StaticDecodePlan.take_pending`), so no id goes through the host.
+
+Rows are not only decode steps: the runner turns speculative verify chunks and short prefill chunks
+into one-token rows (runner.as_decode_rows), so mixed prefill + decode steps replay a graph too. The
+buckets therefore go past max_batch_size up to `max_rows`; a replay computes the logits of at most
+max_batch_size rows (`StaticDecodePlan.logit_rows`: which ones, e.g. a prefill chunk's last row).
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, attention: TritonPagedAttention, max_batch: int) -> None:
+    def __init__(self, model: LlamaModel, attention: TritonPagedAttention, max_batch: int,
+                 max_rows: int | None = None) -> None:
         self.model, self.attention = model, attention
-        self.buckets = batch_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self.buckets = batch_buckets(max(max_batch, max_rows or 0))
+        self.max_batch = self.buckets[-1]  # the most rows a replay takes
+        self.max_logit_rows = max_batch  # the most rows whose logits a replay computes
+        self.mixed_replays = 0  # replays of steps that held prefill or verify chunks (a metric for tests)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.plans: dict[int, StaticDecodePlan] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -52,8 +60,8 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         self.source = torch.zeros(self.max_batch, dtype=torch.int64, device=self.attention.device)
         for batch in reversed(self.buckets):
-            plan = self.attention.static_decode_plan(batch)
-            rows = self.rows[batch] = torch.arange(batch, device=plan.dev.device)
+            plan = self.attention.static_decode_plan(batch, min(batch, self.max_logit_rows))
+            rows = self.rows[batch] = plan.logit_rows
             run = lambda plan=plan, rows=rows: self._forward(plan, rows)  # noqa: E731
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
@@ -76,12 +84,20 @@ class DecodeGraphs:
         return self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)
 
     def run(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
-            source: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one decode-only step (every seq has one new token); row i
-        with picks[i] >= 0 takes source[picks[i]] (device ids) instead of token_ids[i]."""
+            source: torch.Tensor | None = None, logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits of one step of one-token rows: [len(seqs), vocab], or with `logit_rows` (at most
+        max_logit_rows of them) those rows' logits in that order; row i with picks[i] >= 0 takes
+        source[picks[i]] (device ids) instead of token_ids[i]."""
         batch = self.bucket(len(seqs))
-        self.plans[batch].fill(seqs, token_ids, picks)
+        self.plans[batch].fill(seqs, token_ids, picks, logit_rows)
         if source is not None:
             self.source[: source.numel()].copy_(source)
         self.graphs[batch].replay()
-        return self.logits[batch][: len(seqs)]
+        if logit_rows is not None:
+            self.mixed_replays += 1
+        return self.logits[batch][: len(seqs) if logit_rows is None else len(logit_rows)]
+
+    def fits(self, num_rows: int, num_logit_rows: int) -> bool:
+        """A step of `num_rows` rows computing `num_logit_rows` rows' logits has a graph."""
+        batch = self.bucket(num_rows)
+        return bool(self.graphs) and batch is not None and num_logit_rows <= min(batch, self.max_logit_rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> d
 
 
 KERNELS = ("auto", "torch", "triton")
+MIXED_ROWS = 256  # graph buckets past max_batch_size: short prefill chunks ride in a replay as rows
+PREFILL_ROW_READS = 1 << 20  # cached tokens a replayed step's multi-token chunks may read in all
 
 
 def triton_available() -> bool:
@@ -129,7 +132,8 @@ class ModelRunner:
         if self.kernels == "triton" and cuda_graphs:
             from server.models.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size)
+            self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size,
+                                       max_rows=min(max_num_tokens, max_batch_size + MIXED_ROWS))
 
     def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
         if self.kernels == "triton":
@@ -196,25 +200,16 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Run one step; float32 logits [sum of num_logits of chunks with need_logits, vocab], in chunk order.
         `pending`: chunks whose token is taken on the device from the previous step's sampled ids."""
-        rows = self._graph_rows(chunks) if self.graphs is not None else None
-        if rows is not None:
+        replay = replay_plan(chunks, self.graphs.fits) if self.graphs is not None else None
+        if replay is not None:
             self._check_limits(chunks)
+            rows, logit_rows = replay
             picks = [-1] * len(rows)
             for i, row in (pending.rows.items() if pending else ()):
                 picks[first_rows(chunks)[i]] = row
             return self.graphs.run([_seq_layout(c) for c in rows], [c.token_ids[0] for c in rows],
-                                   picks, pending.source if pending else None)
+                                   picks, pending.source if pending else None, logit_rows)
         return self.forward(self.prepare(chunks, pending))
-
-    def _graph_rows(self, chunks: list[SeqChunk]) -> list[SeqChunk] | None:
-        """The step as one-token rows a captured decode graph replays, or None (run it eagerly): a
-        decode-only step, or decode and verify chunks (speculative decoding: every token's logits),
-        each verify token a row of its own (`as_decode_rows`), all fitting the largest bucket."""
-        if not self.graphs.graphs or not all(c.need_logits and c.num_logits == len(c.token_ids) for c in chunks):
-            return None
-        if sum(len(c.token_ids) for c in chunks) > self.graphs.max_batch:
-            return None
-        return as_decode_rows(chunks)
 
     def prepare(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> StepInputs:
         """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,
@@ -257,6 +252,29 @@ class ModelRunner:
             raise ValueError("a chunk without tokens")
         if any(not 1 <= c.num_logits <= len(c.token_ids) for c in chunks):
             raise ValueError("num_logits outside 1..len(token_ids)")
+
+
+def replay_plan(chunks: list[SeqChunk], fits: Callable[[int, int], bool]
+                ) -> tuple[list[SeqChunk], list[int] | None] | None:
+    """The step as one-token rows a captured decode graph replays, and the rows whose logits it
+    returns (None: every row's, in order), or None: run it eagerly. Decode rows, verify chunks
+    (speculative decoding: every token's logits) and prefill chunks each become rows
+    (`as_decode_rows`), so a mixed prefill + decode step replays a graph instead of launching some
+    400 kernels from Python; a prefill chunk keeps the logits of its last row(s) only. Eager when the
+    rows or their logits do not fit a bucket (`fits`), or when the prefill rows would read more than
+    PREFILL_ROW_READS cached tokens in all (the decode kernel reads each row's whole context: long
+    chunks belong to the prefill kernel)."""
+    multi = [c for c in chunks if len(c.token_ids) > 1]
+    if sum(len(c.token_ids) * (c.num_past + len(c.token_ids)) for c in multi) > PREFILL_ROW_READS:
+        return None
+    wanted, end = [], 0
+    for c in chunks:
+        end += len(c.token_ids)
+        if c.need_logits:
+            wanted += range(end - c.num_logits, end)
+    if not fits(end, len(wanted)):
+        return None
+    return as_decode_rows(chunks), None if wanted == list(range(end)) else wanted
 
 
 def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:

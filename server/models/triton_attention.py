@@ -187,21 +187,23 @@ class TritonPagedAttention(AttentionBackend):
         return out
 
     # ---- CUDA graphs
-    def static_decode_plan(self, batch: int) -> StaticDecodePlan:
-        return StaticDecodePlan(self, batch)
+    def static_decode_plan(self, batch: int, logit_rows: int | None = None) -> StaticDecodePlan:
+        return StaticDecodePlan(self, batch, logit_rows)
 
 
 class StaticDecodePlan:
     """A decode-only plan for `batch` rows whose tensors never move: `fill` rewrites their contents
-    (one host-to-device copy) before each replay; rows past the real batch are padding."""
+    (one host-to-device copy) before each replay; rows past the real batch are padding. `logit_rows`
+    (<= batch, default batch): how many rows' logits a replay computes, which rows `fill` says."""
 
-    def __init__(self, backend: TritonPagedAttention, batch: int) -> None:
+    def __init__(self, backend: TritonPagedAttention, batch: int, logit_rows: int | None = None) -> None:
         self.backend, self.batch = backend, batch
+        self.num_logit_rows = batch if logit_rows is None else logit_rows
         windows, nb = backend.kv.window_sizes, backend.max_blocks
         # per window: slot, offset, seq_len, lo [batch] and block table [batch, nb]; then tokens,
-        # positions, picks
+        # positions, picks [batch], and the rows whose logits are computed [logit_rows]
         self.per_window = 4 * batch + batch * nb
-        size = len(windows) * self.per_window + 3 * batch
+        size = len(windows) * self.per_window + 3 * batch + self.num_logit_rows
         cuda = backend.device.type == "cuda"
         # two pinned staging buffers in turn, each with the event of its last upload: async scheduling
         # fills step k+1 while step k's upload may still be queued; the other buffer's upload came
@@ -224,12 +226,16 @@ class StaticDecodePlan:
         self.token_ids = self.dev[tail: tail + batch]
         self.positions = self.dev[tail + batch: tail + 2 * batch]
         self.picks = self.dev[tail + 2 * batch: tail + 3 * batch]  # row of `take_pending`'s source, -1: none
+        self.logit_rows = self.dev[tail + 3 * batch:]
         self.fill([], [])  # every row padding: a warm-up or capture run writes no slot
 
-    def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None) -> None:
+    def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
+             logit_rows: list[int] | None = None) -> None:
         """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
         into a pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
-        row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder)."""
+        row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder).
+        `logit_rows`: the rows whose logits the replay returns, in order (default: the first rows,
+        as many as there are seqs and logit rows)."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
         n = len(seqs)
         self._turn ^= 1
@@ -256,7 +262,10 @@ class StaticDecodePlan:
         tail = host[len(self.backend.kv.window_sizes) * self.per_window:]
         tail[:n], tail[n:b] = token_ids, 0
         tail[b:b + n], tail[b + n:2 * b] = lens - 1, 0
-        tail[2 * b:2 * b + n], tail[2 * b + n:] = picks if picks is not None else -1, -1
+        tail[2 * b:2 * b + n], tail[2 * b + n:3 * b] = picks if picks is not None else -1, -1
+        wanted = range(min(n, self.num_logit_rows)) if logit_rows is None else logit_rows
+        out = tail[3 * b:]
+        out[:len(wanted)], out[len(wanted):] = wanted, 0
         self.dev.copy_(staging, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded[self._turn].record()

@@ -52,6 +52,7 @@ def test_async_equals_sync_and_transformers_on_the_gpu(model: str) -> None:
     core = _core(model, True, max_num_tokens=128, max_batch_size=8)
     assert core.runner.graphs is not None and core.runner.graphs.graphs
     assert _run(core, cases) == sync
+    assert core.runner.graphs.mixed_replays > 0  # prefill chunks rode in decode graphs (runner.replay_plan)
     for (prompt, params), (tokens, _, _) in zip(cases, sync, strict=True):
         if params == eh.greedy(24):
             assert tokens == hf_reference.hf_greedy(resolve_model(model), prompt, 24, device="cuda")

@@ -270,3 +270,43 @@ def test_a_verify_chunk_as_decode_rows_matches_the_chunk(model_dirs: dict[str, P
     by_rows = runner.forward(runner.prepare(rows))
     assert by_rows.shape == whole.shape == (6, 512)
     assert (by_rows - whole).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "tiny-qwen3-swa"])
+def test_a_mixed_step_as_decode_rows_gives_the_eager_logits(model_dirs: dict[str, Path], family: str) -> None:
+    """What a graph replays for a mixed prefill + decode step (`replay_plan`): a decode row, a whole
+    prompt and the first chunk of another (no logits) as one-token rows give the eager step's logits
+    at the rows the plan names, and the K/V they write lets the next chunk continue exactly."""
+    from server.models.runner import replay_plan
+
+    runner, kv = make_runner(model_dirs[family], max_batch_size=64)  # the rows run eagerly here: 51 of them
+    a, b, c = prompt(70, seed=5), prompt(30, seed=6), prompt(50, seed=7)
+    kv.admit("a", a + [7] * 4)
+    runner.execute([SeqChunk(a, 0, _tables(kv, "a"), need_logits=True)])
+    for rid, ids in (("b", b), ("c", c)):
+        kv.admit(rid, ids)
+    step = [SeqChunk([11], 70, _tables(kv, "a"), True), SeqChunk(b, 0, _tables(kv, "b"), True),
+            SeqChunk(c[:20], 0, _tables(kv, "c"), False)]
+    eager = runner.execute(step)
+    rows, logit_rows = replay_plan(step, lambda n, m: n <= 64 and m <= 8)
+    assert len(rows) == 51 and logit_rows == [0, 30]
+    by_rows = runner.forward(runner.prepare(rows))[logit_rows]
+    assert eager.shape == by_rows.shape == (2, 512) and (by_rows - eager).abs().max().item() < 1e-4
+    rest = runner.execute([SeqChunk(c[20:], 20, _tables(kv, "c"), True)])  # over the rows' K/V of c[:20]
+    fresh, kv2 = make_runner(model_dirs[family])
+    kv2.admit("c", c)
+    assert (fresh.execute([SeqChunk(c, 0, _tables(kv2, "c"), True)]) - rest).abs().max().item() < 1e-4
+
+
+def test_replay_plan_keeps_long_prefills_and_misfits_eager() -> None:
+    from server.models.runner import PREFILL_ROW_READS, replay_plan
+
+    tables = {64: [0]}
+    decode = [SeqChunk([1], 5, tables, True) for _ in range(3)]
+    assert replay_plan(decode, lambda n, m: True)[1] is None  # decode only: every row's logits, in order
+    assert replay_plan(decode, lambda n, m: n <= 2) is None  # no bucket holds 3 rows
+    long = SeqChunk([1] * 1024, PREFILL_ROW_READS // 1024, tables, True)  # reads past the budget
+    assert replay_plan([*decode, long], lambda n, m: True) is None
+    short = SeqChunk([1] * 16, 0, tables, True)
+    assert replay_plan([*decode, short], lambda n, m: True)[1] == [0, 1, 2, 18]
+    assert replay_plan([*decode, short], lambda n, m: m <= 3) is None  # its logits do not fit

@@ -188,6 +188,12 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     assert plan.token_ids[:3].tolist() == [3, 4, 5]
     picked = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
     assert torch.equal(picked[:3], logits[:3])
+    # a bucket that computes 2 rows' logits, the rows `fill` names (a mixed step: prefill rows' last ones)
+    some = runner.attention.static_decode_plan(4, logit_rows=2)
+    some.fill(seqs, [c.token_ids[0] for c in chunks], logit_rows=[2, 0])
+    some.take_pending(torch.zeros(4, dtype=torch.int64))
+    chosen = runner.model.forward(some.token_ids, some.positions, some.meta, some.logit_rows)
+    torch.testing.assert_close(chosen, eager[[2, 0]], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (16, False)])
