@@ -11,6 +11,11 @@ Ownership is strict: a buffer is given back exactly once, by its last user, and 
 - a read's buffer: by the reader on a failed check; else by whoever staged it, after copying it into
   host rows or when forgetting it (kvcache/disk_pool.py, kvcache/disk_mirror.py).
 A buffer that is simply dropped is freed by the garbage collector: only a give-back can be unsafe.
+
+`reserve` fills the pool when the tier opens (kvcache/disk_tier.py): a hit that brings up a host
+pool's worth of blocks needs that many read buffers and as many write buffers for the host blocks it
+displaces, and without them the first such hit after a start paid their page faults on its own time
+(engine-level CPU run, docs/BENCHMARKS.md "Disk tier, engine level").
 """
 
 from __future__ import annotations
@@ -49,6 +54,21 @@ class BufferPool:
             if self._free_bytes + len(buf) <= self.max_free_bytes:
                 self._free.setdefault(len(buf), []).append(buf)
                 self._free_bytes += len(buf)
+
+    def reserve(self, nbytes: int, count: int) -> int:
+        """Put up to `count` fresh buffers of `nbytes` in the pool, their pages touched now, within
+        `max_free_bytes`; returns how many."""
+        made = 0
+        while made < count:
+            with self._lock:
+                if self._free_bytes + nbytes > self.max_free_bytes:
+                    break
+                self._free_bytes += nbytes  # counted before the allocation: a concurrent give sees it
+            buf = bytearray(nbytes)  # zero-filled: every page faulted in here
+            with self._lock:
+                self._free.setdefault(nbytes, []).append(buf)
+            made += 1
+        return made
 
     @property
     def free_bytes(self) -> int:

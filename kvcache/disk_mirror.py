@@ -25,7 +25,7 @@ from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import BadFile
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
-from kvcache.disk_tier import Item, manifest_of
+from kvcache.disk_tier import Item, manifest_of, reserve_buffers
 from kvcache.group import WindowGroup
 from kvcache.layout import CacheLayout
 
@@ -38,6 +38,7 @@ class DiskMirror:
         for g in groups:
             describe = functools.partial(self._describe, g.window)
             g.pools.disk = self._slots[g.window] = DiskSlots(store, g.window, describe)
+        reserve_buffers(store, groups)
 
     @classmethod
     def open(cls, disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,

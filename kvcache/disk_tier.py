@@ -71,6 +71,7 @@ class DiskTier:
         self.peers: PeerCheck | None = None  # other ranks' files of the same slots (`check`)
         for g in groups:
             g.pools.disk = DiskSlots(store, g.window, functools.partial(_describe, g.bm))
+        reserve_buffers(store, groups)
 
     @classmethod
     def open(cls, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
@@ -155,6 +156,15 @@ class DiskTier:
         if reason not in ("missing", "timeout", "queue_full"):
             self.store.delete(g.window, b.slot)
         g.bm.discard(b)
+
+
+def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
+    """Fill the store's buffer pool for a hit of a whole host pool: a read buffer for each block it
+    brings up and a write buffer for each host block it displaces (kvcache/disk_buffers.py `reserve`)."""
+    for g in groups:
+        host = g.pools.secondary
+        if host is not None:
+            store.buffers.reserve(g.pools.slot_bytes, 2 * host.shape[0])
 
 
 def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:

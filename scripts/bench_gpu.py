@@ -86,11 +86,13 @@ def make_core(model_dir: Path, args: argparse.Namespace, kv: dict) -> tuple[Engi
     cfg = server_config_from_dict({
         "model": str(model_dir), "max_seq_len": 8192, "max_num_tokens": args.max_num_tokens,
         "max_batch_size": 64, "kernels": args.kernels, "cuda_graphs": not args.no_graphs,
+        "dtype": getattr(args, "dtype", "auto"),
         "kv_cache_config": {"tokens_per_block": 32, **kv},
         "cache_transceiver_config": {"auth_token": "bench-gpu-token-0123456789"}}, "bench_gpu")
     start = time.perf_counter()
     core = build_core(cfg, ServerMetrics())
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return core, time.perf_counter() - start
 
 

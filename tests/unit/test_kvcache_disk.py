@@ -250,3 +250,12 @@ def test_the_disk_level_evicts_lowest_priority_then_least_recently_used():
     # b..g each evicted the primary's block (6), c..g the host's too (5: all went down to disk), and
     # e..g a disk block (3)
     assert bm.moved[Level.SECONDARY, Level.DISK] == 5 and bm.evictions == 6 + 5 + 3
+
+
+def test_the_tier_opens_with_buffers_for_a_hit_of_the_whole_host_pool(disk):
+    m = disk(host=2, write_queue_bytes=1 << 20)
+    slot_bytes = m._groups[0].pools.slot_bytes
+    assert m._disk.store.buffers.free_bytes == 2 * 2 * slot_bytes  # 2 host blocks: reads + displaced writes
+    push_a_to_disk(m)
+    hits = m.admit("again", A + [1])  # a's block comes up from disk through the reserved buffers
+    assert hits == len(A) and m.stats().disk_onboards == 1

@@ -154,3 +154,11 @@ def test_a_superseded_write_gives_its_buffer_back_and_a_read_from_the_queue_is_a
     wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
     assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"22222222"
     store.close()
+
+
+def test_reserve_fills_the_pool_within_its_bound():
+    pool = BufferPool(max_free_bytes=3 * 8)
+    assert pool.reserve(8, 2) == 2 and pool.free_bytes == 16
+    assert pool.reserve(8, 5) == 1 and pool.free_bytes == 24  # max_free_bytes reached
+    taken = [pool.take(8) for _ in range(3)]
+    assert pool.free_bytes == 0 and len({id(b) for b in taken}) == 3 and all(len(b) == 8 for b in taken)
