@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import shutil
 import statistics
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_gpu_disk import drop_page_cache
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
 from kvcache.config import DiskTierConfig
@@ -75,16 +75,6 @@ def landed(m: KVCacheManager) -> None:
     deadline = time.monotonic() + 300
     while (m.stats().disk_queued_bytes or m._disk.store._pending) and time.monotonic() < deadline:
         time.sleep(0.002)
-
-
-def drop_page_cache(path: Path) -> None:
-    for p in path.glob("w*/*.kv"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def push_down(m: KVCacheManager, args: argparse.Namespace, first: int) -> dict[str, float]:
