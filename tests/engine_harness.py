@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer
+from waiting import wait_until
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
@@ -146,3 +147,27 @@ def run_checked(core, ids: list[str], max_steps: int = 5000) -> tuple[dict[str, 
         if all(r.final is not None for r in results.values()) and not core.has_work():
             return results, preempted_pending
     raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")
+
+
+class PairRun:
+    """Steps a context and a generation engine together and gathers each request's outputs."""
+
+    def __init__(self, ctx: EngineCore, gen: EngineCore) -> None:
+        self.ctx, self.gen = ctx, gen
+        self.outputs: dict[str, list[RequestOutput]] = {}
+
+    def step(self) -> None:
+        for core in (self.ctx, self.gen):
+            for output in core.step():
+                self.outputs.setdefault(output.request_id, []).append(output)
+            check_pipeline(core)
+
+    def final(self, rid: str) -> RequestOutput | None:
+        outs = self.outputs.get(rid, [])
+        return outs[-1] if outs and outs[-1].finished else None
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
+
+    def wait(self, rids: list[str], what: str) -> None:
+        wait_until(lambda: all(self.final(r) for r in rids), 60, what, step=self.step, interval_s=0.001)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pydantic import TypeAdapter
@@ -188,22 +188,16 @@ class Orchestrator:
             log.warning("could not release lease %s on %s: %s", params.ctx_request_id, backend.url, exc)
 
     async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
-        try:
-            response = await self.client.request("POST", backend.url + path, json=body, headers=self.headers,
-                                                 timeout=self.timeout_s)
-        except RETRYABLE as exc:
-            backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
-                           untouched=isinstance(exc, ConnectError)) from exc
-        except RequestTimeout as exc:
-            raise LegError(504, f"{backend.url} timed out") from exc
-        return _parse(backend, response)
+        return _parse(backend, await self._send(backend, self.client.request, path, body))
 
     async def _open(self, backend: Backend, path: str, body: dict) -> StreamResponse:
         """A POST whose body is read as it arrives (any status)."""
+        return await self._send(backend, self.client.stream, path, body)
+
+    async def _send(self, backend: Backend, call: Callable[..., Awaitable], path: str, body: dict):
+        """POST with the client's `request` or `stream`; a connection failure fences the backend."""
         try:
-            return await self.client.stream("POST", backend.url + path, json=body, headers=self.headers,
-                                            timeout=self.timeout_s)
+            return await call("POST", backend.url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
             raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",

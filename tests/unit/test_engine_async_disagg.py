@@ -44,28 +44,7 @@ def pair():
     sender.close()
 
 
-class Pair:
-    """Steps both engines together and gathers each request's outputs."""
-
-    def __init__(self, ctx, gen) -> None:
-        self.ctx, self.gen = ctx, gen
-        self.outputs: dict[str, list[RequestOutput]] = {}
-
-    def step(self) -> None:
-        for core in (self.ctx, self.gen):
-            for output in core.step():
-                self.outputs.setdefault(output.request_id, []).append(output)
-            eh.check_pipeline(core)
-
-    def final(self, rid: str) -> RequestOutput | None:
-        outs = self.outputs.get(rid, [])
-        return outs[-1] if outs and outs[-1].finished else None
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
-
-    def wait(self, rids: list[str], what: str) -> None:
-        wait_until(lambda: all(self.final(r) for r in rids), 60, what, step=self.step, interval_s=0.001)
+Pair = eh.PairRun
 
 
 def _generation_params(answer: RequestOutput) -> DisaggParams:

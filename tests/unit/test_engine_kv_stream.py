@@ -17,7 +17,7 @@ from waiting import wait_until
 from kvcache import KvCacheConfig
 from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
-from server.types import DisaggParams, RequestOutput
+from server.types import DisaggParams
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
@@ -32,18 +32,17 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 500) for _ in range(n)]
 
 
-class Pair:
-    """A context and a generation engine stepped together; each request's outputs gathered."""
+class Pair(eh.PairRun):
+    """A context and a generation engine on a real KV sender and receiver, stepped together."""
 
     def __init__(self, model: str, async_scheduling: bool) -> None:
         kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-        self.ctx = eh.make_core(model, kv=kv, max_num_tokens=CHUNK, async_scheduling=async_scheduling)
-        self.gen = eh.make_core(model, kv=kv, async_scheduling=async_scheduling)
+        super().__init__(eh.make_core(model, kv=kv, max_num_tokens=CHUNK, async_scheduling=async_scheduling),
+                         eh.make_core(model, kv=kv, async_scheduling=async_scheduling))
         cfg = TransceiverConfig(auth_token=TOKEN)
         self.sender, self.receiver = KVSender(self.ctx.kv, cfg, "fp"), KVReceiver(self.gen.kv, cfg, "fp")
         self.ctx.connector = ContextConnector(self.sender, self.ctx.kv)
         self.gen.connector = GenerationConnector(self.receiver, self.gen.kv)
-        self.outputs: dict[str, list[RequestOutput]] = {}
 
     def legs(self, prompt: list[int], max_tokens: int) -> tuple[str, str]:
         """Both legs at once, as the router starts them for a streamed prompt."""
@@ -52,21 +51,13 @@ class Pair:
                               prompt_token_ids=tuple(prompt), kv_stream=True)
         return ctx_id, eh.submit(self.gen, prompt, eh.greedy(max_tokens), disagg=params)
 
-    def step(self) -> None:
-        for core in (self.ctx, self.gen):
-            for output in core.step():
-                self.outputs.setdefault(output.request_id, []).append(output)
-            eh.check_pipeline(core)
-
-    def final(self, rid: str) -> RequestOutput | None:
-        outs = self.outputs.get(rid, [])
-        return outs[-1] if outs and outs[-1].finished else None
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
-
-    def wait(self, rids: list[str], what: str) -> None:
-        wait_until(lambda: all(self.final(r) for r in rids), 60, what, step=self.step, interval_s=0.001)
+    def first_chunks(self, gen_id: str) -> None:
+        """One step of both (the first 32 prompt tokens prefilled), then only the generation engine
+        steps until their blocks land: the context leg cannot finish meanwhile."""
+        self.step()
+        wait_until(lambda: self.receiver.chunks_written(gen_id), 30, "the first chunks",
+                   step=lambda: self.outputs.setdefault(gen_id, []).extend(self.gen.step()), interval_s=0.001)
+        assert self.final(gen_id) is None
 
     def settle(self) -> None:
         """Every lease and pull ends; nothing stays pinned or in use."""
@@ -116,9 +107,7 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
 def test_aborting_both_legs_mid_prefill_releases_everything(make_pair):
     run = make_pair()
     ctx_id, gen_id = run.legs(_prompt(12, 200), 5)
-    run.step()  # the first 32 of 200 tokens prefilled; only the generation engine steps until they land
-    wait_until(lambda: run.receiver.chunks_written(gen_id), 30, "the first chunks",
-               step=lambda: run.outputs.setdefault(gen_id, []).extend(run.gen.step()), interval_s=0.001)
+    run.first_chunks(gen_id)
     assert run.final(ctx_id) is None and run.sender.pinned_blocks()
     run.gen.abort(gen_id)  # the client left: the router closes both legs
     run.ctx.abort(ctx_id)
@@ -128,7 +117,7 @@ def test_aborting_both_legs_mid_prefill_releases_everything(make_pair):
 def test_a_context_abort_alone_fails_the_generation_leg(make_pair):
     run = make_pair()
     ctx_id, gen_id = run.legs(_prompt(13, 200), 5)
-    wait_until(lambda: run.receiver.chunks_written(gen_id), 30, "the first chunks", step=run.step, interval_s=0.001)
+    run.first_chunks(gen_id)
     run.ctx.abort(ctx_id)
     run.wait([gen_id], "the generation leg to fail")
     assert run.final(gen_id).finish_reason == "error"
