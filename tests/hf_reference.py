@@ -53,6 +53,15 @@ def hf_greedy_ignore_eos(model_dir: str | Path, prompt_ids: Sequence[int], max_n
     return list(_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens, dtype, device, False))
 
 
+def hf_text_ignore_eos(model_dir: str | Path, prompt: str, max_new_tokens: int) -> str:
+    """`hf_greedy_ignore_eos` of a text prompt, decoded as a server's text answer is (special tokens dropped)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = hf_greedy_ignore_eos(model_dir, tokenizer.encode(prompt), max_new_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def hf_logits(model_dir: str | Path, token_ids: Sequence[int], *, dtype: torch.dtype = torch.float32,
               device: str = "cpu") -> torch.Tensor:
     """float32 logits [len(token_ids), vocab] of one forward over `token_ids`."""

@@ -205,8 +205,9 @@ class ModelRunner:
             self._check_limits(chunks)
             rows, logit_rows = replay
             picks = [-1] * len(rows)
+            starts = first_rows(chunks) if pending else []
             for i, row in (pending.rows.items() if pending else ()):
-                picks[first_rows(chunks)[i]] = row
+                picks[starts[i]] = row
             return self.graphs.run([_seq_layout(c) for c in rows], [c.token_ids[0] for c in rows],
                                    picks, pending.source if pending else None, logit_rows)
         return self.forward(self.prepare(chunks, pending))
@@ -265,6 +266,8 @@ def replay_plan(chunks: list[SeqChunk], fits: Callable[[int, int], bool]
     PREFILL_ROW_READS cached tokens in all (the decode kernel reads each row's whole context: long
     chunks belong to the prefill kernel)."""
     multi = [c for c in chunks if len(c.token_ids) > 1]
+    if not multi and all(c.need_logits for c in chunks):  # a decode step: its chunks are the rows
+        return (chunks, None) if fits(len(chunks), len(chunks)) else None
     if sum(len(c.token_ids) * (c.num_past + len(c.token_ids)) for c in multi) > PREFILL_ROW_READS:
         return None
     wanted, end = [], 0

@@ -9,7 +9,6 @@ import deploy_harness as dh
 import hf_reference
 import openai
 import pytest
-from transformers import AutoTokenizer
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
@@ -22,10 +21,7 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _hf_text(model: str, prompt: str, n: int) -> str:
-    model_dir = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(prompt), n)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return hf_reference.hf_text_ignore_eos(resolve_model(model), prompt, n)
 
 
 def _complete(client: openai.OpenAI, model: str, prompt: str, n: int = 16, **extra):
