@@ -139,3 +139,14 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+
+
+def greedy_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: float = 120) -> list[str]:
+    """Each prompt's greedy completion text (ignore_eos) from `url`, one request at a time."""
+    out = []
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+        assert response.status_code == 200, response.text
+        out.append(response.json()["choices"][0]["text"])
+    return out

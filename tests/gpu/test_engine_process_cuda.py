@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import deploy_harness
-import httpx
 import psutil
 import pytest
 import torch
@@ -22,13 +21,7 @@ CHILD = "server.engineproc.main"
 
 
 def _texts(url: str) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        out.append(response.json()["choices"][0]["text"])
-    return out
+    return deploy_harness.greedy_texts(url, PROMPTS, 24, 120)
 
 
 def _gpu_pids() -> set[int] | None:

@@ -7,7 +7,6 @@ Skipped without CUDA."""
 from __future__ import annotations
 
 import deploy_harness
-import httpx
 import pytest
 import torch
 from waiting import wait_until
@@ -19,13 +18,7 @@ STREAMED = {"context_servers": {"kv_stream": "on", "max_num_tokens": 64}}
 
 
 def _texts(url: str) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        out.append(response.json()["choices"][0]["text"])
-    return out
+    return deploy_harness.greedy_texts(url, PROMPTS, 16, 120)
 
 
 @pytest.mark.parametrize("same_host_ipc", [True, False])

@@ -5,7 +5,6 @@ crosses over, and the pair's greedy text equals the aggregated server's. Skipped
 from __future__ import annotations
 
 import deploy_harness
-import httpx
 import pytest
 import torch
 from waiting import wait_until
@@ -16,13 +15,7 @@ PROMPTS = ["The quick brown fox", "Topic: rivers. " + "filler words " * 40 + "No
 
 
 def _texts(url: str) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        out.append(response.json()["choices"][0]["text"])
-    return out
+    return deploy_harness.greedy_texts(url, PROMPTS, 24, 120)
 
 
 def test_the_pair_shares_one_gpu_and_matches_the_aggregated_server(tmp_path) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import deploy_harness as dh
 import hf_reference
-import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -31,13 +30,7 @@ CUDA = {"device": "cuda", "dtype": "float32", "kernels": "triton", "cuda_graphs"
 
 
 def _texts(url: str) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-        assert response.status_code == 200, response.text
-        out.append(response.json()["choices"][0]["text"])
-    return out
+    return dh.greedy_texts(url, PROMPTS, 24, 300)
 
 
 def _aggregated(tmp_path, model: str, tp: int, extra: dict | None = None) -> list[str]:
