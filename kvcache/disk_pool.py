@@ -5,14 +5,16 @@ Blocks move between neighbouring levels only, so the copies that touch the disk 
 hands both here, in the order the block manager recorded them, after any DMA still using those
 host rows has finished.
 
-- host -> disk: each row is copied into a buffer of the store's (the host slots are reused at once;
-  reused buffers: no page faults, kvcache/disk_buffers.py) and queued for its file with what the
-  file must say about its block (`describe`: the block now in that disk slot; none when the block
-  left it within the same call). A write the queue refuses is listed in `refused`: its block has
-  no bytes, and the tier drops it.
-- disk -> host: the bytes were read and checked before the block manager promoted the block
-  (`stage`, by kvcache/disk_tier.py); they are copied into the host rows, and their buffers given
-  back. What was staged and not used is given back at the end of the call (`end_call`).
+- host -> disk (`copy_out`): the rows are copied into buffers of the store's (the host slots are
+  reused at once; reused buffers: no page faults, kvcache/disk_buffers.py), then, when the pools'
+  copies are done (`queue_writes`), queued for their files with what each file must say about its
+  block (`describe`: the block now in that disk slot; none when the block left it within the same
+  call). A write the queue refuses is listed in `refused`: its block has no bytes, and the tier
+  drops it.
+- disk -> host (`copy_in`): the bytes were read and checked before the block manager promoted the
+  block (`stage`, by kvcache/disk_tier.py); they are copied into the host rows, and their buffers
+  given back. What was staged and not used is given back at the end of the call (`end_call`).
+Either way a call's rows move in one `copy_rows`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class DiskSlots:
         self.describe = describe  # disk slot -> the block there now (None: free)
         self.staged: dict[int, memoryview] = {}  # disk slot -> checked payload, for this call
         self.refused: list[int] = []  # disk slots whose write the queue refused (the tier drops them)
+        self.outgoing: list[tuple[int, BlockMeta, bytearray]] = []  # copied out, to queue (`queue_writes`)
 
     def stage(self, slot: int, payload: memoryview) -> None:
         """Keep a checked payload (a buffer of the store's, now this object's) for the copy of `slot`."""
@@ -46,28 +49,39 @@ class DiskSlots:
             self.store.buffers.give(payload)
         self.staged.clear()
 
-    def write(self, host_rows: torch.Tensor, src: list[int], dst: list[int]) -> None:
-        """Queue host rows `src` for disk slots `dst` (host_rows: [num_host_slots, words])."""
+    def copy_out(self, host_rows: torch.Tensor, src: list[int], dst: list[int]) -> None:
+        """Copy host rows `src` into write buffers for disk slots `dst` now (the host slots may be
+        reused right after); `queue_writes` hands them to the writers (host_rows: [num_host_slots, words])."""
         host_bytes = host_rows.view(torch.uint8)  # [num_host_slots, slot_bytes]
-        for host_slot, slot in zip(src, dst, strict=True):
-            meta = self.describe(slot)
-            if meta is None:
-                continue  # dropped again within the call: nothing to keep
-            buf = self.store.buffers.take(host_bytes.shape[1])
-            torch.frombuffer(buf, dtype=torch.uint8).copy_(host_bytes[host_slot])
+        jobs = [(host_slot, slot, meta) for host_slot, slot in zip(src, dst, strict=True)
+                if (meta := self.describe(slot)) is not None]  # None: dropped again within the call
+        bufs = [self.store.buffers.take(host_bytes.shape[1]) for _ in jobs]
+        copy_rows([torch.frombuffer(buf, dtype=torch.uint8) for buf in bufs], [host_bytes[h] for h, _, _ in jobs])
+        self.outgoing += [(slot, meta, buf) for (_, slot, meta), buf in zip(jobs, bufs, strict=True)]
+
+    def queue_writes(self) -> None:
+        """Queue what `copy_out` copied, once the call's copies are done: the writer threads' hashing
+        then does not compete with them for the CPU and the GIL."""
+        for slot, meta, buf in self.outgoing:
             if not self.store.write(self.window, slot, meta, buf):
                 self.store.buffers.give(buf)
                 self.refused.append(slot)
+        self.outgoing.clear()
 
-    def read(self, host_rows: torch.Tensor, src: list[int], dst: list[int]) -> None:
+    def copy_in(self, host_rows: torch.Tensor, src: list[int], dst: list[int]) -> None:
         """Copy the staged bytes of disk slots `src` into host rows `dst`."""
         host_bytes = host_rows.view(torch.uint8)  # [num_host_slots, slot_bytes]
-        for disk_slot, host_slot in zip(src, dst, strict=True):
+        payloads = []
+        for disk_slot in src:
             payload = self.staged.pop(disk_slot, None)
             if payload is None:
+                for p in payloads:
+                    self.store.buffers.give(p)
                 raise KVCacheError(f"internal: window {self.window}: disk slot {disk_slot} was promoted "
                                    f"without being read and checked first")
-            host_bytes[host_slot].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            payloads.append(payload)
+        copy_rows([host_bytes[h] for h in dst], [torch.frombuffer(p, dtype=torch.uint8) for p in payloads])
+        for payload in payloads:
             self.store.buffers.give(payload)
 
     def end_call(self) -> list[int]:
@@ -75,3 +89,10 @@ class DiskSlots:
         self.forget()
         refused, self.refused = self.refused, []
         return refused
+
+
+def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i] <- src[i] in one call: the engine thread gives up the GIL once for the lot, not once per
+    block (each time it has to win it back from the disk tier's reader and writer threads)."""
+    if dst:
+        torch._foreach_copy_(dst, src)

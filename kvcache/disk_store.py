@@ -72,6 +72,7 @@ class BlockMeta:
 
 
 _HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fits
+READ_CHUNK_BYTES = CHUNK_BYTES  # a reader's piece (scripts/bench_gpu_disk.py --read-chunk-bytes tries others)
 
 
 @dataclass
@@ -301,8 +302,8 @@ class DiskStore:
     def _read_payload(self, fd: int, offset: int, view: memoryview) -> bytes:
         """Fill `view` from the file at `offset`, piece by piece; the payload MAC of what was read."""
         h = payload_hasher(self.key)
-        for at in range(0, view.nbytes, CHUNK_BYTES):
-            piece = view[at:at + CHUNK_BYTES]
+        for at in range(0, view.nbytes, READ_CHUNK_BYTES):
+            piece = view[at:at + READ_CHUNK_BYTES]
             got = 0
             while got < piece.nbytes:
                 n = os.preadv(fd, [piece[got:]], offset + at + got)

@@ -6,13 +6,15 @@ and its address is `base + slot * slot_bytes`. Both pools start zeroed: attentio
 out-of-window positions, but 0 * NaN would still be NaN. The secondary pool lives in host memory,
 pinned when the primary pool is on CUDA.
 
-Copies: `execute` runs the block manager's copy ops in order, one batched indexed copy per run of
-consecutive ops with the same (src level, dst level). On CUDA the device-side gathers and scatters
+Copies: `execute` runs the block manager's copy ops in steps (`_steps`), each a parallel assignment
+(every source read, then every destination written) with one batched indexed copy per (src level,
+dst level), the result of running the ops one by one. On CUDA the device-side gathers and scatters
 run on the current stream; the host<->device DMAs (from/to pinned memory) run on two side streams,
-one per direction (`_TierStreams`), so an admission that offloads evicted blocks while it onboards
-others moves both at once on the GPU's two copy engines. Order is kept where it matters: a scatter
-waits for its onboard DMA; a DMA waits for the gather that staged it; a DMA that touches a host slot
-another direction's DMA may still be using waits for that one first.
+one per direction (`_TierStreams`), in pieces with an event each, so an admission that offloads
+evicted blocks while it onboards others moves both at once on the GPU's two copy engines. Order is
+kept where it matters: a scatter waits for its onboard DMA; a DMA waits for the gather that staged
+it; a DMA piece that touches a host slot another direction's DMA may still be using waits for that
+piece first.
 
 Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU: before it
 reads or writes host rows, every DMA still using them has finished (`_TierStreams.settle`).
@@ -21,7 +23,7 @@ reads or writes host rows, every DMA still using them has finished (`_TierStream
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +33,9 @@ from kvcache.errors import KVCacheError
 from kvcache.layout import CacheLayout
 
 DMA_WAIT_S = 30.0  # the longest wait for a DMA before the CPU touches its host rows
+# host<->device DMAs go in pieces of about this many slots, each with its own event: a step's
+# offloads into the host slots its onboards free wait for those pieces only, so both copy engines run
+DMA_CHUNK_SLOTS = 16
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -44,35 +49,48 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _batches(ops: Sequence[CopyOp]) -> list[tuple[tuple[Level, Level], list[CopyOp]]]:
-    """Ops grouped into ordered batches of one (src level, dst level) each, with the result of running
-    them one by one: a batch gathers all its sources, then writes. An op goes after the last batch it
-    conflicts with (reads a slot written there, or writes a slot read or written there) — into that
-    batch itself when it only writes a slot the batch reads or writes (the batch keeps the last
-    write) — else into the first later batch of its kind. So the offloads and onboards that one
-    admission interleaves (offload a victim, onboard into its slot, ...) become one batch each: one
-    gather, one scatter, few DMAs."""
-    batches: list[tuple[tuple[Level, Level], list[CopyOp], set, set]] = []
+Group = tuple[Level, Level, list[int], list[int]]  # (src level, dst level, src slots, dst slots ascending)
+Write = Callable[[], None]  # the second half of a group's copy (its writes), when they must wait
+
+
+def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Runs in pieces of about DMA_CHUNK_SLOTS slots (a longer run is one piece)."""
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for run in runs:
+        if size >= DMA_CHUNK_SLOTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(run)
+        size += run[2]
+    return chunks if chunks[0] else []
+
+
+def _slots(runs: list[tuple[int, int, int]]) -> list[int]:
+    return [first + k for _, first, n in runs for k in range(n)]
+
+
+def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
+    """Ops in steps, each step run as one parallel assignment (every source of the step read, then
+    every destination written), with the result of running the ops one by one: an op goes in the
+    first step after every step that writes its source or its destination, and not before a step
+    that reads its destination (reading first, that one still sees the old bytes). So the offloads
+    and onboards of one admission (offload a victim into the host slot the previous onboard freed,
+    onboard into the victim's slot, ...) take one step: one batch per (src, dst) level pair, where
+    running them in order took a batch per op (a 4k disk-tier hit: 257 batches)."""
+    steps: list[dict[tuple[Level, Level], dict[int, int]]] = []
+    written: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that writes it
+    read: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that reads it
     for op in ops:
-        key, src, dst = (op.src_level, op.dst_level), (op.src_level, op.src_slot), (op.dst_level, op.dst_slot)
-        home, start = None, 0
-        for i in range(len(batches) - 1, -1, -1):
-            k, _, reads, writes = batches[i]
-            if src in writes:
-                start = i + 1
-                break
-            if dst in reads or dst in writes:
-                home, start = (batches[i] if k == key else None), i + 1
-                break
-        if home is None:
-            home = next((b for b in batches[start:] if b[0] == key), None)
-        if home is None:
-            home = (key, [], set(), set())
-            batches.append(home)
-        home[1].append(op)
-        home[2].add(src)
-        home[3].add(dst)
-    return [(key, batch) for key, batch, _, _ in batches]
+        src, dst = (op.src_level, op.src_slot), (op.dst_level, op.dst_slot)
+        step = max(written.get(src, -1) + 1, written.get(dst, -1) + 1, read.get(dst, 0))
+        if step == len(steps):
+            steps.append({})
+        steps[step].setdefault((op.src_level, op.dst_level), {})[op.dst_slot] = op.src_slot
+        written[dst] = step
+        read[src] = max(read.get(src, 0), step)
+    return [[(s, d, [pairs[k] for k in sorted(pairs)], sorted(pairs)) for (s, d), pairs in step.items()]
+            for step in steps]
 
 
 def _rows(pool: torch.Tensor) -> torch.Tensor:
@@ -160,89 +178,128 @@ class GroupPools:
         return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary}.get(level)
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
-        """Run `ops` with the result of running them one by one, in a few batches (`_batches`)."""
-        for (src_level, dst_level), batch in _batches(ops):
-            # a destination written twice keeps the later source: the dict keeps the last write
-            pairs = sorted({op.dst_slot: op.src_slot for op in batch}.items())
-            self._copy(src_level, dst_level, [s for _, s in pairs], [d for d, _ in pairs])
+        """Run `ops` with the result of running them one by one, step by step (`_steps`): each
+        group of a step reads its sources (and writes what no one in the step still reads), then the
+        step's deferred writes run."""
+        try:
+            for step in _steps(ops):
+                reads = {(g[0], s) for g in step for s in g[2]}
+                writes = [self._copy(*g, defer=any((g[1], d) in reads for d in g[3])) for g in step]
+                for write in writes:
+                    if write is not None:
+                        write()
+        finally:
+            if self.disk is not None:
+                self.disk.queue_writes()
 
-    def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int]) -> None:
-        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run)."""
+    def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int],
+              defer: bool) -> Write | None:
+        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run).
+        With `defer`, the sources are read now and the writes returned, to run after the step's reads."""
         if Level.DISK in (src_level, dst_level):
-            self._copy_disk(dst_level, src, dst)
-            return
+            return self._copy_disk(dst_level, src, dst)
         src_rows, dst_rows = self._rows[src_level], self._rows[dst_level]
         assert src_rows is not None and dst_rows is not None
         if src_rows.device == dst_rows.device:
-            self._copy_same_device(src_rows, dst_rows, src, dst)
+            write = _copy_same_device(src_rows, dst_rows, src, dst, defer)
         elif dst_rows.device.type == "cpu":
-            self._copy_to_host(src_rows, dst_rows, src, dst, self._streams)
+            write = _copy_to_host(src_rows, dst_rows, src, dst, self._streams)
         else:
-            self._copy_to_device(src_rows, dst_rows, src, dst, self._streams)
+            write = _copy_to_device(src_rows, dst_rows, src, dst, self._streams)
+        if write is not None and not defer:
+            write()
+            return None
+        return write
 
-    def _copy_disk(self, dst_level: Level, src: list[int], dst: list[int]) -> None:
-        """Host rows -> disk slots (dst_level DISK) or disk slots -> host rows, on the CPU."""
+    def _copy_disk(self, dst_level: Level, src: list[int], dst: list[int]) -> Write | None:
+        """Host rows -> disk slots (dst_level DISK: the rows are copied out now, their writes queued
+        after the last step) or disk slots -> host rows (the staged bytes copied in as the write), on the CPU."""
         host = self._rows[Level.SECONDARY]
-        assert self.disk is not None and host is not None
-        if self._streams is not None:
-            self._streams.settle(src if dst_level is Level.DISK else dst)
+        disk, streams = self.disk, self._streams
+        assert disk is not None and host is not None
         if dst_level is Level.DISK:
-            self.disk.write(host, src, dst)
-        else:
-            self.disk.read(host, src, dst)
+            if streams is not None:
+                streams.settle(src)
+            disk.copy_out(host, src, dst)
+            return None
 
-    @staticmethod
-    def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
-                          dst: list[int]) -> None:
-        """One pass when the destinations (or, across pools, the sources) are one contiguous run."""
-        n = len(dst)
-        if src_rows is not dst_rows and dst[-1] - dst[0] == n - 1:  # gather straight into the slots
-            src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
-            torch.index_select(src_rows, 0, src_idx, out=dst_rows[dst[0]:dst[0] + n])
-            return
-        first = min(src)
-        if src_rows is not dst_rows and max(src) - first == n - 1 and len(set(src)) == n:  # scatter from slots
-            dst_by_src = [0] * n
-            for s, d in zip(src, dst, strict=True):
-                dst_by_src[s - first] = d
-            dst_idx = torch.tensor(dst_by_src, dtype=torch.int64, device=dst_rows.device)
-            dst_rows.index_copy_(0, dst_idx, src_rows[first:first + n])
-            return
+        def write() -> None:
+            if streams is not None:
+                streams.settle(dst)
+            disk.copy_in(host, src, dst)
+        return write
+
+
+def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
+                      defer: bool) -> Write | None:
+    """One pass when the destinations (or, across pools, the sources) are one contiguous run and
+    nothing waits for the reads; else a gather now and a scatter as the write."""
+    n = len(dst)
+    if not defer and src_rows is not dst_rows and dst[-1] - dst[0] == n - 1:  # gather straight into the slots
         src_idx = torch.tensor(src, dtype=torch.int64, device=src_rows.device)
-        dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_rows.device)
-        dst_rows.index_copy_(0, dst_idx, src_rows.index_select(0, src_idx))  # gathers before scattering
-
-    @staticmethod
-    def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
-                      dst: list[int], streams: _TierStreams | None) -> None:
+        torch.index_select(src_rows, 0, src_idx, out=dst_rows[dst[0]:dst[0] + n])
+        return None
+    first = min(src)
+    if src_rows is not dst_rows and max(src) - first == n - 1 and len(set(src)) == n:  # scatter from slots
+        dst_by_src = [0] * n
+        for s, d in zip(src, dst, strict=True):
+            dst_by_src[s - first] = d
+        dst_idx = torch.tensor(dst_by_src, dtype=torch.int64, device=dst_rows.device)
+        if not defer:
+            dst_rows.index_copy_(0, dst_idx, src_rows[first:first + n])
+            return None
+        staged = src_rows[first:first + n].clone()
+    else:
         staged = src_rows.index_select(0, torch.tensor(src, dtype=torch.int64, device=src_rows.device))
+        dst_idx = torch.tensor(dst, dtype=torch.int64, device=dst_rows.device)
+    return lambda: dst_rows.index_copy_(0, dst_idx, staged)  # gathers before scattering
+
+
+def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
+                  streams: _TierStreams | None) -> Write:
+    """Gather the device rows now; the write DMAs them into the host slots."""
+    staged = src_rows.index_select(0, torch.tensor(src, dtype=torch.int64, device=src_rows.device))
+
+    def write() -> None:
         if streams is None:  # no CUDA: plain copies
             for i, first, n in _runs(dst):
                 dst_rows[first:first + n].copy_(staged[i:i + n])
             return
-        streams.before_offload(dst)
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
-        with torch.cuda.stream(streams.d2h):
-            for i, first, n in _runs(dst):
-                dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+        for chunk in _chunks(_runs(dst)):
+            slots = _slots(chunk)
+            streams.before_offload(slots)
+            with torch.cuda.stream(streams.d2h):
+                for i, first, n in chunk:
+                    dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+            streams.after_offload(slots)
         staged.record_stream(streams.d2h)
-        streams.after_offload(dst)
+    return write
 
-    @staticmethod
-    def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int],
-                        dst: list[int], streams: _TierStreams | None) -> None:
-        order = sorted(range(len(src)), key=src.__getitem__)
-        src_sorted = [src[i] for i in order]
-        staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
-        if streams is None:
-            for i, first, n in _runs(src_sorted):
-                staged[i:i + n].copy_(src_rows[first:first + n])
-        else:
-            streams.before_onboard(src_sorted)
-            streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
+
+def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
+                    streams: _TierStreams | None) -> Write:
+    """DMA the host rows into a device buffer now; the write scatters it into the slots."""
+    order = sorted(range(len(src)), key=src.__getitem__)
+    src_sorted = [src[i] for i in order]
+    staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
+    if streams is None:
+        for i, first, n in _runs(src_sorted):
+            staged[i:i + n].copy_(src_rows[first:first + n])
+        done = None
+    else:
+        streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
+        for chunk in _chunks(_runs(src_sorted)):
+            slots = _slots(chunk)
+            streams.before_onboard(slots)
             with torch.cuda.stream(streams.h2d):
-                for i, first, n in _runs(src_sorted):
+                for i, first, n in chunk:
                     staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True)
-            torch.cuda.current_stream(staged.device).wait_event(streams.after_onboard(src_sorted))
-        dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
+            done = streams.after_onboard(slots)  # the last one: the h2d stream runs them in order
+    dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
+
+    def write() -> None:
+        if done is not None:
+            torch.cuda.current_stream(staged.device).wait_event(done)
         dst_rows.index_copy_(0, dst_idx, staged)
+    return write

@@ -159,7 +159,15 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny weights, the 8B KV layout (a CPU run)")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--chunk-bytes", type=int, help="the disk tier's read/write/hash piece size (a trial of "
+                                                        "kvcache/disk_format.py CHUNK_BYTES)")
+    parser.add_argument("--read-chunk-bytes", type=int, help="the same for reads only (READ_CHUNK_BYTES)")
     args = parser.parse_args()
+    import kvcache.disk_store
+    if args.chunk_bytes:
+        kvcache.disk_store.CHUNK_BYTES = kvcache.disk_store.READ_CHUNK_BYTES = args.chunk_bytes
+    if args.read_chunk_bytes:
+        kvcache.disk_store.READ_CHUNK_BYTES = args.read_chunk_bytes
     global TOKENS, VOCAB
     TOKENS = args.prompt_tokens
     install()

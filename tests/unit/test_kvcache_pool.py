@@ -1,4 +1,5 @@
-"""Pools: batched execution of copy commands (one indexed copy per batch), order between batches,
+"""Pools: copy commands run in steps (each a parallel assignment: sources read, then destinations
+written; one indexed copy per level pair and step), the result of running them one by one,
 duplicate destinations, and rows that are not a multiple of 8 bytes."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _reference(pools: GroupPools, ops: list[CopyOp]) -> dict[Level, torch.Tensor
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 4), (torch.uint8, 3)])
-def test_execute_matches_one_by_one_copies_with_one_indexed_copy_per_batch(device, dtype, dim):
+def test_execute_matches_one_by_one_copies_with_one_indexed_copy_per_group(device, dtype, dim):
     pools = _pools(device, dtype, dim)
     ops = [CopyOp(P, 3, S, 0), CopyOp(P, 2, S, 1), CopyOp(P, 0, S, 3),  # offloads (one batch)
            CopyOp(S, 2, P, 3), CopyOp(S, 0, P, 2),  # onboards: one reads what the offloads wrote
@@ -59,9 +60,15 @@ def test_execute_matches_one_by_one_copies_with_one_indexed_copy_per_batch(devic
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(pools.primary.cpu(), ref[P].cpu()) and torch.equal(pools.secondary, ref[S])
-    assert len(counter.calls) <= 2 * 6  # at most one gather and one scatter per batch, 6 batches
-    # CPU gathers once per batch; CUDA's host->device batch gathers by DMA of contiguous runs instead
-    assert counter.calls.count("index_select") == (6 if device == "cpu" else 4)
+    from kvcache.pool import _steps
+
+    groups = [g for step in _steps(ops) for g in step]
+    assert len(_steps(ops)) == 4 and len(groups) == 8
+    assert len(counter.calls) <= 2 * len(groups)  # at most one gather and one scatter per group
+    # a host->device group on CUDA gathers by DMA of contiguous runs, one indexed copy (its scatter)
+    to_device = sum(1 for g in groups if (g[0], g[1]) == (S, P))
+    assert counter.calls.count("index_copy_") + counter.calls.count("index_select") <= (
+        2 * len(groups) - (to_device if device == "cuda" else 0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -103,14 +110,31 @@ def test_random_op_sequences_match_one_by_one_copies(device):
 
 def test_an_admission_that_offloads_and_onboards_block_by_block_runs_two_batches():
     """Evict a victim to the host, onboard a needed block into the freed slot, repeat: the manager
-    records the ops interleaved; the pool runs all offloads in one batch, then all onboards (on CUDA
-    one small index upload and sync per batch instead of per block: a 4k host-tier hit took 74 ms
-    on an H200 with 257 batches, against 20 ms of DMA)."""
-    from kvcache.pool import _batches
+    records the ops interleaved; the pool runs them as one step of two batches (on CUDA one small
+    index upload and sync per batch instead of per block: a 4k host-tier hit took 74 ms on an H200
+    with 257 batches, against 20 ms of DMA)."""
+    from kvcache.pool import _steps
 
     ops = []
     for i in range(4):  # primary slot i holds a victim; host slot 4 + i is free; the needed block is on host slot i
         ops += [CopyOp(P, i, S, 4 + i), CopyOp(S, i, P, i)]
-    batches = _batches(ops)
-    assert [key for key, _ in batches] == [(P, S), (S, P)]
-    assert [len(b) for _, b in batches] == [4, 4]
+    assert [[(g[0], g[1], len(g[2])) for g in step] for step in _steps(ops)] == [[(P, S, 4), (S, P, 4)]]
+
+
+def test_a_chain_of_swaps_through_a_full_host_pool_is_one_step():
+    """A full host pool: each victim goes into the host slot the previous onboard freed (a disk-tier
+    hit onboards this way): still one step of two batches, not a batch per op."""
+    from kvcache.pool import _steps
+
+    ops = [CopyOp(P, 0, S, 7)]  # the first victim takes the one free host slot
+    for i in range(1, 5):  # the block on host slot i - 1 goes to primary slot i - 1, whose victim...
+        ops += [CopyOp(S, i - 1, P, i - 1), CopyOp(P, i, S, i - 1)]  # ...is the next op's
+    assert [[(g[0], g[1], len(g[2])) for g in step] for step in _steps(ops)] == [[(P, S, 5), (S, P, 4)]]
+
+
+def test_a_copy_of_a_slot_written_earlier_waits_for_the_next_step():
+    from kvcache.pool import _steps
+
+    ops = [CopyOp(P, 0, S, 1), CopyOp(S, 1, P, 2), CopyOp(P, 3, S, 2), CopyOp(S, 2, P, 3)]
+    steps = [[(g[0], g[1], g[2], g[3]) for g in step] for step in _steps(ops)]
+    assert steps == [[(P, S, [0, 3], [1, 2])], [(S, P, [1, 2], [2, 3])]]
