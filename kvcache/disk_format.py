@@ -8,7 +8,7 @@ A block file (`w{window}/{slot:06d}.kv`):
 The header MAC is keyed blake2b over everything before it; the header carries the payload's own
 MAC (`payload_mac`): HMAC-SHA256 under a subkey of the same key. SHA-256 because the payload is the
 bulk of a disk hit's work and OpenSSL's SHA-256 (SHA-NI) runs ~1.9 GB/s a core where blake2b runs
-~1.0 (docs/BENCHMARKS.md); readers and writers feed it the payload in `CHUNK_BYTES` pieces as they
+~1.0 (docs/BENCHMARKS.md); readers and writers feed it the payload in pieces (kvcache/disk_store.py) as they
 move them, while the piece is in the CPU's cache (`payload_hasher`). The key comes from the
 deployment token, so a file written under another token, torn by a crash, truncated or flipped on
 disk fails its check and is never served.
@@ -37,7 +37,7 @@ _LEN = struct.Struct("<I")
 PREFIX_BYTES = len(MAGIC) + _LEN.size
 MAX_HEADER_BYTES = 1 << 20  # tokens_per_block tokens fit many times over
 MANIFEST_VERSION = 2  # a directory of another version starts empty (its files are deleted)
-CHUNK_BYTES = 256 << 10  # a payload is read, written and hashed in pieces of this size
+CHUNK_BYTES = 256 << 10  # a payload is written and hashed in pieces of this size (reads: disk_store.py)
 
 
 class BlockHeader(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
