@@ -14,7 +14,13 @@ from waiting import wait_until
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PROMPTS = ["Topic: rivers. " + "filler words " * 40 + "Now answer briefly:", "abc " * 300, "The quick brown fox " * 30]
-STREAMED = {"context_servers": {"kv_stream": "on", "max_num_tokens": 64}}
+# No CUDA graphs on the context server: since mixed steps replay graphs (commit 039c15e), its 64-token
+# chunks run as one-token rows through the decode kernels, whose bf16 rounding is not the aggregated
+# server's one-chunk prefill; on this random-weight model the second prompt's greedy text then parted
+# within its 16 tokens (H200, session 21; with graphs off it passes). This test is about the KV crossing
+# over while prefilled, so both servers compute alike; the replayed rows' own exactness is
+# tests/gpu/test_async_cuda.py's (float32, against transformers).
+STREAMED = {"context_servers": {"kv_stream": "on", "max_num_tokens": 64, "cuda_graphs": False}}
 
 
 def _texts(url: str) -> list[str]:
