@@ -118,9 +118,11 @@ class _TierStreams:
     def before_onboard(self, host_slots: list[int]) -> None:
         _wait_for_overlap(self.h2d, self.writes, host_slots)
 
-    def after_offload(self, host_slots: list[int]) -> None:
+    def after_offload(self, host_slots: list[int]) -> torch.cuda.Event:
         _prune(self.writes)
-        self.writes.append((_recorded(self.d2h), frozenset(host_slots)))
+        event = _recorded(self.d2h)
+        self.writes.append((event, frozenset(host_slots)))
+        return event
 
     def after_onboard(self, host_slots: list[int]) -> torch.cuda.Event:
         _prune(self.reads)
@@ -255,6 +257,23 @@ def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[
     return lambda: dst_rows.index_copy_(0, dst_idx, staged)  # gathers before scattering
 
 
+def _dma(stream: torch.cuda.Stream, runs: list[tuple[int, int, int]], before: Callable[[list[int]], None],
+         after: Callable[[list[int]], torch.cuda.Event], copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
+    """`copy` each run (index, first host slot, length) on `stream`, in pieces (`_chunks`): a piece
+    first waits for the other direction's DMAs of its host slots (`before`), then records its own
+    event (`after`). Returns the last event: the stream runs the pieces in order."""
+    done = None
+    for chunk in _chunks(runs):
+        slots = _slots(chunk)
+        before(slots)
+        with torch.cuda.stream(stream):
+            for i, first, n in chunk:
+                copy(i, first, n)
+        done = after(slots)
+    assert done is not None
+    return done
+
+
 def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
                   streams: _TierStreams | None) -> Write:
     """Gather the device rows now; the write DMAs them into the host slots."""
@@ -266,13 +285,8 @@ def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int]
                 dst_rows[first:first + n].copy_(staged[i:i + n])
             return
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
-        for chunk in _chunks(_runs(dst)):
-            slots = _slots(chunk)
-            streams.before_offload(slots)
-            with torch.cuda.stream(streams.d2h):
-                for i, first, n in chunk:
-                    dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True)
-            streams.after_offload(slots)
+        _dma(streams.d2h, _runs(dst), streams.before_offload, streams.after_offload,
+             lambda i, first, n: dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True))
         staged.record_stream(streams.d2h)
     return write
 
@@ -289,13 +303,8 @@ def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[in
         done = None
     else:
         streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
-        for chunk in _chunks(_runs(src_sorted)):
-            slots = _slots(chunk)
-            streams.before_onboard(slots)
-            with torch.cuda.stream(streams.h2d):
-                for i, first, n in chunk:
-                    staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True)
-            done = streams.after_onboard(slots)  # the last one: the h2d stream runs them in order
+        done = _dma(streams.h2d, _runs(src_sorted), streams.before_onboard, streams.after_onboard,
+                    lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
     dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
 
     def write() -> None:
