@@ -39,6 +39,7 @@ if [[ "$mode" == load ]]; then
 fi
 if [[ "$mode" == disk ]]; then  # not in `all`: it writes ~10 GB to WORKDIR's disk
   python3 scripts/bench_gpu_disk.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_disk.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_disk.log" | grep -v '^SUMMARY'
+  python3 scripts/disk_floors.py --out "$out/disk_floors.json"  # the CPU's copy and MAC rates: a hit's floor
 fi
 if [[ "$mode" == spec ]]; then  # speculative decoding (issue 21 part 3): b1 TPOT with and without, not in `all'
   python3 scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_spec.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_spec.log" | grep -v '^SUMMARY'
