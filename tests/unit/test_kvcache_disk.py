@@ -95,6 +95,27 @@ def test_blocks_go_down_to_disk_and_come_back_up_with_their_ids(disk, tmp_path):
     assert book.assert_cached_blocks(m) == 5
 
 
+def test_a_hit_moves_its_rows_in_one_copy_each_way_before_any_write_is_queued(disk, monkeypatch):
+    """The hit of a2 (as above) evicts b and c from the host pool to disk and promotes a's block, in
+    one step (kvcache/pool.py `_steps`): b's and c's rows go out in one copy, a's bytes come in by
+    one, and the writes of b and c are queued only after every copy of the call (on the H200, copies
+    with the writers hashing alongside were many times slower: docs/BENCHMARKS.md)."""
+    import kvcache.disk_pool as disk_pool
+    from kvcache.disk_store import DiskStore
+
+    m = disk()
+    push_a_to_disk(m)
+    events: list[str] = []
+    copy_rows, write = disk_pool.copy_rows, DiskStore.write
+    monkeypatch.setattr(disk_pool, "copy_rows", lambda dst, src: (events.append(f"copy {len(dst)}"),
+                                                                   copy_rows(dst, src))[1])
+    monkeypatch.setattr(DiskStore, "write", lambda self, *args: (events.append("write"), write(self, *args))[1])
+    assert m.admit("a2", A + [9]) == 4
+    assert events == ["copy 2", "copy 1", "write", "write"]  # b and c out, a in; then their writes
+    assert_request_kv(m, "a2", A, 4)
+    m.check_integrity()
+
+
 @pytest.mark.parametrize(("damage", "reason"), [
     (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "corrupt"),
     (lambda p: p.write_bytes(p.read_bytes()[:-10]), "truncated"),
