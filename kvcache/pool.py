@@ -180,9 +180,9 @@ class GroupPools:
         return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary}.get(level)
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
-        """Run `ops` with the result of running them one by one, step by step (`_steps`): each
-        group of a step reads its sources (and writes what no one in the step still reads), then the
-        step's deferred writes run."""
+        """Run `ops` with the result of running them one by one, step by step (`_steps`): every group
+        of a step reads its sources, then the step's writes run (a group whose destinations no one in
+        the step reads may write at once, `_copy_same_device`)."""
         try:
             for step in _steps(ops):
                 reads = {(g[0], s) for g in step for s in g[2]}
@@ -196,22 +196,18 @@ class GroupPools:
 
     def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int],
               defer: bool) -> Write | None:
-        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run).
-        With `defer`, the sources are read now and the writes returned, to run after the step's reads."""
+        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run):
+        the sources are read now, the writes returned (None: done already, only when not `defer`,
+        which says someone in the step still reads a destination)."""
         if Level.DISK in (src_level, dst_level):
             return self._copy_disk(dst_level, src, dst)
         src_rows, dst_rows = self._rows[src_level], self._rows[dst_level]
         assert src_rows is not None and dst_rows is not None
         if src_rows.device == dst_rows.device:
-            write = _copy_same_device(src_rows, dst_rows, src, dst, defer)
-        elif dst_rows.device.type == "cpu":
-            write = _copy_to_host(src_rows, dst_rows, src, dst, self._streams)
-        else:
-            write = _copy_to_device(src_rows, dst_rows, src, dst, self._streams)
-        if write is not None and not defer:
-            write()
-            return None
-        return write
+            return _copy_same_device(src_rows, dst_rows, src, dst, defer)
+        if dst_rows.device.type == "cpu":
+            return _copy_to_host(src_rows, dst_rows, src, dst, self._streams)
+        return _copy_to_device(src_rows, dst_rows, src, dst, self._streams)
 
     def _copy_disk(self, dst_level: Level, src: list[int], dst: list[int]) -> Write | None:
         """Host rows -> disk slots (dst_level DISK: the rows are copied out now, their writes queued
