@@ -109,6 +109,11 @@ def server_configs(tmp: Path) -> tuple[Path, Path, Path]:
     return ctx, gen, router
 
 
+def logs(tmp: Path) -> str:
+    """The last lines each server wrote (for a failure's message)."""
+    return "\n".join(f"--- {n}\n" + (tmp / f"{n}.log").read_text()[-3000:] for n in ("ctx", "gen", "router"))
+
+
 @contextmanager
 def two_hosts(tmp: Path) -> Iterator[dict[str, str]]:
     problem = netns_problem()
@@ -129,8 +134,7 @@ def two_hosts(tmp: Path) -> Iterator[dict[str, str]]:
         urls = {"ctx": f"http://{CTX_MGMT}:8001", "gen": f"http://{GEN_MGMT}:8002", "router": f"http://{GEN_MGMT}:8000"}
         for name, url in urls.items():
             alive = lambda: all(p.poll() is None for p in procs)
-            assert wait_for_health(url, 180, alive), f"{name} not healthy\n" + "\n".join(
-                (tmp / f"{n}.log").read_text()[-3000:] for n in ("ctx", "gen", "router"))
+            assert wait_for_health(url, 180, alive), f"{name} not healthy\n" + logs(tmp)
         yield urls
     finally:
         for proc in procs:
@@ -161,7 +165,9 @@ def test_partition_during_transfers_every_request_ends_and_nothing_leaks(tmp_pat
         router = urls["router"]
         body = {"prompt": "Two hosts share the KV of one request. " * 40, "max_tokens": 16, "temperature": 0.0,
                 "ignore_eos": True}  # ~1000 prompt tokens: 2 MiB of KV, ~0.4 s on the shaped link
-        reference = httpx.post(f"{router}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        first = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200, f"{first.status_code} {first.text}\n" + logs(tmp_path)
+        reference = first.json()["choices"][0]["text"]
         outcomes: list[tuple[int, str]] = []
 
         def one(i: int) -> None:
