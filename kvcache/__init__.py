@@ -1,6 +1,6 @@
 """Paged KV cache manager: blocks, reuse tree, pools, offload/onboard, block id -> slot translation.
 
-See DESIGN.md §3. Dependencies point inward only: kvcache imports nothing of server/ or transceiver/.
+See docs/structure.md. Dependencies point inward only: kvcache imports nothing of server/ or transceiver/.
 The names below load on first use (PEP 562), so a process that needs only `Level` or the block
 hashing (the router) does not import torch with the pools.
 """

@@ -1,4 +1,4 @@
-"""KVCacheManager: the facade the engine and the transceiver use (DESIGN.md §3).
+"""KVCacheManager: the facade the engine and the transceiver use.
 
 One BlockManager + GroupPools per window group (VSWA: layers grouped by attention window; a full
 attention layer's window is max_seq_len). Request calls keep every live request's blocks PRIMARY with
@@ -283,7 +283,7 @@ class KVCacheManager:
         for b in blocks:
             g.bm.unpin(b)
 
-    # ---- translation (DESIGN.md §3)
+    # ---- translation
     def get_memory_pool_block_indices(self, block_ids: Sequence[int], window_size: int | None = None,
                                       require_primary: bool = True) -> list[int]:
         """Current slots of logical block ids (-1 stays -1): primary slots, or, with

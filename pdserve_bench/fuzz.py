@@ -1,4 +1,4 @@
-"""HTTP fuzzing of pdserve's OpenAI surface with schemathesis (issue 11, item 8).
+"""HTTP fuzzing of pdserve's OpenAI surface with schemathesis.
 
 `fuzz(base_url, max_examples)` reads the target's GET /openapi.json (server/openai/openapi.py), lets
 schemathesis generate requests for every operation (valid and invalid bodies, wrong types, odd

@@ -20,8 +20,8 @@ import torch
 from kvcache import KvCacheConfig, KVCacheManager
 from pdserve_bench import options
 from server.models.builtin import materialize_builtin
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, SeqChunk
-from server.models.spec import load_spec
 
 CONTEXT, BATCH, ROUNDS = 256, 8, 7
 HELP = "one engine step of 8 decode tokens against one transformers generate decode step"

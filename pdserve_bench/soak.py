@@ -1,4 +1,4 @@
-"""CPU soak (issue 11 item 10): many concurrent streams for minutes under KV pool pressure.
+"""CPU soak: many concurrent streams for minutes under KV pool pressure.
 
 1. An aggregated server gives the reference text of every prompt (greedy, ignore_eos).
 2. A disaggregated deployment with small pools: the context server's primary pool holds 1024 tokens

@@ -1,4 +1,4 @@
-"""The disk tier's read and write paths on the CPU (issue 21, part 2): the same KVCacheManager code
+"""The disk tier's read and write paths on the CPU: the same KVCacheManager code
 the GPU benchmark (scripts/bench_gpu_disk.py) runs, at its sizes, with CPU pools.
 
 Layout: 32 layers x 8 kv heads x 128 head_dim, float16, 32 tokens per block: 4 MiB a block, and a

@@ -1,4 +1,4 @@
-"""GPU fast-path figures of issue 10, engine level, in one process: the ceilings first, then ratios.
+"""GPU fast-path figures, engine level, in one process: the ceilings first, then ratios.
 
 Builds (once) a random-weight bfloat16 model with Llama-3.1-8B dimensions (`pdserve_bench.
 gpu_handoff.build_model`), builds the engine exactly as `pdserve serve` does (`server.deploy.serve.build_core`: weights,

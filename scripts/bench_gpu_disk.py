@@ -1,4 +1,4 @@
-"""Disk tier figure of issue 21 (part 2), engine level: a disk-tier hit of a 4,096-token prompt
+"""Disk tier figure, engine level: a disk-tier hit of a 4,096-token prompt
 against a miss (goal: <= 0.4 of a miss), on the 8B-shaped model (`pdserve_bench.gpu_handoff.build_model`),
 the engine built as `pdserve serve` builds it (scripts/bench_gpu.py `make_core`).
 
@@ -37,7 +37,7 @@ from bench_gpu import RESULTS, ceilings, make_core, record, ttft_ms
 from disk_hit_spans import install, raw_read_gb_s, spans_of
 
 from pdserve_bench.gpu_handoff import build_model
-from server.models.spec import load_spec
+from server.models.model_spec import load_spec
 
 # `--small`: the 8B model's KV layout (32 layers x 8 kv heads x 128) with tiny weights, to run the
 # engine-level flow on a CPU (docs/BENCHMARKS.md "Disk tier, engine level")

@@ -1,4 +1,4 @@
-"""Streamed KV figure of issue 21 (part 1) on one GPU: a 16k-token prompt through a disaggregated pair
+"""Streamed KV figure on one GPU: a 16k-token prompt through a disaggregated pair
 (router + context + generation server on the same GPU, `pdserve launch`) of the 8B-shaped model
 (`pdserve_bench.gpu_handoff.build_model`, its positions raised to 32k), KV streamed while it is
 prefilled (`kv_stream: on`) against the whole prompt sent after the prefill (`kv_stream: off`).
@@ -8,7 +8,7 @@ Per deployment, medians of `--repeats` fresh prompts (no prefix hit):
 - pair: a request for 2 tokens (the context server's first token, then one decoded by the
   generation server from the pulled KV): its time until the generation server had the KV, plus
   one decode step.
-Goal (issue 21): streamed pair <= 1.05x its context leg alone.
+Goal: streamed pair <= 1.05x its context leg alone.
 
     python scripts/bench_gpu_kv_stream.py --workdir /tmp/bench-gpu [--layers 32] [--prompt 16384] [--chunk 2048]
 

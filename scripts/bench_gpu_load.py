@@ -1,4 +1,4 @@
-"""Issue 19, serving under load on the GPU, in one command: the 8B-shaped model, phases in order.
+"""Serving under load on the GPU, in one command: the 8B-shaped model, phases in order.
 
 a. engine ceilings (scripts/bench_gpu_load_engine.py, a child process whose GPU memory is freed
    before any server starts): HBM GB/s, b1 TPOT, c=C decode tok/s and step time of the engine;

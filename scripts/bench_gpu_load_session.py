@@ -141,7 +141,7 @@ def _plan_config(plan: LoadPlan) -> dict[str, Any]:
 def report_markdown(s: Session) -> str:
     rows = [(label, r["figures"]) for label, r in s.groups.items()]
     engine = ", ".join(f"{k} {v:.4g}" if _number(v) else f"{k} {v}" for k, v in s.engine.items())
-    lines = ["# Issue 19: serving under load (scripts/bench_gpu_load.py)", "", f"Engine (phase a): {engine}", "",
+    lines = ["# Serving under load (scripts/bench_gpu_load.py)", "", f"Engine (phase a): {engine}", "",
              f"Goodput SLO: TTFT <= {s.args.slo_ttft_ms:g} ms, TPOT <= {s.args.slo_tpot_ms:g} ms.", "",
              "## Goals", "", comparisons_table(list(s.comparisons.values())), "", "## Runs", "",
              percentile_table(rows), "", load_table(rows), ""]

@@ -1,4 +1,4 @@
-"""GPU figures of issue 10 that need the servers: `pdserve launch` deployments of the 8B-shaped
+"""GPU figures that need the servers: `pdserve launch` deployments of the 8B-shaped
 model, measured over HTTP with streaming (time to the first SSE event, token gaps).
 
 For each deployment, aggregated (router + 1 aggregated server) and disaggregated (router + context +

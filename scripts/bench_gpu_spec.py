@@ -1,4 +1,4 @@
-"""Speculative decoding figure of issue 21 (part 3), engine level: batch-1 TPOT with and without
+"""Speculative decoding figure, engine level: batch-1 TPOT with and without
 n-gram speculation on the 8B-shaped random-weight model (`pdserve_bench.gpu_handoff.build_model`),
 the engine built as `pdserve serve` builds it (async scheduling and decode CUDA graphs on CUDA;
 verify steps replay the decode graphs, each verify token a decode row: runner.as_decode_rows).
@@ -13,7 +13,7 @@ Workloads (one request at a time, INPUT tokens in, OUTPUT out, ignore_eos):
   never land; the adaptive pause must keep it within 5% of no speculation).
 Each figure: median b1 TPOT off / on, the speed-up, acceptance rate, tokens per verify step, and
 whether the outputs were identical (greedy, and seeded sampling: they must be).
-Goal (issue 21): copy >= 1.8x faster; random and sampled never more than 5% slower.
+Goal: copy >= 1.8x faster; random and sampled never more than 5% slower.
 
     python scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu [--layers 32] [--k 4]
     python scripts/bench_gpu_spec.py --model builtin:tiny-llama --output-len 64   # a CPU smoke run
@@ -37,9 +37,9 @@ from pdserve_bench.gpu_handoff import CYCLE_FIRST, build_model
 from server.config.schema import server_config_from_dict
 from server.deploy.serve import build_core
 from server.engine.core import EngineCore
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.decoder import NoSpeculation, SpecDecoder
-from server.engine.spec.ngram import NgramDrafter
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
+from server.engine.speculative.ngram import NgramDrafter
 from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest, SamplingParams
 

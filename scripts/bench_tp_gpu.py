@@ -1,9 +1,9 @@
-"""Tensor-parallel figures on GPUs (issue 20), on the Llama-3.1-8B-shaped random bf16 model.
+"""Tensor-parallel figures on GPUs, on the Llama-3.1-8B-shaped random bf16 model.
 
 - agreement: greedy tokens of TP=2 and TP=4 (as many as the GPUs allow) against TP=1 over 64 new
   tokens for a few prompts: tokens equal, and where the first difference is (bf16 sums of partial
   projections round differently from one GEMM, so an exact match is not guaranteed);
-- tpot: batch-1 TPOT (128 in / 256 out) of each size, and TP=N / TP=1 (issue 20: <= 0.65 at TP=2);
+- tpot: batch-1 TPOT (128 in / 256 out) of each size, and TP=N / TP=1 (goal: <= 0.65 at TP=2);
 - handoff: a context server TP=2 and a generation server TP=1 (`pdserve serve` each, the context on
   GPUs 0,1 and the generation on the next GPU, or on GPU 0 with only two): the KV handoff time
   and bytes of a 4,096-token prompt, bytes per context rank (each sends its kv heads' share).

@@ -3,7 +3,7 @@
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
 #   MODE: tests | bench | serving | profile | load | disk | tp | spec | kv_stream | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
 #   kv_stream (issue 21, part 1): a 16k prompt's pair TTFT, KV streamed while prefilled vs sent after it; not part of `all'.
-#   load (issue 19; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
+#   load (serving under load; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
 #   tp: tensor-parallel figures (scripts/bench_tp_gpu.py; sizes the GPUs allow), not part of `all'.
 set -uo pipefail
 mode="${1:-all}"; shift || true

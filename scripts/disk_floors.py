@@ -1,4 +1,4 @@
-"""The CPU's floors under a disk-tier hit (issue 21, part 2), for docs/BENCHMARKS.md "Disk tier on
+"""The CPU's floors under a disk-tier hit, for docs/BENCHMARKS.md "Disk tier on
 the H200": how fast this machine copies block rows between pinned host memory and the disk tier's
 buffers (the two copies a hit makes: evicted host rows out, promoted rows in) and how fast it
 computes the payload MAC (HMAC-SHA256, what a read checks) on 1..16 threads. Best of a few runs.

@@ -112,7 +112,7 @@ class LinkState:
 
 class EngineServer(EngineClient, Protocol):
     """What one server's routes and its drain read beyond `EngineClient` (server/deploy/serve.py).
-    Two implementations: the engine thread in this process (`server.engine.async_engine`) and the
+    Two implementations: the engine thread in this process (`server.engine.engine_thread`) and the
     engine in a child process (`server.engineproc.client`)."""
 
     load_error: BaseException | None  # the engine could not start (the process exits)

@@ -15,12 +15,12 @@ from waiting import wait_until
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
 from server.engine.scheduler import SchedulerConfig
-from server.engine.spec.build import build_spec
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.decoder import SpecDecoder
+from server.engine.speculative.build import build_spec
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.decoder import SpecDecoder
 from server.models.builtin import resolve_model
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner
-from server.models.spec import load_spec
 from server.types import GenerateRequest, RequestOutput, SamplingParams
 
 _ids = itertools.count()

@@ -1,4 +1,4 @@
-"""`create_app`: the FastAPI application of one server (STYLE.md #12).
+"""`create_app`: the FastAPI application of one server.
 
 The engine is created in `lifespan` by the factory the caller passes, stored on `app.state.engine`
 and reached through the dependencies in `server.api.deps`; there are no module globals, so tests

@@ -1,4 +1,4 @@
-"""The context leg of a request whose KV is streamed while it is prefilled (issue 21).
+"""The context leg of a request whose KV is streamed while it is prefilled.
 
 The router asks for it (`disaggregated_params.kv_stream` on a context_only request); this server
 decides (`kv_stream` in its config: `kv_stream_min_tokens`, set in server/deploy/serve.py). When it

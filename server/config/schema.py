@@ -38,7 +38,7 @@ from server.config.checks import (
     split_host_port,
 )
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
-from server.engine.spec.config import SpeculativeConfig
+from server.engine.speculative.config import SpeculativeConfig
 from server.models.catalog import attention_heads
 from server.models.parallel.plan import tp_problem
 from server.router.auth import RouterAccess
@@ -92,7 +92,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
     async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
-    # speculative decoding (server/engine/spec/): method off | ngram | draft_model, default off
+    # speculative decoding (server/engine/speculative/): method off | ngram | draft_model, default off
     speculative: SpeculativeConfig = SpeculativeConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()

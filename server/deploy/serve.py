@@ -26,15 +26,15 @@ from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.engine import status
-from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
+from server.engine.engine_thread import AsyncEngine
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
-from server.engine.spec.build import build_spec
+from server.engine.speculative.build import build_spec
 from server.engineproc.client import EngineProcess, RemoteKvEvents
 from server.models.builtin import resolve_model
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
-from server.models.spec import load_spec
 from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics

@@ -1,6 +1,6 @@
-"""The engine step: receive -> schedule -> run -> postprocess -> transfer -> send (STYLE.md #3).
+"""The engine step: receive -> schedule -> run -> postprocess -> transfer -> send.
 
-Async scheduling (issue 19) pipelines two steps: step k is launched while step k-1 runs on the
+Async scheduling pipelines two steps: step k is launched while step k-1 runs on the
 GPU, then step k-1 is postprocessed (one event wait). A row whose input is step k-1's token reads
 it on the device (runner.PendingTokens); the scheduler counts that token as pending (request.py).
 A request that ends at step k-1 while in step k discards its step-k token, and its blocks are
@@ -20,7 +20,7 @@ from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
-from server.engine.spec.decoder import NoSpeculation, SpecDecoder
+from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
@@ -48,7 +48,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling  # may change between steps (a benchmark compares both)
         self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
-        self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/spec/)
+        self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/speculative/)
         self._vocab = 0  # width of the last step's logits (a seeded verify rewinds its generator by rows)
 
     @property
@@ -253,7 +253,7 @@ class EngineCore:
         return self._output(request, [token])
 
     def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> RequestOutput | None:
-        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/spec/).
+        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/speculative/).
         The computed count rolls back over the rejected drafts (their K/V is overwritten later)."""
         run = self.spec.accept(request, drafts, targets, self._vocab)
         request.num_computed_tokens -= len(drafts) + 1 - len(run)

@@ -1,4 +1,4 @@
-"""A launched step's sampled token ids on their way to the host (async scheduling, issue 19).
+"""A launched step's sampled token ids on their way to the host (async scheduling).
 
 `SampledStep` starts one non-blocking device->host copy of the step's sampled ids into a pinned
 buffer and records an event behind it; `tokens()` waits for that event: the step's one host

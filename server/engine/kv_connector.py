@@ -1,6 +1,6 @@
 """The KV hand-over between the engine and the transceiver, one connector per server role.
 
-Decision side only (STYLE.md #7): which blocks a request needs and who frees them; the bytes move
+Decision side only: which blocks a request needs and who frees them; the bytes move
 in `transceiver/`. A connector is given requests and returns data (params, ids that arrived or
 failed); it never holds the engine. `EngineCore.step` calls it in plain lines:
 

@@ -1,4 +1,4 @@
-"""Per-request state inside the engine (unified token accounting, STYLE.md #4).
+"""Per-request state inside the engine (unified token accounting).
 
 A request has `num_tokens` (prompt + generated) and `num_computed_tokens` (tokens whose K/V are in
 the cache). There are no separate prefill/decode phases: a step computes

@@ -1,7 +1,7 @@
 """Continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
 
 Decisions only: which requests run this step and how many tokens each computes. Blocks are
-reserved through the KV manager here; tensors are never touched (STYLE.md #2).
+reserved through the KV manager here; tensors are never touched.
 
 Invariants:
 - every request in `running` or `transferring` holds blocks for all of its computed tokens and for
@@ -46,7 +46,7 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     num_new_tokens: int  # drafts included
-    drafts: tuple[int, ...] = ()  # speculative decoding: tokens after the last one to verify (spec/)
+    drafts: tuple[int, ...] = ()  # speculative decoding: tokens after the last one to verify (speculative/)
 
     @property
     def need_logits(self) -> bool:
@@ -197,7 +197,7 @@ class Scheduler:
         A generation-only request arrives holding its first token: it reuses what it can of the
         prompt (all of it may match, no logits are needed) and reserves room for that token too.
         It pulls the rest by whole blocks, so a partly matching block is reused only if it
-        completes the prompt (else the pull would overwrite the copy: DESIGN.md §2 step 5).
+        completes the prompt (else the pull would overwrite the copy).
         """
         prompt_kv_only = request.is_generation_only and not request.admitted_once
         tokens = request.prompt_token_ids if prompt_kv_only else request.all_token_ids

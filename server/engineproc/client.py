@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from server.config.schema import ServerConfig
 from server.deploy.supervisor import exit_text
-from server.engine.async_engine import merged
 from server.engine.commands import Abort, Add, Release
+from server.engine.engine_thread import merged
 from server.engineproc.link import HttpEnd, private_dir
 from server.engineproc.spawn import Launch, start_engine_process, stop_engine_process
 from server.engineproc.wire import (

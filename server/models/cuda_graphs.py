@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps, applied from outside the model (STYLE.md #10).
+"""CUDA graphs for decode steps, applied from outside the model.
 
 At start-up the runner captures one graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...
 up to the engine's max_batch_size), largest first, sharing one memory pool. Each graph replays the

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from server.models.attention import AttentionBackend
+from server.models.model_spec import ModelSpec
 from server.models.ops import ModelOps, TorchOps
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
-from server.models.spec import ModelSpec
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 

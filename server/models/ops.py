@@ -1,6 +1,6 @@
 """The model's steps between GEMMs, as one small interface with a plain torch implementation and a
 fused Triton one (`server.models.kernels`, CUDA only). The model calls these; which one it gets is
-decided outside it (`ModelRunner`), so the model code stays plain (STYLE.md #10).
+decided outside it (`ModelRunner`), so the model code stays plain.
 
 Both compute what transformers' modules compute, rounding where they round (see kernels/elementwise.py).
 """

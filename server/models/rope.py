@@ -12,7 +12,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from server.models.spec import ModelSpec, rope_parameters
+from server.models.model_spec import ModelSpec, rope_parameters
 
 
 def inv_freq_and_scaling(spec: ModelSpec, device: torch.device) -> tuple[torch.Tensor, float]:

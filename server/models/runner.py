@@ -19,9 +19,9 @@ import torch
 from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.llama import LlamaModel
+from server.models.model_spec import ModelSpec, load_spec
 from server.models.ops import ModelOps, TorchOps, TritonOps
 from server.models.parallel.context import RankShard
-from server.models.spec import ModelSpec, load_spec
 from server.models.weights import load_tensors, safetensors_files
 
 log = logging.getLogger(__name__)

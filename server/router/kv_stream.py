@@ -1,4 +1,4 @@
-"""The router's half of streamed KV (issue 21): a context leg that answers early.
+"""The router's half of streamed KV: a context leg that answers early.
 
 The router asks every context leg for streamed KV (`disaggregated_params.kv_stream`). A context
 server that streams this prompt (server/api/context_stream.py) answers at once with an SSE stream

@@ -1,4 +1,4 @@
-"""The rank channel: rank 0's ROUTER and one DEALER per other rank, on loopback (STYLE.md #5, #6).
+"""The rank channel: rank 0's ROUTER and one DEALER per other rank, on loopback.
 
 A message is `[seq, payload, mac]`: `seq` the sender's 8-byte little-endian message counter, which
 must be exactly one more than the last one received from that peer (nothing replayed, dropped or

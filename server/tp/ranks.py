@@ -32,9 +32,9 @@ import torch
 from kvcache import KVCacheManager, Level
 from kvcache.block import CopyOp
 from server.config.schema import ServerConfig
+from server.models.model_spec import ModelSpec
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
-from server.models.spec import ModelSpec
 from server.tp import worker
 from server.tp.channel import ChannelError, RootEnd
 from server.tp.disk import DiskChecks, disk_metas

@@ -1,6 +1,6 @@
 """Rank 0's model runner of a tensor-parallel server: every step goes to the other ranks first.
 
-It wraps the rank's own `ModelRunner` (shard 0) from outside (STYLE.md #10): `execute` queues the
+It wraps the rank's own `ModelRunner` (shard 0) from outside: `execute` queues the
 step (`Forward`) after the pool copies rank 0's KV manager ran since the last one, sends them, then
 runs shard 0, whose collectives meet the other ranks'. The engine sees the runner it always saw:
 what `EngineCore` reads of its runner is here (tests/unit/test_tp_runner.py checks that nothing it
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from server.models.model_spec import ModelSpec
 from server.models.parallel import group
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
-from server.models.spec import ModelSpec
 from server.tp.messages import Forward, SeqStep
 from server.tp.ranks import Ranks
 

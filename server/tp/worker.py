@@ -30,10 +30,10 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.layout import CacheLayout
 from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
+from server.models.model_spec import load_spec
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_dtype
-from server.models.spec import load_spec
 from server.tp.channel import RankEnd
 from server.tp.disk import block_metas
 from server.tp.messages import (

@@ -1,4 +1,4 @@
-"""Async scheduling on CUDA (issue 19): the engine with Triton kernels and decode CUDA graphs, float32.
+"""Async scheduling on CUDA: the engine with Triton kernels and decode CUDA graphs, float32.
 Async outputs equal sync outputs and transformers' on the GPU; async decode steps never synchronise
 the stream (the one wait per step is an event's), and a step returns while the step it launched is
 still on the GPU. Skipped without CUDA."""

@@ -1,4 +1,4 @@
-"""Streamed KV on one GPU (issue 21, part 1): `pdserve launch` of the pair with `kv_stream: on` and
+"""Streamed KV on one GPU: `pdserve launch` of the pair with `kv_stream: on` and
 64-token prefill steps, so each prompt's blocks cross over (CUDA IPC batches, transceiver/sender/
 stream.py, and with `same_host_ipc: false` the byte path) while the prompt is prefilled; the greedy
 text equals the aggregated server's, every transfer was streamed, and no block stays in use.
@@ -17,7 +17,7 @@ PROMPTS = ["Topic: rivers. " + "filler words " * 40 + "Now answer briefly:", "ab
 # No CUDA graphs on the context server: since mixed steps replay graphs (commit 039c15e), its 64-token
 # chunks run as one-token rows through the decode kernels, not the prefill kernels the aggregated
 # server's one-chunk prefill runs; with them the second prompt's greedy text parted within its 16
-# tokens on the H200 (session 21; with graphs off it passes). bf16 rounding of other kernels is the
+# tokens on the H200 (with graphs off it passes). bf16 rounding of other kernels is the
 # likely cause (the rows are exact against transformers in float32: tests/gpu/test_async_cuda.py);
 # the float32 run of this pair with graphs on, which would tell, is docs/GPU.md's next check. This
 # test is about the KV crossing over while prefilled, so both servers compute alike here.

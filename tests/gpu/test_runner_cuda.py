@@ -13,8 +13,8 @@ import torch
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import materialize_builtin
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_dtype
-from server.models.spec import load_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

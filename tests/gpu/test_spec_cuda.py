@@ -12,7 +12,7 @@ import hf_reference
 import pytest
 import torch
 
-from server.engine.spec.config import SpeculativeConfig
+from server.engine.speculative.config import SpeculativeConfig
 from server.models.builtin import resolve_model
 from server.types import SamplingParams
 

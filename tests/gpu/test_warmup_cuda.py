@@ -16,8 +16,8 @@ from server.engine.core import EngineCore
 from server.engine.scheduler import SchedulerConfig
 from server.models import dense_prefill
 from server.models.builtin import materialize_builtin
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner
-from server.models.spec import load_spec
 from server.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu_load.py (issue 19's one GPU command) end to end on the CPU with builtin:tiny-llama
+"""scripts/bench_gpu_load.py (the one GPU command for serving under load) end to end on the CPU with builtin:tiny-llama
 and tiny sizes: every phase runs, prints its figures and goals, and leaves records, report and plots.
 The figures themselves mean nothing here (2 shared cores); the GPU run is the lead's."""
 

@@ -341,7 +341,7 @@ def test_duplicate_and_spent_transfer_ids_get_4xx_and_disturb_nothing(shared):
             text += json.loads(next(events))["choices"][0]["text"]
     assert text.startswith(reference)  # the first request went on undisturbed (it is aborted on leaving)
     # its lease was released by the Ack. The generation server now holds the whole prompt and would
-    # pull nothing for it (issue 14: only missing blocks are pulled), so ask under a salt it holds
+    # pull nothing for it (only missing blocks are pulled), so ask under a salt it holds
     # nothing for: then it must pull, and the spent lease is refused
     spent, seconds = generation_only(gen, prompt, {**params, "cache_salt": "nothing-cached-under-this"})
     assert_transfer_failed(spent, seconds, f"no lease for ctx_request_id '{params['ctx_request_id']}'", status=404)

@@ -1,4 +1,4 @@
-"""schemathesis against the router and both servers of a real deployment (issue 11, item 8).
+"""schemathesis against the router and both servers of a real deployment.
 
 Every operation of GET /openapi.json, a few dozen generated requests each: no answer >= 500, every
 4xx in OpenAI's error shape. The servers are fuzzed as a client would reach them (no token: their

@@ -1,4 +1,4 @@
-"""Streamed KV on real processes (issue 21, part 1): the longest prompt tiny-llama takes (3,968
+"""Streamed KV on real processes: the longest prompt tiny-llama takes (3,968
 tokens: its positions end at 4,096, so not the issue's 16k) through a pair whose KV link is slowed
 down to 64 MB/s with 2 ms per message (`test_link_*`, transceiver/sender/stream.py), prefilled in
 256-token steps.

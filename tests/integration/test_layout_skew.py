@@ -1,4 +1,4 @@
-"""Layout skew is refused up front (issue 11, item 6; Dynamo #14416).
+"""Layout skew is refused up front (Dynamo #14416).
 
 A deployment whose generation servers use another tokens_per_block than its context server: the
 generation server shakes hands with the context server in the background (it knows it from the

@@ -1,4 +1,4 @@
-"""Request migration on a real deployment: 1 context + 2 generation servers (issue 11, item 4).
+"""Request migration on a real deployment: 1 context + 2 generation servers.
 
 The generation server serving a stream is SIGKILLed mid-stream; the router moves the request to the
 other one (re-prefill of prompt + generated tokens through the context server) and the client's

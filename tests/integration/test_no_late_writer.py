@@ -1,4 +1,4 @@
-"""No late writer (issue 11, item 5; SGLang #24527): a slot a KV transfer may still write is not
+"""No late writer (SGLang #24527): a slot a KV transfer may still write is not
 reused until that transfer has ended or been cancelled.
 
 Two real engines in one process, each with its own KV pool and transceiver thread, on loopback: a
@@ -27,8 +27,8 @@ from server.engine.core import EngineCore
 from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.engine.scheduler import SchedulerConfig
 from server.models.builtin import resolve_model
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner
-from server.models.spec import load_spec
 from server.types import DisaggParams, GenerateRequest
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver

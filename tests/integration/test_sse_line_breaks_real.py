@@ -1,4 +1,4 @@
-"""SSE through a real deployment whose every event carries U+2028 / U+2029 / U+0085 (issue 11, item 7).
+"""SSE through a real deployment whose every event carries U+2028 / U+2029 / U+0085.
 
 The model is served from a directory whose name holds the three characters, so the `model` field
 of every event has them: the router's own first events (made from the context answer) and the

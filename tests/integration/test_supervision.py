@@ -1,4 +1,4 @@
-"""Supervision and graceful drain on real deployments (issue 11, items 2 and 3).
+"""Supervision and graceful drain on real deployments.
 
 1. `pdserve launch` restarts a SIGKILLed generation server, then a SIGKILLed context server, on
    their ports: the router fences each at once and unfences it when healthy, the peer that stayed

@@ -1,5 +1,5 @@
 """Two hosts: context and generation servers in separate network namespaces, a 2 s partition
-during transfers (issue 11, item 9).
+during transfers.
 
 Namespaces (`ip netns`, veth pairs), as two machines and a management network would be:
     ctx ns  10.213.0.1 ==== data link ==== 10.213.0.2  gen ns (generation server + router)

@@ -1,4 +1,4 @@
-"""Async scheduling (issue 19) through the whole engine on the CPU, forced on: step k is launched
+"""Async scheduling through the whole engine on the CPU, forced on: step k is launched
 before step k-1's tokens are postprocessed, pending tokens are read on the device. Outputs token for
 token against transformers and equal to sync mode (stops, lengths, sampling seeds), under preemption
 with a host tier, with aborts mid-pipeline; the pipeline's state is checked after every step."""

@@ -16,7 +16,7 @@ from waiting import wait_until
 
 from server.api.app import create_app
 from server.api.routes.health import EPOCH
-from server.engine.async_engine import AsyncEngine
+from server.engine.engine_thread import AsyncEngine
 from server.engine.health import HealthCheck, find_problems
 from server.engine.kv_connector import ContextConnector
 from server.types import DisaggParams

@@ -1,5 +1,5 @@
 """/health beyond a loaded engine (server/api/readiness.py) with real transceivers in-process:
-a dead socket thread makes the server unhealthy, naming the thread (issue 11 item 2); a generation
+a dead socket thread makes the server unhealthy, naming the thread; a generation
 server's background handshake names the layout field a context server disagrees on (item 6); a
 draining server says so and refuses new requests (item 3)."""
 

@@ -1,5 +1,5 @@
 """Exact-state tests of the KV cache manager without offload: block ids, ref counts, free order,
-reuse and eviction order after each step (STYLE.md #13). tpb 4, 4 primary blocks unless stated."""
+reuse and eviction order after each step. tpb 4, 4 primary blocks unless stated."""
 
 from __future__ import annotations
 

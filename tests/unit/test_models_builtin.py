@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from server.models import builtin
-from server.models.spec import load_spec
+from server.models.model_spec import load_spec
 
 
 @pytest.fixture(scope="module")

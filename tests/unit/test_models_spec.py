@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.models.builtin import build_tiny_model
-from server.models.spec import load_spec
+from server.models.model_spec import load_spec
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -1,4 +1,4 @@
-"""The deployment keys of issue 11: restart policy, router.migration_limit, drain_timeout_s."""
+"""The deployment keys: restart policy, router.migration_limit, drain_timeout_s."""
 
 from __future__ import annotations
 

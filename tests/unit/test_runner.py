@@ -17,8 +17,8 @@ import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_device, resolve_dtype
-from server.models.spec import load_spec
 
 TPB = 16
 MAX_SEQ_LEN = 512

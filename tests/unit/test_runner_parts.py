@@ -12,8 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from server.models.attention import layer_units
 from server.models.builtin import build_tiny_model
+from server.models.model_spec import load_spec
 from server.models.rope import Rotary, apply_rotary
-from server.models.spec import load_spec
 
 TPB = 4
 

@@ -3,7 +3,7 @@ requests hold a pending token (sampled, id still on the device).
 
 Real KV manager (tpb 4), no model: tokens are marked computed and sampled by hand as the engine
 does (`launch`: counts move and sampled requests get a pending token; `arrive`: the ids reach the
-host one step later), and tests assert the plans and the KV state (STYLE.md #13).
+host one step later), and tests assert the plans and the KV state.
 """
 
 from __future__ import annotations

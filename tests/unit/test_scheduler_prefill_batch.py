@@ -1,7 +1,7 @@
 """Exact step plans under `max_prefill_batch_tokens`: which prompts start in a step, in what chunks.
 
 Real KV manager (tpb 4, 64 blocks), no model: the scheduler decides, tests assert the plan
-(STYLE.md #13). Tokens are marked computed by hand, as the engine's postprocess would.
+Tokens are marked computed by hand, as the engine's postprocess would.
 """
 
 from __future__ import annotations

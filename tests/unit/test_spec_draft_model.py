@@ -12,8 +12,8 @@ import hf_reference
 import pytest
 
 from server.engine.request import Request
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.draft_model import build_draft_drafter
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.draft_model import build_draft_drafter
 from server.models.builtin import resolve_model
 from server.types import SamplingParams
 

@@ -11,8 +11,8 @@ import hf_reference
 import pytest
 
 from kvcache.hashing import block_hashes, request_salt
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.decoder import MIN_BACKOFF, SpecDecoder
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.decoder import MIN_BACKOFF, SpecDecoder
 from server.models.builtin import resolve_model
 from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.metrics import ServerMetrics

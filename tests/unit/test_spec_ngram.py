@@ -10,9 +10,9 @@ import torch
 
 from server.engine.request import Request
 from server.engine.sampler import sample, sample_on_device
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.ngram import NgramDrafter, NgramIndex, propose_ngram
-from server.engine.spec.verify import VerifyRow, accepted_prefix, emitted, sampling_rows
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.ngram import NgramDrafter, NgramIndex, propose_ngram
+from server.engine.speculative.verify import VerifyRow, accepted_prefix, emitted, sampling_rows
 from server.types import SamplingParams
 
 

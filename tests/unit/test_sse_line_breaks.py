@@ -1,4 +1,4 @@
-"""SSE data lines never hold U+0085 / U+2028 / U+2029 raw (issue 11, item 7).
+"""SSE data lines never hold U+0085 / U+2028 / U+2029 raw.
 
 httpx's `iter_lines`/`aiter_lines` split on every line end `str.splitlines()` knows, these three
 included; an event whose JSON carried one raw was cut in two there. Both the servers' SSE

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from pdserve_bench import tiny_story_corpus as corpus
 from server.models import builtin
-from server.models.spec import load_spec
+from server.models.model_spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +145,7 @@ def test_an_installed_wheel_carries_the_model(tmp_path):
     [wheel] = (tmp_path / "dist").glob("pdserve-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(tmp_path / "site")
-    code = ("from server.models.builtin import resolve_model; from server.models.spec import load_spec; "
+    code = ("from server.models.builtin import resolve_model; from server.models.model_spec import load_spec; "
             "p = resolve_model('builtin:tiny-story'); load_spec(p); print(p)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})

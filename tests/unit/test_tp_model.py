@@ -22,12 +22,12 @@ import torch
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
+from server.models.model_spec import load_spec
 from server.models.parallel import group
 from server.models.parallel.context import RankShard, TensorParallel, TorchComm
 from server.models.parallel.plan import ShardPlan, kv_head_range, tp_problem
 from server.models.parallel.shard import plan_for
 from server.models.runner import ModelRunner, SeqChunk
-from server.models.spec import load_spec
 
 TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 12
 PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window

@@ -27,8 +27,8 @@ from server.models.attention import SeqLayout  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
 from server.models.kernels import attention as A  # noqa: E402
 from server.models.kernels import elementwise as E  # noqa: E402
+from server.models.model_spec import load_spec  # noqa: E402
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk  # noqa: E402
-from server.models.spec import load_spec  # noqa: E402
 
 SLOTS, LAYERS, TPB, KVH, D, H = 40, 3, 8, 2, 32, 8
 

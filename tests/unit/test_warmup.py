@@ -18,8 +18,8 @@ from kvcache import KvCacheConfig, KVCacheManager  # noqa: E402
 from server.models.attention import SeqLayout, StepLayout  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
 from server.models.kernels.attention import decode_splits  # noqa: E402
+from server.models.model_spec import load_spec  # noqa: E402
 from server.models.runner import ModelRunner, SeqChunk  # noqa: E402
-from server.models.spec import load_spec  # noqa: E402
 from server.models.warmup import warm_steps  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

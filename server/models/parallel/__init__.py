@@ -1,4 +1,4 @@
-"""Tensor parallelism, applied to the plain model from outside (STYLE.md #10).
+"""Tensor parallelism, applied to the plain model from outside.
 
 `plan.py` says which heads, FFN columns and vocabulary rows a rank holds (`ShardPlan`), `shard.py`
 loads only those slices from safetensors, and `context.py` holds the three places where the ranks

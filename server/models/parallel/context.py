@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from server.models.model_spec import ModelSpec
 from server.models.parallel.plan import ShardPlan
 from server.models.parallel.shard import load_shard, local_spec, plan_for
-from server.models.spec import ModelSpec
 
 
 class ParallelContext(Protocol):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from server.models.model_spec import ModelSpec
 from server.models.parallel.plan import ShardPlan
-from server.models.spec import ModelSpec
 from server.models.weights import load_tensors, safetensors_files
 
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")

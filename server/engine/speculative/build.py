@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from server.engine.scheduler import SchedulerConfig
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.decoder import NoSpeculation, SpecDecoder
-from server.engine.spec.draft_model import build_draft_drafter
-from server.engine.spec.ngram import NgramDrafter
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
+from server.engine.speculative.draft_model import build_draft_drafter
+from server.engine.speculative.ngram import NgramDrafter
 
 
 def build_spec(config: SpeculativeConfig, limits: SchedulerConfig, runner=None) -> SpecDecoder | NoSpeculation:

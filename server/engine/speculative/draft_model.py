@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from kvcache import KvCacheConfig, KVCacheManager, OutOfBlocksError
 from server.engine.request import Request
 from server.models.builtin import resolve_model
+from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, SeqChunk
-from server.models.spec import load_spec
 
 TOKENS_PER_BLOCK = 16
 

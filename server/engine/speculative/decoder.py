@@ -26,8 +26,8 @@ import torch
 from kvcache import KVCacheManager, OutOfBlocksError
 from server.engine.request import Request, Status
 from server.engine.scheduler import ScheduledChunk, SchedulerConfig
-from server.engine.spec.config import SpeculativeConfig
-from server.engine.spec.verify import VerifyRow, accepted_prefix, rewind, sampling_rows, seeded_state
+from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.verify import VerifyRow, accepted_prefix, rewind, sampling_rows, seeded_state
 
 MISS_LIMIT = 2
 MIN_BACKOFF = 8

@@ -1,1 +1,0 @@
-"""Speculative decoding on the engine: drafters propose tokens, one forward verifies them (issue 21.3)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding on the engine: drafters propose tokens, one forward verifies them."""
