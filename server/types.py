@@ -15,25 +15,51 @@ from typing import Literal, Protocol
 from server.openai.protocol import DisaggParams, RequestType
 
 __all__ = ["DisaggParams", "EngineClient", "EngineServer", "GenerateRequest", "LinkState", "RequestOutput",
-           "RequestType", "SamplingParams"]
+           "RequestType", "SamplingParams", "StructuredSpec", "TokenLogprob"]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 DEFAULT_RETENTION_PRIORITY = 35  # TensorRT-LLM's default KV retention priority
 
 
 @dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the output: `kind` "json_object" (any JSON object), "json_schema" (`spec` is
+    the schema as JSON text), "regex" (`spec` a regular expression), "choice" (`spec` a JSON list of
+    strings), "grammar" (`spec` an EBNF/Lark grammar)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    spec: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings (OpenAI fields plus vLLM's extras)."""
+    """Per-request decoding settings (OpenAI fields plus vLLM's extras).
+
+    Log-probabilities are those of the model's own distribution (log_softmax of the raw logits,
+    before penalties, biases, temperature, top-k/top-p/min-p and grammar masks)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # 0: off; else drop tokens whose probability is below min_p x the top token's
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    n: int = 1  # choices; they share the prompt's KV blocks (forked after the prompt is computed)
+    logprobs: int | None = None  # None: off; k >= 0: each sampled token's logprob and its top k alternatives
+    prompt_logprobs: int | None = None  # None: off; k >= 0: the same for every prompt token (echo)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from tokens that appear in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM/transformers: tokens in prompt or output, divided (>0) or multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    structured: StructuredSpec | None = None  # output constrained by a grammar
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -53,12 +79,24 @@ class GenerateRequest:
     kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY  # 0..100: evicted last when high
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability: the token there, its logprob, and the `top` most likely
+    tokens of that position as (token id, logprob), most likely first (as many as were asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
-    """One increment of a request's output; the last one has `finished=True`.
+    """One increment of one choice of a request's output; each choice's last has `finished=True`.
 
-    `new_token_ids`/`new_text` hold only what is new since the previous output of the request.
-    Counters are cumulative.
+    `new_token_ids`/`new_text` hold only what is new since the previous output of that choice
+    (`index`, 0..n-1). Counters are cumulative per choice (`prompt_tokens` is the prompt's).
+    `logprobs` (when asked) has one entry per `new_token_ids`; `prompt_logprobs` (when asked) is
+    set on a choice's first output: one entry per prompt token, None for the first.
     """
 
     request_id: str
@@ -72,6 +110,9 @@ class RequestOutput:
     error: str | None = None
     error_code: int = 500  # HTTP status to use when finish_reason == "error"
     disagg: DisaggParams | None = None  # set on the final output of a context_only request
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineClient(Protocol):
