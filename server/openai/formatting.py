@@ -1,7 +1,7 @@
 """Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
 
 The servers format every output with these, and the router the text it streams itself (the first
-token of a context answer, the last of a moved stream: server/router/streaming.py), so both write
+token of a context answer, the last of a moved stream: server/router/answers.py), so both write
 the same chunks. Both formatters have the same surface:
 `chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
 `usage_chunk(final) -> str`, `response(text, final) -> str` (a whole non-streaming body).

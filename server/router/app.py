@@ -6,10 +6,9 @@ the requests), so FastAPI's request models and dependency layer would only add w
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
@@ -24,23 +23,18 @@ from server.auth import token_headers
 from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response
 from server.openai.openapi import openapi_document
-from server.openai.sse import EventStream, unless_disconnected
 from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
-from server.router.context_events import generation_params, opening_events
 from server.router.dashboard import Dashboard, dashboard_routes
-from server.router.early_legs import EarlyLegs
 from server.router.errors import LegError
+from server.router.flow import Ask, ClientGone, RequestFlow
 from server.router.http_client import HttpClient, HttpError
-from server.router.kv_stream import EarlyContext
-from server.router.migration import new_migration
-from server.router.orchestrator import Orchestrator, Upstream, context_finished
+from server.router.legs import Legs
 from server.router.policies import Prompt
 from server.router.probe import health_generate
 from server.router.routing import Routing
 from server.router.routing_config import RoutingConfig
-from server.router.streaming import ContextFirstStream, context_first_response, relay_response, sse_from_final
 
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
                         "may not carry it")
@@ -59,12 +53,8 @@ class RouterSettings:
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
     drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
-    migration_limit: int = 1  # moves of one streamed request to another generation server (orchestrator)
+    migration_limit: int = 1  # moves of one streamed request to another generation server (migration.py)
     routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (docs/ROUTING.md)
-
-
-class ClientGone(Exception):
-    pass
 
 
 @dataclass
@@ -73,7 +63,7 @@ class RouterState:
     client: HttpClient
     context: list[Backend]
     generation: list[Backend]
-    orchestrator: Orchestrator
+    legs: Legs
     monitor: HealthMonitor
     routing: Routing
     tokenizer: object | None = None
@@ -88,10 +78,10 @@ class RouterState:
         legs = Histogram("pdserve_router_leg_latency_seconds", "Time of one leg of a request, from sending it "
                          "to its answer (a stream: to its end), by leg", ["leg"], buckets=LEG_BUCKETS,
                          registry=self.registry)
-        self.orchestrator.observe_leg = lambda leg, seconds: legs.labels(leg).observe(seconds)
+        self.legs.observe_leg = lambda leg, seconds: legs.labels(leg).observe(seconds)
         self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
                                   "after theirs died", registry=self.registry)
-        self.orchestrator.on_migration = self.migrations.inc
+        self.legs.on_migration = self.migrations.inc
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:
@@ -116,9 +106,9 @@ def _build_state(settings: RouterSettings) -> RouterState:
     routing.follow_events(client, settings.auth_token, headers, registry)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s,
                             poll_hashes=settings.policy == "kv_cache_snapshot", headers=headers)
-    orchestrator = Orchestrator(client, context, generation, routing.context_picker, routing.generation_picker,
-                                settings.request_timeout_s, settings.auth_token, settings.migration_limit)
-    state = RouterState(settings, client, context, generation, orchestrator, monitor, routing,
+    legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
+                settings.request_timeout_s, settings.auth_token, settings.migration_limit)
+    state = RouterState(settings, client, context, generation, legs, monitor, routing,
                         _load_tokenizer(settings.model) if routing.needs_tokens else None, registry)
     state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
     monitor.on_round = state.dashboard.scrape_all
@@ -201,8 +191,10 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     if problem is not None:
         return error_response(400, problem)
     prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
+    local = not state.legs.disaggregated or state.routing.serve_locally(prompt)  # no context leg
+    flow = RequestFlow(state.legs, Ask(path, body, chat, prompt), local)
     try:
-        response = await _route(request, state, path, body, chat, prompt)
+        response = await flow.respond(request.receive)
     except LegError as exc:
         state.requests.labels("error").inc()
         return JSONBody(exc.body, exc.status)
@@ -213,67 +205,10 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
     return response
 
 
-async def _route(request: Request, state: RouterState, path: str, body: dict, chat: bool, prompt) -> Response:
-    orchestrator = state.orchestrator
-    params = None
-    if orchestrator.disaggregated and not state.routing.serve_locally(prompt):
-        orchestrator.require_generation()
-        ctx = await _unless_disconnected(request, orchestrator.context_leg(path, body, prompt, kv_stream=True))
-        if isinstance(ctx, EarlyContext):  # streamed KV: the generation leg starts now
-            legs = EarlyLegs(orchestrator, ctx, path, body, prompt)
-            answer = await _unless_disconnected(request, legs.context_answer())
-            return await _unless_disconnected(request, legs.respond(answer, chat, _final_answer))
-        if context_finished(ctx.json):
-            return _final_answer(ctx.json, body, chat)
-        if body.get("stream"):
-            return _stream_from_context(orchestrator, ctx, path, body, chat, prompt)
-        params = generation_params(ctx.json, first_text_streamed=False)
-    try:
-        upstream = await _unless_disconnected(request, orchestrator.generation_leg(path, body, prompt, params))
-    except BaseException:
-        if params is not None:  # the generation leg never pulled: free the context server's lease
-            await asyncio.shield(orchestrator.release_context(ctx.backend, params))
-        raise
-    if upstream.stream is not None:
-        return relay_response(upstream.stream, upstream.backend)
-    return JSONBody(upstream.json)
-
-
 def _max_tokens(body: dict) -> int:
     """The tokens a request may generate, as its generation leg's share of a server's load."""
     value = body.get("max_completion_tokens", body.get("max_tokens"))
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 16
-
-
-def _stream_from_context(orchestrator: Orchestrator, ctx: Upstream, path: str, body: dict, chat: bool,
-                         prompt) -> Response:
-    """The router sends the context answer's first token itself, then relays the generation leg
-    (and moves the request to another generation server if that one dies: server/router/migration.py)."""
-    params = generation_params(ctx.json, first_text_streamed=True)
-    migration = new_migration(orchestrator, ctx.json, path, body, chat)
-    if migration is not None:
-        params = replace(params, report_tokens=True)
-    return context_first_response(ContextFirstStream(
-        opening_events(ctx.json, chat),
-        lambda: orchestrator.generation_leg(path, body, prompt, params),
-        lambda: orchestrator.release_context(ctx.backend, params), migration))
-
-
-def _final_answer(ctx: dict, body: dict, chat: bool) -> Response:
-    for choice in ctx.get("choices", []):
-        choice.pop("disaggregated_params", None)
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return EventStream(sse_from_final(ctx, chat, include_usage))
-    return JSONBody(ctx)
-
-
-async def _unless_disconnected(request: Request, leg: Awaitable):
-    """Await a leg, but cancel it (closing the upstream connection) if the client goes away."""
-    done, result = await unless_disconnected(lambda: leg, request.receive)
-    if not done:
-        raise ClientGone()
-    return result
 
 
 async def _models(request: Request) -> Response:

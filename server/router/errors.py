@@ -1,4 +1,4 @@
-"""A failed leg of a routed request, raised by the leg picker (queue.py) and the orchestrator."""
+"""A failed leg of a routed request, raised by the leg picker (queue.py) and the legs (legs.py)."""
 
 from __future__ import annotations
 
@@ -12,3 +12,12 @@ class LegError(Exception):
         self.body = body or error_body(status, message)
         self.untouched = untouched  # the server never took the request (unreachable, draining): try another
         self.lost = False  # the connection broke after the server took the request (it died)
+
+    def of_leg(self, leg: str) -> LegError:
+        """The same failure, its message naming the leg (a server's own 4xx body is kept as it is)."""
+        message = str(self)
+        if not message.startswith(f"{leg} leg failed"):
+            message = f"{leg} leg failed: {message}"
+        error = LegError(self.status, message, self.body if self.status < 500 else None, untouched=self.untouched)
+        error.lost = self.lost
+        return error

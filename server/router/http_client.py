@@ -7,7 +7,7 @@ Timeouts: connecting within `connect_timeout_s`; `request` bounds the whole exch
 `timeout`; `stream` bounds the wait for the headers, then for each piece of the body, by it. A
 streamed body its reader does not keep up with pauses the socket (aiohttp's flow control), so a
 slow client cannot make the router buffer a whole answer. Every failure below HTTP is one of three
-errors the orchestrator tells apart: the server could not be reached (`ConnectError`), the
+errors the legs tell apart: the server could not be reached (`ConnectError`), the
 exchange broke (`ReadError`), or it was too slow (`RequestTimeout`). Bodies go out and come back
 through the request path's one JSON codec (server/openai/wire.py).
 """

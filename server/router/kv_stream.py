@@ -3,7 +3,7 @@
 The router asks every context leg for streamed KV (`disaggregated_params.kv_stream`). A context
 server that streams this prompt (server/api/context_stream.py) answers at once with an SSE stream
 whose first event holds the lease's parameters; `open_context` returns them as an `EarlyContext`,
-and the router starts the generation leg right away (server/router/app.py `_streamed_kv`), whose
+and the router starts the generation leg right away (server/router/flow.py), whose
 pull takes the blocks while they are prefilled. The second event is the context answer as it would
 have come (`EarlyContext.rest`), or its error with the status it would have had. A server that does
 not stream the prompt answers plain JSON, as before. The client sees no difference: the first token
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from server.openai.protocol import DisaggParams
-from server.openai.wire import loads
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.http_client import HttpError, Response, StreamResponse
+from server.router.sse_reader import EventSplitter, event_data, split_events
 
 _PARAMS = TypeAdapter(DisaggParams)
 EVENT_STREAM = "text/event-stream"
@@ -32,17 +32,16 @@ class Events:
 
     def __init__(self, stream: StreamResponse) -> None:
         self._chunks: AsyncIterator[bytes] = stream.aiter_raw()
-        self._buffer = b""
+        self._splitter = EventSplitter()
+        self._events: list[bytes] = []
 
     async def next(self) -> object | None:
-        while b"\n\n" not in self._buffer:
+        while not self._events:
             chunk = await anext(self._chunks, None)
             if chunk is None:
                 return None
-            self._buffer += chunk
-        event, self._buffer = self._buffer.split(b"\n\n", 1)
-        data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
-        return None if data in (b"", b"[DONE]") else loads(data)
+            self._events = split_events(self._splitter.feed(chunk))
+        return event_data(self._events.pop(0))
 
 
 @dataclass

@@ -19,10 +19,10 @@ import time
 from starlette.requests import Request
 
 from server.openai.wire import JSONBody
-from server.router.context_events import generation_params
+from server.router.answers import context_finished, generation_params
 from server.router.errors import LegError
 from server.router.http_client import HttpError
-from server.router.orchestrator import Orchestrator, context_finished
+from server.router.legs import Legs
 from server.router.policies import Prompt
 
 PATH = "/v1/completions"
@@ -44,10 +44,10 @@ def probe_body() -> dict:
 async def health_generate(request: Request) -> JSONBody:
     state = request.app.state.router
     start = time.monotonic()
-    where = {"leg": "context" if state.orchestrator.disaggregated else "generation", "server": None}
+    where = {"leg": "context" if state.legs.disaggregated else "generation", "server": None}
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
-            used = await _run(state.orchestrator, where)
+            used = await _run(state.legs, where)
     except ProbeFailed as exc:
         return _failed(exc.leg, exc.error, exc.server, start)
     except TimeoutError:
@@ -60,7 +60,7 @@ def _failed(leg: str, error: str, server: str | None, start: float) -> JSONBody:
                          "seconds": round(time.monotonic() - start, 4)}, 503)
 
 
-async def _run(orch: Orchestrator, where: dict) -> dict:
+async def _run(orch: Legs, where: dict) -> dict:
     body, prompt = probe_body(), Prompt(lambda: None)
     if not orch.disaggregated:  # aggregated servers behind the router: one server does it all
         upstream = await _generation(orch, body, prompt, None, where)
@@ -84,7 +84,7 @@ async def _run(orch: Orchestrator, where: dict) -> dict:
     return {"context": ctx.backend.url, "generation": upstream.backend.url}
 
 
-async def _generation(orch: Orchestrator, body: dict, prompt: Prompt, params: dict | None, where: dict):
+async def _generation(orch: Legs, body: dict, prompt: Prompt, params: dict | None, where: dict):
     backend = orch.generation_policy.choose(orch.generation, prompt, set())
     if backend is None:
         raise ProbeFailed("generation", "no healthy generation server")
@@ -98,7 +98,7 @@ async def _generation(orch: Orchestrator, body: dict, prompt: Prompt, params: di
         raise ProbeFailed(leg, str(exc), backend.url) from exc
 
 
-async def _runs_alone(orch: Orchestrator, url: str) -> bool:
+async def _runs_alone(orch: Legs, url: str) -> bool:
     try:
         response = await orch.client.request("GET", f"{url}/health_generate", headers=orch.headers,
                                              timeout=PROBE_SERVER_TIMEOUT_S)

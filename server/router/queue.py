@@ -46,12 +46,15 @@ class Booking:
         backend.active += 1
         backend.load_tokens += tokens
 
-    def done(self) -> None:
+    def done(self) -> bool:
+        """True the first time (the booking ended now)."""
         on_done, self._on_done = self._on_done, None
-        if on_done is not None:
-            self.backend.active -= 1
-            self.backend.load_tokens -= self.tokens
-            on_done()
+        if on_done is None:
+            return False
+        self.backend.active -= 1
+        self.backend.load_tokens -= self.tokens
+        on_done()
+        return True
 
 
 class QueueMetrics:

@@ -1,5 +1,5 @@
 """The router's own stream pieces: the opening events made from a context answer, the parameters of
-the generation leg, and the stream that follows (leg failures and client departures)."""
+the generation leg, and the request's flow that follows (leg failures and client departures)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import json
 from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
 from server.openai.sse import DONE
+from server.router.answers import generation_params, opening_events
 from server.router.backends import Backend
-from server.router.context_events import generation_params, opening_events
 from server.router.errors import LegError
+from server.router.flow import Ask, ClientGone, RequestFlow
 from server.router.http_client import ReadError, StreamResponse
-from server.router.orchestrator import Upstream
-from server.router.streaming import ContextFirstStream, context_first_response
+from server.router.legs import Upstream
+from server.router.policies import Prompt
 
 PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-ctx1", "ctx_endpoint": "tcp://127.0.0.1:1",
           "ctx_epoch": "e1", "first_gen_tokens": [7], "prompt_token_ids": [1, 2, 3], "ctx_cached_tokens": 0}
@@ -56,14 +57,44 @@ def test_generation_params_carry_the_context_answer_and_the_streamed_flag():
     assert params == DisaggParams(**{**PARAMS, "request_type": "generation_only", "first_text_streamed": True})
 
 
-def _collect(opening, leg, released: list[str]) -> list[bytes]:
-    async def release() -> None:
-        released.append("released")
+class _Legs:
+    """`Legs` as a RequestFlow sees them: the context leg answers `CTX`, the generation leg is `leg`."""
 
+    def __init__(self, leg, released: list[str], release_wait: bool = False) -> None:
+        self.leg, self.released, self.release_wait = leg, released, release_wait
+        self.migration_limit, self.generation = 0, []
+
+    def require_generation(self) -> None:
+        pass
+
+    async def context_leg(self, *args, **kwargs) -> Upstream:
+        return Upstream(Backend("http://ctx", "context"), json=_ctx("first", chat=False))
+
+    def generation_leg(self, *args, **kwargs):
+        return self.leg()
+
+    async def release_context(self, backend, params) -> None:
+        if self.release_wait:
+            await asyncio.sleep(0)  # an await that an unshielded, cancelled cleanup would not get past
+        self.released.append("released")
+
+
+def _flow(leg, released: list[str], release_wait: bool = False) -> RequestFlow:
+    ask = Ask("/v1/completions", {"prompt": "x", "stream": True}, False, Prompt(lambda: None))
+    return RequestFlow(_Legs(leg, released, release_wait), ask, local=False)
+
+
+async def _connected() -> dict:
+    await asyncio.sleep(60)
+    return {"type": "http.disconnect"}
+
+
+def _collect(leg, released: list[str]) -> list[bytes]:
+    """The events of a streamed disaggregated request whose context answer's first text is "first"."""
     async def run() -> list[bytes]:
-        stream = ContextFirstStream(opening, leg, release)
-        events = [e async for e in stream.events()]
-        await stream.close()
+        response = await _flow(leg, released).respond(_connected)
+        events = [e async for e in response._events]
+        await response._close()
         return events
     return asyncio.run(run())
 
@@ -73,10 +104,10 @@ def test_a_failed_generation_leg_ends_the_stream_with_an_error_naming_it_and_rel
         raise LegError(400, "prompt too long", {"error": {"message": "prompt too long", "type": "x"}})
 
     released: list[str] = []
-    raw = _collect([b"data: {\"first\": 1}\n\n"], leg, released)
+    raw = _collect(leg, released)
     assert raw[-1] == DONE and released == ["released"]
     first, error = _events(raw)
-    assert first == {"first": 1}
+    assert first["choices"][0]["text"] == "first"
     assert error["error"]["message"] == "generation leg failed (HTTP 400): prompt too long"
 
 
@@ -85,7 +116,7 @@ def test_an_unexpected_leg_exception_is_reported_too():
         raise ReadError("broken pipe")
 
     released: list[str] = []
-    [error] = _events(_collect([], leg, released))
+    _, error = _events(_collect(leg, released))
     assert error["error"]["message"] == "generation leg failed: ReadError: broken pipe"
     assert released == ["released"]
 
@@ -109,8 +140,9 @@ def test_the_generation_stream_follows_the_opening_and_the_lease_is_left_to_the_
         return Upstream(Backend("http://gen", "generation"), stream=StreamResponse(200, body.chunks(), body.aclose))
 
     released: list[str] = []
-    raw = b"".join(_collect([b"data: {\"first\": 1}\n\n"], leg, released))
-    assert raw == b'data: {"first": 1}\n\ndata: {"choices": [{"text": "lo"}]}\n\ndata: [DONE]\n\n'
+    raw = _collect(leg, released)
+    assert _events(raw[:1])[0]["choices"][0]["text"] == "first"
+    assert b"".join(raw[1:]) == b'data: {"choices": [{"text": "lo"}]}\n\ndata: [DONE]\n\n'
     assert released == [] and body.closed
 
 
@@ -125,13 +157,9 @@ async def _pending_leg(started: asyncio.Event, cancelled: list[bool]) -> Upstrea
 
 
 def _run_response(leg, disconnect_when) -> tuple[list[dict], list[str]]:
-    """The response as Starlette serves it; the client disconnects when `disconnect_when` is set."""
+    """The flow's response as Starlette serves it; the client disconnects when `disconnect_when` is set."""
     sent: list[dict] = []
     released: list[str] = []
-
-    async def release() -> None:
-        await asyncio.sleep(0)  # an await that an unshielded, cancelled cleanup would not get past
-        released.append("released")
 
     async def run() -> None:
         gone = disconnect_when()
@@ -143,7 +171,10 @@ def _run_response(leg, disconnect_when) -> tuple[list[dict], list[str]]:
         async def send(message: dict) -> None:
             sent.append(message)
 
-        response = context_first_response(ContextFirstStream([b"data: {}\n\n"], leg, release))
+        try:
+            response = await _flow(leg, released, release_wait=True).respond(receive)
+        except ClientGone:
+            return
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
         await asyncio.wait_for(response(scope, receive, send), 10)
     asyncio.run(run())
@@ -158,7 +189,7 @@ def test_a_client_gone_while_the_leg_opens_cancels_it_and_releases_the_lease():
 
     sent, released = _run_response(lambda: _pending_leg(started, cancelled), disconnect_when)
     assert cancelled == [True] and released == ["released"]
-    assert any(m.get("body") == b"data: {}\n\n" for m in sent)  # the opening went out first
+    assert any(b'"text":"first"' in m.get("body", b"") for m in sent)  # the opening went out first
 
 
 def test_a_client_gone_before_the_stream_started_still_releases_the_lease():

@@ -2,12 +2,11 @@
 
 httpx's `iter_lines`/`aiter_lines` split on every line end `str.splitlines()` knows, these three
 included; an event whose JSON carried one raw was cut in two there. Both the servers' SSE
-(server/api/generation.py) and the router's own events (server/router/streaming.py) escape them.
+(server/api/generation.py) and the router's own events (server/router/answers.py) escape them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,8 +14,7 @@ from fastapi.testclient import TestClient
 from test_api_engine_fake import FakeEngine, deployment_app
 
 from server.openai.sse import LINE_BREAKS, escape_line_breaks, sse_event
-from server.router.context_events import opening_events
-from server.router.streaming import sse_from_final
+from server.router.answers import closing_events, opening_events
 from server.types import GenerateRequest
 
 ODD_TEXT = "a\u2028b\u2029c\u0085d"  # each of the three between letters
@@ -83,10 +81,7 @@ def test_router_events_escape_line_breaks():
     final = {"id": "cmpl-2", "model": model, "created": 1, "usage": {"completion_tokens": 1},
              "choices": [{"text": ODD_TEXT, "finish_reason": "stop", "index": 0}]}
 
-    async def collect() -> bytes:
-        return b"".join([e async for e in sse_from_final(final, False, True)])
-
-    lines = data_lines(asyncio.run(collect()))
+    lines = data_lines(b"".join(closing_events(final, False, "cmpl-2", include_usage=True)))
     assert lines[-1] == "[DONE]"
     assert json.loads(lines[0])["choices"][0]["text"] == ODD_TEXT
     assert data_lines(sse_event(json.dumps({"m": ODD_TEXT}, ensure_ascii=False))) == [

@@ -1,17 +1,55 @@
-"""The events the router makes itself from a context server's answer: the opening of a stream (the
-chat role chunk and the first token's text), the close of a stream the context leg ended, and the
-generation leg's parameters. Used by the first stream (streaming.py) and by a moved one
-(migration.py), so neither of those imports the other for them."""
+"""A context server's answer, read by the router: whether it ends the request, the generation leg's
+parameters, and the events the router streams itself from it (the opening of a stream: the chat
+role chunk and the first token's text; the close of a stream that the context leg ended).
+
+Streaming the first token from the context answer takes the generation leg's setup (an HTTP
+exchange, the generation server's admission) off the time to first token. The generation server
+is told so (`first_text_streamed`) and streams only what follows, under the same response id. The
+context server reports exactly the text the generation server would stream for that token (text
+that might still become a stop string, or an incomplete UTF-8 character, stays held back), so the
+two parts join without a gap or a repeat."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import replace
+
+from pydantic import TypeAdapter
 
 from server.openai.formatting import ChatFormatter, CompletionFormatter, Formatter, continued_response_id
 from server.openai.protocol import DisaggParams
-from server.openai.sse import DONE, sse_event
-from server.router.orchestrator import context_params
+from server.openai.sse import DONE, EventStream, sse_event
+from server.openai.wire import JSONBody
 from server.types import RequestOutput
+
+_PARAMS = TypeAdapter(DisaggParams)
+
+
+def context_params(ctx: dict) -> DisaggParams:
+    """The `disaggregated_params` of an unfinished context answer."""
+    return _PARAMS.validate_python(ctx["choices"][0]["disaggregated_params"])
+
+
+def context_finished(ctx: dict) -> bool:
+    """The context answer is final when it carries no parameters for a generation leg."""
+    choices = ctx.get("choices") or [{}]
+    params = choices[0].get("disaggregated_params") or {}
+    return not params.get("ctx_request_id")
+
+
+def final_answer(ctx: dict, chat: bool, stream: bool, include_usage: bool) -> JSONBody | EventStream:
+    """The client's answer when the context leg ended the request: the context answer as it is, or
+    as a whole stream."""
+    for choice in ctx.get("choices", []):
+        choice.pop("disaggregated_params", None)
+    if not stream:
+        return JSONBody(ctx)
+    return EventStream(_each(closing_events(ctx, chat, ctx.get("id") or "", include_usage)))
+
+
+async def _each(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:

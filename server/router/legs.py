@@ -1,13 +1,16 @@
-"""Context-first orchestration of one request across a context and a generation server.
+"""The legs of a routed request: one HTTP exchange each with a context or a generation server.
 
-1. pick a context server, send the request as `context_only` (non-streaming); retry once elsewhere
-   if that server cannot be reached or fails;
-2. if the context answer already finishes the request, return it;
-3. else send it as `generation_only` with the returned `disaggregated_params` to a generation
-   server and hand its JSON or SSE stream back to the client; a generation server that cannot be
-   reached or is draining (503, code `draining`) took nothing, so the leg goes to another one.
-A leg that fails ends the request with a 502/503 naming the leg. A server that cannot be reached or
-answers that it is draining is fenced at once (the health monitor unfences it when /health is 200).
+`Legs` knows how to run one leg, not what follows it (server/router/flow.py decides that):
+- a context leg posts the request as `context_only` (not streamed), on the policy's pick, and once
+  more elsewhere if that server cannot be reached or fails; with `kv_stream` the server may answer
+  early with its lease before the first token (`EarlyContext`, server/router/kv_stream.py);
+- a generation leg posts it as `generation_only` (or as is, to an aggregated server) and returns
+  its JSON or its open SSE stream; a server that never took the request (unreachable, draining)
+  is left for another one;
+- `release` frees a context lease whose generation leg never pulled.
+Every leg holds a booking of its server from the pick until it ends (a stream: until it is closed:
+server/router/queue.py). A server that cannot be reached or answers that it is draining is fenced
+at once (the health monitor unfences it when /health is 200). A failed leg raises `LegError`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-
-from pydantic import TypeAdapter
 
 from server.auth import token_headers
 from server.openai.protocol import DisaggParams
@@ -39,20 +40,19 @@ from server.router.queue import Booking, LegPicker
 log = logging.getLogger(__name__)
 RETRYABLE = (ConnectError, ReadError)  # the server is gone or broke the exchange: fence it
 NO_GENERATION = "generation leg failed: no healthy generation server"
-_PARAMS = TypeAdapter(DisaggParams)
 CONTEXT_ONLY = DisaggParams("context_only")
 
 
 @dataclass
 class Upstream:
-    """A response from a backend: either parsed JSON or an open SSE stream."""
+    """A leg's answer: parsed JSON, or an open SSE stream."""
 
     backend: Backend
     json: dict | None = None
     stream: StreamResponse | None = None
 
 
-class Orchestrator:
+class Legs:
     def __init__(self, client: HttpClient, context: Sequence[Backend], generation: Sequence[Backend],
                  context_policy: LegPicker, generation_policy: LegPicker, timeout_s: float,
                  auth_token: str | None = None, migration_limit: int = 0) -> None:
@@ -104,17 +104,13 @@ class Orchestrator:
 
     async def _context_once(self, booking: Booking, path: str, body: dict, kv_stream: bool) -> Upstream | EarlyContext:
         """One try; its booking ends with the answer (an early one: when the leg ends, `EarlyContext.close`)."""
-        backend, start = booking.backend, time.monotonic()
-
-        def done() -> None:
-            booking.done()
-            self.observe_leg("context", time.monotonic() - start)
-
+        backend, done = booking.backend, self._ender(booking, "context")
         try:
             if not kv_stream:
-                answer: dict | EarlyContext = await self._post_json(backend, path, body)
+                answer: dict | EarlyContext = await self._json(backend, path, body)
             else:
-                answer = await read_context(backend, await self._open(backend, path, body), done, _parse)
+                answer = await read_context(backend, await self._send(backend, self.client.stream, path, body), done,
+                                            _parse)
         except BaseException:
             booking.done()
             raise
@@ -125,15 +121,12 @@ class Orchestrator:
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
                              exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None) -> Upstream:
-        """`backend`: this one rather than the policy's pick (the readiness probe); else the policy's
-        pick, and another if the first never took the request."""
-        gen_body = dict(body)
-        if params is not None:
-            gen_body["disaggregated_params"] = params
-        stream = bool(body.get("stream"))
+        """`params`: None for an aggregated server. `backend`: this one rather than the policy's pick
+        (the readiness probe); else the policy's pick, and another if the first never took the request."""
+        gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
         picker = self.generation_policy
         if backend is not None:
-            return await self._generation_once(picker.book(backend, prompt), path, gen_body, stream)
+            return await self._generation_once(picker.book(backend, prompt), path, gen_body)
         tried: set[Backend] = set(exclude)
         last: LegError | None = None
         for _ in range(2):  # the first choice, and another if the first never took the request
@@ -142,7 +135,7 @@ class Orchestrator:
                 break
             tried.add(booking.backend)
             try:
-                return await self._generation_once(booking, path, gen_body, stream)
+                return await self._generation_once(booking, path, gen_body)
             except LegError as exc:
                 if not exc.untouched:
                     raise
@@ -151,33 +144,36 @@ class Orchestrator:
             raise last
         raise LegError(503, NO_GENERATION)
 
-    async def _generation_once(self, booking: Booking, path: str, body: dict, stream: bool) -> Upstream:
+    async def _generation_once(self, booking: Booking, path: str, body: dict) -> Upstream:
         """One try on the booked server; the booking ends with the leg (a stream: when it is closed)."""
-        backend, start = booking.backend, time.monotonic()
-        if stream:
-            try:
-                opened = await self._open_stream(backend, path, body)
-            except BaseException:
-                booking.done()
-                raise
-            return Upstream(backend, stream=self._timed(opened, start, booking.done))
+        backend, done = booking.backend, self._ender(booking, "generation")
         try:
-            upstream = Upstream(backend, json=await self._post_json(backend, path, body))
-            self.observe_leg("generation", time.monotonic() - start)
+            if body.get("stream"):
+                stream = await self._send(backend, self.client.stream, path, body)
+                if stream.status != 200:
+                    try:
+                        _parse(backend, Response(stream.status, await stream.aread()))
+                    finally:
+                        await stream.aclose()
+                return Upstream(backend, stream=_closing(stream, done))
+            upstream = Upstream(backend, json=await self._json(backend, path, body))
+            done()
             return upstream
         except LegError as exc:
-            kept = exc.body if exc.status < 500 else None
-            raise LegError(exc.status, f"generation leg failed: {exc}", kept, untouched=exc.untouched) from exc
-        finally:
             booking.done()
+            raise exc.of_leg("generation") from exc
+        except BaseException:
+            booking.done()
+            raise
 
-    def _timed(self, stream: StreamResponse, start: float, done: Callable[[], None]) -> StreamResponse:
-        """The same stream; closing it records the generation leg's time and ends its booking (once)."""
-        async def close() -> None:
-            done()
-            self.observe_leg("generation", time.monotonic() - start)
-            await stream.aclose()
-        return StreamResponse(stream.status, stream.aiter_raw(), close)
+    def _ender(self, booking: Booking, leg: str) -> Callable[[], None]:
+        """Ends the booking and records the leg's time (once)."""
+        start = time.monotonic()
+
+        def done() -> None:
+            if booking.done():
+                self.observe_leg(leg, time.monotonic() - start)
+        return done
 
     async def release_context(self, backend: Backend, params: DisaggParams) -> None:
         """The generation leg never ran: free the context server's lease now, not at its expiry."""
@@ -187,12 +183,8 @@ class Orchestrator:
         except HttpError as exc:  # the lease still expires on its own
             log.warning("could not release lease %s on %s: %s", params.ctx_request_id, backend.url, exc)
 
-    async def _post_json(self, backend: Backend, path: str, body: dict) -> dict:
+    async def _json(self, backend: Backend, path: str, body: dict) -> dict:
         return _parse(backend, await self._send(backend, self.client.request, path, body))
-
-    async def _open(self, backend: Backend, path: str, body: dict) -> StreamResponse:
-        """A POST whose body is read as it arrives (any status)."""
-        return await self._send(backend, self.client.stream, path, body)
 
     async def _send(self, backend: Backend, call: Callable[..., Awaitable], path: str, body: dict):
         """POST with the client's `request` or `stream`; a connection failure fences the backend."""
@@ -200,29 +192,20 @@ class Orchestrator:
             return await call("POST", backend.url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
-                           untouched=isinstance(exc, ConnectError)) from exc
-        except RequestTimeout as exc:
-            raise LegError(504, f"{backend.url} timed out") from exc
-
-    async def _open_stream(self, backend: Backend, path: str, body: dict) -> StreamResponse:
-        try:
-            response = await self.client.stream("POST", backend.url + path, json=body, headers=self.headers,
-                                                timeout=self.timeout_s)
-            if response.status != 200:
-                try:
-                    _parse(backend, Response(response.status, await response.aread()))
-                finally:
-                    await response.aclose()
-        except RETRYABLE as exc:
-            backend.fence(f"{type(exc).__name__}: {exc}")
-            error = LegError(502, f"generation leg failed: {backend.url} unreachable",
+            error = LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
                              untouched=isinstance(exc, ConnectError))
             error.lost = isinstance(exc, ReadError)
             raise error from exc
         except RequestTimeout as exc:
-            raise LegError(504, f"generation leg failed: {backend.url} timed out") from exc
-        return response
+            raise LegError(504, f"{backend.url} timed out") from exc
+
+
+def _closing(stream: StreamResponse, done: Callable[[], None]) -> StreamResponse:
+    """The same stream; closing it ends the leg (its booking and timing) first."""
+    async def close() -> None:
+        done()
+        await stream.aclose()
+    return StreamResponse(stream.status, stream.aiter_raw(), close)
 
 
 def _parse(backend: Backend, response: Response) -> dict:
@@ -250,15 +233,3 @@ def _message(body: object) -> str | None:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message"))
     return None
-
-
-def context_params(ctx: dict) -> DisaggParams:
-    """The `disaggregated_params` of an unfinished context answer."""
-    return _PARAMS.validate_python(ctx["choices"][0]["disaggregated_params"])
-
-
-def context_finished(ctx: dict) -> bool:
-    """The context answer is final when it carries no parameters for a generation leg."""
-    choices = ctx.get("choices") or [{}]
-    params = choices[0].get("disaggregated_params") or {}
-    return not params.get("ctx_request_id")

@@ -1,0 +1,265 @@
+"""One request's way through the router, as one object: route -> context leg -> handoff ->
+generation leg -> relay -> close.
+
+`RequestFlow` holds everything the request holds in the router: the context lease its generation
+leg has not opened on yet, the generation leg (a task), an early context answer, the migration
+state. The steps, in order:
+1. route: a request that one server serves alone (an aggregated deployment, or conditional
+   disaggregation: server/router/routing.py) has no context leg;
+2. context leg (server/router/legs.py), asked for streamed KV: an early answer (the lease before the
+   first token, server/router/kv_stream.py) starts the generation leg at once, whose pull takes the
+   blocks while they are prefilled; then the context answer itself;
+3. handoff, decided here only: a context answer that ends the request is the answer; else its
+   parameters become the generation leg's (`_handoff`), and the router streams its first token;
+4. generation leg, started once (a retry of it is a migration, below);
+5. relay: a JSON answer as it is; a stream's events as they come (whole events, token comments
+   taken out when the stream may move: server/router/migration.py). When the generation server dies
+   mid-stream, the flow runs steps 2-4 again from the tokens the client has;
+6. close, however the request ended (finished, a leg failed, the client left): the generation leg
+   is cancelled or its stream closed (its server aborts and frees the lease itself), a lease that
+   no generation leg opened on is released at once, an early context answer is closed.
+Once the first event is out the HTTP status is 200, so a generation leg that fails after it ends
+the stream with an error event that names the leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from starlette.responses import Response
+from starlette.types import Receive
+
+from server.openai.errors import error_body
+from server.openai.formatting import continued_response_id
+from server.openai.protocol import DisaggParams
+from server.openai.sse import DONE, EventStream, json_event, unless_disconnected
+from server.openai.wire import JSONBody
+from server.router.answers import (
+    closing_events,
+    context_finished,
+    context_params,
+    final_answer,
+    generation_params,
+    opening_events,
+)
+from server.router.backends import Backend
+from server.router.errors import LegError
+from server.router.http_client import HttpError
+from server.router.kv_stream import EarlyContext
+from server.router.legs import Legs, Upstream
+from server.router.migration import Migration
+from server.router.policies import Prompt, PromptTokens
+
+MID_STREAM = 500  # the status an error event's type is named after: the stream itself is a 200
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the client asked, as the router routes it."""
+
+    path: str
+    body: dict
+    chat: bool
+    prompt: Prompt
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.body.get("stream_options") or {}).get("include_usage"))
+
+
+class RequestFlow:
+    def __init__(self, legs: Legs, ask: Ask, local: bool) -> None:
+        self.legs, self.ask = legs, ask
+        self.local = local  # one server serves it all (aggregated, or routed so): no context leg
+        self._lease: tuple[Backend, DisaggParams] | None = None  # held for the latest generation leg
+        self._generation: asyncio.Future[Upstream] | None = None
+        self._early: EarlyContext | None = None
+        self._migration: Migration | None = None
+        self._closed = False
+
+    async def respond(self, receive: Receive) -> Response:
+        """The client's response; `ClientGone` if the client left before it was ready. A stream's
+        response closes the flow when it ends; every other way out closes it here."""
+        try:
+            done, response = await unless_disconnected(self._answer, receive)
+        except BaseException:
+            await asyncio.shield(self.close())
+            raise
+        if not done:
+            await asyncio.shield(self.close())
+            raise ClientGone()
+        return response
+
+    async def _answer(self) -> Response:
+        if self.local:
+            return await self._generation_answer(None)
+        self.legs.require_generation()
+        backend, ctx = await self._context()
+        if context_finished(ctx):  # the context leg ended the request: no lease to hand over
+            self._lease = None
+            await self.close()
+            return final_answer(ctx, self.ask.chat, self.ask.stream, self.ask.include_usage)
+        if self._generation is None:
+            self._start(backend, self._handoff(context_params(ctx)))
+        return await self._generation_answer(ctx)
+
+    async def _context(self) -> tuple[Backend, dict]:
+        """The context server and its answer; an early one (streamed KV) starts the generation leg meanwhile."""
+        answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=True)
+        if isinstance(answer, Upstream):
+            return answer.backend, answer.json
+        self._early = answer
+        self._start(answer.backend, self._handoff(answer.params))
+        return answer.backend, await answer.rest()
+
+    def _handoff(self, params: DisaggParams) -> DisaggParams:
+        """The generation leg's parameters from the context leg's. A stream's first token is sent by
+        the router; a stream that may move reports its tokens."""
+        stream = self.ask.stream
+        return replace(params, request_type="generation_only", first_text_streamed=stream,
+                       report_tokens=stream and self.legs.migration_limit > 0)
+
+    def _start(self, backend: Backend | None, params: DisaggParams | None, prompt: PromptTokens | None = None) -> None:
+        self._lease = (backend, params) if backend is not None and params is not None else None
+        dead = frozenset(self._migration.dead) if self._migration is not None else frozenset()
+        self._generation = asyncio.ensure_future(self.legs.generation_leg(
+            self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead))
+
+    async def _generation_answer(self, ctx: dict | None) -> Response:
+        if self._generation is None:
+            self._start(None, None)
+        if not self.ask.stream:
+            upstream = await self._generation
+            await self.close()
+            return JSONBody(upstream.json)
+        if ctx is None:  # nothing was sent yet: a leg that fails to open still gets its HTTP status
+            await self._generation
+            return EventStream(self._events([]), self.close)
+        if self.legs.migration_limit > 0:
+            params = context_params(ctx)
+            self._migration = Migration(continued_response_id(params.ctx_request_id),
+                                        list(params.prompt_token_ids or ()), list(params.first_gen_tokens or ()),
+                                        self.legs.migration_limit)
+        return EventStream(self._events(opening_events(ctx, self.ask.chat)), self.close)
+
+    async def _events(self, opening: list[bytes]) -> AsyncIterator[bytes]:
+        """The stream: the router's opening events, then the generation leg's, moved if it dies."""
+        for event in opening:
+            yield event
+        while self._generation is not None:
+            leg = self._generation
+            try:
+                upstream = await leg
+            except Exception as exc:  # the generation leg failed before its stream opened
+                if isinstance(exc, LegError) and exc.lost and self._may_move(None):
+                    async for event in self._move():
+                        yield event
+                    continue
+                yield json_event(_leg_error(exc))
+                yield DONE
+                return
+            async for event in self._relay(upstream):
+                yield event
+            if self._generation is leg:  # it did not move: the stream has ended
+                return
+
+    async def _relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
+        """One generation leg's events; on a broken stream, move the request on or end with an error."""
+        tracker = self._migration.tracker() if self._migration is not None else None
+        try:
+            async for chunk in upstream.stream.aiter_raw():
+                if out := (tracker.feed(chunk) if tracker is not None else chunk):
+                    yield out
+            return
+        except HttpError as exc:
+            failure = f"generation leg failed mid-stream: {type(exc).__name__}"
+        finally:
+            await upstream.stream.aclose()  # ends the leg's booking (server/router/queue.py)
+        upstream.backend.fence(failure)
+        if tracker is not None and tracker.finished:  # everything was generated; only the end was lost
+            yield DONE
+        elif self._may_move(upstream.backend):
+            async for event in self._move():
+                yield event
+        else:
+            yield _mid_stream_error(failure)
+
+    def _may_move(self, dead: Backend | None) -> bool:
+        if self._migration is None:
+            return False
+        if dead is not None:
+            self._migration.dead.add(dead)
+        return self._migration.possible(self.legs.generation)
+
+    async def _move(self) -> AsyncIterator[bytes]:
+        """Steps 2-4 again from the tokens the client has: a context leg, its first text, a generation leg."""
+        migration = self._migration
+        self.legs.on_migration()
+        params = migration.context_params()
+        prompt = params.prompt_token_ids
+        self._generation, self._lease = None, None
+        try:
+            ctx = await self.legs.context_leg(self.ask.path, self.ask.body, lambda: prompt, params)
+        except LegError as exc:
+            yield _mid_stream_error(f"generation leg failed mid-stream and could not move on: {exc}")
+            yield DONE
+            return
+        if context_finished(ctx.json):  # that context leg finished the request
+            for event in closing_events(ctx.json, self.ask.chat, migration.response_id, self.ask.include_usage,
+                                        continued=True):
+                yield event
+            return
+        events = opening_events(ctx.json, self.ask.chat, migration.response_id, continued=True)
+        params = migration.generation_params(generation_params(ctx.json, first_text_streamed=True))
+        self._start(ctx.backend, params, _fixed(params.prompt_token_ids))
+        for event in events:
+            yield event
+
+    async def close(self) -> None:
+        """Idempotent; run it shielded from cancellation (`EventStream` does)."""
+        if self._closed:
+            return
+        self._closed = True
+        leg, self._generation = self._generation, None
+        opened = None
+        if leg is not None:
+            leg.cancel()  # no-op once done
+            opened = (await asyncio.gather(leg, return_exceptions=True))[0]
+        if isinstance(opened, Upstream):
+            if opened.stream is not None:
+                await opened.stream.aclose()  # idempotent; the relay may have closed it already
+        elif self._lease is not None:  # the latest generation leg never opened: nothing will pull the lease
+            await self.legs.release_context(*self._lease)
+        if self._early is not None:
+            await self._early.close()
+
+
+def _fixed(tokens: tuple[int, ...] | None) -> Callable[[], tuple[int, ...] | None]:
+    return lambda: tokens
+
+
+def _mid_stream_error(message: str) -> bytes:
+    return json_event(error_body(MID_STREAM, message))
+
+
+def _leg_error(exc: Exception) -> dict:
+    """The error event's body: the generation server's own error, said to come from that leg."""
+    if not isinstance(exc, LegError):
+        return error_body(MID_STREAM, f"generation leg failed: {type(exc).__name__}: {exc}")
+    error = dict(exc.body.get("error") or {})
+    body = {**exc.body, "error": error}
+    message = str(error.get("message") or exc)
+    if not message.startswith("generation leg failed"):
+        message = f"generation leg failed (HTTP {exc.status}): {message}"
+    error["message"] = message
+    return body
