@@ -4,7 +4,7 @@ A generation server is configured with its deployment's context servers' HTTP UR
 (`context_urls`, the launcher fills them in). It asks each, with the deployment token, for the
 address its KV sender listens on (`GET /kv_cache/endpoint`) and pulls from those addresses only. A
 context server that restarts comes back on a new ephemeral port: an endpoint not yet known triggers
-one refresh (at most one per `min_refresh_s`, so unknown endpoints cannot make it poll in a loop),
+one refresh (shared by the calls waiting for it),
 and a background task refreshes every `interval_s`, so endpoints are known before the first request
 and stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
 After every refresh `on_refresh()` runs (the server shakes hands with the endpoints: layout check).
@@ -80,11 +80,15 @@ class ContextDirectory:
         return frozenset(self._endpoints.values())
 
     async def knows(self, endpoint: str) -> bool:
-        """True if `endpoint` is the KV endpoint of one of the deployment's context servers."""
+        """True if `endpoint` is the KV endpoint of one of the deployment's context servers. An unknown
+        one makes the directory ask the servers again, unless a refresh started since this call began
+        (that one saw the servers as they are now: concurrent calls share it). Only callers holding the
+        deployment token get here (server/api/access.py)."""
         if endpoint in self.endpoints:
             return True
+        asked = time.monotonic()
         async with self._lock:
-            if endpoint not in self.endpoints and time.monotonic() - self._last_refresh >= self._min_refresh_s:
+            if endpoint not in self.endpoints and self._last_refresh < asked:
                 await self.refresh()
         return endpoint in self.endpoints
 

@@ -27,6 +27,7 @@ class _ContextServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.connections = 0
         self.requests = 0
+        self.endpoint = ENDPOINT
 
     @property
     def url(self) -> str:
@@ -46,7 +47,7 @@ class _Handler(BaseHTTPRequestHandler):
         expected = token_headers(TOKEN)
         authorised = all(self.headers.get(k) == v for k, v in expected.items())
         ok = self.path == ENDPOINT_PATH and authorised
-        body = json.dumps({"endpoint": ENDPOINT} if ok else {"error": "no"}).encode()
+        body = json.dumps({"endpoint": self.server.endpoint} if ok else {"error": "no"}).encode()
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -94,3 +95,27 @@ def test_stop_closes_the_client_and_a_later_refresh_opens_another(context_server
 
     asyncio.run(scenario())
     assert context_server.requests == 2 and context_server.connections == 2
+
+
+def test_an_endpoint_that_appears_during_a_refresh_is_learned_by_the_call_that_waited_for_it(
+        context_server: _ContextServer) -> None:
+    """A context server restarts on a new endpoint while the directory's lock is held (a refresh
+    under way, begun before the restart): the call that waited asks again, although the last
+    refresh is younger than `min_refresh_s` (such a call used to be refused)."""
+    new = "tcp://127.0.0.1:6000"
+
+    async def scenario() -> tuple[bool, bool, int]:
+        directory = ContextDirectory([context_server.url], TOKEN, min_refresh_s=60.0)
+        try:
+            await directory.refresh()
+            async with directory._lock:  # the refresh under way
+                waiting = asyncio.ensure_future(directory.knows(new))
+                await asyncio.sleep(0.05)
+                context_server.endpoint = new  # the restart
+            return await waiting, await directory.knows(ENDPOINT), context_server.requests
+        finally:
+            await directory.stop()
+
+    knows_new, knows_old, requests = asyncio.run(scenario())
+    assert knows_new and not knows_old  # the old endpoint is gone from the directory: refused
+    assert requests == 3  # the first refresh, the waiting call's, the old endpoint's
