@@ -104,8 +104,7 @@ def _build_state(settings: RouterSettings) -> RouterState:
     headers = token_headers(settings.auth_token)
     routing = Routing(settings.policy, settings.routing, context, generation, registry)
     routing.follow_events(client, settings.auth_token, headers, registry)
-    monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s,
-                            poll_hashes=settings.policy == "kv_cache_snapshot", headers=headers)
+    monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
     state = RouterState(settings, client, context, generation, legs, monitor, routing,

@@ -1,5 +1,5 @@
 """Backend servers as the router sees them: health, load, and what their caches hold (kv_cache_aware:
-`kv_index`, kept from the server's KV events by kv_sync.py; kv_cache_snapshot: `cached_hashes`, polled).
+`kv_index`, kept from the server's KV events by kv_sync.py).
 
 A backend that refuses a connection or fails its health check is fenced (skipped by every policy)
 until a later health check succeeds. The /health body's `status` (e.g. "draining") and `epoch` (new
@@ -28,9 +28,6 @@ class Backend:
     active: int = 0  # legs in flight through this router (server/router/queue.py books them)
     load_tokens: int = 0  # their tokens still to compute here, as estimated when booked
     kv_index: KvIndex = field(default_factory=KvIndex)
-    cached_hashes: frozenset[str] = frozenset()
-    hash_salt: str = ""
-    tokens_per_block: int = 0
     last_error: str = ""
     last_checked: float = field(default=0.0)
     status: str = ""  # the /health body's "status" ("ok", "draining"), else what went wrong
@@ -63,16 +60,14 @@ class Backend:
 
 
 class HealthMonitor:
-    """Polls every backend's /health (and, if asked, its cached block hashes) on an interval."""
+    """Polls every backend's /health on an interval."""
 
     def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, poll_hashes: bool = False, headers: dict[str, str] | None = None) -> None:
+                 timeout_s: float = 2.0) -> None:
         self.backends = backends
-        self.headers = headers or {}  # the deployment token: the cache index is internal
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.poll_hashes = poll_hashes
         self.on_round: Callable[[], Awaitable[None]] | None = None  # after each round of checks
         self._task: asyncio.Task | None = None
 
@@ -102,19 +97,6 @@ class HealthMonitor:
             log.info("%s backend %s is healthy", backend.role, backend.url)
             backend.healthy = True
         backend.last_checked = time.monotonic()
-        if ok and self.poll_hashes and backend.role == "context":
-            await self._fetch_hashes(backend)
-
-    async def _fetch_hashes(self, backend: Backend) -> None:
-        try:
-            response = await self.client.request("GET", f"{backend.url}/kv_cache/hashes", headers=self.headers,
-                                                 timeout=self.timeout_s)
-            body = response.json()
-            backend.cached_hashes = frozenset(body["hashes"])
-            backend.hash_salt = body["salt"]
-            backend.tokens_per_block = int(body["tokens_per_block"])
-        except (HttpError, ValueError, KeyError, TypeError) as exc:
-            log.warning("could not read cached block hashes of %s: %s", backend.url, exc)
 
     async def _loop(self) -> None:
         while True:

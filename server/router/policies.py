@@ -8,9 +8,7 @@
 
   from the router's index of the server's cache (`Backend.kv_index`, kept from its KV events) and
   the tokens the router's legs in flight there still have to compute (`Backend.load_tokens`); ties
-  go round robin;
-- kv_cache_snapshot (the earlier kv_cache_aware): the longest prefix in a polled snapshot of cached
-  block hashes (`Backend.cached_hashes`, any tier alike), then the fewest legs in flight.
+  go round robin.
 """
 
 from __future__ import annotations
@@ -133,38 +131,11 @@ class KvCacheAware(RoundRobin):
         return tied[0] if len(tied) == 1 else super().pick(tied, prompt, set())
 
 
-class KvCacheSnapshot(LoadBalancing):
-    """Longest prompt prefix cached on a backend (from its polled block hashes), then load."""
-
-    def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = [b for b in backends if b.healthy and b not in exclude]
-        tokens = prompt() if candidates else None
-        if not candidates or not tokens:
-            return super().pick(candidates, prompt, set())
-        salt = getattr(prompt, "cache_salt", None)
-        scores = {b: matched_blocks(b, tokens, salt) for b in candidates}
-        best = max(scores.values())
-        return super().pick([b for b in candidates if scores[b] == best], prompt, set())
-
-
-def matched_blocks(backend: Backend, tokens: Sequence[int], cache_salt: str | None = None) -> int:
-    """How many leading full blocks of `tokens`, hashed under the request's `cache_salt` as the
-    servers hash them (kvcache.request_salt), the backend reports as cached (kv_cache_snapshot)."""
-    if not backend.cached_hashes or backend.tokens_per_block <= 0:
-        return 0
-    count = 0
-    for digest in block_hashes(tokens, backend.tokens_per_block, request_salt(backend.hash_salt, cache_salt)):
-        if digest.hex() not in backend.cached_hashes:
-            break
-        count += 1
-    return count
-
-
-POLICIES = ("round_robin", "load_balancing", "kv_cache_aware", "kv_cache_snapshot")
-KV_POLICIES = ("kv_cache_aware", "kv_cache_snapshot")  # they tokenise prompts
+POLICIES = ("round_robin", "load_balancing", "kv_cache_aware")
+KV_POLICIES = ("kv_cache_aware",)  # it tokenises prompts
 
 
 def make_policy(name: str, weights: ScoreWeights = ScoreWeights()) -> RoundRobin:
     if name == "kv_cache_aware":
         return KvCacheAware(weights)
-    return {"round_robin": RoundRobin, "load_balancing": LoadBalancing, "kv_cache_snapshot": KvCacheSnapshot}[name]()
+    return {"round_robin": RoundRobin, "load_balancing": LoadBalancing}[name]()

@@ -24,11 +24,9 @@ class Routing:
         self.policy, self.config = policy, config
         self.context, self.generation = list(context), list(generation)
         metrics = QueueMetrics(registry)
-        # generation servers: kv_cache_aware scores them too (their own hit saves a pull); the
-        # snapshot policy polls context servers only, so its generation legs go by load
-        gen_policy = "load_balancing" if policy == "kv_cache_snapshot" else policy
+        # generation servers: kv_cache_aware scores them too (their own hit saves a pull)
         self.context_picker = LegPicker("context", make_policy(policy, config.weights), config.queue, metrics)
-        self.generation_picker = LegPicker("generation", make_policy(gen_policy, config.weights), config.queue,
+        self.generation_picker = LegPicker("generation", make_policy(policy, config.weights), config.queue,
                                            metrics, decodes=True)
         self.conditional: Conditional = config.conditional if self.context else Conditional()
         self.sync: KvEventSync | None = None

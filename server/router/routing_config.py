@@ -2,7 +2,7 @@
 
 ```yaml
 router:
-  type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware | kv_cache_snapshot
+  type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware
   migration_limit: 1              # moves of one request to another generation server when its own dies
   api_keys: [...]                 # and api_keys_file, open_paths, tenant_salt_from_api_key (router/auth.py)
   kv_weights: {primary: 1.0, secondary: 0.75, disk: 0.25}   # kv_cache_aware: value of a hit token per tier

@@ -64,7 +64,7 @@ CASES = [
     ("port", 0, "port: must be >= 1, got 0"),
     ("port", "8000", "port: must be an integer, got a string '8000'"),
     ("router.type", "random",
-     "router.type: must be one of round_robin, load_balancing, kv_cache_aware, kv_cache_snapshot, got 'random'"),
+     "router.type: must be one of round_robin, load_balancing, kv_cache_aware, got 'random'"),
     ("router.typo", "x", "router.typo: unknown key (did you mean 'type'?); valid keys: type"),
     ("router.kind", "x", "router.kind: unknown key; valid keys: type"),
     ("max_num_tokens", 0, "max_num_tokens: must be >= 1, got 0"),

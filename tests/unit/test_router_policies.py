@@ -1,15 +1,13 @@
-from kvcache import Level, block_hashes, request_salt
+from kvcache import Level, block_hashes
 from kvcache.events import REMOVED
 from server.router.backends import Backend
 from server.router.policies import (
     KvCacheAware,
-    KvCacheSnapshot,
     LoadBalancing,
     Prompt,
     RoundRobin,
     ScoreWeights,
     hit_tiers,
-    matched_blocks,
 )
 
 TOKENS = list(range(100, 196))  # 3 full blocks of 32
@@ -39,42 +37,6 @@ def test_load_balancing_prefers_fewest_active():
     b.active = 5
     assert LoadBalancing().pick([a, b, c], _no_prompt, set()) is c
 
-
-def _report(backend: Backend, tokens: list[int], salt: str = "fp") -> None:
-    backend.tokens_per_block, backend.hash_salt = 32, salt
-    backend.cached_hashes = frozenset(h.hex() for h in block_hashes(tokens, 32, salt))
-
-
-def test_kv_cache_snapshot_picks_longest_cached_prefix_then_load():
-    a, b, c = _backends(3)
-    _report(a, TOKENS[:32])
-    _report(b, TOKENS[:64] + [1] * 32)
-    assert matched_blocks(a, TOKENS) == 1 and matched_blocks(b, TOKENS) == 2 and matched_blocks(c, TOKENS) == 0
-    policy = KvCacheSnapshot()
-    assert policy.pick([a, b, c], lambda: TOKENS, set()) is b
-    b.fence("health check failed")
-    assert policy.pick([a, b, c], lambda: TOKENS, set()) is a
-    a.active = 4
-    assert policy.pick([a, c], lambda: [7] * 64, set()) is c  # no prefix anywhere: fewest active
-
-
-def test_kv_cache_snapshot_hashes_the_prompt_under_the_request_salt():
-    a, b = _backends(2)
-    a.tokens_per_block, a.hash_salt = 32, "fp"  # the server's salt; the request's refines it
-    a.cached_hashes = frozenset(h.hex() for h in block_hashes(TOKENS, 32, request_salt("fp", "tenant-a")))
-    assert matched_blocks(a, TOKENS, "tenant-a") == 3
-    assert matched_blocks(a, TOKENS, "tenant-b") == matched_blocks(a, TOKENS) == 0
-    a.active = 2  # busier: only a cached prefix makes it the choice
-    calls = []
-    prompt = Prompt(lambda: calls.append(1) or TOKENS, "tenant-a")
-    policy = KvCacheSnapshot()
-    assert policy.pick([a, b], prompt, set()) is a and policy.pick([a, b], prompt, set()) is a
-    assert calls == [1]  # tokenised once
-    assert policy.pick([a, b], Prompt(lambda: TOKENS, "tenant-b"), set()) is b
-    assert policy.pick([a, b], Prompt(lambda: TOKENS), set()) is b
-
-
-# ---- kv_cache_aware: tier-weighted hits minus load, from the index the KV events keep (kv_index.py)
 
 def _index(backend: Backend, primary: list[bytes], secondary: list[bytes] = (), salt: str = "fp") -> None:
     backend.kv_index.reset({"salt": salt, "tokens_per_block": 32, "windows": {"2048": {
