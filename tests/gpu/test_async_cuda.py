@@ -5,12 +5,11 @@ still on the GPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
 import torch
+from prompts import random_prompt
 
 from server.models.builtin import resolve_model
 from server.types import SamplingParams
@@ -24,18 +23,13 @@ def _core(model: str, async_on: bool, **kw):
     return eh.make_core(model, device="cuda", kernels="triton", async_scheduling=async_on, **kw)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def _cases() -> list[tuple[list[int], SamplingParams]]:
     lengths = [5, 40, 100, 150, 9, 64, 33, 1, 77, 20]  # past tiny-qwen3-swa's 64-token window too
-    cases = [(_prompt(i, n), eh.greedy(24)) for i, n in enumerate(lengths)]
-    cases += [(_prompt(50, 12), SamplingParams(max_tokens=24, temperature=1.1, top_p=0.9, top_k=40, seed=3)),
-              (_prompt(51, 30), SamplingParams(max_tokens=24, temperature=0.7, seed=4, min_tokens=24)),
-              (_prompt(52, 8), SamplingParams(max_tokens=3, temperature=0.0)),
-              (_prompt(53, 8), SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(100, 200, 300)))]
+    cases = [(random_prompt(i, n), eh.greedy(24)) for i, n in enumerate(lengths)]
+    cases += [(random_prompt(50, 12), SamplingParams(max_tokens=24, temperature=1.1, top_p=0.9, top_k=40, seed=3)),
+              (random_prompt(51, 30), SamplingParams(max_tokens=24, temperature=0.7, seed=4, min_tokens=24)),
+              (random_prompt(52, 8), SamplingParams(max_tokens=3, temperature=0.0)),
+              (random_prompt(53, 8), SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(100, 200, 300)))]
     return cases
 
 
@@ -75,10 +69,10 @@ def test_an_async_decode_step_waits_once_on_an_event(monkeypatch) -> None:
     .item(), .tolist() of a device tensor); what is left are event waits, counted through a spy
     on torch.cuda.Event.synchronize: one per step, on the tokens of the step before."""
     core = _core(MODELS[0], True, max_batch_size=8)
-    cases = [(_prompt(60 + i, 20), SamplingParams(max_tokens=64, temperature=0.9, seed=i, min_tokens=40))
+    cases = [(random_prompt(60 + i, 20), SamplingParams(max_tokens=64, temperature=0.9, seed=i, min_tokens=40))
              for i in range(2)]
-    cases += [(_prompt(62, 25), SamplingParams(max_tokens=64, temperature=1.0, top_k=50, top_p=0.9, seed=5)),
-              (_prompt(70, 30), eh.greedy(64))]
+    cases += [(random_prompt(62, 25), SamplingParams(max_tokens=64, temperature=1.0, top_k=50, top_p=0.9, seed=5)),
+              (random_prompt(70, 30), eh.greedy(64))]
     _decoding(core, cases)
     waits = []
     real = torch.cuda.Event.synchronize
@@ -112,7 +106,7 @@ def test_a_step_returns_while_the_step_it_launched_runs() -> None:
     cycles = _sleep_cycles(50)
     for async_on in (False, True):
         core = _core(MODELS[0], async_on, max_batch_size=8)
-        _decoding(core, [(_prompt(80 + i, 16), eh.greedy(40)) for i in range(4)])
+        _decoding(core, [(random_prompt(80 + i, 16), eh.greedy(40)) for i in range(4)])
         busy = []
         for _ in range(5):
             torch.cuda._sleep(cycles)  # on the engine's stream, before this step's launch

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_factories import make_manager
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
-from kvcache.config import DiskTierConfig
+from kvcache import Level
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -17,12 +17,9 @@ TPB = 4
 
 
 def test_blocks_round_trip_through_the_disk_tier_on_cuda(tmp_path):
-    layout = CacheLayout((64, 64), 2, 8, torch.bfloat16, "cuda", 256)
-    block = TPB * layout.bytes_per_token()
-    config = KvCacheConfig(tokens_per_block=TPB, max_tokens=8 * TPB, host_cache_size=4 * block,
-                           secondary_offload_min_priority=0,
-                           disk=DiskTierConfig(path=str(tmp_path / "kv"), max_bytes=32 * block))
-    m = KVCacheManager(config, layout, salt="fp", disk_key=b"k" * 32)
+    m = make_manager("cuda", tpb=TPB, primary_blocks=8, host_blocks=4, disk_blocks=32, windows=(64, 64),
+                     max_seq_len=256, dim=8, dtype=torch.bfloat16, salt="fp", disk_dir=str(tmp_path / "kv"),
+                     disk_key=b"k" * 32, secondary_offload_min_priority=0)
     prompts = [[100 * i + t for t in range(4 * TPB)] for i in range(6)]
     want = []
     for i, tokens in enumerate(prompts):  # 6 x 4 blocks through 8 primary + 4 host blocks

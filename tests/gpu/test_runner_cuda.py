@@ -10,6 +10,7 @@ from pathlib import Path
 import hf_reference
 import pytest
 import torch
+from prompts import stride_prompt
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import materialize_builtin
@@ -33,7 +34,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _prompts() -> list[list[int]]:
-    return [[5 + (n * 13 + j * 29) % 500 for j in range(n)] for n in PROMPT_LENS]
+    return [stride_prompt(n) for n in PROMPT_LENS]
 
 
 def _batched_greedy(model_dir: Path, dtype: torch.dtype, kernels: str = "torch", graphs: bool = False,

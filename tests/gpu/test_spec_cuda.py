@@ -5,12 +5,11 @@ sampling equals the run without speculation. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
 import torch
+from prompts import random_prompt
 
 from server.engine.speculative.config import SpeculativeConfig
 from server.models.builtin import resolve_model
@@ -25,14 +24,9 @@ def _core(model: str, **kw):
     return eh.make_core(model, device="cuda", kernels="triton", async_scheduling=True, **kw)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_verify_steps_give_transformers_greedy_output_on_the_gpu(model: str) -> None:
-    prompts = [_prompt(i, n) for i, n in enumerate([5, 40, 100, 150, 9])]  # past the 64-token window too
+    prompts = [random_prompt(i, n) for i, n in enumerate([5, 40, 100, 150, 9])]  # past the 64-token window too
     expected = {tuple(p): hf_reference.hf_greedy(resolve_model(model), p, 40, device="cuda") for p in prompts}
     core = eh.with_replay_drafts(_core(model), expected, wrong=5)
     ids = [eh.submit(core, p, eh.greedy(40)) for p in prompts]
@@ -45,7 +39,7 @@ def test_verify_steps_give_transformers_greedy_output_on_the_gpu(model: str) -> 
 
 def test_ngram_and_seeded_sampling_equal_the_run_without_speculation_on_the_gpu() -> None:
     model = "builtin:tiny-llama"
-    prompts = [_prompt(7, 12) * 4, _prompt(8, 40)]
+    prompts = [random_prompt(7, 12) * 4, random_prompt(8, 40)]
     greedy = eh.greedy(48)
     plain = [r.token_ids for r in eh.generate(_core(model), prompts, greedy)]
     core = _core(model, speculative=SpeculativeConfig(method="ngram"))

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from kv_factories import make_manager
 from kv_transfer_harness import (
     JsonChild,
     assert_blocks_match,
@@ -24,7 +25,7 @@ from kv_transfer_harness import (
 )
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
@@ -41,11 +42,9 @@ SHAPES = {"vswa": dict(windows=(32, 256, 32, 256), max_seq_len=256, tpb=8),
 
 def make_kv(shape: str, max_blocks: int, host_blocks: int = 0) -> KVCacheManager:
     s = SHAPES[shape]
-    layout = CacheLayout(layer_windows=s["windows"], num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                         device="cuda", max_seq_len=s["max_seq_len"])
-    cfg = KvCacheConfig(tokens_per_block=s["tpb"], max_tokens=max_blocks * s["tpb"], secondary_offload_min_priority=0,
-                        host_cache_size=host_blocks * s["tpb"] * layout.bytes_per_token())
-    return KVCacheManager(cfg, layout)
+    return make_manager("cuda", tpb=s["tpb"], primary_blocks=max_blocks, host_blocks=host_blocks, windows=s["windows"],
+                        max_seq_len=s["max_seq_len"], heads=8, dim=128, dtype=torch.bfloat16,
+                        secondary_offload_min_priority=0)
 
 
 # ---- the context process ---------------------------------------------------------------------

@@ -16,7 +16,6 @@ transformers `generate`, and a client that leaves mid-prefill leaves no lease, p
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
 
@@ -24,6 +23,7 @@ import deploy_harness as dh
 import hf_reference
 import httpx
 import pytest
+from prompts import random_prompt
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
@@ -39,11 +39,6 @@ def _overrides(kv_stream: str) -> dict:
             "context_servers": {"max_num_tokens": 256, "kv_stream": kv_stream}}
 
 
-def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(PROMPT_TOKENS)]
-
-
 def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[float, dict]:
     start = time.monotonic()
     response = httpx.post(f"{url}/v1/completions", timeout=120, json={
@@ -54,8 +49,8 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[float, dict
 
 def _figures(url: str, seed: int) -> tuple[float, float]:
     """Medians of (the context leg alone, the pair up to its first decoded token), fresh prompts."""
-    alone = [_complete(url, _prompt(seed + i), 1)[0] for i in range(RUNS)]
-    pair = [_complete(url, _prompt(seed + 100 + i), 2)[0] for i in range(RUNS)]
+    alone = [_complete(url, random_prompt(seed + i, PROMPT_TOKENS), 1)[0] for i in range(RUNS)]
+    pair = [_complete(url, random_prompt(seed + 100 + i, PROMPT_TOKENS), 2)[0] for i in range(RUNS)]
     return statistics.median(alone), statistics.median(pair)
 
 
@@ -78,7 +73,7 @@ async def _leave_mid_prefill(url: str, prompt: list[int]) -> None:
 @pytest.fixture(scope="module")
 def whole_prompt_figures(tmp_path_factory) -> tuple[float, float]:
     with dh.launched("disagg.yaml", tmp_path_factory.mktemp("whole"), _overrides("off")) as dep:
-        _complete(dep.url, _prompt(1), 2)  # warm up
+        _complete(dep.url, random_prompt(1, PROMPT_TOKENS), 2)  # warm up
         figures = _figures(dep.url, 1000)
         assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") == 0
         return figures
@@ -86,7 +81,7 @@ def whole_prompt_figures(tmp_path_factory) -> tuple[float, float]:
 
 def test_streamed_kv_overlaps_the_prefill_and_is_exact(tmp_path, whole_prompt_figures, capsys):
     with dh.launched("disagg.yaml", tmp_path, _overrides("auto")) as dep:
-        prompt = _prompt(7)
+        prompt = random_prompt(7, PROMPT_TOKENS)
         _, body = _complete(dep.url, prompt, 6)
         expected = hf_reference.hf_greedy_ignore_eos(resolve_model(LLAMA), prompt, 6)
         assert body["usage"]["completion_tokens"] == 6
@@ -101,7 +96,7 @@ def test_streamed_kv_overlaps_the_prefill_and_is_exact(tmp_path, whole_prompt_fi
         assert streamed <= 1.05 * alone + 0.05
         # the 6-token request and the pairs; the 1-token requests end on the context server
         assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_streamed_total") == RUNS + 1
-        asyncio.run(_leave_mid_prefill(dep.url, _prompt(9)))
+        asyncio.run(_leave_mid_prefill(dep.url, random_prompt(9, PROMPT_TOKENS)))
         wait_until(lambda: _idle(dep), 30, "both servers to release every block")
 
 

@@ -16,8 +16,8 @@ import time
 
 import msgspec
 import pytest
-import torch
 import zmq
+from kv_factories import make_manager
 from kv_transfer_harness import (
     JsonChild,
     assert_blocks_match,
@@ -27,7 +27,7 @@ from kv_transfer_harness import (
 )
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
 from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
@@ -40,12 +40,9 @@ FINGERPRINT = "test-model:v1"
 
 
 def make_kv(max_blocks: int, host_blocks: int = 0, tpb: int = TPB) -> KVCacheManager:
-    layout = CacheLayout(layer_windows=WINDOWS, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-                         device="cpu", max_seq_len=256)  # slot = 2 layers * 2 * tpb * 2 * 64 * 4 B = 16 KiB
-    host = host_blocks * tpb * layout.bytes_per_token()
-    cfg = KvCacheConfig(tokens_per_block=tpb, max_tokens=max_blocks * tpb, host_cache_size=host,
-                        secondary_offload_min_priority=0)
-    return KVCacheManager(cfg, layout)
+    # slot = 2 layers * 2 * tpb * 2 * 64 * 4 B = 16 KiB (tpb 8)
+    return make_manager("cpu", tpb=tpb, primary_blocks=max_blocks, host_blocks=host_blocks, windows=WINDOWS,
+                        max_seq_len=256, dim=64, secondary_offload_min_priority=0)
 
 
 # ---- the context process ---------------------------------------------------------------------

@@ -5,11 +5,10 @@ with a host tier, with aborts mid-pipeline; the pipeline's state is checked afte
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 
 from kvcache import KvCacheConfig
 from server.engine.request import Request, Status
@@ -18,11 +17,6 @@ from server.types import SamplingParams
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _expected(model: str, prompt: list[int], n: int) -> list[int]:
@@ -45,7 +39,7 @@ def _summary(result: eh.Result) -> tuple:
 def test_concurrent_requests_with_chunked_prefill_match_transformers(model):
     core = eh.make_core(model, max_num_tokens=48, max_batch_size=8, async_scheduling=True)
     lengths = [3, 17, 160, 45, 96, 1, 70, 30, 12]  # more than a batch: some wait for a slot
-    prompts = [_prompt(100 + i, n) for i, n in enumerate(lengths)]
+    prompts = [random_prompt(100 + i, n) for i, n in enumerate(lengths)]
     news = [12, 5, 9, 1, 20, 2, 7, 16, 3]
     results = _generate(core, prompts, [eh.greedy(n) for n in news])
     for prompt, n, result in zip(prompts, news, results, strict=True):
@@ -59,7 +53,7 @@ def test_tokens_reach_the_host_one_step_late():
     """The prefill's token is pending (on the device) when its step returns; the next step, whose
     row takes that token on the device, brings it to the host."""
     core = eh.make_core(LLAMA, async_scheduling=True)
-    prompt = _prompt(1, 20)
+    prompt = random_prompt(1, 20)
     rid = eh.submit(core, prompt, eh.greedy(3))
     request = core.scheduler.find(rid)
     assert core.step() == []
@@ -77,7 +71,7 @@ def test_stop_rules_and_lengths_equal_sync_mode():
     """One batch mixing every ending, async, against each request alone in sync mode: stop token,
     stop string, EOS (stops, ignored, forbidden by min_tokens), max_tokens 1 and 2, max_seq_len."""
     sync = eh.make_core(LLAMA, max_seq_len=64)
-    prompt = _prompt(3, 10)
+    prompt = random_prompt(3, 10)
     greedy = eh.generate(sync, [prompt], eh.greedy(16))[0]
     stop = greedy.text[6:9]
     # their greedy continuations meet EOS after 38, 3, 11, 4, 24, 0 and 6 tokens
@@ -106,7 +100,7 @@ def test_a_known_last_token_gets_no_row():
     exactly as in sync mode, never a row whose token would be thrown away."""
     for async_on in (False, True):
         core = eh.make_core(LLAMA, async_scheduling=async_on)
-        ids = [eh.submit(core, _prompt(5 + n, 10), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        ids = [eh.submit(core, random_prompt(5 + n, 10), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                for n in (1, 2, 5)]
         requests = [core.scheduler.find(rid) for rid in ids]
         eh.run_to_completion(core, ids)
@@ -114,7 +108,7 @@ def test_a_known_last_token_gets_no_row():
 
 
 def test_seeded_sampling_equals_sync_mode():
-    prompts = [_prompt(40 + i, 9 + 5 * i) for i in range(4)]
+    prompts = [random_prompt(40 + i, 9 + 5 * i) for i in range(4)]
     params = [SamplingParams(max_tokens=20, temperature=1.1, top_p=0.9, top_k=40, seed=7),
               SamplingParams(max_tokens=20, temperature=0.8, seed=8, min_tokens=20),
               SamplingParams(max_tokens=20, temperature=1.3, top_k=5, seed=9, stop_token_ids=(42, 43)),
@@ -129,7 +123,7 @@ def test_small_pool_preempts_and_offloads_without_changing_output():
     kv = KvCacheConfig(tokens_per_block=16, max_tokens=12 * 16, host_cache_size=64 * 16 * 2048,
                        secondary_offload_min_priority=0)
     core = eh.make_core(LLAMA, kv=kv, max_num_tokens=64, max_batch_size=4, async_scheduling=True)
-    prompts = [_prompt(200 + i, 40 + 7 * i) for i in range(4)]  # 4 x ~6 blocks at the end > 12 blocks
+    prompts = [random_prompt(200 + i, 40 + 7 * i) for i in range(4)]  # 4 x ~6 blocks at the end > 12 blocks
     results, preempted_pending = eh.run_checked(core, [eh.submit(core, p, eh.greedy(48)) for p in prompts])
     for prompt, result in zip(prompts, results.values(), strict=True):
         assert result.token_ids == _expected(LLAMA, prompt, 48)
@@ -147,17 +141,17 @@ def test_small_pool_preempts_and_offloads_without_changing_output():
 
 def test_prefix_cache_hits_are_reported_as_in_sync_mode():
     core = eh.make_core(LLAMA, async_scheduling=True)  # tokens_per_block 16
-    base = _prompt(7, 64)
+    base = random_prompt(7, 64)
     first = _generate(core, [base], [eh.greedy(8)])[0]
     again = _generate(core, [base], [eh.greedy(8)])[0]
     assert again.token_ids == first.token_ids == _expected(LLAMA, base, 8)
     assert (first.final.cached_tokens, again.final.cached_tokens) == (0, 63)
-    assert _generate(core, [base + _prompt(9, 6)], [eh.greedy(8)])[0].final.cached_tokens == 64
-    shared = base[:40] + _prompt(8, 30)
+    assert _generate(core, [base + random_prompt(9, 6)], [eh.greedy(8)])[0].final.cached_tokens == 64
+    shared = base[:40] + random_prompt(8, 30)
     partial = _generate(core, [shared], [eh.greedy(8)])[0]
     assert partial.final.cached_tokens == 40 and partial.token_ids == _expected(LLAMA, shared, 8)
     # a concurrent request sees what the first one computed one step later than in sync mode
-    together = _generate(core, [base[:48] + _prompt(11, 20)] * 2, [eh.greedy(8)] * 2)
+    together = _generate(core, [base[:48] + random_prompt(11, 20)] * 2, [eh.greedy(8)] * 2)
     assert [r.final.cached_tokens for r in together] == [48, 48]
 
 
@@ -165,7 +159,7 @@ def test_abort_of_a_request_in_the_step_in_flight():
     """The aborted request's row of the step in flight is discarded, nothing follows its abort
     output, the others are exact, and every block comes back."""
     core = eh.make_core(LLAMA, async_scheduling=True)
-    prompts = [_prompt(60 + i, 12 + 9 * i) for i in range(4)]
+    prompts = [random_prompt(60 + i, 12 + 9 * i) for i in range(4)]
     ids = [eh.submit(core, p, eh.greedy(24)) for p in prompts]
     victim = core.scheduler.find(ids[1])
     produced = {rid: [] for rid in ids}

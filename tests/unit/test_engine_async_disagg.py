@@ -6,11 +6,11 @@ against transformers; every lease ends and every block comes back."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 from waiting import wait_until
 
 from server.engine.kv_connector import ContextConnector, GenerationConnector
@@ -22,11 +22,6 @@ from transceiver.sender import KVSender
 
 LLAMA = "builtin:tiny-llama"
 TOKEN = "async-disagg-test-token-0123456789"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _expected(prompt: list[int], n: int) -> list[int]:
@@ -58,8 +53,8 @@ def test_the_pair_is_exact_with_both_pipelines_busy(pair):
     ctx, gen = pair
     run = Pair(ctx, gen)
     # aggregated requests keep both pipelines full while the legs pass through
-    local = {core: eh.submit(core, _prompt(90 + i, 25), eh.greedy(40)) for i, core in enumerate(pair)}
-    prompts = [_prompt(300 + i, n) for i, n in enumerate([5, 40, 33, 70])]
+    local = {core: eh.submit(core, random_prompt(90 + i, 25), eh.greedy(40)) for i, core in enumerate(pair)}
+    prompts = [random_prompt(300 + i, n) for i, n in enumerate([5, 40, 33, 70])]
     legs = [eh.submit(ctx, p, eh.greedy(10), disagg=DisaggParams("context_only")) for p in prompts]
     run.wait(legs, "the context legs")
     for rid, prompt in zip(legs, prompts, strict=True):
@@ -75,7 +70,7 @@ def test_the_pair_is_exact_with_both_pipelines_busy(pair):
         assert run.tokens(rid) == _expected(prompt, 10) and run.final(rid).finish_reason == "length"
     assert (run.final(failed).finish_reason, run.final(failed).error_code) == ("error", 404)
     for i, rid in enumerate(local.values()):
-        assert run.tokens(rid) == _expected(_prompt(90 + i, 25), 40)
+        assert run.tokens(rid) == _expected(random_prompt(90 + i, 25), 40)
     wait_until(lambda: ctx.connector.sender.num_leases == 0, 30, "the leases to end", step=run.step)
     for core in pair:
         assert eh.blocks_in_use(core.kv) == 0
@@ -87,7 +82,7 @@ def test_a_context_leg_ending_at_its_first_token_offers_nothing(pair):
     no lease, no row after the prefill."""
     ctx, gen = pair
     run = Pair(ctx, gen)
-    prompt = _prompt(400, 20)
+    prompt = random_prompt(400, 20)
     rid = eh.submit(ctx, prompt, eh.greedy(1), disagg=DisaggParams("context_only"))
     request = ctx.scheduler.find(rid)
     run.wait([rid], "the context leg")
@@ -101,8 +96,8 @@ def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_schedule
     a long prefill), and its batch slot goes to the next request in that same schedule."""
     ctx, _ = pair
     ctx.scheduler.config = dataclasses.replace(ctx.config, max_batch_size=1)
-    leg = eh.submit(ctx, _prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
-    waiting = eh.submit(ctx, _prompt(501, 12), eh.greedy(8))
+    leg = eh.submit(ctx, random_prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
+    waiting = eh.submit(ctx, random_prompt(501, 12), eh.greedy(8))
     after = ctx.scheduler.find(waiting)
     assert ctx.step() == [] and after.num_computed_tokens == 0  # the leg's prefill; the batch is full
     [answer] = ctx.step()

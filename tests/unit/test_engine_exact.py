@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 
 from kvcache import KvCacheConfig
 from server.models.builtin import resolve_model
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _expected(model: str, prompt: list[int], n: int) -> list[int]:
@@ -27,7 +21,7 @@ def _expected(model: str, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("model, length", [(LLAMA, 7), (LLAMA, 70), (SWA, 150)])
 def test_single_request_matches_transformers(model, length):
     core = eh.make_core(model)
-    prompt = _prompt(length, length)
+    prompt = random_prompt(length, length)
     [result] = eh.generate(core, [prompt], eh.greedy(20))
     assert result.token_ids == _expected(model, prompt, 20)
     assert result.final.finish_reason == "length"
@@ -38,7 +32,7 @@ def test_single_request_matches_transformers(model, length):
 @pytest.mark.parametrize("model", [LLAMA, SWA])
 def test_concurrent_requests_with_chunked_prefill_match(model):
     core = eh.make_core(model, max_num_tokens=48, max_batch_size=8)  # prompts up to 160 tokens: chunked
-    prompts = [_prompt(100 + i, n) for i, n in enumerate([3, 17, 160, 45, 96, 1])]
+    prompts = [random_prompt(100 + i, n) for i, n in enumerate([3, 17, 160, 45, 96, 1])]
     results = eh.generate(core, prompts, eh.greedy(12))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == _expected(model, prompt, 12)
@@ -48,15 +42,15 @@ def test_concurrent_requests_with_chunked_prefill_match(model):
 
 def test_repeated_prompt_reuses_prefix_and_partial_block():
     core = eh.make_core(LLAMA)  # tokens_per_block 16
-    base = _prompt(7, 64)  # 4 full blocks
+    base = random_prompt(7, 64)  # 4 full blocks
     first = eh.generate(core, [base], eh.greedy(8))[0]
     again = eh.generate(core, [base], eh.greedy(8))[0]
     assert again.token_ids == first.token_ids == _expected(LLAMA, base, 8)
     assert first.final.cached_tokens == 0
     assert again.final.cached_tokens == 63  # all but the last token (its logits are needed): 15 of block 4
-    longer = base + _prompt(9, 6)  # the partial fifth block of a prompt is not cached; full blocks are
+    longer = base + random_prompt(9, 6)  # the partial fifth block of a prompt is not cached; full blocks are
     assert eh.generate(core, [longer], eh.greedy(8))[0].final.cached_tokens == 64
-    shared = base[:40] + _prompt(8, 30)  # 2 full blocks + 8 tokens of the third
+    shared = base[:40] + random_prompt(8, 30)  # 2 full blocks + 8 tokens of the third
     partial = eh.generate(core, [shared], eh.greedy(8))[0]
     assert partial.final.cached_tokens == 40
     assert partial.token_ids == _expected(LLAMA, shared, 8)
@@ -66,7 +60,7 @@ def test_small_pool_offloads_onboards_and_preempts_without_changing_output():
     kv = KvCacheConfig(tokens_per_block=16, max_tokens=12 * 16, host_cache_size=64 * 16 * 2048,
                        secondary_offload_min_priority=0)
     core = eh.make_core(LLAMA, kv=kv, max_num_tokens=64, max_batch_size=4)
-    prompts = [_prompt(200 + i, 40 + 7 * i) for i in range(4)]  # 4 x ~6 blocks at the end > 12 blocks
+    prompts = [random_prompt(200 + i, 40 + 7 * i) for i in range(4)]  # 4 x ~6 blocks at the end > 12 blocks
     results = eh.generate(core, prompts, eh.greedy(48))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == _expected(LLAMA, prompt, 48)

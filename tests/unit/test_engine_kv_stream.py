@@ -7,11 +7,10 @@ pin and no block in use on either side."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
@@ -25,11 +24,6 @@ from transceiver.sender import KVSender
 LLAMA, SWA = "builtin:tiny-llama", "builtin:tiny-qwen3-swa"
 TOKEN = "kv-stream-test-token-0123456789"
 CHUNK = 32  # the context server prefills 32 tokens per step: a 150-token prompt takes 5 steps
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 class Pair(eh.PairRun):
@@ -89,7 +83,7 @@ def make_pair():
 @pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False)])
 def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_pair, model, async_scheduling):
     run = make_pair(model, async_scheduling)
-    prompt = _prompt(11, 150)
+    prompt = random_prompt(11, 150)
     ctx_id, gen_id = run.legs(prompt, 10)
     run.step()  # both legs admitted, the pull sent; the first 32 tokens prefilled: 2 blocks offered
     wait_until(lambda: run.receiver.chunks_written(gen_id), 10, "a chunk while the prompt is prefilled",
@@ -106,7 +100,7 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
 
 def test_aborting_both_legs_mid_prefill_releases_everything(make_pair):
     run = make_pair()
-    ctx_id, gen_id = run.legs(_prompt(12, 200), 5)
+    ctx_id, gen_id = run.legs(random_prompt(12, 200), 5)
     run.first_chunks(gen_id)
     assert run.final(ctx_id) is None and run.sender.pinned_blocks()
     run.gen.abort(gen_id)  # the client left: the router closes both legs
@@ -116,7 +110,7 @@ def test_aborting_both_legs_mid_prefill_releases_everything(make_pair):
 
 def test_a_context_abort_alone_fails_the_generation_leg(make_pair):
     run = make_pair()
-    ctx_id, gen_id = run.legs(_prompt(13, 200), 5)
+    ctx_id, gen_id = run.legs(random_prompt(13, 200), 5)
     run.first_chunks(gen_id)
     run.ctx.abort(ctx_id)
     run.wait([gen_id], "the generation leg to fail")
@@ -126,7 +120,7 @@ def test_a_context_abort_alone_fails_the_generation_leg(make_pair):
 
 def test_a_context_leg_ending_at_its_first_token_ends_the_streamed_lease(make_pair):
     run = make_pair()
-    ctx_id, gen_id = run.legs(_prompt(14, 100), 1)
+    ctx_id, gen_id = run.legs(random_prompt(14, 100), 1)
     run.wait([ctx_id, gen_id], "both legs")
     assert run.final(ctx_id).finish_reason == "length" and run.final(ctx_id).disagg is None
     assert run.final(gen_id).finish_reason == "error"  # the router would have closed it already
@@ -136,7 +130,7 @@ def test_a_context_leg_ending_at_its_first_token_ends_the_streamed_lease(make_pa
 def test_a_generation_leg_whose_context_request_was_never_admitted_fails_fast(make_pair):
     """Rejected on the context server (too big for its pool): the pull waiting for its lease is refused."""
     run = make_pair()
-    prompt = _prompt(15, 100)
+    prompt = random_prompt(15, 100)
     params = DisaggParams("generation_only", "never-admitted", run.sender.endpoint, run.sender.epoch,
                           prompt_token_ids=tuple(prompt), kv_stream=True)
     gen_id = eh.submit(run.gen, prompt, eh.greedy(3), disagg=params)

@@ -5,11 +5,10 @@ loopback) pulls only blocks it lacks under the request's salt."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
@@ -25,11 +24,6 @@ LLAMA = "builtin:tiny-llama"
 TOKEN = "tenants-test-token-0123456789"
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def _expected(prompt: list[int], n: int) -> list[int]:
     return hf_reference.hf_greedy(resolve_model(LLAMA), prompt, n)
 
@@ -41,7 +35,7 @@ def _run(core, prompt: list[int], n: int = 4, **kw) -> eh.Result:
 
 def test_salts_separate_prefix_reuse_and_leave_outputs_exact():
     core = eh.make_core(LLAMA)  # tokens_per_block 16
-    prompt = _prompt(1, 50)
+    prompt = random_prompt(1, 50)
     want = _expected(prompt, 6)
     runs = [("a", 0), ("a", 48), ("b", 0), (None, 0), (None, 48), ("b", 48)]  # 3 full blocks cached
     for salt, cached in runs:
@@ -56,7 +50,7 @@ def _pressure_core(**kv) -> object:
     return eh.make_core(LLAMA, kv=config, max_num_tokens=256)
 
 
-HIGH, LOW = _prompt(10, 48), _prompt(11, 48)  # 3 blocks each
+HIGH, LOW = random_prompt(10, 48), random_prompt(11, 48)  # 3 blocks each
 
 
 def _fill_high_then_low(core) -> None:
@@ -69,7 +63,7 @@ def _fill_high_then_low(core) -> None:
 def test_low_priority_blocks_are_evicted_first():
     core = _pressure_core()
     _fill_high_then_low(core)  # 6 of 8 blocks cached
-    press = _prompt(12, 80)  # 5 blocks: 2 free ones, then 3 evictions
+    press = random_prompt(12, 80)  # 5 blocks: 2 free ones, then 3 evictions
     assert _run(core, press, 1).token_ids == _expected(press, 1)
     assert core.kv.stats().evictions == 3
     high, low = _run(core, HIGH, 4), _run(core, LOW, 4)
@@ -81,7 +75,7 @@ def test_only_blocks_at_or_above_the_offload_priority_reach_the_host_tier():
     core = _pressure_core(host_cache_size=16 * 16 * 1024 * 1024 // 1024, secondary_offload_min_priority=50)
     assert core.kv.num_slots(512, level=1) >= 3
     _fill_high_then_low(core)
-    press = _prompt(13, 128)  # 8 blocks: every cached block is evicted
+    press = random_prompt(13, 128)  # 8 blocks: every cached block is evicted
     assert _run(core, press, 1).token_ids == _expected(press, 1)
     stats = core.kv.stats()
     assert (stats.evictions, stats.offloads) == (6, 3)  # LOW's 3 dropped, HIGH's 3 offloaded
@@ -97,7 +91,7 @@ def test_engine_metrics_count_prompts_preemptions_and_latencies():
     config = KvCacheConfig(tokens_per_block=16, max_tokens=6 * 16)
     core = eh.make_core(LLAMA, kv=config, max_num_tokens=64, max_batch_size=4)
     core.metrics = metrics
-    prompts = [_prompt(20 + i, 30) for i in range(3)]  # 3 x (30 + 40) tokens > 6 blocks: preemption
+    prompts = [random_prompt(20 + i, 30) for i in range(3)]  # 3 x (30 + 40) tokens > 6 blocks: preemption
     results = eh.generate(core, prompts, eh.greedy(40))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == _expected(prompt, 40)
@@ -154,7 +148,7 @@ def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tupl
 def test_the_pair_pulls_only_what_it_lacks_under_the_request_salt(pair):
     ctx, gen = pair
     block = gen.kv.slot_bytes(512)
-    prompt = _prompt(30, 40)  # blocks 0, 1 full; block 2 holds 8 prompt tokens
+    prompt = random_prompt(30, 40)  # blocks 0, 1 full; block 2 holds 8 prompt tokens
     want = _expected(prompt, 12)
     tokens, pulled, _ = _through_pair(ctx, gen, prompt, 12, "tenant-a")
     assert (tokens, pulled) == (want, 3 * block)
@@ -163,7 +157,7 @@ def test_the_pair_pulls_only_what_it_lacks_under_the_request_salt(pair):
     tokens, pulled, _ = _through_pair(ctx, gen, prompt, 12, "tenant-a")
     assert (tokens, pulled) == (want, 0)
     copies = gen.kv.stats().bytes_copied_primary
-    other = prompt[:36] + _prompt(31, 8)  # block 2 matches 4 tokens only: it is pulled whole, not copied
+    other = prompt[:36] + random_prompt(31, 8)  # block 2 matches 4 tokens only: it is pulled whole, not copied
     tokens, pulled, _ = _through_pair(ctx, gen, other, 12, "tenant-a")
     assert (tokens, pulled) == (_expected(other, 12), block)
     assert gen.kv.stats().bytes_copied_primary == copies

@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from kv_factories import make_manager
 from test_api_engine_fake import FakeEngine, KnownEndpoints, deployment_app
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
 from server.deploy.drain import Drain
 from server.deploy.serve import install_health
 from server.engine.status import links_of
@@ -25,9 +26,8 @@ CONFIG = TransceiverConfig(auth_token="unit-health-token-0123456789")
 
 
 def kv(dtype: torch.dtype = torch.float32, tokens_per_block: int = 4, heads: int = 2) -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(64, 64), num_kv_heads=heads, head_dim=8, dtype=dtype, device="cpu",
-                         max_seq_len=64)
-    return KVCacheManager(KvCacheConfig(tokens_per_block=tokens_per_block, max_tokens=64), layout)
+    return make_manager("cpu", tpb=tokens_per_block, primary_blocks=64 // tokens_per_block, windows=(64, 64),
+                        heads=heads, dim=8, dtype=dtype)
 
 
 class Directory(KnownEndpoints):

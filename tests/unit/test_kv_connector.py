@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
+from kv_factories import make_manager
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from server.engine.kv_connector import AggregatedConnector, Arrived, ContextConnector, GenerationConnector, PullFailure
 from server.engine.request import Request
 from server.types import DisaggParams, SamplingParams
@@ -23,9 +24,8 @@ PROMPT = list(range(3, 13))  # 10 tokens: blocks 0, 1 full, block 2 holds 2
 
 
 def _kv() -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(W, W), num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                         device="cpu", max_seq_len=W)
-    return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=W, enable_block_reuse=False), layout)
+    return make_manager("cpu", tpb=TPB, primary_blocks=W // TPB, windows=(W, W), max_seq_len=W, dim=8,
+                        enable_block_reuse=False)
 
 
 def _request(rid: str, params: DisaggParams) -> Request:

@@ -2,14 +2,15 @@
 equal to the cache's reuse tree, level by level, through store / evict (drop) / offload / onboard /
 take-over; a lost batch (a gap in the numbers) makes the feed resynchronise from a snapshot.
 
-tpb 4, one layer, window 64 unless said otherwise (the managers of test_kvcache_support)."""
+tpb 4, one layer, window 64 unless said otherwise (the managers of kv_factories.make_manager)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 
-from test_kvcache_support import make_manager, run_prefill
+from kv_factories import make_manager
+from test_kvcache_support import run_prefill
 
 from kvcache import Level, block_hashes
 from kvcache.events import MOVED, REMOVED, STORED

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from test_kvcache_support import make_manager
+from kv_factories import make_manager
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
 from server.config.schema import ConfigError, server_config_from_dict

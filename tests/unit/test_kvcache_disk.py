@@ -11,14 +11,8 @@ import logging
 import shutil
 
 import pytest
-from test_kvcache_support import (
-    PrefixBook,
-    assert_request_kv,
-    locate,
-    make_manager,
-    refs,
-    run_prefill,
-)
+from kv_factories import make_manager
+from test_kvcache_support import PrefixBook, assert_request_kv, locate, refs, run_prefill
 from waiting import wait_until
 
 from kvcache import KVCacheError, KVCacheManager, Level, block_hashes

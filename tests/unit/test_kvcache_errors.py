@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import DEVICES, free_ids, make_manager, refs, run_prefill
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, free_ids, refs, run_prefill
 
 from kvcache import KVCacheError, OutOfBlocksError
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import make_manager, run_prefill
+from kv_factories import make_manager
+from test_kvcache_support import run_prefill
 
 from kvcache import KVCacheError, Level
 from kvcache.block import CopyOp

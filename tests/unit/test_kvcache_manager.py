@@ -4,16 +4,8 @@ reuse and eviction order after each step. tpb 4, 4 primary blocks unless stated.
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import (
-    DEVICES,
-    PrefixBook,
-    assert_request_kv,
-    free_ids,
-    make_manager,
-    refs,
-    run_prefill,
-    write_kv,
-)
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, assert_request_kv, free_ids, refs, run_prefill, write_kv
 
 from kvcache import block_hashes
 

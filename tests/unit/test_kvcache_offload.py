@@ -4,17 +4,8 @@ tpb 4, one layer; `locate` gives (level initial, slot) per block id."""
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import (
-    DEVICES,
-    PrefixBook,
-    assert_request_kv,
-    free_ids,
-    locate,
-    make_manager,
-    refs,
-    run_prefill,
-    write_kv,
-)
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, assert_request_kv, free_ids, locate, refs, run_prefill, write_kv
 
 from kvcache import KVCacheError, Level, OutOfBlocksError, block_hashes
 

@@ -4,15 +4,8 @@ capped case of a fully matching prompt. tpb 4, one layer."""
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import (
-    DEVICES,
-    PrefixBook,
-    assert_request_kv,
-    free_ids,
-    make_manager,
-    refs,
-    run_prefill,
-)
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, assert_request_kv, free_ids, refs, run_prefill
 
 from kvcache import block_hashes
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kvcache_support import DEVICES, PrefixBook, make_manager, run_prefill
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, run_prefill
 from torch.overrides import TorchFunctionMode
 
 from kvcache import CacheLayout, Level

@@ -22,14 +22,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_kvcache_support import (
-    DEVICES,
-    PrefixBook,
-    assert_request_kv,
-    make_manager,
-    tree_locations,
-    write_kv,
-)
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, assert_request_kv, tree_locations, write_kv
 
 from kvcache import OutOfBlocksError
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from test_kvcache_support import DEVICES, assert_request_kv, locate, make_manager, run_prefill
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, assert_request_kv, locate, run_prefill
 
 from kvcache import KVCacheError, block_hashes, request_salt
 

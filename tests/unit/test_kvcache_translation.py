@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_factories import make_manager
 from test_kvcache_support import DEVICES
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheError, KVCacheManager, Level, UnknownBlockError
+from kvcache import KVCacheError, KVCacheManager, Level, UnknownBlockError
 
 
-def _manager(device: str, windows: tuple[int, ...], max_seq_len: int, **cfg) -> KVCacheManager:
-    layout = CacheLayout(windows, 2, 64, torch.float16, device, max_seq_len)
-    return KVCacheManager(KvCacheConfig(tokens_per_block=16, **cfg), layout)
+def _manager(device: str, windows: tuple[int, ...], max_seq_len: int, **kw) -> KVCacheManager:
+    """tpb 16, 2 kv heads of 64, float16: 2 * 2 * 64 * 2 B = 512 B per layer and token."""
+    return make_manager(device, tpb=16, windows=windows, max_seq_len=max_seq_len, dim=64, dtype=torch.float16, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_vswa_needs_window_and_is_identity_before_offload(device):
-    m = _manager(device, (128, 128, 256, 256), 256, max_tokens=512, enable_block_reuse=False)
+    m = _manager(device, (128, 128, 256, 256), 256, primary_blocks=32, enable_block_reuse=False)
     assert m.window_sizes == (128, 256)
     assert m.group_layers(128) == (0, 1) and m.group_layers(256) == (2, 3)
     assert m.num_slots(128) == m.num_slots(256) == 32
@@ -36,7 +37,7 @@ def test_a_vswa_needs_window_and_is_identity_before_offload(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_b_no_offload_translation_is_identity_and_addresses_are_base_plus_slot(device):
-    m = _manager(device, (256, 256), 256, max_tokens=256)
+    m = _manager(device, (256, 256), 256, primary_blocks=16)
     assert m.num_slots(256) == 16 and m.num_slots(256, Level.SECONDARY) == 0
     assert m.pool(256, Level.SECONDARY) is None
     m.admit("r", list(range(32)))
@@ -69,7 +70,7 @@ def _fill_pattern(m: KVCacheManager, slots: list[int], tokens: list[int]) -> lis
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("copy_on_partial_reuse", [True, False])
 def test_c_offload_then_onboard_restores_the_written_bytes(device, copy_on_partial_reuse):
-    m = _manager(device, (256, 256), 256, max_tokens=64, host_cache_size=16 * 32 * 2 * 2 * 2 * 64,
+    m = _manager(device, (256, 256), 256, primary_blocks=4, host_blocks=16,
                  enable_partial_reuse=True, copy_on_partial_reuse=copy_on_partial_reuse)
     assert (m.num_slots(256), m.num_slots(256, Level.SECONDARY)) == (4, 16)
     prompt_a, prompt_b = list(range(64)), list(range(1000, 1064))
@@ -112,7 +113,7 @@ def test_c_offload_then_onboard_restores_the_written_bytes(device, copy_on_parti
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_translation_errors_name_the_block(device):
-    m = _manager(device, (256,), 256, max_tokens=64)
+    m = _manager(device, (256,), 256, primary_blocks=4)
     m.admit("r", list(range(20)))
     with pytest.raises(UnknownBlockError, match="unknown block id 9 "):
         m.get_memory_pool_block_indices([0, 9])

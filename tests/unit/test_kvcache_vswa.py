@@ -4,17 +4,8 @@ the reuse hit is the minimum over groups. tpb 4, windows 8 (sliding) and 64 (ful
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import (
-    DEVICES,
-    PrefixBook,
-    assert_request_kv,
-    free_ids,
-    locate,
-    make_manager,
-    refs,
-    run_prefill,
-    write_kv,
-)
+from kv_factories import make_manager
+from test_kvcache_support import DEVICES, PrefixBook, assert_request_kv, free_ids, locate, refs, run_prefill, write_kv
 
 from kvcache import Level
 

@@ -7,15 +7,16 @@ back, and blocks that leave a sliding window are released (-1 in the table) as t
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf_reference
 import pytest
 import torch
+from kv_factories import make_manager
+from prompts import random_prompt
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
 from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_device, resolve_dtype
@@ -58,8 +59,7 @@ def make_runner(model_dir: Path, *, max_tokens: int = 4096, max_num_tokens: int 
 
 
 def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 512) for _ in range(length)]
+    return random_prompt(seed, length, low=5, high=512)  # ids 5..511 of the models' 512
 
 
 def greedy(logits: torch.Tensor, eos_ids: tuple[int, ...]) -> list[int]:
@@ -192,8 +192,8 @@ def test_step_validation_errors(model_dirs: dict[str, Path]) -> None:
 
 def test_kv_layout_must_fit_the_model(model_dirs: dict[str, Path]) -> None:
     def kv(windows: tuple[int, ...], kv_heads: int) -> KVCacheManager:
-        layout = CacheLayout(windows, kv_heads, 32, torch.float32, "cpu", MAX_SEQ_LEN)
-        return KVCacheManager(KvCacheConfig(max_tokens=128, tokens_per_block=TPB), layout)
+        return make_manager("cpu", tpb=TPB, primary_blocks=8, windows=windows, max_seq_len=MAX_SEQ_LEN,
+                            heads=kv_heads, dim=32)
 
     full_windows = kv((MAX_SEQ_LEN,) * 4, 2)  # swa model needs window 64 on layers 0 and 2
     with pytest.raises(ValueError, match="KV cache layer 0 .* window 512\\) does not fit"):

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_factories import make_manager
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import KVCacheManager
 from server.models.attention import layer_units
 from server.models.builtin import build_tiny_model
 from server.models.model_spec import load_spec
@@ -19,9 +20,7 @@ TPB = 4
 
 
 def _kv() -> KVCacheManager:
-    layout = CacheLayout((64, 64, 64), num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu",
-                         max_seq_len=64)
-    return KVCacheManager(KvCacheConfig(max_tokens=32, tokens_per_block=TPB), layout)
+    return make_manager("cpu", tpb=TPB, primary_blocks=8, windows=(64, 64, 64), dim=8)
 
 
 def test_units_views_address_k_and_v_of_every_slot_and_layer() -> None:

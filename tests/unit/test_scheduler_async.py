@@ -8,7 +8,7 @@ host one step later), and tests assert the plans and the KV state.
 
 from __future__ import annotations
 
-from test_kvcache_support import make_manager
+from kv_factories import make_manager
 
 from server.engine.request import Request, Status
 from server.engine.scheduler import Scheduler, SchedulerConfig, committable

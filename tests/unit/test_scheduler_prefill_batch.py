@@ -7,7 +7,7 @@ Tokens are marked computed by hand, as the engine's postprocess would.
 from __future__ import annotations
 
 import pytest
-from test_kvcache_support import make_manager
+from kv_factories import make_manager
 
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler, SchedulerConfig

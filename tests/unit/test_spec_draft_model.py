@@ -5,11 +5,11 @@ model of the same tokenizer), its draft cache is released with each request."""
 from __future__ import annotations
 
 import gc
-import random
 
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 
 from server.engine.request import Request
 from server.engine.speculative.config import SpeculativeConfig
@@ -21,11 +21,6 @@ LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def _config(draft: str, k: int = 4) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=k)
 
@@ -33,7 +28,7 @@ def _config(draft: str, k: int = 4) -> SpeculativeConfig:
 def test_proposals_are_the_draft_models_greedy_continuation_and_follow_rollbacks():
     target = eh.make_core(LLAMA).runner
     drafter = build_draft_drafter(LLAMA, target, 512, 4)
-    prompts = [_prompt(1, 20), _prompt(2, 37)]
+    prompts = [random_prompt(1, 20), random_prompt(2, 37)]
     expected = [hf_reference.hf_greedy(resolve_model(LLAMA), p, 12) for p in prompts]
     requests = [Request(f"r{i}", p, SamplingParams(), frozenset()) for i, p in enumerate(prompts)]
     assert drafter.propose(requests, [4, 3]) == [expected[0][:4], expected[1][:3]]
@@ -53,7 +48,7 @@ def test_proposals_are_the_draft_models_greedy_continuation_and_follow_rollbacks
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_model_as_its_own_draft_accepts_everything_and_matches_transformers(async_scheduling):
-    prompts = [_prompt(10 + i, n) for i, n in enumerate([3, 29, 70])]
+    prompts = [random_prompt(10 + i, n) for i, n in enumerate([3, 29, 70])]
     core = eh.make_core(LLAMA, speculative=_config(LLAMA), async_scheduling=async_scheduling)
     results = eh.generate(core, prompts, eh.greedy(30))
     for prompt, result in zip(prompts, results, strict=True):
@@ -66,7 +61,7 @@ def test_the_model_as_its_own_draft_accepts_everything_and_matches_transformers(
 
 
 def test_another_model_of_the_same_tokenizer_as_draft_keeps_the_vswa_output():
-    prompts = [_prompt(20, 50), _prompt(21, 90)]  # past the 64-token window
+    prompts = [random_prompt(20, 50), random_prompt(21, 90)]  # past the 64-token window
     core = eh.make_core(SWA, speculative=_config(LLAMA))
     results = eh.generate(core, prompts, eh.greedy(40))
     for prompt, result in zip(prompts, results, strict=True):
@@ -75,7 +70,7 @@ def test_another_model_of_the_same_tokenizer_as_draft_keeps_the_vswa_output():
 
 
 def test_seeded_sampling_with_a_draft_model_equals_no_speculation():
-    prompts = [_prompt(30, 16), _prompt(31, 9)]
+    prompts = [random_prompt(30, 16), random_prompt(31, 9)]
     params = SamplingParams(max_tokens=24, temperature=0.2, seed=11)  # close to greedy: greedy drafts land
     plain = [r.token_ids for r in eh.generate(eh.make_core(LLAMA), prompts, params)]
     core = eh.make_core(LLAMA, speculative=_config(LLAMA))

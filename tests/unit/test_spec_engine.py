@@ -4,11 +4,10 @@ seeded sampling, and the adaptive pause."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 
 from kvcache.hashing import block_hashes, request_salt
 from server.engine.speculative.config import SpeculativeConfig
@@ -23,11 +22,6 @@ SWA = "builtin:tiny-qwen3-swa"  # sliding window 64 on half its layers
 NGRAM = SpeculativeConfig(method="ngram")
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def _replay_core(model: str, expected, wrong: int, k: int = 4, **kwargs):
     return eh.with_replay_drafts(eh.make_core(model, **kwargs), expected, wrong, k)
 
@@ -36,7 +30,7 @@ def _replay_core(model: str, expected, wrong: int, k: int = 4, **kwargs):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_verified_drafts_give_transformers_greedy_output(model, async_scheduling):
     """A batch of different lengths (SWA: past its window of 64), drafts partly wrong."""
-    prompts = [_prompt(40 + i, n) for i, n in enumerate([5, 30, 61, 18])]
+    prompts = [random_prompt(40 + i, n) for i, n in enumerate([5, 30, 61, 18])]
     expected = {tuple(p): hf_reference.hf_greedy(resolve_model(model), p, 40) for p in prompts}
     core = _replay_core(model, expected, wrong=5, async_scheduling=async_scheduling)
     ids = [eh.submit(core, p, eh.greedy(40)) for p in prompts]
@@ -53,7 +47,8 @@ def test_verified_drafts_give_transformers_greedy_output(model, async_scheduling
 
 @pytest.mark.parametrize("model", [LLAMA, SWA])
 def test_ngram_greedy_equals_transformers_and_no_speculation(model):
-    prompts = [_prompt(7, 12) * 4, _prompt(8, 40), _prompt(9, 5) * 6 + [7, 8]]  # repeated patterns, and none
+    # repeated patterns, and none
+    prompts = [random_prompt(7, 12) * 4, random_prompt(8, 40), random_prompt(9, 5) * 6 + [7, 8]]
     core = eh.make_core(model, speculative=NGRAM)
     results = eh.generate(core, prompts, eh.greedy(48))
     for prompt, result in zip(prompts, results, strict=True):
@@ -65,7 +60,7 @@ def test_ngram_greedy_equals_transformers_and_no_speculation(model):
 def test_ngram_drafts_get_accepted_on_the_trained_model():
     """tiny-story, the one trained model, repeats itself a little: some n-gram drafts are accepted."""
     model = "builtin:tiny-story"
-    prompts = [_prompt(11 + i, 30) for i in range(3)]
+    prompts = [random_prompt(11 + i, 30) for i in range(3)]
     plain = eh.generate(eh.make_core(model), prompts, eh.greedy(200))
     core = eh.make_core(model, speculative=NGRAM)
     assert [r.token_ids for r in eh.generate(core, prompts, eh.greedy(200))] == [r.token_ids for r in plain]
@@ -80,7 +75,7 @@ def test_rejected_drafts_roll_back_and_are_never_cached():
     """tokens_per_block 16, prompt of 29: the first verify computes positions 29..33 across the block
     boundary at 32; only its first draft matches, so the request keeps 31 computed and 32 known
     tokens, holds the 3 blocks reserved for the verify, and only block 0 is cached."""
-    prompt = _prompt(3, 29)
+    prompt = random_prompt(3, 29)
     expected = hf_reference.hf_greedy(resolve_model(LLAMA), prompt, 12)
     core = _replay_core(LLAMA, {tuple(prompt): expected}, wrong=3)  # output positions 2, 5, 8, ... wrong
     rid = eh.submit(core, prompt, eh.greedy(12))
@@ -104,7 +99,7 @@ def test_rejected_drafts_roll_back_and_are_never_cached():
 
 
 def test_max_tokens_and_stops_land_inside_an_accepted_run():
-    prompt = _prompt(5, 20)
+    prompt = random_prompt(5, 20)
     full = eh.generate(eh.make_core(LLAMA), [prompt], eh.greedy(24))[0]
     expected = {tuple(prompt): full.token_ids}
     core = _replay_core(LLAMA, expected, wrong=0)  # every draft right: runs of 5 tokens
@@ -125,7 +120,7 @@ def test_max_tokens_and_stops_land_inside_an_accepted_run():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_seeded_sampling_is_the_same_with_and_without_speculation(async_scheduling):
-    prompts = [_prompt(21, 16), _prompt(22, 9)]
+    prompts = [random_prompt(21, 16), random_prompt(22, 9)]
     params = SamplingParams(max_tokens=30, temperature=0.8, top_k=40, seed=77, min_tokens=5)
     plain = [r.token_ids for r in eh.generate(eh.make_core(LLAMA), prompts, params)]
     expected = {tuple(p): out for p, out in zip(prompts, plain, strict=True)}
@@ -136,7 +131,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(async_scheduli
 
 def test_drafts_that_fail_pause_the_request():
     """Random text: after MISS_LIMIT misses a request pauses MIN_BACKOFF tokens, then twice as long."""
-    prompt = _prompt(31, 40)
+    prompt = random_prompt(31, 40)
     core = eh.make_core(LLAMA, speculative=NGRAM)
     expected = hf_reference.hf_greedy(resolve_model(LLAMA), prompt, 120)
     [result] = eh.generate(core, [prompt], eh.greedy(120))
@@ -147,7 +142,7 @@ def test_drafts_that_fail_pause_the_request():
 
 
 def test_a_large_decode_batch_does_not_draft():
-    prompts = [_prompt(60 + i, 12) * 3 for i in range(3)]
+    prompts = [random_prompt(60 + i, 12) * 3 for i in range(3)]
     expected = {tuple(p): hf_reference.hf_greedy(resolve_model(LLAMA), p, 16) for p in prompts}
     core = eh.make_core(LLAMA)
     core.spec = SpecDecoder(SpeculativeConfig(method="ngram", max_decode_batch=2), core.config,
@@ -158,7 +153,7 @@ def test_a_large_decode_batch_does_not_draft():
 
 
 def test_metrics_count_drafts_and_accepted_tokens():
-    prompt = _prompt(13, 20)
+    prompt = random_prompt(13, 20)
     expected = hf_reference.hf_greedy(resolve_model(LLAMA), prompt, 20)
     core = _replay_core(LLAMA, {tuple(prompt): expected}, wrong=3)
     metrics = ServerMetrics()

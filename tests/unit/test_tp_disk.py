@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_factories import make_manager
 from test_kvcache_disk import KEY, A, B, C, D, E, written
-from test_kvcache_support import assert_request_kv, make_manager, run_prefill
+from test_kvcache_support import assert_request_kv, run_prefill
 from waiting import wait_until
 
 from kvcache import Level

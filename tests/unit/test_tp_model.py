@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import random
 from pathlib import Path
 
 import hf_reference
 import pytest
 import torch
+from prompts import random_prompt
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
@@ -34,8 +34,7 @@ PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window
 
 
 def _prompt(vocab: int) -> list[int]:
-    rng = random.Random(7)
-    return [rng.randrange(5, vocab) for _ in range(PROMPT_LEN)]
+    return random_prompt(7, PROMPT_LEN, low=5, high=vocab)
 
 
 def _greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int]) -> tuple[list[int], list[float]]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import zmq
+from kv_factories import make_manager
 from waiting import wait_until
 
 import transceiver.receiver.kv_receiver as receiver_mod
 import transceiver.sender.kv_sender as sender_mod
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.link import shared_context
 from transceiver.receiver import KVReceiver, PullResult
@@ -28,11 +29,9 @@ GEN = PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=2)
 
 
 def _kv(max_blocks: int, host_blocks: int = 0) -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(W, W), num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu",
-                         max_seq_len=W)  # slot: 2 layers * 2 * 4 tpb * 2 heads * 8 * 4 B = 1 KiB
-    cfg = KvCacheConfig(tokens_per_block=TPB, max_tokens=max_blocks * TPB, secondary_offload_min_priority=0,
-                        host_cache_size=host_blocks * TPB * layout.bytes_per_token())
-    return KVCacheManager(cfg, layout)
+    # slot: 2 layers * 2 * 4 tpb * 2 heads * 8 * 4 B = 1 KiB
+    return make_manager("cpu", tpb=TPB, primary_blocks=max_blocks, host_blocks=host_blocks, windows=(W, W),
+                        max_seq_len=W, dim=8, secondary_offload_min_priority=0)
 
 
 def _rows(kv: KVCacheManager) -> torch.Tensor:

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from kv_factories import make_manager
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.payload import checksum
 from transceiver.receiver import KVReceiver, PullResult
@@ -21,9 +22,7 @@ SLOT = 2 * 2 * 4 * 2 * 8 * 4  # layers * K/V * tpb * kv_heads * head_dim * float
 
 
 def _kv() -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(64, 64), num_kv_heads=2, head_dim=8, dtype=torch.float32,
-                         device="cpu", max_seq_len=64)
-    return KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=64), layout)
+    return make_manager("cpu", tpb=4, primary_blocks=16, windows=(64, 64), dim=8)
 
 
 class FakeContext:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from kv_factories import make_manager
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.payload import checksum
 from transceiver.sender import KVSender
@@ -28,9 +29,9 @@ W = 1024  # the one window (full attention), tokens
 
 
 def _kv() -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(W,) * 4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                         device="cpu", max_seq_len=W)  # slot: 4 layers * 2 * 64 tpb * 8 * 128 * 2 B = 1 MiB
-    return KVCacheManager(KvCacheConfig(tokens_per_block=64, max_tokens=W, enable_block_reuse=False), layout)
+    # slot: 4 layers * 2 * 64 tpb * 8 * 128 * 2 B = 1 MiB
+    return make_manager("cpu", tpb=64, primary_blocks=W // 64, windows=(W,) * 4, max_seq_len=W, heads=8, dim=128,
+                        dtype=torch.bfloat16, enable_block_reuse=False)
 
 
 def _in_use(kv: KVCacheManager) -> int:

@@ -10,11 +10,12 @@ import time
 
 import pytest
 import torch
+from kv_factories import make_manager
 from waiting import wait_until
 
 import transceiver.receiver.kv_receiver as receiver_mod
 import transceiver.sender.kv_sender as sender_mod
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.sender import KVSender
@@ -28,9 +29,8 @@ GEN = PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=2)
 
 
 def _kv(max_blocks: int = 16) -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(W, W), num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu",
-                         max_seq_len=W)  # slot: 2 layers * 2 * 4 tpb * 2 heads * 8 * 4 B = 1 KiB
-    return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=max_blocks * TPB), layout)
+    # slot: 2 layers * 2 * 4 tpb * 2 heads * 8 * 4 B = 1 KiB
+    return make_manager("cpu", tpb=TPB, primary_blocks=max_blocks, windows=(W, W), max_seq_len=W, dim=8)
 
 
 def _rows(kv: KVCacheManager) -> torch.Tensor:

@@ -13,9 +13,10 @@ import time
 
 import pytest
 import torch
+from kv_factories import make_manager
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.sender import KVSender
@@ -29,9 +30,8 @@ CONFIG = TransceiverConfig(auth_token=TOKEN, max_chunk_bytes=64 * 1024)
 
 
 def _kv(heads: int) -> KVCacheManager:
-    layout = CacheLayout(layer_windows=(W, W), num_kv_heads=heads, head_dim=8, dtype=torch.bfloat16,
-                         device="cpu", max_seq_len=W)
-    return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=W), layout)
+    return make_manager("cpu", tpb=TPB, primary_blocks=W // TPB, windows=(W, W), max_seq_len=W, heads=heads, dim=8,
+                        dtype=torch.bfloat16)
 
 
 def _bits(kv: KVCacheManager, slots: list[int]) -> torch.Tensor:

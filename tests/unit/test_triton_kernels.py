@@ -15,6 +15,7 @@ import os
 import hf_reference  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from prompts import stride_prompt  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extra)")
 # tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before any kernel is defined;
@@ -134,7 +135,7 @@ def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=16), layout)
     runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
                          max_batch_size=4, kernels="triton", cuda_graphs=False)
-    prompts = [[5 + (n * 13 + j * 29) % 500 for j in range(n)] for n in prompt_lens]
+    prompts = [stride_prompt(n) for n in prompt_lens]
     outs: list[list[int]] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
         kv.admit(f"r{i}", p, num_tokens=len(p) + steps)

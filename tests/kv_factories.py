@@ -1,0 +1,33 @@
+"""KV cache managers for tests that need one without a model: the layout is given by hand.
+
+Tests import it as `import kv_factories` or `from kv_factories import make_manager` (tests/ is on
+sys.path, see hf_reference). Capacities are counted in blocks per window group, so a test's
+numbers say how many blocks each level holds whatever the layout's bytes per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache.config import DiskTierConfig
+
+
+def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blocks: int = 0,
+                 windows: Sequence[int] = (64,), max_seq_len: int = 64, heads: int = 2, dim: int = 4,
+                 dtype: torch.dtype = torch.float32, salt: str = "", disk_blocks: int = 0,
+                 disk_dir: str | None = None, disk_key: bytes = b"", disk: dict | None = None,
+                 **cfg) -> KVCacheManager:
+    """A manager with `primary_blocks` primary, `host_blocks` secondary and `disk_blocks` disk blocks
+    per window group (the disk tier in `disk_dir`, with the other DiskTierConfig keys of `disk`);
+    one layer per entry of `windows` (several sizes: VSWA groups), the other KvCacheConfig fields
+    in `cfg`. Close it when it has a disk tier (its writer threads)."""
+    layout = CacheLayout(tuple(windows), heads, dim, dtype, device, max_seq_len)
+    block_bytes = tpb * layout.bytes_per_token()
+    tier = DiskTierConfig(**{"path": str(disk_dir), "max_bytes": disk_blocks * block_bytes, **(disk or {})}) \
+        if disk_blocks else None
+    config = KvCacheConfig(tokens_per_block=tpb, max_tokens=primary_blocks * tpb,
+                           host_cache_size=host_blocks * block_bytes, disk=tier, **cfg)
+    return KVCacheManager(config, layout, salt=salt, disk_key=disk_key)
