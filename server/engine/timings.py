@@ -19,7 +19,7 @@ class TokenTimings:
         now = time.monotonic()
         if request.first_token_time is None:
             self._pending.append((True, now - request.arrival_time))
-            if not request.is_generation_only:  # its prompt was computed here (not pulled)
+            if not request.is_generation_only and request.parent is None:  # its prompt was computed here (once)
                 self._prompt_tokens += request.num_prompt_tokens
         else:
             self._pending.append((False, now - request.last_token_time))
