@@ -118,14 +118,17 @@ def check_pipeline(core) -> None:
     """The async invariants between two steps: a request has at most one pending token, and only
     from the step in flight; a running one has computed every known token (its pending token is the
     input of its next row); a queued one has none (one preempted with a pending token got it at the
-    end of that step)."""
+    end of that step), but a choice forked without a block for its KV copy in the step in flight
+    (server/engine/choices.py: its first token is on the device, it has computed nothing)."""
     inflight = core.inflight
     for request in core.scheduler.running:
         assert request.num_pending in (0, 1)
         if request.num_pending:
             assert inflight is not None and request in inflight.rows
             assert request.num_computed_tokens == request.num_known_tokens
-    assert all(r.num_pending == 0 for r in core.scheduler.waiting)
+    for request in core.scheduler.waiting:
+        assert request.num_pending == 0 or (request.parent is not None and request.num_pending == 1
+                                            and request in inflight.rows and request.num_computed_tokens == 0)
     core.kv.check_accounting()
 
 

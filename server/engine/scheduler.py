@@ -174,7 +174,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         prefill_limit = self.config.max_prefill_batch_tokens or self.config.max_num_tokens
         prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)  # decode does not count
-        while self.waiting and budget > 0 and self._batch_has_room(self.waiting[0]):
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.num_pending:  # preempted while its token was on the device: wait for it
                 return
@@ -184,6 +184,8 @@ class Scheduler:
                 request.finish("error", problem, code=400)
                 out.rejected.append(request)
                 continue
+            if not self._batch_has_room(request):
+                return
             pulls_kv = request.is_generation_only and not request.admitted_once  # computes nothing here
             if (not pulls_kv and prefill >= prefill_limit) or not self._admit(request):
                 return
