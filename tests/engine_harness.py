@@ -103,6 +103,24 @@ def run_to_completion(core: EngineCore, request_ids: list[str], max_steps: int =
     raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")
 
 
+def run_choices(core, rids: list[str], max_steps: int = 2000) -> dict[tuple[str, int], Result]:
+    """Outputs per (request id, choice: `RequestOutput.index`) until every request ended; the async
+    invariants are checked after each step, and no choice has an output after its final one."""
+    results: dict[tuple[str, int], Result] = {}
+    for _ in range(max_steps):
+        for output in core.step():
+            result = results.setdefault((output.request_id, output.index), Result())
+            assert result.final is None, f"{output.request_id} choice {output.index}: output after its last one"
+            result.token_ids += output.new_token_ids
+            result.text += output.new_text
+            result.final = output if output.finished else None
+        check_pipeline(core)
+        if not core.has_work():
+            assert all(r.final is not None for r in results.values())
+            return results
+    raise AssertionError(f"requests {rids} did not finish within {max_steps} steps: {core.scheduler.counts()}")
+
+
 def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[Result]:
     ids = [submit(core, p, params) for p in prompts]
     results = run_to_completion(core, ids)

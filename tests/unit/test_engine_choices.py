@@ -28,24 +28,6 @@ def _expected(model: str, prompt: list[int], n: int) -> list[int]:
     return hf_reference.hf_greedy(resolve_model(model), prompt, n)
 
 
-def run_choices(core, rids: list[str], max_steps: int = 2000) -> dict[tuple[str, int], eh.Result]:
-    """Outputs per (request id, choice) until every request ended; the async invariants are checked
-    after each step, and no choice has an output after its final one."""
-    results: dict[tuple[str, int], eh.Result] = {}
-    for _ in range(max_steps):
-        for output in core.step():
-            result = results.setdefault((output.request_id, output.index), eh.Result())
-            assert result.final is None, f"{output.request_id} choice {output.index}: output after its last one"
-            result.token_ids += output.new_token_ids
-            result.text += output.new_text
-            result.final = output if output.finished else None
-        eh.check_pipeline(core)
-        if not core.has_work():
-            assert all(r.final is not None for r in results.values())
-            return results
-    raise AssertionError(f"requests {rids} did not finish within {max_steps} steps: {core.scheduler.counts()}")
-
-
 def _assert_done(core) -> None:
     assert eh.blocks_in_use(core.kv) == 0 and core.kv.request_ids() == []
     core.kv.check_integrity()
@@ -56,7 +38,7 @@ def test_greedy_choices_all_equal_transformers(model, async_scheduling):
     core = eh.make_core(model, async_scheduling=async_scheduling)
     prompt = _prompt(1, 37)  # two full blocks and a partly filled one
     rid = eh.submit(core, prompt, eh.greedy(10, n=3))
-    results = run_choices(core, [rid])
+    results = eh.run_choices(core, [rid])
     assert sorted(results) == [(rid, 0), (rid, 1), (rid, 2)]
     for i in range(3):
         final = results[rid, i].final
@@ -78,14 +60,14 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_are_held_once():
     assert all(len(b) == 3 for b in ids)
     assert core.kv.stats().prefix_query_tokens == 40  # one admission: the children were forked
     want = _expected(LLAMA, prompt, 12)
-    results = run_choices(core, [rid])
+    results = eh.run_choices(core, [rid])
     for i in range(4):
         produced = [t for o in outputs if o.index == i for t in o.new_token_ids] + results[rid, i].token_ids
         assert produced == want
     _assert_done(core)
     again = eh.submit(core, prompt, eh.greedy(12, n=4))
     assert core.step() == [] and eh.blocks_in_use(core.kv) == 2 + 4
-    results = run_choices(core, [again])
+    results = eh.run_choices(core, [again])
     # the two full blocks, and 7 tokens of the third (cached full, with the first choice's output)
     assert [results[again, i].final.cached_tokens for i in range(4)] == [39] * 4
     assert core.kv.stats().prefix_query_tokens == 80
@@ -99,7 +81,7 @@ def test_seeded_choices_differ_and_repeat_run_to_run():
     for async_scheduling in (False, False, True):
         core = eh.make_core(LLAMA, async_scheduling=async_scheduling)
         rid = eh.submit(core, prompt, params)
-        results = run_choices(core, [rid])
+        results = eh.run_choices(core, [rid])
         runs.append([results[rid, i].token_ids for i in range(3)])
         _assert_done(core)
     assert runs[0] == runs[1] == runs[2]
@@ -122,7 +104,7 @@ def test_an_abort_ends_every_choice_and_frees_every_block(async_scheduling):
     assert [(o.request_id, o.index, o.finished, o.finish_reason) for o in aborted] == \
         [(rid, i, True, "abort") for i in range(3)]
     assert core.abort(rid) == []
-    results = run_choices(core, [other])
+    results = eh.run_choices(core, [other])
     assert sorted(results) == [(other, 0)]  # nothing of the aborted request follows its abort outputs
     assert produced.pop((other, 0)) + results[other, 0].token_ids == _expected(LLAMA, _prompt(5, 20), 12)
     for tokens in produced.values():
@@ -144,7 +126,7 @@ def test_two_choices_under_preemption_in_a_tiny_pool(async_scheduling):
     child = core.scheduler.find(f"{b}/1")
     assert child.status == Status.WAITING and child in core.scheduler.waiting
     assert child.num_computed_tokens == 0
-    results = run_choices(core, [a, b])
+    results = eh.run_choices(core, [a, b])
     assert results[a, 0].token_ids == _expected(LLAMA, first, 30)
     assert results[b, 0].token_ids == results[b, 1].token_ids == _expected(LLAMA, prompt, 30)
     assert core.scheduler.num_preemptions > 0
@@ -156,7 +138,7 @@ def test_speculative_decoding_verifies_each_choice():
     want = _expected(LLAMA, prompt, 16)
     core = eh.with_replay_drafts(eh.make_core(LLAMA), {tuple(prompt): want}, wrong=3)
     rid = eh.submit(core, prompt, eh.greedy(16, n=2))
-    results = run_choices(core, [rid])
+    results = eh.run_choices(core, [rid])
     assert results[rid, 0].token_ids == results[rid, 1].token_ids == want
     assert core.spec.stats.verified >= 4 and 0 < core.spec.stats.accepted < core.spec.stats.proposed
     _assert_done(core)
@@ -171,7 +153,7 @@ def test_a_failed_choice_ends_alone():
     [failed] = core.fail(child, "out of luck", 503)
     assert (failed.request_id, failed.index, failed.finish_reason, failed.error, failed.error_code) == \
         (rid, 1, "error", "out of luck", 503)
-    results = run_choices(core, [rid])
+    results = eh.run_choices(core, [rid])
     assert sorted(results) == [(rid, 0), (rid, 2)]
     assert results[rid, 0].token_ids == results[rid, 2].token_ids == _expected(LLAMA, prompt, 12)
     _assert_done(core)
@@ -185,7 +167,7 @@ def test_refusals_answer_every_choice():
         [("ctx", i, "error", 400) for i in range(3)]
     big = eh.submit(core, prompt, eh.greedy(4, n=5))
     fits = eh.submit(core, prompt, eh.greedy(4, n=4))
-    results = run_choices(core, [big, fits])
+    results = eh.run_choices(core, [big, fits])
     assert [results[big, i].final.error_code for i in range(5)] == [400] * 5
     assert "n=5 choices" in results[big, 0].final.error and "max_batch_size is 4" in results[big, 4].final.error
     assert [results[fits, i].final.finish_reason for i in range(4)] == ["length"] * 4
@@ -200,7 +182,7 @@ def test_choices_wait_for_rows_of_the_batch():
     pair = eh.submit(core, prompts[2], eh.greedy(6, n=3))
     core.step()
     assert [r.request_id for r in core.scheduler.running] == singles and len(core.scheduler.waiting) == 1
-    results = run_choices(core, [*singles, pair])
+    results = eh.run_choices(core, [*singles, pair])
     for i in range(3):
         assert results[pair, i].token_ids == _expected(LLAMA, prompts[2], 6)
     _assert_done(core)
