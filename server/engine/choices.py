@@ -20,10 +20,15 @@ does, as for the first tokens it is sent).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 
 from kvcache import KVCacheManager, OutOfBlocksError
 from server.engine.request import Request, Status
+from server.engine.scheduler import ScheduledChunk
+from server.types import RequestOutput
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # a child's generator seed: the request's seed + choice x this, mod 2**64
 
@@ -48,6 +53,30 @@ def fork_children(parent: Request, kv: KVCacheManager, num_tokens: int) -> list[
         children.append(child)
     parent.children = children
     return children
+
+
+def fork_rows(logits: torch.Tensor, sampled: list[ScheduledChunk],
+              fork: Callable[[Request, int], list[Request]]) -> tuple[torch.Tensor, list[Request]]:
+    """A step's logits (rows of `sampled`, in order) and the children forked by `fork` from the
+    requests whose first token is due (their prompt is computed by this step): the logits gain a copy
+    of the parent's row for each child, in the order of the children (a view and a concatenation on
+    the device: nothing waits for it)."""
+    copies, children, row = [logits], [], 0
+    for chunk in sampled:
+        request = chunk.request
+        if request.forks_pending and not request.is_generation_only:  # a generation server forks on arrival
+            forked = fork(request, request.num_tokens)
+            copies.append(logits[row:row + 1].expand(len(forked), -1))
+            children += forked
+        row += 1 + len(chunk.drafts)
+    return torch.cat(copies), children
+
+
+def unforked_finals(request: Request, final: RequestOutput) -> list[RequestOutput]:
+    """A request that ended before it forked ends its other choices with it: a final output for each
+    (every choice's stream ends with its own), like its own `final` but empty."""
+    others = range(1, request.sampling.n) if request.forks_pending else ()
+    return [replace(final, new_token_ids=[], new_text="", completion_tokens=0, index=i) for i in others]
 
 
 def _child(parent: Request, choice: int) -> Request:

@@ -13,12 +13,8 @@ prefill). Without async scheduling, every step is postprocessed in the same step
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
-
 from kvcache import KVCacheManager
-from server.engine.choices import fork_children
+from server.engine.choices import fork_children, fork_rows, unforked_finals
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
 from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector, PullFailure
@@ -181,7 +177,7 @@ class EngineCore:
         sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
         rows, children = self.spec.rows(sampled), []
         if any(c.request.forks_pending for c in sampled):
-            logits, children = self._fork_rows(logits, sampled)
+            logits, children = fork_rows(logits, sampled, self._fork)
         picked = sample_on_device(logits, rows + children) if sampled else None
         self._advance(chunks)
         requests = [c.request for c in sampled] + children
@@ -190,19 +186,6 @@ class EngineCore:
         drafts = [c.drafts for c in sampled] + [()] * len(children) if any(c.drafts for c in sampled) else None
         self._vocab = logits.shape[-1]
         return SampledStep(requests, picked, self._staging.take(), drafts) if sampled else None
-
-    def _fork_rows(self, logits: torch.Tensor, sampled: list[ScheduledChunk]) -> tuple[torch.Tensor, list[Request]]:
-        """Fork the choices of the requests whose first token is due (their prompt is computed by this
-        step): the logits gain a copy of the parent's row for each child, in the order of the children."""
-        copies, children, row = [logits], [], 0
-        for chunk in sampled:
-            request = chunk.request
-            if request.forks_pending and not request.is_generation_only:  # a generation server forks on arrival
-                forked = self._fork(request, request.num_tokens)
-                copies.append(logits[row:row + 1].expand(len(forked), -1))
-                children += forked
-            row += 1 + len(chunk.drafts)
-        return torch.cat(copies), children
 
     def _fork(self, parent: Request, num_tokens: int) -> list[Request]:
         children = fork_children(parent, self.kv, num_tokens)
@@ -373,11 +356,9 @@ class EngineCore:
             self.connector.release(request)
 
     def _finals(self, request: Request) -> list[RequestOutput]:
-        """The final output of a request that ended, and before its fork one for each other choice
-        (they end with it: every choice's stream gets its final output)."""
+        """The final output of a request that ended (with its other choices' before its fork)."""
         final = self._output(request, [])
-        others = range(1, request.sampling.n) if request.forks_pending else ()
-        return [final, *(replace(final, new_token_ids=[], new_text="", completion_tokens=0, index=i) for i in others)]
+        return [final, *unforked_finals(request, final)]
 
     # ---- postprocess helpers
     def _check_stop(self, request: Request, token: int) -> None:
