@@ -41,8 +41,9 @@ class TokenTimings:
 
     def finished(self, request: Request) -> None:
         """End-to-end latency (arrival to the last output here) and queue time (arrival to the
-        first admission) of a request that ended on this server, whatever the reason."""
-        if self.metrics is None:
+        first admission) of a request that ended on this server, whatever the reason; of n choices,
+        the first's (one observation per request)."""
+        if self.metrics is None or request.parent is not None:
             return
         now = time.monotonic()
         self.metrics.observe_e2e(now - request.arrival_time)
