@@ -145,8 +145,9 @@ def check_pipeline(core) -> None:
             assert inflight is not None and request in inflight.rows
             assert request.num_computed_tokens == request.num_known_tokens
     for request in core.scheduler.waiting:
-        assert request.num_pending == 0 or (request.parent is not None and request.num_pending == 1
-                                            and request in inflight.rows and request.num_computed_tokens == 0)
+        assert request.num_pending == 0 or (request.parent is not None and request.num_pending == 1 and inflight
+                                            is not None and request in inflight.rows
+                                            and request.num_computed_tokens == 0)
     core.kv.check_accounting()
 
 
