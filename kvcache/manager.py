@@ -23,6 +23,7 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.disk_store import BlockMeta
 from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
 from kvcache.errors import KVCacheError
+from kvcache.fork import fork_request
 from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
@@ -210,6 +211,20 @@ class KVCacheManager:
                        [(g.bm, g.window, need, []) for g, need in zip(self._groups, needs, strict=True)])
         for g, blocks, need in zip(self._groups, req.blocks, needs, strict=True):
             blocks += [g.bm.allocate(req.priority) for _ in range(need)]
+
+    @_flushes
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices
+        of one prompt): in every window group its full blocks are shared (one more reference each,
+        no copy), its partly filled last block is copied into a fresh block of the child's (a copy
+        the pools run when the call returns), and entries released out of a sliding window stay
+        released. The child starts with the parent's hashing state (either may commit the shared
+        blocks) and priority, and is released like any request. OutOfBlocksError (no primary block
+        for a copy) before any change."""
+        if child_id in self._requests:
+            raise KVCacheError(f"request {child_id!r} is already admitted")
+        parent = self._request(parent_id)
+        self._requests[child_id] = fork_request(parent, child_id, self._groups, num_tokens, self.tokens_per_block)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Put every full block whose tokens are all computed into the reuse tree (if not there yet);

@@ -103,6 +103,24 @@ def run_to_completion(core: EngineCore, request_ids: list[str], max_steps: int =
     raise AssertionError(f"requests did not finish within {max_steps} steps: {core.scheduler.counts()}")
 
 
+def run_choices(core, rids: list[str], max_steps: int = 2000) -> dict[tuple[str, int], Result]:
+    """Outputs per (request id, choice: `RequestOutput.index`) until every request ended; the async
+    invariants are checked after each step, and no choice has an output after its final one."""
+    results: dict[tuple[str, int], Result] = {}
+    for _ in range(max_steps):
+        for output in core.step():
+            result = results.setdefault((output.request_id, output.index), Result())
+            assert result.final is None, f"{output.request_id} choice {output.index}: output after its last one"
+            result.token_ids += output.new_token_ids
+            result.text += output.new_text
+            result.final = output if output.finished else None
+        check_pipeline(core)
+        if not core.has_work():
+            assert all(r.final is not None for r in results.values())
+            return results
+    raise AssertionError(f"requests {rids} did not finish within {max_steps} steps: {core.scheduler.counts()}")
+
+
 def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[Result]:
     ids = [submit(core, p, params) for p in prompts]
     results = run_to_completion(core, ids)
@@ -118,14 +136,18 @@ def check_pipeline(core) -> None:
     """The async invariants between two steps: a request has at most one pending token, and only
     from the step in flight; a running one has computed every known token (its pending token is the
     input of its next row); a queued one has none (one preempted with a pending token got it at the
-    end of that step)."""
+    end of that step), but a choice forked without a block for its KV copy in the step in flight
+    (server/engine/choices.py: its first token is on the device, it has computed nothing)."""
     inflight = core.inflight
     for request in core.scheduler.running:
         assert request.num_pending in (0, 1)
         if request.num_pending:
             assert inflight is not None and request in inflight.rows
             assert request.num_computed_tokens == request.num_known_tokens
-    assert all(r.num_pending == 0 for r in core.scheduler.waiting)
+    for request in core.scheduler.waiting:
+        assert request.num_pending == 0 or (request.parent is not None and request.num_pending == 1 and inflight
+                                            is not None and request in inflight.rows
+                                            and request.num_computed_tokens == 0)
     core.kv.check_accounting()
 
 

@@ -159,6 +159,11 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
         raise APIError(400, f"nothing left to generate: {prior} of max_tokens {max_tokens} were produced",
                        param="disaggregated_params.prior_output_tokens")
     sampling = sampling_params(body, max_tokens)
+    first = disagg.first_gen_tokens if disagg is not None and disagg.request_type == "generation_only" else None
+    if first and len(first) != sampling.n:
+        raise APIError(400, f"disaggregated_params.first_gen_tokens holds {len(first)} tokens; a generation_only "
+                       f"request takes one first token per choice (n={sampling.n})",
+                       param="disaggregated_params.first_gen_tokens")
     if prior:
         sampling = replace(sampling, max_tokens=max_tokens - prior, min_tokens=max(0, sampling.min_tokens - prior))
     priority = body.kv_retention_priority

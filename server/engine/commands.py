@@ -23,7 +23,7 @@ class Add(msgspec.Struct, tag=True, frozen=True):
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
-    """End a request now and free its blocks (no-op if it ended already)."""
+    """End a request (every choice) now and free its blocks (no-op if it ended already)."""
 
     request_id: str
 
@@ -37,14 +37,14 @@ class Release(msgspec.Struct, tag=True, frozen=True):
 Command = Add | Abort | Release
 
 
-def apply(core, command: Command) -> RequestOutput | None:
-    """Run one command on the engine's thread; the output it ends a request with, if any."""
+def apply(core, command: Command) -> list[RequestOutput]:
+    """Run one command on the engine's thread; the outputs it ends a request with (one per choice), if any."""
     if isinstance(command, Add):
         return core.add_request(command.request)  # a request this role cannot take: answered at once
     if isinstance(command, Abort):
         return core.abort(command.request_id)
     core.connector.drop_lease(command.ctx_request_id)
-    return None
+    return []
 
 
 def guarded_step(core) -> list[RequestOutput]:
@@ -59,4 +59,4 @@ def guarded_step(core) -> list[RequestOutput]:
 def fail_all(core, message: str) -> list[RequestOutput]:
     scheduler = core.scheduler
     requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
-    return [core.fail(r, message, code=500) for r in requests]
+    return [o for r in requests for o in core.fail(r, message, code=500)]

@@ -14,6 +14,7 @@ prefill). Without async scheduling, every step is postprocessed in the same step
 from __future__ import annotations
 
 from kvcache import KVCacheManager
+from server.engine.choices import fork_children, fork_rows, unforked_finals
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
 from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector, PullFailure
@@ -60,29 +61,32 @@ class EngineCore:
         self.timings.metrics = metrics
 
     # ---- receive
-    def add_request(self, gen: GenerateRequest) -> RequestOutput | None:
-        """Queue a request; a request this server's role cannot run is answered at once (400)."""
+    def add_request(self, gen: GenerateRequest) -> list[RequestOutput]:
+        """Queue a request; a request this server's role cannot run is answered at once (400: a final
+        output for each of its choices)."""
         problem = self._role_problem(gen)
         if problem is not None:
             message, code = problem
-            return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
-                                 prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code)
+            return [RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
+                                  prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code, index=i)
+                    for i in range(gen.sampling.n)]
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
                           self.eos_token_ids, gen.arrival_time, gen.disagg, gen.cache_salt,
                           gen.kv_retention_priority)
-        if request.is_generation_only:
+        if request.is_generation_only and not request.first_tokens_with_kv:
             request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
-        self._detok[request.request_id] = self._detokenizer(gen)
+        self._detok[request.request_id] = self._detokenizer(request)
         self.scheduler.add(request)
-        return None
+        return []
 
-    def _detokenizer(self, gen: GenerateRequest) -> IncrementalDetokenizer:
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         """A moved stream (`prior_output_tokens`) goes on from the output it had: its text so far is
         decoded (and held back) exactly as before, and only what follows is reported."""
-        detok = IncrementalDetokenizer(self.tokenizer, gen.sampling.stop)
-        prior = gen.disagg.prior_output_tokens if gen.disagg is not None else 0
-        for token in gen.prompt_token_ids[len(gen.prompt_token_ids) - prior:] if prior else ():
+        detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        prior = request.disagg.prior_output_tokens if request.disagg is not None else 0
+        prompt = request.prompt_token_ids
+        for token in prompt[len(prompt) - prior:] if prior else ():
             detok.add(token)
         detok.take(False)  # streamed already
         return detok
@@ -100,6 +104,9 @@ class EngineCore:
             missing = [name for name in needed if not getattr(params, name)]
             if missing:
                 return f"disaggregated_params of a generation_only request lacks {', '.join(missing)}", 400
+            if first and len(params.first_gen_tokens) != gen.sampling.n:
+                return (f"disaggregated_params.first_gen_tokens holds {len(params.first_gen_tokens)} tokens, but a "
+                        f"generation_only request takes one first token per choice (n={gen.sampling.n})"), 400
             if self._pulls_same_lease(params):
                 return (f"the KV of ctx_request_id {params.ctx_request_id!r} is already being taken over by "
                         "another request on this server"), 409
@@ -112,14 +119,15 @@ class EngineCore:
         return any(r.is_generation_only and (r.disagg.ctx_endpoint, r.disagg.ctx_request_id) == key
                    for r in (*scheduler.waiting, *scheduler.running, *scheduler.transferring.values()))
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.find(request_id)
-        if request is None:
-            return None
-        self.connector.release(request)
-        self.scheduler.remove(request)
-        request.finish("abort")
-        return self._output(request, [])
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End every live choice of the request (none: it ended already)."""
+        outputs = []
+        for request in self.scheduler.choices_of(request_id):
+            self._release_remote(request)
+            self.scheduler.remove(request)
+            request.finish("abort")
+            outputs += self._finals(request)
+        return outputs
 
     def has_work(self) -> bool:
         """Requests to run, outputs still to make (`_deferred`, a step in flight), or transfers in flight."""
@@ -145,10 +153,10 @@ class EngineCore:
         self.did_work = bool(outputs or plan.chunks or plan.to_pull or plan.rejected or self._deferred
                              or self.inflight)
         for request in plan.rejected:
-            self.connector.release(request)
-            outputs.append(self._output(request, []))
-        if plan.to_pull:  # a streamed pull brings the first token with the KV (`_pulls_ended`)
-            outputs += [self._emit_first_tokens(r) for r in plan.to_pull if not r.disagg.kv_stream]
+            self._release_remote(request)
+            outputs += self._finals(request)
+        if plan.to_pull:  # a streamed pull, or n > 1, takes the first tokens with the KV (`_pulls_ended`)
+            outputs += [self._emit_first_tokens(r) for r in plan.to_pull if not r.first_tokens_with_kv]
             self.connector.start_pulls([r for r in plan.to_pull if r.status != Status.FINISHED])  # KV in: ask
         chunks = self.spec.draft(plan.chunks, self.kv)  # decode chunks that verify drafts too
         launched = self._launch(chunks) if chunks else None  # a GPU runs it from now on
@@ -162,16 +170,29 @@ class EngineCore:
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> SampledStep | None:
-        """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep."""
+        """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep.
+        A request whose first token of n > 1 is due forks its other choices here, each sampling its
+        own first token from a copy of its logits row (server/engine/choices.py)."""
         logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
         sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
-        picked = sample_on_device(logits, self.spec.rows(sampled)) if sampled else None
+        rows, children = self.spec.rows(sampled), []
+        if any(c.request.forks_pending for c in sampled):
+            logits, children = fork_rows(logits, sampled, self._fork)
+        picked = sample_on_device(logits, rows + children) if sampled else None
         self._advance(chunks)
-        for chunk in sampled:
-            chunk.request.num_pending += 1
-        drafts = [c.drafts for c in sampled] if any(c.drafts for c in sampled) else None
+        requests = [c.request for c in sampled] + children
+        for request in requests:
+            request.num_pending += 1
+        drafts = [c.drafts for c in sampled] + [()] * len(children) if any(c.drafts for c in sampled) else None
         self._vocab = logits.shape[-1]
-        return SampledStep([c.request for c in sampled], picked, self._staging.take(), drafts) if sampled else None
+        return SampledStep(requests, picked, self._staging.take(), drafts) if sampled else None
+
+    def _fork(self, parent: Request, num_tokens: int) -> list[Request]:
+        children = fork_children(parent, self.kv, num_tokens)
+        for child in children:
+            self._detok[child.request_id] = self._detokenizer(child)
+        self.scheduler.adopt(children)
+        return children
 
     def _pending_inputs(self, chunks: list[ScheduledChunk]) -> PendingTokens | None:
         """Rows whose input is a pending token read it from the step in flight, on the device."""
@@ -189,10 +210,11 @@ class EngineCore:
                 live.append(request)
                 outputs.append(self._accept_run(request, drafted, tokens) if drafted
                                else self._accept_token(request, tokens[0]))
-        prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED]
+        prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED and r.parent is None]
         if prefilled:
             params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
-            outputs += [self._handed_over(r, p) for r, p in zip(prefilled, params, strict=True)]
+            outputs += [self._handed_over(c, p) for r, p in zip(prefilled, params, strict=True)
+                        for c in (r, *r.children) if c.status != Status.FINISHED]  # every choice, one lease
         return [o for o in outputs if o is not None]
 
     def _pulls_ended(self, arrived: list[Arrived], failed: list[PullFailure]) -> list[RequestOutput]:
@@ -204,13 +226,26 @@ class EngineCore:
             request = transferring[done.request_id]
             self.scheduler.kv_arrived(request)
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            if request.disagg.kv_stream:
-                request.take_first_tokens(done.first_tokens, done.cached_tokens)
-                outputs.append(self._emit_first_tokens(request))
+            if request.first_tokens_with_kv:
+                outputs += self._first_tokens_arrived(request, done)
         # the receiver ended those pulls and told the context side where it had to: no second Cancel
         # (one for a refused duplicate pull would end the lease the running pull reads)
-        return outputs + [self.fail(transferring[f.request_id], f.message, f.code, release=False) for f in failed
-                          if f.request_id in transferring]
+        return outputs + [o for f in failed if f.request_id in transferring
+                          for o in self.fail(transferring[f.request_id], f.message, f.code, release=False)]
+
+    def _first_tokens_arrived(self, request: Request, done: Arrived) -> list[RequestOutput]:
+        """Generation side, the KV in place: each choice takes its first token (a streamed pull brought
+        them), the choices after the first forking off now, and streams it."""
+        params, n = request.disagg, request.sampling.n
+        tokens, cached = ((done.first_tokens, done.cached_tokens) if params.kv_stream
+                          else (params.first_gen_tokens, params.ctx_cached_tokens))
+        if len(tokens) != n:
+            return self.fail(request, f"the context server sent {len(tokens)} first tokens for n={n} choices",
+                             release=False)
+        choices = [request, *(self._fork(request, request.num_computed_tokens) if n > 1 else ())]
+        for choice in choices:
+            choice.take_first_tokens(tokens, cached)
+        return [self._emit_first_tokens(c) for c in choices]
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
@@ -239,6 +274,9 @@ class EngineCore:
         self.timings.stamp(request)
         if request.num_computed_tokens == request.num_known_tokens:  # async: its K/V is computed already
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        if request.is_context_only and request.sampling.n > 1:  # every choice is handed over (choices.py)
+            self._detok[request.request_id].add(token)
+            return None
         if not self.async_scheduling and not request.sampling.stop and not request.is_context_only:
             self._stop_without_text(request, token, False)
             if request.status == Status.FINISHED:
@@ -299,17 +337,28 @@ class EngineCore:
         if request.disagg.first_text_streamed:  # the router sent this text already: skip it
             self._detok[request.request_id].take(False)
         if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
-            self.connector.release(request)
+            self._release_remote(request)
             self.scheduler.remove(request)
         return self._output(request, list(request.output_token_ids))
 
-    def fail(self, request: Request, message: str, code: int = 502, *, release: bool = True) -> RequestOutput:
-        """End `request` with an error; `release=False` when its pull has ended already."""
+    def fail(self, request: Request, message: str, code: int = 502, *, release: bool = True) -> list[RequestOutput]:
+        """End `request` (one choice; all of them before they fork) with an error; `release=False`
+        when its pull has ended already."""
         if release and request.status == Status.WAITING_FOR_KV:  # no late writer: end its pull before its blocks go
-            self.connector.release(request)
+            self._release_remote(request)
         self.scheduler.remove(request)
         request.finish("error", message, code)
-        return self._output(request, [])
+        return self._finals(request)
+
+    def _release_remote(self, request: Request) -> None:
+        """Free what the request's KV holds elsewhere (a lease, a pull): choice 0's, shared by all."""
+        if request.parent is None:
+            self.connector.release(request)
+
+    def _finals(self, request: Request) -> list[RequestOutput]:
+        """The final output of a request that ended (with its other choices' before its fork)."""
+        final = self._output(request, [])
+        return [final, *unforked_finals(request, final)]
 
     # ---- postprocess helpers
     def _check_stop(self, request: Request, token: int) -> None:
@@ -340,7 +389,8 @@ class EngineCore:
             self.timings.finished(request)
         prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
+            request_id=request.output_id, index=request.choice, new_token_ids=new_tokens,
+            new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),

@@ -16,21 +16,10 @@ from server.engine import status
 from server.engine.commands import Abort, Add, Command, Release, apply, guarded_step
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
+from server.engine.streams import ChoiceStream
 from server.types import GenerateRequest, LinkState, RequestOutput
 
 log = logging.getLogger(__name__)
-
-
-def merged(output: RequestOutput, stream: asyncio.Queue[RequestOutput]) -> RequestOutput:
-    """Fold outputs that queued up while the consumer was busy into one (fewer, larger SSE events
-    when HTTP lags behind the engine; the concatenated tokens and text are unchanged)."""
-    while not output.finished and not stream.empty():
-        later = stream.get_nowait()
-        later.new_token_ids = output.new_token_ids + later.new_token_ids
-        later.new_text = output.new_text + later.new_text
-        later.disagg = later.disagg or output.disagg
-        output = later
-    return output
 
 
 class AsyncEngine:
@@ -44,7 +33,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.max_seq_len = max_seq_len
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: only wake up
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, ChoiceStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,18 +86,16 @@ class AsyncEngine:
 
     # ---- EngineClient
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        stream = ChoiceStream(request.request_id, request.sampling.n)
         self._streams[request.request_id] = stream
         self._inbox.put(Add(request))
-        finished = False
         try:
-            while not finished:
-                output = merged(await stream.get(), stream)
-                finished = output.finished
-                yield output
+            while not stream.done:  # until every choice's final output
+                for output in await stream.take():
+                    yield output
         finally:
             self._streams.pop(request.request_id, None)
-            if not finished:
+            if not stream.done:
                 self._inbox.put(Abort(request.request_id))
 
     async def abort(self, request_id: str) -> None:
@@ -153,9 +140,9 @@ class AsyncEngine:
                 return
 
     def _apply(self, command: Command) -> None:
-        output = apply(self.core, command)  # a refused add or an abort ends its request at once
-        if output is not None:
-            self._hand_over([output])
+        outputs = apply(self.core, command)  # a refused add or an abort ends its request at once
+        if outputs:
+            self._hand_over(outputs)
 
     def _hand_over(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: queue outputs for the event loop, waking it only if no wake-up is pending.
@@ -176,4 +163,4 @@ class AsyncEngine:
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
         if stream is not None:
-            stream.put_nowait(output)
+            stream.put(output)

@@ -11,8 +11,8 @@ failed); it never holds the engine. `EngineCore.step` calls it in plain lines:
 
 Streamed KV (`disaggregated_params.kv_stream`, transceiver/sender/stream.py): a context request's
 lease opens at its first prefill step, every step's completed blocks are offered at once, and the
-offer after its first token adds the rest and that token. Its generation request pulls from the
-start and learns its first token when the pull ends (`Arrived.first_tokens`).
+offer after its first token adds the rest and that token (with n > 1, one per choice). Its generation
+request pulls from the start and learns its first token(s) when the pull ends (`Arrived.first_tokens`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ PULL_FAILURE_STATUS = {"unknown_request": 404, "bad_request": 409}
 
 class Arrived(NamedTuple):
     request_id: str
-    first_tokens: tuple[int, ...] = ()  # a streamed pull: the context server's first token(s)
+    first_tokens: tuple[int, ...] = ()  # a streamed pull: the context server's first token of each choice
     cached_tokens: int = 0  # a streamed pull: the context server's prefix hit
 
 
@@ -138,11 +138,11 @@ class ContextConnector(KVConnector):
         else:  # the rest of the prompt and the first token; a lease that ended meanwhile takes nothing
             end = math.ceil(request.num_prompt_tokens / self.kv.tokens_per_block)
             self.sender.extend_stream(rid, self._blocks(rid, request.num_prompt_tokens, st.published, end),
-                                      final=True, first_tokens=tuple(request.output_token_ids),
+                                      final=True, first_tokens=request.choice_first_tokens(),
                                       cached_tokens=request.num_cached_tokens)
         return DisaggParams(
             request_type="context_only", ctx_request_id=rid, ctx_endpoint=self.sender.endpoint,
-            ctx_epoch=self.sender.epoch, first_gen_tokens=tuple(request.output_token_ids),
+            ctx_epoch=self.sender.epoch, first_gen_tokens=request.choice_first_tokens(),
             prompt_token_ids=tuple(request.prompt_token_ids), ctx_cached_tokens=request.num_cached_tokens,
             cache_salt=request.cache_salt, kv_stream=st is not None,
         )

@@ -55,6 +55,9 @@ class Request:
     scheduled_time: float | None = None  # first admission (end of the queue time)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    choice: int = 0  # which of the request's `sampling.n` choices this is (server/engine/choices.py)
+    parent: Request | None = field(default=None, repr=False)  # a forked choice's request (choice 0)
+    children: list[Request] = field(default_factory=list, repr=False)  # choice 0: choices 1..n-1, in order
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -85,6 +88,31 @@ class Request:
                 or self.num_tokens >= max_seq_len)
 
     @property
+    def output_id(self) -> str:
+        """The id its outputs go out under: every choice's is the request's own."""
+        return self.request_id if self.parent is None else self.parent.request_id
+
+    @property
+    def forks_pending(self) -> bool:
+        """Its other choices are still to be forked (n > 1, before its first token)."""
+        return self.sampling.n > 1 and self.parent is None and not self.children
+
+    @property
+    def batch_slots(self) -> int:
+        """Rows of a step it will take: all its choices' until they are forked."""
+        return self.sampling.n if self.forks_pending else 1
+
+    @property
+    def first_tokens_with_kv(self) -> bool:
+        """Generation side: its first tokens are taken when the KV has arrived (a streamed pull brings
+        them; with n > 1 the other choices fork then, each taking its own), not before the pull."""
+        return self.disagg.kv_stream or self.sampling.n > 1
+
+    def choice_first_tokens(self) -> tuple[int, ...]:
+        """Context side, choice 0: the first token of each choice, in choice order."""
+        return tuple(r.output_token_ids[0] for r in (self, *self.children))
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -101,9 +129,9 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def take_first_tokens(self, tokens: tuple[int, ...], ctx_cached_tokens: int) -> None:
-        """Generation side of a streamed pull: the context server's first token(s) came with the KV."""
-        for token in tokens:
-            self.append_token(token)
+        """Generation side: the context server's first token of each choice (`tokens[i]` is choice
+        i's) is known, from a streamed pull or from the request once its KV arrived; take its own."""
+        self.append_token(tokens[self.choice])
         self.disagg = replace(self.disagg, first_gen_tokens=tuple(tokens), ctx_cached_tokens=ctx_cached_tokens)
 
     def finish(self, reason: FinishReason, error: str | None = None, code: int = 500) -> None:

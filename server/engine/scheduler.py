@@ -92,6 +92,17 @@ class Scheduler:
                 return request
         return None
 
+    def choices_of(self, output_id: str) -> list[Request]:
+        """The live choices of the request whose outputs go out under `output_id`, in choice order."""
+        live = [r for r in (*self.running, *self.waiting, *self.transferring.values()) if r.output_id == output_id]
+        return sorted(live, key=lambda r: r.choice)
+
+    def adopt(self, children: list[Request]) -> None:
+        """Forked choices (server/engine/choices.py): those holding KV run from the next step; those
+        that got none wait at the head of the queue, as preempted requests do."""
+        self.running += [c for c in children if c.status == Status.RUNNING]
+        self.waiting.extendleft(reversed([c for c in children if c.status == Status.WAITING]))
+
     def remove(self, request: Request) -> None:
         """Take a request out of every queue and free its blocks (finish, abort or failure)."""
         if request in self.waiting:
@@ -163,15 +174,18 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         prefill_limit = self.config.max_prefill_batch_tokens or self.config.max_num_tokens
         prefill = sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1)  # decode does not count
-        while self.waiting and budget > 0 and self._batch_has_room():
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.num_pending:  # preempted while its token was on the device: wait for it
                 return
-            if self._never_fits(request):
+            problem = self._never_fits(request)
+            if problem is not None:
                 self.waiting.popleft()
-                request.finish("error", self._too_big_message(request), code=400)
+                request.finish("error", problem, code=400)
                 out.rejected.append(request)
                 continue
+            if not self._batch_has_room(request):
+                return
             pulls_kv = request.is_generation_only and not request.admitted_once  # computes nothing here
             if (not pulls_kv and prefill >= prefill_limit) or not self._admit(request):
                 return
@@ -216,17 +230,21 @@ class Scheduler:
             request.num_cached_tokens = cached
         return True
 
-    def _batch_has_room(self) -> bool:
-        return len(self.running) + len(self.transferring) < self.config.max_batch_size
+    def _batch_has_room(self, request: Request) -> bool:
+        """A request with choices still to fork takes a row for each (they join the batch at its first token)."""
+        taken = sum(r.batch_slots for r in (*self.running, *self.transferring.values()))
+        return taken + request.batch_slots <= self.config.max_batch_size
 
     def _blocks_needed(self, request: Request) -> int:
         return math.ceil(request.num_tokens / self.kv.tokens_per_block)
 
-    def _never_fits(self, request: Request) -> bool:
-        needed = self._blocks_needed(request)
-        return any(needed > self.kv.num_slots(w) for w in self.kv.window_sizes)
-
-    def _too_big_message(self, request: Request) -> str:
-        capacity = min(self.kv.num_slots(w) for w in self.kv.window_sizes) * self.kv.tokens_per_block
-        return (f"request needs {request.num_tokens} tokens of KV cache but the primary pool holds "
-                f"{capacity} tokens (raise kv_cache_config.max_tokens)")
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request can never be scheduled, or None."""
+        if request.batch_slots > self.config.max_batch_size:
+            return (f"n={request.sampling.n} choices need as many rows of a step, but max_batch_size is "
+                    f"{self.config.max_batch_size}")
+        if any(self._blocks_needed(request) > self.kv.num_slots(w) for w in self.kv.window_sizes):
+            capacity = min(self.kv.num_slots(w) for w in self.kv.window_sizes) * self.kv.tokens_per_block
+            return (f"request needs {request.num_tokens} tokens of KV cache but the primary pool holds "
+                    f"{capacity} tokens (raise kv_cache_config.max_tokens)")
+        return None

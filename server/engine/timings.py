@@ -19,7 +19,7 @@ class TokenTimings:
         now = time.monotonic()
         if request.first_token_time is None:
             self._pending.append((True, now - request.arrival_time))
-            if not request.is_generation_only:  # its prompt was computed here (not pulled)
+            if not request.is_generation_only and request.parent is None:  # its prompt was computed here (once)
                 self._prompt_tokens += request.num_prompt_tokens
         else:
             self._pending.append((False, now - request.last_token_time))
@@ -41,8 +41,9 @@ class TokenTimings:
 
     def finished(self, request: Request) -> None:
         """End-to-end latency (arrival to the last output here) and queue time (arrival to the
-        first admission) of a request that ended on this server, whatever the reason."""
-        if self.metrics is None:
+        first admission) of a request that ended on this server, whatever the reason; of n choices,
+        the first's (one observation per request)."""
+        if self.metrics is None or request.parent is not None:
             return
         now = time.monotonic()
         self.metrics.observe_e2e(now - request.arrival_time)

@@ -64,9 +64,7 @@ class EngineHost:
 
     def _handle(self, message) -> None:
         if isinstance(message, Add | Abort | Release):
-            output = apply(self.core, message)  # a refused add or an abort ends its request at once
-            if output is not None:
-                self._outputs.append(output)
+            self._outputs += apply(self.core, message)  # a refused add or an abort ends its request at once
         elif isinstance(message, Probe):
             status.probe(self.core, message.endpoints)
         elif isinstance(message, Snapshot):

@@ -2,10 +2,10 @@
 
 `EngineProcess` has the interface the routes use (`server.types.EngineServer`, like `AsyncEngine`):
 requests go to the child as commands, and one reader task on the event loop takes the child's
-messages and dispatches their outputs to per-request queues (`merged`: outputs a slow consumer has
-not read yet are coalesced). What the routes read between requests (/health, drain, /metrics) comes
-from the last `EngineState` the child sent. The tokenizer is loaded here too, from the model
-directory the child's `Ready` names.
+messages and dispatches their outputs to per-request streams (server/engine/streams.py: outputs a
+slow consumer has not read yet are coalesced per choice). What the routes read between requests
+(/health, drain, /metrics) comes from the last `EngineState` the child sent. The tokenizer is
+loaded here too, from the model directory the child's `Ready` names.
 
 If the child dies, every request in flight ends with a 503 error output, and `on_fatal()` makes the
 server exit non-zero (the launcher's supervisor restarts the whole server). Before `Ready`, its
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from server.config.schema import ServerConfig
 from server.deploy.supervisor import exit_text
 from server.engine.commands import Abort, Add, Release
-from server.engine.engine_thread import merged
+from server.engine.streams import ChoiceStream
 from server.engineproc.link import HttpEnd, private_dir
 from server.engineproc.spawn import Launch, start_engine_process, stop_engine_process
 from server.engineproc.wire import (
@@ -60,7 +60,7 @@ class EngineProcess:
         self._cfg, self._relay, self._epoch, self._on_fatal = cfg, relay, epoch, on_fatal
         self._tokenizer = None
         self._state = EngineState()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, ChoiceStream] = {}
         self._calls: dict[int, asyncio.Future[SnapshotReply]] = {}
         self._call_ids = itertools.count(1)
         self._end: HttpEnd | None = None
@@ -107,19 +107,17 @@ class EngineProcess:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         rid = request.request_id
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        stream = ChoiceStream(rid, request.sampling.n)
         self._streams[rid] = stream
         if not self._send(Add(request)):
-            stream.put_nowait(_failure(rid, "the engine process is not running"))
-        finished = False
+            stream.fail("the engine process is not running")
         try:
-            while not finished:
-                output = merged(await stream.get(), stream)
-                finished = output.finished
-                yield output
+            while not stream.done:  # until every choice's final output
+                for output in await stream.take():
+                    yield output
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if not stream.done:
                 self._send(Abort(rid))
 
     async def abort(self, request_id: str) -> None:
@@ -189,7 +187,7 @@ class EngineProcess:
             for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
-                    stream.put_nowait(output)
+                    stream.put(output)
         elif isinstance(message, SnapshotReply):
             answer = self._calls.get(message.call_id)
             if answer is not None and not answer.done():
@@ -233,12 +231,8 @@ class EngineProcess:
             self._on_fatal()
 
     def _end_all(self, message: str, code: int = 503) -> None:
-        for rid, stream in self._streams.items():
-            stream.put_nowait(_failure(rid, message, code))
-
-
-def _failure(request_id: str, message: str, code: int = 503) -> RequestOutput:
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message, error_code=code)
+        for stream in self._streams.values():
+            stream.fail(message, code)
 
 
 class RemoteKvEvents:

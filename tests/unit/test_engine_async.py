@@ -168,7 +168,7 @@ def test_abort_of_a_request_in_the_step_in_flight():
             produced[output.request_id] += output.new_token_ids
         eh.check_pipeline(core)
     assert victim.num_pending == 1 and victim in core.inflight.rows  # its next token is on the device
-    aborted = core.abort(ids[1])
+    [aborted] = core.abort(ids[1])
     assert aborted.finished and aborted.finish_reason == "abort" and aborted.new_token_ids == []
     results, _ = eh.run_checked(core, [ids[0], ids[2], ids[3]])
     assert ids[1] not in results  # no output after the abort

@@ -84,7 +84,7 @@ def test_a_request_type_the_role_does_not_serve_is_refused_alone(core):
     from server.types import DisaggParams, GenerateRequest
 
     for params in (DisaggParams("context_only"), DisaggParams("generation_only", "c1", "tcp://127.0.0.1:1", "e", (5,))):
-        refused = core.add_request(GenerateRequest("odd", list(PROMPT), eh.greedy(4), disagg=params))
+        [refused] = core.add_request(GenerateRequest("odd", list(PROMPT), eh.greedy(4), disagg=params))
         assert refused.finished and refused.finish_reason == "error" and refused.error_code == 400
         assert params.request_type in refused.error
     assert not core.has_work()
