@@ -9,7 +9,7 @@ import secrets
 import threading
 
 from kvcache.stats import KVCacheStats
-from server.engineproc.wire import EngineState, LinkCodec, StepOut
+from server.engineproc.wire import EngineState, StepOut, link_codec
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from server.telemetry.relay import MetricsRecorder, RelayedMetrics
 from transceiver.stats import TransferStats
@@ -57,8 +57,8 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     worker.start()
     worker.join()
     secret = secrets.token_bytes(32)
-    http, engine = LinkCodec(secret, engine_side=False), LinkCodec(secret, engine_side=True)
-    message = http.open(engine.seal(StepOut([], recorder.take(), EngineState(figures=recorder.figures(KV)))))
+    http, engine = link_codec(secret, engine_side=False), link_codec(secret, engine_side=True)
+    _, message = http.open(*engine.seal(StepOut([], recorder.take(), EngineState(figures=recorder.figures(KV)))))
     assert recorder.take() is None  # taken once
 
     relayed = ServerMetrics()  # the HTTP process
