@@ -19,7 +19,6 @@ the deployment's processes can subscribe or publish, and nothing is ever unpickl
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -167,7 +166,7 @@ class KvEventSource:
         self.publisher = publisher  # None: no events (a server without the deployment token)
         self.epoch = epoch
         self.seq = 0  # the number of the last event drained (the state a snapshot now shows)
-        self.wake: Callable[[], None] = lambda: None  # ends the engine thread's idle wait (AsyncEngine.wake)
+        self.wake: Callable[[], None] = lambda: None  # ends the engine loop's idle wait (its port's wake)
         self._wanted: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
 
@@ -197,13 +196,9 @@ class KvEventSource:
             for future in wanted:
                 future.set_result(snapshot)
 
-    async def snapshot(self) -> dict:
-        """The cache's blocks per window and level, and the `seq` of the last event they include.
-        Raises TimeoutError if the engine thread does not answer within SNAPSHOT_TIMEOUT_S."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.request_snapshot()), SNAPSHOT_TIMEOUT_S)
-
     def request_snapshot(self) -> concurrent.futures.Future:
-        """Any thread: a future the engine thread's next tick completes with the snapshot."""
+        """Any thread: a future the engine thread's next tick completes with the snapshot: the cache's
+        blocks per window and level, and the `seq` of the last event they include."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._wanted.append(future)
