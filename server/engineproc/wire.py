@@ -1,11 +1,12 @@
-"""The link between a server's HTTP process and its engine process: the messages and their sealing.
+"""The engine loop's messages, on either host (server/engineproc/loop.py), and the engine link's sealing.
 
-Two ZeroMQ PUSH/PULL pipes over ipc:// sockets in a private 0700 directory the HTTP process made
-(server/engineproc/link.py). Each message is signed (transceiver/signed.py, `link_codec`): one of
-the tagged Structs below, under a key derived from a random per-server secret (handed to the child
-on its stdin, never on argv) and the direction, so a message of one pipe is never valid on the
-other. A message that fails the MAC or does not decode into a message of its direction raises
-`Rejected` and is dropped (and counted) by the reader. Nothing is ever unpickled.
+The engine thread hands them over in memory; the engine process sends them on two ZeroMQ PUSH/PULL
+pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engineproc/
+link.py), each message signed (transceiver/signed.py, `link_codec`) under a key derived from a
+random per-server secret (handed to the child on its stdin, never on argv) and the direction, so a
+message of one pipe is never valid on the other. A message that fails the MAC or does not decode
+into a message of its direction raises `Rejected` and is dropped (and counted) by the reader.
+Nothing is ever unpickled.
 
 HTTP -> engine: the engine commands (server/engine/commands.py: Add, Abort, Release), `Probe`,
 `Snapshot` (an RPC answered by `SnapshotReply`) and `Shutdown`.
