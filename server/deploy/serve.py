@@ -25,20 +25,18 @@ from server.api.routes.kv_cache import install_kv_routes
 from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
-from server.engine import status
 from server.engine.core import EngineCore
 from server.engine.engine_thread import AsyncEngine
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
 from server.engine.speculative.build import build_spec
-from server.engineproc.client import EngineProcess, RemoteKvEvents
+from server.engineproc.client import EngineProcess
+from server.engineproc.front import EngineKvEvents
 from server.models.builtin import resolve_model
 from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
-from server.telemetry.bridge import TelemetryBridge
-from server.telemetry.kv_events import KvEventPublisher, KvEventSource
+from server.telemetry.kv_events import KvEventPublisher
 from server.telemetry.metrics import ServerMetrics
-from server.telemetry.relay import RelayedMetrics
 from server.tp.messages import Ready
 from server.tp.ranks import RANK_DIED_EXIT, Ranks, start_ranks
 from server.tp.runner import RankedRunner
@@ -49,8 +47,9 @@ from transceiver.sender import KVSender
 log = logging.getLogger(__name__)
 
 
-def build_core(cfg: ServerConfig, metrics: ServerMetrics, wake=None) -> EngineCore:
-    """Everything tensor-owning is made here, on the engine thread (in the engine process, if any).
+def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> EngineCore:
+    """Everything tensor-owning is made here, on the engine thread (in the engine process, if any;
+    the engine loop gives the core its metrics recorder).
     A tensor-parallel server's other ranks are started here too: this thread's process is rank 0."""
     from transformers import AutoTokenizer
 
@@ -140,11 +139,21 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     process ended because one of its tensor-parallel ranks died."""
     metrics = ServerMetrics()
     token = cfg.cache_transceiver_config.auth_token
-    make = _engine_process if engine_in_child(cfg) else _engine_thread
-    engine_factory, kv_events = make(cfg, metrics, on_fatal)
+    engine = _engine(cfg, metrics, on_fatal)
+
+    @asynccontextmanager
+    async def engine_factory() -> AsyncIterator[AsyncEngine | EngineProcess]:
+        engine.start()
+        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
+        try:
+            yield engine
+        finally:
+            watcher.cancel()
+            await engine.stop()
+
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
-    app.state.kv_events = kv_events
+    app.state.kv_events = EngineKvEvents(engine, EPOCH)
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)
     install_kv_routes(app)
@@ -154,63 +163,21 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     return app
 
 
-def _engine_thread(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
-    """The engine on a thread of this process: (engine factory, KV event source)."""
-    telemetry = TelemetryBridge(metrics)
-    metrics.set_stats_provider(telemetry.kv_stats)
-    kv_events = KvEventSource(event_publisher(cfg, EPOCH), EPOCH)
+def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine | EngineProcess:
+    """The engine on a thread of this process, or in a child process (server/engineproc/)."""
+    if not engine_in_child(cfg):
+        engine = AsyncEngine(lambda: build_core(cfg, None, engine.wake), served_name(cfg.model), cfg.max_seq_len,
+                             metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
+        return engine
 
-    @asynccontextmanager
-    async def engine_factory() -> AsyncIterator[AsyncEngine]:
-        def build() -> EngineCore:  # on the engine thread
-            core = build_core(cfg, metrics, engine.wake)
-            kv_events.attach(core.kv)
-            return core
-
-        engine = AsyncEngine(build, served_name(cfg.model), cfg.max_seq_len)
-        kv_events.wake = engine.wake
-        engine.add_tick_hook(telemetry.on_tick)
-        engine.add_tick_hook(kv_events.on_tick)
-        if kv_events.publisher is not None:
-            kv_events.publisher.start()
-        engine.start()
-        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
-        try:
-            yield engine
-        finally:
-            watcher.cancel()
-            await asyncio.to_thread(engine.shutdown)
-            await asyncio.to_thread(_close_transceiver, engine)
-            await asyncio.to_thread(_close_kv, engine)
-            await asyncio.to_thread(_stop_ranks, engine)
-            if kv_events.publisher is not None:
-                kv_events.publisher.close()
-
-    return engine_factory, kv_events
-
-
-def _engine_process(cfg: ServerConfig, metrics: ServerMetrics, on_fatal):
-    """The engine in a child process (server/engineproc/): (engine factory, KV event source)."""
     def died() -> None:
         if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
             on_fatal(RANK_DIED_EXIT)
         else:
             on_fatal()
 
-    engine = EngineProcess(cfg, served_name(cfg.model), RelayedMetrics(metrics), EPOCH,
-                           None if on_fatal is None else died)
-
-    @asynccontextmanager
-    async def engine_factory() -> AsyncIterator[EngineProcess]:
-        engine.start()
-        watcher = asyncio.create_task(_watch_load(engine, on_fatal))
-        try:
-            yield engine
-        finally:
-            watcher.cancel()
-            await engine.stop()
-
-    return engine_factory, RemoteKvEvents(engine, EPOCH)
+    engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, None if on_fatal is None else died)
+    return engine
 
 
 def install_health(app, drain: Drain) -> None:
@@ -229,37 +196,6 @@ def probe_context_servers(engine, directory: ContextDirectory) -> None:
     """Generation side: shake hands with every known context server (the KV layouts must agree)."""
     if engine is not None:
         engine.probe(directory.endpoints)
-
-
-def _close_transceiver(engine: AsyncEngine) -> None:
-    """After the engine thread stopped: fail what still runs with an explicit message, close sockets."""
-    thread = getattr(engine, "_thread", None)
-    if thread is not None and thread.is_alive():  # still in a step: the engine thread owns them
-        return
-    for link in status.transceiver(engine.core):
-        if link is not None:
-            link.close()
-
-
-def _close_kv(engine) -> None:
-    """After the engine thread stopped: let the disk tier's queued writes land (a restart finds them)."""
-    thread, core = getattr(engine, "_thread", None), getattr(engine, "core", None)
-    if core is not None and (thread is None or not thread.is_alive()):
-        core.kv.close()
-
-
-def _stop_ranks(engine) -> None:
-    """After the engine thread stopped: a tensor-parallel server's other ranks stop with it."""
-    thread, core = getattr(engine, "_thread", None), getattr(engine, "core", None)
-    if core is not None and (thread is None or not thread.is_alive()):
-        stop_ranks(core)
-
-
-def stop_ranks(core: EngineCore) -> None:
-    """Stop a tensor-parallel engine's other ranks (after its loop, its KV links and KV manager)."""
-    ranks = getattr(core.runner, "ranks", None)
-    if ranks is not None:
-        ranks.stop()
 
 
 def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:

@@ -1,9 +1,8 @@
 """What the HTTP side asks of a loaded engine besides its requests: transceiver liveness, KV
 handshakes, the advertised KV sender, idleness (drain), and handshake probes.
 
-Both engine modes use these: the engine thread's `AsyncEngine` calls them from the event loop's
-thread (plain reads of containers the engine thread writes), the engine process
-(server/engineproc/child.py) on its own step loop, to put them in the state it sends each tick.
+The engine loop (server/engineproc/loop.py, on either host) calls them on its own thread, to put
+them in the state it sends, and runs the probes it is asked for.
 """
 
 from __future__ import annotations

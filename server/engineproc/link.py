@@ -22,13 +22,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from server.engineproc.wire import LinkCodec, Rejected
+from server.engineproc.wire import FROM_ENGINE, TO_ENGINE, link_codec
 from transceiver.link import shared_context
+from transceiver.signed import Rejected, SignedCodec
 
 log = logging.getLogger(__name__)
 
-TO_ENGINE = "to_engine"
-FROM_ENGINE = "from_engine"
 MAX_MESSAGES_PER_READ = 256  # the HTTP end hands the loop back after this many
 
 
@@ -48,13 +47,15 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 
 
 class _Opener:
-    def __init__(self, codec: LinkCodec) -> None:
+    def __init__(self, codec: SignedCodec) -> None:
         self.codec = codec
         self.rejected = 0
 
     def open(self, frames: list[bytes]) -> Any | None:
         try:
-            return self.codec.open(frames)
+            if len(frames) != 2:
+                raise Rejected("malformed", f"{len(frames)} frames, not 2")
+            return self.codec.open(*frames)[1]
         except Rejected as exc:
             self.rejected += 1
             log.warning("engine link: dropped a message (%s)", exc)
@@ -65,7 +66,7 @@ class HttpEnd(_Opener):
     """The HTTP process's end: binds both pipes in `directory`; event loop thread only."""
 
     def __init__(self, directory: Path, secret: bytes) -> None:
-        super().__init__(LinkCodec(secret, engine_side=False))
+        super().__init__(link_codec(secret, engine_side=False))
         self.directory = directory
         self._push = _socket(shared_context(), zmq.PUSH)
         self._pull = _socket(zmq.asyncio.Context.shadow(shared_context()), zmq.PULL)
@@ -106,7 +107,7 @@ class EngineEnd(_Opener):
     `wake` (any thread) ends a `receive` wait."""
 
     def __init__(self, directory: str, secret: bytes) -> None:
-        super().__init__(LinkCodec(secret, engine_side=True))
+        super().__init__(link_codec(secret, engine_side=True))
         ctx = shared_context()
         self._pull = _socket(ctx, zmq.PULL)
         self._push = _socket(ctx, zmq.PUSH)

@@ -1,11 +1,10 @@
 """`python -m server.engineproc.main`: the engine process of one server (started by spawn.py).
 
-It builds what `AsyncEngine` builds on its thread (`server.deploy.serve.build_core`: weights, KV
-manager, runner, connector and transceiver threads, and a tensor-parallel server's other ranks, whose
-rank 0 this process is; the KV event publisher; the metrics bridge),
-tells the HTTP process `Ready`, runs the step loop (server/engineproc/child.py) until `Shutdown`,
-then closes the transceiver and the publisher. A load failure is logged, reported (`LoadFailed`)
-and ends the process with 1.
+It runs the engine loop (server/engineproc/loop.py `run_engine`, as the engine thread does): the KV
+event publisher, the core (`server.deploy.serve.build_core`: weights, KV manager, runner, connector
+and transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is),
+`Ready` to the HTTP process, the loop until `Shutdown` or until the HTTP process is gone, then it
+closes what it owns. A load failure is logged, reported (`LoadFailed`) and ends the process with 1.
 """
 
 from __future__ import annotations
@@ -17,19 +16,16 @@ import signal
 import sys
 import time
 
-from server.engine import status
-from server.engineproc.child import EngineHost
 from server.engineproc.link import EngineEnd
+from server.engineproc.loop import run_engine
 from server.engineproc.spawn import Launch, read_launch
-from server.engineproc.wire import EngineInfo, LoadFailed, Ready
-from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.kv_events import KvEventSource
-from server.telemetry.relay import MetricsRecorder
 
 log = logging.getLogger("server.engineproc")
 
 _PR_SET_PDEATHSIG = 1
 FLUSH_S = 0.5  # the last message (LoadFailed) gets this long to leave before the process exits
+PARENT_CHECK_S = 1.0
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -40,43 +36,32 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def build_host(launch: Launch, end: EngineEnd) -> EngineHost:
+class ParentWatch:
+    """A backstop to the parent-death signal: False once the HTTP process is gone (checked at most
+    every PARENT_CHECK_S)."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self._parent_pid, self._at = parent_pid, 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._at < PARENT_CHECK_S:
+            return True
+        self._at = now
+        if os.getppid() != self._parent_pid:
+            log.error("the server process %d is gone: the engine process exits", self._parent_pid)
+            return False
+        return True
+
+
+def serve_engine(launch: Launch, end: EngineEnd) -> bool:
+    """The engine's life in this process; False when it could not load."""
     from server.deploy.serve import build_core, event_publisher  # heavy (torch, the model): after the link is up
 
     cfg = launch.config
-    recorder = MetricsRecorder()
-    bridge = TelemetryBridge(recorder)
-    publisher = event_publisher(cfg, launch.epoch)  # the server's epoch, not this process's
-    kv_events = KvEventSource(publisher, launch.epoch)
-    kv_events.wake = end.wake
-    if publisher is not None:
-        publisher.start()
-    core = build_core(cfg, recorder, end.wake)
-    kv_events.attach(core.kv)
-    return EngineHost(core, end, recorder, bridge, kv_events, launch.parent_pid)
-
-
-def ready(host: EngineHost, launch: Launch) -> Ready:
-    from server.models.builtin import resolve_model
-
-    publisher = host.kv_events.publisher
-    info = EngineInfo(model_dir=str(resolve_model(launch.config.model)), vocab_size=host.core.runner.spec.vocab_size,
-                      pid=os.getpid(), kv_events_endpoint=publisher.endpoint if publisher is not None else None)
-    return Ready(info, host.state())
-
-
-def close(host: EngineHost) -> None:
-    """After the loop: fail what the transceiver still runs with an explicit message, close sockets
-    and the KV manager, stop a tensor-parallel engine's other ranks."""
-    from server.deploy.serve import stop_ranks
-
-    for link in status.transceiver(host.core):
-        if link is not None:
-            link.close()
-    if host.kv_events.publisher is not None:
-        host.kv_events.publisher.close()
-    host.core.kv.close()  # the disk tier's queued writes land (a restart finds them)
-    stop_ranks(host.core)
+    kv_events = KvEventSource(event_publisher(cfg, launch.epoch), launch.epoch)  # the server's epoch
+    loop = run_engine(end, lambda: build_core(cfg, None, end.wake), kv_events, alive=ParentWatch(launch.parent_pid))
+    return loop is not None
 
 
 def main() -> int:
@@ -87,20 +72,12 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     end = EngineEnd(launch.directory, bytes.fromhex(launch.secret))
     try:
-        host = build_host(launch, end)
-    except BaseException as exc:
-        log.exception("engine failed to load")
-        end.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
-        time.sleep(FLUSH_S)
-        return 1
-    end.send(ready(host, launch))
-    log.info("engine process %d serving the server process %d", os.getpid(), launch.parent_pid)
-    try:
-        host.run()
+        loaded = serve_engine(launch, end)
+        if not loaded:
+            time.sleep(FLUSH_S)
     finally:
-        close(host)
         end.close()
-    return 0
+    return 0 if loaded else 1
 
 
 def exit_now(code: int) -> None:

@@ -1,11 +1,12 @@
-"""The link between a server's HTTP process and its engine process: the messages and their sealing.
+"""The engine loop's messages, on either host (server/engineproc/loop.py), and the engine link's sealing.
 
-Two ZeroMQ PUSH/PULL pipes over ipc:// sockets in a private 0700 directory the HTTP process made
-(server/engineproc/link.py). Each message is `[payload, mac]`: msgpack of one tagged Struct below,
-and HMAC-SHA256 of it under a key derived from a random per-server secret (handed to the child on
-its stdin, never on argv) and the direction, so a message of one pipe is never valid on the other.
-A message that fails the MAC or does not decode into a message of its direction raises `Rejected`
-and is dropped (and counted) by the reader. Nothing is ever unpickled.
+The engine thread hands them over in memory; the engine process sends them on two ZeroMQ PUSH/PULL
+pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engineproc/
+link.py), each message signed (transceiver/signed.py, `link_codec`) under a key derived from a
+random per-server secret (handed to the child on its stdin, never on argv) and the direction, so a
+message of one pipe is never valid on the other. A message that fails the MAC or does not decode
+into a message of its direction raises `Rejected` and is dropped (and counted) by the reader.
+Nothing is ever unpickled.
 
 HTTP -> engine: the engine commands (server/engine/commands.py: Add, Abort, Release), `Probe`,
 `Snapshot` (an RPC answered by `SnapshotReply`) and `Shutdown`.
@@ -16,8 +17,6 @@ state when it changed (at most every STATE_INTERVAL_S while idle, after every pr
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Any
 
 import msgspec
@@ -25,15 +24,10 @@ import msgspec
 from server.engine.commands import Abort, Add, Release
 from server.telemetry.relay import EngineFigures, MetricsDelta
 from server.types import LinkState, RequestOutput
+from transceiver.signed import SignedCodec
 
-TO_ENGINE = b"pdserve engine link v1: http -> engine"
-FROM_ENGINE = b"pdserve engine link v1: engine -> http"
-KEY_BYTES = 32
-
-
-class Rejected(Exception):
-    """A message that is not ours: wrong frame count, bad MAC, or not a message of this direction."""
-
+TO_ENGINE, FROM_ENGINE = "to_engine", "from_engine"  # the two directions, and the names of their pipes
+KEY_BYTES = 32  # of the per-server secret
 
 # ---- HTTP -> engine (besides the engine commands)
 
@@ -98,29 +92,7 @@ class SnapshotReply(msgspec.Struct, tag=True, frozen=True):
 FromEngine = Ready | LoadFailed | StepOut | SnapshotReply
 
 
-class LinkCodec:
-    """Seals what one side sends and opens what it receives (one instance per side)."""
-
-    def __init__(self, secret: bytes, *, engine_side: bool) -> None:
-        if len(secret) < KEY_BYTES:
-            raise ValueError(f"the engine link's secret must have at least {KEY_BYTES} bytes")
-        to_engine = hmac.new(secret, TO_ENGINE, hashlib.sha256).digest()
-        from_engine = hmac.new(secret, FROM_ENGINE, hashlib.sha256).digest()
-        self._send_key, self._open_key = (from_engine, to_engine) if engine_side else (to_engine, from_engine)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ToEngine if engine_side else FromEngine)
-
-    def seal(self, message: msgspec.Struct) -> list[bytes]:
-        payload = self._encoder.encode(message)
-        return [payload, hmac.new(self._send_key, payload, hashlib.sha256).digest()]
-
-    def open(self, frames: list[bytes]) -> Any:
-        if len(frames) != 2:
-            raise Rejected(f"{len(frames)} frames, not 2")
-        payload, mac = frames
-        if not hmac.compare_digest(hmac.new(self._open_key, payload, hashlib.sha256).digest(), mac):
-            raise Rejected("bad MAC")
-        try:
-            return self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            raise Rejected(f"undecodable: {exc}") from None
+def link_codec(secret: bytes, *, engine_side: bool) -> SignedCodec:
+    """One end of the engine link: the engine process's (`engine_side`) or the HTTP process's."""
+    sends, receives = (FROM_ENGINE, TO_ENGINE) if engine_side else (TO_ENGINE, FROM_ENGINE)
+    return SignedCodec(secret, "engine-link", sends, receives, ToEngine if engine_side else FromEngine)

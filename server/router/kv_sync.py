@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 
@@ -25,9 +24,9 @@ from kvcache import Level
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError
 from server.router.kv_feed import KvFeed
-from server.telemetry.kv_events import HEARTBEAT_S, SUBSCRIBE_EVERY_S, EventCodec, KvEventBatch, Subscribe
+from server.telemetry.kv_events import HEARTBEAT_S, SUBSCRIBE_EVERY_S, KvEventBatch, Subscribe, event_codec
 from transceiver.link import SocketIO, SocketThread
-from transceiver.wire import Rejected
+from transceiver.signed import Rejected, SignedCodec
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ HTTP_TIMEOUT_S = 15.0
 class _Subscriber:
     """Socket thread handler: a DEALER per server url."""
 
-    def __init__(self, codec: EventCodec) -> None:
+    def __init__(self, codec: SignedCodec) -> None:
         self._codec = codec
         self._last_subscribe: dict[str, float] = {}
         self.rejected = 0
@@ -92,7 +91,7 @@ class KvEventSync:
         self.feeds = {b.url: KvFeed(index=b.kv_index) for b in self.backends}
         self._by_url = {b.url: b for b in self.backends}
         self._client, self._headers = client, headers
-        self._thread = SocketThread("pdserve-router-kv-events", _Subscriber(EventCodec(token, secrets.token_hex(8))),
+        self._thread = SocketThread("pdserve-router-kv-events", _Subscriber(event_codec(token, publisher=False)),
                                     inbox_size=4096, tick_s=0.25, notify=self._notify)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None

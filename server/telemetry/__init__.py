@@ -1,2 +1,2 @@
-"""What a server tells the outside: Prometheus `metrics`, the engine-thread `bridge` that feeds
-them, and the `kv_events` channel that keeps the router's cache index."""
+"""What a server tells the outside: Prometheus `metrics`, the engine's figures and observations
+relayed to them (`relay`), and the `kv_events` channel that keeps the router's cache index."""

@@ -12,17 +12,14 @@ router's DEALER) sends `Subscribe` every few seconds; the publisher sends each b
 subscriber heard from in the last SUBSCRIBER_TTL_S, and an empty batch (a heartbeat carrying the next
 sequence number) every HEARTBEAT_S and at once to a new subscriber. A slow or gone subscriber's
 messages are dropped by ZeroMQ; the subscriber sees the gap in sequence numbers and resynchronises
-from a snapshot. Messages are the transceiver's framing: msgpack envelope + HMAC-SHA256 with a key
-derived from the deployment token (`event_key`), so only the deployment's processes can subscribe
-or publish, and nothing is ever unpickled.
+from a snapshot. Messages are signed (transceiver/signed.py, `event_codec`): keys derived from the
+deployment token for this channel and each direction, fresh and first-seen messages only, so only
+the deployment's processes can subscribe or publish, and nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -33,14 +30,15 @@ import zmq
 
 from kvcache import Level
 from transceiver.link import SocketIO, SocketThread
-from transceiver.wire import Codec, Rejected
+from transceiver.signed import Rejected, SignedCodec
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 SUBSCRIBE_EVERY_S = 2.0  # a subscriber repeats Subscribe this often
 SUBSCRIBER_TTL_S = 3 * SUBSCRIBE_EVERY_S + 1.0
-MAX_EVENTS_PER_MESSAGE = 1000  # ~30 kB: well under the codec's 64 kB header limit
+MAX_EVENTS_PER_MESSAGE = 1000  # ~30 kB: well under MAX_MESSAGE_BYTES
+MAX_MESSAGE_BYTES = 64 * 1024
 SNAPSHOT_TIMEOUT_S = 10.0
 SOCKET = "events"
 
@@ -59,21 +57,12 @@ class KvEventBatch(msgspec.Struct, tag=True, frozen=True):
     events: list[tuple[int, int, bytes, int]]
 
 
-EventBody = Subscribe | KvEventBatch
-
-
-def event_key(token: str) -> bytes:
-    """The HMAC key of the events channel: derived from the deployment token, so a message of the
-    KV transfer link is never valid here (and the other way round)."""
-    return hmac.new(token.encode(), b"pdserve kv events v1", hashlib.sha256).digest()
-
-
-class EventCodec(Codec):
-    """The transceiver's sealing and checks, opening `EventBody` messages."""
-
-    def __init__(self, token: str, epoch: str) -> None:
-        super().__init__(event_key(token), epoch)
-        self._body_decoder = msgspec.msgpack.Decoder(EventBody)
+def event_codec(token: str, *, publisher: bool, epoch: str = "") -> SignedCodec:
+    """One end of the events channel: the server's publisher (its `epoch` on every batch) or the
+    router's subscriber."""
+    sends, receives = ("batches", "subscribes") if publisher else ("subscribes", "batches")
+    return SignedCodec(token.encode(), "kv-events", sends, receives, Subscribe if publisher else KvEventBatch,
+                       epoch=epoch, fresh=True, max_bytes=MAX_MESSAGE_BYTES)
 
 
 def message_batches(first_seq: int, events: list[KvEvent]) -> list[KvEventBatch]:
@@ -86,7 +75,7 @@ class _Publisher:
     """The publisher thread's handler: one ROUTER socket, the subscribers heard from lately."""
 
     def __init__(self, token: str, epoch: str, host: str) -> None:
-        self._codec = EventCodec(token, epoch)
+        self._codec = event_codec(token, publisher=True, epoch=epoch)
         self._host = host
         self.endpoint = ""
         self.next_seq = 1  # the number the next event sent will have (heartbeats carry it)
@@ -97,7 +86,7 @@ class _Publisher:
     def setup(self, io: SocketIO) -> None:
         sock = io.socket(SOCKET, zmq.ROUTER)  # not ROUTER_MANDATORY: a message to a gone peer is dropped
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.bind(f"tcp://{self._host}:*")
         self.endpoint = f"tcp://{self._host}:{sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(':', 1)[1]}"
 
@@ -177,7 +166,7 @@ class KvEventSource:
         self.publisher = publisher  # None: no events (a server without the deployment token)
         self.epoch = epoch
         self.seq = 0  # the number of the last event drained (the state a snapshot now shows)
-        self.wake: Callable[[], None] = lambda: None  # ends the engine thread's idle wait (AsyncEngine.wake)
+        self.wake: Callable[[], None] = lambda: None  # ends the engine loop's idle wait (its port's wake)
         self._wanted: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
 
@@ -207,13 +196,9 @@ class KvEventSource:
             for future in wanted:
                 future.set_result(snapshot)
 
-    async def snapshot(self) -> dict:
-        """The cache's blocks per window and level, and the `seq` of the last event they include.
-        Raises TimeoutError if the engine thread does not answer within SNAPSHOT_TIMEOUT_S."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.request_snapshot()), SNAPSHOT_TIMEOUT_S)
-
     def request_snapshot(self) -> concurrent.futures.Future:
-        """Any thread: a future the engine thread's next tick completes with the snapshot."""
+        """Any thread: a future the engine thread's next tick completes with the snapshot: the cache's
+        blocks per window and level, and the `seq` of the last event they include."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._wanted.append(future)

@@ -3,12 +3,13 @@
 `ServerMetrics` owns its own `CollectorRegistry` (no process globals, so several servers or tests can
 live in one process). Two kinds of sources feed it:
 
-- Cumulative counters are read at scrape time from their owners, by custom collectors: the KV
-  manager's `KVCacheStats` (`stats_provider`), and the scheduler's preemptions with the
-  transceiver's `TransferStats` (`counters_provider`, `EngineCounters`). Every scrape is an exact
-  copy of the owners' own counters; nothing is forwarded twice or lost.
-- Engine and transfer events are pushed by the engine through the `observe_*`/`add_*`/`set_*`
-  methods (prometheus_client objects: thread-safe, callable from the engine thread).
+- Cumulative counters are read at scrape time by custom collectors: the KV manager's
+  `KVCacheStats` (`stats_provider`), and the scheduler's preemptions with the transceiver's
+  `TransferStats` (`counters_provider`, `EngineCounters`), as of the engine's last state
+  (server/telemetry/relay.py). Every scrape is an exact copy of the owners' own counters at that
+  point; nothing is forwarded twice or lost.
+- Engine and transfer events come through the `observe_*`/`add_*`/`set_*` methods (prometheus_client
+  objects: thread-safe), replayed from what the engine loop recorded.
 
 The metric names are part of the acceptance checks: keep them exactly.
 """

@@ -1,18 +1,18 @@
-"""Metrics of an engine that runs in its own process (server/engineproc/), shown by the HTTP process.
+"""The engine's metrics, the same whichever host runs it (a thread of the HTTP process or the
+engine process, server/engineproc/loop.py), shown by the HTTP process's `ServerMetrics`.
 
-The engine process has no Prometheus registry: its `EngineCore`, `TelemetryBridge` and transceiver
-feed a `MetricsRecorder`, which stands in for `ServerMetrics` and keeps what they observe until the
-next message to the HTTP process takes it (`take`: a `MetricsDelta`, in the same message as the
-step's outputs). The figures read at scrape time (KV blocks and counters, requests per state,
-preemptions, KV transfer counters) travel as `EngineFigures` in the engine's state. On the HTTP
-side `RelayedMetrics` replays each delta into the server's `ServerMetrics` (the same histograms
-and counters, so /metrics is the same in both modes) and serves the last figures to its collectors.
+On the engine's side nothing touches the Prometheus registry: the `EngineCore` and the transceiver
+feed a `MetricsRecorder`, which keeps what they observe until the loop's next message takes it
+(`take`: a `MetricsDelta`, in the same `StepOut` as the step's outputs). The figures read at scrape
+time (KV blocks and counters, requests per state, preemptions, KV transfer counters, speculative
+decoding) are read from their owners on the engine's thread (`engine_figures`) and travel as
+`EngineFigures` in the engine's state. On the HTTP side `RelayedMetrics` replays each delta into
+the server's `ServerMetrics` and serves the last figures to its collectors, so /metrics reads one way.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -62,14 +62,12 @@ _LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers")
 
 
 class MetricsRecorder:
-    """The engine process's stand-in for `ServerMetrics` (the methods the engine side calls).
-    Thread-safe: transfers end on the transceiver's socket threads."""
+    """What the engine calls of `ServerMetrics` to observe, kept for the next message. Thread-safe:
+    transfers end on the transceiver's socket threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reset()
-        self.request_counts: dict[str, int] = {}
-        self.counters_provider: Callable[[], EngineCounters] = EngineCounters
 
     def _reset(self) -> None:
         self._lists: dict[str, list] = {name: [] for name in _LISTS}
@@ -103,12 +101,6 @@ class MetricsRecorder:
         with self._lock:
             self._prompt_tokens += n
 
-    def set_request_counts(self, counts: Mapping[str, int]) -> None:
-        self.request_counts = dict(counts)
-
-    def set_counters_provider(self, provider: Callable[[], EngineCounters]) -> None:
-        self.counters_provider = provider
-
     def take(self) -> MetricsDelta | None:
         """What was observed since the last call; None if nothing was."""
         with self._lock:
@@ -118,10 +110,23 @@ class MetricsRecorder:
             self._reset()
         return MetricsDelta(generation_tokens=generated, prompt_tokens=prompts, **lists)
 
-    def figures(self, kv: KVCacheStats | None) -> EngineFigures:
-        counters = self.counters_provider()
-        return EngineFigures(kv, dict(self.request_counts), counters.preemptions,
-                             [TransferFigures.of(s) for s in counters.transfers], counters.spec)
+    def watch_transfers(self, core) -> None:
+        """Observe every transfer of the core's KV sender or receiver as it ends (on its thread)."""
+        for stats in transfer_stats(core):
+            stats.on_transfer = lambda seconds, nbytes: self.observe_transfer(nbytes, seconds)
+
+
+def transfer_stats(core) -> list:
+    endpoint = getattr(core.connector, "sender", None) or getattr(core.connector, "receiver", None)
+    return [endpoint.stats] if endpoint is not None else []
+
+
+def engine_figures(core) -> EngineFigures:
+    """The scrape-time figures, read from their owners (on the engine's thread)."""
+    spec = core.spec.stats
+    return EngineFigures(core.kv.stats(), core.scheduler.counts(), core.scheduler.num_preemptions,
+                         [TransferFigures.of(s) for s in transfer_stats(core)],
+                         SpecCounts(spec.proposed, spec.accepted, spec.emitted, spec.verified))
 
 
 class RelayedMetrics:

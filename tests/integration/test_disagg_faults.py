@@ -9,7 +9,6 @@ use the helpers of this module).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import math
@@ -26,7 +25,8 @@ import pytest
 import zmq
 from waiting import wait_until
 
-from transceiver.wire import PROTOCOL_VERSION, Body, Envelope, Failed, Hello, Layout
+from transceiver.signed import Envelope, derive_key, mac
+from transceiver.wire import PROTOCOL_VERSION, TO_RECEIVER, TO_SENDER, Body, Failed, Hello, Layout
 
 TOKEN = "fault-injection-token-0123456789abcdef"
 AUTHORISED = {"x-pdserve-token": TOKEN}  # what the router sends to its servers
@@ -150,19 +150,23 @@ REPLY_WAIT_MS = 300
 
 
 def seal(body: Body, *, token: str = TOKEN, version: int = PROTOCOL_VERSION) -> list[bytes]:
-    """[header, mac] as a receiver would send it (transceiver/wire.py's layout, built here)."""
-    env = Envelope(version=version, sender_epoch="fault-injection", msg_id=secrets.randbits(64),
-                   ts=time.time(), body=msgspec.Raw(msgspec.msgpack.encode(body)))
+    """[header, mac] as a receiver would send it (transceiver/signed.py's layout, built here)."""
+    env = Envelope(version=version, epoch="fault-injection", seq=secrets.randbits(64), ts=time.time(),
+                   body=msgspec.Raw(msgspec.msgpack.encode(body)))
     header = msgspec.msgpack.encode(env)
-    return [header, hmac.new(token.encode(), header, hashlib.sha256).digest()]
+    return [header, _mac(header, token)]
+
+
+def _mac(header: bytes, token: str = TOKEN, direction: str = TO_SENDER) -> bytes:
+    return mac(derive_key(token.encode(), "kv-link", direction), header)
 
 
 def reply(sock: zmq.Socket) -> Body | None:
     """The authenticated answer on `sock` within REPLY_WAIT_MS, or None."""
     if not sock.poll(REPLY_WAIT_MS):
         return None
-    header, mac = sock.recv_multipart()
-    assert hmac.compare_digest(hmac.new(TOKEN.encode(), header, hashlib.sha256).digest(), mac)
+    header, tag = sock.recv_multipart()
+    assert hmac.compare_digest(_mac(header, direction=TO_RECEIVER), tag)
     env = msgspec.msgpack.decode(header, type=Envelope)
     return msgspec.msgpack.decode(env.body, type=Body)
 
@@ -177,7 +181,7 @@ def test_bad_transceiver_messages_are_dropped_and_counted(shared):
         "forged (wrong token)": seal(Hello(layout=BOGUS_LAYOUT), token="an-attackers-guess-0123456789"),
         "truncated header": [hello[0][: len(hello[0]) // 2], good_mac],
         "truncated multipart (no mac)": [hello[0]],
-        "authentic but undecodable": [undecodable, hmac.new(TOKEN.encode(), undecodable, hashlib.sha256).digest()],
+        "authentic but undecodable": [undecodable, _mac(undecodable)],
         "wrong protocol version": seal(Hello(layout=BOGUS_LAYOUT), version=PROTOCOL_VERSION + 1),
         "replayed": hello,
     }

@@ -31,7 +31,8 @@ from kvcache import KVCacheManager
 from server.engine.kv_connector import blocks_to_pull
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
-from transceiver.wire import PROTOCOL_VERSION, Codec, Envelope, Hello, Layout, PullRequest
+from transceiver.signed import Envelope, mac
+from transceiver.wire import PROTOCOL_VERSION, Hello, Layout, PullRequest, link_codec
 
 TOKEN = "integration-token-0123456789"
 TPB = 8
@@ -235,23 +236,23 @@ def test_forged_messages_are_dropped_and_the_next_pull_succeeds(ctx: CtxProcess,
     before = ctx.call("state")["rejected"]
     tokens = tokens_for(7, 50)
     ctx.call("prefill", rid="req-f", tokens=tokens)
-    good = Codec(TOKEN.encode(), "attacker")
+    good = link_codec(TOKEN.encode(), "attacker", sender=False)
     steal = PullRequest(pull_id=1, ctx_request_id="not-leased", ctx_epoch=ctx.epoch, ranges=[])
-    header, mac = good.seal(steal)
+    header, tag = good.seal(steal)
     sock = _raw_dealer(ctx.endpoint)
     try:
-        sock.send_multipart(Codec(b"not-the-deployment-token", "attacker").seal(steal))  # forged
-        sock.send_multipart([header[:-4], mac])  # truncated
+        sock.send_multipart(link_codec(b"not-the-deployment-token", "attacker", sender=False).seal(steal))  # forged
+        sock.send_multipart([header[:-4], tag])  # truncated
         sock.send_multipart([b"\x00" * 10])  # garbage
-        sock.send_multipart([header, mac])
-        sock.send_multipart([header, mac])  # replayed
+        sock.send_multipart([header, tag])
+        sock.send_multipart([header, tag])  # replayed
         assert sock.poll(5000)
         _, reply = good.open(*sock.recv_multipart())  # only the one authentic message is answered
         assert (reply.reason, reply.pull_id) == ("unknown_request", 1)
         hello = good.seal(Hello(layout=Layout(tokens_per_block=8, windows=[], fingerprint="x")))
         env = msgspec.msgpack.decode(hello[0], type=Envelope)
         old = msgspec.msgpack.encode(msgspec.structs.replace(env, version=PROTOCOL_VERSION + 1))
-        sock.send_multipart([old, good.mac(old)])  # wrong version, valid MAC
+        sock.send_multipart([old, mac(good.send_key, old)])  # wrong version, valid MAC
     finally:
         sock.close(linger=0)
     state = ctx.wait_state(lambda s: sum(s["rejected"].values()) - sum(before.values()) >= 5)

@@ -6,11 +6,10 @@ which live in a directory only this user can enter."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import os
 import secrets
 import stat
+import time
 
 import msgspec
 import pytest
@@ -22,20 +21,21 @@ from server.engine.commands import Abort, Add, Release
 from server.engineproc.link import FROM_ENGINE, EngineEnd, HttpEnd, address, private_dir
 from server.engineproc.wire import (
     KEY_BYTES,
+    TO_ENGINE,
     EngineInfo,
     EngineState,
-    LinkCodec,
     LoadFailed,
     Probe,
     Ready,
-    Rejected,
     Shutdown,
     Snapshot,
     SnapshotReply,
     StepOut,
+    link_codec,
 )
 from server.telemetry.relay import EngineFigures, MetricsDelta, TransferFigures
 from server.types import DisaggParams, GenerateRequest, LinkState, RequestOutput, SamplingParams
+from transceiver.signed import Envelope, Rejected, SignedCodec, derive_key, mac
 
 SECRET = secrets.token_bytes(KEY_BYTES)
 DISAGG = DisaggParams(request_type="generation_only", ctx_request_id="ctx-1", ctx_endpoint="tcp://127.0.0.1:5",
@@ -68,57 +68,58 @@ FROM_ENGINE_MESSAGES = [
 ]
 
 
-def sides(secret: bytes = SECRET) -> tuple[LinkCodec, LinkCodec]:
+def sides(secret: bytes = SECRET) -> tuple[SignedCodec, SignedCodec]:
     """(HTTP side, engine side)"""
-    return LinkCodec(secret, engine_side=False), LinkCodec(secret, engine_side=True)
+    return link_codec(secret, engine_side=False), link_codec(secret, engine_side=True)
 
 
 @pytest.mark.parametrize("message", TO_ENGINE_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_command_round_trips_http_to_engine(message):
     http, engine = sides()
-    assert engine.open(http.seal(message)) == message
+    assert engine.open(*http.seal(message)) == ("", message)
 
 
 @pytest.mark.parametrize("message", FROM_ENGINE_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_engine_message_round_trips_engine_to_http(message):
     http, engine = sides()
-    opened = http.open(engine.seal(message))
+    _, opened = http.open(*engine.seal(message))
     assert opened == message and type(opened) is type(message)
 
 
 def test_a_generate_request_keeps_every_field():
     http, engine = sides()
-    request = engine.open(http.seal(Add(REQUEST))).request
+    request = engine.open(*http.seal(Add(REQUEST)))[1].request
     assert request == REQUEST and request.disagg == DISAGG and request.arrival_time == REQUEST.arrival_time
 
 
 def test_foreign_unsigned_tampered_and_misdirected_messages_are_refused():
     http, engine = sides()
     foreign, _ = sides(secrets.token_bytes(KEY_BYTES))
-    payload, mac = http.seal(Abort("x"))
-    with pytest.raises(Rejected, match="bad MAC"):
-        engine.open(foreign.seal(Abort("x")))  # another server's secret
-    with pytest.raises(Rejected, match="1 frames"):
-        engine.open([payload])  # unsigned
-    with pytest.raises(Rejected, match="bad MAC"):
-        engine.open([payload.replace(b"x", b"y"), mac])  # tampered with
-    with pytest.raises(Rejected, match="bad MAC"):
-        engine.open(engine.seal(StepOut([])))  # the engine's own message played back to it
-    with pytest.raises(Rejected, match="bad MAC"):
-        http.open(http.seal(Abort("x")))
+    header, tag = http.seal(Abort("x"))
+    with pytest.raises(Rejected, match="bad_mac"):
+        engine.open(*foreign.seal(Abort("x")))  # another server's secret
+    with pytest.raises(Rejected, match="malformed"):
+        engine.open(header, b"")  # unsigned
+    with pytest.raises(Rejected, match="bad_mac"):
+        engine.open(header.replace(b"x", b"y"), tag)  # tampered with
+    with pytest.raises(Rejected, match="bad_mac"):
+        engine.open(*engine.seal(StepOut([])))  # the engine's own message played back to it
+    with pytest.raises(Rejected, match="bad_mac"):
+        http.open(*http.seal(Abort("x")))
 
 
 def test_a_signed_message_of_the_wrong_shape_is_refused():
     http, engine = sides()
-    send_key = hmac.new(SECRET, b"pdserve engine link v1: http -> engine", hashlib.sha256).digest()
+    send_key = derive_key(SECRET, "engine-link", TO_ENGINE)
     for payload in (msgspec.msgpack.encode({"type": "Pickle", "x": 1}), b"\xc1", msgspec.msgpack.encode(StepOut([]))):
+        header = msgspec.msgpack.encode(Envelope(1, "", 0, time.time(), msgspec.Raw(payload)))
         with pytest.raises(Rejected, match="undecodable"):
-            engine.open([payload, hmac.new(send_key, payload, hashlib.sha256).digest()])
+            engine.open(header, mac(send_key, header))
 
 
 def test_a_short_secret_is_refused():
-    with pytest.raises(ValueError, match="at least 32 bytes"):
-        LinkCodec(b"short", engine_side=True)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        link_codec(b"short", engine_side=True)
 
 
 def test_the_real_sockets_carry_messages_and_drop_foreign_ones():

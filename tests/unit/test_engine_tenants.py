@@ -95,9 +95,9 @@ def test_engine_metrics_count_prompts_preemptions_and_latencies():
     results = eh.generate(core, prompts, eh.greedy(40))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == _expected(prompt, 40)
-    from server.telemetry.bridge import TelemetryBridge
+    from server.telemetry.relay import RelayedMetrics, engine_figures
 
-    TelemetryBridge(metrics).on_tick(core)
+    RelayedMetrics(metrics).update(engine_figures(core))
     text = metrics.render().decode()
     value = lambda name: float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
     assert core.scheduler.num_preemptions > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from waiting import wait_until
 
 from server.router.kv_sync import _Subscriber
-from server.telemetry.kv_events import MAX_EVENTS_PER_MESSAGE, EventCodec, KvEventBatch, KvEventPublisher
+from server.telemetry.kv_events import MAX_EVENTS_PER_MESSAGE, KvEventBatch, KvEventPublisher, event_codec
 from transceiver.link import SocketThread
 
 TOKEN = "a-deployment-token-of-enough-length"
@@ -15,7 +15,7 @@ URL = "http://127.0.0.1:1"
 
 
 def _subscriber(token: str) -> SocketThread:
-    thread = SocketThread("test-kv-sub", _Subscriber(EventCodec(token, "router")), tick_s=0.05)
+    thread = SocketThread("test-kv-sub", _Subscriber(event_codec(token, publisher=False)), tick_s=0.05)
     thread.start()
     return thread
 

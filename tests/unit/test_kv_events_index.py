@@ -6,7 +6,6 @@ tpb 4, one layer, window 64 unless said otherwise (the managers of kv_factories.
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 from kv_factories import make_manager
@@ -131,12 +130,10 @@ def test_events_keep_an_index_exact_through_random_traffic_and_sliding_windows()
 
 
 def _snapshot(source: KvEventSource, core: Core) -> dict:
-    async def run() -> dict:
-        task = asyncio.ensure_future(source.snapshot())
-        await asyncio.sleep(0)
-        source.on_tick(core)  # the engine thread's next tick answers it
-        return await task
-    return asyncio.run(run())
+    future = source.request_snapshot()
+    assert not future.done()
+    source.on_tick(core)  # the engine thread's next tick answers it
+    return future.result(timeout=0)
 
 
 def test_feed_follows_numbered_batches_and_resyncs_after_a_gap():

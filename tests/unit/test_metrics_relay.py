@@ -1,6 +1,6 @@
-"""server/telemetry/relay.py: what an engine process observes shows on the HTTP process's /metrics
-exactly as if the engine had fed `ServerMetrics` itself (histograms, counters, scrape-time figures),
-after a trip through the engine link's codec."""
+"""server/telemetry/relay.py: what the engine loop records (on either host) shows on the HTTP
+process's /metrics exactly as if the engine had fed `ServerMetrics` itself (histograms, counters,
+scrape-time figures), after a trip through the engine link's codec."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import secrets
 import threading
 
 from kvcache.stats import KVCacheStats
-from server.engineproc.wire import EngineState, LinkCodec, StepOut
+from server.engineproc.wire import EngineState, StepOut, link_codec
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
-from server.telemetry.relay import MetricsRecorder, RelayedMetrics
+from server.telemetry.relay import EngineFigures, MetricsRecorder, RelayedMetrics, TransferFigures
 from transceiver.stats import TransferStats
 
 KV = KVCacheStats(prefix_query_tokens=40, prefix_hit_tokens=32, evictions=2, offloads=1, onboards=1,
                   bytes_offloaded=4096, bytes_onboarded=4096, bytes_copied_primary=0,
                   blocks={(512, "primary", "free"): 20, (512, "primary", "in_use"): 3})
+COUNTS = {"waiting": 1, "running": 2, "transferring": 0}
 
 
 def observe(metrics) -> None:
@@ -29,7 +30,6 @@ def observe(metrics) -> None:
     metrics.observe_e2e(0.3)
     metrics.observe_queue_time(0.0005)
     metrics.observe_transfer(65536, 0.02)
-    metrics.set_request_counts({"waiting": 1, "running": 2, "transferring": 0})
 
 
 def samples(metrics: ServerMetrics) -> list[str]:
@@ -49,16 +49,17 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     stats = transfer_stats()
     spec = SpecCounts(proposed=8, accepted=5, emitted=7, verified=2)
     direct.set_counters_provider(lambda: EngineCounters(3, (stats,), spec))
+    direct.set_request_counts(COUNTS)
     observe(direct)
 
-    recorder = MetricsRecorder()  # the engine process
-    recorder.set_counters_provider(lambda: EngineCounters(3, (stats,), spec))
+    recorder = MetricsRecorder()  # the engine loop
     worker = threading.Thread(target=observe, args=(recorder,))  # the transceiver's threads observe too
     worker.start()
     worker.join()
     secret = secrets.token_bytes(32)
-    http, engine = LinkCodec(secret, engine_side=False), LinkCodec(secret, engine_side=True)
-    message = http.open(engine.seal(StepOut([], recorder.take(), EngineState(figures=recorder.figures(KV)))))
+    http, engine = link_codec(secret, engine_side=False), link_codec(secret, engine_side=True)
+    figures = EngineFigures(KV, COUNTS, 3, [TransferFigures.of(stats)], spec)
+    _, message = http.open(*engine.seal(StepOut([], recorder.take(), EngineState(figures=figures))))
     assert recorder.take() is None  # taken once
 
     relayed = ServerMetrics()  # the HTTP process

@@ -13,8 +13,8 @@ from kvcache.hashing import block_hashes, request_salt
 from server.engine.speculative.config import SpeculativeConfig
 from server.engine.speculative.decoder import MIN_BACKOFF, SpecDecoder
 from server.models.builtin import resolve_model
-from server.telemetry.bridge import TelemetryBridge
 from server.telemetry.metrics import ServerMetrics
+from server.telemetry.relay import RelayedMetrics, engine_figures
 from server.types import SamplingParams
 
 LLAMA = "builtin:tiny-llama"
@@ -157,10 +157,9 @@ def test_metrics_count_drafts_and_accepted_tokens():
     expected = hf_reference.hf_greedy(resolve_model(LLAMA), prompt, 20)
     core = _replay_core(LLAMA, {tuple(prompt): expected}, wrong=3)
     metrics = ServerMetrics()
-    bridge = TelemetryBridge(metrics)
     [result] = eh.generate(core, [prompt], eh.greedy(20))
     assert result.token_ids == expected
-    bridge.on_tick(core)
+    RelayedMetrics(metrics).update(engine_figures(core))
     text = metrics.render().decode()
     stats = core.spec.stats
     assert stats.accepted > 0 and stats.verified > 0

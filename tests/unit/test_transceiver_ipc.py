@@ -19,9 +19,9 @@ from transceiver.link import SocketThread, shared_context
 from transceiver.payload import checksum, pool_rows
 from transceiver.receiver.link import IpcPools, Pull, ReceiverLink
 from transceiver.sender.link import ExportRequest, SenderLink
+from transceiver.signed import SignedCodec
 from transceiver.stats import TransferStats
 from transceiver.wire import (
-    Codec,
     CudaIpcPool,
     Hello,
     InstanceInfo,
@@ -31,6 +31,7 @@ from transceiver.wire import (
     PullRequest,
     WindowLayout,
     WindowRange,
+    link_codec,
 )
 
 TOKEN = "ipc-unit-token-0123456789"
@@ -119,7 +120,7 @@ SAME_GPU = PeerIdentity(hostname="h", boot_id="b", gpu_uuid="GPU-1", pid=7)
 ])
 def test_only_a_receiver_on_our_gpu_without_our_pools_gets_an_export(ipc_sender_link, hello, exported) -> None:
     thread, dealer = ipc_sender_link
-    codec = Codec(TOKEN.encode(), "gen")
+    codec = link_codec(TOKEN.encode(), "gen", sender=False)
     dealer.send_multipart(codec.seal(hello))
     if exported:  # the engine thread exports and answers
         [request] = delivered(thread, 1)
@@ -143,12 +144,12 @@ class ScriptedContext:
         self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.peer = b""
 
-    def recv(self, codec: Codec):
+    def recv(self, codec: SignedCodec):
         assert self.sock.poll(5000), "the receiver sent nothing"
         self.peer, header, mac = self.sock.recv_multipart()
         return codec.open(header, mac)[1]
 
-    def send(self, codec: Codec, body) -> None:
+    def send(self, codec: SignedCodec, body) -> None:
         self.sock.send_multipart([self.peer, *codec.seal(body)])
 
 
@@ -166,7 +167,7 @@ def test_receiver_opens_once_per_epoch_hands_pools_over_first_and_forgets_them()
                         lambda offer: opened.append(offer) or {128: "pool-view"})
     thread, ctx = SocketThread("test-ipc-receiver", link), ScriptedContext()
     thread.start()
-    first, second = Codec(TOKEN.encode(), "e1"), Codec(TOKEN.encode(), "e2")
+    first, second = link_codec(TOKEN.encode(), "e1", sender=True), link_codec(TOKEN.encode(), "e2", sender=True)
     try:
         thread.submit(Pull(ctx.endpoint, _pull(1, "e1")))
         assert ctx.recv(first) == Hello(layout=LAYOUT, identity=me, open_epoch=None)
@@ -196,7 +197,7 @@ def test_an_offer_that_cannot_be_opened_leaves_the_byte_path() -> None:
     link = ReceiverLink(TransceiverConfig(auth_token=TOKEN), "gen", LAYOUT, stats, me, refuse)
     thread, ctx = SocketThread("test-ipc-receiver", link), ScriptedContext()
     thread.start()
-    codec = Codec(TOKEN.encode(), "e1")
+    codec = link_codec(TOKEN.encode(), "e1", sender=True)
     try:
         thread.submit(Pull(ctx.endpoint, _pull(1, "e1")))
         assert isinstance(ctx.recv(codec), Hello)

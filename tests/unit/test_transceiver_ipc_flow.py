@@ -20,7 +20,7 @@ from transceiver.config import TransceiverConfig
 from transceiver.link import shared_context
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.sender import KVSender
-from transceiver.wire import Codec, Failed, IpcOffer, PeerIdentity, PullRequest, WindowRange
+from transceiver.wire import Failed, IpcOffer, PeerIdentity, PullRequest, WindowRange, link_codec
 
 TOKEN = "ipc-flow-token-0123456789"
 W, TPB = 64, 4
@@ -148,7 +148,7 @@ def test_a_sender_that_exported_nothing_refuses_an_ipc_pull() -> None:
     dealer.connect(sender.endpoint)
     try:
         _cache(kv, "req", list(range(8)), lease=sender)
-        codec = Codec(TOKEN.encode(), "gen")
+        codec = link_codec(TOKEN.encode(), "gen", sender=False)
         dealer.send_multipart(codec.seal(PullRequest(pull_id=9, ctx_request_id="req", ctx_epoch=sender.epoch,
                                                      ranges=[WindowRange(window=W, first=0, count=2)],
                                                      via_ipc=True)))

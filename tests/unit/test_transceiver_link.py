@@ -4,8 +4,6 @@ itself (no engine involved) and each lease comes back to the engine once (`Ended
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 
 import msgspec
@@ -21,14 +19,13 @@ from transceiver.link import SocketThread, shared_context
 from transceiver.payload import checksum
 from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started, Withdraw
 from transceiver.sender.link import SenderLink
+from transceiver.signed import Envelope, SignedCodec, mac
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     PROTOCOL_VERSION,
     Ack,
     ChunkHeader,
-    Codec,
     Done,
-    Envelope,
     Failed,
     Hello,
     InstanceInfo,
@@ -36,6 +33,7 @@ from transceiver.wire import (
     PullRequest,
     WindowLayout,
     WindowRange,
+    link_codec,
 )
 
 TOKEN = "s" * 24
@@ -57,7 +55,7 @@ def sender_link():
     thread.close()
 
 
-def _reply(dealer: zmq.Socket, codec: Codec, timeout_s: float = 5.0):
+def _reply(dealer: zmq.Socket, codec: SignedCodec, timeout_s: float = 5.0):
     assert dealer.poll(int(timeout_s * 1000)), "no reply"
     header, mac = dealer.recv_multipart()
     return codec.open(header, mac)
@@ -65,16 +63,15 @@ def _reply(dealer: zmq.Socket, codec: Codec, timeout_s: float = 5.0):
 
 def _forged(version: int, ts: float) -> list[bytes]:
     enc = msgspec.msgpack.Encoder()
-    env = Envelope(version=version, sender_epoch="gen", msg_id=99, ts=ts,
-                   body=msgspec.Raw(enc.encode(Hello(layout=LAYOUT))))
+    env = Envelope(version=version, epoch="gen", seq=99, ts=ts, body=msgspec.Raw(enc.encode(Hello(layout=LAYOUT))))
     header = enc.encode(env)
-    return [header, hmac.new(TOKEN.encode(), header, hashlib.sha256).digest()]
+    return [header, mac(link_codec(TOKEN.encode(), "gen", sender=False).send_key, header)]
 
 
 def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link) -> None:
     link, thread, dealer, stats = sender_link
     assert link.endpoint.startswith("tcp://127.0.0.1:") and int(link.endpoint.rsplit(":", 1)[1]) > 0
-    gen = Codec(TOKEN.encode(), "gen-epoch")
+    gen = link_codec(TOKEN.encode(), "gen-epoch", sender=False)
     hello = gen.seal(Hello(layout=LAYOUT))
     dealer.send_multipart([b"garbage"])  # one frame
     dealer.send_multipart([hello[0], b"\0" * 32])  # forged MAC
@@ -82,7 +79,7 @@ def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link)
     dealer.send_multipart([*hello, b"payload"])  # extra frame
     dealer.send_multipart(_forged(PROTOCOL_VERSION + 1, time.time()))
     dealer.send_multipart(_forged(PROTOCOL_VERSION, time.time() - 3600))
-    dealer.send_multipart(Codec(b"wrong-token-xxxxxxxx", "x").seal(Hello(layout=LAYOUT)))
+    dealer.send_multipart(link_codec(b"wrong-token-xxxxxxxx", "x", sender=False).seal(Hello(layout=LAYOUT)))
     dealer.send_multipart(hello)  # the good one
     epoch, info = _reply(dealer, gen)
     assert (epoch, info) == ("ctx-epoch", InstanceInfo(layout=LAYOUT))
@@ -101,7 +98,7 @@ def test_bad_messages_are_counted_and_the_next_good_one_is_answered(sender_link)
 
 def test_oversized_message_is_cut_off_before_anything_reads_it(sender_link) -> None:
     _, thread, dealer, stats = sender_link
-    gen = Codec(TOKEN.encode(), "gen-epoch")
+    gen = link_codec(TOKEN.encode(), "gen-epoch", sender=False)
     dealer.send_multipart(gen.seal(Hello(layout=LAYOUT)))
     assert _reply(dealer, gen)[0] == "ctx-epoch"  # connected: the next connection is a reconnection
     monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED)
@@ -118,7 +115,7 @@ def test_oversized_message_is_cut_off_before_anything_reads_it(sender_link) -> N
 
 def test_incompatible_hello_is_refused_naming_the_difference(sender_link) -> None:
     _, _, dealer, _ = sender_link
-    gen = Codec(TOKEN.encode(), "gen-epoch")
+    gen = link_codec(TOKEN.encode(), "gen-epoch", sender=False)
     other = Layout(tokens_per_block=8, fingerprint="fp", windows=LAYOUT.windows)
     dealer.send_multipart(gen.seal(Hello(layout=other)))
     _, failed = _reply(dealer, gen)
@@ -137,7 +134,7 @@ def _offer(thread: SocketThread) -> torch.Tensor:
 def test_a_pull_is_served_by_the_socket_thread_and_the_lease_comes_back_once(sender_link) -> None:
     _, thread, dealer, stats = sender_link
     pool = _offer(thread)
-    gen = Codec(TOKEN.encode(), "gen-epoch")
+    gen = link_codec(TOKEN.encode(), "gen-epoch", sender=False)
     dealer.send_multipart(gen.seal(PullRequest(pull_id=5, ctx_request_id="r", ctx_epoch="ctx-epoch",
                                                ranges=[WindowRange(window=128, first=1, count=2)])))
     assert dealer.poll(5000)
@@ -162,7 +159,7 @@ def test_a_pull_is_served_by_the_socket_thread_and_the_lease_comes_back_once(sen
 def test_a_withdrawn_lease_fails_its_pull_and_bad_ranges_are_refused(sender_link) -> None:
     _, thread, dealer, stats = sender_link
     _offer(thread)
-    gen = Codec(TOKEN.encode(), "gen-epoch")
+    gen = link_codec(TOKEN.encode(), "gen-epoch", sender=False)
     dealer.send_multipart(gen.seal(PullRequest(pull_id=1, ctx_request_id="r", ctx_epoch="ctx-epoch",
                                                ranges=[WindowRange(window=128, first=2, count=2)])))
     refused = _reply(dealer, gen)[1]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 
 import msgspec
@@ -12,17 +10,16 @@ import pytest
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, server_config_from_dict
 from transceiver.config import TransceiverConfig
 from transceiver.sender.ipc_serve import MAX_IPC_SLOTS
+from transceiver.signed import MAX_SKEW_S, Envelope, Rejected, ReplayGuard, SignedCodec, derive_key, mac
 from transceiver.wire import (
     MAX_HEADER_BYTES,
-    MAX_SKEW_S,
     PROTOCOL_VERSION,
+    TO_SENDER,
     Ack,
     Cancel,
     ChunkHeader,
-    Codec,
     CudaIpcPool,
     Done,
-    Envelope,
     Failed,
     Hello,
     InstanceInfo,
@@ -31,11 +28,10 @@ from transceiver.wire import (
     Layout,
     PeerIdentity,
     PullRequest,
-    Rejected,
-    ReplayGuard,
     WindowLayout,
     WindowRange,
     layout_mismatch,
+    link_codec,
 )
 
 TOKEN = b"k" * 32
@@ -81,18 +77,18 @@ BODIES = [
 
 @pytest.mark.parametrize("body", BODIES, ids=lambda b: type(b).__name__)
 def test_every_message_round_trips(body) -> None:
-    tx, rx = Codec(TOKEN, "epoch-tx"), Codec(TOKEN, "epoch-rx")
-    header, mac = tx.seal(body)
-    assert len(mac) == 32
-    assert rx.open(header, mac) == ("epoch-tx", body)
+    tx, rx = link_codec(TOKEN, "epoch-tx", sender=False), link_codec(TOKEN, "epoch-rx", sender=True)
+    header, tag = tx.seal(body)
+    assert len(tag) == 32
+    assert rx.open(header, tag) == ("epoch-tx", body)
 
 
 def test_the_largest_ipc_chunk_fits_in_a_header() -> None:
     body = IpcChunk(pull_id=2**63 - 1, window=2**31, first=2**31, slots=[2**63 - 1] * MAX_IPC_SLOTS,
                     checksum=2**64 - 1)  # 9 bytes per slot
-    header, mac = Codec(TOKEN, "tx").seal(body)
+    header, tag = link_codec(TOKEN, "tx", sender=True).seal(body)
     assert len(header) < MAX_HEADER_BYTES
-    assert Codec(TOKEN, "rx").open(header, mac) == ("tx", body)
+    assert link_codec(TOKEN, "rx", sender=False).open(header, tag) == ("tx", body)
 
 
 def _forge(version: int = PROTOCOL_VERSION, ts: float | None = None, msg_id: int = 1234,
@@ -100,37 +96,43 @@ def _forge(version: int = PROTOCOL_VERSION, ts: float | None = None, msg_id: int
     """A header built by hand (as an attacker or an old peer would), with a MAC under `token`."""
     enc = msgspec.msgpack.Encoder()
     raw = body if body is not None else enc.encode(Ack(pull_id=1, ctx_request_id="r"))
-    env = Envelope(version=version, sender_epoch="peer", msg_id=msg_id,
-                   ts=time.time() if ts is None else ts, body=msgspec.Raw(raw))
+    env = Envelope(version=version, epoch="peer", seq=msg_id, ts=time.time() if ts is None else ts,
+                   body=msgspec.Raw(raw))
     header = enc.encode(env)
-    return header, hmac.new(token, header, hashlib.sha256).digest()
+    return header, _mac(header, token)
 
 
-def _rejection(codec: Codec, header: bytes, mac: bytes) -> str:
+def _mac(header: bytes, token: bytes = TOKEN, direction: str = TO_SENDER) -> bytes:
+    return mac(derive_key(token, "kv-link", direction), header)
+
+
+def _rejection(codec: SignedCodec, header: bytes, tag: bytes) -> str:
     with pytest.raises(Rejected) as err:
-        codec.open(header, mac)
+        codec.open(header, tag)
     return err.value.reason
 
 
 def test_each_bad_message_is_rejected_with_its_reason_and_good_ones_still_pass() -> None:
-    rx = Codec(TOKEN, "rx")
-    header, mac = _forge()
-    assert _rejection(rx, header, hmac.new(b"x" * 32, header, hashlib.sha256).digest()) == "bad_mac"
-    assert _rejection(rx, header[:-1] + bytes([header[-1] ^ 1]), mac) == "bad_mac"  # tampered
+    rx = link_codec(TOKEN, "rx", sender=True)
+    header, tag = _forge()
+    assert _rejection(rx, header, _mac(header, b"x" * 32)) == "bad_mac"
+    assert _rejection(rx, header[:-1] + bytes([header[-1] ^ 1]), tag) == "bad_mac"  # tampered
     assert _rejection(rx, *_forge(token=b"other-token-xxxxxxxx")) == "bad_mac"
-    assert _rejection(rx, header, mac[:16]) == "malformed"  # truncated MAC frame
+    assert _rejection(rx, header, _mac(header, direction="to-receiver")) == "bad_mac"  # the other direction
+    assert _rejection(rx, header, tag[:16]) == "malformed"  # truncated MAC frame
+    assert _rejection(rx, b"\x95" + b"x" * MAX_HEADER_BYTES, tag) == "malformed"  # too long to be ours
     assert _rejection(rx, *_forge(version=PROTOCOL_VERSION + 1)) == "wrong_version"
     assert _rejection(rx, *_forge(ts=time.time() - MAX_SKEW_S - 5)) == "stale"
     assert _rejection(rx, *_forge(ts=time.time() + MAX_SKEW_S + 5)) == "stale"
     assert _rejection(rx, *_forge(ts=float("nan"))) == "stale"
     assert _rejection(rx, *_forge(body=b"\xc1garbage")) == "undecodable"
     garbage = b"\x93\x01\x02"  # msgpack, but not an envelope
-    assert _rejection(rx, garbage, hmac.new(TOKEN, garbage, hashlib.sha256).digest()) == "undecodable"
+    assert _rejection(rx, garbage, _mac(garbage)) == "undecodable"
     cut = header[: len(header) // 2]  # truncated header, MAC computed over the truncated bytes
-    assert _rejection(rx, cut, hmac.new(TOKEN, cut, hashlib.sha256).digest()) == "undecodable"
-    assert rx.open(header, mac) == ("peer", Ack(pull_id=1, ctx_request_id="r"))
-    assert _rejection(rx, header, mac) == "replayed"
-    good = Codec(TOKEN, "tx").seal(Done(pull_id=1, total_bytes=0, chunks=0))
+    assert _rejection(rx, cut, _mac(cut)) == "undecodable"
+    assert rx.open(header, tag) == ("peer", Ack(pull_id=1, ctx_request_id="r"))
+    assert _rejection(rx, header, tag) == "replayed"
+    good = link_codec(TOKEN, "tx", sender=False).seal(Done(pull_id=1, total_bytes=0, chunks=0))
     assert rx.open(*good) == ("tx", Done(pull_id=1, total_bytes=0, chunks=0))
 
 

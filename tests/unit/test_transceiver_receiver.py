@@ -15,7 +15,18 @@ from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.payload import checksum
 from transceiver.receiver import KVReceiver, PullResult
-from transceiver.wire import Ack, Cancel, ChunkHeader, Codec, Done, Failed, Hello, InstanceInfo, PullRequest, layout_of
+from transceiver.wire import (
+    Ack,
+    Cancel,
+    ChunkHeader,
+    Done,
+    Failed,
+    Hello,
+    InstanceInfo,
+    PullRequest,
+    layout_of,
+    link_codec,
+)
 
 TOKEN = b"unit-receiver-token-0123"
 SLOT = 2 * 2 * 4 * 2 * 8 * 4  # layers * K/V * tpb * kv_heads * head_dim * float32 = 1 KiB
@@ -29,7 +40,7 @@ class FakeContext:
     """A context server reduced to a ROUTER socket and a codec, driven step by step by the test."""
 
     def __init__(self, kv: KVCacheManager) -> None:
-        self.codec = Codec(TOKEN, "ctx-epoch")
+        self.codec = link_codec(TOKEN, "ctx-epoch", sender=True)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")

@@ -21,7 +21,7 @@ from transceiver.sender import KVSender
 from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started
 from transceiver.sender.serve import PullServer
 from transceiver.stats import TransferStats
-from transceiver.wire import ChunkHeader, Codec, Done, Failed, PullRequest, WindowRange
+from transceiver.wire import ChunkHeader, Done, Failed, PullRequest, WindowRange, link_codec
 
 TOKEN = "unit-sender-token-0123456"
 MIB = 1 << 20
@@ -52,7 +52,7 @@ def leased():
     dealer.setsockopt(zmq.RCVHWM, 1)
     dealer.setsockopt(zmq.RCVBUF, 64 * 1024)
     dealer.connect(sender.endpoint)
-    codec = Codec(TOKEN.encode(), "gen")
+    codec = link_codec(TOKEN.encode(), "gen", sender=False)
     dealer.send_multipart(codec.seal(PullRequest(pull_id=3, ctx_request_id="r", ctx_epoch=sender.epoch,
                                                  ranges=[WindowRange(window=W, first=0, count=16)])))
     yield kv, sender, dealer, codec, slots

@@ -55,12 +55,12 @@ from transceiver.receiver.items import (
     Received,
     Send,
 )
+from transceiver.signed import Rejected
 from transceiver.stats import TransferStats
 from transceiver.tp import context_ranks, plan_parts, several_ranks
 from transceiver.wire import (
     Cancel,
     ChunkHeader,
-    Codec,
     Done,
     Failed,
     Hello,
@@ -70,8 +70,8 @@ from transceiver.wire import (
     Layout,
     PeerIdentity,
     PullRequest,
-    Rejected,
     layout_mismatch,
+    link_codec,
 )
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ReceiverLink:
     def __init__(self, config: TransceiverConfig, epoch: str, layout: Layout, stats: TransferStats,
                  identity: PeerIdentity | None = None,
                  open_ipc: Callable[[IpcOffer], dict[int, Any]] | None = None) -> None:
-        self._codec = Codec(config.token_bytes(), epoch)
+        self._codec = link_codec(config.token_bytes(), epoch, sender=False)
         self._layout = layout
         self._stats = stats
         self._peers: dict[str, _Peer] = {}

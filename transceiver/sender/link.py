@@ -20,12 +20,12 @@ from transceiver.config import TransceiverConfig
 from transceiver.link import SocketIO
 from transceiver.sender.lease import Extend, Offer, Withdraw
 from transceiver.sender.serve import PullServer
+from transceiver.signed import Rejected
 from transceiver.stats import TransferStats
 from transceiver.wire import (
     Ack,
     Body,
     Cancel,
-    Codec,
     Failed,
     Hello,
     InstanceInfo,
@@ -33,9 +33,9 @@ from transceiver.wire import (
     PeerIdentity,
     PullRequest,
     RankEndpoint,
-    Rejected,
     Release,
     layout_mismatch,
+    link_codec,
 )
 
 ROUTER = "router"
@@ -71,7 +71,7 @@ class SenderLink:
         self._config = config
         self._other_ranks = other_ranks or []
         self._ranks: list[RankEndpoint] = []
-        self._codec = Codec(config.token_bytes(), epoch)
+        self._codec = link_codec(config.token_bytes(), epoch, sender=True)
         self._layout = layout
         self._ipc_identity = ipc_identity  # None: this sender serves bytes only
         self._stats = stats

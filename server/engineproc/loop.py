@@ -1,0 +1,174 @@
+"""The engine loop, one for both hosts: a thread of the HTTP process (`AsyncEngine`,
+server/engine/engine_thread.py) or the engine process (server/engineproc/main.py).
+
+receive commands (waiting at most the core's idle wait) -> step -> tick hooks (KV events and
+snapshots) -> KV health check -> deliver ONE `StepOut`: the step's outputs, what the metrics
+recorded, the engine's state if it changed. Commands come in and messages go out through a `Port`:
+a queue and the event loop's callbacks for the thread, the ipc link for the process. Either way the
+HTTP side reads the same messages (server/engineproc/front.py). `run_engine` is a host's whole life:
+build, `Ready` (or `LoadFailed`), the loop until `Shutdown`, close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from server.engine import status
+from server.engine.commands import Abort, Add, Release, apply, guarded_step
+from server.engine.core import EngineCore
+from server.engine.health import HealthCheck
+from server.engineproc.wire import (
+    EngineInfo,
+    EngineState,
+    FromEngine,
+    LoadFailed,
+    Probe,
+    Ready,
+    Shutdown,
+    Snapshot,
+    SnapshotReply,
+    StepOut,
+    ToEngine,
+)
+from server.telemetry.kv_events import KvEventSource
+from server.telemetry.relay import MetricsRecorder, engine_figures
+from server.types import RequestOutput
+
+log = logging.getLogger(__name__)
+
+STATE_INTERVAL_S = 0.1  # an idle engine's state (health, handshakes, leases) goes out at most this often
+
+Hook = Callable[[EngineCore], None]
+
+
+class Port(Protocol):
+    def receive(self, timeout_s: float) -> list[ToEngine]:
+        """The commands that came, after waiting at most `timeout_s` for one (or a wake-up)."""
+        ...
+
+    def send(self, message: FromEngine) -> None: ...
+
+    def wake(self) -> None:
+        """Any thread: end a `receive` wait now."""
+        ...
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, port: Port, kv_events: KvEventSource, health: HealthCheck,
+                 hooks: Sequence[Hook] = ()) -> None:
+        self.core, self.port, self.kv_events, self.health = core, port, kv_events, health
+        self.recorder = MetricsRecorder()
+        core.metrics = self.recorder
+        self.recorder.watch_transfers(core)
+        kv_events.attach(core.kv)
+        self.hooks = [kv_events.on_tick, *hooks]
+        self.stopped = False
+        self._outputs: list[RequestOutput] = []  # the commands' outputs, sent with the next step's
+        self._replies: list[SnapshotReply] = []  # filled by snapshot futures during the KV events hook
+        self._sent_state: EngineState | None = None
+        self._state_at = 0.0
+
+    def state(self) -> EngineState:
+        core = self.core
+        return EngineState(idle=status.idle_of(core), health_problem=self.health.problem,
+                           links=status.links_of(core), figures=engine_figures(core))
+
+    def ready(self) -> Ready:
+        publisher, spec = self.kv_events.publisher, self.core.runner.spec
+        info = EngineInfo(model_dir=str(spec.model_dir), vocab_size=spec.vocab_size, pid=os.getpid(),
+                          kv_events_endpoint=publisher.endpoint if publisher is not None else None)
+        return Ready(info, self.state())
+
+    def run(self, alive: Callable[[], bool] = lambda: True) -> None:
+        while not self.stopped and alive():
+            for message in self.port.receive(self.core.idle_wait_s()):
+                self._handle(message)
+            if self.stopped:
+                break
+            outputs = self._outputs + guarded_step(self.core)  # a broken step fails what was in flight
+            self._outputs = []
+            for hook in self.hooks:
+                hook(self.core)
+            self.health.maybe_check(self.core)
+            self._deliver(outputs)
+
+    def close(self) -> None:
+        """After the loop: fail what the transceiver still runs with an explicit message and close
+        its sockets, close the KV event publisher, let the disk tier's queued writes land (a restart
+        finds them), stop a tensor-parallel engine's other ranks."""
+        for link in status.transceiver(self.core):
+            if link is not None:
+                link.close()
+        if self.kv_events.publisher is not None:
+            self.kv_events.publisher.close()
+        self.core.kv.close()
+        ranks = getattr(self.core.runner, "ranks", None)
+        if ranks is not None:
+            ranks.stop()
+
+    def _handle(self, message: ToEngine) -> None:
+        if isinstance(message, Add | Abort | Release):
+            self._outputs += apply(self.core, message)  # a refused add or an abort ends its request at once
+        elif isinstance(message, Probe):
+            status.probe(self.core, message.endpoints)
+        elif isinstance(message, Snapshot):
+            self.kv_events.request_snapshot().add_done_callback(self._answer(message.call_id))
+        elif isinstance(message, Shutdown):
+            self.stopped = True
+
+    def _answer(self, call_id: int) -> Callable:
+        def done(future) -> None:  # on this thread, in the KV events hook
+            error = future.exception()
+            reply = SnapshotReply(call_id, error=f"{type(error).__name__}: {error}") if error is not None \
+                else SnapshotReply(call_id, snapshot=future.result())
+            self._replies.append(reply)
+        return done
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        replies, self._replies = self._replies, []
+        for reply in replies:
+            self.port.send(reply)
+        state = self._changed_state()
+        metrics = self.recorder.take()
+        if outputs or metrics is not None or state is not None:
+            self.port.send(StepOut(outputs, metrics, state))
+
+    def _changed_state(self) -> EngineState | None:
+        """The state after a productive step, else at most every STATE_INTERVAL_S; None if unchanged."""
+        now = time.monotonic()
+        if not self.core.did_work and now - self._state_at < STATE_INTERVAL_S:
+            return None
+        self._state_at = now
+        state = self.state()
+        if state == self._sent_state:
+            return None
+        self._sent_state = state
+        return state
+
+
+def run_engine(port: Port, build: Callable[[], EngineCore], kv_events: KvEventSource, *,
+               health: HealthCheck | None = None, hooks: Sequence[Hook] = (),
+               alive: Callable[[], bool] = lambda: True) -> EngineLoop | None:
+    """A host's engine from start to end: the KV event publisher, the core (`build`), `Ready` or
+    `LoadFailed`, the loop until `Shutdown` (or `alive()` turns False), close. None: it did not load."""
+    kv_events.wake = port.wake
+    try:
+        if kv_events.publisher is not None:
+            kv_events.publisher.start()
+        loop = EngineLoop(build(), port, kv_events, health or HealthCheck(), hooks)
+    except BaseException as exc:
+        log.exception("engine failed to load")
+        if kv_events.publisher is not None:
+            kv_events.publisher.close()
+        port.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
+        return None
+    port.send(loop.ready())
+    try:
+        loop.run(alive)
+    finally:
+        loop.close()
+    return loop

@@ -1,0 +1,147 @@
+"""Signed messages: the one sealing of every pdserve ZeroMQ channel (the KV link, the KV events, the
+engine link, the rank channel). Typed msgspec messages in msgpack; nothing is ever unpickled.
+
+A message is the two frames `[header, mac]`; a channel may put frames around them that the MAC does
+not cover (a ROUTER's peer identity in front, the KV link's raw payload behind, checked by its own
+checksum). `header` is msgpack of `Envelope`: the channel's version, the sender's epoch, `seq`, `ts`
+(unix seconds) and the body, one of the channel's tagged Structs. `mac` is HMAC-SHA256 over the
+peer (one length byte, then the bytes: empty unless the channel binds messages to a peer) and the
+header, under a key derived from the channel's secret, its purpose and the direction
+(`derive_key`): a message of one channel or direction never verifies on another, nor one bound to
+one peer as another's. The MAC is checked first, in constant time (`hmac.compare_digest`).
+
+The checks a channel needs are options of `SignedCodec`, run in this order after the MAC:
+- the envelope's `version` must be the channel's (`wrong_version`);
+- `fresh`: `ts` within MAX_SKEW_S of now (`stale`), and `seq` a random 64-bit id not seen within the
+  staleness window (`replayed`): links whose peers come and go (the KV link, the KV events);
+- `ordered`: `seq` counts each peer's messages from 1 and must be the last one + 1
+  (`out_of_order`): nothing lost, replayed or reordered goes unnoticed (the rank channel);
+- `max_bytes`: a longer header is `malformed` before any MAC is computed.
+A message that fails raises `Rejected`, whose `reason` is a short label for counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+MAC_BYTES = 32
+MIN_SECRET_BYTES = 16
+MAX_SKEW_S = 60.0  # |now - ts| above this: stale
+
+
+class Rejected(Exception):
+    """A message that must be dropped; `reason` is a short label (malformed, bad_mac, undecodable,
+    wrong_version, stale, replayed, out_of_order)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class Envelope(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    epoch: str  # the sender's ("" on channels without one)
+    seq: int  # ordered: the count of messages to or from the peer; fresh: a random id; else 0
+    ts: float
+    body: msgspec.Raw  # msgpack of one message, decoded once the envelope passed its checks
+
+
+def derive_key(secret: bytes, purpose: str, direction: str) -> bytes:
+    """The HMAC key of one channel's messages in one direction."""
+    return hmac.new(secret, f"pdserve signed channel|{purpose}|{direction}".encode(), hashlib.sha256).digest()
+
+
+def mac(key: bytes, header: bytes, peer: bytes = b"") -> bytes:
+    return hmac.new(key, bytes([len(peer)]) + peer + header, hashlib.sha256).digest()
+
+
+class ReplayGuard:
+    """Remembers recent ids (bounded memory); ids older than the staleness window are forgotten,
+    since such a message would be rejected as stale anyway."""
+
+    def __init__(self, window_s: float = 2 * MAX_SKEW_S, capacity: int = 200_000) -> None:
+        self._seen: OrderedDict[int, float] = OrderedDict()  # id -> arrival time, oldest first
+        self._window_s = window_s
+        self._capacity = capacity
+
+    def check_and_add(self, msg_id: int, now: float) -> bool:
+        """False if msg_id was seen within the window (a replay)."""
+        while self._seen:
+            oldest_id, t = next(iter(self._seen.items()))
+            if now - t <= self._window_s and len(self._seen) < self._capacity:
+                break
+            del self._seen[oldest_id]
+        if msg_id in self._seen:
+            return False
+        self._seen[msg_id] = now
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class SignedCodec:
+    """One end of a channel: seals what it sends (`sends`: the direction's name) and opens what it
+    receives (`receives`), decoding bodies into `incoming` (a Struct type or a union of them).
+    Owned by one thread (the counters and the replay guard are not thread-safe)."""
+
+    def __init__(self, secret: bytes, purpose: str, sends: str, receives: str, incoming: Any, *,
+                 epoch: str = "", version: int = 1, fresh: bool = False, ordered: bool = False,
+                 max_bytes: int | None = None) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the {purpose} channel needs a secret of at least {MIN_SECRET_BYTES} bytes")
+        self.send_key = derive_key(secret, purpose, sends)
+        self._open_key = derive_key(secret, purpose, receives)
+        self.epoch, self.version = epoch, version
+        self._fresh, self._ordered, self._max_bytes = fresh, ordered, max_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._envelopes = msgspec.msgpack.Decoder(Envelope)
+        self._bodies = msgspec.msgpack.Decoder(incoming)
+        self._replay = ReplayGuard()
+        self._sent: dict[bytes, int] = {}  # ordered: peer -> last seq sent
+        self._received: dict[bytes, int] = {}  # ordered: peer -> last seq opened
+
+    def seal(self, body: msgspec.Struct, peer: bytes = b"") -> list[bytes]:
+        """[header, mac] of `body`; `peer`: the peer it is for (or from, on a rank's own end)."""
+        if self._ordered:
+            seq = self._sent[peer] = self._sent.get(peer, 0) + 1
+        else:
+            seq = secrets.randbits(64) if self._fresh else 0
+        header = self._encoder.encode(Envelope(self.version, self.epoch, seq, time.time(),
+                                               msgspec.Raw(self._encoder.encode(body))))
+        return [header, mac(self.send_key, header, peer)]
+
+    def open(self, header: bytes, tag: bytes, peer: bytes = b"") -> tuple[str, Any]:
+        """(the sender's epoch, the body) of a message that passes every check of the channel."""
+        if (self._max_bytes is not None and len(header) > self._max_bytes) or len(tag) != MAC_BYTES:
+            raise Rejected("malformed")
+        if not hmac.compare_digest(mac(self._open_key, header, peer), tag):
+            raise Rejected("bad_mac")
+        env = self._decode(self._envelopes, header)
+        if env.version != self.version:
+            raise Rejected("wrong_version", f"{env.version}, not {self.version}")
+        now = time.time()
+        if self._fresh and not abs(now - env.ts) <= MAX_SKEW_S:  # also catches NaN
+            raise Rejected("stale")
+        if self._ordered and env.seq != self._received.get(peer, 0) + 1:
+            raise Rejected("out_of_order", f"message {env.seq} after {self._received.get(peer, 0)}")
+        body = self._decode(self._bodies, env.body)
+        if self._fresh and not self._replay.check_and_add(env.seq, now):
+            raise Rejected("replayed")
+        if self._ordered:
+            self._received[peer] = env.seq
+        return env.epoch, body
+
+    @staticmethod
+    def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+        try:
+            return decoder.decode(data)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise Rejected("undecodable", str(exc)) from None
