@@ -21,7 +21,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_resolve_builtin_materializes_once_into_versioned_folder(root: Path) -> None:
     path = builtin.resolve_model("builtin:tiny-llama", root=root)
-    assert path == root / "tiny-llama-v1"
+    assert path == root / "tiny-llama-v2"
     assert sorted(p.name for p in path.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "tokenizer.json", "tokenizer_config.json",
@@ -48,8 +48,8 @@ def test_concurrent_materialization_yields_one_complete_folder(tmp_path: Path) -
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert results == [tmp_path / "tiny-llama-v1"] * 3
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-v1"]
+    assert results == [tmp_path / "tiny-llama-v2"] * 3
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-v2"]
     load_spec(results[0])  # complete: config, weights and tokenizer all there
 
 
