@@ -1,7 +1,7 @@
 """Is a JSON schema well formed? The keywords' own types, checked without compiling anything.
 
-This is what the API checks of a schema while the grammar engine's compile check
-(`server.engine.structured.check_spec`) is absent: server/api/structured.py `grammar_check`.
+The API checks every schema so before the grammar engine compiles it
+(`server.engine.structured.check_spec`, when present): server/api/structured.py `checked`.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class RequestStreams:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self._streams)
+        """Every engine request ended and every output was taken (a read may hold one not yet taken)."""
+        return not self._reading and all(s.finished for s in self._streams)
 
     async def next(self) -> RequestOutput:
         if len(self._streams) == 1:

@@ -79,26 +79,30 @@ def request_constraint(body: SamplingRequest) -> tuple[str, StructuredSpec] | No
 
 
 def check_schema_only(spec: StructuredSpec, tokenizer: object) -> None:
-    """The check while the grammar engine is absent: a JSON schema must be well formed."""
+    """A JSON schema must be well formed (checked whether or not the grammar engine is there)."""
     if spec.kind == "json_schema":
         problem = schema_problem(json.loads(spec.spec))
         if problem is not None:
             raise ValueError(problem)
 
 
-def grammar_check() -> Callable[[StructuredSpec, object], None]:
+def grammar_check() -> Callable[[StructuredSpec, object], None] | None:
     """The grammar engine's compile check, `check_spec(spec, tokenizer)` (ValueError for a spec it
-    cannot compile). GRAMMAR SEAM: until that package exists, `check_schema_only`."""
+    cannot compile). GRAMMAR SEAM: None while that package is absent (then only `check_schema_only` runs)."""
     if importlib.util.find_spec(GRAMMAR_PACKAGE) is None:
-        return check_schema_only
+        return None
     from server.engine.structured import check_spec  # imported late: the engine's grammar package
 
     return check_spec
 
 
 def checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredSpec:
+    """`spec` if a JSON schema is well formed and the grammar engine compiles it; else a 400 naming `param`."""
     try:
-        grammar_check()(spec, tokenizer)
+        check_schema_only(spec, tokenizer)
+        compile_check = grammar_check()
+        if compile_check is not None:
+            compile_check(spec, tokenizer)
     except ValueError as exc:
         raise APIError(400, f"'{param}': {exc}", param=param) from None
     return spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from server.openai.fields import Lenient, one_of, refused
 
@@ -64,8 +64,16 @@ class FunctionDefinition(Lenient):
 
 
 class Tool(Lenient):
-    type: Literal["function"]
-    function: FunctionDefinition
+    type: str
+    function: FunctionDefinition | None = None
+
+    @model_validator(mode="after")
+    def _function_tool(self) -> Tool:
+        if self.type != "function":
+            raise ValueError(f"only function tools are supported by pdserve (this one is {self.type!r})")
+        if self.function is None:
+            raise ValueError("a function tool needs its function")
+        return self
 
 
 class ChosenFunction(Lenient):

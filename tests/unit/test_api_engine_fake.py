@@ -37,15 +37,15 @@ CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def make_tokenizer() -> PreTrainedTokenizerFast:
+@functools.lru_cache(maxsize=4)
+def make_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Byte-level tokenizer: ids 0..255 are bytes, 256 `<s>`, 257 `</s>`; no merges."""
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -53,8 +53,9 @@ class FakeEngine:
     """Deterministic `EngineClient`; records every request, abort and closed output iterator."""
 
     def __init__(self, model_name: str = "fake-model", max_seq_len: int = 128, ready: bool = True,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, chat_template: str = CHAT_TEMPLATE):
         self.model_name = model_name
+        self._chat_template = chat_template
         self._vocab_size = vocab_size  # the model's; None: as many as the tokenizer has
         self.max_seq_len = max_seq_len
         self.ready = ready
@@ -68,7 +69,7 @@ class FakeEngine:
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerFast:
-        return make_tokenizer()
+        return make_tokenizer(self._chat_template)
 
     @property
     def vocab_size(self) -> int:
