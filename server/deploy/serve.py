@@ -143,7 +143,8 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     make = _engine_process if engine_in_child(cfg) else _engine_thread
     engine_factory, kv_events = make(cfg, metrics, on_fatal)
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
-    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
+    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory,
+                     max_n=cfg.max_n)
     app.state.kv_events = kv_events
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)

@@ -38,10 +38,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-PLAIN_CHAT_TEMPLATE = (  # the template before tools: kept to check the rendering without tools is unchanged
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",

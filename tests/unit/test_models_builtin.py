@@ -102,3 +102,39 @@ def test_hf_reference_eos_rules(root: Path) -> None:
     assert len(free) == len(forbidden) == 32
     assert free.index(2) == 20 and free.count(2) == 1
     assert forbidden[:20] == free[:20] and 2 not in forbidden
+
+
+PLAIN_CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tiny_chat_template_renders_tools_and_nothing_else_changed() -> None:
+    """The random tiny models' template is Hermes-style: tools, earlier calls and tool results render;
+    a conversation without them renders as the plain ChatML it always did."""
+    from server.api.tool_choice import tool_format
+    from server.models.tiny_tokenizer import train_tokenizer
+
+    tok = train_tokenizer()
+    talks = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"},
+              {"role": "assistant", "content": "c"}, {"role": "user", "content": ""}]]
+    for talk in talks:
+        for generation_prompt in (True, False):
+            assert tok.apply_chat_template(talk, add_generation_prompt=generation_prompt, tokenize=False) == (
+                tok.apply_chat_template(talk, add_generation_prompt=generation_prompt, tokenize=False,
+                                        chat_template=PLAIN_CHATML))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    talk = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert tok.apply_chat_template(talk, tools=tools, add_generation_prompt=True, tokenize=False) == (
+        "<|bos|><|im_start|>system\ns\n\n# Tools\n\nYou may call one or more functions. Their signatures are "
+        "within <tools></tools>:\n<tools>\n"
+        '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}\n</tools>\n\n'
+        "To call a function, write its name and arguments as a JSON object within <tool_call></tool_call> tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nq<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<|im_end|>\n'
+        "<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tool_format(tok.chat_template) == "hermes"
