@@ -23,9 +23,10 @@ from server.api.errors import output_error
 from server.api.prompts import Built, build_request, new_request_id
 from server.api.sampling import DEFAULT_MAX_N
 from server.api.streams import RequestStreams, failed
-from server.openai.formatting import Formatter, continued_response_id, merge_outputs
+from server.openai.formatting import Formatter, continued_response_id
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
+from server.openai.usage import merge_outputs
 from server.openai.wire import dumps
 from server.types import EngineClient, RequestOutput
 

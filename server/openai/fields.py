@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -92,8 +93,13 @@ class Lenient(BaseModel):
     @classmethod
     def _log_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            unknown = {k for k in data if isinstance(k, str)} - known
+            unknown = {k for k in data if isinstance(k, str)} - _known_names(cls)
             if unknown:
                 warn_unknown(cls.__name__, unknown)
         return data
+
+
+@functools.cache
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    fields = model.model_fields
+    return frozenset(fields) | {f.alias for f in fields.values() if f.alias}

@@ -18,11 +18,9 @@ tokens without text yet go with the choice's next chunk.
 from __future__ import annotations
 
 import hashlib
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from server.openai.json_calls import CallArguments, CallStart, Content, Event
 from server.openai.logprobs import (
     IdPieces,
     Pieces,
@@ -42,13 +40,14 @@ from server.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    FunctionOut,
-    PromptTokensDetails,
-    ToolCallOut,
-    Usage,
 )
+from server.openai.tool_deltas import event_delta, extends, joined, tool_message
 from server.openai.tool_parsers import ToolParser, make_parser
+from server.openai.usage import UsageTally, merge_outputs
 from server.types import RequestOutput, TokenLogprob
+
+__all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
+           "continued_response_id", "merge_outputs"]
 
 
 def continued_response_id(ctx_request_id: str) -> str:
@@ -86,44 +85,6 @@ class FormatOptions:
     echo: tuple[Echo, ...] = ()  # completions: one per prompt
     pieces: Pieces = field(default_factory=IdPieces)  # token id -> text and bytes
     tools: ToolMode | None = None  # chat
-
-
-def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
-    """One choice's outputs as one: all its tokens, text and log-probabilities, the last's counters."""
-    last = outputs[-1]
-    ids = [t for o in outputs for t in o.new_token_ids]
-    entries = [e for o in outputs for e in aligned(o.new_token_ids, o.logprobs)]
-    prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
-    return RequestOutput(last.request_id, ids, "".join(o.new_text for o in outputs), last.finished,
-                         last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens,
-                         last.error, last.error_code, last.disagg, last.index,
-                         entries if any(e is not None for e in entries) else None, prompt)
-
-
-class UsageTally:
-    """Usage over every choice: each prompt once (choice index // n), each choice's completion tokens."""
-
-    def __init__(self, n: int = 1) -> None:
-        self._n = n
-        self._prompts: dict[int, tuple[int, int]] = {}
-        self._completions: dict[int, int] = {}
-
-    def observe(self, output: RequestOutput) -> None:
-        self._prompts[output.index // self._n] = (output.prompt_tokens, output.cached_tokens)
-        self._completions[output.index] = output.completion_tokens
-
-    def usage(self) -> Usage:
-        prompt = sum(p for p, _ in self._prompts.values())
-        completion = sum(self._completions.values())
-        cached = sum(c for _, c in self._prompts.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-def usage_of(final: RequestOutput) -> Usage:
-    tally = UsageTally()
-    tally.observe(final)
-    return tally.usage()
 
 
 @dataclass
@@ -256,23 +217,12 @@ class ChatFormatter(_Formatter):
         events = state.parser.feed(output.new_text) + (state.parser.finish() if output.finished else [])
         deltas: list[ChatDelta] = []
         for event in events:
-            delta = self._event_delta(event, state)
-            if deltas and _extends(deltas[-1], delta):
-                deltas[-1] = _joined(deltas[-1], delta)
+            delta = event_delta(event, state.call_ids)
+            if deltas and extends(deltas[-1], delta):
+                deltas[-1] = joined(deltas[-1], delta)
             else:
                 deltas.append(delta)
         return deltas
-
-    def _event_delta(self, event: Event, state: _ChoiceState) -> ChatDelta:
-        if isinstance(event, Content):
-            return ChatDelta(content=event.text)
-        if isinstance(event, CallStart):
-            state.call_ids[event.index] = new_call_id()
-            call = ToolCallOut(index=event.index, id=state.call_ids[event.index], type="function",
-                               function=FunctionOut(name=event.name, arguments=""))
-        else:
-            call = ToolCallOut(index=event.index, function=FunctionOut(arguments=event.text))
-        return ChatDelta(tool_calls=[call])
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> ChatLogprobs:
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, self.options.pieces, self.options.logprobs))
@@ -297,7 +247,7 @@ class ChatFormatter(_Formatter):
         state = self._state_for_whole()
         message = ChatMessageOut(content=output.new_text)
         if state.parser is not None:
-            message = _message(state.parser.feed(output.new_text) + state.parser.finish())
+            message = tool_message(state.parser.feed(output.new_text) + state.parser.finish())
         logprobs = None
         if self.options.logprobs is not None:
             logprobs = self._logprobs(output.new_token_ids, aligned(output.new_token_ids, output.logprobs))
@@ -307,41 +257,6 @@ class ChatFormatter(_Formatter):
     def _state_for_whole(self) -> _ChoiceState:
         tools = self.options.tools
         return _ChoiceState(parser=tools.parser() if tools is not None else None)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _message(events: list[Event]) -> ChatMessageOut:
-    content = "".join(e.text for e in events if isinstance(e, Content))
-    calls: dict[int, ToolCallOut] = {}
-    for event in events:
-        if isinstance(event, CallStart):
-            calls[event.index] = ToolCallOut(id=new_call_id(), type="function",
-                                             function=FunctionOut(name=event.name, arguments=""))
-        elif isinstance(event, CallArguments):
-            calls[event.index].function.arguments += event.text
-    if not calls:
-        return ChatMessageOut(content=content)
-    return ChatMessageOut(content=content or None, tool_calls=[calls[i] for i in sorted(calls)])
-
-
-def _extends(before: ChatDelta, delta: ChatDelta) -> bool:
-    """`delta` continues `before`: more content, or more arguments of the same call."""
-    if before.content is not None and delta.content is not None:
-        return True
-    if before.tool_calls and delta.tool_calls and delta.tool_calls[0].id is None:
-        return before.tool_calls[-1].index == delta.tool_calls[0].index and before.tool_calls[-1].id is None
-    return False
-
-
-def _joined(before: ChatDelta, delta: ChatDelta) -> ChatDelta:
-    if before.content is not None:
-        return ChatDelta(content=before.content + delta.content)
-    call = before.tool_calls[-1]
-    more = FunctionOut(arguments=(call.function.arguments or "") + (delta.tool_calls[0].function.arguments or ""))
-    return ChatDelta(tool_calls=[ToolCallOut(index=call.index, function=more)])
 
 
 Formatter = CompletionFormatter | ChatFormatter
