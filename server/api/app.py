@@ -16,6 +16,7 @@ from server.api.access import EndpointDirectory
 from server.api.errors import install_error_handlers
 from server.api.routes import chat, completions, health, models
 from server.api.routes import metrics as metrics_route
+from server.api.sampling import DEFAULT_MAX_N
 from server.openai.openapi import openapi_document
 from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
@@ -32,13 +33,15 @@ async def _enter_engine(stack: AsyncExitStack, factory: EngineFactory) -> Engine
 
 
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
-               auth_token: str | None = None, context_directory: EndpointDirectory | None = None) -> FastAPI:
+               auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
+               max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`).
 
     `metrics` is the registry `/metrics` exposes; pass the same object to the engine so it can feed
     it (a fresh, unfed one is made when omitted). `auth_token` is the deployment token that
     `disaggregated_params` and the internal routes need; `context_directory` (generation servers)
-    knows the only KV endpoints this server may pull from (`server.api.access`).
+    knows the only KV endpoints this server may pull from (`server.api.access`). `max_n` is the most
+    choices (`n`) a request may ask for per prompt.
     """
     server_metrics = metrics if metrics is not None else ServerMetrics()
 
@@ -59,6 +62,7 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
     app.state.metrics = server_metrics
     app.state.auth_token = auth_token
     app.state.context_directory = context_directory
+    app.state.max_n = max_n
     install_error_handlers(app)
     for module in (completions, chat, models, health, metrics_route):
         app.include_router(module.router)

@@ -2,7 +2,8 @@
 
 Status codes:
 - 400 `invalid_request_error`: bad values (empty prompt, prompt or prompt + max_tokens beyond
-  `max_seq_len`, `max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` > 1), malformed
+  `max_seq_len`, `max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` above the server's
+  maximum, a field pdserve does not implement (server/openai/fields.py)), malformed
   JSON, and **wrong types** too. pdserve answers wrong types with 400, not FastAPI's 422, as OpenAI
   and vLLM do (so the `openai` client raises `BadRequestError`); the message names the field.
 - 401 `authentication_error`: `disaggregated_params` or an internal endpoint without the deployment

@@ -1,19 +1,32 @@
-"""Request body -> `GenerateRequest`: tokenise the prompt, check it against the model, map sampling.
+"""Request body -> the engine requests and how to format their outputs (`build_request`).
 
-Checks here need the engine (tokenizer, `max_seq_len`, served model name); plain value checks are
-pydantic's (`server.openai.protocol`). Every failure is an `APIError` (400, or 404 for the model).
+Tokenises each prompt (a completions request may carry several: one engine request each, each with
+the request's `n`), checks it against the model, maps the sampling fields (server/api/sampling.py),
+the structured-output constraint (server/api/structured.py) and chat tools
+(server/api/tool_choice.py). Checks here need the engine (tokenizer, vocabulary, `max_seq_len`,
+served model name) or the server's limits; plain value checks are pydantic's
+(`server.openai.protocol`). Every failure is an `APIError` (400, or 404 for the model).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from jinja2 import TemplateError
-
+from server.api.chat_template import chat_prompt_ids
+from server.api.disagg_logprobs import GenerationOutputs, check_generation_params
+from server.api.disagg_params import check_disagg, request_cache_salt
 from server.api.errors import APIError
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, EngineClient, GenerateRequest, SamplingParams
+from server.api.sampling import DEFAULT_MAX_N, check_choices, output_logprobs, sampling_params
+from server.api.streams import failed
+from server.api.structured import checked, request_constraint
+from server.api.token_text import pieces_for
+from server.api.tool_choice import ToolPlan, tool_plan
+from server.api.vocab import token_ids
+from server.openai.formatting import Echo, FormatOptions
+from server.openai.logprobs import IdPieces
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.types import DEFAULT_RETENTION_PRIORITY, EngineClient, GenerateRequest, RequestOutput, StructuredSpec
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -29,58 +42,36 @@ def check_model(requested: str | None, engine: EngineClient) -> None:
                        param="model", code="model_not_found")
 
 
-def completion_prompt_ids(body: CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
-    """Token ids of a completions prompt (a string, token ids, or a list holding one of those)."""
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # as the client sent it (None: sent as token ids)
+    param: str  # the field errors about it name
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `build_request` made: one engine request per prompt, and how to answer."""
+
+    requests: list[GenerateRequest]
+    options: FormatOptions
+    transforms: list  # per request: what is done to its outputs before formatting (or None)
+
+
+def completion_prompts(body: CompletionRequest, tokenizer, vocab_size: int) -> list[Prompt]:
+    """A string, token ids, or a list of several of those."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request",
-                           param="prompt")
-        prompt = prompt[0]
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [_one_prompt(prompt, tokenizer, vocab_size, "prompt")]
+    return [_one_prompt(p, tokenizer, vocab_size, f"prompt.{i}") for i, p in enumerate(prompt)]
+
+
+def _one_prompt(prompt: str | list[int], tokenizer, vocab_size: int, param: str) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        return list(tokenizer.encode(prompt))
-    return _checked_token_ids(prompt, vocab_size, "prompt")
-
-
-def _checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    if not ids:
-        raise APIError(400, f"{param} must not be empty", param=param)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})",
-                       param=param)
-    return list(ids)
-
-
-def _message_text(content, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"only text content is supported (messages.{index} has '{part.type}')",
-                           param=f"messages.{index}.content")
-        texts.append(part.text)
-    return "".join(texts)
-
-
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    """Render the messages with the tokenizer's chat template (generation prompt added), tokenise."""
-    messages = [{"role": m.role, "content": _message_text(m.content, i)} for i, m in enumerate(body.messages)]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                       param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except (TemplateError, ValueError) as exc:
-        raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
-    # The template already wrote any special tokens (BOS) it wants.
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if not ids:
-        raise APIError(400, "messages render to an empty prompt", param="messages")
-    return ids
+            raise APIError(400, f"{param} must not be empty", param=param)
+        return Prompt(list(tokenizer.encode(prompt)), prompt, param)
+    return Prompt(token_ids(prompt, vocab_size, param), None, param)
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
@@ -103,63 +94,83 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
     return requested
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int) -> SamplingParams:
-    if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                       param="min_tokens")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        seed=body.seed,
-        stop=body.stop_list,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-    )
+def _constraint(body, plan: ToolPlan, tokenizer) -> StructuredSpec | None:
+    own = request_constraint(body)
+    if own is not None and plan.constraint is not None:
+        field = own[0].split(".")[0]
+        raise APIError(400, f"'{field}': tool_choice constrains the answer to tool calls; it cannot be combined "
+                       "with another structured-output constraint", param=field)
+    if plan.constraint is not None:
+        return checked(plan.constraint, tokenizer, plan.param)
+    return checked(own[1], tokenizer, own[0]) if own is not None else None
 
 
-def build_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
-                  request_id: str) -> GenerateRequest:
-    """Validate `body` against the engine and build the engine's request."""
+def build_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient, request_id: str,
+                  max_n: int = DEFAULT_MAX_N) -> Built:
+    """Validate `body` against the engine and build the engine's requests."""
     check_model(body.model, engine)
+    check_choices(body, max_n)
     tokenizer = engine.tokenizer
-    if isinstance(body, ChatCompletionRequest):
-        prompt_ids, param = chat_prompt_ids(body, tokenizer), "messages"
-        requested, default = body.requested_max_tokens, None
+    chat = isinstance(body, ChatCompletionRequest)
+    plan = tool_plan(body, getattr(tokenizer, "chat_template", None)) if chat else ToolPlan()
+    if chat:
+        prompts = [Prompt(chat_prompt_ids(body, tokenizer, plan.template_tools), None, "messages")]
     else:
-        prompt_ids, param = completion_prompt_ids(body, tokenizer, engine.vocab_size), "prompt"
-        requested, default = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
+        prompts = completion_prompts(body, tokenizer, engine.vocab_size)
+    disagg = check_disagg(body, engine.vocab_size, len(prompts))
+    structured = _constraint(body, plan, tokenizer)
+    logprobs = output_logprobs(body)
+    echo = not chat and body.echo
+    requests = [_engine_request(body, engine, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id,
+                                structured, echo and logprobs is not None) for i, p in enumerate(prompts)]
+    options = FormatOptions(n=body.n, logprobs=logprobs, tools=plan.mode,
+                            echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
+                            if echo else (),
+                            pieces=pieces_for(tokenizer) if logprobs is not None else IdPieces())
+    transforms = [None] * len(requests)
+    if disagg is not None and disagg.request_type == "generation_only":
+        check_generation_params(disagg, body.n, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens,
+                                logprobs is not None, echo)
+        transforms = [GenerationOutputs(disagg, body.n).apply]
+    if not chat and body.max_tokens == 0:
+        if not echo or disagg is not None:
+            raise APIError(400, "'max_tokens': 0 is only for echo (the prompt's logprobs), not disaggregated",
+                           param="max_tokens")
+        transforms = [_zero_tokens] * len(requests)
+    return Built(requests, options, transforms)
+
+
+def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
+    ids = request.prompt_token_ids
+    text = prompt.text if prompt.text is not None else tokenizer.decode(ids, skip_special_tokens=True)
+    return Echo(text, tuple(ids))
+
+
+def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str, structured: StructuredSpec | None,
+                    prompt_logprobs: bool) -> GenerateRequest:
     disagg = body.disaggregated_params
-    if disagg is not None and disagg.first_text_streamed and (disagg.request_type != "generation_only"
-                                                             or not body.stream):
-        raise APIError(400, "disaggregated_params.first_text_streamed is only for streamed generation_only "
-                       "requests (the router sets it when it streamed the first token itself)",
-                       param="disaggregated_params.first_text_streamed")
-    if disagg is not None and disagg.kv_stream and disagg.request_type == "generation_only" and disagg.first_gen_tokens:
-        raise APIError(400, "disaggregated_params.first_gen_tokens: a kv_stream generation_only request takes its "
-                       "first token from the KV transfer", param="disaggregated_params.first_gen_tokens")
-    if body.stop_token_ids:
-        _checked_token_ids(body.stop_token_ids, engine.vocab_size, "stop_token_ids")
-    if disagg is not None and disagg.first_gen_tokens:
-        _checked_token_ids(list(disagg.first_gen_tokens), engine.vocab_size, "disaggregated_params.first_gen_tokens")
-    prior = disagg.prior_output_tokens if disagg is not None else 0
+    prompt_ids, prior = prompt.token_ids, disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
         # The KV the context server made is for exactly these ids: they win over re-tokenising.
         # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
-        prompt_ids = _checked_token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
+        prompt_ids = token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
                                         "disaggregated_params.prompt_token_ids")
     if prior >= len(prompt_ids):
         raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "
                        "prompt_token_ids", param="disaggregated_params.prior_output_tokens")
+    chat = isinstance(body, ChatCompletionRequest)
+    requested = body.requested_max_tokens if chat else 1 if body.max_tokens == 0 else body.max_tokens
+    default = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     # max_tokens and min_tokens count the output a moved stream already produced (`prior`)
-    max_tokens = resolve_max_tokens(requested, default, len(prompt_ids) - prior, engine.max_seq_len, param)
+    max_tokens = resolve_max_tokens(requested, default, len(prompt_ids) - prior, engine.max_seq_len, prompt.param)
     if max_tokens <= prior:
         raise APIError(400, f"nothing left to generate: {prior} of max_tokens {max_tokens} were produced",
                        param="disaggregated_params.prior_output_tokens")
-    sampling = sampling_params(body, max_tokens)
-    first = disagg.first_gen_tokens if disagg is not None and disagg.request_type == "generation_only" else None
+    generation_leg = disagg is not None and disagg.request_type == "generation_only"
+    sampling = sampling_params(body, max_tokens, engine.vocab_size, structured=structured,
+                               prompt_logprobs=output_logprobs(body) if prompt_logprobs and not generation_leg
+                               else None)
+    first = disagg.first_gen_tokens if generation_leg else None
     if first and len(first) != sampling.n:
         raise APIError(400, f"disaggregated_params.first_gen_tokens holds {len(first)} tokens; a generation_only "
                        f"request takes one first token per choice (n={sampling.n})",
@@ -172,12 +183,8 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
                            kv_retention_priority=DEFAULT_RETENTION_PRIORITY if priority is None else priority)
 
 
-def request_cache_salt(salt: str | None, disagg: DisaggParams | None) -> str | None:
-    """The salt the prompt's blocks are hashed with. A generation_only request takes the context
-    server's (it made the KV this server pulls), which must agree with the body's when both are set."""
-    if disagg is None or disagg.request_type != "generation_only" or disagg.cache_salt is None:
-        return salt
-    if salt is not None and salt != disagg.cache_salt:
-        raise APIError(400, "cache_salt differs from disaggregated_params.cache_salt (the salt the context "
-                       "server hashed this prompt with)", param="cache_salt")
-    return disagg.cache_salt
+def _zero_tokens(output: RequestOutput) -> RequestOutput:
+    """`echo` with `max_tokens: 0`: the engine generates one token (it cannot do fewer); the answer
+    has none of it, only the prompt and its logprobs."""
+    reason = output.finish_reason if failed(output) or not output.finished else "length"
+    return replace(output, new_token_ids=[], new_text="", logprobs=None, completion_tokens=0, finish_reason=reason)

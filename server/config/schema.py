@@ -103,6 +103,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_stream: Literal["auto", "on", "off"] = "auto"
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
     drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
+    # the most choices (`n`) a completions or chat request may ask for per prompt (a 400 naming n above it)
+    max_n: Positive = 16
     # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
     # KV senders only, never from an address a request names (server/api/context_directory.py)
     context_urls: tuple[HostPort, ...] = ()

@@ -152,7 +152,8 @@ def make_app(cfg: ServerConfig, on_fatal=None):
             await engine.stop()
 
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
-    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory)
+    app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory,
+                     max_n=cfg.max_n)
     app.state.kv_events = EngineKvEvents(engine, EPOCH)
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)

@@ -32,9 +32,9 @@ class BuiltinModel:
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "tiny-llama": BuiltinModel("llama", 1),
+    "tiny-llama": BuiltinModel("llama", 2),
     "tiny-qwen3-swa": BuiltinModel(
-        "qwen3", 1,
+        "qwen3", 2,
         dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     ),

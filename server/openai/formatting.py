@@ -4,27 +4,50 @@ The servers format every output with these, and the router the text it streams i
 token of a context answer, the last of a moved stream: server/router/answers.py), so both write
 the same chunks. Both formatters have the same surface:
 `chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
-`usage_chunk(final) -> str`, `response(text, final) -> str` (a whole non-streaming body).
-The concatenation of every chunk's text equals the non-streaming text (both are the outputs' `new_text`).
+`usage_chunk(final) -> str`, `response(choices) -> str` (a whole non-streaming body from each
+choice's outputs merged into one, `merge_outputs`).
+
+Outputs carry their choice's `index` as the answer numbers it (a request of P prompts and n choices
+each: prompt p's choice c is p * n + c), and chunks of different choices may interleave. `usage`
+counts every prompt once and every choice's completion tokens. The concatenation of every chunk's
+text equals the non-streaming text, and so do tool calls (server/openai/tool_parsers.py) and
+log-probabilities (server/openai/logprobs.py): a chunk carries those of its tokens, and those of
+tokens without text yet go with the choice's next chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from server.openai.protocol import (
+from server.openai.logprobs import (
+    IdPieces,
+    Pieces,
+    TextOffsets,
+    add_completion_logprobs,
+    aligned,
+    chat_logprobs,
+)
+from server.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
-    PromptTokensDetails,
-    Usage,
 )
-from server.types import RequestOutput
+from server.openai.tool_deltas import event_delta, extends, joined, tool_message
+from server.openai.tool_parsers import ToolParser, make_parser
+from server.openai.usage import UsageTally, merge_outputs
+from server.types import RequestOutput, TokenLogprob
+
+__all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
+           "continued_response_id", "merge_outputs"]
 
 
 def continued_response_id(ctx_request_id: str) -> str:
@@ -34,82 +57,206 @@ def continued_response_id(ctx_request_id: str) -> str:
     return f"{prefix}-{hashlib.blake2b(ctx_request_id.encode(), digest_size=16).hexdigest()}"
 
 
-def usage_of(final: RequestOutput) -> Usage:
-    return Usage(
-        prompt_tokens=final.prompt_tokens,
-        completion_tokens=final.completion_tokens,
-        total_tokens=final.prompt_tokens + final.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
-    )
+@dataclass(frozen=True)
+class Echo:
+    """Completions' `echo`: a prompt's text and token ids, put before its choices' text."""
+
+    text: str
+    token_ids: tuple[int, ...]
 
 
-def _finish(output: RequestOutput) -> str | None:
-    return output.finish_reason if output.finished else None
+@dataclass(frozen=True)
+class ToolMode:
+    """How chat output becomes tool calls: `mode` "hermes" | "llama3_json" (the model's format,
+    `tool_choice: "auto"`), "named" (`function`'s arguments), "required" (an array of calls)."""
+
+    mode: str
+    function: str | None = None
+    parallel: bool = True
+
+    def parser(self) -> ToolParser:
+        return make_parser(self.mode, self.function, self.parallel)
 
 
-class CompletionFormatter:
-    """`continued`: someone else (the router) opened this stream; only chat needs to know."""
+@dataclass(frozen=True)
+class FormatOptions:
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` (0 for `logprobs: true`)
+    echo: tuple[Echo, ...] = ()  # completions: one per prompt
+    pieces: Pieces = field(default_factory=IdPieces)  # token id -> text and bytes
+    tools: ToolMode | None = None  # chat
 
-    def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False):
+
+@dataclass
+class _ChoiceState:
+    started: bool = False  # its first output was formatted (role chunk, echo)
+    offsets: TextOffsets = field(default_factory=TextOffsets)
+    pending_ids: list[int] = field(default_factory=list)  # tokens whose logprobs no chunk carried yet
+    pending: list[TokenLogprob | None] = field(default_factory=list)
+    parser: ToolParser | None = None
+    call_ids: dict[int, str] = field(default_factory=dict)
+
+    def hold(self, output: RequestOutput) -> None:
+        self.pending_ids += output.new_token_ids
+        self.pending += aligned(output.new_token_ids, output.logprobs)
+
+    def take(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        out = self.pending_ids, self.pending
+        self.pending_ids, self.pending = [], []
+        return out
+
+
+class _Formatter:
+    """`continued`: someone else (the router) opened this stream: the chat role chunk and echo were sent."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False,
+                 options: FormatOptions | None = None):
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
+        self.options = options or FormatOptions()
+        self._continued = continued
+        self._states: dict[int, _ChoiceState] = {}
+        self._usage = UsageTally(self.options.n)
 
+    def _state(self, index: int) -> _ChoiceState:
+        if index not in self._states:
+            tools = self.options.tools
+            self._states[index] = _ChoiceState(parser=tools.parser() if tools is not None else None)
+        return self._states[index]
+
+    def _finish(self, output: RequestOutput, state: _ChoiceState) -> str | None:
+        if not output.finished:
+            return None
+        calls = state.parser is not None and state.parser.calls > 0
+        return "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
+
+
+class CompletionFormatter(_Formatter):
     def chunks(self, output: RequestOutput) -> list[str]:
-        if not output.new_text and not output.finished:
+        self._usage.observe(output)
+        choice = self._choice(output, self._state(output.index))
+        if choice is None:
             return []  # tokens without text yet (an incomplete UTF-8 sequence)
-        choice = CompletionChoice(text=output.new_text, finish_reason=_finish(output),
-                                  disaggregated_params=output.disagg)
         return [CompletionResponse(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()]
 
+    def _choice(self, output: RequestOutput, state: _ChoiceState) -> CompletionChoice | None:
+        echo = self._echo(state, output.index)
+        text = output.new_text if echo is None else echo.text + output.new_text
+        wanted = self.options.logprobs is not None
+        if wanted:
+            state.hold(output)
+        if not text and not output.finished:
+            return None
+        logprobs = None
+        if wanted:
+            logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+            if echo is not None:
+                prompt = aligned(echo.token_ids, output.prompt_logprobs)
+                add_completion_logprobs(logprobs, echo.token_ids, prompt, self.options.pieces, state.offsets)
+                state.offsets.resync(len(echo.text))
+            add_completion_logprobs(logprobs, *state.take(), self.options.pieces, state.offsets)
+        return CompletionChoice(index=output.index, text=text, logprobs=logprobs,
+                                finish_reason=self._finish(output, state), disaggregated_params=output.disagg)
+
+    def _echo(self, state: _ChoiceState, index: int) -> Echo | None:
+        first, state.started = not state.started, True
+        if not first or self._continued or not self.options.echo:
+            return None
+        return self.options.echo[index // self.options.n]
+
     def usage_chunk(self, final: RequestOutput) -> str:
-        body = CompletionResponse(id=self.response_id, model=self.model, choices=[], usage=usage_of(final))
+        """`final`: the request's last output; the usage counts every choice seen."""
+        self._usage.observe(final)
+        body = CompletionResponse(id=self.response_id, model=self.model, choices=[], usage=self._usage.usage())
         return body.model_dump_json()
 
-    def response(self, text: str, final: RequestOutput) -> str:
-        choice = CompletionChoice(text=text, finish_reason=final.finish_reason,
-                                  disaggregated_params=final.disagg)
-        body = CompletionResponse(id=self.response_id, model=self.model, choices=[choice],
-                                  usage=usage_of(final))
+    def response(self, choices: Sequence[RequestOutput]) -> str:
+        """The whole body from each choice's merged output (`merge_outputs`)."""
+        tally = UsageTally(self.options.n)
+        bodies = []
+        for output in sorted(choices, key=lambda o: o.index):
+            tally.observe(output)
+            bodies.append(self._choice(output, _ChoiceState()))
+        body = CompletionResponse(id=self.response_id, model=self.model, choices=bodies, usage=tally.usage())
         return body.model_dump_json()
 
 
-class ChatFormatter:
-    """Chat chunks: the first carries `role`, the last `finish_reason` (OpenAI's delta shape).
-    `continued`: the router already sent the role chunk."""
+class ChatFormatter(_Formatter):
+    """Chat chunks: each choice's first carries `role`, its last `finish_reason` (OpenAI's delta shape)."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False):
-        self.response_id = response_id
-        self.model = model
-        self.include_usage = include_usage
-        self._role_sent = continued
-
-    def _chunk(self, delta: ChatDelta, output: RequestOutput | None) -> str:
-        choice = ChatChunkChoice(delta=delta)
-        if output is not None:
-            choice.finish_reason = _finish(output)
-            choice.disaggregated_params = output.disagg
+    def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
+               output: RequestOutput | None = None, finish: str | None = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                 disaggregated_params=output.disagg if output is not None else None)
         return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()
 
     def chunks(self, output: RequestOutput) -> list[str]:
+        self._usage.observe(output)
+        state = self._state(output.index)
         out = []
-        if not self._role_sent:
-            self._role_sent = True
-            out.append(self._chunk(ChatDelta(role="assistant", content=""), None))
-        if output.new_text or output.finished:
-            out.append(self._chunk(ChatDelta(content=output.new_text or None), output))
+        if not state.started:
+            state.started = True
+            if not self._continued:
+                out.append(self._chunk(output.index, ChatDelta(role="assistant", content="")))
+        if self.options.logprobs is not None:
+            state.hold(output)
+        deltas = self._deltas(output, state)
+        if output.finished and not deltas:
+            deltas = [ChatDelta()]
+        for i, delta in enumerate(deltas):
+            logprobs = self._logprobs(*state.take()) if i == 0 and self.options.logprobs is not None else None
+            last = i == len(deltas) - 1
+            out.append(self._chunk(output.index, delta, logprobs, output if last else None,
+                                   self._finish(output, state) if last else None))
         return out
 
+    def _deltas(self, output: RequestOutput, state: _ChoiceState) -> list[ChatDelta]:
+        if state.parser is None:
+            return [ChatDelta(content=output.new_text)] if output.new_text else []
+        events = state.parser.feed(output.new_text) + (state.parser.finish() if output.finished else [])
+        deltas: list[ChatDelta] = []
+        for event in events:
+            delta = event_delta(event, state.call_ids)
+            if deltas and extends(deltas[-1], delta):
+                deltas[-1] = joined(deltas[-1], delta)
+            else:
+                deltas.append(delta)
+        return deltas
+
+    def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> ChatLogprobs:
+        return ChatLogprobs(content=chat_logprobs(token_ids, entries, self.options.pieces, self.options.logprobs))
+
     def usage_chunk(self, final: RequestOutput) -> str:
-        body = ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=usage_of(final))
+        """`final`: the request's last output; the usage counts every choice seen."""
+        self._usage.observe(final)
+        body = ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=self._usage.usage())
         return body.model_dump_json()
 
-    def response(self, text: str, final: RequestOutput) -> str:
-        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=final.finish_reason,
-                            disaggregated_params=final.disagg)
-        body = ChatCompletionResponse(id=self.response_id, model=self.model, choices=[choice],
-                                      usage=usage_of(final))
+    def response(self, choices: Sequence[RequestOutput]) -> str:
+        """The whole body from each choice's merged output (`merge_outputs`)."""
+        tally = UsageTally(self.options.n)
+        bodies = []
+        for output in sorted(choices, key=lambda o: o.index):
+            tally.observe(output)
+            bodies.append(self._choice(output))
+        body = ChatCompletionResponse(id=self.response_id, model=self.model, choices=bodies, usage=tally.usage())
         return body.model_dump_json()
+
+    def _choice(self, output: RequestOutput) -> ChatChoice:
+        state = self._state_for_whole()
+        message = ChatMessageOut(content=output.new_text)
+        if state.parser is not None:
+            message = tool_message(state.parser.feed(output.new_text) + state.parser.finish())
+        logprobs = None
+        if self.options.logprobs is not None:
+            logprobs = self._logprobs(output.new_token_ids, aligned(output.new_token_ids, output.logprobs))
+        return ChatChoice(index=output.index, message=message, logprobs=logprobs,
+                          finish_reason=self._finish(output, state), disaggregated_params=output.disagg)
+
+    def _state_for_whole(self) -> _ChoiceState:
+        tools = self.options.tools
+        return _ChoiceState(parser=tools.parser() if tools is not None else None)
 
 
 Formatter = CompletionFormatter | ChatFormatter

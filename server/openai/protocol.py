@@ -1,53 +1,43 @@
-"""OpenAI request and response bodies for /v1/completions and /v1/chat/completions (pydantic v2).
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic v2), and the
+disaggregation legs' `DisaggParams`. Response bodies: server/openai/responses.py.
 
-Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, `top_k`,
-`stop_token_ids`, `cache_salt`), a KV retention priority (`kv_retention_priority`, TensorRT-LLM's
-`KvCacheRetentionConfig` priority) and TensorRT-LLM's `disaggregated_params`; unknown fields are
-ignored. Value checks
-that need no model (ranges, `n`) live here; checks that need the tokenizer or `max_seq_len` live in
-`server.api.prompts`. Any validation failure becomes a 400 (see `server.api.errors`). The router
-reads only `DisaggParams` of these; it passes the rest of a body on as it came.
+Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `cache_salt`, `structured_outputs`, `guided_*`), a KV
+retention priority (`kv_retention_priority`, TensorRT-LLM's `KvCacheRetentionConfig` priority) and
+TensorRT-LLM's `disaggregated_params`. Every field of OpenAI's two request bodies is declared: what
+pdserve implements, what it accepts because it changes no output (`user`, `metadata`, ...), and
+what it refuses with a 400 naming the field (`refused`, server/openai/fields.py); fields of no API
+are ignored with one log line per name. docs/API.md lists every field and its status.
+
+Value checks that need no model (ranges, types) live here; checks that need the tokenizer, the
+vocabulary, `max_seq_len` or the server's limits, and checks across fields, live in
+`server.api.prompts` and `server.api.sampling`. Any failure becomes a 400 (see
+`server.api.errors`). The router reads only `DisaggParams` of these; it passes the rest of a body on
+as it came.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-    field_validator,
-    model_serializer,
-)
+from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
-from pydantic_core import PydanticCustomError
 
-_IGNORE_EXTRA = ConfigDict(extra="ignore")
+from server.openai.chat_messages import ChatMessage, Tool, ToolChoice
+from server.openai.fields import Lenient, one_of, refused
+from server.openai.formats import ResponseFormat, StructuredOutputs
 
-
-def _one_of(expected: str) -> WrapValidator:
-    """Replace pydantic's one-error-per-union-member report by one message naming what is accepted."""
-
-    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("wrong_type", f"must be {expected}") from None
-
-    return WrapValidator(validate)
+MAX_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs; pdserve uses it for completions' logprobs too
 
 
-class StreamOptions(BaseModel):
-    model_config = _IGNORE_EXTRA
+class StreamOptions(Lenient):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: no obfuscation padding is added
 
 
 RequestType = Literal["context_only", "generation_only", "context_and_generation"]
+# A token's log-probability in a compact JSON form: [token id, logprob, [[id, logprob], ...]] (the top ones)
+CompactLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 def _unset(value: Any) -> bool:
@@ -63,7 +53,7 @@ class DisaggParams:
     ctx_request_id: str | None = None
     ctx_endpoint: str | None = None
     ctx_epoch: str | None = None
-    first_gen_tokens: tuple[int, ...] | None = None
+    first_gen_tokens: tuple[int, ...] | None = None  # one per choice (n)
     prompt_token_ids: tuple[int, ...] | None = None
     ctx_cached_tokens: int = Field(default=0, ge=0)  # prefix-cache hit on the context server (honest usage)
     # Set by the router on requests only (left out of a body while unset), but cache_salt:
@@ -83,26 +73,62 @@ class DisaggParams:
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
     kv_stream: bool = Field(default=False, exclude_if=_unset)
+    # Log-probabilities only the context server can compute (left out while unset). It puts them in its
+    # answer when the request asks for logprobs; the router passes them on; the generation server puts
+    # them on each choice's first output, so its answer equals the aggregated one. first_gen_logprobs:
+    # one per choice, its first token's; prompt_logprobs: echo's, one per prompt token, the first null.
+    first_gen_logprobs: tuple[CompactLogprob, ...] | None = Field(default=None, exclude_if=_unset)
+    prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=_unset)
 
 
-class SamplingRequest(BaseModel):
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+Schema = dict[str, Any] | str  # a JSON schema, as an object or as JSON text
+
+
+class SamplingRequest(Lenient):
     """Fields shared by completions and chat requests."""
 
-    model_config = _IGNORE_EXTRA
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # the server's maximum: server.api.prompts
     seed: int | None = None
-    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
     max_tokens: int | None = Field(default=None, ge=1)
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
+    user: str | None = None  # accepted, ignored: an end-user id for abuse monitoring
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it in completions too
     # vLLM extras
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Schema | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored: pdserve has one grammar engine
+    # vLLM extras pdserve does not implement
+    use_beam_search: refused(False) = None
+    length_penalty: refused(1.0) = None
+    bad_words: refused([]) = None
+    allowed_token_ids: refused() = None
+    prompt_logprobs: refused(hint="; completions: use echo with logprobs") = None
+    include_stop_str_in_output: refused(False) = None
+    skip_special_tokens: refused(True) = None
+    spaces_between_special_tokens: refused(True) = None
+    truncate_prompt_tokens: refused() = None
+    logits_processors: refused() = None
+    return_tokens_as_token_ids: refused(False) = None
+    guided_whitespace_pattern: refused() = None
+    priority: refused(0) = None
     # vLLM's prefix-cache namespace: requests share cached blocks only under equal salts
     cache_salt: str | None = None
     # retention priority of the request's KV blocks: 0..100, evicted lowest first; evicted blocks of
@@ -111,21 +137,20 @@ class SamplingRequest(BaseModel):
     # TensorRT-LLM's disaggregation extension
     disaggregated_params: DisaggParams | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n > 1:
-            raise ValueError("n > 1 is not supported by pdserve (one choice per request)")
-        if n < 1:
-            raise ValueError("n must be 1")
-        return n
-
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, salt: str | None) -> str | None:
         if salt is not None and not salt:
             raise ValueError("cache_salt must be a non-empty string if provided")
         return salt
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or ():
+            if not key.isdecimal():
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -139,127 +164,54 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    # A string or token ids; a list of one of those is accepted (a batch of several is refused).
+    # A string or token ids, or a list of several of those (one engine request each).
     prompt: Annotated[str | list[int] | list[str] | list[list[int]],
-                      _one_of("a string, a list of token ids, or a list holding one of those")]
-
-
-class TextPart(BaseModel):
-    model_config = _IGNORE_EXTRA
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = _IGNORE_EXTRA
-    role: str
-    content: Annotated[str | list[TextPart] | None, _one_of("a string or a list of text parts")] = None
-    name: str | None = None
+                      one_of("a string, a list of token ids, or a list of strings or of token-id lists")]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt's logprobs)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)  # must equal n: server.api.sampling
+    suffix: refused("") = None
+    add_special_tokens: refused(True) = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = None  # none: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
+    # OpenAI's, accepted and ignored: they change no output
+    metadata: dict[str, str] | None = None
+    store: refused(False, hint="; pdserve stores no completions") = None
+    service_tier: refused("auto", "default") = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint; pdserve's prefix cache needs none
+    prompt_cache_retention: refused("in_memory") = None
+    prompt_cache_options: refused({"mode": "implicit"}) = None
+    verbosity: refused("medium") = None
+    # OpenAI's, refused: not implemented
+    audio: refused() = None
+    modalities: refused(["text"]) = None
+    prediction: refused() = None
+    web_search_options: refused() = None
+    reasoning_effort: refused() = None
+    moderation: refused() = None
+    functions: refused(hint="; use tools") = None
+    function_call: refused(hint="; use tool_choice") = None
+    # vLLM's chat extras pdserve does not implement
+    echo: refused(False) = None
+    add_generation_prompt: refused(True) = None
+    continue_final_message: refused(False) = None
+    add_special_tokens: refused(False) = None
+    chat_template: refused() = None
+    chat_template_kwargs: refused() = None
+    documents: refused() = None
+    mm_processor_kwargs: refused() = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer name) wins over `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# -- responses ----------------------------------------------------------------------------------------
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    disaggregated_params: DisaggParams | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: None = None
-    finish_reason: str | None = None
-    disaggregated_params: DisaggParams | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(BaseModel):
-    """Only the fields present are sent (OpenAI's deltas omit absent ones)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-    disaggregated_params: DisaggParams | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "pdserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

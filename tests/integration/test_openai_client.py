@@ -98,7 +98,7 @@ def test_concurrent_requests_match_sequential_ones(client, engine):
         assert list(pool.map(complete, prompts)) == sequential
 
 
-BAD_REQUESTS = [{"prompt": ""}, {"prompt": "hi", "n": 2}, {"prompt": "hi", "max_tokens": 10_000},
+BAD_REQUESTS = [{"prompt": ""}, {"prompt": "hi", "n": 17}, {"prompt": "hi", "max_tokens": 10_000},
                 {"prompt": "hi", "temperature": -1}, {"prompt": "hi", "top_p": 0}]
 
 

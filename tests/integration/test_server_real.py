@@ -93,7 +93,7 @@ def test_streaming_equals_whole_for_completion_and_chat(client):
 
 BAD = [
     ({"prompt": ""}, 400), ({"prompt": "hi", "max_tokens": 0}, 400), ({"prompt": "hi", "temperature": -1}, 400),
-    ({"prompt": "hi", "top_p": 0}, 400), ({"prompt": "hi", "top_p": 1.5}, 400), ({"prompt": "hi", "n": 2}, 400),
+    ({"prompt": "hi", "top_p": 0}, 400), ({"prompt": "hi", "top_p": 1.5}, 400), ({"prompt": "hi", "n": 17}, 400),
     ({"prompt": "hi", "max_tokens": "ten"}, 400), ({"prompt": "x " * 600}, 400),
     ({"prompt": "hi", "max_tokens": 600}, 400),
     ({"prompt": "hi", "model": "no-such-model"}, 404),

@@ -116,3 +116,26 @@ async def test_a_finished_request_is_not_aborted(stream):
         assert client.body_text().endswith("data: [DONE]\n\n")
     else:
         assert json.loads(client.body_text())["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_aborts_every_engine_request_of_several_prompts(stream):
+    engine = FakeEngine()
+    client = Client("/v1/completions", {"prompt": ["ok", "HANG", "HANGFIRST"], "n": 2, "max_tokens": 8,
+                                        "stream": stream}, hang_up_on_first_event=False)
+    await exchange(engine, client, hang_up_after_s=0.1)
+    ids = [r.request_id for r in engine.requests]
+    assert len(ids) == 3 and ids[0].endswith("-0") and ids[2].endswith("-2")
+    assert sorted(engine.aborted) == sorted(ids[1:])  # the first prompt's choices had finished
+    assert sorted(engine.closed) == sorted(ids)
+    assert "[DONE]" not in client.body_text()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_finished_choices_of_several_prompts_are_not_aborted(stream):
+    engine = FakeEngine()
+    client = Client("/v1/completions", {"prompt": ["ab", "cd"], "n": 3, "max_tokens": 2, "stream": stream},
+                    hang_up_on_first_event=False)
+    await exchange(engine, client)
+    assert engine.aborted == []
+    assert sorted(engine.closed) == sorted(r.request_id for r in engine.requests)

@@ -176,4 +176,4 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
                                "kv_cache_config, speculative, cache_transceiver_config, kv_stream, drain_timeout_s, "
-                               "env, hostname, port, context_urls")
+                               "max_n, env, hostname, port, context_urls")

@@ -21,7 +21,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_resolve_builtin_materializes_once_into_versioned_folder(root: Path) -> None:
     path = builtin.resolve_model("builtin:tiny-llama", root=root)
-    assert path == root / "tiny-llama-v1"
+    assert path == root / "tiny-llama-v2"
     assert sorted(p.name for p in path.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "tokenizer.json", "tokenizer_config.json",
@@ -48,8 +48,8 @@ def test_concurrent_materialization_yields_one_complete_folder(tmp_path: Path) -
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert results == [tmp_path / "tiny-llama-v1"] * 3
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-v1"]
+    assert results == [tmp_path / "tiny-llama-v2"] * 3
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-v2"]
     load_spec(results[0])  # complete: config, weights and tokenizer all there
 
 
@@ -102,3 +102,39 @@ def test_hf_reference_eos_rules(root: Path) -> None:
     assert len(free) == len(forbidden) == 32
     assert free.index(2) == 20 and free.count(2) == 1
     assert forbidden[:20] == free[:20] and 2 not in forbidden
+
+
+PLAIN_CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tiny_chat_template_renders_tools_and_nothing_else_changed() -> None:
+    """The random tiny models' template is Hermes-style: tools, earlier calls and tool results render;
+    a conversation without them renders as the plain ChatML it always did."""
+    from server.api.tool_choice import tool_format
+    from server.models.tiny_tokenizer import train_tokenizer
+
+    tok = train_tokenizer()
+    talks = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"},
+              {"role": "assistant", "content": "c"}, {"role": "user", "content": ""}]]
+    for talk in talks:
+        for generation_prompt in (True, False):
+            assert tok.apply_chat_template(talk, add_generation_prompt=generation_prompt, tokenize=False) == (
+                tok.apply_chat_template(talk, add_generation_prompt=generation_prompt, tokenize=False,
+                                        chat_template=PLAIN_CHATML))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    talk = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert tok.apply_chat_template(talk, tools=tools, add_generation_prompt=True, tokenize=False) == (
+        "<|bos|><|im_start|>system\ns\n\n# Tools\n\nYou may call one or more functions. Their signatures are "
+        "within <tools></tools>:\n<tools>\n"
+        '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}\n</tools>\n\n'
+        "To call a function, write its name and arguments as a JSON object within <tool_call></tool_call> tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nq<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<|im_end|>\n'
+        "<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tool_format(tok.chat_template) == "hermes"

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 
 from server.api.deps import get_engine
 from server.api.prompts import check_model
-from server.openai.protocol import ModelCard, ModelList
+from server.openai.responses import ModelCard, ModelList
 from server.types import EngineClient
 
 router = APIRouter()

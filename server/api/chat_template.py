@@ -1,0 +1,73 @@
+"""Chat messages -> prompt token ids, through the model's own chat template.
+
+Messages go to the template as transformers' templates expect them: `role` and `content` (text
+parts joined), an assistant's earlier `tool_calls` with their arguments as objects (OpenAI sends
+JSON text), a tool result's `tool_call_id`; the tools (if any) as `tools=`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jinja2 import TemplateError
+
+from server.api.errors import APIError
+from server.openai.chat_messages import ChatMessage
+from server.openai.protocol import ChatCompletionRequest
+
+
+def _message_text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"only text content is supported (messages.{index} has '{part.type}')",
+                           param=f"messages.{index}.content")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _tool_calls(message: ChatMessage, index: int) -> list[dict]:
+    if message.role != "assistant":
+        raise APIError(400, f"'messages.{index}.tool_calls': only assistant messages carry tool calls",
+                       param=f"messages.{index}.tool_calls")
+    calls = []
+    for j, call in enumerate(message.tool_calls):
+        param = f"messages.{index}.tool_calls.{j}.function.arguments"
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            raise APIError(400, f"'{param}': not JSON text", param=param) from None
+        calls.append({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    return calls
+
+
+def template_message(message: ChatMessage, index: int) -> dict:
+    out = {"role": message.role, "content": _message_text(message.content, index)}
+    if message.tool_calls:
+        out["tool_calls"] = _tool_calls(message, index)
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise APIError(400, f"'messages.{index}.tool_call_id': a tool message names the call it answers",
+                           param=f"messages.{index}.tool_call_id")
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """Render the messages (and `tools`) with the tokenizer's chat template (generation prompt added), tokenise."""
+    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as exc:
+        raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+    # The template already wrote any special tokens (BOS) it wants.
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages")
+    return ids

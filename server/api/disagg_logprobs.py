@@ -1,0 +1,97 @@
+"""Log-probabilities across the disaggregation legs, so a generation leg answers what an aggregated
+server would.
+
+The context server computes what the generation server cannot: each choice's first token's
+logprob and the prompt's (echo). It puts them in its answer's `disaggregated_params`
+(`first_gen_logprobs`, one per choice; `prompt_logprobs`), in a compact JSON form
+(`[token id, logprob, [[id, logprob], ...]]`). The router passes them on, and the generation server
+puts them on each choice's first output before formatting (`GenerationOutputs`). When the router
+streamed the first token itself (`first_text_streamed`), the generation server leaves that token out
+of what it formats (its text, logprobs and token report): the router sent them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from server.api.errors import APIError
+from server.openai.logprobs import aligned, floor
+from server.openai.protocol import CompactLogprob, DisaggParams
+from server.types import RequestOutput, TokenLogprob
+
+
+def compact(entry: TokenLogprob | None) -> CompactLogprob | None:
+    if entry is None:
+        return None
+    return entry.token_id, floor(entry.logprob), tuple((t, floor(lp)) for t, lp in entry.top)
+
+
+def expand(entry: CompactLogprob | None) -> TokenLogprob | None:
+    if entry is None:
+        return None
+    token_id, logprob, top = entry
+    return TokenLogprob(token_id, logprob, tuple((t, lp) for t, lp in top))
+
+
+def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prompt: bool) -> list[RequestOutput]:
+    """A context answer's choices (merged, by index), their `disagg` carrying the log-probabilities
+    the generation leg needs: the first token's of every choice, the prompt's."""
+    params: dict = {}
+    if logprobs:
+        params["first_gen_logprobs"] = tuple(compact((c.logprobs or [None])[0]) for c in choices)
+    if prompt:
+        prompt_entries = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), [])
+        params["prompt_logprobs"] = tuple(compact(e) for e in prompt_entries)
+    if not params:
+        return list(choices)
+    return [replace(c, disagg=replace(c.disagg, **params)) if c.disagg is not None else c for c in choices]
+
+
+def check_generation_params(disagg: DisaggParams, n: int, prompt_len: int, logprobs: bool, echo: bool) -> None:
+    """A generation_only request that asks for logprobs brings the context server's."""
+    if disagg.first_text_streamed or disagg.kv_stream:
+        return  # the router sent the first token's; with streamed KV it comes with the KV
+    first = disagg.first_gen_logprobs
+    tokens = disagg.first_gen_tokens or ()
+    if logprobs and tokens:
+        param = "disaggregated_params.first_gen_logprobs"
+        if first is None or len(first) != len(tokens) or any(e[0] != t for e, t in zip(first, tokens, strict=False)):
+            raise APIError(400, f"'{param}': logprobs are asked: one entry per first_gen_tokens token, that token's",
+                           param=param)
+    if logprobs and echo and (disagg.prompt_logprobs is None or len(disagg.prompt_logprobs) != prompt_len):
+        param = "disaggregated_params.prompt_logprobs"
+        raise APIError(400, f"'{param}': echo with logprobs needs the context server's, one per prompt token",
+                       param=param)
+
+
+class GenerationOutputs:
+    """A generation_only request's outputs as the aggregated server would have made them: each
+    choice's first output gets the context server's first-token and prompt logprobs, or, when the
+    router streamed that token itself, loses it. `n` choices: one first token each."""
+
+    def __init__(self, disagg: DisaggParams, n: int) -> None:
+        self._disagg = disagg
+        self._first_tokens = 1 if n > 1 else len(disagg.first_gen_tokens or ())
+        self._seen: set[int] = set()
+
+    def apply(self, output: RequestOutput) -> RequestOutput:
+        if output.index in self._seen or not (output.new_token_ids or output.finished):
+            return output
+        self._seen.add(output.index)
+        if self._disagg.first_text_streamed:
+            return self._without_first(output)
+        firsts = self._disagg.first_gen_logprobs
+        changes: dict = {}
+        if firsts is not None and output.index < len(firsts) and output.new_token_ids:
+            own = aligned(output.new_token_ids, output.logprobs)[1:]
+            changes["logprobs"] = [expand(firsts[output.index]), *own]
+        if self._disagg.prompt_logprobs is not None and output.prompt_logprobs is None:
+            changes["prompt_logprobs"] = [expand(e) for e in self._disagg.prompt_logprobs]
+        return replace(output, **changes) if changes else output
+
+    def _without_first(self, output: RequestOutput) -> RequestOutput:
+        """The router streamed the text of these tokens (with streamed KV: of the whole first output)."""
+        skip = len(output.new_token_ids) if self._disagg.kv_stream else self._first_tokens
+        logprobs = aligned(output.new_token_ids, output.logprobs)[skip:] if output.logprobs is not None else None
+        return replace(output, new_token_ids=output.new_token_ids[skip:], logprobs=logprobs)

@@ -1,0 +1,123 @@
+"""The engine requests of one HTTP request, and who owns them.
+
+Ownership: an `EngineStream` owns the engine's output iterator of one engine request (one prompt,
+its `n` choices). Whatever way the HTTP exchange ends (finished, client gone, error, cancellation),
+`RequestStreams.close()` runs and closes every one; an engine request the engine has not finished
+is aborted there, so its KV blocks are freed.
+
+`RequestStreams` merges the outputs of a request's engine requests (a completions request with P
+prompts has P) in the order they come, each numbered as the answer numbers its choices: prompt p's
+choice c is p * n + c (OpenAI's order). One engine request is read directly, without tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import anyio
+
+from server.types import EngineClient, GenerateRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0  # bound on the engine's abort/close when a request ends early
+_FAILED = ("error", "abort")
+
+Transform = Callable[[RequestOutput], RequestOutput]
+
+
+def failed(output: RequestOutput) -> bool:
+    return output.finished and output.finish_reason in _FAILED
+
+
+class EngineStream:
+    """The outputs of one engine request. `next()` never raises: engine failures become an "error" output."""
+
+    def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None = None):
+        self._engine = engine
+        self._request = request
+        self._transform = transform
+        self._outputs = None  # created on the first next(): a failing submit is an "error" output too
+        self._open_choices = set(range(request.sampling.n))
+        self.finished = False  # every choice finished, or the request failed
+        self._engine_done = False  # the engine itself ended the request: nothing to abort
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    def _failure(self, message: str) -> RequestOutput:
+        return RequestOutput(self.request_id, [], "", finished=True, finish_reason="error",
+                             error=message, error_code=500)
+
+    async def next(self) -> RequestOutput:
+        try:
+            if self._outputs is None:
+                self._outputs = self._engine.generate(self._request)
+            output = await anext(self._outputs)
+        except StopAsyncIteration:
+            self.finished = True
+            return self._failure("the engine ended the request without a final output of every choice")
+        except Exception as exc:
+            log.exception("engine failed request %s", self.request_id)
+            self.finished = True
+            return self._failure(f"engine error: {type(exc).__name__}: {exc}")
+        if output.finished:
+            self._open_choices.discard(output.index)
+            self._engine_done = self._engine_done or failed(output) or not self._open_choices
+            self.finished = self._engine_done
+        return self._transform(output) if self._transform is not None else output
+
+    async def close(self) -> None:
+        """Idempotent; aborts the request in the engine unless the engine finished it."""
+        outputs, self._outputs = self._outputs, None
+        if outputs is None:
+            return
+        with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            try:
+                if not self._engine_done:
+                    await self._engine.abort(self.request_id)
+                aclose = getattr(outputs, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            except Exception:
+                log.exception("aborting request %s failed", self.request_id)
+
+
+class RequestStreams:
+    """Every engine request of one HTTP request; `next()` is the next output of any of them."""
+
+    def __init__(self, engine: EngineClient, requests: Sequence[GenerateRequest],
+                 transforms: Sequence[Transform | None] | None = None):
+        transforms = transforms or [None] * len(requests)
+        self._streams = [EngineStream(engine, r, t) for r, t in zip(requests, transforms, strict=True)]
+        self._n = [r.sampling.n for r in requests]
+        self._reading: dict[int, asyncio.Future] = {}  # prompt -> its pending next()
+
+    @property
+    def finished(self) -> bool:
+        """Every engine request ended and every output was taken (a read may hold one not yet taken)."""
+        return not self._reading and all(s.finished for s in self._streams)
+
+    async def next(self) -> RequestOutput:
+        if len(self._streams) == 1:
+            return await self._streams[0].next()
+        for p, stream in enumerate(self._streams):
+            if not stream.finished and p not in self._reading:
+                self._reading[p] = asyncio.ensure_future(stream.next())
+        done, _ = await asyncio.wait(self._reading.values(), return_when=asyncio.FIRST_COMPLETED)
+        p = min(p for p, task in self._reading.items() if task in done)  # the first prompt's first
+        output = self._reading.pop(p).result()
+        return replace(output, index=p * self._n[p] + output.index)
+
+    async def close(self) -> None:
+        """Idempotent; every engine request not finished is aborted."""
+        reading, self._reading = list(self._reading.values()), {}
+        for task in reading:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*reading, return_exceptions=True)
+            await asyncio.gather(*(s.close() for s in self._streams))

@@ -1,0 +1,159 @@
+"""OpenAI response bodies and stream chunks for completions and chat, and /v1/models (pydantic v2).
+
+Shapes are the `openai` package's (`Completion`, `CompletionChoice.Logprobs`, `ChatCompletion`,
+`ChatCompletionChunk`, `ChatCompletionTokenLogprob`, `ChatCompletionMessageFunctionToolCall`,
+`ChoiceDeltaToolCall`); tests/unit/test_api_openai_shapes.py parses ours back with them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_serializer
+
+from server.openai.protocol import DisaggParams
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _SkipNone(BaseModel):
+    """Only the fields present are sent (OpenAI's deltas and tool calls omit absent ones)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions' log-probabilities, one entry per token (an echoed prompt's first: null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    disaggregated_params: DisaggParams | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+
+
+class FunctionOut(_SkipNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(_SkipNone):
+    """A tool call in a message (every field set) or in a delta (the first of a call has index, id,
+    type and the function's name; the next ones only index and arguments)."""
+
+    index: int | None = None  # deltas only
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionOut
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None  # null when the message is only tool calls
+    tool_calls: list[ToolCallOut] | None = None  # left out when there are none
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    disaggregated_params: DisaggParams | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(_SkipNone):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    disaggregated_params: DisaggParams | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

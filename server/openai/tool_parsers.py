@@ -1,0 +1,295 @@
+"""Model output -> tool calls, fed piece by piece as the text streams in.
+
+Every parser has `feed(text) -> events` and `finish() -> events` (events: server/openai/json_calls.py).
+A whole (non-streamed) answer is one `feed` and `finish`; the concatenated events are the same
+however the text was split, so streamed tool calls equal non-streamed ones.
+
+Formats (`make_parser`):
+- "hermes" (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+  number of them, with content around them. Whitespace between content and calls is dropped.
+- "llama3_json" (Llama 3.1-3.3): an output that starts with `{` (after an optional
+  `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` (or "arguments"), several
+  separated by ";"; any other output is content.
+- "named" (`tool_choice` naming a function): the output is that function's arguments (structured
+  output constrains it to the function's parameters).
+- "required" (`tool_choice: "required"`): the output is a JSON array of `{"name", "arguments"}`
+  objects (structured output constrains it: server/api/tool_choice.py).
+With `parallel_tool_calls: false` only the first call is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from server.openai.json_calls import CallArguments, CallObject, CallStart, Content, Event
+
+TOOL_FORMATS = ("hermes", "llama3_json")  # the formats `tool_choice: "auto"` parses
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolParser(Protocol):
+    calls: int  # calls announced so far
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could begin `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class _Calls:
+    """What the JSON-object formats share: the call being read, its count, and content whose
+    trailing whitespace waits to see whether a call follows (then it is dropped)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._call: CallObject | None = None
+        self._space = ""
+
+    def _content(self, text: str) -> list[Event]:
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return [Content(body)] if body else []
+
+    def _open_call(self) -> None:
+        self._space = ""
+        self._call = CallObject(self.calls)
+
+    def _feed_call(self, text: str) -> tuple[list[Event], str, bool | None]:
+        """(events, text after the object, None while it is open else whether it was a call)."""
+        events, rest = self._call.feed(text)
+        self.calls += any(isinstance(e, CallStart) for e in events)
+        if not self._call.closed:
+            return events, "", None
+        valid = self._call.valid
+        if valid:
+            self._call = None
+        return events, rest, valid
+
+    def _unfinished_call(self, opening: str) -> list[Event]:
+        """The output ended inside an object: an announced call keeps what it has, else it is content."""
+        call, self._call = self._call, None
+        if call is None or call.name is not None:
+            return []
+        return self._content(opening + call.text)
+
+    def _end(self) -> list[Event]:
+        """Whitespace at the end stays only in an answer without calls."""
+        space, self._space = self._space, ""
+        return [Content(space)] if space and not self.calls else []
+
+
+class HermesParser(_Calls):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        self._state = self._in_text  # _in_text | _after_open | _in_call | _after_call
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        events: list[Event] = []
+        while (step := self._state()) is not None:
+            events += step
+        return events
+
+    def _in_text(self) -> list[Event] | None:
+        at = self._buf.find(self.OPEN)
+        if at < 0:
+            cut = len(self._buf) - _partial_tail(self._buf, self.OPEN)
+            out, self._buf = self._buf[:cut], self._buf[cut:]
+            return self._content(out) if out else None
+        events = self._content(self._buf[:at])
+        self._buf, self._state = self._buf[at + len(self.OPEN):], self._after_open
+        return events
+
+    def _after_open(self) -> list[Event] | None:
+        stripped = self._buf.lstrip()
+        if not stripped:
+            return None
+        self._state = self._in_text
+        if stripped[0] != "{":  # not a call after all: the tag is content
+            return self._content(self.OPEN)
+        self._open_call()
+        self._buf, self._state = stripped, self._in_call
+        return []
+
+    def _in_call(self) -> list[Event] | None:
+        if not self._buf:
+            return None
+        events, self._buf, valid = self._feed_call(self._buf)
+        if valid is False:  # an object that is no call: content, tag included
+            events += self._content(self.OPEN + self._call.text)
+            self._call = None
+        if valid is not None:
+            self._state = self._after_call if valid else self._in_text
+        return events
+
+    def _after_call(self) -> list[Event] | None:
+        stripped = self._buf.lstrip()
+        if stripped.startswith(self.CLOSE):
+            self._buf, self._state = stripped[len(self.CLOSE):], self._in_text
+            return []
+        if not stripped or self.CLOSE.startswith(stripped):
+            return None
+        self._state = self._in_text  # no closing tag: what follows is content
+        return []
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        if self._state == self._in_text:
+            events += self._content(self._buf)
+        elif self._state == self._after_open:
+            events += self._content(self.OPEN + self._buf)
+        self._buf = ""
+        return events + self._unfinished_call(self.OPEN) + self._end()
+
+
+class Llama3JsonParser(_Calls):
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        self._state = "start"  # start | call | between (after a call) | content
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        events: list[Event] = []
+        while self._buf and (step := self._step()) is not None:
+            events += step
+        return events
+
+    def _step(self) -> list[Event] | None:
+        if self._state == "content":
+            out, self._buf = self._buf, ""
+            return [Content(out)]
+        if self._state == "call":
+            events, self._buf, valid = self._feed_call(self._buf)
+            if valid is False:
+                events.append(Content(self._call.text))
+                self._call = None
+            if valid is not None:
+                self._state = "between" if valid else "content"
+            return events
+        stripped = self._buf.lstrip()
+        if self._state == "start" and stripped.startswith(PYTHON_TAG):
+            self._buf = stripped[len(PYTHON_TAG):]
+            return []
+        if not stripped or (self._state == "start" and PYTHON_TAG.startswith(stripped)):
+            return None
+        if self._state == "between" and stripped[0] == ";":
+            self._buf = stripped[1:]
+            return []
+        if stripped[0] == "{":
+            self._open_call()
+            self._buf, self._state = stripped, "call"
+            return []
+        self._state = "content"  # no call: the whole output (or what follows the calls) is content
+        if self.calls:
+            self._buf = stripped
+        return []
+
+    def finish(self) -> list[Event]:
+        keep = self._state in ("start", "content") and self._buf
+        events = [Content(self._buf)] if keep else []
+        self._buf = ""
+        return events + self._unfinished_call("") + self._end()
+
+
+class NamedParser:
+    """The whole output is the arguments of `name` (one call)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.calls = 0
+
+    def _start(self) -> list[Event]:
+        if self.calls:
+            return []
+        self.calls = 1
+        return [CallStart(0, self._name)]
+
+    def feed(self, text: str) -> list[Event]:
+        return self._start() + [CallArguments(0, text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return self._start()
+
+
+class RequiredParser(_Calls):
+    """A JSON array of call objects; anything else in the output is dropped (the grammar allows none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        self._opened = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        events: list[Event] = []
+        while self._buf:
+            if self._call is not None:
+                more, self._buf, valid = self._feed_call(self._buf)
+                events += more
+                if valid is None:
+                    break
+                self._call = None
+                continue
+            stripped = self._buf.lstrip()
+            if not stripped:
+                break
+            if stripped[0] == "{" and self._opened:
+                self._open_call()
+                self._buf = stripped
+                continue
+            self._opened = self._opened or stripped[0] == "["
+            self._buf = stripped[1:]  # "[", ",", "]" or a stray character
+        return events
+
+    def finish(self) -> list[Event]:
+        self._buf, self._call = "", None
+        return []
+
+
+class OnlyFirstCall:
+    """`parallel_tool_calls: false`: the events of calls after the first are dropped."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+
+    @property
+    def calls(self) -> int:
+        return min(self._parser.calls, 1)
+
+    def feed(self, text: str) -> list[Event]:
+        return self._keep(self._parser.feed(text))
+
+    def finish(self) -> list[Event]:
+        return self._keep(self._parser.finish())
+
+    @staticmethod
+    def _keep(events: list[Event]) -> list[Event]:
+        return [e for e in events if isinstance(e, Content) or e.index == 0]
+
+
+def make_parser(mode: str, function: str | None = None, parallel: bool = True) -> ToolParser:
+    """A fresh parser for one choice. mode: "hermes", "llama3_json", "named" (of `function`), "required"."""
+    parser: ToolParser
+    if mode == "hermes":
+        parser = HermesParser()
+    elif mode == "llama3_json":
+        parser = Llama3JsonParser()
+    elif mode == "named":
+        parser = NamedParser(function or "")
+    elif mode == "required":
+        parser = RequiredParser()
+    else:
+        raise ValueError(f"unknown tool-call format {mode!r}")
+    return parser if parallel else OnlyFirstCall(parser)
