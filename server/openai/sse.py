@@ -87,7 +87,7 @@ class EventStream(Response):
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._events, self._close = events, close
+        self.events, self.on_close = events, close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -98,14 +98,14 @@ class EventStream(Response):
                 sending.result()  # raises what the stream raised
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self._events, "aclose", None)
+                aclose = getattr(self.events, "aclose", None)
                 if aclose is not None:
                     await aclose()
-                if self._close is not None:
-                    await self._close()
+                if self.on_close is not None:
+                    await self.on_close()
 
     async def _send_all(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self._events:
+        async for chunk in self.events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,6 +1,8 @@
 """A context server's answer, read by the router: whether it ends the request, the generation leg's
 parameters, and the events the router streams itself from it (the opening of a stream: the chat
-role chunk and the first token's text; the close of a stream that the context leg ended).
+role chunk and the first token's text; the close of a stream that the context leg ended). The
+events are the answer's own choices reshaped into stream chunks, so whatever the context server
+formatted (logprobs, echo, tool calls, several choices) goes out as it would have from one server.
 
 Streaming the first token from the context answer takes the generation leg's setup (an HTTP
 exchange, the generation server's admission) off the time to first token. The generation server
@@ -16,11 +18,19 @@ from dataclasses import replace
 
 from pydantic import TypeAdapter
 
-from server.openai.formatting import ChatFormatter, CompletionFormatter, Formatter, continued_response_id
+from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
-from server.openai.sse import DONE, EventStream, sse_event
+from server.openai.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    ToolCallOut,
+)
+from server.openai.sse import DONE, EventStream, json_event, sse_event
 from server.openai.wire import JSONBody
-from server.types import RequestOutput
 
 _PARAMS = TypeAdapter(DisaggParams)
 
@@ -55,36 +65,54 @@ async def _each(events: list[bytes]) -> AsyncIterator[bytes]:
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
     """The stream's first events from an unfinished context answer: the chat role chunk and the
     first token's text (none when that text is still held back), under the id the generation server
-    will use too (`continued_response_id`), with the same formatters the servers use. A moved stream
-    (`continued`) goes on under its own `response_id` and sends no second role chunk."""
+    will use too (`continued_response_id`). A moved stream (`continued`) goes on under its own
+    `response_id` and sends no second role chunk."""
     response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
-    fmt, output = _as_output(ctx, chat, response_id, continued, finished=False)
-    return [sse_event(data) for data in fmt.chunks(output)]
+    return _chunks(ctx, chat, response_id, continued, finished=False)
 
 
 def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
                    continued: bool = False) -> list[bytes]:
-    """The rest of a stream whose request the context answer `ctx` ended: its final chunk, usage if
-    asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
-    fmt, final = _as_output(ctx, chat, response_id, continued, finished=True, include_usage=include_usage)
-    usage = [fmt.usage_chunk(final)] if include_usage else []
-    return [*(sse_event(data) for data in [*fmt.chunks(final), *usage]), DONE]
+    """The rest of a stream whose request the context answer `ctx` ended: each choice's final chunk,
+    usage if asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
+    usage = [json_event(_envelope(ctx, chat, response_id, [], usage=ctx.get("usage")))] if include_usage else []
+    return [*_chunks(ctx, chat, response_id, continued, finished=True), *usage, DONE]
 
 
-def _as_output(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool,
-               include_usage: bool = False) -> tuple[Formatter, RequestOutput]:
-    """A context answer as the engine output the servers would format, and their formatter."""
-    choice = ctx["choices"][0]
-    text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    usage = ctx.get("usage") or {}
-    output = RequestOutput(response_id, [], text, finished=finished,
-                           finish_reason=choice.get("finish_reason") if finished else None,
-                           prompt_tokens=usage.get("prompt_tokens", 0),
-                           completion_tokens=usage.get("completion_tokens", 0),
-                           cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    fmt = (ChatFormatter if chat else CompletionFormatter)(response_id, ctx.get("model") or "", include_usage,
-                                                           continued=continued)
-    return fmt, output
+def _chunks(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool) -> list[bytes]:
+    out = []
+    for choice in ctx.get("choices") or []:
+        choice = {k: v for k, v in choice.items() if k != "disaggregated_params"}
+        if chat:
+            out += _chat_chunks(ChatChoice.model_validate(choice), continued, finished)
+        else:
+            chunk = CompletionChoice.model_validate(choice)
+            chunk.finish_reason = chunk.finish_reason if finished else None
+            if finished or chunk.text or chunk.logprobs is not None:
+                out.append(chunk)
+    return [sse_event(CompletionResponse(id=response_id, model=ctx.get("model") or "", choices=[c]).model_dump_json())
+            if isinstance(c, CompletionChoice) else sse_event(_chat_chunk(ctx, response_id, c)) for c in out]
+
+
+def _chat_chunks(choice: ChatChoice, continued: bool, finished: bool) -> list[ChatChunkChoice]:
+    out = [] if continued else [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
+    message = choice.message
+    calls = [ToolCallOut(index=i, id=c.id, type=c.type, function=c.function)
+             for i, c in enumerate(message.tool_calls or [])] or None
+    delta = ChatDelta(content=message.content or None, tool_calls=calls)
+    if finished or delta.content or calls or choice.logprobs is not None:
+        out.append(ChatChunkChoice(index=choice.index, delta=delta, logprobs=choice.logprobs,
+                                   finish_reason=choice.finish_reason if finished else None))
+    return out
+
+
+def _chat_chunk(ctx: dict, response_id: str, choice: ChatChunkChoice) -> str:
+    return ChatCompletionChunk(id=response_id, model=ctx.get("model") or "", choices=[choice]).model_dump_json()
+
+
+def _envelope(ctx: dict, chat: bool, response_id: str, choices: list, usage: dict | None) -> dict:
+    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": ctx.get("created"), "model": ctx.get("model") or "", "choices": choices, "usage": usage}
 
 
 def generation_params(ctx: dict, first_text_streamed: bool) -> DisaggParams:

@@ -28,6 +28,7 @@ from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.errors import LegError
+from server.router.fanout import fan_out, several_prompts
 from server.router.flow import Ask, ClientGone, RequestFlow
 from server.router.http_client import HttpClient, HttpError
 from server.router.legs import Legs
@@ -82,6 +83,12 @@ class RouterState:
         self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
                                   "after theirs died", registry=self.registry)
         self.legs.on_migration = self.migrations.inc
+
+    def flow(self, path: str, body: dict, chat: bool) -> RequestFlow:
+        """A request's flow; it has no context leg when one server serves it alone."""
+        prompt = Prompt(lambda: self.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
+        local = not self.legs.disaggregated or self.routing.serve_locally(prompt)
+        return RequestFlow(self.legs, Ask(path, body, chat, prompt), local)
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:
@@ -189,11 +196,14 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
                              getattr(request.state, "api_key", None))
     if problem is not None:
         return error_response(400, problem)
-    prompt = Prompt(lambda: state.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
-    local = not state.legs.disaggregated or state.routing.serve_locally(prompt)  # no context leg
-    flow = RequestFlow(state.legs, Ask(path, body, chat, prompt), local)
+    prompts = several_prompts(body) if state.legs.disaggregated and not chat else None
     try:
-        response = await flow.respond(request.receive)
+        if prompts is None:
+            response = await state.flow(path, body, chat).respond(request.receive)
+        else:  # one flow per prompt: each leg carries one
+            flows = [state.flow(path, {**body, "prompt": p}, chat) for p in prompts]
+            n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+            response = await fan_out(flows, request.receive, n, Ask(path, body, chat, None).include_usage)
     except LegError as exc:
         state.requests.labels("error").inc()
         return JSONBody(exc.body, exc.status)

@@ -76,6 +76,17 @@ class Ask:
     def include_usage(self) -> bool:
         return bool((self.body.get("stream_options") or {}).get("include_usage"))
 
+    @property
+    def plain(self) -> bool:
+        """One choice whose chunks carry text only: the router may stream its first token itself (and
+        move the stream). Logprobs, echo, several choices and tool calls are formatted by the
+        generation server from its first chunk on (with what the context server computed for them:
+        `disaggregated_params`), as one server would."""
+        body = self.body
+        tools = body.get("tools") and body.get("tool_choice") != "none"
+        return (body.get("n") in (None, 1) and body.get("logprobs") in (None, False)
+                and not body.get("echo") and not tools)
+
 
 class RequestFlow:
     def __init__(self, legs: Legs, ask: Ask, local: bool) -> None:
@@ -91,7 +102,7 @@ class RequestFlow:
         """The client's response; `ClientGone` if the client left before it was ready. A stream's
         response closes the flow when it ends; every other way out closes it here."""
         try:
-            done, response = await unless_disconnected(self._answer, receive)
+            done, response = await unless_disconnected(self.answer, receive)
         except BaseException:
             await asyncio.shield(self.close())
             raise
@@ -100,7 +111,8 @@ class RequestFlow:
             raise ClientGone()
         return response
 
-    async def _answer(self) -> Response:
+    async def answer(self) -> Response:
+        """The response, without watching the client (`respond` does; so does a fan-out of flows)."""
         if self.local:
             return await self._generation_answer(None)
         self.legs.require_generation()
@@ -115,7 +127,9 @@ class RequestFlow:
 
     async def _context(self) -> tuple[Backend, dict]:
         """The context server and its answer; an early one (streamed KV) starts the generation leg meanwhile."""
-        answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=True)
+        # streamed KV brings the first tokens with the KV, not the logprobs the context server computed
+        kv_stream = self.ask.body.get("logprobs") in (None, False) and not self.ask.body.get("echo")
+        answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=kv_stream)
         if isinstance(answer, Upstream):
             return answer.backend, answer.json
         self._early = answer
@@ -125,9 +139,9 @@ class RequestFlow:
     def _handoff(self, params: DisaggParams) -> DisaggParams:
         """The generation leg's parameters from the context leg's. A stream's first token is sent by
         the router; a stream that may move reports its tokens."""
-        stream = self.ask.stream
-        return replace(params, request_type="generation_only", first_text_streamed=stream,
-                       report_tokens=stream and self.legs.migration_limit > 0)
+        opens = self.ask.stream and self.ask.plain
+        return replace(params, request_type="generation_only", first_text_streamed=opens,
+                       report_tokens=opens and self.legs.migration_limit > 0)
 
     def _start(self, backend: Backend | None, params: DisaggParams | None, prompt: PromptTokens | None = None) -> None:
         self._lease = (backend, params) if backend is not None and params is not None else None
@@ -142,7 +156,7 @@ class RequestFlow:
             upstream = await self._generation
             await self.close()
             return JSONBody(upstream.json)
-        if ctx is None:  # nothing was sent yet: a leg that fails to open still gets its HTTP status
+        if ctx is None or not self.ask.plain:  # nothing sent yet: a leg that fails to open gets its HTTP status
             await self._generation
             return EventStream(self._events([]), self.close)
         if self.legs.migration_limit > 0:

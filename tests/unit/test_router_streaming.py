@@ -93,8 +93,8 @@ def _collect(leg, released: list[str]) -> list[bytes]:
     """The events of a streamed disaggregated request whose context answer's first text is "first"."""
     async def run() -> list[bytes]:
         response = await _flow(leg, released).respond(_connected)
-        events = [e async for e in response._events]
-        await response._close()
+        events = [e async for e in response.events]
+        await response.on_close()
         return events
     return asyncio.run(run())
 
