@@ -14,16 +14,18 @@ prefill). Without async scheduling, every step is postprocessed in the same step
 from __future__ import annotations
 
 from kvcache import KVCacheManager
+from server.engine import logprobs as lp
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
 from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector, PullFailure
+from server.engine.penalties import TokenCounts
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
-from server.types import DisaggParams, GenerateRequest, RequestOutput
+from server.types import DisaggParams, GenerateRequest, RequestOutput, TokenLogprob
 
 IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
 BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
@@ -49,7 +51,7 @@ class EngineCore:
         self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
         self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/speculative/)
-        self._vocab = 0  # width of the last step's logits (a seeded verify rewinds its generator by rows)
+        self.counts = TokenCounts(runner.device)  # penalised requests' token counts, on the device
 
     @property
     def metrics(self):
@@ -162,16 +164,22 @@ class EngineCore:
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> SampledStep | None:
-        """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep."""
-        logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
-        sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
-        picked = sample_on_device(logits, self.spec.rows(sampled)) if sampled else None
+        """Queue the step's forward, sampling and logprobs on the device; its tokens (and logprobs)
+        come back as a SampledStep."""
+        prompt_rows = [lp.prompt_rows(c) for c in chunks]  # before the computed counts move
+        seqs = [self._seq_chunk(c, n) for c, n in zip(chunks, prompt_rows, strict=True)]
+        logits = self.runner.execute(seqs, self._pending_inputs(chunks))
+        sampled = [c for c in chunks if c.need_logits]
+        layout, rows = lp.StepRows.of(chunks, prompt_rows), self.spec.rows(sampled)
+        picked = sample_on_device(layout.sampler_logits(logits), rows, self.counts) if sampled else None
+        logprobs = lp.launch(logits, layout, rows, picked)
         self._advance(chunks)
         for chunk in sampled:
             chunk.request.num_pending += 1
+        if not sampled and logprobs is None:
+            return None
         drafts = [c.drafts for c in sampled] if any(c.drafts for c in sampled) else None
-        self._vocab = logits.shape[-1]
-        return SampledStep([c.request for c in sampled], picked, self._staging.take(), drafts) if sampled else None
+        return SampledStep([c.request for c in sampled], picked, self._staging, drafts, logprobs)
 
     def _pending_inputs(self, chunks: list[ScheduledChunk]) -> PendingTokens | None:
         """Rows whose input is a pending token read it from the step in flight, on the device."""
@@ -183,12 +191,15 @@ class EngineCore:
         step before, an abort, a failure) discards its token. Context legs hand over their KV."""
         outputs, live = [], []
         drafts = step.drafts or [()] * len(step.requests)
-        for request, tokens, drafted in zip(step.requests, step.runs(), drafts, strict=True):
+        logprobs, prompt_pieces = step.logprobs()
+        for piece, entries in prompt_pieces:  # before the first token's output, which carries them
+            lp.fill_prompt(piece, entries)
+        for request, tokens, drafted, scores in zip(step.requests, step.runs(), drafts, logprobs, strict=True):
             request.num_pending -= 1
             if request.status != Status.FINISHED:
                 live.append(request)
-                outputs.append(self._accept_run(request, drafted, tokens) if drafted
-                               else self._accept_token(request, tokens[0]))
+                outputs.append(self._accept_run(request, drafted, tokens, scores) if drafted
+                               else self._accept_token(request, tokens[0], scores[0]))
         prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED]
         if prefilled:
             params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
@@ -212,14 +223,14 @@ class EngineCore:
         return outputs + [self.fail(transferring[f.request_id], f.message, f.code, release=False) for f in failed
                           if f.request_id in transferring]
 
-    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+    def _seq_chunk(self, chunk: ScheduledChunk, prompt_rows: int) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
         slots = {w: self.kv.slot_table(request.request_id, w) for w in self.kv.window_sizes}
         if request.num_pending:
             tokens = [0]  # read on the device (`_pending_inputs`)
         else:
             tokens = request.all_token_ids[start:start + chunk.num_new_tokens - len(chunk.drafts)] + list(chunk.drafts)
-        return SeqChunk(tokens, start, slots, chunk.need_logits, 1 + len(chunk.drafts))
+        return SeqChunk(tokens, start, slots, *lp.logit_span(chunk, prompt_rows))
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         """The step's tokens are computed: move the counts and commit full blocks for reuse."""
@@ -230,12 +241,14 @@ class EngineCore:
             if self._sliding:  # drafts may be rejected: only what surely stays computed moves the window
                 self.kv.release_out_of_window(request.request_id, request.num_computed_tokens - len(chunk.drafts))
 
-    def _accept_token(self, request: Request, token: int) -> RequestOutput | None:
+    def _accept_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Everything the next step depends on happens here (the token, stop conditions, freeing a
         finished request). Sync: the text of a request without stop strings, its output and its
         timing metrics wait for `_flush_text`, which the next step runs while the GPU computes (async
         postprocessing runs while the GPU computes already)."""
         request.append_token(token)
+        if logprob is not None:
+            request.logprob_queue.append(logprob)
         self.timings.stamp(request)
         if request.num_computed_tokens == request.num_known_tokens:  # async: its K/V is computed already
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
@@ -252,22 +265,27 @@ class EngineCore:
             self.scheduler.remove(request)
         return self._output(request, [token])
 
-    def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> RequestOutput | None:
-        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/speculative/).
-        The computed count rolls back over the rejected drafts (their K/V is overwritten later)."""
-        run = self.spec.accept(request, drafts, targets, self._vocab)
+    def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int],
+                    logprobs: list[TokenLogprob | None]) -> RequestOutput | None:
+        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/speculative/),
+        each with its row's logprobs. The computed count rolls back over the rejected drafts (their
+        K/V is overwritten later); the penalty counts take the emitted tokens."""
+        run = self.spec.accept(request, drafts, targets)
         request.num_computed_tokens -= len(drafts) + 1 - len(run)
         if self._sliding:
             self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
         new: list[int] = []
-        for token in run:
+        for token, logprob in zip(run, logprobs, strict=False):
             request.append_token(token)
+            if logprob is not None:
+                request.logprob_queue.append(logprob)
             self.timings.stamp(request)
             new.append(token)
             self._check_stop(request, token)
             if request.status == Status.FINISHED:
                 break
         self.kv.commit(request.request_id, request.all_token_ids, committable(request))
+        self.counts.add(request, new)
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, new)
@@ -301,7 +319,7 @@ class EngineCore:
         if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
             self.connector.release(request)
             self.scheduler.remove(request)
-        return self._output(request, list(request.output_token_ids))
+        return self._output(request, list(request.output_token_ids), scored=False)
 
     def fail(self, request: Request, message: str, code: int = 502, *, release: bool = True) -> RequestOutput:
         """End `request` with an error; `release=False` when its pull has ended already."""
@@ -326,8 +344,11 @@ class EngineCore:
         elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")
 
-    def _output(self, request: Request, new_tokens: list[int],
-                disagg: DisaggParams | None = None) -> RequestOutput:
+    def _output(self, request: Request, new_tokens: list[int], disagg: DisaggParams | None = None,
+                scored: bool = True) -> RequestOutput:
+        """One output of `request`: `new_tokens` with their logprobs when asked (`scored`: they were
+        sampled here; a generation leg's first tokens were not, and have none), the prompt's logprobs
+        on its first output once complete."""
         finished = request.status == Status.FINISHED
         # A context leg hands over (`disagg`): the text goes on elsewhere, so no flush and no release
         # of held-back text; its text is exactly what the generation side streams for those tokens.
@@ -338,14 +359,34 @@ class EngineCore:
         if finished:
             self._detok.pop(request.request_id)
             self.timings.finished(request)
+            self.counts.release(request)
         prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
-            error=request.error, error_code=request.error_code, disagg=disagg,
+            error=request.error, error_code=request.error_code, disagg=disagg, index=request.choice,
+            logprobs=self._take_logprobs(request, len(new_tokens)) if scored else None,
+            prompt_logprobs=self._take_prompt_logprobs(request),
         )
+
+    @staticmethod
+    def _take_logprobs(request: Request, n: int) -> list[TokenLogprob] | None:
+        """The logprobs of an output's n new tokens (None when the request asked for none)."""
+        if request.sampling.logprobs is None:
+            return None
+        taken = request.logprob_queue[:n]
+        del request.logprob_queue[:n]
+        return taken
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs, once, on the first output after they are complete."""
+        if request.prompt_logprobs is None or request.prompt_logprobs_missing:
+            return None
+        taken, request.prompt_logprobs = request.prompt_logprobs, None
+        return taken
 
     def _reported_cached(self, request: Request) -> int:
         """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""

@@ -15,6 +15,16 @@ def _logits(rows: list[list[float]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
+def _draws(logits: torch.Tensor, request: Request, n: int) -> list[int]:
+    """n tokens of one row, each appended as the engine does (a seeded row's noise is keyed by its
+    output position, so the position must move between draws)."""
+    out = []
+    for _ in range(n):
+        out.append(sample(logits, [request])[0])
+        request.append_token(out[-1])
+    return out
+
+
 def test_greedy_takes_argmax_first_index_on_ties():
     logits = _logits([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
     assert sample(logits, [_request(temperature=0.0), _request(temperature=0.0)]) == [1, 0]
@@ -34,8 +44,7 @@ def test_same_seed_same_tokens_and_different_seed_differs():
     logits = torch.randn(1, 64)
     draws = []
     for seed in (11, 11, 12):
-        request = _request(temperature=1.5, seed=seed)
-        draws.append([sample(logits, [request])[0] for _ in range(20)])
+        draws.append(_draws(logits, _request(temperature=1.5, seed=seed), 20))
     assert draws[0] == draws[1]
     assert draws[0] != draws[2]
 
@@ -45,14 +54,12 @@ def test_top_k_one_and_tiny_top_p_reduce_to_argmax():
     logits = torch.randn(1, 100)
     best = int(logits.argmax())
     for params in ({"top_k": 1, "temperature": 1.0, "seed": 3}, {"top_p": 1e-6, "temperature": 1.0, "seed": 3}):
-        request = _request(**params)
-        assert {sample(logits, [request])[0] for _ in range(10)} == {best}
+        assert set(_draws(logits, _request(**params), 10)) == {best}
 
 
 def test_top_k_restricts_support():
     logits = _logits([[5.0, 4.0, 3.0, -1.0, -2.0]])
-    request = _request(top_k=2, temperature=5.0, seed=0)
-    assert {sample(logits, [request])[0] for _ in range(200)} == {0, 1}
+    assert set(_draws(logits, _request(top_k=2, temperature=5.0, seed=0), 200)) == {0, 1}
 
 
 def test_batched_draws_follow_the_softmax_of_the_tempered_scores():
