@@ -59,6 +59,7 @@ class SampledStep:
         # `picked` (a verify step is postprocessed before the next schedule: `rows` is not read)
         self.drafts = drafts
         self._plan = logprobs[1] if logprobs is not None else None
+        self._num_rows = 0 if picked is None else picked.numel()  # a verify chunk has 1 + drafts rows
         parts = [t for t in (picked, logprobs[0] if logprobs is not None else None) if t is not None]
         payload = parts[0] if len(parts) == 1 else torch.cat(parts)
         self._event: torch.cuda.Event | None = None
@@ -81,7 +82,7 @@ class SampledStep:
 
     def tokens(self) -> list[int]:
         """The sampled ids on the host, waiting for the step (and its copy) to end."""
-        return self._on_host()[: len(self.requests)].tolist()
+        return self._on_host()[: self._num_rows].tolist()
 
     def logprobs(self) -> tuple[list[list[TokenLogprob | None]], list[tuple[lp.PromptPiece, list[TokenLogprob]]]]:
         """Per request its rows' TokenLogprobs (None where not asked), as `runs()` groups the ids, and
@@ -89,7 +90,7 @@ class SampledStep:
         if self._plan is None:
             return [[None] * len(run) for run in self.runs()], []
         host = self._on_host()
-        sampled, pieces = lp.read(self._plan, self.tokens(), host[len(self.requests):])
+        sampled, pieces = lp.read(self._plan, self.tokens(), host[self._num_rows:])
         return self._grouped(sampled), pieces
 
     def _grouped(self, rows: list) -> list[list]:
