@@ -1,5 +1,6 @@
 import torch
 
+from server.engine.penalties import TokenCounts
 from server.engine.request import Request
 from server.engine.sampler import sample
 from server.types import SamplingParams
@@ -86,3 +87,58 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     mixed = sample(logits, [_request(temperature=0.0), _request(temperature=1.0, seed=99), _request(temperature=2.0)])
     assert mixed[1] == alone[0]
     assert mixed[0] == int(logits[0].argmax())
+
+
+def test_seeded_noise_depends_on_seed_choice_and_output_position_only():
+    """The same (seed, choice, position) draws the same noise wherever the earlier tokens came from:
+    a request that starts with 10 output tokens (a generation leg, a moved stream) goes on as the
+    one that sampled them; another choice index draws other noise."""
+    torch.manual_seed(8)
+    logits = torch.randn(1, 64)
+    full = _draws(logits, _request(temperature=1.0, seed=7), 30)
+    assert _draws(logits, _request(temperature=1.0, seed=7), 30) == full
+    later = Request("r", [1, 5, 7], SamplingParams(temperature=1.0, seed=7), frozenset({EOS}),
+                    output_token_ids=full[:10])
+    assert _draws(logits, later, 20) == full[10:]
+    other = Request("r", [1, 5, 7], SamplingParams(temperature=1.0, seed=7), frozenset({EOS}), choice=1)
+    assert _draws(logits, other, 30) != full
+
+
+def test_penalty_counts_follow_the_sampled_ids_on_the_device_and_rows_grow():
+    """frequency_penalty 2 between token 3 (logit 5) and 4 (logit 4): 4, then 3, then 4, from counts
+    bumped on the device (the tokens are not appended); 20 requests grow the buffer past its first
+    rows, and a row given back is clean when taken again."""
+    counts = TokenCounts(torch.device("cpu"))
+    row = [0.0] * 16
+    row[3], row[4] = 5.0, 4.0
+    logits = _logits([row] * 20)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=2.0), frozenset({EOS}),
+                        output_token_ids=[3] if i % 2 else []) for i in range(20)]
+    draws = [sample(logits, requests, counts) for _ in range(3)]
+    assert [d[1] for d in draws] == [4, 3, 4]  # one 3 already in its output
+    assert [d[0] for d in draws] == [3, 4, 3]  # none
+    assert len(counts) == 20 and counts.counts.shape[0] >= 20
+    for request in requests:
+        counts.release(request)
+    fresh = Request("f", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=2.0), frozenset({EOS}))
+    assert sample(logits[:1], [fresh], counts) == [3]
+
+
+def test_repetition_penalty_covers_the_prompt_and_presence_only_the_output():
+    row = [0.0] * 8
+    row[3], row[4], row[5] = 5.0, 3.0, -1.0
+    logits = _logits([row])
+    in_prompt = Request("r", [3, 5], SamplingParams(temperature=0.0, repetition_penalty=2.0), frozenset({EOS}))
+    assert sample(logits, [in_prompt]) == [4]  # 5 / 2 < 3
+    presence = Request("r", [3, 5], SamplingParams(temperature=0.0, presence_penalty=3.0), frozenset({EOS}))
+    assert sample(logits, [presence]) == [3]  # the prompt does not count
+    presence.append_token(3)
+    assert sample(logits, [presence]) == [4]  # 5 - 3 < 3 once in the output
+
+
+def test_logit_bias_and_min_p():
+    logits = _logits([[2.0, 1.0, 0.0, -1.0]])
+    assert sample(logits, [_request(temperature=0.0, logit_bias=((2, 2.5),))]) == [2]
+    # p ~ (0.64, 0.24, 0.09, 0.03): min_p 0.3 keeps tokens 0 and 1 only
+    request = _request(temperature=1.0, min_p=0.3, seed=1)
+    assert set(_draws(logits, request, 300)) == {0, 1}
