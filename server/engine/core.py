@@ -367,26 +367,9 @@ class EngineCore:
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg, index=request.choice,
-            logprobs=self._take_logprobs(request, len(new_tokens)) if scored else None,
-            prompt_logprobs=self._take_prompt_logprobs(request),
+            logprobs=lp.take_sampled(request, len(new_tokens)) if scored else None,
+            prompt_logprobs=lp.take_prompt(request),
         )
-
-    @staticmethod
-    def _take_logprobs(request: Request, n: int) -> list[TokenLogprob] | None:
-        """The logprobs of an output's n new tokens (None when the request asked for none)."""
-        if request.sampling.logprobs is None:
-            return None
-        taken = request.logprob_queue[:n]
-        del request.logprob_queue[:n]
-        return taken
-
-    @staticmethod
-    def _take_prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:
-        """The prompt's logprobs, once, on the first output after they are complete."""
-        if request.prompt_logprobs is None or request.prompt_logprobs_missing:
-            return None
-        taken, request.prompt_logprobs = request.prompt_logprobs, None
-        return taken
 
     def _reported_cached(self, request: Request) -> int:
         """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""

@@ -63,14 +63,17 @@ class PromptPiece:
 
 @dataclass(frozen=True)
 class StepRows:
-    """Where a step's logits rows go: the sampler's rows (in `spec.rows` order) and the prompt pieces."""
+    """Where a step's logits rows go: the sampler's rows (in `spec.rows` order; None: the logits
+    rows are the sampler's, as in a step without prompt rows) and the prompt pieces."""
 
-    sample_index: list[int]
+    sample_index: list[int] | None
     pieces: list[PromptPiece]
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk], num_prompt_rows: list[int]) -> StepRows:
         """Before the computed counts move (a chunk's positions start at its request's count)."""
+        if not any(num_prompt_rows):
+            return cls(None, [])
         sample_index, pieces, at = [], [], 0
         for chunk, n in zip(chunks, num_prompt_rows, strict=True):
             need, width = logit_span(chunk, n)
@@ -85,7 +88,7 @@ class StepRows:
 
     def sampler_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampler's rows of the step's logits (all of them when there is no prompt row)."""
-        if not self.pieces:
+        if self.sample_index is None:
             return logits
         return logits.index_select(0, upload(self.sample_index, torch.int64, logits.device))
 
@@ -108,7 +111,7 @@ def launch(logits: torch.Tensor, rows: StepRows, sampler_rows: list,
     wants = [i for i, row in enumerate(sampler_rows) if row.sampling.logprobs is not None]
     if not wants and not rows.pieces:
         return None
-    logit_rows = [rows.sample_index[i] for i in wants]
+    logit_rows = list(wants) if rows.sample_index is None else [rows.sample_index[i] for i in wants]
     ks = [sampler_rows[i].sampling.logprobs for i in wants]
     targets: list[int] = []
     for piece in rows.pieces:
@@ -168,3 +171,20 @@ def fill_prompt(piece: PromptPiece, entries: list[TokenLogprob]) -> None:
         if request.prompt_logprobs[position] is None:
             request.prompt_logprobs_missing -= 1
         request.prompt_logprobs[position] = entry
+
+
+def take_sampled(request: Request, n: int) -> list[TokenLogprob] | None:
+    """The logprobs of an output's n new tokens, accepted before (None: the request asked for none)."""
+    if request.sampling.logprobs is None:
+        return None
+    taken = request.logprob_queue[:n]
+    del request.logprob_queue[:n]
+    return taken
+
+
+def take_prompt(request: Request) -> list[TokenLogprob | None] | None:
+    """The prompt's logprobs, once, on the first output after they are complete."""
+    if request.prompt_logprobs is None or request.prompt_logprobs_missing:
+        return None
+    taken, request.prompt_logprobs = request.prompt_logprobs, None
+    return taken
