@@ -94,9 +94,7 @@ class Request:
     def counted_output(self) -> list[int]:
         """The known tokens that frequency and presence penalties count as output: a moved stream's
         prior output, then what it has (a generation leg: the context server's first token(s))."""
-        prior = self.num_prior_output
-        return self.prompt_token_ids[len(self.prompt_token_ids) - prior:] + self.output_token_ids if prior \
-            else list(self.output_token_ids)
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.num_prior_output:] + self.output_token_ids
 
     @property
     def max_cached_tokens(self) -> int | None:
