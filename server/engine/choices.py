@@ -30,8 +30,6 @@ from server.engine.request import Request, Status
 from server.engine.scheduler import ScheduledChunk
 from server.types import RequestOutput
 
-SEED_STRIDE = 0x9E3779B97F4A7C15  # a child's generator seed: the request's seed + choice x this, mod 2**64
-
 
 def child_id(request_id: str, choice: int) -> str:
     """The engine's (and the KV manager's) id of a forked choice."""
@@ -86,6 +84,4 @@ def _child(parent: Request, choice: int) -> Request:
     child.num_cached_tokens = parent.num_cached_tokens
     child.admitted_once, child.kv_received = True, parent.kv_received
     child.scheduled_time = parent.scheduled_time
-    if parent.sampling.seed is not None:  # its own noise: a choice must not repeat its parent's draws
-        child.generator = torch.Generator().manual_seed((parent.sampling.seed + choice * SEED_STRIDE) % 2**64)
     return child

@@ -14,17 +14,19 @@ prefill). Without async scheduling, every step is postprocessed in the same step
 from __future__ import annotations
 
 from kvcache import KVCacheManager
+from server.engine import logprobs as lp
 from server.engine.choices import fork_children, fork_rows, unforked_finals
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.inflight import SampledStep, TokenStaging
 from server.engine.kv_connector import AggregatedConnector, Arrived, KVConnector, PullFailure
+from server.engine.penalties import TokenCounts
 from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
-from server.types import DisaggParams, GenerateRequest, RequestOutput
+from server.types import DisaggParams, GenerateRequest, RequestOutput, TokenLogprob
 
 IDLE_WAIT_S = 0.02  # nothing to do: leases are still reaped at least this often
 BUSY_WAIT_S = 0.002  # transfers in flight or requests waiting for blocks
@@ -50,7 +52,7 @@ class EngineCore:
         self.inflight: SampledStep | None = None  # async: the launched step whose tokens are unread
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
         self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/speculative/)
-        self._vocab = 0  # width of the last step's logits (a seeded verify rewinds its generator by rows)
+        self.counts = TokenCounts(runner.device)  # penalised requests' token counts, on the device
 
     @property
     def metrics(self):
@@ -170,22 +172,28 @@ class EngineCore:
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> SampledStep | None:
-        """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep.
-        A request whose first token of n > 1 is due forks its other choices here, each sampling its
-        own first token from a copy of its logits row (server/engine/choices.py)."""
-        logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
-        sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
-        rows, children = self.spec.rows(sampled), []
+        """Queue the step's forward, sampling and logprobs on the device; its tokens (and logprobs)
+        come back as a SampledStep. A request whose first token of n > 1 is due forks its other
+        choices here, each sampling its own first token from a copy of its logits row
+        (server/engine/choices.py)."""
+        prompt_rows = [lp.prompt_rows(c) for c in chunks]  # before the computed counts move
+        seqs = [self._seq_chunk(c, n) for c, n in zip(chunks, prompt_rows, strict=True)]
+        logits = self.runner.execute(seqs, self._pending_inputs(chunks))
+        sampled = [c for c in chunks if c.need_logits]
+        layout, rows, children = lp.StepRows.of(chunks, prompt_rows), self.spec.rows(sampled), []
+        scores = layout.sampler_logits(logits)
         if any(c.request.forks_pending for c in sampled):
-            logits, children = fork_rows(logits, sampled, self._fork)
-        picked = sample_on_device(logits, rows + children) if sampled else None
+            scores, children = fork_rows(scores, sampled, self._fork)
+        picked = sample_on_device(scores, rows + children, self.counts) if sampled else None
+        logprobs = lp.launch(logits, layout, scores, rows + children, picked)
         self._advance(chunks)
         requests = [c.request for c in sampled] + children
         for request in requests:
             request.num_pending += 1
+        if not sampled and logprobs is None:
+            return None
         drafts = [c.drafts for c in sampled] + [()] * len(children) if any(c.drafts for c in sampled) else None
-        self._vocab = logits.shape[-1]
-        return SampledStep(requests, picked, self._staging.take(), drafts) if sampled else None
+        return SampledStep(requests, picked, self._staging, drafts, logprobs)
 
     def _fork(self, parent: Request, num_tokens: int) -> list[Request]:
         children = fork_children(parent, self.kv, num_tokens)
@@ -204,12 +212,15 @@ class EngineCore:
         step before, an abort, a failure) discards its token. Context legs hand over their KV."""
         outputs, live = [], []
         drafts = step.drafts or [()] * len(step.requests)
-        for request, tokens, drafted in zip(step.requests, step.runs(), drafts, strict=True):
+        logprobs, prompt_pieces = step.logprobs()
+        for piece, entries in prompt_pieces:  # before the first token's output, which carries them
+            lp.fill_prompt(piece, entries)
+        for request, tokens, drafted, scores in zip(step.requests, step.runs(), drafts, logprobs, strict=True):
             request.num_pending -= 1
             if request.status != Status.FINISHED:
                 live.append(request)
-                outputs.append(self._accept_run(request, drafted, tokens) if drafted
-                               else self._accept_token(request, tokens[0]))
+                outputs.append(self._accept_run(request, drafted, tokens, scores) if drafted
+                               else self._accept_token(request, tokens[0], scores[0]))
         prefilled = [r for r in live if r.is_context_only and r.status != Status.FINISHED and r.parent is None]
         if prefilled:
             params = self.connector.offer(prefilled)  # KV out: lease the blocks, say where they are
@@ -247,14 +258,14 @@ class EngineCore:
             choice.take_first_tokens(tokens, cached)
         return [self._emit_first_tokens(c) for c in choices]
 
-    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+    def _seq_chunk(self, chunk: ScheduledChunk, prompt_rows: int) -> SeqChunk:
         request, start = chunk.request, chunk.request.num_computed_tokens
         slots = {w: self.kv.slot_table(request.request_id, w) for w in self.kv.window_sizes}
         if request.num_pending:
             tokens = [0]  # read on the device (`_pending_inputs`)
         else:
             tokens = request.all_token_ids[start:start + chunk.num_new_tokens - len(chunk.drafts)] + list(chunk.drafts)
-        return SeqChunk(tokens, start, slots, chunk.need_logits, 1 + len(chunk.drafts))
+        return SeqChunk(tokens, start, slots, *lp.logit_span(chunk, prompt_rows))
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         """The step's tokens are computed: move the counts and commit full blocks for reuse."""
@@ -265,12 +276,14 @@ class EngineCore:
             if self._sliding:  # drafts may be rejected: only what surely stays computed moves the window
                 self.kv.release_out_of_window(request.request_id, request.num_computed_tokens - len(chunk.drafts))
 
-    def _accept_token(self, request: Request, token: int) -> RequestOutput | None:
+    def _accept_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput | None:
         """Everything the next step depends on happens here (the token, stop conditions, freeing a
         finished request). Sync: the text of a request without stop strings, its output and its
         timing metrics wait for `_flush_text`, which the next step runs while the GPU computes (async
         postprocessing runs while the GPU computes already)."""
         request.append_token(token)
+        if logprob is not None:
+            request.logprob_queue.append(logprob)
         self.timings.stamp(request)
         if request.num_computed_tokens == request.num_known_tokens:  # async: its K/V is computed already
             self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
@@ -290,22 +303,27 @@ class EngineCore:
             self.scheduler.remove(request)
         return self._output(request, [token])
 
-    def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> RequestOutput | None:
-        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/speculative/).
-        The computed count rolls back over the rejected drafts (their K/V is overwritten later)."""
-        run = self.spec.accept(request, drafts, targets, self._vocab)
+    def _accept_run(self, request: Request, drafts: tuple[int, ...], targets: list[int],
+                    logprobs: list[TokenLogprob | None]) -> RequestOutput | None:
+        """A verify chunk's tokens: the accepted drafts and one more, cut at a stop (server/engine/speculative/),
+        each with its row's logprobs. The computed count rolls back over the rejected drafts (their
+        K/V is overwritten later); the penalty counts take the emitted tokens."""
+        run = self.spec.accept(request, drafts, targets)
         request.num_computed_tokens -= len(drafts) + 1 - len(run)
         if self._sliding:
             self.kv.release_out_of_window(request.request_id, request.num_computed_tokens)
         new: list[int] = []
-        for token in run:
+        for token, logprob in zip(run, logprobs, strict=False):
             request.append_token(token)
+            if logprob is not None:
+                request.logprob_queue.append(logprob)
             self.timings.stamp(request)
             new.append(token)
             self._check_stop(request, token)
             if request.status == Status.FINISHED:
                 break
         self.kv.commit(request.request_id, request.all_token_ids, committable(request))
+        self.counts.add(request, new)
         if request.status == Status.FINISHED:
             self.scheduler.remove(request)
         return self._output(request, new)
@@ -339,7 +357,7 @@ class EngineCore:
         if request.status == Status.FINISHED:  # nothing to decode: free the lease, pull nothing
             self._release_remote(request)
             self.scheduler.remove(request)
-        return self._output(request, list(request.output_token_ids))
+        return self._output(request, list(request.output_token_ids), scored=False)
 
     def fail(self, request: Request, message: str, code: int = 502, *, release: bool = True) -> list[RequestOutput]:
         """End `request` (one choice; all of them before they fork) with an error; `release=False`
@@ -375,8 +393,11 @@ class EngineCore:
         elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")
 
-    def _output(self, request: Request, new_tokens: list[int],
-                disagg: DisaggParams | None = None) -> RequestOutput:
+    def _output(self, request: Request, new_tokens: list[int], disagg: DisaggParams | None = None,
+                scored: bool = True) -> RequestOutput:
+        """One output of `request`: `new_tokens` with their logprobs when asked (`scored`: they were
+        sampled here; a generation leg's first tokens were not, and have none), the prompt's logprobs
+        on its first output once complete."""
         finished = request.status == Status.FINISHED
         # A context leg hands over (`disagg`): the text goes on elsewhere, so no flush and no release
         # of held-back text; its text is exactly what the generation side streams for those tokens.
@@ -387,6 +408,7 @@ class EngineCore:
         if finished:
             self._detok.pop(request.request_id)
             self.timings.finished(request)
+            self.counts.release(request)
         prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
         return RequestOutput(
             request_id=request.output_id, index=request.choice, new_token_ids=new_tokens,
@@ -395,6 +417,8 @@ class EngineCore:
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
             cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg,
+            logprobs=lp.take_sampled(request, len(new_tokens)) if scored else None,
+            prompt_logprobs=lp.take_prompt(request),
         )
 
     def _reported_cached(self, request: Request) -> int:

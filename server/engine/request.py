@@ -18,9 +18,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, FinishReason, SamplingParams
+from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, FinishReason, SamplingParams, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -40,6 +38,7 @@ class Request:
     disagg: DisaggParams | None = None
     cache_salt: str | None = None  # prefix-cache namespace (KVCacheManager.admit's salt)
     kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY  # eviction priority of its blocks
+    choice: int = 0  # which of the request's `n` choices this is (its seeded noise is keyed by it)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -51,18 +50,22 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int = 500
-    generator: torch.Generator | None = None
+    # log-probabilities (server/engine/logprobs.py): those of accepted tokens not yet in an output,
+    # and the prompt's (entry 0 None), filled as its prefill chunks are computed
+    logprob_queue: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_missing: int = 0  # prompt positions whose logprobs are still to compute
     scheduled_time: float | None = None  # first admission (end of the queue time)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    choice: int = 0  # which of the request's `sampling.n` choices this is (server/engine/choices.py)
     parent: Request | None = field(default=None, repr=False)  # a forked choice's request (choice 0)
     children: list[Request] = field(default_factory=list, repr=False)  # choice 0: choices 1..n-1, in order
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
-        if self.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        if self.sampling.prompt_logprobs is not None and not self.is_generation_only:  # the context leg's
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_logprobs_missing = max(0, len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,28 @@ class Request:
     def num_output_tokens(self) -> int:
         """Generated tokens, the pending ones included (what min_tokens counts when sampling)."""
         return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_prior_output(self) -> int:
+        """Output a moved stream had before this leg: the last tokens of its prompt."""
+        return self.disagg.prior_output_tokens if self.disagg is not None else 0
+
+    @property
+    def output_position(self) -> int:
+        """The output position of the token its next sampled row makes (0: the first token of the
+        request, wherever it is computed): a moved stream's prior output and a pending token count."""
+        return self.num_prior_output + self.num_output_tokens
+
+    def counted_output(self) -> list[int]:
+        """The known tokens that frequency and presence penalties count as output: a moved stream's
+        prior output, then what it has (a generation leg: the context server's first token(s))."""
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.num_prior_output:] + self.output_token_ids
+
+    @property
+    def max_cached_tokens(self) -> int | None:
+        """The cap of its prefix-cache hit at admission: 0 while its prompt logprobs are still to
+        compute (a position reused from the cache has no logits), else None (the KV manager's default)."""
+        return 0 if self.prompt_logprobs_missing else None
 
     def last_token_pending(self, max_seq_len: int) -> bool:
         """Its pending token is certainly its last (a context leg's one token, max_tokens, max_seq_len),

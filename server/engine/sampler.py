@@ -1,41 +1,67 @@
 """Token sampling for one step, batched on the logits' device: greedy, temperature, top-k, top-p,
-per-request seeds, min_tokens. One host copy of the chosen token ids per step.
+min-p, logit_bias, penalties, min_tokens, per-request seeds. One host copy of the chosen token ids per
+step (server/engine/inflight.py).
+
+The order is vLLM's: on the raw logits, min_tokens (EOS and stop ids forbidden), logit_bias, then the
+repetition, frequency and presence penalties (server/engine/penalties.py); greedy rows take the
+argmax of that (penalties apply to greedy requests too); sampling rows then divide by their
+temperature, drop the tokens below min_p x the top token's probability, then apply top-k and top-p.
+Log-probabilities are not computed from any of this: they are log_softmax of the RAW logits of the
+row (OpenAI's and vLLM's default; server/engine/logprobs.py).
 
 Sampling from softmax(scores) is done as argmax(scores - log E) with E ~ Exp(1) drawn per row
 (the exponential race, equivalent to Gumbel-max): every row of the batch is sampled by one argmax.
-A request with a seed draws its row's noise from its own generator, so its tokens depend only on
-its seed and its logits, never on what else is in the batch.
+A request with a seed draws its row's noise from a CPU generator seeded with a 64-bit hash of
+(seed, choice index, output position) (`noise_seed`): its tokens depend only on those and its
+logits, never on what else is in the batch, on which server sampled its earlier tokens
+(aggregated, or a context and a generation server, or a stream moved to another server), or on how
+many rows a verify step drew before (speculative decoding redraws a rejected position with its key).
 
-Nothing here waits for the device: host values go up with non-blocking copies (`_upload`;
+Nothing here waits for the device: host values go up with non-blocking copies (`upload`;
 `torch.tensor(values, device=cuda)` would synchronise the stream), so async scheduling can queue a
 step's sampling behind its forward and return at once.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
+from server.engine.penalties import StepPenalties, TokenCounts, apply_logit_bias
 from server.engine.request import Request
+from server.engine.uploads import upload as _upload
 
 MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities); this close to 0 it is greedy anyway
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | None = None) -> list[int]:
     """Pick one token per row. `logits`: float32 [num_requests, vocab], row i belongs to requests[i]."""
-    return sample_on_device(logits, requests).tolist()
+    return sample_on_device(logits, requests, counts).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None) -> torch.Tensor:
     """`sample` without the host copy: [num_requests] token ids on the logits' device (on a GPU the
-    work is only queued, so the caller can do host work before it waits for the ids)."""
+    work is only queued, so the caller can do host work before it waits for the ids). `requests`:
+    per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`: the
+    engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
+    from the requests' tokens when None)."""
     logits = _mask_banned(logits, requests)
-    greedy = logits.argmax(dim=-1)  # [num_requests]; ties -> first index, as transformers
+    logits = apply_logit_bias(logits, requests)
+    penalties = None
+    if any(r.sampling.penalized for r in requests):
+        counts = counts if counts is not None else TokenCounts(logits.device)
+        penalties = StepPenalties(requests, counts, logits.shape[1])
+        logits = penalties.apply(logits)
+    picked = logits.argmax(dim=-1)  # [num_requests]; ties -> first index, as transformers
     random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
-    if not random_rows:
-        return greedy
-    rows = _upload(random_rows, torch.int64, logits.device)
-    chosen = _sample_rows(logits.index_select(0, rows), [requests[i] for i in random_rows])
-    return greedy.index_copy(0, rows, chosen)
+    if random_rows:
+        rows = _upload(random_rows, torch.int64, logits.device)
+        chosen = _sample_rows(logits.index_select(0, rows), [requests[i] for i in random_rows])
+        picked = picked.index_copy(0, rows, chosen)
+    if penalties is not None:
+        penalties.record(picked)
+    return picked
 
 
 def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -55,17 +81,27 @@ def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, requests: list) -> torch.Tensor:
     """logits [R, vocab] of requests that sample -> [R] token ids (on the device)."""
     device = logits.device
     temps = _upload([max(r.sampling.temperature, MIN_TEMPERATURE) for r in requests], torch.float32, device)
     scores = logits / temps[:, None]
+    min_ps = [r.sampling.min_p for r in requests]
+    if any(min_ps):
+        scores = _min_p(scores, min_ps)
     ks = [r.sampling.top_k if 0 < r.sampling.top_k < scores.shape[1] else 0 for r in requests]
     ps = [r.sampling.top_p for r in requests]
     if any(ks) or any(p < 1.0 for p in ps):
         scores = _top_k_top_p(scores, ks, ps)
     noise = _exponential(scores.shape, requests, device)
     return (scores - noise.log()).argmax(dim=-1)
+
+
+def _min_p(scores: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop per row the tokens whose probability is below min_p x the most likely token's (0: none)."""
+    probs = torch.softmax(scores, dim=-1)
+    floor = _upload(min_ps, torch.float32, scores.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    return scores.masked_fill(probs < floor, float("-inf"))
 
 
 def _top_k_top_p(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
@@ -86,18 +122,24 @@ def _top_k_top_p(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 
-def _exponential(shape: torch.Size, requests: list[Request], device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [R, vocab]: seeded rows from their own generator (CPU), the rest batched."""
+def noise_seed(seed: int, choice: int, position: int) -> int:
+    """The 64-bit seed of a seeded row's noise: a hash of the request's seed, its choice index and
+    the output position the row samples."""
+    digest = hashlib.blake2b(f"{seed}:{choice}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _exponential(shape: torch.Size, requests: list, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [R, vocab]: seeded rows from CPU generators keyed by their position (one upload
+    for all of them), the rest batched on the device."""
     noise = torch.empty(shape, device=device).exponential_()
-    for row, request in enumerate(requests):
-        if request.generator is not None:
-            own = torch.empty(shape[1]).exponential_(generator=request.generator)
-            noise[row] = own.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else own
+    seeded = [i for i, r in enumerate(requests) if r.sampling.seed is not None]
+    if seeded:
+        own = torch.empty(len(seeded), shape[1])
+        for at, i in enumerate(seeded):
+            row = requests[i]
+            generator = torch.Generator().manual_seed(noise_seed(row.sampling.seed, row.choice, row.output_position))
+            own[at].exponential_(generator=generator)
+        own = own.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else own
+        noise.index_copy_(0, _upload(seeded, torch.int64, device), own)
     return noise
-
-
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device`, copied without waiting for the device's queued work (from
-    pinned memory, which torch keeps until the copy has run)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -211,7 +211,8 @@ class Scheduler:
         A generation-only request arrives holding its first token: it reuses what it can of the
         prompt (all of it may match, no logits are needed) and reserves room for that token too.
         It pulls the rest by whole blocks, so a partly matching block is reused only if it
-        completes the prompt (else the pull would overwrite the copy).
+        completes the prompt (else the pull would overwrite the copy). A request that still needs
+        its prompt logprobs reuses nothing (`Request.max_cached_tokens`).
         """
         prompt_kv_only = request.is_generation_only and not request.admitted_once
         tokens = request.prompt_token_ids if prompt_kv_only else request.all_token_ids
@@ -219,7 +220,7 @@ class Scheduler:
             cached = self.kv.admit(
                 request.request_id, tokens,
                 num_tokens=request.num_tokens if prompt_kv_only else None,
-                max_cached_tokens=len(tokens) if prompt_kv_only else None,
+                max_cached_tokens=len(tokens) if prompt_kv_only else request.max_cached_tokens,
                 priority=request.kv_retention_priority, salt=request.cache_salt,
                 partial_only_if_complete=prompt_kv_only,
             )

@@ -181,3 +181,33 @@ def test_an_abort_of_the_generation_leg_ends_every_choice(make_pair):
     aborted = run.gen.abort(gen_id)
     assert [(o.index, o.finish_reason) for o in aborted] == [(0, "abort"), (1, "abort"), (2, "abort")]
     run.settle()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_choices_with_logprobs_and_a_penalty_equal_aggregated(make_pair, async_scheduling):
+    """n=3 sampled with a seed (noise keyed by seed, choice and position), a frequency penalty (the
+    first token counted on the generation leg) and logprobs: the pair's choices equal the aggregated
+    engine's token for token, and their logprobs too (the first token's from the context leg)."""
+    run = make_pair(async_scheduling=async_scheduling)
+    prompt = _prompt(6, 41)
+    sampling = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, n=3, ignore_eos=True,
+                              frequency_penalty=0.7, logprobs=2)
+    local = eh.submit(run.ctx, prompt, sampling)
+    aggregated = run.wait_choices(local, 3, "the aggregated request")
+    run.settle()
+    ctx_id = eh.submit(run.ctx, prompt, sampling, disagg=DisaggParams("context_only"))
+    answers = run.wait_choices(ctx_id, 3, "the context leg")
+    gen_id = eh.submit(run.gen, prompt, sampling, disagg=_generation_params(answers[0][-1]))
+    choices = run.wait_choices(gen_id, 3, "the generation leg")
+    want = {i: _tokens(aggregated[i]) for i in range(3)}
+    assert len({tuple(t) for t in want.values()}) == 3  # the choices differ from each other
+    for i in range(3):
+        assert _tokens(choices[i]) == want[i]
+        first = answers[i][-1].logprobs  # the context leg's entry of choice i's first token
+        later = [e for o in choices[i] for e in (o.logprobs or [])]
+        pair = [*first, *later]
+        expected = [e for o in aggregated[i] for e in o.logprobs]
+        assert [e.token_id for e in pair] == want[i] and len(pair) == len(expected)
+        for got, ref in zip(pair, expected, strict=True):
+            assert abs(got.logprob - ref.logprob) < 1e-4 and [t for t, _ in got.top] == [t for t, _ in ref.top]
+    run.settle()

@@ -74,12 +74,12 @@ def test_greedy_acceptance_is_the_matching_prefix_plus_one():
 def test_verify_rows_count_earlier_rows_toward_min_tokens():
     eos = 2
     request = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8), frozenset({eos}))
-    rows = sampling_rows(request, 3)
+    rows = sampling_rows(request, (7, 8, 9))
     assert [r.num_output_tokens for r in rows] == [0, 1, 2, 3]
     logits = torch.zeros(4, 5)
     logits[:, eos] = 10.0  # EOS is everyone's favourite, but the first two rows may not emit it
     assert sample(logits, rows) == [0, 0, eos, eos]
-    assert sampling_rows(request, 0) == [request]
+    assert sampling_rows(request, ()) == [request]
 
 
 def test_rejection_rule_keeps_the_distribution_and_accepts_with_p_of_the_draft():

@@ -21,13 +21,11 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-import torch
-
 from kvcache import KVCacheManager, OutOfBlocksError
 from server.engine.request import Request, Status
 from server.engine.scheduler import ScheduledChunk, SchedulerConfig
 from server.engine.speculative.config import SpeculativeConfig
-from server.engine.speculative.verify import VerifyRow, accepted_prefix, rewind, sampling_rows, seeded_state
+from server.engine.speculative.verify import VerifyRow, accepted_prefix, sampling_rows
 
 MISS_LIMIT = 2
 MIN_BACKOFF = 8
@@ -67,7 +65,6 @@ class SpecDecoder:
         self.stats = SpecStats()
         self._paces: weakref.WeakKeyDictionary[Request, _Pace] = weakref.WeakKeyDictionary()
         self._global = 1.0  # server-wide acceptance average (optimistic until verifies say otherwise)
-        self._states: dict[Request, torch.Tensor] = {}  # seeded generators before this step's rows
 
     # ---- before the step
     def wants_tokens(self, requests: list[Request]) -> bool:
@@ -99,16 +96,12 @@ class SpecDecoder:
 
     def rows(self, chunks: list[ScheduledChunk]) -> list[Request | VerifyRow]:
         """The sampler's rows of the chunks that want logits: one per verify position."""
-        self._states = {c.request: s for c in chunks if c.drafts and (s := seeded_state(c.request)) is not None}
-        return [row for c in chunks for row in sampling_rows(c.request, len(c.drafts))]
+        return [row for c in chunks for row in sampling_rows(c.request, c.drafts)]
 
     # ---- after the step
-    def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int], vocab: int) -> list[int]:
-        """The tokens a verify chunk emits (accepted drafts + one); its seeded generator rewound."""
+    def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> list[int]:
+        """The tokens a verify chunk emits (accepted drafts + one)."""
         a = accepted_prefix(drafts, targets)
-        state = self._states.pop(request, None)
-        if state is not None:
-            rewind(request, state, a + 1, vocab)
         stats = self.stats
         stats.proposed, stats.accepted = stats.proposed + len(drafts), stats.accepted + a
         stats.emitted, stats.verified = stats.emitted + a + 1, stats.verified + 1
@@ -169,5 +162,5 @@ class NoSpeculation:
     def rows(self, chunks: list[ScheduledChunk]) -> list[Request | VerifyRow]:
         return [c.request for c in chunks]
 
-    def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int], vocab: int) -> list[int]:
+    def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> list[int]:
         raise AssertionError("no verify chunk without speculation")

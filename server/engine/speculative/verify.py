@@ -12,16 +12,16 @@ Sampling: sampling s[i] ~ p_i and accepting d[i] iff s[i] == d[i] is the rejecti
 deterministic drafter (q one-hot at d[i]): d[i] is accepted with probability p_i(d[i]), and a
 rejected position's token is a sample of p_i with d[i] removed and renormalised; every emitted token
 is a sample of the target distribution, so the output distribution is unchanged. A request with a
-seed draws each row's noise from its own generator in row order and is then rewound to the state
-after its emitted rows (`rewind`), so its output equals its non-speculative output for that seed.
+seed draws row i's noise from a key of its output position (server/engine/sampler.py `noise_seed`):
+a rejected position is drawn again next step with the same key, so its output equals its
+non-speculative output for that seed. Row i's penalties count the drafts d[:i] as output
+(`VerifyRow.drafted`), and its log-probabilities are those of its own logits row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from server.engine.request import Request
 from server.types import SamplingParams
@@ -46,6 +46,7 @@ class VerifyRow:
 
     request: Request
     offset: int
+    drafted: tuple[int, ...] = ()  # the drafts before this row: output tokens of its position
 
     @property
     def sampling(self) -> SamplingParams:
@@ -56,32 +57,20 @@ class VerifyRow:
         return self.request.eos_token_ids
 
     @property
-    def generator(self) -> torch.Generator | None:
-        return self.request.generator
+    def choice(self) -> int:
+        return self.request.choice
+
+    @property
+    def output_position(self) -> int:
+        return self.request.output_position + self.offset
 
     @property
     def num_output_tokens(self) -> int:
         return self.request.num_output_tokens + self.offset
 
 
-def sampling_rows(request: Request, num_drafts: int) -> list[Request | VerifyRow]:
+def sampling_rows(request: Request, drafts: tuple[int, ...]) -> list[Request | VerifyRow]:
     """The sampler rows of one request's chunk: the request itself when it has no drafts."""
-    if not num_drafts:
+    if not drafts:
         return [request]
-    return [VerifyRow(request, i) for i in range(num_drafts + 1)]
-
-
-def seeded_state(request: Request) -> torch.Tensor | None:
-    """The generator state before a verify chunk's rows draw (None: nothing to rewind)."""
-    if request.generator is None or request.sampling.greedy:
-        return None
-    return request.generator.get_state()
-
-
-def rewind(request: Request, state: torch.Tensor, rows_used: int, vocab: int) -> None:
-    """Put a seeded request's generator where `rows_used` plain decode steps would have left it:
-    back to `state`, then the same draws the sampler makes per row (`sampler._exponential`)."""
-    generator = request.generator
-    generator.set_state(state)
-    for _ in range(rows_used):
-        torch.empty(vocab).exponential_(generator=generator)
+    return [VerifyRow(request, i, drafts[:i]) for i in range(len(drafts) + 1)]
