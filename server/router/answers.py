@@ -51,7 +51,7 @@ def final_answer(ctx: dict, chat: bool, stream: bool, include_usage: bool) -> JS
     """The client's answer when the context leg ended the request: the context answer as it is, or
     as a whole stream."""
     for choice in ctx.get("choices", []):
-        choice.pop("disaggregated_params", None)
+        choice["disaggregated_params"] = None  # the lease's parameters are the router's own business
     if not stream:
         return JSONBody(ctx)
     return EventStream(_each(closing_events(ctx, chat, ctx.get("id") or "", include_usage)))

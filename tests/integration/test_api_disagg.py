@@ -1,0 +1,145 @@
+"""The OpenAI API's fields through a disaggregated deployment (router, context server, generation
+server) equal what one aggregated server answers, JSON and streamed: logprobs and top logprobs,
+echo with prompt logprobs (lm-evaluation-harness's request shape), n seeded choices, several
+prompts, chat logprobs, penalties and logit_bias. Both deployments run builtin:tiny-llama in float32."""
+
+from __future__ import annotations
+
+import deploy_harness as dh
+import httpx
+import pytest
+
+from server.openai.wire import loads
+
+OVERRIDES = {"dtype": "float32", "max_n": 4}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory):
+    with dh.launched("aggregated.yaml", tmp_path_factory.mktemp("agg"), OVERRIDES) as agg, \
+            dh.launched("disagg.yaml", tmp_path_factory.mktemp("disagg"), OVERRIDES) as disagg:
+        yield agg.url, disagg.url
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    response = httpx.post(url + path, json=body, timeout=TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(loads(line[6:]))
+    return events
+
+
+def _answer(body: dict) -> dict:
+    """What must agree between the modes: the choices and the usage (not ids, times or cache hits,
+    which depend on what each deployment's caches hold)."""
+    return {"choices": sorted(body["choices"], key=lambda c: c["index"]), "usage": _counts(body["usage"])}
+
+
+def _counts(usage: dict | None) -> dict | None:
+    return None if usage is None else {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
+def _assembled(events: list[dict], chat: bool) -> dict:
+    """A stream as per-choice text, logprobs and finish reasons, and its usage."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for event in events:
+        assert "error" not in event, event
+        usage = _counts(event.get("usage")) or usage
+        for c in event["choices"]:
+            got = choices.setdefault(c["index"], {"text": "", "logprobs": [], "finish_reason": None})
+            got["text"] += (c["delta"].get("content") or "") if chat else c["text"]
+            if c.get("logprobs"):
+                got["logprobs"].append(c["logprobs"]["content"] if chat else c["logprobs"])
+            got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+    return {"choices": choices, "usage": usage}
+
+
+def _flat_completion_logprobs(parts: list[dict]) -> dict:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [v for p in parts for v in p[k]] for k in keys}
+
+
+def _close(a, b, tol: float = 1e-4) -> bool:
+    """Equal structures, floats within `tol` (the two servers batch differently)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= tol
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+COMPLETIONS = {
+    "logprobs": {"prompt": "The river ran past the old", "max_tokens": 6, "temperature": 0, "logprobs": 3,
+                 "ignore_eos": True},
+    "lm_eval_loglikelihood": {"prompt": [[15, 72, 301, 44, 9, 120, 77]], "max_tokens": 1, "temperature": 0,
+                              "logprobs": 1, "echo": True, "seed": 1234},
+    "echo_and_more": {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
+                      "ignore_eos": True},
+    "seeded_choices": {"prompt": "A list of things:", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3,
+                       "ignore_eos": True},
+    "several_prompts": {"prompt": ["First prompt here", "A second, longer prompt goes here"], "max_tokens": 5,
+                        "temperature": 0.8, "seed": 3, "n": 2, "ignore_eos": True, "logprobs": 1},
+    "penalties": {"prompt": "the the the the the", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                  "frequency_penalty": 1.2, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+                  "logit_bias": {"101": 5.0, "102": -100}},
+}
+CHAT = {
+    "logprobs": {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6, "temperature": 0,
+                 "logprobs": True, "top_logprobs": 3, "ignore_eos": True},
+    "seeded_choices": {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+                       "temperature": 1.0, "seed": 11, "n": 2, "ignore_eos": True, "min_p": 0.05},
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPLETIONS))
+def test_completions_equal_aggregated(urls, case):
+    agg, disagg = urls
+    body = COMPLETIONS[case]
+    want, got = _answer(_post(agg, "/v1/completions", body)), _answer(_post(disagg, "/v1/completions", body))
+    assert _close(got, want), (got, want)
+    streamed = [_assembled(_stream(u, "/v1/completions", body), chat=False) for u in (agg, disagg)]
+    for s in streamed:
+        for c in s["choices"].values():
+            c["logprobs"] = _flat_completion_logprobs(c["logprobs"]) if c["logprobs"] else None
+    assert _close(streamed[1], streamed[0]), streamed
+    texts = {c["index"]: c["text"] for c in want["choices"]}
+    assert {i: c["text"] for i, c in streamed[0]["choices"].items()} == texts  # a stream says what JSON says
+    assert streamed[0]["usage"] == want["usage"]
+
+
+@pytest.mark.parametrize("case", sorted(CHAT))
+def test_chat_equals_aggregated(urls, case):
+    agg, disagg = urls
+    body = CHAT[case]
+    want, got = _answer(_post(agg, "/v1/chat/completions", body)), _answer(_post(disagg, "/v1/chat/completions", body))
+    assert _close(got, want), (got, want)
+    streamed = [_assembled(_stream(u, "/v1/chat/completions", body), chat=True) for u in (agg, disagg)]
+    for s in streamed:
+        for c in s["choices"].values():
+            c["logprobs"] = [e for part in c["logprobs"] for e in part] or None
+    assert _close(streamed[1], streamed[0]), streamed
+    assert streamed[0]["usage"] == want["usage"]
+
+
+def test_lm_eval_shape_scores_the_prompt(urls):
+    """echo + logprobs + max_tokens 1: one logprob per prompt token (the first null) and one more."""
+    agg, _ = urls
+    body = COMPLETIONS["lm_eval_loglikelihood"]
+    [choice] = _post(agg, "/v1/completions", body)["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(body["prompt"][0]) + 1
+    assert all(isinstance(v, float) and v <= 0 for v in logprobs["token_logprobs"][1:])
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
