@@ -2,12 +2,13 @@
 test puts first on PATH (imported by tests as `import fake_nvidia`).
 
 `nvidia-smi` prints the GPUs the test gave (`--query-gpu=index,uuid,compute_mode` rows).
-`nvidia-cuda-mps-control` behaves as the daemon does, as far as the launcher can tell: `-d` creates
-`control` in $CUDA_MPS_PIPE_DIRECTORY, a command read on stdin is answered while that file exists,
-`quit` removes it, `-f` stays running (a process named like an MPS daemon). Every call appends one
+`nvidia-cuda-mps-control` behaves as the daemon does, as far as the launcher can tell (as seen on an
+H200 host with driver 580): `-d` creates `control` and `nvidia-cuda-mps-control.pid` in
+$CUDA_MPS_PIPE_DIRECTORY, a command read on stdin is answered while the pid file exists, `quit`
+removes the pid file (the socket files stay), `-f` stays running (a process named like an MPS daemon). Every call appends one
 line to `calls.log`: its arguments or command, then the MPS variables and CUDA_VISIBLE_DEVICES it saw.
 A file named after a mode in the folder makes it misbehave: `fail-start` (`-d` exits 1), `no-answer`
-(commands exit 1), `hang` (every call sleeps 30 s).
+(commands exit 1), `stay` (`quit` is answered but the daemon stays), `hang` (every call sleeps 30 s).
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ case "$1" in
     echo "-d $seen" >> "$dir/calls.log"
     if [ -e "$dir/fail-start" ]; then echo "An instance of this daemon is already running" >&2; exit 1; fi
     touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+    echo 4242 > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     exit 0 ;;
   -f)
     while :; do sleep 1; done ;;
 esac
 read -r line
 echo "$line $seen" >> "$dir/calls.log"
-if [ -e "$dir/no-answer" ] || [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+if [ -e "$dir/no-answer" ] || [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid" ]; then
   echo "Cannot find MPS control daemon process"; exit 1
 fi
 case "$line" in
-  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" ;;
+  quit) [ -e "$dir/stay" ] || rm -f "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid" ;;
   get_default_active_thread_percentage) echo 100.0 ;;
 esac
 '''

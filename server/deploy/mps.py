@@ -33,7 +33,8 @@ PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 COMMAND_TIMEOUT_S = 10.0  # each run of nvidia-smi or nvidia-cuda-mps-control
-READY_TIMEOUT_S = 10.0  # the daemon answering after `-d`; its control socket gone after `quit`
+READY_TIMEOUT_S = 10.0  # the daemon answering after `-d`; gone after `quit`
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory while it runs
 PING = "get_default_active_thread_percentage"  # a command any running daemon answers
 MAX_PIPE_DIR_CHARS = 80  # the daemon's sockets live in it, and a socket's path fits in 107 bytes
 EXCLUSIVE_PROCESS = "Exclusive_Process"  # nvidia-smi's name of the compute mode
@@ -57,6 +58,7 @@ class MpsDaemon:
                  ready_s: float = READY_TIMEOUT_S) -> None:
         self.exe, self.root, self.timeout_s, self.ready_s = exe, root, timeout_s, ready_s
         self.pipe_dir, self.log_dir = root / "pipe", root / "log"
+        self.pid_file = self.pipe_dir / PID_FILE
         # without CUDA_VISIBLE_DEVICES: the daemon numbers the GPUs as the host does, so a server's
         # own CUDA_VISIBLE_DEVICES means under MPS what it means without
         base = {k: v for k, v in env.items() if k != VISIBLE_DEVICES}
@@ -87,16 +89,17 @@ class MpsDaemon:
         return problem
 
     def stop(self) -> str | None:
-        """Quit the daemon and wait until its control socket is gone; None, or what went wrong."""
+        """Quit the daemon and wait until it has exited; None, or what went wrong."""
         done = self.command("quit")
         if isinstance(done, str):
             return done
         if done.returncode != 0:
             return f"`echo quit | {CONTROL}` failed with exit code {done.returncode}{_last_line(done.stdout)}"
         deadline = time.monotonic() + self.ready_s
-        while (self.pipe_dir / "control").exists():
+        while self.pid_file.exists():  # the daemon removes it as it exits (its sockets' files stay)
             if time.monotonic() > deadline:
-                return f"the CUDA MPS daemon of {self.pipe_dir} did not quit within {self.ready_s:g} s"
+                return (f"the CUDA MPS daemon of {self.pipe_dir} did not quit within {self.ready_s:g} s (its pid: "
+                        f"{self.pid_file.read_text().strip() if self.pid_file.exists() else 'gone'})")
             time.sleep(0.1)
         return None
 

@@ -50,7 +50,7 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
         assert mps_lines(log_dir / "context-0.log") == [f"{pipe} {mps_log} 60"]
         assert mps_lines(log_dir / "generation-0.log") == [f"{pipe} {mps_log} 100"]
         assert mps_lines(log_dir / "router.log") == ["- - -"]
-        assert (pipe / "control").exists()
+        assert (pipe / "nvidia-cuda-mps-control.pid").exists()
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=20) == 0
     finally:
@@ -61,7 +61,7 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
             f"CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control)") in text
     assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(60% of the SMs\)", text)
     assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]
-    assert not (pipe / "control").exists()
+    assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
     assert [pid for pid in child_pids(log_dir).values() if alive(pid)] == []
 
 
@@ -86,7 +86,7 @@ def test_a_failed_start_quits_the_daemon(shared, capsys):
     assert run_inline(setup, {"context-0": ["--exit-after", "0", "--code", "3"]}) == 1
     assert "context-0 exited during startup with exit code 3" in capsys.readouterr().out
     assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]
-    assert not (setup[2] / "mps" / "pipe" / "control").exists()
+    assert not (setup[2] / "mps" / "pipe" / "nvidia-cuda-mps-control.pid").exists()
 
 
 def test_without_the_daemon_the_pair_starts_plainly_and_one_line_says_why(shared, capsys):

@@ -52,10 +52,10 @@ def test_the_daemon_starts_with_private_dirs_and_quits(tmp_path, tools):
     assert share.env_of("context-0") == {PIPE_ENV: str(pipe), LOG_ENV: str(log), PERCENT_ENV: "60"}
     assert share.env_of("generation-0") == {PIPE_ENV: str(pipe), LOG_ENV: str(log), PERCENT_ENV: "100"}
     assert share.env_of("router") == {}
-    assert (pipe / "control").exists()
+    assert (pipe / "nvidia-cuda-mps-control.pid").exists()
     share.stop()
     assert tools.calls()[2:] == [f"quit {seen}"]
-    assert not (pipe / "control").exists() and said[1:] == []
+    assert not (pipe / "nvidia-cuda-mps-control.pid").exists() and said[1:] == []
     share.stop()  # once only
     assert len(tools.calls()) == 3
 
@@ -98,6 +98,14 @@ def test_a_daemon_that_will_not_quit_is_reported(tmp_path, tools):
     share.stop()
     assert said[1:] == ["gpu_share: `echo quit | nvidia-cuda-mps-control` failed with exit code 1: Cannot find MPS "
                         "control daemon process"]
+
+
+def test_a_daemon_that_stays_after_quit_is_reported_with_its_pid(tmp_path, tools):
+    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), tmp_path / "mps", {"PATH": tools.path()},
+                       ready_s=0.3)
+    assert daemon.start() is None
+    tools.set_mode("stay")
+    assert daemon.stop() == f"the CUDA MPS daemon of {tmp_path}/mps/pipe did not quit within 0.3 s (its pid: 4242)"
 
 
 def test_no_control_tool_on_path(tmp_path):
