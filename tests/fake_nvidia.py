@@ -5,8 +5,9 @@ test puts first on PATH (imported by tests as `import fake_nvidia`).
 `nvidia-cuda-mps-control` behaves as the daemon does, as far as the launcher can tell (as seen on an
 H200 host with driver 580): `-d` creates `control` and `nvidia-cuda-mps-control.pid` in
 $CUDA_MPS_PIPE_DIRECTORY, a command read on stdin is answered while the pid file exists, `quit`
-removes the pid file (the socket files stay), `-f` stays running (a process named like an MPS daemon). Every call appends one
-line to `calls.log`: its arguments or command, then the MPS variables and CUDA_VISIBLE_DEVICES it saw.
+removes the pid file (the socket files stay), `-f` stays running (a process named like an MPS
+daemon). Every call appends one line to `calls.log`: its arguments or command, then the MPS
+variables and CUDA_VISIBLE_DEVICES it saw.
 A file named after a mode in the folder makes it misbehave: `fail-start` (`-d` exits 1), `no-answer`
 (commands exit 1), `stay` (`quit` is answered but the daemon stays), `hang` (every call sleeps 30 s).
 """

@@ -64,5 +64,6 @@ def test_auto_runs_the_pair_under_the_launchers_mps_daemon(tmp_path) -> None:
     said = [line for line in launcher_log.splitlines() if "gpu_share" in line]
     assert len(said) == 1 and "gpu_share: context-0 (60%) and generation-0 (100%) on GPU " in said[0], launcher_log
     assert " under CUDA MPS (its daemon: " in said[0], said
-    assert not (pair.log_dir / "mps" / "pipe" / "nvidia-cuda-mps-control.pid").exists()  # the daemon quit with the deployment
+    # the daemon quit with the deployment (it removes its pid file as it exits)
+    assert not (pair.log_dir / "mps" / "pipe" / "nvidia-cuda-mps-control.pid").exists()
     assert got == want
