@@ -114,7 +114,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # KV senders only, never from an address a request names (server/api/context_directory.py)
     context_urls: tuple[HostPort, ...] = ()
     # extra environment of this server's process under `pdserve launch` (which GPUs it sees:
-    # CUDA_VISIBLE_DEVICES; its share of SMs under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; ...)
+    # CUDA_VISIBLE_DEVICES; ...); the CUDA_MPS_* variables only with gpu_share: off (they are its)
     env: dict[str, str] = {}  # checked and made strings by _env (YAML writes `CUDA_VISIBLE_DEVICES: 0`)
     # this server's share of a GPU that `pdserve launch` places it on with other servers of the
     # deployment (server/deploy/gpu_share.py): they run under the CUDA MPS daemon the launcher starts,
