@@ -9,7 +9,7 @@ removes the pid file (the socket files stay), `-f` stays running (a process name
 daemon). Every call appends one line to `calls.log`: its arguments or command, then the MPS
 variables and CUDA_VISIBLE_DEVICES it saw.
 A file named after a mode in the folder makes it misbehave: `fail-start` (`-d` exits 1), `no-answer`
-(commands exit 1), `stay` (`quit` is answered but the daemon stays), `hang` (every call sleeps 30 s).
+(commands exit 1), `stay` (`quit` is answered but the daemon stays), `hang` (every call sleeps 30 s once recorded).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ CONTROL = r'''#!/bin/sh
 PATH=/usr/bin:/bin
 dir=$(dirname "$0")
 seen="pipe=${CUDA_MPS_PIPE_DIRECTORY-unset} log=${CUDA_MPS_LOG_DIRECTORY-unset} visible=${CUDA_VISIBLE_DEVICES-unset}"
-[ -e "$dir/hang" ] && exec sleep 30
 case "$1" in
   -d)
     echo "-d $seen" >> "$dir/calls.log"
+    [ -e "$dir/hang" ] && exec sleep 30
     if [ -e "$dir/fail-start" ]; then echo "An instance of this daemon is already running" >&2; exit 1; fi
     touch "$CUDA_MPS_PIPE_DIRECTORY/control"
     echo 4242 > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
@@ -35,6 +35,7 @@ case "$1" in
 esac
 read -r line
 echo "$line $seen" >> "$dir/calls.log"
+[ -e "$dir/hang" ] && exec sleep 30
 if [ -e "$dir/no-answer" ] || [ ! -e "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid" ]; then
   echo "Cannot find MPS control daemon process"; exit 1
 fi

@@ -80,6 +80,8 @@ class MpsDaemon:
                 done = subprocess.run([self.exe, "-d"], stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
                                       env=self.env, timeout=self.timeout_s, start_new_session=True)
         except (OSError, subprocess.TimeoutExpired) as exc:
+            if isinstance(exc, subprocess.TimeoutExpired):
+                self.stop()  # it may have started before it stopped answering
             return self._failure(f"{CONTROL} -d", exc)
         if done.returncode != 0:
             return f"`{CONTROL} -d` failed with exit code {done.returncode}{_last_line(out.read_bytes())}"
