@@ -60,6 +60,8 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
     assert (f"gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0 under CUDA MPS (its daemon: "
             f"CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control)") in text
     assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(60% of the SMs\)", text)
+    assert (f"CUDA_MPS_PIPE_DIRECTORY={pipe} CUDA_MPS_LOG_DIRECTORY={mps_log} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 "
+            "pdserve serve --config") in text  # the command that starts context-0 again by hand
     assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]
     assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
     assert [pid for pid in child_pids(log_dir).values() if alive(pid)] == []
