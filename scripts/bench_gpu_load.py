@@ -40,7 +40,6 @@ from pathlib import Path
 import httpx
 import yaml
 from bench_gpu_load_session import Session, closed_plan, mixed_plan
-from bench_gpu_mps import mps_daemon
 
 from pdserve_bench.launch import ServerUnderTest, server_pid, server_urls
 from pdserve_bench.load_client import default_procs
@@ -81,8 +80,10 @@ def deployment_file(args: argparse.Namespace, model: str, kind: str) -> Path:
         cfg["cache_transceiver_config"] = {"kv_transfer_timeout_ms": 120000}
         cfg["context_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18951"]}
         cfg["generation_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18952"]}
-    if kind == "disagg-mps":
-        cfg["context_servers"]["env"] = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": args.context_sm_pct}
+    if kind == "disagg":  # the pair time-slicing the GPU
+        cfg["gpu_share"] = "off"
+    if kind == "disagg-mps":  # the launcher runs the pair under its CUDA MPS daemon
+        cfg["context_servers"]["gpu_share"] = args.context_sm_pct
     if kind == "restart":
         cfg["restart"] = {"max_quick_deaths": 3, "backoff_s": 1.0, "quick_s": 60.0}
     path = args.workdir / f"load-{kind}.yaml"
@@ -163,12 +164,12 @@ def aggregated(s: Session, args: argparse.Namespace) -> None:
 
 
 def disaggregated(s: Session, args: argparse.Namespace, variant: str) -> None:
-    """d on the pair; variant `mps`: under the MPS daemon, the context server capped at --context-sm-pct."""
+    """d on the pair; variant `mps`: under the launcher's MPS daemon (`gpu_share`), the context server
+    capped at --context-sm-pct."""
     who = "disagg" if variant == "plain" else f"disagg-{variant}"
     with ExitStack() as stack, s.phase(f"d-{who}"):
         env, config = dict(s.server_env), s.config["disagg"]
         if variant == "mps":
-            env |= stack.enter_context(mps_daemon(args.workdir))
             config = s.config["disagg-mps"]
         server = ServerUnderTest(config, env=env)
         target = start(s, stack, server, who)
@@ -251,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
     p.add_argument("--disagg-variants", default="plain", help="d: plain and/or mps (the pair under CUDA MPS, "
                    "the context server's SM share --context-sm-pct), comma-separated")
-    p.add_argument("--context-sm-pct", type=int, default=50, help="d with mps: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    p.add_argument("--context-sm-pct", type=int, default=50, help="d with mps: the context server's gpu_share")
     p.add_argument("--profile-agg", action="store_true", help="py-spy the aggregated server (agg-py-spy.txt)")
     p.add_argument("--client-procs", type=int, default=default_procs())
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",

@@ -57,6 +57,13 @@ Host = Annotated[str, Meta(min_length=1)]
 HostPort = Annotated[str, Meta(pattern=r"^(\[[^\]\s/]+\]|[^:\s/\[\]]+):\d{1,5}$",  # IPv6 in brackets
                                description="host:port (like 127.0.0.1:8001)")]
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+Percent = Annotated[int, Meta(ge=1, le=100)]
+GpuShare = Annotated[Literal["auto", "off"] | Percent,
+                     Meta(description="auto, off or a percent of the GPU's SMs (1..100)")]
+# the CUDA MPS variables that `gpu_share` sets (server/deploy/mps.py): not in `env` unless it is off
+MPS_ENV = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+# keys whose values include the words on/off, which YAML 1.1 reads as booleans (`kv_stream: off`)
+SWITCH_KEYS = ("kv_stream", "gpu_share")
 
 __all__ = [
     "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
@@ -109,8 +116,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # KV senders only, never from an address a request names (server/api/context_directory.py)
     context_urls: tuple[HostPort, ...] = ()
     # extra environment of this server's process under `pdserve launch` (which GPUs it sees:
-    # CUDA_VISIBLE_DEVICES; its share of SMs under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; ...)
+    # CUDA_VISIBLE_DEVICES; ...); the CUDA_MPS_* variables only with gpu_share: off (they are its)
     env: dict[str, str] = {}  # checked and made strings by _env (YAML writes `CUDA_VISIBLE_DEVICES: 0`)
+    # this server's share of a GPU that `pdserve launch` places it on with other servers of the
+    # deployment (server/deploy/gpu_share.py): they run under the CUDA MPS daemon the launcher starts,
+    # each with this percent of the SMs. auto: a context and a generation server on one GPU get the
+    # measured best split (60 and 100); off: never under MPS (plain time-slicing)
+    gpu_share: GpuShare = "auto"
     role: Role = "aggregated"  # set by the section (a deployment) or `--role`, never in the file
 
     def __post_init__(self) -> None:
@@ -314,8 +326,11 @@ def _server(settings: dict[str, Any], role: Role, source: str, origin=list) -> S
     """Convert one server's settings; its transceiver binds beside it unless the file says where."""
     if "env" in settings:
         settings = {**settings, "env": _env(settings["env"], source, origin)}
+    settings = {**settings, **{key: "off" if settings[key] is False else "on" for key in SWITCH_KEYS
+                               if isinstance(settings.get(key), bool)}}
     cfg = convert({**settings, "role": role}, ServerConfig, source, origin)
     _check_tensor_parallel(cfg, source, origin)
+    _check_mps_env(cfg, source, origin)
     if _written(settings, ["cache_transceiver_config", "host"]):
         return cfg
     return replace(cfg, cache_transceiver_config=replace(cfg.cache_transceiver_config, host=cfg.host))
@@ -340,6 +355,17 @@ def _env(env: Any, source: str, origin) -> dict[str, str]:
             raise ConfigError(f"{where(name)}: must be a string or a number, got {type(value).__name__}")
         out[name] = str(value)
     return out
+
+
+def _check_mps_env(cfg: ServerConfig, source: str, origin) -> None:
+    """`gpu_share` sets the CUDA MPS variables; `env` may set them only when it is off (MPS run by hand)."""
+    if cfg.gpu_share == "off":
+        return
+    for name in MPS_ENV:
+        if name in cfg.env:
+            how = "give the share as gpu_share: <percent>" if name == MPS_ENV[0] else "the launcher's daemon sets it"
+            raise ConfigError(f"{source}: {'.'.join(origin(['env', name]))}: set by gpu_share ({how}); "
+                              "set gpu_share: off to run CUDA MPS yourself")
 
 
 def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:

@@ -5,15 +5,18 @@ Life of a launch:
    reaches the children only through the PDSERVE_AUTH_TOKEN environment variable, and is written to
    `<log dir>/auth_token` (mode 0600) so that an operator can start one server again by hand
    (PDSERVE_AUTH_TOKEN_FILE names that file; the launcher prints the command).
-2. Start the servers, each reading the deployment file and its own server in it
+2. Servers placed on one GPU with `gpu_share` run under a CUDA MPS daemon of this launch
+   (server/deploy/gpu_share.py, mps.py): it starts before them, their Child environments name it,
+   and it quits after them however the launch ends.
+3. Start the servers, each reading the deployment file and its own server in it
    (`pdserve serve --config FILE --server context-0`), each in its own session (process group) and,
    on Linux, with PR_SET_PDEATHSIG so that even a SIGKILLed launcher takes them down. Output goes
    to <log dir>/<name>.log.
-3. Wait until every server answers GET /health with 200 (a server that reports its peers
+4. Wait until every server answers GET /health with 200 (a server that reports its peers
    `incompatible` fails the launch at once, naming the field); wait until every generation server
    has shaken hands with every context server; then start the router and wait for it.
    A child that exits meanwhile, or the startup timeout, stops everything and returns 1.
-4. Print the URL and supervise (server/deploy/supervisor.py): a child that dies is restarted on its port
+5. Print the URL and supervise (server/deploy/supervisor.py): a child that dies is restarted on its port
    with backoff, up to `restart.max_quick_deaths` quick deaths in a row; giving up on the router (or
    the only server when there is no router) stops everything and returns 1. SIGINT/SIGTERM/SIGHUP:
    drain and stop everything (the router first, then the servers), return 0.
@@ -27,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from server.config.schema import (
@@ -37,6 +40,8 @@ from server.config.schema import (
     load_deployment,
     with_auth_token,
 )
+from server.deploy.gpu_share import VISIBLE_DEVICES, plan_gpu_share
+from server.deploy.mps import GpuShare, start_gpu_share
 from server.deploy.supervisor import Child, StopOnSignals, Supervisor, health
 
 TOKEN_FILE = "auth_token"
@@ -80,11 +85,18 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     servers, router = plan_children(cfg, Path(path))
     env = child_env(dict(os.environ), cfg.auth_token or "", len(servers))
     group = Supervisor(options.command, env, log_dir, cfg.restart, options.poll_interval_s, _say)
+    share = GpuShare()
     with StopOnSignals() as stop:
         try:
+            share = start_gpu_share(plan_gpu_share(cfg.named(), os.environ.get(VISIBLE_DEVICES)), log_dir,
+                                    os.environ, _say)
+            servers = [replace(c, env={**c.env, **share.env_of(c.name)}) for c in servers]
             return _run(group, servers, router, cfg, stop, options, token_file)
         finally:
-            group.stop_all(_stop_stages(cfg, router, options.grace_s))
+            try:
+                group.stop_all(_stop_stages(cfg, router, options.grace_s))
+            finally:
+                share.stop()  # after its clients
 
 
 def write_token_file(log_dir: Path, token: str) -> Path:
@@ -142,8 +154,10 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
     # the children's torch threads too: a by-hand server with every core's threads spins against its peers
     threads = group.env.get("OMP_NUM_THREADS")
+    # and under CUDA MPS, its daemon and share of the SMs
+    mps = "".join(f"{k}={v} " for k, v in servers[0].env.items() if k.startswith("CUDA_MPS_"))
     _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} "
-         f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}pdserve serve "
+         f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}{mps}pdserve serve "
          f"--config {servers[0].config_path} --server {servers[0].name}  (names: "
          f"{', '.join(c.name for c in servers)})")
     return group.supervise("router" if router else servers[0].name, stop)

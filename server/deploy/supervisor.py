@@ -1,12 +1,12 @@
 """The launcher's children while they run: start, health-wait, restart the dead, stop in order.
 
 Restart (`restart:` of the deployment, `RestartPolicy`): a child that exits while the launcher is
-not stopping is started again with the same command, config and port after a backoff; the process
-is new, so its KV sender has a new epoch (and, on the default ephemeral KV port, a new endpoint that
-generation servers learn from it). A death within `quick_s` of the child's start is quick; the
-backoff doubles with each quick death in a row, and after `max_quick_deaths` of them the launcher
-gives up on that child, loudly. Giving up on the front (the router, or the only server) ends the
-launch with 1.
+not stopping is started again with the same command, config, port and environment (under CUDA MPS:
+the same daemon and share of the SMs) after a backoff; the process is new, so its KV sender has a
+new epoch (and, on the default ephemeral KV port, a new endpoint that generation servers learn
+from it). A death within `quick_s` of the child's start is quick; the backoff doubles with each
+quick death in a row, and after `max_quick_deaths` of them the launcher gives up on that child,
+loudly. Giving up on the front (the router, or the only server) ends the launch with 1.
 
 Stop: the router first (it drains: new requests get 503, those in flight end), then every server
 (each drains its own requests and KV transfers); each group gets its drain timeout plus `grace_s`
@@ -33,6 +33,7 @@ _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 20
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MAX_BACKOFF_S = 30.0
+MPS_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # a server's share of the SMs under MPS (mps.py)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class Supervisor:
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env={**self.env, **child.env}, start_new_session=True,
                                      preexec_fn=_die_with_parent())
-        self.say(f"started {child.name} (pid {popen.pid}): {' '.join(argv)}  > {log_path}")
+        share = child.env.get(MPS_PERCENT_ENV)
+        mps = f" under CUDA MPS ({share}% of the SMs)" if share else ""
+        self.say(f"started {child.name} (pid {popen.pid}){mps}: {' '.join(argv)}  > {log_path}")
         run = Running(child, popen, log_path, time.monotonic())
         self.running.append(run)
         return run

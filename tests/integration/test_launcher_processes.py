@@ -1,7 +1,8 @@
 """server/deploy/launcher.py with real child processes: tiny stdlib HTTP servers stand in for pdserve.
 
-Each fake child serves GET /health on its Child.health_url and prints its pid, argv and the auth
-token it received to its log. Modes (extra argv per child name) make it slow, crash or ignore SIGTERM.
+Each fake child serves GET /health on its Child.health_url and prints its pid, argv, the auth token
+and the CUDA MPS variables it received to its log. Modes (extra argv per child name) make it slow,
+crash or ignore SIGTERM.
 """
 
 import json
@@ -39,6 +40,8 @@ p.add_argument("--die-times", type=int, default=None)  # with --exit-after: only
 p.add_argument("--drain", type=float, default=None)  # on SIGTERM: log it, wait this long, exit 0
 a = p.parse_args()
 print(f"pid={os.getpid()} argv={sys.argv!r} token={os.environ.get('PDSERVE_AUTH_TOKEN')}", flush=True)
+print("mps=" + " ".join(os.environ.get(k, "-") for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
+                                                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), flush=True)
 if a.die_times is not None:
     counter = os.path.join(os.path.dirname(os.path.abspath(__file__)), urlparse(a.url).netloc + ".starts")
     starts = int(open(counter).read()) if os.path.exists(counter) else 0

@@ -285,3 +285,35 @@ def test_serve_command_line_names_a_server_of_the_deployment(tmp_path, capsys, a
     assert re.search(expected, capsys.readouterr().err)
     assert main(["serve", "--server", "context-0"]) == 2
     assert "--server needs --config DEPLOYMENT.yaml" in capsys.readouterr().err
+
+
+def test_gpu_share_is_inherited_and_sections_override_it(tmp_path):
+    cfg = load_deployment(write(tmp_path, disagg()))
+    assert [s.gpu_share for s in cfg.servers] == ["auto", "auto"]
+    data = disagg(gpu_share=80)
+    data["context_servers"]["gpu_share"] = 55
+    assert [s.gpu_share for s in load_deployment(write(tmp_path, data)).servers] == [55, 80]
+
+
+def test_yaml_on_and_off_are_words_for_gpu_share_and_kv_stream(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: these keys take it as the word."""
+    path = tmp_path / "d.yaml"
+    path.write_text("model: builtin:tiny-llama\ngpu_share: off\nkv_stream: off\n"
+                    "context_servers:\n  urls: ['127.0.0.1:8001']\n  kv_stream: on\n"
+                    "generation_servers:\n  urls: ['127.0.0.1:8002']\n  gpu_share: 100\n")
+    cfg = load_deployment(path)
+    assert [(s.role, s.gpu_share, s.kv_stream) for s in cfg.servers] == [
+        ("context", "off", "on"), ("generation", 100, "off")]
+    assert load_server(path, "context-0") == cfg.servers[0]
+
+
+def test_mps_variables_in_env_only_with_gpu_share_off(tmp_path):
+    mps = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 60}
+    data = disagg(gpu_share="off", env=mps)
+    cfg = load_deployment(write(tmp_path, data))
+    assert [s.env for s in cfg.servers] == [{"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe",
+                                             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}] * 2
+    data["generation_servers"]["gpu_share"] = "auto"
+    with pytest.raises(ConfigError, match=r"x\.yaml: env\.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: set by gpu_share \(give "
+                                          r"the share as gpu_share: <percent>\)"):
+        load_deployment(write(tmp_path, data))

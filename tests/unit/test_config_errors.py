@@ -105,6 +105,19 @@ CASES = [
     ("speculative.ngram_maximum", 3, "speculative.ngram_maximum: unknown key (did you mean 'ngram_max'?)"),
     ("speculative.ngram_min", 5, "speculative.ngram_min: 5 is above ngram_max (3)"),
     ("speculative.method", "draft_model", "speculative.draft_model: required when method is draft_model"),
+    ("context_servers.gpu_share", 0,
+     "context_servers.gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 0"),
+    ("gpu_share", 101, "gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 101"),
+    ("generation_servers.gpu_share", "mps",
+     "generation_servers.gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 'mps'"),
+    ("gpu_share", True, "gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 'on'"),
+    ("gpu_share", 50.5, "gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got a number 50.5"),
+    ("context_servers.env", {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 60},
+     "context_servers.env.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: set by gpu_share (give the share as gpu_share: "
+     "<percent>); set gpu_share: off to run CUDA MPS yourself"),
+    ("env", {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"},
+     "env.CUDA_MPS_PIPE_DIRECTORY: set by gpu_share (the launcher's daemon sets it); set gpu_share: off to run "
+     "CUDA MPS yourself"),
 ]
 
 
@@ -176,4 +189,12 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, tensor_parallel_size, engine_process, async_scheduling, "
                                "kv_cache_config, speculative, cache_transceiver_config, kv_stream, drain_timeout_s, "
-                               "max_n, env, hostname, port, context_urls")
+                               "max_n, env, gpu_share, hostname, port, context_urls")
+
+
+def test_a_gpu_share_error_in_a_file_of_one_server_names_it(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("model: m\ngpu_share: 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    assert str(info.value) == f"{path}: gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 0"

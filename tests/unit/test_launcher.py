@@ -70,16 +70,16 @@ def test_children_share_the_cores(monkeypatch):
 
 
 def test_each_server_gets_its_sections_env(monkeypatch, tmp_path):
-    """`env` per section (which GPUs a server sees, its MPS share): a real child process reads it."""
+    """`env` per section (which GPUs a server sees, ...): a real child process reads it."""
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     monkeypatch.delenv(HOSTNAME_ENV, raising=False)
     path = tmp_path / "d.yaml"
     path.write_text(yaml.safe_dump({
         "model": "builtin:tiny-llama", "env": {"PDSERVE_TEST_ALL": "top"},
         "context_servers": {"urls": ["127.0.0.1:8001"], "env": {"CUDA_VISIBLE_DEVICES": "0,1"}},
-        "generation_servers": {"urls": ["127.0.0.1:8002"], "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": 60}}}))
+        "generation_servers": {"urls": ["127.0.0.1:8002"], "env": {"OMP_NUM_THREADS": 3}}}))
     servers, _ = plan_children(load_deployment(path), path)
-    assert [c.env for c in servers] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}]
+    assert [c.env for c in servers] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"OMP_NUM_THREADS": "3"}]
     script = "import os, sys; print(os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ['PATH'] != '')"
     group = Supervisor(lambda child: [sys.executable, "-c", script], {"PATH": os.environ["PATH"]}, tmp_path,
                        RestartPolicy(), 0.1, lambda _: None)
