@@ -28,7 +28,6 @@ from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.errors import LegError
-from server.router.fanout import fan_out, several_prompts
 from server.router.flow import Ask, ClientGone, RequestFlow
 from server.router.http_client import HttpClient, HttpError
 from server.router.legs import Legs
@@ -87,7 +86,7 @@ class RouterState:
     def flow(self, path: str, body: dict, chat: bool) -> RequestFlow:
         """A request's flow; it has no context leg when one server serves it alone."""
         prompt = Prompt(lambda: self.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
-        local = not self.legs.disaggregated or self.routing.serve_locally(prompt)
+        local = not self.legs.disaggregated or self.routing.serve_locally(prompt, not chat and _several(body))
         return RequestFlow(self.legs, Ask(path, body, chat, prompt), local)
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
@@ -196,14 +195,8 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
                              getattr(request.state, "api_key", None))
     if problem is not None:
         return error_response(400, problem)
-    prompts = several_prompts(body) if state.legs.disaggregated and not chat else None
     try:
-        if prompts is None:
-            response = await state.flow(path, body, chat).respond(request.receive)
-        else:  # one flow per prompt: each leg carries one
-            flows = [state.flow(path, {**body, "prompt": p}, chat) for p in prompts]
-            n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
-            response = await fan_out(flows, request.receive, n, Ask(path, body, chat, None).include_usage)
+        response = await state.flow(path, body, chat).respond(request.receive)
     except LegError as exc:
         state.requests.labels("error").inc()
         return JSONBody(exc.body, exc.status)
@@ -212,6 +205,12 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
         return Response(status_code=499)
     state.requests.labels("ok").inc()
     return response
+
+
+def _several(body: dict) -> bool:
+    """A completions body of more than one prompt (strings or token-id lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
 
 
 def _max_tokens(body: dict) -> int:

@@ -30,9 +30,9 @@ class Routing:
                                            metrics, decodes=True)
         self.conditional: Conditional = config.conditional if self.context else Conditional()
         self.sync: KvEventSync | None = None
-        self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone "
-                              "(conditional disaggregation), by reason (short_prefill, prefix_hit)", ["reason"],
-                              registry=registry)
+        self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone, by "
+                              "reason (short_prefill, prefix_hit: conditional disaggregation; several_prompts)",
+                              ["reason"], registry=registry)
         self._split = Counter("pdserve_router_disaggregated_requests", "Requests that ran a context leg "
                               "(disaggregated deployments)", registry=registry)
 
@@ -59,9 +59,13 @@ class Routing:
         if self.sync is not None:
             await self.sync.stop()
 
-    def serve_locally(self, prompt: PromptTokens) -> bool:
-        """Decide (and count) whether a request of a disaggregated deployment skips its context leg."""
-        reason = self._local_reason(prompt) if self.conditional.enabled else None
+    def serve_locally(self, prompt: PromptTokens, several_prompts: bool = False) -> bool:
+        """Decide (and count) whether a request of a disaggregated deployment skips its context leg:
+        conditional disaggregation's reasons, or a completions request of several prompts (each leg
+        carries one prompt; such a batch is served whole by one generation server)."""
+        reason = "several_prompts" if several_prompts else None
+        if reason is None and self.conditional.enabled:
+            reason = self._local_reason(prompt)
         if reason is None:
             self._split.inc()
             return False
