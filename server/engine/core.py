@@ -21,6 +21,7 @@ from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
+from server.engine.structured import StructuredOutput
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput
@@ -50,6 +51,8 @@ class EngineCore:
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
         self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/speculative/)
         self._vocab = 0  # width of the last step's logits (a seeded verify rewinds its generator by rows)
+        # structured output: grammars of constrained requests, their step's bitmask (server/engine/structured/)
+        self.structured = StructuredOutput(tokenizer, runner.spec.vocab_size, self.eos_token_ids, runner.device)
 
     @property
     def metrics(self):
@@ -62,17 +65,17 @@ class EngineCore:
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> RequestOutput | None:
         """Queue a request; a request this server's role cannot run is answered at once (400)."""
-        problem = self._role_problem(gen)
-        if problem is not None:
-            message, code = problem
-            return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
-                                 prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code)
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
                           self.eos_token_ids, gen.arrival_time, gen.disagg, gen.cache_salt,
                           gen.kv_retention_priority)
         if request.is_generation_only:
             request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
+        problem = self._role_problem(gen) or self.structured.attach(request)
+        if problem is not None:
+            message, code = problem
+            return RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
+                                 prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code)
         self._detok[request.request_id] = self._detokenizer(gen)
         self.scheduler.add(request)
         return None
@@ -138,7 +141,8 @@ class EngineCore:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
         if self.inflight is not None and (self.inflight.hands_over  # its KV is offered without delay
-                                          or self.spec.wants_tokens(self.inflight.requests)):  # drafts need them
+                                          or self.spec.wants_tokens(self.inflight.requests)  # drafts need them
+                                          or self.structured.needs_tokens(self.inflight.requests)):  # masks do
             outputs += self._postprocess(self.inflight)
             self.inflight = None
         plan = self.scheduler.schedule()
@@ -165,7 +169,9 @@ class EngineCore:
         """Queue the step's forward and sampling on the device; its tokens come back as a SampledStep."""
         logits = self.runner.execute([self._seq_chunk(c) for c in chunks], self._pending_inputs(chunks))
         sampled = [c for c in chunks if c.need_logits]  # before the computed counts move
-        picked = sample_on_device(logits, self.spec.rows(sampled)) if sampled else None
+        rows = self.spec.rows(sampled) if sampled else []
+        mask = self.structured.mask(rows)  # structured output: filled on the CPU while the device computes
+        picked = sample_on_device(logits, rows, mask) if sampled else None
         self._advance(chunks)
         for chunk in sampled:
             chunk.request.num_pending += 1
@@ -317,7 +323,10 @@ class EngineCore:
 
     def _stop_without_text(self, request: Request, token: int, hit_stop_string: bool) -> None:
         params, produced = request.sampling, len(request.output_token_ids)
-        if produced >= params.min_tokens and token in params.stop_token_ids:
+        ending = request.grammar.ending() if request.grammar is not None else None
+        if ending is not None:  # structured output: the grammar is complete ("stop"), or was left ("error")
+            request.finish(*ending)
+        elif produced >= params.min_tokens and token in params.stop_token_ids:
             request.finish("stop")
         elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
             request.finish("stop")

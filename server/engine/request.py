@@ -17,10 +17,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.structured.matcher import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -55,6 +59,7 @@ class Request:
     scheduled_time: float | None = None  # first admission (end of the queue time)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    grammar: RequestGrammar | None = None  # structured output: fed every output token (server/engine/structured/)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -99,6 +104,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def take_first_tokens(self, tokens: tuple[int, ...], ctx_cached_tokens: int) -> None:
         """Generation side of a streamed pull: the context server's first token(s) came with the KV."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from server.engine.request import Request
+from server.engine.structured.bitmask import StepMask
 
 MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities); this close to 0 it is greedy anyway
 
@@ -25,10 +26,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return sample_on_device(logits, requests).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, requests: list[Request], mask: StepMask | None = None) -> torch.Tensor:
     """`sample` without the host copy: [num_requests] token ids on the logits' device (on a GPU the
-    work is only queued, so the caller can do host work before it waits for the ids)."""
+    work is only queued, so the caller can do host work before it waits for the ids). `mask`: the
+    structured-output rows' allowed tokens (the others -inf)."""
     logits = _mask_banned(logits, requests)
+    if mask is not None:  # structured output (server/engine/structured/)
+        logits = mask.apply(logits)
     greedy = logits.argmax(dim=-1)  # [num_requests]; ties -> first index, as transformers
     random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
     if not random_rows:
