@@ -46,8 +46,8 @@ class GrammarCompiler:
         try:
             self.lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                            eos_token=list(eos_token_ids) or None)
-        except ValueError as error:  # a slow (Python) tokenizer
-            raise ValueError(f"structured output needs a fast tokenizer: {error}") from error
+        except Exception as error:  # noqa: BLE001 (a slow tokenizer, or one llguidance cannot read)
+            raise ValueError(f"structured output is not available for this model's tokenizer: {error}") from error
         self.capacity = capacity
         self.hits = self.misses = 0
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
@@ -115,17 +115,22 @@ def _short(message: str) -> str:
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + "..."
 
 
-_COMPILERS: dict[tuple[int, int, tuple[int, ...]], GrammarCompiler] = {}
+MAX_COMPILERS = 8  # a server has one or two (its engine's, its HTTP side's checks); tests make many
+_COMPILERS: OrderedDict[tuple[int, int, tuple[int, ...]], GrammarCompiler] = OrderedDict()
 _COMPILERS_LOCK = threading.Lock()
 
 
 def compiler_for(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarCompiler:
-    """The one compiler (and cache) of this process for a tokenizer, logits width and EOS ids."""
+    """The compiler (and cache) of this process for a tokenizer, logits width and EOS ids (the
+    tokenizer object's identity: the compiler keeps it, so its id is not reused meanwhile)."""
     key = (id(tokenizer), vocab_size, tuple(sorted(eos_token_ids)))
     with _COMPILERS_LOCK:
         compiler = _COMPILERS.get(key)
         if compiler is None:
             compiler = _COMPILERS[key] = GrammarCompiler(tokenizer, vocab_size, list(key[2]))
+            while len(_COMPILERS) > MAX_COMPILERS:
+                _COMPILERS.popitem(last=False)
+        _COMPILERS.move_to_end(key)
         return compiler
 
 

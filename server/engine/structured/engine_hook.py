@@ -3,6 +3,8 @@ steps must be postprocessed before the next schedule, and fill a step's bitmask.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from server.engine.request import Request, Status
@@ -16,13 +18,22 @@ class StructuredOutput:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, device: torch.device) -> None:
         self.tokenizer, self.vocab_size, self.device = tokenizer, vocab_size, device
         self.eos_token_ids = sorted(eos_token_ids)
-        self._compiler: GrammarCompiler | None = None  # built with the first constrained request
+        self._compiler: GrammarCompiler | None = None
+        # llguidance's view of the tokenizer takes ~1-2 s for a 128k vocabulary: built beside the
+        # engine's start rather than on the engine thread at the first constrained request
+        threading.Thread(target=self._warm, name="grammar-tokenizer", daemon=True).start()
 
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
             self._compiler = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._compiler
+
+    def _warm(self) -> None:
+        try:
+            _ = self.compiler
+        except ValueError:  # a slow tokenizer: each constrained request is refused with the reason
+            pass
 
     def attach(self, request: Request) -> tuple[str, int] | None:
         """Give a constrained request its grammar, fed the output it has already (a generation leg's
