@@ -42,7 +42,7 @@ def test_constrained_outputs_on_the_gpu_async_equal_sync(model: str) -> None:
     results = [_run(eh.make_core(model, device="cuda", kernels="triton", async_scheduling=flag,
                                  max_num_tokens=128, max_batch_size=16), cases + free) for flag in (False, True)]
     assert results[1] == results[0]
-    for schema, (_, text, reason) in zip(schemas, results[1], strict=False):
+    for schema, (_, text, reason) in zip(schemas, results[1][:len(cases)], strict=True):
         assert reason == "stop"
         check(json.loads(text), schema)
     for (prompt, _), (tokens, _, _) in zip(free, results[1][len(cases):], strict=True):

@@ -13,6 +13,7 @@ import hf_reference
 import pytest
 from json_schemas import check, random_schema
 
+from kvcache import KvCacheConfig
 from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.types import DisaggParams, GenerateRequest, SamplingParams, StructuredSpec
@@ -81,6 +82,27 @@ def test_the_pair_gives_the_aggregated_constrained_output(pair):
         check(json.loads("".join(o.new_text for o in run.outputs[rid])), schema)
     for core in pair:
         assert eh.blocks_in_use(core.kv) == 0
+
+
+def test_a_streamed_pull_feeds_the_first_token_that_comes_with_the_kv_to_the_grammar():
+    """kv_stream: the generation leg is added before the first token exists; it arrives with the KV."""
+    kv, cfg = KvCacheConfig(tokens_per_block=16, max_tokens=4096), TransceiverConfig(auth_token=TOKEN)
+    ctx, gen = eh.make_core(LLAMA, kv=kv, max_num_tokens=32), eh.make_core(LLAMA, kv=kv)
+    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
+    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
+    try:
+        schema, prompt = _schemas(2)[1], _prompt(33, 150)
+        [want] = _aggregated([(prompt, _params(schema))])
+        run = eh.PairRun(ctx, gen)
+        ctx_id = eh.submit(ctx, prompt, _params(schema), disagg=DisaggParams("context_only", kv_stream=True))
+        streamed = DisaggParams("generation_only", ctx_id, sender.endpoint, sender.epoch,
+                                prompt_token_ids=tuple(prompt), kv_stream=True)
+        gen_id = eh.submit(gen, prompt, _params(schema), disagg=streamed)
+        run.wait([ctx_id, gen_id], "both legs")
+        assert run.tokens(gen_id) == want.token_ids and run.final(gen_id).finish_reason == "stop"
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_a_grammar_complete_at_the_first_token_ends_on_the_context_server(pair):
