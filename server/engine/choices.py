@@ -84,4 +84,5 @@ def _child(parent: Request, choice: int) -> Request:
     child.num_cached_tokens = parent.num_cached_tokens
     child.admitted_once, child.kv_received = True, parent.kv_received
     child.scheduled_time = parent.scheduled_time
+    child.grammar = parent.grammar.fork() if parent.grammar is not None else None  # its own place in it
     return child

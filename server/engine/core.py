@@ -24,6 +24,7 @@ from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
+from server.engine.structured import StructuredOutput
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput, TokenLogprob
@@ -53,6 +54,8 @@ class EngineCore:
         self._staging = TokenStaging(runner.device, runner.max_batch_size)
         self.spec = spec or NoSpeculation()  # speculative decoding (server/engine/speculative/)
         self.counts = TokenCounts(runner.device)  # penalised requests' token counts, on the device
+        # structured output: grammars of constrained requests, their step's bitmask (server/engine/structured/)
+        self.structured = StructuredOutput(tokenizer, runner.spec.vocab_size, self.eos_token_ids, runner.device)
 
     @property
     def metrics(self):
@@ -64,20 +67,20 @@ class EngineCore:
 
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> list[RequestOutput]:
-        """Queue a request; a request this server's role cannot run is answered at once (400: a final
-        output for each of its choices)."""
-        problem = self._role_problem(gen)
-        if problem is not None:
-            message, code = problem
-            return [RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
-                                  prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code, index=i)
-                    for i in range(gen.sampling.n)]
+        """Queue a request; a request this server's role cannot run, or whose output constraint does
+        not compile, is answered at once (400: a final output for each of its choices)."""
         request = Request(gen.request_id, list(gen.prompt_token_ids), gen.sampling,
                           self.eos_token_ids, gen.arrival_time, gen.disagg, gen.cache_salt,
                           gen.kv_retention_priority)
         if request.is_generation_only and not request.first_tokens_with_kv:
             request.output_token_ids = list(gen.disagg.first_gen_tokens or ())
             request.all_token_ids = request.prompt_token_ids + request.output_token_ids
+        problem = self._role_problem(gen) or self.structured.attach(request)
+        if problem is not None:
+            message, code = problem
+            return [RequestOutput(gen.request_id, [], "", finished=True, finish_reason="error",
+                                  prompt_tokens=len(gen.prompt_token_ids), error=message, error_code=code, index=i)
+                    for i in range(gen.sampling.n)]
         self._detok[request.request_id] = self._detokenizer(request)
         self.scheduler.add(request)
         return []
@@ -148,7 +151,8 @@ class EngineCore:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
         if self.inflight is not None and (self.inflight.hands_over  # its KV is offered without delay
-                                          or self.spec.wants_tokens(self.inflight.requests)):  # drafts need them
+                                          or self.spec.wants_tokens(self.inflight.requests)  # drafts need them
+                                          or self.structured.needs_tokens(self.inflight.requests)):  # masks do
             outputs += self._postprocess(self.inflight)
             self.inflight = None
         plan = self.scheduler.schedule()
@@ -175,7 +179,7 @@ class EngineCore:
         """Queue the step's forward, sampling and logprobs on the device; its tokens (and logprobs)
         come back as a SampledStep. A request whose first token of n > 1 is due forks its other
         choices here, each sampling its own first token from a copy of its logits row
-        (server/engine/choices.py)."""
+        (server/engine/choices.py). Constrained rows' bitmask is filled on the CPU meanwhile."""
         prompt_rows = [lp.prompt_rows(c) for c in chunks]  # before the computed counts move
         seqs = [self._seq_chunk(c, n) for c, n in zip(chunks, prompt_rows, strict=True)]
         logits = self.runner.execute(seqs, self._pending_inputs(chunks))
@@ -184,7 +188,8 @@ class EngineCore:
         scores = layout.sampler_logits(logits)
         if any(c.request.forks_pending for c in sampled):
             scores, children = fork_rows(scores, sampled, self._fork)
-        picked = sample_on_device(scores, rows + children, self.counts) if sampled else None
+        mask = self.structured.mask(rows + children)  # structured output: filled while the device computes
+        picked = sample_on_device(scores, rows + children, self.counts, mask) if sampled else None
         logprobs = lp.launch(logits, layout, scores, rows + children, picked)
         self._advance(chunks)
         requests = [c.request for c in sampled] + children
@@ -384,7 +389,10 @@ class EngineCore:
 
     def _stop_without_text(self, request: Request, token: int, hit_stop_string: bool) -> None:
         params, produced = request.sampling, len(request.output_token_ids)
-        if produced >= params.min_tokens and token in params.stop_token_ids:
+        ending = request.grammar.ending() if request.grammar is not None else None
+        if ending is not None:  # structured output: the grammar is complete ("stop"), or was left ("error")
+            request.finish(*ending)
+        elif produced >= params.min_tokens and token in params.stop_token_ids:
             request.finish("stop")
         elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
             request.finish("stop")

@@ -17,8 +17,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from server.types import DEFAULT_RETENTION_PRIORITY, DisaggParams, FinishReason, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from server.engine.structured.matcher import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -60,6 +64,7 @@ class Request:
     last_token_time: float | None = None
     parent: Request | None = field(default=None, repr=False)  # a forked choice's request (choice 0)
     children: list[Request] = field(default_factory=list, repr=False)  # choice 0: choices 1..n-1, in order
+    grammar: RequestGrammar | None = None  # structured output: fed every output token (server/engine/structured/)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -152,6 +157,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def take_first_tokens(self, tokens: tuple[int, ...], ctx_cached_tokens: int) -> None:
         """Generation side: the context server's first token of each choice (`tokens[i]` is choice

@@ -30,6 +30,7 @@ import torch
 
 from server.engine.penalties import StepPenalties, TokenCounts, apply_logit_bias
 from server.engine.request import Request
+from server.engine.structured.bitmask import StepMask
 from server.engine.uploads import upload as _upload
 
 MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities); this close to 0 it is greedy anyway
@@ -40,13 +41,17 @@ def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | 
     return sample_on_device(logits, requests, counts).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None,
+                     mask: StepMask | None = None) -> torch.Tensor:
     """`sample` without the host copy: [num_requests] token ids on the logits' device (on a GPU the
     work is only queued, so the caller can do host work before it waits for the ids). `requests`:
     per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`: the
     engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
-    from the requests' tokens when None)."""
+    from the requests' tokens when None). `mask`: the structured-output rows' allowed tokens (the
+    others -inf, before biases and penalties: -inf stays -inf through both)."""
     logits = _mask_banned(logits, requests)
+    if mask is not None:  # structured output (server/engine/structured/)
+        logits = mask.apply(logits)
     logits = apply_logit_bias(logits, requests)
     penalties = None
     if any(r.sampling.penalized for r in requests):

@@ -113,7 +113,8 @@ class SpecDecoder:
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
         request = chunk.request
         return (chunk.num_new_tokens == 1 and chunk.need_logits and not request.num_pending
-                and not request.is_context_only and self._room(request) > 0
+                and not request.is_context_only and request.grammar is None  # structured output: no drafts
+                and self._room(request) > 0
                 and len(request.output_token_ids) >= self._pace(request).resume_at)
 
     def _room(self, request: Request) -> int:
