@@ -9,6 +9,7 @@ not finished is aborted, so its KV blocks are freed. Client disconnects are watc
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from server.api.errors import output_error
 from server.api.prompts import Built, build_request, new_request_id
 from server.api.sampling import DEFAULT_MAX_N
 from server.api.streams import RequestStreams, failed
+from server.api.structured import may_constrain
 from server.openai.formatting import Formatter, continued_response_id
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
@@ -162,7 +164,11 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     """The whole handling of one completion or chat request: build it, run it, answer JSON or SSE."""
     await check_disagg_access(request, body.disaggregated_params)
     request_id = new_request_id(id_prefix)
-    built = build_request(body, engine, request_id, getattr(request.app.state, "max_n", DEFAULT_MAX_N))
+    max_n = getattr(request.app.state, "max_n", DEFAULT_MAX_N)
+    if may_constrain(body):  # compiles a grammar: not on the event loop
+        built = await asyncio.to_thread(build_request, body, engine, request_id, max_n)
+    else:
+        built = build_request(body, engine, request_id, max_n)
     disagg = built.requests[0].disagg
     continued = disagg is not None and disagg.first_text_streamed  # the router began the stream
     response_id = request_id

@@ -12,18 +12,16 @@ A JSON schema travels as JSON text, a choice as a JSON list of strings.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from collections.abc import Callable
 from typing import Any
 
 from server.api.errors import APIError
 from server.api.json_schema import schema_problem
+from server.engine.structured import check_spec
 from server.openai.protocol import SamplingRequest
 from server.types import StructuredSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-GRAMMAR_PACKAGE = "server.engine.structured"
 
 
 def json_schema_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec:
@@ -78,31 +76,24 @@ def request_constraint(body: SamplingRequest) -> tuple[str, StructuredSpec] | No
     return found[0] if found else None
 
 
-def check_schema_only(spec: StructuredSpec, tokenizer: object) -> None:
-    """A JSON schema must be well formed (checked whether or not the grammar engine is there)."""
-    if spec.kind == "json_schema":
-        problem = schema_problem(json.loads(spec.spec))
-        if problem is not None:
-            raise ValueError(problem)
-
-
-def grammar_check() -> Callable[[StructuredSpec, object], None] | None:
-    """The grammar engine's compile check, `check_spec(spec, tokenizer)` (ValueError for a spec it
-    cannot compile). GRAMMAR SEAM: None while that package is absent (then only `check_schema_only` runs)."""
-    if importlib.util.find_spec(GRAMMAR_PACKAGE) is None:
-        return None
-    from server.engine.structured import check_spec  # imported late: the engine's grammar package
-
-    return check_spec
+def may_constrain(body: SamplingRequest) -> bool:
+    """The request names a constraint (its own fields, or chat tools that may force calls): building
+    it compiles a grammar, which the caller runs off the event loop (a new schema takes milliseconds;
+    the first one of a large vocabulary, seconds)."""
+    tools = getattr(body, "tools", None) and getattr(body, "tool_choice", None) not in ("none", "auto")
+    return bool(tools or (body.response_format is not None and body.response_format.type != "text")
+                or body.structured_outputs is not None
+                or any(getattr(body, f"guided_{k}") is not None for k in ("json", "regex", "choice", "grammar")))
 
 
 def checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredSpec:
     """`spec` if a JSON schema is well formed and the grammar engine compiles it; else a 400 naming `param`."""
     try:
-        check_schema_only(spec, tokenizer)
-        compile_check = grammar_check()
-        if compile_check is not None:
-            compile_check(spec, tokenizer)
+        if spec.kind == "json_schema":
+            problem = schema_problem(json.loads(spec.spec))
+            if problem is not None:
+                raise ValueError(problem)
+        check_spec(spec, tokenizer)
     except ValueError as exc:
         raise APIError(400, f"'{param}': {exc}", param=param) from None
     return spec

@@ -1,13 +1,20 @@
 """The OpenAI API's fields through a disaggregated deployment (router, context server, generation
 server) equal what one aggregated server answers, JSON and streamed: logprobs and top logprobs,
 echo with prompt logprobs (lm-evaluation-harness's request shape), n seeded choices, several
-prompts, chat logprobs, penalties and logit_bias. Both deployments run builtin:tiny-llama in float32."""
+prompts, chat logprobs, penalties and logit_bias, structured output (the real `openai` client's
+`parse` with a pydantic model) and forced tool calls. Both deployments run builtin:tiny-llama in
+float32."""
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 import deploy_harness as dh
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from server.openai.wire import loads
 
@@ -143,3 +150,80 @@ def test_lm_eval_shape_scores_the_prompt(urls):
     assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(body["prompt"][0]) + 1
     assert all(isinstance(v, float) and v <= 0 for v in logprobs["token_logprobs"][1:])
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+
+
+class Weather(BaseModel):
+    """A strict schema a random-weight model can only finish by the grammar: enums, booleans, short strings."""
+
+    city: Literal["Paris", "Oslo", "Lima"]
+    sunny: bool
+    note: str = Field(max_length=6)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+def test_parse_with_a_pydantic_model_in_both_modes(urls):
+    """`client.chat.completions.parse` (OpenAI's strict json_schema from a pydantic model) gives a
+    parsed object, the same one aggregated and disaggregated."""
+    parsed = []
+    for url in urls:
+        completion = _client(url).chat.completions.parse(
+            model="builtin:tiny-llama", messages=[{"role": "user", "content": "Weather?"}], response_format=Weather,
+            max_completion_tokens=80, temperature=0)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Weather), choice
+        parsed.append(choice.message.parsed)
+    assert parsed[0] == parsed[1]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_in_both_modes_and_streamed(urls, tool_choice):
+    """One call (`parallel_tool_calls: false`: a random-weight model would go on adding calls to an
+    open array until max_tokens), named and parsed, JSON and streamed, the same in both modes."""
+    calls = []
+    for url in urls:
+        client = _client(url)
+        out = client.chat.completions.create(model="builtin:tiny-llama", messages=[{"role": "user", "content": "?"}],
+                                             tools=TOOLS, tool_choice=tool_choice, max_tokens=60, temperature=0,
+                                             parallel_tool_calls=False)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+        calls.append((call.function.name, call.function.arguments))
+        stream = client.chat.completions.create(model="builtin:tiny-llama", messages=[{"role": "user", "content": "?"}],
+                                                tools=TOOLS, tool_choice=tool_choice, max_tokens=60, temperature=0,
+                                                parallel_tool_calls=False, stream=True)
+        name, arguments, finish = None, "", None
+        for chunk in stream:
+            for c in chunk.choices:
+                for delta in c.delta.tool_calls or []:
+                    name = delta.function.name or name
+                    arguments += delta.function.arguments or ""
+                finish = c.finish_reason or finish
+        assert (name, arguments, finish) == (call.function.name, call.function.arguments, "tool_calls")
+    assert calls[0] == calls[1]
+
+
+def test_json_schema_and_regex_equal_aggregated(urls):
+    agg, disagg = urls
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    bodies = [
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0.7, "seed": 2,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}},
+        {"messages": [{"role": "user", "content": "y"}], "max_tokens": 20, "temperature": 0,
+         "structured_outputs": {"regex": "(yes|no)-[0-9]{3}"}},
+    ]
+    for body in bodies:
+        want, got = (_answer(_post(u, "/v1/chat/completions", body)) for u in (agg, disagg))
+        assert _close(got, want), (got, want)
+        assert want["choices"][0]["finish_reason"] == "stop"

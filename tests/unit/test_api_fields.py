@@ -230,7 +230,7 @@ STRUCTURED = [
     ({"guided_json": '{"type":"array"}'}, StructuredSpec("json_schema", '{"type": "array"}')),
     ({"guided_regex": "a|b"}, StructuredSpec("regex", "a|b")),
     ({"guided_choice": ["é", "b"]}, StructuredSpec("choice", '["é", "b"]')),
-    ({"guided_grammar": "root ::= x"}, StructuredSpec("grammar", "root ::= x")),
+    ({"guided_grammar": 'root ::= "x"'}, StructuredSpec("grammar", 'root ::= "x"')),
 ]
 
 
