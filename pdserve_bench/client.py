@@ -27,10 +27,11 @@ if TYPE_CHECKING:  # workloads imports transformers; the load client's worker pr
 REQUEST_TIMEOUT_S = 300.0
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+def completion_body(model: str, prompt: list[int], max_tokens: int, extra: dict | None = None) -> dict:
+    """`extra`: more fields (or other values) of the body."""
     return {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {}),
     }
 
 

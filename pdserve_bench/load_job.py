@@ -34,6 +34,8 @@ class Traffic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate: float = 0.0
     count: int | None = None  # at most this many requests (None: as many as the duration allows)
     seed: int = 0
+    # more fields of every request's body (logprobs, penalties, response_format, ...): what they cost
+    body: dict[str, object] = msgspec.field(default_factory=dict)
 
     @property
     def closed(self) -> bool:

@@ -48,11 +48,12 @@ async def _read_sse(response: aiohttp.ClientResponse, result: RequestResult) -> 
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-                            max_tokens: int) -> RequestResult:
+                            max_tokens: int, extra: dict | None = None) -> RequestResult:
     """POST one streamed completion and time it; never raises for server or transport errors."""
     result = RequestResult(start=time.perf_counter(), end=0.0)
+    body = completion_body(model, prompt, max_tokens, extra)
     try:
-        async with session.post(f"{url}/v1/completions", json=completion_body(model, prompt, max_tokens)) as response:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text(errors='replace'))[:300]}"
             else:
@@ -74,7 +75,8 @@ class Runner:
 
     async def _send(self, traffic: Traffic, key: str) -> None:
         prompt = prompt_for(traffic, key, self.job.vocab)
-        result = await stream_completion(self.session, self.job.url, self.job.model, prompt, traffic.output_len)
+        result = await stream_completion(self.session, self.job.url, self.job.model, prompt, traffic.output_len,
+                                         traffic.body)
         self.emit(Timing.of(traffic.name, result))
 
     async def stream(self, s: Stream) -> None:

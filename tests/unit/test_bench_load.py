@@ -179,8 +179,13 @@ def test_the_servers_means_come_from_their_histograms_between_two_scrapes():
 # ---- the client processes against a real HTTP API --------------------------------------------------
 
 @pytest.fixture(scope="module")
-def base_url():
-    with uvicorn_in_thread(create_app(lambda: FakeEngine(model_name="fake-model", max_seq_len=256)), 20.0) as url:
+def bench_engine() -> FakeEngine:
+    return FakeEngine(model_name="fake-model", max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def base_url(bench_engine):
+    with uvicorn_in_thread(create_app(lambda: bench_engine), 20.0) as url:
         yield url
 
 
@@ -215,3 +220,15 @@ def test_a_worker_that_finishes_early_does_not_end_the_run(base_url):
     found = run_load(plan, base_url, "fake-model", list(range(97, 123)), procs=2)
     assert len(found.done) == 2 and [r.error for r in found.by_traffic["main"]] == [None, None]
     assert [round(r.start - found.t0, 1) for r in found.all] == [0.0, 0.5]
+
+
+def test_a_traffic_class_sends_its_body_fields_with_every_request(base_url, bench_engine):
+    """`Traffic.body` (what a feature costs: logprobs, penalties, a response_format) reaches the server
+    in every request of the class, and the others' bodies stay plain."""
+    plan = LoadPlan((Traffic("scored", 6, 3, concurrency=1, count=2, seed=3,
+                             body={"logprobs": 2, "frequency_penalty": 0.5}),
+                     Traffic("plain", 6, 3, concurrency=1, count=2, seed=4)))
+    found = run_load(plan, base_url, "fake-model", list(range(97, 123)), procs=2)
+    assert all(r.error is None for r in found.all), [r.error for r in found.all]
+    sampling = [r.sampling for r in bench_engine.requests[-4:]]
+    assert sorted((s.logprobs or 0, s.frequency_penalty) for s in sampling) == [(0, 0.0)] * 2 + [(2, 0.5)] * 2
