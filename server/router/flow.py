@@ -92,8 +92,9 @@ class Ask:
 
 class Phases:
     """A request's phases in the router, once each (first stamps count): queue (arrival -> a leg booked),
-    context (-> the context answer), handoff (-> the generation leg open: its stream, or a JSON leg's
-    answer; 0 if that came first), first_event (arrival -> the first event sent, or the JSON answer)."""
+    context (-> the context answer), handoff (-> the generation leg's stream open; 0 if it opened first;
+    none for a JSON leg, answered after its decode), first_event (arrival -> the first event sent, or
+    the JSON answer)."""
 
     SPANS = {"queue": ("start", "booked"), "context": ("booked", "answered"), "handoff": ("answered", "opened"),
              "first_event": ("start", "sent")}
@@ -188,8 +189,8 @@ class RequestFlow:
         self._generation = asyncio.ensure_future(self.legs.generation_leg(
             self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead,
             booked=lambda: self.phases.stamp("booked")))
-        self._generation.add_done_callback(
-            lambda leg: leg.cancelled() or leg.exception() or self.phases.stamp("opened"))
+        self._generation.add_done_callback(lambda leg: leg.cancelled() or leg.exception()
+                                           or leg.result().stream is None or self.phases.stamp("opened"))
 
     async def _generation_answer(self, ctx: dict | None) -> Response:
         if self._generation is None:

@@ -1,7 +1,8 @@
 """The router's phases of a request's time to first token (server/router/flow.py `Phases`): a
 RequestFlow over scripted legs, on a fake clock, observes each phase once with the times the legs
-took; a request one server serves alone, or that its context leg ends, has no phases it did not go
-through; and /metrics shows every phase from the start."""
+took; a request one server serves alone, or that its context leg ends, or whose generation leg
+answers JSON (after its decode), has no phases it did not go through; and /metrics shows every
+phase from the start."""
 
 from __future__ import annotations
 
@@ -108,6 +109,23 @@ def test_a_streamed_disaggregated_request_observes_each_router_phase_once():
 
     events = asyncio.run(run())
     assert [e["choices"][0]["text"] for e in _events(events)] == ["first", "lo"] and events[-1] == DONE
+
+
+def test_a_json_request_has_no_handoff_its_answer_comes_after_the_decode():
+    clock = Clock()
+    legs = _Legs(clock, _ctx("first", chat=False), lambda: Upstream(Backend("http://gen", "generation"),
+                                                                    json={"choices": []}))
+
+    async def run() -> Observed:
+        flow, observed = _flow(legs, {})
+        answering = asyncio.ensure_future(flow.respond(_connected))
+        await asyncio.wait_for(legs.booked.wait(), 10)
+        clock.now = START + 0.300
+        legs.gate.set()
+        await answering
+        return observed
+
+    assert asyncio.run(run()) == [("queue", 2.0), ("context", 50.0), ("first_event", 300.0)]
 
 
 def test_a_json_request_served_alone_has_no_context_leg_and_no_handoff():
