@@ -19,7 +19,6 @@ ROUTER_PHASES = ("queue", "context", "handoff", "first_event")  # its label valu
 QUEUE_SECONDS = "pdserve_request_queue_time_seconds"
 PREFILL_SECONDS = "pdserve_prefill_seconds"
 KV_TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
-SOURCES = ("router", "prefill", "generation")
 PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 10.0, 30.0, 120.0, 600.0)  # the router's phases: sub-millisecond ones too
 
@@ -27,7 +26,7 @@ PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1
 @dataclass(frozen=True)
 class Phase:
     name: str
-    source: str  # one of SOURCES
+    source: str  # "router", "prefill" or "generation"
     histogram: str
     router_phase: str = ""  # the router's `phase` label
 

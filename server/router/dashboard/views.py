@@ -7,8 +7,8 @@ For the deployment: requests per second (the router's own counter), TTFT over th
 make first tokens (context or aggregated), TPOT over the servers that decode (generation or
 aggregated), KV transfers as the receiving side counts them, and the phases of the time to first
 token (server/telemetry/phases.py): p50 and mean of each, from the router's and the servers'
-histograms. A server that stopped answering
-keeps its last figures, marked `stale`; its rates are None and leave the deployment's sums.
+histograms. A server that stopped answering keeps its last figures, marked `stale`; its rates are
+None and leave the deployment's sums.
 """
 
 from __future__ import annotations
