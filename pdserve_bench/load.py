@@ -24,8 +24,11 @@ duration's end per second (every stream running, none drained yet); the mean TTF
 started in the first `--window-s` seconds against the later ones; the servers' own mean TTFT, queue
 time, TPOT and E2E from their /metrics (scraped before and after; `server_` = the servers that
 answer the first token, `generation_` = a pair's generation servers; a router's /metrics has none
-of them); the busiest client process's share of a core (`client_busiest_core_share`: near 1, the
-client may have set the pace); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
+of them); where the time to first token went, phase by phase (`phase_NAME_mean_ms`, `_p50_ms`,
+`_count`: router queue, context queue, prefill, context leg, handoff, generation queue, KV transfer,
+first event; from the router's and the servers' histograms, docs/DISAGG_LOAD.md); the busiest
+client process's share of a core (`client_busiest_core_share`: near 1, the client may have set the
+pace); a per-second series (requests started, mean TTFT, output tok/s, errors). Runs of several
 deployments are interleaved (repeat r of each before r+1). One record per deployment: medians over
 the repeats, each repeat, and each repeat's series (`report` plots them).
 """
@@ -42,7 +45,7 @@ from pdserve_bench import options
 from pdserve_bench.launch import ServerUnderTest
 from pdserve_bench.load_client import LoadPlan, default_procs
 from pdserve_bench.load_job import Traffic
-from pdserve_bench.load_report import load_table, run_line
+from pdserve_bench.load_report import load_table, phase_table, run_line
 from pdserve_bench.load_target import LoadTarget, measure_run, started_target, url_target
 from pdserve_bench.measure import model_vocab, warm_up
 from pdserve_bench.stats import median_summary
@@ -77,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bin-s", type=float, default=1.0, help="time-series bin (default 1 s)")
     parser.add_argument("--no-warmup", action="store_true", help="measure a started server from its first request")
     parser.add_argument("--no-metrics", action="store_true", help="do not scrape the servers' /metrics")
-    parser.add_argument("--scrape", action="append", default=[], metavar="[generation=]URL",
+    parser.add_argument("--scrape", action="append", default=[], metavar="[generation=|router=]URL",
                         help="for deployments given by URL: a server whose /metrics to read instead of that URL "
-                             "(e.g. a router's context server; generation=URL for a generation server)")
+                             "(e.g. a router's context server; generation=URL for a generation server, "
+                             "router=URL for the router)")
     options.add_common(parser, repeat=1)
     options.add_slo(parser)
     options.add_server_env(parser)
@@ -121,14 +125,15 @@ def _start(stack: ExitStack, deployment: Deployment, args: argparse.Namespace, v
 
 
 def scrape_list(specs: list[str]) -> tuple[tuple[str, str], ...]:
-    """--scrape values as (role, URL): `URL` answers first tokens (`server_*`), `generation=URL` not."""
+    """--scrape values as (role, URL): `URL` answers first tokens (`server_*`), `generation=URL` not,
+    `router=URL` is the router (its phases)."""
     out = []
     for spec in specs:
         role, sep, url = spec.partition("=")
         if not sep:
             role, url = "server", spec
-        if role not in ("server", "generation") or not url.startswith(("http://", "https://")):
-            raise SystemExit(f"--scrape wants URL or generation=URL, got {spec!r}")
+        if role not in ("server", "generation", "router") or not url.startswith(("http://", "https://")):
+            raise SystemExit(f"--scrape wants URL, generation=URL or router=URL, got {spec!r}")
         out.append((role, url.rstrip("/")))
     return tuple(out)
 
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         figures = median_summary(summaries) | {"startup_s": target.startup_s}
         out.write("load", point_config(deployment, plans[0], args), figures, summaries, series)
         rows.append((f"{target.name}: {figure_name(plans[0])}", figures))
-    print(percentile_table(rows), "", load_table(rows), sep="\n")
+    print(percentile_table(rows), "", load_table(rows), "", phase_table(rows), sep="\n")
     if out.path is not None:
         print(f"\n{len(out.written)} records appended to {out.path}")
     return 0

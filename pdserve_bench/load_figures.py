@@ -12,15 +12,20 @@ rest, and per-second time series.
 - `time_series`: per `bin_s` bin from the run's start, the requests started, their mean TTFT, the
   output tokens that arrived (a chunk's tokens spread evenly over the request's chunks) per second,
   and the errors. NaN where a bin has nothing to average.
+- `server_means` and `phase_figures`: the servers' and the router's own histograms between two
+  scrapes of their /metrics (`parse_metrics`): mean TTFT, queue time, TPOT, E2E per role, and each
+  phase of the time to first token (server/telemetry/phases.py) with its mean and p50.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 
 from pdserve_bench.stats import SLO, RequestResult, Summary, percentile, ratio, summarize
+from server.telemetry.phases import TTFT_PHASES, Phase, quantile
 
 SPLIT_KEYS = ("requests", "errors", "output_tok_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
               "tpot_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -106,14 +111,32 @@ SCRAPED = {  # figure prefix -> histogram name; a mean is (sum after - before) /
 }
 
 
+HISTOGRAMS = {*SCRAPED.values(), *(p.histogram for p in TTFT_PHASES)}
+_PARTS = ("sum", "count", "bucket")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+# a phase's source -> the scraped roles that hold it; the router's histograms are its own names,
+# so they are read from every role scraped (a deployment given by URL is often a router's)
+PHASE_ROLES = {"prefill": ("server",), "generation": ("generation",)}
+
+
+def series_key(name: str, labels: Mapping[str, str]) -> str:
+    """`name{a=x,b=y}` (labels sorted, unquoted), or `name` without labels: the keys of `parse_metrics`."""
+    return name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """`NAME_sum` and `NAME_count` of the histograms in `SCRAPED` (unlabelled series, summed)."""
-    wanted = {f"{name}_{part}" for name in SCRAPED.values() for part in ("sum", "count")}
-    out: dict[str, float] = dict.fromkeys(wanted, 0.0)
+    """The `_sum`, `_count` and `_bucket` series of the histograms the figures read (`SCRAPED`, the
+    phases'), keyed by `series_key` and summed over equal keys; an unlabelled sum or count of
+    `SCRAPED` that `text` lacks is 0."""
+    out: dict[str, float] = dict.fromkeys((f"{name}_{part}" for name in SCRAPED.values()
+                                           for part in ("sum", "count")), 0.0)
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in wanted:
-            out[name] += float(value.split()[0])
+        series, _, value = line.partition(" ")
+        name, _, labels = series.partition("{")
+        histogram, _, part = name.rpartition("_")
+        if histogram in HISTOGRAMS and part in _PARTS:
+            key = series_key(name, dict(_LABEL.findall(labels)))
+            out[key] = out.get(key, 0.0) + float(value.split()[0])
     return out
 
 
@@ -124,4 +147,44 @@ def server_means(before: Mapping[str, float], after: Mapping[str, float], prefix
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         out[f"{prefix}_{short}_mean_ms"] = total / count * 1e3 if count > 0 else math.nan
+    return out
+
+
+def _delta(before: Mapping[str, float], after: Mapping[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _bucket_delta(before: Mapping[str, float], after: Mapping[str, float], phase: Phase) -> dict[float, float]:
+    """Upper bound -> the run's increase of that cumulative bucket of `phase`'s series."""
+    prefix = f"{phase.histogram}_bucket{{"
+    out: dict[float, float] = {}
+    for key in after:
+        if key.startswith(prefix):
+            labels = dict(pair.split("=", 1) for pair in key[len(prefix):-1].split(","))
+            le = labels.pop("le")
+            if labels == phase.labels:
+                out[math.inf if le == "+Inf" else float(le)] = _delta(before, after, key)
+    return out
+
+
+def phase_figures(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]) -> Summary:
+    """Each phase of the time to first token over a run, from role -> `parse_metrics` scrapes before
+    and after it: `phase_NAME_count` (observations), `phase_NAME_mean_ms` (the sum's increase over
+    the count's) and `phase_NAME_p50_ms` (the buckets' increases, interpolated as Prometheus'
+    histogram_quantile does); NaN where no scraped server observed it."""
+    out: Summary = {}
+    every = tuple(dict.fromkeys([*before, *after]))
+    for phase in TTFT_PHASES:
+        roles = PHASE_ROLES.get(phase.source, every)
+        pairs = [(before.get(r, {}), after.get(r, {})) for r in roles]
+        count = sum(_delta(b, a, series_key(f"{phase.histogram}_count", phase.labels)) for b, a in pairs)
+        total = sum(_delta(b, a, series_key(f"{phase.histogram}_sum", phase.labels)) for b, a in pairs)
+        buckets: dict[float, float] = {}
+        for b, a in pairs:
+            for le, n in _bucket_delta(b, a, phase).items():
+                buckets[le] = buckets.get(le, 0.0) + n
+        p50 = quantile(0.5, buckets) if count > 0 else None
+        out |= {f"phase_{phase.name}_count": count,
+                f"phase_{phase.name}_mean_ms": total / count * 1e3 if count > 0 else math.nan,
+                f"phase_{phase.name}_p50_ms": p50 * 1e3 if p50 is not None else math.nan}
     return out

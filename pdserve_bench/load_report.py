@@ -2,6 +2,8 @@
 
 - `load_table`: per target and figure, what the percentile table lacks: start-up, the first window
   against the rest, the servers' own means, and the mixed workload's classes apart.
+- `phase_table`: per target and figure, where the time to first token went: p50 / mean ms of each
+  phase (server/telemetry/phases.py).
 - `load_section`: that table and the percentile table of every load record, then per figure a
   time-series plot (mean TTFT and output tok/s per second; one line per target and repeat, so a
   fresh server's first run stands out) and, where several targets ran it, bars side by side.
@@ -16,6 +18,7 @@ from typing import Any
 
 from pdserve_bench.stats import Summary
 from pdserve_bench.tables import percentile_table, table
+from server.telemetry.phases import TTFT_PHASES
 
 Record = Mapping[str, Any]
 COMMAND = "load"
@@ -48,6 +51,18 @@ MIXED_BARS = (("background_tpot_p50_ms", "background TPOT p50 ms"),
 
 def load_table(rows: Sequence[tuple[str, Summary]]) -> str:
     return table(rows, _LOAD_COLUMNS, "target: figure")
+
+
+def phase_table(rows: Sequence[tuple[str, Summary]]) -> str:
+    """One row per target: each phase's p50 / mean ms ("-" where no scraped server observed it)."""
+    def cell(summary: Summary, name: str) -> str:
+        p50, mean = (summary.get(f"phase_{name}_{k}_ms", math.nan) for k in ("p50", "mean"))
+        return "-" if math.isnan(mean) else f"{p50:.1f} / {mean:.1f}"
+
+    header = ["TTFT phases, p50 / mean ms", *(p.name.replace("_", " ") for p in TTFT_PHASES)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([name, *(cell(s, p.name) for p in TTFT_PHASES)]) + " |" for name, s in rows]
+    return "\n".join(lines)
 
 
 def run_line(name: str, repeat: int, of: int, summary: Summary) -> str:
@@ -95,6 +110,8 @@ def load_section(records: Sequence[Record], out: Path, prefix: str) -> tuple[lis
     rows = [(f"{target}: {figure}", r["figures"]) for figure, by_target in figures.items()
             for target, r in by_target.items()]
     lines = ["## Load", "", percentile_table(rows), "", load_table(rows), ""]
+    if any(key.startswith("phase_") for _, summary in rows for key in summary):
+        lines += [phase_table(rows), ""]
     pngs = []
     for figure, by_target in figures.items():
         written = _plots(figure, by_target, out, prefix)

@@ -3,8 +3,10 @@
 `measure_run` scrapes the servers' /metrics, runs the plan from the client processes, scrapes
 again, and returns the run's summary (`load_figures`) and its per-second series. A started
 deployment's servers are scraped by role: `server` for those that answer the first token (an
-aggregated server, a pair's context servers), `generation` for a pair's generation servers. A
-deployment given by URL is scraped at that URL, or at the servers `--scrape` names.
+aggregated server, a pair's context servers), `generation` for a pair's generation servers, and
+`router` for a pair's router. A deployment given by URL is scraped at that URL, or at the servers
+`--scrape` names. Besides each role's means, the summary has the phases of the time to first
+token (`phase_*`: server/telemetry/phases.py, docs/DISAGG_LOAD.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pdserve_bench.load_figures import (
     Series,
     load_summary,
     parse_metrics,
+    phase_figures,
     server_means,
     steady_tok_s,
     time_series,
@@ -54,6 +57,7 @@ def started_target(name: str, server: ServerUnderTest) -> LoadTarget:
         scrape += tuple(("generation", u) for u in server_urls(deployment, "generation_servers"))
         if not server_urls(deployment, "context_servers"):  # generation servers alone answer everything
             scrape = tuple(("server", u) for _, u in scrape)
+        scrape += (("router", server.url),)
     else:
         scrape = (("server", server.url),)
     return LoadTarget(name, server.url, served_model(server.url), scrape, server.startup_s)
@@ -76,8 +80,9 @@ def scrape(servers: Sequence[tuple[str, str]]) -> dict[str, dict[str, float]]:
 def _server_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> Summary:
     out: Summary = {}
     for role in dict.fromkeys([*before, *after]):
-        out |= server_means(before.get(role, {}), after.get(role, {}), prefix=role)
-    return out
+        if role != "router":  # the router has no server histograms
+            out |= server_means(before.get(role, {}), after.get(role, {}), prefix=role)
+    return out | phase_figures(before, after)
 
 
 def measure_run(target: LoadTarget, plan: LoadPlan, vocab: Sequence[int], procs: int, slo: SLO,

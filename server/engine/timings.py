@@ -1,5 +1,10 @@
 """Token timings for the engine's metrics: stamped when a token is accepted, handed to the metrics
-later (`observe`, between steps or while the GPU computes), so the step's hot path only appends."""
+later (`observe`, between steps or while the GPU computes), so the step's hot path only appends.
+
+A request's server-side phases of its time to first token (docs/DISAGG_LOAD.md), each observed
+once per request: its queue time (arrival -> first admission: `finished`) and, where its prompt is
+computed (a context or an aggregated server), its prefill (first admission -> first token sampled:
+`stamp`)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ class TokenTimings:
         self.metrics = metrics  # ServerMetrics or None
         self._pending: list[tuple[bool, float]] = []  # (first token?, seconds) not yet observed
         self._prompt_tokens = 0  # prompt tokens of first tokens not yet counted
+        self._prefills: list[float] = []  # first admission -> first token, not yet observed
 
     def stamp(self, request: Request) -> None:
         """A new token of `request` now: its TTFT or its time since the token before."""
@@ -21,6 +27,7 @@ class TokenTimings:
             self._pending.append((True, now - request.arrival_time))
             if not request.is_generation_only and request.parent is None:  # its prompt was computed here (once)
                 self._prompt_tokens += request.num_prompt_tokens
+                self._prefills.append(now - (request.scheduled_time or now))
         else:
             self._pending.append((False, now - request.last_token_time))
         request.first_token_time = request.first_token_time or now
@@ -30,10 +37,13 @@ class TokenTimings:
         """Hand the stamped tokens to the metrics."""
         timings, self._pending = self._pending, []
         prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
+        prefills, self._prefills = self._prefills, []
         if self.metrics is None:
             return
         if prompt_tokens:
             self.metrics.add_prompt_tokens(prompt_tokens)
+        for seconds in prefills:
+            self.metrics.observe_prefill(seconds)
         for first, seconds in timings:
             (self.metrics.observe_ttft if first else self.metrics.observe_tpot)(seconds)
         if timings:

@@ -28,13 +28,14 @@ from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.errors import LegError
-from server.router.flow import Ask, ClientGone, RequestFlow
+from server.router.flow import Ask, ClientGone, Phases, RequestFlow
 from server.router.http_client import HttpClient, HttpError
 from server.router.legs import Legs
 from server.router.policies import Prompt
 from server.router.probe import health_generate
 from server.router.routing import Routing
 from server.router.routing_config import RoutingConfig
+from server.telemetry.phases import PHASE_BUCKETS, ROUTER_PHASE_SECONDS, ROUTER_PHASES
 
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "
                         "may not carry it")
@@ -79,6 +80,12 @@ class RouterState:
                          "to its answer (a stream: to its end), by leg", ["leg"], buckets=LEG_BUCKETS,
                          registry=self.registry)
         self.legs.observe_leg = lambda leg, seconds: legs.labels(leg).observe(seconds)
+        phases = Histogram(ROUTER_PHASE_SECONDS, "A request's phases in the router, once each: queue, context, "
+                           "handoff, first_event (docs/DISAGG_LOAD.md)", ["phase"], buckets=PHASE_BUCKETS,
+                           registry=self.registry)
+        self.observe_phase = lambda phase, seconds: phases.labels(phase).observe(seconds)
+        for phase in ROUTER_PHASES:  # every phase shows from the start
+            phases.labels(phase)
         self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
                                   "after theirs died", registry=self.registry)
         self.legs.on_migration = self.migrations.inc
@@ -87,7 +94,7 @@ class RouterState:
         """A request's flow; it has no context leg when one server serves it alone."""
         prompt = Prompt(lambda: self.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
         local = not self.legs.disaggregated or self.routing.serve_locally(prompt, not chat and _several(body))
-        return RequestFlow(self.legs, Ask(path, body, chat, prompt), local)
+        return RequestFlow(self.legs, Ask(path, body, chat, prompt), local, Phases(self.observe_phase))
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
         if self.tokenizer is None:

@@ -64,10 +64,8 @@ class HealthMonitor:
 
     def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0,
                  timeout_s: float = 2.0) -> None:
-        self.backends = backends
-        self.client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
+        self.backends, self.client = backends, client
+        self.interval_s, self.timeout_s = interval_s, timeout_s
         self.on_round: Callable[[], Awaitable[None]] | None = None  # after each round of checks
         self._task: asyncio.Task | None = None
 

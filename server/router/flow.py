@@ -19,12 +19,14 @@ state. The steps, in order:
    is cancelled or its stream closed (its server aborts and frees the lease itself), a lease that
    no generation leg opened on is released at once, an early context answer is closed.
 Once the first event is out the HTTP status is 200, so a generation leg that fails after it ends
-the stream with an error event that names the leg.
+the stream with an error event that names the leg. `Phases` times the router's share of the time to
+first token (docs/DISAGG_LOAD.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
@@ -88,10 +90,34 @@ class Ask:
                 and not body.get("echo") and not tools)
 
 
+class Phases:
+    """A request's phases in the router, once each (first stamps count): queue (arrival -> a leg booked),
+    context (-> the context answer), handoff (-> the generation leg's stream open; 0 if it opened first;
+    none for a JSON leg, answered after its decode), first_event (arrival -> the first event sent, or
+    the JSON answer)."""
+
+    SPANS = {"queue": ("start", "booked"), "context": ("booked", "answered"), "handoff": ("answered", "opened"),
+             "first_event": ("start", "sent")}
+
+    def __init__(self, observe: Callable[[str, float], None] = lambda phase, seconds: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.observe, self.clock = observe, clock
+        self._at = {"start": clock()}
+
+    def stamp(self, event: str) -> None:
+        """`event` happens now: observe the phases it completes."""
+        if event not in self._at:
+            self._at[event] = self.clock()
+            for phase, (since, until) in self.SPANS.items():
+                if event in (since, until) and since in self._at and until in self._at:
+                    self.observe(phase, max(0.0, self._at[until] - self._at[since]))
+
+
 class RequestFlow:
-    def __init__(self, legs: Legs, ask: Ask, local: bool) -> None:
+    def __init__(self, legs: Legs, ask: Ask, local: bool, phases: Phases | None = None) -> None:
         self.legs, self.ask = legs, ask
         self.local = local  # one server serves it all (aggregated, or routed so): no context leg
+        self.phases = phases or Phases()
         self._lease: tuple[Backend, DisaggParams] | None = None  # held for the latest generation leg
         self._generation: asyncio.Future[Upstream] | None = None
         self._early: EarlyContext | None = None
@@ -109,7 +135,19 @@ class RequestFlow:
         if not done:
             await asyncio.shield(self.close())
             raise ClientGone()
+        if isinstance(response, EventStream):
+            response.events = self._sent(response.events)
+        else:
+            self.phases.stamp("sent")
         return response
+
+    async def _sent(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                self.phases.stamp("sent")
+                yield event
+        finally:
+            await events.aclose()  # the flow's events are async generators: closed as EventStream would
 
     async def answer(self) -> Response:
         """The response, without watching the client (`respond` does; so does a fan-out of flows)."""
@@ -117,6 +155,7 @@ class RequestFlow:
             return await self._generation_answer(None)
         self.legs.require_generation()
         backend, ctx = await self._context()
+        self.phases.stamp("answered")
         if context_finished(ctx):  # the context leg ended the request: no lease to hand over
             self._lease = None
             await self.close()
@@ -129,7 +168,8 @@ class RequestFlow:
         """The context server and its answer; an early one (streamed KV) starts the generation leg meanwhile."""
         # streamed KV brings the first tokens with the KV, not the logprobs the context server computed
         kv_stream = self.ask.body.get("logprobs") in (None, False) and not self.ask.body.get("echo")
-        answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=kv_stream)
+        answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=kv_stream,
+                                             booked=lambda: self.phases.stamp("booked"))
         if isinstance(answer, Upstream):
             return answer.backend, answer.json
         self._early = answer
@@ -147,7 +187,10 @@ class RequestFlow:
         self._lease = (backend, params) if backend is not None and params is not None else None
         dead = frozenset(self._migration.dead) if self._migration is not None else frozenset()
         self._generation = asyncio.ensure_future(self.legs.generation_leg(
-            self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead))
+            self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead,
+            booked=lambda: self.phases.stamp("booked")))
+        self._generation.add_done_callback(lambda leg: leg.cancelled() or leg.exception()
+                                           or leg.result().stream is None or self.phases.stamp("opened"))
 
     async def _generation_answer(self, ctx: dict | None) -> Response:
         if self._generation is None:

@@ -57,12 +57,9 @@ class Legs:
                  context_policy: LegPicker, generation_policy: LegPicker, timeout_s: float,
                  auth_token: str | None = None, migration_limit: int = 0) -> None:
         self.headers = token_headers(auth_token)  # every call to a server carries the deployment token
-        self.client = client
-        self.context = list(context)
-        self.generation = list(generation)
-        self.context_policy = context_policy
-        self.generation_policy = generation_policy
-        self.timeout_s = timeout_s
+        self.client, self.timeout_s = client, timeout_s
+        self.context, self.generation = list(context), list(generation)
+        self.context_policy, self.generation_policy = context_policy, generation_policy
         # (leg, seconds) of every leg that answered: "context", "generation" (a stream: until it closed)
         self.observe_leg: Callable[[str, float], None] = lambda leg, seconds: None
         self.migration_limit = migration_limit  # moves of one stream to another generation server
@@ -79,9 +76,11 @@ class Legs:
             raise LegError(503, NO_GENERATION)
 
     async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams = CONTEXT_ONLY,
-                          *, kv_stream: bool = False) -> Upstream | EarlyContext:
+                          *, kv_stream: bool = False,
+                          booked: Callable[[], None] = lambda: None) -> Upstream | EarlyContext:
         """`params`: context_only, with a moved stream's prompt ids and prior output if any.
-        `kv_stream`: the server may answer early, before its first token (server/router/kv_stream.py)."""
+        `kv_stream`: the server may answer early, before its first token (server/router/kv_stream.py).
+        `booked` runs when a server is booked (after any wait in the router queue)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
@@ -91,6 +90,7 @@ class Legs:
             booking = await self.context_policy.pick(self.context, prompt, tried)  # may queue (queue.py)
             if booking is None:
                 break
+            booked()
             tried.add(booking.backend)
             try:
                 return await self._context_once(booking, path, ctx_body, kv_stream)
@@ -120,7 +120,8 @@ class Legs:
         return Upstream(backend, json=answer)
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
-                             exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None) -> Upstream:
+                             exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None,
+                             booked: Callable[[], None] = lambda: None) -> Upstream:
         """`params`: None for an aggregated server. `backend`: this one rather than the policy's pick
         (the readiness probe); else the policy's pick, and another if the first never took the request."""
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
@@ -133,6 +134,7 @@ class Legs:
             booking = await picker.pick(self.generation, prompt, tried)  # may queue (queue.py)
             if booking is None:
                 break
+            booked()
             tried.add(booking.backend)
             try:
                 return await self._generation_once(booking, path, gen_body)
@@ -215,21 +217,12 @@ def _parse(backend: Backend, response: Response) -> dict:
         body = None
     if response.status == 200 and isinstance(body, dict):
         return body
-    message = _message(body) or f"{backend.url} returned HTTP {response.status}"
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    message = str(error.get("message") or "") or f"{backend.url} returned HTTP {response.status}"
     status = response.status if response.status != 200 else 502
-    draining = status == 503 and _code(body) == "draining"
+    draining = status == 503 and error.get("code") == "draining"
     if draining:
         backend.fence("draining")
     raise LegError(status, message, body if isinstance(body, dict) and status < 500 else None, untouched=draining)
 
-
-def _code(body: object) -> str | None:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return body["error"].get("code")
-    return None
-
-
-def _message(body: object) -> str | None:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message"))
-    return None

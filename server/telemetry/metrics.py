@@ -37,6 +37,8 @@ TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 # vLLM's e2e / queue-time bounds, with small ones in front (tiny models answer in milliseconds)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# queue times: sub-millisecond ones in front of the latency bounds (an idle server admits at once)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0)
 
@@ -268,7 +270,10 @@ class ServerMetrics:
                               "this server (a context server: to the hand-over).", buckets=LATENCY_BUCKETS,
                               registry=reg)
         self._queue = Histogram("pdserve_request_queue_time_seconds", "Arrival to first admission "
-                                "(blocks allocated).", buckets=LATENCY_BUCKETS, registry=reg)
+                                "(blocks allocated), once per request.", buckets=QUEUE_BUCKETS, registry=reg)
+        self._prefill = Histogram("pdserve_prefill_seconds", "First admission to the first token sampled, "
+                                  "once per request whose prompt is computed here (context or aggregated).",
+                                  buckets=TTFT_BUCKETS, registry=reg)
 
     def _make_transfer_metrics(self) -> None:
         reg = self.registry
@@ -306,6 +311,9 @@ class ServerMetrics:
 
     def observe_queue_time(self, seconds: float) -> None:
         self._queue.observe(seconds)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self._prefill.observe(seconds)
 
     def set_request_counts(self, counts: Mapping[str, int]) -> None:
         """Set the number of requests per state; a state seen before but absent from `counts` is 0."""

@@ -56,9 +56,10 @@ class MetricsDelta(msgspec.Struct, frozen=True):
     generation_tokens: int = 0
     prompt_tokens: int = 0
     transfers: list[tuple[int, float]] = []
+    prefill: list[float] = []
 
 
-_LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers")
+_LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers", "prefill")
 
 
 class MetricsRecorder:
@@ -89,6 +90,9 @@ class MetricsRecorder:
 
     def observe_queue_time(self, seconds: float) -> None:
         self._add("queue_time", seconds)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self._add("prefill", seconds)
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         self._add("transfers", (num_bytes, seconds))
@@ -158,6 +162,8 @@ class RelayedMetrics:
             m.observe_e2e(seconds)
         for seconds in delta.queue_time:
             m.observe_queue_time(seconds)
+        for seconds in delta.prefill:
+            m.observe_prefill(seconds)
         for num_bytes, seconds in delta.transfers:
             m.observe_transfer(num_bytes, seconds)
         if delta.generation_tokens:

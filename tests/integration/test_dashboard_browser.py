@@ -2,8 +2,8 @@
 Debian's chromedriver) against a real deployment on loopback (configs/disagg_host_offload.yaml: 1 context
 server with a small device pool and a host tier + 1 generation server + router, builtin:tiny-llama).
 It checks the server rows and pool bars, sees the numbers move while load runs (and blocks offloaded
-to the host tier), and sees a SIGKILLed generation server's row turn red. Screenshots are kept in the test's
-tmp dir and in test-artifacts/ (git-ignored).
+to the host tier) and the TTFT phases filled in, and sees a SIGKILLed generation server's row turn
+red. Screenshots are kept in the test's tmp dir and in test-artifacts/ (git-ignored).
 
 Without chromium the test fails (CI installs it in .ci/run); a developer may skip it with
 PDSERVE_ALLOW_NO_BROWSER=1, which CI (CI set) ignores.
@@ -29,6 +29,9 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = dh.ROOT / "test-artifacts"
 LOAD_REQUESTS, LOAD_CONCURRENCY = 12, 4
 RED_WITHIN_S = 5.0  # health is polled every second; a refused connection fences at once
+PHASES = ["router_queue", "context_queue", "prefill", "context_leg", "handoff", "generation_queue", "kv_transfer",
+          "first_event"]
+SECONDS = r"[\d.]+ m?s"
 
 # One call reads everything the assertions need from the live DOM (no stale element handles).
 READ_DOM = """
@@ -43,7 +46,11 @@ const pools = Array.from(document.querySelectorAll('.pool')).map((p) => ({
   bars: Array.from(p.querySelectorAll('.bar')).map((b) => ({
     level: b.dataset.level, window: b.dataset.window, label: b.previousSibling.textContent,
     segs: Array.from(b.querySelectorAll('.seg')).map((s) => [s.classList[1], s.getBoundingClientRect().width])}))}));
-return {rows, pools, overall: text('#overall'), requests: text('#requests-total'), rps: text('#rps'),
+const phases = Array.from(document.querySelectorAll('#phases tr.phase')).map((r) => ({
+  name: r.dataset.phase, label: r.querySelector('.name').textContent, source: r.querySelector('.source').textContent,
+  p50: r.querySelector('.p50').textContent, mean: r.querySelector('.mean').textContent,
+  count: r.querySelector('.count').textContent}));
+return {rows, pools, phases, overall: text('#overall'), requests: text('#requests-total'), rps: text('#rps'),
         xfer: text('#xfer-count'), ttft: text('#ttft-p50'), tpot: text('#tpot-p50'), offload: text('#offload-rate')};
 """
 
@@ -95,8 +102,11 @@ def run_load(url: str, errors: list) -> None:
 
     def one(i: int) -> None:
         prompt = f"Request {i}: " + " ".join(f"fox {i * 1000 + j} jumps" for j in range(40))  # 246 tokens, 8 blocks
-        answer = client.completions.create(model="builtin:tiny-llama", prompt=prompt, max_tokens=24, temperature=0)
-        assert answer.usage.completion_tokens > 0
+        stream = i % 2 == 1  # a JSON answer has no handoff phase (it comes after the decode): half are streamed
+        answer = client.completions.create(model="builtin:tiny-llama", prompt=prompt, max_tokens=24, temperature=0,
+                                           stream=stream, stream_options={"include_usage": True} if stream else None)
+        usage = list(answer)[-1].usage if stream else answer.usage
+        assert usage.completion_tokens > 0
 
     with ThreadPoolExecutor(LOAD_CONCURRENCY) as pool:
         for future in [pool.submit(one, i) for i in range(LOAD_REQUESTS)]:
@@ -129,6 +139,8 @@ def test_dashboard_shows_the_deployment_live(tmp_path, browser):
             segs = dict(bar["segs"])
             assert sorted(segs) == ["cached", "free", "in_use"] and segs["free"] > 0
         requests_before, xfer_before = int(dom["requests"]), int(dom["xfer"])
+        assert [p["name"] for p in dom["phases"]] == PHASES  # every phase, nothing observed yet
+        assert {(p["p50"], p["mean"], p["count"]) for p in dom["phases"]} == {("–", "–", "0")}
 
         # load: the numbers move on the open page
         errors: list = []
@@ -141,7 +153,16 @@ def test_dashboard_shows_the_deployment_live(tmp_path, browser):
         finally:
             load.join(timeout=120)
         assert errors == []
-        assert re.fullmatch(r"[\d.]+ m?s", dom["ttft"]) and re.fullmatch(r"[\d.]+ m?s", dom["tpot"]), dom
+        assert re.fullmatch(SECONDS, dom["ttft"]) and re.fullmatch(SECONDS, dom["tpot"]), dom
+        # every phase of the load's requests: its p50 and mean as times, over the requests it counted
+        dom = wait_dom(browser, lambda d: all(int(p["count"]) > 0 for p in d["phases"]), 10, "every TTFT phase")
+        for phase in dom["phases"]:
+            assert re.fullmatch(SECONDS, phase["p50"]) and re.fullmatch(SECONDS, phase["mean"]), phase
+            assert int(phase["count"]) <= (LOAD_REQUESTS // 2 if phase["name"] == "handoff" else LOAD_REQUESTS), phase
+        sources = {p["name"]: p["source"] for p in dom["phases"]}
+        assert (sources["prefill"], sources["kv_transfer"], sources["handoff"]) == (
+            "context / aggregated servers", "generation servers", "router")
+        assert [p["label"] for p in dom["phases"]][:2] == ["router queue", "context queue"]
         assert row(dom, gen)["transfers"] == f"{LOAD_REQUESTS} (0 failed)"
         host = [b for b in next(p["bars"] for p in dom["pools"] if p["url"] == ctx) if b["level"] == "secondary"]
         assert int(re.search(r"cached (\d+)", host[0]["label"]).group(1)) > 0, host  # evicted blocks went to the host

@@ -21,7 +21,7 @@ REQUIRED_NAMES = [
     "pdserve_kv_transfer_failures_total", "pdserve_kv_transfer_lease_expired_total",
     "pdserve_kv_transfer_rejected_messages_total", "pdserve_kv_transfer_phase_seconds_total",
     "pdserve_num_preemptions_total", "pdserve_prompt_tokens_total",
-    "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds",
+    "pdserve_e2e_request_latency_seconds", "pdserve_request_queue_time_seconds", "pdserve_prefill_seconds",
 ]
 
 

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvcache.stats import KVCacheStats
+from server.router.app import RouterSettings, _build_state
 from server.router.backends import Backend
 from server.router.dashboard.samples import parse_metrics
 from server.router.dashboard.views import deployment_view, pool_view, server_view
@@ -179,3 +180,42 @@ def test_server_and_deployment_views():
     assert quiet["stale"] and quiet["restarts"] == 2 and quiet["status"] == "unreachable"
     assert quiet["transfers"]["count"] == 4 and quiet["transfers"]["per_s"] is None
     assert deployment_view([ctx, gen], windows, router, now=2.0 + STALE_S + 1)["transfers"]["per_s"] is None
+
+
+def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers():
+    """Two context servers' histograms merge; the router's phases are its labelled series apart."""
+    state = _build_state(RouterSettings(("127.0.0.1:1",), ("127.0.0.1:2",)))
+    state.observe_phase("first_event", 9.0)  # by the window's first sample: not counted
+    router = Window()
+    router.add(parse_metrics(generate_latest(state.registry).decode(), 0.0))
+    for seconds in (0.03, 0.05, 0.07):
+        state.observe_phase("context", seconds)
+    router.add(parse_metrics(generate_latest(state.registry).decode(), 2.0))
+
+    def prefill(seconds: tuple[float, ...]):
+        def work(m: ServerMetrics) -> None:
+            for s in seconds:
+                m.observe_queue_time(0.004)
+                m.observe_prefill(s)
+        return work
+
+    def generation(m: ServerMetrics) -> None:
+        m.observe_queue_time(0.002)
+        m.observe_transfer(1000, 0.003)
+
+    backends = [Backend("http://c1", "context"), Backend("http://c2", "context"), Backend("http://g", "generation")]
+    windows = {"http://c1": two_samples(ServerMetrics(), prefill((0.015,))),
+               "http://c2": two_samples(ServerMetrics(), prefill((0.03, 0.05))),
+               "http://g": two_samples(ServerMetrics(), generation)}
+    phases = {p["name"]: p for p in deployment_view(backends, windows, router, now=2.5)["phases"]}
+    assert list(phases) == ["router_queue", "context_queue", "prefill", "context_leg", "handoff", "generation_queue",
+                            "kv_transfer", "first_event"]
+    assert phases["prefill"]["source"] == "prefill" and phases["prefill"]["count"] == 3
+    assert phases["prefill"]["mean"] == pytest.approx(0.095 / 3)
+    assert phases["prefill"]["p50"] == pytest.approx(0.03)  # 15 <= 20, 30 <= 40, 50 <= 60 ms: (20, 40] halfway
+    assert phases["context_queue"]["count"] == 3 and phases["context_queue"]["mean"] == pytest.approx(0.004)
+    assert phases["context_leg"]["count"] == 3 and phases["context_leg"]["mean"] == pytest.approx(0.05)
+    assert phases["context_leg"]["p50"] == pytest.approx(0.05)  # 30 <= 40, 50 <= 60, 70 <= 80 ms: (40, 60] halfway
+    assert (phases["generation_queue"]["count"], phases["kv_transfer"]["count"]) == (1, 1)
+    for name in ("router_queue", "handoff", "first_event"):  # shown, with nothing observed in the window
+        assert phases[name] == {"name": name, "source": "router", "p50": None, "mean": None, "count": 0}

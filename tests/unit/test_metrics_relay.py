@@ -29,6 +29,7 @@ def observe(metrics) -> None:
     metrics.add_generation_tokens(4)
     metrics.observe_e2e(0.3)
     metrics.observe_queue_time(0.0005)
+    metrics.observe_prefill(0.0115)
     metrics.observe_transfer(65536, 0.02)
 
 
@@ -68,6 +69,8 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     relay.update(message.state.figures)
     assert samples(relayed) == samples(direct)
     assert "pdserve_time_to_first_token_seconds_count 1.0" in samples(relayed)
+    assert "pdserve_prefill_seconds_sum 0.0115" in samples(relayed)
+    assert 'pdserve_request_queue_time_seconds_bucket{le="0.0005"} 1.0' in samples(relayed)
     assert 'pdserve_kv_transfer_failures_total{reason="timeout"} 1.0' in samples(relayed)
     assert "pdserve_spec_accepted_tokens_total 5.0" in samples(relayed)
     assert "pdserve_spec_acceptance_rate 0.625" in samples(relayed)

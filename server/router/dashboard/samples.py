@@ -22,17 +22,18 @@ class Sample:
         """Sum of the series `name` whose labels include `labels` (0 if there is none)."""
         return sum(v for lab, v in self.series.get(name, ()) if _matches(lab, labels))
 
-    def by_label(self, name: str, label: str) -> dict[str, float]:
-        """label value -> sum of the series `name` with that label value."""
+    def by_label(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        """label value -> sum of the series `name` with that label value (and `labels`)."""
         out: dict[str, float] = {}
         for lab, v in self.series.get(name, ()):
-            if label in lab:
+            if label in lab and _matches(lab, labels):
                 out[lab[label]] = out.get(lab[label], 0.0) + v
         return out
 
-    def buckets(self, histogram: str) -> dict[float, float]:
-        """Upper bound (math.inf for "+Inf") -> cumulative count of a histogram's buckets."""
-        return {_bound(le): v for le, v in self.by_label(f"{histogram}_bucket", "le").items()}
+    def buckets(self, histogram: str, **labels: str) -> dict[float, float]:
+        """Upper bound (math.inf for "+Inf") -> cumulative count of a histogram's buckets (of the
+        series with `labels`)."""
+        return {_bound(le): v for le, v in self.by_label(f"{histogram}_bucket", "le", **labels).items()}
 
 
 def parse_metrics(text: str, t: float) -> Sample:

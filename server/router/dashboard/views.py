@@ -5,8 +5,10 @@ window and level, prefix hit rate, offload / onboard rates, KV transfers, specul
 acceptance and latency percentiles.
 For the deployment: requests per second (the router's own counter), TTFT over the servers that
 make first tokens (context or aggregated), TPOT over the servers that decode (generation or
-aggregated), and KV transfers as the receiving side counts them. A server that stopped answering
-keeps its last figures, marked `stale`; its rates are None and leave the deployment's sums.
+aggregated), KV transfers as the receiving side counts them, and the phases of the time to first
+token (server/telemetry/phases.py): p50 and mean of each, from the router's and the servers'
+histograms. A server that stopped answering keeps its last figures, marked `stale`; its rates are
+None and leave the deployment's sums.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 
 from server.router.backends import Backend
 from server.router.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
+from server.telemetry.phases import TTFT_PHASES, Phase, quantile
 
 TTFT = "pdserve_time_to_first_token_seconds"
 TPOT = "pdserve_time_per_output_token_seconds"
@@ -23,6 +26,7 @@ HIT, QUERY = "pdserve_prefix_cache_hit_tokens_total", "pdserve_prefix_cache_quer
 SPEC_DRAFT, SPEC_ACCEPTED = "pdserve_spec_draft_tokens_total", "pdserve_spec_accepted_tokens_total"
 SPEC_EMITTED, SPEC_STEPS = "pdserve_spec_emitted_tokens_total", "pdserve_spec_verify_steps_total"
 FIRST_TOKEN_ROLES, DECODE_ROLES = ("context", "aggregated"), ("generation", "aggregated")
+PHASE_ROLES = {"prefill": FIRST_TOKEN_ROLES, "generation": ("generation",)}  # a phase's source: its servers' roles
 LEVELS = ("primary", "secondary", "disk")
 
 
@@ -105,8 +109,21 @@ def deployment_view(backends: list[Backend], windows: Mapping[str, Window], rout
         "speculation": spec_view(of_roles(DECODE_ROLES), now),
         "ttft": percentiles(merge_buckets(w.bucket_increase(TTFT, now) for w in of_roles(FIRST_TOKEN_ROLES))),
         "tpot": percentiles(merge_buckets(w.bucket_increase(TPOT, now) for w in of_roles(DECODE_ROLES))),
+        "phases": [phase_view(p, [router] if p.source == "router" else of_roles(PHASE_ROLES[p.source]), now)
+                   for p in TTFT_PHASES],
         "window_s": WINDOW_S, "rate_s": RATE_S,
     }
+
+
+def phase_view(phase: Phase, windows: list[Window], now: float) -> dict:
+    """{"name", "source", "p50", "mean" (seconds; None when nothing was observed), "count"} of one
+    phase over the window, its sources' histograms merged."""
+    h, labels = phase.histogram, phase.labels
+    buckets = merge_buckets(w.bucket_increase(h, now, **labels) for w in windows)
+    count = sum(w.increase(f"{h}_count", now, **labels) for w in windows)
+    total = sum(w.increase(f"{h}_sum", now, **labels) for w in windows)
+    return {"name": phase.name, "source": phase.source, "p50": quantile(0.5, buckets),
+            "mean": _ratio(total, count), "count": int(count)}
 
 
 def _ratio(part: float, whole: float) -> float | None:

@@ -8,11 +8,11 @@ sample is older than STALE_S, and its figures leave the one-minute window as the
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 
 from server.router.dashboard.samples import Sample
+from server.telemetry.phases import quantile
 
 WINDOW_S = 60.0  # percentiles and hit rates are over this span
 RATE_S = 10.0  # rates (per second) are over this span: short enough to follow the load
@@ -52,11 +52,12 @@ class Window:
             return None
         return _increase(s.value(name, **labels) for s in samples) / span
 
-    def bucket_increase(self, histogram: str, now: float, seconds: float = WINDOW_S) -> dict[float, float]:
+    def bucket_increase(self, histogram: str, now: float, seconds: float = WINDOW_S,
+                        **labels: str) -> dict[float, float]:
         """Upper bound -> increase of that (cumulative) bucket over the last `seconds`."""
         samples = self.recent(now, seconds)
-        bounds = samples[-1].buckets(histogram).keys() if samples else ()
-        per_sample = [s.buckets(histogram) for s in samples]
+        bounds = samples[-1].buckets(histogram, **labels).keys() if samples else ()
+        per_sample = [s.buckets(histogram, **labels) for s in samples]
         return {le: _increase(b.get(le, 0.0) for b in per_sample) for le in bounds}
 
 
@@ -75,24 +76,6 @@ def merge_buckets(histograms: Iterable[Mapping[float, float]]) -> dict[float, fl
         for le, count in h.items():
             out[le] = out.get(le, 0.0) + count
     return out
-
-
-def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
-    """The q-quantile of cumulative histogram buckets, interpolated linearly inside its bucket as
-    Prometheus' histogram_quantile does (the highest finite bound if it falls in +Inf); None when
-    the histogram is empty."""
-    ordered = sorted(buckets.items())
-    if not ordered or ordered[-1][1] <= 0:
-        return None
-    rank = q * ordered[-1][1]
-    lower, below = 0.0, 0.0
-    for le, count in ordered:
-        if count >= rank and count > below:
-            if math.isinf(le):
-                return lower
-            return lower + (le - lower) * (rank - below) / (count - below)
-        lower, below = (le if not math.isinf(le) else lower), count
-    return lower
 
 
 def percentiles(buckets: Mapping[float, float], qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict:

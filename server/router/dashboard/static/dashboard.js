@@ -3,6 +3,7 @@
 (function () {
   const POLL_MS = 1000;
   const LEVEL_NAMES = { primary: "primary pool (device)", secondary: "secondary pool (host)" };
+  const PHASE_SOURCES = { router: "router", prefill: "context / aggregated servers", generation: "generation servers" };
   const $ = (id) => document.getElementById(id);
 
   const show = {
@@ -88,6 +89,15 @@
       el("td", { class: "transfers" }, xfer ? `${xfer.count} (${xfer.failures} failed)` : "–"));
   }
 
+  function phaseRow(p) {
+    return el("tr", { class: "phase", "data-phase": p.name },
+      el("td", { class: "name" }, p.name.replace(/_/g, " ")),
+      el("td", { class: "source muted" }, PHASE_SOURCES[p.source] || p.source),
+      el("td", { class: "p50" }, show.secs(p.p50)),
+      el("td", { class: "mean" }, show.secs(p.mean)),
+      el("td", { class: "count" }, show.int(p.count)));
+  }
+
   function poolBar(bar) {
     const width = (n) => (bar.total ? (100 * n) / bar.total : 0).toFixed(2) + "%";
     return el("div", { class: "bar-row" },
@@ -112,6 +122,7 @@
     const d = state.deployment;
     renderTiles(d);
     document.querySelector("#servers tbody").replaceChildren(...state.servers.map(serverRow));
+    document.querySelector("#phases tbody").replaceChildren(...d.phases.map(phaseRow));
     $("pools").replaceChildren(...state.servers.map(poolCard));
     const overall = $("overall");
     const ok = d.healthy === d.servers;
