@@ -7,7 +7,7 @@ inherited by `context_servers` and `generation_servers` (`inherit`), and a secti
 them; `kv_cache_config` and `cache_transceiver_config` merge key by key. Without `context_servers`
 the deployment runs aggregated: the `generation_servers` become aggregated servers behind the
 router, or, with no server section at all, one aggregated server listens on `hostname:port` and no
-router runs. `router:` is server/router/routing_config.py's RouterConfig. The launcher's children
+router runs. `router:` is server/config/router.py's RouterConfig. The launcher's children
 read the same file and pick their own server by name (`pdserve serve --config FILE --server context-0`).
 
 Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
@@ -37,12 +37,12 @@ from server.config.checks import (
     share_gpu_memory,
     split_host_port,
 )
+from server.config.router import RouterConfig, RoutingConfig
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.engine.speculative.config import SpeculativeConfig
 from server.models.catalog import attention_heads
 from server.models.parallel.plan import tp_problem
 from server.router.auth import RouterAccess
-from server.router.routing_config import RouterConfig, RoutingConfig
 from transceiver.config import TransceiverConfig
 
 Role = Literal["aggregated", "context", "generation"]
@@ -200,7 +200,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     restart: RestartPolicy
     migration_limit: int
     drain_timeout_s: float  # the router's (the top level's `drain_timeout_s`; servers have their own)
-    routing: RoutingConfig  # scores, queue, conditional disaggregation (router/routing_config.py)
+    routing: RoutingConfig  # scores, queue, conditional disaggregation (config/router.py)
 
     @property
     def url(self) -> str:

@@ -20,13 +20,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.auth import token_headers
+from server.config.router import RoutingConfig
+from server.dashboard import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response
 from server.openai.openapi import openapi_document
 from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
-from server.router.dashboard import Dashboard, dashboard_routes
 from server.router.errors import LegError
 from server.router.flow import Ask, ClientGone, Phases, RequestFlow
 from server.router.http_client import HttpClient, HttpError
@@ -34,7 +35,6 @@ from server.router.legs import Legs
 from server.router.policies import Prompt
 from server.router.probe import health_generate
 from server.router.routing import Routing
-from server.router.routing_config import RoutingConfig
 from server.telemetry.phases import PHASE_BUCKETS, ROUTER_PHASE_SECONDS, ROUTER_PHASES
 
 CLIENT_DISAGG_PARAMS = ("disaggregated_params is set by the router for its own servers; a client request "

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
+from server.config.router import Conditional, RoutingConfig
 from server.router.backends import Backend
 from server.router.http_client import HttpClient
 from server.router.kv_sync import KvEventSync
 from server.router.policies import KV_POLICIES, PromptTokens, hit_tokens, make_policy, prompt_length
 from server.router.queue import LegPicker, QueueMetrics
-from server.router.routing_config import Conditional, RoutingConfig
 
 
 class Routing:

@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvcache.stats import KVCacheStats
+from server.dashboard.samples import parse_metrics
+from server.dashboard.views import deployment_view, pool_view, server_view
+from server.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
 from server.router.app import RouterSettings, _build_state
 from server.router.backends import Backend
-from server.router.dashboard.samples import parse_metrics
-from server.router.dashboard.views import deployment_view, pool_view, server_view
-from server.router.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from transceiver.stats import TransferStats
 

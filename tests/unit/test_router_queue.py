@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from waiting import wait_until
 
+from server.config.router import RoutingConfig
 from server.router.app import RouterSettings, create_router_app
 from server.router.queue import QueueLimits
-from server.router.routing_config import RoutingConfig
 
 TOKEN = "a-deployment-token-of-enough-length"
 WAIT_S = 20.0

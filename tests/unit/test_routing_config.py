@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from server.config.router import Conditional, RoutingConfig
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.policies import ScoreWeights
 from server.router.queue import QueueLimits
-from server.router.routing_config import Conditional, RoutingConfig
 
 
 @pytest.fixture(autouse=True)

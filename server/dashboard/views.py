@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from server.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
 from server.router.backends import Backend
-from server.router.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
 from server.telemetry.phases import TTFT_PHASES, Phase, quantile
 
 TTFT = "pdserve_time_to_first_token_seconds"

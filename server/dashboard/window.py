@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from server.router.dashboard.samples import Sample
+from server.dashboard.samples import Sample
 from server.telemetry.phases import quantile
 
 WINDOW_S = 60.0  # percentiles and hit rates are over this span

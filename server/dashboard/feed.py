@@ -11,10 +11,10 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from server.auth import token_headers
+from server.dashboard.samples import parse_metrics
+from server.dashboard.views import deployment_view, server_view
+from server.dashboard.window import Window
 from server.router.backends import Backend
-from server.router.dashboard.samples import parse_metrics
-from server.router.dashboard.views import deployment_view, server_view
-from server.router.dashboard.window import Window
 from server.router.http_client import HttpClient, HttpError
 
 log = logging.getLogger(__name__)
