@@ -183,7 +183,10 @@ class ModelRunner:
         from server.models.warmup import burst_steps
 
         steps = burst_steps(self.max_batch_size, self.max_num_tokens, self.graphs.buckets if self.graphs else [])
-        return len(steps), self.run_warm_steps(steps)
+        seconds = self.run_warm_steps(steps)
+        if self.graphs is not None:
+            self.graphs.mixed_replays = 0  # the metric counts serving's replays
+        return len(steps), seconds
 
     def run_warm_steps(self, steps: list[WarmStep]) -> float:
         """Run `warmup.WarmStep`s as serving runs them (`execute`: a graph replay where one fits);

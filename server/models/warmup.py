@@ -32,9 +32,10 @@ costs of CUDA's lazy first uses, none of them exists on a CPU):
   device (runner.PendingTokens: its index_copy_ in an eager step, the graphs' pending source): the
   burst steps' decode rows take their tokens that way.
 Steps added: len(cuda_graphs.batch_buckets(min(max_num_tokens, max_batch_size + runner.MIXED_ROWS)))
-replayed (17 for max_batch_size 64) plus about STEPS_PER_DOUBLING * log2(max_num_tokens / that
-largest bucket) eager (10 for max_num_tokens 8192): on the 8B shape ~29k tokens of eager prefill
-(~0.7 s at the measured ~25 us a token) and ~27 step launches, ~1-2 s in all.
+replayed (17 for max_batch_size 64: 9 + (max_batch_size + 256 - 64) / 32) plus at most
+ceil(STEPS_PER_DOUBLING * log2(max_num_tokens / that largest bucket)) eager (10 for max_num_tokens
+8192). On the 8B shape: 31,824 tokens of eager steps (~0.8 s at the 4k prefill's ~25 us a token),
+17 replays of <= 320 rows (~0.1 s) and ten eager launches of up to 64 sequences (~0.3 s): ~1-2 s.
 
 Not covered here (they are not the runner's): the sampler's per-call pinned uploads of sampling
 rows (non-greedy requests; each new size class of torch's pinned host cache is a cudaHostAlloc) and
