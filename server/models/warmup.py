@@ -27,7 +27,8 @@ costs of CUDA's lazy first uses, none of them exists on a CPU):
   had; the caching allocator's blocks are split in new ways. One eager step per point of a
   geometric grid of token counts, STEPS_PER_DOUBLING per doubling from the largest graph bucket
   (max_batch_size without graphs) to max_num_tokens, each of k fresh prompts plus decode rows
-  whose numbers rise together to max_batch_size rows at max_num_tokens;
+  whose numbers rise together to max_batch_size rows at max_num_tokens (max_prefill_batch_tokens
+  changes how many prompts share a step, not the token and row counts the grid spans);
 - with async scheduling a decode row's token is the previous step's sampled id, gathered on the
   device (runner.PendingTokens: its index_copy_ in an eager step, the graphs' pending source): the
   burst steps' decode rows take their tokens that way.
