@@ -211,7 +211,7 @@ class ModelRunner:
             skinny.choose([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers])
         log.info("skinny GEMM (rows <= 16) per weight shape: %s", skinny.chosen)
 
-    def _warm_chunks(self, step) -> list[SeqChunk]:
+    def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
         """The chunks of one warm-up step (a `warmup.WarmStep`, decode rows first) on the pool's first
         slots; a prompt is cut to what the pool holds, and chunks past max_batch_size are left out."""
         from server.models.warmup import blocks_needed
