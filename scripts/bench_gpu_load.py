@@ -12,6 +12,10 @@ d. the same server, then router + context + generation on the same GPU (`pdserve
    (<= 0.7); goodput within the SLO of both;
 e. a fresh aggregated server under `pdserve launch`: its server SIGKILLed, restarted by the launcher
    (restart time); the first run's server TTFT mean / the second's (<= 1.5);
+burst. on the same deployment: its first server (fresh: `pdserve serve`, started by the launcher)
+   and, after the phase e runs, a server SIGKILLed and restarted again, each hit by --burst-runs
+   closed-loop runs of --burst-requests requests at --burst-concurrency whose streams all start at
+   once (no ramp); run 1's server TTFT mean / the last run's (<= 1.5), and the client's;
 f. with --with-extras: the KV handoff / context leg of --handoff-len prompts on the pair, and the
    prefill TFLOP/s of that length in phase a.
 
@@ -20,7 +24,7 @@ line; a phase that fails prints its error and the next one runs. Under --out: re
 `load` record per group of runs, a `gpu-load` record of every figure), report.md, plots/ (3 PNGs).
 Every size is a flag, so that the run can be trimmed to the device time there is.
 
-    python scripts/bench_gpu_load.py --workdir /tmp/bench-gpu --out $OUT [--skip e] [--with-extras]
+    python scripts/bench_gpu_load.py --workdir /tmp/bench-gpu --out $OUT [--skip e,burst] [--with-extras]
     python scripts/bench_gpu_load.py --model builtin:tiny-llama --max-seq-len 2048 ... tiny sizes   # a CPU
 """
 
@@ -208,23 +212,62 @@ def handoff_share(server: ServerUnderTest, target: LoadTarget, args: argparse.Na
     return out
 
 
-def restarted(s: Session, args: argparse.Namespace) -> None:
+def launched(s: Session, args: argparse.Namespace) -> None:
+    """e and burst on one deployment under `pdserve launch` (the restart policy): bursts on its first
+    server, fresh; then kill the server and measure the launcher's restart (e); then kill it again
+    and burst the server restarted anew."""
+    with ExitStack() as stack:
+        server, target = ServerUnderTest(s.config["restart"], env=s.server_env, launcher=True), None
+        with s.phase("launched start"):
+            target = start(s, stack, server, "launched")
+        if target is None:
+            return
+        bursts = "burst" not in args.skip
+        if bursts:
+            with s.phase("burst-fresh"):
+                burst_phase(s, args, target, "burst-fresh", "fresh server")
+        else:
+            warm_up(target.url, target.model, s.vocab)  # the server killed has served
+        if "e" not in args.skip:
+            with s.phase("e"):
+                restarted(s, args, server, target)
+        if bursts:
+            with s.phase("burst-restarted"):
+                _kill_and_wait(s, server, "burst_restart")
+                burst_phase(s, args, target, "burst-restarted", "restarted server")
+
+
+def restarted(s: Session, args: argparse.Namespace, server: ServerUnderTest, target: LoadTarget) -> None:
     """e: kill the launcher's server, let it come back, measure its first runs."""
-    with ExitStack() as stack, s.phase("e"):
-        server = ServerUnderTest(s.config["restart"], env=s.server_env, launcher=True)
-        target = start(s, stack, server, "launched")
-        warm_up(target.url, target.model, s.vocab)
-        old = server_pid(server.pid, "aggregated-0")
-        killed = time.perf_counter()
-        os.kill(old, signal.SIGKILL)
-        _wait_restarted(server, old)
-        s.emit("restart", restart_s=time.perf_counter() - killed)
-        plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.restart_duration) for _ in range(2)]
-        runs = s.runs(target, "restarted", "first runs", plans)
-        s.goal("e_restart_server_ttft", "e: restarted server, server TTFT mean, run 1 / run 2",
-               runs[0]["server_ttft_mean_ms"], runs[1]["server_ttft_mean_ms"], 1.5, False)
-        s.goal("e_restart_client_ttft", "e: restarted server, client TTFT mean, run 1 / run 2",
-               runs[0]["ttft_mean_ms"], runs[1]["ttft_mean_ms"], 1.5, False)
+    _kill_and_wait(s, server, "restart")
+    plans = [closed_plan(args, args.warm_concurrency, s.seed(), duration_s=args.restart_duration) for _ in range(2)]
+    runs = s.runs(target, "restarted", "first runs", plans)
+    s.goal("e_restart_server_ttft", "e: restarted server, server TTFT mean, run 1 / run 2",
+           runs[0]["server_ttft_mean_ms"], runs[1]["server_ttft_mean_ms"], 1.5, False)
+    s.goal("e_restart_client_ttft", "e: restarted server, client TTFT mean, run 1 / run 2",
+           runs[0]["ttft_mean_ms"], runs[1]["ttft_mean_ms"], 1.5, False)
+
+
+def burst_phase(s: Session, args: argparse.Namespace, target: LoadTarget, who: str, what: str) -> None:
+    """--burst-runs closed-loop runs whose --burst-concurrency streams start at once; run 1 / the last."""
+    plans = [closed_plan(args, args.burst_concurrency, s.seed(), count=args.burst_requests)
+             for _ in range(args.burst_runs)]
+    runs = s.runs(target, who, "burst", plans)
+    key, last = who.replace("-", "_"), len(runs)
+    s.goal(f"{key}_server_ttft", f"burst: {what}, server TTFT mean, run 1 / run {last}",
+           runs[0]["server_ttft_mean_ms"], runs[-1]["server_ttft_mean_ms"], 1.5, False)
+    s.goal(f"{key}_client_ttft", f"burst: {what}, client TTFT mean, run 1 / run {last}",
+           runs[0]["ttft_mean_ms"], runs[-1]["ttft_mean_ms"], 1.5, False)
+
+
+def _kill_and_wait(s: Session, server: ServerUnderTest, figure: str) -> None:
+    """SIGKILL the launcher's server and wait until the launcher has brought it back (`figure`: the
+    restart time)."""
+    old = server_pid(server.pid, "aggregated-0")
+    killed = time.perf_counter()
+    os.kill(old, signal.SIGKILL)
+    _wait_restarted(server, old)
+    s.emit(figure, restart_s=time.perf_counter() - killed)
 
 
 def _wait_restarted(server: ServerUnderTest, old: int) -> None:
@@ -248,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")),
                    help="records.jsonl, report.md, plots/ (default $OUT)")
     p.add_argument("--model", help="serve this model instead of building the 8B-shaped one (CPU smoke runs)")
-    p.add_argument("--skip", default="", help="phases to leave out, e.g. e or c,e (a: only build the model)")
+    p.add_argument("--skip", default="", help="phases to leave out, e.g. e or c,e,burst (a: only build the model)")
     p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
     p.add_argument("--disagg-variants", default="plain", help="d: plain and/or mps (the pair under CUDA MPS, "
                    "the context server's SM share --context-sm-pct), comma-separated")
@@ -263,7 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "warm-concurrency": (32, "b and e"), "warm-runs": (3, "b"), "peak-concurrency": (64, "c, d and a"),
         "b1-requests": (3, "c"), "mixed-concurrency": (32, "d: background streams"),
         "long-input-len": (2048, "d"), "long-output-len": (256, "d"), "handoff-len": (4096, "f"),
-        "handoff-prompts": (3, "f")}
+        "handoff-prompts": (3, "f"), "burst-concurrency": (32, "burst: streams, all started at once"),
+        "burst-requests": (128, "burst: each run"), "burst-runs": (3, "burst: runs on each server")}
     for name, (default, text) in sizes.items():
         p.add_argument(f"--{name}", type=int, default=default, help=f"{text} (default {default})")
     seconds = {"warm-duration": (8.0, "b: each run"), "peak-duration": (10.0, "c and d"),
@@ -293,8 +337,8 @@ def main() -> int:
             aggregated(s, args)
         for variant in args.disagg_variants.split(",") if "d" not in args.skip else ():
             disaggregated(s, args, variant)
-        if "e" not in args.skip:
-            restarted(s, args)
+        if not {"e", "burst"} <= args.skip:
+            launched(s, args)
     s.finish(args.out)
     return 0 if s.vocab else 1
 

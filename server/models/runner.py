@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from server.models.model_spec import ModelSpec, load_spec
 from server.models.ops import ModelOps, TorchOps, TritonOps
 from server.models.parallel.context import RankShard
 from server.models.weights import load_tensors, safetensors_files
+
+if TYPE_CHECKING:
+    from server.models.warmup import WarmStep
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +149,9 @@ class ModelRunner:
         return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim), TorchOps(spec.rms_norm_eps)
 
     def warm_up(self) -> float:
-        """Run every step shape the scheduler can produce once and capture the decode graphs, so
-        no request pays for a compile or a plan (server/models/warmup.py says what varies); returns
-        the seconds it took (0 on the torch path)."""
+        """Run the step shapes the scheduler produces once and capture the decode graphs, so no
+        request pays for a compile, a plan or a first use (server/models/warmup.py says what varies);
+        returns the seconds it took (0 on the torch path)."""
         if self.kernels != "triton":
             return 0.0
         from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
@@ -163,9 +167,36 @@ class ModelRunner:
         self._choose_skinny_linears()
         if self.graphs is not None:
             self.graphs.capture()
+        bursts, burst_s = self._warm_bursts()
         if self.device.type == "cuda":  # (the Triton path runs on the CPU under TRITON_INTERPRET in tests)
             torch.cuda.synchronize(self.device)
-        log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s", compiled_variants(), plans, plan_s)
+        log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s, %d burst steps in %.1f s",
+                 compiled_variants(), plans, plan_s, bursts, burst_s)
+        return time.perf_counter() - start
+
+    def _warm_bursts(self) -> tuple[int, float]:
+        """The steps a burst of fresh prompts adds (`warmup.burst_steps`), after the graph capture;
+        on CUDA only: they pay CUDA's first uses, which a CPU (the Triton interpreter in tests) has
+        none of. Returns (steps, seconds)."""
+        if self.device.type != "cuda":
+            return 0, 0.0
+        from server.models.warmup import burst_steps
+
+        steps = burst_steps(self.max_batch_size, self.max_num_tokens, self.graphs.buckets if self.graphs else [])
+        seconds = self.run_warm_steps(steps)
+        if self.graphs is not None:
+            self.graphs.mixed_replays = 0  # the metric counts serving's replays
+        return len(steps), seconds
+
+    def run_warm_steps(self, steps: list[WarmStep]) -> float:
+        """Run `warmup.WarmStep`s as serving runs them (`execute`: a graph replay where one fits);
+        returns the seconds they took."""
+        start = time.perf_counter()
+        source = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
+        for step in steps:
+            pending = PendingTokens(source, {i: i for i in range(step.decode_rows)}) \
+                if step.pending and step.decode_rows else None
+            self.execute(self._warm_chunks(step), pending)
         return time.perf_counter() - start
 
     def _choose_skinny_linears(self) -> None:
@@ -180,8 +211,9 @@ class ModelRunner:
             skinny.choose([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers])
         log.info("skinny GEMM (rows <= 16) per weight shape: %s", skinny.chosen)
 
-    def _warm_chunks(self, step) -> list[SeqChunk]:
-        """The chunks of one warm-up step (a `warmup.WarmStep`) on the pool's first slots."""
+    def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
+        """The chunks of one warm-up step (a `warmup.WarmStep`, decode rows first) on the pool's first
+        slots; a prompt is cut to what the pool holds, and chunks past max_batch_size are left out."""
         from server.models.warmup import blocks_needed
 
         tpb = self.kv.tokens_per_block
@@ -189,12 +221,10 @@ class ModelRunner:
         tables = {w: list(range(min(slots, blocks_needed(step, tpb)))) for w in self.kv.window_sizes}
         past = tpb if slots >= 2 else 0
         chunks = [SeqChunk([1], past, tables, True) for _ in range(step.decode_rows)]
-        prompt = min(step.prompt_tokens, max(1, (slots - 1) * tpb))
-        if step.prompt_tokens and len(chunks) < self.max_batch_size:
-            chunks.append(SeqChunk([1] * prompt, 0, tables, True))
-        if step.chunk_tokens and slots >= 2 and len(chunks) < self.max_batch_size:
+        chunks += [SeqChunk([1] * min(n, max(1, (slots - 1) * tpb)), 0, tables, True) for n in step.prompts]
+        if step.chunk_tokens and slots >= 2:
             chunks.append(SeqChunk([1] * step.chunk_tokens, step.chunk_past, tables, True))
-        return chunks
+        return chunks[:self.max_batch_size]
 
     @torch.no_grad()
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
