@@ -227,3 +227,23 @@ def test_json_schema_and_regex_equal_aggregated(urls):
         want, got = (_answer(_post(u, "/v1/chat/completions", body)) for u in (agg, disagg))
         assert _close(got, want), (got, want)
         assert want["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streamed_chat_logprobs_through_the_openai_client(urls):
+    """The real client's streamed chat with logprobs: every content token of every chunk comes with
+    its logprob and top_logprobs, and the tokens join into the text, the same in both modes."""
+    got = []
+    for url in urls:
+        stream = _client(url).chat.completions.create(
+            model="builtin:tiny-llama", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0,
+            logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+        text, entries = "", []
+        for chunk in stream:
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                entries += c.logprobs.content if c.logprobs and c.logprobs.content else []
+        assert len(entries) == 8 and all(len(e.top_logprobs) == 2 for e in entries)
+        assert "".join(e.token for e in entries) == text
+        got.append(entries)
+    assert [e.token for e in got[0]] == [e.token for e in got[1]]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(*got, strict=True))

@@ -22,7 +22,7 @@ from server.models.builtin import resolve_model
 from server.types import GenerateRequest, SamplingParams, StructuredSpec
 
 LLAMA, QWEN = "builtin:tiny-llama", "builtin:tiny-qwen3-swa"
-NUM_SCHEMAS = 48
+NUM_SCHEMAS = 50
 MAX_TOKENS = 300
 
 
