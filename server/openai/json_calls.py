@@ -124,11 +124,6 @@ class CallObject:
         self.valid, self.name = True, call[0]
         return [CallStart(self.index, call[0]), CallArguments(self.index, call[1])]
 
-    def finish(self) -> list[Event]:
-        """The output ended inside the object: an announced call keeps what it has."""
-        self.valid = self.name is not None
-        return []
-
 
 def as_call(text: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a whole call object in any key order; None if it is no call."""
@@ -142,5 +137,3 @@ def as_call(text: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
-
-

@@ -63,13 +63,6 @@ class TextOffsets:
         self._utf8.reset()
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], pieces: Pieces,
-                        offsets: TextOffsets) -> CompletionLogprobs:
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    add_completion_logprobs(out, token_ids, entries, pieces, offsets)
-    return out
-
-
 def add_completion_logprobs(out: CompletionLogprobs, token_ids: Sequence[int],
                             entries: Sequence[TokenLogprob | None], pieces: Pieces, offsets: TextOffsets) -> None:
     for token_id, entry in zip(token_ids, entries, strict=True):

@@ -23,7 +23,6 @@ from typing import Protocol
 
 from server.openai.json_calls import CallArguments, CallObject, CallStart, Content, Event
 
-TOOL_FORMATS = ("hermes", "llama3_json")  # the formats `tool_choice: "auto"` parses
 PYTHON_TAG = "<|python_tag|>"
 
 
