@@ -1,18 +1,10 @@
 """Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
 
-The servers format every output with these, and the router the text it streams itself (the first
-token of a context answer, the last of a moved stream: server/router/answers.py), so both write
-the same chunks. Both formatters have the same surface:
-`chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
-`usage_chunk(final) -> str`, `response(choices) -> str` (a whole non-streaming body from each
-choice's outputs merged into one, `merge_outputs`).
-
-Outputs carry their choice's `index` as the answer numbers it (a request of P prompts and n choices
-each: prompt p's choice c is p * n + c), and chunks of different choices may interleave. `usage`
-counts every prompt once and every choice's completion tokens. The concatenation of every chunk's
-text equals the non-streaming text, and so do tool calls (server/openai/tool_parsers.py) and
-log-probabilities (server/openai/logprobs.py): a chunk carries those of its tokens, and those of
-tokens without text yet go with the choice's next chunk.
+Outputs carry their choice's `index` (prompt p's choice c is p * n + c) and chunks of different
+choices may interleave. A chunk carries the log-probabilities of its tokens, those of tokens without
+text yet going with the choice's next chunk, so the chunks add up to the whole response (tool calls
+too: server/openai/tool_parsers.py). The router reshapes a context answer's choices into the chunks
+it streams itself (server/router/answers.py).
 """
 
 from __future__ import annotations
@@ -44,11 +36,11 @@ from server.openai.responses import (
 )
 from server.openai.tool_deltas import stream_deltas, tool_message
 from server.openai.tool_parsers import ToolParser, make_parser
-from server.openai.usage import UsageTally, merge_outputs
+from server.openai.usage import UsageTally
 from server.types import RequestOutput, TokenLogprob
 
 __all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
-           "continued_response_id", "merge_outputs"]
+           "continued_response_id"]
 
 
 def continued_response_id(ctx_request_id: str) -> str:
