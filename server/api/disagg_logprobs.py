@@ -48,7 +48,7 @@ def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prom
     return [replace(c, disagg=replace(c.disagg, **params)) if c.disagg is not None else c for c in choices]
 
 
-def check_generation_params(disagg: DisaggParams, n: int, prompt_len: int, logprobs: bool, echo: bool) -> None:
+def check_generation_params(disagg: DisaggParams, prompt_len: int, logprobs: bool, echo: bool) -> None:
     """A generation_only request that asks for logprobs brings the context server's."""
     if disagg.first_text_streamed or disagg.kv_stream:
         return  # the router sent the first token's; with streamed KV it comes with the KV

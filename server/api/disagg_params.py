@@ -22,8 +22,13 @@ def check_disagg(body: CompletionRequest | ChatCompletionRequest, vocab_size: in
     if disagg.request_type != "context_and_generation" and prompts > 1:
         raise APIError(400, f"'prompt': a {disagg.request_type} request carries one prompt, not {prompts}",
                        param="prompt")
-    if disagg.first_gen_tokens:
-        check_in_vocab(disagg.first_gen_tokens, vocab_size, "disaggregated_params.first_gen_tokens")
+    first = disagg.first_gen_tokens
+    if first:
+        check_in_vocab(first, vocab_size, "disaggregated_params.first_gen_tokens")
+    if first and disagg.request_type == "generation_only" and len(first) != body.n:
+        raise APIError(400, f"disaggregated_params.first_gen_tokens holds {len(first)} tokens; a generation_only "
+                       f"request takes one first token per choice (n={body.n})",
+                       param="disaggregated_params.first_gen_tokens")
     return disagg
 
 

@@ -118,18 +118,20 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
     else:
         prompts = completion_prompts(body, tokenizer, engine.vocab_size)
     disagg = check_disagg(body, engine.vocab_size, len(prompts))
+    generation_leg = disagg is not None and disagg.request_type == "generation_only"
     structured = _constraint(body, plan, tokenizer)
     logprobs = output_logprobs(body)
     echo = not chat and body.echo
+    prompt_logprobs = logprobs if echo and not generation_leg else None  # computed where the prompt is
     requests = [_engine_request(body, engine, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id,
-                                structured, echo and logprobs is not None) for i, p in enumerate(prompts)]
+                                structured, logprobs, prompt_logprobs) for i, p in enumerate(prompts)]
     options = FormatOptions(n=body.n, logprobs=logprobs, tools=plan.mode,
                             echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
                             if echo else (),
                             pieces=pieces_for(tokenizer) if logprobs is not None else IdPieces())
     transforms = [None] * len(requests)
-    if disagg is not None and disagg.request_type == "generation_only":
-        check_generation_params(disagg, body.n, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens,
+    if generation_leg:
+        check_generation_params(disagg, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens,
                                 logprobs is not None, echo)
         transforms = [GenerationOutputs(disagg, body.n).apply]
     if not chat and body.max_tokens == 0:
@@ -147,14 +149,14 @@ def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
 
 
 def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str, structured: StructuredSpec | None,
-                    prompt_logprobs: bool) -> GenerateRequest:
+                    logprobs: int | None, prompt_logprobs: int | None) -> GenerateRequest:
     disagg = body.disaggregated_params
     prompt_ids, prior = prompt.token_ids, disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
         # The KV the context server made is for exactly these ids: they win over re-tokenising.
         # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
         prompt_ids = token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
-                                        "disaggregated_params.prompt_token_ids")
+                               "disaggregated_params.prompt_token_ids")
     if prior >= len(prompt_ids):
         raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "
                        "prompt_token_ids", param="disaggregated_params.prior_output_tokens")
@@ -166,15 +168,8 @@ def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str,
     if max_tokens <= prior:
         raise APIError(400, f"nothing left to generate: {prior} of max_tokens {max_tokens} were produced",
                        param="disaggregated_params.prior_output_tokens")
-    generation_leg = disagg is not None and disagg.request_type == "generation_only"
-    sampling = sampling_params(body, max_tokens, engine.vocab_size, structured=structured,
-                               prompt_logprobs=output_logprobs(body) if prompt_logprobs and not generation_leg
-                               else None)
-    first = disagg.first_gen_tokens if generation_leg else None
-    if first and len(first) != sampling.n:
-        raise APIError(400, f"disaggregated_params.first_gen_tokens holds {len(first)} tokens; a generation_only "
-                       f"request takes one first token per choice (n={sampling.n})",
-                       param="disaggregated_params.first_gen_tokens")
+    sampling = sampling_params(body, max_tokens, engine.vocab_size, structured=structured, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
     if prior:
         sampling = replace(sampling, max_tokens=max_tokens - prior, min_tokens=max(0, sampling.min_tokens - prior))
     priority = body.kv_retention_priority
