@@ -1,13 +1,9 @@
 """Log-probabilities across the disaggregation legs, so a generation leg answers what an aggregated
-server would.
-
-The context server computes what the generation server cannot: each choice's first token's
-logprob and the prompt's (echo). It puts them in its answer's `disaggregated_params`
-(`first_gen_logprobs`, one per choice; `prompt_logprobs`), in a compact JSON form
-(`[token id, logprob, [[id, logprob], ...]]`). The router passes them on, and the generation server
-puts them on each choice's first output before formatting (`GenerationOutputs`). When the router
-streamed the first token itself (`first_text_streamed`), the generation server leaves that token out
-of what it formats (its text, logprobs and token report): the router sent them.
+server would (docs/API.md, "Several prompts and n choices"). The context server's answer carries what
+only it can compute (`first_gen_logprobs`, `prompt_logprobs`); the generation server puts them on
+each choice's first output (`GenerationOutputs`). When the router streamed the first token itself
+(`first_text_streamed`), the generation server leaves that token out of what it formats (its text,
+logprobs and token report): the router sent them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Request body -> the engine requests and how to format their outputs (`build_request`).
-
-Tokenises each prompt (a completions request may carry several: one engine request each, each with
-the request's `n`), checks it against the model, maps the sampling fields (server/api/sampling.py),
-the structured-output constraint (server/api/structured.py) and chat tools
-(server/api/tool_choice.py). Checks here need the engine (tokenizer, vocabulary, `max_seq_len`,
-served model name) or the server's limits; plain value checks are pydantic's
-(`server.openai.protocol`). Every failure is an `APIError` (400, or 404 for the model).
+"""Request body -> the engine requests and how to format their outputs (`build_request`): one engine
+request per prompt, each with the request's `n`. Checks here need the engine (tokenizer, vocabulary,
+`max_seq_len`, served model name) or the server's limits; plain value checks are pydantic's
+(server/openai/protocol.py). Every failure is an `APIError` (400, or 404 for the model).
 """
 
 from __future__ import annotations

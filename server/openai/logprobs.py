@@ -1,11 +1,6 @@
-"""Engine log-probabilities (`TokenLogprob`: token ids) -> OpenAI's JSON shapes.
-
-Completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (`top_logprobs` a dict token ->
-logprob per position, the sampled token always in it, as OpenAI documents: up to logprobs + 1
-entries). Chat: `content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`.
-Token strings are each token decoded alone; `bytes` are the token's own bytes (part of a character
-when the tokenizer split one). `text_offset` counts characters: where each token's text starts in the
-choice's text (echoed prompt included), a special token adding none.
+"""Engine log-probabilities (`TokenLogprob`: token ids) -> OpenAI's JSON shapes (docs/API.md,
+"Log-probability shapes"). A token's string is the token decoded alone, its `bytes` its own bytes
+(part of a character when the tokenizer split one: server/api/token_text.py).
 """
 
 from __future__ import annotations

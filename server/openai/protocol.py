@@ -1,19 +1,12 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic v2), and the
 disaggregation legs' `DisaggParams`. Response bodies: server/openai/responses.py.
 
-Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `cache_salt`, `structured_outputs`, `guided_*`), a KV
-retention priority (`kv_retention_priority`, TensorRT-LLM's `KvCacheRetentionConfig` priority) and
-TensorRT-LLM's `disaggregated_params`. Every field of OpenAI's two request bodies is declared: what
-pdserve implements, what it accepts because it changes no output (`user`, `metadata`, ...), and
-what it refuses with a 400 naming the field (`refused`, server/openai/fields.py); fields of no API
-are ignored with one log line per name. docs/API.md lists every field and its status.
-
-Value checks that need no model (ranges, types) live here; checks that need the tokenizer, the
-vocabulary, `max_seq_len` or the server's limits, and checks across fields, live in
-`server.api.prompts` and `server.api.sampling`. Any failure becomes a 400 (see
-`server.api.errors`). The router reads only `DisaggParams` of these; it passes the rest of a body on
-as it came.
+Every field of OpenAI's two request bodies is declared, with vLLM's extras, TensorRT-LLM's
+`disaggregated_params` and pdserve's `kv_retention_priority`: implemented, accepted (it changes no
+output) or refused with a 400 naming the field (`refused`, server/openai/fields.py); docs/API.md
+lists every field and its status. Value checks that need no model (ranges, types) live here; those
+that need the engine or the server's limits, and checks across fields, in server/api/prompts.py and
+server/api/sampling.py. The router reads only `DisaggParams` of these and passes the rest on.
 """
 
 from __future__ import annotations
