@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from server.api.errors import APIError
 from server.openai.logprobs import aligned, floor
 from server.openai.protocol import CompactLogprob, DisaggParams
 from server.types import RequestOutput, TokenLogprob
@@ -42,23 +41,6 @@ def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prom
     if not params:
         return list(choices)
     return [replace(c, disagg=replace(c.disagg, **params)) if c.disagg is not None else c for c in choices]
-
-
-def check_generation_params(disagg: DisaggParams, prompt_len: int, logprobs: bool, echo: bool) -> None:
-    """A generation_only request that asks for logprobs brings the context server's."""
-    if disagg.first_text_streamed or disagg.kv_stream:
-        return  # the router sent the first token's; with streamed KV it comes with the KV
-    first = disagg.first_gen_logprobs
-    tokens = disagg.first_gen_tokens or ()
-    if logprobs and tokens:
-        param = "disaggregated_params.first_gen_logprobs"
-        if first is None or len(first) != len(tokens) or any(e[0] != t for e, t in zip(first, tokens, strict=False)):
-            raise APIError(400, f"'{param}': logprobs are asked: one entry per first_gen_tokens token, that token's",
-                           param=param)
-    if logprobs and echo and (disagg.prompt_logprobs is None or len(disagg.prompt_logprobs) != prompt_len):
-        param = "disaggregated_params.prompt_logprobs"
-        raise APIError(400, f"'{param}': echo with logprobs needs the context server's, one per prompt token",
-                       param=param)
 
 
 class GenerationOutputs:

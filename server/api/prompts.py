@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from server.api.chat_template import chat_prompt_ids
-from server.api.disagg_logprobs import GenerationOutputs, check_generation_params
-from server.api.disagg_params import check_disagg, request_cache_salt
+from server.api.disagg_logprobs import GenerationOutputs
+from server.api.disagg_params import check_disagg, check_generation_params, prompt_and_prior, request_cache_salt
 from server.api.errors import APIError
 from server.api.sampling import DEFAULT_MAX_N, check_choices, output_logprobs, sampling_params
 from server.api.streams import failed
@@ -147,15 +147,7 @@ def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
 def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str, structured: StructuredSpec | None,
                     logprobs: int | None, prompt_logprobs: int | None) -> GenerateRequest:
     disagg = body.disaggregated_params
-    prompt_ids, prior = prompt.token_ids, disagg.prior_output_tokens if disagg is not None else 0
-    if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
-        # The KV the context server made is for exactly these ids: they win over re-tokenising.
-        # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
-        prompt_ids = token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
-                               "disaggregated_params.prompt_token_ids")
-    if prior >= len(prompt_ids):
-        raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "
-                       "prompt_token_ids", param="disaggregated_params.prior_output_tokens")
+    prompt_ids, prior = prompt_and_prior(prompt.token_ids, disagg, engine.vocab_size)
     chat = isinstance(body, ChatCompletionRequest)
     requested = body.requested_max_tokens if chat else 1 if body.max_tokens == 0 else body.max_tokens
     default = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
