@@ -125,17 +125,22 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
                             echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
                             if echo else (),
                             pieces=pieces_for(tokenizer) if logprobs is not None else IdPieces())
+    return Built(requests, options, _transforms(body, requests, logprobs is not None, echo))
+
+
+def _transforms(body: CompletionRequest | ChatCompletionRequest, requests: list[GenerateRequest], logprobs: bool,
+                echo: bool) -> list:
+    disagg = requests[0].disagg
     transforms = [None] * len(requests)
-    if generation_leg:
-        check_generation_params(disagg, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens,
-                                logprobs is not None, echo)
+    if disagg is not None and disagg.request_type == "generation_only":
+        check_generation_params(disagg, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens, logprobs, echo)
         transforms = [GenerationOutputs(disagg, body.n).apply]
-    if not chat and body.max_tokens == 0:
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0:
         if not echo or disagg is not None:
             raise APIError(400, "'max_tokens': 0 is only for echo (the prompt's logprobs), not disaggregated",
                            param="max_tokens")
         transforms = [_zero_tokens] * len(requests)
-    return Built(requests, options, transforms)
+    return transforms
 
 
 def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
