@@ -20,7 +20,6 @@ from server.api.token_text import pieces_for
 from server.api.tool_choice import ToolPlan, tool_plan
 from server.api.vocab import token_ids
 from server.openai.formatting import Echo, FormatOptions
-from server.openai.logprobs import IdPieces
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.types import DEFAULT_RETENTION_PRIORITY, EngineClient, GenerateRequest, RequestOutput, StructuredSpec
 
@@ -124,7 +123,7 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
     options = FormatOptions(n=body.n, logprobs=logprobs, tools=plan.mode,
                             echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
                             if echo else (),
-                            pieces=pieces_for(tokenizer) if logprobs is not None else IdPieces())
+                            pieces=pieces_for(tokenizer) if logprobs is not None else None)
     return Built(requests, options, _transforms(body, requests, logprobs is not None, echo))
 
 

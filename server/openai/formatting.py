@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.openai.logprobs import (
-    IdPieces,
     Pieces,
     TextOffsets,
     add_completion_logprobs,
@@ -76,7 +75,7 @@ class FormatOptions:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` (0 for `logprobs: true`)
     echo: tuple[Echo, ...] = ()  # completions: one per prompt
-    pieces: Pieces = field(default_factory=IdPieces)  # token id -> text and bytes
+    pieces: Pieces | None = None  # token id -> text and bytes (with logprobs)
     tools: ToolMode | None = None  # chat
 
 

@@ -27,13 +27,6 @@ class Pieces(Protocol):
     def piece(self, token_id: int) -> Piece: ...
 
 
-class IdPieces:
-    """Without a tokenizer (the router): tokens are named by id, as vLLM's `token_id:N`."""
-
-    def piece(self, token_id: int) -> Piece:
-        return Piece(f"token_id:{token_id}", b"", special=True)
-
-
 def floor(logprob: float) -> float:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN and -inf too (NaN >= x is False)
 
