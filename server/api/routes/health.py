@@ -20,11 +20,10 @@ import asyncio
 import secrets
 import time
 import uuid
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from server.api.deps import get_ready_engine
+from server.api.deps import ReadyEngine
 from server.api.prompts import new_request_id
 from server.openai.wire import JSONBody
 from server.types import EngineClient, GenerateRequest, SamplingParams
@@ -37,7 +36,7 @@ PROBE_PROMPT = "pdserve readiness probe"
 
 
 @router.get("/health")
-async def health(request: Request, engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
+async def health(request: Request, engine: ReadyEngine) -> JSONBody:
     report = getattr(request.app.state, "health_report", None)
     body = {"status": "ok", "model": engine.model_name, "epoch": EPOCH, **(report() if report is not None else {})}
     problem = getattr(engine, "health_problem", lambda: None)()
@@ -47,8 +46,7 @@ async def health(request: Request, engine: Annotated[EngineClient, Depends(get_r
 
 
 @router.get("/health_generate")
-async def health_generate(request: Request,
-                          engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
+async def health_generate(request: Request, engine: ReadyEngine) -> JSONBody:
     leg = getattr(request.app.state, "role", "aggregated")
     start = time.monotonic()
     try:
