@@ -1,10 +1,8 @@
 """Run one request on the engine and answer it as JSON or as an SSE stream.
 
-A request is one engine request per prompt (server/api/prompts.py `build_request`), read together
-by `RequestStreams` (server/api/streams.py), which owns them: however the HTTP exchange ends
-(finished, client gone, error, cancellation) `RequestStreams.close()` runs and every engine request
-not finished is aborted, so its KV blocks are freed. Client disconnects are watched actively
-(server/openai/sse.py), so a request that is still queued or prefilling is aborted too.
+Its engine requests (one per prompt: server/api/prompts.py) are owned by `RequestStreams`
+(server/api/streams.py), which aborts those not finished however the exchange ends; client
+disconnects are watched actively (server/openai/sse.py), so a request still queued is aborted too.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Tool calls written as JSON objects, read incrementally: `{"name": ..., "arguments": {...}}`.
 
-`CallObject` is fed one object's text piece by piece and yields events: `CallStart` (the call's
-index and function name) once the object's head (`{"name": "...", "arguments": `) is read, then
-`CallArguments` fragments, the arguments' JSON text verbatim as the model writes it. An object whose
-keys come in another order is announced when it closes (its arguments re-serialised); one that is
-no call yields nothing and is `valid = False` (its parser turns it into content). Content outside
-calls is `Content`. The tool-call formats built on it: server/openai/tool_parsers.py.
+`CallObject` is fed one object's text piece by piece: `CallStart` once its head (`{"name": "...",
+"arguments": `) is read, then `CallArguments` fragments, the arguments' JSON text as the model writes
+it. An object with its keys in another order is announced when it closes (its arguments
+re-serialised); one that is no call yields nothing (`valid` False). The formats built on it:
+server/openai/tool_parsers.py.
 """
 
 from __future__ import annotations

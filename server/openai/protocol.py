@@ -66,10 +66,8 @@ class DisaggParams:
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
     kv_stream: bool = Field(default=False, exclude_if=_unset)
-    # Log-probabilities only the context server can compute (left out while unset). It puts them in its
-    # answer when the request asks for logprobs; the router passes them on; the generation server puts
-    # them on each choice's first output, so its answer equals the aggregated one. first_gen_logprobs:
-    # one per choice, its first token's; prompt_logprobs: echo's, one per prompt token, the first null.
+    # Log-probabilities only the context server can compute, in its answer (server/api/disagg_logprobs.py):
+    # first_gen_logprobs one per choice, its first token's; prompt_logprobs echo's, the first null.
     first_gen_logprobs: tuple[CompactLogprob, ...] | None = Field(default=None, exclude_if=_unset)
     prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=_unset)
 

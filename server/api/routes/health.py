@@ -1,17 +1,11 @@
-"""GET /health: 200 while the engine runs and its KV invariants hold; 503 before the engine is
-ready, while draining, when a part the server needs is broken (`server.api.readiness`), or while
-its KV state is inconsistent (the body's `status` and `reason`/`detail` say which).
-GET /health_generate: a readiness probe that runs one real token through this server's engine.
+"""GET /health and GET /health_generate (docs/SECURITY.md, "Health").
 
-The /health body carries the process's `epoch`, a uuid made when the process started: a router that
-sees it change knows the server behind the URL restarted (its dashboard counts restarts so).
-
-`/health` stays cheap (no engine round trip): the engine thread checks its KV state periodically
-(`server/engine/health.py`) and this route reports the verdict. `/health_generate` proves that the
-model actually runs: one greedy token of a short prompt, under a fresh `cache_salt` so it reuses
-no cached block and leaves none for anybody else. On a context or generation server it runs the
-engine as an aggregated request would (both roles accept that); the router's `/health_generate`
-runs the real pair, transfer included.
+/health is 200 while the engine runs and its KV invariants hold, else 503 (loading, draining, a
+broken part: server/api/readiness.py; the body's `status` and `reason`/`detail` say which). It stays
+cheap: the engine checks its KV state periodically (server/engine/health.py) and this route reports
+the verdict. Its `epoch`, made when the process started, tells a router the server restarted.
+/health_generate runs one greedy token through the engine, under a fresh `cache_salt` so it reuses
+no cached block and leaves none for anybody else.
 """
 
 from __future__ import annotations
