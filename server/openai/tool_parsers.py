@@ -253,15 +253,11 @@ class OnlyFirstCall:
 
 def make_parser(mode: str, function: str | None = None, parallel: bool = True) -> ToolParser:
     """A fresh parser for one choice. mode: "hermes", "llama3_json", "named" (of `function`), "required"."""
-    parser: ToolParser
-    if mode == "hermes":
-        parser = HermesParser()
-    elif mode == "llama3_json":
-        parser = Llama3JsonParser()
-    elif mode == "named":
-        parser = NamedParser(function or "")
-    elif mode == "required":
-        parser = RequiredParser()
+    formats = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "required": RequiredParser}
+    if mode == "named":
+        parser: ToolParser = NamedParser(function or "")
+    elif mode in formats:
+        parser = formats[mode]()
     else:
         raise ValueError(f"unknown tool-call format {mode!r}")
     return parser if parallel else OnlyFirstCall(parser)
