@@ -62,11 +62,9 @@ def completion_prompts(body: CompletionRequest, tokenizer, vocab_size: int) -> l
 
 
 def _one_prompt(prompt: str | list[int], tokenizer, vocab_size: int, param: str) -> Prompt:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, f"{param} must not be empty", param=param)
+    if isinstance(prompt, str) and prompt:
         return Prompt(list(tokenizer.encode(prompt)), prompt, param)
-    return Prompt(token_ids(prompt, vocab_size, param), None, param)
+    return Prompt(token_ids(prompt, vocab_size, param), None, param)  # an empty string is refused there too
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
