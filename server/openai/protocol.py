@@ -147,12 +147,6 @@ class SamplingRequest(Lenient):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    @property
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
 
 class CompletionRequest(SamplingRequest):
     # A string or token ids, or a list of several of those (one engine request each).
