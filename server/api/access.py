@@ -1,10 +1,7 @@
-"""Who may drive the KV plane through a server's OpenAI endpoints.
-
-`disaggregated_params` makes a context server pin blocks and a generation server open a ZeroMQ
-connection, so a request that carries them must hold the deployment token, and a generation_only
-request may only name the KV endpoint of one of this deployment's context servers
-(`ContextDirectory`). Both checks run before anything reaches the engine: a refused request pins
-nothing and connects nowhere.
+"""Who may drive the KV plane through a server's OpenAI endpoints (docs/SECURITY.md): a request with
+`disaggregated_params` needs the deployment token, and a generation_only one may only name the KV
+endpoint of one of this deployment's context servers (`ContextDirectory`). Both checks run before
+anything reaches the engine: a refused request pins nothing and connects nowhere.
 """
 
 from __future__ import annotations

@@ -25,13 +25,6 @@ from server.types import EngineClient
 EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineClient]]
 
 
-async def _enter_engine(stack: AsyncExitStack, factory: EngineFactory) -> EngineClient:
-    made = factory()
-    if isinstance(made, AbstractAsyncContextManager):
-        return await stack.enter_async_context(made)
-    return made
-
-
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
                auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
@@ -51,7 +44,10 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
             if context_directory is not None:
                 context_directory.start()
                 stack.push_async_callback(context_directory.stop)
-            app.state.engine = await _enter_engine(stack, engine_factory)
+            engine = engine_factory()
+            if isinstance(engine, AbstractAsyncContextManager):
+                engine = await stack.enter_async_context(engine)
+            app.state.engine = engine
             try:
                 yield
             finally:

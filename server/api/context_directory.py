@@ -1,14 +1,11 @@
-"""Generation side: the KV endpoints of this deployment's context servers, learned from them.
+"""Generation side: the KV endpoints of this deployment's context servers, asked of them
+(`GET /kv_cache/endpoint`, docs/SECURITY.md "Where a generation server connects").
 
-A generation server is configured with its deployment's context servers' HTTP URLs
-(`context_urls`, the launcher fills them in). It asks each, with the deployment token, for the
-address its KV sender listens on (`GET /kv_cache/endpoint`) and pulls from those addresses only. A
-context server that restarts comes back on a new ephemeral port: an endpoint not yet known triggers
-one refresh (shared by the calls waiting for it),
-and a background task refreshes every `interval_s`, so endpoints are known before the first request
-and stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
+An endpoint not yet known triggers one refresh (shared by the calls waiting for it), and a
+background task refreshes every `interval_s`, so endpoints are known before the first request and
+stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
 After every refresh `on_refresh()` runs (the server shakes hands with the endpoints: layout check).
-One HTTP client serves every refresh (a new one per refresh built an SSL context each time: tens of
+One HTTP client serves every refresh (a new one each time built an SSL context: tens of
 milliseconds of the event loop, every `interval_s`, under every stream the server relays).
 """
 

@@ -1,15 +1,10 @@
-"""The context leg of a request whose KV is streamed while it is prefilled.
+"""The context leg of a request whose KV is streamed while it is prefilled (docs/KV_STREAM.md).
 
 The router asks for it (`disaggregated_params.kv_stream` on a context_only request); this server
-decides (`kv_stream` in its config: `kv_stream_min_tokens`, set in server/deploy/serve.py). When it
-streams, it answers at once, before the engine has even admitted the request, with an SSE stream
-of two events: first `{"kv_stream": <disaggregated_params>}` (the lease's id, this server's KV
-endpoint and epoch, the prompt's token ids), from which the router starts the generation leg, whose
-pull then waits for the lease and takes each block as the prefill writes it; then `{"status": 200,
-"body": <the context answer>}` once the first token is sampled (or the error's status and body),
-then `[DONE]`. When it does not stream, the answer is today's JSON. The engine side is
-server/engine/kv_connector.py (`ContextConnector.progress`) and transceiver/sender/stream.py;
-server/api/generation.py `respond_context` sends the events.
+decides (`kv_stream_min_tokens`). When it streams, it answers at once with two SSE events:
+`{"kv_stream": <disaggregated_params>}` (the lease, before the engine admits the request), then
+`{"status", "body"}`: the context answer or the error it would have been. server/api/generation.py
+`respond_context` sends them.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -45,3 +45,7 @@ def get_ready_engine(request: Request) -> EngineClient:
 
 def get_metrics(request: Request) -> ServerMetrics:
     return request.app.state.metrics
+
+
+Engine = Annotated[EngineClient, Depends(get_engine)]
+ReadyEngine = Annotated[EngineClient, Depends(get_ready_engine)]

@@ -1,13 +1,9 @@
 """Log-probabilities across the disaggregation legs, so a generation leg answers what an aggregated
-server would.
-
-The context server computes what the generation server cannot: each choice's first token's
-logprob and the prompt's (echo). It puts them in its answer's `disaggregated_params`
-(`first_gen_logprobs`, one per choice; `prompt_logprobs`), in a compact JSON form
-(`[token id, logprob, [[id, logprob], ...]]`). The router passes them on, and the generation server
-puts them on each choice's first output before formatting (`GenerationOutputs`). When the router
-streamed the first token itself (`first_text_streamed`), the generation server leaves that token out
-of what it formats (its text, logprobs and token report): the router sent them.
+server would (docs/API.md, "Several prompts and n choices"). The context server's answer carries what
+only it can compute (`first_gen_logprobs`, `prompt_logprobs`); the generation server puts them on
+each choice's first output (`GenerationOutputs`). When the router streamed the first token itself
+(`first_text_streamed`), the generation server leaves that token out of what it formats (its text,
+logprobs and token report): the router sent them.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from server.api.errors import APIError
 from server.openai.logprobs import aligned, floor
 from server.openai.protocol import CompactLogprob, DisaggParams
 from server.types import RequestOutput, TokenLogprob
@@ -46,23 +41,6 @@ def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prom
     if not params:
         return list(choices)
     return [replace(c, disagg=replace(c.disagg, **params)) if c.disagg is not None else c for c in choices]
-
-
-def check_generation_params(disagg: DisaggParams, n: int, prompt_len: int, logprobs: bool, echo: bool) -> None:
-    """A generation_only request that asks for logprobs brings the context server's."""
-    if disagg.first_text_streamed or disagg.kv_stream:
-        return  # the router sent the first token's; with streamed KV it comes with the KV
-    first = disagg.first_gen_logprobs
-    tokens = disagg.first_gen_tokens or ()
-    if logprobs and tokens:
-        param = "disaggregated_params.first_gen_logprobs"
-        if first is None or len(first) != len(tokens) or any(e[0] != t for e, t in zip(first, tokens, strict=False)):
-            raise APIError(400, f"'{param}': logprobs are asked: one entry per first_gen_tokens token, that token's",
-                           param=param)
-    if logprobs and echo and (disagg.prompt_logprobs is None or len(disagg.prompt_logprobs) != prompt_len):
-        param = "disaggregated_params.prompt_logprobs"
-        raise APIError(400, f"'{param}': echo with logprobs needs the context server's, one per prompt token",
-                       param=param)
 
 
 class GenerationOutputs:

@@ -41,12 +41,6 @@ def output_error(output: RequestOutput) -> APIError:
     return APIError(status, output.error or "the engine failed the request", code="engine_error")
 
 
-def _field_name(loc: tuple) -> str | None:
-    """`("body", "messages", 0, "role")` -> `"messages.0.role"`; None for the body itself."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -54,7 +48,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {str(first.get('msg')).removeprefix('Invalid JSON: ')}", None
-    field = _field_name(tuple(first.get("loc", ())))
+    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None  # "messages.0.role"
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = f"'{field}'" if field else "request body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
@@ -62,7 +56,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def _on_api_error(_: Request, exc: APIError) -> Response:
-    return exc.response()
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
 
 
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:

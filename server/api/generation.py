@@ -1,10 +1,8 @@
 """Run one request on the engine and answer it as JSON or as an SSE stream.
 
-A request is one engine request per prompt (server/api/prompts.py `build_request`), read together
-by `RequestStreams` (server/api/streams.py), which owns them: however the HTTP exchange ends
-(finished, client gone, error, cancellation) `RequestStreams.close()` runs and every engine request
-not finished is aborted, so its KV blocks are freed. Client disconnects are watched actively
-(server/openai/sse.py), so a request that is still queued or prefilling is aborted too.
+Its engine requests (one per prompt: server/api/prompts.py) are owned by `RequestStreams`
+(server/api/streams.py), which aborts those not finished however the exchange ends; client
+disconnects are watched actively (server/openai/sse.py), so a request still queued is aborted too.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ async def respond_json(request: Request, engine: EngineClient, built: Built, fmt
     return Response(fmt.response(_context_answer(built, choices)), media_type="application/json")
 
 
-async def respond_stream(request: Request, engine: EngineClient, built: Built,
-                         fmt: Formatter, tokens: TokenReport | None = None) -> Response:
+async def respond_stream(request: Request, engine: EngineClient, built: Built, fmt: Formatter,
+                         report_tokens: bool = False) -> Response:
     """Waits for the first output before answering, so a failure before it still gets its HTTP status."""
     streams = _streams(engine, built)
     try:
@@ -82,7 +80,7 @@ async def respond_stream(request: Request, engine: EngineClient, built: Built,
         await streams.close()
         raise
     if done and not failed(first):
-        return EventStream(engine_events(streams, first, fmt, tokens), streams.close)  # closes them at the end
+        return EventStream(engine_events(streams, first, fmt, report_tokens), streams.close)  # closes them at the end
     await streams.close()
     if not done:
         return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -113,14 +111,9 @@ async def _context_events(streams: RequestStreams, built: Built, fmt: Formatter,
 
 
 async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Formatter,
-                        tokens: TokenReport | None = None) -> AsyncIterator[bytes]:
-    """`data: {json}\n\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`.
-
-    With `tokens` (the router asks, `report_tokens`), each output's token ids go in an SSE comment
-    line (`: tokens 12 34`, `final` on the last; with n > 1 choices the choice's index first,
-    `: tokens #1 12 34`) in the same event as that output's text, so the router knows exactly which
-    tokens the text it relayed came from (it moves the stream to another server with them if this
-    one dies). Clients ignore comments; the router takes them out."""
+                        report_tokens: bool = False) -> AsyncIterator[bytes]:
+    """`data: {json}\n\n` events, an error event if the engine fails mid-stream, then `data: [DONE]`;
+    with `report_tokens`, each output's `_token_comment` in the same event as its text."""
     output = first
     while True:
         if failed(output):
@@ -130,7 +123,7 @@ async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Form
             yield json_event(output_error(output).body())
             break
         chunks = fmt.chunks(output)
-        comment = tokens.comment(output) if tokens is not None else b""
+        comment = _token_comment(output, fmt.options.n) if report_tokens else b""
         if comment and not chunks:
             yield comment + b"\n"
         for i, data in enumerate(chunks):
@@ -143,20 +136,18 @@ async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Form
     yield DONE
 
 
-class TokenReport:
-    """The token ids of each output as an SSE comment line. Ids whose text the router streamed itself
+def _token_comment(output: RequestOutput, n: int) -> bytes:
+    """The output's token ids as an SSE comment line (`: tokens 12 34`, `final` on the last; with n > 1
+    choices the choice's index first, `: tokens #1 12 34`), so the router knows exactly which tokens
+    the text it relayed came from (it moves the stream to another server with them if this one dies).
+    Clients ignore comments; the router takes them out. Ids whose text the router streamed itself
     (`first_text_streamed`) were taken out of the outputs already (server/api/disagg_logprobs.py)."""
-
-    def __init__(self, n: int = 1) -> None:
-        self._n = n
-
-    def comment(self, output: RequestOutput) -> bytes:
-        ids = output.new_token_ids
-        if not ids and not output.finished:
-            return b""
-        final = " final" if output.finished else ""
-        choice = f" #{output.index}" if self._n > 1 else ""
-        return f": tokens{choice} {' '.join(map(str, ids))}{final}\n".encode()
+    ids = output.new_token_ids
+    if not ids and not output.finished:
+        return b""
+    final = " final" if output.finished else ""
+    choice = f" #{output.index}" if n > 1 else ""
+    return f": tokens{choice} {' '.join(map(str, ids))}{final}\n".encode()
 
 
 async def answer(request: Request, engine: EngineClient, body: CompletionRequest | ChatCompletionRequest,
@@ -180,5 +171,4 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
         return await respond_context(request, engine, built, fmt)
     if not body.stream:
         return await respond_json(request, engine, built, fmt)
-    tokens = TokenReport(body.n) if disagg is not None and disagg.report_tokens else None
-    return await respond_stream(request, engine, built, fmt, tokens)
+    return await respond_stream(request, engine, built, fmt, disagg is not None and disagg.report_tokens)

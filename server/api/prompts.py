@@ -1,11 +1,7 @@
-"""Request body -> the engine requests and how to format their outputs (`build_request`).
-
-Tokenises each prompt (a completions request may carry several: one engine request each, each with
-the request's `n`), checks it against the model, maps the sampling fields (server/api/sampling.py),
-the structured-output constraint (server/api/structured.py) and chat tools
-(server/api/tool_choice.py). Checks here need the engine (tokenizer, vocabulary, `max_seq_len`,
-served model name) or the server's limits; plain value checks are pydantic's
-(`server.openai.protocol`). Every failure is an `APIError` (400, or 404 for the model).
+"""Request body -> the engine requests and how to format their outputs (`build_request`): one engine
+request per prompt, each with the request's `n`. Checks here need the engine (tokenizer, vocabulary,
+`max_seq_len`, served model name) or the server's limits; plain value checks are pydantic's
+(server/openai/protocol.py). Every failure is an `APIError` (400, or 404 for the model).
 """
 
 from __future__ import annotations
@@ -14,8 +10,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from server.api.chat_template import chat_prompt_ids
-from server.api.disagg_logprobs import GenerationOutputs, check_generation_params
-from server.api.disagg_params import check_disagg, request_cache_salt
+from server.api.disagg_logprobs import GenerationOutputs
+from server.api.disagg_params import check_disagg, check_generation_params, prompt_and_prior, request_cache_salt
 from server.api.errors import APIError
 from server.api.sampling import DEFAULT_MAX_N, check_choices, output_logprobs, sampling_params
 from server.api.streams import failed
@@ -24,7 +20,6 @@ from server.api.token_text import pieces_for
 from server.api.tool_choice import ToolPlan, tool_plan
 from server.api.vocab import token_ids
 from server.openai.formatting import Echo, FormatOptions
-from server.openai.logprobs import IdPieces
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.types import DEFAULT_RETENTION_PRIORITY, EngineClient, GenerateRequest, RequestOutput, StructuredSpec
 
@@ -67,11 +62,9 @@ def completion_prompts(body: CompletionRequest, tokenizer, vocab_size: int) -> l
 
 
 def _one_prompt(prompt: str | list[int], tokenizer, vocab_size: int, param: str) -> Prompt:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, f"{param} must not be empty", param=param)
+    if isinstance(prompt, str) and prompt:
         return Prompt(list(tokenizer.encode(prompt)), prompt, param)
-    return Prompt(token_ids(prompt, vocab_size, param), None, param)
+    return Prompt(token_ids(prompt, vocab_size, param), None, param)  # an empty string is refused there too
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
@@ -118,26 +111,33 @@ def build_request(body: CompletionRequest | ChatCompletionRequest, engine: Engin
     else:
         prompts = completion_prompts(body, tokenizer, engine.vocab_size)
     disagg = check_disagg(body, engine.vocab_size, len(prompts))
+    generation_leg = disagg is not None and disagg.request_type == "generation_only"
     structured = _constraint(body, plan, tokenizer)
     logprobs = output_logprobs(body)
     echo = not chat and body.echo
+    prompt_logprobs = logprobs if echo and not generation_leg else None  # computed where the prompt is
     requests = [_engine_request(body, engine, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id,
-                                structured, echo and logprobs is not None) for i, p in enumerate(prompts)]
+                                structured, logprobs, prompt_logprobs) for i, p in enumerate(prompts)]
     options = FormatOptions(n=body.n, logprobs=logprobs, tools=plan.mode,
                             echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
                             if echo else (),
-                            pieces=pieces_for(tokenizer) if logprobs is not None else IdPieces())
+                            pieces=pieces_for(tokenizer) if logprobs is not None else None)
+    return Built(requests, options, _transforms(body, requests, logprobs is not None, echo))
+
+
+def _transforms(body: CompletionRequest | ChatCompletionRequest, requests: list[GenerateRequest], logprobs: bool,
+                echo: bool) -> list:
+    disagg = requests[0].disagg
     transforms = [None] * len(requests)
     if disagg is not None and disagg.request_type == "generation_only":
-        check_generation_params(disagg, body.n, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens,
-                                logprobs is not None, echo)
+        check_generation_params(disagg, len(requests[0].prompt_token_ids) - disagg.prior_output_tokens, logprobs, echo)
         transforms = [GenerationOutputs(disagg, body.n).apply]
-    if not chat and body.max_tokens == 0:
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0:
         if not echo or disagg is not None:
             raise APIError(400, "'max_tokens': 0 is only for echo (the prompt's logprobs), not disaggregated",
                            param="max_tokens")
         transforms = [_zero_tokens] * len(requests)
-    return Built(requests, options, transforms)
+    return transforms
 
 
 def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
@@ -147,17 +147,9 @@ def _echo(prompt: Prompt, request: GenerateRequest, tokenizer) -> Echo:
 
 
 def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str, structured: StructuredSpec | None,
-                    prompt_logprobs: bool) -> GenerateRequest:
+                    logprobs: int | None, prompt_logprobs: int | None) -> GenerateRequest:
     disagg = body.disaggregated_params
-    prompt_ids, prior = prompt.token_ids, disagg.prior_output_tokens if disagg is not None else 0
-    if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == "generation_only" or prior):
-        # The KV the context server made is for exactly these ids: they win over re-tokenising.
-        # A moved stream's context leg (prior > 0) prefills the prompt and the output so far.
-        prompt_ids = token_ids(list(disagg.prompt_token_ids), engine.vocab_size,
-                                        "disaggregated_params.prompt_token_ids")
-    if prior >= len(prompt_ids):
-        raise APIError(400, "disaggregated_params.prior_output_tokens must be less than the number of "
-                       "prompt_token_ids", param="disaggregated_params.prior_output_tokens")
+    prompt_ids, prior = prompt_and_prior(prompt.token_ids, disagg, engine.vocab_size)
     chat = isinstance(body, ChatCompletionRequest)
     requested = body.requested_max_tokens if chat else 1 if body.max_tokens == 0 else body.max_tokens
     default = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
@@ -166,15 +158,8 @@ def _engine_request(body, engine: EngineClient, prompt: Prompt, request_id: str,
     if max_tokens <= prior:
         raise APIError(400, f"nothing left to generate: {prior} of max_tokens {max_tokens} were produced",
                        param="disaggregated_params.prior_output_tokens")
-    generation_leg = disagg is not None and disagg.request_type == "generation_only"
-    sampling = sampling_params(body, max_tokens, engine.vocab_size, structured=structured,
-                               prompt_logprobs=output_logprobs(body) if prompt_logprobs and not generation_leg
-                               else None)
-    first = disagg.first_gen_tokens if generation_leg else None
-    if first and len(first) != sampling.n:
-        raise APIError(400, f"disaggregated_params.first_gen_tokens holds {len(first)} tokens; a generation_only "
-                       f"request takes one first token per choice (n={sampling.n})",
-                       param="disaggregated_params.first_gen_tokens")
+    sampling = sampling_params(body, max_tokens, engine.vocab_size, structured=structured, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
     if prior:
         sampling = replace(sampling, max_tokens=max_tokens - prior, min_tokens=max(0, sampling.min_tokens - prior))
     priority = body.kv_retention_priority

@@ -40,8 +40,8 @@ def logit_bias(body: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float
     return tuple(sorted(out))
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, *,
-                    structured: StructuredSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, *, structured: StructuredSpec | None,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     check_in_vocab(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
@@ -53,12 +53,12 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, *,
         top_k=0 if body.top_k is None else body.top_k,
         min_p=body.min_p or 0.0,
         seed=body.seed,
-        stop=body.stop_list,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         n=body.n,
-        logprobs=output_logprobs(body),
+        logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,

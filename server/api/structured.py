@@ -1,13 +1,7 @@
 """Structured output: a request's constraint as the engine's `StructuredSpec`, checked before it
-reaches the engine (400 naming the field when the grammar engine rejects it).
-
-Where a constraint comes from (at most one per request):
-- `response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema"}}`
-  (`{"type": "text"}` constrains nothing);
-- vLLM's `structured_outputs`: `json` (a schema), `regex`, `choice`, `grammar`, `json_object`;
-- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
-- chat `tool_choice` "required" or a named function (server/api/tool_choice.py builds its schema).
-A JSON schema travels as JSON text, a choice as a JSON list of strings.
+reaches the engine (400 naming the field when the grammar engine rejects it). The fields it comes
+from, one per request: docs/API.md ("Extras"; chat `tool_choice`: server/api/tool_choice.py). A JSON
+schema travels as JSON text, a choice as a JSON list of strings.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from server.openai.protocol import SamplingRequest
 from server.types import StructuredSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_*` fields
 
 
 def json_schema_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec:
@@ -44,31 +39,32 @@ def _from_response_format(body: SamplingRequest) -> list[tuple[str, StructuredSp
     return [(param, json_schema_spec(fmt.json_schema.schema_ or ANY_OBJECT, param))]
 
 
-def _from_vllm(body: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
+def _vllm_fields(body: SamplingRequest) -> list[tuple[str, str, Any]]:
+    """(field, kind, value) of each of vLLM's constraint fields the request sets."""
     found = []
     if body.structured_outputs is not None:
-        (key, value), = [(k, v) for k, v in body.structured_outputs.constraints().items() if v not in (None, False)]
-        found.append(_vllm_spec(f"structured_outputs.{key}", key, value))
-    for key in ("json", "regex", "choice", "grammar"):
+        (key, value), = body.structured_outputs.chosen()
+        found.append((f"structured_outputs.{key}", key, value))
+    for key in GUIDED:
         value = getattr(body, f"guided_{key}")
         if value is not None:
-            found.append(_vllm_spec(f"guided_{key}", key, value))
+            found.append((f"guided_{key}", key, value))
     return found
 
 
-def _vllm_spec(param: str, key: str, value: Any) -> tuple[str, StructuredSpec]:
+def _vllm_spec(param: str, key: str, value: Any) -> StructuredSpec:
     if key == "json":
-        return param, json_schema_spec(value, param)
+        return json_schema_spec(value, param)
     if key == "choice":
-        return param, StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
+        return StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
     if key == "json_object":
-        return param, StructuredSpec("json_object")
-    return param, StructuredSpec(key, value)
+        return StructuredSpec("json_object")
+    return StructuredSpec(key, value)
 
 
 def request_constraint(body: SamplingRequest) -> tuple[str, StructuredSpec] | None:
     """(the field it came from, the constraint) of the request's own fields, or None."""
-    found = _from_response_format(body) + _from_vllm(body)
+    found = _from_response_format(body) + [(p, _vllm_spec(p, key, value)) for p, key, value in _vllm_fields(body)]
     if len(found) > 1:
         first, second = (p.split(".")[0] for p, _ in found[:2])
         raise APIError(400, f"'{second}': only one structured-output constraint per request ({first} is set too)",
@@ -81,9 +77,7 @@ def may_constrain(body: SamplingRequest) -> bool:
     it compiles a grammar, which the caller runs off the event loop (a new schema takes milliseconds;
     the first one of a large vocabulary, seconds)."""
     tools = getattr(body, "tools", None) and getattr(body, "tool_choice", None) not in ("none", "auto")
-    return bool(tools or (body.response_format is not None and body.response_format.type != "text")
-                or body.structured_outputs is not None
-                or any(getattr(body, f"guided_{k}") is not None for k in ("json", "regex", "choice", "grammar")))
+    return bool(tools or _from_response_format(body) or _vllm_fields(body))
 
 
 def checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredSpec:

@@ -1,29 +1,18 @@
-"""Chat `tools` and `tool_choice`: what the chat template gets, what constrains the output, and how
+"""Chat `tools` and `tool_choice` (docs/API.md, "Tool calling"): what the chat template gets, what
+constrains the output (a named function's `parameters`; for "required", an array of calls), and how
 the output becomes `tool_calls` (server/openai/tool_parsers.py).
-
-- no tools, or `tool_choice: "none"`: the template gets no tools and no parser runs.
-- `"auto"` (the default with tools): the template renders the tools, and the model's own format
-  (read from the template: `tool_format`) is parsed out of its answer. A template without one of the
-  formats pdserve parses is refused (400 naming `tools`).
-- a named function (`{"type": "function", "function": {"name": F}}`): structured output constrains
-  the answer to F's `parameters` (a JSON schema; none: an object), and the whole answer is F's
-  arguments: one call.
-- `"required"`: structured output constrains the answer to a JSON array of at least one call,
-  each `{"name": N, "arguments": A}` where N is one of the tools' names and A follows that tool's
-  parameters (`anyOf` over the tools; `maxItems: 1` with `parallel_tool_calls: false`).
-With tool calls the template gets the tools too, so the model knows what they are.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import APIError
+from server.api.structured import json_schema_spec
 from server.openai.formatting import ToolMode
 from server.openai.protocol import ChatCompletionRequest
-from server.openai.tool_parsers import PYTHON_TAG
+from server.openai.tool_parsers import PYTHON_TAG, HermesParser
 from server.types import StructuredSpec
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -41,7 +30,7 @@ def tool_format(chat_template: str | dict | None) -> str | None:
     """The tool-call format a chat template asks its model for: "hermes" (`<tool_call>`),
     "llama3_json" (Llama 3.1+: `<|python_tag|>`), or None (no tools, or a format pdserve cannot parse)."""
     text = " ".join(chat_template.values()) if isinstance(chat_template, dict) else chat_template or ""
-    if "<tool_call>" in text:
+    if HermesParser.OPEN in text:
         return "hermes"
     if PYTHON_TAG in text:
         return "llama3_json"
@@ -81,14 +70,15 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
         return ToolPlan(rendered, _auto_mode(chat_template, parallel))
     if choice == "required":
         schema = required_schema(body.tools, parallel)
-        return ToolPlan(rendered, ToolMode("required", parallel=parallel), _schema_spec(schema))
+        return ToolPlan(rendered, ToolMode("required", parallel=parallel), json_schema_spec(schema, "tools"))
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"'tool_choice.function.name': no tool is named {name!r} (tools: {', '.join(names)})",
                        param="tool_choice.function.name")
     at = names.index(name)
-    return ToolPlan(rendered, ToolMode("named", function=name), _schema_spec(_parameters(body.tools[at])),
-                    f"tools.{at}.function.parameters")
+    param = f"tools.{at}.function.parameters"
+    spec = json_schema_spec(_parameters(body.tools[at]), param)
+    return ToolPlan(rendered, ToolMode("named", function=name), spec, param)
 
 
 def _auto_mode(chat_template: str | dict | None, parallel: bool) -> ToolMode:
@@ -99,6 +89,3 @@ def _auto_mode(chat_template: str | dict | None, parallel: bool) -> ToolMode:
                        param="tools")
     return ToolMode(fmt, parallel=parallel)
 
-
-def _schema_spec(schema: dict[str, Any]) -> StructuredSpec:
-    return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False))

@@ -33,6 +33,3 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
-
-    def response(self) -> JSONBody:
-        return JSONBody(self.body(), self.status)

@@ -48,12 +48,14 @@ class StructuredOutputs(Lenient):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        chosen = [name for name in self.constraints() if self.constraints()[name] not in (None, False)]
+        chosen = [name for name, _ in self.chosen()]
         if len(chosen) != 1:
             raise ValueError("set exactly one of json, regex, choice, grammar, json_object "
                              f"(got {', '.join(chosen) or 'none'})")
         return self
 
-    def constraints(self) -> dict[str, Any]:
-        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                "json_object": self.json_object}
+    def chosen(self) -> list[tuple[str, Any]]:
+        """(name, value) of each constraint set."""
+        constraints = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                       "json_object": self.json_object}
+        return [(name, value) for name, value in constraints.items() if value not in (None, False)]

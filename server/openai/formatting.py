@@ -1,18 +1,10 @@
 """Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
 
-The servers format every output with these, and the router the text it streams itself (the first
-token of a context answer, the last of a moved stream: server/router/answers.py), so both write
-the same chunks. Both formatters have the same surface:
-`chunks(output) -> list[str]` (JSON of the stream chunks for one engine output, possibly none),
-`usage_chunk(final) -> str`, `response(choices) -> str` (a whole non-streaming body from each
-choice's outputs merged into one, `merge_outputs`).
-
-Outputs carry their choice's `index` as the answer numbers it (a request of P prompts and n choices
-each: prompt p's choice c is p * n + c), and chunks of different choices may interleave. `usage`
-counts every prompt once and every choice's completion tokens. The concatenation of every chunk's
-text equals the non-streaming text, and so do tool calls (server/openai/tool_parsers.py) and
-log-probabilities (server/openai/logprobs.py): a chunk carries those of its tokens, and those of
-tokens without text yet go with the choice's next chunk.
+Outputs carry their choice's `index` (prompt p's choice c is p * n + c) and chunks of different
+choices may interleave. A chunk carries the log-probabilities of its tokens, those of tokens without
+text yet going with the choice's next chunk, so the chunks add up to the whole response (tool calls
+too: server/openai/tool_parsers.py). The router reshapes a context answer's choices into the chunks
+it streams itself (server/router/answers.py).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.openai.logprobs import (
-    IdPieces,
     Pieces,
     TextOffsets,
     add_completion_logprobs,
@@ -40,14 +31,15 @@ from server.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    Usage,
 )
-from server.openai.tool_deltas import event_delta, extends, joined, tool_message
+from server.openai.tool_deltas import stream_deltas, tool_message
 from server.openai.tool_parsers import ToolParser, make_parser
-from server.openai.usage import UsageTally, merge_outputs
+from server.openai.usage import UsageTally
 from server.types import RequestOutput, TokenLogprob
 
 __all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
-           "continued_response_id", "merge_outputs"]
+           "continued_response_id"]
 
 
 def continued_response_id(ctx_request_id: str) -> str:
@@ -83,7 +75,7 @@ class FormatOptions:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` (0 for `logprobs: true`)
     echo: tuple[Echo, ...] = ()  # completions: one per prompt
-    pieces: Pieces = field(default_factory=IdPieces)  # token id -> text and bytes
+    pieces: Pieces | None = None  # token id -> text and bytes (with logprobs)
     tools: ToolMode | None = None  # chat
 
 
@@ -94,7 +86,6 @@ class _ChoiceState:
     pending_ids: list[int] = field(default_factory=list)  # tokens whose logprobs no chunk carried yet
     pending: list[TokenLogprob | None] = field(default_factory=list)
     parser: ToolParser | None = None
-    call_ids: dict[int, str] = field(default_factory=dict)
 
     def hold(self, output: RequestOutput) -> None:
         self.pending_ids += output.new_token_ids
@@ -109,6 +100,9 @@ class _ChoiceState:
 class _Formatter:
     """`continued`: someone else (the router) opened this stream: the chat role chunk and echo were sent."""
 
+    _chunk_body: type[CompletionResponse | ChatCompletionChunk]  # a stream chunk, the usage chunk's too
+    _whole_body: type[CompletionResponse | ChatCompletionResponse]
+
     def __init__(self, response_id: str, model: str, include_usage: bool = False, continued: bool = False,
                  options: FormatOptions | None = None):
         self.response_id = response_id
@@ -119,10 +113,13 @@ class _Formatter:
         self._states: dict[int, _ChoiceState] = {}
         self._usage = UsageTally(self.options.n)
 
+    def _new_state(self) -> _ChoiceState:
+        tools = self.options.tools
+        return _ChoiceState(parser=tools.parser() if tools is not None else None)
+
     def _state(self, index: int) -> _ChoiceState:
         if index not in self._states:
-            tools = self.options.tools
-            self._states[index] = _ChoiceState(parser=tools.parser() if tools is not None else None)
+            self._states[index] = self._new_state()
         return self._states[index]
 
     def _finish(self, output: RequestOutput, state: _ChoiceState) -> str | None:
@@ -131,14 +128,37 @@ class _Formatter:
         calls = state.parser is not None and state.parser.calls > 0
         return "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
 
+    def _choice(self, output: RequestOutput, state: _ChoiceState) -> CompletionChoice | ChatChoice | None:
+        raise NotImplementedError
+
+    def _stream_chunk(self, choices: list, usage: Usage | None = None) -> str:
+        return self._chunk_body(id=self.response_id, model=self.model, choices=choices, usage=usage).model_dump_json()
+
+    def usage_chunk(self, final: RequestOutput) -> str:
+        """`final`: the request's last output; the usage counts every choice seen."""
+        self._usage.observe(final)
+        return self._stream_chunk([], self._usage.usage())
+
+    def response(self, choices: Sequence[RequestOutput]) -> str:
+        """The whole body from each choice's merged output (`merge_outputs`)."""
+        tally = UsageTally(self.options.n)
+        bodies = []
+        for output in sorted(choices, key=lambda o: o.index):
+            tally.observe(output)
+            bodies.append(self._choice(output, self._new_state()))
+        body = self._whole_body(id=self.response_id, model=self.model, choices=bodies, usage=tally.usage())
+        return body.model_dump_json()
+
 
 class CompletionFormatter(_Formatter):
+    _chunk_body = _whole_body = CompletionResponse
+
     def chunks(self, output: RequestOutput) -> list[str]:
         self._usage.observe(output)
         choice = self._choice(output, self._state(output.index))
         if choice is None:
             return []  # tokens without text yet (an incomplete UTF-8 sequence)
-        return [CompletionResponse(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()]
+        return [self._stream_chunk([choice])]
 
     def _choice(self, output: RequestOutput, state: _ChoiceState) -> CompletionChoice | None:
         echo = self._echo(state, output.index)
@@ -165,31 +185,18 @@ class CompletionFormatter(_Formatter):
             return None
         return self.options.echo[index // self.options.n]
 
-    def usage_chunk(self, final: RequestOutput) -> str:
-        """`final`: the request's last output; the usage counts every choice seen."""
-        self._usage.observe(final)
-        body = CompletionResponse(id=self.response_id, model=self.model, choices=[], usage=self._usage.usage())
-        return body.model_dump_json()
-
-    def response(self, choices: Sequence[RequestOutput]) -> str:
-        """The whole body from each choice's merged output (`merge_outputs`)."""
-        tally = UsageTally(self.options.n)
-        bodies = []
-        for output in sorted(choices, key=lambda o: o.index):
-            tally.observe(output)
-            bodies.append(self._choice(output, _ChoiceState()))
-        body = CompletionResponse(id=self.response_id, model=self.model, choices=bodies, usage=tally.usage())
-        return body.model_dump_json()
-
 
 class ChatFormatter(_Formatter):
     """Chat chunks: each choice's first carries `role`, its last `finish_reason` (OpenAI's delta shape)."""
+
+    _chunk_body = ChatCompletionChunk
+    _whole_body = ChatCompletionResponse
 
     def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
                output: RequestOutput | None = None, finish: str | None = None) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
                                  disaggregated_params=output.disagg if output is not None else None)
-        return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[choice]).model_dump_json()
+        return self._stream_chunk([choice])
 
     def chunks(self, output: RequestOutput) -> list[str]:
         self._usage.observe(output)
@@ -215,36 +222,12 @@ class ChatFormatter(_Formatter):
         if state.parser is None:
             return [ChatDelta(content=output.new_text)] if output.new_text else []
         events = state.parser.feed(output.new_text) + (state.parser.finish() if output.finished else [])
-        deltas: list[ChatDelta] = []
-        for event in events:
-            delta = event_delta(event, state.call_ids)
-            if deltas and extends(deltas[-1], delta):
-                deltas[-1] = joined(deltas[-1], delta)
-            else:
-                deltas.append(delta)
-        return deltas
+        return stream_deltas(events)
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> ChatLogprobs:
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, self.options.pieces, self.options.logprobs))
 
-    def usage_chunk(self, final: RequestOutput) -> str:
-        """`final`: the request's last output; the usage counts every choice seen."""
-        self._usage.observe(final)
-        body = ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=self._usage.usage())
-        return body.model_dump_json()
-
-    def response(self, choices: Sequence[RequestOutput]) -> str:
-        """The whole body from each choice's merged output (`merge_outputs`)."""
-        tally = UsageTally(self.options.n)
-        bodies = []
-        for output in sorted(choices, key=lambda o: o.index):
-            tally.observe(output)
-            bodies.append(self._choice(output))
-        body = ChatCompletionResponse(id=self.response_id, model=self.model, choices=bodies, usage=tally.usage())
-        return body.model_dump_json()
-
-    def _choice(self, output: RequestOutput) -> ChatChoice:
-        state = self._state_for_whole()
+    def _choice(self, output: RequestOutput, state: _ChoiceState) -> ChatChoice:
         message = ChatMessageOut(content=output.new_text)
         if state.parser is not None:
             message = tool_message(state.parser.feed(output.new_text) + state.parser.finish())
@@ -253,10 +236,6 @@ class ChatFormatter(_Formatter):
             logprobs = self._logprobs(output.new_token_ids, aligned(output.new_token_ids, output.logprobs))
         return ChatChoice(index=output.index, message=message, logprobs=logprobs,
                           finish_reason=self._finish(output, state), disaggregated_params=output.disagg)
-
-    def _state_for_whole(self) -> _ChoiceState:
-        tools = self.options.tools
-        return _ChoiceState(parser=tools.parser() if tools is not None else None)
 
 
 Formatter = CompletionFormatter | ChatFormatter

@@ -1,11 +1,10 @@
 """Tool calls written as JSON objects, read incrementally: `{"name": ..., "arguments": {...}}`.
 
-`CallObject` is fed one object's text piece by piece and yields events: `CallStart` (the call's
-index and function name) once the object's head (`{"name": "...", "arguments": `) is read, then
-`CallArguments` fragments, the arguments' JSON text verbatim as the model writes it. An object whose
-keys come in another order is announced when it closes (its arguments re-serialised); one that is
-no call yields nothing and is `valid = False` (its parser turns it into content). Content outside
-calls is `Content`. The tool-call formats built on it: server/openai/tool_parsers.py.
+`CallObject` is fed one object's text piece by piece: `CallStart` once its head (`{"name": "...",
+"arguments": `) is read, then `CallArguments` fragments, the arguments' JSON text as the model writes
+it. An object with its keys in another order is announced when it closes (its arguments
+re-serialised); one that is no call yields nothing (`valid` False). The formats built on it:
+server/openai/tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -80,22 +79,26 @@ class CallObject:
         self.index = index  # the call's index if it turns out to be one
         self.text = ""
         self.name: str | None = None  # announced (CallStart sent)
-        self.closed = False
-        self.valid = False  # closed and a call
         self._object = _Span(0)
         self._args: _Span | None = None
         self._sent = 0
 
+    @property
+    def closed(self) -> bool:
+        return self._object.end is not None
+
+    @property
+    def valid(self) -> bool:
+        """Closed, and a call."""
+        return self.closed and self.name is not None
+
     def feed(self, text: str) -> tuple[list[Event], str]:
         self.text += text
         end = self._object.advance(self.text)
-        rest = ""
-        if end is not None:
-            rest, self.text, self.closed = self.text[end:], self.text[:end], True
-        events = self._announce()
-        if self.closed:
-            events += self._close()
-        return events, rest
+        if end is None:
+            return self._announce(), ""
+        rest, self.text = self.text[end:], self.text[:end]
+        return self._announce() + self._close(), rest
 
     def _announce(self) -> list[Event]:
         events: list[Event] = []
@@ -115,19 +118,12 @@ class CallObject:
         return [CallArguments(self.index, fresh)] if fresh else []
 
     def _close(self) -> list[Event]:
-        if self.name is not None:
-            self.valid = True
-            return []
-        call = as_call(self.text)
+        """An object not announced yet may be a call with its keys in another order."""
+        call = as_call(self.text) if self.name is None else None
         if call is None:
             return []
-        self.valid, self.name = True, call[0]
+        self.name = call[0]
         return [CallStart(self.index, call[0]), CallArguments(self.index, call[1])]
-
-    def finish(self) -> list[Event]:
-        """The output ended inside the object: an announced call keeps what it has."""
-        self.valid = self.name is not None
-        return []
 
 
 def as_call(text: str) -> tuple[str, str] | None:
@@ -142,5 +138,3 @@ def as_call(text: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
-
-

@@ -1,11 +1,6 @@
-"""Engine log-probabilities (`TokenLogprob`: token ids) -> OpenAI's JSON shapes.
-
-Completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (`top_logprobs` a dict token ->
-logprob per position, the sampled token always in it, as OpenAI documents: up to logprobs + 1
-entries). Chat: `content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`.
-Token strings are each token decoded alone; `bytes` are the token's own bytes (part of a character
-when the tokenizer split one). `text_offset` counts characters: where each token's text starts in the
-choice's text (echoed prompt included), a special token adding none.
+"""Engine log-probabilities (`TokenLogprob`: token ids) -> OpenAI's JSON shapes (docs/API.md,
+"Log-probability shapes"). A token's string is the token decoded alone, its `bytes` its own bytes
+(part of a character when the tokenizer split one: server/api/token_text.py).
 """
 
 from __future__ import annotations
@@ -32,13 +27,6 @@ class Pieces(Protocol):
     def piece(self, token_id: int) -> Piece: ...
 
 
-class IdPieces:
-    """Without a tokenizer (the router): tokens are named by id, as vLLM's `token_id:N`."""
-
-    def piece(self, token_id: int) -> Piece:
-        return Piece(f"token_id:{token_id}", b"", special=True)
-
-
 def floor(logprob: float) -> float:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN and -inf too (NaN >= x is False)
 
@@ -61,13 +49,6 @@ class TextOffsets:
         """After an echoed prompt: the generated text starts right after the prompt's text."""
         self.chars = chars
         self._utf8.reset()
-
-
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], pieces: Pieces,
-                        offsets: TextOffsets) -> CompletionLogprobs:
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    add_completion_logprobs(out, token_ids, entries, pieces, offsets)
-    return out
 
 
 def add_completion_logprobs(out: CompletionLogprobs, token_ids: Sequence[int],

@@ -1,19 +1,12 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic v2), and the
 disaggregation legs' `DisaggParams`. Response bodies: server/openai/responses.py.
 
-Requests accept OpenAI's fields plus vLLM's extras (`ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `cache_salt`, `structured_outputs`, `guided_*`), a KV
-retention priority (`kv_retention_priority`, TensorRT-LLM's `KvCacheRetentionConfig` priority) and
-TensorRT-LLM's `disaggregated_params`. Every field of OpenAI's two request bodies is declared: what
-pdserve implements, what it accepts because it changes no output (`user`, `metadata`, ...), and
-what it refuses with a 400 naming the field (`refused`, server/openai/fields.py); fields of no API
-are ignored with one log line per name. docs/API.md lists every field and its status.
-
-Value checks that need no model (ranges, types) live here; checks that need the tokenizer, the
-vocabulary, `max_seq_len` or the server's limits, and checks across fields, live in
-`server.api.prompts` and `server.api.sampling`. Any failure becomes a 400 (see
-`server.api.errors`). The router reads only `DisaggParams` of these; it passes the rest of a body on
-as it came.
+Every field of OpenAI's two request bodies is declared, with vLLM's extras, TensorRT-LLM's
+`disaggregated_params` and pdserve's `kv_retention_priority`: implemented, accepted (it changes no
+output) or refused with a 400 naming the field (`refused`, server/openai/fields.py); docs/API.md
+lists every field and its status. Value checks that need no model (ranges, types) live here; those
+that need the engine or the server's limits, and checks across fields, in server/api/prompts.py and
+server/api/sampling.py. The router reads only `DisaggParams` of these and passes the rest on.
 """
 
 from __future__ import annotations
@@ -73,10 +66,8 @@ class DisaggParams:
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
     kv_stream: bool = Field(default=False, exclude_if=_unset)
-    # Log-probabilities only the context server can compute (left out while unset). It puts them in its
-    # answer when the request asks for logprobs; the router passes them on; the generation server puts
-    # them on each choice's first output, so its answer equals the aggregated one. first_gen_logprobs:
-    # one per choice, its first token's; prompt_logprobs: echo's, one per prompt token, the first null.
+    # Log-probabilities only the context server can compute, in its answer (server/api/disagg_logprobs.py):
+    # first_gen_logprobs one per choice, its first token's; prompt_logprobs echo's, the first null.
     first_gen_logprobs: tuple[CompactLogprob, ...] | None = Field(default=None, exclude_if=_unset)
     prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=_unset)
 
@@ -155,12 +146,6 @@ class SamplingRequest(Lenient):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class CompletionRequest(SamplingRequest):

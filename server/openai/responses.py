@@ -38,6 +38,17 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class _Body(BaseModel):
+    """A response or stream chunk; each kind sets its `object` and the type of its choices."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+
+
 class CompletionLogprobs(BaseModel):
     """Legacy completions' log-probabilities, one entry per token (an echoed prompt's first: null)."""
 
@@ -55,13 +66,9 @@ class CompletionChoice(BaseModel):
     disaggregated_params: DisaggParams | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Body):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -114,13 +121,9 @@ class ChatChoice(BaseModel):
     disaggregated_params: DisaggParams | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Body):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ChatDelta(_SkipNone):
@@ -137,13 +140,9 @@ class ChatChunkChoice(BaseModel):
     disaggregated_params: DisaggParams | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Body):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -10,21 +10,36 @@ from server.openai.json_calls import CallArguments, CallStart, Content, Event
 from server.openai.responses import ChatDelta, ChatMessageOut, FunctionOut, ToolCallOut
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def _started(call: CallStart, index: int | None = None) -> ToolCallOut:
+    """A call's first part: its id, type and function name (`index` in stream deltas only)."""
+    return ToolCallOut(index=index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                       function=FunctionOut(name=call.name, arguments=""))
 
 
-def event_delta(event: Event, call_ids: dict[int, str]) -> ChatDelta:
-    """The delta of one event; `call_ids` keeps each call's id (made at its start)."""
+def stream_deltas(events: list[Event]) -> list[ChatDelta]:
+    """One delta per run of content or of one call's arguments."""
+    return [_delta(event) for event in _merged(events)]
+
+
+def _merged(events: list[Event]) -> list[Event]:
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Content) and isinstance(last, Content):
+            out[-1] = Content(last.text + event.text)
+        elif isinstance(event, CallArguments) and isinstance(last, CallArguments) and last.index == event.index:
+            out[-1] = CallArguments(event.index, last.text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+def _delta(event: Event) -> ChatDelta:
     if isinstance(event, Content):
         return ChatDelta(content=event.text)
     if isinstance(event, CallStart):
-        call_ids[event.index] = new_call_id()
-        call = ToolCallOut(index=event.index, id=call_ids[event.index], type="function",
-                           function=FunctionOut(name=event.name, arguments=""))
-    else:
-        call = ToolCallOut(index=event.index, function=FunctionOut(arguments=event.text))
-    return ChatDelta(tool_calls=[call])
+        return ChatDelta(tool_calls=[_started(event, event.index)])
+    return ChatDelta(tool_calls=[ToolCallOut(index=event.index, function=FunctionOut(arguments=event.text))])
 
 
 def tool_message(events: list[Event]) -> ChatMessageOut:
@@ -32,27 +47,9 @@ def tool_message(events: list[Event]) -> ChatMessageOut:
     calls: dict[int, ToolCallOut] = {}
     for event in events:
         if isinstance(event, CallStart):
-            calls[event.index] = ToolCallOut(id=new_call_id(), type="function",
-                                             function=FunctionOut(name=event.name, arguments=""))
+            calls[event.index] = _started(event)
         elif isinstance(event, CallArguments):
             calls[event.index].function.arguments += event.text
     if not calls:
         return ChatMessageOut(content=content)
     return ChatMessageOut(content=content or None, tool_calls=[calls[i] for i in sorted(calls)])
-
-
-def extends(before: ChatDelta, delta: ChatDelta) -> bool:
-    """`delta` continues `before`: more content, or more arguments of the same call."""
-    if before.content is not None and delta.content is not None:
-        return True
-    if before.tool_calls and delta.tool_calls and delta.tool_calls[0].id is None:
-        return before.tool_calls[-1].index == delta.tool_calls[0].index and before.tool_calls[-1].id is None
-    return False
-
-
-def joined(before: ChatDelta, delta: ChatDelta) -> ChatDelta:
-    if before.content is not None:
-        return ChatDelta(content=before.content + delta.content)
-    call = before.tool_calls[-1]
-    more = FunctionOut(arguments=(call.function.arguments or "") + (delta.tool_calls[0].function.arguments or ""))
-    return ChatDelta(tool_calls=[ToolCallOut(index=call.index, function=more)])

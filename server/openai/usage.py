@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from server.openai.logprobs import aligned
 from server.openai.responses import PromptTokensDetails, Usage
@@ -11,14 +12,11 @@ from server.types import RequestOutput
 
 def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
     """One choice's outputs as one: all its tokens, text and log-probabilities, the last's counters."""
-    last = outputs[-1]
-    ids = [t for o in outputs for t in o.new_token_ids]
     entries = [e for o in outputs for e in aligned(o.new_token_ids, o.logprobs)]
-    prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
-    return RequestOutput(last.request_id, ids, "".join(o.new_text for o in outputs), last.finished,
-                         last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens,
-                         last.error, last.error_code, last.disagg, last.index,
-                         entries if any(e is not None for e in entries) else None, prompt)
+    return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                   new_text="".join(o.new_text for o in outputs),
+                   logprobs=entries if any(e is not None for e in entries) else None,
+                   prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None))
 
 
 class UsageTally:

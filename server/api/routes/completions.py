@@ -7,15 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from server.api.deps import get_ready_engine, json_body
+from server.api.deps import ReadyEngine, json_body
 from server.api.generation import answer
 from server.openai.formatting import CompletionFormatter
 from server.openai.protocol import CompletionRequest
-from server.types import EngineClient
 
 router = APIRouter()
 Body = Annotated[CompletionRequest, Depends(json_body(CompletionRequest))]
-ReadyEngine = Annotated[EngineClient, Depends(get_ready_engine)]
 
 
 @router.post("/v1/completions")

@@ -1,17 +1,11 @@
-"""GET /health: 200 while the engine runs and its KV invariants hold; 503 before the engine is
-ready, while draining, when a part the server needs is broken (`server.api.readiness`), or while
-its KV state is inconsistent (the body's `status` and `reason`/`detail` say which).
-GET /health_generate: a readiness probe that runs one real token through this server's engine.
+"""GET /health and GET /health_generate (docs/SECURITY.md, "Health").
 
-The /health body carries the process's `epoch`, a uuid made when the process started: a router that
-sees it change knows the server behind the URL restarted (its dashboard counts restarts so).
-
-`/health` stays cheap (no engine round trip): the engine thread checks its KV state periodically
-(`server/engine/health.py`) and this route reports the verdict. `/health_generate` proves that the
-model actually runs: one greedy token of a short prompt, under a fresh `cache_salt` so it reuses
-no cached block and leaves none for anybody else. On a context or generation server it runs the
-engine as an aggregated request would (both roles accept that); the router's `/health_generate`
-runs the real pair, transfer included.
+/health is 200 while the engine runs and its KV invariants hold, else 503 (loading, draining, a
+broken part: server/api/readiness.py; the body's `status` and `reason`/`detail` say which). It stays
+cheap: the engine checks its KV state periodically (server/engine/health.py) and this route reports
+the verdict. Its `epoch`, made when the process started, tells a router the server restarted.
+/health_generate runs one greedy token through the engine, under a fresh `cache_salt` so it reuses
+no cached block and leaves none for anybody else.
 """
 
 from __future__ import annotations
@@ -20,11 +14,10 @@ import asyncio
 import secrets
 import time
 import uuid
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from server.api.deps import get_ready_engine
+from server.api.deps import ReadyEngine
 from server.api.prompts import new_request_id
 from server.openai.wire import JSONBody
 from server.types import EngineClient, GenerateRequest, SamplingParams
@@ -37,7 +30,7 @@ PROBE_PROMPT = "pdserve readiness probe"
 
 
 @router.get("/health")
-async def health(request: Request, engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
+async def health(request: Request, engine: ReadyEngine) -> JSONBody:
     report = getattr(request.app.state, "health_report", None)
     body = {"status": "ok", "model": engine.model_name, "epoch": EPOCH, **(report() if report is not None else {})}
     problem = getattr(engine, "health_problem", lambda: None)()
@@ -47,8 +40,7 @@ async def health(request: Request, engine: Annotated[EngineClient, Depends(get_r
 
 
 @router.get("/health_generate")
-async def health_generate(request: Request,
-                          engine: Annotated[EngineClient, Depends(get_ready_engine)]) -> JSONBody:
+async def health_generate(request: Request, engine: ReadyEngine) -> JSONBody:
     leg = getattr(request.app.state, "role", "aggregated")
     start = time.monotonic()
     try:

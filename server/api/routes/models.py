@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter
 
-from fastapi import APIRouter, Depends
-
-from server.api.deps import get_engine
+from server.api.deps import Engine
 from server.api.prompts import check_model
 from server.openai.responses import ModelCard, ModelList
 from server.types import EngineClient
@@ -19,11 +17,11 @@ def _card(engine: EngineClient) -> ModelCard:
 
 
 @router.get("/v1/models")
-async def list_models(engine: Annotated[EngineClient, Depends(get_engine)]) -> ModelList:
+async def list_models(engine: Engine) -> ModelList:
     return ModelList(data=[_card(engine)])
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, engine: Annotated[EngineClient, Depends(get_engine)]) -> ModelCard:
+async def retrieve_model(model: str, engine: Engine) -> ModelCard:
     check_model(model, engine)
     return _card(engine)
