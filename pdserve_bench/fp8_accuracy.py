@@ -10,7 +10,9 @@ Each model runs three ways (`VARIANTS`), float32 on the CPU, kernels "torch":
   float32 for the multiply: the weight rounding alone);
 - "fp8_w8a8": the same weights with activations also rounded to FP8 per token, as the GPU's FP8
   GEMMs compute (server/models/fp8/emulate.py).
-Figures: perplexity over the held-out text in windows of WINDOW tokens (each window starts fresh);
+Figures: perplexity over the held-out text in windows of WINDOW tokens (each window starts fresh),
+and over SEEN_TOKENS tokens of the training text (tiny-story memorised its corpus: its held-out
+perplexity is high, its seen one low, and FP8 should move neither);
 top-1 agreement with float32 at every position of that text; and greedy agreement: GREEDY_TOKENS
 greedy tokens after each of PROMPTS prompts, how many prompts give exactly float32's tokens and how
 many tokens agree before the first difference, on average.
@@ -35,6 +37,7 @@ VARIANTS = ("float32", "fp8", "fp8_w8a8")
 WINDOW = 256
 TPB = 16
 PROMPTS, PROMPT_TOKENS, GREEDY_TOKENS = 8, 24, 64
+SEEN_TOKENS = 4096
 
 
 def make_runner(model_dir: Path, variant: str) -> ModelRunner:
@@ -55,12 +58,23 @@ def held_out_ids(model_dir: Path) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prompts(model_dir: Path) -> list[list[int]]:
-    """The first PROMPT_TOKENS tokens of the first paragraph of PROMPTS held-out documents."""
+def seen_ids(model_dir: Path) -> list[int]:
+    """The first SEEN_TOKENS tokens of the training documents' running text."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids: list[int] = []
+    for doc in corpus.documents():
+        ids += tokenizer.encode(corpus.plain_text(doc), add_special_tokens=False)
+        if len(ids) >= SEEN_TOKENS:
+            return ids[:SEEN_TOKENS]
+    return ids
+
+
+def prompts(model_dir: Path, count: int = PROMPTS) -> list[list[int]]:
+    """The first PROMPT_TOKENS tokens of the first paragraph of `count` held-out documents, spread over them."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     docs = [d for d in corpus.held_out_documents() if len(d.paragraphs[0]) > 4 * PROMPT_TOKENS]
-    step = max(1, len(docs) // PROMPTS)
-    return [tokenizer.encode(d.paragraphs[0], add_special_tokens=False)[:PROMPT_TOKENS] for d in docs[::step][:PROMPTS]]
+    step = max(1, len(docs) // count)
+    return [tokenizer.encode(d.paragraphs[0], add_special_tokens=False)[:PROMPT_TOKENS] for d in docs[::step][:count]]
 
 
 def window_logits(runner: ModelRunner, ids: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
@@ -105,17 +119,20 @@ def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> di
             "mean_tokens_before_first_difference": sum(prefixes) / len(prefixes)}
 
 
-def measure(model_dir: Path, name: str) -> dict:
+def measure(model_dir: Path, name: str, num_prompts: int = PROMPTS) -> dict:
     """Every figure of the module docstring for one model."""
-    ids, starts = held_out_ids(model_dir), prompts(model_dir)
-    windows, tokens = {}, {}
+    ids, seen, starts = held_out_ids(model_dir), seen_ids(model_dir), prompts(model_dir, num_prompts)
+    windows, seen_ppl, tokens = {}, {}, {}
     for variant in VARIANTS:
         runner = make_runner(model_dir, variant)
         windows[variant] = window_logits(runner, ids)
+        seen_ppl[variant] = perplexity(window_logits(runner, seen))
         tokens[variant] = [greedy(runner, p) for p in starts]
     ppl = {v: perplexity(w) for v, w in windows.items()}
-    return {"model": name, "held_out_tokens": len(ids), "perplexity": ppl,
+    return {"model": name, "held_out_tokens": len(ids), "prompts": len(starts), "perplexity": ppl,
             "perplexity_vs_float32": {v: ppl[v] / ppl["float32"] - 1 for v in VARIANTS[1:]},
+            "seen_perplexity": seen_ppl,
+            "seen_perplexity_vs_float32": {v: seen_ppl[v] / seen_ppl["float32"] - 1 for v in VARIANTS[1:]},
             "top1_agreement": {v: top1_agreement(windows[v], windows["float32"]) for v in VARIANTS[1:]},
             f"greedy_{GREEDY_TOKENS}": {v: greedy_agreement(tokens[v], tokens["float32"]) for v in VARIANTS[1:]}}
 

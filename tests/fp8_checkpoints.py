@@ -6,7 +6,8 @@ named `weight_scale`, or `weight_scale_inv` as DeepSeek and Qwen name them) or "
 (llm-compressor's `config_groups`, scales shaped [N, 1] per channel); `per` "channel" or "tensor";
 `static` adds an `input_scale` per linear (activation_scheme static). `write_dequantized(fp8, out)`
 writes the float32 model those FP8 weights stand for (W = q * scale, no quantization_config): the
-reference that transformers and a float server run.
+reference that transformers and a float server run. `write_quantized_at_load(src, out)` is the same
+reference for `quantization: fp8` on a float checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server.models.fp8.load import is_linear_weight
+from server.models.fp8.weight import quantize_weight
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 STATIC_INPUT_SCALE = 4.0 / FP8_MAX  # activations up to 4 in magnitude keep their range
@@ -69,6 +71,19 @@ def write_dequantized(fp8_dir: Path, out: Path) -> Path:
     config = json.loads((fp8_dir / "config.json").read_text())
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_quantized_at_load(src: Path, out: Path) -> Path:
+    """The float32 model that `quantization: fp8` serves from the float checkpoint `src`: each linear
+    weight replaced by its per-channel FP8 quantization, dequantized (`quantize_weight`, as the loader)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    saved = {n: quantize_weight(t).dequantize() if is_linear_weight(n) else t.float() for n, t in tensors.items()}
+    save_file(saved, str(out / "model.safetensors"))
     return out
 
 
