@@ -22,7 +22,14 @@ from kvcache import KvCacheConfig, KVCacheManager  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
 from server.models.fp8 import linear as L  # noqa: E402
 from server.models.fp8.emulate import W8A8TorchOps  # noqa: E402
-from server.models.fp8.weight import FP8, quantize_rows, quantize_weight, scaled_output, w8a8_linear  # noqa: E402
+from server.models.fp8.weight import (  # noqa: E402
+    FP8,
+    Fp8Weight,
+    quantize_rows,
+    quantize_weight,
+    scaled_output,
+    w8a8_linear,
+)
 from server.models.kernels import fp8 as K  # noqa: E402
 from server.models.model_spec import load_spec  # noqa: E402
 from server.models.runner import ModelRunner, SeqChunk  # noqa: E402
@@ -55,18 +62,25 @@ def test_quantize_rows_rounds_to_nearest_even_like_torch() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("config", [L.CONFIGS[16][0], L.CONFIGS[16][-1], L.CONFIGS[32][1], L.CONFIGS[64][0]])
+@pytest.mark.parametrize("config", [L.CONFIGS[16][0], L.CONFIGS[16][3], L.CONFIGS[16][4], L.CONFIGS[32][1],
+                                    L.CONFIGS[64][0]])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 70])
 def test_fp8_gemm_matches_the_reference(config, rows: int) -> None:
-    """N and K off every block size (masks), a bias, rows past one row tile (70); float32 out: equal to
-    the reference up to the order of the float32 sums."""
+    """N and K off every block size (masks), a bias, rows past one row tile (70), configs that quantize
+    their input themselves (dynamic and static scales) and configs that take it quantized; float32
+    out: equal to the reference up to the order of the float32 sums."""
     torch.manual_seed(rows)
     x, w, bias = torch.randn(rows, 200), quantize_weight(torch.randn(90, 200)), torch.randn(90)
-    xq, xs = K.quantize_rows(x)
-    got = K.fp8_gemm(xq, xs, w.qweight, w.scale, bias, torch.float32, config)
-    torch.testing.assert_close(got, w8a8_linear(x, w, bias), rtol=1e-5, atol=1e-5)
-    no_bias = K.fp8_gemm(xq, xs, w.qweight, w.scale, None, torch.float32, config)
-    torch.testing.assert_close(no_bias, w8a8_linear(x, w, None), rtol=1e-5, atol=1e-5)
+    static = torch.tensor([0.01])
+    for b in (bias, None):
+        for scale in (None, static):
+            want = w8a8_linear(x, Fp8Weight(w.qweight, w.scale, scale), b)
+            if config[-1]:
+                got = K.fp8_gemm(x, None, w.qweight, w.scale, b, torch.float32, config, scale)
+            else:
+                xq, xs = K.quantize_rows(x, scale)
+                got = K.fp8_gemm(xq, xs, w.qweight, w.scale, b, torch.float32, config)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @interpreted
@@ -78,7 +92,7 @@ def test_scale_epilogue_equals_the_reference() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("path", [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, L.TORCH, L.CONFIGS[16][1]])
+@pytest.mark.parametrize("path", [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, L.TORCH, L.CONFIGS[16][1], L.CONFIGS[16][4]])
 def test_every_gemm_path_computes_the_reference(path) -> None:
     """cuBLAS's paths run through torch's CPU `_scaled_mm` here (the same call as on the GPU)."""
     torch.manual_seed(2)

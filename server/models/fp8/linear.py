@@ -7,7 +7,8 @@ The GEMMs (`run`):
   8B model's linears 1.68x faster than bf16 at M=1 on the H200.
 - `CUBLAS_ROWWISE`: `torch._scaled_mm` with row-wise scales ([M, 1] x [1, N]) and the bias fused
   (bf16 models): one kernel, but measured reading the weight at half rate at M=1.
-- a Triton config (kernels/fp8.py `fp8_gemm`), for the skinny decode shapes (rows <= 64).
+- a Triton config (kernels/fp8.py `fp8_gemm`), for the skinny decode shapes (rows <= 64); at up to
+  16 rows also configs that quantize the activations inside the GEMM (one kernel per linear).
 - `TORCH`: the float32 reference (`weight.w8a8_linear`), for shapes nothing else runs.
 
 `choose` times them per (N, K) over every layer's weight of that shape (the reads miss L2 as in a
@@ -28,19 +29,20 @@ from collections.abc import Callable
 import torch
 
 from server.models.fp8.weight import Fp8Weight, w8a8_linear
-from server.models.kernels.fp8 import block_m, fp8_gemm, quantize_rows, scale_out
+from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
 
 log = logging.getLogger(__name__)
 
 CUBLAS_UNIT, CUBLAS_ROWWISE, TORCH = "cublas_unit", "cublas_rowwise", "torch"
 ROW_CLASSES = (1, 8, 16, 32, 64)  # a step of m rows takes the choice of the first class >= m
 PREFILL_ROWS = 256  # longer steps take the choice timed at this many rows (cuBLAS only)
-Config = tuple[int, int, int, int, bool]  # (BLOCK_N, BLOCK_K, warps, stages, swap): kernels/fp8.py
-CONFIGS: dict[int, list[Config]] = {  # by row tile (kernels.fp8.block_m); the first is the default
-    16: [(32, 256, 4, 4, False), (64, 256, 4, 4, False), (16, 512, 4, 4, False), (64, 512, 8, 3, False),
-         (128, 256, 4, 3, True)],
-    32: [(64, 128, 4, 4, False), (64, 256, 4, 3, True), (128, 128, 4, 3, True)],
-    64: [(64, 128, 4, 4, False), (128, 128, 4, 3, False), (128, 128, 8, 3, True)],
+# by row tile (kernels.fp8.block_m); the first is the default. (BLOCK_N, BLOCK_K, warps, stages, swap,
+# quant: the GEMM quantizes its rows itself, one kernel per linear; worth it at decode's few rows)
+CONFIGS: dict[int, list[Config]] = {
+    16: [(32, 256, 4, 4, False, True), (64, 256, 4, 4, False, True), (16, 512, 4, 4, False, True),
+         (128, 256, 4, 3, True, True), (32, 256, 4, 4, False, False), (64, 512, 8, 3, False, False)],
+    32: [(64, 128, 4, 4, False, False), (64, 256, 4, 3, True, False), (128, 128, 4, 3, True, False)],
+    64: [(64, 128, 4, 4, False, False), (128, 128, 4, 3, False, False), (128, 128, 8, 3, True, False)],
 }
 CHECK_ROWS = 256  # output features the correctness check compares
 CHECK_TOLERANCE = 2e-2  # max |out - reference| / max |reference| (bf16 output rounds at 2^-8)
@@ -75,6 +77,8 @@ class Fp8Linears:
         """x [M, K] (unit column stride) in the model dtype -> [M, N] in the same dtype."""
         if path == TORCH:
             return w8a8_linear(x, w, bias)
+        if isinstance(path, tuple) and path[-1]:  # the GEMM quantizes x itself
+            return fp8_gemm(x, None, w.qweight, w.scale, bias, x.dtype, path, w.input_scale)
         xq, xs = quantize_rows(x, w.input_scale)
         if path == CUBLAS_UNIT:
             one = self._one(x.device)
@@ -168,8 +172,8 @@ def _fastest(paths: list[Path], timings: dict[str, float]) -> Path:
 def _name(path: Path) -> str:
     if isinstance(path, str):
         return path
-    block_n, block_k, warps, stages, swap = path
-    return f"triton_{block_n}x{block_k}_w{warps}_s{stages}" + ("_swap" if swap else "")
+    block_n, block_k, warps, stages, swap, quant = path
+    return f"triton_{block_n}x{block_k}_w{warps}_s{stages}" + ("_swap" if swap else "") + ("_quant" if quant else "")
 
 
 def _time(fn: Callable[[], object], repeats: int = 5) -> float:

@@ -9,9 +9,12 @@ binade edges).
 
 `fp8_gemm` is OUT = (XQ @ W.T) * xs[m] * ws[n] (+ bias), XQ [M, K] and W [N, K] float8 e4m3, one
 program per BLOCK_N output features and BLOCK_M rows, the whole K per program (no split-K: the
-weight is streamed once). At decode (M <= 64) it is a read of the weight; which config runs, or
-whether cuBLAS does, is decided per weight shape and row count at warm-up by timing
-(server/models/fp8/linear.py). `SWAP` computes the transposed tile (W @ XQ.T), which puts the large
+weight is streamed once). Its `quant` configs take the activations in the model dtype and quantize
+them in the GEMM itself (each program reads its rows twice from L2: their max, then the tiles), so a
+decode step's linear is one kernel, as a bf16 one is: at M=1 the launches of 128 quantization
+kernels would cost ~0.2 ms of an 8B model's ~3 ms step. At decode (M <= 64) it is a read of the
+weight; which config runs, or whether cuBLAS does, is decided per weight shape and row count at
+warm-up by timing (server/models/fp8/linear.py). `SWAP` computes the transposed tile (W @ XQ.T), which puts the large
 weight dimension on the MMA's M side (Hopper's wgmma wants M >= 64). Products of two e4m3 values are
 exact in float32; each BLOCK_K slice is summed by the tensor cores and added into a float32
 accumulator (`max_num_imprecise_acc`: Hopper's FP8 MMA keeps fewer accumulator bits, so partial sums
@@ -78,13 +81,32 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm(XQ, XS, W, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+def _fp8_gemm(X, XS, STATIC, W, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SWAP: tl.constexpr, PROMOTE: tl.constexpr):
+              SWAP: tl.constexpr, PROMOTE: tl.constexpr, QUANT: tl.constexpr, IS_STATIC: tl.constexpr):
+    """OUT = (XQ @ W.T) * xs[m] * ws[n] (+ B). QUANT: X holds the activations in the model dtype and each
+    program quantizes its rows itself (their max first, then each tile as it is loaded: what
+    `_quantize_rows` computes, with no kernel of its own); else X is XQ (float8) and XS their scales."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     live_n, live_m = offs_n < N, offs_m < M
+    if QUANT:
+        if IS_STATIC:
+            xs = tl.zeros([BLOCK_M], tl.float32) + tl.load(STATIC).to(tl.float32)
+            inv = 1.0 / xs
+        else:
+            amax = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=live_m[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+            amax = tl.maximum(amax, MIN_AMAX)
+            xs = amax / FP8_MAX
+            inv = FP8_MAX / amax
+    else:
+        xs = tl.load(XS + offs_m, mask=live_m, other=0.0)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -94,13 +116,15 @@ def _fp8_gemm(XQ, XS, W, WS, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
         live_k = offs_k < K
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=live_n[:, None] & live_k[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(XQ + offs_m[:, None] * stride_xm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :],
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
+        if QUANT:
+            scaled = tl.minimum(tl.maximum(x.to(tl.float32) * inv[:, None], -FP8_MAX), FP8_MAX)
+            x = _round_e4m3(scaled).to(W.dtype.element_ty)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
         else:
             acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
-    xs = tl.load(XS + offs_m, mask=live_m, other=0.0)
     ws = tl.load(WS + offs_n, mask=live_n, other=0.0)
     if SWAP:
         out = acc * xs[None, :] * ws[:, None]  # the same order of products as the reference: acc * xs * ws
@@ -121,19 +145,29 @@ def block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None, dtype: torch.dtype, config: tuple[int, int, int, int, bool]) -> torch.Tensor:
-    """xq [M, K] float8 (unit column stride), xs [M], qweight [N, K] float8 contiguous, scale [N] ->
-    [M, N] in `dtype`. config: (BLOCK_N, BLOCK_K, warps, stages, swap)."""
-    m, k = xq.shape
+# (BLOCK_N, BLOCK_K, warps, stages, swap, quant): quant = the GEMM quantizes its input rows itself
+Config = tuple[int, int, int, int, bool, bool]
+
+
+def fp8_gemm(x: torch.Tensor, xs: torch.Tensor | None, qweight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None, dtype: torch.dtype, config: Config,
+             static: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] in `dtype` = (xq @ qweight.T) * xs[m] * scale[n] (+ bias), qweight [N, K] float8 contiguous,
+    scale [N]. A config that quantizes (its last field) takes x [M, K] in the model dtype (and the
+    `static` input scale, if any; xs is None); the others take xq [M, K] float8 and its row scales xs.
+    x has unit column stride."""
+    m, k = x.shape
     n = qweight.shape[0]
-    out = torch.empty((m, n), dtype=dtype, device=xq.device)
-    block_n, block_k, warps, stages, swap = config
+    out = torch.empty((m, n), dtype=dtype, device=x.device)
+    block_n, block_k, warps, stages, swap, quant = config
     bm = block_m(m)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, bm))
-    _fp8_gemm[grid](xq, xs, qweight, scale, bias if bias is not None else scale, out, m, n, k, xq.stride(0),
-                    qweight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n,
-                    BLOCK_K=block_k, SWAP=swap, PROMOTE=min(PROMOTE_K, block_k), num_warps=warps, num_stages=stages)
+    dummy = scale
+    _fp8_gemm[grid](x, dummy if xs is None else xs, dummy if static is None else static, qweight, scale,
+                    dummy if bias is None else bias, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+                    HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap,
+                    PROMOTE=min(PROMOTE_K, block_k), QUANT=quant, IS_STATIC=static is not None,
+                    num_warps=warps, num_stages=stages)
     return out
 
 
