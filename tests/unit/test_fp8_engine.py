@@ -107,3 +107,19 @@ def test_a_pair_whose_weights_differ_is_refused_at_the_handshake() -> None:
         assert status.startswith("incompatible") and "model fingerprint differs" in status
     finally:
         pair.close()
+
+
+def test_a_server_built_with_quantization_fp8(references) -> None:
+    """`pdserve serve`'s own build (server/deploy/serve.py): FP8 linears, the FP8 fingerprint as the
+    prefix-cache namespace, transformers' tokens of the weights they stand for."""
+    from server.config.schema import server_config_from_dict
+    from server.deploy.serve import build_core
+    from server.models.fp8.weight import Fp8Weight
+
+    model = "builtin:tiny-llama"
+    core = build_core(server_config_from_dict({"model": model, "quantization": "fp8", "device": "cpu",
+                                               "max_seq_len": 512}), None)
+    assert isinstance(core.runner.model.layers[0].gate_up, Fp8Weight)
+    assert core.kv.salt == _fingerprint(model, "fp8") != _fingerprint(model, None)
+    results = eh.generate(core, PROMPTS, eh.greedy(NEW))
+    assert [r.token_ids for r in results] == [hf_reference.hf_greedy(references[model], p, NEW) for p in PROMPTS]
