@@ -16,7 +16,7 @@ real step) at each row class's largest row count (ROW_CLASSES, then PREFILL_ROWS
 after checking each result against the torch reference on a slice of the weight (a kernel that
 computes wrong on some GPU is skipped, not served). A Triton config is kept only if it beats cuBLAS
 by 2%. PDSERVE_SKINNY_GEMV=0 keeps cuBLAS (as for the float skinny GEMM). Before any choice (CPU
-interpreter tests, shapes never timed): cuBLAS unit where it can run, else Triton's first config.
+interpreter tests, shapes never timed) and past LONG_ROWS rows: `default_path`.
 Nothing here syncs the host or allocates outside torch's allocator, so CUDA graphs capture it.
 """
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 CUBLAS_UNIT, CUBLAS_ROWWISE, TORCH = "cublas_unit", "cublas_rowwise", "torch"
 ROW_CLASSES = (1, 8, 16, 32, 64)  # a step of m rows takes the choice of the first class >= m
 PREFILL_ROWS = 256  # longer steps take the choice timed at this many rows (cuBLAS only)
+LONG_ROWS = 1024  # past this, a bf16 model's GEMM is compute-bound: cuBLAS row-wise, no float32 [M, N] buffer
 # by row tile (kernels.fp8.block_m); the first is the default. (BLOCK_N, BLOCK_K, warps, stages, swap,
 # quant: the GEMM quantizes its rows itself, one kernel per linear; worth it at decode's few rows)
 CONFIGS: dict[int, list[Config]] = {
@@ -70,7 +71,7 @@ class Fp8Linears:
         if x.stride(-1) != 1:
             x = x.contiguous()
         n, k = w.shape
-        path = self.chosen.get((n, k, row_class(x.shape[0])))
+        path = None if x.shape[0] > LONG_ROWS else self.chosen.get((n, k, row_class(x.shape[0])))
         return self.run(default_path(x, w) if path is None else path, x, w, bias)
 
     def run(self, path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,9 +142,11 @@ class Fp8Linears:
 
 
 def default_path(x: torch.Tensor, w: Fp8Weight) -> Path:
+    """Before any choice, and for steps past LONG_ROWS: cuBLAS (row-wise for bf16 prefill-sized steps:
+    one kernel and no float32 intermediate), else our kernel, else the torch reference."""
     n, k = w.shape
     if x.device.type == "cuda" and cublas_fits(n, k):
-        return CUBLAS_UNIT
+        return CUBLAS_ROWWISE if x.shape[0] > ROW_CLASSES[-1] and x.dtype == torch.bfloat16 else CUBLAS_UNIT
     if x.shape[0] <= ROW_CLASSES[-1] or x.device.type != "cuda":
         return CONFIGS[16][0]  # any row count runs (in row tiles); under the CPU interpreter, tests
     return TORCH
