@@ -4,7 +4,8 @@
 projections per layer to float8_e4m3fn: `layout` "hf-fp8" (config.json `quant_method: fp8`, scales
 named `weight_scale`, or `weight_scale_inv` as DeepSeek and Qwen name them) or "compressed-tensors"
 (llm-compressor's `config_groups`, scales shaped [N, 1] per channel); `per` "channel" or "tensor";
-`static` adds an `input_scale` per linear (activation_scheme static). `write_dequantized(fp8, out)`
+`static` adds an `input_scale` per linear (activation_scheme static); `kv_scales` a `k_scale` and a
+`v_scale` per layer (the KV cache's, left to it). `write_dequantized(fp8, out)`
 writes the float32 model those FP8 weights stand for (W = q * scale, no quantization_config): the
 reference that transformers and a float server run. `write_quantized_at_load(src, out)` is the same
 reference for `quantization: fp8` on a float checkpoint.
@@ -27,7 +28,7 @@ STATIC_INPUT_SCALE = 4.0 / FP8_MAX  # activations up to 4 in magnitude keep thei
 
 
 def write_fp8(src: Path, out: Path, layout: str = "hf-fp8", per: str = "channel", static: bool = False,
-              scale_name: str = "weight_scale") -> Path:
+              scale_name: str = "weight_scale", kv_scales: bool = False) -> Path:
     tensors = load_file(str(src / "model.safetensors"))
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -44,6 +45,9 @@ def write_fp8(src: Path, out: Path, layout: str = "hf-fp8", per: str = "channel"
         saved[base + scale_name] = scale[:, None] if layout == "compressed-tensors" and per == "channel" else scale
         if static:
             saved[base + "input_scale"] = torch.tensor([STATIC_INPUT_SCALE])
+        if kv_scales and name.endswith("self_attn.k_proj.weight"):  # the KV cache's, as vLLM's FP8 checkpoints hold
+            attn = name.removesuffix("k_proj.weight")
+            saved[attn + "k_scale"], saved[attn + "v_scale"] = torch.tensor(0.02), torch.tensor(0.03)
     save_file(saved, str(out / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _config(layout, per, static)
@@ -60,7 +64,7 @@ def write_dequantized(fp8_dir: Path, out: Path) -> Path:
             shutil.copy(f, out / f.name)
     saved = {}
     for name, tensor in tensors.items():
-        if name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+        if name.endswith(("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")):
             continue
         if tensor.dtype == FP8:
             base = name.removesuffix("weight")

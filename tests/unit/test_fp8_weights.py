@@ -28,7 +28,7 @@ from server.models.parallel.shard import load_shard, plan_for
 from server.models.runner import ModelRunner, SeqChunk, load_weights
 
 TPB = 16
-CASES = {  # name: (built-in model, layout, per, static, scale tensor name)
+CASES = {  # name: (built-in model, layout, per, static, scale tensor name); the last two carry KV cache scales
     "llama-hf-tensor-static": ("tiny-llama", "hf-fp8", "tensor", True, "weight_scale"),
     "llama-hf-channel-scale-inv": ("tiny-llama", "hf-fp8", "channel", False, "weight_scale_inv"),
     "qwen3-ct-channel": ("tiny-qwen3-swa", "compressed-tensors", "channel", False, "weight_scale"),
@@ -42,7 +42,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     root = tmp_path_factory.mktemp("fp8")
     out = {}
     for name, (model, layout, per, static, scale) in CASES.items():
-        fp8 = write_fp8(materialize_builtin(model), root / name, layout, per, static, scale)
+        fp8 = write_fp8(materialize_builtin(model), root / name, layout, per, static, scale, model == "tiny-qwen3-swa")
         out[name] = (fp8, write_dequantized(fp8, root / f"{name}-ref"))
     return out
 

@@ -29,7 +29,9 @@ QUANTIZATIONS = ("fp8",)  # `quantization:` values; None (the default) serves th
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT_SCALES = (".weight_scale", ".weight_scale_inv")
 INPUT_SCALE = ".input_scale"
-KV_SCALES = (".k_scale", ".v_scale")  # the KV cache's (read by it from the checkpoint), not these weights'
+# the attention's and KV cache's scales (`*.k_scale`, `*.v_scale`; `q_scale`; older checkpoints' k/v
+# `output_scale`): the KV cache reads them from the checkpoint itself; they are none of these weights'
+KV_SCALES = (".k_scale", ".v_scale", ".q_scale", "_proj.output_scale")
 SCALES = (*WEIGHT_SCALES, INPUT_SCALE, *KV_SCALES)
 
 
