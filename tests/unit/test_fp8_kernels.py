@@ -1,14 +1,19 @@
 """The FP8 GEMM path of the GPU, its logic on the CPU: the Triton kernels through Triton's interpreter
 (TRITON_INTERPRET=1) against the plain torch reference (`weight.w8a8_linear`), cuBLAS's two paths
 through torch's CPU `_scaled_mm`, the choice of path per shape and row count, and a whole runner on
-the Triton path with FP8 weights against the same model's torch emulation of the GPU numerics.
+the Triton path with FP8 weights against the same model's torch emulation of the GPU numerics; and
+every kernel variant compiled for a Hopper GPU by Triton's own compiler (no GPU needed).
 
-The kernels compile for the GPU in tests/gpu/test_fp8_cuda.py.
+On the GPU, tests/gpu/test_fp8_cuda.py runs them.
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +152,22 @@ def test_triton_runner_with_fp8_weights_computes_the_gpu_numerics() -> None:
         outs[kernels] = logits, tokens
     torch.testing.assert_close(outs["triton"][0], outs["torch"][0], rtol=1e-3, atol=1e-3)
     assert outs["triton"][1] == outs["torch"][1]
+
+
+def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
+    """The GPU's own compile of every kernel variant the warm-up may run (tests/hopper_compile.py), for
+    sm_90, with no GPU: wgmma where the tile allows it, loads pipelined (cp.async), shared memory within
+    the H200's 227 KiB."""
+    pytest.importorskip("triton.backends.nvidia", reason="the Triton wheel without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    tests = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(tests / "hopper_compile.py")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("_fp8_gemm")]
+    assert len(lines) == sum(len(c) for c in L.CONFIGS.values())
+    results = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in lines]
+    assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in results), done.stdout
+    assert any(r["wgmma"] for r in results), done.stdout

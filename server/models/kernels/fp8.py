@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12
+FP8_MAX = tl.constexpr(448.0)  # as server/models/fp8/weight.py (kernels read globals only as constexprs)
+MIN_AMAX = tl.constexpr(1e-12)
 PROMOTE_K = 128
 QUANT_BLOCK = 1024
 
@@ -171,7 +171,7 @@ def fp8_gemm(x: torch.Tensor, xs: torch.Tensor | None, qweight: torch.Tensor, sc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _scale_out(ACC, XS, WS, B, OUT, M, N, stride_a, stride_o, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
