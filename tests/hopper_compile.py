@@ -42,10 +42,11 @@ def variants():
     yield K._scale_out, SCALE, {"HAS_BIAS": True, "BLOCK": 1024}, ("M",), {"num_warps": 4}
     for rows, configs in CONFIGS.items():
         for block_n, block_k, warps, stages, swap, quant in configs:
-            constexprs = {"HAS_BIAS": True, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP": swap,
-                          "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": False}
-            signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
-            yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
+            for static in (False, True) if quant else (False,):  # a static input scale: the GEMM's own quantization
+                constexprs = {"HAS_BIAS": not static, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                              "SWAP": swap, "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": static}
+                signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
+                yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
 
 
 def main() -> int:

@@ -167,7 +167,8 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("_fp8_gemm")]
-    assert len(lines) == sum(len(c) for c in L.CONFIGS.values())
+    quant = sum(c[-1] for configs in L.CONFIGS.values() for c in configs)
+    assert len(lines) == sum(len(c) for c in L.CONFIGS.values()) + quant  # quantizing ones: also static
     results = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in lines]
     assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in results), done.stdout
     assert any(r["wgmma"] for r in results), done.stdout
