@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-tokens", type=int, default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--device", default=None)
+    serve.add_argument("--quantization", choices=["fp8"], default=None,
+                       help="fp8: the linear layers' weights in FP8, quantized at load (docs/FP8.md)")
     serve.add_argument("--engine-process", choices=["auto", "true", "false"], default=None,
                        help="run the engine in a process of its own (default auto: on CUDA only)")
     router = commands.add_parser("router", help="run the router of a deployment YAML")
@@ -51,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
                  "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
-                 "dtype": args.dtype, "device": args.device,
+                 "dtype": args.dtype, "device": args.device, "quantization": args.quantization,
                  "engine_process": {"true": True, "false": False}.get(args.engine_process, args.engine_process)}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     role = args.role or "aggregated"

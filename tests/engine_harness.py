@@ -19,7 +19,7 @@ from server.engine.speculative.build import build_spec
 from server.engine.speculative.config import SpeculativeConfig
 from server.engine.speculative.decoder import SpecDecoder
 from server.models.builtin import resolve_model
-from server.models.model_spec import load_spec
+from server.models.model_spec import load_spec, with_quantization
 from server.models.runner import ModelRunner
 from server.types import GenerateRequest, RequestOutput, SamplingParams
 
@@ -29,16 +29,17 @@ _ids = itertools.count()
 def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = None, max_seq_len: int = 512,
               max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
               async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch",
-              speculative: SpeculativeConfig | None = None) -> EngineCore:
-    """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns."""
+              speculative: SpeculativeConfig | None = None, quantization: str | None = None) -> EngineCore:
+    """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns.
+    `quantization`: "fp8" quantizes the linears' weights at load (server/models/fp8/)."""
     model_dir = resolve_model(model)
-    spec = load_spec(model_dir)
+    spec = with_quantization(load_spec(model_dir), quantization)
     kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
     manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, device),
                              salt=spec.fingerprint)
     runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device(device),
                          max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kernels=kernels,
-                         max_seq_len=max_seq_len)
+                         max_seq_len=max_seq_len, quantization=quantization)
     runner.warm_up()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = SchedulerConfig(max_num_tokens, max_batch_size, max_seq_len)

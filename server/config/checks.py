@@ -1,5 +1,5 @@
-"""Rules that span a deployment's servers (one model, no shared port, the GPU's memory shared out),
-and host:port strings."""
+"""Rules that span a deployment's servers (one model with one quantization, no shared port, the GPU's
+memory shared out), and host:port strings."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class ServerLike(Protocol):
     module does not import the schema that imports it)."""
 
     model: str
+    quantization: str | None
     host: str
     port: int
     role: str
@@ -46,6 +47,10 @@ def check_same_model(servers: list[S], source: str) -> None:
     models = {s.model for s in servers}
     if len(models) > 1:
         raise ConfigError(f"{source}: model: every server must serve the same model, got {sorted(models)}")
+    quantizations = {str(s.quantization) for s in servers}  # one model's KV, prefixes and tokens: the same weights
+    if len(quantizations) > 1:
+        raise ConfigError(f"{source}: quantization: every server must serve the same weights, got "
+                          f"{sorted(quantizations)} (set it at the top level)")
 
 
 def check_ports(servers: list[S], router: tuple[str, int] | None, source: str) -> None:

@@ -89,6 +89,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
     kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
+    # fp8: the linear layers' weights in FP8 e4m3, quantized at load per output channel (a float
+    # checkpoint; the lm_head and embeddings stay in `dtype`); an FP8 checkpoint is served as FP8
+    # either way. null: the checkpoint as stored. docs/FP8.md
+    quantization: Literal["fp8"] | None = None
     # ranks (one process each; on CUDA, rank r on cuda:r of the GPUs the server sees): must divide the
     # model's attention heads, and divide or be a multiple of its kv heads
     tensor_parallel_size: Positive = 1

@@ -33,7 +33,7 @@ from server.engine.speculative.build import build_spec
 from server.engineproc.client import EngineProcess
 from server.engineproc.front import EngineKvEvents
 from server.models.builtin import resolve_model
-from server.models.model_spec import load_spec
+from server.models.model_spec import load_spec, with_quantization
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.telemetry.kv_events import KvEventPublisher
 from server.telemetry.metrics import ServerMetrics
@@ -54,19 +54,21 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(cfg.model)
-    spec = load_spec(model_dir)
+    spec = with_quantization(load_spec(model_dir), cfg.quantization)  # FP8 weights: a fingerprint of their own
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     ranks = start_ranks(cfg, model_dir, spec, device, dtype) if cfg.tensor_parallel_size > 1 else None
     shard, device = (ranks.shard, ranks.device) if ranks else (None, device)  # rank 0's share, cuda:0
     # first the weights: a GPU pool takes a share of what is left
-    weights = load_weights(spec, dtype, device) if shard is None else shard.load(spec, dtype, device)
+    weights = load_weights(spec, dtype, device, cfg.quantization) if shard is None else \
+        shard.load(spec, dtype, device, cfg.quantization)
     local = spec if shard is None else shard.local_spec(spec)  # a rank's pools hold its kv heads
     kv = KVCacheManager(cfg.kv_cache_config, local.cache_layout(cfg.max_seq_len, dtype, device),
                         salt=spec.fingerprint, disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
-                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard)
+                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard,
+                         quantization=cfg.quantization)
     if ranks:
         ranks.attach(kv)  # the other ranks build pools of the same slot counts and mirror its copies
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured
@@ -78,9 +80,10 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
     core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake,
                       ranks), async_scheduling=use_async_scheduling(cfg, device),
                       spec=build_spec(cfg.speculative, limits, runner))
-    log.info("engine ready: %s on %s/%s, %s kernels (warm-up %.1f s), KV windows %s, %s primary blocks, "
-             "async scheduling %s, speculative %s", model_dir, device, dtype, runner.kernels, warm_s, kv.window_sizes,
-             [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling, cfg.speculative.method)
+    log.info("engine ready: %s on %s/%s, linear weights %s, %s kernels (warm-up %.1f s), KV windows %s, %s primary "
+             "blocks, async scheduling %s, speculative %s", model_dir, device, dtype, spec.quantization or dtype,
+             runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling,
+             cfg.speculative.method)
     return core
 
 

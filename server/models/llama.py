@@ -9,6 +9,8 @@ residual add is fused into the next RMSNorm (`ops.add_rms_norm`); `ops` is torch
 Tensor parallelism is applied from outside too: a rank's model holds its slices of the weights
 (server/models/parallel/) and meets the other ranks only through `parallel` (embedding, the sum
 after o and down, the logits); with one rank that is `SingleRank`, which adds nothing.
+A linear weight is a float tensor or an FP8 one (`Fp8Weight`, server/models/fp8/): `ops.linear`
+multiplies either, so FP8 weights change nothing here but how q/k/v and gate/up are fused (`cat_rows`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from server.models.attention import AttentionBackend
+from server.models.fp8.weight import cat_rows
 from server.models.model_spec import ModelSpec
-from server.models.ops import ModelOps, TorchOps
+from server.models.ops import ModelOps, TorchOps, Weight
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
 
@@ -29,21 +32,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]; linear weights are float or FP8 (fp8/)
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
+    down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], attention: AttentionBackend,
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend,
                  *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
                  parallel: ParallelContext | None = None) -> None:
         """`spec` is the shape this model computes with: a tensor-parallel rank's own heads, kv heads
@@ -94,18 +97,18 @@ class LlamaModel:
 class _WeightTable:
     """HF tensor names -> tensors; tracks which were used so leftovers are reported."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight]) -> None:
         self.spec = spec
         self.tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
         self.used: set[str] = set()
 
-    def take(self, name: str) -> torch.Tensor:
+    def take(self, name: str) -> Weight:
         if name not in self.tensors:
             raise ValueError(f"model {self.spec.model_dir}: weight {name!r} is missing")
         self.used.add(name)
         return self.tensors[name]
 
-    def maybe(self, name: str, wanted: bool) -> torch.Tensor | None:
+    def maybe(self, name: str, wanted: bool) -> Weight | None:
         return self.take(name) if wanted else None
 
     def lm_head(self, embed: torch.Tensor) -> torch.Tensor:
@@ -132,11 +135,11 @@ def _layer_weights(spec: ModelSpec, w: _WeightTable, i: int) -> LayerWeights:
     gate_up_bias = [w.take(f"{mlp}{n}_proj.bias") for n in ("gate", "up")] if spec.mlp_bias else None
     return LayerWeights(
         input_norm=w.take(p + "input_layernorm.weight"),
-        qkv=torch.cat(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
+        qkv=cat_rows(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
         q_norm=w.maybe(att + "q_norm.weight", spec.qk_norm),
         k_norm=w.maybe(att + "k_norm.weight", spec.qk_norm),
         o=w.take(att + "o_proj.weight"), o_bias=w.maybe(att + "o_proj.bias", spec.o_bias),
         post_norm=w.take(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat(gate_up), gate_up_bias=torch.cat(gate_up_bias) if gate_up_bias else None,
+        gate_up=cat_rows(gate_up), gate_up_bias=torch.cat(gate_up_bias) if gate_up_bias else None,
         down=w.take(mlp + "down_proj.weight"), down_bias=w.maybe(mlp + "down_proj.bias", spec.mlp_bias),
     )

@@ -11,6 +11,7 @@ Window semantics are transformers': a query at position p attends keys k with p 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from kvcache import CacheLayout
+from server.models.fp8.checkpoint import CheckpointQuant, checkpoint_quant
 from server.models.weights import safetensors_files, tensor_signature
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -51,6 +53,8 @@ class ModelSpec:
     bos_token_id: int | None
     fingerprint: str  # sha256 hex of config.json + tensor names/shapes/dtypes
     hf_config: PretrainedConfig = field(repr=False, compare=False)  # for transformers' rope functions
+    checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 scheme (config.json), if any
+    quantization: str | None = None  # what its linears are served as: "fp8" (checkpoint or load time) or None
 
     def cache_layout(self, max_seq_len: int, dtype: torch.dtype, device: torch.device | str) -> CacheLayout:
         """The KV cache this model needs: full attention window max_seq_len,
@@ -68,6 +72,7 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     _check_tokenizer(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
+    quant = checkpoint_quant(raw, model_dir)
     family = architecture.removesuffix("ForCausalLM")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     return ModelSpec(
@@ -83,8 +88,19 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         qk_norm=family == "Qwen3", tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         rope_type=rope_parameters(cfg).get("rope_type", "default"),
         eos_token_ids=_eos_ids(raw, model_dir), bos_token_id=raw.get("bos_token_id"),
-        fingerprint=_fingerprint(raw, files), hf_config=cfg,
+        fingerprint=_fingerprint(raw, files), hf_config=cfg, checkpoint_quant=quant,
+        quantization="fp8" if quant is not None else None,
     )
+
+
+def with_quantization(spec: ModelSpec, quantization: str | None) -> ModelSpec:
+    """The spec a server serves with `quantization` ("fp8": a float checkpoint's linears quantized at
+    load). Its fingerprint then differs from the float model's, so no prefix cache, disk tier or KV
+    handoff ever mixes KV computed by the two. An FP8 checkpoint is FP8 either way."""
+    if quantization is None or spec.quantization == quantization:
+        return spec
+    mixed = hashlib.sha256(f"{spec.fingerprint}|quantization={quantization}".encode()).hexdigest()
+    return dataclasses.replace(spec, quantization=quantization, fingerprint=mixed)
 
 
 def rope_parameters(cfg: PretrainedConfig) -> dict:

@@ -3,14 +3,21 @@ fused Triton one (`server.models.kernels`, CUDA only). The model calls these; wh
 decided outside it (`ModelRunner`), so the model code stays plain.
 
 Both compute what transformers' modules compute, rounding where they round (see kernels/elementwise.py).
+`linear` takes a float weight or an FP8 one (`Fp8Weight`, server/models/fp8/): the torch ops dequantize
+it to float32 (the CPU's path), the Triton ops run FP8 GEMMs (fp8/linear.py).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from server.models.fp8.weight import Fp8Weight, dequantized_linear
+
+Weight = torch.Tensor | Fp8Weight  # a linear layer's weight [N, K]
 
 
 class ModelOps(Protocol):
@@ -23,7 +30,7 @@ class ModelOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear: x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
 
 
@@ -47,7 +54,9 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return dequantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
 
@@ -57,11 +66,13 @@ class TritonOps(TorchOps):
 
     def __init__(self, eps: float) -> None:
         super().__init__(eps)
+        from server.models.fp8.linear import Fp8Linears
         from server.models.kernels import elementwise
         from server.models.kernels.gemv import SkinnyLinear
 
         self._k = elementwise
         self.skinny = SkinnyLinear()  # decode at small batch: per weight shape, whichever `choose` timed faster
+        self.fp8 = Fp8Linears()  # FP8 weights: per weight shape and row count, whichever `choose` timed faster
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1:
@@ -74,5 +85,18 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return self.fp8.linear(x, weight, bias)
         return self.skinny.linear(x, weight, bias)
+
+    def choose_linear(self, weights: list[Weight], biases: list[torch.Tensor | None], dtype: torch.dtype) -> None:
+        """Time our GEMM kernels against cuBLAS for one weight shape (every layer's weight of it), on CUDA:
+        the skinny GEMM for float weights (PDSERVE_SKINNY_GEMV=0: cuBLAS), the FP8 paths for FP8 ones."""
+        if isinstance(weights[0], Fp8Weight):
+            self.fp8.choose(weights, biases, dtype)
+        elif os.environ.get("PDSERVE_SKINNY_GEMV", "1") != "0":
+            self.skinny.choose(weights, biases)
+
+    def chosen_linears(self) -> dict[str, object]:
+        return {**{f"{n}x{k}": c for (n, k), c in self.skinny.chosen.items()}, **self.fp8.summary()}

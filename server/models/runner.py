@@ -19,11 +19,12 @@ import torch
 
 from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
+from server.models.fp8.load import load_checkpoint
 from server.models.llama import LlamaModel
 from server.models.model_spec import ModelSpec, load_spec
-from server.models.ops import ModelOps, TorchOps, TritonOps
+from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
-from server.models.weights import load_tensors, safetensors_files
+from server.models.weights import safetensors_files
 
 if TYPE_CHECKING:
     from server.models.warmup import WarmStep
@@ -80,9 +81,12 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every safetensors tensor of the model as `dtype` on `device`."""
-    return load_tensors(safetensors_files(spec.model_dir), dtype=dtype, device=device)
+def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> dict[str, Weight]:
+    """Every safetensors tensor of the model as `dtype` on `device`; the linear weights as FP8 where the
+    checkpoint is FP8 or `quantization` is "fp8" (server/models/fp8/load.py)."""
+    return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
+                           quantization=quantization)
 
 
 KERNELS = ("auto", "torch", "triton")
@@ -113,9 +117,11 @@ def resolve_kernels(name: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
                  max_num_tokens: int, max_batch_size: int,
-                 tensors: dict[str, torch.Tensor] | None = None, kernels: str = "auto",
-                 cuda_graphs: bool = True, max_seq_len: int | None = None, shard: RankShard | None = None) -> None:
+                 tensors: dict[str, Weight] | None = None, kernels: str = "auto",
+                 cuda_graphs: bool = True, max_seq_len: int | None = None, shard: RankShard | None = None,
+                 quantization: str | None = None) -> None:
         """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized.
+        `quantization`: "fp8" quantizes a float checkpoint's linears as they load (when `tensors` is None).
         `kernels`: "torch" (portable) or "triton" (CUDA: paged kernels, fused ops, and with
         `cuda_graphs` decode steps replayed as CUDA graphs captured by `warm_up`). `shard`: run one
         tensor-parallel rank's part (its weight slices, its kv heads in `kv`); `spec` stays the
@@ -129,7 +135,8 @@ class ModelRunner:
         self.kernels = resolve_kernels(kernels, device)
         self.attention, ops = self._backend(local, max_seq_len or max(kv.window_sizes))
         if tensors is None:
-            tensors = load_weights(self.spec, dtype, device) if shard is None else shard.load(self.spec, dtype, device)
+            tensors = load_weights(self.spec, dtype, device, quantization) if shard is None else \
+                shard.load(self.spec, dtype, device, quantization)
         self.model = LlamaModel(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                 parallel=None if shard is None else shard.context)
         self.graphs = None
@@ -200,16 +207,17 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _choose_skinny_linears(self) -> None:
-        """Decode at small batch: time the Triton skinny GEMM against cuBLAS for each layer weight
-        shape (kernels/gemv.py); before graph capture, so the graphs hold the faster one.
-        PDSERVE_SKINNY_GEMV=0 keeps cuBLAS everywhere."""
-        skinny = getattr(self.model.ops, "skinny", None)
-        if skinny is None or self.device.type != "cuda" or os.environ.get("PDSERVE_SKINNY_GEMV", "1") == "0":
+        """Decode at small batch: time our Triton GEMMs against cuBLAS for each layer weight shape
+        (float weights: kernels/gemv.py; FP8 weights: fp8/linear.py, per row count too); before graph
+        capture, so the graphs hold the faster one. PDSERVE_SKINNY_GEMV=0 keeps cuBLAS everywhere."""
+        ops = self.model.ops
+        if not isinstance(ops, TritonOps) or self.device.type != "cuda":
             return
         layers = self.model.layers
         for name in ("qkv", "o", "gate_up", "down"):
-            skinny.choose([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers])
-        log.info("skinny GEMM (rows <= 16) per weight shape: %s", skinny.chosen)
+            ops.choose_linear([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers],
+                              self.dtype)
+        log.info("GEMM per weight shape (float: rows <= 16; FP8: NxK@rows): %s", ops.chosen_linears())
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
         """The chunks of one warm-up step (a `warmup.WarmStep`, decode rows first) on the pool's first

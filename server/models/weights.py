@@ -57,14 +57,20 @@ def tensor_signature(files: Iterable[Path]) -> list[tuple[str, str, tuple[int, .
 Slicer = Callable[[str, Any], torch.Tensor]
 
 
+# (tensor name, the tensor as read) -> what to keep of it: by default the tensor in the model dtype on
+# the device; the FP8 loader keeps float8 tensors and scales as they are and may quantize (server/models/fp8/)
+Convert = Callable[[str, torch.Tensor], Any]
+
+
 def load_tensors(files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
-                 slicer: Slicer | None = None) -> dict[str, torch.Tensor]:
+                 slicer: Slicer | None = None, convert: Convert | None = None) -> dict[str, Any]:
     """All tensors of `files` (or, with `slicer`, the part of each it picks), converted to `dtype`
-    on `device`. A slice is read from the file alone: the rest of the tensor is never loaded."""
-    out: dict[str, torch.Tensor] = {}
+    on `device` (or by `convert`, one tensor at a time as it is read). A slice is read from the file
+    alone: the rest of the tensor is never loaded."""
+    out: dict[str, Any] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
                 tensor = f.get_tensor(name) if slicer is None else slicer(name, f.get_slice(name))
-                out[name] = tensor.to(device=device, dtype=dtype)
+                out[name] = tensor.to(device=device, dtype=dtype) if convert is None else convert(name, tensor)
     return out

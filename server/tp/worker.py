@@ -30,7 +30,7 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.layout import CacheLayout
 from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
-from server.models.model_spec import load_spec
+from server.models.model_spec import load_spec, with_quantization
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_dtype
@@ -129,9 +129,9 @@ class Worker:
         self.device = device = group.rank_device(torch.device(args.device), args.rank)
         dtype = resolve_dtype(args.dtype, device)
         group.join(args.rank, args.size, device, port=args.store_port)
-        spec = load_spec(args.model_dir)
+        spec = with_quantization(load_spec(args.model_dir), cfg.quantization)  # rank 0's fingerprint
         shard = RankShard.of(spec, args.rank, args.size)
-        weights = shard.load(spec, dtype, device)
+        weights = shard.load(spec, dtype, device, cfg.quantization)
         init, self.pending = self._init()
         layout = shard.local_spec(spec).cache_layout(cfg.max_seq_len, dtype, device)
         self.kv = KVCacheManager(mirror_config(cfg.kv_cache_config, init, layout), layout, salt=spec.fingerprint)

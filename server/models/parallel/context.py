@@ -117,5 +117,6 @@ class RankShard:
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         return local_spec(spec, self.plan)
 
-    def load(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        return load_shard(spec, self.plan, dtype, device)
+    def load(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+             quantization: str | None = None) -> dict[str, object]:
+        return load_shard(spec, self.plan, dtype, device, quantization)

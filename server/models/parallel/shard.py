@@ -5,6 +5,9 @@ the rank's q heads, kv heads, intermediate columns), o and down are row-parallel
 columns are split; the model all-reduces their outputs). A row-parallel bias is added once: rank 0
 keeps it and the other ranks hold zeros. The embedding and lm_head are split by vocabulary rows,
 padded with zero rows to `plan.vocab_per_rank`. Norms (and Qwen3's per-head q/k norms) are whole.
+FP8 scales (server/models/fp8/) follow their weight's output rows: a per-channel scale of a
+column-parallel weight is split like its rows, one of a row-parallel weight (o, down: every rank
+has all output rows) and every per-tensor or input scale is whole.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from typing import Any
 
 import torch
 
+from server.models.fp8.load import SCALES, load_checkpoint
 from server.models.model_spec import ModelSpec
 from server.models.parallel.plan import ShardPlan
-from server.models.weights import load_tensors, safetensors_files
+from server.models.weights import safetensors_files
 
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -33,11 +37,12 @@ def local_spec(spec: ModelSpec, plan: ShardPlan) -> ModelSpec:
                                intermediate_size=spec.intermediate_size // plan.size)
 
 
-def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype,
-               device: torch.device) -> dict[str, torch.Tensor]:
-    """The rank's slice of every tensor of the model, as `dtype` on `device`."""
-    return load_tensors(safetensors_files(spec.model_dir), dtype=dtype, device=device,
-                        slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
+def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> dict[str, Any]:
+    """The rank's slice of every tensor of the model, as `dtype` on `device` (linears as FP8 where the
+    checkpoint is FP8 or `quantization` is "fp8": each rank quantizes its own slices)."""
+    return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
+                           quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
 
 def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
@@ -47,6 +52,8 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
     if name in _VOCAB:
         return _vocab_rows(handle, plan)
     kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if name.endswith(SCALES):
+        return _scale_slice(handle, kind, spec, plan)
     is_bias = name.endswith(".bias")
     if kind == "q_proj":
         return handle[h0 * d:h1 * d]
@@ -59,6 +66,17 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
             return handle[:] if plan.rank == 0 else torch.zeros(handle.get_shape())
         return handle[:, h0 * d:h1 * d] if kind == "o_proj" else handle[:, f0:f1]
     return handle[:]
+
+
+def _scale_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
+    """A per-channel scale of a column-parallel weight: the rank's rows; any other scale: whole."""
+    shape = handle.get_shape()
+    if not shape or shape[0] == 1 or kind not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        return handle[...]
+    d = spec.head_dim
+    (h0, h1), (k0, k1), (f0, f1) = plan.heads, plan.kv_heads, plan.ffn
+    rows = {"q_proj": (h0 * d, h1 * d), "k_proj": (k0 * d, k1 * d), "v_proj": (k0 * d, k1 * d)}.get(kind, (f0, f1))
+    return handle[rows[0]:rows[1]]
 
 
 def _vocab_rows(handle: Any, plan: ShardPlan) -> torch.Tensor:

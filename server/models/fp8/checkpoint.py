@@ -1,0 +1,110 @@
+"""The FP8 quantization a checkpoint declares in config.json's `quantization_config`, checked once.
+
+Two layouts that users download:
+- Hugging Face / vLLM `quant_method: fp8`: float8_e4m3fn `*.weight` tensors, each with a float32
+  `*.weight_scale` (or `*.weight_scale_inv`, DeepSeek's and Qwen's name for the same multiplier), one
+  per tensor or one per output channel; `activation_scheme: static` adds one `*.input_scale` per
+  linear, `dynamic` none. Block-wise scales (`weight_block_size`, e.g. [128, 128] in DeepSeek-V3 and
+  Qwen3-FP8) are refused with an error naming the key.
+- compressed-tensors (llm-compressor) `quant_method: compressed-tensors`: config groups whose weights
+  are 8-bit floats with strategy `tensor` or `channel`, and whose input activations are dynamic (per
+  token), static (per tensor: an `input_scale`) or absent (weight only).
+Which linears are FP8 is read from the tensors (a float8 weight and its scale); modules a checkpoint
+leaves in float (its ignore list: lm_head, ...) load as float. The KV cache scales some checkpoints
+carry (`kv_cache_scheme`, `*.k_scale`, `*.v_scale`) belong to the KV cache, not to these weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METHODS = ("fp8", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    method: str  # one of METHODS
+    static_activations: bool  # every FP8 linear has an input_scale (else activations are scaled per token)
+
+
+def checkpoint_quant(raw: dict[str, Any], model_dir: Path) -> CheckpointQuant | None:
+    """The FP8 scheme of a model's config.json (None: a float checkpoint); a ValueError that names the
+    file and the key for a scheme pdserve does not serve."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    where = f"model {model_dir}: config.json: quantization_config"
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: must be a mapping, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _hf_fp8(qc, where)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, where)
+    raise ValueError(f"{where}.quant_method: {method!r} is not supported (supported: 'fp8', and "
+                     "'compressed-tensors' with float8 weights)")
+
+
+def _hf_fp8(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    if qc.get("weight_block_size") is not None:
+        raise ValueError(f"{where}.weight_block_size: {qc['weight_block_size']}: block-wise FP8 scales are not "
+                         "supported (per-tensor and per-channel are); serve the bf16 checkpoint with "
+                         "`quantization: fp8` instead")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}.fmt: {qc['fmt']!r}: only e4m3 FP8 weights are supported")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"{where}.activation_scheme: {scheme!r}: must be 'dynamic' or 'static'")
+    return CheckpointQuant("fp8", static_activations=scheme == "static")
+
+
+_FORMATS = (None, "float-quantized", "naive-quantized")
+
+
+def _compressed_tensors(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    if qc.get("format") not in (*_FORMATS, "mixed-precision"):
+        raise ValueError(f"{where}.format: {qc['format']!r}: only float8 weights are supported "
+                         "('float-quantized' or 'naive-quantized')")
+    if qc.get("quantization_status", "compressed") not in ("compressed", "frozen"):
+        raise ValueError(f"{where}.quantization_status: {qc['quantization_status']!r}: the weights are not "
+                         "quantized yet (want 'compressed' or 'frozen')")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}.config_groups: a mapping of at least one group is required")
+    statics = [_group(group, f"{where}.config_groups.{name}") for name, group in groups.items()]
+    return CheckpointQuant("compressed-tensors", static_activations=any(statics))
+
+
+def _group(group: Any, where: str) -> bool:
+    """Check one config group; True when its input activations have a static scale."""
+    if not isinstance(group, dict):
+        raise ValueError(f"{where}: must be a mapping")
+    if group.get("format") not in _FORMATS:
+        raise ValueError(f"{where}.format: {group['format']!r}: only float8 weights are supported")
+    _float8(group.get("weights"), f"{where}.weights", ("tensor", "channel"))
+    if group.get("weights", {}).get("dynamic"):
+        raise ValueError(f"{where}.weights.dynamic: true: weights must have stored scales")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}.output_activations: quantized outputs are not supported")
+    acts = group.get("input_activations")
+    if acts is None:
+        return False  # weight only: activations stay in the model dtype (the GPU scales them per token)
+    _float8(acts, f"{where}.input_activations", ("token", "tensor"))
+    if acts.get("dynamic") is False and acts.get("strategy") == "token":
+        raise ValueError(f"{where}.input_activations: static per-token scales are not supported")
+    return acts.get("dynamic") is False
+
+
+def _float8(args: Any, where: str, strategies: tuple[str, ...]) -> None:
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: must be a mapping")
+    if args.get("num_bits") != 8 or args.get("type") != "float":
+        raise ValueError(f"{where}: num_bits {args.get('num_bits')!r}, type {args.get('type')!r}: only 8-bit "
+                         "float (FP8 e4m3) is supported")
+    if args.get("strategy") not in strategies:
+        raise ValueError(f"{where}.strategy: {args.get('strategy')!r}: supported are {list(strategies)} "
+                         "(block-wise and group-wise scales are not)")
+    if args.get("symmetric", True) is not True:
+        raise ValueError(f"{where}.symmetric: false: zero points are not supported")

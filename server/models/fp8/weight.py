@@ -1,0 +1,134 @@
+"""FP8 (e4m3) linear weights: the stored form, quantization, and the plain torch references.
+
+A linear weight W [N, K] is held as `Fp8Weight`: `qweight` float8_e4m3fn [N, K] and one float32
+scale per output row, W[n] = qweight[n] * scale[n]. Per-channel (per output row) scales are what a
+checkpoint quantized at load gets; a checkpoint's per-tensor scale is expanded to its rows (exact),
+which lets q/k/v and gate/up fuse row by row (`cat_rows`) as the float weights do.
+
+Two ways to multiply, both here in plain torch:
+- `dequantized_linear`, the CPU's serving path: the weight dequantized to float32 and multiplied
+  with the activations as they are (no activation rounding). A CPU server's FP8 model therefore
+  computes exactly what the dequantized checkpoint computes in float32.
+- `w8a8_linear`, what the GPU computes (server/models/fp8/linear.py): activations quantized per token
+  (row) at run time, x[m] = xq[m] * xs[m] with xs[m] = max|x[m]| / 448 (or a checkpoint's static
+  `input_scale` for every row), then y[m, n] = (sum_k xq[m, k] qweight[n, k]) * xs[m] * scale[n]
+  (+ bias[n]), summed in float32 and rounded once to the model dtype. This is the Triton kernels'
+  test reference and the accuracy script's emulation of the GPU on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 (fn) value
+MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values 0
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    qweight: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [N] float32: row n of the weight is qweight[n] * scale[n]
+    input_scale: torch.Tensor | None = None  # [1] float32: a checkpoint's static activation scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def nbytes(self) -> int:
+        extra = 0 if self.input_scale is None else self.input_scale.numel() * 4
+        return self.qweight.numel() + self.scale.numel() * 4 + extra
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight it stands for, [N, K] (computed in float32, then cast)."""
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+
+def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
+    """Per output row: scale[n] = max|W[n]| / 448, qweight = W / scale rounded to e4m3 (to nearest, ties
+    to even). On the weight's device."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q.contiguous(), scale.contiguous())
+
+
+def from_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
+                    name: str) -> Fp8Weight:
+    """A checkpoint's float8 weight with its scale: one value (per tensor) or one per output row
+    ([N] or [N, 1]: per channel). Other shapes (block-wise scales) raise a ValueError naming `name`."""
+    if qweight.dtype != FP8 or qweight.dim() != 2:
+        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
+                         "a float8_e4m3fn matrix")
+    n = qweight.shape[0]
+    if scale.numel() not in (1, n) or (scale.dim() == 2 and scale.shape[1] != 1) or scale.dim() > 2:
+        raise ValueError(f"weight {name!r}: an FP8 scale of shape {tuple(scale.shape)} for a weight of shape "
+                         f"{tuple(qweight.shape)}: only per-tensor and per-channel (one per output row) scales "
+                         "are supported, not block-wise ones")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"weight {name!r}: input_scale must be one value (per tensor), got shape "
+                         f"{tuple(input_scale.shape)}")
+    rows = scale.float().reshape(-1).expand(n).contiguous()
+    static = None if input_scale is None else input_scale.float().reshape(1).contiguous()
+    return Fp8Weight(qweight.contiguous(), rows, static)
+
+
+def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Fuse weights along their output rows (q|k|v, gate|up). FP8 parts keep their rows' scales (exact);
+    the fused static input scale is the largest of the parts' (they read the same input). Mixed parts
+    (a checkpoint that left some of them in float) are all dequantized to the float parts' dtype."""
+    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
+    if not fp8:
+        return torch.cat(parts)
+    if len(fp8) < len(parts):
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts])
+    statics = [p.input_scale for p in fp8]
+    static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
+    return Fp8Weight(torch.cat([p.qweight for p in fp8]), torch.cat([p.scale for p in fp8]), static)
+
+
+def row_scales(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row activation scales of x [M, K]: (xs [M] float32: x[m] ~ xq[m] * xs[m], inv [M]: what x is
+    multiplied by before rounding). Dynamic: xs = max|x[m]| / 448, inv = 448 / max|x[m]|; static:
+    xs = input_scale, inv = 1 / input_scale for every row. The Triton kernel computes the same."""
+    if static is not None:
+        s = static.float().reshape(1).expand(x.shape[0])
+        return s.contiguous(), (1.0 / s).contiguous()
+    amax = x.float().abs().amax(dim=1).clamp_min(MIN_AMAX)
+    return amax / FP8_MAX, FP8_MAX / amax
+
+
+def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] float8_e4m3fn, xs [M] float32), x[m] ~ xq[m] * xs[m]."""
+    xs, inv = row_scales(x, static)
+    return (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), xs
+
+
+def scaled_output(acc: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The epilogue every FP8 path shares: acc [M, N] float32 -> acc * xs[m] * scale[n] (+ bias), one rounding."""
+    out = acc * xs[:, None] * scale[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)
+
+
+def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the GPU computes (module docstring), in float32 torch: x [M, K] -> [M, N] in x's dtype."""
+    xq, xs = quantize_rows(x, w.input_scale)
+    acc = xq.float() @ w.qweight.float().t()
+    return scaled_output(acc, xs, w.scale, bias, x.dtype)
+
+
+def dequantized_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The CPU's FP8 linear: F.linear in float32 with the weight dequantized, cast to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.dequantize(torch.float32), b).to(x.dtype)

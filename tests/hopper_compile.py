@@ -1,0 +1,65 @@
+"""Compile the FP8 Triton kernels for a Hopper GPU (sm_90) on a machine without one: Triton's own
+compiler and the `ptxas` its wheel ships, driven as `triton.tools.compile` drives them, with the
+argument hints a real launch gives (16-byte aligned pointers, strides and sizes divisible by 16; the
+row count unspecialised). Run as a script (the tests start it in a process of its own: Triton's CPU
+interpreter, which the tests' conftest turns on, replaces the compiler in the process that sets it).
+Prints one line per kernel variant and exits non-zero if one fails to compile.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from server.models.fp8.linear import CONFIGS
+from server.models.kernels import fp8 as K
+
+TARGET = GPUTarget("cuda", 90, 32)
+GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+QUANTIZE = {"X": "*bf16", "XQ": "*fp8e4nv", "XS": "*fp32", "STATIC": "*fp32", "K": "i32", "stride_x": "i32",
+            "stride_q": "i32"}
+SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
+         "stride_a": "i32", "stride_o": "i32"}
+
+
+def compile_one(fn, signature: dict[str, str], constexprs: dict, unspecialised: tuple[str, ...], **options) -> dict:
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(sig.items())
+             if kind != "constexpr" and name not in unspecialised}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
+                            options=options)
+    return {"shared": kernel.metadata.shared, "wgmma": "wgmma.mma_async" in kernel.asm["ptx"],
+            "pipelined": "cp.async" in kernel.asm["ptx"]}
+
+
+def variants():
+    for static in (False, True):
+        yield K._quantize_rows, QUANTIZE, {"IS_STATIC": static, "BLOCK": 1024}, ("K",), {"num_warps": 4}
+    yield K._scale_out, SCALE, {"HAS_BIAS": True, "BLOCK": 1024}, ("M",), {"num_warps": 4}
+    for rows, configs in CONFIGS.items():
+        for block_n, block_k, warps, stages, swap, quant in configs:
+            for static in (False, True) if quant else (False,):  # a static input scale: the GEMM's own quantization
+                constexprs = {"HAS_BIAS": not static, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                              "SWAP": swap, "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": static}
+                signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
+                yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
+
+
+def main() -> int:
+    failed = 0
+    for fn, signature, constexprs, unspecialised, options in variants():
+        try:
+            print(fn.__name__, constexprs, options, compile_one(fn, signature, constexprs, unspecialised, **options),
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 (report every variant, then fail)
+            failed += 1
+            print("FAILED", fn.__name__, constexprs, options, exc, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

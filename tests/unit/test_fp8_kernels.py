@@ -1,0 +1,174 @@
+"""The FP8 GEMM path of the GPU, its logic on the CPU: the Triton kernels through Triton's interpreter
+(TRITON_INTERPRET=1) against the plain torch reference (`weight.w8a8_linear`), cuBLAS's two paths
+through torch's CPU `_scaled_mm`, the choice of path per shape and row count, and a whole runner on
+the Triton path with FP8 weights against the same model's torch emulation of the GPU numerics; and
+every kernel variant compiled for a Hopper GPU by Triton's own compiler (no GPU needed).
+
+On the GPU, tests/gpu/test_fp8_cuda.py runs them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prompts import random_prompt
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extra)")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CUDA machine: the kernels compile there (tests/gpu covers them)")
+
+from kvcache import KvCacheConfig, KVCacheManager  # noqa: E402
+from server.models.builtin import resolve_model  # noqa: E402
+from server.models.fp8 import linear as L  # noqa: E402
+from server.models.fp8.emulate import W8A8TorchOps  # noqa: E402
+from server.models.fp8.weight import (  # noqa: E402
+    FP8,
+    Fp8Weight,
+    quantize_rows,
+    quantize_weight,
+    scaled_output,
+    w8a8_linear,
+)
+from server.models.kernels import fp8 as K  # noqa: E402
+from server.models.model_spec import load_spec  # noqa: E402
+from server.models.runner import ModelRunner, SeqChunk  # noqa: E402
+
+GRID = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+GRID = GRID[~GRID.isnan()].unique()  # every finite e4m3 value, sorted
+
+
+@interpreted
+@pytest.mark.parametrize("static", [None, torch.tensor([0.03])])
+def test_quantize_rows_equals_torch_rounding(static) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 1500) * torch.tensor([1e-4, 1, 300, 0, 3, 1e3])[:, None]  # K spans two blocks
+    xq, xs = K.quantize_rows(x, static)
+    want_q, want_s = quantize_rows(x, static)
+    assert xq.dtype == FP8 and torch.equal(xs, want_s)
+    assert torch.equal(xq.float(), want_q.float())  # (equal as values: -0.0 == 0.0)
+
+
+@interpreted
+def test_quantize_rows_rounds_to_nearest_even_like_torch() -> None:
+    """Every e4m3 value stays itself; every midpoint between two neighbours rounds to the even one, as
+    torch's cast does; values just off a midpoint go to the nearer one."""
+    mids = (GRID[1:] + GRID[:-1]) / 2
+    for row in (GRID, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), -mids):
+        x = torch.cat([row, torch.tensor([448.0])])[None, :]  # the 448 keeps the row's scale at 1
+        xq, xs = K.quantize_rows(x)
+        assert xs.item() == 1.0
+        assert torch.equal(xq.float(), x.to(FP8).float())
+
+
+@interpreted
+@pytest.mark.parametrize("config", [L.CONFIGS[16][0], L.CONFIGS[16][3], L.CONFIGS[16][4], L.CONFIGS[32][1],
+                                    L.CONFIGS[64][0]])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64, 70])
+def test_fp8_gemm_matches_the_reference(config, rows: int) -> None:
+    """N and K off every block size (masks), a bias, rows past one row tile (70), configs that quantize
+    their input themselves (dynamic and static scales) and configs that take it quantized; float32
+    out: equal to the reference up to the order of the float32 sums."""
+    torch.manual_seed(rows)
+    x, w, bias = torch.randn(rows, 200), quantize_weight(torch.randn(90, 200)), torch.randn(90)
+    static = torch.tensor([0.01])
+    for b in (bias, None):
+        for scale in (None, static):
+            want = w8a8_linear(x, Fp8Weight(w.qweight, w.scale, scale), b)
+            if config[-1]:
+                got = K.fp8_gemm(x, None, w.qweight, w.scale, b, torch.float32, config, scale)
+            else:
+                xq, xs = K.quantize_rows(x, scale)
+                got = K.fp8_gemm(xq, xs, w.qweight, w.scale, b, torch.float32, config)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_scale_epilogue_equals_the_reference() -> None:
+    torch.manual_seed(1)
+    acc, xs, ws, bias = torch.randn(7, 300) * 1e4, torch.rand(7), torch.rand(300), torch.randn(300)
+    assert torch.equal(K.scale_out(acc, xs, ws, bias, torch.float32), scaled_output(acc, xs, ws, bias, torch.float32))
+    assert torch.equal(K.scale_out(acc, xs, ws, None, torch.float32), scaled_output(acc, xs, ws, None, torch.float32))
+
+
+@interpreted
+@pytest.mark.parametrize("path", [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, L.TORCH, L.CONFIGS[16][1], L.CONFIGS[16][4]])
+def test_every_gemm_path_computes_the_reference(path) -> None:
+    """cuBLAS's paths run through torch's CPU `_scaled_mm` here (the same call as on the GPU)."""
+    torch.manual_seed(2)
+    dtype = torch.bfloat16 if path == L.CUBLAS_ROWWISE else torch.float32  # row-wise scales: bf16 out only
+    x, w, bias = torch.randn(9, 128, dtype=dtype), quantize_weight(torch.randn(64, 128)), torch.randn(64, dtype=dtype)
+    got, want = L.Fp8Linears().run(path, x, w, bias), w8a8_linear(x, w, bias)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_path_candidates_and_choice() -> None:
+    assert [L.row_class(m) for m in (1, 2, 8, 9, 16, 24, 33, 64, 65, 4096)] == [1, 8, 8, 16, 16, 32, 64, 64, 256, 256]
+    bf16 = torch.bfloat16
+    assert L.candidates(1, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, *L.CONFIGS[16]]
+    assert L.candidates(48, 4096, 4096, torch.float16) == [L.CUBLAS_UNIT, *L.CONFIGS[64]]
+    assert L.candidates(256, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE]  # prefill: cuBLAS only
+    assert L.candidates(1, 4096, 4096, bf16, ours=False) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE]
+    assert L.candidates(1, 100, 4096, bf16) == L.CONFIGS[16]  # N not a multiple of 16: no cuBLAS
+    assert L.candidates(256, 100, 4096, bf16) == [L.TORCH]
+    ours = L.CONFIGS[16][2]
+    paths = [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, ours]
+    assert L._fastest(paths, {"cublas_unit": 1.0, "cublas_rowwise": 2.0, L._name(ours): 0.97}) == ours
+    assert L._fastest(paths, {"cublas_unit": 1.0, "cublas_rowwise": 2.0, L._name(ours): 0.99}) == L.CUBLAS_UNIT
+    assert L._fastest(paths, {"cublas_rowwise": 2.0}) == L.CUBLAS_ROWWISE  # the unit path failed here
+    assert L._fastest([ours], {L._name(ours): 5.0}) == ours
+    assert L._fastest(paths, {}) == L.TORCH
+
+
+@interpreted
+def test_triton_runner_with_fp8_weights_computes_the_gpu_numerics() -> None:
+    """The whole runner on the Triton path (interpreted) with `quantization: fp8`: its logits are the torch
+    emulation's of the GPU's FP8 GEMMs (activations rounded per token), and its greedy tokens the same."""
+    model_dir = resolve_model("builtin:tiny-llama")
+    runners = {}
+    for kernels in ("triton", "torch"):
+        kv = KVCacheManager(KvCacheConfig(max_tokens=1024, tokens_per_block=16),
+                            load_spec(model_dir).cache_layout(256, torch.float32, "cpu"))
+        runners[kernels] = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"),
+                                       max_num_tokens=128, max_batch_size=2, kernels=kernels, cuda_graphs=False,
+                                       quantization="fp8")
+    runners["torch"].model.ops = W8A8TorchOps(runners["torch"].spec.rms_norm_eps)
+    prompt = random_prompt(5, 30)
+    tables = {w: list(range(4)) for w in runners["torch"].kv.window_sizes}
+    outs = {}
+    for kernels, runner in runners.items():
+        logits = runner.execute([SeqChunk(prompt, 0, tables, True, num_logits=len(prompt))])
+        tokens = [int(logits[-1].argmax())]
+        for i in range(5):
+            step = runner.execute([SeqChunk([tokens[-1]], len(prompt) + i, tables, True)])
+            tokens.append(int(step[0].argmax()))
+        outs[kernels] = logits, tokens
+    torch.testing.assert_close(outs["triton"][0], outs["torch"][0], rtol=1e-3, atol=1e-3)
+    assert outs["triton"][1] == outs["torch"][1]
+
+
+def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
+    """The GPU's own compile of every kernel variant the warm-up may run (tests/hopper_compile.py), for
+    sm_90, with no GPU: wgmma where the tile allows it, loads pipelined (cp.async), shared memory within
+    the H200's 227 KiB."""
+    pytest.importorskip("triton.backends.nvidia", reason="the Triton wheel without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    tests = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(tests / "hopper_compile.py")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("_fp8_gemm")]
+    quant = sum(c[-1] for configs in L.CONFIGS.values() for c in configs)
+    assert len(lines) == sum(len(c) for c in L.CONFIGS.values()) + quant  # quantizing ones: also static
+    results = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in lines]
+    assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in results), done.stdout
+    assert any(r["wgmma"] for r in results), done.stdout
