@@ -219,7 +219,8 @@ def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str
         epochs[name] = epoch
     elif name not in down and name not in run.handles.gone:
         down[name] = time.monotonic()
-        say(f"{name} is down (health {status or 'unreachable'}); Ray restarts its actor if it died")
+        why = f"{status} {body.get('status', '')}".strip() if status else "unreachable"
+        say(f"{name} is not healthy (health: {why}); Ray restarts its actor if its process died")
     if name in down and run.handles.dead(name):
         say(f"{name} is gone for good (its actor died and is not restarted: its node was lost, or restarts are off)")
         down.pop(name)
