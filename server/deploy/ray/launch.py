@@ -81,7 +81,8 @@ def launch_on_ray(path: str | Path, options: LaunchOptions, ray_options: RayOpti
     with StopOnSignals() as stop:
         try:
             placed = place(ray, wanted, name, ray_options.detach, ray_options.placement_timeout_s)
-            run.cfg, text = _placed_config(ray, data, placed, str(path), base)
+            run.handles.groups = list(placed)
+            run.cfg, text = _placed_config(ray, data, checked, placed, base)
             code = _start(run, placed, text, stop)
             if code is not None:
                 return code
@@ -95,16 +96,16 @@ def launch_on_ray(path: str | Path, options: LaunchOptions, ray_options: RayOpti
                 stop_deployment(run.handles, say)
 
 
-def _placed_config(ray, data: dict, placed: dict[str, Placed], source: str, base: Path) -> tuple[DeploymentConfig, str]:
+def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str, Placed],
+                   base: Path) -> tuple[DeploymentConfig, str]:
     """The deployment with every server's address (the file's, or its node's and a free port there)
     and the file the actors read (the same without the token)."""
-    checked = deployment_from_dict(provisional(data), source, base)
     names = {section: [n for n, s in checked.named().items() if _section(s.role) == section]
              for section in unplaced_sections(data)}
     ports = free_ports(ray, placed, [n for group in names.values() for n in group])
     urls = {section: [f"{placed[n].node_ip}:{ports[n]}" for n in group] for section, group in names.items()}
     full = with_urls(data, urls)
-    cfg = deployment_from_dict(full, source, base)
+    cfg = deployment_from_dict(full, checked.source, base)
     for name, p in placed.items():
         say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){_bundles(p)}")
     return cfg, yaml.safe_dump(without_token(full), sort_keys=False)

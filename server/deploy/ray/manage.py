@@ -26,6 +26,7 @@ class Handles:
         self.health_urls: dict[str, str] = {}
         self.first_pid: dict[str, int] = {}
         self.gone: set[str] = set()
+        self.groups: list[str] = []  # placement groups placed, by server name (an actor may be missing)
 
     def add(self, name: str, actor: Any, health_url: str | None = None) -> None:
         self.actors[name] = actor
@@ -79,7 +80,7 @@ def stop_deployment(handles: Handles, say: Callable[[str], None]) -> None:
             ray.kill(actor, no_restart=True)
         except Exception:  # already dead
             pass
-    _remove_groups(ray, handles.deployment, processes)
+    _remove_groups(ray, handles.deployment, sorted({*handles.groups, *processes}))
     handles.actors.clear()
 
 
