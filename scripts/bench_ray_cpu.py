@@ -115,7 +115,11 @@ def main() -> None:
                       for k in ("ready_s", "steady_output_tok_s") if all(k in r for r in rows)}
                for kind in ("onehost", "ray")}
     ratios = {k: round(summary["ray"][k] / summary["onehost"][k], 3) for k in summary["ray"]}
-    print(json.dumps({"median": summary, "ray_over_onehost": ratios}), flush=True)
+    # each Ray run against the one-host run just before it (the box's load drifts between pairs)
+    pairs = [round(r["steady_output_tok_s"] / o["steady_output_tok_s"], 3)
+             for o, r in zip(rows[::2], rows[1::2], strict=True)]
+    print(json.dumps({"median": summary, "ray_over_onehost": ratios, "pairs_tok_s": pairs,
+                      "pairs_median": statistics.median(pairs)}), flush=True)
 
 
 if __name__ == "__main__":

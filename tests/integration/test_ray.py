@@ -1,10 +1,11 @@
-"""`pdserve launch --ray` on a two-node Ray cluster of this machine (ray.cluster_utils.Cluster).
+"""`pdserve launch --ray` on a Ray cluster of this machine (ray.cluster_utils.Cluster).
 
-Node A advertises the custom resource `node_a`, node B `node_b`; the deployments pin their servers
-with `ray_actor_options.resources`. Every Ray address and all traffic stay on 127.0.0.1
-(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use loopback as each node's address). One cluster
+Node A advertises the custom resource `node_a`, node B `node_b`, node C `node_c` (B and C also one
+`gen` each); the deployments pin their servers with `ray_actor_options.resources`. Every Ray
+address and all traffic stay on 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use
+loopback as each node's address). One cluster
 serves the whole module; `pair` is one deployment that several tests use in file order (placement,
-replay, a SIGKILLed server, then SIGINT), `tp` another (a TP=2 context server, detached, then
+replay, a SIGKILLed server, a lost node, then SIGINT), `tp` another (a TP=2 context server, detached, then
 `pdserve ray down`).
 """
 
@@ -42,9 +43,18 @@ PAYLOAD = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 READY_S = 180.0
 
 
+@dataclass
+class RayNodes:
+    address: str
+    nodes: object  # ray.cluster_utils.Cluster
+    node_c: object  # the node that test_a_lost_node_takes_its_server_... removes
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes (head: node_a, worker: node_b) on loopback; the test process is a driver too."""
+    """Ray nodes on loopback: A (the head), B and C; B and C each have one `gen` (a generation server's
+    resource, so that the pair's two generation servers land one on each). The test process is a
+    driver too."""
     with pytest.MonkeyPatch.context() as patch:
         for key, value in LOOPBACK_ENV.items():
             patch.setenv(key, value)
@@ -54,10 +64,11 @@ def cluster():
         node = {"num_cpus": 4, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
         nodes = Cluster(initialize_head=True, head_node_args={**node, "resources": {"node_a": 4},
                                                               "include_dashboard": False})
-        nodes.add_node(**node, resources={"node_b": 4})
+        nodes.add_node(**node, resources={"node_b": 4, "gen": 1})
+        node_c = nodes.add_node(**{**node, "num_cpus": 1}, resources={"node_c": 1, "gen": 1})
         ray.init(address=nodes.address, namespace=NAMESPACE, log_to_driver=False)
         try:
-            yield nodes
+            yield RayNodes(nodes.address, nodes, node_c)
         finally:
             ray.shutdown()
             nodes.shutdown()
@@ -66,7 +77,7 @@ def cluster():
 def node_ids() -> dict[str, str]:
     import ray
 
-    return {next(r for r in ("node_a", "node_b") if r in n["Resources"]): n["NodeID"]
+    return {next(r for r in ("node_a", "node_b", "node_c") if r in n["Resources"]): n["NodeID"]
             for n in ray.nodes() if n["Alive"]}
 
 
@@ -194,8 +205,10 @@ def reference() -> list[str]:
 
 @pytest.fixture(scope="module")
 def pair(cluster, tmp_path_factory):
-    """Context server on node A, generation server on node B, the router on node A."""
-    path, cfg = write_config(tmp_path_factory.mktemp("pair"), pinned("node_a", "node_b"))
+    """Context server on node A, generation servers on nodes B and C, the router on node A."""
+    overrides = pinned("node_a", "gen")
+    overrides["generation_servers"]["num_instances"] = 2
+    path, cfg = write_config(tmp_path_factory.mktemp("pair"), overrides)
     proc = start_launch(cluster, path, "pair")
     try:
         wait_ready(proc, f"http://127.0.0.1:{cfg['port']}", path, "pair")
@@ -208,18 +221,21 @@ def pair(cluster, tmp_path_factory):
 
 def test_servers_run_on_the_nodes_their_resources_name(pair):
     nodes = node_ids()
-    assert actors("pair") == ["pair/context-0", "pair/generation-0", "pair/router"]
-    ctx, gen, router = (info(f"pair/{n}") for n in ("context-0", "generation-0", "router"))
-    assert (ctx["node_id"], gen["node_id"], router["node_id"]) == (nodes["node_a"], nodes["node_b"], nodes["node_a"])
-    for server in (ctx, gen):  # the same-GPU decision reads Ray's node id, not the shared hostname
-        assert psutil.Process(server["pid"]).environ()["PDSERVE_NODE_ID"] == server["node_id"]
+    assert actors("pair") == ["pair/context-0", "pair/generation-0", "pair/generation-1", "pair/router"]
+    ctx, gen0, gen1, router = (info(f"pair/{n}") for n in ("context-0", "generation-0", "generation-1", "router"))
+    assert (ctx["node_id"], router["node_id"]) == (nodes["node_a"], nodes["node_a"])
+    assert {gen0["node_id"], gen1["node_id"]} == {nodes["node_b"], nodes["node_c"]}  # one `gen` on each
+    for server in (ctx, gen0, gen1):  # the same-GPU decision reads Ray's node id, not the shared hostname
+        process = psutil.Process(server["pid"])
+        assert process.environ()["PDSERVE_NODE_ID"] == server["node_id"]
+        assert process.nice() == 0  # not the niceness Ray gives its workers
         assert server["health_url"].startswith("http://127.0.0.1:")
     status = pdserve("ray", "status", "pair", "--address", pair.address)
     assert status.returncode == 0, status.stderr
     lines = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
-    assert f"127.0.0.1/{nodes['node_a'][:12]}" in lines["context-0"] and "200 ok" in lines["context-0"]
-    assert f"127.0.0.1/{nodes['node_b'][:12]}" in lines["generation-0"] and "200 ok" in lines["generation-0"]
-    assert httpx.get(ctx["health_url"]).json()["epoch"] in lines["context-0"]
+    for name, server in (("context-0", ctx), ("generation-0", gen0), ("generation-1", gen1)):
+        assert f"127.0.0.1/{server['node_id'][:12]}" in lines[name] and lines[name].endswith("200 ok")
+        assert httpx.get(server["health_url"]).json()["epoch"] in lines[name]
 
 
 def test_replay_under_host_offload_matches_transformers(pair, reference):
@@ -229,9 +245,13 @@ def test_replay_under_host_offload_matches_transformers(pair, reference):
     assert metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
 
 
+def generation_on(node: str) -> dict:
+    return next(g for g in (info("pair/generation-0"), info("pair/generation-1")) if g["node_id"] == node_ids()[node])
+
+
 def test_a_killed_server_serves_again_on_its_node(pair, reference):
     path, url = pair.path, pair.url
-    before = info("pair/generation-0")
+    before = generation_on("node_b")
     epoch = httpx.get(before["health_url"]).json()["epoch"]
     os.kill(before["pid"], signal.SIGKILL)
     killed = time.monotonic()
@@ -239,16 +259,26 @@ def test_a_killed_server_serves_again_on_its_node(pair, reference):
                interval_s=0.25, check=lambda got: got[0] == 200 and got[1]["epoch"] != epoch,
                on_timeout=lambda: launch_log(path, "pair"))
     assert time.monotonic() - killed < 30
-    after = info("pair/generation-0")
+    after = info(f"pair/{before['name']}")
     assert after["restarted"] and after["pid"] != before["pid"] and after["node_id"] == before["node_id"]
     wait_until(lambda: health(f"{url}/health", 1.0)[0] == 200, 30, what="the router healthy again")
     assert [b["choices"][0]["text"] for b in texts(url)] == reference
     assert "restarted by Ray" in launch_log(path, "pair")
 
 
+def test_a_lost_node_takes_its_server_and_the_router_serves_with_the_rest(cluster, pair, reference):
+    lost = generation_on("node_c")
+    cluster.nodes.remove_node(cluster.node_c)
+    wait_until(lambda: alive([lost["pid"]]) == [], 60, what="the lost node's server process gone with its actor")
+    assert [b["choices"][0]["text"] for b in texts(pair.url)] == reference  # on the generation server left
+    wait_until(lambda: f"{lost['name']} is not healthy" in launch_log(pair.path, "pair"), 10,
+               what="the launcher reporting the lost server")
+    assert pair.proc.poll() is None  # the deployment still serves: the launcher goes on
+
+
 def test_sigint_leaves_no_server_process_and_no_actor(pair):
     pids = server_pids(pair.path)
-    assert len(pids) == 3, pids
+    assert len(pids) == 3, pids  # context-0, the generation server of node B, the router
     pair.proc.send_signal(signal.SIGINT)
     assert pair.proc.wait(timeout=120) == 0, launch_log(pair.path, "pair")
     assert "stopped router (exit code 0)" in launch_log(pair.path, "pair")  # drained: SIGTERM, exit 0
@@ -281,11 +311,11 @@ def test_tp2_context_server_on_one_node_detached_then_ray_down(cluster, tmp_path
 
 
 def test_resources_no_node_has_fail_the_launch_at_once(cluster, tmp_path):
-    path, _ = write_config(tmp_path, pinned("node_c", "node_b"))
+    path, _ = write_config(tmp_path, pinned("node_x", "node_b"))
     start = time.monotonic()
     out = pdserve("launch", str(path), "--ray", cluster.address, "--name", "nowhere", timeout_s=60)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "context_servers.ray_actor_options: context-0 needs {CPU: 1, node_c: 1} on one node" in out.stderr
+    assert "context_servers.ray_actor_options: context-0 needs {CPU: 1, node_x: 1} on one node" in out.stderr
     assert "no node of the cluster has that" in out.stderr
     assert time.monotonic() - start < 60 and actors("nowhere") == []
 

@@ -6,6 +6,11 @@ Its constructor starts the process, so a restarted actor starts it again; a watc
 actor when the process dies while not stopping, which is how Ray learns of the death. Files go to
 `<log dir>/<deployment>/` on the actor's node (0700): the process's log, appended to across
 restarts, and the deployment file it reads (without the token: that one is in its environment).
+
+Priority: Ray runs its workers at niceness 15 (`RAY_worker_niceness`), below everything else on the
+node, and a process inherits its parent's. The server is the node's work, not background work, so
+the actor starts it at its raylet's niceness (normally 0), which needs CAP_SYS_NICE; without it the
+server stays at 15 and the launcher says so (start the nodes with RAY_worker_niceness=0 instead).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class ProcessActor:
         self.spec, self.stopping = spec, False
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
         self.node_ip = ray.util.get_node_ip_address()
+        self.niceness = normal_priority()  # before the fork: the process inherits this thread's
         self.run = self._start(spec)
         threading.Thread(target=self._watch, name="pdserve-ray-watch", daemon=True).start()
 
@@ -90,7 +96,7 @@ class ProcessActor:
         return {"name": self.spec.child.name, "role": self.spec.child.role, "node_id": self.node_id,
                 "node_ip": self.node_ip, "gpus": [*self.gpus, *self.spec.rank_gpus], "pid": self.run.popen.pid,
                 "health_url": self.spec.child.health_url, "log": str(self.run.log_path), "restarted": self.restarted,
-                "exited": self.exited()}
+                "exited": self.exited(), "niceness": self.niceness}
 
     def exited(self) -> str | None:
         code = self.run.popen.poll()
@@ -107,6 +113,18 @@ class ProcessActor:
         self.stopping = True
         self.group.stop_all([([self.spec.child.name], self.spec.stop_wait_s)])
         return self.exited()
+
+
+def normal_priority() -> int:
+    """Give this thread (and so the process it starts) its raylet's niceness, if allowed; the
+    niceness it has then."""
+    try:
+        target = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        if os.getpriority(os.PRIO_PROCESS, 0) > target:
+            os.setpriority(os.PRIO_PROCESS, 0, target)  # Linux: the calling thread
+    except OSError as exc:  # EPERM without CAP_SYS_NICE
+        log.warning("cannot lower the niceness Ray gives its workers (%s): the server runs at it", exc)
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 class RankActor:

@@ -161,9 +161,13 @@ def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus
     actor = ray.remote(ProcessActor).options(max_restarts=restarts, max_task_retries=0,
                                              **run.actor_options(placed, 0)).remote(spec)
     run.handles.add(child.name, actor, child.health_url)
+    run.handles.stop_waits[child.name] = spec.stop_wait_s
     info = ray.get(actor.info.remote(), timeout=run.ray_options.placement_timeout_s)
     gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
     say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
+    if info["niceness"] > 0:
+        say(f"warning: {child.name} runs at niceness {info['niceness']} (Ray's for its workers; lowering it needs "
+            "CAP_SYS_NICE): start the Ray nodes with RAY_worker_niceness=0 to serve at normal priority")
     run.handles.first_pid[child.name] = info["pid"]
     return actor
 

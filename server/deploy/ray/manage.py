@@ -6,6 +6,7 @@ the deployment is removed."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,8 @@ from server.deploy.ray import NAMESPACE, require_ray
 from server.deploy.supervisor import health
 
 CALL_TIMEOUT_S = 30.0
+ASK_TIMEOUT_S = 5.0  # a question to an actor that may be restarting (its calls wait until it is back)
+DEFAULT_STOP_WAIT_S = 45.0  # an actor that does not say how long its drain may take
 STOP_MARGIN_S = 15.0  # beyond an actor's own stop wait (drain + grace), for the call itself
 
 
@@ -27,6 +30,7 @@ class Handles:
         self.first_pid: dict[str, int] = {}
         self.gone: set[str] = set()
         self.groups: list[str] = []  # placement groups placed, by server name (an actor may be missing)
+        self.stop_waits: dict[str, float] = {}  # each process's drain + grace, where the launcher knows it
 
     def add(self, name: str, actor: Any, health_url: str | None = None) -> None:
         self.actors[name] = actor
@@ -69,9 +73,10 @@ def stop_deployment(handles: Handles, say: Callable[[str], None]) -> None:
     ray, processes = handles.ray, handles.processes()
     for stage in ([n for n in processes if n == ROUTER], [n for n in processes if n != ROUTER]):
         calls = {name: handles.actors[name].stop.remote() for name in stage}
+        deadline = time.monotonic() + max((handles_wait(handles, name) for name in stage), default=0.0)
         for name, ref in calls.items():
             try:
-                how = ray.get(ref, timeout=handles_wait(handles, name))
+                how = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 say(f"stopped {name} ({how})")
             except Exception as exc:  # gone, restarting or stuck: killed below all the same
                 say(f"{name} did not stop by itself ({type(exc).__name__}): killing its actor")
@@ -85,10 +90,13 @@ def stop_deployment(handles: Handles, say: Callable[[str], None]) -> None:
 
 
 def handles_wait(handles: Handles, name: str) -> float:
-    try:
-        return handles.ray.get(handles.actors[name].stop_wait.remote(), timeout=CALL_TIMEOUT_S) + STOP_MARGIN_S
-    except Exception:  # an actor that cannot say is waited for the default
-        return CALL_TIMEOUT_S + STOP_MARGIN_S
+    """How long to wait for `name`'s stop call: its drain and grace, then a margin."""
+    if name not in handles.stop_waits:
+        try:
+            handles.stop_waits[name] = handles.ray.get(handles.actors[name].stop_wait.remote(), timeout=ASK_TIMEOUT_S)
+        except Exception:  # restarting, or gone: it cannot say
+            handles.stop_waits[name] = DEFAULT_STOP_WAIT_S
+    return handles.stop_waits[name] + STOP_MARGIN_S
 
 
 def _remove_groups(ray, deployment: str, names: list[str]) -> None:
