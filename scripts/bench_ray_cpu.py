@@ -57,7 +57,7 @@ def config(folder: Path, placed_by_ray: bool) -> Path:
     return path
 
 
-def measure(kind: str, path: Path, address: str, out: Path, run: int) -> dict:
+def measure(kind: str, path: Path, address: str, out: Path, run: int, load: bool) -> dict:
     from server.deploy.launcher import wait_for_health
 
     url = f"http://127.0.0.1:{yaml.safe_load(path.read_text())['port']}"
@@ -71,6 +71,8 @@ def measure(kind: str, path: Path, address: str, out: Path, run: int) -> dict:
         if not wait_for_health(url, 300, lambda: proc.poll() is None, interval_s=0.1):
             raise SystemExit(f"{kind}: not healthy; see {path.parent}")
         ready_s = time.monotonic() - start
+        if not load:
+            return {"kind": kind, "run": run, "ready_s": round(ready_s, 2)}
         load = subprocess.run([*BENCH, "load", "--deploy", f"{kind}={url}", *LOAD, "--out", str(out)], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=600)
         if load.returncode != 0:
@@ -92,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default="bench-results/ray")
+    parser.add_argument("--startup-only", action="store_true", help="time the launches, run no load")
     args = parser.parse_args()
     os.environ.update(ENV)
     from ray.cluster_utils import Cluster
@@ -107,19 +110,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for run in range(args.repeat):
                 for kind in ("onehost", "ray"):
-                    rows.append(measure(kind, config(Path(tmp), kind == "ray"), cluster.address, out, run))
+                    rows.append(measure(kind, config(Path(tmp), kind == "ray"), cluster.address, out, run,
+                                        not args.startup_only))
                     print(json.dumps(rows[-1]), flush=True)
     finally:
         cluster.shutdown()
-    summary = {kind: {k: statistics.median(r[k] for r in rows if r["kind"] == kind)
+    summary = {kind: {k: round(statistics.median(r[k] for r in rows if r["kind"] == kind), 2)
                       for k in ("ready_s", "steady_output_tok_s") if all(k in r for r in rows)}
                for kind in ("onehost", "ray")}
     ratios = {k: round(summary["ray"][k] / summary["onehost"][k], 3) for k in summary["ray"]}
     # each Ray run against the one-host run just before it (the box's load drifts between pairs)
-    pairs = [round(r["steady_output_tok_s"] / o["steady_output_tok_s"], 3)
-             for o, r in zip(rows[::2], rows[1::2], strict=True)]
-    print(json.dumps({"median": summary, "ray_over_onehost": ratios, "pairs_tok_s": pairs,
-                      "pairs_median": statistics.median(pairs)}), flush=True)
+    pairs = {k: [round(r[k] / o[k], 3) for o, r in zip(rows[::2], rows[1::2], strict=True)] for k in summary["ray"]}
+    print(json.dumps({"median": summary, "ray_over_onehost": ratios, "pairs": pairs,
+                      "pairs_median": {k: statistics.median(v) for k, v in pairs.items()}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,15 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
     else the launch's return code."""
     cfg = run.cfg
     token = cfg.auth_token or secrets.token_hex(32)
-    servers = [_start_server(run, placed[name], server, text, token, len(cfg.servers))
+    rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])
+    servers = [_start_server(run, placed[name], server, text, token, rank_gpus[name])
                for name, server in cfg.named().items()]
+    _started(run, servers)
     if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
         return 0 if stop.signum is not None else 1
     if cfg.has_router:
         router = _start_router(run, placed[ROUTER], text, token)
+        _started(run, [router])
         if not _healthy(run, [router], stop):
             return 0 if stop.signum is not None else 1
     roles = [s.role for s in cfg.servers]
@@ -132,16 +135,26 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
     return None
 
 
-def _start_server(run: Launch, placed: Placed, server, text: str, token: str, count: int) -> tuple[Child, Any]:
-    ray, name = run.ray, placed.want.name
-    rank_gpus: list[str] = []
-    for rank in range(1, placed.want.ranks):  # ranks 1..N-1 hold their bundles; the server's process runs them
-        holder = ray.remote(RankActor).options(**run.actor_options(placed, rank, f"/rank{rank}")).remote()
-        run.handles.add(f"{name}/rank{rank}", holder)
-        rank_gpus += ray.get(holder.info.remote(), timeout=run.ray_options.placement_timeout_s)["gpus"]
-    env = {**child_env({}, token, count), "OMP_NUM_THREADS": _threads(placed), **server.env}
+def _hold_ranks(run: Launch, servers: list[Placed]) -> dict[str, tuple[str, ...]]:
+    """Ranks 1..N-1 of each tensor-parallel server hold their bundles (the server's process runs
+    them); the GPUs Ray gave them, by server."""
+    ray, holders = run.ray, {}
+    for placed in servers:
+        name = placed.want.name
+        for rank in range(1, placed.want.ranks):
+            holder = ray.remote(RankActor).options(**run.actor_options(placed, rank, f"/rank{rank}")).remote()
+            run.handles.add(f"{name}/rank{rank}", holder)
+            holders.setdefault(name, []).append(holder.info.remote())
+    found = {name: ray.get(refs, timeout=run.ray_options.placement_timeout_s) for name, refs in holders.items()}
+    return {p.want.name: tuple(g for info in found.get(p.want.name, []) for g in info["gpus"]) for p in servers}
+
+
+def _start_server(run: Launch, placed: Placed, server, text: str, token: str,
+                  rank_gpus: tuple[str, ...]) -> tuple[Child, Any]:
+    name = placed.want.name
+    env = {**child_env({}, token, len(run.cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **server.env}
     child = Child(name, server.role, Path(name), _health(server.host, server.port, placed.node_ip), env)
-    return child, _start_actor(run, placed, child, text, tuple(rank_gpus), server.drain_timeout_s)
+    return child, _start_actor(run, placed, child, text, rank_gpus, server.drain_timeout_s)
 
 
 def _start_router(run: Launch, placed: Placed, text: str, token: str) -> tuple[Child, Any]:
@@ -153,23 +166,29 @@ def _start_router(run: Launch, placed: Placed, text: str, token: str) -> tuple[C
 
 def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus: tuple[str, ...],
                  drain_s: float) -> Any:
-    cfg, ray = run.cfg, run.ray
+    """The actor that runs `child` (not waited for: `_started`)."""
+    cfg = run.cfg
     spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
                      stop_wait_s=drain_s + run.options.grace_s)
     restarts = 0 if cfg.restart.max_quick_deaths == 0 else -1
-    actor = ray.remote(ProcessActor).options(max_restarts=restarts, max_task_retries=0,
-                                             **run.actor_options(placed, 0)).remote(spec)
+    actor = run.ray.remote(ProcessActor).options(max_restarts=restarts, max_task_retries=0,
+                                                 **run.actor_options(placed, 0)).remote(spec)
     run.handles.add(child.name, actor, child.health_url)
     run.handles.stop_waits[child.name] = spec.stop_wait_s
-    info = ray.get(actor.info.remote(), timeout=run.ray_options.placement_timeout_s)
-    gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
-    say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
-    if info["niceness"] > 0:
-        say(f"warning: {child.name} runs at niceness {info['niceness']} (Ray's for its workers; lowering it needs "
-            "CAP_SYS_NICE): start the Ray nodes with RAY_worker_niceness=0 to serve at normal priority")
-    run.handles.first_pid[child.name] = info["pid"]
     return actor
+
+
+def _started(run: Launch, started: list[tuple[Child, Any]]) -> None:
+    """Wait until every actor has started its process (all at once), and say where each runs."""
+    infos = run.ray.get([actor.info.remote() for _, actor in started], timeout=run.ray_options.placement_timeout_s)
+    for (child, _), info in zip(started, infos, strict=True):
+        gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
+        say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
+        if info["niceness"] > 0:
+            say(f"warning: {child.name} runs at niceness {info['niceness']} (Ray's for its workers; lowering it "
+                "needs CAP_SYS_NICE): start the Ray nodes with RAY_worker_niceness=0 to serve at normal priority")
+        run.handles.first_pid[child.name] = info["pid"]
 
 
 def _healthy(run: Launch, started: list[tuple[Child, Any]], stop: StopOnSignals) -> bool:
