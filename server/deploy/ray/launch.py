@@ -119,17 +119,18 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
     rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])
     servers = [_start_server(run, placed[name], server, text, token, rank_gpus[name])
                for name, server in cfg.named().items()]
-    _started(run, servers)
+    if not _started(run, servers):
+        return 1
     if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
         return 0 if stop.signum is not None else 1
     if cfg.has_router:
         router = _start_router(run, placed[ROUTER], text, token)
-        _started(run, [router])
-        if not _healthy(run, [router], stop):
+        if not _started(run, [router]) or not _healthy(run, [router], stop):
             return 0 if stop.signum is not None else 1
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
-    url = f"http://{_reachable(cfg.host, placed[ROUTER].node_ip)}:{cfg.port}" if cfg.has_router else cfg.url
+    front = placed[ROUTER if cfg.has_router else next(iter(cfg.named()))]  # the router, or the only server
+    url = f"http://{_reachable(cfg.host, front.node_ip)}:{cfg.port}"
     say(f"ready: {url}  ({'router in front of ' if cfg.has_router else ''}{counts} server(s)) as Ray actors "
         f"{run.name}/* in namespace {run.ray_options.namespace}")
     return None
@@ -179,9 +180,14 @@ def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus
     return actor
 
 
-def _started(run: Launch, started: list[tuple[Child, Any]]) -> None:
-    """Wait until every actor has started its process (all at once), and say where each runs."""
-    infos = run.ray.get([actor.info.remote() for _, actor in started], timeout=run.ray_options.placement_timeout_s)
+def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
+    """Wait until every actor has started its process (all at once), and say where each runs; False
+    when one could not (its runtime_env failed to set up, its constructor raised, the wait ran out)."""
+    try:
+        infos = run.ray.get([a.info.remote() for _, a in started], timeout=run.ray_options.placement_timeout_s)
+    except Exception as exc:  # RayActorError, RuntimeEnvSetupError, GetTimeoutError
+        say(f"an actor of {', '.join(c.name for c, _ in started)} did not start: {type(exc).__name__}: {exc}")
+        return False
     for (child, _), info in zip(started, infos, strict=True):
         gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
         say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
@@ -189,6 +195,7 @@ def _started(run: Launch, started: list[tuple[Child, Any]]) -> None:
             say(f"warning: {child.name} runs at niceness {info['niceness']} (Ray's for its workers; lowering it "
                 "needs CAP_SYS_NICE): start the Ray nodes with RAY_worker_niceness=0 to serve at normal priority")
         run.handles.first_pid[child.name] = info["pid"]
+    return True
 
 
 def _healthy(run: Launch, started: list[tuple[Child, Any]], stop: StopOnSignals) -> bool:
