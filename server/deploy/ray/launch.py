@@ -70,6 +70,8 @@ def launch_on_ray(path: str | Path, options: LaunchOptions, ray_options: RayOpti
     name = ray_options.name or Path(path).stem
     ray.init(address=ray_options.address, namespace=ray_options.namespace, logging_level=logging.WARNING,
              log_to_driver=False)
+    # Ray warns that removing a detached actor's placement group kills it: `pdserve ray down` means that
+    logging.getLogger("ray.actor").setLevel(logging.ERROR)
     if actor_names(ray, name):
         say(f"a deployment {name!r} runs on this cluster already (namespace {ray_options.namespace}): "
             f"`pdserve ray down {name}` first, or give another --name")
