@@ -263,7 +263,9 @@ def test_a_killed_server_serves_again_on_its_node(pair, reference):
     assert after["restarted"] and after["pid"] != before["pid"] and after["node_id"] == before["node_id"]
     wait_until(lambda: health(f"{url}/health", 1.0)[0] == 200, 30, what="the router healthy again")
     assert [b["choices"][0]["text"] for b in texts(url)] == reference
-    assert "restarted by Ray" in launch_log(path, "pair")
+    wait_until(lambda: f"{before['name']} is back" in launch_log(path, "pair"), 15,
+               what="the launcher reporting the server back", on_timeout=lambda: launch_log(path, "pair"))
+    assert "restarted by Ray, epoch" in launch_log(path, "pair")
 
 
 def test_a_lost_node_takes_its_server_and_the_router_serves_with_the_rest(cluster, pair, reference):
