@@ -230,6 +230,13 @@ def test_servers_run_on_the_nodes_their_resources_name(pair):
         assert process.environ()["PDSERVE_NODE_ID"] == server["node_id"]
         assert process.nice() == 0  # not the niceness Ray gives its workers
         assert server["health_url"].startswith("http://127.0.0.1:")
+    token = psutil.Process(ctx["pid"]).environ()["PDSERVE_AUTH_TOKEN"]  # made by the launcher
+    folder = pair.path.parent / "logs" / "pair"  # what the nodes wrote: the placed file, without the token
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    for name in ("context-0", "generation-0", "generation-1", "router"):
+        placed = folder / f"{name}.yaml"
+        assert oct(placed.stat().st_mode & 0o777) == "0o600" and token not in placed.read_text()
+    assert len(token) == 64 and token not in pair.path.read_text()
     status = pdserve("ray", "status", "pair", "--address", pair.address)
     assert status.returncode == 0, status.stderr
     lines = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
