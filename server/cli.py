@@ -43,7 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--config", required=True, help="deployment YAML")
     launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
     launch.add_argument("config", help="deployment YAML (see configs/)")
-    launch.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    launch.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir; under --ray, "
+                        "the same path on each node, default <tmp>/pdserve-ray/NAME)")
+    launch.add_argument("--ray", metavar="ADDRESS", default=None, help="run every server and the router as Ray "
+                        "actors on the cluster at ADDRESS (auto, or host:port); needs pip install 'pdserve[ray]'")
+    launch.add_argument("--name", default=None, help="with --ray: the deployment's name, its actors' prefix "
+                        "(default: the file's name without .yaml)")
+    launch.add_argument("--namespace", default="pdserve", help="with --ray: the Ray namespace (default pdserve)")
+    launch.add_argument("--detach", action="store_true", help="with --ray: return once it serves, leaving it "
+                        "running (`pdserve ray down NAME` stops it)")
+    launch.add_argument("--placement-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="with --ray: how long to wait for the cluster to place every server")
+    ray = commands.add_parser("ray", help="a deployment that `pdserve launch --ray` started: status, down")
+    ray.add_argument("action", choices=["status", "down"])
+    ray.add_argument("name", help="the deployment's name (`launch --name`, default the YAML's file name)")
+    ray.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    ray.add_argument("--namespace", default="pdserve")
     return parser
 
 
@@ -113,17 +128,52 @@ def _launch(args: argparse.Namespace) -> int:
     from server.config.schema import ConfigError
     from server.deploy.launcher import LaunchOptions, launch
 
+    options = LaunchOptions(log_dir=Path(args.log_dir) if args.log_dir else None)
+    if args.ray is None:
+        if args.detach or args.name:
+            print("pdserve launch: --detach and --name go with --ray", file=sys.stderr)
+            return 2
+        try:
+            return launch(args.config, options)
+        except ConfigError as exc:
+            print(f"pdserve launch: {exc}", file=sys.stderr)
+            return 2
+    return _launch_on_ray(args, options)
+
+
+def _launch_on_ray(args: argparse.Namespace, options) -> int:
+    from server.config.schema import ConfigError
+    from server.deploy.ray import RayMissing
+    from server.deploy.ray.launch import RayOptions, launch_on_ray
+    from server.deploy.ray.placement import PlacementError
+
+    ray_options = RayOptions(address=args.ray, name=args.name, namespace=args.namespace, detach=args.detach,
+                             placement_timeout_s=args.placement_timeout)
     try:
-        return launch(args.config, LaunchOptions(log_dir=Path(args.log_dir) if args.log_dir else None))
-    except ConfigError as exc:
+        return launch_on_ray(args.config, options, ray_options)
+    except (ConfigError, RayMissing) as exc:
         print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 2
+    except PlacementError as exc:
+        print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 1
+
+
+def _ray(args: argparse.Namespace) -> int:
+    from server.deploy.ray import RayMissing
+    from server.deploy.ray.manage import down, status
+
+    try:
+        return (status if args.action == "status" else down)(args.name, args.address, args.namespace)
+    except RayMissing as exc:
+        print(f"pdserve ray: {exc}", file=sys.stderr)
         return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "launch": _launch}
+    handlers = {"serve": _serve, "router": _router, "launch": _launch, "ray": _ray}
     if args.command is None:
         parser.print_help()
         return 0

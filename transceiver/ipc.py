@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from transceiver.payload import pool_rows
-from transceiver.wire import CudaIpcPool, IpcOffer, PeerIdentity
+from transceiver.wire import CudaIpcPool, IpcOffer, PeerIdentity, node_name
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 BATCH_BYTES = 64 << 20  # bound on the temporary gather buffer of a checksum or copy (torch path)
@@ -42,14 +41,15 @@ log = logging.getLogger(__name__)
 
 
 def local_identity(device: torch.device) -> PeerIdentity:
-    """This process's host, boot and GPU. The GPU's UUID alone already names one machine; where the
-    boot id cannot be read it is "unknown" (a handle that still cannot be opened means bytes)."""
+    """This process's machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The GPU's
+    UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
+    handle that still cannot be opened means bytes)."""
     try:
         boot_id = BOOT_ID.read_text().strip()
     except OSError:
         boot_id = "unknown"
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return PeerIdentity(hostname=socket.gethostname(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
+    return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
 
 
 def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer:

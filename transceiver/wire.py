@@ -13,7 +13,9 @@ on the same GPU answers with `InstanceInfo.ipc`, the CUDA IPC handles of its pri
 receiver that could open them sends `PullRequest(via_ipc=True)`, and the sender answers with
 `IpcChunk`s (source slots + checksum, no payload) where it would send `ChunkHeader`s; `Done`, `Ack`,
 `Cancel`, `Failed` and the timeouts are the same on both paths. Fields added for it have defaults,
-so a peer of the previous version simply never offers or asks for IPC.
+so a peer of the previous version simply never offers or asks for IPC. "Same host" is the name of
+the machine (`node_name`): Ray's node id when `pdserve launch --ray` placed the server (it sets
+PDSERVE_NODE_ID; several Ray nodes may share one hostname), else the hostname.
 
 Tensor parallelism (`transceiver/tp.py`): each rank of a server has its own link and pools holding
 its share of the kv heads; its `Layout` says which (`kv_head_start`, of `kv_heads_total`), and rank
@@ -27,6 +29,8 @@ epochs, checksums and Cancel work per rank pair as on one rank.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -94,10 +98,20 @@ class RankEndpoint(msgspec.Struct, frozen=True):
     kv_heads: tuple[int, int]  # [start, end) of the model's kv heads
 
 
+NODE_ID_ENV = "PDSERVE_NODE_ID"  # set by server/deploy/ray/ for the server processes it places
+
+
+def node_name() -> str:
+    """The machine this process runs on, for the same-GPU decision: `ray:<node id>` under Ray (two
+    Ray nodes on one host are two machines to it), else the hostname."""
+    node = os.environ.get(NODE_ID_ENV)
+    return f"ray:{node}" if node else socket.gethostname()
+
+
 class PeerIdentity(msgspec.Struct, frozen=True):
     """Where a process's primary pools live (CUDA pools only)."""
 
-    hostname: str
+    hostname: str  # node_name(): Ray's node id under Ray
     boot_id: str  # /proc/sys/kernel/random/boot_id: a reboot or another kernel gives another id
     gpu_uuid: str  # torch.cuda.get_device_properties(i).uuid: the same GPU whatever its index
     pid: int

@@ -37,6 +37,7 @@ from server.config.checks import (
     share_gpu_memory,
     split_host_port,
 )
+from server.config.placement import ROUTER, RayActorOptions
 from server.config.router import RouterConfig, RoutingConfig
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.engine.speculative.config import SpeculativeConfig
@@ -67,8 +68,8 @@ SWITCH_KEYS = ("kv_stream", "gpu_share")
 
 __all__ = [
     "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
-    "ServerConfig", "env_auth_token", "inherit", "load_deployment", "load_server", "load_server_config",
-    "server_config_from_dict", "with_auth_token",
+    "ServerConfig", "deployment_from_dict", "env_auth_token", "inherit", "load_deployment", "load_server",
+    "load_server_config", "server_config_from_dict", "with_auth_token",
 ]
 
 
@@ -137,6 +138,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return f"http://{self.host}:{self.port}"
 
 
+RAY_PLACES = "only `pdserve launch --ray` places servers without urls (num_instances of them)"
 PLACEMENT_KEYS = ("role", "hostname", "port", "context_urls")
 ENGINE_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(ServerConfig) if f.encode_name not in PLACEMENT_KEYS)
 MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config", "speculative")  # a section overrides these key by key
@@ -158,9 +160,17 @@ class Section(msgspec.Struct, kw_only=True):
     """`context_servers` / `generation_servers`: where the servers listen; any engine key besides."""
 
     num_instances: Positive | None = None  # if given, must equal len(urls)
-    urls: Annotated[tuple[HostPort, ...], Meta(min_length=1, description="a non-empty list of host:port strings")]
+    # required, except under `pdserve launch --ray`, which places num_instances servers and learns
+    # their addresses (server/deploy/ray/)
+    urls: Annotated[tuple[HostPort, ...], Meta(min_length=1, description="a non-empty list of host:port strings")] \
+        | None = None
+    ray_actor_options: RayActorOptions = RayActorOptions()  # each server's (each rank's) placement on Ray
 
     def __post_init__(self) -> None:
+        if self.urls is None:
+            if self.num_instances is None:
+                raise ValueError(f"urls: required (a non-empty list of host:port strings); {RAY_PLACES}")
+            return
         _check_ports_in("urls", self.urls)
         if self.num_instances not in (None, len(self.urls)):
             raise ValueError(f"num_instances: must equal the number of urls ({len(self.urls)}), "
@@ -175,6 +185,8 @@ class DeploymentFile(msgspec.Struct, kw_only=True):
     router: RouterConfig = RouterConfig()
     restart: RestartPolicy = RestartPolicy()
     drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
+    # the router's placement on Ray (or the single server's); never inherited by the sections
+    ray_actor_options: RayActorOptions = RayActorOptions()
     context_servers: Section | None = None
     generation_servers: Section | None = None
 
@@ -205,6 +217,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     migration_limit: int
     drain_timeout_s: float  # the router's (the top level's `drain_timeout_s`; servers have their own)
     routing: RoutingConfig  # scores, queue, conditional disaggregation (config/router.py)
+    # placement under `pdserve launch --ray`: by server name, and "router" (the top level's)
+    ray_actor_options: dict[str, RayActorOptions] = {}
 
     @property
     def url(self) -> str:
@@ -266,24 +280,32 @@ def load_server(path: str | Path, name: str) -> ServerConfig:
 
 
 def load_deployment(path: str | Path) -> DeploymentConfig:
-    source, data = str(path), read_yaml(path)
+    return deployment_from_dict(read_yaml(path), str(path), Path(path).resolve().parent)
+
+
+def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> DeploymentConfig:
+    """A deployment from a file's mapping (`source` names the file in errors; relative paths in it
+    are read from `base_dir`)."""
     check_keys(data, (*DEPLOYMENT_KEYS, *ENGINE_KEYS), source, [])
     file = convert(data, DeploymentFile, source)
     host = os.environ.get(HOSTNAME_ENV) or file.hostname
-    servers = _section_servers(data, file, source)
+    servers, placement = _section_servers(data, file, source)
     has_router = bool(servers)
     if not has_router:  # no server section: one aggregated server on hostname:port, no router
         servers = [_server({**inherit(data, {}), "hostname": host, "port": file.port}, "aggregated", source)]
+        placement = [file.ray_actor_options]
     check_same_model(servers, source)
     check_ports(servers, (host, file.port) if has_router else None, source)
     check_disk_paths(servers, source)
     router = file.router
     cfg = DeploymentConfig(
         source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),
-        has_router=has_router, auth_token=None, router_access=router.access(Path(path).resolve().parent, source),
+        has_router=has_router, auth_token=None, router_access=router.access(base_dir, source),
         restart=file.restart, migration_limit=router.migration_limit, drain_timeout_s=file.drain_timeout_s,
         routing=router.routing)
-    return with_auth_token(cfg, _auth_token(data))
+    names = list(cfg.named())
+    options = {**dict(zip(names, placement, strict=True)), **({ROUTER: file.ray_actor_options} if has_router else {})}
+    return with_auth_token(replace(cfg, ray_actor_options=options), _auth_token(data))
 
 
 def inherit(top: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
@@ -298,15 +320,19 @@ def inherit(top: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _section_servers(data: dict[str, Any], file: DeploymentFile, source: str) -> list[ServerConfig]:
+def _section_servers(data: dict[str, Any], file: DeploymentFile,
+                     source: str) -> tuple[list[ServerConfig], list[RayActorOptions]]:
+    """The sections' servers in file order, and each one's placement on Ray."""
     roles: tuple[tuple[str, Role], ...] = (("context_servers", "context"), ("generation_servers", "generation"))
     if file.context_servers is None:  # aggregated: the generation servers run both phases
         roles = (("generation_servers", "aggregated"),)
-    servers = []
+    servers, placement = [], []
     for name, role in roles:
         section: Section | None = getattr(file, name)
         if section is None:
             continue
+        if section.urls is None:
+            raise ConfigError(f"{source}: {name}.urls: required (a non-empty list of host:port strings); {RAY_PLACES}")
         raw = data[name]
         check_keys(raw, (*SECTION_KEYS, *ENGINE_KEYS), source, [name])
         if "auth_token" in (raw.get("cache_transceiver_config") or {}):
@@ -316,9 +342,10 @@ def _section_servers(data: dict[str, Any], file: DeploymentFile, source: str) ->
             host, port = split_host_port(url)
             settings = {**inherit(data, raw), "hostname": host, "port": port}
             servers.append(_server(settings, role, source, _origin(name, raw)))
+            placement.append(section.ray_actor_options)
     servers = share_gpu_memory(servers)
     urls = tuple(host_port(s.host, s.port) for s in servers if s.role == "context")
-    return [replace(s, context_urls=urls) if s.role == "generation" else s for s in servers]
+    return [replace(s, context_urls=urls) if s.role == "generation" else s for s in servers], placement
 
 
 def _origin(section: str, raw: dict[str, Any]):

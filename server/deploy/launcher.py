@@ -94,7 +94,7 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
             return _run(group, servers, router, cfg, stop, options, token_file)
         finally:
             try:
-                group.stop_all(_stop_stages(cfg, router, options.grace_s))
+                group.stop_all(stop_stages(cfg, router, options.grace_s))
             finally:
                 share.stop()  # after its clients
 
@@ -111,7 +111,7 @@ def write_token_file(log_dir: Path, token: str) -> Path:
     return path
 
 
-def _stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) -> list[tuple[list[str], float]]:
+def stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) -> list[tuple[list[str], float]]:
     """The router drains first (its requests need the servers), then every server at once."""
     server_wait = max((s.drain_timeout_s for s in cfg.servers), default=0.0) + grace_s
     stages = [(["router"], cfg.drain_timeout_s + grace_s)] if router else []
@@ -133,9 +133,9 @@ def threads_per_server(num_servers: int) -> int:
 def plan_children(cfg: DeploymentConfig, deployment_path: Path) -> tuple[list[Child], Child | None]:
     """One child per server and the router; each reads the deployment file itself."""
     path = deployment_path.resolve()
-    servers = [Child(name, server.role, path, _health_url(server.host, server.port), dict(server.env))
+    servers = [Child(name, server.role, path, health_url(server.host, server.port), dict(server.env))
                for name, server in cfg.named().items()]
-    router = Child("router", "router", path, _health_url(cfg.host, cfg.port)) if cfg.has_router else None
+    router = Child("router", "router", path, health_url(cfg.host, cfg.port)) if cfg.has_router else None
     return servers, router
 
 
@@ -143,7 +143,7 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
          stop: StopOnSignals, options: LaunchOptions, token_file: Path) -> int:
     for child in servers:
         group.start(child)
-    if not group.wait_healthy(stop, options.startup_timeout_s) or not _handshakes_done(stop, servers):
+    if not group.wait_healthy(stop, options.startup_timeout_s) or not handshakes_done(stop, servers, _say):
         return 0 if stop.signum is not None else 1
     if router:
         group.start(router)
@@ -163,7 +163,7 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
     return group.supervise("router" if router else servers[0].name, stop)
 
 
-def _handshakes_done(stop: StopOnSignals, servers: list[Child]) -> bool:
+def handshakes_done(stop: StopOnSignals, servers: list[Child], say: Callable[[str], None]) -> bool:
     """Every generation server has shaken hands with every context server (the KV layouts agree):
     True; a pair that disagrees fails the launch, naming what differs, before any request."""
     pending = [c for c in servers if c.role == "generation"]
@@ -176,14 +176,14 @@ def _handshakes_done(stop: StopOnSignals, servers: list[Child]) -> bool:
                 continue
             bad = {url: state for url, state in peers.items() if str(state).startswith("incompatible")}
             if bad:
-                _say(f"{child.name} cannot use its context servers: "
+                say(f"{child.name} cannot use its context servers: "
                      + "; ".join(f"{url}: {state}" for url, state in bad.items()))
                 return False
             if any(state != "compatible" for state in peers.values()):
                 still.append(child)
         pending = still
         if pending and time.monotonic() > deadline:
-            _say(f"warning: {', '.join(c.name for c in pending)} did not finish the KV handshake with every "
+            say(f"warning: {', '.join(c.name for c in pending)} did not finish the KV handshake with every "
                  f"context server within {HANDSHAKE_TIMEOUT_S:g} s; going on")
             return True
         if pending:
@@ -191,7 +191,7 @@ def _handshakes_done(stop: StopOnSignals, servers: list[Child]) -> bool:
     return stop.signum is None
 
 
-def _health_url(host: str, port: int) -> str:
+def health_url(host: str, port: int) -> str:
     probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard bind answers on loopback
     return f"http://{probe}:{port}/health"
 

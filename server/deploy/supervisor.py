@@ -59,6 +59,53 @@ class Running:
     gave_up: bool = False
 
 
+@dataclass(frozen=True)
+class Watched:
+    """A child whose health is awaited, wherever it runs: `exited()` says how it ended (None while it
+    runs), `tail()` the last lines of its log."""
+
+    child: Child
+    exited: Callable[[], str | None]
+    tail: Callable[[], str]
+
+
+def wait_healthy(watched: list[Watched], stop: StopOnSignals, timeout_s: float, poll_interval_s: float,
+                 say: Callable[[str], None]) -> bool:
+    """True once every child answers /health; False on exit, timeout, stop signal, or a child that
+    reports a problem no wait can cure (status `incompatible`: layout skew)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = [w for w in watched if health(w.child.health_url, 0.0)[0] != 200]
+    while waiting:
+        if stop.signum is not None:
+            say(f"stop requested ({signal.Signals(stop.signum).name}) during startup")
+            return False
+        for w in waiting:
+            if (how := w.exited()) is not None:
+                say(f"{w.child.name} exited during startup with {how}{w.tail()}")
+                return False
+        if time.monotonic() > deadline:
+            names = ", ".join(w.child.name for w in waiting)
+            say(f"startup timeout ({timeout_s:g} s): no healthy /health from {names}"
+                + "".join(w.tail() for w in waiting))
+            return False
+        time.sleep(poll_interval_s)
+        still = []
+        for w in waiting:
+            status, body = health(w.child.health_url, poll_interval_s)
+            if body.get("status") == "incompatible":
+                say(f"{w.child.name} cannot serve with its peers: {body.get('detail')}")
+                return False
+            if status != 200:
+                still.append(w)
+        waiting = still
+    return True
+
+
+def _exited(r: Running) -> str | None:
+    code = r.popen.poll()
+    return None if code is None else exit_text(code)
+
+
 class Supervisor:
     def __init__(self, command: Callable[[Child], list[str]], env: dict[str, str], log_dir: Path,
                  policy: RestartPolicy, poll_interval_s: float, say: Callable[[str], None]) -> None:
@@ -85,33 +132,8 @@ class Supervisor:
     def wait_healthy(self, stop: StopOnSignals, timeout_s: float) -> bool:
         """True once every started child answers /health; False on exit, timeout, stop signal, or a
         child that reports a problem no wait can cure (status `incompatible`: layout skew)."""
-        deadline = time.monotonic() + timeout_s
-        waiting = [r for r in self.running if health(r.child.health_url, 0.0)[0] != 200]
-        while waiting:
-            if stop.signum is not None:
-                self.say(f"stop requested ({signal.Signals(stop.signum).name}) during startup")
-                return False
-            for r in waiting:
-                if r.popen.poll() is not None:
-                    self.say(f"{r.child.name} exited during startup with {exit_text(r.popen.returncode)}"
-                             f"{log_tail(r.log_path)}")
-                    return False
-            if time.monotonic() > deadline:
-                names = ", ".join(r.child.name for r in waiting)
-                self.say(f"startup timeout ({timeout_s:g} s): no healthy /health from {names}"
-                         + "".join(log_tail(r.log_path) for r in waiting))
-                return False
-            time.sleep(self.poll_interval_s)
-            still = []
-            for r in waiting:
-                status, body = health(r.child.health_url, self.poll_interval_s)
-                if body.get("status") == "incompatible":
-                    self.say(f"{r.child.name} cannot serve with its peers: {body.get('detail')}")
-                    return False
-                if status != 200:
-                    still.append(r)
-            waiting = still
-        return True
+        watched = [Watched(r.child, lambda r=r: _exited(r), lambda r=r: log_tail(r.log_path)) for r in self.running]
+        return wait_healthy(watched, stop, timeout_s, self.poll_interval_s, self.say)
 
     # ---- supervise ----------------------------------------------------------------------------
 

@@ -1,0 +1,285 @@
+"""`pdserve launch CONFIG.yaml --ray ADDRESS`: place the deployment's actors, wait for them, report
+deaths until a stop signal, then stop them all (or leave them running with `--detach`)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from server.config.placement import ROUTER
+from server.config.schema import DeploymentConfig, deployment_from_dict
+from server.config.yaml_io import read_yaml
+from server.deploy.launcher import LaunchOptions, child_env, handshakes_done
+from server.deploy.ray import NAMESPACE, require_ray
+from server.deploy.ray.actors import ActorSpec, ProcessActor, RankActor
+from server.deploy.ray.manage import Handles, actor_names, stop_deployment
+from server.deploy.ray.placement import (
+    Placed,
+    check_feasible,
+    free_ports,
+    place,
+    provisional,
+    strategy,
+    unplaced_sections,
+    wants,
+    with_urls,
+    without_token,
+)
+from server.deploy.supervisor import Child, StopOnSignals, Watched, health, wait_healthy
+
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str = "auto"
+    name: str | None = None  # the deployment's name: its actors are <name>/<server>; default the file's stem
+    namespace: str = NAMESPACE
+    detach: bool = False
+    placement_timeout_s: float = 120.0
+
+
+class Launch:
+    """One launch: the deployment's name, its config once placed, and the actors started so far."""
+
+    def __init__(self, ray, name: str, options: LaunchOptions, ray_options: RayOptions) -> None:
+        self.ray, self.name, self.options, self.ray_options = ray, name, options, ray_options
+        self.handles = Handles(ray, name)
+        self.cfg: DeploymentConfig | None = None
+
+    def actor_options(self, placed: Placed, bundle: int, suffix: str = "") -> dict[str, Any]:
+        opts = placed.want.options
+        return {"name": f"{self.name}/{placed.want.name}{suffix}", "num_cpus": opts.num_cpus,
+                "num_gpus": opts.num_gpus, "resources": dict(opts.resources),
+                "runtime_env": dict(opts.runtime_env) or None, "scheduling_strategy": strategy(placed, bundle),
+                "lifetime": "detached" if self.ray_options.detach else None}
+
+
+def launch_on_ray(path: str | Path, options: LaunchOptions, ray_options: RayOptions) -> int:
+    """Run the deployment in `path` on the Ray cluster at `ray_options.address` (returns as `launch`)."""
+    ray = require_ray()
+    data = read_yaml(path)
+    base = Path(path).resolve().parent
+    checked = deployment_from_dict(provisional(data), str(path), base)  # every key checked before placing
+    name = ray_options.name or Path(path).stem
+    ray.init(address=ray_options.address, namespace=ray_options.namespace, logging_level=logging.WARNING,
+             log_to_driver=False)
+    # Ray warns that removing a detached actor's placement group kills it: `pdserve ray down` means that
+    logging.getLogger("ray.actor").setLevel(logging.ERROR)
+    if actor_names(ray, name):
+        say(f"a deployment {name!r} runs on this cluster already (namespace {ray_options.namespace}): "
+            f"`pdserve ray down {name}` first, or give another --name")
+        return 1
+    wanted = wants(checked)
+    check_feasible(ray, wanted, str(path))
+    run = Launch(ray, name, options, ray_options)
+    detached = False
+    with StopOnSignals() as stop:
+        try:
+            placed = place(ray, wanted, name, ray_options.detach, ray_options.placement_timeout_s)
+            run.handles.groups = list(placed)
+            run.cfg, text = _placed_config(ray, data, checked, placed, base)
+            code = _start(run, placed, text, stop)
+            if code is not None:
+                return code
+            if ray_options.detach:
+                detached = True
+                say(f"detached: `pdserve ray status {name}` shows it, `pdserve ray down {name}` stops it")
+                return 0
+            return _supervise(run, stop)
+        finally:
+            if not detached:
+                stop_deployment(run.handles, say)
+
+
+def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str, Placed],
+                   base: Path) -> tuple[DeploymentConfig, str]:
+    """The deployment with every server's address (the file's, or its node's and a free port there)
+    and the file the actors read (the same without the token)."""
+    names = {section: [n for n, s in checked.named().items() if _section(s.role) == section]
+             for section in unplaced_sections(data)}
+    ports = free_ports(ray, placed, [n for group in names.values() for n in group])
+    urls = {section: [f"{placed[n].node_ip}:{ports[n]}" for n in group] for section, group in names.items()}
+    full = with_urls(data, urls)
+    cfg = deployment_from_dict(full, checked.source, base)
+    for name, p in placed.items():
+        say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){_bundles(p)}")
+    return cfg, yaml.safe_dump(without_token(full), sort_keys=False)
+
+
+def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignals) -> int | None:
+    """Start the servers, wait for them and their handshakes, then the router; None when all serve,
+    else the launch's return code."""
+    cfg = run.cfg
+    token = cfg.auth_token or secrets.token_hex(32)
+    rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])
+    servers = [_start_server(run, placed[name], server, text, token, rank_gpus[name])
+               for name, server in cfg.named().items()]
+    if not _started(run, servers):
+        return 1
+    if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
+        return 0 if stop.signum is not None else 1
+    if cfg.has_router:
+        router = _start_router(run, placed[ROUTER], text, token)
+        if not _started(run, [router]) or not _healthy(run, [router], stop):
+            return 0 if stop.signum is not None else 1
+    roles = [s.role for s in cfg.servers]
+    counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
+    front = placed[ROUTER if cfg.has_router else next(iter(cfg.named()))]  # the router, or the only server
+    url = f"http://{_reachable(cfg.host, front.node_ip)}:{cfg.port}"
+    say(f"ready: {url}  ({'router in front of ' if cfg.has_router else ''}{counts} server(s)) as Ray actors "
+        f"{run.name}/* in namespace {run.ray_options.namespace}")
+    return None
+
+
+def _hold_ranks(run: Launch, servers: list[Placed]) -> dict[str, tuple[str, ...]]:
+    """Ranks 1..N-1 of each tensor-parallel server hold their bundles (the server's process runs
+    them); the GPUs Ray gave them, by server."""
+    ray, holders = run.ray, {}
+    for placed in servers:
+        name = placed.want.name
+        for rank in range(1, placed.want.ranks):
+            holder = ray.remote(RankActor).options(**run.actor_options(placed, rank, f"/rank{rank}")).remote()
+            run.handles.add(f"{name}/rank{rank}", holder)
+            holders.setdefault(name, []).append(holder.info.remote())
+    found = {name: ray.get(refs, timeout=run.ray_options.placement_timeout_s) for name, refs in holders.items()}
+    return {p.want.name: tuple(g for info in found.get(p.want.name, []) for g in info["gpus"]) for p in servers}
+
+
+def _start_server(run: Launch, placed: Placed, server, text: str, token: str,
+                  rank_gpus: tuple[str, ...]) -> tuple[Child, Any]:
+    name = placed.want.name
+    env = {**child_env({}, token, len(run.cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **server.env}
+    child = Child(name, server.role, Path(name), _health(server.host, server.port, placed.node_ip), env)
+    return child, _start_actor(run, placed, child, text, rank_gpus, server.drain_timeout_s)
+
+
+def _start_router(run: Launch, placed: Placed, text: str, token: str) -> tuple[Child, Any]:
+    cfg = run.cfg
+    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed)}
+    child = Child(ROUTER, ROUTER, Path(ROUTER), _health(cfg.host, cfg.port, placed.node_ip), env)
+    return child, _start_actor(run, placed, child, text, (), cfg.drain_timeout_s)
+
+
+def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus: tuple[str, ...],
+                 drain_s: float) -> Any:
+    """The actor that runs `child` (not waited for: `_started`)."""
+    cfg = run.cfg
+    spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
+                     str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
+                     stop_wait_s=drain_s + run.options.grace_s)
+    restarts = 0 if cfg.restart.max_quick_deaths == 0 else -1
+    actor = run.ray.remote(ProcessActor).options(max_restarts=restarts, max_task_retries=0,
+                                                 **run.actor_options(placed, 0)).remote(spec)
+    run.handles.add(child.name, actor, child.health_url)
+    run.handles.stop_waits[child.name] = spec.stop_wait_s
+    return actor
+
+
+def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
+    """Wait until every actor has started its process (all at once), and say where each runs; False
+    when one could not (its runtime_env failed to set up, its constructor raised, the wait ran out)."""
+    try:
+        infos = run.ray.get([a.info.remote() for _, a in started], timeout=run.ray_options.placement_timeout_s)
+    except Exception as exc:  # RayActorError, RuntimeEnvSetupError, GetTimeoutError
+        say(f"an actor of {', '.join(c.name for c, _ in started)} did not start: {type(exc).__name__}: {exc}")
+        return False
+    for (child, _), info in zip(started, infos, strict=True):
+        gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
+        say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
+        if info["niceness"] > 0:
+            say(f"warning: {child.name} runs at niceness {info['niceness']} (Ray's for its workers; lowering it "
+                "needs CAP_SYS_NICE): start the Ray nodes with RAY_worker_niceness=0 to serve at normal priority")
+        run.handles.first_pid[child.name] = info["pid"]
+    return True
+
+
+def _healthy(run: Launch, started: list[tuple[Child, Any]], stop: StopOnSignals) -> bool:
+    watched = [Watched(child, lambda c=child, a=actor: _exit_of(run, c, a), lambda a=actor: _tail(run, a))
+               for child, actor in started]
+    return wait_healthy(watched, stop, run.options.startup_timeout_s, run.options.poll_interval_s, say)
+
+
+def _exit_of(run: Launch, child: Child, actor) -> str | None:
+    """How a starting server ended: its process exited, or Ray restarted or lost its actor."""
+    try:
+        info = run.ray.get(actor.info.remote(), timeout=30)
+    except Exception as exc:  # RayActorError, GetTimeoutError: the actor is gone or stuck
+        return f"its actor unavailable ({type(exc).__name__})"
+    if info["exited"] is not None:
+        return info["exited"]
+    return "a restart by Ray (its process died)" if info["pid"] != run.handles.first_pid[child.name] else None
+
+
+def _tail(run: Launch, actor) -> str:
+    try:
+        return run.ray.get(actor.tail.remote(), timeout=30)
+    except Exception as exc:  # the log stays on its node
+        return f" (no log: {type(exc).__name__})"
+
+
+def _supervise(run: Launch, stop: StopOnSignals) -> int:
+    """Report deaths and returns (Ray restarts the actors) until a stop signal (0), or until the
+    router, or every server, is gone for good (1)."""
+    epochs: dict[str, str | None] = {}
+    down: dict[str, float] = {}
+    while stop.signum is None:
+        for name in run.handles.processes():
+            _check(run, name, epochs, down)
+        gone = run.handles.gone
+        if ROUTER in gone or (gone and len(gone) >= len(run.cfg.servers)):
+            say("the deployment cannot serve any more: stopping")
+            return 1
+        time.sleep(POLL_S)
+    say("stop signal: stopping")
+    return 0
+
+
+def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str, float]) -> None:
+    url = run.handles.health_urls[name]
+    status, body = health(url, POLL_S)
+    if status == 200:
+        epoch = body.get("epoch")
+        if name in down:
+            say(f"{name} is back: healthy {time.monotonic() - down.pop(name):.1f} s after it went down"
+                f"{'; restarted by Ray, epoch ' + str(epoch) if epoch != epochs.get(name) else ''}")
+        epochs[name] = epoch
+    elif name not in down and name not in run.handles.gone:
+        down[name] = time.monotonic()
+        why = f"{status} {body.get('status', '')}".strip() if status else "unreachable"
+        say(f"{name} is not healthy (health: {why}); Ray restarts its actor if its process died")
+    if name in down and run.handles.dead(name):
+        say(f"{name} is gone for good (its actor died and is not restarted: its node was lost, or restarts are off)")
+        down.pop(name)
+
+
+def _section(role: str) -> str:
+    return "context_servers" if role == "context" else "generation_servers"
+
+
+def _threads(placed: Placed) -> str:
+    """Torch threads per process: the CPUs Ray gives the actor (as Ray sets OMP_NUM_THREADS)."""
+    return str(max(1, int(placed.want.options.num_cpus)))
+
+
+def _reachable(host: str, node_ip: str) -> str:
+    return node_ip if host in ("0.0.0.0", "::", "") else host
+
+
+def _health(host: str, port: int, node_ip: str) -> str:
+    host = _reachable(host, node_ip)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/health"
+
+
+def _bundles(placed: Placed) -> str:
+    return f" ({placed.want.ranks} bundles, {placed.want.options.bundle()} each)" if placed.want.ranks > 1 else ""
+
+
+def say(message: str) -> None:
+    print(f"[pdserve launch --ray] {message}", flush=True)
