@@ -1,4 +1,5 @@
-"""The `pdserve` command line: serve (one engine), router, launch (a whole deployment)."""
+"""The `pdserve` command line: serve (one engine), router, launch (a whole deployment), calibrate-kv
+(FP8 KV cache scales)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
     launch.add_argument("config", help="deployment YAML (see configs/)")
     launch.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir)")
+    calibrate = commands.add_parser("calibrate-kv", help="measure per-layer FP8 KV cache scales on sample text")
+    calibrate.add_argument("model", help="builtin:tiny-story or a Hugging Face model directory")
+    calibrate.add_argument("--out", required=True, help="the scales file to write (kv_cache_config.scales names it)")
+    calibrate.add_argument("--text", action="append", default=[], help="a sample text file (repeatable); "
+                           "default: the prose of Python's language reference")
+    calibrate.add_argument("--max-tokens", type=int, default=16384, help="sample tokens used at most")
+    calibrate.add_argument("--seq-len", type=int, default=2048, help="tokens prefilled at once")
+    calibrate.add_argument("--device", default="auto")
+    calibrate.add_argument("--dtype", default="auto", help="the model's dtype while measuring")
     return parser
 
 
@@ -118,10 +128,20 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _calibrate_kv(args: argparse.Namespace) -> int:
+    from server.models.calibrate_kv import main
+
+    try:
+        return main(args)
+    except ValueError as exc:
+        print(f"pdserve calibrate-kv: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "launch": _launch}
+    handlers = {"serve": _serve, "router": _router, "launch": _launch, "calibrate-kv": _calibrate_kv}
     if args.command is None:
         parser.print_help()
         return 0
