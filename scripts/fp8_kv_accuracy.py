@@ -30,7 +30,7 @@ from server.models.calibrate_kv import calibrate  # noqa: E402
 BOUND = 0.005  # the FP8 cache's perplexity within 0.5% of the float32 cache's
 
 
-def calibrated_scales(model_dir: Path, tokenizer, out: Path, tokens: int = 16384) -> None:
+def calibrated_scales(model_dir: Path, tokenizer, out: Path, tokens: int = 65536) -> None:
     """Scales measured on the training text (the corpus' documents in order)."""
     text = "\n\n".join(corpus.plain_text(d) for d in corpus.documents())
     ids = tokenizer.encode(text)[:tokens]

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", required=True, help="the scales file to write (kv_cache_config.scales names it)")
     calibrate.add_argument("--text", action="append", default=[], help="a sample text file (repeatable); "
                            "default: the prose of Python's language reference")
-    calibrate.add_argument("--max-tokens", type=int, default=16384, help="sample tokens used at most")
+    calibrate.add_argument("--max-tokens", type=int, default=65536, help="sample tokens used at most")
     calibrate.add_argument("--seq-len", type=int, default=2048, help="tokens prefilled at once")
     calibrate.add_argument("--device", default="auto")
     calibrate.add_argument("--dtype", default="auto", help="the model's dtype while measuring")

@@ -8,7 +8,10 @@ layer's scale is its largest |K| (|V|) over the sample divided by 448, e4m3's la
 largest K is then stored as 448 exactly, and nothing of the sample saturates.
 
 The sample: text files (`--text`), else the prose of Python's own language reference
-(`pydoc_data`, shipped with every Python): any English text the model will see does.
+(`pydoc_data`, shipped with every Python): text like what the model will serve. Its size matters:
+the largest value is an extreme, and one the sample never reached saturates at 448. On
+builtin:tiny-story, 8k tokens of its training text set layer 0's k_scale 17% under what held-back
+text reaches; 64k tokens (the default) come within 1% (docs/FP8.md).
 """
 
 from __future__ import annotations
