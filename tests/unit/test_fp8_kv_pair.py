@@ -120,3 +120,20 @@ def test_a_pair_of_other_kv_dtypes_or_scales_is_refused_at_the_handshake_naming_
     status = _handshake(fp8_kv, eh.make_core(LLAMA, kv=fp8(str(other))).kv)
     ctx_k = [fp8_kv.layer_scales(i)[0] for i in range(4)]
     assert f"k_scales differs: context {ctx_k!r} vs generation [0.5, 0.25, 0.125, 1.0]" in status, status
+
+
+def test_tensor_parallel_head_cuts_move_fp8_bytes_unchanged():
+    """A generation rank that holds other kv heads than the context rank gets its heads cut out of
+    each FP8 block and written into its own (torch has no indexed float8 copy on the CPU)."""
+    from transceiver.tp import gather_heads, scatter_heads
+
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randint(0, 256, (6, 2, 2, 4, 4, 8), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    out = torch.empty(1 << 16, dtype=torch.uint8)
+    n = gather_heads(pool, [4, 1], (1, 3), out)
+    assert n == 2 * 2 * 2 * 4 * 2 * 8  # two blocks of 2 layers, K and V, 4 tokens, 2 heads, 8 dims: a byte each
+    dst = torch.zeros(6, 2, 2, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    scatter_heads(dst, [0, 5], (0, 2), [out[: n // 2].numpy(), out[n // 2: n].numpy()])  # two frames
+    raw, got = pool.view(torch.uint8), dst.view(torch.uint8)
+    assert torch.equal(got[0], raw[4, :, :, :, 1:3]) and torch.equal(got[5], raw[1, :, :, :, 1:3])
+    assert not got[1:5].any()
