@@ -7,9 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.kv_scales import checked_scales, scales_digest
+from kvcache.kv_scales import FP8_MAX, as_float32, checked_scales, scales_digest
 
 FP8 = torch.float8_e4m3fn  # the quantized KV element type (`kv_cache_config.dtype: fp8`)
+
+
+def quantize_fp8(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x * inverse (float32; `inverse` broadcasts: 1 / scale) as e4m3, saturated at +-FP8_MAX and
+    rounded to nearest even: what an FP8 cache stores (the Triton kernels' `e4m3_bits` bit for bit)."""
+    return (x.float() * inverse).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def inverse_scale(scale: float) -> float:
+    """1 / scale as the float32 both attention paths multiply by before rounding to FP8."""
+    return as_float32(1.0 / scale)
 
 
 def _is_int(v: object) -> bool:

@@ -28,20 +28,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvcache.kv_scales import FP8_MAX, as_float32
+from kvcache.layout import FP8, inverse_scale, quantize_fp8
 from server.models.rope import apply_rotary
-
-FP8 = torch.float8_e4m3fn
-
-
-def quantize_fp8(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """x * inverse (float32; `inverse` broadcasts: 1 / scale) as e4m3, saturated at +-FP8_MAX."""
-    return (x.float() * inverse).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def inverse_scale(scale: float) -> float:
-    """1 / scale as the float32 both attention paths multiply by before rounding to FP8."""
-    return as_float32(1.0 / scale)
 
 
 class PagedKV(Protocol):

@@ -5,8 +5,8 @@ Where the scales come from, first found wins:
 1. `kv_cache_config.scales`: a scales file (`pdserve calibrate-kv`, kvcache/kv_scales.py);
 2. the checkpoint: the per-layer scales FP8 checkpoints carry, under the names the tools that make
    them write (`CHECKPOINT_NAMES`; a per-head scale counts as its largest head);
-3. 1.0 (as vLLM, SGLang and TensorRT-LLM do without scales): exact for |K|, |V| up to 448, and a
-   model whose K or V go beyond saturates there; calibrate it.
+3. 1.0 (as vLLM, SGLang and TensorRT-LLM do without scales): |K|, |V| up to 448 are kept (rounded
+   to e4m3), larger ones saturate there, and tiny ones lose precision; calibrate the model.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, inverse_scale
+from kvcache.layout import inverse_scale
+from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
 from server.models.dense_prefill import causal_sdpa, dense_prefill_kind
 from server.models.kernels.attention import (
     decode_scratch,

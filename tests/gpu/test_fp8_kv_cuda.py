@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from kvcache import KvCacheConfig, KVCacheManager
 from kvcache.group import primary_tokens
 from kvcache.kv_scales import write_scales
+from kvcache.layout import inverse_scale, quantize_fp8
 from pdserve_bench import tiny_story_corpus as corpus
-from server.models.attention import inverse_scale, quantize_fp8
 from server.models.builtin import resolve_model
 from server.models.calibrate_kv import calibrate
 from server.models.kv_format import kv_cache_layout

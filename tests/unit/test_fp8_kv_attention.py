@@ -16,7 +16,8 @@ from prompts import stride_prompt
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from kvcache.kv_scales import as_float32
-from server.models.attention import SeqLayout, StepLayout, TorchPagedAttention, inverse_scale, quantize_fp8
+from kvcache.layout import inverse_scale, quantize_fp8
+from server.models.attention import SeqLayout, StepLayout, TorchPagedAttention
 from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec
