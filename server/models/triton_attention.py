@@ -105,6 +105,10 @@ class TritonPagedAttention(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 32, got {head_dim}")
+        fp8 = self.views[0][0].dtype == torch.float8_e4m3fn
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, Hopper) for "
+                             "the Triton kernels (kernels: torch serves it on any GPU)")
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowMeta]:

@@ -46,7 +46,7 @@ def _silu_mul(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
 @triton.jit
 def e4m3_bits(x):
     """float32 -> the e4m3fn code (0..255, as int32) of x: round to nearest even, saturated at
-    +-448, the rounding of torch's float32 -> float8_e4m3fn (attention.quantize_fp8) bit for bit.
+    +-448, the rounding of torch's float32 -> float8_e4m3fn (kvcache.layout.quantize_fp8) bit for bit.
     In integer arithmetic, so compiled and interpreted kernels agree (Triton's interpreter rounds
     float8 conversions its own way)."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
