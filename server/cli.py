@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=None)
     serve.add_argument("--engine-process", choices=["auto", "true", "false"], default=None,
                        help="run the engine in a process of its own (default auto: on CUDA only)")
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                       help="kv_cache_config.dtype: the model's dtype (auto) or FP8 e4m3 (docs/FP8.md)")
     router = commands.add_parser("router", help="run the router of a deployment YAML")
     router.add_argument("--config", required=True, help="deployment YAML")
     launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
@@ -62,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
                  "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                  "dtype": args.dtype, "device": args.device,
-                 "engine_process": {"true": True, "false": False}.get(args.engine_process, args.engine_process)}
+                 "engine_process": {"true": True, "false": False}.get(args.engine_process, args.engine_process),
+                 "kv_cache_config": {"dtype": args.kv_cache_dtype} if args.kv_cache_dtype else None}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     role = args.role or "aggregated"
     try:

@@ -166,3 +166,4 @@ def test_kv_events_name_the_kv_dtype_and_another_dtype_means_a_resync():
     assert feed.index.kv_dtype == "float8_e4m3fn"
     assert not feed.on_batch("e", KvEventBatch(1, [], "float8_e4m3fn"))
     assert feed.on_batch("e", KvEventBatch(1, [], "bfloat16")) and feed.resyncs == {"kv_dtype": 1}
+
