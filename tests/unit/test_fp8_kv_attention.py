@@ -219,3 +219,26 @@ def test_the_triton_runner_gives_the_torch_runners_tokens_with_the_same_fp8_cach
     assert got == want
     tolerance = 5e-3 if dense == "triton" else 0.5
     torch.testing.assert_close(got_logits, want_logits, atol=tolerance, rtol=0)
+
+
+@interpreted
+def test_a_static_decode_plan_over_an_fp8_cache_equals_the_eager_step():
+    """What a CUDA graph replays (a `StaticDecodePlan`: a bucket of 4 rows, 3 real) over an FP8 cache
+    gives the eager decode step's logits: the layers' scales are the same launch arguments."""
+    model_dir = resolve_model("builtin:tiny-qwen3-swa")
+    runner = _fp8_runner(model_dir, "triton")
+    kv = runner.kv
+    prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
+    chunks = []
+    for i, p in enumerate(prompts):
+        kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
+        tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
+        runner.execute([SeqChunk(p, 0, tables, True)])
+        chunks.append(SeqChunk([3 + i], len(p), tables, True))
+    eager = runner.execute(chunks)
+    plan = runner.attention.static_decode_plan(4)
+    plan.fill([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], [c.token_ids[0] for c in chunks])
+    plan.take_pending(torch.zeros(4, dtype=torch.int64))
+    logits = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
+    torch.testing.assert_close(logits[:3], eager, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(logits[3]).all()
