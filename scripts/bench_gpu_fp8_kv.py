@@ -44,7 +44,9 @@ PORTS = {"auto": (18811, 18812), "fp8": (18821, 18822)}  # (context, generation)
 def start_server(workdir: Path, model: Path, role: str, kv_dtype: str) -> subprocess.Popen:
     ctx_port, gen_port = PORTS[kv_dtype]
     port = ctx_port if role == "context" else gen_port
-    peers = {"context_urls": [f"127.0.0.1:{ctx_port}"]} if role == "generation" else {}
+    # the generation server knows its context server; the context server sends a prompt's KV after
+    # its prefill, in one pull (not streamed while prefilled), so each pull is one whole 4k prompt
+    peers = {"context_urls": [f"127.0.0.1:{ctx_port}"]} if role == "generation" else {"kv_stream": "off"}
     cfg = workdir / f"fp8kv-{kv_dtype}-{role}.yaml"
     cfg.write_text(json.dumps({**peers, "model": str(model), "hostname": "127.0.0.1", "port": port,
                                "max_seq_len": 8192, "max_num_tokens": 8192, "max_batch_size": 8,
