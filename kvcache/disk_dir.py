@@ -2,10 +2,10 @@
 manifest that decides whether the block files in it are this server's to restore.
 
 A matching manifest (same model fingerprint, KV layout and token key: kvcache/disk_format.py)
-means every block file's header is read and checked (a file that fails, names another block format,
-or whose slot is beyond `max_bytes` now, is deleted) and the headers go back to the tier for the reuse tree. Any other
-manifest, or none, means the block files are deleted, with a warning naming why, and a new
-manifest is written: the tier starts empty.
+means every block file's header is read and checked (a file that fails, names another block
+format, or whose slot is beyond `max_bytes` now, is deleted) and the headers go back to the tier
+for the reuse tree. Any other manifest, or none, means the block files are deleted, with a warning
+naming why, and a new manifest is written: the tier starts empty.
 """
 
 from __future__ import annotations
