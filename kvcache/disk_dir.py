@@ -2,10 +2,10 @@
 manifest that decides whether the block files in it are this server's to restore.
 
 A matching manifest (same model fingerprint, KV layout and token key: kvcache/disk_format.py)
-means every block file's header is read and checked (a file that fails, or whose slot is beyond
-`max_bytes` now, is deleted) and the headers go back to the tier for the reuse tree. Any other
-manifest, or none, means the block files are deleted, with a warning naming why, and a new
-manifest is written: the tier starts empty.
+means every block file's header is read and checked (a file that fails, names another block
+format, or whose slot is beyond `max_bytes` now, is deleted) and the headers go back to the tier
+for the reuse tree. Any other manifest, or none, means the block files are deleted, with a warning
+naming why, and a new manifest is written: the tier starts empty.
 """
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from kvcache.disk_format import (
     MAC_BYTES,
     PREFIX_BYTES,
     BadFile,
+    BlockFormat,
     BlockHeader,
     Manifest,
+    check_format,
     decode_header,
     header_length,
     manifest_difference,
@@ -58,11 +61,13 @@ def take_directory(path: Path) -> int:
 
 
 class StartUp:
-    """What the scan needs: the directory, the key, slots and payload bytes per window; it counts
-    the files it did not use by reason (`skipped`)."""
+    """What the scan needs: the directory, the key, slots, payload bytes and block format per window;
+    it counts the files it did not use by reason (`skipped`)."""
 
-    def __init__(self, path: Path, key: bytes, num_slots: dict[int, int], slot_bytes: dict[int, int]) -> None:
+    def __init__(self, path: Path, key: bytes, num_slots: dict[int, int], slot_bytes: dict[int, int],
+                 format_of: Callable[[int], BlockFormat] = lambda _: BlockFormat()) -> None:
         self.path, self.key, self.num_slots, self.slot_bytes = path, key, num_slots, slot_bytes
+        self.format_of = format_of
         self.skipped: dict[str, int] = {}
 
 
@@ -146,6 +151,7 @@ def _read_header(store: StartUp, p: Path, window: int, slot: int) -> BlockHeader
     header, offset = decode_header(store.key, data)
     if (header.window, header.slot) != (window, slot) or header.payload_bytes != store.slot_bytes[window]:
         raise BadFile("corrupt", "the header names another slot or size")
+    check_format(header, store.format_of(window))
     if size != offset + header.payload_bytes:
         raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
     return header

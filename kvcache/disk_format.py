@@ -16,9 +16,13 @@ Start-up reads and checks headers only (the tree needs hashes, parents and token
 payload is checked when it is read back. A file also names its block (`block_hash`): the reader
 compares it with the block it expects, so a stale file left in a reused slot never passes.
 
+A file also names what its payload's bytes are (`dtype`, and for an FP8 cache the k then v scales of
+its window group's layers, `scales`): a reader serves a file only if that is its own block format
+(`BlockFormat`), so an FP8 block is never read into a bf16 cache, nor one stored with other scales.
+
 The manifest (`manifest.json`) says what the files are for: the model fingerprint, the KV layout
-and the key's id, sealed with a MAC under the same key. A directory whose manifest does not match
-this server is not read (kvcache/disk_store.py says what happens then).
+(dtype and scales included) and the key's id, sealed with a MAC under the same key. A directory
+whose manifest does not match this server is not read (kvcache/disk_store.py says what happens then).
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ from hashlib import blake2b
 
 import msgspec
 
-MAGIC = b"PDKVBLK2"  # 2: the payload MAC is HMAC-SHA256 (1: keyed blake2b)
+MAGIC = b"PDKVBLK3"  # 3: the header names the block format (2: HMAC-SHA256 payload MAC; 1: blake2b)
 MAC_BYTES = 32
 _LEN = struct.Struct("<I")
 PREFIX_BYTES = len(MAGIC) + _LEN.size
 MAX_HEADER_BYTES = 1 << 20  # tokens_per_block tokens fit many times over
-MANIFEST_VERSION = 2  # a directory of another version starts empty (its files are deleted)
+MANIFEST_VERSION = 3  # a directory of another version starts empty (its files are deleted)
 CHUNK_BYTES = 256 << 10  # a payload is written and hashed in pieces of this size (reads: disk_store.py)
 
 
@@ -51,6 +55,18 @@ class BlockHeader(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
     written_ns: int  # wall clock at write: restored blocks are ordered by it for LRU
     payload_bytes: int
     payload_mac: bytes
+    dtype: str  # the payload's element type ("float8_e4m3fn", "bfloat16", ...)
+    scales: tuple[float, ...]  # FP8: the k scales then the v scales of the window group's layers
+
+
+class BlockFormat(msgspec.Struct, frozen=True):
+    """What a window group's block bytes are: element type, and the scales they were stored with."""
+
+    dtype: str = ""
+    scales: tuple[float, ...] = ()
+
+    def describe(self) -> str:
+        return self.dtype + (f" with scales {list(self.scales)}" if self.scales else "")
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -62,6 +78,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_kv_heads: int
     head_dim: int
     key_id: str  # hex: which deployment token's key seals the files
+    k_scales: tuple[float, ...] = ()  # an FP8 cache's per-layer scales (empty for other dtypes)
+    v_scales: tuple[float, ...] = ()
 
 
 class ManifestFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +93,13 @@ class BadFile(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+def check_format(header: BlockHeader, wanted: BlockFormat) -> None:
+    """BadFile("format") unless the file's payload is of the block format `wanted`."""
+    if (header.dtype, header.scales) != (wanted.dtype, wanted.scales):
+        found = BlockFormat(header.dtype, header.scales)
+        raise BadFile("format", f"the file holds {found.describe()} KV, this server's is {wanted.describe()}")
 
 
 def mac(key: bytes, person: bytes, *parts: bytes | memoryview) -> bytes:

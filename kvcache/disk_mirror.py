@@ -25,7 +25,7 @@ from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import BadFile
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
-from kvcache.disk_tier import Item, manifest_of, reserve_buffers
+from kvcache.disk_tier import Item, block_formats, manifest_of, reserve_buffers
 from kvcache.group import WindowGroup
 from kvcache.layout import CacheLayout
 
@@ -45,7 +45,8 @@ class DiskMirror:
              groups: Sequence[WindowGroup], num_disk: int) -> DiskMirror:
         """Take `disk.path` for this rank's files of `num_disk` slots per window group."""
         slots = {g.window: (num_disk, g.pools.slot_bytes) for g in groups}
-        store, _ = DiskStore.open(disk, key, manifest_of(config, layout, salt, key), slots)
+        store, _ = DiskStore.open(disk, key, manifest_of(config, layout, salt, key), slots,
+                                  block_formats(layout, groups))
         return cls(store, groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:

@@ -49,9 +49,11 @@ from kvcache.disk_format import (
     MAC_BYTES,
     PREFIX_BYTES,
     BadFile,
+    BlockFormat,
     BlockHeader,
     Manifest,
     check_digest,
+    check_format,
     decode_header,
     encode_prefix,
     header_length,
@@ -99,10 +101,14 @@ class DiskIOStats:
 
 
 class DiskStore:
-    def __init__(self, path: Path, key: bytes, config: DiskTierConfig, slot_bytes: dict[int, int]) -> None:
+    def __init__(self, path: Path, key: bytes, config: DiskTierConfig, slot_bytes: dict[int, int],
+                 formats: dict[int, BlockFormat] | None = None) -> None:
         """Use `open`: it takes the lock and checks the manifest first."""
         self.path, self.key, self.config = path, key, config
         self.slot_bytes = slot_bytes  # window -> payload bytes of one block
+        # window -> what its blocks' bytes are: written in every file's header, and a file that says
+        # otherwise is never served (none given: BlockFormat())
+        self.formats = formats or {}
         self.stats = DiskIOStats()
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int], _Write] = {}
@@ -117,15 +123,15 @@ class DiskStore:
         self._lock_fd = -1
 
     @classmethod
-    def open(cls, config: DiskTierConfig, key: bytes, manifest: Manifest,
-             slots: dict[int, tuple[int, int]]) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
+    def open(cls, config: DiskTierConfig, key: bytes, manifest: Manifest, slots: dict[int, tuple[int, int]],
+             formats: dict[int, BlockFormat] | None = None) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
         """The store on `config.path`, and the checked headers of the blocks found there per window.
-        `slots`: window -> (number of disk slots, payload bytes of one block). ValueError naming the
-        key when the directory cannot be used."""
+        `slots`: window -> (number of disk slots, payload bytes of one block); `formats`: window -> its
+        block format. ValueError naming the key when the directory cannot be used."""
         path = Path(config.path).expanduser()
-        store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()})
+        store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()}, formats)
         store._lock_fd = take_directory(path)
-        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes)
+        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes, store.format_of)
         try:
             found = restore_or_reset(start, manifest)
         except OSError as exc:
@@ -207,6 +213,9 @@ class DiskStore:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
 
+    def format_of(self, window: int) -> BlockFormat:
+        return self.formats.get(window) or BlockFormat()
+
     # ---- files
     def _file(self, window: int, slot: int) -> Path:
         return self.path / f"w{window}" / f"{slot}.kv"
@@ -235,9 +244,9 @@ class DiskStore:
                     self.stats.write_errors += 1
 
     def _write_file(self, window: int, slot: int, job: _Write) -> bool:
-        meta, target = job.meta, self._file(window, slot)
+        meta, target, fmt = job.meta, self._file(window, slot), self.format_of(window)
         header = BlockHeader(window, slot, meta.block_hash, meta.parent_hash, meta.root_salt, meta.tokens,
-                             meta.priority, time.time_ns(), job.nbytes, bytes(MAC_BYTES))
+                             meta.priority, time.time_ns(), job.nbytes, bytes(MAC_BYTES), fmt.dtype, fmt.scales)
         tmp = target.with_suffix(".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -295,6 +304,7 @@ class DiskStore:
         header, offset = decode_header(self.key, head)
         if (header.window, header.slot, header.block_hash) != (window, slot, block_hash):
             raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
+        check_format(header, self.format_of(window))
         if header.payload_bytes != self.slot_bytes[window]:
             raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have "
                                      f"{self.slot_bytes[window]}")

@@ -21,12 +21,12 @@ from kvcache.admission import check_capacity, onboard_closure
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager, DiskEntry
 from kvcache.config import KvCacheConfig
-from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockHeader, Manifest, key_id
+from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockFormat, BlockHeader, Manifest, key_id
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup
-from kvcache.layout import CacheLayout
+from kvcache.layout import CacheLayout, dtype_name
 from kvcache.stats import KVCacheStats
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class DiskTier:
         trees (before anything else touches them)."""
         assert config.disk is not None
         slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
-        store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots)
+        store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots,
+                                      block_formats(layout, groups))
         for g in groups:
             store.stats.restored += len(g.bm.restore_disk(_entries(found[g.window])))
         if store.stats.restored or store.stats.skipped_at_start:
@@ -168,9 +169,15 @@ def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
 
 
 def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:
-    """What a disk directory's files must be for: this model, KV layout and key."""
-    return Manifest(MANIFEST_VERSION, salt, str(layout.dtype).removeprefix("torch."), config.tokens_per_block,
-                    layout.layer_windows, layout.num_kv_heads, layout.head_dim, key_id(key))
+    """What a disk directory's files must be for: this model, KV layout (dtype and scales) and key."""
+    return Manifest(MANIFEST_VERSION, salt, dtype_name(layout.dtype), config.tokens_per_block,
+                    layout.layer_windows, layout.num_kv_heads, layout.head_dim, key_id(key), layout.k_scales,
+                    layout.v_scales)
+
+
+def block_formats(layout: CacheLayout, groups: Sequence[WindowGroup]) -> dict[int, BlockFormat]:
+    """Window -> what its blocks' bytes are (the group's layers' scales, for an FP8 cache)."""
+    return {g.window: BlockFormat(dtype_name(layout.dtype), layout.group_scales(g.layers)) for g in groups}
 
 
 def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:

@@ -49,6 +49,15 @@ def request_salt(manager_salt: str, salt: str | None) -> str:
     return manager_salt if salt is None else f"{manager_salt}\x1f{salt}"
 
 
+def kv_format_salt(salt: str, kv_format: str) -> str:
+    """The hashing namespace of a KV cache whose blocks are stored in `kv_format` (its element type
+    and scales: `CacheLayout.kv_format`; "" for the model's own dtype, whose namespace is `salt`
+    itself). The KV manager refines its salt with it, so blocks of an FP8 cache never match those of
+    a bf16 cache, nor of one with other scales, in any tier; the router reads the refined salt from
+    the server's snapshot and hashes prompts the same way."""
+    return salt if not kv_format else f"{salt}\x1ekv={kv_format}"
+
+
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int, salt: str = "") -> list[bytes]:
     """Chained hash of every FULL block of `token_ids` (a trailing partial block has none)."""
     if tokens_per_block <= 0:

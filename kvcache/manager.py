@@ -25,7 +25,7 @@ from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
 from kvcache.errors import KVCacheError
 from kvcache.fork import fork_request
 from kvcache.group import WindowGroup, level_sizes
-from kvcache.hashing import request_salt, salt_digest
+from kvcache.hashing import kv_format_salt, request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
 from kvcache.layout import CacheLayout
 from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse
@@ -61,7 +61,9 @@ class KVCacheManager:
     memory on CUDA, 8 * max_seq_len tokens on CPU), host_cache_size // bytes_per_token(all layers)
     // tpb secondary slots and disk.max_bytes // the same disk slots (kvcache.group.level_sizes).
     `salt` is the hashing namespace (model fingerprint); a request's own salt refines it (see
-    kvcache.request_salt), so cached blocks are shared only within a namespace. `disk_key` seals the
+    kvcache.request_salt), so cached blocks are shared only within a namespace; an FP8 layout refines
+    it with its format (`kvcache.hashing.kv_format_salt`: `self.salt` is the refined one, what the KV
+    events' snapshot advertises), so no tier mixes blocks of two formats. `disk_key` seals the
     disk tier's files (derive it from the deployment token). Block ids are per window group; -1 in a
     block list means "released" (out of the window). Call `close` at the end (the disk tier's writes).
     """
@@ -69,14 +71,14 @@ class KVCacheManager:
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "", disk_key: bytes = b"") -> None:
         self.config = config
         self.layout = layout
-        self.salt = salt
+        self.salt = kv_format_salt(salt, layout.kv_format)
         self.tokens_per_block = tpb = config.tokens_per_block
         self.window_sizes: tuple[int, ...] = tuple(sorted(set(layout.layer_windows)))
         sizes = level_sizes(config, layout)
         self._groups = [WindowGroup(config, layout, w, *sizes) for w in self.window_sizes]
         self._disk: DiskTier | NoDiskTier = NoDiskTier()
         if config.disk is not None:
-            self._disk = DiskTier.open(config, layout, salt, disk_key, self._groups)
+            self._disk = DiskTier.open(config, layout, self.salt, disk_key, self._groups)
         self._by_window = {g.window: g for g in self._groups}
         self._layer_group = {layer: g for g in self._groups for layer in g.layers}
         self._policy: PrefixReuse | NoReuse = NoReuse()
@@ -99,6 +101,10 @@ class KVCacheManager:
         g = self._layer(layer_idx)
         local = g.layers.index(layer_idx)
         return g.pools.primary[:, local, 0], g.pools.primary[:, local, 1]
+
+    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
+        """(k scale, v scale) the layer's blocks are stored with (FP8; (1.0, 1.0) otherwise)."""
+        return self.layout.layer_scales(layer_idx)
 
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
         """[num_slots, num_layers_in_group, 2, tpb, kv_heads, head_dim]; None if the level has no slots."""

@@ -16,7 +16,7 @@ class KVCacheStats:
     disk_offloads / disk_onboards: blocks moved secondary -> disk (writes queued) / disk -> secondary
     (disk hits, read and checked); disk_bytes_written / disk_bytes_read: their payload bytes that
     reached a file / were read back; disk_dropped: disk blocks dropped because their bytes were lost,
-    by reason (corrupt, truncated, stale, missing, timeout, io_error: the file failed on read;
+    by reason (corrupt, truncated, stale, format, missing, timeout, io_error: the file failed on read;
     queue_full: the write queue refused it); disk_write_errors: writes that failed (the block is
     dropped when read); disk_queued_bytes: bytes waiting for their write now; disk_restored: blocks
     found on disk at start.

@@ -1,4 +1,5 @@
-"""The `pdserve` command line: serve (one engine), router, launch (a whole deployment)."""
+"""The `pdserve` command line: serve (one engine), router, launch (a whole deployment), calibrate-kv
+(FP8 KV cache scales)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp8: the linear layers' weights in FP8, quantized at load (docs/FP8.md)")
     serve.add_argument("--engine-process", choices=["auto", "true", "false"], default=None,
                        help="run the engine in a process of its own (default auto: on CUDA only)")
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                       help="kv_cache_config.dtype: the model's dtype (auto) or FP8 e4m3 (docs/FP8.md)")
     router = commands.add_parser("router", help="run the router of a deployment YAML")
     router.add_argument("--config", required=True, help="deployment YAML")
     launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
@@ -59,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("name", help="the deployment's name (`launch --name`, default the YAML's file name)")
     ray.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
     ray.add_argument("--namespace", default="pdserve")
+    calibrate = commands.add_parser("calibrate-kv", help="measure per-layer FP8 KV cache scales on sample text")
+    calibrate.add_argument("model", help="builtin:tiny-story or a Hugging Face model directory")
+    calibrate.add_argument("--out", required=True, help="the scales file to write (kv_cache_config.scales names it)")
+    calibrate.add_argument("--text", action="append", default=[], help="a sample text file (repeatable); "
+                           "default: the prose of Python's language reference")
+    calibrate.add_argument("--max-tokens", type=int, default=65536, help="sample tokens used at most")
+    calibrate.add_argument("--seq-len", type=int, default=2048, help="tokens prefilled at once")
+    calibrate.add_argument("--device", default="auto")
+    calibrate.add_argument("--dtype", default="auto", help="the model's dtype while measuring")
     return parser
 
 
@@ -69,7 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {"hostname": args.host, "port": args.port, "max_seq_len": args.max_seq_len,
                  "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                  "dtype": args.dtype, "device": args.device, "quantization": args.quantization,
-                 "engine_process": {"true": True, "false": False}.get(args.engine_process, args.engine_process)}
+                 "engine_process": {"true": True, "false": False}.get(args.engine_process, args.engine_process),
+                 "kv_cache_config": {"dtype": args.kv_cache_dtype} if args.kv_cache_dtype else None}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     role = args.role or "aggregated"
     try:
@@ -170,10 +183,20 @@ def _ray(args: argparse.Namespace) -> int:
         return 2
 
 
+def _calibrate_kv(args: argparse.Namespace) -> int:
+    from server.models.calibrate_kv import main
+
+    try:
+        return main(args)
+    except ValueError as exc:
+        print(f"pdserve calibrate-kv: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"serve": _serve, "router": _router, "launch": _launch, "ray": _ray}
+    handlers = {"serve": _serve, "router": _router, "launch": _launch, "ray": _ray, "calibrate-kv": _calibrate_kv}
     if args.command is None:
         parser.print_help()
         return 0

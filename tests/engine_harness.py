@@ -19,6 +19,7 @@ from server.engine.speculative.build import build_spec
 from server.engine.speculative.config import SpeculativeConfig
 from server.engine.speculative.decoder import SpecDecoder
 from server.models.builtin import resolve_model
+from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec, with_quantization
 from server.models.runner import ModelRunner
 from server.types import GenerateRequest, RequestOutput, SamplingParams
@@ -30,12 +31,13 @@ def make_core(model: str = "builtin:tiny-llama", *, kv: KvCacheConfig | None = N
               max_num_tokens: int = 256, max_batch_size: int = 16, connector=None,
               async_scheduling: bool = False, device: str = "cpu", kernels: str = "torch",
               speculative: SpeculativeConfig | None = None, quantization: str | None = None) -> EngineCore:
-    """float32; on CUDA with kernels="triton" the decode graphs are captured before it returns.
-    `quantization`: "fp8" quantizes the linears' weights at load (server/models/fp8/)."""
+    """float32 (the KV cache too, unless `kv` says fp8); on CUDA with kernels="triton" the decode
+    graphs are captured before it returns. `quantization`: "fp8" quantizes the linears' weights at
+    load (server/models/fp8/)."""
     model_dir = resolve_model(model)
     spec = with_quantization(load_spec(model_dir), quantization)
     kv_config = kv or KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-    manager = KVCacheManager(kv_config, spec.cache_layout(max_seq_len, torch.float32, device),
+    manager = KVCacheManager(kv_config, kv_cache_layout(kv_config, spec, max_seq_len, torch.float32, device),
                              salt=spec.fingerprint)
     runner = ModelRunner(model_dir, manager, dtype=torch.float32, device=torch.device(device),
                          max_num_tokens=max_num_tokens, max_batch_size=max_batch_size, kernels=kernels,

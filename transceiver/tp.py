@@ -66,6 +66,7 @@ def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:
 def gather_heads(pool: torch.Tensor, slots: list[int], heads: Heads, out: torch.Tensor) -> int:
     """Copy kv heads `heads` of slots `slots` of `pool` ([num_slots, layers, 2, tpb, kv_heads, dim]),
     block after block, into the front of uint8 CPU buffer `out`; returns the bytes written."""
+    pool = _elements(pool)
     idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
     part = pool.index_select(0, idx)[:, :, :, :, heads[0]:heads[1]]  # [n, layers, 2, tpb, h, dim]
     nbytes = part.numel() * part.element_size()
@@ -76,7 +77,14 @@ def gather_heads(pool: torch.Tensor, slots: list[int], heads: Heads, out: torch.
 def scatter_heads(pool: torch.Tensor, slots: list[int], heads: Heads, parts: list[np.ndarray]) -> None:
     """Write a chunk's payload (blocks of `gather_heads`' layout) into kv heads `heads` of `slots`."""
     data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    pool = _elements(pool)
     shape = (len(slots), *pool.shape[1:4], heads[1] - heads[0], pool.shape[5])
     src = torch.from_numpy(data).view(pool.dtype).view(shape)
     idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
     pool[:, :, :, :, heads[0]:heads[1]].index_copy_(0, idx, src.to(pool.device))
+
+
+def _elements(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as elements these copies can index: a one-byte (FP8) pool as its bytes (torch has
+    no indexed copy of float8 on the CPU); the bytes move unchanged either way."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 else pool

@@ -62,7 +62,9 @@ REASONS = (
 
 
 class WindowLayout(msgspec.Struct, frozen=True):
-    """One window group's pool: slot = `[layers, 2, tokens_per_block, kv_heads, head_dim]`."""
+    """One window group's pool: slot = `[layers, 2, tokens_per_block, kv_heads, head_dim]`. An FP8
+    pool's blocks are moved as they are, so both sides must store them with the same per-layer
+    scales (`k_scales`, `v_scales`, in `layers` order; empty for a pool in the model's dtype)."""
 
     window: int
     layers: list[int]
@@ -70,6 +72,8 @@ class WindowLayout(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str
     slot_bytes: int
+    k_scales: list[float] = []
+    v_scales: list[float] = []
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -289,7 +293,7 @@ def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
 
 
 def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
-    for name in ("layers", "head_dim", "dtype"):
+    for name in ("layers", "head_dim", "dtype", "k_scales", "v_scales"):
         if getattr(a, name) != getattr(b, name):
             return f"{name} differs: context {getattr(a, name)!r} vs generation {getattr(b, name)!r}"
     if a.kv_heads == b.kv_heads and a.slot_bytes != b.slot_bytes:
@@ -302,13 +306,17 @@ def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
 
 def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: str,
               heads: tuple[int, int] | None = None) -> Layout:
-    """The layout a server advertises: per window group, the layers, kv heads, head dim, dtype and
-    slot bytes of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb, kv_heads, head_dim]);
-    `heads`: (first kv head held, the model's kv heads) of a tensor-parallel rank."""
-    windows = [WindowLayout(window=w, layers=list(kv.group_layers(w)), kv_heads=int(pools[w].shape[4]),
-                            head_dim=int(pools[w].shape[5]), dtype=str(pools[w].dtype).removeprefix("torch."),
-                            slot_bytes=kv.slot_bytes(w))
-               for w in sorted(kv.window_sizes)]
+    """The layout a server advertises: per window group, the layers, kv heads, head dim, dtype,
+    slot bytes and (FP8) scales of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb,
+    kv_heads, head_dim]); `heads`: (first kv head held, the model's kv heads) of a tensor-parallel rank."""
+    windows = []
+    for w in sorted(kv.window_sizes):
+        layers = list(kv.group_layers(w))
+        scales = [kv.layer_scales(i) for i in layers] if kv.layout.quantized else []
+        windows.append(WindowLayout(window=w, layers=layers, kv_heads=int(pools[w].shape[4]),
+                                    head_dim=int(pools[w].shape[5]), dtype=str(pools[w].dtype).removeprefix("torch."),
+                                    slot_bytes=kv.slot_bytes(w), k_scales=[k for k, _ in scales],
+                                    v_scales=[v for _, v in scales]))
     start, total = heads if heads is not None else (0, 0)
     return Layout(tokens_per_block=kv.tokens_per_block, windows=windows, fingerprint=fingerprint,
                   kv_heads_total=total, kv_head_start=start)

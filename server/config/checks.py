@@ -1,5 +1,5 @@
 """Rules that span a deployment's servers (one model with one quantization, no shared port, the GPU's
-memory shared out), and host:port strings."""
+memory shared out, one KV format across the pair), and host:port strings."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Protocol, TypeVar
 from msgspec.structs import replace
 
 from kvcache.config import DEFAULT_GPU_FRACTION
+from kvcache.kv_scales import read_scales
 from server.config.yaml_io import ConfigError
 
 
@@ -85,6 +86,41 @@ def check_disk_paths(servers: list[S], source: str) -> None:
                     raise ConfigError(f"{source}: kv_cache_config.disk.path: {other} and {name} both use "
                                       f"{path!r}; give each server its own directory (set disk.path per section)")
             seen.append((s.host, mine, name if rank == 0 else f"{name} (rank {rank})"))
+
+
+def check_kv_formats(servers: list[S], source: str) -> None:
+    """A context server's KV blocks reach a generation server as they are: both must store them
+    alike, the same kv_cache_config.dtype and, for FP8, the same scales (the same scales file, or
+    files of equal scales, or both the checkpoint's). Refused here, naming both servers; the KV
+    link's handshake refuses a pair started by hand (transceiver/wire.py `layout_mismatch`)."""
+    generation = [s for s in servers if s.role == "generation"]
+    for ctx in (s for s in servers if s.role == "context"):
+        for gen in generation:
+            problem = _kv_format_difference(ctx, gen, source)
+            if problem is not None:
+                raise ConfigError(f"{source}: kv_cache_config.{problem}")
+
+
+def _kv_format_difference(ctx: ServerLike, gen: ServerLike, source: str) -> str | None:
+    a, b = ctx.kv_cache_config, gen.kv_cache_config
+    names = f"context server {host_port(ctx.host, ctx.port)}", f"generation server {host_port(gen.host, gen.port)}"
+    if a.dtype != b.dtype:
+        return f"dtype differs: {names[0]} has {a.dtype!r}, {names[1]} has {b.dtype!r}"
+    if a.dtype != "fp8" or a.scales == b.scales:
+        return None
+    if a.scales is None or b.scales is None:
+        where = [f"{name} {_scales_source(p)}" for name, p in zip(names, (a.scales, b.scales), strict=True)]
+        return f"scales differ: {where[0]}, {where[1]}"
+    try:
+        if read_scales(a.scales) != read_scales(b.scales):
+            return f"scales differ: {names[0]} has {a.scales!r}, {names[1]} has {b.scales!r}, of other values"
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return None
+
+
+def _scales_source(path: str | None) -> str:
+    return "the checkpoint's (or 1.0)" if path is None else repr(path)
 
 
 def _same_host(a: str, b: str) -> bool:

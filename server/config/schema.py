@@ -31,6 +31,7 @@ from msgspec.structs import replace
 from kvcache.config import KvCacheConfig
 from server.config.checks import (
     check_disk_paths,
+    check_kv_formats,
     check_ports,
     check_same_model,
     host_port,
@@ -297,6 +298,7 @@ def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> D
     check_same_model(servers, source)
     check_ports(servers, (host, file.port) if has_router else None, source)
     check_disk_paths(servers, source)
+    check_kv_formats(servers, source)
     router = file.router
     cfg = DeploymentConfig(
         source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),

@@ -33,6 +33,7 @@ from server.engine.speculative.build import build_spec
 from server.engineproc.client import EngineProcess
 from server.engineproc.front import EngineKvEvents
 from server.models.builtin import resolve_model
+from server.models.kv_format import kv_cache_layout, kv_dtype_name
 from server.models.model_spec import load_spec, with_quantization
 from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.telemetry.kv_events import KvEventPublisher
@@ -63,8 +64,9 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
     weights = load_weights(spec, dtype, device, cfg.quantization) if shard is None else \
         shard.load(spec, dtype, device, cfg.quantization)
     local = spec if shard is None else shard.local_spec(spec)  # a rank's pools hold its kv heads
-    kv = KVCacheManager(cfg.kv_cache_config, local.cache_layout(cfg.max_seq_len, dtype, device),
-                        salt=spec.fingerprint, disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
+    layout = kv_cache_layout(cfg.kv_cache_config, local, cfg.max_seq_len, dtype, device)  # dtype, FP8 scales
+    kv = KVCacheManager(cfg.kv_cache_config, layout, salt=spec.fingerprint,
+                        disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
                          cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard,
@@ -81,8 +83,9 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
                       ranks), async_scheduling=use_async_scheduling(cfg, device),
                       spec=build_spec(cfg.speculative, limits, runner))
     log.info("engine ready: %s on %s/%s, linear weights %s, %s kernels (warm-up %.1f s), KV windows %s, %s primary "
-             "blocks, async scheduling %s, speculative %s", model_dir, device, dtype, spec.quantization or dtype,
-             runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes], core.async_scheduling,
+             "blocks of %s, async scheduling %s, speculative %s", model_dir, device, dtype, spec.quantization or dtype,
+             runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes], kv.layout.dtype,
+             core.async_scheduling,
              cfg.speculative.method)
     return core
 
@@ -207,7 +210,8 @@ def event_publisher(cfg: ServerConfig, epoch: str) -> KvEventPublisher | None:
     token = cfg.cache_transceiver_config.auth_token
     if not token:
         return None
-    return KvEventPublisher(token, epoch, cfg.cache_transceiver_config.host)
+    kv_dtype = kv_dtype_name(cfg.kv_cache_config, resolve_dtype(cfg.dtype, resolve_device(cfg.device)))
+    return KvEventPublisher(token, epoch, cfg.cache_transceiver_config.host, kv_dtype)
 
 
 async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:

@@ -11,6 +11,11 @@ metadata ONCE per step (`plan`), then every layer calls `forward` with its q and
 No host synchronisation in `forward`: every index and mask is a tensor built in `plan` from host
 lists (uploaded in one copy per step), and Python branches only on host-known sizes. Pools are
 zero-initialised, so padded or masked slots never inject NaN.
+
+An FP8 cache (`kv_cache_config.dtype: fp8`) stores e4m3(K / k_scale) and e4m3(V / v_scale) per
+layer (`quantize_fp8`: float32 product, saturated at +-448, rounded to nearest even, the rounding the
+Triton kernels reproduce bit for bit); reads dequantize: the gathered blocks are widened to the
+model's dtype, k_scale is folded into the softmax scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvcache.layout import FP8, inverse_scale, quantize_fp8
 from server.models.rope import apply_rotary
 
 
@@ -38,6 +44,10 @@ class PagedKV(Protocol):
         ...
 
     def layer_window(self, layer_idx: int) -> int: ...
+
+    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
+        """(k scale, v scale) of an FP8 cache's layer; (1.0, 1.0) for a cache in the model's dtype."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,10 @@ class _WindowPlan:
 class TorchPagedAttention(AttentionBackend):
     """Portable backend (CPU and CUDA): gathers K and V blocks with one index_select, attends with SDPA."""
 
-    def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int) -> None:
+    def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the model's (what q, k, v and the output are); default the cache's, which an FP8
+        cache is not."""
         self.kv = kv
         self.tpb = kv.tokens_per_block
         self.num_heads = num_heads
@@ -109,8 +122,16 @@ class TorchPagedAttention(AttentionBackend):
                                          for i in range(num_layers)]
         self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
         cache = self.layers[0].blocks
-        self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
-        self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
+        self.quantized = cache.dtype == FP8
+        if self.quantized and dtype is None:
+            raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
+        self.dtype = dtype or cache.dtype
+        self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
+        # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
+        self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
+                         for k, v in self.scales] if self.quantized else []
+        self._zero = torch.zeros((), dtype=self.dtype, device=cache.device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=cache.device)
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
@@ -137,36 +158,54 @@ class TorchPagedAttention(AttentionBackend):
         kv = torch.stack((k, qkv[:, heads + kv_heads:]), 1)  # [T, 2, kv_heads, head_dim]: K then V
         cache = self.layers[layer]
         plan = meta[cache.window]
-        cache.tokens.index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
+        if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
+            kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
+        _as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
         outs = []
         if plan.decode is not None:
-            outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode))
+            outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode, layer))
         for p in plan.prefills:
-            outs.append(self._prefill(q[p.rows], cache.blocks, p))
+            outs.append(self._prefill(q[p.rows], cache.blocks, p, layer))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
         head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
         s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
-        keys, values = _gather(blocks, a.units, s)  # each [S, kv_heads, L, D]
+        keys, values = _gather(blocks, a.units, s, q.dtype)  # each [S, kv_heads, L, D]
         qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale)
-        return out.reshape(s, self.num_heads, d)  # CUDA kernels may return another memory layout
+        k_scale, v_scale = self.scales[layer]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
+        return self._scaled(out.reshape(s, self.num_heads, d), v_scale)  # CUDA may return another layout
 
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
         for a 256-token prompt on the CPU)."""
-        keys, values = _gather(blocks, a.units, 1)  # each [1, kv_heads, L, D]
+        keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
+        k_scale, v_scale = self.scales[layer]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=a.mask,
-                                             scale=self.scale, enable_gqa=True)  # [1, heads, Q, D]
-        return out[0].transpose(0, 1)
+                                             scale=self.scale * k_scale, enable_gqa=True)  # [1, heads, Q, D]
+        return self._scaled(out[0].transpose(0, 1), v_scale)
+
+    def _scaled(self, out: torch.Tensor, v_scale: float) -> torch.Tensor:
+        """The attention output of dequantized values: times v_scale (an FP8 cache only)."""
+        return out * v_scale if self.quantized else out
 
 
-def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    """A view of pool memory to index: an FP8 pool's as bytes (float8 has no indexed CPU copies)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
-    [num_seqs, kv_heads, nb * tpb, D] (views of one gathered tensor)."""
-    kv = blocks.index_select(0, units).view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
+    [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor; an FP8 cache's
+    blocks widened, exactly: every e4m3 value is a bf16, fp16 and float32 value)."""
+    kv = _as_stored(blocks).index_select(0, units)
+    if blocks.dtype == FP8:
+        kv = kv.view(FP8).to(dtype)
+    kv = kv.view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
     return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 

@@ -153,7 +153,8 @@ class ModelRunner:
             backend = TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
                                            max_seq_len=max_seq_len)
             return backend, TritonOps(spec.rms_norm_eps)
-        return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim), TorchOps(spec.rms_norm_eps)
+        return (TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim, self.dtype),
+                TorchOps(spec.rms_norm_eps))
 
     def warm_up(self) -> float:
         """Run the step shapes the scheduler produces once and capture the decode graphs, so no
@@ -342,12 +343,14 @@ def _seq_layout(chunk: SeqChunk) -> SeqLayout:
 
 
 def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
-    """The cache must have been laid out for this model (`spec.cache_layout`) in the model's dtype."""
+    """The cache must have been laid out for this model (`spec.cache_layout`) in the model's dtype,
+    or as FP8 (`kv_cache_config.dtype: fp8`)."""
     for layer in range(spec.num_layers):
         k, _ = kv.layer_cache(layer)
         window, wanted = kv.layer_window(layer), spec.layer_windows[layer]
         bad_window = wanted is not None and window > wanted
-        if tuple(k.shape[2:]) != (spec.num_kv_heads, spec.head_dim) or bad_window or k.dtype != dtype:
+        bad_dtype = k.dtype not in (dtype, torch.float8_e4m3fn)
+        if tuple(k.shape[2:]) != (spec.num_kv_heads, spec.head_dim) or bad_window or bad_dtype:
             raise ValueError(f"KV cache layer {layer} ({tuple(k.shape)} {k.dtype}, window {window}) does "
                              f"not fit model {spec.model_dir} (kv_heads {spec.num_kv_heads}, head_dim "
                              f"{spec.head_dim}, window {wanted}, dtype {dtype})")

@@ -9,6 +9,10 @@ Per layer: one kernel rotates q and k and writes the new K/V into the cache (`ro
 
 `plan` packs every index of a step into one int32 host buffer uploaded in one copy. A plan whose
 tensors live in static buffers (`StaticDecodePlan`) is what CUDA graphs replay (cuda_graphs.py).
+
+An FP8 cache: `rope_write` stores e4m3(K / k_scale), e4m3(V / v_scale) and the paged kernels read
+them back with the layer's scales (the scales are per layer and fixed: launch arguments that a
+captured graph keeps). A dense prefill attends over the chunk's own K/V before they are rounded.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcache.layout import inverse_scale
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
 from server.models.dense_prefill import causal_sdpa, dense_prefill_kind
 from server.models.kernels.attention import (
@@ -91,6 +96,8 @@ class TritonPagedAttention(AttentionBackend):
         self.scale = head_dim**-0.5
         self.views = [kv.layer_cache(i) for i in range(num_layers)]  # (K, V) [slots, tpb, kv_heads, D]
         self.windows = [kv.layer_window(i) for i in range(num_layers)]
+        self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v): 1.0 unless FP8
+        self.inverse = [(inverse_scale(k), inverse_scale(v)) for k, v in self.scales]
         self.num_kv_heads = self.views[0][0].shape[2]
         self.max_blocks = math.ceil(max_seq_len / self.tpb)
         device = self.views[0][0].device
@@ -98,6 +105,10 @@ class TritonPagedAttention(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 32, got {head_dim}")
+        fp8 = self.views[0][0].dtype == torch.float8_e4m3fn
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, Hopper) for "
+                             "the Triton kernels (kernels: torch serves it on any GPU)")
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowMeta]:
@@ -171,19 +182,21 @@ class TritonPagedAttention(AttentionBackend):
         window = self.windows[layer]
         plan = meta[window]
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        rope_write(qkv, cos, sin, k_cache, v_cache, plan.slot, plan.offset, heads, kv_heads)
+        (k_scale, v_scale), (k_inv, v_inv) = self.scales[layer], self.inverse[layer]
+        rope_write(qkv, cos, sin, k_cache, v_cache, plan.slot, plan.offset, heads, kv_heads, k_inv, v_inv)
         q = qkv[:, :heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.decode is not None:
             d = plan.decode
             nd = d.seq_lens.shape[0]
             paged_decode(q[:nd], k_cache, v_cache, d.block_table, d.seq_lens, d.lo, out[:nd], self.scale,
-                         d.splits, d.scratch)
+                         d.splits, d.scratch, k_scale, v_scale)
         for rows in plan.dense:
             out[rows] = causal_sdpa(qkv[rows], heads, kv_heads, self.scale)
         if plan.paged is not None:
             p = plan.paged
-            paged_prefill(q, k_cache, v_cache, out, p.block_table, p.tiles, p.lo_seq, self.scale, window)
+            paged_prefill(q, k_cache, v_cache, out, p.block_table, p.tiles, p.lo_seq, self.scale, window,
+                          k_scale, v_scale)
         return out
 
     # ---- CUDA graphs

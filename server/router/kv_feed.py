@@ -11,7 +11,8 @@ right (no I/O here; server/router/kv_sync.py drives it with sockets and HTTP).
   thread after the event numbered `seq`) is on its way; then the index is reset to it and the kept
   batches are replayed from `seq + 1` on.
 - live: every batch must continue the numbering (`first_seq == next_seq`; an old one is skipped);
-  a batch from after a gap, or from another epoch (the server restarted), asks for a resync.
+  a batch from after a gap, from another epoch (the server restarted), or naming another KV dtype
+  than the snapshot's, asks for a resync.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class KvFeed:
             return False
         if epoch != self.epoch:
             return self._resync("epoch")
+        if batch.kv_dtype and self.index.kv_dtype and batch.kv_dtype != self.index.kv_dtype:
+            return self._resync("kv_dtype")
         if batch.first_seq > self.next_seq:
             return self._resync("gap")
         self._apply(batch)

@@ -23,8 +23,9 @@ class KvIndex:
     def __init__(self) -> None:
         self.windows: dict[int, dict[bytes, int]] = {}
         self.counts: dict[tuple[int, int], int] = {}  # (window, tier) -> blocks
-        self.salt = ""  # the server's hashing namespace (model fingerprint)
+        self.salt = ""  # the server's hashing namespace (model fingerprint, and its KV format if FP8)
         self.tokens_per_block = 0
+        self.kv_dtype = ""  # the element type of the server's KV blocks ("" from a server that does not say)
 
     def reset(self, snapshot: dict) -> None:
         """Replace the content with a snapshot's (`windows`: {window: {level name: [hex hashes]}}).
@@ -40,7 +41,10 @@ class KvIndex:
         salt = snapshot["salt"]
         if not isinstance(salt, str):
             raise TypeError(f"salt must be a string, got {salt!r}")
-        self.windows, self.salt, self.tokens_per_block = windows, salt, tokens_per_block
+        kv_dtype = snapshot.get("kv_dtype", "")
+        if not isinstance(kv_dtype, str):
+            raise TypeError(f"kv_dtype must be a string, got {kv_dtype!r}")
+        self.windows, self.salt, self.tokens_per_block, self.kv_dtype = windows, salt, tokens_per_block, kv_dtype
         self.counts = {}
         for window, blocks in windows.items():
             for level in blocks.values():

@@ -55,6 +55,7 @@ class KvEventBatch(msgspec.Struct, tag=True, frozen=True):
 
     first_seq: int
     events: list[tuple[int, int, bytes, int]]
+    kv_dtype: str = ""  # the element type of the publisher's KV blocks ("float8_e4m3fn", "bfloat16", ...)
 
 
 def event_codec(token: str, *, publisher: bool, epoch: str = "") -> SignedCodec:
@@ -65,18 +66,19 @@ def event_codec(token: str, *, publisher: bool, epoch: str = "") -> SignedCodec:
                        epoch=epoch, fresh=True, max_bytes=MAX_MESSAGE_BYTES)
 
 
-def message_batches(first_seq: int, events: list[KvEvent]) -> list[KvEventBatch]:
+def message_batches(first_seq: int, events: list[KvEvent], kv_dtype: str = "") -> list[KvEventBatch]:
     """`events` cut into messages of at most MAX_EVENTS_PER_MESSAGE, numbered on."""
-    return [KvEventBatch(first_seq + i, events[i:i + MAX_EVENTS_PER_MESSAGE])
+    return [KvEventBatch(first_seq + i, events[i:i + MAX_EVENTS_PER_MESSAGE], kv_dtype)
             for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE)]
 
 
 class _Publisher:
     """The publisher thread's handler: one ROUTER socket, the subscribers heard from lately."""
 
-    def __init__(self, token: str, epoch: str, host: str) -> None:
+    def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
         self._codec = event_codec(token, publisher=True, epoch=epoch)
         self._host = host
+        self.kv_dtype = kv_dtype
         self.endpoint = ""
         self.next_seq = 1  # the number the next event sent will have (heartbeats carry it)
         self.subscribers: dict[bytes, float] = {}  # peer identity -> last Subscribe (monotonic)
@@ -92,7 +94,7 @@ class _Publisher:
 
     def on_command(self, io: SocketIO, cmd: tuple[int, list[KvEvent]]) -> None:
         first_seq, events = cmd
-        for batch in message_batches(first_seq, events):
+        for batch in message_batches(first_seq, events, self.kv_dtype):
             self._broadcast(io, batch)
         self.next_seq = first_seq + len(events)
 
@@ -109,7 +111,7 @@ class _Publisher:
             return
         if isinstance(body, Subscribe):
             if peer not in self.subscribers:
-                self._send(io, peer, KvEventBatch(self.next_seq, []))  # tells it where the numbers stand
+                self._send(io, peer, self._beat())  # tells it where the numbers stand
             self.subscribers[peer] = time.monotonic()
 
     def on_unroutable(self, io: SocketIO, key, frames: list) -> None:
@@ -121,7 +123,10 @@ class _Publisher:
             if mono - seen > SUBSCRIBER_TTL_S:
                 del self.subscribers[peer]
         if mono - self._last_beat >= HEARTBEAT_S:
-            self._broadcast(io, KvEventBatch(self.next_seq, []))
+            self._broadcast(io, self._beat())
+
+    def _beat(self) -> KvEventBatch:
+        return KvEventBatch(self.next_seq, [], self.kv_dtype)
 
     def _broadcast(self, io: SocketIO, batch: KvEventBatch) -> None:
         self._last_beat = time.monotonic()
@@ -135,10 +140,11 @@ class _Publisher:
 
 
 class KvEventPublisher:
-    """Owns the publisher thread. `publish` is called on the engine thread and never blocks."""
+    """Owns the publisher thread. `publish` is called on the engine thread and never blocks. Every
+    batch names the element type of the server's KV blocks (`kv_dtype`)."""
 
-    def __init__(self, token: str, epoch: str, host: str) -> None:
-        self._handler = _Publisher(token, epoch, host)
+    def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
+        self._handler = _Publisher(token, epoch, host, kv_dtype)
         self._thread = SocketThread("pdserve-kv-events", self._handler, tick_s=0.25)
         self.dropped_batches = 0
 
@@ -210,6 +216,7 @@ class KvEventSource:
         largest = blocks[max(blocks)]
         return {
             "salt": kv.salt, "tokens_per_block": kv.tokens_per_block, "epoch": self.epoch, "seq": self.seq,
+            "kv_dtype": str(kv.layout.dtype).removeprefix("torch."),
             # the snapshot policy's view (kv_cache_snapshot): the largest window, any level
             "hashes": [h.hex() for level in Level for h in largest[level]],
             "windows": {str(w): {level.name.lower(): [h.hex() for h in hashes] for level, hashes in levels.items()}

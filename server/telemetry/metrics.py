@@ -156,7 +156,7 @@ class _KVCacheCollector:
 def _disk_families(stats: KVStats | None) -> Iterator[Metric]:
     dropped = CounterMetricFamily(
         "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
-        "failed its check (corrupt, truncated, stale, missing, timeout, io_error) or the write queue was full "
+        "failed its check (corrupt, truncated, stale, format, missing, timeout, io_error) or the write queue was full "
         "(queue_full).", labels=["reason"])
     for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
         dropped.add_metric([reason], count)

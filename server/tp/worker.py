@@ -30,6 +30,7 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.layout import CacheLayout
 from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
+from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec, with_quantization
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
@@ -133,7 +134,7 @@ class Worker:
         shard = RankShard.of(spec, args.rank, args.size)
         weights = shard.load(spec, dtype, device, cfg.quantization)
         init, self.pending = self._init()
-        layout = shard.local_spec(spec).cache_layout(cfg.max_seq_len, dtype, device)
+        layout = kv_cache_layout(cfg.kv_cache_config, shard.local_spec(spec), cfg.max_seq_len, dtype, device)
         self.kv = KVCacheManager(mirror_config(cfg.kv_cache_config, init, layout), layout, salt=spec.fingerprint)
         self.disk = mirror_disk(cfg, self.kv, init, args.rank)
         self.runner = ModelRunner(Path(args.model_dir), self.kv, dtype=dtype, device=device,

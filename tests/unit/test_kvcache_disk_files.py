@@ -30,7 +30,7 @@ KEY = b"k" * 32
 def _header(payload: bytes, **kw) -> BlockHeader:
     fields = dict(window=64, slot=3, block_hash=b"h" * 16, parent_hash=None, root_salt=b"s" * 16,
                   tokens=(1, 2, 3, 4), priority=35, written_ns=1, payload_bytes=len(payload),
-                  payload_mac=payload_mac(KEY, payload))
+                  payload_mac=payload_mac(KEY, payload), dtype="float32", scales=())
     return BlockHeader(**{**fields, **kw})
 
 

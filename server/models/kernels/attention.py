@@ -8,6 +8,10 @@ kernel, never passed as a scalar that a graph would freeze).
 
 Pool views (`PagedKV.layer_cache`): K, V each [slots, tpb, kv_heads, head_dim], strides (S, H*D, D, 1).
 Keys visible to a query at position p: lo <= k <= p (decode: lo = max(0, len - window), p = len - 1).
+
+An FP8 cache's K and V are loaded as e4m3 (half the bytes of bf16: decode reads half as much) and
+widened to q's dtype, exactly; the layer's k_scale is folded into the softmax scale and its v_scale
+into the output (1.0 for a cache in the model's dtype, which changes nothing).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
         live = tok < end
         page = tl.load(BT + b * stride_bt + tok // TPB, mask=live, other=0).to(tl.int64)
         off = page * stride_ks + (tok % TPB) * stride_kt + h * stride_kh
-        k = tl.load(K + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+        k = tl.load(K + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -61,7 +65,7 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -74,10 +78,11 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
 
 
 @triton.jit
-def _decode_merge(OP, MP, LP, OUT, stride_ot, stride_oh,
+def _decode_merge(OP, MP, LP, OUT, stride_ot, stride_oh, v_scale,
                   KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                   NSPLIT: tl.constexpr, SP: tl.constexpr):
-    """One (sequence, q head): merge the splits' partials; a sequence with no keys gets zeros."""
+    """One (sequence, q head): merge the splits' partials (times v_scale); a sequence with no keys
+    gets zeros."""
     b, qh = tl.program_id(0), tl.program_id(1)
     h, g = qh // G, qh % G
     offs_s = tl.arange(0, SP)
@@ -89,14 +94,14 @@ def _decode_merge(OP, MP, LP, OUT, stride_ot, stride_oh,
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     total = tl.sum(tl.load(LP + rows, mask=live, other=0.0) * w, 0)
     acc = tl.load(OP + rows[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0) * v_scale
     tl.store(OUT + b * stride_ot + qh * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
              stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kt, stride_kh, stride_bt,
-             sm_scale_log2, window,
+             sm_scale_log2, v_scale, window,
              G: tl.constexpr, D: tl.constexpr, TPB: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One (tile of query tokens of one sequence, kv head): rows are (token, head of the group)."""
@@ -125,7 +130,7 @@ def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
         key_live = (key >= first) & (key <= pos_last)
         page = tl.load(BT + seq * stride_bt + key // TPB, mask=key_live, other=0).to(tl.int64)
         off = page * stride_ks + (key % TPB) * stride_kt + h * stride_kh
-        k = tl.load(K + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0)
+        k = tl.load(K + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0).to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -137,13 +142,13 @@ def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0)
+        v = tl.load(V + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(OUT + (row0 + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_live[:, None])
 
@@ -162,9 +167,11 @@ def _strides(k: torch.Tensor) -> tuple[int, int, int]:
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, scale: float, splits: int,
-                 scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q [B, H, D] (any row/head strides), block_table [B, NB] int32, seq_lens / lo [B] int32 ->
-    out [B, H, D]. `scratch`: preallocated (partials [B*KVH*splits*GP, D] f32, m, l) for graphs."""
+    out [B, H, D]. `scratch`: preallocated (partials [B*KVH*splits*GP, D] f32, m, l) for graphs.
+    `k_scale`, `v_scale`: an FP8 cache's layer scales (K, V are stored divided by them)."""
     b, heads, d = q.shape
     kv_heads = k.shape[2]
     g = heads // kv_heads
@@ -177,11 +184,11 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
         raise ValueError("K and V views must have the same strides")
     _decode_split[(b, kv_heads, splits)](
         q, k, v, block_table, seq_lens, lo, partials, maxes, sums,
-        q.stride(0), q.stride(1), ks, kt, kh, block_table.stride(0), scale * LOG2E,
+        q.stride(0), q.stride(1), ks, kt, kh, block_table.stride(0), scale * k_scale * LOG2E,
         KVH=kv_heads, G=g, GP=gp, D=d, TPB=k.shape[1], NSPLIT=splits, BLOCK_N=DECODE_BLOCK_N,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-    _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), KVH=kv_heads, G=g, GP=gp, D=d,
-                              NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), v_scale, KVH=kv_heads, G=g,
+                              GP=gp, D=d, NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
 
 
@@ -204,9 +211,10 @@ def prefill_tokens_per_tile(num_heads: int, kv_heads: int) -> int:
 
 def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   block_table: torch.Tensor, tiles: torch.Tensor, lo_seq: torch.Tensor, scale: float,
-                  window: int) -> torch.Tensor:
+                  window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q, out [T, H, D]; block_table [S, NB] int32; tiles [4, num_tiles] int32 rows (sequence, first
-    flattened row, first position, tokens); lo_seq [S] int32: first key held per sequence."""
+    flattened row, first position, tokens); lo_seq [S] int32: first key held per sequence.
+    `k_scale`, `v_scale`: an FP8 cache's layer scales."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k.shape[2]
     ks, kt, kh = _strides(k)
@@ -214,6 +222,6 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     _prefill[(num_tiles, kv_heads)](
         q, k, v, out, block_table, tiles[0], tiles[1], tiles[2], tiles[3], lo_seq,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), ks, kt, kh, block_table.stride(0),
-        scale * LOG2E, window, G=heads // kv_heads, D=d, TPB=k.shape[1], BLOCK_M=PREFILL_BLOCK_M,
+        scale * k_scale * LOG2E, v_scale, window, G=heads // kv_heads, D=d, TPB=k.shape[1], BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out

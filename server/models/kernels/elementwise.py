@@ -1,5 +1,5 @@
 """Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add), SiLU-and-mul, and
-RoPE fused with the KV cache write.
+RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3).
 
 Each rounds where transformers' modules round, so bf16 results match them op for op: an op on bf16
 tensors computes in float32 and rounds its result to bf16, and these kernels round after the same
@@ -44,8 +44,43 @@ def _silu_mul(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh,
-                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr):
+def e4m3_bits(x):
+    """float32 -> the e4m3fn code (0..255, as int32) of x: round to nearest even, saturated at
+    +-448, the rounding of torch's float32 -> float8_e4m3fn (kvcache.layout.quantize_fp8) bit for bit.
+    In integer arithmetic, so compiled and interpreted kernels agree (Triton's interpreter rounds
+    float8 conversions its own way)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal e4m3 (|x| >= 2^-6): keep float32's exponent and top 3 mantissa bits, round on the other
+    # 20 (a carry moves into the exponent), rebias 127 -> 7
+    m = a >> 20
+    rem = a & 0xFFFFF
+    m = m + ((rem > 0x80000) | ((rem == 0x80000) & ((m & 1) == 1))).to(tl.int32)
+    normal = m - (120 << 3)
+    # subnormal e4m3 (|x| < 2^-6): round |x| * 2^9 to an integer 0..8 (8 is the smallest normal)
+    s = tl.minimum(141 - (a >> 23), 31)
+    mant = (a & 0x7FFFFF) | 0x800000
+    q = mant >> s
+    r = mant & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    q = q + ((r > half) | ((r == half) & ((q & 1) == 1))).to(tl.int32)
+    return sign | tl.where(a >= 0x3C800000, normal, q)
+
+
+@triton.jit
+def _store_kv(dst, x, inv, QUANT: tl.constexpr):
+    """Store a half head of K or V: as is, or (QUANT, `dst` bytes of an FP8 cache) x * inv as e4m3."""
+    if QUANT:
+        tl.store(dst, e4m3_bits(x.to(tl.float32) * inv).to(tl.uint8))
+    else:
+        tl.store(dst, x)
+
+
+@triton.jit
+def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh, k_inv, v_inv,
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
     """Program (token, head of q|k|v): rotate q and k in place; write k and v to the cache."""
     t, j = tl.program_id(0), tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -69,12 +104,12 @@ def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, s
         tl.store(base + D // 2 + half, y2)
         if j >= H and slot >= 0:
             dst = K + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H) * stride_kh
-            tl.store(dst + half, y1)
-            tl.store(dst + D // 2 + half, y2)
+            _store_kv(dst + half, y1, k_inv, QUANT)
+            _store_kv(dst + D // 2 + half, y2, k_inv, QUANT)
     elif slot >= 0:
         dst = V + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H - KVH) * stride_kh
-        tl.store(dst + half, x1)
-        tl.store(dst + D // 2 + half, x2)
+        _store_kv(dst + half, x1, v_inv, QUANT)
+        _store_kv(dst + D // 2 + half, x2, v_inv, QUANT)
 
 
 def _block(n: int) -> int:
@@ -111,15 +146,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor, num_heads: int,
-               num_kv_heads: int) -> None:
+               num_kv_heads: int, k_inv: float = 1.0, v_inv: float = 1.0) -> None:
     """qkv [T, H + 2 KVH, D] (heads contiguous): q and k rotated in place, k and v written to the
-    cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin [T, D]."""
+    cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin [T, D]. An FP8
+    cache gets e4m3(k * k_inv) and e4m3(v * v_inv) (the inverses of the layer's scales)."""
     t, heads, d = qkv.shape
     if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride():
         raise ValueError("rope_write needs heads laid out contiguously and K, V views with equal strides")
     ks, kt, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    quant = k_cache.dtype == torch.float8_e4m3fn
+    if quant:  # the codes are computed in the kernel and stored as bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_write[(t, heads)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0),
-                            ks, kt, kh, H=num_heads, KVH=num_kv_heads, D=d, num_warps=1)
+                            ks, kt, kh, k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, QUANT=quant, num_warps=1)
 
 
 def _warps(n: int) -> int:
