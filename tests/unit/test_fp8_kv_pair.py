@@ -42,17 +42,17 @@ def fp8(scales: str) -> KvCacheConfig:
     return KvCacheConfig(tokens_per_block=16, max_tokens=4096, dtype="fp8", scales=scales)
 
 
-def _pair(kv: KvCacheConfig):
-    ctx, gen = eh.make_core(LLAMA, kv=kv), eh.make_core(LLAMA, kv=kv)
+def _pair(kv: KvCacheConfig, quantization: str | None = None):
+    ctx, gen = (eh.make_core(LLAMA, kv=kv, quantization=quantization) for _ in range(2))
     sender, receiver = KVSender(ctx.kv, CONFIG, "fp"), KVReceiver(gen.kv, CONFIG, "fp")
     ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
     return ctx, gen, sender, receiver
 
 
-def _disaggregated(kv: KvCacheConfig) -> tuple[list[list[int]], int, list[bool]]:
+def _disaggregated(kv: KvCacheConfig, quantization: str | None = None) -> tuple[list[list[int]], int, list[bool]]:
     """Each prompt through the pair: its tokens, the bytes the sender sent, and whether the
     generation server's copy of each of its full blocks equals the context server's, byte for byte."""
-    ctx, gen, sender, receiver = _pair(kv)
+    ctx, gen, sender, receiver = _pair(kv, quantization)
     try:
         run = eh.PairRun(ctx, gen)
         legs = [eh.submit(ctx, p, eh.greedy(STEPS), disagg=DisaggParams("context_only")) for p in PROMPTS]
@@ -94,6 +94,13 @@ def test_fp8_pair_equals_the_fp8_aggregated_server_and_moves_a_quarter_of_float3
     blocks = sum(-(-len(p) // 16) for p in PROMPTS)  # every block of each prompt, the partial one too
     slot = 16 * 4 * 2 * 2 * 32  # tokens x layers x (K, V) x kv heads x head_dim: one byte each
     assert (fp8_bytes, fp32_bytes) == (blocks * slot, 4 * blocks * slot)
+
+
+def test_fp8_weights_and_an_fp8_cache_together_through_the_pair(scales):
+    """FP8 weights (quantized at load) with an FP8 KV cache: the pair equals that aggregated server."""
+    aggregated = eh.generate(eh.make_core(LLAMA, kv=fp8(scales), quantization="fp8"), PROMPTS, eh.greedy(STEPS))
+    tokens, _, same = _disaggregated(fp8(scales), "fp8")
+    assert tokens == [r.token_ids for r in aggregated] and all(same)
 
 
 def _handshake(ctx_kv, gen_kv) -> str:
