@@ -275,7 +275,16 @@ def test_a_killed_server_serves_again_on_its_node(pair, reference):
     assert "restarted by Ray, epoch" in launch_log(path, "pair")
 
 
+def all_servers_healthy(url: str) -> bool:
+    """The router sees every server of the deployment healthy (its /health lists each)."""
+    servers = httpx.get(f"{url}/health", timeout=5).json().get("servers", {})
+    return bool(servers) and all(s["healthy"] for s in servers.values())
+
+
 def test_a_lost_node_takes_its_server_and_the_router_serves_with_the_rest(cluster, pair, reference):
+    # the server an earlier test killed is back in the router's view too (else the lost one would be
+    # the only generation server it could pick, and nothing would be left to retry on)
+    wait_until(lambda: all_servers_healthy(pair.url), 30, what="the router seeing every server healthy")
     lost = generation_on("node_c")
     cluster.nodes.remove_node(cluster.node_c)
     wait_until(lambda: alive([lost["pid"]]) == [], 60, what="the lost node's server process gone with its actor")
