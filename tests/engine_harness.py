@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kv_factories import kv_link
+from runner_harness import no_host_syncs
 from transformers import AutoTokenizer
 from waiting import wait_until
 
@@ -131,6 +132,29 @@ def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams)
     ids = [submit(core, p, params) for p in prompts]
     results = run_to_completion(core, ids)
     return [results[i] for i in ids]
+
+
+def decoding(core: EngineCore, cases: list[tuple[list[int], SamplingParams]]) -> list[str]:
+    """Submit `cases` and step until every request only decodes (graph steps); their ids."""
+    ids = [submit(core, p, s) for p, s in cases]
+    for _ in range(100):
+        running = core.scheduler.running
+        if len(running) == len(ids) and all(r.num_computed_tokens + 1 == r.num_tokens for r in running):
+            return ids
+        core.step()
+    raise AssertionError("the requests never reached decode")
+
+
+def event_waits(core: EngineCore, monkeypatch, steps: int = 20) -> int:
+    """`steps` steps of `core` under `no_host_syncs` (CUDA); how many waits on a CUDA event they made
+    (a spy on torch.cuda.Event.synchronize)."""
+    waits = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), real(event))[1])
+    with no_host_syncs():
+        for _ in range(steps):
+            core.step()
+    return len(waits)
 
 
 def blocks_in_use(kv: KVCacheManager) -> int:

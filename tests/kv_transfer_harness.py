@@ -63,6 +63,15 @@ def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> No
                 slot_view(kv, w, slot).copy_(_block_pattern(kv, w, i, tokens))
 
 
+def write_prompt(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """The context side's 'prefill' of a request: admitted, the pattern written past its cache hit,
+    its blocks committed; the hit, in tokens."""
+    hit = kv.admit(rid, tokens)
+    fill(kv, rid, tokens, hit)
+    kv.commit(rid, tokens, len(tokens))
+    return hit
+
+
 def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
     """Every held block of the request has the pattern of its tokens; returns blocks checked."""
     checked = 0

@@ -105,22 +105,7 @@ def test_an_async_decode_step_with_logprobs_and_penalties_waits_once_on_an_event
              (random_prompt(61, 25), SamplingParams(max_tokens=64, temperature=1.0, min_p=0.05, seed=5,
                                               logit_bias=((9, 1.0),), logprobs=0)),
              (random_prompt(62, 30), eh.greedy(64, repetition_penalty=1.2, presence_penalty=0.3, logprobs=3))]
-    ids = [eh.submit(core, p, s) for p, s in cases]
-    for _ in range(100):
-        running = core.scheduler.running
-        if len(running) == len(ids) and all(r.num_computed_tokens + 1 == r.num_tokens for r in running):
-            break
-        core.step()
-    waits = []
-    real = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), real(event))[1])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            core.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(waits) == 20
+    eh.decoding(core, cases)
+    assert eh.event_waits(core, monkeypatch, 20) == 20
     eh.run_to_completion(core, [])
     assert len(core.counts) == 0

@@ -22,6 +22,7 @@ from kv_transfer_harness import (
     fill,
     serve_json_commands,
     tokens_for,
+    write_prompt,
 )
 from waiting import wait_until
 
@@ -59,16 +60,12 @@ class _Ctx:
         self.sender = KVSender(self.kv, cfg, FINGERPRINT)
 
     def cache(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
+        hit = write_prompt(self.kv, rid, tokens)
         self.kv.release(rid)
         return {"hit": hit}
 
     def prefill(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
+        hit = write_prompt(self.kv, rid, tokens)
         self.kv.release_out_of_window(rid, len(tokens))
         blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
         slots = {w: self.kv.get_memory_pool_block_indices([b for b in ids if b >= 0], w)
