@@ -263,3 +263,11 @@ def greedy_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: float
         assert response.status_code == 200, response.text
         out.append(response.json()["choices"][0]["text"])
     return out
+
+
+def bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`pdserve-bench ARGS` (`python -m pdserve_bench`) run to its end, checked to exit 0; its output."""
+    done = subprocess.run([sys.executable, "-m", "pdserve_bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"pdserve-bench {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
