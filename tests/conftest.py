@@ -22,3 +22,13 @@ except ImportError:
 def anyio_backend() -> str:
     """pdserve runs on asyncio (uvicorn); anyio would also try trio, which selenium installs."""
     return "asyncio"
+
+
+@pytest.fixture
+def no_env_overrides(monkeypatch) -> None:
+    """The deployment's auth token and hostname as its YAML says: their environment overrides unset.
+    Config tests take it for every test (`pytestmark = pytest.mark.usefixtures("no_env_overrides")`)."""
+    from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
+
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(HOSTNAME_ENV, raising=False)

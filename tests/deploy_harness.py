@@ -1,11 +1,13 @@
-"""Launches a real deployment (`pdserve launch`) on free loopback ports and tears it down.
+"""Launches a real deployment (`pdserve launch`), or one aggregated server (`pdserve serve
+--config`), on free loopback ports and tears it down.
 
 Imported by integration tests as `import deploy_harness`. Every server is a real process; the
-harness only rewrites the ports of a shipped YAML and waits for the router's /health.
+harness only rewrites the ports of a shipped YAML (or writes a server's YAML) and waits for /health.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -18,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
+import psutil
 import yaml
+from waiting import wait_until
 
 from server.deploy.launcher import wait_for_health
 
@@ -27,6 +32,14 @@ STARTUP_TIMEOUT_S = 180.0
 # The shipped configs name the trained default model; the tests that launch them compare against
 # transformers on the random tiny model, so they run that one unless `overrides` name a model.
 TEST_MODELS = {"builtin:tiny-story": "builtin:tiny-llama"}
+# The one server `served` starts, unless its settings say otherwise.
+SERVER = {"model": "builtin:tiny-llama", "hostname": "127.0.0.1", "max_seq_len": 512, "max_batch_size": 8,
+          "max_num_tokens": 256, "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
+# The `openai` client's keywords for a greedy request that goes on past EOS (vLLM's ignore_eos).
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+# `topic_prompts`: a topic each, then one sentence repeated to make them long.
+TOPICS = ["astronomy", "cooking", "gardening", "history", "music", "sailing"]
+FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
 
 
 _HANDED_OUT: set[int] = set()
@@ -66,20 +79,28 @@ class Deployment:
 
     def metric(self, server_url: str, name: str, labels: str = "") -> float:
         """Sum of the samples of `name` (whose label text contains `labels`) on one server."""
-        text = httpx.get(f"{server_url}/metrics", timeout=10).text
-        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-        return sum(float(v) for lab, v in pattern.findall(text) if labels in (lab or ""))
+        return metric(server_url, name, labels)
 
     def server_pids(self, role: str) -> list[int]:
         """pids of the launcher's children serving `role` (context|generation|router)."""
-        import psutil
-
         pids = []
         for child in psutil.Process(self.process.pid).children(recursive=True):
             cmd = " ".join(child.cmdline())
             if (role == "router" and " router " in cmd) or f"--server {role}-" in cmd:
                 pids.append(child.pid)
         return pids
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` (whose label text contains `labels`) on the server at `url`."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+    return sum(float(v) for lab, v in pattern.findall(text) if labels in (lab or ""))
+
+
+def openai_client(url: str, timeout_s: float = 120) -> openai.OpenAI:
+    """The real `openai` client on the server or router at `url`; no retries."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
 
 def write_config(source: Path, tmp_path: Path, overrides: dict | None = None) -> tuple[Path, dict]:
@@ -141,6 +162,98 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
 
 
+@contextmanager
+def served(tmp: Path, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
+    """One `pdserve serve --config` process: SERVER with `settings` over it, on a free port, its output
+    in tmp/server.log. Yields (its URL, the process) once /health answers; terminates it on leaving
+    if it still runs."""
+    cfg = {**SERVER, **settings, "port": free_port()}
+    (tmp / "server.yaml").write_text(yaml.safe_dump(cfg))
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(tmp / "server.yaml")],
+                                cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{cfg['port']}"
+    try:
+        wait_until(lambda: _healthy(url, proc), 120, what="server health", on_timeout=log_path.read_text)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def _healthy(url: str, proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, "server exited"
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def engine_child(server_pid: int) -> psutil.Process:
+    """The engine process (`engine_process: true`) of the server process `server_pid`."""
+    [child] = [c for c in psutil.Process(server_pid).children() if "server.engineproc.main" in " ".join(c.cmdline())]
+    return child
+
+
+def router_ready(url: str) -> bool:
+    """The router at `url` answers /health, and says every server it routes to is healthy."""
+    response = httpx.get(f"{url}/health", timeout=5)
+    return response.status_code == 200 and all(s["healthy"] for s in response.json()["servers"].values())
+
+
+def check_answers_and_streams(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, question: str) -> None:
+    """A greedy completion of `prompt` is transformers' text, and streamed it is the same; a greedy chat
+    answer to `question` (12 tokens) equals its stream."""
+    import hf_reference
+
+    from server.models.builtin import resolve_model
+
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **GREEDY)
+    assert whole.choices[0].text == hf_reference.hf_text_ignore_eos(resolve_model(model), prompt, max_tokens)
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    messages = [{"role": "user", "content": question}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, **GREEDY)
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=12, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+
+
+def topic_prompts(fillers: int) -> list[str]:
+    """One prompt per topic of TOPICS: the topic, FILLER `fillers` times, a request to answer."""
+    return [f"Topic: {t}. " + FILLER * fillers + " Now answer briefly:" for t in TOPICS]
+
+
+def completions(url: str, prompts: list[str], payload: dict, concurrent: bool = False) -> list[dict]:
+    """Each prompt's /v1/completions answer (`payload`: the rest of the body; each status 200), the
+    requests one after the other, or all at once."""
+    async def one(client: httpx.AsyncClient, prompt: str) -> dict:
+        response = await client.post(f"{url}/v1/completions", json={"prompt": prompt, **payload}, timeout=180)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient() as client:
+            if concurrent:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+            return [await one(client, p) for p in prompts]
+
+    return asyncio.run(run())
+
+
+def check_replays(url: str, prompts: list[str], payload: dict, reference: list[str], times: int) -> None:
+    """The prompts one after the other, then `times` times all at once: every text is the reference's,
+    and every replayed prompt hit the prefix cache."""
+    first = completions(url, prompts, payload)
+    assert [b["choices"][0]["text"] for b in first] == reference
+    for _ in range(times):
+        replay = completions(url, prompts, payload, concurrent=True)
+        assert [b["choices"][0]["text"] for b in replay] == reference
+        assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+
+
 def greedy_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: float = 120) -> list[str]:
     """Each prompt's greedy completion text (ignore_eos) from `url`, one request at a time."""
     out = []
@@ -150,3 +263,11 @@ def greedy_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: float
         assert response.status_code == 200, response.text
         out.append(response.json()["choices"][0]["text"])
     return out
+
+
+def bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`pdserve-bench ARGS` (`python -m pdserve_bench`) run to its end, checked to exit 0; its output."""
+    done = subprocess.run([sys.executable, "-m", "pdserve_bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"pdserve-bench {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done

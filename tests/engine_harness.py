@@ -1,4 +1,5 @@
-"""Builds an in-process EngineCore on a real model directory and runs requests to completion.
+"""Builds an in-process EngineCore on a real model directory and runs requests to completion; joins
+two of them, a context and a generation engine, by a real KV link on loopback (`loopback_pair`).
 
 Shared by engine tests (imported as `import engine_harness`, like `hf_reference`).
 """
@@ -9,11 +10,14 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from kv_factories import kv_link
+from runner_harness import no_host_syncs
 from transformers import AutoTokenizer
 from waiting import wait_until
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
+from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.engine.scheduler import SchedulerConfig
 from server.engine.speculative.build import build_spec
 from server.engine.speculative.config import SpeculativeConfig
@@ -22,7 +26,7 @@ from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec, with_quantization
 from server.models.runner import ModelRunner
-from server.types import GenerateRequest, RequestOutput, SamplingParams
+from server.types import DisaggParams, GenerateRequest, RequestOutput, SamplingParams
 
 _ids = itertools.count()
 
@@ -130,6 +134,29 @@ def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams)
     return [results[i] for i in ids]
 
 
+def decoding(core: EngineCore, cases: list[tuple[list[int], SamplingParams]]) -> list[str]:
+    """Submit `cases` and step until every request only decodes (graph steps); their ids."""
+    ids = [submit(core, p, s) for p, s in cases]
+    for _ in range(100):
+        running = core.scheduler.running
+        if len(running) == len(ids) and all(r.num_computed_tokens + 1 == r.num_tokens for r in running):
+            return ids
+        core.step()
+    raise AssertionError("the requests never reached decode")
+
+
+def event_waits(core: EngineCore, monkeypatch, steps: int = 20) -> int:
+    """`steps` steps of `core` under `no_host_syncs` (CUDA); how many waits on a CUDA event they made
+    (a spy on torch.cuda.Event.synchronize)."""
+    waits = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), real(event))[1])
+    with no_host_syncs():
+        for _ in range(steps):
+            core.step()
+    return len(waits)
+
+
 def blocks_in_use(kv: KVCacheManager) -> int:
     """Blocks referenced by a request or pinned, over every window group and level."""
     return sum(n for (_, _, state), n in kv.stats().blocks.items() if state == "in_use")
@@ -196,3 +223,65 @@ class PairRun:
 
     def wait(self, rids: list[str], what: str) -> None:
         wait_until(lambda: all(self.final(r) for r in rids), 60, what, step=self.step, interval_s=0.001)
+
+
+def generation_params(answer: RequestOutput, **extra) -> DisaggParams:
+    """The generation leg's parameters from a context leg's answer (`extra`: more fields of them)."""
+    p = answer.disagg
+    assert p is not None, answer
+    return DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
+                        p.prompt_token_ids, **extra)
+
+
+class LoopbackPair(PairRun):
+    """A `PairRun` whose engines are joined by a real KV sender and receiver on loopback (their
+    connectors set). A context manager: leaving it (or `close`) closes the link."""
+
+    def __init__(self, ctx: EngineCore, gen: EngineCore, fingerprints: tuple[str, str] = ("fp", "fp")) -> None:
+        super().__init__(ctx, gen)
+        self.sender, self.receiver = kv_link(ctx.kv, gen.kv, fingerprints)
+        ctx.connector = ContextConnector(self.sender, ctx.kv)
+        gen.connector = GenerationConnector(self.receiver, gen.kv)
+
+    @property
+    def cores(self) -> tuple[EngineCore, EngineCore]:
+        return self.ctx, self.gen
+
+    def serve(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[str]:
+        """Each prompt's context leg, then, once all answered, its generation leg (`params`: for all,
+        or one per prompt); the generation legs' ids once they all finished."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        legs = [submit(self.ctx, p, sp, disagg=DisaggParams("context_only"))
+                for p, sp in zip(prompts, each, strict=True)]
+        self.wait(legs, "the context legs")
+        gens = [submit(self.gen, p, sp, disagg=generation_params(self.final(leg)))
+                for p, sp, leg in zip(prompts, each, legs, strict=True)]
+        self.wait(gens, "the generation legs")
+        return gens
+
+    def settle(self) -> None:
+        """Every lease and pull ends; nothing stays pinned or in use, and both caches are consistent."""
+        wait_until(lambda: self.sender.num_leases == 0 and self.receiver.num_pulls == 0, 30, "leases and pulls to end",
+                   step=self.step, interval_s=0.001)
+        assert self.sender.pinned_blocks() == {}
+        for core in self.cores:
+            assert blocks_in_use(core.kv) == 0
+            core.kv.check_integrity()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+    def __enter__(self) -> LoopbackPair:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def loopback_pair(model: str = "builtin:tiny-llama", *, ctx: dict | None = None, gen: dict | None = None,
+                  fingerprints: tuple[str, str] = ("fp", "fp"), **both) -> LoopbackPair:
+    """Two engines of `model` (`make_core` keywords: `both` for each, `ctx` / `gen` more for one side)
+    in a `LoopbackPair`."""
+    return LoopbackPair(make_core(model, **{**both, **(ctx or {})}), make_core(model, **{**both, **(gen or {})}),
+                        fingerprints)

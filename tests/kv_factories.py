@@ -1,4 +1,5 @@
-"""KV cache managers for tests that need one without a model: the layout is given by hand.
+"""KV cache managers for tests that need one without a model (the layout is given by hand), and a
+real KV link on loopback between two managers.
 
 Tests import it as `import kv_factories` or `from kv_factories import make_manager` (tests/ is on
 sys.path, see hf_reference). Capacities are counted in blocks per window group, so a test's
@@ -7,12 +8,18 @@ numbers say how many blocks each level holds whatever the layout's bytes per tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from kvcache.config import DiskTierConfig
+from transceiver.config import TransceiverConfig
+from transceiver.receiver import KVReceiver
+from transceiver.sender import KVSender
+
+LINK_TOKEN = "loopback-link-test-token-0123456789"
 
 
 def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blocks: int = 0,
@@ -31,3 +38,23 @@ def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blo
     config = KvCacheConfig(tokens_per_block=tpb, max_tokens=primary_blocks * tpb,
                            host_cache_size=host_blocks * block_bytes, disk=tier, **cfg)
     return KVCacheManager(config, layout, salt=salt, disk_key=disk_key)
+
+
+def kv_link(ctx_kv: KVCacheManager, gen_kv: KVCacheManager,
+            fingerprints: tuple[str, str] = ("fp", "fp")) -> tuple[KVSender, KVReceiver]:
+    """A real KV sender on `ctx_kv` and a receiver on `gen_kv`, on loopback, sharing one auth token;
+    `fingerprints`: the model fingerprint each side announces (context, generation). The caller
+    closes both."""
+    config = TransceiverConfig(auth_token=LINK_TOKEN)
+    return KVSender(ctx_kv, config, fingerprints[0]), KVReceiver(gen_kv, config, fingerprints[1])
+
+
+@contextlib.contextmanager
+def loopback_link(ctx_kv: KVCacheManager, gen_kv: KVCacheManager) -> Iterator[tuple[KVSender, KVReceiver]]:
+    """`kv_link`'s sender and receiver, both closed on leaving."""
+    sender, receiver = kv_link(ctx_kv, gen_kv)
+    try:
+        yield sender, receiver
+    finally:
+        receiver.close()
+        sender.close()

@@ -63,6 +63,58 @@ def fill(kv: KVCacheManager, rid: str, tokens: list[int], from_token: int) -> No
                 slot_view(kv, w, slot).copy_(_block_pattern(kv, w, i, tokens))
 
 
+def write_prompt(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
+    """The context side's 'prefill' of a request: admitted, the pattern written past its cache hit,
+    its blocks committed; the hit, in tokens."""
+    hit = kv.admit(rid, tokens)
+    fill(kv, rid, tokens, hit)
+    kv.commit(rid, tokens, len(tokens))
+    return hit
+
+
+class ContextSide:
+    """The context process of the two-process tests: `kv` and its KVSender, answering the parent's
+    JSON commands ("cache", "prefill", "state"; subclasses add theirs in `handle` and figures in
+    `state`)."""
+
+    def __init__(self, kv: KVCacheManager, sender) -> None:
+        self.kv, self.sender = kv, sender
+
+    def cache(self, rid: str, tokens: list[int]) -> dict:
+        hit = write_prompt(self.kv, rid, tokens)
+        self.kv.release(rid)
+        return {"hit": hit}
+
+    def prefill(self, rid: str, tokens: list[int]) -> dict:
+        """Written, then leased: its block ids and their slots per window (-1 out of the window)."""
+        hit = write_prompt(self.kv, rid, tokens)
+        self.kv.release_out_of_window(rid, len(tokens))
+        blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
+        slots = {w: self.kv.get_memory_pool_block_indices(ids, w) for w, ids in blocks.items()}
+        self.sender.add_lease(rid, blocks)
+        self.kv.release(rid)
+        stats = self.kv.stats()
+        return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads, "onboards": stats.onboards}
+
+    def state(self) -> dict:
+        try:
+            self.kv.check_integrity()
+            integrity = "ok"
+        except Exception as e:  # reported to the test, which asserts on it
+            integrity = str(e)
+        s = self.sender.stats
+        return {"leases": self.sender.num_leases, "integrity": integrity,
+                "in_use": sum(n for (_, _, state), n in self.kv.stats().blocks.items() if state == "in_use"),
+                "transfers_ok": s.transfers_ok, "failures": s.failures_by_reason}
+
+    def handle(self, cmd: dict) -> dict:
+        if cmd["op"] == "cache":
+            return self.cache(cmd["rid"], cmd["tokens"])
+        if cmd["op"] == "prefill":
+            return self.prefill(cmd["rid"], cmd["tokens"])
+        return self.state()
+
+
 def assert_blocks_match(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
     """Every held block of the request has the pattern of its tokens; returns blocks checked."""
     checked = 0

@@ -53,17 +53,6 @@ def test_async_equals_sync_and_transformers_on_the_gpu(model: str) -> None:
     assert eh.blocks_in_use(core.kv) == 0
 
 
-def _decoding(core, cases) -> list[str]:
-    """Submit `cases` and step until every request only decodes (graph steps)."""
-    ids = [eh.submit(core, p, s) for p, s in cases]
-    for _ in range(100):
-        running = core.scheduler.running
-        if len(running) == len(ids) and all(r.num_computed_tokens + 1 == r.num_tokens for r in running):
-            return ids
-        core.step()
-    raise AssertionError("the requests never reached decode")
-
-
 def test_an_async_decode_step_waits_once_on_an_event(monkeypatch) -> None:
     """torch's sync debug mode raises on any stream or device synchronisation (a blocking copy,
     .item(), .tolist() of a device tensor); what is left are event waits, counted through a spy
@@ -73,18 +62,8 @@ def test_an_async_decode_step_waits_once_on_an_event(monkeypatch) -> None:
              for i in range(2)]
     cases += [(random_prompt(62, 25), SamplingParams(max_tokens=64, temperature=1.0, top_k=50, top_p=0.9, seed=5)),
               (random_prompt(70, 30), eh.greedy(64))]
-    _decoding(core, cases)
-    waits = []
-    real = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), real(event))[1])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            core.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(waits) == 20
+    eh.decoding(core, cases)
+    assert eh.event_waits(core, monkeypatch, 20) == 20
     eh.run_to_completion(core, [])
 
 
@@ -106,7 +85,7 @@ def test_a_step_returns_while_the_step_it_launched_runs() -> None:
     cycles = _sleep_cycles(50)
     for async_on in (False, True):
         core = _core(MODELS[0], async_on, max_batch_size=8)
-        _decoding(core, [(random_prompt(80 + i, 16), eh.greedy(40)) for i in range(4)])
+        eh.decoding(core, [(random_prompt(80 + i, 16), eh.greedy(40)) for i in range(4)])
         busy = []
         for _ in range(5):
             torch.cuda._sleep(cycles)  # on the engine's stream, before this step's launch

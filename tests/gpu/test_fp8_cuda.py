@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from runner_harness import no_host_syncs, prefilled_decode_rows
 from transformers import AutoTokenizer
 
 from kvcache import KvCacheConfig, KVCacheManager
@@ -112,12 +113,7 @@ def test_graph_replay_equals_the_eager_step_with_fp8_weights() -> None:
     """4 decode rows: the 4-row graph replays the same GEMM paths at the same row count as the eager step."""
     runner = _runner("fp8")
     prompts = [[5 + (n * 7 + j * 13) % 3000 for j in range(n)] for n in (9, 40, 100, 130)]
-    chunks = []
-    for i, p in enumerate(prompts):
-        runner.kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
-        tables = {w: runner.kv.slot_table(f"r{i}", w) for w in runner.kv.window_sizes}
-        runner.execute([SeqChunk(p, 0, tables, True)])
-        chunks.append(SeqChunk([11 + i], len(p), tables, True))
+    chunks = prefilled_decode_rows(runner, prompts, 11)
     eager = runner.forward(runner.prepare(chunks)).float()
     replayed = runner.execute(chunks).float()  # the same K/V written again at the same places
     assert runner.graphs is not None and 4 in runner.graphs.graphs
@@ -129,12 +125,8 @@ def test_forward_with_fp8_weights_has_no_host_synchronisation() -> None:
     tables = {w: list(range(8)) for w in runner.kv.window_sizes}
     chunks = [SeqChunk([7], 100, tables, True), SeqChunk(list(range(5, 125)), 0, tables, True)]  # 1 + 120 rows
     inputs = runner.prepare(chunks)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         logits = runner.forward(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (2, runner.spec.vocab_size) and logits.is_cuda
 
 

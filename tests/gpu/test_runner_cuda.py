@@ -11,6 +11,7 @@ import hf_reference
 import pytest
 import torch
 from prompts import stride_prompt
+from runner_harness import no_host_syncs
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import materialize_builtin
@@ -122,10 +123,6 @@ def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernel
     chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True),
               SeqChunk(list(range(5, 25)), 0, tables, True)]
     inputs = runner.prepare(chunks)  # host -> device copies happen here, outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         logits = runner.forward(inputs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (2, 512) and logits.is_cuda

@@ -5,12 +5,11 @@ waits once per step, on an event (they ride with the sampled ids). Skipped witho
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
 import torch
+from prompts import random_prompt
 from sampling_harness import logprobs_of, outputs_of, tokens_of
 
 from server.models.builtin import resolve_model
@@ -26,19 +25,14 @@ def _core(model: str, async_on: bool, **kw):
     return eh.make_core(model, device="cuda", kernels="triton", async_scheduling=async_on, **kw)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def _cases() -> list[tuple[list[int], SamplingParams]]:
-    return [(_prompt(1, 12), eh.greedy(20, logprobs=5)),
-            (_prompt(2, 150), eh.greedy(20, prompt_logprobs=3, logprobs=20)),  # chunks of 64
-            (_prompt(3, 30), SamplingParams(max_tokens=20, temperature=0.9, seed=4, frequency_penalty=0.8,
+    return [(random_prompt(1, 12), eh.greedy(20, logprobs=5)),
+            (random_prompt(2, 150), eh.greedy(20, prompt_logprobs=3, logprobs=20)),  # chunks of 64
+            (random_prompt(3, 30), SamplingParams(max_tokens=20, temperature=0.9, seed=4, frequency_penalty=0.8,
                                             logprobs=2, min_tokens=20)),
-            (_prompt(4, 9), eh.greedy(20, repetition_penalty=1.4, logit_bias=((7, 3.0),), presence_penalty=0.5)),
-            (_prompt(5, 40), SamplingParams(max_tokens=20, temperature=1.2, min_p=0.1, seed=6, min_tokens=20)),
-            (_prompt(6, 70), eh.greedy(20))]
+            (random_prompt(4, 9), eh.greedy(20, repetition_penalty=1.4, logit_bias=((7, 3.0),), presence_penalty=0.5)),
+            (random_prompt(5, 40), SamplingParams(max_tokens=20, temperature=1.2, min_p=0.1, seed=6, min_tokens=20)),
+            (random_prompt(6, 70), eh.greedy(20))]
 
 
 def _run(core, cases) -> list[tuple]:
@@ -86,7 +80,7 @@ def test_async_equals_sync_and_logprobs_equal_transformers_on_the_gpu(model: str
 
 def test_verify_rows_keep_logprobs_and_penalties_on_the_gpu() -> None:
     model = MODELS[0]
-    prompts = [_prompt(20, 14), _prompt(21, 33)]
+    prompts = [random_prompt(20, 14), random_prompt(21, 33)]
     params = [eh.greedy(30, logprobs=4, frequency_penalty=0.7),
               SamplingParams(max_tokens=30, temperature=0.8, seed=9, repetition_penalty=1.3, logprobs=1, min_tokens=30)]
     plain_core = _core(model, True)
@@ -106,27 +100,12 @@ def test_an_async_decode_step_with_logprobs_and_penalties_waits_once_on_an_event
     """torch's sync debug mode raises on any stream synchronisation; the one wait per step left is
     the event behind the copy of the step's ids and logprobs."""
     core = _core(MODELS[0], True, max_batch_size=8)
-    cases = [(_prompt(60, 20), SamplingParams(max_tokens=64, temperature=0.9, seed=1, min_tokens=40, logprobs=20,
+    cases = [(random_prompt(60, 20), SamplingParams(max_tokens=64, temperature=0.9, seed=1, min_tokens=40, logprobs=20,
                                               frequency_penalty=0.5)),
-             (_prompt(61, 25), SamplingParams(max_tokens=64, temperature=1.0, min_p=0.05, seed=5,
+             (random_prompt(61, 25), SamplingParams(max_tokens=64, temperature=1.0, min_p=0.05, seed=5,
                                               logit_bias=((9, 1.0),), logprobs=0)),
-             (_prompt(62, 30), eh.greedy(64, repetition_penalty=1.2, presence_penalty=0.3, logprobs=3))]
-    ids = [eh.submit(core, p, s) for p, s in cases]
-    for _ in range(100):
-        running = core.scheduler.running
-        if len(running) == len(ids) and all(r.num_computed_tokens + 1 == r.num_tokens for r in running):
-            break
-        core.step()
-    waits = []
-    real = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), real(event))[1])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            core.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(waits) == 20
+             (random_prompt(62, 30), eh.greedy(64, repetition_penalty=1.2, presence_penalty=0.3, logprobs=3))]
+    eh.decoding(core, cases)
+    assert eh.event_waits(core, monkeypatch, 20) == 20
     eh.run_to_completion(core, [])
     assert len(core.counts) == 0

@@ -13,16 +13,12 @@ import hf_reference
 import pytest
 import torch
 from json_schemas import check, random_schema
+from prompts import random_prompt
 
 from server.models.builtin import resolve_model
 from server.types import SamplingParams, StructuredSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _run(core, cases) -> list[tuple]:
@@ -35,10 +31,10 @@ def _run(core, cases) -> list[tuple]:
 def test_constrained_outputs_on_the_gpu_async_equal_sync(model: str) -> None:
     rng = random.Random(5)
     schemas = [random_schema(rng) for _ in range(12)]
-    cases = [(_prompt(i, 4 + 3 * i), SamplingParams(max_tokens=300, temperature=0.0 if i % 2 else 0.8, seed=i,
+    cases = [(random_prompt(i, 4 + 3 * i), SamplingParams(max_tokens=300, temperature=0.0 if i % 2 else 0.8, seed=i,
                                                      structured=StructuredSpec("json_schema", json.dumps(s))))
              for i, s in enumerate(schemas)]
-    free = [(_prompt(100 + i, 20), eh.greedy(32)) for i in range(3)]
+    free = [(random_prompt(100 + i, 20), eh.greedy(32)) for i in range(3)]
     results = [_run(eh.make_core(model, device="cuda", kernels="triton", async_scheduling=flag,
                                  max_num_tokens=128, max_batch_size=16), cases + free) for flag in (False, True)]
     assert results[1] == results[0]

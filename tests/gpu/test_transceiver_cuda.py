@@ -17,6 +17,7 @@ import pytest
 import torch
 from kv_factories import make_manager
 from kv_transfer_harness import (
+    ContextSide,
     JsonChild,
     assert_blocks_match,
     fill,
@@ -50,52 +51,17 @@ def make_kv(shape: str, max_blocks: int, host_blocks: int = 0) -> KVCacheManager
 # ---- the context process ---------------------------------------------------------------------
 
 
-class _Ctx:
+class _Ctx(ContextSide):
     def __init__(self, shape: str, same_host_ipc: bool) -> None:
         from transceiver.sender import KVSender
 
-        self.kv = make_kv(shape, max_blocks=16, host_blocks=64) if shape == "vswa" else make_kv(shape, 160)
+        kv = make_kv(shape, max_blocks=16, host_blocks=64) if shape == "vswa" else make_kv(shape, 160)
         cfg = TransceiverConfig(auth_token=TOKEN, same_host_ipc=same_host_ipc, max_chunk_bytes=1 << 20)
-        self.sender = KVSender(self.kv, cfg, FINGERPRINT)
-
-    def cache(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
-        self.kv.release(rid)
-        return {"hit": hit}
-
-    def prefill(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
-        self.kv.release_out_of_window(rid, len(tokens))
-        blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
-        slots = {w: self.kv.get_memory_pool_block_indices([b for b in ids if b >= 0], w)
-                 for w, ids in blocks.items()}
-        self.sender.add_lease(rid, blocks)
-        self.kv.release(rid)
-        stats = self.kv.stats()
-        return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads, "onboards": stats.onboards}
+        super().__init__(kv, KVSender(kv, cfg, FINGERPRINT))
 
     def state(self) -> dict:
-        try:
-            self.kv.check_integrity()
-            integrity = "ok"
-        except Exception as e:  # reported to the test, which asserts on it
-            integrity = str(e)
-        s = self.sender.stats
-        return {"leases": self.sender.num_leases, "integrity": integrity,
-                "ipc_enabled": self.sender.ipc_identity is not None, "ipc_exports": self.sender.ipc_exports,
-                "in_use": sum(n for (_, _, state), n in self.kv.stats().blocks.items() if state == "in_use"),
-                "transfers_ok": s.transfers_ok, "ipc_transfers": s.ipc_transfers, "failures": s.failures_by_reason}
-
-    def handle(self, cmd: dict) -> dict:
-        if cmd["op"] == "cache":
-            return self.cache(cmd["rid"], cmd["tokens"])
-        if cmd["op"] == "prefill":
-            return self.prefill(cmd["rid"], cmd["tokens"])
-        return self.state()
+        return {**super().state(), "ipc_enabled": self.sender.ipc_identity is not None,
+                "ipc_exports": self.sender.ipc_exports, "ipc_transfers": self.sender.stats.ipc_transfers}
 
 
 def ctx_main(shape: str, same_host_ipc: bool) -> None:

@@ -111,13 +111,17 @@ CHAT = {
 }
 
 
+def _both(urls: tuple[str, str], path: str, body: dict, chat: bool) -> tuple[dict, list[dict]]:
+    """The aggregated server's JSON answer, checked equal to the pair's, and both deployments'
+    streams assembled (aggregated first)."""
+    want, got = _answer(_post(urls[0], path, body)), _answer(_post(urls[1], path, body))
+    assert _close(got, want), (got, want)
+    return want, [_assembled(_stream(u, path, body), chat=chat) for u in urls]
+
+
 @pytest.mark.parametrize("case", sorted(COMPLETIONS))
 def test_completions_equal_aggregated(urls, case):
-    agg, disagg = urls
-    body = COMPLETIONS[case]
-    want, got = _answer(_post(agg, "/v1/completions", body)), _answer(_post(disagg, "/v1/completions", body))
-    assert _close(got, want), (got, want)
-    streamed = [_assembled(_stream(u, "/v1/completions", body), chat=False) for u in (agg, disagg)]
+    want, streamed = _both(urls, "/v1/completions", COMPLETIONS[case], chat=False)
     for s in streamed:
         for c in s["choices"].values():
             c["logprobs"] = _flat_completion_logprobs(c["logprobs"]) if c["logprobs"] else None
@@ -129,11 +133,7 @@ def test_completions_equal_aggregated(urls, case):
 
 @pytest.mark.parametrize("case", sorted(CHAT))
 def test_chat_equals_aggregated(urls, case):
-    agg, disagg = urls
-    body = CHAT[case]
-    want, got = _answer(_post(agg, "/v1/chat/completions", body)), _answer(_post(disagg, "/v1/chat/completions", body))
-    assert _close(got, want), (got, want)
-    streamed = [_assembled(_stream(u, "/v1/chat/completions", body), chat=True) for u in (agg, disagg)]
+    want, streamed = _both(urls, "/v1/chat/completions", CHAT[case], chat=True)
     for s in streamed:
         for c in s["choices"].values():
             c["logprobs"] = [e for part in c["logprobs"] for e in part] or None
@@ -167,7 +167,7 @@ TOOLS = [{"type": "function", "function": {
 
 
 def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    return dh.openai_client(url, TIMEOUT_S)
 
 
 def test_parse_with_a_pydantic_model_in_both_modes(urls):

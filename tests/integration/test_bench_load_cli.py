@@ -6,10 +6,9 @@ phase from the router's and the servers' /metrics."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
+import deploy_harness as dh
 import pytest
 import yaml
 
@@ -19,22 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # ~30 s on 2 idle cores; generous for a loaded CI machine
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "pdserve_bench", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"pdserve-bench {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
 def test_mixed_load_from_two_processes_against_a_real_server(tmp_path):
     config = yaml.safe_load((ROOT / "configs" / "aggregated.yaml").read_text()) | {"model": "builtin:tiny-llama"}
     (tmp_path / "agg.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "results"
-    done = _bench("load", "--deploy", f"agg={tmp_path / 'agg.yaml'}", "--workload", "mixed", "--concurrency", "3",
-                  "--input-len", "16", "--output-len", "8", "--long-input-len", "96", "--long-output-len", "4",
-                  "--long-rate", "4", "--duration", "3", "--ramp-s", "0.5", "--client-procs", "2", "--window-s", "1",
-                  "--no-warmup", "--repeat", "2", "--server-env", "OMP_NUM_THREADS=1", "--slo-ttft-ms", "60000",
-                  "--slo-tpot-ms", "60000", "--out", str(out))
+    done = dh.bench("load", "--deploy", f"agg={tmp_path / 'agg.yaml'}", "--workload", "mixed", "--concurrency", "3",
+                    "--input-len", "16", "--output-len", "8", "--long-input-len", "96", "--long-output-len", "4",
+                    "--long-rate", "4", "--duration", "3", "--ramp-s", "0.5", "--client-procs", "2", "--window-s", "1",
+                    "--no-warmup", "--repeat", "2", "--server-env", "OMP_NUM_THREADS=1", "--slo-ttft-ms", "60000",
+                    "--slo-tpot-ms", "60000", "--out", str(out), timeout_s=TIMEOUT_S)
     assert "| agg: c=3 + 96in@4/s |" in done.stdout
     [record] = read_records([out])
     assert record["command"] == "load"
@@ -64,7 +56,7 @@ def test_mixed_load_from_two_processes_against_a_real_server(tmp_path):
         assert sum(series["output_tok_s"]) == pytest.approx(run["output_tokens"])  # 1-s bins: tokens per bin
     assert record["figures"]["startup_s"] > 0
 
-    _bench("report", str(out), "--out", str(tmp_path / "report"))
+    dh.bench("report", str(out), "--out", str(tmp_path / "report"), timeout_s=TIMEOUT_S)
     pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
     assert pngs == ["load-c-3-96in-4-s-series.png"]
     assert "## Load" in (tmp_path / "report" / "report.md").read_text()
@@ -78,9 +70,9 @@ def test_a_disaggregated_run_breaks_its_ttft_down_by_phase(tmp_path):
     config = yaml.safe_load((ROOT / "configs" / "disagg.yaml").read_text()) | {"model": "builtin:tiny-llama"}
     (tmp_path / "disagg.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "results"
-    done = _bench("load", "--deploy", f"disagg={tmp_path / 'disagg.yaml'}", "--concurrency", "2", "--input-len", "24",
-                  "--output-len", "6", "--num-requests", "8", "--client-procs", "1", "--no-warmup",
-                  "--server-env", "OMP_NUM_THREADS=1", "--out", str(out))
+    done = dh.bench("load", "--deploy", f"disagg={tmp_path / 'disagg.yaml'}", "--concurrency", "2", "--input-len", "24",
+                    "--output-len", "6", "--num-requests", "8", "--client-procs", "1", "--no-warmup",
+                    "--server-env", "OMP_NUM_THREADS=1", "--out", str(out), timeout_s=TIMEOUT_S)
     assert "| TTFT phases, p50 / mean ms | router queue | context queue | prefill |" in done.stdout
     [record] = read_records([out])
     [run] = record["repeats"]

@@ -3,10 +3,9 @@ streams requests through the OpenAI API, writes JSON-lines records; `report` tur
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+import deploy_harness as dh
 import pytest
 
 from pdserve_bench.record import read_records
@@ -15,20 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240  # the run itself takes ~15 s on 2 idle cores; generous for a loaded CI machine
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "pdserve_bench", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"pdserve-bench {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
 def test_sweep_against_a_real_server_writes_records_and_report_plots_them(tmp_path):
     out = tmp_path / "results"
-    _bench("sweep", "--deploy", "agg=configs/aggregated.yaml", "--workload", "random", "multi-turn",
-           "--concurrency", "1", "2", "--repeat", "1", "--input-len", "24", "--output-len", "6",
-           "--num-prompts-c1", "2", "--num-prompts-per-slot", "2", "--conversations", "2", "--turns", "2",
-           "--user-len", "40", "--turn-output-len", "4", "--quiet-max-busy", "1", "--slo-ttft-ms", "60000",
-           "--slo-tpot-ms", "60000", "--out", str(out))
+    dh.bench("sweep", "--deploy", "agg=configs/aggregated.yaml", "--workload", "random", "multi-turn",
+             "--concurrency", "1", "2", "--repeat", "1", "--input-len", "24", "--output-len", "6",
+             "--num-prompts-c1", "2", "--num-prompts-per-slot", "2", "--conversations", "2", "--turns", "2",
+             "--user-len", "40", "--turn-output-len", "4", "--quiet-max-busy", "1", "--slo-ttft-ms", "60000",
+             "--slo-tpot-ms", "60000", "--out", str(out), timeout_s=TIMEOUT_S)
     records = read_records([out])
     assert [(r["command"], r["config"]["figure"]) for r in records] == [
         ("sweep", "random c=1"), ("sweep", "multi-turn c=1"), ("sweep", "random c=2"), ("sweep", "multi-turn c=2")]
@@ -50,7 +42,7 @@ def test_sweep_against_a_real_server_writes_records_and_report_plots_them(tmp_pa
     assert records[0]["git"]["commit"] and records[0]["machine"]["cores"] >= 1
     assert len(records[0]["repeats"]) == 1
 
-    report = _bench("report", str(out), "--out", str(tmp_path / "report"))
+    report = dh.bench("report", str(out), "--out", str(tmp_path / "report"), timeout_s=TIMEOUT_S)
     pngs = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
     assert pngs == ["multi-turn-latency.png", "multi-turn-throughput.png",
                     "random-24in-6out-latency.png", "random-24in-6out-throughput.png"]

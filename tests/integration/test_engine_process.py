@@ -8,66 +8,36 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import deploy_harness as dh
 import hf_reference
 import httpx
-import openai
 import psutil
 import pytest
-import yaml
+from deploy_harness import metric
 from transformers import AutoTokenizer
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY = dh.GREEDY
 CHILD = "server.engineproc.main"
 
 
-@contextmanager
-def engine_server(tmp: Path, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
+def engine_server(tmp: Path, **settings) -> AbstractContextManager[tuple[str, subprocess.Popen]]:
     """`pdserve serve --config` with `engine_process: true`; yields (url, the server process)."""
-    port = dh.free_port()
-    cfg = {"model": MODEL, "hostname": "127.0.0.1", "port": port, "max_seq_len": 512, "max_batch_size": 8,
-           "max_num_tokens": 256, "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096},
-           "engine_process": True, **settings}
-    (tmp / "server.yaml").write_text(yaml.safe_dump(cfg))
-    log_path = tmp / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(tmp / "server.yaml")],
-                                cwd=dh.ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _healthy(url, proc), 120, what="server health", on_timeout=log_path.read_text)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=60)
-
-
-def _healthy(url: str, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, "server exited"
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return dh.served(tmp, model=MODEL, engine_process=True, **settings)
 
 
 def engine_child(proc: subprocess.Popen) -> psutil.Process:
-    [child] = [c for c in psutil.Process(proc.pid).children() if CHILD in " ".join(c.cmdline())]
-    return child
+    return dh.engine_child(proc.pid)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +48,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    """Sum of the samples of `name` (whose label text contains `labels`) on the server at `url`."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-    return sum(float(v) for lab, v in pattern.findall(text) if labels in (lab or ""))
+    return dh.openai_client(server[0], timeout_s=60)
 
 
 def _hf(prompt_ids: list[int], n: int) -> list[int]:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import signal
 
+import deploy_harness as dh
 import httpx
-import openai
-import psutil
 import pytest
+from deploy_harness import engine_child, router_ready
 from test_disagg_fault_kills import launched_with_output, pid_of
 from test_disagg_faults import AUTHORISED, TOKEN, complete, context_only, fresh_prompt, in_use
-from test_disagg_modes import _hf_text
 from waiting import wait_until
 
 MODEL = "builtin:tiny-llama"
@@ -29,16 +28,6 @@ PROMPT = "Topic: lighthouses. The answer should be short, clear and correct, and
 def deployment(tmp_path_factory):
     with launched_with_output("disagg.yaml", tmp_path_factory.mktemp("engine-process-deploy"), OVERRIDES) as found:
         yield found
-
-
-def engine_child(server_pid: int) -> psutil.Process:
-    [child] = [c for c in psutil.Process(server_pid).children() if "server.engineproc.main" in " ".join(c.cmdline())]
-    return child
-
-
-def router_ready(url: str) -> bool:
-    response = httpx.get(f"{url}/health", timeout=5)
-    return response.status_code == 200 and all(s["healthy"] for s in response.json()["servers"].values())
 
 
 def feeds_live(url: str) -> bool:
@@ -55,16 +44,7 @@ def test_both_servers_run_their_engine_in_a_child_process(deployment):
 
 def test_the_pair_is_token_exact_through_the_router(deployment):
     dep, _ = deployment
-    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, **greedy)
-    assert whole.choices[0].text == _hf_text(MODEL, PROMPT, 20)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stream=True, **greedy))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    messages = [{"role": "user", "content": "Tell me about the sea."}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **greedy)
-    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True, **greedy)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    dh.check_answers_and_streams(dh.openai_client(dep.url), MODEL, PROMPT, 20, "Tell me about the sea.")
     assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_seconds_count") > 0  # the KV was pulled
     for url in dep.context_urls + dep.generation_urls:
         wait_until(lambda u=url: in_use(dep, u) == 0, 10, what=f"no block in use on {url}")

@@ -4,24 +4,17 @@ transformers), echo, tools rendered by the model's template, /v1/models' max_mod
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import deploy_harness as dh
 import hf_reference
-import httpx
 import openai
 import pytest
-import yaml
 from transformers import AutoTokenizer
-from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"
 MAX_SEQ_LEN = 512
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY = dh.GREEDY
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -29,36 +22,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """(its URL, its log)."""
     tmp = tmp_path_factory.mktemp("serve")
-    port = dh.free_port()
-    cfg = {"model": MODEL, "hostname": "127.0.0.1", "port": port, "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 8,
-           "max_num_tokens": 256, "max_n": 4, "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
-    (tmp / "server.yaml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(tmp / "server.yaml")],
-                            cwd=dh.ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _healthy(url, proc), 120, what="server health")
+    with dh.served(tmp, model=MODEL, max_seq_len=MAX_SEQ_LEN, max_n=4) as (url, _):
         yield url, tmp / "server.log"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def _healthy(url: str, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, "server exited"
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+    return dh.openai_client(server[0], timeout_s=60)
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import deploy_harness as dh
 import hf_reference
 import httpx
-import openai
 import pytest
-import yaml
 from transformers import AutoTokenizer
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY = dh.GREEDY
 METRICS = ["pdserve_kv_cache_blocks", "pdserve_kv_offloaded_blocks_total", "pdserve_kv_onboarded_blocks_total",
            "pdserve_prefix_cache_query_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_requests",
            "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
@@ -27,35 +21,13 @@ METRICS = ["pdserve_kv_cache_blocks", "pdserve_kv_offloaded_blocks_total", "pdse
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    port = dh.free_port()
-    cfg = {"model": MODEL, "hostname": "127.0.0.1", "port": port, "max_seq_len": 512, "max_batch_size": 8,
-           "max_num_tokens": 256, "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
-    (tmp / "server.yaml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(tmp / "server.yaml")],
-                            cwd=dh.ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _healthy(url, proc), 120, what="server health")
+    with dh.served(tmp_path_factory.mktemp("serve"), model=MODEL) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _healthy(url: str, proc: subprocess.Popen) -> bool:
-    assert proc.poll() is None, "server exited"
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    return dh.openai_client(server, timeout_s=60)
 
 
 def _in_use(url: str) -> float:

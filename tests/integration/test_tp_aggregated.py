@@ -10,11 +10,8 @@ Once with the engine's steps one after the other, once with async scheduling for
 
 from __future__ import annotations
 
-import asyncio
-
 import deploy_harness as dh
 import hf_reference
-import httpx
 import pytest
 from transformers import AutoTokenizer
 from waiting import wait_until
@@ -22,9 +19,7 @@ from waiting import wait_until
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-qwen3-swa"
-TOPICS = ["astronomy", "cooking", "gardening", "history", "music", "sailing"]
-FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
-PROMPTS = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in TOPICS]
+PROMPTS = dh.topic_prompts(3)
 PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 TP_AGGREGATED = {
     "model": MODEL, "device": "cpu", "max_seq_len": 512, "max_batch_size": 8, "max_num_tokens": 512,
@@ -32,19 +27,6 @@ TP_AGGREGATED = {
     "kv_cache_config": {"tokens_per_block": 32, "max_tokens": 1024, "host_cache_size": 4 << 20,
                         "secondary_offload_min_priority": 0},
 }
-
-
-async def _complete(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
-    response = await client.post(f"{url}/v1/completions", json={"prompt": prompt, **PAYLOAD}, timeout=180)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-async def _all(url: str, concurrent: bool) -> list[dict]:
-    async with httpx.AsyncClient() as client:
-        if concurrent:
-            return await asyncio.gather(*(_complete(client, url, p) for p in PROMPTS))
-        return [await _complete(client, url, p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +46,7 @@ def test_tp2_replay_through_host_tier_matches_transformers(tmp_path, reference_t
     with dh.launched("aggregated.yaml", tmp_path, {**TP_AGGREGATED, "async_scheduling": async_scheduling}) as dep:
         logs = "".join(p.read_text(errors="replace") for p in dep.log_dir.glob("*.log"))
         assert f"async scheduling {async_scheduling}" in logs
-        first = asyncio.run(_all(dep.url, concurrent=False))
-        assert [b["choices"][0]["text"] for b in first] == reference_texts
-        for _ in range(2):
-            replay = asyncio.run(_all(dep.url, concurrent=True))
-            assert [b["choices"][0]["text"] for b in replay] == reference_texts
-            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        dh.check_replays(dep.url, PROMPTS, PAYLOAD, reference_texts, 2)
         assert dep.metric(dep.url, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(dep.url, "pdserve_kv_onboarded_blocks_total") > 0
         wait_until(lambda: dep.metric(dep.url, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
@@ -87,12 +64,7 @@ def test_tp2_replay_through_host_and_disk_tiers_matches_transformers(tmp_path, r
     kv = {**TP_AGGREGATED["kv_cache_config"], "max_tokens": 512, "host_cache_size": 2 * RANK_BLOCK_BYTES,
           "disk": disk}
     with dh.launched("aggregated.yaml", tmp_path, {**TP_AGGREGATED, "kv_cache_config": kv}) as dep:
-        first = asyncio.run(_all(dep.url, concurrent=False))
-        assert [b["choices"][0]["text"] for b in first] == reference_texts
-        for _ in range(2):
-            replay = asyncio.run(_all(dep.url, concurrent=True))
-            assert [b["choices"][0]["text"] for b in replay] == reference_texts
-            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        dh.check_replays(dep.url, PROMPTS, PAYLOAD, reference_texts, 2)
         for name in ("offloaded", "onboarded", "disk_offloaded", "disk_onboarded"):
             assert dep.metric(dep.url, f"pdserve_kv_{name}_blocks_total") > 0, name
         assert dep.metric(dep.url, "pdserve_kv_disk_dropped_blocks_total") == 0

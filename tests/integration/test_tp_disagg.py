@@ -12,21 +12,16 @@ rank's part is served as the context server's prefill writes the blocks.
 
 from __future__ import annotations
 
-import asyncio
-
 import deploy_harness as dh
 import hf_reference
 import httpx
 import pytest
-from transformers import AutoTokenizer
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-qwen3-swa"
-TOPICS = ["astronomy", "cooking", "gardening", "history", "music", "sailing"]
-FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
-PROMPTS = [f"Topic: {t}. " + FILLER * 3 + " Now answer briefly:" for t in TOPICS]
+PROMPTS = dh.topic_prompts(3)
 PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -38,37 +33,16 @@ def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str) -> dict:
                                    "kv_cache_config": {"max_tokens": 4096}}}
 
 
-async def _complete(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
-    response = await client.post(f"{url}/v1/completions", json={"prompt": prompt, **PAYLOAD}, timeout=180)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-async def _all(url: str, concurrent: bool) -> list[dict]:
-    async with httpx.AsyncClient() as client:
-        if concurrent:
-            return await asyncio.gather(*(_complete(client, url, p) for p in PROMPTS))
-        return [await _complete(client, url, p) for p in PROMPTS]
-
-
 @pytest.fixture(scope="module")
 def reference_texts() -> list[str]:
-    model_dir = resolve_model(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(p), 12),
-                             skip_special_tokens=True) for p in PROMPTS]
+    return [hf_reference.hf_text_ignore_eos(resolve_model(MODEL), p, 12) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp", "kv_stream"), [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "on")])
 def test_replay_between_tp_sizes_matches_transformers(tmp_path, reference_texts, ctx_tp, gen_tp, kv_stream):
     with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp, kv_stream)) as dep:
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]
-        first = asyncio.run(_all(dep.url, concurrent=False))
-        assert [b["choices"][0]["text"] for b in first] == reference_texts
-        for _ in range(2):
-            replay = asyncio.run(_all(dep.url, concurrent=True))
-            assert [b["choices"][0]["text"] for b in replay] == reference_texts
-            assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
+        dh.check_replays(dep.url, PROMPTS, PAYLOAD, reference_texts, 2)
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
         assert dep.metric(gen, "pdserve_kv_transfer_seconds_count") > 0

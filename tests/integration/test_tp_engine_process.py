@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import signal
 
+import deploy_harness as dh
 import httpx
 import openai
 import psutil
 import pytest
+from deploy_harness import engine_child, router_ready
 from test_disagg_fault_kills import launched_with_output, pid_of
 from test_disagg_faults import AUTHORISED, TOKEN
 from test_disagg_modes import _hf_text
@@ -32,7 +34,7 @@ OVERRIDES = {
     "restart": {"max_quick_deaths": 3, "backoff_s": 0.2},
     "kv_cache_config": {"tokens_per_block": 16},
 }
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY = dh.GREEDY
 PROMPT = "Topic: harbours. Each rank holds half of the heads, and the answer must not change. " * 3
 
 
@@ -44,22 +46,12 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    return openai.OpenAI(base_url=f"{deployment[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def engine_child(server_pid: int) -> psutil.Process:
-    [child] = [c for c in psutil.Process(server_pid).children() if "server.engineproc.main" in " ".join(c.cmdline())]
-    return child
+    return dh.openai_client(deployment[0].url)
 
 
 def rank1(engine: psutil.Process) -> psutil.Process:
     [rank] = [c for c in engine.children() if "spawn_main" in " ".join(c.cmdline())]
     return rank
-
-
-def router_ready(url: str) -> bool:
-    response = httpx.get(f"{url}/health", timeout=5)
-    return response.status_code == 200 and all(s["healthy"] for s in response.json()["servers"].values())
 
 
 def test_the_engine_process_starts_the_other_ranks(deployment):
@@ -74,14 +66,7 @@ def test_the_engine_process_starts_the_other_ranks(deployment):
 
 def test_completions_and_chat_are_exact(client, deployment):
     dep, _ = deployment
-    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, **GREEDY)
-    assert whole.choices[0].text == _hf_text(MODEL, PROMPT, 16)
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, stream=True, **GREEDY)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
-    messages = [{"role": "user", "content": "What does each rank hold?"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
-    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    dh.check_answers_and_streams(client, MODEL, PROMPT, 16, "What does each rank hold?")
     assert dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_seconds_count") > 0  # the KV was pulled
 
 

@@ -19,12 +19,10 @@ import signal
 import deploy_harness as dh
 import hf_reference
 import httpx
-import openai
 import psutil
 import pytest
 from test_disagg_fault_kills import launched_with_output, pid_of
 from test_migration import check_moved_stream
-from transformers import AutoTokenizer
 from waiting import wait_until
 
 from server.models.builtin import resolve_model
@@ -41,7 +39,6 @@ OVERRIDES = {
     "generation_servers": {"num_instances": 2, "urls": ["x:1", "x:2"], "tensor_parallel_size": 2,
                            "kv_cache_config": {"max_tokens": 4096}},
 }
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 FILLER = "Each rank holds half of the heads, and the answer must not change. "
 
 
@@ -53,14 +50,11 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    return openai.OpenAI(base_url=f"{deployment[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return dh.openai_client(deployment[0].url)
 
 
 def _hf(prompt: str, n: int) -> str:
-    model_dir = resolve_model(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(prompt), n),
-                            skip_special_tokens=True)
+    return hf_reference.hf_text_ignore_eos(resolve_model(MODEL), prompt, n)
 
 
 def _text(client, prompt: str, salt: str | None = None) -> tuple[str, int]:
@@ -70,15 +64,7 @@ def _text(client, prompt: str, salt: str | None = None) -> tuple[str, int]:
 
 
 def test_completions_and_chat_through_tp_servers(client):
-    prompt = "Topic: lamps. " + FILLER * 3
-    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
-    assert whole.choices[0].text == _hf(prompt, 16)
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stream=True, **GREEDY)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
-    messages = [{"role": "user", "content": "What do the ranks hold?"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
-    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    dh.check_answers_and_streams(client, MODEL, "Topic: lamps. " + FILLER * 3, 16, "What do the ranks hold?")
 
 
 def test_prefix_cache_host_tier_and_cache_salt(client, deployment):

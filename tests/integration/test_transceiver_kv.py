@@ -19,6 +19,7 @@ import pytest
 import zmq
 from kv_factories import make_manager
 from kv_transfer_harness import (
+    ContextSide,
     JsonChild,
     assert_blocks_match,
     fill,
@@ -49,59 +50,26 @@ def make_kv(max_blocks: int, host_blocks: int = 0, tpb: int = TPB) -> KVCacheMan
 # ---- the context process ---------------------------------------------------------------------
 
 
-class _Ctx:
+class _Ctx(ContextSide):
     def __init__(self, timeout_ms: int, port: int) -> None:
         from transceiver.sender import KVSender
 
-        self.kv = make_kv(max_blocks=16, host_blocks=64)
+        kv = make_kv(max_blocks=16, host_blocks=64)
         cfg = TransceiverConfig(auth_token=TOKEN, kv_transfer_timeout_ms=timeout_ms, port=port,
                                 max_chunk_bytes=64 * 1024)  # 4 blocks per chunk
-        self.sender = KVSender(self.kv, cfg, FINGERPRINT)
+        super().__init__(kv, KVSender(kv, cfg, FINGERPRINT))
         self.pause_after_bytes: int | None = None
 
-    def cache(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
-        self.kv.release(rid)
-        return {"hit": hit}
-
-    def prefill(self, rid: str, tokens: list[int]) -> dict:
-        hit = self.kv.admit(rid, tokens)
-        fill(self.kv, rid, tokens, hit)
-        self.kv.commit(rid, tokens, len(tokens))
-        self.kv.release_out_of_window(rid, len(tokens))
-        blocks = {w: self.kv.block_ids(rid, w) for w in self.kv.window_sizes}
-        slots = {w: self.kv.get_memory_pool_block_indices(ids, w) for w, ids in blocks.items()}
-        self.sender.add_lease(rid, blocks)
-        self.kv.release(rid)
-        stats = self.kv.stats()
-        return {"hit": hit, "blocks": blocks, "slots": slots, "offloads": stats.offloads,
-                "onboards": stats.onboards}
-
     def state(self) -> dict:
-        try:
-            self.kv.check_integrity()
-            integrity = "ok"
-        except Exception as e:  # reported to the test, which asserts on it
-            integrity = str(e)
-        blocks = self.kv.stats().blocks
         s = self.sender.stats
-        return {"leases": self.sender.num_leases, "integrity": integrity,
-                "in_use": sum(n for (_, level, state), n in blocks.items() if state == "in_use"),
-                "lease_expired": s.lease_expired, "rejected": s.rejected_by_reason,
-                "transfers_ok": s.transfers_ok, "failures": s.failures_by_reason, "bytes_sent": s.bytes_sent}
+        return {**super().state(), "lease_expired": s.lease_expired, "rejected": s.rejected_by_reason,
+                "bytes_sent": s.bytes_sent}
 
     def handle(self, cmd: dict) -> dict:
-        op = cmd["op"]
-        if op == "cache":
-            return self.cache(cmd["rid"], cmd["tokens"])
-        if op == "prefill":
-            return self.prefill(cmd["rid"], cmd["tokens"])
-        if op == "pause_after_bytes":
+        if cmd["op"] == "pause_after_bytes":
             self.pause_after_bytes = cmd["n"]
             return {}
-        return self.state()
+        return super().handle(cmd)
 
 
 def ctx_main(timeout_ms: int, port: int) -> None:

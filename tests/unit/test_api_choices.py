@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_api_engine_fake import TOKEN, FakeEngine, KnownEndpoints, deployment_app, sse_events
+from test_api_engine_fake import TOKEN, FakeEngine, KnownEndpoints, deployment_app, sse_chunks, sse_events
 
 CTX_ENDPOINT = "tcp://127.0.0.1:5555"  # the fake's context server
 
@@ -24,13 +24,6 @@ def client(engine):
     app = deployment_app(lambda: engine, KnownEndpoints(frozenset({CTX_ENDPOINT})))
     with TestClient(app, headers={"x-pdserve-token": TOKEN}) as c:
         yield c
-
-
-def events(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    data = sse_events(response.text)
-    assert data[-1] == "[DONE]"
-    return [json.loads(e) for e in data[:-1]]
 
 
 def test_several_prompts_and_n_choices_are_numbered_prompt_by_prompt(client, engine):
@@ -48,7 +41,7 @@ def test_several_prompts_and_n_choices_are_numbered_prompt_by_prompt(client, eng
 def test_streamed_choices_interleave_and_add_up_to_the_whole_answer(client, engine):
     request = {"prompt": [[5, 6], [7]], "n": 2, "max_tokens": 3}
     whole = client.post("/v1/completions", json=request).json()
-    chunks = events(client.post("/v1/completions", json={**request, "stream": True,
+    chunks = sse_chunks(client.post("/v1/completions", json={**request, "stream": True,
                                                          "stream_options": {"include_usage": True}}))
     indices = [c["choices"][0]["index"] for c in chunks[:-1]]
     assert sorted(set(indices)) == [0, 1, 2, 3] and indices != sorted(indices)  # interleaved
@@ -68,7 +61,7 @@ def test_chat_n_choices_json_and_stream(client, engine):
     prompt = engine.requests[-1].prompt_token_ids
     assert [c["message"]["content"] for c in body["choices"]] == [engine.expected_text(prompt, 3, c) for c in (0, 1)]
     assert body["usage"]["prompt_tokens"] == len(prompt) and body["usage"]["completion_tokens"] == 6
-    chunks = events(client.post("/v1/chat/completions", json={**request, "stream": True}))
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**request, "stream": True}))
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk)
     roles = [c["choices"][0]["index"] for c in chunks if "role" in c["choices"][0]["delta"]]
@@ -124,7 +117,7 @@ def test_a_generation_leg_answers_what_the_aggregated_server_does(client, engine
     assert gen["choices"][1]["logprobs"]["token_logprobs"][3] == engine.logprob(
         params["first_gen_tokens"][1], 0, 1, 2).logprob
     for stream_extra in ({"stream": True},):
-        chunks = events(client.post("/v1/completions", json=legs_request({"disaggregated_params": params,
+        chunks = sse_chunks(client.post("/v1/completions", json=legs_request({"disaggregated_params": params,
                                                                           **stream_extra})))
         for choice in aggregated["choices"]:
             mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -257,6 +258,14 @@ def sse_events(body: str) -> list[str]:
     blocks = body[:-2].split("\n\n")
     assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
     return [b.removeprefix("data: ") for b in blocks]
+
+
+def sse_chunks(response) -> list[dict]:
+    """A streamed answer's chunks: status 200, the SSE framing exact (`sse_events`), `[DONE]` last."""
+    assert response.status_code == 200, response.text
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
 
 
 TOKEN = "unit-test-deployment-token-0123456789"

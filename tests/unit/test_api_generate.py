@@ -7,7 +7,7 @@ import re
 
 import pytest
 from fastapi.testclient import TestClient
-from test_api_engine_fake import TOKEN, FakeEngine, deployment_app, sse_events
+from test_api_engine_fake import TOKEN, FakeEngine, deployment_app, sse_chunks, sse_events
 
 from server.api import create_app
 from server.types import DisaggParams, SamplingParams
@@ -33,11 +33,9 @@ def messages() -> list[dict]:
 
 def stream(client: TestClient, route: str, body: dict) -> tuple[list[dict], str]:
     response = client.post(route, json={**body, "stream": True})
-    assert response.status_code == 200, response.text
+    chunks = sse_chunks(response)
     assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
-    events = sse_events(response.text)
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]], response.text
+    return chunks, response.text
 
 
 def test_completion_json_has_exact_text_usage_and_ids(client, engine):

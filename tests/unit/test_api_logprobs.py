@@ -7,14 +7,12 @@ tokenizer is byte-level (one token per ASCII character), so every entry is known
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
-from test_api_engine_fake import FakeEngine, sse_events
+from test_api_engine_fake import FakeEngine, sse_chunks
 
 from server.api import create_app
 from server.api.token_text import TokenPieces
@@ -31,13 +29,6 @@ def engine() -> FakeEngine:
 def client(engine):
     with TestClient(create_app(lambda: engine)) as c:
         yield c
-
-
-def events(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    data = sse_events(response.text)
-    assert data[-1] == "[DONE]"
-    return [json.loads(e) for e in data[:-1]]
 
 
 def token(engine: FakeEngine, token_id: int) -> str:
@@ -64,7 +55,7 @@ def test_completion_logprobs_json_and_stream(client, engine):
     body = client.post("/v1/completions", json=request).json()
     Completion.model_validate(body)
     assert body["choices"][0]["logprobs"] == generated(engine, "hello", 4, 2)
-    chunks = events(client.post("/v1/completions", json={**request, "stream": True}))
+    chunks = sse_chunks(client.post("/v1/completions", json={**request, "stream": True}))
     for chunk in chunks:  # the SDK types a streamed choice's finish_reason non-null: only the last has one
         Logprobs.model_validate(chunk["choices"][0]["logprobs"])
     Completion.model_validate(chunks[-1])
@@ -96,7 +87,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, engine):
         "tokens": prompt["tokens"] + gen["tokens"], "token_logprobs": prompt["token_logprobs"] + gen["token_logprobs"],
         "top_logprobs": prompt["top_logprobs"] + gen["top_logprobs"], "text_offset": [0, 1, 2, 3, 4]}
     assert body["choices"][0]["logprobs"]["token_logprobs"][0] is None  # nothing predicts the first token
-    chunks = events(client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True,
+    chunks = sse_chunks(client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True,
                                                          "logprobs": 1, "stream": True}))
     assert [c["choices"][0]["text"] for c in chunks] == ["abc" + gen["tokens"][0], gen["tokens"][1]]
     assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[0, 1, 2, 3], [4]]
@@ -114,8 +105,8 @@ def test_echo_with_max_tokens_zero_answers_only_the_prompt(client, engine):
         response = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 0, "echo": True,
                                                         "logprobs": 0, "stream": stream,
                                                         "stream_options": {"include_usage": True}})
-        body = events(response)[0] if stream else response.json()
-        usage = events(response)[-1]["usage"] if stream else body["usage"]
+        body = sse_chunks(response)[0] if stream else response.json()
+        usage = sse_chunks(response)[-1]["usage"] if stream else body["usage"]
         assert body["choices"][0]["text"] == "abcd"
         assert body["choices"][0]["logprobs"] == echoed(engine, "abcd", 0)
         assert body["choices"][0]["finish_reason"] == "length"
@@ -141,7 +132,7 @@ def test_lm_evaluation_harness_loglikelihood_request(client, engine):
 
 
 def test_tokens_without_text_send_their_logprobs_with_the_next_chunk(client, engine):
-    chunks = events(client.post("/v1/completions", json={"prompt": "UTF8", "max_tokens": 2, "logprobs": 0,
+    chunks = sse_chunks(client.post("/v1/completions", json={"prompt": "UTF8", "max_tokens": 2, "logprobs": 0,
                                                          "stream": True}))
     assert len(chunks) == 1 and chunks[0]["choices"][0]["text"] == "é"
     logprobs = chunks[0]["choices"][0]["logprobs"]
@@ -162,7 +153,7 @@ def test_chat_logprobs_json_and_stream(client, engine):
             {"token": token(engine, t), "logprob": lp, "bytes": list(token(engine, t).encode())}
             for t, lp in entry.top]})
     assert body["choices"][0]["logprobs"] == {"content": expected}
-    chunks = events(client.post("/v1/chat/completions", json={**request, "stream": True}))
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**request, "stream": True}))
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk)
     assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk

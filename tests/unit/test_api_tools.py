@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_api_engine_fake import FakeEngine, sse_events
+from test_api_engine_fake import FakeEngine, sse_chunks
 
 from server.api import create_app
 from server.api.tool_choice import tool_format
@@ -35,13 +35,6 @@ def engine() -> FakeEngine:
 def client(engine):
     with TestClient(create_app(lambda: engine)) as c:
         yield c
-
-
-def chunks_of(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    events = sse_events(response.text)
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def streamed_calls(chunks: list[dict]) -> tuple[str, dict[int, dict]]:
@@ -83,7 +76,7 @@ def test_streamed_tool_calls_equal_the_whole_answer(client, engine):
     engine.reply = f"{CALL}\n{CALL.replace('Paris', 'Oslo')}"
     request = {"messages": ASK, "tools": TOOLS, "max_tokens": 300}
     whole = client.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]
-    chunks = chunks_of(client.post("/v1/chat/completions", json={**request, "stream": True}))
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**request, "stream": True}))
     content, calls = streamed_calls(chunks)
     assert content == "" and whole["content"] is None
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
@@ -102,7 +95,7 @@ def test_finish_reason_is_tool_calls_when_the_model_stopped(client, engine):
     engine.generate = stopping
     request = {"messages": ASK, "tools": TOOLS, "max_tokens": 200}
     assert client.post("/v1/chat/completions", json=request).json()["choices"][0]["finish_reason"] == "tool_calls"
-    chunks = chunks_of(client.post("/v1/chat/completions", json={**request, "stream": True}))
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**request, "stream": True}))
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
 
 
@@ -124,7 +117,7 @@ def test_named_function_is_forced_by_its_schema(client, engine):
     assert body["choices"][0]["message"]["content"] is None
     assert [c["function"] for c in body["choices"][0]["message"]["tool_calls"]] == [
         {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
-    content, calls = streamed_calls(chunks_of(client.post("/v1/chat/completions", json={**request, "stream": True})))
+    content, calls = streamed_calls(sse_chunks(client.post("/v1/chat/completions", json={**request, "stream": True})))
     assert (content, [(c["name"], c["arguments"]) for c in calls.values()]) == (
         "", [("get_weather", '{"city": "Rome"}')])
 

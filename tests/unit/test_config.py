@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from config_files import write
 from msgspec.structs import replace
 
 from kvcache import KvCacheConfig
@@ -26,16 +26,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "0123456789abcdef0123"
 
 
-@pytest.fixture(autouse=True)
-def _no_env_overrides(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
-
-
-def write(tmp_path: Path, data: dict, name: str = "x.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
+pytestmark = pytest.mark.usefixtures("no_env_overrides")
 
 
 def disagg(**extra) -> dict:

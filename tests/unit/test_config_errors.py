@@ -6,13 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, ConfigError, load_deployment, load_server_config
+from server.config.schema import ConfigError, load_deployment, load_server_config
 
-
-@pytest.fixture(autouse=True)
-def _no_env_overrides(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_overrides")
 
 
 def base() -> dict:

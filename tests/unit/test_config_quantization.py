@@ -3,32 +3,18 @@ errors that name the key and the file, and one quantization for every server of 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
+from config_files import write
 
 from server.cli import build_parser
 from server.config.schema import (
-    AUTH_TOKEN_ENV,
-    HOSTNAME_ENV,
     ConfigError,
     load_deployment,
     load_server_config,
     server_config_from_dict,
 )
 
-
-@pytest.fixture(autouse=True)
-def _no_env_overrides(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
-
-
-def write(tmp_path: Path, data: dict, name: str = "x.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return path
+pytestmark = pytest.mark.usefixtures("no_env_overrides")
 
 
 def disagg(**extra) -> dict:

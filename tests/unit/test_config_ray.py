@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from server.config.placement import RayActorOptions
-from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, ConfigError, deployment_from_dict, load_deployment
+from server.config.schema import ConfigError, deployment_from_dict, load_deployment
 from server.deploy.ray.placement import (
     _pick_ports,
     provisional,
@@ -18,11 +18,7 @@ from server.deploy.ray.placement import (
 )
 from transceiver.wire import NODE_ID_ENV, PeerIdentity, node_name
 
-
-@pytest.fixture(autouse=True)
-def _no_env_overrides(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_overrides")
 
 
 def base(**top) -> dict:

@@ -13,15 +13,10 @@ import pytest
 from prompts import random_prompt
 from waiting import wait_until
 
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
-from server.types import DisaggParams, RequestOutput
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
+from server.types import DisaggParams
 
 LLAMA = "builtin:tiny-llama"
-TOKEN = "async-disagg-test-token-0123456789"
 
 
 def _expected(prompt: list[int], n: int) -> list[int]:
@@ -29,38 +24,22 @@ def _expected(prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture
-def pair():
-    cfg = TransceiverConfig(auth_token=TOKEN)
-    ctx, gen = eh.make_core(LLAMA, async_scheduling=True), eh.make_core(LLAMA, async_scheduling=True)
-    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    yield ctx, gen
-    receiver.close()
-    sender.close()
+def run():
+    with eh.loopback_pair(LLAMA, async_scheduling=True) as pair:
+        yield pair
 
 
-Pair = eh.PairRun
-
-
-def _generation_params(answer: RequestOutput) -> DisaggParams:
-    p = answer.disagg
-    assert p is not None, answer
-    return DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
-                        p.prompt_token_ids)
-
-
-def test_the_pair_is_exact_with_both_pipelines_busy(pair):
-    ctx, gen = pair
-    run = Pair(ctx, gen)
+def test_the_pair_is_exact_with_both_pipelines_busy(run):
+    ctx, gen = run.cores
     # aggregated requests keep both pipelines full while the legs pass through
-    local = {core: eh.submit(core, random_prompt(90 + i, 25), eh.greedy(40)) for i, core in enumerate(pair)}
+    local = {core: eh.submit(core, random_prompt(90 + i, 25), eh.greedy(40)) for i, core in enumerate(run.cores)}
     prompts = [random_prompt(300 + i, n) for i, n in enumerate([5, 40, 33, 70])]
     legs = [eh.submit(ctx, p, eh.greedy(10), disagg=DisaggParams("context_only")) for p in prompts]
     run.wait(legs, "the context legs")
     for rid, prompt in zip(legs, prompts, strict=True):
         answer = run.final(rid)
         assert (answer.finish_reason, answer.new_token_ids) == (None, _expected(prompt, 1))
-    gens = [eh.submit(gen, p, eh.greedy(10), disagg=_generation_params(run.final(rid)))
+    gens = [eh.submit(gen, p, eh.greedy(10), disagg=eh.generation_params(run.final(rid)))
             for rid, p in zip(legs, prompts, strict=True)]
     bogus = DisaggParams("generation_only", "no-such-lease", ctx.connector.sender.endpoint, ctx.connector.sender.epoch,
                          (7,), tuple(prompts[0]))
@@ -72,16 +51,15 @@ def test_the_pair_is_exact_with_both_pipelines_busy(pair):
     for i, rid in enumerate(local.values()):
         assert run.tokens(rid) == _expected(random_prompt(90 + i, 25), 40)
     wait_until(lambda: ctx.connector.sender.num_leases == 0, 30, "the leases to end", step=run.step)
-    for core in pair:
+    for core in run.cores:
         assert eh.blocks_in_use(core.kv) == 0
         core.kv.check_integrity()
 
 
-def test_a_context_leg_ending_at_its_first_token_offers_nothing(pair):
+def test_a_context_leg_ending_at_its_first_token_offers_nothing(run):
     """max_tokens 1 (or a stop at the first token) ends the request on the context server itself:
     no lease, no row after the prefill."""
-    ctx, gen = pair
-    run = Pair(ctx, gen)
+    ctx = run.ctx
     prompt = random_prompt(400, 20)
     rid = eh.submit(ctx, prompt, eh.greedy(1), disagg=DisaggParams("context_only"))
     request = ctx.scheduler.find(rid)
@@ -91,10 +69,10 @@ def test_a_context_leg_ending_at_its_first_token_offers_nothing(pair):
     assert ctx.connector.sender.num_leases == 0 and eh.blocks_in_use(ctx.kv) == 0
 
 
-def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_scheduled(pair):
+def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_scheduled(run):
     """Its KV is offered right after the step that wrote it (not after the next step, which may be
     a long prefill), and its batch slot goes to the next request in that same schedule."""
-    ctx, _ = pair
+    ctx = run.ctx
     ctx.scheduler.config = dataclasses.replace(ctx.config, max_batch_size=1)
     leg = eh.submit(ctx, random_prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
     waiting = eh.submit(ctx, random_prompt(501, 12), eh.greedy(8))

@@ -5,11 +5,10 @@ failures end what they should; every block comes back."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
 
 from kvcache import KvCacheConfig
 from server.engine.request import Status
@@ -17,11 +16,6 @@ from server.models.builtin import resolve_model
 from server.types import DisaggParams, GenerateRequest, SamplingParams
 
 LLAMA, SWA = "builtin:tiny-llama", "builtin:tiny-qwen3-swa"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _expected(model: str, prompt: list[int], n: int) -> list[int]:
@@ -36,7 +30,7 @@ def _assert_done(core) -> None:
 @pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False), (SWA, True)])
 def test_greedy_choices_all_equal_transformers(model, async_scheduling):
     core = eh.make_core(model, async_scheduling=async_scheduling)
-    prompt = _prompt(1, 37)  # two full blocks and a partly filled one
+    prompt = random_prompt(1, 37)  # two full blocks and a partly filled one
     rid = eh.submit(core, prompt, eh.greedy(10, n=3))
     results = eh.run_choices(core, [rid])
     assert sorted(results) == [(rid, 0), (rid, 1), (rid, 2)]
@@ -51,7 +45,7 @@ def test_greedy_choices_all_equal_transformers(model, async_scheduling):
 
 def test_the_prompt_is_computed_once_and_its_full_blocks_are_held_once():
     core = eh.make_core(LLAMA)
-    prompt = _prompt(2, 40)  # blocks of 16: two full, the third holds 8 tokens
+    prompt = random_prompt(2, 40)  # blocks of 16: two full, the third holds 8 tokens
     rid = eh.submit(core, prompt, eh.greedy(12, n=4))
     outputs = core.step()  # the prompt in one step, then four first tokens from one logits row
     assert eh.blocks_in_use(core.kv) == 2 + 4  # the full blocks once, a partly filled block per choice
@@ -75,7 +69,7 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_are_held_once():
 
 
 def test_seeded_choices_differ_and_repeat_run_to_run():
-    prompt = _prompt(3, 21)
+    prompt = random_prompt(3, 21)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, n=3, min_tokens=8)
     runs = []
     for async_scheduling in (False, False, True):
@@ -92,8 +86,8 @@ def test_seeded_choices_differ_and_repeat_run_to_run():
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_abort_ends_every_choice_and_frees_every_block(async_scheduling):
     core = eh.make_core(LLAMA, async_scheduling=async_scheduling)
-    prompt = _prompt(4, 30)
-    other = eh.submit(core, _prompt(5, 20), eh.greedy(12))
+    prompt = random_prompt(4, 30)
+    other = eh.submit(core, random_prompt(5, 20), eh.greedy(12))
     rid = eh.submit(core, prompt, eh.greedy(40, n=3))
     produced: dict[tuple[str, int], list[int]] = {(rid, i): [] for i in range(3)} | {(other, 0): []}
     while min(len(produced[rid, i]) for i in range(3)) < 3:
@@ -106,7 +100,7 @@ def test_an_abort_ends_every_choice_and_frees_every_block(async_scheduling):
     assert core.abort(rid) == []
     results = eh.run_choices(core, [other])
     assert sorted(results) == [(other, 0)]  # nothing of the aborted request follows its abort outputs
-    assert produced.pop((other, 0)) + results[other, 0].token_ids == _expected(LLAMA, _prompt(5, 20), 12)
+    assert produced.pop((other, 0)) + results[other, 0].token_ids == _expected(LLAMA, random_prompt(5, 20), 12)
     for tokens in produced.values():
         assert tokens == _expected(LLAMA, prompt, 40)[:len(tokens)]
     _assert_done(core)
@@ -119,7 +113,7 @@ def test_an_abort_ends_every_choice_and_frees_every_block(async_scheduling):
 def test_two_choices_under_preemption_in_a_tiny_pool(async_scheduling):
     kv = KvCacheConfig(tokens_per_block=16, max_tokens=6 * 16)
     core = eh.make_core(LLAMA, kv=kv, async_scheduling=async_scheduling)
-    first, prompt = _prompt(6, 40), _prompt(7, 40)
+    first, prompt = random_prompt(6, 40), random_prompt(7, 40)
     a = eh.submit(core, first, eh.greedy(30))
     b = eh.submit(core, prompt, eh.greedy(30, n=2))
     core.step()  # both prompts (3 blocks each) fill the pool: b's second choice gets no block for its copy
@@ -134,7 +128,7 @@ def test_two_choices_under_preemption_in_a_tiny_pool(async_scheduling):
 
 
 def test_speculative_decoding_verifies_each_choice():
-    prompt = _prompt(8, 26)
+    prompt = random_prompt(8, 26)
     want = _expected(LLAMA, prompt, 16)
     core = eh.with_replay_drafts(eh.make_core(LLAMA), {tuple(prompt): want}, wrong=3)
     rid = eh.submit(core, prompt, eh.greedy(16, n=2))
@@ -146,7 +140,7 @@ def test_speculative_decoding_verifies_each_choice():
 
 def test_a_failed_choice_ends_alone():
     core = eh.make_core(LLAMA)
-    prompt = _prompt(9, 33)
+    prompt = random_prompt(9, 33)
     rid = eh.submit(core, prompt, eh.greedy(12, n=3))
     core.step()
     child = core.scheduler.find(f"{rid}/1")
@@ -161,7 +155,7 @@ def test_a_failed_choice_ends_alone():
 
 def test_refusals_answer_every_choice():
     core = eh.make_core(LLAMA, max_batch_size=4)
-    prompt = _prompt(10, 12)
+    prompt = random_prompt(10, 12)
     refused = core.add_request(GenerateRequest("ctx", prompt, eh.greedy(4, n=3), DisaggParams("context_only")))
     assert [(o.request_id, o.index, o.finish_reason, o.error_code) for o in refused] == \
         [("ctx", i, "error", 400) for i in range(3)]
@@ -177,7 +171,7 @@ def test_refusals_answer_every_choice():
 def test_choices_wait_for_rows_of_the_batch():
     """A request with n choices is admitted only when n rows of the batch are free."""
     core = eh.make_core(LLAMA, max_batch_size=4)
-    prompts = [_prompt(20 + i, 15) for i in range(3)]
+    prompts = [random_prompt(20 + i, 15) for i in range(3)]
     singles = [eh.submit(core, p, eh.greedy(6)) for p in prompts[:2]]
     pair = eh.submit(core, prompts[2], eh.greedy(6, n=3))
     core.step()

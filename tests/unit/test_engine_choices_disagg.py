@@ -6,39 +6,27 @@ aggregated engine; every lease ends and every block comes back."""
 
 from __future__ import annotations
 
-import random
+import contextlib
 
 import engine_harness as eh
 import hf_reference
 import pytest
+from prompts import random_prompt
+from sampling_harness import tokens_of
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.types import DisaggParams, GenerateRequest, RequestOutput, SamplingParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA, SWA = "builtin:tiny-llama", "builtin:tiny-qwen3-swa"
-TOKEN = "choices-disagg-test-token-0123456789"
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
-class Pair(eh.PairRun):
+class Pair(eh.LoopbackPair):
     def __init__(self, model: str, async_scheduling: bool, chunk: int = 256) -> None:
         kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
         super().__init__(eh.make_core(model, kv=kv, max_num_tokens=chunk, async_scheduling=async_scheduling),
                          eh.make_core(model, kv=kv, async_scheduling=async_scheduling))
-        cfg = TransceiverConfig(auth_token=TOKEN)
-        self.sender, self.receiver = KVSender(self.ctx.kv, cfg, "fp"), KVReceiver(self.gen.kv, cfg, "fp")
-        self.ctx.connector = ContextConnector(self.sender, self.ctx.kv)
-        self.gen.connector = GenerationConnector(self.receiver, self.gen.kv)
 
     def choices(self, rid: str) -> dict[int, list[RequestOutput]]:
         out: dict[int, list[RequestOutput]] = {}
@@ -56,45 +44,29 @@ class Pair(eh.PairRun):
         return choices
 
     def settle(self) -> None:
-        wait_until(lambda: self.sender.num_leases == 0 and self.receiver.num_pulls == 0, 30, "leases and pulls to end",
-                   step=self.step, interval_s=0.001)
-        assert self.sender.pinned_blocks() == {}
-        for core in (self.ctx, self.gen):
-            assert eh.blocks_in_use(core.kv) == 0 and core.kv.request_ids() == []
-            core.kv.check_integrity()
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.sender.close()
+        """`LoopbackPair.settle`, and neither cache holds a request."""
+        super().settle()
+        for core in self.cores:
+            assert core.kv.request_ids() == []
 
 
 @pytest.fixture
 def make_pair():
-    made = []
+    with contextlib.ExitStack() as made:
+        def make(model: str = LLAMA, async_scheduling: bool = False, chunk: int = 256) -> Pair:
+            return made.enter_context(Pair(model, async_scheduling, chunk))
 
-    def make(model: str = LLAMA, async_scheduling: bool = False, chunk: int = 256) -> Pair:
-        made.append(Pair(model, async_scheduling, chunk))
-        return made[-1]
-
-    yield make
-    for pair in made:
-        pair.close()
-
-
-def _tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+        yield make
 
 
 def _generation_params(answer: RequestOutput) -> DisaggParams:
-    p = answer.disagg
-    return DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
-                        p.prompt_token_ids, p.ctx_cached_tokens)
+    return eh.generation_params(answer, ctx_cached_tokens=answer.disagg.ctx_cached_tokens)
 
 
 @pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False)])
 def test_one_prefill_one_lease_one_pull_and_every_choice_is_exact(make_pair, model, async_scheduling):
     run = make_pair(model, async_scheduling)
-    prompt = _prompt(1, 37)  # two full blocks of 16 and a partly filled one
+    prompt = random_prompt(1, 37)  # two full blocks of 16 and a partly filled one
     want = hf_reference.hf_greedy(resolve_model(model), prompt, 10)
     ctx_id = eh.submit(run.ctx, prompt, eh.greedy(10, n=3), disagg=DisaggParams("context_only"))
     answers = run.wait_choices(ctx_id, 3, "the context leg")
@@ -110,7 +82,7 @@ def test_one_prefill_one_lease_one_pull_and_every_choice_is_exact(make_pair, mod
     gen_id = eh.submit(run.gen, prompt, eh.greedy(10, n=3), disagg=_generation_params(answers[0][-1]))
     choices = run.wait_choices(gen_id, 3, "the generation leg")
     for i, outputs in choices.items():
-        assert _tokens(outputs) == want
+        assert tokens_of(outputs) == want
         final = outputs[-1]
         assert (final.request_id, final.index, final.finish_reason, final.prompt_tokens, final.completion_tokens,
                 final.cached_tokens) == (gen_id, i, "length", 37, 10, 0)
@@ -124,7 +96,7 @@ def test_one_prefill_one_lease_one_pull_and_every_choice_is_exact(make_pair, mod
 
 def test_first_gen_tokens_are_one_per_choice(make_pair):
     run = make_pair()
-    prompt = _prompt(2, 20)
+    prompt = random_prompt(2, 20)
     params = DisaggParams("generation_only", "c1", run.sender.endpoint, run.sender.epoch, (7,), tuple(prompt))
     refused = run.gen.add_request(GenerateRequest("g", prompt, eh.greedy(4, n=2), params))
     assert [(o.index, o.finish_reason, o.error_code) for o in refused] == [(0, "error", 400), (1, "error", 400)]
@@ -137,7 +109,7 @@ def test_choices_take_their_own_first_tokens(make_pair, async_scheduling):
     """The generation leg continues each choice from its own first token (first_gen_tokens[i]), and a
     choice whose first token is a stop ends at once while the others decode."""
     run = make_pair(async_scheduling=async_scheduling)
-    prompt = _prompt(3, 45)
+    prompt = random_prompt(3, 45)
     ctx_id = eh.submit(run.ctx, prompt, eh.greedy(8, n=1), disagg=DisaggParams("context_only"))
     run.wait([ctx_id], "the context leg")
     p = run.final(ctx_id).disagg
@@ -147,23 +119,23 @@ def test_choices_take_their_own_first_tokens(make_pair, async_scheduling):
     gen_id = eh.submit(run.gen, prompt, stop, disagg=params)
     choices = run.wait_choices(gen_id, 3, "the generation leg")
     model = resolve_model(LLAMA)
-    assert _tokens(choices[0]) == hf_reference.hf_greedy_ignore_eos(model, prompt, 8)
+    assert tokens_of(choices[0]) == hf_reference.hf_greedy_ignore_eos(model, prompt, 8)
     assert [(o.new_token_ids, o.finish_reason) for o in choices[1]] == [([17], "stop")]
-    assert _tokens(choices[2]) == [301] + hf_reference.hf_greedy_ignore_eos(model, prompt + [301], 7)
+    assert tokens_of(choices[2]) == [301] + hf_reference.hf_greedy_ignore_eos(model, prompt + [301], 7)
     run.settle()
 
 
 @pytest.mark.parametrize("model", [LLAMA, SWA])
 def test_streamed_kv_brings_a_first_token_per_choice(make_pair, model):
     run = make_pair(model, chunk=32)  # a 70-token prompt is prefilled (and offered) in three steps
-    prompt = _prompt(4, 70)
+    prompt = random_prompt(4, 70)
     want = hf_reference.hf_greedy(resolve_model(model), prompt, 6)
     ctx_id = eh.submit(run.ctx, prompt, eh.greedy(6, n=3), disagg=DisaggParams("context_only", kv_stream=True))
     params = DisaggParams("generation_only", ctx_id, run.sender.endpoint, run.sender.epoch,
                           prompt_token_ids=tuple(prompt), kv_stream=True)
     gen_id = eh.submit(run.gen, prompt, eh.greedy(6, n=3), disagg=params)
     choices = run.wait_choices(gen_id, 3, "the generation leg")
-    assert [_tokens(choices[i]) for i in range(3)] == [want] * 3
+    assert [tokens_of(choices[i]) for i in range(3)] == [want] * 3
     answers = run.wait_choices(ctx_id, 3, "the context answers")
     assert [a[-1].disagg.first_gen_tokens for a in answers.values()] == [(want[0],) * 3] * 3
     assert all(a[-1].disagg.kv_stream for a in answers.values())
@@ -172,11 +144,11 @@ def test_streamed_kv_brings_a_first_token_per_choice(make_pair, model):
 
 def test_an_abort_of_the_generation_leg_ends_every_choice(make_pair):
     run = make_pair(async_scheduling=True)
-    prompt = _prompt(5, 30)
+    prompt = random_prompt(5, 30)
     ctx_id = eh.submit(run.ctx, prompt, eh.greedy(40, n=3), disagg=DisaggParams("context_only"))
     answers = run.wait_choices(ctx_id, 3, "the context leg")
     gen_id = eh.submit(run.gen, prompt, eh.greedy(40, n=3), disagg=_generation_params(answers[0][-1]))
-    wait_until(lambda: all(len(_tokens(o)) >= 3 for o in run.choices(gen_id).values())
+    wait_until(lambda: all(len(tokens_of(o)) >= 3 for o in run.choices(gen_id).values())
                and len(run.choices(gen_id)) == 3, 60, "three tokens of each choice", step=run.step, interval_s=0.001)
     aborted = run.gen.abort(gen_id)
     assert [(o.index, o.finish_reason) for o in aborted] == [(0, "abort"), (1, "abort"), (2, "abort")]
@@ -189,7 +161,7 @@ def test_seeded_choices_with_logprobs_and_a_penalty_equal_aggregated(make_pair, 
     first token counted on the generation leg) and logprobs: the pair's choices equal the aggregated
     engine's token for token, and their logprobs too (the first token's from the context leg)."""
     run = make_pair(async_scheduling=async_scheduling)
-    prompt = _prompt(6, 41)
+    prompt = random_prompt(6, 41)
     sampling = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, n=3, ignore_eos=True,
                               frequency_penalty=0.7, logprobs=2)
     local = eh.submit(run.ctx, prompt, sampling)
@@ -199,10 +171,10 @@ def test_seeded_choices_with_logprobs_and_a_penalty_equal_aggregated(make_pair, 
     answers = run.wait_choices(ctx_id, 3, "the context leg")
     gen_id = eh.submit(run.gen, prompt, sampling, disagg=_generation_params(answers[0][-1]))
     choices = run.wait_choices(gen_id, 3, "the generation leg")
-    want = {i: _tokens(aggregated[i]) for i in range(3)}
+    want = {i: tokens_of(aggregated[i]) for i in range(3)}
     assert len({tuple(t) for t in want.values()}) == 3  # the choices differ from each other
     for i in range(3):
-        assert _tokens(choices[i]) == want[i]
+        assert tokens_of(choices[i]) == want[i]
         first = answers[i][-1].logprobs  # the context leg's entry of choice i's first token
         later = [e for o in choices[i] for e in (o.logprobs or [])]
         pair = [*first, *later]

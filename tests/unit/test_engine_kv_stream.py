@@ -7,6 +7,8 @@ pin and no block in use on either side."""
 
 from __future__ import annotations
 
+import contextlib
+
 import engine_harness as eh
 import hf_reference
 import pytest
@@ -14,29 +16,20 @@ from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.types import DisaggParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA, SWA = "builtin:tiny-llama", "builtin:tiny-qwen3-swa"
-TOKEN = "kv-stream-test-token-0123456789"
 CHUNK = 32  # the context server prefills 32 tokens per step: a 150-token prompt takes 5 steps
 
 
-class Pair(eh.PairRun):
+class Pair(eh.LoopbackPair):
     """A context and a generation engine on a real KV sender and receiver, stepped together."""
 
     def __init__(self, model: str, async_scheduling: bool) -> None:
         kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
         super().__init__(eh.make_core(model, kv=kv, max_num_tokens=CHUNK, async_scheduling=async_scheduling),
                          eh.make_core(model, kv=kv, async_scheduling=async_scheduling))
-        cfg = TransceiverConfig(auth_token=TOKEN)
-        self.sender, self.receiver = KVSender(self.ctx.kv, cfg, "fp"), KVReceiver(self.gen.kv, cfg, "fp")
-        self.ctx.connector = ContextConnector(self.sender, self.ctx.kv)
-        self.gen.connector = GenerationConnector(self.receiver, self.gen.kv)
 
     def legs(self, prompt: list[int], max_tokens: int) -> tuple[str, str]:
         """Both legs at once, as the router starts them for a streamed prompt."""
@@ -53,31 +46,11 @@ class Pair(eh.PairRun):
                    step=lambda: self.outputs.setdefault(gen_id, []).extend(self.gen.step()), interval_s=0.001)
         assert self.final(gen_id) is None
 
-    def settle(self) -> None:
-        """Every lease and pull ends; nothing stays pinned or in use."""
-        wait_until(lambda: self.sender.num_leases == 0 and self.receiver.num_pulls == 0, 30, "leases and pulls to end",
-                   step=self.step, interval_s=0.001)
-        assert self.sender.pinned_blocks() == {}
-        for core in (self.ctx, self.gen):
-            assert eh.blocks_in_use(core.kv) == 0
-            core.kv.check_integrity()
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.sender.close()
-
 
 @pytest.fixture
 def make_pair():
-    made = []
-
-    def make(model: str = LLAMA, async_scheduling: bool = False) -> Pair:
-        made.append(Pair(model, async_scheduling))
-        return made[-1]
-
-    yield make
-    for pair in made:
-        pair.close()
+    with contextlib.ExitStack() as made:
+        yield lambda model=LLAMA, async_scheduling=False: made.enter_context(Pair(model, async_scheduling))
 
 
 @pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False)])

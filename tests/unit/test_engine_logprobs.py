@@ -5,24 +5,18 @@ and on the context server)."""
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
 import torch
-from sampling_harness import generation_params, logprobs_of, outputs_of, pair_cores, tokens_of
+from prompts import random_prompt
+from sampling_harness import logprobs_of, outputs_of, tokens_of
 
 from server.models.builtin import resolve_model
 from server.types import DisaggParams, SamplingParams, TokenLogprob
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
@@ -47,7 +41,7 @@ def test_sampled_tokens_logprobs_equal_transformers(model):
     """A batch of greedy and seeded sampling rows asking 0, 5 and 20 alternatives, beside a row
     that asks none (SWA: past its window of 64)."""
     core = eh.make_core(model)
-    prompts = [_prompt(1, 12), _prompt(2, 70), _prompt(3, 5), _prompt(4, 9)]
+    prompts = [random_prompt(1, 12), random_prompt(2, 70), random_prompt(3, 5), random_prompt(4, 9)]
     params = [eh.greedy(12, logprobs=5), SamplingParams(max_tokens=12, temperature=1.1, seed=3, logprobs=20),
               SamplingParams(max_tokens=12, temperature=0.7, top_k=20, min_tokens=12, logprobs=0), eh.greedy(12)]
     ids = [eh.submit(core, p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -66,7 +60,7 @@ def test_prompt_logprobs_of_a_chunked_prompt_equal_transformers(model, async_sch
     """A 90-token prompt in chunks of at most 32 tokens: every position's logprob, once, on the first
     output; its blocks were cached by the request before, yet none is reused for it (positions
     reused from the cache have no logits), while the request after it reuses them."""
-    prompt = _prompt(11, 90)
+    prompt = random_prompt(11, 90)
     core = eh.make_core(model, max_num_tokens=32, async_scheduling=async_scheduling)
     first = outputs_of(core, [eh.submit(core, prompt, eh.greedy(4))])
     asked = SamplingParams(max_tokens=4, temperature=0.0, min_tokens=4, logprobs=2, prompt_logprobs=3)
@@ -95,7 +89,7 @@ def test_a_one_token_prompt_has_only_the_first_entry():
 def test_verify_rows_give_the_logprobs_of_plain_steps(model):
     """Speculative decoding with partly wrong drafts: each emitted token's logprobs are those of its
     own verify row, equal to transformers' (and the tokens to the non-speculative output)."""
-    prompts = [_prompt(21, 14), _prompt(22, 40)]
+    prompts = [random_prompt(21, 14), random_prompt(22, 40)]
     params = eh.greedy(30, logprobs=4)
     expected = {tuple(p): hf_reference.hf_greedy(resolve_model(model), p, 30) for p in prompts}
     core = eh.with_replay_drafts(eh.make_core(model), expected, wrong=3)
@@ -110,7 +104,7 @@ def test_verify_rows_give_the_logprobs_of_plain_steps(model):
 def test_async_scheduling_on_and_off_give_the_same_tokens_and_logprobs():
     """A mixed batch (penalties, seeds, logit_bias, prompt logprobs over several chunks) decoding
     beside prefill chunks: the pipelined engine gives what the plain one gives."""
-    prompts = [_prompt(31, 50), _prompt(32, 8), _prompt(33, 20), _prompt(34, 45)]
+    prompts = [random_prompt(31, 50), random_prompt(32, 8), random_prompt(33, 20), random_prompt(34, 45)]
     params = [SamplingParams(max_tokens=16, temperature=0.9, seed=5, frequency_penalty=0.8, logprobs=3),
               eh.greedy(16, repetition_penalty=1.3, logit_bias=((7, 4.0),), logprobs=1),
               SamplingParams(max_tokens=16, temperature=1.2, min_p=0.1, seed=9, presence_penalty=1.0),
@@ -142,24 +136,23 @@ def _assert_close_entries(a: list[TokenLogprob | None], b: list[TokenLogprob | N
 
 
 @pytest.fixture
-def pair():
-    with pair_cores(LLAMA, {"max_num_tokens": 32}) as cores:
-        yield cores
+def run():
+    with eh.loopback_pair(LLAMA, ctx={"max_num_tokens": 32}) as pair:
+        yield pair
 
 
-def test_a_context_and_generation_pair_gives_every_logprob(pair):
+def test_a_context_and_generation_pair_gives_every_logprob(run):
     """The context server's answer has the prompt's logprobs (a prompt of several chunks) and the
     first token's; the generation server's the others' (its first output holds the context server's
     token, which it did not sample: no logprobs)."""
-    ctx, gen = pair
-    run = eh.PairRun(ctx, gen)
-    prompt = _prompt(41, 75)
+    ctx, gen = run.cores
+    prompt = random_prompt(41, 75)
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=13, min_tokens=10, logprobs=3, prompt_logprobs=1)
     leg = eh.submit(ctx, prompt, params, disagg=DisaggParams("context_only"))
     run.wait([leg], "the context leg")
     answer = run.final(leg)
     check_against_transformers(LLAMA, prompt, [], answer.prompt_logprobs[1:], 1, 1)
-    rid = eh.submit(gen, prompt, params, disagg=generation_params(answer))
+    rid = eh.submit(gen, prompt, params, disagg=eh.generation_params(answer))
     run.wait([rid], "the generation leg")
     outs = run.outputs[rid]
     assert outs[0].new_token_ids == answer.new_token_ids and outs[0].logprobs is None

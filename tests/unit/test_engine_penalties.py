@@ -4,13 +4,12 @@ generation pair, a moved stream and speculative decoding as from one aggregated 
 
 from __future__ import annotations
 
-import random
-
 import engine_harness as eh
 import hf_reference
 import pytest
 import torch
-from sampling_harness import generation_params, outputs_of, pair_cores, tokens_of
+from prompts import random_prompt
+from sampling_harness import outputs_of, tokens_of
 
 from server.engine.sampler import noise_seed
 from server.models.builtin import resolve_model
@@ -19,11 +18,6 @@ from server.types import DisaggParams, SamplingParams
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
 N = 16
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def reference(model: str, prompt: list[int], params: SamplingParams, eos: frozenset[int], n: int,
@@ -76,7 +70,7 @@ GREEDY_CASES = {
 def test_greedy_with_each_penalty_and_bias_equals_the_reference(model):
     """One batch: each case beside an unpenalised row (greedy = argmax of the penalised logits). The
     prompt repeats tokens, and both models' greedy output repeats prompt and output tokens."""
-    prompt, n = _prompt(4, 20) + _prompt(4, 20)[:10], 24
+    prompt, n = random_prompt(4, 20) + random_prompt(4, 20)[:10], 24
     core = eh.make_core(model)
     plain = hf_reference.hf_greedy(resolve_model(model), prompt, n)
     cases = {name: eh.greedy(n, **extra) for name, extra in GREEDY_CASES.items()}
@@ -92,7 +86,7 @@ def test_greedy_with_each_penalty_and_bias_equals_the_reference(model):
 
 
 def test_min_p_and_penalties_with_seeded_sampling_equal_the_reference():
-    prompt = _prompt(2, 15)
+    prompt = random_prompt(2, 15)
     core = eh.make_core(LLAMA)
     cases = [SamplingParams(max_tokens=N, temperature=1.5, min_p=0.2, seed=5, min_tokens=N),
              SamplingParams(max_tokens=N, temperature=1.5, seed=5, min_tokens=N),
@@ -107,9 +101,9 @@ def test_min_p_and_penalties_with_seeded_sampling_equal_the_reference():
 
 
 @pytest.fixture
-def pair():
-    with pair_cores(LLAMA, {"async_scheduling": True}) as cores:  # the generation side plain
-        yield cores
+def run():
+    with eh.loopback_pair(LLAMA, ctx={"async_scheduling": True}) as pair:  # the generation side plain
+        yield pair
 
 
 PAIR_CASES = [eh.greedy(N, frequency_penalty=1.2, repetition_penalty=1.3),
@@ -117,42 +111,35 @@ PAIR_CASES = [eh.greedy(N, frequency_penalty=1.2, repetition_penalty=1.3),
               SamplingParams(max_tokens=N, temperature=0.8, seed=4, presence_penalty=1.5, min_tokens=N)]
 
 
-def test_a_pair_equals_one_aggregated_engine(pair):
+def test_a_pair_equals_one_aggregated_engine(run):
     """Penalties count the context server's first token as output, and a seeded row's noise depends
     on its output position, not on which server drew the rows before."""
-    ctx, gen = pair
-    prompts = [_prompt(10 + i, 12 + 7 * i) for i in range(len(PAIR_CASES))]
+    ctx, gen = run.cores
+    prompts = [random_prompt(10 + i, 12 + 7 * i) for i in range(len(PAIR_CASES))]
     aggregated = eh.make_core(LLAMA)
     ids = [eh.submit(aggregated, p, sp) for p, sp in zip(prompts, PAIR_CASES, strict=True)]
     expected = [tokens_of(o) for o in outputs_of(aggregated, ids).values()]
-    run = eh.PairRun(ctx, gen)
-    legs = [eh.submit(ctx, p, sp, disagg=DisaggParams("context_only"))
-            for p, sp in zip(prompts, PAIR_CASES, strict=True)]
-    run.wait(legs, "the context legs")
-    gens = [eh.submit(gen, p, sp, disagg=generation_params(run.final(leg)))
-            for p, sp, leg in zip(prompts, PAIR_CASES, legs, strict=True)]
-    run.wait(gens, "the generation legs")
+    gens = run.serve(prompts, PAIR_CASES)
     assert [run.tokens(rid) for rid in gens] == expected
     assert expected[0] == reference(LLAMA, prompts[0], PAIR_CASES[0], aggregated.eos_token_ids, N)
     assert len(ctx.counts) == len(gen.counts) == 0
 
 
-def test_a_moved_stream_goes_on_as_the_original(pair):
+def test_a_moved_stream_goes_on_as_the_original(run):
     """A stream moved after k tokens (its context leg prefills prompt + those k, `prior_output_tokens`
     = k) goes on with the tokens the unmoved stream had: its prior output counts as output for the
     penalties, and its noise positions go on from k."""
-    ctx, gen = pair
-    prompt, k = _prompt(30, 14), 6
+    ctx, gen = run.cores
+    prompt, k = random_prompt(30, 14), 6
     params = SamplingParams(max_tokens=N, temperature=1.0, seed=17, frequency_penalty=0.9, min_tokens=N)
     aggregated = eh.make_core(LLAMA)
     expected = tokens_of(next(iter(outputs_of(aggregated, [eh.submit(aggregated, prompt, params)]).values())))
     moved = prompt + expected[:k]
     rest = SamplingParams(max_tokens=N - k, temperature=1.0, seed=17, frequency_penalty=0.9, min_tokens=N - k)
-    run = eh.PairRun(ctx, gen)
     leg = eh.submit(ctx, moved, rest, disagg=DisaggParams("context_only", prompt_token_ids=tuple(moved),
                                                            prior_output_tokens=k))
     run.wait([leg], "the context leg")
-    rid = eh.submit(gen, moved, rest, disagg=generation_params(run.final(leg), prior_output_tokens=k))
+    rid = eh.submit(gen, moved, rest, disagg=eh.generation_params(run.final(leg), prior_output_tokens=k))
     run.wait([rid], "the generation leg")
     assert run.tokens(rid) == expected[k:]
 
@@ -161,7 +148,7 @@ def test_a_moved_stream_goes_on_as_the_original(pair):
 def test_speculative_decoding_keeps_penalised_and_seeded_output(async_scheduling):
     """Verify rows count the drafts before them as output and draw their position's noise; a
     rejected position is drawn again with the same key."""
-    prompts = [_prompt(50, 16), _prompt(51, 9)]
+    prompts = [random_prompt(50, 16), random_prompt(51, 9)]
     params = [eh.greedy(24, frequency_penalty=0.6, presence_penalty=0.4),
               SamplingParams(max_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.4, min_tokens=24)]
     plain_core = eh.make_core(LLAMA)

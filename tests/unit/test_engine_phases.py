@@ -14,17 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prompts import random_prompt
 from waiting import wait_until
 
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.telemetry.metrics import ServerMetrics
 from server.telemetry.relay import MetricsRecorder, RelayedMetrics
-from server.types import DisaggParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA = "builtin:tiny-llama"
-TOKEN = "phases-test-token-0123456789abcdef"
 QUEUE, PREFILL = "pdserve_request_queue_time_seconds", "pdserve_prefill_seconds"
 TTFT, TRANSFER = "pdserve_time_to_first_token_seconds", "pdserve_kv_transfer_seconds"
 
@@ -80,32 +74,17 @@ def test_a_request_of_several_choices_is_one_queue_time_and_one_prefill():
 
 
 @pytest.fixture
-def pair():
-    cfg = TransceiverConfig(auth_token=TOKEN)
-    ctx, gen = eh.make_core(LLAMA), eh.make_core(LLAMA)
-    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    yield ctx, gen
-    receiver.close()
-    sender.close()
+def run():
+    with eh.loopback_pair(LLAMA) as pair:
+        yield pair
 
 
-def test_a_pair_observes_each_server_side_phase_once_per_request(pair):
-    ctx, gen = pair
-    recorders = [recording(core) for core in pair]
-    run = eh.PairRun(ctx, gen)
+def test_a_pair_observes_each_server_side_phase_once_per_request(run):
+    recorders = [recording(core) for core in run.cores]
     prompts = [random_prompt(300 + i, n) for i, n in enumerate([5, 40, 70])]
-    legs = [eh.submit(ctx, p, eh.greedy(6), disagg=DisaggParams("context_only")) for p in prompts]
-    run.wait(legs, "the context legs")
-    gens = []
-    for rid, prompt in zip(legs, prompts, strict=True):
-        p = run.final(rid).disagg
-        params = DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
-                              p.prompt_token_ids)
-        gens.append(eh.submit(gen, prompt, eh.greedy(6), disagg=params))
-    run.wait(gens, "the generation legs")
+    gens = run.serve(prompts, eh.greedy(6))
     assert [run.tokens(rid) for rid in gens] == [_expected(p, 6) for p in prompts]
-    wait_until(lambda: ctx.connector.sender.num_leases == 0, 30, "the leases to end", step=run.step)
+    wait_until(lambda: run.sender.num_leases == 0, 30, "the leases to end", step=run.step)
     context, generation = (replayed(r) for r in recorders)
     # the context server: arrival -> admission -> first token, once each; it sent each prompt's KV once
     assert (context[f"{QUEUE}_count"], context[f"{PREFILL}_count"], context[f"{TTFT}_count"]) == (3, 3, 3)

@@ -12,16 +12,11 @@ from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.telemetry.metrics import ServerMetrics
 from server.types import DisaggParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA = "builtin:tiny-llama"
-TOKEN = "tenants-test-token-0123456789"
 
 
 def _expected(prompt: list[int], n: int) -> list[int]:
@@ -113,13 +108,8 @@ def test_engine_metrics_count_prompts_preemptions_and_latencies():
 
 @pytest.fixture
 def pair():
-    cfg = TransceiverConfig(auth_token=TOKEN)
-    ctx, gen = eh.make_core(LLAMA), eh.make_core(LLAMA)
-    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    yield ctx, gen
-    receiver.close()
-    sender.close()
+    with eh.loopback_pair(LLAMA) as run:
+        yield run.cores
 
 
 def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tuple[list[int], int, DisaggParams]:
@@ -127,8 +117,7 @@ def _through_pair(ctx, gen, prompt: list[int], n: int, salt: str | None) -> tupl
     first = _run(ctx, prompt, n, disagg=DisaggParams("context_only"), cache_salt=salt)
     params = first.final.disagg
     assert params is not None and params.cache_salt == salt  # the salt travels to the generation leg
-    gen_params = DisaggParams("generation_only", params.ctx_request_id, params.ctx_endpoint, params.ctx_epoch,
-                              params.first_gen_tokens, params.prompt_token_ids, cache_salt=params.cache_salt)
+    gen_params = eh.generation_params(first.final, cache_salt=params.cache_salt)
     before = gen.connector.receiver.stats.bytes_received
     eh.submit(gen, prompt, eh.greedy(n), disagg=gen_params, cache_salt=params.cache_salt)
     result = eh.Result()

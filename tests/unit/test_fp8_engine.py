@@ -16,15 +16,10 @@ from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.models.model_spec import load_spec, with_quantization
-from server.types import DisaggParams, RequestOutput
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
+from server.types import RequestOutput
 
-TOKEN = "fp8-engine-test-token-0123456789"
 MODELS = ("builtin:tiny-llama", "builtin:tiny-qwen3-swa")
 PROMPTS = [random_prompt(60 + i, n) for i, n in enumerate([6, 33, 90])]  # 90: past tiny-qwen3-swa's window
 NEW = 16
@@ -40,36 +35,19 @@ def _fingerprint(model: str, quantization: str | None) -> str:
     return with_quantization(load_spec(resolve_model(model)), quantization).fingerprint
 
 
-class Pair(eh.PairRun):
+def _pair(model: str, ctx_quantization: str | None, gen_quantization: str | None) -> eh.LoopbackPair:
     """A context and a generation engine with `quantization` each, their KV link keyed by each one's
     model fingerprint as `pdserve serve` keys it."""
+    return eh.loopback_pair(model, kv=KvCacheConfig(tokens_per_block=16, max_tokens=4096),
+                            ctx={"max_num_tokens": 64, "quantization": ctx_quantization},
+                            gen={"quantization": gen_quantization},
+                            fingerprints=(_fingerprint(model, ctx_quantization), _fingerprint(model, gen_quantization)))
 
-    def __init__(self, model: str, ctx_quantization: str | None, gen_quantization: str | None) -> None:
-        kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
-        super().__init__(eh.make_core(model, kv=kv, max_num_tokens=64, quantization=ctx_quantization),
-                         eh.make_core(model, kv=kv, quantization=gen_quantization))
-        cfg = TransceiverConfig(auth_token=TOKEN)
-        self.sender = KVSender(self.ctx.kv, cfg, _fingerprint(model, ctx_quantization))
-        self.receiver = KVReceiver(self.gen.kv, cfg, _fingerprint(model, gen_quantization))
-        self.ctx.connector = ContextConnector(self.sender, self.ctx.kv)
-        self.gen.connector = GenerationConnector(self.receiver, self.gen.kv)
 
-    def serve(self, prompts: list[list[int]], n: int) -> list[RequestOutput]:
-        """Each prompt's context leg, then its generation leg; the generation legs' final outputs."""
-        legs = [eh.submit(self.ctx, p, eh.greedy(n), disagg=DisaggParams("context_only")) for p in prompts]
-        self.wait(legs, "the context legs")
-        gens = []
-        for rid, prompt in zip(legs, prompts, strict=True):
-            p = self.final(rid).disagg
-            params = DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch,
-                                  p.first_gen_tokens, p.prompt_token_ids)
-            gens.append(eh.submit(self.gen, prompt, eh.greedy(n), disagg=params))
-        self.wait(gens, "the generation legs")
-        return [self.final(rid) for rid in gens], [self.tokens(rid) for rid in gens]
-
-    def close(self) -> None:
-        self.receiver.close()
-        self.sender.close()
+def _serve(pair: eh.LoopbackPair, prompts: list[list[int]], n: int) -> tuple[list[RequestOutput], list[list[int]]]:
+    """Each prompt through the pair: the generation legs' final outputs, and their tokens."""
+    gens = pair.serve(prompts, eh.greedy(n))
+    return [pair.final(rid) for rid in gens], [pair.tokens(rid) for rid in gens]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -83,30 +61,24 @@ def test_aggregated_fp8_engine_serves_transformers_tokens_of_its_weights(referen
 @pytest.mark.parametrize("model", MODELS)
 def test_a_pair_with_fp8_weights_serves_the_aggregated_tokens(references, model: str) -> None:
     aggregated = [r.token_ids for r in eh.generate(eh.make_core(model, quantization="fp8"), PROMPTS, eh.greedy(NEW))]
-    pair = Pair(model, "fp8", "fp8")
-    try:
-        finals, tokens = pair.serve(PROMPTS, NEW)
+    with _pair(model, "fp8", "fp8") as pair:
+        finals, tokens = _serve(pair, PROMPTS, NEW)
         assert [f.finish_reason for f in finals] == ["length"] * len(PROMPTS)
         assert tokens == aggregated
         assert tokens == [hf_reference.hf_greedy(references[model], p, NEW) for p in PROMPTS]
         wait_until(lambda: pair.sender.num_leases == 0, 30, "the leases to end", step=pair.step)
-        for core in (pair.ctx, pair.gen):
+        for core in pair.cores:
             assert eh.blocks_in_use(core.kv) == 0
-    finally:
-        pair.close()
 
 
 def test_a_pair_whose_weights_differ_is_refused_at_the_handshake() -> None:
     """FP8 weights on the context server, float ones on the generation server: the KV each computes
     differs, so the generation leg fails instead of decoding from the other weights' KV."""
-    pair = Pair("builtin:tiny-llama", "fp8", None)
-    try:
-        finals, tokens = pair.serve(PROMPTS[:1], NEW)
+    with _pair("builtin:tiny-llama", "fp8", None) as pair:
+        finals, tokens = _serve(pair, PROMPTS[:1], NEW)
         assert finals[0].finish_reason == "error" and len(tokens[0]) <= 1  # at most the context's first token
         [status] = pair.receiver.peer_status().values()
         assert status.startswith("incompatible") and "model fingerprint differs" in status
-    finally:
-        pair.close()
 
 
 def test_a_server_built_with_quantization_fp8(references) -> None:

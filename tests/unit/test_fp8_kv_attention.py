@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from prompts import stride_prompt
+from runner_harness import prefilled_decode_rows
 
 from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
 from kvcache.kv_scales import as_float32
@@ -227,14 +228,8 @@ def test_a_static_decode_plan_over_an_fp8_cache_equals_the_eager_step():
     gives the eager decode step's logits: the layers' scales are the same launch arguments."""
     model_dir = resolve_model("builtin:tiny-qwen3-swa")
     runner = _fp8_runner(model_dir, "triton")
-    kv = runner.kv
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
-    chunks = []
-    for i, p in enumerate(prompts):
-        kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
-        tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
-        runner.execute([SeqChunk(p, 0, tables, True)])
-        chunks.append(SeqChunk([3 + i], len(p), tables, True))
+    chunks = prefilled_decode_rows(runner, prompts, 3)
     eager = runner.execute(chunks)
     plan = runner.attention.static_decode_plan(4)
     plan.fill([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], [c.token_ids[0] for c in chunks])

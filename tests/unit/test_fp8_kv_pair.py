@@ -9,21 +9,16 @@ from __future__ import annotations
 import engine_harness as eh
 import pytest
 import torch
+from kv_factories import loopback_link
 from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig, Level
 from kvcache.kv_scales import write_scales
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.models.calibrate_kv import calibrate
-from server.types import DisaggParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA = "builtin:tiny-llama"
-CONFIG = TransceiverConfig(auth_token="fp8-kv-pair-test-token-0123456789")
 PROMPTS = [random_prompt(700 + i, n) for i, n in enumerate([40, 71, 33])]  # full and partial blocks
 STEPS = 12
 
@@ -42,36 +37,16 @@ def fp8(scales: str) -> KvCacheConfig:
     return KvCacheConfig(tokens_per_block=16, max_tokens=4096, dtype="fp8", scales=scales)
 
 
-def _pair(kv: KvCacheConfig, quantization: str | None = None):
-    ctx, gen = (eh.make_core(LLAMA, kv=kv, quantization=quantization) for _ in range(2))
-    sender, receiver = KVSender(ctx.kv, CONFIG, "fp"), KVReceiver(gen.kv, CONFIG, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    return ctx, gen, sender, receiver
-
-
 def _disaggregated(kv: KvCacheConfig, quantization: str | None = None) -> tuple[list[list[int]], int, list[bool]]:
     """Each prompt through the pair: its tokens, the bytes the sender sent, and whether the
     generation server's copy of each of its full blocks equals the context server's, byte for byte."""
-    ctx, gen, sender, receiver = _pair(kv, quantization)
-    try:
-        run = eh.PairRun(ctx, gen)
-        legs = [eh.submit(ctx, p, eh.greedy(STEPS), disagg=DisaggParams("context_only")) for p in PROMPTS]
-        run.wait(legs, "the context legs")
-        gens = []
-        for rid, p in zip(legs, PROMPTS, strict=True):
-            d = run.final(rid).disagg
-            params = DisaggParams("generation_only", d.ctx_request_id, d.ctx_endpoint, d.ctx_epoch,
-                                  d.first_gen_tokens, d.prompt_token_ids)
-            gens.append(eh.submit(gen, p, eh.greedy(STEPS), disagg=params))
-        run.wait(gens, "the generation legs")
-        same = [torch.equal(_block_bytes(ctx.kv, p, i), _block_bytes(gen.kv, p, i))
+    with eh.loopback_pair(LLAMA, kv=kv, quantization=quantization) as run:
+        gens = run.serve(PROMPTS, eh.greedy(STEPS))
+        same = [torch.equal(_block_bytes(run.ctx.kv, p, i), _block_bytes(run.gen.kv, p, i))
                 for p in PROMPTS for i in range(len(p) // 16)]
         tokens = [run.tokens(g) for g in gens]  # the first token (the context leg's) included
-        wait_until(lambda: sender.num_leases == 0, 30, "the leases to end", step=run.step)
-        return tokens, sender.stats.bytes_sent, same
-    finally:
-        receiver.close()
-        sender.close()
+        wait_until(lambda: run.sender.num_leases == 0, 30, "the leases to end", step=run.step)
+        return tokens, run.sender.stats.bytes_sent, same
 
 
 def _block_bytes(kv, prompt: list[int], index: int) -> torch.Tensor:
@@ -104,15 +79,11 @@ def test_fp8_weights_and_an_fp8_cache_together_through_the_pair(scales):
 
 
 def _handshake(ctx_kv, gen_kv) -> str:
-    sender, receiver = KVSender(ctx_kv, CONFIG, "fp"), KVReceiver(gen_kv, CONFIG, "fp")
-    try:
+    with loopback_link(ctx_kv, gen_kv) as (sender, receiver):
         receiver.probe(sender.endpoint)
         wait_until(lambda: receiver.peer_status().get(sender.endpoint, "unchecked") != "unchecked", 10,
                    "the handshake")
         return receiver.peer_status()[sender.endpoint]
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_pair_of_other_kv_dtypes_or_scales_is_refused_at_the_handshake_naming_both(scales, tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV, load_deployment
+from server.config.schema import load_deployment
 from server.deploy.gpu_share import (
     CONTEXT_SM_PERCENT,
     GENERATION_SM_PERCENT,
@@ -18,10 +18,7 @@ from server.deploy.gpu_share import (
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_env_overrides")
 
 
 def pair(**sections) -> dict:

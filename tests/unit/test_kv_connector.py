@@ -9,15 +9,12 @@ import time
 
 import pytest
 import torch
-from kv_factories import make_manager
+from kv_factories import loopback_link, make_manager
 
 from kvcache import KVCacheManager, Level
 from server.engine.kv_connector import AggregatedConnector, Arrived, ContextConnector, GenerationConnector, PullFailure
 from server.engine.request import Request
 from server.types import DisaggParams, SamplingParams
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 W, TPB = 64, 4
 PROMPT = list(range(3, 13))  # 10 tokens: blocks 0, 1 full, block 2 holds 2
@@ -34,15 +31,12 @@ def _request(rid: str, params: DisaggParams) -> Request:
 
 @pytest.fixture
 def pair():
-    config = TransceiverConfig(auth_token="unit-connector-token-0123456789")
     ctx_kv, gen_kv = _kv(), _kv()
-    sender, receiver = KVSender(ctx_kv, config, "fp"), KVReceiver(gen_kv, config, "fp")
-    gen = GenerationConnector(receiver, gen_kv)
-    gen.seconds_seen = 0.0
-    receiver.stats.on_transfer = lambda seconds, nbytes: setattr(gen, "seconds_seen", gen.seconds_seen + seconds)
-    yield ContextConnector(sender, ctx_kv), gen
-    receiver.close()
-    sender.close()
+    with loopback_link(ctx_kv, gen_kv) as (sender, receiver):
+        gen = GenerationConnector(receiver, gen_kv)
+        gen.seconds_seen = 0.0
+        receiver.stats.on_transfer = lambda seconds, nbytes: setattr(gen, "seconds_seen", gen.seconds_seen + seconds)
+        yield ContextConnector(sender, ctx_kv), gen
 
 
 def _poll_until_idle(ctx: ContextConnector, gen: GenerationConnector) -> tuple[list[str], list[PullFailure]]:

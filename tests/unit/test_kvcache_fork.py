@@ -30,6 +30,18 @@ def _fork_prompt(m, **kw):
     m.fork("p", "c", len(PROMPT))
 
 
+def _release_one(m, order: tuple[str, str]) -> tuple[str, str, dict[str, int]]:
+    """After `_fork_prompt` (8 primary blocks): the first of `order` released, the other keeps the two
+    shared full blocks and its own partial one; the first's partial block is free. (first, second,
+    each one's own partial block id)."""
+    first, second = order
+    m.release(first)
+    own = {"p": 2, "c": 3}
+    assert refs(m) == {0: (1, 0), 1: (1, 0), own[second]: (1, 0)}
+    assert free_ids(m) == [4, 5, 6, 7, own[first]]
+    return first, second, own
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", [("p", "c"), ("c", "p")])
 def test_full_blocks_are_shared_and_the_partial_block_is_copied(device, order):
@@ -43,11 +55,7 @@ def test_full_blocks_are_shared_and_the_partial_block_is_copied(device, order):
     s = m.stats()
     assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (10, 0)  # a fork is no admission
     m.check_integrity()
-    first, second = order
-    m.release(first)
-    own = {"p": 2, "c": 3}
-    assert refs(m) == {0: (1, 0), 1: (1, 0), own[second]: (1, 0)}
-    assert free_ids(m) == [4, 5, 6, 7, own[first]]
+    first, second, own = _release_one(m, order)
     m.check_integrity()
     m.release(second)
     assert refs(m) == {} and free_ids(m) == [4, 5, 6, 7, own[first], own[second]]
@@ -64,11 +72,7 @@ def test_without_reuse_shared_blocks_are_freed_by_the_last_release(device, order
     assert m.block_ids("c") == [0, 1, 3] and m.cached_block_hashes() == []
     assert_request_kv(m, "c", PROMPT, 10)
     m.check_integrity()
-    first, second = order
-    m.release(first)
-    own = {"p": 2, "c": 3}
-    assert refs(m) == {0: (1, 0), 1: (1, 0), own[second]: (1, 0)}
-    assert free_ids(m) == [4, 5, 6, 7, own[first]]
+    first, second, own = _release_one(m, order)
     m.release(second)
     assert free_ids(m) == [4, 5, 6, 7, own[first], own[second], 1, 0]  # released last block first
     m.check_integrity()

@@ -21,9 +21,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOKEN = "f" * 64
 
 
-def test_plan_points_every_child_at_the_deployment_file_and_its_own_server(monkeypatch):
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+def test_plan_points_every_child_at_the_deployment_file_and_its_own_server(monkeypatch, no_env_overrides):
     cfg = with_auth_token(load_deployment(CONFIGS / "disagg_2x2.yaml"), TOKEN)
     servers, router = plan_children(cfg, CONFIGS / "disagg_2x2.yaml")
     assert [(c.name, c.role, c.health_url) for c in servers] == [
@@ -69,10 +67,8 @@ def test_children_share_the_cores(monkeypatch):
     assert chosen["OMP_NUM_THREADS"] == "3"  # the user's choice stands
 
 
-def test_each_server_gets_its_sections_env(monkeypatch, tmp_path):
+def test_each_server_gets_its_sections_env(tmp_path, no_env_overrides):
     """`env` per section (which GPUs a server sees, ...): a real child process reads it."""
-    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(HOSTNAME_ENV, raising=False)
     path = tmp_path / "d.yaml"
     path.write_text(yaml.safe_dump({
         "model": "builtin:tiny-llama", "env": {"PDSERVE_TEST_ALL": "top"},

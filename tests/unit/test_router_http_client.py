@@ -36,6 +36,13 @@ def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
+async def _open_chunked(reader, writer, first: bytes) -> None:
+    """Read the request; answer 200 with a chunked body, its first chunk `first` sent."""
+    await _read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(first))
+    await writer.drain()
+
+
 class Server:
     """A loopback server; `handler` serves each connection. Counts connections."""
 
@@ -89,9 +96,7 @@ def test_json_exchanges_reuse_one_connection():
 
 def test_a_chunked_stream_arrives_piece_by_piece():
     async def handler(reader, writer, shared):
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"data: 1\n\n"))
-        await writer.drain()
+        await _open_chunked(reader, writer, b"data: 1\n\n")
         await shared["next"].wait()  # the second piece only after the client has the first
         writer.write(_chunk(b"data: 2\n\n") + b"0\r\n\r\n")
         await writer.drain()
@@ -180,9 +185,7 @@ def test_no_answer_in_time_is_a_timeout_and_the_connection_is_dropped():
 
 def test_a_silent_stream_times_out_between_pieces():
     async def handler(reader, writer, shared):
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"one"))
-        await writer.drain()
+        await _open_chunked(reader, writer, b"one")
         await reader.read()
 
     async def main():
@@ -216,9 +219,7 @@ def test_an_invalid_or_cut_answer_is_a_read_error(reply):
 
 def test_a_stream_closed_early_closes_its_connection():
     async def handler(reader, writer, shared):
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunk(b"one"))
-        await writer.drain()
+        await _open_chunked(reader, writer, b"one")
         shared["eof"] = await reader.read() == b""
 
     async def main():

@@ -12,22 +12,13 @@ import engine_harness as eh
 import hf_reference
 import pytest
 from json_schemas import check, random_schema
+from prompts import random_prompt
 
 from kvcache import KvCacheConfig
-from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.models.builtin import resolve_model
 from server.types import DisaggParams, GenerateRequest, SamplingParams, StructuredSpec
-from transceiver.config import TransceiverConfig
-from transceiver.receiver import KVReceiver
-from transceiver.sender import KVSender
 
 LLAMA = "builtin:tiny-llama"
-TOKEN = "structured-disagg-test-token-0123456789"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
 
 
 def _schemas(n: int) -> list[dict]:
@@ -47,79 +38,58 @@ def _aggregated(requests: list[tuple[list[int], SamplingParams]]) -> list[eh.Res
 
 
 @pytest.fixture
-def pair():
-    cfg = TransceiverConfig(auth_token=TOKEN)
-    ctx, gen = eh.make_core(LLAMA, async_scheduling=True), eh.make_core(LLAMA, async_scheduling=True)
-    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    yield ctx, gen
-    receiver.close()
-    sender.close()
+def run():
+    with eh.loopback_pair(LLAMA, async_scheduling=True) as pair:
+        yield pair
 
 
-def _generation_params(answer) -> DisaggParams:
-    p = answer.disagg
-    assert p is not None, answer
-    return DisaggParams("generation_only", p.ctx_request_id, p.ctx_endpoint, p.ctx_epoch, p.first_gen_tokens,
-                        p.prompt_token_ids)
-
-
-def test_the_pair_gives_the_aggregated_constrained_output(pair):
-    ctx, gen = pair
-    run = eh.PairRun(ctx, gen)
-    schemas, prompts = _schemas(6), [_prompt(40 + i, 5 + 7 * i) for i in range(6)]
+def test_the_pair_gives_the_aggregated_constrained_output(run):
+    ctx, gen = run.cores
+    schemas, prompts = _schemas(6), [random_prompt(40 + i, 5 + 7 * i) for i in range(6)]
     expected = _aggregated([(p, _params(s)) for p, s in zip(prompts, schemas, strict=True)])
     legs = [eh.submit(ctx, p, _params(s), disagg=DisaggParams("context_only"))
             for p, s in zip(prompts, schemas, strict=True)]
     run.wait(legs, "the context legs")
     for rid, want in zip(legs, expected, strict=True):
         assert run.final(rid).finish_reason is None and run.tokens(rid) == want.token_ids[:1]
-    gens = [eh.submit(gen, p, _params(s), disagg=_generation_params(run.final(rid)))
+    gens = [eh.submit(gen, p, _params(s), disagg=eh.generation_params(run.final(rid)))
             for rid, p, s in zip(legs, prompts, schemas, strict=True)]
     run.wait(gens, "the generation legs")
     for rid, want, schema in zip(gens, expected, schemas, strict=True):
         assert run.tokens(rid) == want.token_ids and run.final(rid).finish_reason == "stop"
         check(json.loads("".join(o.new_text for o in run.outputs[rid])), schema)
-    for core in pair:
+    for core in run.cores:
         assert eh.blocks_in_use(core.kv) == 0
 
 
 def test_a_streamed_pull_feeds_the_first_token_that_comes_with_the_kv_to_the_grammar():
     """kv_stream: the generation leg is added before the first token exists; it arrives with the KV."""
-    kv, cfg = KvCacheConfig(tokens_per_block=16, max_tokens=4096), TransceiverConfig(auth_token=TOKEN)
-    ctx, gen = eh.make_core(LLAMA, kv=kv, max_num_tokens=32), eh.make_core(LLAMA, kv=kv)
-    sender, receiver = KVSender(ctx.kv, cfg, "fp"), KVReceiver(gen.kv, cfg, "fp")
-    ctx.connector, gen.connector = ContextConnector(sender, ctx.kv), GenerationConnector(receiver, gen.kv)
-    try:
-        schema, prompt = _schemas(2)[1], _prompt(33, 150)
+    kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
+    with eh.loopback_pair(LLAMA, kv=kv, ctx={"max_num_tokens": 32}) as run:
+        schema, prompt = _schemas(2)[1], random_prompt(33, 150)
         [want] = _aggregated([(prompt, _params(schema))])
-        run = eh.PairRun(ctx, gen)
-        ctx_id = eh.submit(ctx, prompt, _params(schema), disagg=DisaggParams("context_only", kv_stream=True))
-        streamed = DisaggParams("generation_only", ctx_id, sender.endpoint, sender.epoch,
+        ctx_id = eh.submit(run.ctx, prompt, _params(schema), disagg=DisaggParams("context_only", kv_stream=True))
+        streamed = DisaggParams("generation_only", ctx_id, run.sender.endpoint, run.sender.epoch,
                                 prompt_token_ids=tuple(prompt), kv_stream=True)
-        gen_id = eh.submit(gen, prompt, _params(schema), disagg=streamed)
+        gen_id = eh.submit(run.gen, prompt, _params(schema), disagg=streamed)
         run.wait([ctx_id, gen_id], "both legs")
         assert run.tokens(gen_id) == want.token_ids and run.final(gen_id).finish_reason == "stop"
-    finally:
-        receiver.close()
-        sender.close()
 
 
-def test_a_grammar_complete_at_the_first_token_ends_on_the_context_server(pair):
-    ctx, gen = pair
-    run = eh.PairRun(ctx, gen)
+def test_a_grammar_complete_at_the_first_token_ends_on_the_context_server(run):
+    ctx = run.ctx
     tokenizer = ctx.tokenizer
     single = [c for c in ("a", "b", "c", "d", "e") if len(tokenizer.encode(c, add_special_tokens=False)) == 1]
     params = SamplingParams(max_tokens=5, temperature=0.0, structured=StructuredSpec("choice", json.dumps(single)))
-    rid = eh.submit(ctx, _prompt(7, 12), params, disagg=DisaggParams("context_only"))
+    rid = eh.submit(ctx, random_prompt(7, 12), params, disagg=DisaggParams("context_only"))
     run.wait([rid], "the context leg")
     answer = run.final(rid)
     assert (answer.finish_reason, answer.disagg) == ("stop", None) and answer.new_text in single
     assert ctx.connector.sender.num_leases == 0 and eh.blocks_in_use(ctx.kv) == 0
 
 
-def test_first_tokens_that_break_the_grammar_are_refused_with_a_400(pair):
-    _, gen = pair
+def test_first_tokens_that_break_the_grammar_are_refused_with_a_400(run):
+    gen = run.gen
     [bad] = gen.tokenizer.encode("x", add_special_tokens=False)
     params = SamplingParams(max_tokens=5, structured=StructuredSpec("choice", '["yes", "no"]'))
     disagg = DisaggParams("generation_only", "lease", "tcp://127.0.0.1:1", "epoch", (bad,), (1, 2, 3))
@@ -129,7 +99,7 @@ def test_first_tokens_that_break_the_grammar_are_refused_with_a_400(pair):
 
 
 def test_a_moved_stream_goes_on_from_its_prior_output():
-    schema, prompt = _schemas(1)[0], _prompt(77, 9)
+    schema, prompt = _schemas(1)[0], random_prompt(77, 9)
     [whole] = _aggregated([(prompt, _params(schema))])
     assert len(whole.token_ids) > 6
     moved = prompt + whole.token_ids[:5]  # the router resends the output so far as the prompt's tail
@@ -141,10 +111,10 @@ def test_a_moved_stream_goes_on_from_its_prior_output():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_constrained_requests_do_not_draft_while_the_others_do(async_scheduling):
-    free = [_prompt(90 + i, 20) for i in range(2)]
+    free = [random_prompt(90 + i, 20) for i in range(2)]
     model = resolve_model(LLAMA)
     expected = {tuple(p): hf_reference.hf_greedy(model, p, 30) for p in free}
-    schemas, prompts = _schemas(3), [_prompt(60 + i, 10) for i in range(3)]
+    schemas, prompts = _schemas(3), [random_prompt(60 + i, 10) for i in range(3)]
     want = _aggregated([(p, _params(s)) for p, s in zip(prompts, schemas, strict=True)])
     # the drafter knows only the unconstrained prompts: a constrained request asked for drafts fails
     core = eh.with_replay_drafts(eh.make_core(LLAMA, async_scheduling=async_scheduling), expected, wrong=3)

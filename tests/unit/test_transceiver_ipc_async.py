@@ -76,13 +76,25 @@ def pair(same_gpu):  # noqa: F811 (the fixture imported above)
     sender.close()
 
 
+def _start_held(pair, monkeypatch, module, name: str) -> tuple[threading.Event, list[int], list[int]]:
+    """`module.name`'s first result held (`hold_first`), then the pull of the leased request "req"
+    started: (the gate, its tokens, its destination slots)."""
+    ctx_kv, sender, gen_kv, rx = pair
+    gate = hold_first(monkeypatch, module, name)
+    tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
+    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
+    return gate, tokens, dst
+
+
+def _until(probe, what: str, sender: KVSender, rx: KVReceiver) -> None:
+    """Wait for `probe`, stepping both sides in between."""
+    wait_until(probe, 10, what, step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+
+
 def test_the_sender_serves_other_pulls_while_a_checksum_is_on_the_device(pair, monkeypatch) -> None:
     ctx_kv, sender, gen_kv, rx = pair
-    gate = hold_first(monkeypatch, serve_mod, "start_checksum")
-    tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
-    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})  # its checksum is held
-    wait_until(lambda: sender._link._server._ipc, 10, "the first checksum on the device",
-               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    gate, tokens, dst = _start_held(pair, monkeypatch, serve_mod, "start_checksum")  # its checksum is held
+    _until(lambda: sender._link._server._ipc, "the first checksum on the device", sender, rx)
     other = list(range(400, 408))  # the engine thread prefills and leases another request meanwhile
     _cache(ctx_kv, "other", other, lease=sender)
     gen_kv.admit("other", other)
@@ -100,12 +112,9 @@ def test_the_sender_serves_other_pulls_while_a_checksum_is_on_the_device(pair, m
 
 
 def test_a_pull_finishes_only_once_its_copy_is_checked_and_steps_never_wait(pair, monkeypatch) -> None:
-    ctx_kv, sender, gen_kv, rx = pair
-    gate = hold_first(monkeypatch, copies_mod, "start_copy")
-    tokens, dst = _two_requests(ctx_kv, sender, gen_kv)
-    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
-    wait_until(lambda: any(p.done is not None for p in rx._parts.values()), 10, "Done before the copy is checked",
-               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    _, sender, gen_kv, rx = pair
+    gate, tokens, dst = _start_held(pair, monkeypatch, copies_mod, "start_copy")
+    _until(lambda: any(p.done is not None for p in rx._parts.values()), "Done before the copy is checked", sender, rx)
     start = time.monotonic()
     assert rx.step() == [] and time.monotonic() - start < 0.5  # nothing waits for the held copy
     assert rx.num_pulls == 1 and sender.num_leases == 1  # no Ack yet: the lease stays pinned
@@ -118,12 +127,9 @@ def test_a_pull_finishes_only_once_its_copy_is_checked_and_steps_never_wait(pair
 
 
 def test_a_cancelled_pull_with_its_copy_running_never_reports(pair, monkeypatch) -> None:
-    ctx_kv, sender, gen_kv, rx = pair
-    gate = hold_first(monkeypatch, copies_mod, "start_copy")
-    _, dst = _two_requests(ctx_kv, sender, gen_kv)
-    rx.start_pull("req", sender.endpoint, sender.epoch, "req", {W: (0, dst)})
-    wait_until(lambda: any(rx._copies.pending(pull_id) for pull_id in rx._parts), 10, "the copy started",
-               step=lambda: (sender.step(), rx.step(), rx.wait(0.002)))
+    _, sender, _, rx = pair
+    gate, _, _ = _start_held(pair, monkeypatch, copies_mod, "start_copy")
+    _until(lambda: any(rx._copies.pending(pull_id) for pull_id in rx._parts), "the copy started", sender, rx)
     assert rx.cancel("req") and rx.num_pulls == 0
     assert rx._copies._copies and rx._copies._copies[0].abandoned  # kept while the device runs it
     gate.set()

@@ -23,6 +23,8 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="CUDA machine: the kernels compile there (tests/gpu covers them)")
 
+from runner_harness import prefilled_decode_rows  # noqa: E402
+
 from kvcache import KvCacheConfig, KVCacheManager  # noqa: E402
 from server.models.attention import SeqLayout  # noqa: E402
 from server.models.builtin import resolve_model  # noqa: E402
@@ -169,12 +171,7 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
                          max_batch_size=4, kernels="triton", cuda_graphs=False, max_seq_len=256)
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
-    chunks = []
-    for i, p in enumerate(prompts):
-        kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
-        tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
-        runner.execute([SeqChunk(p, 0, tables, True)])
-        chunks.append(SeqChunk([3 + i], len(p), tables, True))
+    chunks = prefilled_decode_rows(runner, prompts, 3)
     eager = runner.execute(chunks)  # the static run below writes the same K/V at the same places again
     plan = runner.attention.static_decode_plan(4)
     seqs = StepLayout([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], 3).seqs
