@@ -129,7 +129,7 @@ def _router(args: argparse.Namespace) -> int:
         policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access,
         drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit, routing=cfg.routing)
     app = create_router_app(settings)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
                             timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.drain).run()
     return 0
@@ -203,5 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     return handlers[args.command](args)
 
 
+def run() -> None:
+    """The `pdserve` command: `main`, then the process ends without the interpreter's teardown."""
+    from server.deploy.exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,4 +1,8 @@
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +36,12 @@ def no_env_overrides(monkeypatch) -> None:
 
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     monkeypatch.delenv(HOSTNAME_ENV, raising=False)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder with a short path, for tests whose files hold Unix sockets (the CUDA MPS pipe
+    directory must stay under 80 characters; pytest's tmp_path grows longer under pytest-xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="pd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

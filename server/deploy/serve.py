@@ -244,7 +244,7 @@ def serve(cfg: ServerConfig) -> int:
         server.should_exit = True
 
     app = make_app(cfg, on_fatal)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", ws="none",
                             timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, app.state.drain)
     server.run()

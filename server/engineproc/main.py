@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from server.deploy.exit import exit_now
 from server.engineproc.link import EngineEnd
 from server.engineproc.loop import run_engine
 from server.engineproc.spawn import Launch, read_launch
@@ -78,15 +79,6 @@ def main() -> int:
     finally:
         end.close()
     return 0 if loaded else 1
-
-
-def exit_now(code: int) -> None:
-    """Everything is closed: skip the interpreter's teardown (torch's takes seconds), so a server
-    that stops or restarts does not wait for it."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -22,21 +22,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from server.models.catalog import (  # noqa: F401 (re-exported: the built-in models' names live there)
     BUILTIN_MODELS,
@@ -48,14 +36,23 @@ from server.models.catalog import (  # noqa: F401 (re-exported: the built-in mod
 )
 from server.models.tiny_tokenizer import train_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 SEED = 1234
 
-_FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _family_classes(family: str) -> tuple[type, type]:
+    """(config class, model class) of a family; transformers' modeling code is imported only here,
+    when a tiny model is built, so a server that loads a built model never pays for it."""
+    import transformers
+
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+
+
 _TINY_SHAPE = TINY_SHAPE
 
 
@@ -119,9 +116,9 @@ def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Pat
     family: llama | mistral | qwen2 | qwen3. `config_overrides` go to the transformers config
     (e.g. `rope_parameters`, `sliding_window`, `use_sliding_window`, `tie_word_embeddings`).
     """
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILIES)}")
-    config_cls, model_cls = _FAMILIES[family]
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    config_cls, model_cls = _family_classes(family)
     tokenizer = train_tokenizer()
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)

@@ -112,14 +112,16 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 def test_metrics_show_the_engines_histograms_and_kv_figures(server, client):
     url, _ = server
-    client.completions.create(model=MODEL, prompt="Metrics cross the process boundary.", max_tokens=4, **GREEDY)
+    prompt = "Metrics cross the process boundary, and a prompt sent twice hits its own blocks. " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY)
     for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_time_per_output_token_seconds_count",
                  "pdserve_e2e_request_latency_seconds_count", "pdserve_request_queue_time_seconds_count",
                  "pdserve_generation_tokens_total", "pdserve_prompt_tokens_total",
                  "pdserve_prefix_cache_query_tokens_total", "pdserve_prefix_cache_hit_tokens_total"):
         assert metric(url, name) > 0, name
     assert metric(url, "pdserve_kv_cache_blocks", 'state="free"') > 0
-    assert metric(url, "pdserve_kv_cache_blocks", 'state="cached"') > 0  # the repeated prompts' blocks
+    assert metric(url, "pdserve_kv_cache_blocks", 'state="cached"') > 0  # the repeated prompt's blocks
 
 
 def _stream_events(url: str, max_tokens: int, out: list) -> None:

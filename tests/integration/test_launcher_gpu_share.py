@@ -17,23 +17,23 @@ from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
 
 
 @pytest.fixture
-def shared(tmp_path, monkeypatch):
+def shared(short_tmp, monkeypatch):
     """(the launch setup of test_launcher_processes: a pair and a router on one GPU, fake tools on PATH)."""
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     monkeypatch.delenv(HOSTNAME_ENV, raising=False)
-    tools = fake_nvidia.install(tmp_path / "bin")
+    tools = fake_nvidia.install(short_tmp / "bin")
     monkeypatch.setenv("PATH", tools.path())
     ports = free_ports(3)
-    deployment = tmp_path / "deploy.yaml"
+    deployment = short_tmp / "deploy.yaml"
     deployment.write_text(yaml.safe_dump({
         "model": "builtin:tiny-llama", "port": ports[0], "drain_timeout_s": 3, "gpu_share": "auto",
         "restart": {"max_quick_deaths": 3, "backoff_s": 0.1},
         "context_servers": {"urls": [f"127.0.0.1:{ports[1]}"]},
         "generation_servers": {"urls": [f"127.0.0.1:{ports[2]}"]},
     }))
-    script = tmp_path / "fake_child.py"
+    script = short_tmp / "fake_child.py"
     script.write_text(FAKE_CHILD)
-    return (deployment, script, tmp_path / "logs", ports), tools
+    return (deployment, script, short_tmp / "logs", ports), tools
 
 
 def mps_lines(log: Path) -> list[str]:
@@ -114,12 +114,12 @@ def _server_environ(dep: deploy_harness.Deployment, name: str) -> dict[str, str]
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
-def test_pdserve_launch_on_the_cpu(tmp_path, device):
+def test_pdserve_launch_on_the_cpu(short_tmp, device):
     """device cpu: no MPS and not a word about it. device auto where nvidia-smi lists a GPU: the real
     servers get the daemon's variables (on a CPU they are only environment)."""
-    tools = fake_nvidia.install(tmp_path / "bin")
+    tools = fake_nvidia.install(short_tmp / "bin")
     overrides = {"device": device, "gpu_share": "auto"}
-    with deploy_harness.launched("disagg.yaml", tmp_path, overrides, env={"PATH": tools.path()}) as dep:
+    with deploy_harness.launched("disagg.yaml", short_tmp, overrides, env={"PATH": tools.path()}) as dep:
         assert deploy_harness.greedy_texts(dep.url, ["The quick brown fox"], 4)[0] != ""
         environs = {name: _server_environ(dep, name) for name in ("context-0", "generation-0")}
     launcher_log = (dep.log_dir / "launcher.log").read_text()

@@ -28,20 +28,20 @@ FALLBACK = "gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0: no CUDA
 
 
 @pytest.fixture
-def tools(tmp_path) -> fake_nvidia.FakeTools:
-    return fake_nvidia.install(tmp_path / "bin")
+def tools(short_tmp) -> fake_nvidia.FakeTools:
+    return fake_nvidia.install(short_tmp / "bin")
 
 
-def start(tmp_path: Path, tools: fake_nvidia.FakeTools, plan: GpuSharePlan = PAIR, **env):
+def start(short_tmp: Path, tools: fake_nvidia.FakeTools, plan: GpuSharePlan = PAIR, **env):
     """start_gpu_share with the fake tools first on PATH: (GpuShare, lines said, log dir)."""
-    said, log_dir = [], tmp_path / "logs"
+    said, log_dir = [], short_tmp / "logs"
     log_dir.mkdir(exist_ok=True)
     share = start_gpu_share(plan, log_dir, {"PATH": tools.path(), **env}, said.append)
     return share, said, log_dir
 
 
-def test_the_daemon_starts_with_private_dirs_and_quits(tmp_path, tools):
-    share, said, log_dir = start(tmp_path, tools, CUDA_VISIBLE_DEVICES="0")
+def test_the_daemon_starts_with_private_dirs_and_quits(short_tmp, tools):
+    share, said, log_dir = start(short_tmp, tools, CUDA_VISIBLE_DEVICES="0")
     pipe, log = log_dir / "mps" / "pipe", log_dir / "mps" / "log"
     assert said == [f"gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0 under CUDA MPS "
                     f"(its daemon: {PIPE_ENV}={pipe} nvidia-cuda-mps-control)"]
@@ -60,9 +60,9 @@ def test_the_daemon_starts_with_private_dirs_and_quits(tmp_path, tools):
     assert len(tools.calls()) == 3
 
 
-def test_a_daemon_that_fails_to_start_is_reported_and_nothing_changes(tmp_path, tools):
+def test_a_daemon_that_fails_to_start_is_reported_and_nothing_changes(short_tmp, tools):
     tools.set_mode("fail-start")
-    share, said, _ = start(tmp_path, tools)
+    share, said, _ = start(short_tmp, tools)
     assert said == [FALLBACK + "`nvidia-cuda-mps-control -d` failed with exit code 1: An instance of this "
                                "daemon is already running"]
     assert [c.split()[0] for c in tools.calls()] == ["-d"]
@@ -71,9 +71,9 @@ def test_a_daemon_that_fails_to_start_is_reported_and_nothing_changes(tmp_path, 
     assert len(tools.calls()) == 1
 
 
-def test_a_daemon_that_does_not_answer_is_quit_and_reported(tmp_path, tools):
+def test_a_daemon_that_does_not_answer_is_quit_and_reported(short_tmp, tools):
     tools.set_mode("no-answer")
-    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), tmp_path / "mps", {"PATH": tools.path()},
+    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), short_tmp / "mps", {"PATH": tools.path()},
                        ready_s=0.5)
     reason = daemon.start()
     assert reason == ("the CUDA MPS daemon started but did not answer within 0.5 s (exit code 1: Cannot find MPS "
@@ -82,9 +82,9 @@ def test_a_daemon_that_does_not_answer_is_quit_and_reported(tmp_path, tools):
     assert calls[0] == "-d" and calls[-1] == "quit" and set(calls[1:-1]) == {"get_default_active_thread_percentage"}
 
 
-def test_every_command_has_a_timeout(tmp_path, tools):
+def test_every_command_has_a_timeout(short_tmp, tools):
     tools.set_mode("hang")
-    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), tmp_path / "mps", {"PATH": tools.path()},
+    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), short_tmp / "mps", {"PATH": tools.path()},
                        timeout_s=0.5)
     began = time.monotonic()
     assert daemon.start() == "`nvidia-cuda-mps-control -d` did not finish within 0.5 s"
@@ -93,67 +93,69 @@ def test_every_command_has_a_timeout(tmp_path, tools):
     assert [c.split()[0] for c in tools.calls()] == ["-d", "quit", "quit"]  # a -d that hangs is asked to quit
 
 
-def test_a_daemon_that_will_not_quit_is_reported(tmp_path, tools):
-    share, said, _ = start(tmp_path, tools)
+def test_a_daemon_that_will_not_quit_is_reported(short_tmp, tools):
+    share, said, _ = start(short_tmp, tools)
     tools.set_mode("no-answer")
     share.stop()
     assert said[1:] == ["gpu_share: `echo quit | nvidia-cuda-mps-control` failed with exit code 1: Cannot find MPS "
                         "control daemon process"]
 
 
-def test_a_daemon_that_stays_after_quit_is_reported_with_its_pid(tmp_path, tools):
-    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), tmp_path / "mps", {"PATH": tools.path()},
+def test_a_daemon_that_stays_after_quit_is_reported_with_its_pid(short_tmp, tools):
+    daemon = MpsDaemon(str(tools.bin / "nvidia-cuda-mps-control"), short_tmp / "mps", {"PATH": tools.path()},
                        ready_s=0.3)
     assert daemon.start() is None
     tools.set_mode("stay")
-    assert daemon.stop() == f"the CUDA MPS daemon of {tmp_path}/mps/pipe did not quit within 0.3 s (its pid: 4242)"
+    assert daemon.stop() == f"the CUDA MPS daemon of {short_tmp}/mps/pipe did not quit within 0.3 s (its pid: 4242)"
 
 
-def test_no_control_tool_on_path(tmp_path):
-    tools = fake_nvidia.install(tmp_path / "bin", control=False)
-    share, said, _ = start(tmp_path, tools, PATH=str(tools.bin))
+def test_no_control_tool_on_path(short_tmp):
+    tools = fake_nvidia.install(short_tmp / "bin", control=False)
+    share, said, _ = start(short_tmp, tools, PATH=str(tools.bin))
     assert said == [FALLBACK + "no nvidia-cuda-mps-control on PATH"] and share.env_of("context-0") == {}
 
 
-def test_a_gpu_in_exclusive_process_mode(tmp_path):
+def test_a_gpu_in_exclusive_process_mode(short_tmp):
     uuid = "GPU-4f1c7d2e-0000-1111-2222-333344445555"
-    tools = fake_nvidia.install(tmp_path / "bin", gpus=["0, GPU-aaaa, Default", f"1, {uuid}, Exclusive_Process"])
+    tools = fake_nvidia.install(short_tmp / "bin", gpus=["0, GPU-aaaa, Default", f"1, {uuid}, Exclusive_Process"])
     plan = GpuSharePlan((SharedGpus(("GPU-4f1c",), {"context-0": 60, "generation-0": 100}, False),))
-    share, said, _ = start(tmp_path, tools, plan)
+    share, said, _ = start(short_tmp, tools, plan)
     assert said == ["gpu_share: context-0 (60%) and generation-0 (100%) on GPU GPU-4f1c: no CUDA MPS, the servers "
                     "time-slice the GPU: GPU GPU-4f1c is in exclusive-process compute mode (one CUDA process, or "
                     "an administrator's MPS, owns it)"]
     assert tools.calls() == [] and share.env_of("context-0") == {}
-    share, said, _ = start(tmp_path, tools)  # GPU 0 is in Default mode
-    assert said[0].endswith(f"under CUDA MPS (its daemon: {PIPE_ENV}={tmp_path}/logs/mps/pipe nvidia-cuda-mps-control)")
+    share, said, _ = start(short_tmp, tools)  # GPU 0 is in Default mode
+    daemon = f"{PIPE_ENV}={short_tmp}/logs/mps/pipe nvidia-cuda-mps-control"
+    assert said[0].endswith(f"under CUDA MPS (its daemon: {daemon})")
     share.stop()
 
 
-def test_no_gpu_is_quiet_unless_a_server_asked_for_cuda(tmp_path):
-    for tools in (fake_nvidia.install(tmp_path / "none", smi=False), fake_nvidia.install(tmp_path / "empty", gpus=[])):
-        share, said, _ = start(tmp_path, tools, PATH=str(tools.bin))
+def test_no_gpu_is_quiet_unless_a_server_asked_for_cuda(short_tmp):
+    for tools in (fake_nvidia.install(short_tmp / "none", smi=False),
+                  fake_nvidia.install(short_tmp / "empty", gpus=[])):
+        share, said, _ = start(short_tmp, tools, PATH=str(tools.bin))
         assert said == [] and tools.calls() == [] and share.env_of("context-0") == {}
         cuda = GpuSharePlan((SharedGpus(("0",), {"context-0": 60, "generation-0": 100}, True),))
-        share, said, _ = start(tmp_path, tools, cuda, PATH=str(tools.bin))
+        share, said, _ = start(short_tmp, tools, cuda, PATH=str(tools.bin))
         assert said == [FALLBACK + "no CUDA device (nvidia-smi lists none)"] and tools.calls() == []
 
 
-def test_an_empty_plan_runs_nothing(tmp_path, tools):
-    share, said, log_dir = start(tmp_path, tools, GpuSharePlan())
+def test_an_empty_plan_runs_nothing(short_tmp, tools):
+    share, said, log_dir = start(short_tmp, tools, GpuSharePlan())
     assert said == [] and tools.calls() == [] and not (log_dir / "mps").exists()
     share.stop()
 
 
-def test_mps_run_by_hand_is_left_alone(tmp_path, tools):
-    share, said, _ = start(tmp_path, tools, CUDA_MPS_PIPE_DIRECTORY="/tmp/mps-pipe")
+def test_mps_run_by_hand_is_left_alone(short_tmp, tools):
+    share, said, _ = start(short_tmp, tools, CUDA_MPS_PIPE_DIRECTORY="/tmp/mps-pipe")
     assert said == ["gpu_share: CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe is set for the launcher, so CUDA MPS is run "
                     "by hand: the servers keep their environment and no daemon is started (gpu_share: off says "
                     "so quietly)"]
     assert tools.calls() == [] and share.env_of("context-0") == {}
 
 
-def test_a_pipe_dir_too_long_for_sockets(tmp_path, tools):
-    said, deep = [], tmp_path / ("d" * 90)
+def test_a_pipe_dir_too_long_for_sockets(short_tmp, tools):
+    said, deep = [], short_tmp / ("d" * 90)
     deep.mkdir()
     share = start_gpu_share(PAIR, deep, {"PATH": tools.path()}, said.append)
     assert said == [FALLBACK + f"the MPS pipe directory {deep}/mps/pipe is longer than 80 characters (its sockets' "
@@ -180,8 +182,8 @@ def test_mps_processes_are_found_with_their_owner(tools):
     assert daemon.pid not in [pid for pid, _ in mps_processes()]
 
 
-def test_gpus_as_nvidia_smi_lists_them(tmp_path):
-    tools = fake_nvidia.install(tmp_path / "bin", gpus=["0, GPU-aaaa, Default", "1, GPU-bbbb, Exclusive_Process"])
+def test_gpus_as_nvidia_smi_lists_them(short_tmp):
+    tools = fake_nvidia.install(short_tmp / "bin", gpus=["0, GPU-aaaa, Default", "1, GPU-bbbb, Exclusive_Process"])
     assert list_gpus({"PATH": str(tools.bin)}) == [Gpu("0", "GPU-aaaa", "Default"),
                                                    Gpu("1", "GPU-bbbb", "Exclusive_Process")]
-    assert list_gpus({"PATH": str(tmp_path)}) == []
+    assert list_gpus({"PATH": str(short_tmp)}) == []

@@ -79,8 +79,10 @@ def test_two_context_ranks_into_one_generation_rank() -> None:
         receiver.start_pull("g", sender.endpoint, "ctx-epoch", "cid", {W: (0, dst)})
         _pull([receiver], [sender, rank1], "g")
         assert torch.equal(_bits(gen, dst), _whole([ctx0, ctx1], slots))
-        wait_until(lambda: sender.num_leases == 0, 10, "the Release ended the lease", step=sender.step)
-        assert ctx0.num_pins(W) == 0 and sender.stats.transfers_ok == 1 and rank1.stats.transfers_ok == 1
+        # each rank counts its share once the receiver's Release reaches it: step both until then
+        wait_until(lambda: sender.num_leases == 0 and rank1.stats.transfers_ok == 1, 10,
+                   "the Release ended the lease on both ranks", step=lambda: (sender.step(), rank1.step()))
+        assert ctx0.num_pins(W) == 0 and sender.stats.transfers_ok == 1
     finally:
         for link in (receiver, sender, rank1):
             link.close()

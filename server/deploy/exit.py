@@ -1,0 +1,19 @@
+"""How a pdserve process ends once everything it owns is closed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import NoReturn
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the logs and the standard streams, then skip the interpreter's teardown: its final
+    garbage collection of torch, the model and the caches takes about a second of CPU, which every
+    stop and every restart of a server would otherwise wait for. Callers close what they own first
+    (sockets, the disk tier's writes, child processes): nothing here runs atexit handlers."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
