@@ -186,6 +186,11 @@ def served(tmp: Path, **settings) -> Iterator[tuple[str, subprocess.Popen]]:
 
 def _healthy(url: str, proc: subprocess.Popen) -> bool:
     assert proc.poll() is None, "server exited"
+    return answers_health(url)
+
+
+def answers_health(url: str) -> bool:
+    """The server at `url` answers 200 on /health (False while it is down or starting)."""
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
@@ -196,6 +201,24 @@ def engine_child(server_pid: int) -> psutil.Process:
     """The engine process (`engine_process: true`) of the server process `server_pid`."""
     [child] = [c for c in psutil.Process(server_pid).children() if "server.engineproc.main" in " ".join(c.cmdline())]
     return child
+
+
+def server_pids(dep: Deployment, name: str) -> list[int]:
+    """pids of the launcher's child `name` ("context-0", "generation-1", ...): none while it restarts."""
+    return [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
+            if c.cmdline()[-2:] == ["--server", name]]
+
+
+def pid_of(dep: Deployment, name: str) -> int:
+    [pid] = server_pids(dep, name)
+    return pid
+
+
+def back_again(dep: Deployment, name: str, old_pid: int, url: str) -> bool:
+    """The launcher runs `name` again under a new pid, it answers /health at `url`, and the router says
+    every server is healthy (before the new server is up, the router may not yet have found the old
+    one gone)."""
+    return server_pids(dep, name) not in ([], [old_pid]) and answers_health(url) and router_ready(dep.url)
 
 
 def router_ready(url: str) -> bool:

@@ -36,15 +36,6 @@ from test_disagg_faults import (
 from waiting import wait_until
 
 
-def pid_of(dep: dh.Deployment, name: str) -> int:
-    """pid of the launcher's child `name` ("context-0", "generation-1", ...)."""
-    import psutil
-
-    [pid] = [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
-             if c.cmdline()[-2:] == ["--server", name]]
-    return pid
-
-
 @contextmanager
 def launched_with_output(config: str, tmp_path: Path,
                          overrides: dict | None = None) -> Iterator[tuple[dh.Deployment, Path]]:
@@ -135,7 +126,7 @@ def test_context_server_killed_is_fenced_and_the_other_serves(tmp_path):
     with dh.launched("disagg_2x2.yaml", tmp_path, pull_timeout) as dep:
         dead, alive = dep.context_urls
         gen0, gen1 = dep.generation_urls
-        dead_pid = pid_of(dep, "context-0")
+        dead_pid = dh.pid_of(dep, "context-0")
         for topic in TOPICS:  # warm `dead`'s prefix cache so kv_cache_aware keeps choosing it
             context_only(dead, topic_prompt(topic))
         # leases on `dead` for pulls after its death; gen0 pulls once first, so it holds a live link

@@ -12,8 +12,8 @@ import signal
 import deploy_harness as dh
 import httpx
 import pytest
-from deploy_harness import engine_child, router_ready
-from test_disagg_fault_kills import launched_with_output, pid_of
+from deploy_harness import back_again, engine_child, pid_of
+from test_disagg_fault_kills import launched_with_output
 from test_disagg_faults import AUTHORISED, TOKEN, complete, context_only, fresh_prompt, in_use
 from waiting import wait_until
 
@@ -95,7 +95,8 @@ def test_a_killed_engine_process_ends_its_server_and_the_launcher_restarts_it(de
     os.kill(engine_child(gen_pid).pid, signal.SIGKILL)
     wait_until(lambda: "generation-0 exited with exit code 1" in out.read_text(), 30,
                what="the server exits non-zero", on_timeout=dep.logs)
-    wait_until(lambda: router_ready(dep.url), 90, what="the generation server back and unfenced", on_timeout=dep.logs)
+    wait_until(lambda: back_again(dep, "generation-0", gen_pid, dep.generation_urls[0]), 90,
+               what="the generation server back and unfenced", on_timeout=dep.logs)
     assert pid_of(dep, "generation-0") != gen_pid
     assert "the engine process exited with signal SIGKILL" in (dep.log_dir / "generation-0.log").read_text()
     assert complete(dep.url, PROMPT)["choices"][0]["text"] == reference

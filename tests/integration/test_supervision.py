@@ -27,7 +27,8 @@ import time
 
 import deploy_harness as dh
 import httpx
-from test_disagg_fault_kills import launched_with_output, pid_of
+from deploy_harness import back_again, pid_of
+from test_disagg_fault_kills import launched_with_output
 from test_disagg_faults import AUTHORISED, SHARED, complete, context_only, fresh_prompt, generation_only, in_use
 from waiting import wait_until
 
@@ -37,11 +38,6 @@ RESTARTING = {**SHARED, "restart": {"max_quick_deaths": 3, "backoff_s": 0.2}}
 NOT_RESTARTING = {**SHARED, "restart": {"max_quick_deaths": 0}, "drain_timeout_s": 150}
 STREAM_S = 150  # the longest a 400-token stream may take here
 PROMPT = "Supervision brings a dead server back: " + "every request ends, every block comes back. " * 2
-
-
-def router_ready(dep: dh.Deployment) -> bool:
-    response = httpx.get(f"{dep.url}/health", timeout=5)
-    return response.status_code == 200 and all(s["healthy"] for s in response.json()["servers"].values())
 
 
 def kv_endpoint(url: str) -> dict:
@@ -80,7 +76,8 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
         assert len(results) == 6 and all(r in (200, 502, 503) for r in results), results  # honest answers
         wait_until(lambda: "generation-0 exited with signal SIGKILL" in out.read_text(), 10,
                    what="the launcher sees the death")
-        wait_until(lambda: router_ready(dep), 60, what="the generation server back and unfenced")
+        wait_until(lambda: back_again(dep, "generation-0", gen_pid, gen), 60,
+                   what="the generation server back and unfenced")
         recovered_s = time.monotonic() - killed
         assert "restarting generation-0 in 0.2 s" in out.read_text()
         assert pid_of(dep, "generation-0") != gen_pid
@@ -90,8 +87,8 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
 
         before = kv_endpoint(ctx)
         os.kill(ctx_pid, signal.SIGKILL)
-        wait_until(lambda: not router_ready(dep), 5, what="the router fences the dead context server")
-        wait_until(lambda: router_ready(dep), 60, what="the context server back and unfenced")
+        wait_until(lambda: not dh.router_ready(dep.url), 5, what="the router fences the dead context server")
+        wait_until(lambda: back_again(dep, "context-0", ctx_pid, ctx), 60, what="the context server back and unfenced")
         after = kv_endpoint(ctx)
         assert after["epoch"] != before["epoch"] and after["endpoint"] != before["endpoint"]
         gen_pid = pid_of(dep, "generation-0")
@@ -102,7 +99,8 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
         # SIGTERM with a lease held: the context server drains, the lease is still pulled, it exits 0
         prompt = fresh_prompt("drain")
         params = context_only(ctx, prompt)[0]["choices"][0]["disaggregated_params"]
-        os.kill(pid_of(dep, "context-0"), signal.SIGTERM)
+        ctx_pid = pid_of(dep, "context-0")
+        os.kill(ctx_pid, signal.SIGTERM)
         health = httpx.get(f"{ctx}/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "draining", health.text
         refused = httpx.post(f"{ctx}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
@@ -110,7 +108,7 @@ def test_dead_servers_come_back_and_peers_shake_hands_again(tmp_path):
         pulled, _ = generation_only(gen, prompt, params)
         assert pulled.status_code == 200, pulled.text
         wait_until(lambda: "context-0 exited with exit code 0" in out.read_text(), 20, what="a clean exit")
-        wait_until(lambda: router_ready(dep), 60, what="the drained context server restarted")
+        wait_until(lambda: back_again(dep, "context-0", ctx_pid, ctx), 60, what="the drained context server restarted")
         assert pid_of(dep, "generation-0") == gen_pid  # the generation server lived through both
         assert complete(dep.url, PROMPT)["choices"][0]["text"] == reference
         print(f"generation server SIGKILL -> router healthy again in {recovered_s:.1f} s")
@@ -164,7 +162,7 @@ def test_drain_then_restart_by_hand_then_drain_the_whole_deployment(tmp_path):
         with open(tmp_path / "by-hand.log", "wb") as log:
             by_hand = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=dh.ROOT)
         try:
-            wait_until(lambda: router_ready(dep), 90, what=f"the server started by hand: {shlex.join(argv)}")
+            wait_until(lambda: dh.router_ready(dep.url), 90, what=f"the server started by hand: {shlex.join(argv)}")
             assert complete(dep.url, PROMPT, max_tokens=400)["choices"][0]["text"] == reference
 
             # SIGTERM on the launcher: the router drains first, the stream in flight ends complete

@@ -20,8 +20,8 @@ import httpx
 import openai
 import psutil
 import pytest
-from deploy_harness import engine_child, router_ready
-from test_disagg_fault_kills import launched_with_output, pid_of
+from deploy_harness import back_again, engine_child, pid_of
+from test_disagg_fault_kills import launched_with_output
 from test_disagg_faults import AUTHORISED, TOKEN
 from test_disagg_modes import _hf_text
 from waiting import wait_until
@@ -85,7 +85,8 @@ def test_a_killed_rank_ends_the_engine_process_and_its_server(client, deployment
     wait_until(lambda: "context-0 exited with exit code 3" in out.read_text(), 30, what="the server's exit",
                on_timeout=dep.logs)
     assert "the engine process exited with exit code 3" in (dep.log_dir / "context-0.log").read_text()
-    wait_until(lambda: router_ready(dep.url), 120, what="the context server restarted and unfenced",
+    wait_until(lambda: back_again(dep, "context-0", server, dep.context_urls[0]), 120,
+               what="the context server restarted and unfenced",
                on_timeout=dep.logs)
     assert pid_of(dep, "context-0") != server
     answers: list[str] = []

@@ -21,7 +21,8 @@ import hf_reference
 import httpx
 import psutil
 import pytest
-from test_disagg_fault_kills import launched_with_output, pid_of
+from deploy_harness import pid_of
+from test_disagg_fault_kills import launched_with_output
 from test_migration import check_moved_stream
 from waiting import wait_until
 
