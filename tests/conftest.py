@@ -13,11 +13,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton decides at kernel definition whether a kernel runs compiled (CUDA) or interpreted (CPU
 # tensors), so this is set before any test module imports a kernel: without a GPU, the kernels'
 # tests run through the interpreter (tests/unit/test_triton_kernels.py).
+# Under pytest-xdist each worker shares the machine's cores with the others: one torch thread per
+# worker (and per process it starts) instead of one per core in each, which oversubscribes the CPU
+# and makes torch's spinning thread pool many times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 try:
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 except ImportError:
     pass
 
