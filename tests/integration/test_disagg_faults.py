@@ -281,6 +281,7 @@ def assert_no_connection(sock: socket.socket) -> None:
 
 def test_unauthenticated_context_only_pins_nothing(shared):
     ctx = shared.context_urls[0]
+    wait_idle(shared, [ctx], 5)  # the lease of the last test's request ends once its Release lands
     queried = prefix_queries(shared, ctx)
     body = {"prompt": fresh_prompt("pin"), "max_tokens": 8, "disaggregated_params": {"request_type": "context_only"}}
     for headers in ({}, {"x-pdserve-token": "an-attackers-guess-0123456789"}):
