@@ -207,7 +207,11 @@ def run() -> None:
     """The `pdserve` command: `main`, then the process ends without the interpreter's teardown."""
     from server.deploy.exit import exit_now
 
-    exit_now(main())
+    code = main()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # `--ray`, `ray status|down`: leave the cluster as Ray's atexit would
+        ray.shutdown()
+    exit_now(code)
 
 
 if __name__ == "__main__":
