@@ -18,14 +18,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import psutil
 import yaml
 from waiting import wait_until
 
 from server.deploy.launcher import wait_for_health
+
+if TYPE_CHECKING:
+    import openai
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
@@ -99,7 +102,10 @@ def metric(url: str, name: str, labels: str = "") -> float:
 
 
 def openai_client(url: str, timeout_s: float = 120) -> openai.OpenAI:
-    """The real `openai` client on the server or router at `url`; no retries."""
+    """The real `openai` client on the server or router at `url`; no retries (imported here: the GPU
+    machine's tests use this module without the openai package)."""
+    import openai
+
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
 
