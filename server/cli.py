@@ -99,16 +99,30 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    return serve(cfg)
+    return serve(cfg, args.server, _port_key(args))
+
+
+def _port_key(args: argparse.Namespace) -> str:
+    """What set the port of `pdserve serve`, for the error that it is in use."""
+    if args.server:
+        from server.config.schema import load_deployment
+        from server.deploy.ports import listeners
+
+        keys = [item.key for item in listeners(load_deployment(args.config)) if item.name == args.server]
+        return f"{keys[0] if keys else 'its url'} in {args.config}"
+    if args.config:
+        return f"port in {args.config}"
+    return "--port" if args.port is not None else "the default port; choose one with --port"
 
 
 def _router(args: argparse.Namespace) -> int:
-    import logging
-
     import uvicorn
 
+    from server.config.checks import host_port
     from server.config.schema import ConfigError, load_deployment
     from server.deploy.drain import DrainingServer
+    from server.deploy.logs import configure_logging
+    from server.deploy.ports import PORT_HINT, bind_http
     from server.router.app import RouterSettings, create_router_app
 
     try:
@@ -116,13 +130,19 @@ def _router(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    configure_logging()
     front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
     if cfg.router_access.tenant_salt_from_api_key and not cfg.auth_token:
         print(f"pdserve router: {cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
               "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)", file=sys.stderr)
         return 2
+    address = host_port(cfg.host, cfg.port)
+    try:
+        sock = bind_http(cfg.host, cfg.port)
+    except OSError as exc:
+        print(f"pdserve router: cannot listen on {address} (port in {cfg.source}): {exc.strerror or exc}; "
+              f"nothing was started. {PORT_HINT}", file=sys.stderr)
+        return 1
     settings = RouterSettings(
         context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
         generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
@@ -131,7 +151,13 @@ def _router(args: argparse.Namespace) -> int:
     app = create_router_app(settings)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.drain).run()
+    servers = f"{len(cfg.context_servers)} context, {len(front)} generation" if cfg.disaggregated else \
+        f"{len(front)} aggregated"
+    line = f"pdserve: router listening on http://{address} (policy {cfg.router_type}, {servers} server(s))"
+    try:
+        DrainingServer(config, app.state.drain, on_listening=lambda: print(line, flush=True)).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
+        pass
     return 0
 
 
@@ -200,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C before a server took over SIGINT (while importing or loading)
+        print(f"pdserve {args.command}: interrupted", file=sys.stderr)
+        return 0 if args.command in SERVING_COMMANDS else 130
+
+
+SERVING_COMMANDS = ("serve", "router", "launch")  # Ctrl-C is how they are meant to end: exit code 0
 
 
 def run() -> None:

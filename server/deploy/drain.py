@@ -111,17 +111,24 @@ async def _refuse(send: Send) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM drains (`Drain`) before the usual shutdown."""
+    """uvicorn, except that the first SIGTERM drains (`Drain`) before the usual shutdown, and that
+    `on_listening()` is called (on the event loop) once the app has started and the socket listens."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, on_listening: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.drain = drain
+        self.on_listening = on_listening
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit and self.on_listening is not None:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self.drain.draining and not self.should_exit and self._loop is not None:

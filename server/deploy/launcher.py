@@ -1,10 +1,14 @@
 """`pdserve launch CONFIG.yaml`: start every server and the router as child processes and supervise.
 
 Life of a launch:
-1. Load the deployment; make an auth token when the file has none (secrets.token_hex). The token
-   reaches the children only through the PDSERVE_AUTH_TOKEN environment variable, and is written to
-   `<log dir>/auth_token` (mode 0600) so that an operator can start one server again by hand
-   (PDSERVE_AUTH_TOKEN_FILE names that file; the launcher prints the command).
+0. Load the deployment and check that every port it listens on is free (server/deploy/ports.py): a
+   port in use ends the launch with 1 before anything starts, naming the port, its server and key.
+1. Make an auth token when the file has none (secrets.token_hex). The token reaches the children
+   only through the PDSERVE_AUTH_TOKEN environment variable, and is written to `<log dir>/auth_token`
+   (mode 0600; a log dir the launcher makes is a fresh 0700 temporary directory) so that an operator
+   can start one server again by hand while the launch runs (PDSERVE_AUTH_TOKEN_FILE names that file;
+   the launcher prints the command). At exit, once the children are stopped, the token file is
+   removed, and so is the temporary log dir unless the launch failed (its logs are kept, and named).
 2. Servers placed on one GPU with `gpu_share` run under a CUDA MPS daemon of this launch
    (server/deploy/gpu_share.py, mps.py): it starts before them, their Child environments name it,
    and it quits after them however the launch ends.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +47,7 @@ from server.config.schema import (
 )
 from server.deploy.gpu_share import VISIBLE_DEVICES, plan_gpu_share
 from server.deploy.mps import GpuShare, start_gpu_share
+from server.deploy.ports import PORT_HINT, busy_ports
 from server.deploy.supervisor import Child, StopOnSignals, Supervisor, health
 
 TOKEN_FILE = "auth_token"
@@ -73,30 +79,55 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     """Run the deployment in `path` until a stop signal (returns 0) or a failure (returns 1)."""
     options = options or LaunchOptions()
     cfg = load_deployment(path)
+    busy = busy_ports(cfg)
+    if busy:  # before anything starts: never a launch that reports ready against another deployment
+        _say("cannot start, nothing was started: " + ("a port of this deployment is" if len(busy) == 1 else
+             "ports of this deployment are") + " in use:\n  " + "\n  ".join(busy) + f"\n  {PORT_HINT}")
+        return 1
     if cfg.auth_token is None and any(s.kv_cache_config.disk is not None for s in cfg.servers):
         _say("kv_cache_config.disk: this launch makes its own token, so the next launch will not reuse the "
              "disk tier's files (they are sealed with it); set cache_transceiver_config.auth_token or "
              "PDSERVE_AUTH_TOKEN to keep them")
     cfg = with_auth_token(cfg, cfg.auth_token or secrets.token_hex(32))
-    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))  # mkdtemp: mode 0700
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     _say(f"logs in {log_dir}")
-    token_file = write_token_file(log_dir, cfg.auth_token or "")
-    servers, router = plan_children(cfg, Path(path))
+    with StopOnSignals() as stop:  # from here on, every way out but SIGKILL cleans up
+        token_file = write_token_file(log_dir, cfg.auth_token or "")
+        code = 1
+        try:
+            code = _supervised(cfg, Path(path), log_dir, token_file, options, stop)
+            return code
+        finally:
+            clean_up(log_dir, token_file, made=options.log_dir is None, failed=code != 0)
+
+
+def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Path, options: LaunchOptions,
+                stop: StopOnSignals) -> int:
+    servers, router = plan_children(cfg, path)
     env = child_env(dict(os.environ), cfg.auth_token or "", len(servers))
     group = Supervisor(options.command, env, log_dir, cfg.restart, options.poll_interval_s, _say)
     share = GpuShare()
-    with StopOnSignals() as stop:
+    try:
+        share = start_gpu_share(plan_gpu_share(cfg.named(), os.environ.get(VISIBLE_DEVICES)), log_dir,
+                                os.environ, _say)
+        servers = [replace(c, env={**c.env, **share.env_of(c.name)}) for c in servers]
+        return _run(group, servers, router, cfg, stop, options, token_file)
+    finally:
         try:
-            share = start_gpu_share(plan_gpu_share(cfg.named(), os.environ.get(VISIBLE_DEVICES)), log_dir,
-                                    os.environ, _say)
-            servers = [replace(c, env={**c.env, **share.env_of(c.name)}) for c in servers]
-            return _run(group, servers, router, cfg, stop, options, token_file)
+            group.stop_all(stop_stages(cfg, router, options.grace_s))
         finally:
-            try:
-                group.stop_all(stop_stages(cfg, router, options.grace_s))
-            finally:
-                share.stop()  # after its clients
+            share.stop()  # after its clients
+
+
+def clean_up(log_dir: Path, token_file: Path, made: bool, failed: bool) -> None:
+    """Once every child has stopped: the token file goes; so does the log dir this launch made,
+    unless the launch failed (its logs say why; they hold no token)."""
+    token_file.unlink(missing_ok=True)
+    if made and not failed:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif made:
+        _say(f"logs kept in {log_dir}")
 
 
 def write_token_file(log_dir: Path, token: str) -> Path:
@@ -145,10 +176,14 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
         group.start(child)
     if not group.wait_healthy(stop, options.startup_timeout_s) or not handshakes_done(stop, servers, _say):
         return 0 if stop.signum is not None else 1
+    for child in servers:
+        _say(f"{child.name} listening on {child.health_url.removesuffix('/health')} (model {cfg.model}, "
+             f"role {child.role})")
     if router:
         group.start(router)
         if not group.wait_healthy(stop, options.startup_timeout_s):
             return 0 if stop.signum is not None else 1
+        _say(f"router listening on {cfg.url} (policy {cfg.router_type})")
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
@@ -157,10 +192,17 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
     # and under CUDA MPS, its daemon and share of the SMs
     mps = "".join(f"{k}={v} " for k, v in servers[0].env.items() if k.startswith("CUDA_MPS_"))
     _say(f"to start one server again by hand: {AUTH_TOKEN_FILE_ENV}={token_file} "
-         f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}{mps}pdserve serve "
+         f"{f'OMP_NUM_THREADS={threads} ' if threads else ''}{mps}{pdserve_program()} serve "
          f"--config {servers[0].config_path} --server {servers[0].name}  (names: "
          f"{', '.join(c.name for c in servers)})")
     return group.supervise("router" if router else servers[0].name, stop)
+
+
+def pdserve_program() -> str:
+    """How to run `pdserve` as this launcher was run: the console script beside this Python (a venv's
+    bin/, which need not be on PATH), else the module."""
+    script = Path(sys.executable).parent / "pdserve"
+    return str(script) if script.is_file() else f"{sys.executable} -m server.cli"
 
 
 def handshakes_done(stop: StopOnSignals, servers: list[Child], say: Callable[[str], None]) -> bool:

@@ -23,8 +23,11 @@ from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.auth import disk_tier_key
+from server.config.checks import host_port
 from server.config.schema import ServerConfig
 from server.deploy.drain import Drain, DrainGate, DrainingServer
+from server.deploy.logs import configure_logging
+from server.deploy.ports import PORT_HINT, bind_http
 from server.engine.core import EngineCore
 from server.engine.engine_thread import AsyncEngine
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
@@ -232,9 +235,19 @@ def served_name(model: str) -> str:
 IN_THREAD_SWITCH_INTERVAL_S = 0.001
 
 
-def serve(cfg: ServerConfig) -> int:
+def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> int:
+    """Run the server until SIGTERM (drained), SIGINT (at once) or a fatal engine error: 0 on a stop,
+    the error's code otherwise. `name` is the server's in its deployment (context-0), `key` what set
+    its port: both name it when the port is in use, which ends it before anything is loaded (1)."""
     os.environ.update(cfg.env)  # the launcher sets them already; by hand, before CUDA reads them
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
+    label = name or f"{cfg.role} server"
+    try:
+        sock = bind_http(cfg.host, cfg.port)
+    except OSError as exc:
+        print(f"pdserve serve: cannot listen on {host_port(cfg.host, cfg.port)} for {label} ({key}): "
+              f"{exc.strerror or exc}; nothing was started. {PORT_HINT}", file=sys.stderr, flush=True)
+        return 1
     if not engine_in_child(cfg):
         sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)
     failed = []
@@ -246,6 +259,22 @@ def serve(cfg: ServerConfig) -> int:
     app = make_app(cfg, on_fatal)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", ws="none",
                             timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, app.state.drain)
-    server.run()
+    line = f"pdserve: {label} listening on http://{host_port(cfg.host, cfg.port)} (model {cfg.model}, role {cfg.role})"
+    announced: list[asyncio.Task] = []
+    server = DrainingServer(config, app.state.drain,
+                            on_listening=lambda: announced.append(asyncio.ensure_future(announce(app, line))))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
+        pass
     return failed[0] if failed else 0
+
+
+async def announce(app, line: str) -> None:
+    """Print `line` once the engine has loaded (the socket listens already): from then on requests are
+    served. Nothing if the engine fails to load or the server stops first."""
+    while (engine := getattr(app.state, "engine", None)) is not None and engine.info is None \
+            and engine.load_error is None:
+        await asyncio.sleep(0.05)
+    if engine is not None and engine.info is not None:
+        print(line, flush=True)

@@ -1,0 +1,80 @@
+"""The ports a pdserve process listens on: bound before anything is started or loaded, so that a port
+in use is an error at start-up that names it, never a server that answers for another deployment.
+
+`pdserve launch` checks every port of the deployment (`busy_ports`) before it starts a child;
+`pdserve serve` and `pdserve router` bind their HTTP socket (`bind_http`) before they load a model or
+build the app, and hand it to uvicorn, which listens on it once the app has started (until then a
+bound socket that does not listen refuses connections, as a free port would).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from server.config.checks import host_port
+from server.config.schema import DeploymentConfig
+
+PORT_HINT = "Stop what listens there (`ss -ltnp` shows it) or choose another port."
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A port one process of a deployment listens on, and the key of the file that sets it."""
+
+    name: str  # "router", "context-0", ...
+    key: str  # "port", "context_servers.urls[0]", "cache_transceiver_config.port of context-0"
+    host: str
+    port: int
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn binds), not yet listening; OSError if
+    the port is in use or the address is not this machine's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (the OS's words), or None if it can."""
+    try:
+        bind_http(host, port).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def listeners(cfg: DeploymentConfig) -> list[Listener]:
+    """Every fixed port of a deployment: the router's, each server's HTTP port, and each context
+    server's transceiver port where the file sets one (0, the default, is an ephemeral port)."""
+    found = [Listener("router", "port", cfg.host, cfg.port)] if cfg.has_router else []
+    roles = [s.role for s in cfg.servers]
+    for (name, server), role in zip(cfg.named().items(), roles, strict=True):
+        index = int(name.rsplit("-", 1)[1])
+        section = "context_servers" if role == "context" else "generation_servers"
+        key = f"{section}.urls[{index}]" if cfg.has_router else "port"
+        found.append(Listener(name, key, server.host, server.port))
+        kv_port = server.cache_transceiver_config.port
+        if role == "context" and kv_port:
+            for rank in range(server.tensor_parallel_size):  # rank r listens on port + r
+                found.append(Listener(name, f"cache_transceiver_config.port of {name}", server.host, kv_port + rank))
+    return found
+
+
+def busy_ports(cfg: DeploymentConfig) -> list[str]:
+    """One line per port of the deployment that cannot be listened on now, naming it, its server and
+    the key that sets it; [] when every one is free."""
+    lines = []
+    for item in listeners(cfg):
+        problem = bind_problem(item.host, item.port)
+        if problem is not None:
+            lines.append(f"port {item.port} of {item.name} ({item.key} in {cfg.source}: "
+                         f"{host_port(item.host, item.port)}): {problem}")
+    return lines
