@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -86,7 +87,8 @@ import json, sys
 from pathlib import Path
 from server.deploy.launcher import LaunchOptions, launch
 
-script, deployment, log_dir, modes = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+script, deployment, modes = sys.argv[1], sys.argv[2], json.loads(sys.argv[4])
+log_dir = None if sys.argv[3] == "-" else Path(sys.argv[3])  # -: the launcher makes a temporary one
 build = lambda child: [sys.executable, script, child.health_url, *modes.get(child.name, [])]
 options = LaunchOptions(log_dir=log_dir, startup_timeout_s=30, poll_interval_s=0.05, grace_s=2, command=build)
 sys.exit(launch(deployment, options))
@@ -169,15 +171,20 @@ def run_inline(setup, modes: dict[str, list[str]], **options) -> int:
     return launch(deployment, LaunchOptions(command=builder(script, modes), **opts))
 
 
-def start_runner(setup, modes: dict[str, list[str]]) -> tuple[subprocess.Popen, Path]:
+def start_runner(setup, modes: dict[str, list[str]], temp_log_dir: bool = False) -> tuple[subprocess.Popen, Path]:
+    """The launcher in a process of its own; `temp_log_dir`: no --log-dir (it makes one under tmp/)."""
     deployment, script, log_dir, _ = setup
     runner, out = log_dir.parent / "runner.py", log_dir.parent / "launcher.out"
     runner.write_text(RUNNER)
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path}
+    if temp_log_dir:
+        (log_dir.parent / "tmp").mkdir()
+        env["TMPDIR"] = str(log_dir.parent / "tmp")
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(runner), str(script), str(deployment), str(log_dir),
-                                 json.dumps(modes)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen([sys.executable, str(runner), str(script), str(deployment),
+                                 "-" if temp_log_dir else str(log_dir), json.dumps(modes)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     return proc, out
 
 
@@ -223,9 +230,45 @@ def test_token_travels_by_environment_only(setup):
     assert len(argv_lines) == 3 and all(token not in line for line in argv_lines)
     assert list(log_dir.glob("*.yaml")) == []  # no copy of any config: the servers read the deployment file
     assert token not in setup[0].read_text()
-    token_file = log_dir / "auth_token"  # for an operator who starts one server by hand
-    assert token_file.read_text() == token
-    assert token_file.stat().st_mode & 0o777 == 0o600
+    assert not (log_dir / "auth_token").exists()  # there while the launch runs (test_token_file_...), not after
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_token_file_is_private_while_the_launch_runs_and_gone_after(setup, stop):
+    """No --log-dir: the launcher's temporary log dir (0700) holds the token file (0600) an operator
+    restarting a server by hand names (PDSERVE_AUTH_TOKEN_FILE: the deployment's token, as its children
+    have it); a stop signal removes both, once the children are stopped."""
+    proc, out = start_runner(setup, {}, temp_log_dir=True)
+    tmp = setup[2].parent / "tmp"
+    try:
+        wait_ready(proc, out)
+        log_dir = Path(re.search(r"logs in (\S+)", out.read_text()).group(1))
+        assert log_dir.parent == tmp and log_dir.stat().st_mode & 0o777 == 0o700
+        token_file = log_dir / "auth_token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert re.search(rf"to start one server again by hand: PDSERVE_AUTH_TOKEN_FILE={token_file} ", out.read_text())
+        children = {re.search(r"token=(\S+)", log.read_text()).group(1) for log in log_dir.glob("*.log")}
+        assert children == {token_file.read_text()}
+        deployment = setup[0]
+        by_hand = subprocess.run([sys.executable, "-c", "import sys; from server.config.schema import load_server; "
+                                  "print(load_server(sys.argv[1], 'generation-0').cache_transceiver_config.auth_token)",
+                                  str(deployment)], env={**os.environ, "PDSERVE_AUTH_TOKEN_FILE": str(token_file)},
+                                 cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert by_hand.stdout.strip() == token_file.read_text(), by_hand.stderr
+        proc.send_signal(stop)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+    assert list(tmp.iterdir()) == []  # the log dir and the token with it
+    assert "Traceback" not in out.read_text()
+
+
+def test_a_failed_launch_keeps_its_logs_but_not_the_token(setup, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(setup[2].parent))
+    assert run_inline(setup, {"context-0": ["--exit-after", "0", "--code", "3"]}, log_dir=None) == 1
+    log_dir = Path(re.search(r"logs kept in (\S+)", capsys.readouterr().out).group(1))
+    assert log_dir.parent == setup[2].parent
+    assert sorted(p.name for p in log_dir.iterdir()) == ["context-0.log", "generation-0.log"]
 
 
 def test_child_exiting_at_startup_stops_everything(setup, capsys):
