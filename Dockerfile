@@ -8,7 +8,7 @@
 # Another deployment: docker run ... pdserve pdserve launch configs/disagg_2x2.yaml
 FROM python:3.11-slim
 
-# Build-time only. scripts/install.sh (the script .ci/run uses) pins torch to TORCH_VERSION; the
+# Build-time only. scripts/install.sh (the README's install: serving only, no test extra) pins torch to TORCH_VERSION; the
 # extra index makes pip pick the CPU wheel (2.x.y+cpu) instead of the multi-GB CUDA one.
 ARG TORCH_VERSION=2.13.0
 ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu

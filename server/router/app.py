@@ -93,7 +93,8 @@ class RouterState:
     def flow(self, path: str, body: dict, chat: bool) -> RequestFlow:
         """A request's flow; it has no context leg when one server serves it alone."""
         prompt = Prompt(lambda: self.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
-        local = not self.legs.disaggregated or self.routing.serve_locally(prompt, not chat and _several(body))
+        local = not self.legs.disaggregated or self.routing.serve_locally(prompt, not chat and _several(body),
+                                                                          not chat and _prompt_only(body))
         return RequestFlow(self.legs, Ask(path, body, chat, prompt), local, Phases(self.observe_phase))
 
     def prompt_tokens(self, body: dict, chat: bool) -> Sequence[int] | None:
@@ -218,6 +219,13 @@ def _several(body: dict) -> bool:
     """A completions body of more than one prompt (strings or token-id lists)."""
     prompt = body.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
+
+
+def _prompt_only(body: dict) -> bool:
+    """A completions body that generates nothing (`max_tokens: 0`, for `echo`'s prompt log-probabilities):
+    no context leg to hand a first token over from, so one server serves it (and refuses it, if not echo)."""
+    value = body.get("max_tokens")
+    return type(value) is int and value == 0
 
 
 def _max_tokens(body: dict) -> int:

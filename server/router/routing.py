@@ -31,7 +31,8 @@ class Routing:
         self.conditional: Conditional = config.conditional if self.context else Conditional()
         self.sync: KvEventSync | None = None
         self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone, by "
-                              "reason (short_prefill, prefix_hit: conditional disaggregation; several_prompts)",
+                              "reason (short_prefill, prefix_hit: conditional disaggregation; several_prompts, "
+                              "prompt_only)",
                               ["reason"], registry=registry)
         self._split = Counter("pdserve_router_disaggregated_requests", "Requests that ran a context leg "
                               "(disaggregated deployments)", registry=registry)
@@ -59,11 +60,12 @@ class Routing:
         if self.sync is not None:
             await self.sync.stop()
 
-    def serve_locally(self, prompt: PromptTokens, several_prompts: bool = False) -> bool:
+    def serve_locally(self, prompt: PromptTokens, several_prompts: bool = False, prompt_only: bool = False) -> bool:
         """Decide (and count) whether a request of a disaggregated deployment skips its context leg:
-        conditional disaggregation's reasons, or a completions request of several prompts (each leg
-        carries one prompt; such a batch is served whole by one generation server)."""
-        reason = "several_prompts" if several_prompts else None
+        conditional disaggregation's reasons, a completions request of several prompts (each leg
+        carries one prompt; such a batch is served whole by one generation server), or one that
+        generates nothing (`max_tokens: 0` with `echo`: the prompt's log-probabilities, one prefill)."""
+        reason = "several_prompts" if several_prompts else "prompt_only" if prompt_only else None
         if reason is None and self.conditional.enabled:
             reason = self._local_reason(prompt)
         if reason is None:

@@ -93,6 +93,8 @@ COMPLETIONS = {
                  "ignore_eos": True},
     "lm_eval_loglikelihood": {"prompt": [[15, 72, 301, 44, 9, 120, 77]], "max_tokens": 1, "temperature": 0,
                               "logprobs": 1, "echo": True, "seed": 1234},
+    # nothing generated: the router has no first token to hand over, one server serves it
+    "echo_prompt_only": {"prompt": "Once upon a time, in a land", "max_tokens": 0, "logprobs": 2, "echo": True},
     "echo_and_more": {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
                       "ignore_eos": True},
     "seeded_choices": {"prompt": "A list of things:", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3,
