@@ -14,6 +14,7 @@ from test_launcher_processes import FAKE_CHILD, alive, child_pids, free_ports, r
 from waiting import wait_until
 
 from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
+from server.deploy.launcher import pdserve_program
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
             f"CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control)") in text
     assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(60% of the SMs\)", text)
     assert (f"CUDA_MPS_PIPE_DIRECTORY={pipe} CUDA_MPS_LOG_DIRECTORY={mps_log} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 "
-            "pdserve serve --config") in text  # the command that starts context-0 again by hand
+            f"{pdserve_program()} serve --config") in text  # the command that starts context-0 again by hand
     assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]
     assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
     assert [pid for pid in child_pids(log_dir).values() if alive(pid)] == []

@@ -153,8 +153,10 @@ def test_drain_then_restart_by_hand_then_drain_the_whole_deployment(tmp_path):
         assert "generation-0 is not restarted" in out.read_text()
 
         # the operator starts it again with the command the launcher printed
-        command = re.search(r"start one server again by hand: (\S+)=(\S+) OMP_NUM_THREADS=(\d+) pdserve serve "
-                            r"--config (\S+) --server context-0  \(names: context-0, generation-0\)", out.read_text())
+        command = re.search(r"start one server again by hand: (\S+)=(\S+) OMP_NUM_THREADS=(\d+) "
+                            r"\S+(?: -m server\.cli)? serve --config (\S+) --server context-0  "
+                            r"\(names: context-0, generation-0\)",
+                            out.read_text())
         env_name, token_file, threads, deployment = command.groups()
         env = {**os.environ, env_name: token_file, "OMP_NUM_THREADS": threads}
         env.pop("PDSERVE_AUTH_TOKEN", None)
