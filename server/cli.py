@@ -15,41 +15,95 @@ def _version() -> str:
         return "0+unknown"
 
 
+MODELS = ("builtin:tiny-story (the trained default), builtin:tiny-llama, builtin:tiny-qwen3-swa, or a Hugging Face "
+          "model directory (nothing is downloaded)")
+START = """first steps:
+  pdserve launch configs/disagg.yaml    a router on :8000 in front of a context and a generation server
+  pdserve serve builtin:tiny-story      one server on :8000 that runs both phases
+Then POST OpenAI requests to http://127.0.0.1:8000/v1/completions or /v1/chat/completions.
+`pdserve COMMAND --help` describes each command."""
+SERVE = """Runs one server with the OpenAI API until Ctrl-C (stops at once) or SIGTERM (drains first); both
+exit with 0. It prints `pdserve: NAME listening on URL (...)` once it serves. A port in use ends it at
+once, with exit code 1.
+examples:
+  pdserve serve builtin:tiny-story --port 8000
+  pdserve serve --config configs/disagg.yaml --server generation-0
+    (one server of a deployment: `pdserve launch` prints the whole command, its token file included)"""
+LAUNCH = """Starts every server of CONFIG, then its router, each a process of its own with its log in the log dir,
+and prints a line per server as it listens, then `ready: URL`. It restarts a server that dies (`restart:`
+in the YAML). Ctrl-C or SIGTERM drains and stops everything (exit code 0). A port of the deployment that
+is in use stops it before anything starts (exit code 1), naming the port and its server."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve",
-        description="Serve LLMs with disaggregated prefill and decode.",
-    )
+    parser = argparse.ArgumentParser(prog="pdserve", description="Serve LLMs with disaggregated prefill and decode.",
+                                     epilog=START, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = commands.add_parser("serve", help="run one engine server (OpenAI API)")
-    serve.add_argument("model", nargs="?", help="builtin:tiny-llama or a Hugging Face model directory")
+    _serve_parser(commands)
+    router = commands.add_parser("router", help="run the router of a deployment YAML alone (`launch` starts it "
+                                 "for you)", description="Runs the router of a deployment whose servers run already "
+                                 "(`pdserve launch` starts both). Ctrl-C stops it, with exit code 0.")
+    router.add_argument("--config", required=True, help="deployment YAML (see configs/)")
+    _launch_parser(commands)
+    ray = commands.add_parser("ray", help="a deployment that `pdserve launch --ray` started: status, down")
+    ray.add_argument("action", choices=["status", "down"], help="status: its actors; down: stop it")
+    ray.add_argument("name", help="the deployment's name (`launch --name`, default the YAML's file name)")
+    ray.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
+    ray.add_argument("--namespace", default="pdserve", help="the Ray namespace (default pdserve)")
+    calibrate = commands.add_parser("calibrate-kv", help="measure per-layer FP8 KV cache scales on sample text")
+    calibrate.add_argument("model", help=MODELS)
+    calibrate.add_argument("--out", required=True, help="the scales file to write (kv_cache_config.scales names it)")
+    calibrate.add_argument("--text", action="append", default=[], help="a sample text file (repeatable); "
+                           "default: the prose of Python's language reference")
+    calibrate.add_argument("--max-tokens", type=int, default=65536, help="sample tokens used at most")
+    calibrate.add_argument("--seq-len", type=int, default=2048, help="tokens prefilled at once")
+    calibrate.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    calibrate.add_argument("--dtype", default="auto", help="the model's dtype while measuring (auto: bfloat16 on "
+                           "CUDA, float32 on a CPU)")
+    return parser
+
+
+def _serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="run one server (OpenAI API): aggregated, or a deployment's context "
+                                "or generation server", description=SERVE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("model", nargs="?", help=MODELS)
     serve.add_argument("--config", help="server YAML (model, hostname, port, kv_cache_config, limits), or with "
                        "--server a deployment YAML")
-    serve.add_argument("--role", choices=["aggregated", "context", "generation"], help="default: aggregated")
+    serve.add_argument("--role", choices=["aggregated", "context", "generation"], help="default: aggregated "
+                       "(both phases). A context or generation server needs its deployment's peers and token: "
+                       "run one with --config DEPLOYMENT.yaml --server NAME")
     serve.add_argument("--server", help="with --config DEPLOYMENT.yaml: the server of it to run (context-0, "
                        "generation-1, aggregated-0: role and index in the file, as `pdserve launch` names them)")
-    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    serve.add_argument("--max-seq-len", type=int, default=None)
-    serve.add_argument("--max-batch-size", type=int, default=None)
-    serve.add_argument("--max-num-tokens", type=int, default=None)
-    serve.add_argument("--dtype", default=None)
-    serve.add_argument("--device", default=None)
+    serve.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + output in tokens (default "
+                       "2048)")
+    serve.add_argument("--max-batch-size", type=int, default=None, help="most requests in one step (default 64)")
+    serve.add_argument("--max-num-tokens", type=int, default=None, help="most tokens in one step (default 2048)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                       help="the model's dtype (default auto: bfloat16 on CUDA, float32 on a CPU)")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                       help="default auto: CUDA if present, else the CPU")
     serve.add_argument("--quantization", choices=["fp8"], default=None,
                        help="fp8: the linear layers' weights in FP8, quantized at load (docs/FP8.md)")
     serve.add_argument("--engine-process", choices=["auto", "true", "false"], default=None,
                        help="run the engine in a process of its own (default auto: on CUDA only)")
     serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                        help="kv_cache_config.dtype: the model's dtype (auto) or FP8 e4m3 (docs/FP8.md)")
-    router = commands.add_parser("router", help="run the router of a deployment YAML")
-    router.add_argument("--config", required=True, help="deployment YAML")
-    launch = commands.add_parser("launch", help="start a whole deployment from one YAML")
+
+
+def _launch_parser(commands) -> None:
+    launch = commands.add_parser("launch", help="start a whole deployment (router and servers) from one YAML",
+                                 description=LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     launch.add_argument("config", help="deployment YAML (see configs/)")
-    launch.add_argument("--log-dir", default=None, help="where child logs go (default: a temp dir; under --ray, "
-                        "the same path on each node, default <tmp>/pdserve-ray/NAME)")
+    launch.add_argument("--log-dir", default=None, help="where each process's log goes (default: a private "
+                        "temporary directory, removed when the launch stops cleanly; under --ray, the same path on "
+                        "each node, default <tmp>/pdserve-ray/NAME)")
     launch.add_argument("--ray", metavar="ADDRESS", default=None, help="run every server and the router as Ray "
-                        "actors on the cluster at ADDRESS (auto, or host:port); needs pip install 'pdserve[ray]'")
+                        "actors on the cluster at ADDRESS (auto, or host:port); needs the ray extra "
+                        "(pip install 'pdserve[ray]', or -e '.[ray]' in the source tree)")
     launch.add_argument("--name", default=None, help="with --ray: the deployment's name, its actors' prefix "
                         "(default: the file's name without .yaml)")
     launch.add_argument("--namespace", default="pdserve", help="with --ray: the Ray namespace (default pdserve)")
@@ -57,21 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "running (`pdserve ray down NAME` stops it)")
     launch.add_argument("--placement-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="with --ray: how long to wait for the cluster to place every server")
-    ray = commands.add_parser("ray", help="a deployment that `pdserve launch --ray` started: status, down")
-    ray.add_argument("action", choices=["status", "down"])
-    ray.add_argument("name", help="the deployment's name (`launch --name`, default the YAML's file name)")
-    ray.add_argument("--address", default="auto", help="the Ray cluster (default auto)")
-    ray.add_argument("--namespace", default="pdserve")
-    calibrate = commands.add_parser("calibrate-kv", help="measure per-layer FP8 KV cache scales on sample text")
-    calibrate.add_argument("model", help="builtin:tiny-story or a Hugging Face model directory")
-    calibrate.add_argument("--out", required=True, help="the scales file to write (kv_cache_config.scales names it)")
-    calibrate.add_argument("--text", action="append", default=[], help="a sample text file (repeatable); "
-                           "default: the prose of Python's language reference")
-    calibrate.add_argument("--max-tokens", type=int, default=65536, help="sample tokens used at most")
-    calibrate.add_argument("--seq-len", type=int, default=2048, help="tokens prefilled at once")
-    calibrate.add_argument("--device", default="auto")
-    calibrate.add_argument("--dtype", default="auto", help="the model's dtype while measuring")
-    return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -95,7 +134,8 @@ def _serve(args: argparse.Namespace) -> int:
         elif args.model:
             cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", role)
         else:
-            raise ConfigError("give a model (e.g. builtin:tiny-llama) or --config FILE")
+            raise ConfigError("give a model (builtin:tiny-story, the trained default, or a Hugging Face model "
+                              "directory) or --config FILE")
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
