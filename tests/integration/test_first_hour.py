@@ -1,5 +1,6 @@
 """A new user's first hour, with real processes: a port in use stops `pdserve launch`, `serve` and
-`router` before anything starts, naming it; a server runs without any extra's package; each process
+`router` before anything starts, naming it; servers, router and launcher run without any extra's
+package (as `pip install pdserve` installs them); each process
 says where it listens; an idle pair logs nothing more as time passes; Ctrl-C ends a server and a
 launch with 0 and no traceback, and the launch's token goes with it; `echo` with `max_tokens: 0`
 goes through a router in front of aggregated servers as one server answers it (through a
@@ -28,13 +29,19 @@ from waiting import wait_until
 ROOT = dh.ROOT
 SMALL = {"max_seq_len": 256, "max_batch_size": 4, "max_num_tokens": 128,
          "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 2048}}
-# `pdserve` as the console script runs it, with every extra's package looking uninstalled
-BLOCKED_PDSERVE = "import sys, import_blocker; import_blocker.install(); from server.cli import run; run()"
+PDSERVE = [sys.executable, "-m", "server.cli"]
 
 
-def _env(tmp: Path | None = None) -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def _env(tmp: Path | None = None, without_extras: Path | None = None) -> dict[str, str]:
+    """The environment of a pdserve process: TMPDIR `tmp`; with `without_extras` (a folder to write
+    to), it and every process it starts see none of the extras' packages (tests/import_blocker.py,
+    installed by a sitecustomize)."""
+    path = [str(ROOT), str(ROOT / "tests")]
+    if without_extras is not None:
+        without_extras.mkdir(exist_ok=True)
+        (without_extras / "sitecustomize.py").write_text("import import_blocker\nimport_blocker.install()\n")
+        path.insert(0, str(without_extras))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return {**env, "TMPDIR": str(tmp)} if tmp else env
 
 
@@ -98,11 +105,14 @@ def test_serve_and_router_with_their_port_in_use_stop_before_loading(tmp_path):
 # ---- one server, without the extras -----------------------------------------------------------
 
 def test_serve_without_extras_says_where_it_listens_and_ends_with_0_on_ctrl_c(tmp_path):
+    blocked = subprocess.run([sys.executable, "-c", "import openai"], env=_env(without_extras=tmp_path / "site"),
+                             capture_output=True, text=True, timeout=60)
+    assert blocked.returncode == 1 and "No module named 'openai'" in blocked.stderr  # as the server's process sees
     port = dh.free_port()
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_PDSERVE, "serve", "builtin:tiny-llama", "--port",
-                                 str(port), "--max-seq-len", "256"], cwd=ROOT, env=_env(), stdout=o, stderr=e)
+        proc = subprocess.Popen([*PDSERVE, "serve", "builtin:tiny-llama", "--port", str(port), "--max-seq-len", "256"],
+                                cwd=ROOT, env=_env(without_extras=tmp_path / "site"), stdout=o, stderr=e)
     line = f"pdserve: aggregated server listening on http://127.0.0.1:{port} (model builtin:tiny-llama, role " \
         "aggregated)"
     try:
@@ -149,8 +159,8 @@ def launch(tmp_path: Path, config: str | dict) -> Iterator[Launch]:
     tmp, out = tmp_path / "tmp", tmp_path / "launcher.out"
     tmp.mkdir()
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_PDSERVE, "launch", str(path)], cwd=ROOT,
-                                env=_env(tmp), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*PDSERVE, "launch", str(path)], cwd=ROOT, env=_env(tmp, tmp_path / "site"),
+                                stdout=f, stderr=subprocess.STDOUT)
     run = Launch(proc, out, tmp, cfg, path)
     try:
         wait_until(lambda: "ready: " in run.text() or proc.poll() is not None, dh.STARTUP_TIMEOUT_S, "ready",
