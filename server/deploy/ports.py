@@ -61,10 +61,10 @@ def listeners(cfg: DeploymentConfig) -> list[Listener]:
         section = "context_servers" if role == "context" else "generation_servers"
         key = f"{section}.urls[{index}]" if cfg.has_router else "port"
         found.append(Listener(name, key, server.host, server.port))
-        kv_port = server.cache_transceiver_config.port
-        if role == "context" and kv_port:
+        kv = server.cache_transceiver_config
+        if role == "context" and kv.port:
             for rank in range(server.tensor_parallel_size):  # rank r listens on port + r
-                found.append(Listener(name, f"cache_transceiver_config.port of {name}", server.host, kv_port + rank))
+                found.append(Listener(name, f"cache_transceiver_config.port of {name}", kv.host, kv.port + rank))
     return found
 
 
