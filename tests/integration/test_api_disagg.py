@@ -133,6 +133,15 @@ def test_completions_equal_aggregated(urls, case):
     assert streamed[0]["usage"] == want["usage"]
 
 
+def test_echo_without_generation_is_served_by_one_server(urls):
+    """No token to generate, so no first token for a context leg to hand over: the router sends the
+    request to one generation server, which answers it as one aggregated server does (the case above)."""
+    count = lambda: dh.metric(urls[1], "pdserve_router_local_requests_total", 'reason="prompt_only"')
+    before = count()
+    _post(urls[1], "/v1/completions", COMPLETIONS["echo_prompt_only"])
+    assert count() == before + 1
+
+
 @pytest.mark.parametrize("case", sorted(CHAT))
 def test_chat_equals_aggregated(urls, case):
     want, streamed = _both(urls, "/v1/chat/completions", CHAT[case], chat=True)
