@@ -5,8 +5,8 @@ It checks the server rows and pool bars, sees the numbers move while load runs (
 to the host tier) and the TTFT phases filled in, and sees a SIGKILLed generation server's row turn
 red. Screenshots are kept in the test's tmp dir and in test-artifacts/ (git-ignored).
 
-Without chromium the test fails (CI installs it in .ci/run); a developer may skip it with
-PDSERVE_ALLOW_NO_BROWSER=1, which CI (CI set) ignores.
+Without chromium the test fails (`scripts/install.sh --test`, which .ci/run runs, installs it as
+root); a developer may skip it with PDSERVE_ALLOW_NO_BROWSER=1, which CI (CI set) ignores.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def browser():
         if os.environ.get("PDSERVE_ALLOW_NO_BROWSER") == "1" and not os.environ.get("CI"):
             pytest.skip(f"{missing} missing and PDSERVE_ALLOW_NO_BROWSER=1")
         pytest.fail(f"{missing} missing: install Debian's browser (apt-get install chromium chromium-driver, as "
-                    ".ci/run does), or set PDSERVE_ALLOW_NO_BROWSER=1 to skip this test outside CI")
+                    "scripts/install.sh --test does), or set PDSERVE_ALLOW_NO_BROWSER=1 to skip this test outside CI")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
