@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `pdserve` command: `main`, then the process ends without the interpreter's teardown."""
-    from server.deploy.exit import exit_now
+    from server.exit import exit_now
 
     code = main()
     ray = sys.modules.get("ray")

@@ -84,7 +84,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch_size: Positive = 64
     max_num_tokens: Positive = 2048
     # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
-    # default (server/deploy/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
+    # default (server/engine_host/build.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
     max_prefill_batch_tokens: Positive | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -99,7 +99,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # model's attention heads, and divide or be a multiple of its kv heads
     tensor_parallel_size: Positive = 1
     # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
-    # its own process on CUDA, the thread on a CPU (server/engineproc/)
+    # its own process on CUDA, the thread on a CPU (server/engine_host/)
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
     # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
     # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)

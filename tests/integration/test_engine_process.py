@@ -28,7 +28,7 @@ from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"
 GREEDY = dh.GREEDY
-CHILD = "server.engineproc.main"
+CHILD = "server.engine_host.main"
 
 
 def engine_server(tmp: Path, **settings) -> AbstractContextManager[tuple[str, subprocess.Popen]]:

@@ -212,7 +212,7 @@ def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp
 
 
 def test_scheduler_limits_default_the_prefill_batch_by_device():
-    from server.deploy.serve import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
+    from server.engine_host.build import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
 
     cfg = server_config_from_dict({"model": "builtin:tiny-llama", "max_num_tokens": 1024})
     cpu, cuda = scheduler_limits(cfg, torch.device("cpu")), scheduler_limits(cfg, torch.device("cuda"))
@@ -223,7 +223,7 @@ def test_scheduler_limits_default_the_prefill_batch_by_device():
 
 
 def test_async_scheduling_is_auto_true_or_false_and_auto_means_cuda(tmp_path):
-    from server.deploy.serve import use_async_scheduling
+    from server.engine_host.build import use_async_scheduling
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = server_config_from_dict({"model": "builtin:tiny-llama"})

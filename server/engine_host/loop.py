@@ -1,11 +1,11 @@
 """The engine loop, one for both hosts: a thread of the HTTP process (`AsyncEngine`,
-server/engine/engine_thread.py) or the engine process (server/engineproc/main.py).
+server/engine_host/thread.py) or the engine process (server/engine_host/main.py).
 
 receive commands (waiting at most the core's idle wait) -> step -> tick hooks (KV events and
 snapshots) -> KV health check -> deliver ONE `StepOut`: the step's outputs, what the metrics
 recorded, the engine's state if it changed. Commands come in and messages go out through a `Port`:
 a queue and the event loop's callbacks for the thread, the ipc link for the process. Either way the
-HTTP side reads the same messages (server/engineproc/front.py). `run_engine` is a host's whole life:
+HTTP side reads the same messages (server/engine_host/front.py). `run_engine` is a host's whole life:
 build, `Ready` (or `LoadFailed`), the loop until `Shutdown`, close.
 """
 
@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from server.engine import status
-from server.engine.commands import Abort, Add, Release, apply, guarded_step
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
-from server.engineproc.wire import (
+from server.engine_host import status
+from server.engine_host.commands import Abort, Add, Release, apply, guarded_step
+from server.engine_host.wire import (
     EngineInfo,
     EngineState,
     FromEngine,

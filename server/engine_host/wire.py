@@ -1,14 +1,14 @@
-"""The engine loop's messages, on either host (server/engineproc/loop.py), and the engine link's sealing.
+"""The engine loop's messages, on either host (server/engine_host/loop.py), and the engine link's sealing.
 
 The engine thread hands them over in memory; the engine process sends them on two ZeroMQ PUSH/PULL
-pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engineproc/
+pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engine_host/
 link.py), each message signed (transceiver/signed.py, `link_codec`) under a key derived from a
 random per-server secret (handed to the child on its stdin, never on argv) and the direction, so a
 message of one pipe is never valid on the other. A message that fails the MAC or does not decode
 into a message of its direction raises `Rejected` and is dropped (and counted) by the reader.
 Nothing is ever unpickled.
 
-HTTP -> engine: the engine commands (server/engine/commands.py: Add, Abort, Release), `Probe`,
+HTTP -> engine: the engine commands (server/engine_host/commands.py: Add, Abort, Release), `Probe`,
 `Snapshot` (an RPC answered by `SnapshotReply`) and `Shutdown`.
 engine -> HTTP: `Ready` once loaded (or `LoadFailed`), then ONE `StepOut` per step of the engine
 loop that has anything to say: the step's outputs, what the metrics observed, and the engine's
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from server.engine.commands import Abort, Add, Release
+from server.engine_host.commands import Abort, Add, Release
 from server.telemetry.relay import EngineFigures, MetricsDelta
 from server.types import LinkState, RequestOutput
 from transceiver.signed import SignedCodec

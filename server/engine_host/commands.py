@@ -1,7 +1,7 @@
 """What the HTTP side asks the engine loop to do, and how the loop does it on its `EngineCore`.
 
 The same typed commands feed both engine modes: the engine thread's queue (`AsyncEngine`) and the
-engine process's socket (server/engineproc/, msgspec-encoded: they are tagged Structs). Either
+engine process's socket (server/engine_host/, msgspec-encoded: they are tagged Structs). Either
 loop applies them between steps, on the thread that owns the core.
 """
 

@@ -1,7 +1,7 @@
 """What the HTTP side asks of a loaded engine besides its requests: transceiver liveness, KV
 handshakes, the advertised KV sender, idleness (drain), and handshake probes.
 
-The engine loop (server/engineproc/loop.py, on either host) calls them on its own thread, to put
+The engine loop (server/engine_host/loop.py, on either host) calls them on its own thread, to put
 them in the state it sends, and runs the probes it is asked for.
 """
 
