@@ -120,14 +120,12 @@ class Legs:
         return Upstream(backend, json=answer)
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
-                             exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None,
+                             exclude: frozenset[Backend] = frozenset(),
                              booked: Callable[[], None] = lambda: None) -> Upstream:
-        """`params`: None for an aggregated server. `backend`: this one rather than the policy's pick
-        (the readiness probe); else the policy's pick, and another if the first never took the request."""
+        """`params`: None for an aggregated server. The policy's pick, and another if the first never
+        took the request."""
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
         picker = self.generation_policy
-        if backend is not None:
-            return await self._generation_once(picker.book(backend, prompt), path, gen_body)
         tried: set[Backend] = set(exclude)
         last: LegError | None = None
         for _ in range(2):  # the first choice, and another if the first never took the request
@@ -163,7 +161,7 @@ class Legs:
             return upstream
         except LegError as exc:
             booking.done()
-            raise exc.of_leg("generation") from exc
+            raise exc.of_leg("generation", backend.url) from exc
         except BaseException:
             booking.done()
             raise
