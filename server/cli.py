@@ -109,7 +109,7 @@ def _router(args: argparse.Namespace) -> int:
 
     from server.config.schema import ConfigError, load_deployment
     from server.deploy.drain import DrainingServer
-    from server.router.app import RouterSettings, create_router_app
+    from server.router.app import create_router_app
 
     try:
         cfg = load_deployment(args.config)
@@ -118,17 +118,11 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
-    front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
-    if cfg.router_access.tenant_salt_from_api_key and not cfg.auth_token:
+    if cfg.router.tenant_salt_from_api_key and not cfg.auth_token:
         print(f"pdserve router: {cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
               "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)", file=sys.stderr)
         return 2
-    settings = RouterSettings(
-        context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
-        generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
-        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access,
-        drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit, routing=cfg.routing)
-    app = create_router_app(settings)
+    app = create_router_app(cfg.router_config())
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
                             timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.drain).run()

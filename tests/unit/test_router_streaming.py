@@ -224,9 +224,10 @@ def test_a_client_gone_before_the_stream_started_still_releases_the_lease():
 def test_the_router_reads_stream_as_the_servers_do():
     from fastapi.testclient import TestClient
 
-    from server.router.app import RouterSettings, create_router_app
+    from server.config.router import RouterConfig
+    from server.router.app import create_router_app
 
-    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    settings = RouterConfig(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
     with TestClient(create_router_app(settings)) as client:
         bad = client.post("/v1/completions", json={"prompt": "x", "stream": "maybe"})
         assert bad.status_code == 400 and "stream must be a boolean" in bad.json()["error"]["message"]
@@ -238,9 +239,10 @@ def test_the_router_reads_stream_as_the_servers_do():
 def test_the_router_answers_bad_paths_methods_and_bodies_with_json_errors():
     from fastapi.testclient import TestClient
 
-    from server.router.app import RouterSettings, create_router_app
+    from server.config.router import RouterConfig
+    from server.router.app import create_router_app
 
-    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    settings = RouterConfig(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
     with TestClient(create_router_app(settings)) as client:
         missing = client.post("/v1/nothing", json={})
         assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]
