@@ -16,14 +16,16 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Iterable
 
-from server.engine_host.commands import Abort, Add, Release
 from server.engine_host.streams import ChoiceStream
 from server.engine_host.wire import (
+    Abort,
+    Add,
     EngineInfo,
     EngineState,
     LoadFailed,
     Probe,
     Ready,
+    Release,
     Snapshot,
     SnapshotReply,
     StepOut,

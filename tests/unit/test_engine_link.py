@@ -17,16 +17,18 @@ import zmq
 from waiting import wait_until
 
 from kvcache.stats import KVCacheStats
-from server.engine_host.commands import Abort, Add, Release
 from server.engine_host.link import FROM_ENGINE, EngineEnd, HttpEnd, address, private_dir
 from server.engine_host.wire import (
     KEY_BYTES,
     TO_ENGINE,
+    Abort,
+    Add,
     EngineInfo,
     EngineState,
     LoadFailed,
     Probe,
     Ready,
+    Release,
     Shutdown,
     Snapshot,
     SnapshotReply,
