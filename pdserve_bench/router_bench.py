@@ -89,8 +89,9 @@ def first_event_ms(client: httpx.Client, url: str, body: dict) -> tuple[float, f
 IMPORT_PROBE = ("import time; t = time.perf_counter(); import server.router.app; t = time.perf_counter() - t; "
                 "print(t, next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')) / 1024)")
 # the router in an interpreter of its own that imports only what the router does (not this bench)
-ROUTER = ("import sys, uvicorn; from server.router.app import RouterSettings, create_router_app; "
-          "ctx, gen, port = sys.argv[1:]; settings = RouterSettings(context_urls=(ctx,), generation_urls=(gen,)); "
+ROUTER = ("import sys, uvicorn; from server.config.router import RouterConfig; "
+          "from server.router.app import create_router_app; "
+          "ctx, gen, port = sys.argv[1:]; settings = RouterConfig(context_urls=(ctx,), generation_urls=(gen,)); "
           "uvicorn.run(create_router_app(settings), host='127.0.0.1', port=int(port), log_level='warning', "
           "access_log=False)")
 

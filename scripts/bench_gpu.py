@@ -1,8 +1,9 @@
 """GPU fast-path figures, engine level, in one process: the ceilings first, then ratios.
 
 Builds (once) a random-weight bfloat16 model with Llama-3.1-8B dimensions (`pdserve_bench.
-gpu_handoff.build_model`), builds the engine exactly as `pdserve serve` does (`server.deploy.serve.build_core`: weights,
-KV pool, runner warm-up with graph capture) and drives `EngineCore` directly (no HTTP):
+gpu_handoff.build_model`), builds the engine exactly as `pdserve serve` does
+(`server.engine_host.build.build_core`: weights, KV pool, runner warm-up with graph capture) and
+drives `EngineCore` directly (no HTTP):
 
 - ceilings measured in the same run: HBM read GB/s (`x.sum()` over 4 GiB, median of 20), pinned
   host->device GB/s, bf16 GEMM TFLOP/s;
@@ -36,8 +37,8 @@ import torch
 
 from pdserve_bench.gpu_handoff import LLAMA_8B, build_model
 from server.config.schema import server_config_from_dict
-from server.deploy.serve import build_core
 from server.engine.core import EngineCore
+from server.engine_host.build import build_core
 from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest, SamplingParams
 

@@ -37,8 +37,8 @@ from bench_gpu import RESULTS, ceilings, decode_c64_tok_s, record, replay_ms, ti
 
 from pdserve_bench.gpu_handoff import build_model
 from server.config.schema import server_config_from_dict
-from server.deploy.serve import build_core
 from server.engine.core import EngineCore
+from server.engine_host.build import build_core
 from server.models.fp8 import linear as L
 from server.models.fp8.weight import Fp8Weight
 from server.telemetry.metrics import ServerMetrics

@@ -26,8 +26,8 @@ from bench_gpu import ceilings, drive, model_flops, replay_ms, submit, weight_by
 
 from pdserve_bench.gpu_handoff import build_model
 from server.config.schema import server_config_from_dict
-from server.deploy.serve import build_core
 from server.engine.core import EngineCore
+from server.engine_host.build import build_core
 from server.models.builtin import resolve_model
 from server.telemetry.metrics import ServerMetrics
 

@@ -35,11 +35,11 @@ import torch
 
 from pdserve_bench.gpu_handoff import CYCLE_FIRST, build_model
 from server.config.schema import server_config_from_dict
-from server.deploy.serve import build_core
 from server.engine.core import EngineCore
 from server.engine.speculative.config import SpeculativeConfig
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
 from server.engine.speculative.ngram import NgramDrafter
+from server.engine_host.build import build_core
 from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest, SamplingParams
 

@@ -37,7 +37,7 @@ NEW_TOKENS = 64
 def engine_run(model_dir: Path, size: int, c64: bool) -> dict:
     """In this process: build the engine of `size` ranks, greedy tokens and TPOT."""
     from server.config.schema import server_config_from_dict
-    from server.deploy.serve import build_core
+    from server.engine_host.build import build_core
     from server.telemetry.metrics import ServerMetrics
     from server.types import GenerateRequest, SamplingParams
 

@@ -3,7 +3,7 @@
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
 #   MODE: tests | bench | serving | profile | load | disk | tp | spec | kv_stream | api | fp8 | fp8kv | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
 #   fp8kv: FP8 KV cache against bf16 KV, same run (handoff, host-tier hit, b64 x 2k decode; ~3 min); not part of `all'.
-#   kv_stream (issue 21, part 1): a 16k prompt's pair TTFT, KV streamed while prefilled vs sent after it; not part of `all'.
+#   kv_stream: a 16k prompt's pair TTFT, KV streamed while prefilled vs sent after it; not part of `all'.
 #   load (serving under load; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
 #   tp: tensor-parallel figures (scripts/bench_tp_gpu.py; sizes the GPUs allow), not part of `all'.
 #   fp8: FP8 weights against bf16 (scripts/bench_gpu_fp8.py; `--kv-dtype fp8` adds the FP8 KV cache), not part of `all';
@@ -44,10 +44,10 @@ if [[ "$mode" == disk ]]; then  # not in `all`: it writes ~10 GB to WORKDIR's di
   python3 scripts/bench_gpu_disk.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_disk.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_disk.log" | grep -v '^SUMMARY'
   python3 scripts/disk_floors.py --out "$out/disk_floors.json"  # the CPU's copy and MAC rates: a hit's floor
 fi
-if [[ "$mode" == fp8 ]]; then  # FP8 weights (issue 28): b1 TPOT, c=64 tok/s and the linears' sweep, bf16 vs FP8
+if [[ "$mode" == fp8 ]]; then  # FP8 weights: b1 TPOT, c=64 tok/s and the linears' sweep, bf16 vs FP8
   python3 scripts/bench_gpu_fp8.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_fp8.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_fp8.log" | grep -v '^SUMMARY'
 fi
-if [[ "$mode" == spec ]]; then  # speculative decoding (issue 21 part 3): b1 TPOT with and without, not in `all'
+if [[ "$mode" == spec ]]; then  # speculative decoding: b1 TPOT with and without, not in `all'
   python3 scripts/bench_gpu_spec.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_spec.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_spec.log" | grep -v '^SUMMARY'
 fi
 if [[ "$mode" == kv_stream ]]; then

@@ -163,7 +163,7 @@ def _router(args: argparse.Namespace) -> int:
     from server.deploy.drain import DrainingServer
     from server.deploy.logs import configure_logging
     from server.deploy.ports import PORT_HINT, bind_http
-    from server.router.app import RouterSettings, create_router_app
+    from server.router.app import create_router_app
 
     try:
         cfg = load_deployment(args.config)
@@ -172,7 +172,7 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     configure_logging()
     front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
-    if cfg.router_access.tenant_salt_from_api_key and not cfg.auth_token:
+    if cfg.router.tenant_salt_from_api_key and not cfg.auth_token:
         print(f"pdserve router: {cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
               "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)", file=sys.stderr)
         return 2
@@ -183,17 +183,12 @@ def _router(args: argparse.Namespace) -> int:
         print(f"pdserve router: cannot listen on {address} (port in {cfg.source}): {exc.strerror or exc}; "
               f"nothing was started. {PORT_HINT}", file=sys.stderr)
         return 1
-    settings = RouterSettings(
-        context_urls=tuple(f"{s.host}:{s.port}" for s in cfg.context_servers),
-        generation_urls=tuple(f"{s.host}:{s.port}" for s in front),
-        policy=cfg.router_type, model=cfg.model, auth_token=cfg.auth_token, access=cfg.router_access,
-        drain_timeout_s=cfg.drain_timeout_s, migration_limit=cfg.migration_limit, routing=cfg.routing)
-    app = create_router_app(settings)
+    app = create_router_app(cfg.router_config())
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
                             timeout_graceful_shutdown=5)
     servers = f"{len(cfg.context_servers)} context, {len(front)} generation" if cfg.disaggregated else \
         f"{len(front)} aggregated"
-    line = f"pdserve: router listening on http://{address} (policy {cfg.router_type}, {servers} server(s))"
+    line = f"pdserve: router listening on http://{address} (policy {cfg.router.type}, {servers} server(s))"
     try:
         DrainingServer(config, app.state.drain, on_listening=lambda: print(line, flush=True)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
@@ -278,7 +273,7 @@ SERVING_COMMANDS = ("serve", "router", "launch")  # Ctrl-C is how they are meant
 
 def run() -> None:
     """The `pdserve` command: `main`, then the process ends without the interpreter's teardown."""
-    from server.deploy.exit import exit_now
+    from server.exit import exit_now
 
     code = main()
     ray = sys.modules.get("ray")

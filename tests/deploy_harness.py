@@ -205,7 +205,7 @@ def answers_health(url: str) -> bool:
 
 def engine_child(server_pid: int) -> psutil.Process:
     """The engine process (`engine_process: true`) of the server process `server_pid`."""
-    [child] = [c for c in psutil.Process(server_pid).children() if "server.engineproc.main" in " ".join(c.cmdline())]
+    [child] = [c for c in psutil.Process(server_pid).children() if "server.engine_host.main" in " ".join(c.cmdline())]
     return child
 
 

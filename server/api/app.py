@@ -13,10 +13,10 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from fastapi import FastAPI
 
 from server.api.access import EndpointDirectory
+from server.api.builder import DEFAULT_MAX_N
 from server.api.errors import install_error_handlers
 from server.api.routes import chat, completions, health, models
 from server.api.routes import metrics as metrics_route
-from server.api.sampling import DEFAULT_MAX_N
 from server.openai.openapi import openapi_document
 from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient

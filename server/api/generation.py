@@ -1,6 +1,6 @@
 """Run one request on the engine and answer it as JSON or as an SSE stream.
 
-Its engine requests (one per prompt: server/api/prompts.py) are owned by `RequestStreams`
+Its engine requests (one per prompt: server/api/builder.py) are owned by `RequestStreams`
 (server/api/streams.py), which aborts those not finished however the exchange ends; client
 disconnects are watched actively (server/openai/sse.py), so a request still queued is aborted too.
 """
@@ -16,13 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.api.access import check_disagg_access
+from server.api.builder import DEFAULT_MAX_N, Built, build_request, new_request_id
 from server.api.context_stream import early_event, result_event, streamed_params
 from server.api.disagg_logprobs import with_context_logprobs
 from server.api.errors import output_error
-from server.api.prompts import Built, build_request, new_request_id
-from server.api.sampling import DEFAULT_MAX_N
 from server.api.streams import RequestStreams, failed
-from server.api.structured import may_constrain
 from server.openai.formatting import Formatter, continued_response_id
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
@@ -156,7 +154,7 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
     await check_disagg_access(request, body.disaggregated_params)
     request_id = new_request_id(id_prefix)
     max_n = getattr(request.app.state, "max_n", DEFAULT_MAX_N)
-    if may_constrain(body):  # compiles a grammar: not on the event loop
+    if body.constrained:  # compiles a grammar: not on the event loop
         built = await asyncio.to_thread(build_request, body, engine, request_id, max_n)
     else:
         built = build_request(body, engine, request_id, max_n)

@@ -1,7 +1,8 @@
 """Structured output: a request's constraint as the engine's `StructuredSpec`, checked before it
 reaches the engine (400 naming the field when the grammar engine rejects it). The fields it comes
-from, one per request: docs/API.md ("Extras"; chat `tool_choice`: server/api/tool_choice.py). A JSON
-schema travels as JSON text, a choice as a JSON list of strings.
+from, one per request: docs/API.md ("Extras"), or chat `tool_choice` (its schema made by
+server/api/tool_choice.py). A JSON schema travels as JSON text, a choice as a JSON list of strings.
+A request that names one (`SamplingRequest.constrained`) is built off the event loop.
 """
 
 from __future__ import annotations
@@ -62,25 +63,25 @@ def _vllm_spec(param: str, key: str, value: Any) -> StructuredSpec:
     return StructuredSpec(key, value)
 
 
-def request_constraint(body: SamplingRequest) -> tuple[str, StructuredSpec] | None:
-    """(the field it came from, the constraint) of the request's own fields, or None."""
+def request_constraint(body: SamplingRequest, tool_schema: dict[str, Any] | str | None, tool_param: str,
+                       tokenizer: object) -> StructuredSpec | None:
+    """The request's one constraint, compiled: its own fields' or `tool_choice`'s (`tool_schema`, from
+    the field `tool_param`), never both; None when it has none."""
     found = _from_response_format(body) + [(p, _vllm_spec(p, key, value)) for p, key, value in _vllm_fields(body)]
     if len(found) > 1:
         first, second = (p.split(".")[0] for p, _ in found[:2])
         raise APIError(400, f"'{second}': only one structured-output constraint per request ({first} is set too)",
                        param=second)
-    return found[0] if found else None
+    if found and tool_schema is not None:
+        field = found[0][0].split(".")[0]
+        raise APIError(400, f"'{field}': tool_choice constrains the answer to tool calls; it cannot be combined "
+                       "with another structured-output constraint", param=field)
+    if tool_schema is not None:
+        found = [(tool_param, json_schema_spec(tool_schema, tool_param))]
+    return _checked(found[0][1], tokenizer, found[0][0]) if found else None
 
 
-def may_constrain(body: SamplingRequest) -> bool:
-    """The request names a constraint (its own fields, or chat tools that may force calls): building
-    it compiles a grammar, which the caller runs off the event loop (a new schema takes milliseconds;
-    the first one of a large vocabulary, seconds)."""
-    tools = getattr(body, "tools", None) and getattr(body, "tool_choice", None) not in ("none", "auto")
-    return bool(tools or _from_response_format(body) or _vllm_fields(body))
-
-
-def checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredSpec:
+def _checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredSpec:
     """`spec` if a JSON schema is well formed and the grammar engine compiles it; else a 400 naming `param`."""
     try:
         if spec.kind == "json_schema":

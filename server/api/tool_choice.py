@@ -1,6 +1,7 @@
 """Chat `tools` and `tool_choice` (docs/API.md, "Tool calling"): what the chat template gets, what
-constrains the output (a named function's `parameters`; for "required", an array of calls), and how
-the output becomes `tool_calls` (server/openai/tool_parsers.py).
+constrains the output (a named function's `parameters`; for "required", an array of calls: a JSON
+schema, compiled with the request's other constraint fields by server/api/structured.py), and how the
+output becomes `tool_calls` (server/openai/tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import APIError
-from server.api.structured import json_schema_spec
 from server.openai.formatting import ToolMode
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.tool_parsers import PYTHON_TAG, HermesParser
-from server.types import StructuredSpec
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -22,8 +21,8 @@ NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 class ToolPlan:
     template_tools: list[dict] | None = None  # what the chat template renders
     mode: ToolMode | None = None  # how the answer becomes tool calls
-    constraint: StructuredSpec | None = None  # forces the calls (named function, "required")
-    param: str = "tools"  # the field a constraint the grammar engine rejects came from
+    schema: dict[str, Any] | str | None = None  # the JSON schema that forces the calls (named function, "required")
+    param: str = "tools"  # the field a schema the grammar engine rejects came from
 
 
 def tool_format(chat_template: str | dict | None) -> str | None:
@@ -70,15 +69,14 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
         return ToolPlan(rendered, _auto_mode(chat_template, parallel))
     if choice == "required":
         schema = required_schema(body.tools, parallel)
-        return ToolPlan(rendered, ToolMode("required", parallel=parallel), json_schema_spec(schema, "tools"))
+        return ToolPlan(rendered, ToolMode("required", parallel=parallel), schema)
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"'tool_choice.function.name': no tool is named {name!r} (tools: {', '.join(names)})",
                        param="tool_choice.function.name")
     at = names.index(name)
     param = f"tools.{at}.function.parameters"
-    spec = json_schema_spec(_parameters(body.tools[at]), param)
-    return ToolPlan(rendered, ToolMode("named", function=name), spec, param)
+    return ToolPlan(rendered, ToolMode("named", function=name), _parameters(body.tools[at]), param)
 
 
 def _auto_mode(chat_template: str | dict | None, parallel: bool) -> ToolMode:

@@ -1,4 +1,5 @@
-"""The deployment YAML's `router:` section, declared once (server/config/schema.py converts the YAML into it).
+"""The router's settings: the deployment YAML's `router:` section, declared once (server/config/schema.py
+converts the YAML into it), and the one type the router runs on (server/router/app.py).
 
 ```yaml
 router:
@@ -12,13 +13,14 @@ router:
 ```
 
 Routing (docs/ROUTING.md) and access (docs/SECURITY.md) keys; their defaults are those of the
-router's own types (`ScoreWeights`, `QueueLimits`, `RouterAccess`).
+router's own types (`ScoreWeights`, `QueueLimits`, `RouterAccess`). The rest of a `RouterConfig`
+(its servers, model, token, drain) comes from the deployment (`DeploymentConfig.router_config`),
+never from the `router:` section.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -43,14 +45,6 @@ class KvWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disk: Weight = ScoreWeights.disk
 
 
-class Queue(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`QueueLimits` as the YAML gives it (server/router/queue.py)."""
-
-    max_inflight_per_server: Count = QueueLimits.max_inflight_per_server  # 0: a server is never saturated
-    max_waiting: Count = QueueLimits.max_waiting
-    timeout_s: Weight = QueueLimits.timeout_s
-
-
 class Conditional(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Requests a generation server serves alone (prefill and decode), skipping the context leg:
     those with at most `max_local_prefill_length` prompt tokens it does not hold yet, or whose
@@ -64,15 +58,8 @@ class Conditional(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.max_local_prefill_length is not None or self.min_prefix_hit is not None
 
 
-@dataclass(frozen=True)
-class RoutingConfig:
-    weights: ScoreWeights = ScoreWeights()
-    queue: QueueLimits = QueueLimits()
-    conditional: Conditional = field(default_factory=Conditional)
-
-
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`router:` of a deployment."""
+    """`router:` of a deployment (its YAML keys first), and what the router process runs on."""
 
     type: Literal[POLICIES] = "round_robin"  # type: ignore[valid-type]
     migration_limit: Count = 1
@@ -82,28 +69,50 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tenant_salt_from_api_key: bool = False
     kv_weights: KvWeights = KvWeights()
     load_weight: Weight = ScoreWeights.load
-    queue: Queue = Queue()
+    queue: QueueLimits = QueueLimits()
     conditional: Conditional = Conditional()
+    # from the deployment, not YAML keys (INTERNAL_KEYS)
+    context_urls: tuple[str, ...] = ()
+    generation_urls: tuple[str, ...] = ()  # the aggregated servers' when there is no context server
+    model: str | None = None  # to tokenise prompts for the kv policies and conditional disaggregation
+    auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
+    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if "/health" not in self.open_paths:
             raise ValueError("open_paths: must include /health (pdserve launch and load balancers probe it "
                              "without a key)")
 
-    @property
-    def routing(self) -> RoutingConfig:
-        kv = self.kv_weights
-        weights = ScoreWeights(kv.primary, kv.secondary, self.load_weight, kv.disk)
-        return RoutingConfig(weights, QueueLimits(**msgspec.structs.asdict(self.queue)), self.conditional)
+    def __repr__(self) -> str:
+        """Without the API keys and the token: a config's repr may reach a log."""
+        shown = (f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__
+                 if name not in ("api_keys", "auth_token"))
+        return f"RouterConfig({', '.join(shown)})"
 
-    def access(self, yaml_dir: Path, source: str) -> RouterAccess:
-        """API keys from `api_keys`, `api_keys_file` and PDSERVE_API_KEYS (all valid), open paths,
-        tenant salts; errors name the file and the key."""
+    @property
+    def weights(self) -> ScoreWeights:
+        kv = self.kv_weights
+        return ScoreWeights(kv.primary, kv.secondary, self.load_weight, kv.disk)
+
+    def access(self) -> RouterAccess:
+        """Who may call the router (server/router/auth.py): the keys, open paths, tenant salts."""
+        return RouterAccess(self.api_keys or (), self.open_paths, self.tenant_salt_from_api_key)
+
+    def with_keys(self, yaml_dir: Path, source: str) -> RouterConfig:
+        """A copy whose `api_keys` are all the valid keys: `api_keys`, `api_keys_file` and
+        PDSERVE_API_KEYS; errors name the file and the key."""
         keys = [*(self.api_keys or ()), *_keys_file(self.api_keys_file, yaml_dir, source), *_keys_env()]
         if self.tenant_salt_from_api_key and not keys:
             raise ConfigError(f"{source}: router.tenant_salt_from_api_key: needs API keys (router.api_keys, "
                               f"router.api_keys_file or {API_KEYS_ENV})")
-        return RouterAccess(tuple(dict.fromkeys(keys)), self.open_paths, self.tenant_salt_from_api_key)
+        return msgspec.structs.replace(self, api_keys=tuple(dict.fromkeys(keys)) or None, api_keys_file=None)
+
+
+INTERNAL_KEYS = ("context_urls", "generation_urls", "model", "auth_token", "drain_timeout_s", "request_timeout_s",
+                 "health_interval_s")
+YAML_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(RouterConfig) if f.encode_name not in INTERNAL_KEYS)
 
 
 def _keys_file(name: str | None, yaml_dir: Path, source: str) -> list[str]:
@@ -134,4 +143,4 @@ def _keys_env() -> list[str]:
     return keys
 
 
-__all__ = ["POLICIES", "Conditional", "RouterConfig", "RoutingConfig"]
+__all__ = ["POLICIES", "Conditional", "QueueLimits", "RouterConfig", "YAML_KEYS"]

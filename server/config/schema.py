@@ -39,12 +39,12 @@ from server.config.checks import (
     split_host_port,
 )
 from server.config.placement import ROUTER, RayActorOptions
-from server.config.router import RouterConfig, RoutingConfig
+from server.config.router import YAML_KEYS as ROUTER_KEYS
+from server.config.router import RouterConfig
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.engine.speculative.config import SpeculativeConfig
 from server.models.catalog import attention_heads
 from server.models.parallel.plan import tp_problem
-from server.router.auth import RouterAccess
 from transceiver.config import TransceiverConfig
 
 Role = Literal["aggregated", "context", "generation"]
@@ -84,7 +84,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_batch_size: Positive = 64
     max_num_tokens: Positive = 2048
     # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
-    # default (server/deploy/serve.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
+    # default (server/engine_host/build.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
     max_prefill_batch_tokens: Positive | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -99,7 +99,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # model's attention heads, and divide or be a multiple of its kv heads
     tensor_parallel_size: Positive = 1
     # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
-    # its own process on CUDA, the thread on a CPU (server/engineproc/)
+    # its own process on CUDA, the thread on a CPU (server/engine_host/)
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
     # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
     # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
@@ -209,15 +209,12 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     source: str
     host: str  # router address, or the single aggregated server's when has_router is False
     port: int
-    router_type: str
     servers: tuple[ServerConfig, ...]
     has_router: bool
     auth_token: str | None  # None: the launcher makes one per deployment
-    router_access: RouterAccess  # API keys, open paths, tenant salts (router/auth.py)
+    router: RouterConfig  # `router:`, its API keys read (api_keys_file, PDSERVE_API_KEYS)
     restart: RestartPolicy
-    migration_limit: int
     drain_timeout_s: float  # the router's (the top level's `drain_timeout_s`; servers have their own)
-    routing: RoutingConfig  # scores, queue, conditional disaggregation (config/router.py)
     # placement under `pdserve launch --ray`: by server name, and "router" (the top level's)
     ray_actor_options: dict[str, RayActorOptions] = {}
 
@@ -244,6 +241,13 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def aggregated_servers(self) -> tuple[ServerConfig, ...]:
         return tuple(s for s in self.servers if s.role == "aggregated")
+
+    def router_config(self) -> RouterConfig:
+        """What `pdserve router` runs on: `router:` with the deployment's servers, model, token and drain."""
+        front = self.generation_servers if self.disaggregated else self.aggregated_servers
+        return replace(self.router, context_urls=tuple(f"{s.host}:{s.port}" for s in self.context_servers),
+                       generation_urls=tuple(f"{s.host}:{s.port}" for s in front), model=self.model,
+                       auth_token=self.auth_token, drain_timeout_s=self.drain_timeout_s)
 
     def named(self) -> dict[str, ServerConfig]:
         """Every server by its name, `<role>-<index within the role>` (context-0, generation-1)."""
@@ -288,6 +292,8 @@ def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> D
     """A deployment from a file's mapping (`source` names the file in errors; relative paths in it
     are read from `base_dir`)."""
     check_keys(data, (*DEPLOYMENT_KEYS, *ENGINE_KEYS), source, [])
+    if isinstance(data.get("router"), dict):
+        check_keys(data["router"], ROUTER_KEYS, source, ["router"])
     file = convert(data, DeploymentFile, source)
     host = os.environ.get(HOSTNAME_ENV) or file.hostname
     servers, placement = _section_servers(data, file, source)
@@ -299,12 +305,9 @@ def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> D
     check_ports(servers, (host, file.port) if has_router else None, source)
     check_disk_paths(servers, source)
     check_kv_formats(servers, source)
-    router = file.router
     cfg = DeploymentConfig(
-        source=source, host=host, port=file.port, router_type=router.type, servers=tuple(servers),
-        has_router=has_router, auth_token=None, router_access=router.access(base_dir, source),
-        restart=file.restart, migration_limit=router.migration_limit, drain_timeout_s=file.drain_timeout_s,
-        routing=router.routing)
+        source=source, host=host, port=file.port, servers=tuple(servers), has_router=has_router, auth_token=None,
+        router=file.router.with_keys(base_dir, source), restart=file.restart, drain_timeout_s=file.drain_timeout_s)
     names = list(cfg.named())
     options = {**dict(zip(names, placement, strict=True)), **({ROUTER: file.ray_actor_options} if has_router else {})}
     return with_auth_token(replace(cfg, ray_actor_options=options), _auth_token(data))

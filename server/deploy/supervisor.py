@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config.schema import RestartPolicy
+from server.exit import exit_text
 
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 20
@@ -274,10 +275,6 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):  # the whole group is gone already
         pass
-
-
-def exit_text(returncode: int) -> str:
-    return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
 
 
 def log_tail(log_path: Path) -> str:

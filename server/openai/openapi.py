@@ -4,7 +4,7 @@ The request bodies are the pydantic models the servers validate with (server/ope
 the document cannot drift from what is accepted. The servers serve it at GET /openapi.json instead
 of FastAPI's own (which shows no request bodies: they are parsed by `json_body`); the router, a
 plain Starlette app, serves the same document. `tests/integration/test_http_fuzz.py` and
-scripts/fuzz_http.py feed it to schemathesis.
+`pdserve-bench fuzz` (pdserve_bench/fuzz.py) feed it to schemathesis.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Every field of OpenAI's two request bodies is declared, with vLLM's extras, Tens
 `disaggregated_params` and pdserve's `kv_retention_priority`: implemented, accepted (it changes no
 output) or refused with a 400 naming the field (`refused`, server/openai/fields.py); docs/API.md
 lists every field and its status. Value checks that need no model (ranges, types) live here; those
-that need the engine or the server's limits, and checks across fields, in server/api/prompts.py and
-server/api/sampling.py. The router reads only `DisaggParams` of these and passes the rest on.
+that need the engine or the server's limits, and checks across fields, in server/api/builder.py. The
+router reads only `DisaggParams` of these and passes the rest on.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class SamplingRequest(Lenient):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)  # the server's maximum: server.api.prompts
+    n: int = Field(default=1, ge=1)  # the server's maximum: server.api.builder
     seed: int | None = None
     stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -147,6 +147,15 @@ class SamplingRequest(Lenient):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def constrained(self) -> bool:
+        """The request names a structured-output constraint: building it compiles a grammar, which the
+        server runs off the event loop (a new schema takes milliseconds; the first one of a large
+        vocabulary, seconds)."""
+        fmt = self.response_format
+        return (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or any(
+            getattr(self, f"guided_{key}") is not None for key in ("json", "regex", "choice", "grammar"))
+
 
 class CompletionRequest(SamplingRequest):
     # A string or token ids, or a list of several of those (one engine request each).
@@ -155,7 +164,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt's logprobs)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1)  # must equal n: server.api.sampling
+    best_of: int | None = Field(default=None, ge=1)  # must equal n: server.api.builder
     suffix: refused("") = None
     add_special_tokens: refused(True) = None
 
@@ -195,6 +204,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: refused() = None
     documents: refused() = None
     mm_processor_kwargs: refused() = None
+
+    @property
+    def constrained(self) -> bool:
+        """Also when the tools may force calls (`tool_choice` required or a named function)."""
+        return super().constrained or bool(self.tools and self.tool_choice not in (None, "none", "auto"))
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -2,7 +2,8 @@
 
 Shapes are the `openai` package's (`Completion`, `CompletionChoice.Logprobs`, `ChatCompletion`,
 `ChatCompletionChunk`, `ChatCompletionTokenLogprob`, `ChatCompletionMessageFunctionToolCall`,
-`ChoiceDeltaToolCall`); tests/unit/test_api_openai_shapes.py parses ours back with them.
+`ChoiceDeltaToolCall`); tests/unit/test_api_logprobs.py, test_api_tools.py and test_api_choices.py
+parse ours back with them.
 """
 
 from __future__ import annotations

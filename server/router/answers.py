@@ -14,7 +14,6 @@ two parts join without a gap or a repeat."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from pydantic import TypeAdapter
 
@@ -113,8 +112,3 @@ def _chat_chunk(ctx: dict, response_id: str, choice: ChatChunkChoice) -> str:
 def _envelope(ctx: dict, chat: bool, response_id: str, choices: list, usage: dict | None) -> dict:
     return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": ctx.get("created"), "model": ctx.get("model") or "", "choices": choices, "usage": usage}
-
-
-def generation_params(ctx: dict, first_text_streamed: bool) -> DisaggParams:
-    """The generation leg's parameters: the context answer's, as a generation_only request."""
-    return replace(context_params(ctx), request_type="generation_only", first_text_streamed=first_text_streamed)

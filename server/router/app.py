@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
@@ -20,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.auth import token_headers
-from server.config.router import RoutingConfig
+from server.config.router import RouterConfig
 from server.dashboard import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response
@@ -43,24 +44,9 @@ _BOOL = TypeAdapter(bool)
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    context_urls: tuple[str, ...]
-    generation_urls: tuple[str, ...]
-    policy: str = "round_robin"
-    model: str | None = None  # to tokenise prompts for the kv policies and conditional disaggregation
-    request_timeout_s: float = 600.0
-    health_interval_s: float = 1.0
-    auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
-    access: RouterAccess = RouterAccess()  # clients' API keys and tenant salts (server/router/auth.py)
-    drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
-    migration_limit: int = 1  # moves of one streamed request to another generation server (migration.py)
-    routing: RoutingConfig = RoutingConfig()  # scores, queue, conditional disaggregation (docs/ROUTING.md)
-
-
 @dataclass
 class RouterState:
-    settings: RouterSettings
+    settings: RouterConfig
     client: HttpClient
     context: list[Backend]
     generation: list[Backend]
@@ -90,6 +76,10 @@ class RouterState:
                                   "after theirs died", registry=self.registry)
         self.legs.on_migration = self.migrations.inc
 
+    @cached_property
+    def access(self) -> RouterAccess:
+        return self.settings.access()
+
     def flow(self, path: str, body: dict, chat: bool) -> RequestFlow:
         """A request's flow; it has no context leg when one server serves it alone."""
         prompt = Prompt(lambda: self.prompt_tokens(body, chat), body.get("cache_salt"), _max_tokens(body))
@@ -109,14 +99,14 @@ class RouterState:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else None
 
 
-def _build_state(settings: RouterSettings) -> RouterState:
+def _build_state(settings: RouterConfig) -> RouterState:
     client = HttpClient()
     role = "context" if settings.context_urls else "aggregated"
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     registry = CollectorRegistry()
     headers = token_headers(settings.auth_token)
-    routing = Routing(settings.policy, settings.routing, context, generation, registry)
+    routing = Routing(settings, context, generation, registry)
     routing.follow_events(client, settings.auth_token, headers, registry)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
@@ -140,7 +130,8 @@ def _http(url: str) -> str:
     return url if url.startswith("http") else f"http://{url}"
 
 
-def create_router_app(settings: RouterSettings) -> Starlette:
+def create_router_app(settings: RouterConfig) -> Starlette:
+    """The router of `settings` (`DeploymentConfig.router_config()` for a deployment)."""
     @asynccontextmanager
     async def lifespan(app: Starlette):
         state = _build_state(settings)
@@ -155,7 +146,7 @@ def create_router_app(settings: RouterSettings) -> Starlette:
 
     drain = Drain(settings.drain_timeout_s)
     app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(ApiKeyMiddleware, access=settings.access),
+                    middleware=[Middleware(ApiKeyMiddleware, access=settings.access()),
                                 Middleware(DrainGate, drain=drain)], routes=[
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/v1/chat/completions", _chat, methods=["POST"]),
@@ -199,7 +190,7 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
         body["stream"] = _BOOL.validate_python(body.get("stream", False))
     except ValidationError:
         return error_response(400, f"stream must be a boolean, got {body.get('stream')!r}")
-    problem = set_cache_salt(body, state.settings.access, state.settings.auth_token,
+    problem = set_cache_salt(body, state.access, state.settings.auth_token,
                              getattr(request.state, "api_key", None))
     if problem is not None:
         return error_response(400, problem)

@@ -13,11 +13,14 @@ class LegError(Exception):
         self.untouched = untouched  # the server never took the request (unreachable, draining): try another
         self.lost = False  # the connection broke after the server took the request (it died)
 
-    def of_leg(self, leg: str) -> LegError:
-        """The same failure, its message naming the leg (a server's own 4xx body is kept as it is)."""
+        self.server: str | None = None  # the server of the leg that failed, where one was booked
+
+    def of_leg(self, leg: str, server: str) -> LegError:
+        """The same failure, its message naming the leg and the server (a server's own 4xx body is kept
+        as it is)."""
         message = str(self)
         if not message.startswith(f"{leg} leg failed"):
             message = f"{leg} leg failed: {message}"
         error = LegError(self.status, message, self.body if self.status < 500 else None, untouched=self.untouched)
-        error.lost = self.lost
+        error.lost, error.server = self.lost, server
         return error

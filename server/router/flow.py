@@ -43,7 +43,6 @@ from server.router.answers import (
     context_finished,
     context_params,
     final_answer,
-    generation_params,
     opening_events,
 )
 from server.router.backends import Backend
@@ -123,6 +122,7 @@ class RequestFlow:
         self._early: EarlyContext | None = None
         self._migration: Migration | None = None
         self._closed = False
+        self.servers: dict[str, str] = {}  # the server of each leg that answered: "context", "generation"
 
     async def respond(self, receive: Receive) -> Response:
         """The client's response; `ClientGone` if the client left before it was ready. A stream's
@@ -170,18 +170,21 @@ class RequestFlow:
         kv_stream = self.ask.body.get("logprobs") in (None, False) and not self.ask.body.get("echo")
         answer = await self.legs.context_leg(self.ask.path, self.ask.body, self.ask.prompt, kv_stream=kv_stream,
                                              booked=lambda: self.phases.stamp("booked"))
+        self.servers["context"] = answer.backend.url
         if isinstance(answer, Upstream):
             return answer.backend, answer.json
         self._early = answer
         self._start(answer.backend, self._handoff(answer.params))
         return answer.backend, await answer.rest()
 
-    def _handoff(self, params: DisaggParams) -> DisaggParams:
-        """The generation leg's parameters from the context leg's. A stream's first token is sent by
-        the router; a stream that may move reports its tokens."""
+    def _handoff(self, params: DisaggParams, moved: bool = False) -> DisaggParams:
+        """The generation leg's parameters (built here only) from the context leg's. A stream's first
+        token is sent by the router; a stream that may move reports its tokens; a moved stream goes on
+        under the client's id (`Migration.continued`)."""
         opens = self.ask.stream and self.ask.plain
-        return replace(params, request_type="generation_only", first_text_streamed=opens,
-                       report_tokens=opens and self.legs.migration_limit > 0)
+        params = replace(params, request_type="generation_only", first_text_streamed=opens,
+                         report_tokens=opens and self.legs.migration_limit > 0)
+        return self._migration.continued(params) if moved else params
 
     def _start(self, backend: Backend | None, params: DisaggParams | None, prompt: PromptTokens | None = None) -> None:
         self._lease = (backend, params) if backend is not None and params is not None else None
@@ -189,8 +192,13 @@ class RequestFlow:
         self._generation = asyncio.ensure_future(self.legs.generation_leg(
             self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead,
             booked=lambda: self.phases.stamp("booked")))
-        self._generation.add_done_callback(lambda leg: leg.cancelled() or leg.exception()
-                                           or leg.result().stream is None or self.phases.stamp("opened"))
+        self._generation.add_done_callback(self._opened)
+
+    def _opened(self, leg: asyncio.Future[Upstream]) -> None:
+        if not leg.cancelled() and leg.exception() is None:
+            self.servers["generation"] = leg.result().backend.url
+            if leg.result().stream is not None:
+                self.phases.stamp("opened")
 
     async def _generation_answer(self, ctx: dict | None) -> Response:
         if self._generation is None:
@@ -277,7 +285,7 @@ class RequestFlow:
                 yield event
             return
         events = opening_events(ctx.json, self.ask.chat, migration.response_id, continued=True)
-        params = migration.generation_params(generation_params(ctx.json, first_text_streamed=True))
+        params = self._handoff(context_params(ctx.json), moved=True)
         self._start(ctx.backend, params, _fixed(params.prompt_token_ids))
         for event in events:
             yield event

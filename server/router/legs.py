@@ -84,23 +84,14 @@ class Legs:
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
-        tried: set[Backend] = set()
-        last: LegError | None = None
-        for _ in range(2):  # the first choice and one retry elsewhere
-            booking = await self.context_policy.pick(self.context, prompt, tried)  # may queue (queue.py)
-            if booking is None:
-                break
-            booked()
-            tried.add(booking.backend)
-            try:
-                return await self._context_once(booking, path, ctx_body, kv_stream)
-            except LegError as exc:
-                if exc.status < 500:
-                    raise
-                last = exc
-        if last is not None:
+        last = await self._twice(self.context_policy, self.context, prompt, set(), booked,
+                                 lambda booking: self._context_once(booking, path, ctx_body, kv_stream),
+                                 lambda exc: exc.status >= 500)  # once more elsewhere if it failed
+        if isinstance(last, LegError):
             raise LegError(last.status, f"context leg failed: {last}")
-        raise LegError(503, "context leg failed: no healthy context server")
+        if last is None:
+            raise LegError(503, "context leg failed: no healthy context server")
+        return last
 
     async def _context_once(self, booking: Booking, path: str, body: dict, kv_stream: bool) -> Upstream | EarlyContext:
         """One try; its booking ends with the answer (an early one: when the leg ends, `EarlyContext.close`)."""
@@ -120,31 +111,40 @@ class Legs:
         return Upstream(backend, json=answer)
 
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
-                             exclude: frozenset[Backend] = frozenset(), backend: Backend | None = None,
+                             exclude: frozenset[Backend] = frozenset(),
                              booked: Callable[[], None] = lambda: None) -> Upstream:
-        """`params`: None for an aggregated server. `backend`: this one rather than the policy's pick
-        (the readiness probe); else the policy's pick, and another if the first never took the request."""
+        """`params`: None for an aggregated server. The policy's pick, and another if the first never
+        took the request."""
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
-        picker = self.generation_policy
-        if backend is not None:
-            return await self._generation_once(picker.book(backend, prompt), path, gen_body)
-        tried: set[Backend] = set(exclude)
+        last = await self._twice(self.generation_policy, self.generation, prompt, set(exclude), booked,
+                                 lambda booking: self._generation_once(booking, path, gen_body),
+                                 lambda exc: exc.untouched)  # another if the first never took the request
+        if isinstance(last, LegError):
+            raise last
+        if last is None:
+            raise LegError(503, NO_GENERATION)
+        return last
+
+    async def _twice(self, picker: LegPicker, backends: list[Backend], prompt: PromptTokens, tried: set[Backend],
+                     booked: Callable[[], None], once: Callable[[Booking], Awaitable],
+                     again: Callable[[LegError], bool]):
+        """The answer of the policy's pick (a wait in the router queue, queue.py, included), or of a
+        second pick when the first failed so that `again` says to try elsewhere; else that failure,
+        or None when no server was there to pick."""
         last: LegError | None = None
-        for _ in range(2):  # the first choice, and another if the first never took the request
-            booking = await picker.pick(self.generation, prompt, tried)  # may queue (queue.py)
+        for _ in range(2):
+            booking = await picker.pick(backends, prompt, tried)
             if booking is None:
                 break
             booked()
             tried.add(booking.backend)
             try:
-                return await self._generation_once(booking, path, gen_body)
+                return await once(booking)
             except LegError as exc:
-                if not exc.untouched:
+                if not again(exc):
                     raise
                 last = exc
-        if last is not None:
-            raise last
-        raise LegError(503, NO_GENERATION)
+        return last
 
     async def _generation_once(self, booking: Booking, path: str, body: dict) -> Upstream:
         """One try on the booked server; the booking ends with the leg (a stream: when it is closed)."""
@@ -163,7 +163,7 @@ class Legs:
             return upstream
         except LegError as exc:
             booking.done()
-            raise exc.of_leg("generation") from exc
+            raise exc.of_leg("generation", backend.url) from exc
         except BaseException:
             booking.done()
             raise

@@ -1,6 +1,6 @@
 """GET /health_generate on the router: a readiness probe that runs one real request through the
-deployment — context leg (prefill, first token), KV transfer, generation leg (one more token) —
-and names the leg that failed.
+deployment as a `RequestFlow` (server/router/flow.py) — context leg (prefill, first token), KV
+transfer, generation leg (one more token) — and names the leg that failed.
 
 The probe is an ordinary two-token completion under a fresh `cache_salt`, so neither server reuses
 a cached block (the transfer really moves KV) and none is left for any tenant. A failed generation
@@ -19,8 +19,8 @@ import time
 from starlette.requests import Request
 
 from server.openai.wire import JSONBody
-from server.router.answers import context_finished, generation_params
 from server.router.errors import LegError
+from server.router.flow import Ask, RequestFlow
 from server.router.http_client import HttpError
 from server.router.legs import Legs
 from server.router.policies import Prompt
@@ -42,65 +42,52 @@ def probe_body() -> dict:
 
 
 async def health_generate(request: Request) -> JSONBody:
-    state = request.app.state.router
+    legs = request.app.state.router.legs
     start = time.monotonic()
-    where = {"leg": "context" if state.legs.disaggregated else "generation", "server": None}
+    flow = RequestFlow(legs, Ask(PATH, probe_body(), chat=False, prompt=Prompt(lambda: None)),
+                       local=not legs.disaggregated)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
-            used = await _run(state.legs, where)
+            used = await _run(legs, flow)
     except ProbeFailed as exc:
         return _failed(exc.leg, exc.error, exc.server, start)
     except TimeoutError:
-        return _failed(where["leg"], f"no answer within {PROBE_TIMEOUT_S:.0f} s", where["server"], start)
+        leg = _leg(flow)
+        return _failed(leg, f"no answer within {PROBE_TIMEOUT_S:.0f} s", flow.servers.get("context"), start)
+    finally:
+        await asyncio.shield(flow.close())  # a lease no generation leg opened on is released
     return JSONBody({"status": "ok", **used, "seconds": round(time.monotonic() - start, 4)})
 
 
 def _failed(leg: str, error: str, server: str | None, start: float) -> JSONBody:
     return JSONBody({"status": "unavailable", "leg": leg, "server": server, "error": error,
-                         "seconds": round(time.monotonic() - start, 4)}, 503)
+                     "seconds": round(time.monotonic() - start, 4)}, 503)
 
 
-async def _run(orch: Legs, where: dict) -> dict:
-    body, prompt = probe_body(), Prompt(lambda: None)
-    if not orch.disaggregated:  # aggregated servers behind the router: one server does it all
-        upstream = await _generation(orch, body, prompt, None, where)
-        return {"generation": upstream.backend.url}
-    if not any(b.healthy for b in orch.generation):
+def _leg(flow: RequestFlow) -> str:
+    """The leg the flow is in: the generation leg (with the transfer) once the context leg answered."""
+    return "generation" if flow.local or "context" in flow.servers else "context"
+
+
+async def _run(legs: Legs, flow: RequestFlow) -> dict:
+    if not any(b.healthy for b in legs.generation):
         raise ProbeFailed("generation", "no healthy generation server")
     try:
-        ctx = await orch.context_leg(PATH, body, prompt)
+        await flow.answer()
     except LegError as exc:
-        raise ProbeFailed("context", str(exc)) from exc
-    where.update(leg="generation", server=ctx.backend.url)  # the generation leg includes the transfer
-    if context_finished(ctx.json):
-        raise ProbeFailed("context", "the context server ended the probe instead of handing it over",
-                          ctx.backend.url)
-    params = generation_params(ctx.json, first_text_streamed=False)
-    try:
-        upstream = await _generation(orch, body, prompt, params, where)
-    except BaseException:
-        await asyncio.shield(orch.release_context(ctx.backend, params))
-        raise
-    return {"context": ctx.backend.url, "generation": upstream.backend.url}
-
-
-async def _generation(orch: Legs, body: dict, prompt: Prompt, params: dict | None, where: dict):
-    backend = orch.generation_policy.choose(orch.generation, prompt, set())
-    if backend is None:
-        raise ProbeFailed("generation", "no healthy generation server")
-    where["server"] = backend.url
-    try:
-        return await orch.generation_leg(PATH, body, prompt, params, backend=backend)
-    except LegError as exc:
-        leg = "generation"
-        if params is not None and await _runs_alone(orch, backend.url):
+        leg = _leg(flow)
+        if leg == "generation" and not flow.local and exc.server and await _runs_alone(legs, exc.server):
             leg = "transfer"  # that server generates by itself: the pair failed between the two
-        raise ProbeFailed(leg, str(exc), backend.url) from exc
+        raise ProbeFailed(leg, str(exc), exc.server) from exc
+    if "generation" not in flow.servers:
+        raise ProbeFailed("context", "the context server ended the probe instead of handing it over",
+                          flow.servers.get("context"))
+    return flow.servers
 
 
-async def _runs_alone(orch: Legs, url: str) -> bool:
+async def _runs_alone(legs: Legs, url: str) -> bool:
     try:
-        response = await orch.client.request("GET", f"{url}/health_generate", headers=orch.headers,
+        response = await legs.client.request("GET", f"{url}/health_generate", headers=legs.headers,
                                              timeout=PROBE_SERVER_TIMEOUT_S)
     except HttpError:
         return False

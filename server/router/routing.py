@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
-from server.config.router import Conditional, RoutingConfig
+from server.config.router import Conditional, RouterConfig
 from server.router.backends import Backend
 from server.router.http_client import HttpClient
 from server.router.kv_sync import KvEventSync
@@ -19,14 +19,15 @@ from server.router.queue import LegPicker, QueueMetrics
 
 
 class Routing:
-    def __init__(self, policy: str, config: RoutingConfig, context: Sequence[Backend],
+    def __init__(self, config: RouterConfig, context: Sequence[Backend],
                  generation: Sequence[Backend], registry: CollectorRegistry) -> None:
-        self.policy, self.config = policy, config
+        self.policy, self.config = config.type, config
         self.context, self.generation = list(context), list(generation)
         metrics = QueueMetrics(registry)
+        weights = config.weights
         # generation servers: kv_cache_aware scores them too (their own hit saves a pull)
-        self.context_picker = LegPicker("context", make_policy(policy, config.weights), config.queue, metrics)
-        self.generation_picker = LegPicker("generation", make_policy(policy, config.weights), config.queue,
+        self.context_picker = LegPicker("context", make_policy(self.policy, weights), config.queue, metrics)
+        self.generation_picker = LegPicker("generation", make_policy(self.policy, weights), config.queue,
                                            metrics, decodes=True)
         self.conditional: Conditional = config.conditional if self.context else Conditional()
         self.sync: KvEventSync | None = None

@@ -1,5 +1,5 @@
 """The engine's metrics, the same whichever host runs it (a thread of the HTTP process or the
-engine process, server/engineproc/loop.py), shown by the HTTP process's `ServerMetrics`.
+engine process, server/engine_host/loop.py), shown by the HTTP process's `ServerMetrics`.
 
 On the engine's side nothing touches the Prometheus registry: the `EngineCore` and the transceiver
 feed a `MetricsRecorder`, which keeps what they observe until the loop's next message takes it

@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PROMPTS = ["The quick brown fox", "Topic: rivers. " + "filler words " * 40 + "Now answer briefly:", "abc " * 200]
-CHILD = "server.engineproc.main"
+CHILD = "server.engine_host.main"
 
 
 def _texts(url: str) -> list[str]:

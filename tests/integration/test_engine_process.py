@@ -28,7 +28,7 @@ from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"
 GREEDY = dh.GREEDY
-CHILD = "server.engineproc.main"
+CHILD = "server.engine_host.main"
 
 
 def engine_server(tmp: Path, **settings) -> AbstractContextManager[tuple[str, subprocess.Popen]]:
@@ -79,7 +79,7 @@ def test_completions_and_chat_equal_transformers_streamed_or_not(client):
     messages = [{"role": "user", "content": "Name a colour."}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected_chat = tokenizer.decode(_hf(tokenizer.encode(text, add_special_tokens=False), 10),
-                                     skip_special_tokens=True)  # the server renders chat so (api/prompts.py)
+                                     skip_special_tokens=True)  # the server renders chat so (api/builder.py)
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY)
     streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True, **GREEDY)
     assert chat.choices[0].message.content == expected_chat

@@ -39,7 +39,7 @@ def feeds_live(url: str) -> bool:
 def test_both_servers_run_their_engine_in_a_child_process(deployment):
     dep, _ = deployment
     for name in ("context-0", "generation-0"):
-        assert engine_child(pid_of(dep, name)).cmdline()[-2:] == ["-m", "server.engineproc.main"]
+        assert engine_child(pid_of(dep, name)).cmdline()[-2:] == ["-m", "server.engine_host.main"]
 
 
 def test_the_pair_is_token_exact_through_the_router(deployment):

@@ -13,7 +13,8 @@ from prometheus_client import generate_latest
 
 from pdserve_bench.load_figures import parse_metrics, phase_figures, series_key
 from pdserve_bench.load_report import phase_table
-from server.router.app import RouterSettings, _build_state
+from server.config.router import RouterConfig
+from server.router.app import _build_state
 from server.telemetry.metrics import ServerMetrics
 
 
@@ -21,7 +22,7 @@ class Deployment:
     """The registries a pair's scrape reads: its router, its context server and its generation server."""
 
     def __init__(self) -> None:
-        self.router = _build_state(RouterSettings(("127.0.0.1:1",), ("127.0.0.1:2",)))
+        self.router = _build_state(RouterConfig(context_urls=("127.0.0.1:1",), generation_urls=("127.0.0.1:2",)))
         self.context, self.generation = ServerMetrics(), ServerMetrics()
 
     def scrape(self) -> dict[str, dict[str, float]]:

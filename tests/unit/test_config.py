@@ -40,7 +40,7 @@ def disagg(**extra) -> dict:
 
 def test_disagg_defaults_and_roles(tmp_path):
     cfg = load_deployment(write(tmp_path, disagg()))
-    assert (cfg.host, cfg.port, cfg.router_type, cfg.has_router) == ("127.0.0.1", 8000, "round_robin", True)
+    assert (cfg.host, cfg.port, cfg.router.type, cfg.has_router) == ("127.0.0.1", 8000, "round_robin", True)
     assert cfg.url == "http://127.0.0.1:8000"
     assert cfg.disaggregated and cfg.model == "builtin:tiny-llama"
     assert [(s.role, s.host, s.port) for s in cfg.servers] == [
@@ -180,7 +180,7 @@ def test_every_shipped_config_loads(path):
 def test_shipped_config_shapes():
     assert [s.role for s in load_deployment(CONFIGS / "disagg.yaml").servers] == ["context", "generation"]
     two = load_deployment(CONFIGS / "disagg_2x2.yaml")
-    assert two.router_type == "kv_cache_aware"
+    assert two.router.type == "kv_cache_aware"
     assert [s.port for s in two.context_servers] == [8001, 8002]
     assert [s.port for s in two.generation_servers] == [8003, 8004]
     assert load_deployment(CONFIGS / "disagg_vswa.yaml").model == "builtin:tiny-qwen3-swa"
@@ -212,7 +212,7 @@ def test_max_prefill_batch_tokens_unset_inherits_and_survives_the_child_yaml(tmp
 
 
 def test_scheduler_limits_default_the_prefill_batch_by_device():
-    from server.deploy.serve import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
+    from server.engine_host.build import CPU_PREFILL_BATCH_TOKENS, scheduler_limits
 
     cfg = server_config_from_dict({"model": "builtin:tiny-llama", "max_num_tokens": 1024})
     cpu, cuda = scheduler_limits(cfg, torch.device("cpu")), scheduler_limits(cfg, torch.device("cuda"))
@@ -223,7 +223,7 @@ def test_scheduler_limits_default_the_prefill_batch_by_device():
 
 
 def test_async_scheduling_is_auto_true_or_false_and_auto_means_cuda(tmp_path):
-    from server.deploy.serve import use_async_scheduling
+    from server.engine_host.build import use_async_scheduling
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = server_config_from_dict({"model": "builtin:tiny-llama"})
@@ -258,7 +258,7 @@ def test_a_null_section_takes_its_defaults_and_a_null_override_keeps_the_top_lev
     data["generation_servers"]["cache_transceiver_config"] = None
     cfg = load_deployment(write(tmp_path, data))
     assert [s.kv_cache_config.tokens_per_block for s in cfg.servers] == [16, 16]
-    assert cfg.router_type == "round_robin" and cfg.restart.max_quick_deaths == 5
+    assert cfg.router.type == "round_robin" and cfg.restart.max_quick_deaths == 5
     path = write(tmp_path, {"model": "m", "kv_cache_config": None}, "server.yaml")
     assert load_server_config(path).kv_cache_config == KvCacheConfig()
 

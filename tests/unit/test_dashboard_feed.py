@@ -9,10 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvcache.stats import KVCacheStats
+from server.config.router import RouterConfig
 from server.dashboard.samples import parse_metrics
 from server.dashboard.views import deployment_view, pool_view, server_view
 from server.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
-from server.router.app import RouterSettings, _build_state
+from server.router.app import _build_state
 from server.router.backends import Backend
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from transceiver.stats import TransferStats
@@ -184,7 +185,7 @@ def test_server_and_deployment_views():
 
 def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers():
     """Two context servers' histograms merge; the router's phases are its labelled series apart."""
-    state = _build_state(RouterSettings(("127.0.0.1:1",), ("127.0.0.1:2",)))
+    state = _build_state(RouterConfig(context_urls=("127.0.0.1:1",), generation_urls=("127.0.0.1:2",)))
     state.observe_phase("first_event", 9.0)  # by the window's first sample: not counted
     router = Window()
     router.add(parse_metrics(generate_latest(state.registry).decode(), 0.0))

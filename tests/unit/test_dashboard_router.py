@@ -10,7 +10,8 @@ import re
 from starlette.testclient import TestClient
 from waiting import wait_until_async
 
-from server.router.app import RouterSettings, create_router_app
+from server.config.router import RouterConfig
+from server.router.app import create_router_app
 from server.router.backends import Backend, HealthMonitor
 from server.router.http_client import HttpClient, Response
 
@@ -75,7 +76,7 @@ def dead_port() -> int:
 
 def test_router_serves_the_page_its_assets_and_the_feed():
     ctx, gen = f"127.0.0.1:{dead_port()}", f"127.0.0.1:{dead_port()}"
-    app = create_router_app(RouterSettings(context_urls=(ctx,), generation_urls=(gen,), health_interval_s=0.05))
+    app = create_router_app(RouterConfig(context_urls=(ctx,), generation_urls=(gen,), health_interval_s=0.05))
     with TestClient(app) as client:
         page = client.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

@@ -16,9 +16,9 @@ from waiting import wait_until
 
 from server.api.app import create_app
 from server.api.routes.health import EPOCH
-from server.engine.engine_thread import AsyncEngine
 from server.engine.health import HealthCheck, find_problems
 from server.engine.kv_connector import ContextConnector
+from server.engine_host.thread import AsyncEngine
 from server.types import DisaggParams
 from transceiver.config import TransceiverConfig
 from transceiver.sender import KVSender

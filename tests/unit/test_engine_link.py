@@ -1,4 +1,4 @@
-"""The engine link (server/engineproc/wire.py, link.py): every message type round-trips through the
+"""The engine link (server/engine_host/wire.py, link.py): every message type round-trips through the
 codec unchanged; a message that is foreign (another secret), unsigned, tampered with, sealed for
 the other direction or not a message of its direction is refused, also on the real ipc sockets,
 which live in a directory only this user can enter."""
@@ -17,16 +17,18 @@ import zmq
 from waiting import wait_until
 
 from kvcache.stats import KVCacheStats
-from server.engine.commands import Abort, Add, Release
-from server.engineproc.link import FROM_ENGINE, EngineEnd, HttpEnd, address, private_dir
-from server.engineproc.wire import (
+from server.engine_host.link import FROM_ENGINE, EngineEnd, HttpEnd, address, private_dir
+from server.engine_host.wire import (
     KEY_BYTES,
     TO_ENGINE,
+    Abort,
+    Add,
     EngineInfo,
     EngineState,
     LoadFailed,
     Probe,
     Ready,
+    Release,
     Shutdown,
     Snapshot,
     SnapshotReply,

@@ -1,4 +1,4 @@
-"""A request's stream of outputs (server/engine/streams.py): folding keeps each choice's outputs
+"""A request's stream of outputs (server/engine_host/streams.py): folding keeps each choice's outputs
 apart, and the stream ends only once every choice has had its final output; with the real engine
 thread (`AsyncEngine.generate`) too."""
 
@@ -12,8 +12,8 @@ import hf_reference
 import pytest
 from waiting import wait_until_async
 
-from server.engine.engine_thread import AsyncEngine
-from server.engine.streams import ChoiceStream, merged
+from server.engine_host.streams import ChoiceStream, merged
+from server.engine_host.thread import AsyncEngine
 from server.models.builtin import resolve_model
 from server.types import GenerateRequest, RequestOutput, TokenLogprob
 

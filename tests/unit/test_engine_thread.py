@@ -11,7 +11,7 @@ import engine_harness as eh
 import hf_reference
 from waiting import wait_until_async
 
-from server.engine.engine_thread import AsyncEngine
+from server.engine_host.thread import AsyncEngine
 from server.models.builtin import resolve_model
 from server.telemetry.metrics import ServerMetrics
 from server.types import GenerateRequest

@@ -82,10 +82,10 @@ def test_a_pair_whose_weights_differ_is_refused_at_the_handshake() -> None:
 
 
 def test_a_server_built_with_quantization_fp8(references) -> None:
-    """`pdserve serve`'s own build (server/deploy/serve.py): FP8 linears, the FP8 fingerprint as the
+    """`pdserve serve`'s own build (server/engine_host/build.py): FP8 linears, the FP8 fingerprint as the
     prefix-cache namespace, transformers' tokens of the weights they stand for."""
     from server.config.schema import server_config_from_dict
-    from server.deploy.serve import build_core
+    from server.engine_host.build import build_core
     from server.models.fp8.weight import Fp8Weight
 
     model = "builtin:tiny-llama"

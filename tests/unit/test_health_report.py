@@ -17,7 +17,7 @@ from waiting import wait_until
 from kvcache import KVCacheManager
 from server.deploy.drain import Drain
 from server.deploy.serve import install_health
-from server.engine.status import links_of
+from server.engine_host.loop import links_of
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("server", "kvcache", "transceiver")
-SERVER_ROOT_MODULES = {"__init__.py", "auth.py", "cli.py", "types.py"}
+SERVER_ROOT_MODULES = {"__init__.py", "auth.py", "cli.py", "exit.py", "types.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -87,3 +87,16 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_server_root_is_grouped_by_role() -> None:
     loose = {p.name for p in (ROOT / "server").glob("*.py")} - SERVER_ROOT_MODULES
     assert loose == set()
+
+
+def _package_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_engine_engine_host_and_deploy_import_one_way() -> None:
+    """deploy -> engine_host -> engine: the engine knows no host, the host no deployment."""
+    order = ["server.deploy", "server.engine_host", "server.engine"]
+    backwards = sorted((a, b) for a, deps in _graph().items() for b in deps
+                       if _package_of(a) in order and _package_of(b) in order
+                       and order.index(_package_of(b)) < order.index(_package_of(a)))
+    assert backwards == []

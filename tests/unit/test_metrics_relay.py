@@ -9,7 +9,7 @@ import secrets
 import threading
 
 from kvcache.stats import KVCacheStats
-from server.engineproc.wire import EngineState, StepOut, link_codec
+from server.engine_host.wire import EngineState, StepOut, link_codec
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
 from server.telemetry.relay import EngineFigures, MetricsRecorder, RelayedMetrics, TransferFigures
 from transceiver.stats import TransferStats

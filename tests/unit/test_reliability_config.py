@@ -20,7 +20,7 @@ def deployment(tmp_path, **extra):
 def test_defaults(tmp_path):
     cfg = load_deployment(deployment(tmp_path))
     assert cfg.restart == RestartPolicy(max_quick_deaths=5, backoff_s=1.0, quick_s=60.0)
-    assert cfg.migration_limit == 1 and cfg.drain_timeout_s == 30.0
+    assert cfg.router.migration_limit == 1 and cfg.drain_timeout_s == 30.0
     assert all(s.drain_timeout_s == 30.0 for s in cfg.servers)
 
 
@@ -30,7 +30,7 @@ def test_values_and_section_override(tmp_path):
         router={"type": "round_robin", "migration_limit": 3},
         generation_servers={"num_instances": 1, "urls": ["127.0.0.1:8002"], "drain_timeout_s": 90}))
     assert cfg.restart == RestartPolicy(0, 0.5, 10.0)
-    assert cfg.migration_limit == 3 and cfg.drain_timeout_s == 12.0
+    assert cfg.router.migration_limit == 3 and cfg.drain_timeout_s == 12.0
     assert [s.drain_timeout_s for s in cfg.servers] == [12.0, 90.0]
 
 

@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from waiting import wait_until
 
+from server.config.router import RouterConfig
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
-from server.router.app import RouterSettings, create_router_app
+from server.router.app import create_router_app
 from server.router.auth import API_KEYS_ENV, RouterAccess, effective_cache_salt, tenant_salt
 
 TOKEN = "router-auth-test-token-0123456789"
@@ -47,12 +48,12 @@ def test_keys_come_from_the_yaml_a_file_and_the_environment(tmp_path, monkeypatc
     monkeypatch.setenv(API_KEYS_ENV, "key-env-1, key-env-2,")
     cfg = load_deployment(_deployment(tmp_path, {"api_keys": ["key-yaml"], "api_keys_file": "keys.txt",
                                                  "tenant_salt_from_api_key": True}))
-    access = cfg.router_access
+    access = cfg.router.access()
     assert access.api_keys == ("key-yaml", "key-file-1", "key-file-2", "key-env-1", "key-env-2")
     assert access.open_paths == ("/health", "/metrics") and access.tenant_salt_from_api_key
     assert "key-yaml" not in repr(cfg)  # keys never reach logs through the config's repr
     monkeypatch.delenv(API_KEYS_ENV)
-    assert load_deployment(_deployment(tmp_path, {})).router_access == RouterAccess()  # open, as before
+    assert load_deployment(_deployment(tmp_path, {})).router.access() == RouterAccess()  # open, as before
 
 
 @pytest.mark.parametrize("router, message", [
@@ -98,8 +99,9 @@ def test_tenant_salts_are_the_hmac_of_the_key_and_no_client_salt_reaches_another
 
 
 def _router(access: RouterAccess, generation_url: str = "127.0.0.1:9") -> TestClient:
-    settings = RouterSettings(context_urls=(), generation_urls=(generation_url,), health_interval_s=60,
-                              auth_token=TOKEN, access=access)
+    settings = RouterConfig(generation_urls=(generation_url,), health_interval_s=60, auth_token=TOKEN,
+                            api_keys=access.api_keys or None, open_paths=access.open_paths,
+                            tenant_salt_from_api_key=access.tenant_salt_from_api_key)
     return TestClient(create_router_app(settings))
 
 

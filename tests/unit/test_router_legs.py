@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from waiting import uvicorn_in_thread
 
-from server.config.router import RoutingConfig
+from server.config.router import RouterConfig
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.http_client import HttpClient
@@ -49,7 +49,7 @@ def _closed_port() -> str:
 def _run(live_url: str, body: dict):
     async def run():
         dead, live = Backend(_closed_port(), "generation", healthy=True), Backend(live_url, "generation", healthy=True)
-        routing = Routing("round_robin", RoutingConfig(), [], [dead, live], CollectorRegistry())
+        routing = Routing(RouterConfig(), [], [dead, live], CollectorRegistry())
         client = HttpClient()
         legs = Legs(client, [], [dead, live], routing.context_picker, routing.generation_picker, 30.0)
         try:

@@ -11,8 +11,9 @@ import asyncio
 from prometheus_client import generate_latest
 from test_router_streaming import _ctx, _events
 
+from server.config.router import RouterConfig
 from server.openai.sse import DONE
-from server.router.app import RouterSettings, _build_state
+from server.router.app import _build_state
 from server.router.backends import Backend
 from server.router.flow import Ask, Phases, RequestFlow
 from server.router.http_client import StreamResponse
@@ -169,7 +170,7 @@ def test_a_generation_leg_open_before_the_context_answer_hands_off_in_no_time():
 
 
 def test_metrics_show_every_router_phase_before_any_request():
-    state = _build_state(RouterSettings(("127.0.0.1:1",), ("127.0.0.1:2",)))
+    state = _build_state(RouterConfig(context_urls=("127.0.0.1:1",), generation_urls=("127.0.0.1:2",)))
     text = generate_latest(state.registry).decode()
     for phase in ("queue", "context", "handoff", "first_event"):
         assert f'pdserve_router_phase_seconds_count{{phase="{phase}"}} 0.0' in text

@@ -20,9 +20,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from waiting import wait_until
 
-from server.config.router import RoutingConfig
-from server.router.app import RouterSettings, create_router_app
-from server.router.queue import QueueLimits
+from server.config.router import QueueLimits, RouterConfig
+from server.router.app import create_router_app
 
 TOKEN = "a-deployment-token-of-enough-length"
 WAIT_S = 20.0
@@ -80,8 +79,8 @@ def active(url: str) -> int:
 def test_saturated_servers_queue_requests_and_only_a_full_queue_or_a_timeout_is_a_503():
     limits = QueueLimits(max_inflight_per_server=1, max_waiting=1, timeout_s=3.0)
     with GatedServer() as backend:
-        settings = RouterSettings(context_urls=(), generation_urls=(backend.url,), health_interval_s=60,
-                                  auth_token=TOKEN, routing=RoutingConfig(queue=limits))
+        settings = RouterConfig(generation_urls=(backend.url,), health_interval_s=60, auth_token=TOKEN,
+                                queue=limits)
         with _Served(create_router_app(settings)) as router, ThreadPoolExecutor(4) as pool:
             url = f"http://{router.url}"
 
@@ -124,8 +123,8 @@ def test_saturated_servers_queue_requests_and_only_a_full_queue_or_a_timeout_is_
 def test_a_client_that_leaves_ends_its_legs_booking():
     limits = QueueLimits(max_inflight_per_server=1, max_waiting=4, timeout_s=30.0)
     with GatedServer() as backend:
-        settings = RouterSettings(context_urls=(), generation_urls=(backend.url,), health_interval_s=60,
-                                  auth_token=TOKEN, routing=RoutingConfig(queue=limits))
+        settings = RouterConfig(generation_urls=(backend.url,), health_interval_s=60, auth_token=TOKEN,
+                                queue=limits)
         with _Served(create_router_app(settings)) as router:
             url = f"http://{router.url}"
             for stream in (False, True):

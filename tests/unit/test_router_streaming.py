@@ -9,12 +9,13 @@ import json
 from server.openai.formatting import continued_response_id
 from server.openai.protocol import DisaggParams
 from server.openai.sse import DONE
-from server.router.answers import generation_params, opening_events
+from server.router.answers import context_params, opening_events
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.flow import Ask, ClientGone, RequestFlow
 from server.router.http_client import ReadError, StreamResponse
 from server.router.legs import Upstream
+from server.router.migration import Migration
 from server.router.policies import Prompt
 
 PARAMS = {"request_type": "context_only", "ctx_request_id": "cmpl-ctx1", "ctx_endpoint": "tcp://127.0.0.1:1",
@@ -52,9 +53,21 @@ def test_chat_opening_is_the_role_then_the_first_text():
     assert text["choices"][0]["delta"]["content"] == "Hi" and text["id"] == role["id"]
 
 
-def test_generation_params_carry_the_context_answer_and_the_streamed_flag():
-    params = generation_params(_ctx("x", chat=False), first_text_streamed=True)
-    assert params == DisaggParams(**{**PARAMS, "request_type": "generation_only", "first_text_streamed": True})
+def test_the_generation_legs_parameters_are_the_context_answers_as_generation_only():
+    ctx = context_params(_ctx("x", chat=False))
+    generation_only = {**PARAMS, "request_type": "generation_only"}
+    json_flow = RequestFlow(_Legs(None, []), Ask("/v1/completions", {}, False, Prompt(lambda: None)), local=False)
+    assert json_flow._handoff(ctx) == DisaggParams(**generation_only)
+    legs = _Legs(None, [])
+    legs.migration_limit = 1
+    stream = RequestFlow(legs, Ask("/v1/completions", {"stream": True}, False, Prompt(lambda: None)), local=False)
+    assert stream._handoff(ctx) == DisaggParams(**generation_only, first_text_streamed=True, report_tokens=True)
+    # the client has tokens 5, 6; the context leg sampled 7
+    stream._migration = Migration("cmpl-client", [1, 2], [5, 6], limit=1)
+    moved = stream._handoff(ctx, moved=True)
+    assert moved == DisaggParams(**generation_only, first_text_streamed=True, report_tokens=True,
+                                 response_id="cmpl-client", prior_output_tokens=2)
+    assert stream._migration.tokens == [5, 6, 7]
 
 
 class _Legs:
@@ -211,9 +224,10 @@ def test_a_client_gone_before_the_stream_started_still_releases_the_lease():
 def test_the_router_reads_stream_as_the_servers_do():
     from fastapi.testclient import TestClient
 
-    from server.router.app import RouterSettings, create_router_app
+    from server.config.router import RouterConfig
+    from server.router.app import create_router_app
 
-    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    settings = RouterConfig(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
     with TestClient(create_router_app(settings)) as client:
         bad = client.post("/v1/completions", json={"prompt": "x", "stream": "maybe"})
         assert bad.status_code == 400 and "stream must be a boolean" in bad.json()["error"]["message"]
@@ -225,9 +239,10 @@ def test_the_router_reads_stream_as_the_servers_do():
 def test_the_router_answers_bad_paths_methods_and_bodies_with_json_errors():
     from fastapi.testclient import TestClient
 
-    from server.router.app import RouterSettings, create_router_app
+    from server.config.router import RouterConfig
+    from server.router.app import create_router_app
 
-    settings = RouterSettings(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
+    settings = RouterConfig(context_urls=("127.0.0.1:9",), generation_urls=("127.0.0.1:9",), health_interval_s=60)
     with TestClient(create_router_app(settings)) as client:
         missing = client.post("/v1/nothing", json={})
         assert missing.status_code == 404 and "/v1/nothing" in missing.json()["error"]["message"]

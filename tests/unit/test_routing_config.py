@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.router import Conditional, RoutingConfig
+from server.config.router import Conditional, QueueLimits
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.policies import ScoreWeights
-from server.router.queue import QueueLimits
 
 
 @pytest.fixture(autouse=True)
@@ -28,15 +27,18 @@ def _load(tmp_path: Path, router: dict, disaggregated: bool = True):
 
 
 def test_defaults_and_every_key(tmp_path):
-    assert _load(tmp_path, {"type": "kv_cache_aware"}).routing == RoutingConfig(
+    router = _load(tmp_path, {"type": "kv_cache_aware"}).router
+    assert (router.weights, router.queue, router.conditional) == (
         ScoreWeights(1.0, 0.75, 1.0), QueueLimits(64, 1024, 60.0), Conditional(None, None))
     cfg = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"primary": 2, "secondary": 0.5},
                            "load_weight": 0.25, "queue": {"max_inflight_per_server": 0, "max_waiting": 8,
                                                           "timeout_s": 1.5},
                            "conditional": {"max_local_prefill_length": 128, "min_prefix_hit": 256}})
-    assert cfg.routing == RoutingConfig(ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
-    assert cfg.routing.conditional.enabled and not Conditional().enabled
-    disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).routing.weights
+    router = cfg.router
+    assert (router.weights, router.queue, router.conditional) == (
+        ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
+    assert router.conditional.enabled and not Conditional().enabled
+    disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).router.weights
     assert (disk.primary, disk.secondary, disk.disk, disk.load) == (1.0, 0.75, 0.1, 1.0)
 
 
@@ -52,6 +54,7 @@ def test_defaults_and_every_key(tmp_path):
     ({"conditional": {"max_local_prefill": 8}}, "router.conditional.max_local_prefill: unknown key (did you "
                                                 "mean 'max_local_prefill_length'?)"),
     ({"kv_weight": {}}, "router.kv_weight: unknown key (did you mean 'kv_weights'?)"),
+    ({"auth_token": "x"}, "router.auth_token: unknown key; valid keys: type, migration_limit, "),  # the deployment's
 ])
 def test_errors_name_the_file_and_the_key(tmp_path, router, expected):
     with pytest.raises(ConfigError) as info:

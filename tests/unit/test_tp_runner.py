@@ -2,7 +2,7 @@
 
 The engine sees a tensor-parallel server's `RankedRunner` where it would see a `ModelRunner`; an
 attribute the engine starts to use and the wrapper lacks would fail only on a TP server. So every
-`runner.NAME` that server/engine/ and server/engineproc/ read must be on `RankedRunner`, and `execute` must take what
+`runner.NAME` that server/engine/ and server/engine_host/ read must be on `RankedRunner`, and `execute` must take what
 `ModelRunner.execute` takes (the async pipeline's `PendingTokens` included).
 """
 
@@ -21,7 +21,7 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 def _runner_attributes() -> set[str]:
     """NAME of every `self.runner.NAME`, `core.runner.NAME` or `runner.NAME` in the engine's packages."""
     names = set()
-    for path in [*(SERVER / "engine").glob("*.py"), *(SERVER / "engineproc").glob("*.py")]:
+    for path in [*(SERVER / "engine").glob("*.py"), *(SERVER / "engine_host").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Attribute):
                 continue

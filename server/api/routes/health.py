@@ -17,8 +17,8 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from server.api.builder import new_request_id
 from server.api.deps import ReadyEngine
-from server.api.prompts import new_request_id
 from server.openai.wire import JSONBody
 from server.types import EngineClient, GenerateRequest, SamplingParams
 

@@ -24,7 +24,7 @@ def install_kv_routes(app: FastAPI) -> None:
             raise APIError(503, "the engine is not ready yet")
         try:
             return JSONBody(await request.app.state.kv_events.snapshot())
-        except (TimeoutError, ConnectionError):  # ConnectionError: its process is gone (server/engineproc/)
+        except (TimeoutError, ConnectionError):  # ConnectionError: its process is gone (server/engine_host/)
             raise APIError(503, "the engine did not answer the cache snapshot in time (still loading?)") from None
 
     @app.get("/kv_cache/events")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from server.api.builder import check_model
 from server.api.deps import Engine
-from server.api.prompts import check_model
 from server.openai.responses import ModelCard, ModelList
 from server.types import EngineClient
 

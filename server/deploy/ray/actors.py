@@ -26,7 +26,8 @@ from pathlib import Path
 
 from server.config.schema import RestartPolicy
 from server.deploy.launcher import pdserve_command
-from server.deploy.supervisor import Child, Running, Supervisor, exit_text, log_tail
+from server.deploy.supervisor import Child, Running, Supervisor, log_tail
+from server.exit import exit_text
 from transceiver.wire import NODE_ID_ENV
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front
-(server/engineproc/front.py, as `EngineProcess` is) over two queues.
+(server/engine_host/front.py, as `EngineProcess` is) over two queues.
 
-The engine thread runs the one engine loop (server/engineproc/loop.py) and owns the KV manager, the
+The engine thread runs the one engine loop (server/engine_host/loop.py) and owns the KV manager, the
 model and every tensor. Commands reach it through a queue; its messages reach the event loop in
 batches (`_Queues.send`), so HTTP stays responsive while the model runs.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
-from server.engineproc.front import EngineFront
-from server.engineproc.loop import Hook, run_engine
-from server.engineproc.wire import FromEngine, Shutdown, ToEngine
+from server.engine_host.front import EngineFront
+from server.engine_host.loop import Hook, run_engine
+from server.engine_host.wire import FromEngine, Shutdown, ToEngine
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
 

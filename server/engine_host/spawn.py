@@ -1,12 +1,12 @@
 """Starting and stopping a server's engine process (the HTTP process's side of its lifecycle).
 
-The child is `python -m server.engineproc.main`: a fresh interpreter (fork + exec, so a parent
+The child is `python -m server.engine_host.main`: a fresh interpreter (fork + exec, so a parent
 with CUDA initialised is never forked into a child that uses it), in the server's process group
 (the launcher's SIGKILL of the group ends both), with the server's stdout and stderr (one log).
 What it needs arrives on its stdin as one JSON `Launch` (the config carries the deployment token
 and the link's secret: never on argv). It ignores SIGINT and SIGTERM, so a signal to the whole
 group reaches the HTTP process's drain only; the HTTP process stops it with `Shutdown`, then
-SIGKILL after `timeout_s`. The kernel kills it if the HTTP process dies (server/engineproc/main.py).
+SIGKILL after `timeout_s`. The kernel kills it if the HTTP process dies (server/engine_host/main.py).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from server.config.schema import ServerConfig
 
 log = logging.getLogger(__name__)
 
-MODULE = "server.engineproc.main"
+MODULE = "server.engine_host.main"
 KILL_WAIT_S = 5.0
 
 
 class Launch(msgspec.Struct, frozen=True):
     config: ServerConfig
-    directory: str  # the private directory of the link's ipc sockets (server/engineproc/link.py)
-    secret: str  # hex: the link's HMAC secret (server/engineproc/wire.py)
+    directory: str  # the private directory of the link's ipc sockets (server/engine_host/link.py)
+    secret: str  # hex: the link's HMAC secret (server/engine_host/wire.py)
     epoch: str  # the server's epoch (/health): its KV events carry it
     parent_pid: int  # the HTTP process: the child exits when it is gone
 

@@ -1,4 +1,4 @@
-"""The two ends of the engine link's sockets (messages and sealing: server/engineproc/wire.py).
+"""The two ends of the engine link's sockets (messages and sealing: server/engine_host/wire.py).
 
 The HTTP process binds both pipes in a private directory (`mkdtemp`: mode 0700, so no other user
 can connect) before it starts the engine process, which connects to them. Each end's sockets are
@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from server.engineproc.wire import FROM_ENGINE, TO_ENGINE, link_codec
+from server.engine_host.wire import FROM_ENGINE, TO_ENGINE, link_codec
 from transceiver.link import shared_context
 from transceiver.signed import Rejected, SignedCodec
 

@@ -1,9 +1,10 @@
-"""How a pdserve process ends once everything it owns is closed."""
+"""How a pdserve process ends once everything it owns is closed, and how its end is told."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -17,3 +18,8 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_text(returncode: int) -> str:
+    """A child's end as words: `exit code N`, or the signal that killed it."""
+    return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"

@@ -1,7 +1,7 @@
-"""`python -m server.engineproc.main`: the engine process of one server (started by spawn.py).
+"""`python -m server.engine_host.main`: the engine process of one server (started by spawn.py).
 
-It runs the engine loop (server/engineproc/loop.py `run_engine`, as the engine thread does): the KV
-event publisher, the core (`server.deploy.serve.build_core`: weights, KV manager, runner, connector
+It runs the engine loop (server/engine_host/loop.py `run_engine`, as the engine thread does): the KV
+event publisher, the core (`server.engine_host.build.build_core`: weights, KV manager, runner, connector
 and transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is),
 `Ready` to the HTTP process, the loop until `Shutdown` or until the HTTP process is gone, then it
 closes what it owns. A load failure is logged, reported (`LoadFailed`) and ends the process with 1.
@@ -16,13 +16,13 @@ import signal
 import sys
 import time
 
-from server.deploy.exit import exit_now
-from server.engineproc.link import EngineEnd
-from server.engineproc.loop import run_engine
-from server.engineproc.spawn import Launch, read_launch
+from server.engine_host.link import EngineEnd
+from server.engine_host.loop import run_engine
+from server.engine_host.spawn import Launch, read_launch
+from server.exit import exit_now
 from server.telemetry.kv_events import KvEventSource
 
-log = logging.getLogger("server.engineproc")
+log = logging.getLogger("server.engine_host")
 
 _PR_SET_PDEATHSIG = 1
 FLUSH_S = 0.5  # the last message (LoadFailed) gets this long to leave before the process exits
@@ -57,7 +57,7 @@ class ParentWatch:
 
 def serve_engine(launch: Launch, end: EngineEnd) -> bool:
     """The engine's life in this process; False when it could not load."""
-    from server.deploy.serve import build_core, event_publisher  # heavy (torch, the model): after the link is up
+    from server.engine_host.build import build_core, event_publisher  # heavy (torch, the model): after the link is up
 
     cfg = launch.config
     kv_events = KvEventSource(event_publisher(cfg, launch.epoch), launch.epoch)  # the server's epoch

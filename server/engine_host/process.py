@@ -1,6 +1,6 @@
 """The HTTP process's engine when the engine runs in its own process (`engine_process`).
 
-`EngineProcess` is the engine's front (server/engineproc/front.py, as `AsyncEngine` is) over the
+`EngineProcess` is the engine's front (server/engine_host/front.py, as `AsyncEngine` is) over the
 ipc link: it starts the child, sends commands, and one reader task on the event loop hands the
 child's messages to the front. The tokenizer is loaded here too, from the model directory the
 child's `Ready` names.
@@ -19,11 +19,11 @@ import secrets
 from collections.abc import Callable
 
 from server.config.schema import ServerConfig
-from server.deploy.supervisor import exit_text
-from server.engineproc.front import EngineFront
-from server.engineproc.link import HttpEnd, private_dir
-from server.engineproc.spawn import Launch, start_engine_process, stop_engine_process
-from server.engineproc.wire import KEY_BYTES, EngineInfo, Shutdown
+from server.engine_host.front import EngineFront
+from server.engine_host.link import HttpEnd, private_dir
+from server.engine_host.spawn import Launch, start_engine_process, stop_engine_process
+from server.engine_host.wire import KEY_BYTES, EngineInfo, Shutdown
+from server.exit import exit_text
 from server.telemetry.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

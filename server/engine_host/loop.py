@@ -1,12 +1,14 @@
 """The engine loop, one for both hosts: a thread of the HTTP process (`AsyncEngine`,
-server/engine/engine_thread.py) or the engine process (server/engineproc/main.py).
+server/engine_host/thread.py) or the engine process (server/engine_host/main.py).
 
 receive commands (waiting at most the core's idle wait) -> step -> tick hooks (KV events and
 snapshots) -> KV health check -> deliver ONE `StepOut`: the step's outputs, what the metrics
 recorded, the engine's state if it changed. Commands come in and messages go out through a `Port`:
 a queue and the event loop's callbacks for the thread, the ipc link for the process. Either way the
-HTTP side reads the same messages (server/engineproc/front.py). `run_engine` is a host's whole life:
-build, `Ready` (or `LoadFailed`), the loop until `Shutdown`, close.
+HTTP side reads the same messages (server/engine_host/front.py). `run_engine` is a host's whole life:
+build, `Ready` (or `LoadFailed`), the loop until `Shutdown`, close. The engine's state besides its
+requests (transceiver liveness and handshakes, the advertised KV sender, idleness for the drain) is
+read here, on the loop's thread (`links_of`, `idle_of`).
 """
 
 from __future__ import annotations
@@ -14,20 +16,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
-from server.engine import status
-from server.engine.commands import Abort, Add, Release, apply, guarded_step
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
-from server.engineproc.wire import (
+from server.engine_host.wire import (
+    Abort,
+    Add,
     EngineInfo,
     EngineState,
     FromEngine,
     LoadFailed,
     Probe,
     Ready,
+    Release,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -36,7 +39,7 @@ from server.engineproc.wire import (
 )
 from server.telemetry.kv_events import KvEventSource
 from server.telemetry.relay import MetricsRecorder, engine_figures
-from server.types import RequestOutput
+from server.types import LinkState, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,8 @@ class EngineLoop:
 
     def state(self) -> EngineState:
         core = self.core
-        return EngineState(idle=status.idle_of(core), health_problem=self.health.problem,
-                           links=status.links_of(core), figures=engine_figures(core))
+        return EngineState(idle=idle_of(core), health_problem=self.health.problem, links=links_of(core),
+                           figures=engine_figures(core))
 
     def ready(self) -> Ready:
         publisher, spec = self.kv_events.publisher, self.core.runner.spec
@@ -89,7 +92,7 @@ class EngineLoop:
                 self._handle(message)
             if self.stopped:
                 break
-            outputs = self._outputs + guarded_step(self.core)  # a broken step fails what was in flight
+            outputs = self._outputs + self._step()
             self._outputs = []
             for hook in self.hooks:
                 hook(self.core)
@@ -100,7 +103,7 @@ class EngineLoop:
         """After the loop: fail what the transceiver still runs with an explicit message and close
         its sockets, close the KV event publisher, let the disk tier's queued writes land (a restart
         finds them), stop a tensor-parallel engine's other ranks."""
-        for link in status.transceiver(self.core):
+        for link in transceiver(self.core):
             if link is not None:
                 link.close()
         if self.kv_events.publisher is not None:
@@ -110,11 +113,26 @@ class EngineLoop:
         if ranks is not None:
             ranks.stop()
 
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a broken step fails what was in flight instead of killing the loop."""
+        try:
+            return self.core.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            scheduler = self.core.scheduler
+            requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
+            return [o for r in requests for o in self.core.fail(r, f"engine error: {exc}", code=500)]
+
     def _handle(self, message: ToEngine) -> None:
-        if isinstance(message, Add | Abort | Release):
-            self._outputs += apply(self.core, message)  # a refused add or an abort ends its request at once
+        """A refused add or an abort ends its request at once: its outputs go with the next step's."""
+        if isinstance(message, Add):
+            self._outputs += self.core.add_request(message.request)
+        elif isinstance(message, Abort):
+            self._outputs += self.core.abort(message.request_id)
+        elif isinstance(message, Release):
+            self.core.connector.drop_lease(message.ctx_request_id)
         elif isinstance(message, Probe):
-            status.probe(self.core, message.endpoints)
+            probe(self.core, message.endpoints)
         elif isinstance(message, Snapshot):
             self.kv_events.request_snapshot().add_done_callback(self._answer(message.call_id))
         elif isinstance(message, Shutdown):
@@ -148,6 +166,41 @@ class EngineLoop:
             return None
         self._sent_state = state
         return state
+
+
+def transceiver(core: Any) -> tuple[Any, Any]:
+    """(KVSender or None, KVReceiver or None) of a loaded engine core (None: not loaded)."""
+    role = getattr(core, "connector", None)
+    return getattr(role, "sender", None), getattr(role, "receiver", None)
+
+
+def links_of(core: Any) -> LinkState:
+    sender, receiver = transceiver(core)
+    dead = tuple(link.link_name for link in (sender, receiver) if link is not None and not link.link_alive)
+    return LinkState(dead=dead, peers=receiver.peer_status() if receiver is not None else None,
+                     sender=(sender.endpoint, sender.epoch) if sender is not None else None,
+                     sender_endpoints=tuple(getattr(sender, "endpoints", ())))
+
+
+def idle_of(core: Any) -> bool:
+    """No request queued or running, no KV lease or pull (True before the core is loaded)."""
+    if core is None:
+        return True
+    sender, receiver = transceiver(core)
+    return not core.scheduler.has_work() and (sender is None or sender.num_leases == 0) \
+        and (receiver is None or receiver.num_pulls == 0)
+
+
+def probe(core: Any, endpoints: Iterable[str]) -> None:
+    """Generation side: shake hands with every KV sender in `endpoints` (the layouts must agree)."""
+    receiver = transceiver(core)[1]
+    if receiver is None or not receiver.link_alive:
+        return
+    for endpoint in endpoints:
+        try:
+            receiver.probe(endpoint)
+        except RuntimeError as exc:  # the socket thread stopped or is swamped: /health says so
+            log.warning("could not probe %s: %s", endpoint, exc)
 
 
 def run_engine(port: Port, build: Callable[[], EngineCore], kv_events: KvEventSource, *,

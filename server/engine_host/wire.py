@@ -1,15 +1,16 @@
-"""The engine loop's messages, on either host (server/engineproc/loop.py), and the engine link's sealing.
+"""The engine loop's messages, on either host (server/engine_host/loop.py), and the engine link's sealing.
 
 The engine thread hands them over in memory; the engine process sends them on two ZeroMQ PUSH/PULL
-pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engineproc/
+pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engine_host/
 link.py), each message signed (transceiver/signed.py, `link_codec`) under a key derived from a
 random per-server secret (handed to the child on its stdin, never on argv) and the direction, so a
 message of one pipe is never valid on the other. A message that fails the MAC or does not decode
 into a message of its direction raises `Rejected` and is dropped (and counted) by the reader.
 Nothing is ever unpickled.
 
-HTTP -> engine: the engine commands (server/engine/commands.py: Add, Abort, Release), `Probe`,
-`Snapshot` (an RPC answered by `SnapshotReply`) and `Shutdown`.
+HTTP -> engine: a request's commands (`Add`, `Abort`, `Release`), `Probe`, `Snapshot` (an RPC
+answered by `SnapshotReply`) and `Shutdown`; the loop applies them between steps, on the thread that
+owns the core (msgspec tagged Structs: the engine thread's queue passes the objects themselves).
 engine -> HTTP: `Ready` once loaded (or `LoadFailed`), then ONE `StepOut` per step of the engine
 loop that has anything to say: the step's outputs, what the metrics observed, and the engine's
 state when it changed (at most every STATE_INTERVAL_S while idle, after every productive step).
@@ -21,15 +22,32 @@ from typing import Any
 
 import msgspec
 
-from server.engine.commands import Abort, Add, Release
 from server.telemetry.relay import EngineFigures, MetricsDelta
-from server.types import LinkState, RequestOutput
+from server.types import GenerateRequest, LinkState, RequestOutput
 from transceiver.signed import SignedCodec
 
 TO_ENGINE, FROM_ENGINE = "to_engine", "from_engine"  # the two directions, and the names of their pipes
 KEY_BYTES = 32  # of the per-server secret
 
-# ---- HTTP -> engine (besides the engine commands)
+# ---- HTTP -> engine
+
+class Add(msgspec.Struct, tag=True, frozen=True):
+    """Queue a request (its outputs stream back under its request_id)."""
+
+    request: GenerateRequest
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    """End a request (every choice) now and free its blocks (no-op if it ended already)."""
+
+    request_id: str
+
+
+class Release(msgspec.Struct, tag=True, frozen=True):
+    """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
+
+    ctx_request_id: str
+
 
 class Probe(msgspec.Struct, tag=True, frozen=True):
     """Generation side: shake hands with these KV senders (the context directory's endpoints)."""

@@ -1,9 +1,9 @@
-"""The HTTP process's side of its engine, whichever host runs the engine loop (server/engineproc/
+"""The HTTP process's side of its engine, whichever host runs the engine loop (server/engine_host/
 loop.py): `AsyncEngine` (a thread of this process) and `EngineProcess` (a child process) are this
 class with their own transport, and the `server.types.EngineServer` the routes use.
 
 Requests go to the loop as commands (`_send`); the loop's messages come back through `_handle`. A
-`StepOut`'s outputs go to per-request streams (server/engine/streams.py `ChoiceStream`: a request's
+`StepOut`'s outputs go to per-request streams (server/engine_host/streams.py `ChoiceStream`: a request's
 n choices, the outputs a slow consumer has not read yet coalesced per choice), its metrics are
 replayed into the server's registry (`RelayedMetrics`) and its state is kept: /health, the drain,
 /metrics' scrape-time figures and the advertised KV sender read that last state. A snapshot of the
@@ -16,14 +16,16 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Iterable
 
-from server.engine.commands import Abort, Add, Release
-from server.engine.streams import ChoiceStream
-from server.engineproc.wire import (
+from server.engine_host.streams import ChoiceStream
+from server.engine_host.wire import (
+    Abort,
+    Add,
     EngineInfo,
     EngineState,
     LoadFailed,
     Probe,
     Ready,
+    Release,
     Snapshot,
     SnapshotReply,
     StepOut,
