@@ -1,12 +1,14 @@
 """Every attention path over an FP8 KV cache against the portable path over the same cache (CUDA).
 
 A float32 model with an FP8 cache: the Triton kernels and the torch path read the same e4m3 codes and
-scales and compute in float32, so their logits agree to float32 rounding (a misread code or scale is
-O(1)). One teacher-forced run per path, each compared step by step with `kernels: torch`:
-- eager: a fresh prompt (dense prefill), its second half as a chunk after a cached first half (the
-  paged prefill kernel), then decode steps with split-K (`decode_splits` > 1 for so few rows);
+scales and compute in float32. A fresh prompt attends over its K/V as read back from the cache here
+(PDSERVE_DENSE_PREFILL=triton: the paged prefill kernel), as the torch path does; served, the Triton
+path attends a fresh prompt over its unrounded K/V (dense SDPA) instead. One teacher-forced run per
+path, each compared step by step with `kernels: torch`:
+- eager: a fresh prompt, its second half as a chunk after a cached first half (the paged prefill
+  kernel), then decode steps with split-K (`decode_splits` > 1 for so few rows);
 - graphs: the same, the decode steps replayed from CUDA graphs (and short chunks as decode rows).
-`fp8_paths_logits` runs on the CPU too (Triton's interpreter, no graphs): tests/unit uses it.
+`fp8_paths_logits` runs on the CPU too (Triton's interpreter, graphs off), where the two paths agreed within 0.033.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from server.models.runner import ModelRunner, SeqChunk
 
 MODEL = "builtin:tiny-llama"
 ROWS, FIRST, SECOND, STEPS = 3, 40, 24, 12
-TOLERANCE = 2e-3  # float32 logits of two summation orders over the same FP8 values
+# Two float32 summation orders round an activation's last bit apart now and then, which can move one
+# K or V value to the neighbouring e4m3 code (a 6-12% step) in a later layer: measured on the CPU
+# (Triton's interpreter) at most 0.033 of logits spanning +-5. Storing FP8 at all moves them by 0.5-1.0,
+# and a misread code or scale by as much or more.
+TOLERANCE = 0.1
 
 
 def _scales(model_dir, device: torch.device, path) -> str:
@@ -63,6 +69,7 @@ def _teacher_forced(runner: ModelRunner, seqs: list[list[int]]) -> list[torch.Te
 
 
 def fp8_paths_logits(device: torch.device, tmp_path, graphs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Needs PDSERVE_DENSE_PREFILL=triton in the environment (see above)."""
     """(torch path's logits, Triton path's logits) per step, same FP8 cache and inputs."""
     model_dir = resolve_model(MODEL)
     scales = _scales(model_dir, device, tmp_path / "scales.json")
@@ -86,6 +93,7 @@ def assert_paths_agree(reference: list[torch.Tensor], got: list[torch.Tensor]) -
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_every_attention_path_over_an_fp8_cache_equals_the_torch_path(tmp_path, graphs):
+def test_every_attention_path_over_an_fp8_cache_equals_the_torch_path(tmp_path, graphs, monkeypatch):
+    monkeypatch.setenv("PDSERVE_DENSE_PREFILL", "triton")
     reference, got = fp8_paths_logits(torch.device("cuda"), tmp_path, graphs)
     assert_paths_agree(reference, got)
