@@ -1,16 +1,7 @@
 """One OpenAI body -> the engine's requests, in one pass (`build_request`), read top to bottom:
-
-1. what needs the server: the model it serves, its maximum `n`, the log-probability fields;
-2. the prompt: chat messages through the model's template (with the tools plan: tool_choice.py,
-   chat_template.py), or the completion prompts; token ids within the vocabulary;
-3. the disaggregated parameters: checked across fields; a leg's own prompt ids and prior output;
-4. the constraint: one per request, structured output or tool_choice (structured.py compiles it);
-5. sampling, per prompt: `max_tokens` against the context length, `SamplingParams`;
-6. how to answer: `FormatOptions` (echo, logprob pieces: token_text.py, tools) and what is done to
-   the outputs first (a generation leg's: disagg_logprobs.py; `max_tokens: 0`).
-Plain value checks are pydantic's (server/openai/protocol.py). Every failure is an `APIError` (400,
-or 404 for the model). One engine request per prompt, each with the request's `n`.
-"""
+server limits, the prompt, the disaggregated parameters, the constraint, sampling per prompt, and
+how to answer. Plain value checks are pydantic's (server/openai/protocol.py). Every failure is an
+`APIError` (400, or 404 for the model). One engine request per prompt, each with the request's `n`."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The router's settings: the deployment YAML's `router:` section, declared once (server/config/schema.py
-converts the YAML into it), and the one type the router runs on (server/router/app.py).
-
-```yaml
-router:
-  type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware
-  migration_limit: 1              # moves of one request to another generation server when its own dies
-  api_keys: [...]                 # and api_keys_file, open_paths, tenant_salt_from_api_key (router/auth.py)
-  kv_weights: {primary: 1.0, secondary: 0.75, disk: 0.25}   # kv_cache_aware: value of a hit token per tier
-  load_weight: 1.0                # kv_cache_aware: cost of a token a server still has to compute
-  queue: {max_inflight_per_server: 64, max_waiting: 1024, timeout_s: 60}
-  conditional: {max_local_prefill_length: 256, min_prefix_hit: 512}   # off unless given
-```
-
-Routing (docs/ROUTING.md) and access (docs/SECURITY.md) keys; their defaults are those of the
-router's own types (`ScoreWeights`, `QueueLimits`, `RouterAccess`). The rest of a `RouterConfig`
-(its servers, model, token, drain) comes from the deployment (`DeploymentConfig.router_config`),
-never from the `router:` section.
-"""
+"""The router's settings: the deployment YAML's `router:` section (keys in docs/ROUTING.md and
+docs/SECURITY.md), and the one type the router runs on. Its servers, model, token and drain come
+from the deployment (`DeploymentConfig.router_config`), never from `router:`."""
 
 from __future__ import annotations
 

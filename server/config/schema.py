@@ -1,21 +1,12 @@
 """The deployment YAML as one declared schema: msgspec Structs, each key and its default declared once.
 
-`ServerConfig` is one engine process: the whole `pdserve serve --config FILE` file, or one server of
-a deployment. A deployment file has TensorRT-LLM's `trtllm-serve disaggregated` shape: top-level
-engine keys (every ServerConfig key but its placement: role, hostname, port, context_urls) are
-inherited by `context_servers` and `generation_servers` (`inherit`), and a section may override
-them; `kv_cache_config` and `cache_transceiver_config` merge key by key. Without `context_servers`
-the deployment runs aggregated: the `generation_servers` become aggregated servers behind the
-router, or, with no server section at all, one aggregated server listens on `hostname:port` and no
-router runs. `router:` is server/config/router.py's RouterConfig. The launcher's children
-read the same file and pick their own server by name (`pdserve serve --config FILE --server context-0`).
-
-Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
-Environment: PDSERVE_HOSTNAME replaces the deployment's top-level `hostname` (the Docker image sets
-0.0.0.0 with it); PDSERVE_AUTH_TOKEN supplies `cache_transceiver_config.auth_token` when the file
-leaves it null (the launcher hands the token to its children that way, never through argv), or
-PDSERVE_AUTH_TOKEN_FILE names a file holding it (an operator restarting one server by hand).
-"""
+`ServerConfig` is one engine process. A deployment file has TensorRT-LLM's `trtllm-serve
+disaggregated` shape: top-level engine keys are inherited by `context_servers` and
+`generation_servers` (`inherit`; the config sections merge key by key). Without `context_servers`
+it runs aggregated; with no server section, one server listens on `hostname:port`, no router.
+Every problem raises ConfigError `<file>: <key.path>: <what is wrong>`. PDSERVE_HOSTNAME replaces
+the top-level `hostname`; PDSERVE_AUTH_TOKEN (or the file PDSERVE_AUTH_TOKEN_FILE names) supplies
+the token when the file leaves it null."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""What the page shows, computed from the windows of samples: plain JSON-ready dicts.
-
-Per server: health, epoch and restarts (from its /health), requests per state, the KV pool per
-window and level, prefix hit rate, offload / onboard rates, KV transfers, speculative decoding's
-acceptance and latency percentiles.
-For the deployment: requests per second (the router's own counter), TTFT over the servers that
-make first tokens (context or aggregated), TPOT over the servers that decode (generation or
-aggregated), KV transfers as the receiving side counts them, and the phases of the time to first
-token (server/telemetry/phases.py): p50 and mean of each, from the router's and the servers'
-histograms. A server that stopped answering keeps its last figures, marked `stale`; its rates are
-None and leave the deployment's sums.
-"""
+"""What the page shows, computed from the windows of samples: plain JSON-ready dicts, per server and
+for the deployment. A server that stopped answering keeps its last figures, marked `stale`; its
+rates are None and leave the deployment's sums."""
 
 from __future__ import annotations
 

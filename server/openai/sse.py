@@ -1,15 +1,9 @@
 """Server-sent events, for the servers and the router: framing, the one SSE response, and running
 work only while the client is still there.
 
-An event is `data: <json>\\n\\n`. JSON may carry U+0085 (NEL), U+2028 and U+2029 raw inside strings,
-but clients that split a stream with `str.splitlines()` (httpx's `aiter_lines()`, and so every
-client built on it) treat them as line ends and cut the event in two. They are escaped here
-(`\\u2028` inside a JSON string is the same string), so a data line holds no character any client
-reads as a line break. Control characters below U+0020 are escaped by every JSON encoder already.
-
-Client disconnects are watched actively (the ASGI `http.disconnect` message), not only noticed on
-the next send, so work for a client that left stops at once, however quiet the stream is.
-"""
+U+0085, U+2028 and U+2029 are escaped in events: clients that split a stream with
+`str.splitlines()` (httpx's `aiter_lines()`) would cut the event in two. Client disconnects are
+watched actively (`http.disconnect`), so work for a client that left stops at once."""
 
 from __future__ import annotations
 

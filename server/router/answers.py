@@ -1,15 +1,10 @@
 """A context server's answer, read by the router: whether it ends the request, the generation leg's
-parameters, and the events the router streams itself from it (the opening of a stream: the chat
-role chunk and the first token's text; the close of a stream that the context leg ended). The
-events are the answer's own choices reshaped into stream chunks, so whatever the context server
-formatted (logprobs, echo, tool calls, several choices) goes out as it would have from one server.
+parameters, and the events the router streams itself from it (a stream's opening, or its close).
 
-Streaming the first token from the context answer takes the generation leg's setup (an HTTP
-exchange, the generation server's admission) off the time to first token. The generation server
-is told so (`first_text_streamed`) and streams only what follows, under the same response id. The
-context server reports exactly the text the generation server would stream for that token (text
-that might still become a stop string, or an incomplete UTF-8 character, stays held back), so the
-two parts join without a gap or a repeat."""
+Streaming the first token from the context answer takes the generation leg's setup off the time to
+first token. The context server reports exactly the text the generation server would stream for
+that token (a possible stop string or incomplete UTF-8 stays held back), so the two parts join
+without a gap or a repeat."""
 
 from __future__ import annotations
 

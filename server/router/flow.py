@@ -1,27 +1,12 @@
 """One request's way through the router, as one object: route -> context leg -> handoff ->
 generation leg -> relay -> close.
 
-`RequestFlow` holds everything the request holds in the router: the context lease its generation
-leg has not opened on yet, the generation leg (a task), an early context answer, the migration
-state. The steps, in order:
-1. route: a request that one server serves alone (an aggregated deployment, or conditional
-   disaggregation: server/router/routing.py) has no context leg;
-2. context leg (server/router/legs.py), asked for streamed KV: an early answer (the lease before the
-   first token, server/router/kv_stream.py) starts the generation leg at once, whose pull takes the
-   blocks while they are prefilled; then the context answer itself;
-3. handoff, decided here only: a context answer that ends the request is the answer; else its
-   parameters become the generation leg's (`_handoff`), and the router streams its first token;
-4. generation leg, started once (a retry of it is a migration, below);
-5. relay: a JSON answer as it is; a stream's events as they come (whole events, token comments
-   taken out when the stream may move: server/router/migration.py). When the generation server dies
-   mid-stream, the flow runs steps 2-4 again from the tokens the client has;
-6. close, however the request ended (finished, a leg failed, the client left): the generation leg
-   is cancelled or its stream closed (its server aborts and frees the lease itself), a lease that
-   no generation leg opened on is released at once, an early context answer is closed.
-Once the first event is out the HTTP status is 200, so a generation leg that fails after it ends
-the stream with an error event that names the leg. `Phases` times the router's share of the time to
-first token (docs/DISAGG_LOAD.md).
-"""
+A request one server serves alone has no context leg. An early context answer (streamed KV) starts
+the generation leg before the first token. The handoff is decided here only (`_handoff`). When the
+generation server dies mid-stream, the flow runs the legs again from the tokens the client has
+(server/router/migration.py). `close` runs however the request ended: the generation leg is
+cancelled or closed, a lease no generation leg opened on is released. Once the first event is out
+the status is 200, so a later failure is an error event naming the leg."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The legs of a routed request: one HTTP exchange each with a context or a generation server.
 
-`Legs` knows how to run one leg, not what follows it (server/router/flow.py decides that):
-- a context leg posts the request as `context_only` (not streamed), on the policy's pick, and once
-  more elsewhere if that server cannot be reached or fails; with `kv_stream` the server may answer
-  early with its lease before the first token (`EarlyContext`, server/router/kv_stream.py);
-- a generation leg posts it as `generation_only` (or as is, to an aggregated server) and returns
-  its JSON or its open SSE stream; a server that never took the request (unreachable, draining)
-  is left for another one;
-- `release` frees a context lease whose generation leg never pulled.
-Every leg holds a booking of its server from the pick until it ends (a stream: until it is closed:
-server/router/queue.py). A server that cannot be reached or answers that it is draining is fenced
-at once (the health monitor unfences it when /health is 200). A failed leg raises `LegError`.
-"""
+`Legs` runs one leg, not what follows it (server/router/flow.py decides that). A context leg is
+tried once more elsewhere if it fails; a generation leg only if its server never took the request.
+Every leg holds a booking of its server from the pick until it ends (a stream: until closed). A
+server that cannot be reached or is draining is fenced at once. A failed leg raises `LegError`."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""Prometheus metrics of one pdserve server (engine, KV cache, KV transfer).
+"""Prometheus metrics of one pdserve server (engine, KV cache, KV transfer), in a registry of its own.
 
-`ServerMetrics` owns its own `CollectorRegistry` (no process globals, so several servers or tests can
-live in one process). Two kinds of sources feed it:
-
-- Cumulative counters are read at scrape time by custom collectors: the KV manager's
-  `KVCacheStats` (`stats_provider`), and the scheduler's preemptions with the transceiver's
-  `TransferStats` (`counters_provider`, `EngineCounters`), as of the engine's last state
-  (server/telemetry/relay.py). Every scrape is an exact copy of the owners' own counters at that
-  point; nothing is forwarded twice or lost.
-- Engine and transfer events come through the `observe_*`/`add_*`/`set_*` methods (prometheus_client
-  objects: thread-safe), replayed from what the engine loop recorded.
-
-The metric names are part of the acceptance checks: keep them exactly.
-"""
+Cumulative counters (the KV manager's `KVCacheStats`, preemptions, `TransferStats`) are read at
+scrape time by custom collectors from the engine's last state, so a scrape copies the owners'
+counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
+the engine loop recorded (server/telemetry/relay.py). The metric names are part of the acceptance
+checks: keep them exactly."""
 
 from __future__ import annotations
 

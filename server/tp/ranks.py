@@ -1,17 +1,10 @@
 """Rank 0's handle on the other ranks of its server: start them, keep them in step, stop them.
 
-`Ranks.start` (on the engine thread, before the model loads) draws the channel secret, opens the
-torch.distributed store, spawns ranks 1..N-1 (multiprocessing "spawn": nothing forked after torch
-or CUDA started), waits until each has connected its channel end, and joins the process group.
-From then on rank 0 queues every operation the ranks must mirror (`add`; pool copies arrive
-through `KVCacheManager.observe_copies`) and sends the queue, in order, as one `Command` (`flush`):
-before each forward, and whenever a lease or a pull must start on every rank.
-
-Failure: a watchdog thread waits on the ranks' process sentinels; if one exits while the server is
-not stopping, it kills the others and ends this process with RANK_DIED_EXIT, so the launcher
-restarts the whole server (the router fences it meanwhile). The other ranks watch rank 0 the same
-way (worker.py). A stuck collective is therefore never waited on for ever.
-"""
+`Ranks.start` (engine thread, before the model loads) spawns ranks 1..N-1 ("spawn": nothing forked
+after torch or CUDA started) and joins the process group. Rank 0 queues every operation the ranks
+must mirror and sends the queue in order as one `Command` (`flush`) before each forward and before a
+lease or pull. A watchdog ends this process with RANK_DIED_EXIT when a rank dies, so the launcher
+restarts the whole server; a stuck collective is never waited on for ever."""
 
 from __future__ import annotations
 

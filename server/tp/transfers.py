@@ -1,14 +1,9 @@
 """Rank 0's KV sender and receiver of a tensor-parallel server: its own share, plus the other ranks'.
 
-`RankedSender` (context): a lease is made on rank 0 (pins, onboarding, ids -> slots) and offered to
-the other ranks' senders in order after the copies that onboarded it (`OfferLease`); when it ends on
-rank 0 they are told (`EndLease`) before any later forward or copy can write its slots. Handshakes
-list every rank's KV endpoint and kv heads, and /kv_cache/endpoint lists the endpoints.
-
-`RankedReceiver` (generation): a pull starts on every rank (`StartPull`), each pulling its own kv
-heads; it ends when every rank's share arrived (then rank 0 sends the context server `Release`) or
-when one failed (the others are cancelled, and the lease is cancelled if rank 0's share had landed).
-"""
+`RankedSender`: a lease made on rank 0 is offered to the other ranks after the copies that onboarded
+it; when it ends they are told before any later forward or copy can write its slots.
+`RankedReceiver`: a pull starts on every rank; it ends when every share arrived (then rank 0
+releases the lease) or one failed (the others are cancelled)."""
 
 from __future__ import annotations
 
