@@ -1,9 +1,5 @@
-"""Plain data exchanged between the HTTP layer, the engine and the router.
-
-These are the contracts between `server/api` (HTTP) and `server/engine` (scheduler, runner); the
-disaggregation legs' `DisaggParams` is the wire schema's own (server/openai/protocol.py). No torch
-here: these objects cross threads and are turned into JSON.
-"""
+"""Plain data exchanged between the HTTP layer, the engine and the router (no torch: these cross
+threads and are turned into JSON)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""`create_app`: the FastAPI application of one server.
-
-The engine is created in `lifespan` by the factory the caller passes, stored on `app.state.engine`
-and reached through the dependencies in `server.api.deps`; there are no module globals, so tests
-can build several apps or swap the engine with `app.dependency_overrides`.
-"""
+"""`create_app`: the FastAPI application of one server; the engine is made in `lifespan` and
+reached through `server.api.deps` (no module globals)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Log-probabilities across the disaggregation legs, so a generation leg answers what an aggregated
-server would (docs/API.md, "Several prompts and n choices"). The context server's answer carries what
-only it can compute (`first_gen_logprobs`, `prompt_logprobs`); the generation server puts them on
-each choice's first output (`GenerationOutputs`). When the router streamed the first token itself
-(`first_text_streamed`), the generation server leaves that token out of what it formats (its text,
-logprobs and token report): the router sent them.
-"""
+server would: the context server's `first_gen_logprobs` and `prompt_logprobs` go on each choice's
+first output; a first token the router streamed itself is left out."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Run one request on the engine and answer it as JSON or as an SSE stream.
-
-Its engine requests (one per prompt: server/api/builder.py) are owned by `RequestStreams`
-(server/api/streams.py), which aborts those not finished however the exchange ends; client
-disconnects are watched actively (server/openai/sse.py), so a request still queued is aborted too.
-"""
+"""Run one request on the engine and answer it as JSON or as an SSE stream; its engine requests
+are owned by `RequestStreams`, which aborts the unfinished ones however the exchange ends."""
 
 from __future__ import annotations
 

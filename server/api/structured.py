@@ -1,9 +1,5 @@
 """Structured output: a request's constraint as the engine's `StructuredSpec`, checked before it
-reaches the engine (400 naming the field when the grammar engine rejects it). The fields it comes
-from, one per request: docs/API.md ("Extras"), or chat `tool_choice` (its schema made by
-server/api/tool_choice.py). A JSON schema travels as JSON text, a choice as a JSON list of strings.
-A request that names one (`SamplingRequest.constrained`) is built off the event loop.
-"""
+reaches the engine (a 400 naming the field when the grammar engine rejects it)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Reading config YAML: strict loading, and msgspec conversion whose errors name the file and key.
-
-`convert(data, Schema, source)` is msgspec.convert with its ValidationError turned into a
-ConfigError `<file>: <key.path>: <what is wrong>`; unknown keys get a close match and the valid keys.
-The schema itself lives in server/config/schema.py (and the components' own Structs).
-"""
+"""Reading config YAML: strict loading, and msgspec conversion whose errors are ConfigErrors
+`<file>: <key.path>: <what is wrong>` (an unknown key gets a close match and the valid keys)."""
 
 from __future__ import annotations
 

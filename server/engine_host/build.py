@@ -1,6 +1,5 @@
-"""`build_core`: one server's engine core, built on the thread that will own it (the engine thread,
-or the engine process's main thread): weights, KV manager, runner, the role's connector and its
-transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is."""
+"""`build_core`: one server's engine core, built on the thread that will own it: weights, KV
+manager, runner, the role's connector and transceiver, and a tensor-parallel server's other ranks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """`python -m server.engine_host.main`: the engine process of one server (started by spawn.py).
 
-It runs the engine loop (server/engine_host/loop.py `run_engine`, as the engine thread does): the KV
-event publisher, the core (`server.engine_host.build.build_core`: weights, KV manager, runner, connector
-and transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is),
-`Ready` to the HTTP process, the loop until `Shutdown` or until the HTTP process is gone, then it
-closes what it owns. A load failure is logged, reported (`LoadFailed`) and ends the process with 1.
-"""
+It runs `run_engine` as the engine thread does, until `Shutdown` or until the HTTP process is gone.
+A load failure is logged, reported (`LoadFailed`) and ends the process with 1."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front
-(server/engine_host/front.py, as `EngineProcess` is) over two queues.
+"""The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front over two queues.
 
-The engine thread runs the one engine loop (server/engine_host/loop.py) and owns the KV manager, the
-model and every tensor. Commands reach it through a queue; its messages reach the event loop in
-batches (`_Queues.send`), so HTTP stays responsive while the model runs.
-"""
+The engine thread owns the KV manager, the model and every tensor; its messages reach the event
+loop in batches (`_Queues.send`), so HTTP stays responsive while the model runs."""
 
 from __future__ import annotations
 

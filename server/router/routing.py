@@ -1,8 +1,5 @@
-"""What the router decides for each request (docs/ROUTING.md), built from `router:` in the YAML:
-the server of each leg (policy + saturation queue: `LegPicker`), the KV index the kv_cache_aware
-score reads (`KvEventSync`), and conditional disaggregation (a generation server alone serves a
-request whose prefill is short there, or whose prefix it already holds).
-"""
+"""What the router decides for each request (docs/ROUTING.md): the server of each leg (`LegPicker`),
+the KV index kv_cache_aware reads (`KvEventSync`), and conditional disaggregation."""
 
 from __future__ import annotations
 

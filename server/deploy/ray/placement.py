@@ -1,10 +1,5 @@
-"""Where each actor of a deployment runs: its placement group, node, address and port.
-
-Every server gets a placement group of one bundle per tensor-parallel rank (the section's
-`ray_actor_options`), STRICT_PACK so that its ranks share a node; the router gets one bundle of the
-top level's. Placement groups are named like their actors (`<deployment>/<server>`), so that
-`pdserve ray down` finds them again.
-"""
+"""Where each actor of a deployment runs: a STRICT_PACK placement group of one bundle per rank,
+named like its actor (`<deployment>/<server>`) so that `pdserve ray down` finds it again."""
 
 from __future__ import annotations
 
