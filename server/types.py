@@ -29,10 +29,8 @@ class StructuredSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings (OpenAI fields plus vLLM's extras).
-
-    Log-probabilities are those of the model's own distribution (log_softmax of the raw logits,
-    before penalties, biases, temperature, top-k/top-p/min-p and grammar masks)."""
+    """Per-request decoding settings (OpenAI fields plus vLLM's extras). Log-probabilities are those
+    of the raw logits, before penalties, biases, temperature, top-k/top-p/min-p and grammar masks."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -87,13 +85,11 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """One increment of one choice of a request's output; each choice's last has `finished=True`.
+    """One increment of one choice (`index`) of a request's output; each choice's last has `finished=True`.
 
-    `new_token_ids`/`new_text` hold only what is new since the previous output of that choice
-    (`index`, 0..n-1). Counters are cumulative per choice (`prompt_tokens` is the prompt's).
-    `logprobs` (when asked) has one entry per `new_token_ids`; `prompt_logprobs` (when asked) is
-    set on a choice's first output: one entry per prompt token, None for the first.
-    """
+    `new_token_ids`/`new_text` are what is new since the choice's previous output; counters are
+    cumulative. `logprobs` has one entry per new token; `prompt_logprobs` comes on a choice's first
+    output, None for the first prompt token."""
 
     request_id: str
     new_token_ids: list[int]

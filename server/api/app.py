@@ -24,14 +24,9 @@ EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineCl
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
                auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
-    """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`).
-
-    `metrics` is the registry `/metrics` exposes; pass the same object to the engine so it can feed
-    it (a fresh, unfed one is made when omitted). `auth_token` is the deployment token that
-    `disaggregated_params` and the internal routes need; `context_directory` (generation servers)
-    knows the only KV endpoints this server may pull from (`server.api.access`). `max_n` is the most
-    choices (`n`) a request may ask for per prompt.
-    """
+    """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
+    `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV
+    endpoints this server may pull from (`server.api.access`)."""
     server_metrics = metrics if metrics is not None else ServerMetrics()
 
     @asynccontextmanager

@@ -171,9 +171,8 @@ def _check_disagg(body: Body, vocab_size: int, prompts: int) -> DisaggParams | N
 
 
 def _prompt_and_prior(prompt_ids: list[int], disagg: DisaggParams | None, vocab_size: int) -> tuple[list[int], int]:
-    """The prompt's ids and how many of the last are a moved stream's output so far (`prior_output_tokens`).
-    A leg's `prompt_token_ids` win over re-tokenising: the KV the context server made is for exactly
-    those (a moved stream's context leg prefills the prompt and the output so far)."""
+    """The prompt's ids and how many of the last are a moved stream's output (`prior_output_tokens`).
+    A leg's `prompt_token_ids` win over re-tokenising: the context server's KV is for exactly those."""
     prior = disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == GENERATION_ONLY or prior):
         prompt_ids = _token_ids(list(disagg.prompt_token_ids), vocab_size, "disaggregated_params.prompt_token_ids")
@@ -237,10 +236,7 @@ def _engine_request(body: Body, engine: EngineClient, prompt: Prompt, request_id
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
                        prompt_param: str) -> int:
-    """The number of tokens to generate; errors name the prompt or `max_tokens`.
-
-    `default` None means "up to the context length" (chat); an explicit request must fit entirely.
-    """
+    """The number of tokens to generate; `default` None: up to the context length (chat)."""
     room = max_seq_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "

@@ -74,9 +74,7 @@ class ContextDirectory:
 
     async def knows(self, endpoint: str) -> bool:
         """True if `endpoint` is the KV endpoint of one of the deployment's context servers. An unknown
-        one makes the directory ask the servers again, unless a refresh started since this call began
-        (that one saw the servers as they are now: concurrent calls share it). Only callers holding the
-        deployment token get here (server/api/access.py)."""
+        one triggers a refresh, unless one started since this call began (concurrent calls share it)."""
         if endpoint in self.endpoints:
             return True
         asked = time.monotonic()

@@ -40,9 +40,8 @@ def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prom
 
 
 class GenerationOutputs:
-    """A generation_only request's outputs as the aggregated server would have made them: each
-    choice's first output gets the context server's first-token and prompt logprobs, or, when the
-    router streamed that token itself, loses it. `n` choices: one first token each."""
+    """A generation_only request's outputs as an aggregated server would make them: each choice's first
+    output gets the context server's logprobs, or loses its token when the router streamed it."""
 
     def __init__(self, disagg: DisaggParams, n: int) -> None:
         self._disagg = disagg

@@ -131,11 +131,8 @@ async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Form
 
 
 def _token_comment(output: RequestOutput, n: int) -> bytes:
-    """The output's token ids as an SSE comment line (`: tokens 12 34`, `final` on the last; with n > 1
-    choices the choice's index first, `: tokens #1 12 34`), so the router knows exactly which tokens
-    the text it relayed came from (it moves the stream to another server with them if this one dies).
-    Clients ignore comments; the router takes them out. Ids whose text the router streamed itself
-    (`first_text_streamed`) were taken out of the outputs already (server/api/disagg_logprobs.py)."""
+    """The output's token ids as an SSE comment line (`: tokens 12 34`, `final` on the last; `#1` names
+    choice 1 when n > 1): the router takes it out and knows which tokens the text came from (migration)."""
     ids = output.new_token_ids
     if not ids and not output.finished:
         return b""

@@ -137,11 +137,9 @@ MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config", "speculative")  # 
 
 
 class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`restart:` of a deployment: how `pdserve launch` brings back a child that died.
-
-    A death within `quick_s` of the child's (re)start is quick; the launcher restarts after
-    `backoff_s`, doubled for each quick death in a row (at most 30 s), and gives up on the child
-    after `max_quick_deaths` quick deaths in a row. `max_quick_deaths: 0` never restarts."""
+    """`restart:` of a deployment: a death within `quick_s` of a start is quick; the launcher restarts
+    after `backoff_s`, doubled per quick death in a row (at most 30 s), and gives up after
+    `max_quick_deaths` of them (0: never restarts)."""
 
     max_quick_deaths: Annotated[int, Meta(ge=0)] = 5
     backoff_s: Seconds = 1.0

@@ -124,8 +124,7 @@ class Supervisor:
         return run
 
     def wait_healthy(self, stop: StopOnSignals, timeout_s: float) -> bool:
-        """True once every started child answers /health; False on exit, timeout, stop signal, or a
-        child that reports a problem no wait can cure (status `incompatible`: layout skew)."""
+        """`wait_healthy` for every started child."""
         watched = [Watched(r.child, lambda r=r: _exited(r), lambda r=r: log_tail(r.log_path)) for r in self.running]
         return wait_healthy(watched, stop, timeout_s, self.poll_interval_s, self.say)
 

@@ -95,9 +95,8 @@ class EngineLoop:
             self._deliver(outputs)
 
     def close(self) -> None:
-        """After the loop: fail what the transceiver still runs with an explicit message and close
-        its sockets, close the KV event publisher, let the disk tier's queued writes land (a restart
-        finds them), stop a tensor-parallel engine's other ranks."""
+        """After the loop: fail the transceiver's transfers and close its sockets, close the publisher,
+        let the disk tier's queued writes land, stop a tensor-parallel engine's other ranks."""
         for link in transceiver(self.core):
             if link is not None:
                 link.close()

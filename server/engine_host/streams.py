@@ -43,9 +43,8 @@ class ChoiceStream:
 
 
 def merged(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Fold each choice's outputs that queued up while the consumer was busy into one, up to its final
-    output (fewer, larger SSE events when HTTP lags behind the engine; each choice's tokens, text and
-    logprobs are concatenated unchanged). Choices keep the order of their first output here."""
+    """Fold each choice's queued outputs into one, up to its final output (fewer, larger SSE events
+    when HTTP lags behind the engine); choices keep the order of their first output."""
     out: list[RequestOutput] = []
     open_at: dict[int, int] = {}  # choice -> where its unfinished fold is in `out`
     for later in outputs:

@@ -23,10 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class _Queues:
-    """The engine thread's port: commands from a queue (None: only wake up); its messages are handed
-    to the event loop, which it wakes only if no wake-up is pending. While the loop is busy (many
-    streams), steps add to the same batch instead of each paying a self-pipe write and a GIL
-    hand-off; the order of messages is kept."""
+    """The engine thread's port: commands from a queue (None: only wake up); its messages are handed to
+    the event loop in batches, waking it only if no wake-up is pending (order kept)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, handle: Callable[[FromEngine], None]) -> None:
         self.inbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()

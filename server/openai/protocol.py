@@ -144,9 +144,7 @@ class SamplingRequest(Lenient):
 
     @property
     def constrained(self) -> bool:
-        """The request names a structured-output constraint: building it compiles a grammar, which the
-        server runs off the event loop (a new schema takes milliseconds; the first one of a large
-        vocabulary, seconds)."""
+        """The request names a structured-output constraint (compiling its grammar runs off the event loop)."""
         fmt = self.response_format
         return (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or any(
             getattr(self, f"guided_{key}") is not None for key in ("json", "regex", "choice", "grammar"))

@@ -57,10 +57,8 @@ async def _each(events: list[bytes]) -> AsyncIterator[bytes]:
 
 
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
-    """The stream's first events from an unfinished context answer: the chat role chunk and the
-    first token's text (none when that text is still held back), under the id the generation server
-    will use too (`continued_response_id`). A moved stream (`continued`) goes on under its own
-    `response_id` and sends no second role chunk."""
+    """The stream's first events from an unfinished context answer (the chat role chunk, the first
+    token's text), under the id the generation server will use too; a moved stream keeps its own id."""
     response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
     return _chunks(ctx, chat, response_id, continued, finished=False)
 

@@ -65,9 +65,7 @@ class Ask:
     @property
     def plain(self) -> bool:
         """One choice whose chunks carry text only: the router may stream its first token itself (and
-        move the stream). Logprobs, echo, several choices and tool calls are formatted by the
-        generation server from its first chunk on (with what the context server computed for them:
-        `disaggregated_params`), as one server would."""
+        move the stream); anything else the generation server formats from its first chunk on."""
         body = self.body
         tools = body.get("tools") and body.get("tool_choice") != "none"
         return (body.get("n") in (None, 1) and body.get("logprobs") in (None, False)
@@ -163,9 +161,7 @@ class RequestFlow:
         return answer.backend, await answer.rest()
 
     def _handoff(self, params: DisaggParams, moved: bool = False) -> DisaggParams:
-        """The generation leg's parameters (built here only) from the context leg's. A stream's first
-        token is sent by the router; a stream that may move reports its tokens; a moved stream goes on
-        under the client's id (`Migration.continued`)."""
+        """The generation leg's parameters (built here only) from the context leg's."""
         opens = self.ask.stream and self.ask.plain
         params = replace(params, request_type="generation_only", first_text_streamed=opens,
                          report_tokens=opens and self.legs.migration_limit > 0)

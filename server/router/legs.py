@@ -70,9 +70,8 @@ class Legs:
     async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams = CONTEXT_ONLY,
                           *, kv_stream: bool = False,
                           booked: Callable[[], None] = lambda: None) -> Upstream | EarlyContext:
-        """`params`: context_only, with a moved stream's prompt ids and prior output if any.
-        `kv_stream`: the server may answer early, before its first token (server/router/kv_stream.py).
-        `booked` runs when a server is booked (after any wait in the router queue)."""
+        """`params`: context_only, with a moved stream's prompt ids and prior output if any. `kv_stream`:
+        the server may answer early. `booked` runs when a server is booked (after any queue wait)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
@@ -120,9 +119,8 @@ class Legs:
     async def _twice(self, picker: LegPicker, backends: list[Backend], prompt: PromptTokens, tried: set[Backend],
                      booked: Callable[[], None], once: Callable[[Booking], Awaitable],
                      again: Callable[[LegError], bool]):
-        """The answer of the policy's pick (a wait in the router queue, queue.py, included), or of a
-        second pick when the first failed so that `again` says to try elsewhere; else that failure,
-        or None when no server was there to pick."""
+        """The answer of the policy's pick, or of a second pick when `again` says the first failure may
+        be retried elsewhere; else that failure, or None when no server was there to pick."""
         last: LegError | None = None
         for _ in range(2):
             booking = await picker.pick(backends, prompt, tried)

@@ -64,9 +64,8 @@ class Ranks:
     @classmethod
     def start(cls, config_json: bytes, model_dir: str, size: int, device: torch.device, dtype: torch.dtype,
               on_rank_death: Callable[[], None] = lambda: os._exit(RANK_DIED_EXIT)) -> Ranks:
-        """Spawn ranks 1..size-1 and join the process group as rank 0 (`config_json`: the server's
-        ServerConfig, msgspec JSON). `on_rank_death()` runs once the other ranks are killed after
-        one died (default: end this process)."""
+        """Spawn ranks 1..size-1 and join the process group as rank 0; `on_rank_death()` runs once the
+        other ranks are killed after one died (default: end this process)."""
         secret, epoch = secrets.token_bytes(32), uuid.uuid4().hex
         end = RootEnd(secret)
         store = group.open_store(size)
