@@ -165,7 +165,7 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
         group.start(router)
         if not group.wait_healthy(stop, options.startup_timeout_s):
             return 0 if stop.signum is not None else 1
-        _say(f"router listening on {cfg.url} (policy {cfg.router_type})")
+        _say(f"router listening on {cfg.url} (policy {cfg.router.type})")
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")

@@ -75,11 +75,12 @@ class Ask:
 class Phases:
     """A request's phases in the router, once each (first stamps count): queue (arrival -> a leg booked),
     context (-> the context answer), handoff (-> the generation leg's stream open; 0 if it opened first;
-    none for a JSON leg, answered after its decode), first_event (arrival -> the first event sent, or
-    the JSON answer)."""
+    none for a JSON leg, answered after its decode), generation (a stream's generation leg started -> its
+    first event relayed: how soon the generation server speaks), first_event (arrival -> the first event
+    sent, or the JSON answer)."""
 
     SPANS = {"queue": ("start", "booked"), "context": ("booked", "answered"), "handoff": ("answered", "opened"),
-             "first_event": ("start", "sent")}
+             "generation": ("handed", "relayed"), "first_event": ("start", "sent")}
 
     def __init__(self, observe: Callable[[str, float], None] = lambda phase, seconds: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -169,6 +170,7 @@ class RequestFlow:
 
     def _start(self, backend: Backend | None, params: DisaggParams | None, prompt: PromptTokens | None = None) -> None:
         self._lease = (backend, params) if backend is not None and params is not None else None
+        self.phases.stamp("handed")
         dead = frozenset(self._migration.dead) if self._migration is not None else frozenset()
         self._generation = asyncio.ensure_future(self.legs.generation_leg(
             self.ask.path, self.ask.body, prompt or self.ask.prompt, params, exclude=dead,
@@ -224,6 +226,7 @@ class RequestFlow:
         tracker = self._migration.tracker() if self._migration is not None else None
         try:
             async for chunk in upstream.stream.aiter_raw():
+                self.phases.stamp("relayed")
                 if out := (tracker.feed(chunk) if tracker is not None else chunk):
                     yield out
             return

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ROUTER_PHASE_SECONDS = "pdserve_router_phase_seconds"
-ROUTER_PHASES = ("queue", "context", "handoff", "first_event")  # its label values
+ROUTER_PHASES = ("queue", "context", "handoff", "generation", "first_event")  # its label values
 QUEUE_SECONDS = "pdserve_request_queue_time_seconds"
 PREFILL_SECONDS = "pdserve_prefill_seconds"
 KV_TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
@@ -37,6 +37,7 @@ TTFT_PHASES = (
     Phase("handoff", "router", ROUTER_PHASE_SECONDS, "handoff"),
     Phase("generation_queue", "generation", QUEUE_SECONDS),
     Phase("kv_transfer", "generation", KV_TRANSFER_SECONDS),
+    Phase("generation_leg", "router", ROUTER_PHASE_SECONDS, "generation"),
     Phase("first_event", "router", ROUTER_PHASE_SECONDS, "first_event"),
 )
 

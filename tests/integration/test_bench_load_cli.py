@@ -63,7 +63,7 @@ def test_mixed_load_from_two_processes_against_a_real_server(tmp_path):
 
 
 PHASES = ("router_queue", "context_queue", "prefill", "context_leg", "handoff", "generation_queue", "kv_transfer",
-          "first_event")
+          "generation_leg", "first_event")
 
 
 def test_a_disaggregated_run_breaks_its_ttft_down_by_phase(tmp_path):

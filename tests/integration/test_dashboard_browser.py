@@ -30,7 +30,7 @@ ARTIFACTS = dh.ROOT / "test-artifacts"
 LOAD_REQUESTS, LOAD_CONCURRENCY = 12, 4
 RED_WITHIN_S = 5.0  # health is polled every second; a refused connection fences at once
 PHASES = ["router_queue", "context_queue", "prefill", "context_leg", "handoff", "generation_queue", "kv_transfer",
-          "first_event"]
+          "generation_leg", "first_event"]
 SECONDS = r"[\d.]+ m?s"
 
 # One call reads everything the assertions need from the live DOM (no stale element handles).

@@ -15,7 +15,7 @@ from prompts import random_prompt
 from waiting import wait_until
 
 LLAMA = "builtin:tiny-llama"
-ROUTER_PHASES = ("queue", "context", "handoff", "first_event")
+ROUTER_PHASES = ("queue", "context", "handoff", "generation", "first_event")
 STREAM_MIN_TOKENS = 257  # the context server prefills 256 tokens a step and streams longer prompts' KV
 
 
@@ -66,9 +66,11 @@ def test_every_phase_counts_each_request_once_on_the_router_and_the_servers(tmp_
     grew = {key: after[key] - before[key] for key in after}
     counts = {key: grew[key] for key in grew if key.endswith("_count")}
     assert counts == {**{f"router_{p}_count": sent for p in ROUTER_PHASES}, "router_handoff_count": streamed,
+                      "router_generation_count": streamed,
                       "context_queue_count": sent, "context_prefill_count": sent, "context_transfer_count": sent,
                       "generation_queue_count": sent, "generation_transfer_count": sent,
                       "generation_prefill_count": 0}, dep.logs()
     assert grew["router_context_sum"] >= grew["context_queue_sum"] + grew["context_prefill_sum"] > 0
     assert grew["router_first_event_sum"] >= grew["router_queue_sum"] + grew["router_context_sum"]
     assert grew["router_handoff_sum"] > 0 and grew["generation_transfer_sum"] > 0
+    assert grew["router_generation_sum"] > 0

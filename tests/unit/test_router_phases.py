@@ -105,7 +105,9 @@ def test_a_streamed_disaggregated_request_observes_each_router_phase_once():
         legs.gate.set()  # the generation leg's stream opens at +75 ms
         events += [e async for e in response.events]
         await response.on_close()
-        assert observed == [("queue", 2.0), ("context", 50.0), ("first_event", 60.0), ("handoff", 23.0)]
+        # the generation leg, started at +52 ms, relays its first event at +75 ms
+        assert observed == [("queue", 2.0), ("context", 50.0), ("first_event", 60.0), ("handoff", 23.0),
+                            ("generation", 23.0)]
         return events
 
     events = asyncio.run(run())
