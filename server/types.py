@@ -108,8 +108,7 @@ class RequestOutput:
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine (its loop runs on a thread of this process, or in a
-    process of its own: server/engine_host/)."""
+    """What the HTTP layer needs from an engine (on a thread or in a process: server/engine_host/)."""
 
     model_name: str
     max_seq_len: int
@@ -144,9 +143,8 @@ class LinkState:
 
 
 class EngineServer(EngineClient, Protocol):
-    """What one server's routes and its drain read beyond `EngineClient` (server/deploy/serve.py).
-    Two implementations: the engine thread in this process (`server.engine_host.thread`) and the
-    engine in a child process (`server.engine_host.process`)."""
+    """What one server's routes and its drain read beyond `EngineClient` (engine_host's thread and
+    process fronts)."""
 
     load_error: BaseException | None  # the engine could not start (the process exits)
 

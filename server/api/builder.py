@@ -314,7 +314,6 @@ def _transforms(body: Body, requests: list[GenerateRequest], logprobs: bool, ech
 
 
 def _zero_tokens(output: RequestOutput) -> RequestOutput:
-    """`echo` with `max_tokens: 0`: the engine generates one token (it cannot do fewer); the answer
-    has none of it, only the prompt and its logprobs."""
+    """`echo` with `max_tokens: 0`: the engine generated one token; the answer has none of it."""
     reason = output.finish_reason if failed(output) or not output.finished else "length"
     return replace(output, new_token_ids=[], new_text="", logprobs=None, completion_tokens=0, finish_reason=reason)

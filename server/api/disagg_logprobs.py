@@ -26,8 +26,7 @@ def expand(entry: CompactLogprob | None) -> TokenLogprob | None:
 
 
 def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prompt: bool) -> list[RequestOutput]:
-    """A context answer's choices (merged, by index), their `disagg` carrying the log-probabilities
-    the generation leg needs: the first token's of every choice, the prompt's."""
+    """A context answer's choices, their `disagg` carrying the logprobs only the context server computes."""
     params: dict = {}
     if logprobs:
         params["first_gen_logprobs"] = tuple(compact((c.logprobs or [None])[0]) for c in choices)

@@ -82,8 +82,7 @@ async def respond_stream(request: Request, engine: EngineClient, built: Built, f
 
 
 async def respond_context(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
-    """A context_only request whose router asked for streamed KV (server/api/context_stream.py): the
-    early event and the answer's, or today's JSON when this server does not stream this prompt."""
+    """A context_only request that asked for streamed KV: the early event and the answer's, or plain JSON."""
     gen = built.requests[0]
     early = streamed_params(request, engine, gen)
     if early is None:

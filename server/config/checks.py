@@ -13,8 +13,7 @@ from server.config.yaml_io import ConfigError
 
 
 class ServerLike(Protocol):
-    """What these rules read of a server's config (`schema.ServerConfig`; declared here so this
-    module does not import the schema that imports it)."""
+    """What these rules read of a `schema.ServerConfig` (declared here: the schema imports this module)."""
 
     model: str
     quantization: str | None

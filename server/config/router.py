@@ -85,8 +85,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return RouterAccess(self.api_keys or (), self.open_paths, self.tenant_salt_from_api_key)
 
     def with_keys(self, yaml_dir: Path, source: str) -> RouterConfig:
-        """A copy whose `api_keys` are all the valid keys: `api_keys`, `api_keys_file` and
-        PDSERVE_API_KEYS; errors name the file and the key."""
+        """A copy with every valid key: `api_keys`, `api_keys_file` and PDSERVE_API_KEYS."""
         keys = [*(self.api_keys or ()), *_keys_file(self.api_keys_file, yaml_dir, source), *_keys_env()]
         if self.tenant_salt_from_api_key and not keys:
             raise ConfigError(f"{source}: router.tenant_salt_from_api_key: needs API keys (router.api_keys, "

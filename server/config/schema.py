@@ -266,8 +266,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
 
 
 def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> DeploymentConfig:
-    """A deployment from a file's mapping (`source` names the file in errors; relative paths in it
-    are read from `base_dir`)."""
+    """A deployment from a file's mapping (`source` names it in errors; relative paths from `base_dir`)."""
     check_keys(data, (*DEPLOYMENT_KEYS, *ENGINE_KEYS), source, [])
     if isinstance(data.get("router"), dict):
         check_keys(data["router"], ROUTER_KEYS, source, ["router"])

@@ -107,8 +107,7 @@ def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, va
 
 
 def _literal(schema: type, path: KeyPath) -> tuple[Any, ...]:
-    """The choices of the Literal at `path` (and true, false if a bool is its alternative), in the
-    order the schema declares them."""
+    """The choices of the Literal at `path` (and true, false with a bool), in the schema's order."""
     parent = _unwrap(_type_at(mi.type_info(schema), path[:-1])) if path else None
     if not isinstance(parent, mi.StructType):
         return ()

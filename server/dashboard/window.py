@@ -41,8 +41,7 @@ class Window:
         return _increase(s.value(name, **labels) for s in self.recent(now, seconds))
 
     def rate(self, name: str, now: float, seconds: float = RATE_S, **labels: str) -> float | None:
-        """Increase per second over the samples of the last `seconds`; None until two samples span
-        some time, or when the newest is stale."""
+        """Increase per second over the last `seconds`; None until two samples span time, or when stale."""
         samples = self.recent(now, seconds)
         span = samples[-1].t - samples[0].t if samples else 0.0
         if span <= 0 or not self.fresh(now):

@@ -103,8 +103,7 @@ def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Pa
 
 
 def clean_up(log_dir: Path, token_file: Path, made: bool, failed: bool) -> None:
-    """Once every child has stopped: the token file goes; so does the log dir this launch made,
-    unless the launch failed (its logs say why; they hold no token)."""
+    """Once every child has stopped: the token file goes, and the log dir this launch made unless it failed."""
     token_file.unlink(missing_ok=True)
     if made and not failed:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -222,8 +221,7 @@ def health_url(host: str, port: int) -> str:
 
 def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
                     interval_s: float = 0.25) -> bool:
-    """Poll `base_url`/health until it answers 200 (True), or `alive()` turns False or `timeout_s`
-    passes (False). Shared by the launcher's callers: tests and benchmarks that start servers."""
+    """Poll `base_url`/health until 200 (True), or `alive()` turns False or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
         if health(f"{base_url}/health", 2.0)[0] == 200:

@@ -63,8 +63,7 @@ def listeners(cfg: DeploymentConfig) -> list[Listener]:
 
 
 def busy_ports(cfg: DeploymentConfig) -> list[str]:
-    """One line per port of the deployment that cannot be listened on now, naming it, its server and
-    the key that sets it; [] when every one is free."""
+    """One line per port of the deployment that cannot be listened on now, naming its server and key."""
     lines = []
     for item in listeners(cfg):
         problem = bind_problem(item.host, item.port)

@@ -132,8 +132,7 @@ class EngineFront:
 
 
 class EngineKvEvents:
-    """`app.state.kv_events`: where the engine's KV event publisher listens (its `Ready` says) and
-    the cache's snapshots (GET /kv_cache/events, /kv_cache/hashes)."""
+    """`app.state.kv_events`: where the engine publishes KV events, and the cache's snapshots."""
 
     class Published:
         def __init__(self, endpoint: str) -> None:

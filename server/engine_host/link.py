@@ -97,8 +97,7 @@ class HttpEnd(_Opener):
 
 
 class EngineEnd(_Opener):
-    """The engine process's end: connects to the HTTP end's pipes; engine loop thread only, but
-    `wake` (any thread) ends a `receive` wait."""
+    """The engine process's end (engine loop thread only; `wake`, from any thread, ends a `receive` wait)."""
 
     def __init__(self, directory: str, secret: bytes) -> None:
         super().__init__(link_codec(secret, engine_side=True))

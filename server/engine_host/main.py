@@ -34,8 +34,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class ParentWatch:
-    """A backstop to the parent-death signal: False once the HTTP process is gone (checked at most
-    every PARENT_CHECK_S)."""
+    """A backstop to the parent-death signal: False once the HTTP process is gone."""
 
     def __init__(self, parent_pid: int) -> None:
         self._parent_pid, self._at = parent_pid, 0.0

@@ -64,8 +64,7 @@ class _Queues:
 
 
 class AsyncEngine(EngineFront):
-    """`build_core` runs on the engine thread (which then owns every tensor); until the loop says
-    `Ready`, `is_ready()` is False and the HTTP layer answers 503."""
+    """`build_core` runs on the engine thread; until `Ready`, `is_ready()` is False (503)."""
 
     def __init__(self, build_core: Callable[[], EngineCore], model_name: str, max_seq_len: int, *,
                  metrics: ServerMetrics | None = None, publisher: KvEventPublisher | None = None,

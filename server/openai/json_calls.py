@@ -35,8 +35,7 @@ _ENDS_PRIMITIVE = ',]} \t\r\n'
 
 
 class _Span:
-    """Where a JSON value that starts at `start` ends, scanned incrementally (strings and escapes
-    respected). `end` is None until the value is complete."""
+    """Where a JSON value that starts at `start` ends, scanned incrementally (`end` None until complete)."""
 
     def __init__(self, start: int) -> None:
         self.start = self.pos = start

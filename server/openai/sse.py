@@ -61,8 +61,7 @@ async def _first_of(work: asyncio.Future, receive: Receive) -> bool:
 
 
 async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) -> tuple[bool, T | None]:
-    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None).
-    The request's body must have been read already."""
+    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None)."""
     work = asyncio.ensure_future(fn())
     if not await _first_of(work, receive):
         return False, None

@@ -42,8 +42,7 @@ def context_finished(ctx: dict) -> bool:
 
 
 def final_answer(ctx: dict, chat: bool, stream: bool, include_usage: bool) -> JSONBody | EventStream:
-    """The client's answer when the context leg ended the request: the context answer as it is, or
-    as a whole stream."""
+    """The client's answer when the context leg ended the request (JSON, or a whole stream)."""
     for choice in ctx.get("choices", []):
         choice["disaggregated_params"] = None  # the lease's parameters are the router's own business
     if not stream:
@@ -65,8 +64,8 @@ def opening_events(ctx: dict, chat: bool, response_id: str | None = None, contin
 
 def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
                    continued: bool = False) -> list[bytes]:
-    """The rest of a stream whose request the context answer `ctx` ended: each choice's final chunk,
-    usage if asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
+    """The rest of a stream the context answer ended: final chunks, usage if asked, [DONE];
+    `continued`: in a stream that is already open (a moved one)."""
     usage = [json_event(_envelope(ctx, chat, response_id, [], usage=ctx.get("usage")))] if include_usage else []
     return [*_chunks(ctx, chat, response_id, continued, finished=True), *usage, DONE]
 

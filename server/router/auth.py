@@ -73,8 +73,7 @@ def effective_cache_salt(access: RouterAccess, token: str | None, api_key: str |
 
 
 def set_cache_salt(body: dict, access: RouterAccess, token: str | None, api_key: str | None) -> str | None:
-    """Put the effective cache_salt into a request body for the servers; a sentence if the client's
-    salt is not a non-empty string (then the body is left as it was)."""
+    """Put the effective cache_salt into a body for the servers; a sentence if the client's is bad."""
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         return "cache_salt must be a non-empty string if provided"
@@ -97,8 +96,7 @@ def unauthorized(message: str, code: str) -> Response:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 unless the path is open or the request carries a valid key; the key
-    found is left in `request.state.api_key` (the tenant's salt is derived from it)."""
+    """401 unless the path is open or the request carries a valid key (kept in `request.state.api_key`)."""
 
     def __init__(self, app: ASGIApp, access: RouterAccess) -> None:
         self.app, self.access = app, access

@@ -109,8 +109,8 @@ class RequestFlow:
         self.servers: dict[str, str] = {}  # the server of each leg that answered: "context", "generation"
 
     async def respond(self, receive: Receive) -> Response:
-        """The client's response; `ClientGone` if the client left before it was ready. A stream's
-        response closes the flow when it ends; every other way out closes it here."""
+        """The client's response; `ClientGone` if the client left first. A stream's response closes the
+        flow when it ends; every other way out closes it here."""
         try:
             done, response = await unless_disconnected(self.answer, receive)
         except BaseException:

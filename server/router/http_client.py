@@ -59,8 +59,7 @@ class Response:
 
 
 class StreamResponse:
-    """A response whose body is read as it arrives. `aclose` ends it; a connection whose body was
-    not read to its end is closed, not reused."""
+    """A response read as it arrives; `aclose` ends it (a body not read to its end closes the connection)."""
 
     def __init__(self, status: int, chunks: AsyncIterator[bytes],
                  close: Callable[[], Awaitable[None]] | None = None, content_type: str = "") -> None:

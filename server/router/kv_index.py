@@ -24,8 +24,8 @@ class KvIndex:
         self.kv_dtype = ""  # the element type of the server's KV blocks ("" from a server that does not say)
 
     def reset(self, snapshot: dict) -> None:
-        """Replace the content with a snapshot's (`windows`: {window: {level name: [hex hashes]}}).
-        Raises ValueError, KeyError or TypeError on a malformed snapshot (the index is then unchanged)."""
+        """Replace the content with a snapshot's (`windows`: {window: {level: [hex hashes]}}); raises
+        ValueError, KeyError or TypeError if it is malformed (the index is then unchanged)."""
         windows: dict[int, dict[bytes, int]] = {}
         for window, levels in snapshot["windows"].items():
             blocks: dict[bytes, int] = {}

@@ -77,8 +77,7 @@ class EarlyContext:
 
 async def read_context(backend: Backend, response: StreamResponse, done: Callable[[], None],
                        parse: Callable[[Backend, Response], dict]) -> dict | EarlyContext:
-    """A context leg's answer: its JSON (`parse`d as any answer), or its early event (then `done()`
-    runs when the leg ends: `EarlyContext.close`)."""
+    """A context leg's answer: its JSON, or its early event (`done()` runs when the leg ends)."""
     try:
         if response.status != 200 or response.content_type != EVENT_STREAM:
             try:

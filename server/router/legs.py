@@ -104,8 +104,7 @@ class Legs:
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
                              exclude: frozenset[Backend] = frozenset(),
                              booked: Callable[[], None] = lambda: None) -> Upstream:
-        """`params`: None for an aggregated server. The policy's pick, and another if the first never
-        took the request."""
+        """`params`: None for an aggregated server. Another pick if the first never took the request."""
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
         last = await self._twice(self.generation_policy, self.generation, prompt, set(exclude), booked,
                                  lambda booking: self._generation_once(booking, path, gen_body),

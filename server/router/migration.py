@@ -73,8 +73,7 @@ class Migration:
         return DisaggParams("context_only", prompt_token_ids=prompt, prior_output_tokens=len(self.tokens))
 
     def continued(self, params: DisaggParams) -> DisaggParams:
-        """The next generation leg's `params` (server/router/flow.py `_handoff`) continue the client's
-        stream: its id, the output it has, and the tokens the context leg just sampled."""
+        """The next generation leg's `params`, continuing the client's stream: its id and output so far."""
         prior = len(self.tokens)
         self.tokens.extend(params.first_gen_tokens or ())
         return replace(params, response_id=self.response_id, report_tokens=True, prior_output_tokens=prior)

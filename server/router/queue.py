@@ -93,8 +93,8 @@ class LegPicker:
         return Booking(backend, tokens, self._wake_first)
 
     async def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Booking | None:
-        """A booking on the policy's choice; None when no healthy server is left to try. Waits while
-        every candidate is saturated; LegError 503 when the queue is full or the wait times out."""
+        """A booking on the policy's choice; None when no healthy server is left. Waits while every
+        candidate is saturated; LegError 503 when the queue is full or the wait times out."""
         if not [b for b in backends if b.healthy and b not in exclude]:
             return None
         if not self._waiters:

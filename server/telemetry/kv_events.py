@@ -50,8 +50,7 @@ class KvEventBatch(msgspec.Struct, tag=True, frozen=True):
 
 
 def event_codec(token: str, *, publisher: bool, epoch: str = "") -> SignedCodec:
-    """One end of the events channel: the server's publisher (its `epoch` on every batch) or the
-    router's subscriber."""
+    """One end of the events channel: the server's publisher (with its `epoch`) or the router's subscriber."""
     sends, receives = ("batches", "subscribes") if publisher else ("subscribes", "batches")
     return SignedCodec(token.encode(), "kv-events", sends, receives, Subscribe if publisher else KvEventBatch,
                        epoch=epoch, fresh=True, max_bytes=MAX_MESSAGE_BYTES)
@@ -131,8 +130,7 @@ class _Publisher:
 
 
 class KvEventPublisher:
-    """Owns the publisher thread. `publish` is called on the engine thread and never blocks. Every
-    batch names the element type of the server's KV blocks (`kv_dtype`)."""
+    """Owns the publisher thread; `publish` (engine thread) never blocks."""
 
     def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
         self._handler = _Publisher(token, epoch, host, kv_dtype)

@@ -83,8 +83,7 @@ class SpecCounts:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """The engine's cumulative counters at scrape time: preemptions, the live transfer stats, and
-    speculative decoding."""
+    """The engine's cumulative counters at scrape time."""
 
     preemptions: int = 0
     transfers: Sequence[TransferCounts] = ()

@@ -85,8 +85,7 @@ class Ranks:
 
     # ---- the commands
     def attach(self, kv: KVCacheManager) -> None:
-        """Give the ranks the pools' slot counts and mirror every copy `kv` runs from now on (and with
-        a disk tier, every check of its files: server/tp/disk.py)."""
+        """Give the ranks the pools' slot counts and mirror every copy (and disk check) `kv` runs from now on."""
         window = kv.window_sizes[0]
         num_disk = kv.num_slots(window, Level.DISK)
         self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY), num_disk))
@@ -104,8 +103,7 @@ class Ranks:
         self._ops.append(op)
 
     def flush(self) -> None:
-        """Send every queued operation, in order, to every rank. A rank that does not take them can no
-        longer follow rank 0: the server ends (as if it had died)."""
+        """Send every queued operation, in order, to every rank; a rank that does not take them ends the server."""
         if self._ops:
             ops, self._ops = self._ops, []
             try:

@@ -184,8 +184,7 @@ class Worker:
             self.disk.after_copies(op.window)
 
     def forward(self, op: Forward) -> None:
-        """This rank's part of one step; rows with a pending token take it from the sampled ids
-        rank 0 broadcasts (server/tp/runner.py)."""
+        """This rank's part of one step; pending tokens come from the ids rank 0 broadcasts."""
         chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits, s.num_logits)
                   for s in op.seqs]
         pending = None

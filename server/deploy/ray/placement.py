@@ -69,8 +69,7 @@ def check_feasible(ray, wanted: list[Want], source: str) -> None:
 
 
 def place(ray, wanted: list[Want], deployment: str, detached: bool, timeout_s: float) -> dict[str, Placed]:
-    """A ready placement group per want; PlacementError (every group removed) if one is not ready
-    within `timeout_s`."""
+    """A ready placement group per want; PlacementError (all removed) if one is not ready in `timeout_s`."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     lifetime = "detached" if detached else None
