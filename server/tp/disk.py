@@ -54,8 +54,7 @@ class DiskChecks:
     def __call__(self, items: list[tuple[int, int, bytes]]) -> Callable[[], dict[int, tuple[str, str]]]:
         self._calls += 1
         call = self._calls
-        self._ranks.add(CheckDisk(call, items))
-        self._ranks.flush()
+        self._ranks.flush(CheckDisk(call, items))
         return lambda: self._answers(call, len(items))
 
     def _answers(self, call: int, n: int) -> dict[int, tuple[str, str]]:

@@ -102,8 +102,10 @@ class Ranks:
     def add(self, op: Op) -> None:
         self._ops.append(op)
 
-    def flush(self) -> None:
-        """Send every queued operation, in order, to every rank; a rank that does not take them ends the server."""
+    def flush(self, *ops: Op) -> None:
+        """Queue `ops`, then send every queued operation, in order, to every rank; a rank that does not
+        take them ends the server."""
+        self._ops += ops
         if self._ops:
             ops, self._ops = self._ops, []
             try:
