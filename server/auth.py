@@ -1,11 +1,7 @@
 """The deployment token on internal HTTP endpoints: only the deployment drives the KV plane.
 
-Every process of a deployment holds one shared secret (the launcher makes it, or the operator
-supplies it: `cache_transceiver_config.auth_token`, `PDSERVE_AUTH_TOKEN`, or a file named by
-`PDSERVE_AUTH_TOKEN_FILE`). The router sends it in the `x-pdserve-token` header on every internal
-call; a server answers 401 to a request that carries `disaggregated_params`, releases a lease, or
-reads its cache index without it. A server with no token refuses those requests altogether.
-"""
+Requests that carry `disaggregated_params`, release a lease or read the cache index need the
+`x-pdserve-token` header; a server with no token refuses them altogether."""
 
 from __future__ import annotations
 

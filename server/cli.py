@@ -124,21 +124,17 @@ def _serve(args: argparse.Namespace) -> int:
                  "kv_cache_config": {"dtype": args.kv_cache_dtype} if args.kv_cache_dtype else None}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     role = args.role or "aggregated"
-    try:
-        if args.config:
-            if overrides or args.model or (args.server and args.role):
-                raise ConfigError("--config cannot be combined with a model or option flags (nor --server with --role)")
-            cfg = load_server(args.config, args.server) if args.server else load_server_config(args.config, role)
-        elif args.server:
-            raise ConfigError("--server needs --config DEPLOYMENT.yaml")
-        elif args.model:
-            cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", role)
-        else:
-            raise ConfigError("give a model (builtin:tiny-story, the trained default, or a Hugging Face model "
-                              "directory) or --config FILE")
-    except ConfigError as exc:
-        print(f"pdserve serve: {exc}", file=sys.stderr)
-        return 2
+    if args.config:
+        if overrides or args.model or (args.server and args.role):
+            raise ConfigError("--config cannot be combined with a model or option flags (nor --server with --role)")
+        cfg = load_server(args.config, args.server) if args.server else load_server_config(args.config, role)
+    elif args.server:
+        raise ConfigError("--server needs --config DEPLOYMENT.yaml")
+    elif args.model:
+        cfg = server_config_from_dict({"model": args.model, **overrides}, "<command line>", role)
+    else:
+        raise ConfigError("give a model (builtin:tiny-story, the trained default, or a Hugging Face model "
+                          "directory) or --config FILE")
     return serve(cfg, args.server, _port_key(args))
 
 
@@ -165,17 +161,12 @@ def _router(args: argparse.Namespace) -> int:
     from server.deploy.ports import PORT_HINT, bind_http
     from server.router.app import create_router_app
 
-    try:
-        cfg = load_deployment(args.config)
-    except ConfigError as exc:
-        print(f"pdserve router: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_deployment(args.config)
     configure_logging()
     front = cfg.generation_servers if cfg.disaggregated else cfg.aggregated_servers
     if cfg.router.tenant_salt_from_api_key and not cfg.auth_token:
-        print(f"pdserve router: {cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
-              "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
+                          "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)")
     address = host_port(cfg.host, cfg.port)
     try:
         sock = bind_http(cfg.host, cfg.port)
@@ -199,25 +190,17 @@ def _router(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from server.config.schema import ConfigError
     from server.deploy.launcher import LaunchOptions, launch
 
     options = LaunchOptions(log_dir=Path(args.log_dir) if args.log_dir else None)
     if args.ray is None:
         if args.detach or args.name:
-            print("pdserve launch: --detach and --name go with --ray", file=sys.stderr)
-            return 2
-        try:
-            return launch(args.config, options)
-        except ConfigError as exc:
-            print(f"pdserve launch: {exc}", file=sys.stderr)
-            return 2
+            raise UsageError("--detach and --name go with --ray")
+        return launch(args.config, options)
     return _launch_on_ray(args, options)
 
 
 def _launch_on_ray(args: argparse.Namespace, options) -> int:
-    from server.config.schema import ConfigError
-    from server.deploy.ray import RayMissing
     from server.deploy.ray.launch import RayOptions, launch_on_ray
     from server.deploy.ray.placement import PlacementError
 
@@ -225,23 +208,15 @@ def _launch_on_ray(args: argparse.Namespace, options) -> int:
                              placement_timeout_s=args.placement_timeout)
     try:
         return launch_on_ray(args.config, options, ray_options)
-    except (ConfigError, RayMissing) as exc:
-        print(f"pdserve launch: {exc}", file=sys.stderr)
-        return 2
     except PlacementError as exc:
         print(f"pdserve launch: {exc}", file=sys.stderr)
         return 1
 
 
 def _ray(args: argparse.Namespace) -> int:
-    from server.deploy.ray import RayMissing
     from server.deploy.ray.manage import down, status
 
-    try:
-        return (status if args.action == "status" else down)(args.name, args.address, args.namespace)
-    except RayMissing as exc:
-        print(f"pdserve ray: {exc}", file=sys.stderr)
-        return 2
+    return (status if args.action == "status" else down)(args.name, args.address, args.namespace)
 
 
 def _calibrate_kv(args: argparse.Namespace) -> int:
@@ -249,9 +224,12 @@ def _calibrate_kv(args: argparse.Namespace) -> int:
 
     try:
         return main(args)
-    except ValueError as exc:
-        print(f"pdserve calibrate-kv: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # its own refusals, not only a config's
+        raise UsageError(str(exc)) from exc
+
+
+class UsageError(Exception):
+    """A command's refusal: `pdserve COMMAND: message` on stderr, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,8 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from server.config.yaml_io import ConfigError
+    from server.deploy.ray import RayMissing
+
     try:
         return handlers[args.command](args)
+    except (ConfigError, RayMissing, UsageError) as exc:
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before a server took over SIGINT (while importing or loading)
         print(f"pdserve {args.command}: interrupted", file=sys.stderr)
         return 0 if args.command in SERVING_COMMANDS else 130

@@ -10,10 +10,8 @@ from typing import NoReturn
 
 
 def exit_now(code: int) -> NoReturn:
-    """Flush the logs and the standard streams, then skip the interpreter's teardown: its final
-    garbage collection of torch, the model and the caches takes about a second of CPU, which every
-    stop and every restart of a server would otherwise wait for. Callers close what they own first
-    (sockets, the disk tier's writes, child processes): nothing here runs atexit handlers."""
+    """Flush the logs and the standard streams, then skip the interpreter's teardown (its final garbage
+    collection takes about a second of CPU on every stop). Callers close what they own first."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

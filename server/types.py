@@ -1,9 +1,5 @@
-"""Plain data exchanged between the HTTP layer, the engine and the router.
-
-These are the contracts between `server/api` (HTTP) and `server/engine` (scheduler, runner); the
-disaggregation legs' `DisaggParams` is the wire schema's own (server/openai/protocol.py). No torch
-here: these objects cross threads and are turned into JSON.
-"""
+"""Plain data exchanged between the HTTP layer, the engine and the router (no torch: these cross
+threads and are turned into JSON)."""
 
 from __future__ import annotations
 
@@ -33,10 +29,8 @@ class StructuredSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings (OpenAI fields plus vLLM's extras).
-
-    Log-probabilities are those of the model's own distribution (log_softmax of the raw logits,
-    before penalties, biases, temperature, top-k/top-p/min-p and grammar masks)."""
+    """Per-request decoding settings (OpenAI fields plus vLLM's extras). Log-probabilities are those
+    of the raw logits, before penalties, biases, temperature, top-k/top-p/min-p and grammar masks."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -91,13 +85,11 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
-    """One increment of one choice of a request's output; each choice's last has `finished=True`.
+    """One increment of one choice (`index`) of a request's output; each choice's last has `finished=True`.
 
-    `new_token_ids`/`new_text` hold only what is new since the previous output of that choice
-    (`index`, 0..n-1). Counters are cumulative per choice (`prompt_tokens` is the prompt's).
-    `logprobs` (when asked) has one entry per `new_token_ids`; `prompt_logprobs` (when asked) is
-    set on a choice's first output: one entry per prompt token, None for the first.
-    """
+    `new_token_ids`/`new_text` are what is new since the choice's previous output; counters are
+    cumulative. `logprobs` has one entry per new token; `prompt_logprobs` comes on a choice's first
+    output, None for the first prompt token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -116,8 +108,7 @@ class RequestOutput:
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine (its loop runs on a thread of this process, or in a
-    process of its own: server/engine_host/)."""
+    """What the HTTP layer needs from an engine (on a thread or in a process: server/engine_host/)."""
 
     model_name: str
     max_seq_len: int
@@ -152,9 +143,8 @@ class LinkState:
 
 
 class EngineServer(EngineClient, Protocol):
-    """What one server's routes and its drain read beyond `EngineClient` (server/deploy/serve.py).
-    Two implementations: the engine thread in this process (`server.engine_host.thread`) and the
-    engine in a child process (`server.engine_host.process`)."""
+    """What one server's routes and its drain read beyond `EngineClient` (engine_host's thread and
+    process fronts)."""
 
     load_error: BaseException | None  # the engine could not start (the process exits)
 

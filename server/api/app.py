@@ -1,9 +1,5 @@
-"""`create_app`: the FastAPI application of one server.
-
-The engine is created in `lifespan` by the factory the caller passes, stored on `app.state.engine`
-and reached through the dependencies in `server.api.deps`; there are no module globals, so tests
-can build several apps or swap the engine with `app.dependency_overrides`.
-"""
+"""`create_app`: the FastAPI application of one server; the engine is made in `lifespan` and
+reached through `server.api.deps` (no module globals)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from fastapi import FastAPI
 from server.api.access import EndpointDirectory
 from server.api.builder import DEFAULT_MAX_N
 from server.api.errors import install_error_handlers
-from server.api.routes import chat, completions, health, models
+from server.api.routes import health, v1
 from server.api.routes import metrics as metrics_route
 from server.openai.openapi import openapi_document
 from server.telemetry.metrics import ServerMetrics
@@ -28,14 +24,9 @@ EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineCl
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
                auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
-    """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`).
-
-    `metrics` is the registry `/metrics` exposes; pass the same object to the engine so it can feed
-    it (a fresh, unfed one is made when omitted). `auth_token` is the deployment token that
-    `disaggregated_params` and the internal routes need; `context_directory` (generation servers)
-    knows the only KV endpoints this server may pull from (`server.api.access`). `max_n` is the most
-    choices (`n`) a request may ask for per prompt.
-    """
+    """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
+    `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV
+    endpoints this server may pull from (`server.api.access`)."""
     server_metrics = metrics if metrics is not None else ServerMetrics()
 
     @asynccontextmanager
@@ -60,6 +51,6 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
     app.state.context_directory = context_directory
     app.state.max_n = max_n
     install_error_handlers(app)
-    for module in (completions, chat, models, health, metrics_route):
+    for module in (v1, health, metrics_route):
         app.include_router(module.router)
     return app

@@ -1,16 +1,7 @@
 """One OpenAI body -> the engine's requests, in one pass (`build_request`), read top to bottom:
-
-1. what needs the server: the model it serves, its maximum `n`, the log-probability fields;
-2. the prompt: chat messages through the model's template (with the tools plan: tool_choice.py,
-   chat_template.py), or the completion prompts; token ids within the vocabulary;
-3. the disaggregated parameters: checked across fields; a leg's own prompt ids and prior output;
-4. the constraint: one per request, structured output or tool_choice (structured.py compiles it);
-5. sampling, per prompt: `max_tokens` against the context length, `SamplingParams`;
-6. how to answer: `FormatOptions` (echo, logprob pieces: token_text.py, tools) and what is done to
-   the outputs first (a generation leg's: disagg_logprobs.py; `max_tokens: 0`).
-Plain value checks are pydantic's (server/openai/protocol.py). Every failure is an `APIError` (400,
-or 404 for the model). One engine request per prompt, each with the request's `n`.
-"""
+server limits, the prompt, the disaggregated parameters, the constraint, sampling per prompt, and
+how to answer. Plain value checks are pydantic's (server/openai/protocol.py). Every failure is an
+`APIError` (400, or 404 for the model). One engine request per prompt, each with the request's `n`."""
 
 from __future__ import annotations
 
@@ -180,9 +171,8 @@ def _check_disagg(body: Body, vocab_size: int, prompts: int) -> DisaggParams | N
 
 
 def _prompt_and_prior(prompt_ids: list[int], disagg: DisaggParams | None, vocab_size: int) -> tuple[list[int], int]:
-    """The prompt's ids and how many of the last are a moved stream's output so far (`prior_output_tokens`).
-    A leg's `prompt_token_ids` win over re-tokenising: the KV the context server made is for exactly
-    those (a moved stream's context leg prefills the prompt and the output so far)."""
+    """The prompt's ids and how many of the last are a moved stream's output (`prior_output_tokens`).
+    A leg's `prompt_token_ids` win over re-tokenising: the context server's KV is for exactly those."""
     prior = disagg.prior_output_tokens if disagg is not None else 0
     if disagg is not None and disagg.prompt_token_ids and (disagg.request_type == GENERATION_ONLY or prior):
         prompt_ids = _token_ids(list(disagg.prompt_token_ids), vocab_size, "disaggregated_params.prompt_token_ids")
@@ -246,10 +236,7 @@ def _engine_request(body: Body, engine: EngineClient, prompt: Prompt, request_id
 
 def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_seq_len: int,
                        prompt_param: str) -> int:
-    """The number of tokens to generate; errors name the prompt or `max_tokens`.
-
-    `default` None means "up to the context length" (chat); an explicit request must fit entirely.
-    """
+    """The number of tokens to generate; `default` None: up to the context length (chat)."""
     room = max_seq_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum context length is "
@@ -327,7 +314,6 @@ def _transforms(body: Body, requests: list[GenerateRequest], logprobs: bool, ech
 
 
 def _zero_tokens(output: RequestOutput) -> RequestOutput:
-    """`echo` with `max_tokens: 0`: the engine generates one token (it cannot do fewer); the answer
-    has none of it, only the prompt and its logprobs."""
+    """`echo` with `max_tokens: 0`: the engine generated one token; the answer has none of it."""
     reason = output.finish_reason if failed(output) or not output.finished else "length"
     return replace(output, new_token_ids=[], new_text="", logprobs=None, completion_tokens=0, finish_reason=reason)

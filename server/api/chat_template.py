@@ -1,9 +1,5 @@
-"""Chat messages -> prompt token ids, through the model's own chat template.
-
-Messages go to the template as transformers' templates expect them: `role` and `content` (text
-parts joined), an assistant's earlier `tool_calls` with their arguments as objects (OpenAI sends
-JSON text), a tool result's `tool_call_id`; the tools (if any) as `tools=`.
-"""
+"""Chat messages -> prompt token ids, through the model's own chat template (messages shaped as
+transformers' templates expect them; tool call arguments as objects)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Generation side: the KV endpoints of this deployment's context servers, asked of them
-(`GET /kv_cache/endpoint`, docs/SECURITY.md "Where a generation server connects").
+(`GET /kv_cache/endpoint`; docs/SECURITY.md).
 
-An endpoint not yet known triggers one refresh (shared by the calls waiting for it), and a
-background task refreshes every `interval_s`, so endpoints are known before the first request and
-stay known after their server dies (a pull from it then fails as unreachable, not as foreign).
-After every refresh `on_refresh()` runs (the server shakes hands with the endpoints: layout check).
-One HTTP client serves every refresh (a new one each time built an SSL context: tens of
-milliseconds of the event loop, every `interval_s`, under every stream the server relays).
-"""
+An unknown endpoint triggers one shared refresh; a background task refreshes every `interval_s`,
+and endpoints stay known after their server dies (a pull then fails as unreachable, not foreign).
+One HTTP client serves every refresh (building one costs tens of milliseconds of the event loop)."""
 
 from __future__ import annotations
 
@@ -78,9 +74,7 @@ class ContextDirectory:
 
     async def knows(self, endpoint: str) -> bool:
         """True if `endpoint` is the KV endpoint of one of the deployment's context servers. An unknown
-        one makes the directory ask the servers again, unless a refresh started since this call began
-        (that one saw the servers as they are now: concurrent calls share it). Only callers holding the
-        deployment token get here (server/api/access.py)."""
+        one triggers a refresh, unless one started since this call began (concurrent calls share it)."""
         if endpoint in self.endpoints:
             return True
         asked = time.monotonic()

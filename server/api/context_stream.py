@@ -1,11 +1,7 @@
 """The context leg of a request whose KV is streamed while it is prefilled (docs/KV_STREAM.md).
 
-The router asks for it (`disaggregated_params.kv_stream` on a context_only request); this server
-decides (`kv_stream_min_tokens`). When it streams, it answers at once with two SSE events:
-`{"kv_stream": <disaggregated_params>}` (the lease, before the engine admits the request), then
-`{"status", "body"}`: the context answer or the error it would have been. server/api/generation.py
-`respond_context` sends them.
-"""
+When it streams, the server answers at once with two SSE events: `{"kv_stream": <params>}` (the
+lease, before the engine admits the request), then `{"status", "body"}`: the context answer."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Log-probabilities across the disaggregation legs, so a generation leg answers what an aggregated
-server would (docs/API.md, "Several prompts and n choices"). The context server's answer carries what
-only it can compute (`first_gen_logprobs`, `prompt_logprobs`); the generation server puts them on
-each choice's first output (`GenerationOutputs`). When the router streamed the first token itself
-(`first_text_streamed`), the generation server leaves that token out of what it formats (its text,
-logprobs and token report): the router sent them.
-"""
+server would: the context server's `first_gen_logprobs` and `prompt_logprobs` go on each choice's
+first output; a first token the router streamed itself is left out."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ def expand(entry: CompactLogprob | None) -> TokenLogprob | None:
 
 
 def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prompt: bool) -> list[RequestOutput]:
-    """A context answer's choices (merged, by index), their `disagg` carrying the log-probabilities
-    the generation leg needs: the first token's of every choice, the prompt's."""
+    """A context answer's choices, their `disagg` carrying the logprobs only the context server computes."""
     params: dict = {}
     if logprobs:
         params["first_gen_logprobs"] = tuple(compact((c.logprobs or [None])[0]) for c in choices)
@@ -44,9 +39,8 @@ def with_context_logprobs(choices: Sequence[RequestOutput], logprobs: bool, prom
 
 
 class GenerationOutputs:
-    """A generation_only request's outputs as the aggregated server would have made them: each
-    choice's first output gets the context server's first-token and prompt logprobs, or, when the
-    router streamed that token itself, loses it. `n` choices: one first token each."""
+    """A generation_only request's outputs as an aggregated server would make them: each choice's first
+    output gets the context server's logprobs, or loses its token when the router streamed it."""
 
     def __init__(self, disagg: DisaggParams, n: int) -> None:
         self._disagg = disagg

@@ -1,21 +1,8 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` (statuses: docs/API.md).
 
-Status codes:
-- 400 `invalid_request_error`: bad values (empty prompt, prompt or prompt + max_tokens beyond
-  `max_seq_len`, `max_tokens` < 1, `temperature` < 0, `top_p` outside (0, 1], `n` above the server's
-  maximum, a field pdserve does not implement (server/openai/fields.py)), malformed
-  JSON, and **wrong types** too. pdserve answers wrong types with 400, not FastAPI's 422, as OpenAI
-  and vLLM do (so the `openai` client raises `BadRequestError`); the message names the field.
-- 401 `authentication_error`: `disaggregated_params` or an internal endpoint without the deployment
-  token; 403 `permission_error`: a generation_only request naming a KV endpoint that is not one of
-  the deployment's context servers (`server.api.access`).
-- 404 `not_found_error`: unknown route, unknown model name, a KV lease the context server does not
-  hold; 409 a second pull of a lease already being pulled.
-- 405 for a wrong method on a known route.
-- 500/502/503 from the engine: a `RequestOutput` with `finish_reason == "error"` carries its status
-  in `error_code`; an engine-side abort is a 503; an unexpected exception is a 500.
-Every handler returns a response and the server keeps serving.
-"""
+Wrong types are a 400 naming the field, not FastAPI's 422, as OpenAI and vLLM answer (so the
+`openai` client raises `BadRequestError`). Every handler returns a response and the server keeps
+serving."""
 
 from __future__ import annotations
 

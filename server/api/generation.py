@@ -1,9 +1,5 @@
-"""Run one request on the engine and answer it as JSON or as an SSE stream.
-
-Its engine requests (one per prompt: server/api/builder.py) are owned by `RequestStreams`
-(server/api/streams.py), which aborts those not finished however the exchange ends; client
-disconnects are watched actively (server/openai/sse.py), so a request still queued is aborted too.
-"""
+"""Run one request on the engine and answer it as JSON or as an SSE stream; its engine requests
+are owned by `RequestStreams`, which aborts the unfinished ones however the exchange ends."""
 
 from __future__ import annotations
 
@@ -86,8 +82,7 @@ async def respond_stream(request: Request, engine: EngineClient, built: Built, f
 
 
 async def respond_context(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
-    """A context_only request whose router asked for streamed KV (server/api/context_stream.py): the
-    early event and the answer's, or today's JSON when this server does not stream this prompt."""
+    """A context_only request that asked for streamed KV: the early event and the answer's, or plain JSON."""
     gen = built.requests[0]
     early = streamed_params(request, engine, gen)
     if early is None:
@@ -135,11 +130,8 @@ async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Form
 
 
 def _token_comment(output: RequestOutput, n: int) -> bytes:
-    """The output's token ids as an SSE comment line (`: tokens 12 34`, `final` on the last; with n > 1
-    choices the choice's index first, `: tokens #1 12 34`), so the router knows exactly which tokens
-    the text it relayed came from (it moves the stream to another server with them if this one dies).
-    Clients ignore comments; the router takes them out. Ids whose text the router streamed itself
-    (`first_text_streamed`) were taken out of the outputs already (server/api/disagg_logprobs.py)."""
+    """The output's token ids as an SSE comment line (`: tokens 12 34`, `final` on the last; `#1` names
+    choice 1 when n > 1): the router takes it out and knows which tokens the text came from (migration)."""
     ids = output.new_token_ids
     if not ids and not output.finished:
         return b""

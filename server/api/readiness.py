@@ -1,14 +1,7 @@
-"""What /health reports beyond a loaded engine (`health_report(app)`, set up by server/deploy/serve.py).
-
-In order of precedence, a status other than "ok" makes /health answer 503:
-- `draining`: SIGTERM was received (server/deploy/drain.py);
-- `unhealthy`: a transceiver socket thread died, so no KV transfer can run (never a silent hang);
-- `incompatible`: a generation server's handshake with one of its context servers found KV layouts
-  that disagree (dtype, tokens_per_block, layers, KV heads, head_dim, window groups, model
-  fingerprint); `detail` names the field. A generation server also lists every context server
-  with the state of that handshake (`context_servers`: url -> "compatible", "unchecked",
-  "unreachable", "unknown" (its KV endpoint is not known yet) or "incompatible: ...").
-"""
+"""What /health reports beyond a loaded engine; any status but "ok" is a 503, in this precedence:
+`draining` (SIGTERM), `unhealthy` (a transceiver socket thread died), `incompatible` (a handshake
+found KV layouts that disagree; `detail` names the field). A generation server also lists each
+context server's handshake state (`context_servers`)."""
 
 from __future__ import annotations
 

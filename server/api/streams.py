@@ -1,14 +1,8 @@
 """The engine requests of one HTTP request, and who owns them.
 
-Ownership: an `EngineStream` owns the engine's output iterator of one engine request (one prompt,
-its `n` choices). Whatever way the HTTP exchange ends (finished, client gone, error, cancellation),
-`RequestStreams.close()` runs and closes every one; an engine request the engine has not finished
-is aborted there, so its KV blocks are freed.
-
-`RequestStreams` merges the outputs of a request's engine requests (a completions request with P
-prompts has P) in the order they come, each numbered as the answer numbers its choices: prompt p's
-choice c is p * n + c (OpenAI's order). One engine request is read directly, without tasks.
-"""
+An `EngineStream` owns one engine request's output iterator. Whatever way the exchange ends,
+`RequestStreams.close()` closes every one, aborting unfinished ones so their KV blocks are freed.
+Choices are numbered as OpenAI orders them: prompt p's choice c is p * n + c."""
 
 from __future__ import annotations
 

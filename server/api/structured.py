@@ -1,9 +1,5 @@
 """Structured output: a request's constraint as the engine's `StructuredSpec`, checked before it
-reaches the engine (400 naming the field when the grammar engine rejects it). The fields it comes
-from, one per request: docs/API.md ("Extras"), or chat `tool_choice` (its schema made by
-server/api/tool_choice.py). A JSON schema travels as JSON text, a choice as a JSON list of strings.
-A request that names one (`SamplingRequest.constrained`) is built off the event loop.
-"""
+reaches the engine (a 400 naming the field when the grammar engine rejects it)."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ def _vllm_spec(param: str, key: str, value: Any) -> StructuredSpec:
 
 def request_constraint(body: SamplingRequest, tool_schema: dict[str, Any] | str | None, tool_param: str,
                        tokenizer: object) -> StructuredSpec | None:
-    """The request's one constraint, compiled: its own fields' or `tool_choice`'s (`tool_schema`, from
-    the field `tool_param`), never both; None when it has none."""
+    """The request's one constraint, compiled (its fields' or `tool_choice`'s, never both); None if none."""
     found = _from_response_format(body) + [(p, _vllm_spec(p, key, value)) for p, key, value in _vllm_fields(body)]
     if len(found) > 1:
         first, second = (p.split(".")[0] for p, _ in found[:2])

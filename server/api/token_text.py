@@ -1,10 +1,7 @@
-"""Each token's text and bytes, for log-probabilities (server/openai/logprobs.py `Pieces`).
+"""Each token's text and bytes, for log-probabilities.
 
-The text is the token decoded alone (special tokens as written: `<|eos|>`). The bytes are the
-token's own: for byte-level BPE (GPT-2, Llama 3, Qwen) its vocabulary string mapped back through the
-byte alphabet, so a character split over two tokens shows as its two halves; for SentencePiece, `▁`
-is a space and `<0xAB>` byte-fallback tokens are that byte; otherwise the UTF-8 of its text.
-"""
+The text is the token decoded alone. The bytes are the token's own: byte-level BPE's vocabulary
+string mapped back through the byte alphabet, SentencePiece's `▁` and `<0xAB>` fallbacks, else UTF-8."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ from server.config.yaml_io import ConfigError
 
 
 class ServerLike(Protocol):
-    """What these rules read of a server's config (`schema.ServerConfig`; declared here so this
-    module does not import the schema that imports it)."""
+    """What these rules read of a `schema.ServerConfig` (declared here: the schema imports this module)."""
 
     model: str
     quantization: str | None
@@ -89,10 +88,8 @@ def check_disk_paths(servers: list[S], source: str) -> None:
 
 
 def check_kv_formats(servers: list[S], source: str) -> None:
-    """A context server's KV blocks reach a generation server as they are: both must store them
-    alike, the same kv_cache_config.dtype and, for FP8, the same scales (the same scales file, or
-    files of equal scales, or both the checkpoint's). Refused here, naming both servers; the KV
-    link's handshake refuses a pair started by hand (transceiver/wire.py `layout_mismatch`)."""
+    """A context server's KV blocks reach a generation server as they are: both must have the same
+    kv_cache_config.dtype and, for FP8, equal scales. Refused here, naming both servers."""
     generation = [s for s in servers if s.role == "generation"]
     for ctx in (s for s in servers if s.role == "context"):
         for gen in generation:

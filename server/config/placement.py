@@ -1,15 +1,6 @@
-"""`ray_actor_options`: where `pdserve launch --ray` places a section's servers (Ray Serve's key).
-
-```yaml
-ray_actor_options:              # top level: the router's; in a server section: each of its servers'
-  num_cpus: 2                   # per actor, and per rank of a tensor-parallel server
-  num_gpus: 1                   # per rank: a TP=2 server asks for 2 GPUs on one node
-  resources: {node_a: 1}        # custom resources a node advertises (`ray start --resources`)
-  runtime_env: {env_vars: {HF_HOME: /models}}   # Ray's runtime environment for the actor
-```
-
-Declared here without importing Ray: the one-host launcher reads the same file and ignores the key.
-"""
+"""`ray_actor_options`: where `pdserve launch --ray` places a section's servers (Ray Serve's key:
+num_cpus, num_gpus per rank, resources, runtime_env; docs/DEPLOY.md). Declared here without
+importing Ray: the one-host launcher reads the same file and ignores the key."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The router's settings: the deployment YAML's `router:` section, declared once (server/config/schema.py
-converts the YAML into it), and the one type the router runs on (server/router/app.py).
-
-```yaml
-router:
-  type: kv_cache_aware            # round_robin | load_balancing | kv_cache_aware
-  migration_limit: 1              # moves of one request to another generation server when its own dies
-  api_keys: [...]                 # and api_keys_file, open_paths, tenant_salt_from_api_key (router/auth.py)
-  kv_weights: {primary: 1.0, secondary: 0.75, disk: 0.25}   # kv_cache_aware: value of a hit token per tier
-  load_weight: 1.0                # kv_cache_aware: cost of a token a server still has to compute
-  queue: {max_inflight_per_server: 64, max_waiting: 1024, timeout_s: 60}
-  conditional: {max_local_prefill_length: 256, min_prefix_hit: 512}   # off unless given
-```
-
-Routing (docs/ROUTING.md) and access (docs/SECURITY.md) keys; their defaults are those of the
-router's own types (`ScoreWeights`, `QueueLimits`, `RouterAccess`). The rest of a `RouterConfig`
-(its servers, model, token, drain) comes from the deployment (`DeploymentConfig.router_config`),
-never from the `router:` section.
-"""
+"""The router's settings: the deployment YAML's `router:` section (keys in docs/ROUTING.md and
+docs/SECURITY.md), and the one type the router runs on. Its servers, model, token and drain come
+from the deployment (`DeploymentConfig.router_config`), never from `router:`."""
 
 from __future__ import annotations
 
@@ -101,8 +85,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return RouterAccess(self.api_keys or (), self.open_paths, self.tenant_salt_from_api_key)
 
     def with_keys(self, yaml_dir: Path, source: str) -> RouterConfig:
-        """A copy whose `api_keys` are all the valid keys: `api_keys`, `api_keys_file` and
-        PDSERVE_API_KEYS; errors name the file and the key."""
+        """A copy with every valid key: `api_keys`, `api_keys_file` and PDSERVE_API_KEYS."""
         keys = [*(self.api_keys or ()), *_keys_file(self.api_keys_file, yaml_dir, source), *_keys_env()]
         if self.tenant_salt_from_api_key and not keys:
             raise ConfigError(f"{source}: router.tenant_salt_from_api_key: needs API keys (router.api_keys, "

@@ -1,21 +1,12 @@
 """The deployment YAML as one declared schema: msgspec Structs, each key and its default declared once.
 
-`ServerConfig` is one engine process: the whole `pdserve serve --config FILE` file, or one server of
-a deployment. A deployment file has TensorRT-LLM's `trtllm-serve disaggregated` shape: top-level
-engine keys (every ServerConfig key but its placement: role, hostname, port, context_urls) are
-inherited by `context_servers` and `generation_servers` (`inherit`), and a section may override
-them; `kv_cache_config` and `cache_transceiver_config` merge key by key. Without `context_servers`
-the deployment runs aggregated: the `generation_servers` become aggregated servers behind the
-router, or, with no server section at all, one aggregated server listens on `hostname:port` and no
-router runs. `router:` is server/config/router.py's RouterConfig. The launcher's children
-read the same file and pick their own server by name (`pdserve serve --config FILE --server context-0`).
-
-Every problem raises ConfigError with the message `<file>: <key.path>: <what is wrong>`.
-Environment: PDSERVE_HOSTNAME replaces the deployment's top-level `hostname` (the Docker image sets
-0.0.0.0 with it); PDSERVE_AUTH_TOKEN supplies `cache_transceiver_config.auth_token` when the file
-leaves it null (the launcher hands the token to its children that way, never through argv), or
-PDSERVE_AUTH_TOKEN_FILE names a file holding it (an operator restarting one server by hand).
-"""
+`ServerConfig` is one engine process. A deployment file has TensorRT-LLM's `trtllm-serve
+disaggregated` shape: top-level engine keys are inherited by `context_servers` and
+`generation_servers` (`inherit`; the config sections merge key by key). Without `context_servers`
+it runs aggregated; with no server section, one server listens on `hostname:port`, no router.
+Every problem raises ConfigError `<file>: <key.path>: <what is wrong>`. PDSERVE_HOSTNAME replaces
+the top-level `hostname`; PDSERVE_AUTH_TOKEN (or the file PDSERVE_AUTH_TOKEN_FILE names) supplies
+the token when the file leaves it null."""
 
 from __future__ import annotations
 
@@ -83,51 +74,39 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_seq_len: Positive = 2048
     max_batch_size: Positive = 64
     max_num_tokens: Positive = 2048
-    # a step starts no more waiting prompts once it prefills this many tokens; None: the device's
-    # default (server/engine_host/build.py: one prompt's worth on a CPU, max_num_tokens on a GPU)
+    # a step starts no more waiting prompts once it prefills this many; None: server/engine_host/build.py's
     max_prefill_batch_tokens: Positive | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: Triton kernels (paged attention, fused norms/RoPE) on CUDA when Triton is installed
     kernels: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # with Triton kernels: decode steps replay graphs captured at start-up
-    # fp8: the linear layers' weights in FP8 e4m3, quantized at load per output channel (a float
-    # checkpoint; the lm_head and embeddings stay in `dtype`); an FP8 checkpoint is served as FP8
-    # either way. null: the checkpoint as stored. docs/FP8.md
+    # fp8: a float checkpoint's linear layers quantized to FP8 e4m3 at load (docs/FP8.md)
     quantization: Literal["fp8"] | None = None
-    # ranks (one process each; on CUDA, rank r on cuda:r of the GPUs the server sees): must divide the
-    # model's attention heads, and divide or be a multiple of its kv heads
+    # ranks, one process each (rank r on cuda:r); must divide the attention heads (tp_problem)
     tensor_parallel_size: Positive = 1
-    # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
-    # its own process on CUDA, the thread on a CPU (server/engine_host/)
+    # the engine in a process of its own (true) or on a thread (false); auto: its own process on CUDA
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
-    # schedule and launch step k+1 while the GPU runs step k (sampled ids stay on the device, reach
-    # the host one step late); auto: on CUDA, off on a CPU (its forward is synchronous anyway)
+    # schedule step k+1 while the GPU runs step k; auto: on CUDA only (docs/GPU.md)
     async_scheduling: Literal["auto"] | bool = "auto"
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     # speculative decoding (server/engine/speculative/): method off | ngram | draft_model, default off
     speculative: SpeculativeConfig = SpeculativeConfig()
     # its `host` is the server's own unless the file sets it; its auth_token the deployment's
     cache_transceiver_config: TransceiverConfig = TransceiverConfig()
-    # context servers: send a prompt's KV while it is prefilled, block by block (the generation leg
-    # starts at once and pulls them as they are written; server/api/context_stream.py). auto: for
-    # prompts of more than max_num_tokens tokens (prefilled in several steps); on: every prompt; off:
-    # never. A tensor-parallel context server always sends whole prompts.
+    # context servers: send a prompt's KV while it is prefilled (docs/KV_STREAM.md); auto: prompts
+    # prefilled in several steps (over max_num_tokens)
     kv_stream: Literal["auto", "on", "off"] = "auto"
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
     drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
     # the most choices (`n`) a completions or chat request may ask for per prompt (a 400 naming n above it)
     max_n: Positive = 16
-    # generation servers: the deployment's context servers ("host:port"); KV is pulled from their
-    # KV senders only, never from an address a request names (server/api/context_directory.py)
+    # generation servers: the deployment's context servers; KV is pulled only from their KV senders
     context_urls: tuple[HostPort, ...] = ()
-    # extra environment of this server's process under `pdserve launch` (which GPUs it sees:
-    # CUDA_VISIBLE_DEVICES; ...); the CUDA_MPS_* variables only with gpu_share: off (they are its)
+    # extra environment of this server's process under `pdserve launch` (CUDA_VISIBLE_DEVICES, ...)
     env: dict[str, str] = {}  # checked and made strings by _env (YAML writes `CUDA_VISIBLE_DEVICES: 0`)
-    # this server's share of a GPU that `pdserve launch` places it on with other servers of the
-    # deployment (server/deploy/gpu_share.py): they run under the CUDA MPS daemon the launcher starts,
-    # each with this percent of the SMs. auto: a context and a generation server on one GPU get the
-    # measured best split (60 and 100); off: never under MPS (plain time-slicing)
+    # this server's percent of the SMs of a GPU it shares under CUDA MPS (docs/DEPLOY.md,
+    # server/deploy/gpu_share.py); off: never under MPS
     gpu_share: GpuShare = "auto"
     role: Role = "aggregated"  # set by the section (a deployment) or `--role`, never in the file
 
@@ -146,11 +125,9 @@ MERGED_KEYS = ("kv_cache_config", "cache_transceiver_config", "speculative")  # 
 
 
 class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`restart:` of a deployment: how `pdserve launch` brings back a child that died.
-
-    A death within `quick_s` of the child's (re)start is quick; the launcher restarts after
-    `backoff_s`, doubled for each quick death in a row (at most 30 s), and gives up on the child
-    after `max_quick_deaths` quick deaths in a row. `max_quick_deaths: 0` never restarts."""
+    """`restart:` of a deployment: a death within `quick_s` of a start is quick; the launcher restarts
+    after `backoff_s`, doubled per quick death in a row (at most 30 s), and gives up after
+    `max_quick_deaths` of them (0: never restarts)."""
 
     max_quick_deaths: Annotated[int, Meta(ge=0)] = 5
     backoff_s: Seconds = 1.0
@@ -289,8 +266,7 @@ def load_deployment(path: str | Path) -> DeploymentConfig:
 
 
 def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> DeploymentConfig:
-    """A deployment from a file's mapping (`source` names the file in errors; relative paths in it
-    are read from `base_dir`)."""
+    """A deployment from a file's mapping (`source` names it in errors; relative paths from `base_dir`)."""
     check_keys(data, (*DEPLOYMENT_KEYS, *ENGINE_KEYS), source, [])
     if isinstance(data.get("router"), dict):
         check_keys(data["router"], ROUTER_KEYS, source, ["router"])

@@ -1,9 +1,5 @@
-"""Reading config YAML: strict loading, and msgspec conversion whose errors name the file and key.
-
-`convert(data, Schema, source)` is msgspec.convert with its ValidationError turned into a
-ConfigError `<file>: <key.path>: <what is wrong>`; unknown keys get a close match and the valid keys.
-The schema itself lives in server/config/schema.py (and the components' own Structs).
-"""
+"""Reading config YAML: strict loading, and msgspec conversion whose errors are ConfigErrors
+`<file>: <key.path>: <what is wrong>` (an unknown key gets a close match and the valid keys)."""
 
 from __future__ import annotations
 
@@ -111,8 +107,7 @@ def _expected(message: str, node: Any, choices: tuple[Any, ...], found: bool, va
 
 
 def _literal(schema: type, path: KeyPath) -> tuple[Any, ...]:
-    """The choices of the Literal at `path` (and true, false if a bool is its alternative), in the
-    order the schema declares them."""
+    """The choices of the Literal at `path` (and true, false with a bool), in the schema's order."""
     parent = _unwrap(_type_at(mi.type_info(schema), path[:-1])) if path else None
     if not isinstance(parent, mi.StructType):
         return ()

@@ -31,8 +31,7 @@ class Sample:
         return out
 
     def buckets(self, histogram: str, **labels: str) -> dict[float, float]:
-        """Upper bound (math.inf for "+Inf") -> cumulative count of a histogram's buckets (of the
-        series with `labels`)."""
+        """Upper bound (math.inf for +Inf) -> cumulative count of a histogram's buckets with `labels`."""
         return {_bound(le): v for le, v in self.by_label(f"{histogram}_bucket", "le", **labels).items()}
 
 

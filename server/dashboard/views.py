@@ -1,15 +1,6 @@
-"""What the page shows, computed from the windows of samples: plain JSON-ready dicts.
-
-Per server: health, epoch and restarts (from its /health), requests per state, the KV pool per
-window and level, prefix hit rate, offload / onboard rates, KV transfers, speculative decoding's
-acceptance and latency percentiles.
-For the deployment: requests per second (the router's own counter), TTFT over the servers that
-make first tokens (context or aggregated), TPOT over the servers that decode (generation or
-aggregated), KV transfers as the receiving side counts them, and the phases of the time to first
-token (server/telemetry/phases.py): p50 and mean of each, from the router's and the servers'
-histograms. A server that stopped answering keeps its last figures, marked `stale`; its rates are
-None and leave the deployment's sums.
-"""
+"""What the page shows, computed from the windows of samples: plain JSON-ready dicts, per server and
+for the deployment. A server that stopped answering keeps its last figures, marked `stale`; its
+rates are None and leave the deployment's sums."""
 
 from __future__ import annotations
 
@@ -54,8 +45,7 @@ def server_view(backend: Backend, window: Window, now: float) -> dict:
 
 
 def pool_view(series: list[tuple[Mapping[str, str], float]]) -> list[dict]:
-    """[{"window", "level", "free", "cached", "in_use", "total"}] by window, primary level first; a
-    level without blocks (no host tier configured) is left out."""
+    """[{window, level, free, cached, in_use, total}], primary level first; empty levels left out."""
     bars: dict[tuple[int, str], dict] = {}
     for labels, count in series:
         key = (int(labels["window"]), labels["level"])
@@ -69,8 +59,7 @@ def pool_view(series: list[tuple[Mapping[str, str], float]]) -> list[dict]:
 
 
 def transfer_view(windows: list[Window], now: float) -> dict:
-    """KV transfers as the given servers count them: lifetime count, failures and lease expiries,
-    transfers and bytes per second over the last RATE_S."""
+    """KV transfers as the given servers count them: totals, and rates over the last RATE_S."""
     latest = [w.latest for w in windows if w.latest is not None]
     return {"count": int(sum(s.value(f"{TRANSFER}_count") for s in latest)),
             "failures": int(sum(s.value("pdserve_kv_transfer_failures_total") for s in latest)),
@@ -80,8 +69,7 @@ def transfer_view(windows: list[Window], now: float) -> dict:
 
 
 def spec_view(windows: list[Window], now: float) -> dict:
-    """Speculative decoding over the window: accepted / verified draft tokens, tokens a request emits
-    per verify step, draft tokens verified per second (None while nothing was drafted)."""
+    """Speculative decoding over the window: acceptance, tokens per verify step, drafts per second."""
     def increase(name: str) -> float:
         return sum(w.increase(name, now) for w in windows)
 
@@ -116,8 +104,7 @@ def deployment_view(backends: list[Backend], windows: Mapping[str, Window], rout
 
 
 def phase_view(phase: Phase, windows: list[Window], now: float) -> dict:
-    """{"name", "source", "p50", "mean" (seconds; None when nothing was observed), "count"} of one
-    phase over the window, its sources' histograms merged."""
+    """p50, mean (None when nothing was observed) and count of one phase, its sources' histograms merged."""
     h, labels = phase.histogram, phase.labels
     buckets = merge_buckets(w.bucket_increase(h, now, **labels) for w in windows)
     count = sum(w.increase(f"{h}_count", now, **labels) for w in windows)

@@ -1,10 +1,7 @@
 """The last minute of samples of one source: counter increases, rates and histogram quantiles.
 
-Counters only grow, except when the process behind them restarts: a value lower than the one
-before is counted from zero (as Prometheus' `increase` does), so a restart never makes a rate negative.
-Spans end at `now` (the reader's clock): a server that stopped answering has no rate once its last
-sample is older than STALE_S, and its figures leave the one-minute window as they age.
-"""
+A counter lower than before is counted from zero (a restart), as Prometheus' `increase` does. A
+source whose last sample is older than STALE_S has no rate."""
 
 from __future__ import annotations
 
@@ -44,8 +41,7 @@ class Window:
         return _increase(s.value(name, **labels) for s in self.recent(now, seconds))
 
     def rate(self, name: str, now: float, seconds: float = RATE_S, **labels: str) -> float | None:
-        """Increase per second over the samples of the last `seconds`; None until two samples span
-        some time, or when the newest is stale."""
+        """Increase per second over the last `seconds`; None until two samples span time, or when stale."""
         samples = self.recent(now, seconds)
         span = samples[-1].t - samples[0].t if samples else 0.0
         if span <= 0 or not self.fresh(now):

@@ -1,16 +1,10 @@
 """Graceful drain on SIGTERM, for an engine server and for the router.
 
-1. SIGTERM: the process starts draining. /health answers 503 `{"status": "draining", ...}` (the
-   router fences the server; the launcher's probes see it), and every new request on an admission
-   route (`/v1/completions`, `/v1/chat/completions`) gets 503 in OpenAI's error shape with code
-   `draining`. Internal routes keep answering: a generation server still pulls the KV of the leases
-   a draining context server holds.
-2. Requests in flight run to their end (the gate counts each until its response, streamed or not,
-   is sent), and so does whatever the `idle` check watches (an engine's queued requests, its KV
-   leases still to be pulled, its pulls running), for at most `timeout_s`.
-3. Then uvicorn shuts down as usual (connections closed, lifespan ends). The process exits 0.
-A second SIGTERM, or SIGINT, stops at once as before (uvicorn's own handling).
-"""
+SIGTERM: /health answers 503 `draining` and new requests on the admission routes get 503 (code
+`draining`); internal routes keep answering, so generation servers still pull a draining context
+server's leases. Requests in flight and what `idle` watches (queued requests, leases, pulls) end
+within `timeout_s`; then uvicorn shuts down as usual (exit 0). A second SIGTERM, or SIGINT, stops
+at once."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """`gpu_share`: which servers of a deployment share a GPU, and each one's share of its SMs.
 
-`pdserve launch` runs every server of the deployment on its own host. A server sees the GPUs that
-`CUDA_VISIBLE_DEVICES` names in its process (its section's `env`, else the launcher's environment;
-every GPU when unset) and uses the first `tensor_parallel_size` of them (rank r on cuda:r);
-`device: cpu` uses none. Servers whose GPUs overlap share them. Such a group runs under CUDA MPS
-(server/deploy/mps.py) when none of its servers says `gpu_share: off` and either it holds a context
-and a generation server (`auto`) or one of its servers gives its share as a number. Each server of
-the group then gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its number, else CONTEXT_SM_PERCENT for a
-context server and GENERATION_SM_PERCENT for the others.
-
-GPUs are compared as written (an index or a UUID): a server given `0` and one given GPU 0's UUID are
-not seen to share it. This module reads the config only; mps.py checks the host and runs the daemon.
-"""
+A server sees the GPUs its CUDA_VISIBLE_DEVICES names (its `env`, else the launcher's; all when
+unset) and uses the first `tensor_parallel_size`; servers whose GPUs overlap share them. Such a
+group runs under CUDA MPS (mps.py) unless one says `gpu_share: off`, when it holds a context and a
+generation server (`auto`) or one gives a number. GPUs are compared as written (index or UUID).
+This module reads the config only; mps.py checks the host and runs the daemon."""
 
 from __future__ import annotations
 

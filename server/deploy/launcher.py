@@ -1,30 +1,12 @@
 """`pdserve launch CONFIG.yaml`: start every server and the router as child processes and supervise.
 
-Life of a launch:
-0. Load the deployment and check that every port it listens on is free (server/deploy/ports.py): a
-   port in use ends the launch with 1 before anything starts, naming the port, its server and key.
-1. Make an auth token when the file has none (secrets.token_hex). The token reaches the children
-   only through the PDSERVE_AUTH_TOKEN environment variable, and is written to `<log dir>/auth_token`
-   (mode 0600; a log dir the launcher makes is a fresh 0700 temporary directory) so that an operator
-   can start one server again by hand while the launch runs (PDSERVE_AUTH_TOKEN_FILE names that file;
-   the launcher prints the command). At exit, once the children are stopped, the token file is
-   removed, and so is the temporary log dir unless the launch failed (its logs are kept, and named).
-2. Servers placed on one GPU with `gpu_share` run under a CUDA MPS daemon of this launch
-   (server/deploy/gpu_share.py, mps.py): it starts before them, their Child environments name it,
-   and it quits after them however the launch ends.
-3. Start the servers, each reading the deployment file and its own server in it
-   (`pdserve serve --config FILE --server context-0`), each in its own session (process group) and,
-   on Linux, with PR_SET_PDEATHSIG so that even a SIGKILLed launcher takes them down. Output goes
-   to <log dir>/<name>.log.
-4. Wait until every server answers GET /health with 200 (a server that reports its peers
-   `incompatible` fails the launch at once, naming the field); wait until every generation server
-   has shaken hands with every context server; then start the router and wait for it.
-   A child that exits meanwhile, or the startup timeout, stops everything and returns 1.
-5. Print the URL and supervise (server/deploy/supervisor.py): a child that dies is restarted on its port
-   with backoff, up to `restart.max_quick_deaths` quick deaths in a row; giving up on the router (or
-   the only server when there is no router) stops everything and returns 1. SIGINT/SIGTERM/SIGHUP:
-   drain and stop everything (the router first, then the servers), return 0.
-"""
+Order: check every port is free (a busy one ends the launch with 1 before anything starts); make a
+token if the file has none; start the CUDA MPS daemon of `gpu_share`; start the servers (each its own
+session, PR_SET_PDEATHSIG on Linux), wait for their /health and KV handshakes; start the router;
+supervise (server/deploy/supervisor.py) until a stop signal (0) or the front is given up (1).
+The token reaches the children only through PDSERVE_AUTH_TOKEN, and `<log dir>/auth_token` (0600)
+while the launch runs; both the file and a log dir the launcher made go at exit (the logs stay when
+the launch failed). docs/DEPLOY.md and docs/RELIABILITY.md describe it for operators."""
 
 from __future__ import annotations
 
@@ -121,8 +103,7 @@ def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Pa
 
 
 def clean_up(log_dir: Path, token_file: Path, made: bool, failed: bool) -> None:
-    """Once every child has stopped: the token file goes; so does the log dir this launch made,
-    unless the launch failed (its logs say why; they hold no token)."""
+    """Once every child has stopped: the token file goes, and the log dir this launch made unless it failed."""
     token_file.unlink(missing_ok=True)
     if made and not failed:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -240,8 +221,7 @@ def health_url(host: str, port: int) -> str:
 
 def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
                     interval_s: float = 0.25) -> bool:
-    """Poll `base_url`/health until it answers 200 (True), or `alive()` turns False or `timeout_s`
-    passes (False). Shared by the launcher's callers: tests and benchmarks that start servers."""
+    """Poll `base_url`/health until 200 (True), or `alive()` turns False or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
         if health(f"{base_url}/health", 2.0)[0] == 200:

@@ -1,19 +1,11 @@
 """The CUDA MPS control daemon of one `pdserve launch`, for the servers that share a GPU (`gpu_share`).
 
-`start_gpu_share` checks the host, starts `nvidia-cuda-mps-control -d` with pipe and log directories
-private to this launch (`<log dir>/mps/pipe` and `<log dir>/mps/log`, mode 0700) and returns a
-GpuShare: `env_of(name)` is what a server of a shared GPU adds to its environment (those directories
-and its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; the launcher keeps it in the server's Child, so a
-restarted server gets the same), and `stop()` quits the daemon (`echo quit | nvidia-cuda-mps-control`)
-after the servers have stopped. Every command has a timeout.
-
-Where MPS cannot run, the servers time-slice the GPU as they would without the key, and one line
-says why: a GPU in exclusive-process mode, no nvidia-cuda-mps-control on PATH, another user's MPS
-daemon on the host, a daemon that fails to start or to answer, or `device: cuda` with no GPU listed
-by nvidia-smi. CUDA_MPS_PIPE_DIRECTORY set for the launcher means MPS is run by hand: the servers
-keep that environment (one line says so). With `device: auto` on a host without a GPU (nvidia-smi
-missing or listing none: a CPU deployment) nothing is said.
-"""
+`start_gpu_share` starts `nvidia-cuda-mps-control -d` with pipe and log directories private to the
+launch (`<log dir>/mps/`, 0700); `GpuShare.env_of(name)` is what a sharing server adds to its
+environment (kept in its Child, so a restart gets the same) and `stop()` quits the daemon after the
+servers. Every command has a timeout. Where MPS cannot run, the servers time-slice the GPU and one
+line says why (nothing on a CPU deployment); CUDA_MPS_PIPE_DIRECTORY set for the launcher means MPS
+is run by hand."""
 
 from __future__ import annotations
 

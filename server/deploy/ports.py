@@ -1,11 +1,5 @@
 """The ports a pdserve process listens on: bound before anything is started or loaded, so that a port
-in use is an error at start-up that names it, never a server that answers for another deployment.
-
-`pdserve launch` checks every port of the deployment (`busy_ports`) before it starts a child;
-`pdserve serve` and `pdserve router` bind their HTTP socket (`bind_http`) before they load a model or
-build the app, and hand it to uvicorn, which listens on it once the app has started (until then a
-bound socket that does not listen refuses connections, as a free port would).
-"""
+in use is an error at start-up that names it, never a server that answers for another deployment."""
 
 from __future__ import annotations
 
@@ -69,8 +63,7 @@ def listeners(cfg: DeploymentConfig) -> list[Listener]:
 
 
 def busy_ports(cfg: DeploymentConfig) -> list[str]:
-    """One line per port of the deployment that cannot be listened on now, naming it, its server and
-    the key that sets it; [] when every one is free."""
+    """One line per port of the deployment that cannot be listened on now, naming its server and key."""
     lines = []
     for item in listeners(cfg):
         problem = bind_problem(item.host, item.port)

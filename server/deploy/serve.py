@@ -52,9 +52,8 @@ def engine_in_child(cfg: ServerConfig) -> bool:
 
 
 def make_app(cfg: ServerConfig, on_fatal=None):
-    """The server's app. `on_fatal()` is called if the engine cannot load, or its process dies
-    (the server process should then exit non-zero); `on_fatal(RANK_DIED_EXIT)` when the engine
-    process ended because one of its tensor-parallel ranks died."""
+    """The server's app. `on_fatal()` is called if the engine cannot load or its process dies;
+    `on_fatal(RANK_DIED_EXIT)` when a tensor-parallel rank died."""
     metrics = ServerMetrics()
     token = cfg.cache_transceiver_config.auth_token
     engine = _engine(cfg, metrics, on_fatal)
@@ -136,9 +135,8 @@ IN_THREAD_SWITCH_INTERVAL_S = 0.001
 
 
 def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> int:
-    """Run the server until SIGTERM (drained), SIGINT (at once) or a fatal engine error: 0 on a stop,
-    the error's code otherwise. `name` is the server's in its deployment (context-0), `key` what set
-    its port: both name it when the port is in use, which ends it before anything is loaded (1)."""
+    """Run the server until SIGTERM (drained), SIGINT or a fatal engine error: 0 on a stop, else the
+    error's code. `name` and `key` name the server and what set its port if the port is in use (1)."""
     os.environ.update(cfg.env)  # the launcher sets them already; by hand, before CUDA reads them
     configure_logging()
     label = name or f"{cfg.role} server"

@@ -1,17 +1,10 @@
 """The launcher's children while they run: start, health-wait, restart the dead, stop in order.
 
-Restart (`restart:` of the deployment, `RestartPolicy`): a child that exits while the launcher is
-not stopping is started again with the same command, config, port and environment (under CUDA MPS:
-the same daemon and share of the SMs) after a backoff; the process is new, so its KV sender has a
-new epoch (and, on the default ephemeral KV port, a new endpoint that generation servers learn
-from it). A death within `quick_s` of the child's start is quick; the backoff doubles with each
-quick death in a row, and after `max_quick_deaths` of them the launcher gives up on that child,
-loudly. Giving up on the front (the router, or the only server) ends the launch with 1.
-
-Stop: the router first (it drains: new requests get 503, those in flight end), then every server
-(each drains its own requests and KV transfers); each group gets its drain timeout plus `grace_s`
-after SIGTERM, then SIGKILL.
-"""
+A dead child is started again with the same command, port and environment after a backoff that
+doubles with each quick death in a row (`RestartPolicy`); the new process has a new KV epoch.
+Giving up on the front (the router, or the only server) ends the launch with 1. Stop: the router
+first (it drains), then every server; each group gets its drain timeout plus `grace_s` after
+SIGTERM, then SIGKILL."""
 
 from __future__ import annotations
 
@@ -131,8 +124,7 @@ class Supervisor:
         return run
 
     def wait_healthy(self, stop: StopOnSignals, timeout_s: float) -> bool:
-        """True once every started child answers /health; False on exit, timeout, stop signal, or a
-        child that reports a problem no wait can cure (status `incompatible`: layout skew)."""
+        """`wait_healthy` for every started child."""
         watched = [Watched(r.child, lambda r=r: _exited(r), lambda r=r: log_tail(r.log_path)) for r in self.running]
         return wait_healthy(watched, stop, timeout_s, self.poll_interval_s, self.say)
 

@@ -1,6 +1,5 @@
-"""`build_core`: one server's engine core, built on the thread that will own it (the engine thread,
-or the engine process's main thread): weights, KV manager, runner, the role's connector and its
-transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is."""
+"""`build_core`: one server's engine core, built on the thread that will own it: weights, KV
+manager, runner, the role's connector and transceiver, and a tensor-parallel server's other ranks."""
 
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> EngineCore:
-    """Everything tensor-owning is made here, on the engine thread (in the engine process, if any;
-    the engine loop gives the core its metrics recorder).
-    A tensor-parallel server's other ranks are started here too: this thread's process is rank 0."""
+    """Everything tensor-owning is made here, on the engine thread (or the engine process); a
+    tensor-parallel server's other ranks are started here too (this process is rank 0)."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(cfg.model)

@@ -1,14 +1,8 @@
-"""The HTTP process's side of its engine, whichever host runs the engine loop (server/engine_host/
-loop.py): `AsyncEngine` (a thread of this process) and `EngineProcess` (a child process) are this
-class with their own transport, and the `server.types.EngineServer` the routes use.
+"""The HTTP process's side of its engine, whichever host runs the engine loop: `AsyncEngine` and
+`EngineProcess` are this class with their own transport (`_send`; messages come back to `_handle`).
 
-Requests go to the loop as commands (`_send`); the loop's messages come back through `_handle`. A
-`StepOut`'s outputs go to per-request streams (server/engine_host/streams.py `ChoiceStream`: a request's
-n choices, the outputs a slow consumer has not read yet coalesced per choice), its metrics are
-replayed into the server's registry (`RelayedMetrics`) and its state is kept: /health, the drain,
-/metrics' scrape-time figures and the advertised KV sender read that last state. A snapshot of the
-reuse cache (GET /kv_cache/hashes) is a call answered by `SnapshotReply`.
-"""
+A `StepOut`'s outputs go to per-request streams, its metrics into the server's registry, and its
+state is kept for /health, the drain and /metrics."""
 
 from __future__ import annotations
 
@@ -138,8 +132,7 @@ class EngineFront:
 
 
 class EngineKvEvents:
-    """`app.state.kv_events`: where the engine's KV event publisher listens (its `Ready` says) and
-    the cache's snapshots (GET /kv_cache/events, /kv_cache/hashes)."""
+    """`app.state.kv_events`: where the engine publishes KV events, and the cache's snapshots."""
 
     class Published:
         def __init__(self, endpoint: str) -> None:

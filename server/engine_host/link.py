@@ -1,14 +1,8 @@
 """The two ends of the engine link's sockets (messages and sealing: server/engine_host/wire.py).
 
-The HTTP process binds both pipes in a private directory (`mkdtemp`: mode 0700, so no other user
-can connect) before it starts the engine process, which connects to them. Each end's sockets are
-used by one thread only: the HTTP end by the event loop (`HttpEnd`: a plain PUSH it sends on
-without blocking, a zmq.asyncio PULL its reader awaits), the engine end by the engine loop
-(`EngineEnd`, which also waits on a wake-up pipe so the transceiver's threads can end its idle wait).
-Sends never block (no high-water mark: the reader on the other side drains the pipe every turn);
-every receive waits at most the timeout it is given. Messages a side cannot open are dropped and
-counted (`rejected`).
-"""
+The HTTP process binds both pipes in a private 0700 directory before it starts the engine process.
+Each end's sockets are used by one thread only. Sends never block (no high-water mark: the reader
+drains every turn); every receive has a timeout. Messages a side cannot open are dropped and counted."""
 
 from __future__ import annotations
 
@@ -103,8 +97,7 @@ class HttpEnd(_Opener):
 
 
 class EngineEnd(_Opener):
-    """The engine process's end: connects to the HTTP end's pipes; engine loop thread only, but
-    `wake` (any thread) ends a `receive` wait."""
+    """The engine process's end (engine loop thread only; `wake`, from any thread, ends a `receive` wait)."""
 
     def __init__(self, directory: str, secret: bytes) -> None:
         super().__init__(link_codec(secret, engine_side=True))

@@ -1,15 +1,10 @@
-"""The engine loop, one for both hosts: a thread of the HTTP process (`AsyncEngine`,
-server/engine_host/thread.py) or the engine process (server/engine_host/main.py).
+"""The engine loop, one for both hosts: a thread of the HTTP process (thread.py) or the engine
+process (main.py).
 
-receive commands (waiting at most the core's idle wait) -> step -> tick hooks (KV events and
-snapshots) -> KV health check -> deliver ONE `StepOut`: the step's outputs, what the metrics
-recorded, the engine's state if it changed. Commands come in and messages go out through a `Port`:
-a queue and the event loop's callbacks for the thread, the ipc link for the process. Either way the
-HTTP side reads the same messages (server/engine_host/front.py). `run_engine` is a host's whole life:
-build, `Ready` (or `LoadFailed`), the loop until `Shutdown`, close. The engine's state besides its
-requests (transceiver liveness and handshakes, the advertised KV sender, idleness for the drain) is
-read here, on the loop's thread (`links_of`, `idle_of`).
-"""
+receive commands -> step -> tick hooks -> KV health check -> deliver one `StepOut`. Commands and
+messages go through a `Port` (queues for the thread, the ipc link for the process); either way the
+HTTP side reads the same messages (front.py). `run_engine` is a host's whole life: build, `Ready`
+(or `LoadFailed`), the loop until `Shutdown`, close."""
 
 from __future__ import annotations
 
@@ -100,9 +95,8 @@ class EngineLoop:
             self._deliver(outputs)
 
     def close(self) -> None:
-        """After the loop: fail what the transceiver still runs with an explicit message and close
-        its sockets, close the KV event publisher, let the disk tier's queued writes land (a restart
-        finds them), stop a tensor-parallel engine's other ranks."""
+        """After the loop: fail the transceiver's transfers and close its sockets, close the publisher,
+        let the disk tier's queued writes land, stop a tensor-parallel engine's other ranks."""
         for link in transceiver(self.core):
             if link is not None:
                 link.close()

@@ -1,11 +1,7 @@
 """`python -m server.engine_host.main`: the engine process of one server (started by spawn.py).
 
-It runs the engine loop (server/engine_host/loop.py `run_engine`, as the engine thread does): the KV
-event publisher, the core (`server.engine_host.build.build_core`: weights, KV manager, runner, connector
-and transceiver threads, and a tensor-parallel server's other ranks, whose rank 0 this process is),
-`Ready` to the HTTP process, the loop until `Shutdown` or until the HTTP process is gone, then it
-closes what it owns. A load failure is logged, reported (`LoadFailed`) and ends the process with 1.
-"""
+It runs `run_engine` as the engine thread does, until `Shutdown` or until the HTTP process is gone.
+A load failure is logged, reported (`LoadFailed`) and ends the process with 1."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class ParentWatch:
-    """A backstop to the parent-death signal: False once the HTTP process is gone (checked at most
-    every PARENT_CHECK_S)."""
+    """A backstop to the parent-death signal: False once the HTTP process is gone."""
 
     def __init__(self, parent_pid: int) -> None:
         self._parent_pid, self._at = parent_pid, 0.0

@@ -1,14 +1,8 @@
 """The HTTP process's engine when the engine runs in its own process (`engine_process`).
 
-`EngineProcess` is the engine's front (server/engine_host/front.py, as `AsyncEngine` is) over the
-ipc link: it starts the child, sends commands, and one reader task on the event loop hands the
-child's messages to the front. The tokenizer is loaded here too, from the model directory the
-child's `Ready` names.
-
-If the child dies, every request in flight ends with a 503 error output, and `on_fatal()` makes the
-server exit non-zero (the launcher's supervisor restarts the whole server). Before `Ready`, its
-death (or `LoadFailed`) is a `load_error`, which ends the server the same way (serve.py's watcher).
-"""
+`EngineProcess` is the engine's front over the ipc link. If the child dies, every request in flight
+ends with a 503 and `on_fatal()` makes the server exit non-zero (the launcher restarts it); before
+`Ready`, its death or `LoadFailed` is a `load_error`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Starting and stopping a server's engine process (the HTTP process's side of its lifecycle).
+"""Starting and stopping a server's engine process.
 
-The child is `python -m server.engine_host.main`: a fresh interpreter (fork + exec, so a parent
-with CUDA initialised is never forked into a child that uses it), in the server's process group
-(the launcher's SIGKILL of the group ends both), with the server's stdout and stderr (one log).
-What it needs arrives on its stdin as one JSON `Launch` (the config carries the deployment token
-and the link's secret: never on argv). It ignores SIGINT and SIGTERM, so a signal to the whole
-group reaches the HTTP process's drain only; the HTTP process stops it with `Shutdown`, then
-SIGKILL after `timeout_s`. The kernel kills it if the HTTP process dies (server/engine_host/main.py).
-"""
+The child is `python -m server.engine_host.main` (fork + exec: a parent with CUDA is never forked),
+in the server's process group. Its `Launch` comes on stdin (the token and link secret never go on
+argv). It ignores SIGINT and SIGTERM so the HTTP process drains first, then stops it with
+`Shutdown` and SIGKILL after `timeout_s`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """A request's outputs between the engine loop and the coroutine that streams them (event loop side).
 
-The engine sends the outputs of a request's n choices (`RequestOutput.index`) under its one id,
-each choice ending with its own final output. A `ChoiceStream` takes them in order (`put`) and
-hands them out folded (`take`); the request is over (`done`) once every choice's final output has
-been handed out. Both engines use it: the engine thread (server/engine_host/thread.py) and the
-engine process's client (server/engine_host/process.py).
-"""
+A `ChoiceStream` takes a request's outputs in order (`put`) and hands them out folded (`take`); the
+request is `done` once every choice's final output has been handed out."""
 
 from __future__ import annotations
 
@@ -47,9 +43,8 @@ class ChoiceStream:
 
 
 def merged(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Fold each choice's outputs that queued up while the consumer was busy into one, up to its final
-    output (fewer, larger SSE events when HTTP lags behind the engine; each choice's tokens, text and
-    logprobs are concatenated unchanged). Choices keep the order of their first output here."""
+    """Fold each choice's queued outputs into one, up to its final output (fewer, larger SSE events
+    when HTTP lags behind the engine); choices keep the order of their first output."""
     out: list[RequestOutput] = []
     open_at: dict[int, int] = {}  # choice -> where its unfinished fold is in `out`
     for later in outputs:

@@ -1,10 +1,7 @@
-"""The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front
-(server/engine_host/front.py, as `EngineProcess` is) over two queues.
+"""The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front over two queues.
 
-The engine thread runs the one engine loop (server/engine_host/loop.py) and owns the KV manager, the
-model and every tensor. Commands reach it through a queue; its messages reach the event loop in
-batches (`_Queues.send`), so HTTP stays responsive while the model runs.
-"""
+The engine thread owns the KV manager, the model and every tensor; its messages reach the event
+loop in batches (`_Queues.send`), so HTTP stays responsive while the model runs."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class _Queues:
-    """The engine thread's port: commands from a queue (None: only wake up); its messages are handed
-    to the event loop, which it wakes only if no wake-up is pending. While the loop is busy (many
-    streams), steps add to the same batch instead of each paying a self-pipe write and a GIL
-    hand-off; the order of messages is kept."""
+    """The engine thread's port: commands from a queue (None: only wake up); its messages are handed to
+    the event loop in batches, waking it only if no wake-up is pending (order kept)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, handle: Callable[[FromEngine], None]) -> None:
         self.inbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
@@ -69,8 +64,7 @@ class _Queues:
 
 
 class AsyncEngine(EngineFront):
-    """`build_core` runs on the engine thread (which then owns every tensor); until the loop says
-    `Ready`, `is_ready()` is False and the HTTP layer answers 503."""
+    """`build_core` runs on the engine thread; until `Ready`, `is_ready()` is False (503)."""
 
     def __init__(self, build_core: Callable[[], EngineCore], model_name: str, max_seq_len: int, *,
                  metrics: ServerMetrics | None = None, publisher: KvEventPublisher | None = None,

@@ -1,20 +1,11 @@
 """The engine loop's messages, on either host (server/engine_host/loop.py), and the engine link's sealing.
 
-The engine thread hands them over in memory; the engine process sends them on two ZeroMQ PUSH/PULL
-pipes over ipc:// sockets in a private 0700 directory the HTTP process made (server/engine_host/
-link.py), each message signed (transceiver/signed.py, `link_codec`) under a key derived from a
-random per-server secret (handed to the child on its stdin, never on argv) and the direction, so a
-message of one pipe is never valid on the other. A message that fails the MAC or does not decode
-into a message of its direction raises `Rejected` and is dropped (and counted) by the reader.
-Nothing is ever unpickled.
-
-HTTP -> engine: a request's commands (`Add`, `Abort`, `Release`), `Probe`, `Snapshot` (an RPC
-answered by `SnapshotReply`) and `Shutdown`; the loop applies them between steps, on the thread that
-owns the core (msgspec tagged Structs: the engine thread's queue passes the objects themselves).
-engine -> HTTP: `Ready` once loaded (or `LoadFailed`), then ONE `StepOut` per step of the engine
-loop that has anything to say: the step's outputs, what the metrics observed, and the engine's
-state when it changed (at most every STATE_INTERVAL_S while idle, after every productive step).
-"""
+The engine thread hands them over in memory; the engine process sends them over ipc:// (link.py),
+each signed (`link_codec`) under a key derived from a per-server secret (handed over on stdin,
+never argv) and the direction, so a message of one pipe is never valid on the other. One that fails
+the MAC or does not decode raises `Rejected` and is dropped and counted. Nothing is unpickled.
+HTTP -> engine: `Add`, `Abort`, `Release`, `Probe`, `Snapshot`, `Shutdown`, applied between steps.
+engine -> HTTP: `Ready` (or `LoadFailed`), then one `StepOut` per step that has anything to say."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Chat request pieces: messages (with tool calls and tool results) and tools (function tools).
-
-Shapes are OpenAI's (`ChatCompletionMessageParam`, `ChatCompletionFunctionToolParam`,
-`ChatCompletionNamedToolChoiceParam`). What pdserve does not implement is refused by name:
-assistant `audio`/`function_call`/`refusal`, custom tools, `allowed_tools` choices.
-"""
+"""Chat request pieces, in OpenAI's shapes: messages (with tool calls and results) and function
+tools. What pdserve does not implement is refused by name."""
 
 from __future__ import annotations
 

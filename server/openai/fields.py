@@ -1,12 +1,9 @@
 """What a request body's fields that pdserve does not implement get: never silence.
 
-- `refused(...)`: a field of OpenAI's (or vLLM's) API that pdserve does not implement. Null, or a
-  value that asks for nothing (`store: false`, `service_tier: "auto"`), passes; anything else is a
-  400 whose `param` is the field (the answer would be wrong by omission otherwise).
-- `Lenient`: the base of every request model. A field of no API at all (a typo, another server's
-  extension) is ignored, as OpenAI and vLLM do, and logged once per name and model, so a client
-  that misspells `max_token` learns it from the server's log without the request failing.
-"""
+- `refused(...)`: a field of OpenAI's (or vLLM's) API that pdserve does not implement: null or a
+  value that asks for nothing passes; anything else is a 400 naming the field.
+- `Lenient`: the base of every request model. A field of no API at all (a typo) is ignored, as
+  OpenAI and vLLM do, and logged once per name and model."""
 
 from __future__ import annotations
 

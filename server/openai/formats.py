@@ -1,9 +1,5 @@
-"""Structured-output request pieces: OpenAI's `response_format` and vLLM's `structured_outputs`.
-
-The legacy vLLM fields (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) are plain
-fields of the request (server/openai/protocol.py). server/api/structured.py turns whichever one a
-request sets into the engine's `StructuredSpec`.
-"""
+"""Structured-output request pieces: OpenAI's `response_format` and vLLM's `structured_outputs`
+(server/api/structured.py turns them into the engine's `StructuredSpec`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Engine outputs -> OpenAI JSON, for completions and chat, whole responses and stream chunks.
 
-Outputs carry their choice's `index` (prompt p's choice c is p * n + c) and chunks of different
-choices may interleave. A chunk carries the log-probabilities of its tokens, those of tokens without
-text yet going with the choice's next chunk, so the chunks add up to the whole response (tool calls
-too: server/openai/tool_parsers.py). The router reshapes a context answer's choices into the chunks
-it streams itself (server/router/answers.py).
-"""
+Chunks of different choices may interleave. A token without text yet has its log-probabilities go
+with the choice's next chunk, so the chunks add up to the whole response."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Tool calls written as JSON objects, read incrementally: `{"name": ..., "arguments": {...}}`.
 
-`CallObject` is fed one object's text piece by piece: `CallStart` once its head (`{"name": "...",
-"arguments": `) is read, then `CallArguments` fragments, the arguments' JSON text as the model writes
-it. An object with its keys in another order is announced when it closes (its arguments
-re-serialised); one that is no call yields nothing (`valid` False). The formats built on it:
-server/openai/tool_parsers.py.
-"""
+`CallObject` yields `CallStart` once its head is read, then `CallArguments` fragments as the model
+writes them. An object with its keys in another order is announced when it closes; one that is no
+call yields nothing (`valid` False)."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ _ENDS_PRIMITIVE = ',]} \t\r\n'
 
 
 class _Span:
-    """Where a JSON value that starts at `start` ends, scanned incrementally (strings and escapes
-    respected). `end` is None until the value is complete."""
+    """Where a JSON value that starts at `start` ends, scanned incrementally (`end` None until complete)."""
 
     def __init__(self, start: int) -> None:
         self.start = self.pos = start

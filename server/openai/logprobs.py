@@ -32,8 +32,7 @@ def floor(logprob: float) -> float:
 
 
 class TextOffsets:
-    """Characters of a choice's text so far, token by token (a character split over tokens starts
-    where its first byte's token starts)."""
+    """Characters of a choice's text so far, token by token."""
 
     def __init__(self, start: int = 0) -> None:
         self.chars = start

@@ -1,11 +1,8 @@
 """The OpenAPI document of pdserve's OpenAI surface, shared by the servers and the router.
 
-The request bodies are the pydantic models the servers validate with (server/openai/protocol.py), so
-the document cannot drift from what is accepted. The servers serve it at GET /openapi.json instead
-of FastAPI's own (which shows no request bodies: they are parsed by `json_body`); the router, a
-plain Starlette app, serves the same document. `tests/integration/test_http_fuzz.py` and
-`pdserve-bench fuzz` (pdserve_bench/fuzz.py) feed it to schemathesis.
-"""
+Built from the pydantic models the servers validate with, so it cannot drift from what is accepted
+(FastAPI's own shows no request bodies: they are parsed by `json_body`). Fuzz tests feed it to
+schemathesis."""
 
 from __future__ import annotations
 

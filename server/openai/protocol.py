@@ -1,13 +1,8 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions (pydantic v2), and the
-disaggregation legs' `DisaggParams`. Response bodies: server/openai/responses.py.
+disaggregation legs' `DisaggParams`.
 
-Every field of OpenAI's two request bodies is declared, with vLLM's extras, TensorRT-LLM's
-`disaggregated_params` and pdserve's `kv_retention_priority`: implemented, accepted (it changes no
-output) or refused with a 400 naming the field (`refused`, server/openai/fields.py); docs/API.md
-lists every field and its status. Value checks that need no model (ranges, types) live here; those
-that need the engine or the server's limits, and checks across fields, in server/api/builder.py. The
-router reads only `DisaggParams` of these and passes the rest on.
-"""
+Every field is declared: implemented, accepted, or refused with a 400 naming it (fields.py;
+docs/API.md lists them). Checks that need the server or cross fields are in server/api/builder.py."""
 
 from __future__ import annotations
 
@@ -149,9 +144,7 @@ class SamplingRequest(Lenient):
 
     @property
     def constrained(self) -> bool:
-        """The request names a structured-output constraint: building it compiles a grammar, which the
-        server runs off the event loop (a new schema takes milliseconds; the first one of a large
-        vocabulary, seconds)."""
+        """The request names a structured-output constraint (compiling its grammar runs off the event loop)."""
         fmt = self.response_format
         return (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or any(
             getattr(self, f"guided_{key}") is not None for key in ("json", "regex", "choice", "grammar"))

@@ -1,15 +1,9 @@
 """Server-sent events, for the servers and the router: framing, the one SSE response, and running
 work only while the client is still there.
 
-An event is `data: <json>\\n\\n`. JSON may carry U+0085 (NEL), U+2028 and U+2029 raw inside strings,
-but clients that split a stream with `str.splitlines()` (httpx's `aiter_lines()`, and so every
-client built on it) treat them as line ends and cut the event in two. They are escaped here
-(`\\u2028` inside a JSON string is the same string), so a data line holds no character any client
-reads as a line break. Control characters below U+0020 are escaped by every JSON encoder already.
-
-Client disconnects are watched actively (the ASGI `http.disconnect` message), not only noticed on
-the next send, so work for a client that left stops at once, however quiet the stream is.
-"""
+U+0085, U+2028 and U+2029 are escaped in events: clients that split a stream with
+`str.splitlines()` (httpx's `aiter_lines()`) would cut the event in two. Client disconnects are
+watched actively (`http.disconnect`), so work for a client that left stops at once."""
 
 from __future__ import annotations
 
@@ -54,9 +48,8 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 async def _first_of(work: asyncio.Future, receive: Receive) -> bool:
-    """Wait for `work` or the client's disconnect, whichever comes first; cancel the other (and
-    `work` if this wait is cancelled). True if `work` ended. (Plain asyncio: an anyio task group
-    costs 3x as much, on every request.)"""
+    """Wait for `work` or the client's disconnect, whichever comes first; cancel the other. True if
+    `work` ended. (Plain asyncio: an anyio task group costs 3x as much, on every request.)"""
     gone = asyncio.ensure_future(_wait_for_disconnect(receive))
     try:
         await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -68,8 +61,7 @@ async def _first_of(work: asyncio.Future, receive: Receive) -> bool:
 
 
 async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) -> tuple[bool, T | None]:
-    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None).
-    The request's body must have been read already."""
+    """Run `fn()` until it returns or the client disconnects: (True, result) or (False, None)."""
     work = asyncio.ensure_future(fn())
     if not await _first_of(work, receive):
         return False, None
@@ -77,9 +69,8 @@ async def unless_disconnected(fn: Callable[[], Awaitable[T]], receive: Receive) 
 
 
 class EventStream(Response):
-    """An SSE response: sends `events` (framed bytes) as they come until they end or the client
-    leaves; then `close()` runs, however the exchange ended (shielded from the cancellation that a
-    disconnect brings, or its first await would be cancelled too)."""
+    """An SSE response: sends `events` until they end or the client leaves; then `close()` runs,
+    shielded from the disconnect's cancellation, however the exchange ended."""
 
     media_type = "text/event-stream"
 

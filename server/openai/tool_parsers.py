@@ -1,10 +1,7 @@
-"""Model output -> tool calls, fed piece by piece as the text streams in (the formats: docs/API.md,
-"Tool calling").
+"""Model output -> tool calls, fed piece by piece as the text streams in (formats: docs/API.md).
 
-Every parser has `feed(text) -> events` and `finish() -> events` (events: server/openai/json_calls.py).
-A whole (non-streamed) answer is one `feed` and `finish`; the concatenated events are the same
-however the text was split, so streamed tool calls equal non-streamed ones.
-"""
+Every parser has `feed(text) -> events` and `finish() -> events`; the concatenated events are the
+same however the text was split, so streamed tool calls equal non-streamed ones."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """A context server's answer, read by the router: whether it ends the request, the generation leg's
-parameters, and the events the router streams itself from it (the opening of a stream: the chat
-role chunk and the first token's text; the close of a stream that the context leg ended). The
-events are the answer's own choices reshaped into stream chunks, so whatever the context server
-formatted (logprobs, echo, tool calls, several choices) goes out as it would have from one server.
+parameters, and the events the router streams itself from it (a stream's opening, or its close).
 
-Streaming the first token from the context answer takes the generation leg's setup (an HTTP
-exchange, the generation server's admission) off the time to first token. The generation server
-is told so (`first_text_streamed`) and streams only what follows, under the same response id. The
-context server reports exactly the text the generation server would stream for that token (text
-that might still become a stop string, or an incomplete UTF-8 character, stays held back), so the
-two parts join without a gap or a repeat."""
+Streaming the first token from the context answer takes the generation leg's setup off the time to
+first token. The context server reports exactly the text the generation server would stream for
+that token (a possible stop string or incomplete UTF-8 stays held back), so the two parts join
+without a gap or a repeat."""
 
 from __future__ import annotations
 
@@ -47,8 +42,7 @@ def context_finished(ctx: dict) -> bool:
 
 
 def final_answer(ctx: dict, chat: bool, stream: bool, include_usage: bool) -> JSONBody | EventStream:
-    """The client's answer when the context leg ended the request: the context answer as it is, or
-    as a whole stream."""
+    """The client's answer when the context leg ended the request (JSON, or a whole stream)."""
     for choice in ctx.get("choices", []):
         choice["disaggregated_params"] = None  # the lease's parameters are the router's own business
     if not stream:
@@ -62,18 +56,16 @@ async def _each(events: list[bytes]) -> AsyncIterator[bytes]:
 
 
 def opening_events(ctx: dict, chat: bool, response_id: str | None = None, continued: bool = False) -> list[bytes]:
-    """The stream's first events from an unfinished context answer: the chat role chunk and the
-    first token's text (none when that text is still held back), under the id the generation server
-    will use too (`continued_response_id`). A moved stream (`continued`) goes on under its own
-    `response_id` and sends no second role chunk."""
+    """The stream's first events from an unfinished context answer (the chat role chunk, the first
+    token's text), under the id the generation server will use too; a moved stream keeps its own id."""
     response_id = response_id or continued_response_id(ctx["choices"][0]["disaggregated_params"]["ctx_request_id"])
     return _chunks(ctx, chat, response_id, continued, finished=False)
 
 
 def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
                    continued: bool = False) -> list[bytes]:
-    """The rest of a stream whose request the context answer `ctx` ended: each choice's final chunk,
-    usage if asked, [DONE]; `continued`: in a stream that is already open (a moved one)."""
+    """The rest of a stream the context answer ended: final chunks, usage if asked, [DONE];
+    `continued`: in a stream that is already open (a moved one)."""
     usage = [json_event(_envelope(ctx, chat, response_id, [], usage=ctx.get("usage")))] if include_usage else []
     return [*_chunks(ctx, chat, response_id, continued, finished=True), *usage, DONE]
 

@@ -213,8 +213,8 @@ def _several(body: dict) -> bool:
 
 
 def _prompt_only(body: dict) -> bool:
-    """A completions body that generates nothing (`max_tokens: 0`, for `echo`'s prompt log-probabilities):
-    no context leg to hand a first token over from, so one server serves it (and refuses it, if not echo)."""
+    """A completions body that generates nothing (`max_tokens: 0`, for `echo`): one server serves it
+    (and refuses it if not echo)."""
     value = body.get("max_tokens")
     return type(value) is int and value == 0
 

@@ -1,18 +1,9 @@
 """Who may use the router: API keys (`Authorization: Bearer <key>`), and per-tenant cache salts.
 
-Keys come from the deployment YAML (`router.api_keys`: a list; `router.api_keys_file`: a file of one
-key per line, `#` comments, relative to the YAML's folder) and the environment (`PDSERVE_API_KEYS`,
-comma-separated); all of them are valid. With no key configured the router is open, as before.
-With keys, every path except `router.open_paths` (default `/health` and `/metrics`; an entry ending
-in `*` opens a prefix, e.g. `/dashboard*` for the dashboard page, its feed and its files) needs one, and
-a request without a valid key gets 401 in OpenAI's error shape before its body is read. Keys are
-compared in constant time (SHA-256 digests, every key compared), and never logged or echoed.
-
-`router.tenant_salt_from_api_key: true` separates tenants' prefix caches without client changes:
-the router sets each request's `cache_salt` to HMAC-SHA256(deployment token, API key), and a
-client's own `cache_salt` only refines it (`<tenant salt>:<client salt>`), so no client can pick
-another tenant's namespace (docs/SECURITY.md).
-"""
+Keys come from `router.api_keys`, `router.api_keys_file` and PDSERVE_API_KEYS; none: the router is
+open. With keys, every path but `router.open_paths` needs one (401 before the body is read). Keys
+are compared in constant time and never logged. `tenant_salt_from_api_key` sets each request's
+`cache_salt` to HMAC-SHA256(token, key), refined by the client's own (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -82,8 +73,7 @@ def effective_cache_salt(access: RouterAccess, token: str | None, api_key: str |
 
 
 def set_cache_salt(body: dict, access: RouterAccess, token: str | None, api_key: str | None) -> str | None:
-    """Put the effective cache_salt into a request body for the servers; a sentence if the client's
-    salt is not a non-empty string (then the body is left as it was)."""
+    """Put the effective cache_salt into a body for the servers; a sentence if the client's is bad."""
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         return "cache_salt must be a non-empty string if provided"
@@ -106,8 +96,7 @@ def unauthorized(message: str, code: str) -> Response:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 unless the path is open or the request carries a valid key; the key
-    found is left in `request.state.api_key` (the tenant's salt is derived from it)."""
+    """401 unless the path is open or the request carries a valid key (kept in `request.state.api_key`)."""
 
     def __init__(self, app: ASGIApp, access: RouterAccess) -> None:
         self.app, self.access = app, access

@@ -1,10 +1,7 @@
-"""Backend servers as the router sees them: health, load, and what their caches hold (kv_cache_aware:
-`kv_index`, kept from the server's KV events by kv_sync.py).
+"""Backend servers as the router sees them: health, load, and what their caches hold (`kv_index`).
 
 A backend that refuses a connection or fails its health check is fenced (skipped by every policy)
-until a later health check succeeds. The /health body's `status` (e.g. "draining") and `epoch` (new
-on every process start) are kept; a changed epoch counts as a restart of the server behind the URL.
-"""
+until a later check succeeds. A changed /health `epoch` counts as a restart of the server."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ class LegError(Exception):
         self.server: str | None = None  # the server of the leg that failed, where one was booked
 
     def of_leg(self, leg: str, server: str) -> LegError:
-        """The same failure, its message naming the leg and the server (a server's own 4xx body is kept
-        as it is)."""
+        """The same failure, its message naming the leg and the server (a server's own 4xx body kept)."""
         message = str(self)
         if not message.startswith(f"{leg} leg failed"):
             message = f"{leg} leg failed: {message}"

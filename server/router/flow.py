@@ -1,27 +1,12 @@
 """One request's way through the router, as one object: route -> context leg -> handoff ->
 generation leg -> relay -> close.
 
-`RequestFlow` holds everything the request holds in the router: the context lease its generation
-leg has not opened on yet, the generation leg (a task), an early context answer, the migration
-state. The steps, in order:
-1. route: a request that one server serves alone (an aggregated deployment, or conditional
-   disaggregation: server/router/routing.py) has no context leg;
-2. context leg (server/router/legs.py), asked for streamed KV: an early answer (the lease before the
-   first token, server/router/kv_stream.py) starts the generation leg at once, whose pull takes the
-   blocks while they are prefilled; then the context answer itself;
-3. handoff, decided here only: a context answer that ends the request is the answer; else its
-   parameters become the generation leg's (`_handoff`), and the router streams its first token;
-4. generation leg, started once (a retry of it is a migration, below);
-5. relay: a JSON answer as it is; a stream's events as they come (whole events, token comments
-   taken out when the stream may move: server/router/migration.py). When the generation server dies
-   mid-stream, the flow runs steps 2-4 again from the tokens the client has;
-6. close, however the request ended (finished, a leg failed, the client left): the generation leg
-   is cancelled or its stream closed (its server aborts and frees the lease itself), a lease that
-   no generation leg opened on is released at once, an early context answer is closed.
-Once the first event is out the HTTP status is 200, so a generation leg that fails after it ends
-the stream with an error event that names the leg. `Phases` times the router's share of the time to
-first token (docs/DISAGG_LOAD.md).
-"""
+A request one server serves alone has no context leg. An early context answer (streamed KV) starts
+the generation leg before the first token. The handoff is decided here only (`_handoff`). When the
+generation server dies mid-stream, the flow runs the legs again from the tokens the client has
+(server/router/migration.py). `close` runs however the request ended: the generation leg is
+cancelled or closed, a lease no generation leg opened on is released. Once the first event is out
+the status is 200, so a later failure is an error event naming the leg."""
 
 from __future__ import annotations
 
@@ -80,9 +65,7 @@ class Ask:
     @property
     def plain(self) -> bool:
         """One choice whose chunks carry text only: the router may stream its first token itself (and
-        move the stream). Logprobs, echo, several choices and tool calls are formatted by the
-        generation server from its first chunk on (with what the context server computed for them:
-        `disaggregated_params`), as one server would."""
+        move the stream); anything else the generation server formats from its first chunk on."""
         body = self.body
         tools = body.get("tools") and body.get("tool_choice") != "none"
         return (body.get("n") in (None, 1) and body.get("logprobs") in (None, False)
@@ -126,8 +109,8 @@ class RequestFlow:
         self.servers: dict[str, str] = {}  # the server of each leg that answered: "context", "generation"
 
     async def respond(self, receive: Receive) -> Response:
-        """The client's response; `ClientGone` if the client left before it was ready. A stream's
-        response closes the flow when it ends; every other way out closes it here."""
+        """The client's response; `ClientGone` if the client left first. A stream's response closes the
+        flow when it ends; every other way out closes it here."""
         try:
             done, response = await unless_disconnected(self.answer, receive)
         except BaseException:
@@ -179,9 +162,7 @@ class RequestFlow:
         return answer.backend, await answer.rest()
 
     def _handoff(self, params: DisaggParams, moved: bool = False) -> DisaggParams:
-        """The generation leg's parameters (built here only) from the context leg's. A stream's first
-        token is sent by the router; a stream that may move reports its tokens; a moved stream goes on
-        under the client's id (`Migration.continued`)."""
+        """The generation leg's parameters (built here only) from the context leg's."""
         opens = self.ask.stream and self.ask.plain
         params = replace(params, request_type="generation_only", first_text_streamed=opens,
                          report_tokens=opens and self.legs.migration_limit > 0)

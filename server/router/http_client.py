@@ -1,16 +1,9 @@
 """The router's HTTP client for its servers: aiohttp's, behind the three calls the router makes.
 
-Connections are kept per server and reused (aiohttp's connector), and dropped once idle for
-`keepalive_s`, below uvicorn's 5 s keep-alive timeout, so a server rarely closes one under us
-(aiohttp sends a POST that meets a connection closed anyway only once: it fails as a `ReadError`).
-Timeouts: connecting within `connect_timeout_s`; `request` bounds the whole exchange by its
-`timeout`; `stream` bounds the wait for the headers, then for each piece of the body, by it. A
-streamed body its reader does not keep up with pauses the socket (aiohttp's flow control), so a
-slow client cannot make the router buffer a whole answer. Every failure below HTTP is one of three
-errors the legs tell apart: the server could not be reached (`ConnectError`), the
-exchange broke (`ReadError`), or it was too slow (`RequestTimeout`). Bodies go out and come back
-through the request path's one JSON codec (server/openai/wire.py).
-"""
+Idle connections are dropped after `keepalive_s`, below uvicorn's 5 s keep-alive, so a server
+rarely closes one under us. A streamed body its reader does not keep up with pauses the socket,
+so a slow client cannot make the router buffer a whole answer. Failures below HTTP are one of
+`ConnectError` (not reached), `ReadError` (the exchange broke) and `RequestTimeout`."""
 
 from __future__ import annotations
 
@@ -66,8 +59,7 @@ class Response:
 
 
 class StreamResponse:
-    """A response whose body is read as it arrives. `aclose` ends it; a connection whose body was
-    not read to its end is closed, not reused."""
+    """A response read as it arrives; `aclose` ends it (a body not read to its end closes the connection)."""
 
     def __init__(self, status: int, chunks: AsyncIterator[bytes],
                  close: Callable[[], Awaitable[None]] | None = None, content_type: str = "") -> None:

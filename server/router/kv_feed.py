@@ -1,19 +1,13 @@
 """One server's KV event feed as the router follows it: the state machine that keeps a `KvIndex`
-right (no I/O here; server/router/kv_sync.py drives it with sockets and HTTP).
+right (no I/O here; server/router/kv_sync.py drives it).
 
     idle --subscribed--> subscribing --first batch--> syncing --snapshot--> live
                                                          ^                    |
                                                          +---- gap, epoch ----+
 
-- subscribing: `Subscribe` sent; the first batch (the publisher answers a new subscriber with a
-  heartbeat at once) proves that every later event will reach us, so only then is the snapshot asked.
-- syncing: batches are kept while the snapshot (`GET /kv_cache/hashes`, taken on the server's engine
-  thread after the event numbered `seq`) is on its way; then the index is reset to it and the kept
-  batches are replayed from `seq + 1` on.
-- live: every batch must continue the numbering (`first_seq == next_seq`; an old one is skipped);
-  a batch from after a gap, from another epoch (the server restarted), or naming another KV dtype
-  than the snapshot's, asks for a resync.
-"""
+The snapshot is asked only after the first batch (then no later event can be missed); batches that
+arrive meanwhile are replayed from the snapshot's `seq + 1`. A gap, another epoch or another KV
+dtype asks for a resync."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The router's index of one server's reuse cache: which block hashes it holds, per window and tier.
 
-Kept from the server's KV events (server/telemetry/kv_events.py): `reset` from a snapshot (`GET
-/kv_cache/hashes`), then `apply` every event numbered after it. `match` answers what kv_cache_aware
-routing asks: how many leading blocks of a prompt the server would reuse, and on which tier each one
-is. Like the server's own prefix match (kvcache/matching.py), a block counts only if every window
-group holds it and all blocks before it, so a prompt's hit is the shortest chain over the groups.
-"""
+`reset` from a snapshot, then `apply` every later event. Like the server's own prefix match
+(kvcache/matching.py), a block counts only if every window group holds it and all blocks before it."""
 
 from __future__ import annotations
 
@@ -28,8 +24,8 @@ class KvIndex:
         self.kv_dtype = ""  # the element type of the server's KV blocks ("" from a server that does not say)
 
     def reset(self, snapshot: dict) -> None:
-        """Replace the content with a snapshot's (`windows`: {window: {level name: [hex hashes]}}).
-        Raises ValueError, KeyError or TypeError on a malformed snapshot (the index is then unchanged)."""
+        """Replace the content with a snapshot's (`windows`: {window: {level: [hex hashes]}}); raises
+        ValueError, KeyError or TypeError if it is malformed (the index is then unchanged)."""
         windows: dict[int, dict[bytes, int]] = {}
         for window, levels in snapshot["windows"].items():
             blocks: dict[bytes, int] = {}

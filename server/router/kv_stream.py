@@ -1,14 +1,9 @@
 """The router's half of streamed KV: a context leg that answers early.
 
-The router asks every context leg for streamed KV (`disaggregated_params.kv_stream`). A context
-server that streams this prompt (server/api/context_stream.py) answers at once with an SSE stream
-whose first event holds the lease's parameters; `open_context` returns them as an `EarlyContext`,
-and the router starts the generation leg right away (server/router/flow.py), whose
-pull takes the blocks while they are prefilled. The second event is the context answer as it would
-have come (`EarlyContext.rest`), or its error with the status it would have had. A server that does
-not stream the prompt answers plain JSON, as before. The client sees no difference: the first token
-is still streamed from the context answer, and the generation leg continues it.
-"""
+A context server that streams this prompt (server/api/context_stream.py) answers with an SSE stream
+whose first event holds the lease's parameters (`EarlyContext`), so the generation leg starts at
+once; the second event is the context answer, or its error. A server that does not stream the
+prompt answers plain JSON."""
 
 from __future__ import annotations
 
@@ -82,8 +77,7 @@ class EarlyContext:
 
 async def read_context(backend: Backend, response: StreamResponse, done: Callable[[], None],
                        parse: Callable[[Backend, Response], dict]) -> dict | EarlyContext:
-    """A context leg's answer: its JSON (`parse`d as any answer), or its early event (then `done()`
-    runs when the leg ends: `EarlyContext.close`)."""
+    """A context leg's answer: its JSON, or its early event (`done()` runs when the leg ends)."""
     try:
         if response.status != 200 or response.content_type != EVENT_STREAM:
             try:

@@ -1,14 +1,9 @@
 """The router's side of the KV events: one subscriber socket thread, one `KvFeed` per server.
 
-The socket thread (`_Subscriber`, a `transceiver.link.SocketThread` handler) owns one DEALER per
-server, connected to the address the server gives (`GET /kv_cache/events`, with the deployment
-token; never an address from a request), repeats `Subscribe` every SUBSCRIBE_EVERY_S, checks every
-message (HMAC with the events key, version, freshness, no replay) and hands `(url, epoch, batch)` to
-the event loop. Everything else runs on the event loop: the feeds and their indexes (which the
-routing policy reads), the snapshot fetches, and a maintenance round every ROUND_S that subscribes to
-healthy servers, drops fenced ones and restarts a feed that went quiet (a restarted server publishes
-on a new port).
-"""
+The socket thread owns one DEALER per server, connected to the address the server gives (`GET
+/kv_cache/events`, with the token; never an address from a request), and checks every message
+before handing it to the event loop. The event loop runs the feeds, the snapshot fetches and a
+maintenance round every ROUND_S (subscribe to healthy servers, drop fenced ones, restart quiet feeds)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The legs of a routed request: one HTTP exchange each with a context or a generation server.
 
-`Legs` knows how to run one leg, not what follows it (server/router/flow.py decides that):
-- a context leg posts the request as `context_only` (not streamed), on the policy's pick, and once
-  more elsewhere if that server cannot be reached or fails; with `kv_stream` the server may answer
-  early with its lease before the first token (`EarlyContext`, server/router/kv_stream.py);
-- a generation leg posts it as `generation_only` (or as is, to an aggregated server) and returns
-  its JSON or its open SSE stream; a server that never took the request (unreachable, draining)
-  is left for another one;
-- `release` frees a context lease whose generation leg never pulled.
-Every leg holds a booking of its server from the pick until it ends (a stream: until it is closed:
-server/router/queue.py). A server that cannot be reached or answers that it is draining is fenced
-at once (the health monitor unfences it when /health is 200). A failed leg raises `LegError`.
-"""
+`Legs` runs one leg, not what follows it (server/router/flow.py decides that). A context leg is
+tried once more elsewhere if it fails; a generation leg only if its server never took the request.
+Every leg holds a booking of its server from the pick until it ends (a stream: until closed). A
+server that cannot be reached or is draining is fenced at once. A failed leg raises `LegError`."""
 
 from __future__ import annotations
 
@@ -78,9 +70,8 @@ class Legs:
     async def context_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams = CONTEXT_ONLY,
                           *, kv_stream: bool = False,
                           booked: Callable[[], None] = lambda: None) -> Upstream | EarlyContext:
-        """`params`: context_only, with a moved stream's prompt ids and prior output if any.
-        `kv_stream`: the server may answer early, before its first token (server/router/kv_stream.py).
-        `booked` runs when a server is booked (after any wait in the router queue)."""
+        """`params`: context_only, with a moved stream's prompt ids and prior output if any. `kv_stream`:
+        the server may answer early. `booked` runs when a server is booked (after any queue wait)."""
         ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         ctx_body["stream"] = False
         ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
@@ -113,8 +104,7 @@ class Legs:
     async def generation_leg(self, path: str, body: dict, prompt: PromptTokens, params: DisaggParams | None,
                              exclude: frozenset[Backend] = frozenset(),
                              booked: Callable[[], None] = lambda: None) -> Upstream:
-        """`params`: None for an aggregated server. The policy's pick, and another if the first never
-        took the request."""
+        """`params`: None for an aggregated server. Another pick if the first never took the request."""
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
         last = await self._twice(self.generation_policy, self.generation, prompt, set(exclude), booked,
                                  lambda booking: self._generation_once(booking, path, gen_body),
@@ -128,9 +118,8 @@ class Legs:
     async def _twice(self, picker: LegPicker, backends: list[Backend], prompt: PromptTokens, tried: set[Backend],
                      booked: Callable[[], None], once: Callable[[Booking], Awaitable],
                      again: Callable[[LegError], bool]):
-        """The answer of the policy's pick (a wait in the router queue, queue.py, included), or of a
-        second pick when the first failed so that `again` says to try elsewhere; else that failure,
-        or None when no server was there to pick."""
+        """The answer of the policy's pick, or of a second pick when `again` says the first failure may
+        be retried elsewhere; else that failure, or None when no server was there to pick."""
         last: LegError | None = None
         for _ in range(2):
             booking = await picker.pick(backends, prompt, tried)

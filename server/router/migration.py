@@ -1,25 +1,11 @@
 """Request migration: a streamed request whose generation server dies goes on on another one.
 
-The router relays whole SSE events only, and learns from a comment line the generation server puts
-in each event (`report_tokens`, server/api/generation.py) which tokens that event's text came from;
-it takes those lines out (`EventTracker`). So at any moment it knows the exact tokens whose text
-the client has. When the generation server's stream breaks (the server died) and the request may
-still move (`migration_limit`, another generation server healthy), the request's flow
-(server/router/flow.py) runs its legs again from those tokens:
-1. a context leg with the prompt's token ids plus those tokens, `prior_output_tokens` = how many of
-   them are output (`Migration.context_params`). The context server prefills them all and samples
-   the next token; its detokenizer has seen the output so far, so the text it reports for that
-   token is exactly what the dead server would have streamed next (an incomplete UTF-8 character
-   or a possible stop string held back stays held back), and max_tokens/min_tokens count the
-   earlier output;
-2. the router streams that text itself under the client's stream id (or, when that token ends the
-   request, the final chunk and [DONE]);
-3. a generation leg on another generation server with the client's id (`response_id`) and the same
-   `prior_output_tokens`, and the relay goes on.
-With greedy sampling the client's text equals an undisturbed run. Each move is counted
-(pdserve_router_migrations_total). Beyond the limit, or with no other generation server, the stream
-ends with an SSE error event, as without migration.
-"""
+The router relays whole SSE events and takes out the comment line in each (`report_tokens`) that
+names the tokens its text came from (`EventTracker`), so it knows the exact tokens the client has.
+On a broken stream the flow runs a context leg over the prompt plus those tokens
+(`prior_output_tokens` of them output), streams that leg's first text itself, and opens a
+generation leg elsewhere under the client's id. With greedy sampling the client's text equals an
+undisturbed run. Beyond `migration_limit`, the stream ends with an SSE error event."""
 
 from __future__ import annotations
 
@@ -87,8 +73,7 @@ class Migration:
         return DisaggParams("context_only", prompt_token_ids=prompt, prior_output_tokens=len(self.tokens))
 
     def continued(self, params: DisaggParams) -> DisaggParams:
-        """The next generation leg's `params` (server/router/flow.py `_handoff`) continue the client's
-        stream: its id, the output it has, and the tokens the context leg just sampled."""
+        """The next generation leg's `params`, continuing the client's stream: its id and output so far."""
         prior = len(self.tokens)
         self.tokens.extend(params.first_gen_tokens or ())
         return replace(params, response_id=self.response_id, report_tokens=True, prior_output_tokens=prior)

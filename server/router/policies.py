@@ -42,8 +42,7 @@ class Prompt:
         return self._tokens[0]
 
     def hashes(self, server_salt: str, tokens_per_block: int) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks as a server with that salt and block size has
-        them (kept per (salt, block size): servers of one deployment share them)."""
+        """Chained hashes of the prompt's full blocks as a server with that salt and block size has them."""
         key = (server_salt, tokens_per_block)
         if key not in self._hashes:
             tokens = self()

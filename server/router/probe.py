@@ -1,14 +1,8 @@
-"""GET /health_generate on the router: a readiness probe that runs one real request through the
-deployment as a `RequestFlow` (server/router/flow.py) — context leg (prefill, first token), KV
-transfer, generation leg (one more token) — and names the leg that failed.
+"""GET /health_generate on the router: one real two-token request through the deployment as a
+`RequestFlow`, under a fresh `cache_salt` (the transfer really moves KV), naming the leg that failed.
 
-The probe is an ordinary two-token completion under a fresh `cache_salt`, so neither server reuses
-a cached block (the transfer really moves KV) and none is left for any tenant. A failed generation
-leg is told apart from a failed transfer by asking that generation server to run one token by
-itself (its own `/health_generate`): if it can, what failed was the transfer between the two.
-503 `{"status": "unavailable", "leg": "context" | "transfer" | "generation", "server", "error"}`;
-200 `{"status": "ok", "context": url, "generation": url, "seconds"}`.
-"""
+A failed generation leg is told apart from a failed transfer by asking that generation server to
+run one token by itself (its own `/health_generate`)."""
 
 from __future__ import annotations
 

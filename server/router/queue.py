@@ -1,15 +1,9 @@
 """Picking the server of one leg: the policy's choice among unsaturated servers, or a wait in a
-bounded queue when every server is saturated.
+bounded queue when every server is saturated (`max_inflight_per_server` legs in flight; 0: never).
 
-A server is **saturated** when this router has `max_inflight_per_server` legs in flight on it (0:
-never). A leg whose healthy servers are all saturated waits, first come first served, in its leg's
-queue (context or generation) until one of them finishes a leg; only a full queue (`max_waiting`
-legs already waiting) or a wait longer than `timeout_s` ends it with a 503, whose message and `code`
-(`router_queue_full` / `router_queue_timeout`) say which. No healthy server at all is a 503 at once,
-as before. Every leg holds a `Booking` from its pick until it ends (a stream: until it is closed):
-the booking is the router's in-flight accounting (`Backend.active`, and `Backend.load_tokens` that
-kv_cache_aware's load term reads).
-"""
+A waiting leg is served first come first served; a full queue or a wait beyond `timeout_s` is a 503
+(`router_queue_full` / `router_queue_timeout`). Every leg holds a `Booking` from its pick until it
+ends: the router's in-flight accounting (`Backend.active`, `Backend.load_tokens`)."""
 
 from __future__ import annotations
 
@@ -99,8 +93,8 @@ class LegPicker:
         return Booking(backend, tokens, self._wake_first)
 
     async def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Booking | None:
-        """A booking on the policy's choice; None when no healthy server is left to try. Waits while
-        every candidate is saturated; LegError 503 when the queue is full or the wait times out."""
+        """A booking on the policy's choice; None when no healthy server is left. Waits while every
+        candidate is saturated; LegError 503 when the queue is full or the wait times out."""
         if not [b for b in backends if b.healthy and b not in exclude]:
             return None
         if not self._waiters:

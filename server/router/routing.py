@@ -1,8 +1,5 @@
-"""What the router decides for each request (docs/ROUTING.md), built from `router:` in the YAML:
-the server of each leg (policy + saturation queue: `LegPicker`), the KV index the kv_cache_aware
-score reads (`KvEventSync`), and conditional disaggregation (a generation server alone serves a
-request whose prefill is short there, or whose prefix it already holds).
-"""
+"""What the router decides for each request (docs/ROUTING.md): the server of each leg (`LegPicker`),
+the KV index kv_cache_aware reads (`KvEventSync`), and conditional disaggregation."""
 
 from __future__ import annotations
 
@@ -63,9 +60,7 @@ class Routing:
 
     def serve_locally(self, prompt: PromptTokens, several_prompts: bool = False, prompt_only: bool = False) -> bool:
         """Decide (and count) whether a request of a disaggregated deployment skips its context leg:
-        conditional disaggregation's reasons, a completions request of several prompts (each leg
-        carries one prompt; such a batch is served whole by one generation server), or one that
-        generates nothing (`max_tokens: 0` with `echo`: the prompt's log-probabilities, one prefill)."""
+        conditional disaggregation, several prompts (each leg carries one), or nothing to generate."""
         reason = "several_prompts" if several_prompts else "prompt_only" if prompt_only else None
         if reason is None and self.conditional.enabled:
             reason = self._local_reason(prompt)

@@ -1,9 +1,5 @@
-"""The router's one SSE parser: a server's stream cut into whole events, as bytes.
-
-Both readers of a server's SSE use it: the context leg's early answer (streamed KV: JSON events) and
-the relay of a generation leg that may move (its events carry token comment lines that the router
-takes out, server/router/migration.py).
-"""
+"""The router's one SSE parser: a server's stream cut into whole events, as bytes (for the early
+context answer and the relay of a generation leg that may move)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """KV events: an engine server tells its router which blocks its reuse cache gained, lost or moved.
 
-Engine thread (`KvEventSource.on_tick`, a tick hook): drain the KV manager's events (a list the block
-manager appends small tuples to: kvcache/events.py), number them with a per-process sequence
-number, and hand the batch to the publisher thread (one non-blocking queue put per tick with events;
-no socket work, no encoding). The same hook builds the snapshots `GET /kv_cache/hashes` asks for, so
-a snapshot is exactly the state after the event numbered `seq`.
-
-Publisher thread (`_Publisher`, a `transceiver.link.SocketThread` handler): a ROUTER socket bound on
-the transceiver's interface, ephemeral port (`GET /kv_cache/events` says where). A subscriber (the
-router's DEALER) sends `Subscribe` every few seconds; the publisher sends each batch to every
-subscriber heard from in the last SUBSCRIBER_TTL_S, and an empty batch (a heartbeat carrying the next
-sequence number) every HEARTBEAT_S and at once to a new subscriber. A slow or gone subscriber's
-messages are dropped by ZeroMQ; the subscriber sees the gap in sequence numbers and resynchronises
-from a snapshot. Messages are signed (transceiver/signed.py, `event_codec`): keys derived from the
-deployment token for this channel and each direction, fresh and first-seen messages only, so only
-the deployment's processes can subscribe or publish, and nothing is ever unpickled.
-"""
+Engine thread (`KvEventSource.on_tick`): drain the KV manager's events, number them per process and
+hand the batch to the publisher thread (no socket work, no encoding); the same hook builds the
+snapshots `GET /kv_cache/hashes` asks for, so a snapshot is exactly the state after event `seq`.
+Publisher thread (`_Publisher`): a ROUTER socket that sends each batch to every subscriber heard
+from within SUBSCRIBER_TTL_S, and a heartbeat every HEARTBEAT_S. A subscriber that misses messages
+sees the gap in sequence numbers and resynchronises from a snapshot. Messages are signed with keys
+derived from the deployment token (`event_codec`); nothing is ever unpickled."""
 
 from __future__ import annotations
 
@@ -59,8 +50,7 @@ class KvEventBatch(msgspec.Struct, tag=True, frozen=True):
 
 
 def event_codec(token: str, *, publisher: bool, epoch: str = "") -> SignedCodec:
-    """One end of the events channel: the server's publisher (its `epoch` on every batch) or the
-    router's subscriber."""
+    """One end of the events channel: the server's publisher (with its `epoch`) or the router's subscriber."""
     sends, receives = ("batches", "subscribes") if publisher else ("subscribes", "batches")
     return SignedCodec(token.encode(), "kv-events", sends, receives, Subscribe if publisher else KvEventBatch,
                        epoch=epoch, fresh=True, max_bytes=MAX_MESSAGE_BYTES)
@@ -140,8 +130,7 @@ class _Publisher:
 
 
 class KvEventPublisher:
-    """Owns the publisher thread. `publish` is called on the engine thread and never blocks. Every
-    batch names the element type of the server's KV blocks (`kv_dtype`)."""
+    """Owns the publisher thread; `publish` (engine thread) never blocks."""
 
     def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
         self._handler = _Publisher(token, epoch, host, kv_dtype)

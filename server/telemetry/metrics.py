@@ -1,23 +1,15 @@
-"""Prometheus metrics of one pdserve server (engine, KV cache, KV transfer).
+"""Prometheus metrics of one pdserve server (engine, KV cache, KV transfer), in a registry of its own.
 
-`ServerMetrics` owns its own `CollectorRegistry` (no process globals, so several servers or tests can
-live in one process). Two kinds of sources feed it:
-
-- Cumulative counters are read at scrape time by custom collectors: the KV manager's
-  `KVCacheStats` (`stats_provider`), and the scheduler's preemptions with the transceiver's
-  `TransferStats` (`counters_provider`, `EngineCounters`), as of the engine's last state
-  (server/telemetry/relay.py). Every scrape is an exact copy of the owners' own counters at that
-  point; nothing is forwarded twice or lost.
-- Engine and transfer events come through the `observe_*`/`add_*`/`set_*` methods (prometheus_client
-  objects: thread-safe), replayed from what the engine loop recorded.
-
-The metric names are part of the acceptance checks: keep them exactly.
-"""
+Cumulative counters (the KV manager's `KVCacheStats`, preemptions, `TransferStats`) are read at
+scrape time by custom collectors from the engine's last state, so a scrape copies the owners'
+counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
+the engine loop recorded (server/telemetry/relay.py). The metric names are part of the acceptance
+checks: keep them exactly."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,12 +36,8 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class KVStats(Protocol):
-    """What the collector reads from the KV manager's cumulative `KVCacheStats`.
-
-    `blocks` maps (window, level, state) to a block count, level in {"primary", "secondary", "disk"},
-    state in {"free", "cached", "in_use"}; `disk_dropped` maps a reason to dropped disk blocks;
-    `disk_queued_bytes` is a current value. All other fields are cumulative since start.
-    """
+    """What the collector reads from the KV manager's cumulative `KVCacheStats`: `blocks` maps
+    (window, level, state) to a count; `disk_queued_bytes` is a current value, the rest cumulative."""
 
     prefix_query_tokens: int
     prefix_hit_tokens: int
@@ -95,8 +83,7 @@ class SpecCounts:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """The engine's cumulative counters at scrape time: preemptions, the live transfer stats, and
-    speculative decoding."""
+    """The engine's cumulative counters at scrape time."""
 
     preemptions: int = 0
     transfers: Sequence[TransferCounts] = ()
@@ -125,82 +112,34 @@ _KV_COUNTERS = (
 )
 
 
-class _KVCacheCollector:
-    """Reads one `KVStats` snapshot per scrape and exposes it (custom collector)."""
+class _ScrapeCollector:
+    """The owners' cumulative counters, read once per scrape (custom collector)."""
 
     def __init__(self) -> None:
-        self.provider: StatsProvider | None = None
-
-    def describe(self) -> Iterator[Metric]:
-        return self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self.provider() if self.provider is not None else None)
-
-    def _families(self, stats: KVStats | None) -> Iterator[Metric]:
-        blocks = GaugeMetricFamily(
-            "pdserve_kv_cache_blocks", "KV cache blocks per window group, pool level and state.",
-            labels=["window", "level", "state"],
-        )
-        for (window, level, state), count in sorted((stats.blocks if stats else {}).items()):
-            blocks.add_metric([str(window), level, state], count)
-        yield blocks
-        for name, field, help_text in _KV_COUNTERS:
-            family = CounterMetricFamily(name, help_text)
-            if stats is not None:
-                family.add_metric([], getattr(stats, field))
-            yield family
-        yield from _disk_families(stats)
-
-
-def _disk_families(stats: KVStats | None) -> Iterator[Metric]:
-    dropped = CounterMetricFamily(
-        "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
-        "failed its check (corrupt, truncated, stale, format, missing, timeout, io_error) or the write queue was full "
-        "(queue_full).", labels=["reason"])
-    for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
-        dropped.add_metric([reason], count)
-    yield dropped
-    queued = GaugeMetricFamily("pdserve_kv_disk_write_queue_bytes", "KV bytes waiting for their disk tier write.")
-    if stats is not None:
-        queued.add_metric([], stats.disk_queued_bytes)
-    yield queued
-
-
-class _CountersCollector:
-    """Preemptions and KV transfer counters, summed from their owners at each scrape."""
-
-    def __init__(self) -> None:
-        self.provider: CountersProvider = EngineCounters
+        self.stats: StatsProvider | None = None
+        self.counters: CountersProvider = EngineCounters
         self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
 
     def describe(self) -> Iterator[Metric]:
-        return self._families(EngineCounters())
+        yield from _kv_families(None)
+        yield from self._counter_families(EngineCounters())
 
     def collect(self) -> Iterator[Metric]:
-        return self._families(self.provider())
+        yield from _kv_families(self.stats() if self.stats is not None else None)
+        yield from self._counter_families(self.counters())
 
-    def _families(self, counters: EngineCounters) -> Iterator[Metric]:
+    def _counter_families(self, counters: EngineCounters) -> Iterator[Metric]:
         transfers = list(counters.transfers)
-        failures: dict[str, int] = {}
-        for stats in transfers:
-            for reason, count in dict(stats.failures_by_reason).items():  # a copy: another thread counts
-                failures[reason] = failures.get(reason, 0) + count
-        family = CounterMetricFamily("pdserve_kv_transfer_failures", "Failed KV transfers by reason.",
-                                     labels=["reason"])
-        for reason, count in failures.items():
-            family.add_metric([reason], count, created=self.created)
-        yield family
-        phases: dict[str, float] = {}
-        for stats in transfers:
-            for phase, seconds in dict(stats.phase_seconds).items():
-                phases[phase] = phases.get(phase, 0.0) + seconds
-        family = CounterMetricFamily("pdserve_kv_transfer_phase_seconds",
-                                     "Successful KV pulls' time by phase: wait (until the first answer "
-                                     "arrives), apply (checking and writing chunks), rest.", labels=["phase"])
-        for phase, seconds in phases.items():
-            family.add_metric([phase], seconds, created=self.created)
-        yield family
+        for name, help_text, label, field in (
+            ("pdserve_kv_transfer_failures", "Failed KV transfers by reason.", "reason", "failures_by_reason"),
+            ("pdserve_kv_transfer_phase_seconds", "Successful KV pulls' time by phase: wait (until the first "
+             "answer arrives), apply (checking and writing chunks), rest.", "phase", "phase_seconds"),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=[label])
+            for key, value in _summed(getattr(stats, field) for stats in transfers).items():
+                family.add_metric([key], value, created=self.created)
+            yield family
+        spec = counters.spec
         for name, help_text, value in (
             ("pdserve_kv_transfer_lease_expired",
              "Context-side block leases that expired before the transfer ended.",
@@ -213,12 +152,6 @@ class _CountersCollector:
              sum(s.rejected_messages for s in transfers)),
             ("pdserve_num_preemptions", "Requests preempted (blocks released, resumed later).",
              counters.preemptions),
-        ):
-            yield CounterMetricFamily(name, help_text, value, created=self.created)
-        yield from self._spec_families(counters.spec)
-
-    def _spec_families(self, spec: SpecCounts) -> Iterator[Metric]:
-        for name, help_text, value in (
             ("pdserve_spec_draft_tokens", "Speculative decoding: draft tokens verified.", spec.proposed),
             ("pdserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.", spec.accepted),
             ("pdserve_spec_emitted_tokens", "Speculative decoding: tokens emitted by verify steps "
@@ -235,19 +168,51 @@ class _CountersCollector:
                                 spec.emitted / spec.verified if spec.verified else 0.0)
 
 
+def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for counts in maps:
+        for key, value in dict(counts).items():  # a copy: another thread counts
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _kv_families(stats: KVStats | None) -> Iterator[Metric]:
+    blocks = GaugeMetricFamily(
+        "pdserve_kv_cache_blocks", "KV cache blocks per window group, pool level and state.",
+        labels=["window", "level", "state"],
+    )
+    for (window, level, state), count in sorted((stats.blocks if stats else {}).items()):
+        blocks.add_metric([str(window), level, state], count)
+    yield blocks
+    for name, field, help_text in _KV_COUNTERS:
+        family = CounterMetricFamily(name, help_text)
+        if stats is not None:
+            family.add_metric([], getattr(stats, field))
+        yield family
+    dropped = CounterMetricFamily(
+        "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
+        "failed its check (corrupt, truncated, stale, format, missing, timeout, io_error) or the write queue was full "
+        "(queue_full).", labels=["reason"])
+    for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    queued = GaugeMetricFamily("pdserve_kv_disk_write_queue_bytes", "KV bytes waiting for their disk tier write.")
+    if stats is not None:
+        queued.add_metric([], stats.disk_queued_bytes)
+    yield queued
+
+
 class ServerMetrics:
     """All metrics of one server, in a private registry. Thread-safe."""
 
     def __init__(self, stats_provider: StatsProvider | None = None,
                  counters_provider: CountersProvider | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._kv = _KVCacheCollector()
-        self._kv.provider = stats_provider
-        self.registry.register(self._kv)
-        self._counters = _CountersCollector()
+        self._scraped = _ScrapeCollector()
+        self._scraped.stats = stats_provider
         if counters_provider is not None:
-            self._counters.provider = counters_provider
-        self.registry.register(self._counters)
+            self._scraped.counters = counters_provider
+        self.registry.register(self._scraped)
         self._make_engine_metrics()
         self._make_transfer_metrics()
 
@@ -286,11 +251,11 @@ class ServerMetrics:
 
     def set_stats_provider(self, provider: StatsProvider | None) -> None:
         """Set the callable returning the KV manager's cumulative stats (called at every scrape)."""
-        self._kv.provider = provider
+        self._scraped.stats = provider
 
     def set_counters_provider(self, provider: CountersProvider) -> None:
         """Set the callable returning the engine's `EngineCounters` (called at every scrape)."""
-        self._counters.provider = provider
+        self._scraped.counters = provider
 
     # -- engine ---------------------------------------------------------------------------------------
 

@@ -1,12 +1,5 @@
 """The phases of a request's time to first token as /metrics shows them, named once for every reader
-(the router's dashboard, `pdserve-bench load`); docs/DISAGG_LOAD.md says what each one covers.
-
-Each phase is one histogram of one kind of source:
-- "router": the router's `pdserve_router_phase_seconds{phase=...}` (server/router/flow.py `Phases`);
-- "prefill": the servers that compute prompts (context servers, or an aggregated server);
-- "generation": a pair's generation servers.
-`quantile` reads a percentile from cumulative histogram buckets, as Prometheus' histogram_quantile does.
-"""
+(docs/DISAGG_LOAD.md): the router's phases, the prefill servers', a pair's generation servers'."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""The engine's metrics, the same whichever host runs it (a thread of the HTTP process or the
-engine process, server/engine_host/loop.py), shown by the HTTP process's `ServerMetrics`.
+"""The engine's metrics, the same whichever host runs it, shown by the HTTP process's `ServerMetrics`.
 
-On the engine's side nothing touches the Prometheus registry: the `EngineCore` and the transceiver
-feed a `MetricsRecorder`, which keeps what they observe until the loop's next message takes it
-(`take`: a `MetricsDelta`, in the same `StepOut` as the step's outputs). The figures read at scrape
-time (KV blocks and counters, requests per state, preemptions, KV transfer counters, speculative
-decoding) are read from their owners on the engine's thread (`engine_figures`) and travel as
-`EngineFigures` in the engine's state. On the HTTP side `RelayedMetrics` replays each delta into
-the server's `ServerMetrics` and serves the last figures to its collectors, so /metrics reads one way.
-"""
+On the engine's side nothing touches the registry: a `MetricsRecorder` keeps what is observed until
+the loop's next `StepOut` takes it (`MetricsDelta`), and the scrape-time figures travel as
+`EngineFigures` in the engine's state. `RelayedMetrics` replays each delta and serves the last figures."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """The rank channel: rank 0's ROUTER and one DEALER per other rank, on loopback.
 
-Messages are signed (transceiver/signed.py), ordered: each carries the sender's count of messages to
-or from that rank, which must be exactly one more than the last one received (nothing replayed,
-dropped or reordered goes unnoticed), and its MAC binds it to the rank's identity and to the
-direction, with keys derived from the server's own secret, which rank 0 draws at start and hands to
-the ranks it spawns (so no rank's message passes for another's). A message that fails a check
-raises `ChannelError`: the ranks no longer agree, and the server stops.
-Each end is used by one thread only (rank 0's engine thread; a rank's main loop).
-"""
+Messages are signed and ordered: each carries the sender's count, which must be exactly one more
+than the last received, and its MAC binds it to the rank and the direction (keys from the secret
+rank 0 draws at start). A failed check raises `ChannelError` and the server stops. Each end is used
+by one thread only."""
 
 from __future__ import annotations
 

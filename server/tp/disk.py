@@ -1,11 +1,7 @@
-"""A tensor-parallel server's disk tier: every rank keeps files of its own kv heads (kvcache/disk_mirror.py).
+"""A tensor-parallel server's disk tier: every rank keeps files of its own kv heads.
 
-Rank 0's KV manager keeps the books and its own files. The other ranks get, in order with
-everything else they mirror: the blocks its host -> disk copies wrote (`Copies.disk_meta`, so their
-files say the same), and, before rank 0 plans a disk hit in, a `CheckDisk` of the same files, which
-they read, check and stage for the disk -> host copies that follow. Rank 0 waits for every rank's
-`DiskChecked` (its own reads run meanwhile) and drops each block one of them could not read back.
-"""
+The other ranks get the disk metadata of rank 0's host -> disk copies, in order, and a `CheckDisk`
+before a disk hit; rank 0 waits for every `DiskChecked` and drops each block a rank could not read."""
 
 from __future__ import annotations
 
@@ -58,8 +54,7 @@ class DiskChecks:
     def __call__(self, items: list[tuple[int, int, bytes]]) -> Callable[[], dict[int, tuple[str, str]]]:
         self._calls += 1
         call = self._calls
-        self._ranks.add(CheckDisk(call, items))
-        self._ranks.flush()
+        self._ranks.flush(CheckDisk(call, items))
         return lambda: self._answers(call, len(items))
 
     def _answers(self, call: int, n: int) -> dict[int, tuple[str, str]]:

@@ -41,8 +41,7 @@ class DiskMeta(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Copies(msgspec.Struct, tag=True, frozen=True):
-    """Pool copies rank 0's KV manager ran on one window group, in order; `disk_meta` names the
-    blocks its host -> disk copies wrote."""
+    """Pool copies rank 0 ran on one window group, in order; `disk_meta`: the blocks its disk copies wrote."""
 
     window: int
     ops: list[tuple[int, int, int, int]]  # (src level, src slot, dst level, dst slot)
@@ -133,8 +132,7 @@ class PullDone(msgspec.Struct, tag=True, frozen=True):
 
 
 class DiskChecked(msgspec.Struct, tag=True, frozen=True):
-    """A rank's answer to `CheckDisk` `call`: item index -> (reason, sentence) of the files it could
-    not read back (rank 0 drops those blocks)."""
+    """A rank's answer to `CheckDisk` `call`: item index -> (reason, sentence) of the files it could not read."""
 
     rank: int
     call: int

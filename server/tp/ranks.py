@@ -1,17 +1,10 @@
 """Rank 0's handle on the other ranks of its server: start them, keep them in step, stop them.
 
-`Ranks.start` (on the engine thread, before the model loads) draws the channel secret, opens the
-torch.distributed store, spawns ranks 1..N-1 (multiprocessing "spawn": nothing forked after torch
-or CUDA started), waits until each has connected its channel end, and joins the process group.
-From then on rank 0 queues every operation the ranks must mirror (`add`; pool copies arrive
-through `KVCacheManager.observe_copies`) and sends the queue, in order, as one `Command` (`flush`):
-before each forward, and whenever a lease or a pull must start on every rank.
-
-Failure: a watchdog thread waits on the ranks' process sentinels; if one exits while the server is
-not stopping, it kills the others and ends this process with RANK_DIED_EXIT, so the launcher
-restarts the whole server (the router fences it meanwhile). The other ranks watch rank 0 the same
-way (worker.py). A stuck collective is therefore never waited on for ever.
-"""
+`Ranks.start` (engine thread, before the model loads) spawns ranks 1..N-1 ("spawn": nothing forked
+after torch or CUDA started) and joins the process group. Rank 0 queues every operation the ranks
+must mirror and sends the queue in order as one `Command` (`flush`) before each forward and before a
+lease or pull. A watchdog ends this process with RANK_DIED_EXIT when a rank dies, so the launcher
+restarts the whole server; a stuck collective is never waited on for ever."""
 
 from __future__ import annotations
 
@@ -71,9 +64,8 @@ class Ranks:
     @classmethod
     def start(cls, config_json: bytes, model_dir: str, size: int, device: torch.device, dtype: torch.dtype,
               on_rank_death: Callable[[], None] = lambda: os._exit(RANK_DIED_EXIT)) -> Ranks:
-        """Spawn ranks 1..size-1 and join the process group as rank 0 (`config_json`: the server's
-        ServerConfig, msgspec JSON). `on_rank_death()` runs once the other ranks are killed after
-        one died (default: end this process)."""
+        """Spawn ranks 1..size-1 and join the process group as rank 0; `on_rank_death()` runs once the
+        other ranks are killed after one died (default: end this process)."""
         secret, epoch = secrets.token_bytes(32), uuid.uuid4().hex
         end = RootEnd(secret)
         store = group.open_store(size)
@@ -93,8 +85,7 @@ class Ranks:
 
     # ---- the commands
     def attach(self, kv: KVCacheManager) -> None:
-        """Give the ranks the pools' slot counts and mirror every copy `kv` runs from now on (and with
-        a disk tier, every check of its files: server/tp/disk.py)."""
+        """Give the ranks the pools' slot counts and mirror every copy (and disk check) `kv` runs from now on."""
         window = kv.window_sizes[0]
         num_disk = kv.num_slots(window, Level.DISK)
         self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY), num_disk))
@@ -111,9 +102,10 @@ class Ranks:
     def add(self, op: Op) -> None:
         self._ops.append(op)
 
-    def flush(self) -> None:
-        """Send every queued operation, in order, to every rank. A rank that does not take them can no
-        longer follow rank 0: the server ends (as if it had died)."""
+    def flush(self, *ops: Op) -> None:
+        """Queue `ops`, then send every queued operation, in order, to every rank; a rank that does not
+        take them ends the server."""
+        self._ops += ops
         if self._ops:
             ops, self._ops = self._ops, []
             try:

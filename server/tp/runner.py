@@ -1,16 +1,9 @@
 """Rank 0's model runner of a tensor-parallel server: every step goes to the other ranks first.
 
-It wraps the rank's own `ModelRunner` (shard 0) from outside: `execute` queues the
-step (`Forward`) after the pool copies rank 0's KV manager ran since the last one, sends them, then
-runs shard 0, whose collectives meet the other ranks'. The engine sees the runner it always saw:
-what `EngineCore` reads of its runner is here (tests/unit/test_tp_runner.py checks that nothing it
-calls is missing).
-
-Async scheduling: a row whose token is still on the device (`PendingTokens`: the ids the step
-before sampled, on rank 0's device only) is named in the `Forward` by its row, and rank 0 broadcasts
-the sampled ids to the other ranks through the process group (`group.share_from_rank0`) right before
-its forward, so every rank embeds the same tokens and no host waits for them (NCCL: only the stream).
-"""
+It wraps the rank's own `ModelRunner` from outside: `execute` sends the step (`Forward`, after the
+pool copies since the last one), then runs shard 0, whose collectives meet the other ranks'.
+Async scheduling: a row whose token is still on the device is named by its row, and rank 0
+broadcasts the sampled ids right before its forward, so no host waits for them."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Rank 0's KV sender and receiver of a tensor-parallel server: its own share, plus the other ranks'.
 
-`RankedSender` (context): a lease is made on rank 0 (pins, onboarding, ids -> slots) and offered to
-the other ranks' senders in order after the copies that onboarded it (`OfferLease`); when it ends on
-rank 0 they are told (`EndLease`) before any later forward or copy can write its slots. Handshakes
-list every rank's KV endpoint and kv heads, and /kv_cache/endpoint lists the endpoints.
-
-`RankedReceiver` (generation): a pull starts on every rank (`StartPull`), each pulling its own kv
-heads; it ends when every rank's share arrived (then rank 0 sends the context server `Release`) or
-when one failed (the others are cancelled, and the lease is cancelled if rank 0's share had landed).
-"""
+`RankedSender`: a lease made on rank 0 is offered to the other ranks after the copies that onboarded
+it; when it ends they are told before any later forward or copy can write its slots.
+`RankedReceiver`: a pull starts on every rank; it ends when every share arrived (then rank 0
+releases the lease) or one failed (the others are cancelled)."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class RankedSender(KVSender):
     def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
         super().add_lease(ctx_request_id, blocks)
         slots = {w: self._slots(ids, w) for w, ids in blocks.items()}
-        self._ranks.add(OfferLease(ctx_request_id, slots))
-        self._ranks.flush()
+        self._ranks.flush(OfferLease(ctx_request_id, slots))
         self._mirrored.add(ctx_request_id)
 
     def _slots(self, ids: list[int], window: int) -> list[int]:
@@ -56,9 +50,7 @@ class RankedSender(KVSender):
         super().step()
         ended = self._mirrored - self.lease_ids
         if ended:
-            for cid in sorted(ended):
-                self._ranks.add(EndLease(cid))
-            self._ranks.flush()
+            self._ranks.flush(*(EndLease(cid) for cid in sorted(ended)))
             self._mirrored -= ended
 
 
@@ -87,8 +79,7 @@ class RankedReceiver(KVReceiver):
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
                    wanted: dict[int, tuple[int, list[int]]], stream: bool = False) -> None:
         super().start_pull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream)
-        self._ranks.add(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
-        self._ranks.flush()
+        self._ranks.flush(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
         self._shares[request_id] = _Shares(ctx_endpoint, ctx_epoch, ctx_request_id, time.monotonic(),
                                            set(range(self._ranks.size)), stream=stream)
 
@@ -131,8 +122,7 @@ class RankedReceiver(KVReceiver):
         """A share failed: stop the other ranks' (their receivers cancel their parts), and rank 0's
         own: a running one is cancelled; if it had landed, the lease is cancelled here."""
         del self._shares[request_id]
-        self._ranks.add(CancelPull(request_id))
-        self._ranks.flush()
+        self._ranks.flush(CancelPull(request_id))
         if failed_rank != 0 and not super().cancel(request_id) and 0 not in shares.pending:
             self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
 
@@ -140,8 +130,7 @@ class RankedReceiver(KVReceiver):
         shares = self._shares.pop(request_id, None)
         own = super().cancel(request_id)
         if shares is not None:
-            self._ranks.add(CancelPull(request_id))
-            self._ranks.flush()
+            self._ranks.flush(CancelPull(request_id))
             if not own and 0 not in shares.pending:  # rank 0's share landed: end the lease here
                 self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
         return own or shares is not None

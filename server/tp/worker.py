@@ -1,15 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel server: each a process that mirrors rank 0 on its own shards.
 
-A rank joins the process group, loads its slices of the weights, waits for rank 0's `Init` (the
-pools' slot counts), builds its KV pools and model runner, warms up (in step with rank 0: the
-warm-up's collectives pair up), starts its role's KV endpoint (context: a sender of its kv heads;
-generation: a receiver of them) and reports `Ready`. Then it applies rank 0's commands in order:
-copies on its pools, forwards (its part of every collective; the logits are rank 0's business),
-leases and pulls on its own KV link. Its KV manager only holds the pools: rank 0 keeps the books.
-
-It exits when rank 0 says `Stop`, when rank 0's process ends (a watchdog thread, so a collective
-that waits for a dead rank 0 cannot hold it), and with code 1 after reporting a `Failure`.
-"""
+A rank loads its weight slices, builds its pools from rank 0's `Init`, warms up in step with rank 0,
+starts its role's KV endpoint for its own kv heads and reports `Ready`; then it applies rank 0's
+commands in order. Rank 0 keeps the books. It exits on `Stop`, when rank 0's process ends (a
+watchdog thread), and with code 1 after reporting a `Failure`."""
 
 from __future__ import annotations
 
@@ -190,8 +184,7 @@ class Worker:
             self.disk.after_copies(op.window)
 
     def forward(self, op: Forward) -> None:
-        """This rank's part of one step; rows with a pending token take it from the sampled ids
-        rank 0 broadcasts (server/tp/runner.py)."""
+        """This rank's part of one step; pending tokens come from the ids rank 0 broadcasts."""
         chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits, s.num_logits)
                   for s in op.seqs]
         pending = None

@@ -1,1 +1,1 @@
-"""One router per concern: completions, chat, models, health, metrics."""
+"""One router per concern: the OpenAI API (v1), health, metrics."""

@@ -1,12 +1,7 @@
 """GET /health and GET /health_generate (docs/SECURITY.md, "Health").
 
-/health is 200 while the engine runs and its KV invariants hold, else 503 (loading, draining, a
-broken part: server/api/readiness.py; the body's `status` and `reason`/`detail` say which). It stays
-cheap: the engine checks its KV state periodically (server/engine/health.py) and this route reports
-the verdict. Its `epoch`, made when the process started, tells a router the server restarted.
-/health_generate runs one greedy token through the engine, under a fresh `cache_salt` so it reuses
-no cached block and leaves none for anybody else.
-"""
+/health stays cheap: the engine checks its KV state periodically and this route reports the
+verdict (server/api/readiness.py). /health_generate runs one greedy token under a fresh `cache_salt`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """The actors of a deployment on Ray: one pdserve process each, and the other ranks' bundles.
 
-`ProcessActor` runs one server (or the router) the way the one-host launcher does, through its
-`Supervisor` (environment, log file, own session, death signal; SIGTERM, the drain's wait, SIGKILL).
-Its constructor starts the process, so a restarted actor starts it again; a watcher thread ends the
-actor when the process dies while not stopping, which is how Ray learns of the death. Files go to
-`<log dir>/<deployment>/` on the actor's node (0700): the process's log, appended to across
-restarts, and the deployment file it reads (without the token: that one is in its environment).
-
-Priority: Ray runs its workers at niceness 15 (`RAY_worker_niceness`), below everything else on the
-node, and a process inherits its parent's. The server is the node's work, not background work, so
-the actor starts it at its raylet's niceness (normally 0), which needs CAP_SYS_NICE; without it the
-server stays at 15 and the launcher says so (start the nodes with RAY_worker_niceness=0 instead).
-"""
+`ProcessActor` runs one server (or the router) through the launcher's `Supervisor`; its
+constructor starts the process and a watcher thread ends the actor when the process dies, which is
+how Ray learns of the death. Files go to `<log dir>/<deployment>/` (0700) on the actor's node.
+The server runs at its raylet's niceness, not Ray's worker niceness 15 (needs CAP_SYS_NICE; else
+the launcher says so)."""
 
 from __future__ import annotations
 

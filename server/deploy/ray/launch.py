@@ -114,8 +114,7 @@ def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str,
 
 
 def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignals) -> int | None:
-    """Start the servers, wait for them and their handshakes, then the router; None when all serve,
-    else the launch's return code."""
+    """Start the servers, wait for them and their handshakes, then the router; None once all serve."""
     cfg = run.cfg
     token = cfg.auth_token or secrets.token_hex(32)
     rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])

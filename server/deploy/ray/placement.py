@@ -1,10 +1,5 @@
-"""Where each actor of a deployment runs: its placement group, node, address and port.
-
-Every server gets a placement group of one bundle per tensor-parallel rank (the section's
-`ray_actor_options`), STRICT_PACK so that its ranks share a node; the router gets one bundle of the
-top level's. Placement groups are named like their actors (`<deployment>/<server>`), so that
-`pdserve ray down` finds them again.
-"""
+"""Where each actor of a deployment runs: a STRICT_PACK placement group of one bundle per rank,
+named like its actor (`<deployment>/<server>`) so that `pdserve ray down` finds it again."""
 
 from __future__ import annotations
 
@@ -74,8 +69,7 @@ def check_feasible(ray, wanted: list[Want], source: str) -> None:
 
 
 def place(ray, wanted: list[Want], deployment: str, detached: bool, timeout_s: float) -> dict[str, Placed]:
-    """A ready placement group per want; PlacementError (every group removed) if one is not ready
-    within `timeout_s`."""
+    """A ready placement group per want; PlacementError (all removed) if one is not ready in `timeout_s`."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     lifetime = "detached" if detached else None
