@@ -210,7 +210,7 @@ def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers
                "http://g": two_samples(ServerMetrics(), generation)}
     phases = {p["name"]: p for p in deployment_view(backends, windows, router, now=2.5)["phases"]}
     assert list(phases) == ["router_queue", "context_queue", "prefill", "context_leg", "handoff", "generation_queue",
-                            "kv_transfer", "first_event"]
+                            "kv_transfer", "generation_leg", "first_event"]
     assert phases["prefill"]["source"] == "prefill" and phases["prefill"]["count"] == 3
     assert phases["prefill"]["mean"] == pytest.approx(0.095 / 3)
     assert phases["prefill"]["p50"] == pytest.approx(0.03)  # 15 <= 20, 30 <= 40, 50 <= 60 ms: (20, 40] halfway
@@ -218,5 +218,5 @@ def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers
     assert phases["context_leg"]["count"] == 3 and phases["context_leg"]["mean"] == pytest.approx(0.05)
     assert phases["context_leg"]["p50"] == pytest.approx(0.05)  # 30 <= 40, 50 <= 60, 70 <= 80 ms: (40, 60] halfway
     assert (phases["generation_queue"]["count"], phases["kv_transfer"]["count"]) == (1, 1)
-    for name in ("router_queue", "handoff", "first_event"):  # shown, with nothing observed in the window
+    for name in ("router_queue", "handoff", "generation_leg", "first_event"):  # shown, with nothing observed in the window
         assert phases[name] == {"name": name, "source": "router", "p50": None, "mean": None, "count": 0}
