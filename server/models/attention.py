@@ -105,6 +105,30 @@ class _WindowPlan:
     prefills: list[_Attend]  # one per prefill chunk
 
 
+class AdditiveMask:
+    """hi, lo [R] int64 -> [R, width] in `dtype`: key j visible (0) iff lo < j <= hi, else -inf."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._zero = torch.zeros((), dtype=dtype, device=device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+
+    def __call__(self, hi: torch.Tensor, lo: torch.Tensor | None, width: int) -> torch.Tensor:
+        j = torch.arange(width, device=hi.device)
+        visible = j <= hi[:, None]
+        if lo is not None:
+            visible &= j > lo[:, None]
+        return torch.where(visible, self._zero, self._neg_inf)
+
+
+def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_per_slot: dict[int, int],
+                 mask_fn: _MaskFn, planes: int = 2) -> dict[int, _WindowPlan]:
+    """Every window's plan of a step (`_WindowPlan`), its indices uploaded in one copy."""
+    host = HostInts()
+    specs = {w: _HostWindow(layout, w, tpb, ups, host, planes) for w, ups in units_per_slot.items()}
+    ints = host.upload(positions.device)
+    return {w: spec.on_device(ints, mask_fn) for w, spec in specs.items()}
+
+
 class TorchPagedAttention(AttentionBackend):
     """Portable backend (CPU and CUDA): gathers K and V blocks with one index_select, attends with SDPA."""
 
@@ -127,27 +151,14 @@ class TorchPagedAttention(AttentionBackend):
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
         self.dtype = dtype or cache.dtype
         self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
+        self._mask = AdditiveMask(self.dtype, cache.device)
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
                          for k, v in self.scales] if self.quantized else []
-        self._zero = torch.zeros((), dtype=self.dtype, device=cache.device)
-        self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=cache.device)
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
-        host = HostInts()
-        specs = {w: _HostWindow(layout, w, self.tpb, self.units_per_slot[w], host)
-                 for w in self.kv.window_sizes}
-        ints = host.upload(positions.device)
-        return {w: spec.on_device(ints, self._additive_mask) for w, spec in specs.items()}
-
-    def _additive_mask(self, hi: torch.Tensor, lo: torch.Tensor | None, width: int) -> torch.Tensor:
-        """hi, lo [R] int64 -> [R, width]: key j visible (0) iff lo < j <= hi, else -inf."""
-        j = torch.arange(width, device=hi.device)
-        visible = j <= hi[:, None]
-        if lo is not None:
-            visible &= j > lo[:, None]
-        return torch.where(visible, self._zero, self._neg_inf)
+        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
 
     # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -227,8 +238,9 @@ class _HostWindow:
     """Host half of one window's plan: index data appended to the step's `HostInts`, as slices."""
 
     def __init__(self, layout: StepLayout, window: int, tpb: int, units_per_slot: int,
-                 host: HostInts) -> None:
-        self.window, self.tpb, self.ups, self.host = window, tpb, units_per_slot, host
+                 host: HostInts, planes: int = 2) -> None:
+        """`planes`: units per block of one layer, 2 (K, V) or 1 (a latent cache's)."""
+        self.window, self.tpb, self.ups, self.host, self.planes = window, tpb, units_per_slot, host, planes
         nd = layout.num_decode
         self.decode = self._attend(layout.seqs[:nd], slice(0, nd)) if nd else None
         self.prefills, row = [], nd
@@ -236,7 +248,7 @@ class _HostWindow:
             self.prefills.append(self._attend([seq], slice(row, row + seq.num_new)))
             row += seq.num_new
         # after the span checks above: every new token's block is present
-        self.write = host.add(_write_rows(layout.seqs, window, tpb, units_per_slot))
+        self.write = host.add(_write_rows(layout.seqs, window, tpb, units_per_slot, planes))
 
     def _attend(self, seqs: list[SeqLayout], rows: slice) -> _HostAttend:
         """Host data of one attention call over `seqs` (several only for decode, one query each)."""
@@ -246,7 +258,7 @@ class _HostWindow:
         units, his = [], []
         for seq, (lo, hi) in zip(seqs, spans, strict=True):
             k_units = [s * self.ups for s in _checked_slots(seq, window, lo, hi)] + [0] * (nb - (hi - lo))
-            units += k_units + [u + 1 for u in k_units]  # the sequence's K units, then its V units
+            units += k_units + ([u + 1 for u in k_units] if self.planes == 2 else [])  # K units, then V units
             start = seq.num_past - lo * tpb  # key index of the chunk's first query
             his += range(start, start + seq.num_new)
         sliding = max(his) >= window  # else no query's window starts after key 0 of its span
@@ -259,7 +271,7 @@ class _HostWindow:
             mask = mask_fn(ints[a.hi], None if a.lo is None else ints[a.lo], a.width)
             return _Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
 
-        return _WindowPlan(ints[self.write].view(-1, 2),
+        return _WindowPlan(ints[self.write].view(-1, self.planes),
                            attend(self.decode, True) if self.decode else None,
                            [attend(p, False) for p in self.prefills])
 
@@ -321,12 +333,13 @@ def _checked_slots(seq: SeqLayout, window: int, lo: int, hi: int) -> list[int]:
     return slots
 
 
-def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int) -> list[int]:
-    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]."""
+def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int, planes: int = 2) -> list[int]:
+    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]
+    (one plane: [k0, k1, ...])."""
     rows: list[int] = []
     for seq in seqs:
         table = seq.slot_tables[window]
         for pos in range(seq.num_past, seq.num_past + seq.num_new):
             k_row = table[pos // tpb] * units_per_slot * tpb + pos % tpb
-            rows += (k_row, k_row + tpb)
+            rows += (k_row, k_row + tpb) if planes == 2 else (k_row,)
     return rows

@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kvcache import CacheLayout
+from kvcache import CacheLayout, KVFormat
 from server.models.fp8.checkpoint import CheckpointQuant, checkpoint_quant
+from server.models.mla_spec import MLA_ARCHITECTURES, MLASpec, mla_spec
 from server.models.weights import safetensors_files, tensor_signature
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *MLA_ARCHITECTURES)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq independent of sequence length
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -55,13 +57,22 @@ class ModelSpec:
     hf_config: PretrainedConfig = field(repr=False, compare=False)  # for transformers' rope functions
     checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 scheme (config.json), if any
     quantization: str | None = None  # what its linears are served as: "fp8" (checkpoint or load time) or None
+    mla: MLASpec | None = None  # DeepSeek-V2/V3: multi-head latent attention (server/models/mla_spec.py)
 
-    def cache_layout(self, max_seq_len: int, dtype: torch.dtype, device: torch.device | str) -> CacheLayout:
-        """The KV cache this model needs: full attention window max_seq_len,
-        sliding min(window, max_seq_len)."""
+    def kv_format(self, dtype: torch.dtype) -> KVFormat:
+        """The KV format of this model's cache in `dtype`: K/V heads, or MLA's latent (one plane of
+        kv_lora_rank + qk_rope_head_dim values a token, whatever the heads)."""
+        if self.mla is not None:
+            return KVFormat(dtype, 1, self.mla.latent_dim, layout="latent")
+        return KVFormat(dtype, self.num_kv_heads, self.head_dim)
+
+    def cache_layout(self, max_seq_len: int, dtype: torch.dtype | KVFormat,
+                     device: torch.device | str) -> CacheLayout:
+        """The KV cache this model needs, in `dtype` (the model's own format) or a given format:
+        full attention window max_seq_len, sliding min(window, max_seq_len)."""
         windows = tuple(max_seq_len if w is None else min(w, max_seq_len) for w in self.layer_windows)
-        return CacheLayout(layer_windows=windows, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           dtype=dtype, device=device, max_seq_len=max_seq_len)
+        fmt = dtype if isinstance(dtype, KVFormat) else self.kv_format(dtype)
+        return CacheLayout(windows, fmt, device, max_seq_len)
 
 
 def load_spec(model_dir: Path | str) -> ModelSpec:
@@ -72,6 +83,7 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     _check_tokenizer(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
+    mla = mla_spec(architecture, raw, cfg, model_dir)
     quant = checkpoint_quant(raw, model_dir)
     family = architecture.removesuffix("ForCausalLM")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
@@ -89,7 +101,7 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         rope_type=rope_parameters(cfg).get("rope_type", "default"),
         eos_token_ids=_eos_ids(raw, model_dir), bos_token_id=raw.get("bos_token_id"),
         fingerprint=_fingerprint(raw, files), hf_config=cfg, checkpoint_quant=quant,
-        quantization="fp8" if quant is not None else None,
+        quantization="fp8" if quant is not None else None, mla=mla,
     )
 
 
@@ -159,7 +171,7 @@ def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]
     n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
     if family == "Mistral":  # Mistral applies `sliding_window` to every layer and ignores layer_types
         return (window,) * n
-    if family == "Llama":
+    if family == "Llama" or family.startswith("Deepseek"):
         return (None,) * n
     types = getattr(cfg, "layer_types", None)
     if types is None:  # Qwen2/Qwen3 configs from versions without layer_types

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kv_factories import make_manager
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level, block_hashes, request_salt
 from server.config.schema import ConfigError, server_config_from_dict
 
 
@@ -70,14 +70,15 @@ def test_constructor_checks_across_fields_and_yaml_values_convert():
     ({"device": "nodevice"}, "device='nodevice'"),
 ])
 def test_layout_errors_name_the_field(kwargs, match):
-    args = dict(layer_windows=(64,), num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu",
-                max_seq_len=64)
+    fmt = dict(num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    args = dict(layer_windows=(64,), device="cpu", max_seq_len=64)
     with pytest.raises(ValueError, match=match):
-        CacheLayout(**{**args, **kwargs})
+        CacheLayout(**{k: v for k, v in {**args, **kwargs}.items() if k not in fmt},
+                    format=KVFormat(**{**fmt, **{k: v for k, v in kwargs.items() if k in fmt}}))
 
 
 def test_sizing_per_group_from_max_tokens_and_host_bytes():
-    layout = CacheLayout((32, 64, 64), 2, 8, torch.float16, "cpu", 64)
+    layout = CacheLayout((32, 64, 64), KVFormat(torch.float16, 2, 8), "cpu", 64)
     assert layout.bytes_per_token() == 3 * 2 * 2 * 8 * 2 == 192
     cfg = KvCacheConfig(tokens_per_block=4, max_tokens=40, host_cache_size=192 * 4 * 5 + 100)
     m = KVCacheManager(cfg, layout)
@@ -90,7 +91,7 @@ def test_sizing_per_group_from_max_tokens_and_host_bytes():
 
 
 def test_host_cache_smaller_than_one_block_is_an_error():
-    layout = CacheLayout((64,), 2, 8, torch.float16, "cpu", 64)  # 64 bytes per token, 256 per block
+    layout = CacheLayout((64,), KVFormat(torch.float16, 2, 8), "cpu", 64)  # 64 bytes per token, 256 per block
     with pytest.raises(ValueError, match=r"host_cache_size=255: holds no block \(one block .* is 256 bytes\)"):
         KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=255), layout)
     m = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=256), layout)
@@ -134,9 +135,9 @@ def test_a_pool_sized_from_free_gpu_memory_is_capped_in_blocks(monkeypatch):
     from kvcache.group import MAX_AUTO_BLOCKS, primary_tokens
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 << 30, 141 << 30))
-    tiny = CacheLayout(layer_windows=(2048,) * 2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+    tiny = CacheLayout(layer_windows=(2048,) * 2, format=KVFormat(torch.bfloat16, 2, 64),
                        device="cuda", max_seq_len=2048)
-    big = CacheLayout(layer_windows=(8192,) * 32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+    big = CacheLayout(layer_windows=(8192,) * 32, format=KVFormat(torch.bfloat16, 8, 128),
                       device="cuda", max_seq_len=8192)
     cfg = KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=0.9)
     assert primary_tokens(cfg, tiny) == MAX_AUTO_BLOCKS * 32
