@@ -43,6 +43,10 @@ class PagedKV(Protocol):
         in each slot V must follow K directly (one pool, slot-major), see `layer_units`."""
         ...
 
+    def layer_latent(self, layer_idx: int) -> torch.Tensor:
+        """A latent cache's layer (MLA): [num_primary_slots, tokens_per_block, width] (a view)."""
+        ...
+
     def layer_window(self, layer_idx: int) -> int: ...
 
     def layer_scales(self, layer_idx: int) -> tuple[float, float]:

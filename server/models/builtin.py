@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 SEED = 1234
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
 def _family_classes(family: str) -> tuple[type, type]:
@@ -49,7 +49,8 @@ def _family_classes(family: str) -> tuple[type, type]:
     when a tiny model is built, so a server that loads a built model never pays for it."""
     import transformers
 
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "deepseek_v2": "DeepseekV2",
+              "deepseek_v3": "DeepseekV3"}[family]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 

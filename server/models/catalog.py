@@ -31,6 +31,13 @@ class BuiltinModel:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
+# DeepSeek's multi-head latent attention at tiny size: 4 heads, a latent of 32 + 16 values a token
+_TINY_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+    moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    routed_scaling_factor=2.5, first_k_dense_replace=4,
+)
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-llama": BuiltinModel("llama", 2),
     "tiny-qwen3-swa": BuiltinModel(
@@ -38,6 +45,13 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     ),
+    # softmax gate (greedy top-k), q from one projection, default rope
+    "tiny-deepseek-v2": BuiltinModel("deepseek_v2", 1, dict(_TINY_MLA, q_lora_rank=None, topk_method="greedy")),
+    # sigmoid gate over groups, q through its own low-rank projection, YaRN with both mscales
+    "tiny-deepseek-v3": BuiltinModel("deepseek_v3", 1, dict(
+        _TINY_MLA, q_lora_rank=48, n_group=2, topk_group=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8))),
 }
 
 
