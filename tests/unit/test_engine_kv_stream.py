@@ -53,7 +53,8 @@ def make_pair():
         yield lambda model=LLAMA, async_scheduling=False: made.enter_context(Pair(model, async_scheduling))
 
 
-@pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False)])
+@pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False),
+                                                       ("builtin:tiny-deepseek-v3", False)])
 def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_pair, model, async_scheduling):
     run = make_pair(model, async_scheduling)
     prompt = random_prompt(11, 150)

@@ -17,6 +17,7 @@ from server.types import DisaggParams, SamplingParams, TokenLogprob
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
+V3 = "builtin:tiny-deepseek-v3"
 
 
 def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
@@ -36,7 +37,7 @@ def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
         torch.testing.assert_close(torch.tensor([v for _, v in entry.top]), top.values, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model", [LLAMA, SWA])
+@pytest.mark.parametrize("model", [LLAMA, SWA, V3])
 def test_sampled_tokens_logprobs_equal_transformers(model):
     """A batch of greedy and seeded sampling rows asking 0, 5 and 20 alternatives, beside a row
     that asks none (SWA: past its window of 64)."""
@@ -55,7 +56,7 @@ def test_sampled_tokens_logprobs_equal_transformers(model):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("model", [LLAMA, SWA])
+@pytest.mark.parametrize("model", [LLAMA, SWA, V3])
 def test_prompt_logprobs_of_a_chunked_prompt_equal_transformers(model, async_scheduling):
     """A 90-token prompt in chunks of at most 32 tokens: every position's logprob, once, on the first
     output; its blocks were cached by the request before, yet none is reused for it (positions
