@@ -38,6 +38,18 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     ),
+    # mixture-of-experts: 8 experts, 2 per token, so routing decides the output
+    "tiny-mixtral": BuiltinModel("mixtral", 1, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128)),
+    "tiny-qwen2-moe": BuiltinModel(  # a sigmoid-gated shared expert; top-k weights not renormalised
+        "qwen2_moe", 1,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    ),
+    "tiny-qwen3-moe": BuiltinModel(  # layer 1 dense (mlp_only_layers), the others sparse
+        "qwen3_moe", 1,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+             decoder_sparse_step=1, mlp_only_layers=[1]),
+    ),
 }
 
 
