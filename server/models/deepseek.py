@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from server.models.fp8.weight import cat_rows
 from server.models.llama import _WeightTable
 from server.models.mla_attention import TorchLatentAttention
+from server.models.mlp import FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
+from server.models.moe import build_moe
 from server.models.ops import ModelOps, TorchOps, Weight
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary, apply_rotary
@@ -51,16 +52,7 @@ class DeepseekLayer:
     input_norm: torch.Tensor
     attn: MLAWeights
     post_norm: torch.Tensor
-    mlp: object  # a dense gate_up/down pair (`DenseMLP`) or the MoE block
-
-
-@dataclass
-class DenseMLP:
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight  # [hidden, intermediate]
-
-    def __call__(self, ops: ModelOps, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up, None)), self.down, None)
+    mlp: FeedForward  # a DenseMLP (layers before first_k_dense_replace) or the MoE block (server/models/moe/)
 
 
 class DeepseekModel:
@@ -94,7 +86,7 @@ class DeepseekModel:
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(tp.reduce(self._attention(i, layer.attn, x, cos, sin, meta)), h, layer.post_norm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.add_rms_norm(tp.reduce(layer.mlp(ops, x)), h, after)
+            x = ops.add_rms_norm(tp.reduce(layer.mlp(x, ops)), h, after)
         return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()
 
     def _attention(self, i: int, w: MLAWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -140,11 +132,8 @@ class DeepseekModel:
             kv_a=w.take(att + "kv_a_proj_with_mqa.weight"), kv_a_norm=w.take(att + "kv_a_layernorm.weight"),
             w_uk=w_uk.contiguous(), w_uv=w_uv.contiguous(), o=w.take(att + "o_proj.weight"))
 
-    def _mlp(self, w: _WeightTable, i: int) -> object:
-        mlp = f"model.layers.{i}.mlp."
-        if i < self.mla.first_k_dense_replace:
-            return DenseMLP(cat_rows([w.take(mlp + "gate_proj.weight"), w.take(mlp + "up_proj.weight")]),
-                            w.take(mlp + "down_proj.weight"))
-        raise ValueError(f"model {self.spec.model_dir}: layer {i} is a mixture-of-experts layer "
-                         f"(first_k_dense_replace={self.mla.first_k_dense_replace}); DeepSeek MoE layers "
-                         "are not supported yet")
+    def _mlp(self, w: _WeightTable, i: int) -> FeedForward:
+        moe = self.spec.moe
+        if moe is not None and moe.is_sparse(i):
+            return build_moe(moe, w, i)
+        return load_mlp(w, f"model.layers.{i}.mlp.")

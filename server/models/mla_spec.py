@@ -1,6 +1,8 @@
 """DeepSeek-V2/V3's multi-head latent attention (MLA), as a model directory describes it, checked
 once at load: the shapes, the softmax scale (with YaRN's mscale, as transformers computes it),
 the rope layout, and the config options pdserve refuses, each named by its key (docs/MODELS.md).
+The feed-forward side (first_k_dense_replace, the experts and their router) is the MoE spec's
+(server/models/moe/config.py).
 
 The KV cache of an MLA model is the latent (`MLASpec.latent_dim` values a token a layer: the
 normalized compressed KV, then the roped shared key), kvcache.KVFormat's "latent" layout.
@@ -15,10 +17,6 @@ from pathlib import Path
 from transformers import PretrainedConfig
 
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# per architecture, the MoE routing transformers implements for it (its modeling code ignores others)
-_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
-                 "DeepseekV3ForCausalLM": ("noaux_tc",)}
-_SCORING = {"DeepseekV2ForCausalLM": "softmax", "DeepseekV3ForCausalLM": "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +28,6 @@ class MLASpec:
     v_head_dim: int
     rope_interleave: bool  # rotary pairs (x0, x1), (x2, x3), ... (V2 always; V3 unless rope_interleave false)
     softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared
-    first_k_dense_replace: int  # layers [0, k) have a dense MLP, the others the MoE block
 
     @property
     def latent_dim(self) -> int:
@@ -70,29 +67,20 @@ def mla_spec(architecture: str, raw: dict, cfg: PretrainedConfig, model_dir: Pat
     interleave = architecture == "DeepseekV2ForCausalLM" or bool(getattr(cfg, "rope_interleave", True))
     return MLASpec(q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=int(cfg.kv_lora_rank), qk_nope_head_dim=nope,
                    qk_rope_head_dim=rope_dim, v_head_dim=int(cfg.v_head_dim), rope_interleave=interleave,
-                   softmax_scale=softmax_scale(rope_parameters(cfg), nope + rope_dim),
-                   first_k_dense_replace=int(getattr(cfg, "first_k_dense_replace", 0) or 0))
+                   softmax_scale=softmax_scale(rope_parameters(cfg), nope + rope_dim))
 
 
 def _refuse_unsupported(architecture: str, raw: dict, model_dir: Path) -> None:
+    """The MLA side's refusals (the MoE router's are server/models/moe/config.py's)."""
     def refuse(key: str, why: str) -> None:
-        raise ValueError(f"model {model_dir}: config.json {key}={raw.get(key)!r} is not supported for "
+        raise ValueError(f"model {model_dir}: config.json: {key}: {raw.get(key)!r}: not supported for "
                          f"{architecture} ({why}; docs/MODELS.md)")
 
     if (raw.get("ep_size") or 1) > 1:
-        refuse("ep_size", "the checkpoint's own expert parallelism; pdserve serves every expert on each rank")
+        refuse("ep_size", "the checkpoint's own expert parallelism; pdserve places experts itself")
     if raw.get("attention_bias"):
         refuse("attention_bias", "biases on the latent attention's projections")
     if raw.get("mlp_bias"):
         refuse("mlp_bias", "biases on the MLP projections")
-    if (raw.get("moe_layer_freq") or 1) != 1:
-        refuse("moe_layer_freq", "MoE layers are every layer from first_k_dense_replace on")
-    methods = _TOPK_METHODS[architecture]
-    if "topk_method" in raw and raw["topk_method"] not in methods:
-        refuse("topk_method", f"supported: {list(methods)}")
-    if "scoring_func" in raw and raw["scoring_func"] != _SCORING[architecture]:
-        refuse("scoring_func", f"supported: {_SCORING[architecture]!r}")
-    if architecture == "DeepseekV2ForCausalLM" and raw.get("norm_topk_prob"):
-        refuse("norm_topk_prob", "transformers' DeepSeek-V2 does not normalize the top-k weights")
     if raw.get("kv_lora_rank") in (None, 0):
         refuse("kv_lora_rank", "multi-head latent attention needs the compressed KV's rank")

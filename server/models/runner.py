@@ -222,9 +222,12 @@ class ModelRunner:
         if not isinstance(ops, TritonOps) or self.device.type != "cuda":
             return
         layers = self.model.layers
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o"):
             ops.choose_linear([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers],
                               self.dtype)
+        mlps = [layer.dense_mlp for layer in layers if layer.dense_mlp is not None]  # (a MoE block's experts: none)
+        for name in ("gate_up", "down") if mlps else ():
+            ops.choose_linear([getattr(m, name) for m in mlps], [getattr(m, f"{name}_bias") for m in mlps], self.dtype)
         log.info("GEMM per weight shape (float: rows <= 16; FP8: NxK@rows): %s", ops.chosen_linears())
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:

@@ -1,4 +1,5 @@
-"""The whole engine (scheduler + runner + KV manager) token for token against transformers generate."""
+"""The whole engine (scheduler + runner + KV manager) token for token against transformers generate,
+on dense models and the mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from server.models.builtin import resolve_model
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
+MOE = ["builtin:tiny-mixtral", "builtin:tiny-qwen2-moe", "builtin:tiny-qwen3-moe"]
 V2, V3 = "builtin:tiny-deepseek-v2", "builtin:tiny-deepseek-v3"  # latent attention: the cache is the latent
 
 
@@ -19,7 +21,8 @@ def _expected(model: str, prompt: list[int], n: int) -> list[int]:
     return hf_reference.hf_greedy(resolve_model(model), prompt, n)
 
 
-@pytest.mark.parametrize("model, length", [(LLAMA, 7), (LLAMA, 70), (SWA, 150), (V2, 70), (V3, 150)])
+@pytest.mark.parametrize("model, length", [(LLAMA, 7), (LLAMA, 70), (SWA, 150), *((m, 40) for m in MOE), (V2, 70),
+                                           (V3, 150)])
 def test_single_request_matches_transformers(model, length):
     core = eh.make_core(model)
     prompt = random_prompt(length, length)
@@ -30,7 +33,7 @@ def test_single_request_matches_transformers(model, length):
     core.kv.check_integrity()
 
 
-@pytest.mark.parametrize("model", [LLAMA, SWA, V3])
+@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3])
 def test_concurrent_requests_with_chunked_prefill_match(model):
     core = eh.make_core(model, max_num_tokens=48, max_batch_size=8)  # prompts up to 160 tokens: chunked
     prompts = [random_prompt(100 + i, n) for i, n in enumerate([3, 17, 160, 45, 96, 1])]
@@ -41,7 +44,7 @@ def test_concurrent_requests_with_chunked_prefill_match(model):
     core.kv.check_integrity()
 
 
-@pytest.mark.parametrize("model", [LLAMA, V2])
+@pytest.mark.parametrize("model", [LLAMA, *MOE, V2])
 def test_repeated_prompt_reuses_prefix_and_partial_block(model):
     core = eh.make_core(model)  # tokens_per_block 16
     base = random_prompt(7, 64)  # 4 full blocks
@@ -58,7 +61,7 @@ def test_repeated_prompt_reuses_prefix_and_partial_block(model):
     assert partial.token_ids == _expected(model, shared, 8)
 
 
-@pytest.mark.parametrize("model", [LLAMA, V3])
+@pytest.mark.parametrize("model", [LLAMA, *MOE, V3])
 def test_small_pool_offloads_onboards_and_preempts_without_changing_output(model):
     kv = KvCacheConfig(tokens_per_block=16, max_tokens=12 * 16, host_cache_size=64 * 16 * 2048,
                        secondary_offload_min_priority=0)
