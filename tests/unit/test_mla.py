@@ -18,6 +18,7 @@ from prompts import random_prompt
 from waiting import wait_until
 
 from kvcache import KvCacheConfig
+from kvcache.config import DiskTierConfig
 from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec
@@ -100,3 +101,22 @@ def test_unsupported_deepseek_options_are_refused_naming_the_key(tmp_path, key, 
 def test_an_fp8_latent_cache_is_refused_at_load():
     with pytest.raises(ValueError, match="kv_cache_config.dtype: fp8 is not supported for DeepseekV3ForCausalLM"):
         kv_cache_layout(KvCacheConfig(dtype="fp8"), load_spec(resolve_model(V3)), 256, torch.float32, "cpu")
+
+
+def test_a_restarted_engine_finds_the_latent_on_its_disk_tier(tmp_path):
+    """Blocks go primary -> host -> disk files while prompts pass one by one; a new engine on the
+    same directory restores them and serves the first prompt's prefix from disk, exact."""
+    block = TPB * LAYERS * LATENT * 4
+    disk = DiskTierConfig(path=str(tmp_path / "kv"), max_bytes=64 * block)
+    kv = KvCacheConfig(tokens_per_block=TPB, max_tokens=6 * TPB, host_cache_size=2 * block, disk=disk,
+                       secondary_offload_min_priority=0)
+    first = eh.make_core(V3, kv=kv)
+    for prompt in [*PROMPTS, *(random_prompt(810 + i, 70) for i in range(3))]:  # pushes the first to disk
+        assert eh.generate(first, [prompt], eh.greedy(6))[0].token_ids == _expected(V3, prompt, 6)
+    assert first.kv.stats().disk_offloads > 0
+    first.kv.close()
+    again = eh.make_core(V3, kv=kv)
+    [result] = eh.generate(again, [PROMPTS[0]], eh.greedy(6))
+    assert result.token_ids == _expected(V3, PROMPTS[0], 6)
+    assert result.final.cached_tokens == 32 and again.kv.stats().disk_onboards == 2  # its 2 full blocks
+    again.kv.close()
