@@ -4,7 +4,7 @@ Six ~200-token prompts go through `configs/disagg_host_offload.yaml` (a 32-block
 a host tier), once one by one, then five times all six at once. Replays must hit the prefix cache,
 read back exactly the KV they wrote (identical text) although blocks were offloaded and onboarded
 in between, and match aggregated mode and transformers `generate` token for token (tiny-llama, and
-tiny-qwen3-moe with the KV streamed). The same again
+tiny-qwen3-moe and tiny-deepseek-v3 with the KV streamed). The same again
 with all three tiers in use: an 8-block host pool and a disk tier behind it on the context server,
 so blocks go down to files and come back up through the host pool.
 """
@@ -51,7 +51,7 @@ def _in_use(deployment: dh.Deployment, url: str) -> float:
     return deployment.metric(url, "pdserve_kv_cache_blocks", 'state="in_use"')
 
 
-LLAMA, QWEN3_MOE = "builtin:tiny-llama", "builtin:tiny-qwen3-moe"
+LLAMA, QWEN3_MOE, DEEPSEEK_V3 = "builtin:tiny-llama", "builtin:tiny-qwen3-moe", "builtin:tiny-deepseek-v3"
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +93,13 @@ def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
         assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
 
 
-@pytest.mark.parametrize("model", [LLAMA, QWEN3_MOE])
+@pytest.mark.parametrize("model", [LLAMA, QWEN3_MOE, DEEPSEEK_V3])
 def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, references, model):
     """The same, the KV sent while it is prefilled in 64-token steps (`kv_stream: on`): blocks of a
     step already sent may be offloaded later, blocks not yet sent are pinned where the step wrote them.
     The context server runs its engine in a process of its own (the default on CUDA). Also on a
-    mixture-of-experts model (its dense layer 1 and its sparse layers)."""
+    mixture-of-experts model (its dense layer 1 and its sparse layers), and on DeepSeek-V3 (its
+    latent KV cache through both tiers and the pair)."""
     with dh.launched("disagg_host_offload.yaml", tmp_path, {"model": model, "context_servers": {
             "kv_stream": "on", "max_num_tokens": 64, "engine_process": True}}) as dep:
         _replay(dep, references(model))
