@@ -7,7 +7,9 @@ the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
 does not divide (padded rows). Mixture-of-experts models split each expert's intermediate dimension:
 TP=2 on tiny-qwen2-moe (a gated shared expert) and tiny-qwen3-moe (dense and sparse layers), TP=4
-on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`).
+on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`). DeepSeek's latent
+attention splits its heads (q, kv_b and o) and keeps the latent whole on every rank: TP=2 on
+tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny-qwen2-moe": materialize_builtin("tiny-qwen2-moe"),
         "tiny-qwen3-moe": materialize_builtin("tiny-qwen3-moe"),
         "mixtral-stacked": _stacked_experts(materialize_builtin("tiny-mixtral"), root / "mixtral-stacked"),
+        "tiny-deepseek-v2": materialize_builtin("tiny-deepseek-v2"),
+        "tiny-deepseek-v3": materialize_builtin("tiny-deepseek-v3"),
     }
 
 
@@ -133,8 +137,8 @@ def _stacked_experts(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize(("size", "names"), [
-    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe")),
-    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked"))])
+    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v2")),
+    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "tiny-deepseek-v3"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
     ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
@@ -170,6 +174,7 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size 66"):
+    with pytest.raises(ValueError,
+                       match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size 66"):
         ShardPlan(rank=0, size=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512,
                   other_ffn_sizes=(("moe_intermediate_size", 66),))

@@ -67,6 +67,8 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return _stacked_experts(name, handle, plan)
     kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if spec.mla is not None and kind in _MLA_HEAD_ROWS and not name.endswith(SCALES):
+        return _mla_slice(handle, kind, spec, plan)
     if name.endswith(SCALES):
         return _scale_slice(handle, kind, spec, plan)
     is_bias = name.endswith(".bias")
@@ -85,6 +87,20 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
         f0, f1 = _share(handle.get_shape()[1], plan)
         return handle[:, f0:f1]
     return handle[:]
+
+
+# multi-head latent attention (DeepSeek): per head, the rows of q_proj / q_b_proj (qk_head_dim each)
+# and of kv_b_proj (qk_nope_head_dim + v_head_dim), and o_proj's columns (v_head_dim); q_a_proj,
+# kv_a_proj_with_mqa and their norms, which make the latent every rank caches, are whole
+_MLA_HEAD_ROWS = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+def _mla_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
+    mla, (h0, h1) = spec.mla, plan.heads
+    if kind == "o_proj":
+        return handle[:, h0 * mla.v_head_dim:h1 * mla.v_head_dim]
+    per = mla.qk_nope_head_dim + mla.v_head_dim if kind == "kv_b_proj" else mla.qk_head_dim
+    return handle[h0 * per:h1 * per]
 
 
 def _share(width: int, plan: ShardPlan) -> tuple[int, int]:
