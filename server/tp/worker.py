@@ -48,9 +48,10 @@ from server.tp.messages import (
     Joined,
     Op,
     Ready,
+    ShareLatent,
     Stop,
 )
-from server.tp.roles import make_role
+from server.tp.roles import make_role, share_latent
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class Worker:
                 self.end.report(DiskChecked(self.rank, op.call, bad))
             elif isinstance(op, Forward):
                 self.forward(op)
+            elif isinstance(op, ShareLatent):
+                share_latent(self.kv, op.wanted, self.rank)
             elif isinstance(op, Stop):
                 return False
             else:

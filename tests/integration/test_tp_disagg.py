@@ -21,12 +21,13 @@ from waiting import wait_until
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-qwen3-swa"
+DEEPSEEK = "builtin:tiny-deepseek-v3"  # a latent KV cache: the same on every rank, moved once
 PROMPTS = dh.topic_prompts(3)
 PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
-def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str) -> dict:
-    return {"model": MODEL, "device": "cpu", "max_seq_len": 512,
+def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str, model: str = MODEL) -> dict:
+    return {"model": model, "device": "cpu", "max_seq_len": 512,
             "context_servers": {"tensor_parallel_size": ctx_tp, "max_num_tokens": 64 if kv_stream == "on" else 512,
                                 "kv_stream": kv_stream, "kv_cache_config": {"host_cache_size": 4 << 20}},
             "generation_servers": {"tensor_parallel_size": gen_tp, "max_num_tokens": 512,
@@ -36,6 +37,23 @@ def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str) -> dict:
 @pytest.fixture(scope="module")
 def reference_texts() -> list[str]:
     return [hf_reference.hf_text_ignore_eos(resolve_model(MODEL), p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp", "kv_stream"), [(2, 1, "auto"), (1, 2, "on")])
+def test_a_latent_cache_moves_once_between_tp_sizes(tmp_path, ctx_tp, gen_tp, kv_stream):
+    """DeepSeek-V3: the context server's rank 0 alone serves the latent (/kv_cache/endpoint lists
+    one endpoint), the generation server's rank 0 alone pulls it and shares it with its other rank;
+    texts equal transformers, replays hit the cache, no block stays in use."""
+    reference = [hf_reference.hf_text_ignore_eos(resolve_model(DEEPSEEK), p, 12) for p in PROMPTS]
+    with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp, kv_stream, DEEPSEEK)) as dep:
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        dh.check_replays(dep.url, PROMPTS, PAYLOAD, reference, 2)
+        assert dep.metric(gen, "pdserve_kv_transfer_seconds_count") > 0
+        for url in (ctx, gen):
+            wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10,
+                       what=f"no block in use on {url}")
+        endpoints = httpx.get(f"{ctx}/kv_cache/endpoint", headers={"x-pdserve-token": _token(dep)}).json()
+        assert endpoints["endpoints"] == [endpoints["endpoint"]]
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp", "kv_stream"), [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "on")])
