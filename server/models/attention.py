@@ -91,7 +91,7 @@ class AttentionBackend(ABC):
 
 
 @dataclass
-class _Attend:
+class Attend:
     """One attention call: `rows` of the flattened batch against the keys of `units`."""
 
     rows: slice
@@ -101,12 +101,12 @@ class _Attend:
 
 
 @dataclass
-class _WindowPlan:
+class WindowPlan:
     """Shared by every layer of one window group for one step."""
 
     write_rows: torch.Tensor  # [T, 2] int64 token row (units view) of each new token's K and V
-    decode: _Attend | None  # all decode sequences at once, one query each
-    prefills: list[_Attend]  # one per prefill chunk
+    decode: Attend | None  # all decode sequences at once, one query each
+    prefills: list[Attend]  # one per prefill chunk
 
 
 class AdditiveMask:
@@ -125,8 +125,8 @@ class AdditiveMask:
 
 
 def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_per_slot: dict[int, int],
-                 mask_fn: _MaskFn, planes: int = 2) -> dict[int, _WindowPlan]:
-    """Every window's plan of a step (`_WindowPlan`), its indices uploaded in one copy."""
+                 mask_fn: _MaskFn, planes: int = 2) -> dict[int, WindowPlan]:
+    """Every window's plan of a step (`WindowPlan`), its indices uploaded in one copy."""
     host = HostInts()
     specs = {w: _HostWindow(layout, w, tpb, ups, host, planes) for w, ups in units_per_slot.items()}
     ints = host.upload(positions.device)
@@ -161,12 +161,12 @@ class TorchPagedAttention(AttentionBackend):
                          for k, v in self.scales] if self.quantized else []
 
     # ---- per step
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
         return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
 
     # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: dict[int, _WindowPlan]) -> torch.Tensor:
+                meta: dict[int, WindowPlan]) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q = apply_rotary(qkv[:, :heads], cos, sin)
         k = apply_rotary(qkv[:, heads:heads + kv_heads], cos, sin)
@@ -175,7 +175,7 @@ class TorchPagedAttention(AttentionBackend):
         plan = meta[cache.window]
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
-        _as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
+        as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
         outs = []
         if plan.decode is not None:
             outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode, layer))
@@ -183,7 +183,7 @@ class TorchPagedAttention(AttentionBackend):
             outs.append(self._prefill(q[p.rows], cache.blocks, p, layer))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
         head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
         s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
@@ -193,7 +193,7 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
         return self._scaled(out.reshape(s, self.num_heads, d), v_scale)  # CUDA may return another layout
 
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
         for a 256-token prompt on the CPU)."""
         keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
@@ -207,7 +207,7 @@ class TorchPagedAttention(AttentionBackend):
         return out * v_scale if self.quantized else out
 
 
-def _as_stored(t: torch.Tensor) -> torch.Tensor:
+def as_stored(t: torch.Tensor) -> torch.Tensor:
     """A view of pool memory to index: an FP8 pool's as bytes (float8 has no indexed CPU copies)."""
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
@@ -217,7 +217,7 @@ def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
     """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
     [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor; an FP8 cache's
     blocks widened, exactly: every e4m3 value is a bf16, fp16 and float32 value)."""
-    kv = _as_stored(blocks).index_select(0, units)
+    kv = as_stored(blocks).index_select(0, units)
     if blocks.dtype == FP8:
         kv = kv.view(FP8).to(dtype)
     kv = kv.view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
@@ -226,7 +226,7 @@ def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
 
 @dataclass
 class _HostAttend:
-    """Host half of an `_Attend`: slices of the step's `HostInts`."""
+    """Host half of an `Attend`: slices of the step's `HostInts`."""
 
     rows: slice
     units: slice
@@ -269,13 +269,13 @@ class _HostWindow:
         return _HostAttend(rows, self.host.add(units), self.host.add(his),
                            self.host.add([h - window for h in his]) if sliding else None, nb * tpb)
 
-    def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> _WindowPlan:
+    def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> WindowPlan:
         """`ints` is the uploaded `HostInts`; every index becomes a view of it."""
-        def attend(a: _HostAttend, decode: bool) -> _Attend:
+        def attend(a: _HostAttend, decode: bool) -> Attend:
             mask = mask_fn(ints[a.hi], None if a.lo is None else ints[a.lo], a.width)
-            return _Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
+            return Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
 
-        return _WindowPlan(ints[self.write].view(-1, self.planes),
+        return WindowPlan(ints[self.write].view(-1, self.planes),
                            attend(self.decode, True) if self.decode else None,
                            [attend(p, False) for p in self.prefills])
 

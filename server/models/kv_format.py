@@ -1,5 +1,6 @@
 """The KV cache a server builds for its model: the element type (`kv_cache_config.dtype`) and, for an
-FP8 cache, each layer's k and v scales.
+FP8 cache, each layer's k and v scales (a latent cache, multi-head latent attention: one scale a
+layer, the k scale).
 
 Where the scales come from, first found wins:
 1. `kv_cache_config.scales`: a scales file (`pdserve calibrate-kv`, kvcache/kv_scales.py);
@@ -59,10 +60,9 @@ def kv_format(config: KvCacheConfig, spec: ModelSpec, model_dtype: torch.dtype) 
     fmt = spec.kv_format(model_dtype)
     if config.dtype != "fp8":
         return fmt
-    if fmt.latent:
-        raise ValueError(f"kv_cache_config.dtype: fp8 is not supported for {spec.architecture}'s latent "
-                         "KV cache (multi-head latent attention); use dtype: auto")
     k, v = kv_scales(config, spec.model_dir, spec.num_layers)
+    if fmt.latent:  # one row a token: its scale is the k scale (`pdserve calibrate-kv` writes k = v)
+        return dataclasses.replace(fmt, dtype=FP8, k_scales=k)
     return dataclasses.replace(fmt, dtype=FP8, k_scales=k, v_scales=v)
 
 

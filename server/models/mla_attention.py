@@ -11,6 +11,10 @@ width] against [S, 1, L, width]).
 
 The plan is the K/V backend's (`attention.plan_windows` with one plane per layer), so masks,
 sliding windows and slot tables mean the same; no host synchronisation in `forward`.
+
+An FP8 cache stores e4m3(latent / scale), one scale per layer (`KVFormat.k_scales`), rounded as the
+K/V cache's (`quantize_fp8`); reads widen the gathered rows exactly, fold the scale into the softmax
+scale (the scores) and multiply the output by it (the values are the same rows).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from server.models.attention import AdditiveMask, StepLayout, _Attend, _WindowPlan, plan_windows
+from kvcache.layout import FP8, inverse_scale, quantize_fp8
+from server.models.attention import AdditiveMask, Attend, StepLayout, WindowPlan, as_stored, plan_windows
 
 
 @dataclass(frozen=True)
@@ -60,41 +65,54 @@ class TorchLatentAttention:
         self.dtype = dtype
         self.layers = [latent_units(kv.layer_window(i), kv.layer_latent(i)) for i in range(num_layers)]
         self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
-        self._mask = AdditiveMask(dtype, self.layers[0].blocks.device)
+        device = self.layers[0].blocks.device
+        self._mask = AdditiveMask(dtype, device)
+        self.quantized = self.layers[0].blocks.dtype == FP8
+        self.scales = [kv.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
+        self._inverse = [torch.tensor(inverse_scale(s), device=device) for s in self.scales] if self.quantized else []
 
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
         return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, planes=1)
 
     def forward(self, layer: int, query: torch.Tensor, latent: torch.Tensor,
-                meta: dict[int, _WindowPlan]) -> torch.Tensor:
+                meta: dict[int, WindowPlan]) -> torch.Tensor:
         """query [T, heads, width] (absorbed q_nope, then roped q_pe), latent [T, width] (the new
         tokens' normalized c, then roped k_pe) -> [T, heads, kv_lora_rank]: per head, the
         attention-weighted sum of the tokens' c. Writes `latent` into the cache first."""
         cache = self.layers[layer]
         plan = meta[cache.window]
-        cache.tokens.index_put_((plan.write_rows[:, 0],), latent.to(cache.tokens.dtype))
+        stored = quantize_fp8(latent, self._inverse[layer]).view(torch.uint8) if self.quantized \
+            else latent.to(cache.tokens.dtype)
+        as_stored(cache.tokens).index_put_((plan.write_rows[:, 0],), stored)
+        scale = self.scales[layer] if self.quantized else 1.0
         outs = []
         if plan.decode is not None:
-            outs.append(self._decode(query[plan.decode.rows], cache.blocks, plan.decode))
+            outs.append(self._decode(query[plan.decode.rows], cache.blocks, plan.decode, scale))
         for p in plan.prefills:
-            outs.append(self._prefill(query[p.rows], cache.blocks, p))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs.append(self._prefill(query[p.rows], cache.blocks, p, scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out * scale if self.quantized else out
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
         """One query per sequence; its heads are the query rows of the one latent "head"."""
         s = q.shape[0]
-        keys = _gather(blocks, a.units, s)  # [S, 1, L, width]
+        keys = _gather(blocks, a.units, s, q.dtype)  # [S, 1, L, width]
         out = F.scaled_dot_product_attention(q[:, None], keys, keys[..., :self.rank], attn_mask=a.mask,
-                                             scale=self.scale)  # [S, 1, heads, rank]
+                                             scale=self.scale * scale)  # [S, 1, heads, rank]
         return out[:, 0]
 
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend) -> torch.Tensor:
-        keys = _gather(blocks, a.units, 1)  # [1, 1, L, width]
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
+        keys = _gather(blocks, a.units, 1, q.dtype)  # [1, 1, L, width]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, keys[..., :self.rank],
-                                             attn_mask=a.mask, scale=self.scale, enable_gqa=True)  # [1, heads, Q, rank]
+                                             attn_mask=a.mask, scale=self.scale * scale,
+                                             enable_gqa=True)  # [1, heads, Q, rank]
         return out[0].transpose(0, 1)
 
 
-def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width]."""
-    return blocks.index_select(0, units).view(num_seqs, 1, -1, blocks.shape[2])
+def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width] in `dtype`
+    (an FP8 cache's rows widened: exactly, every e4m3 value is a bf16, fp16 and float32 value)."""
+    rows = as_stored(blocks).index_select(0, units)
+    if blocks.dtype == FP8:
+        rows = rows.view(FP8).to(dtype)
+    return rows.view(num_seqs, 1, -1, blocks.shape[2])

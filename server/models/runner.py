@@ -374,6 +374,6 @@ def _check_latent(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
     width = spec.mla.latent_dim
     for layer in range(spec.num_layers):
         latent = kv.layer_latent(layer)
-        if latent.shape[2] != width or latent.dtype != dtype:
+        if latent.shape[2] != width or latent.dtype not in (dtype, torch.float8_e4m3fn):
             raise ValueError(f"KV cache layer {layer} ({tuple(latent.shape)} {latent.dtype}) does not fit model "
                              f"{spec.model_dir} (a latent of {width} values a token, dtype {dtype})")

@@ -2,7 +2,8 @@
 latent (kv_lora_rank + qk_rope_head_dim values a token a layer) in the pool, the host tier and on
 the wire, never expanded K/V; the pair through a real KV sender and receiver on loopback equals
 transformers' generate token for token, also when the context server's blocks went to its host
-tier and came back; config options pdserve does not implement are refused at load, naming the key."""
+tier and came back, from a disk tier after a restart, and with an FP8 latent; config options pdserve
+does not implement are refused at load, naming the key."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from waiting import wait_until
 
 from kvcache import KvCacheConfig
 from kvcache.config import DiskTierConfig
+from kvcache.kv_scales import as_float32, write_scales
 from server.models.builtin import resolve_model
+from server.models.calibrate_kv import calibrate
 from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec
 
@@ -98,9 +101,25 @@ def test_unsupported_deepseek_options_are_refused_naming_the_key(tmp_path, key, 
         load_spec(model)
 
 
-def test_an_fp8_latent_cache_is_refused_at_load():
-    with pytest.raises(ValueError, match="kv_cache_config.dtype: fp8 is not supported for DeepseekV3ForCausalLM"):
-        kv_cache_layout(KvCacheConfig(dtype="fp8"), load_spec(resolve_model(V3)), 256, torch.float32, "cpu")
+def test_an_fp8_latent_through_the_pair_equals_the_fp8_aggregated_server_at_a_quarter_of_the_bytes(tmp_path):
+    """Scales calibrated on the latent (`pdserve calibrate-kv`: one a layer); the pair moves the
+    FP8 latent as it is (one byte a value) and gives the aggregated FP8 server's tokens."""
+    k, v = calibrate(resolve_model(V3), random_prompt(1, 300), seq_len=150, device=torch.device("cpu"),
+                     dtype=torch.float32)
+    assert k == v
+    write_scales(tmp_path / "scales.json", k, v)
+    fp8 = KvCacheConfig(tokens_per_block=TPB, max_tokens=4096, dtype="fp8", scales=str(tmp_path / "scales.json"))
+    fmt = kv_cache_layout(fp8, load_spec(resolve_model(V3)), 256, torch.float32, "cpu").format
+    assert (fmt.dtype, fmt.k_scales, fmt.v_scales) == (torch.float8_e4m3fn, tuple(as_float32(x) for x in k), ())
+    aggregated = eh.generate(eh.make_core(V3, kv=fp8), PROMPTS, eh.greedy(12))
+    with eh.loopback_pair(V3, kv=fp8) as run:
+        gens = run.serve(PROMPTS, eh.greedy(12))
+        assert [run.tokens(g) for g in gens] == [r.token_ids for r in aggregated]
+        wait_until(lambda: run.sender.num_leases == 0, 30, "the leases to end", step=run.step)
+        blocks = sum(-(-len(p) // TPB) for p in PROMPTS)
+        assert run.sender.stats.bytes_sent == blocks * TPB * LAYERS * LATENT  # one byte a value
+        assert run.gen.kv.pool(run.gen.kv.window_sizes[0]).dtype == torch.float8_e4m3fn
+        run.settle()
 
 
 def test_a_restarted_engine_finds_the_latent_on_its_disk_tier(tmp_path):
