@@ -1,7 +1,8 @@
 """The runner on CUDA, with the portable torch kernels and with the Triton kernels (eager, and decode
 replayed as CUDA graphs): float32 token-exact against transformers, graphs equal to eager, bfloat16
 agreement with transformers bfloat16 counted over 64 tokens, and no host synchronisation inside the
-forward. Skipped without CUDA."""
+forward. DeepSeek-V2/V3 (latent attention in torch on both paths, MoE layers; no decode graphs) on
+the eager variants. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -21,17 +22,20 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MODELS = ["tiny-llama", "tiny-qwen3-swa"]
+MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
 BF16_TOKENS = 64
 # (kernels, CUDA graphs): the portable path, Triton eager, Triton with decode graphs
 VARIANTS = [("torch", False), ("triton", False), ("triton", True)]
+CASES = [(n, k, g) for n in MODELS for k, g in VARIANTS] + [
+    (n, k, False) for n in MLA_MODELS for k in ("torch", "triton")]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cuda")
-    return {name: materialize_builtin(name, root=root) for name in MODELS}
+    return {name: materialize_builtin(name, root=root) for name in MODELS + MLA_MODELS}
 
 
 def _prompts() -> list[list[int]]:
@@ -66,8 +70,7 @@ def _batched_greedy(model_dir: Path, dtype: torch.dtype, kernels: str = "torch",
     return outs, runner
 
 
-@pytest.mark.parametrize("kernels, graphs", VARIANTS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, kernels, graphs", CASES)
 def test_float32_on_cuda_matches_hf_token_for_token(model_dirs: dict[str, Path], name: str, kernels: str,
                                                     graphs: bool) -> None:
     outs, _ = _batched_greedy(model_dirs[name], torch.float32, kernels, graphs)
@@ -83,8 +86,7 @@ def test_graphs_equal_eager(model_dirs: dict[str, Path], name: str) -> None:
         assert graphed == eager, dtype
 
 
-@pytest.mark.parametrize("kernels, graphs", VARIANTS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, kernels, graphs", CASES)
 def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: str, kernels: str,
                                              graphs: bool) -> None:
     """bf16 kernels round differently from transformers' (reduction orders, exp), and on a random
@@ -115,9 +117,10 @@ def _prefill_logits(runner: ModelRunner, request_id: str, prompt: list[int]) -> 
     return logits
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-deepseek-v3"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str) -> None:
-    _, runner = _batched_greedy(model_dirs["tiny-qwen3-swa"], torch.bfloat16, kernels)
+def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str, name: str) -> None:
+    _, runner = _batched_greedy(model_dirs[name], torch.bfloat16, kernels)
     tables = {w: runner.kv.slot_table("r3", w) for w in runner.kv.window_sizes}
     # a decode token of r3 and a prefill chunk rewriting r3's first 20 positions, in one step
     chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True),
