@@ -9,7 +9,16 @@ import pytest
 import torch
 from kv_factories import make_manager
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level, block_hashes, request_salt
+from kvcache import (
+    CacheLayout,
+    KvCacheConfig,
+    KVCacheError,
+    KVCacheManager,
+    KVFormat,
+    Level,
+    block_hashes,
+    request_salt,
+)
 from server.config.schema import ConfigError, server_config_from_dict
 
 
@@ -143,3 +152,23 @@ def test_a_pool_sized_from_free_gpu_memory_is_capped_in_blocks(monkeypatch):
     assert primary_tokens(cfg, tiny) == MAX_AUTO_BLOCKS * 32
     assert primary_tokens(cfg, big) == int(0.9 * (140 << 30)) // big.bytes_per_token() < MAX_AUTO_BLOCKS * 32
     assert primary_tokens(KvCacheConfig(tokens_per_block=32, max_tokens=1 << 24), tiny) == 1 << 24
+
+
+def test_one_kv_format_value_names_the_slot_the_hash_namespace_and_the_id():
+    heads, latent = KVFormat(torch.float16, 2, 8), KVFormat(torch.float16, 1, 48, layout="latent")
+    assert (heads.planes, heads.slot_shape(3, 4), heads.bytes_per_token(3)) == (2, (3, 2, 4, 2, 8), 3 * 2 * 2 * 8 * 2)
+    assert (latent.planes, latent.slot_shape(3, 4), latent.bytes_per_token(3)) == (1, (3, 1, 4, 1, 48), 3 * 48 * 2)
+    assert (heads.id, latent.id) == ("heads:float16:2x8", "latent:float16:1x48")
+    assert (heads.hash_namespace, latent.hash_namespace) == ("", "latent:float16")  # K/V heads: today's hashes
+    fp8 = KVFormat(torch.float8_e4m3fn, 1, 48, layout="latent", k_scales=(0.5, 0.25))
+    assert fp8.layer_scales(1) == (0.25, 1.0) and fp8.block_scales((0, 1)) == (0.5, 0.25)
+    assert fp8.id.startswith("latent:float8_e4m3fn:1x48:") and fp8.hash_namespace.startswith("latent:float8_e4m3fn:")
+    with pytest.raises(ValueError, match="a latent cache has one head, not 2"):
+        KVFormat(torch.float16, 2, 48, layout="latent")
+    with pytest.raises(ValueError, match="no v_scales"):
+        KVFormat(torch.float8_e4m3fn, 1, 48, layout="latent", k_scales=(1.0,), v_scales=(1.0,))
+    layout = CacheLayout((64, 64), latent, "cpu", 64)
+    manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16), layout, salt="m")
+    assert manager.salt == "m\x1ekv=latent:float16" and manager.layer_latent(1).shape == (4, 4, 48)
+    with pytest.raises(KVCacheError, match="no K and V planes"):
+        manager.layer_cache(0)
