@@ -55,19 +55,17 @@ def softmax_scale(rope: dict, qk_head_dim: int) -> float:
     return scaling
 
 
-def mla_spec(architecture: str, raw: dict, cfg: PretrainedConfig, model_dir: Path) -> MLASpec | None:
-    """The MLA of a DeepSeek directory (None for other architectures); ValueError naming the
-    config.json key of an option pdserve does not implement."""
+def mla_spec(architecture: str, raw: dict, cfg: PretrainedConfig, rope: dict, model_dir: Path) -> MLASpec | None:
+    """The MLA of a DeepSeek directory (None for other architectures; `rope`: its rope parameters);
+    ValueError naming the config.json key of an option pdserve does not implement."""
     if architecture not in MLA_ARCHITECTURES:
         return None
     _refuse_unsupported(architecture, raw, model_dir)
-    from server.models.model_spec import rope_parameters
-
     nope, rope_dim = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
     interleave = architecture == "DeepseekV2ForCausalLM" or bool(getattr(cfg, "rope_interleave", True))
     return MLASpec(q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=int(cfg.kv_lora_rank), qk_nope_head_dim=nope,
                    qk_rope_head_dim=rope_dim, v_head_dim=int(cfg.v_head_dim), rope_interleave=interleave,
-                   softmax_scale=softmax_scale(rope_parameters(cfg), nope + rope_dim))
+                   softmax_scale=softmax_scale(rope, nope + rope_dim))
 
 
 def _refuse_unsupported(architecture: str, raw: dict, model_dir: Path) -> None:

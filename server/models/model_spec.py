@@ -85,7 +85,7 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     _check_tokenizer(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
-    mla = mla_spec(architecture, raw, cfg, model_dir)
+    mla = mla_spec(architecture, raw, cfg, rope_parameters(cfg), model_dir)
     quant = checkpoint_quant(raw, model_dir)
     moe = parse_moe(raw, cfg, architecture, model_dir)
     if moe is not None and quant is not None:
