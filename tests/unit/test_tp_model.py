@@ -5,7 +5,9 @@ Each case runs a prompt through `ModelRunner`s with `RankShard`s in `size` spawn
 logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on tiny-llama, on
 the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
-does not divide (padded rows).
+does not divide (padded rows). Mixture-of-experts models split each expert's intermediate dimension:
+TP=2 on tiny-qwen2-moe (a gated shared expert) and tiny-qwen3-moe (dense and sparse layers), TP=4
+on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import hf_reference
 import pytest
 import torch
 from prompts import random_prompt
+from safetensors.torch import load_file, save_file
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
@@ -103,11 +107,34 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny-llama": materialize_builtin("tiny-llama"),
         "llama-tied-bias-odd-vocab": build_tiny_model(root / "llama-odd", "llama", tie_word_embeddings=True,
                                                       attention_bias=True, mlp_bias=True, vocab_size=498),
+        "tiny-qwen2-moe": materialize_builtin("tiny-qwen2-moe"),
+        "tiny-qwen3-moe": materialize_builtin("tiny-qwen3-moe"),
+        "mixtral-stacked": _stacked_experts(materialize_builtin("tiny-mixtral"), root / "mixtral-stacked"),
     }
 
 
-@pytest.mark.parametrize(("size", "names"), [(2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama")),
-                                             (4, ("tiny-llama", "llama-tied-bias-odd-vocab"))])
+def _stacked_experts(model_dir: Path, out: Path) -> Path:
+    """A copy of a Mixtral checkpoint with its experts in transformers 5's stacked layout
+    (`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, hidden], `...down_proj` [E, hidden, I])."""
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    for i in range(4):
+        old = f"model.layers.{i}.block_sparse_moe."
+        experts = range(8)
+        gate_up = [torch.cat([tensors.pop(f"{old}experts.{e}.w1.weight"), tensors.pop(f"{old}experts.{e}.w3.weight")])
+                   for e in experts]
+        down = [tensors.pop(f"{old}experts.{e}.w2.weight") for e in experts]
+        new = f"model.layers.{i}.mlp."
+        tensors[new + "experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[new + "experts.down_proj"] = torch.stack(down)
+        tensors[new + "gate.weight"] = tensors.pop(old + "gate.weight")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(("size", "names"), [
+    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe")),
+    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
     ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
@@ -143,3 +170,6 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size"):
+        ShardPlan(rank=0, size=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512,
+                  other_ffn_sizes=(("moe_intermediate_size", 66),))
