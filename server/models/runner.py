@@ -22,6 +22,7 @@ from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLa
 from server.models.fp8.load import load_checkpoint
 from server.models.llama import LlamaModel
 from server.models.model_spec import ModelSpec, load_spec
+from server.models.moe import moe_blocks
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
 from server.models.weights import safetensors_files
@@ -139,6 +140,11 @@ class ModelRunner:
                 shard.load(self.spec, dtype, device, quantization)
         self.model = LlamaModel(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                 parallel=None if shard is None else shard.context)
+        if self.kernels == "triton":
+            from server.models.kernels.moe import fused_experts
+
+            for block in moe_blocks(self.model):  # a MoE model's routed experts: two grouped GEMMs
+                block.experts = fused_experts
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs:
             from server.models.cuda_graphs import DecodeGraphs

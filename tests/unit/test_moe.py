@@ -228,3 +228,29 @@ def test_fp8_is_refused_for_moe_models(tmp_path: Path) -> None:
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json: quantization_config: FP8 experts are not supported"):
         load_spec(copy)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_fused_triton_experts_equal_the_torch_path(tokens: int) -> None:
+    """The two grouped GEMMs (server/models/kernels/moe.py; the Triton interpreter on a CPU) against
+    the grouped torch path, for a decode row, a few rows and a prefill's worth of pairs."""
+    pytest.importorskip("triton")
+    from server.models.kernels.moe import align, fused_experts
+
+    block, _ = _ours("qwen3-moe", "stacked")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    from server.models.moe import route
+
+    weights, ids = route(block.spec, x, block.gate)
+    want = grouped_experts(x, block.gate_up, block.down, weights, ids)
+    on = [t.to(device) for t in (x, block.gate_up, block.down, weights, ids)]
+    got = fused_experts(*on).cpu()
+    assert (got - want).abs().max().item() < 1e-5
+    rows, tile_expert = (t.cpu() for t in align(on[4], 8, 16))
+    real = rows[rows < ids.numel()]
+    assert sorted(real.tolist()) == list(range(ids.numel()))  # every pair once
+    experts = ids.flatten()[rows.clamp(max=ids.numel() - 1)].view(-1, 16)
+    for tile, expert in enumerate(tile_expert.tolist()):  # each tile's real rows are its expert's
+        live = rows.view(-1, 16)[tile] < ids.numel()
+        assert expert == 8 and not live.any() or (experts[tile][live] == expert).all()
