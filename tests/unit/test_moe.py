@@ -254,3 +254,24 @@ def test_fused_triton_experts_equal_the_torch_path(tokens: int) -> None:
     for tile, expert in enumerate(tile_expert.tolist()):  # each tile's real rows are its expert's
         live = rows.view(-1, 16)[tile] < ids.numel()
         assert expert == 8 and not live.any() or (experts[tile][live] == expert).all()
+
+
+def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
+    """What /metrics shows of a MoE model: per sparse layer, the tokens routed to each expert since
+    start (each token top_k times), as the engine loop reads them (`engine_figures`)."""
+    import engine_harness as eh
+    from prompts import random_prompt
+
+    from server.telemetry.metrics import EngineCounters, ServerMetrics
+    from server.telemetry.relay import engine_figures
+
+    core = eh.make_core("builtin:tiny-qwen3-moe")
+    eh.generate(core, [random_prompt(5, 30), random_prompt(6, 12)], eh.greedy(5))
+    tokens = engine_figures(core).expert_tokens
+    assert sorted(tokens) == [0, 2, 3]  # layer 1 is dense
+    # every prompt token and every generated token but the last went through the layers, twice each
+    assert all(sum(counts) == (30 + 12 + 2 * 4) * 2 for counts in tokens.values())
+    metrics = ServerMetrics()
+    metrics.set_counters_provider(lambda: EngineCounters(expert_tokens=tokens))
+    text = metrics.render().decode()
+    assert f'pdserve_moe_expert_tokens_total{{expert="7",layer="3"}} {float(tokens[3][7])}' in text

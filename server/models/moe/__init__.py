@@ -17,8 +17,9 @@ Public API:
   routed experts' weighted sum plus the shared expert's output. With tensor parallelism it is the
   rank's partial sum, which the caller all-reduces like a dense MLP's (`ParallelContext.reduce`).
   `MoEBlock.take_load() -> Tensor [E] int64`: tokens routed to each expert since the last call.
-- `moe_blocks(model) -> list[MoEBlock]`: the blocks of a model whose `layers[i].mlp` holds them;
-  the runner sets their `experts` (the Triton path: server/models/kernels/moe.py) and reads their load.
+- `moe_blocks(model) -> dict[int, MoEBlock]`: layer -> block, of a model whose `layers[i].mlp` holds
+  them; the runner sets their `experts` (the Triton path: server/models/kernels/moe.py) and reads
+  their load through `ExpertLoad` (load.py: /metrics' `pdserve_moe_expert_tokens_total`).
 - `route(spec, x, gate, correction=None) -> (weights [T, top_k] float32, ids [T, top_k] int64)`
   (router.py): the gate alone.
 - `load_mlp(weights, prefix) -> DenseMLP` (server/models/mlp.py): a dense layer's MLP (DeepSeek's

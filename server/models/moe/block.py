@@ -58,9 +58,10 @@ class MoEBlock:
         return load
 
 
-def moe_blocks(model: object) -> list[MoEBlock]:
-    """The MoE blocks of a model whose `layers[i].mlp` is its feed-forward block (LlamaModel's)."""
-    return [layer.mlp for layer in getattr(model, "layers", []) if isinstance(getattr(layer, "mlp", None), MoEBlock)]
+def moe_blocks(model: object) -> dict[int, MoEBlock]:
+    """layer -> MoE block, of a model whose `layers[i].mlp` is its feed-forward block (LlamaModel's)."""
+    layers = enumerate(getattr(model, "layers", []))
+    return {i: layer.mlp for i, layer in layers if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
 
 def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: ExpertsFn | None = None) -> MoEBlock:
