@@ -24,6 +24,8 @@ from server.models.fp8.load import load_checkpoint
 from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
+from server.models.moe import moe_blocks
+from server.models.moe.load import ExpertLoad
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
 from server.models.weights import safetensors_files
@@ -142,6 +144,12 @@ class ModelRunner:
         model_cls = LlamaModel if local.mla is None else DeepseekModel
         self.model = model_cls(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                parallel=None if shard is None else shard.context)
+        if self.kernels == "triton":
+            from server.models.kernels.moe import fused_experts
+
+            for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
+                block.experts = fused_experts
+        self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs and local.mla is None:
             from server.models.cuda_graphs import DecodeGraphs
@@ -185,6 +193,7 @@ class ModelRunner:
         bursts, burst_s = self._warm_bursts()
         if self.device.type == "cuda":  # (the Triton path runs on the CPU under TRITON_INTERPRET in tests)
             torch.cuda.synchronize(self.device)
+        self.expert_load.reset()  # the warm-up's steps routed no request's tokens
         log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s, %d burst steps in %.1f s",
                  compiled_variants(), plans, plan_s, bursts, burst_s)
         return time.perf_counter() - start

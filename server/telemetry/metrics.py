@@ -16,6 +16,7 @@ The metric names are part of the acceptance checks: keep them exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -95,12 +96,13 @@ class SpecCounts:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """The engine's cumulative counters at scrape time: preemptions, the live transfer stats, and
-    speculative decoding."""
+    """The engine's cumulative counters at scrape time: preemptions, the live transfer stats,
+    speculative decoding, and a MoE model's tokens per expert of each sparse layer."""
 
     preemptions: int = 0
     transfers: Sequence[TransferCounts] = ()
     spec: SpecCounts = SpecCounts()
+    expert_tokens: Mapping[int, Sequence[int]] = dataclasses.field(default_factory=dict)
 
 
 CountersProvider = Callable[[], EngineCounters]
@@ -216,6 +218,13 @@ class _CountersCollector:
         ):
             yield CounterMetricFamily(name, help_text, value, created=self.created)
         yield from self._spec_families(counters.spec)
+        family = CounterMetricFamily("pdserve_moe_expert_tokens", "Mixture-of-experts models: tokens routed "
+                                     "to each expert of each sparse layer (each token counts top_k times).",
+                                     labels=["layer", "expert"])
+        for layer, tokens in sorted(counters.expert_tokens.items()):
+            for expert, count in enumerate(tokens):
+                family.add_metric([str(layer), str(expert)], count, created=self.created)
+        yield family
 
     def _spec_families(self, spec: SpecCounts) -> Iterator[Metric]:
         for name, help_text, value in (

@@ -1,8 +1,10 @@
 """The runner on CUDA, with the portable torch kernels and with the Triton kernels (eager, and decode
 replayed as CUDA graphs): float32 token-exact against transformers, graphs equal to eager, bfloat16
 agreement with transformers bfloat16 counted over 64 tokens, and no host synchronisation inside the
-forward. DeepSeek-V2/V3 (latent attention in torch on both paths, MoE layers; no decode graphs) on
-the eager variants. Skipped without CUDA."""
+forward. The mixture-of-experts models run their experts densely (every expert on every token: the
+torch path) or as two grouped GEMMs (the Triton path), both graph-safe. DeepSeek-V2/V3 (latent
+attention in torch on both paths, MoE layers; no decode graphs) on the eager variants. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MODELS = ["tiny-llama", "tiny-qwen3-swa"]
+MODELS = ["tiny-llama", "tiny-qwen3-swa", "tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
@@ -117,7 +119,7 @@ def _prefill_logits(runner: ModelRunner, request_id: str, prompt: list[int]) -> 
     return logits
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-qwen3-moe", "tiny-deepseek-v3"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str, name: str) -> None:
     _, runner = _batched_greedy(model_dirs[name], torch.bfloat16, kernels)

@@ -228,3 +228,50 @@ def test_fp8_is_refused_for_moe_models(tmp_path: Path) -> None:
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json: quantization_config: FP8 experts are not supported"):
         load_spec(copy)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_fused_triton_experts_equal_the_torch_path(tokens: int) -> None:
+    """The two grouped GEMMs (server/models/kernels/moe.py; the Triton interpreter on a CPU) against
+    the grouped torch path, for a decode row, a few rows and a prefill's worth of pairs."""
+    pytest.importorskip("triton")
+    from server.models.kernels.moe import align, fused_experts
+
+    block, _ = _ours("qwen3-moe", "stacked")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    from server.models.moe import route
+
+    weights, ids = route(block.spec, x, block.gate)
+    want = grouped_experts(x, block.gate_up, block.down, weights, ids)
+    on = [t.to(device) for t in (x, block.gate_up, block.down, weights, ids)]
+    got = fused_experts(*on).cpu()
+    assert (got - want).abs().max().item() < 1e-5
+    rows, tile_expert = (t.cpu() for t in align(on[4], 8, 16))
+    real = rows[rows < ids.numel()]
+    assert sorted(real.tolist()) == list(range(ids.numel()))  # every pair once
+    experts = ids.flatten()[rows.clamp(max=ids.numel() - 1)].view(-1, 16)
+    for tile, expert in enumerate(tile_expert.tolist()):  # each tile's real rows are its expert's
+        live = rows.view(-1, 16)[tile] < ids.numel()
+        assert expert == 8 and not live.any() or (experts[tile][live] == expert).all()
+
+
+def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
+    """What /metrics shows of a MoE model: per sparse layer, the tokens routed to each expert since
+    start (each token top_k times), as the engine loop reads them (`engine_figures`)."""
+    import engine_harness as eh
+    from prompts import random_prompt
+
+    from server.telemetry.metrics import EngineCounters, ServerMetrics
+    from server.telemetry.relay import engine_figures
+
+    core = eh.make_core("builtin:tiny-qwen3-moe")
+    eh.generate(core, [random_prompt(5, 30), random_prompt(6, 12)], eh.greedy(5))
+    tokens = engine_figures(core).expert_tokens
+    assert sorted(tokens) == [0, 2, 3]  # layer 1 is dense
+    # every prompt token and every generated token but the last went through the layers, twice each
+    assert all(sum(counts) == (30 + 12 + 2 * 4) * 2 for counts in tokens.values())
+    metrics = ServerMetrics()
+    metrics.set_counters_provider(lambda: EngineCounters(expert_tokens=tokens))
+    text = metrics.render().decode()
+    assert f'pdserve_moe_expert_tokens_total{{expert="7",layer="3"}} {float(tokens[3][7])}' in text

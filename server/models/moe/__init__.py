@@ -17,6 +17,9 @@ Public API:
   routed experts' weighted sum plus the shared expert's output. With tensor parallelism it is the
   rank's partial sum, which the caller all-reduces like a dense MLP's (`ParallelContext.reduce`).
   `MoEBlock.take_load() -> Tensor [E] int64`: tokens routed to each expert since the last call.
+- `moe_blocks(model) -> dict[int, MoEBlock]`: layer -> block, of a model whose `layers[i].mlp` holds
+  them; the runner sets their `experts` (the Triton path: server/models/kernels/moe.py) and reads
+  their load through `ExpertLoad` (load.py: /metrics' `pdserve_moe_expert_tokens_total`).
 - `route(spec, x, gate, correction=None) -> (weights [T, top_k] float32, ids [T, top_k] int64)`
   (router.py): the gate alone.
 - `load_mlp(weights, prefix) -> DenseMLP` (server/models/mlp.py): a dense layer's MLP (DeepSeek's
@@ -26,9 +29,9 @@ The forward has no host synchronisation on CUDA (experts.py says how), so it run
 """
 
 from server.models.mlp import DenseMLP, WeightSource, load_mlp
-from server.models.moe.block import MoEBlock, build_moe
+from server.models.moe.block import MoEBlock, build_moe, moe_blocks
 from server.models.moe.config import MOE_ARCHITECTURES, MoESpec, parse_moe
 from server.models.moe.router import route
 
 __all__ = ["MOE_ARCHITECTURES", "DenseMLP", "MoEBlock", "MoESpec", "WeightSource", "build_moe", "load_mlp",
-           "parse_moe", "route"]
+           "moe_blocks", "parse_moe", "route"]

@@ -51,9 +51,17 @@ class MoEBlock:
         return out
 
     def take_load(self) -> torch.Tensor:
-        """The tokens routed to each expert since the last call [E] int64 (on the device), and a fresh count."""
-        load, self.load = self.load, torch.zeros_like(self.load)
+        """The tokens routed to each expert since the last call [E] int64 (a copy, on the device); the
+        count restarts from 0 in place (a captured CUDA graph keeps adding into the same tensor)."""
+        load = self.load.clone()
+        self.load.zero_()
         return load
+
+
+def moe_blocks(model: object) -> dict[int, MoEBlock]:
+    """layer -> MoE block, of a model whose `layers[i].mlp` is its feed-forward block (LlamaModel's)."""
+    layers = enumerate(getattr(model, "layers", []))
+    return {i: layer.mlp for i, layer in layers if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
 
 def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: ExpertsFn | None = None) -> MoEBlock:
