@@ -1,7 +1,8 @@
 """Times the routed experts of one MoE layer on the GPU: the fused Triton grouped GEMMs
 (server/models/kernels/moe.py) against the dense torch path (every expert on every token), bf16,
-random weights, uniform random routing. Prints one JSON line per (path, tokens): microseconds per
-call and the bytes of the experts the step touches divided by that time (the roofline's numerator).
+random weights, uniform random routing, each call replayed as a CUDA graph. Prints one JSON line
+per (path, tokens): microseconds per call and the bytes of the experts the step touches divided by
+that time (the roofline's numerator).
 
     python scripts/bench_moe_experts.py [--experts 128 --top-k 8 --hidden 2048 --inter 768]
 
@@ -21,12 +22,18 @@ from server.models.moe.experts import dense_experts
 
 
 def _time_us(fn, repeats: int = 20) -> float:
+    """Microseconds per call of `fn` replayed as a CUDA graph (as serving's decode steps run it)."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / repeats

@@ -98,6 +98,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # ranks (one process each; on CUDA, rank r on cuda:r of the GPUs the server sees): must divide the
     # model's attention heads, and divide or be a multiple of its kv heads
     tensor_parallel_size: Positive = 1
+    # a mixture-of-experts model's routed experts: 1 splits each expert's intermediate dimension over
+    # the tensor-parallel ranks; tensor_parallel_size spreads whole experts over them (num_experts /
+    # size each; attention and the shared experts stay split). docs/MODELS.md
+    expert_parallel_size: Positive = 1
     # the engine in a process of its own (true), on a thread of the HTTP process (false), or auto:
     # its own process on CUDA, the thread on a CPU (server/engineproc/)
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
@@ -406,6 +410,10 @@ def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:
     problem = None if heads is None else tp_problem(*heads, cfg.tensor_parallel_size)
     if problem is not None:
         raise ConfigError(f"{source}: {'.'.join(origin(['tensor_parallel_size']))}: {problem}")
+    if cfg.expert_parallel_size not in (1, cfg.tensor_parallel_size):
+        raise ConfigError(f"{source}: {'.'.join(origin(['expert_parallel_size']))}: {cfg.expert_parallel_size}: "
+                          f"must be 1 or tensor_parallel_size ({cfg.tensor_parallel_size}): experts are spread "
+                          "over a server's tensor-parallel ranks")
 
 
 def _written(data: Any, path: KeyPath) -> bool:

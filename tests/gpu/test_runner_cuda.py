@@ -23,7 +23,8 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MODELS = ["tiny-llama", "tiny-qwen3-swa", "tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+MOE_MODELS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+MODELS = ["tiny-llama", "tiny-qwen3-swa", *MOE_MODELS]
 MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
@@ -105,8 +106,13 @@ def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: 
         ours = _prefill_logits(runner, f"check{i}", prompt)
         theirs = hf_reference.hf_logits(model_dirs[name], prompt, dtype=torch.bfloat16, device="cuda")[-1]
         error = ((ours - theirs).norm() / theirs.norm()).item()
-        # bf16 rounding through 4 layers: 2.1e-2 seen on the H200 (Triton path); a wrong kernel is O(1)
-        assert error < 5e-2, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
+        # bf16 rounding through 4 layers: 2.1e-2 seen on the H200 (Triton path); a wrong kernel is O(1).
+        # A MoE model turns a rounding difference into another expert where two gate scores nearly tie:
+        # up to 0.165 seen on the H100 (2026-12-06, Triton path, the same with the torch experts in
+        # place of the fused ones: attention's rounding, not the experts'; torch path <= 0.027)
+        # DeepSeek's layers 1-3 are MoE layers too, on both paths (its gate in float32, as transformers')
+        bound = 0.25 if (name in MOE_MODELS and kernels == "triton") or name in MLA_MODELS else 5e-2
+        assert error < bound, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
     print(f"\n{name} {kernels} graphs={graphs} bf16: greedy tokens equal to HF bf16 before the first "
           f"divergence: {matched} of {BF16_TOKENS}")
 
@@ -117,6 +123,28 @@ def _prefill_logits(runner: ModelRunner, request_id: str, prompt: list[int]) -> 
     logits = runner.execute([SeqChunk(prompt, 0, tables, True)])[0].float().cpu()
     runner.kv.release(request_id)
     return logits
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_fused_experts_equal_the_dense_torch_experts_in_bfloat16(model_dirs: dict[str, Path], name: str) -> None:
+    """The Triton path's grouped GEMMs (server/models/kernels/moe.py) against the torch experts in the
+    same runner (same attention kernels), bf16 prefill logits: the experts' own rounding only."""
+    from server.models.moe import moe_blocks
+    from server.models.moe.experts import dense_experts
+
+    _, runner = _batched_greedy(model_dirs[name], torch.bfloat16, "triton", False, new_tokens=1)
+    for i, prompt in enumerate(_prompts()):
+        fused = _prefill_logits(runner, f"fused{i}", prompt)
+        blocks = moe_blocks(runner.model).values()
+        kernel = next(iter(blocks)).experts
+        for block in blocks:
+            block.experts = dense_experts
+        dense = _prefill_logits(runner, f"dense{i}", prompt)
+        for block in blocks:
+            block.experts = kernel
+        assert kernel is not dense_experts
+        error = ((fused - dense).norm() / dense.norm()).item()
+        assert error < 1e-2, f"prompt {i}: fused experts differ from the torch experts by {error:.3g}"
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-qwen3-moe", "tiny-deepseek-v3"])

@@ -7,9 +7,10 @@ the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
 does not divide (padded rows). Mixture-of-experts models split each expert's intermediate dimension:
 TP=2 on tiny-qwen2-moe (a gated shared expert) and tiny-qwen3-moe (dense and sparse layers), TP=4
-on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`). DeepSeek's latent
-attention splits its heads (q, kv_b and o) and keeps the latent whole on every rank: TP=2 on
-tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
+on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`); and the same with
+expert parallelism (a name ending in ":ep": whole experts spread over the ranks, 4 or 2 each).
+DeepSeek's latent attention splits its heads (q, kv_b and o) and keeps the latent whole on every
+rank: TP=2 on tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out:
     try:
         results = {}
         for name, model_dir in model_dirs.items():
-            plan = plan_for(load_spec(model_dir), rank, size)
+            plan = plan_for(load_spec(model_dir), rank, size, expert_parallel=name.endswith(":ep"))
             runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels)
             runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size))
@@ -102,7 +103,7 @@ def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str =
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-models")
-    return {
+    dirs = {
         "tiny-qwen3-swa": materialize_builtin("tiny-qwen3-swa"),
         "qwen2-bias-sliding": build_tiny_model(root / "qwen2", "qwen2", use_sliding_window=True,
                                                sliding_window=24, max_window_layers=2),
@@ -115,6 +116,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny-deepseek-v2": materialize_builtin("tiny-deepseek-v2"),
         "tiny-deepseek-v3": materialize_builtin("tiny-deepseek-v3"),
     }
+    dirs["tiny-qwen2-moe:ep"], dirs["mixtral-stacked:ep"] = dirs["tiny-qwen2-moe"], dirs["mixtral-stacked"]
+    return dirs
 
 
 def _stacked_experts(model_dir: Path, out: Path) -> Path:
@@ -137,8 +140,9 @@ def _stacked_experts(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize(("size", "names"), [
-    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v2")),
-    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "tiny-deepseek-v3"))])
+    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe",
+         "tiny-qwen2-moe:ep", "tiny-deepseek-v2")),
+    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "mixtral-stacked:ep", "tiny-deepseek-v3"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
     ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
@@ -174,6 +178,9 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
+    with pytest.raises(ValueError, match="expert_parallel_size: 3 does not divide the model's 8 routed experts"):
+        ShardPlan(rank=0, size=3, num_heads=6, num_kv_heads=3, intermediate_size=255, vocab_size=512,
+                  num_experts=8, expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size"):
         ShardPlan(rank=0, size=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512,
                   other_ffn_sizes=(("moe_intermediate_size", 66),))

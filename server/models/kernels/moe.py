@@ -3,7 +3,8 @@
 A step's (token, slot) pairs are sorted by expert on the device (`align`): each expert's pairs are
 padded to a multiple of BLOCK_M, so every tile of BLOCK_M rows belongs to one expert, and the list
 of tiles has a fixed length (T * top_k + E * (BLOCK_M - 1) rows at most) whatever the routing; the
-tiles past the step's last real one find the expert id E and return at once. Then:
+tiles past the step's last real one find the expert id E and return at once, and so do the tiles
+of pairs routed to no expert held here (id E: another rank's, with expert parallelism). Then:
 
 1. `_gate_up_silu`: for each tile, h = SiLU(x @ gate.T) * (x @ up.T) for that expert, the gate and
    up rows read by the same program, the activation applied in registers; h [T * top_k, I] rows
@@ -34,19 +35,20 @@ def tile_config(num_pairs: int) -> tuple[int, int, int, int]:
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (rows [R] int64: each padded row's pair index (T * k for padding), tile_expert
-    [R // block_m] int64: each tile's expert, num_experts past the last real tile). R is fixed by T, k,
-    E and block_m; nothing is read on the host."""
+    """ids [T, k] (values 0..E, E: no expert held here) -> (rows [R] int64: each padded row's pair index
+    (T * k for padding), tile_expert [R // block_m] int64: each tile's expert, >= E for the tiles of id
+    E and past the last real tile). R is fixed by T, k, E and block_m; nothing is read on the host."""
     flat = ids.flatten()
     pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     start, padded_start = counts.cumsum(0) - counts, padded_end - padded
     order = flat.argsort(stable=True)  # pair indices grouped by expert, in token order within one
     experts = flat[order]
     dest = padded_start[experts] + torch.arange(pairs, device=ids.device) - start[experts]
-    total = pairs + num_experts * (block_m - 1)
+    total = pairs + (num_experts + 1) * (block_m - 1)
     total = (total + block_m - 1) // block_m * block_m
     rows = torch.full((total,), pairs, dtype=torch.int64, device=ids.device).scatter_(0, dest, order)
     tile_start = torch.arange(0, total, block_m, device=ids.device)
@@ -129,7 +131,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         x, gate_up, rows, tile_expert, h, pairs, top_k, hidden, inter, num_experts,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    y = torch.zeros((pairs, hidden), dtype=x.dtype, device=x.device)  # (pairs of no expert held here: 0)
     _down_weighted[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
         h, down, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),

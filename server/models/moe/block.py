@@ -42,6 +42,8 @@ class MoEBlock:
         """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
         weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
         self.load += expert_load(ids, self.spec.num_experts)
+        if self.spec.local_experts is not None:
+            weights, ids = _held(self.spec.local_experts, weights, ids)
         out = self.experts(x, self.gate_up, self.down, weights, ids)
         if self.shared is not None:
             shared = self.shared(x, ops)
@@ -56,6 +58,15 @@ class MoEBlock:
         load = self.load.clone()
         self.load.zero_()
         return load
+
+
+def _held(held: tuple[int, int], weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism: ids of the experts held here as local indices (0..n-1); a pair routed to
+    another rank's expert gets the index n (no expert: the implementations skip it) and weight 0.
+    The ranks' outputs are summed like tensor-parallel partial sums."""
+    local = ids - held[0]
+    mine = (local >= 0) & (local < held[1] - held[0])
+    return weights * mine, local.masked_fill(~mine, held[1] - held[0])
 
 
 def moe_blocks(model: object) -> dict[int, MoEBlock]:
@@ -86,7 +97,7 @@ def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: Expe
 def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[torch.Tensor, torch.Tensor]:
     n = spec.names
     gate_up, down = [], []
-    for e in range(spec.num_experts):
+    for e in spec.held_experts:
         prefix = f"{block}experts.{e}."
         parts = [_plain(weights.take(f"{prefix}{p}.weight"), prefix + p) for p in (n.gate, n.up)]
         gate_up.append(torch.cat(parts))
@@ -108,7 +119,7 @@ def _plain(weight: object, name: str) -> torch.Tensor:
 
 
 def _checked(spec: MoESpec, block: str, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    e, i = spec.num_experts, spec.intermediate_size
+    e, i = len(spec.held_experts), spec.intermediate_size
     if gate_up.shape[:2] != (e, 2 * i) or down.shape[0] != e or down.shape[2] != i:
         raise ValueError(f"{block}experts: shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit "
                          f"{e} experts of intermediate size {i}")

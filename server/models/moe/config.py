@@ -64,16 +64,26 @@ class MoESpec:
     router_float32: bool = False  # the gate's linear in float32 (DeepSeek) or in the model dtype
     shared_intermediate_size: int = 0  # the shared expert(s) in one MLP; 0 = none
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert
+    local_experts: tuple[int, int] | None = None  # expert parallelism: [start, end) of the experts held here
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer]
 
-    def sharded(self, size: int) -> MoESpec:
-        """The spec of one of `size` tensor-parallel ranks: every expert's intermediate columns split."""
+    @property
+    def held_experts(self) -> range:
+        """The routed experts this process holds (all of them without expert parallelism)."""
+        return range(*self.local_experts) if self.local_experts is not None else range(self.num_experts)
+
+    def sharded(self, size: int, rank: int = 0, *, expert_parallel: bool = False) -> MoESpec:
+        """The spec of tensor-parallel rank `rank` of `size`: every expert's intermediate columns split,
+        or (`expert_parallel`) whole experts, num_experts / size of them; the shared expert is split."""
         from dataclasses import replace
 
-        return replace(self, intermediate_size=self.intermediate_size // size,
-                       shared_intermediate_size=self.shared_intermediate_size // size)
+        shared = self.shared_intermediate_size // size
+        if expert_parallel:
+            per = self.num_experts // size
+            return replace(self, shared_intermediate_size=shared, local_experts=(rank * per, (rank + 1) * per))
+        return replace(self, intermediate_size=self.intermediate_size // size, shared_intermediate_size=shared)
 
 
 class _Keys:

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# (x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights [T, k] float32, ids [T, k]) -> [T, hidden]
+# (x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights [T, k] float32, ids [T, k]) -> [T, hidden];
+# an id E names no expert held here (expert parallelism: another rank's) and contributes nothing
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -35,11 +36,12 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     ids: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     order = ids.flatten().argsort(stable=True)  # [T * k] (token, slot) pairs grouped by expert
-    counts = torch.bincount(ids.flatten(), minlength=gate_up.shape[0]).tolist()  # host sync: the CPU's path
+    num_experts = gate_up.shape[0]
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()  # host sync: the CPU's path
     tokens = order // ids.shape[1]
     scale = weights.flatten()[order]
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):  # (pairs of id E sort last: skipped)
         if count:
             rows = tokens[start:start + count]
             y = _expert(x.index_select(0, rows), gate_up[expert], down[expert]) * scale[start:start + count, None]

@@ -44,10 +44,16 @@ class ShardPlan:
     intermediate_size: int
     vocab_size: int
     other_ffn_sizes: tuple[tuple[str, int], ...] = ()  # (config key, width): a MoE model's experts, split too
+    num_experts: int = 0  # a MoE model's routed experts
+    expert_parallel: bool = False  # whole experts spread over the ranks instead of each one split
 
     def __post_init__(self) -> None:
+        if self.expert_parallel and (not self.num_experts or self.num_experts % self.size):
+            raise ValueError(f"expert_parallel_size: {self.size} does not divide the model's {self.num_experts} "
+                             "routed experts")
         problem = tp_problem(self.num_heads, self.num_kv_heads, self.size)
-        for key, width in (("intermediate_size", self.intermediate_size), *self.other_ffn_sizes):
+        split = self.other_ffn_sizes[1:] if self.expert_parallel else self.other_ffn_sizes  # experts stay whole
+        for key, width in (("intermediate_size", self.intermediate_size), *split):
             if problem is None and width % self.size:
                 problem = f"{self.size} does not divide the model's {key} {width}"
         if problem is not None:
@@ -67,6 +73,12 @@ class ShardPlan:
     @property
     def ffn(self) -> tuple[int, int]:
         per = self.intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """[start, end) of the routed experts the rank holds whole (expert parallelism)."""
+        per = self.num_experts // self.size
         return self.rank * per, (self.rank + 1) * per
 
     @property

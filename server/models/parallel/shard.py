@@ -9,7 +9,8 @@ A MoE layer's experts split like dense MLPs, each by its own width read from the
 Mixtral's w1/w3 by rows; down, w2 by columns; transformers 5's stacked `experts.gate_up_proj`
 [E, 2I, hidden] takes the rank's rows of both halves, `experts.down_proj` [E, hidden, I] its
 columns); the shared expert splits the same way; the router (`gate.weight`), Qwen2-MoE's
-`shared_expert_gate` and DeepSeek-V3's `e_score_correction_bias` are whole.
+`shared_expert_gate` and DeepSeek-V3's `e_score_correction_bias` are whole. With expert parallelism
+a rank reads only its own experts, whole (the others' tensors are never loaded there).
 FP8 scales (server/models/fp8/) follow their weight's output rows: a per-channel scale of a
 column-parallel weight is split like its rows, one of a row-parallel weight (o, down: every rank
 has all output rows) and every per-tensor or input scale is whole.
@@ -18,6 +19,7 @@ has all output rows) and every per-tensor or input scale is whole.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -30,16 +32,21 @@ from server.models.weights import safetensors_files
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's own tensor (not the shared expert's)
 _COLUMN_FFN = ("gate_proj", "up_proj", "w1", "w3")  # output rows split
 _ROW_FFN = ("down_proj", "w2")  # input columns split
 
 
-def plan_for(spec: ModelSpec, rank: int, size: int) -> ShardPlan:
+def plan_for(spec: ModelSpec, rank: int, size: int, *, expert_parallel: bool = False) -> ShardPlan:
+    """`expert_parallel`: a MoE model's routed experts spread whole over the ranks (num_experts / size
+    each), not each split; everything else is split as without it."""
     moe = spec.moe
     others = () if moe is None else (("moe_intermediate_size", moe.intermediate_size),
                                      ("shared expert intermediate size", moe.shared_intermediate_size))
     return ShardPlan(rank=rank, size=size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                     intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, other_ffn_sizes=others)
+                     intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, other_ffn_sizes=others,
+                     num_experts=moe.num_experts if moe is not None else 0,
+                     expert_parallel=expert_parallel and moe is not None)
 
 
 def local_spec(spec: ModelSpec, plan: ShardPlan) -> ModelSpec:
@@ -47,7 +54,8 @@ def local_spec(spec: ModelSpec, plan: ShardPlan) -> ModelSpec:
     kv0, kv1 = plan.kv_heads
     return dataclasses.replace(spec, num_heads=spec.num_heads // plan.size, num_kv_heads=kv1 - kv0,
                                intermediate_size=spec.intermediate_size // plan.size,
-                               moe=None if spec.moe is None else spec.moe.sharded(plan.size))
+                               moe=None if spec.moe is None else spec.moe.sharded(
+                                   plan.size, plan.rank, expert_parallel=plan.expert_parallel))
 
 
 def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: torch.device,
@@ -58,14 +66,19 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
                            quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
 
-def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
-    """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice)."""
+def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
+    """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice); None: none
+    of it (another rank's expert)."""
     d = spec.head_dim
     (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
     if name in _VOCAB:
         return _vocab_rows(handle, plan)
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return _stacked_experts(name, handle, plan)
+    expert = _EXPERT.search(name)
+    if expert is not None and plan.expert_parallel:  # a whole expert, on its rank only
+        e0, e1 = plan.experts
+        return handle[:] if e0 <= int(expert.group(1)) < e1 else None
     kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if spec.mla is not None and kind in _MLA_HEAD_ROWS and not name.endswith(SCALES):
         return _mla_slice(handle, kind, spec, plan)
@@ -111,7 +124,10 @@ def _share(width: int, plan: ShardPlan) -> tuple[int, int]:
 
 def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
     """transformers 5's stacked experts: gate_up [E, 2I, hidden] -> the rank's rows of the gate half
-    and of the up half; down [E, hidden, I] -> its columns."""
+    and of the up half; down [E, hidden, I] -> its columns (expert parallelism: the rank's experts whole)."""
+    if plan.expert_parallel:
+        e0, e1 = plan.experts
+        return handle[e0:e1]
     if name.endswith("down_proj"):
         f0, f1 = _share(handle.get_shape()[2], plan)
         return handle[:, :, f0:f1]
