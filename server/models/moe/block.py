@@ -41,6 +41,8 @@ class MoEBlock:
     def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
         weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
+        if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
+            weights = weights.to(x.dtype).float()
         self.load += expert_load(ids, self.spec.num_experts)
         if self.spec.local_experts is not None:
             weights, ids = _held(self.spec.local_experts, weights, ids)

@@ -62,6 +62,7 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False  # DeepSeek-V3's `gate.e_score_correction_bias` [num_experts]
     router_float32: bool = False  # the gate's linear in float32 (DeepSeek) or in the model dtype
+    round_weights: bool = False  # Qwen: the top-k weights rounded to the model dtype before they scale
     shared_intermediate_size: int = 0  # the shared expert(s) in one MLP; 0 = none
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert
     local_experts: tuple[int, int] | None = None  # expert parallelism: [start, end) of the experts held here
@@ -150,7 +151,7 @@ def _qwen(keys: _Keys, *, shared: bool) -> MoESpec:
     shared_size = int(keys.get("shared_expert_intermediate_size", default=0)) if shared else 0
     return MoESpec(num, top_k, int(keys.get("moe_intermediate_size")), sparse,
                    ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj", "shared_expert."),
-                   norm_topk_prob=bool(keys.get("norm_topk_prob", default=False)),
+                   norm_topk_prob=bool(keys.get("norm_topk_prob", default=False)), round_weights=True,
                    shared_intermediate_size=shared_size, shared_gate=shared_size > 0)
 
 
