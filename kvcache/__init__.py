@@ -9,6 +9,7 @@ from importlib import import_module
 
 _HOMES = {
     "CacheLayout": "kvcache.layout",
+    "KVFormat": "kvcache.kv_format",
     "KvCacheConfig": "kvcache.config",
     "KVCacheError": "kvcache.errors",
     "OutOfBlocksError": "kvcache.errors",

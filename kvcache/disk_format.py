@@ -80,6 +80,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key_id: str  # hex: which deployment token's key seals the files
     k_scales: tuple[float, ...] = ()  # an FP8 cache's per-layer scales (empty for other dtypes)
     v_scales: tuple[float, ...] = ()
+    layout: str = "heads"  # the KV format's layout: "heads" (K and V) or "latent" (MLA)
 
 
 class ManifestFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

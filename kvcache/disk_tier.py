@@ -169,15 +169,16 @@ def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
 
 
 def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:
-    """What a disk directory's files must be for: this model, KV layout (dtype and scales) and key."""
-    return Manifest(MANIFEST_VERSION, salt, dtype_name(layout.dtype), config.tokens_per_block,
-                    layout.layer_windows, layout.num_kv_heads, layout.head_dim, key_id(key), layout.k_scales,
-                    layout.v_scales)
+    """What a disk directory's files must be for: this model, windows, KV format and key."""
+    f = layout.format
+    return Manifest(MANIFEST_VERSION, salt, dtype_name(f.dtype), config.tokens_per_block, layout.layer_windows,
+                    f.num_kv_heads, f.head_dim, key_id(key), f.k_scales, f.v_scales, f.layout)
 
 
 def block_formats(layout: CacheLayout, groups: Sequence[WindowGroup]) -> dict[int, BlockFormat]:
     """Window -> what its blocks' bytes are (the group's layers' scales, for an FP8 cache)."""
-    return {g.window: BlockFormat(dtype_name(layout.dtype), layout.group_scales(g.layers)) for g in groups}
+    f = layout.format
+    return {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
 
 
 def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:

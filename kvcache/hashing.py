@@ -13,6 +13,10 @@ import sys
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.kv_format import KVFormat
 
 DIGEST_BYTES = 16
 ROOT_HASH = bytes(DIGEST_BYTES)
@@ -49,13 +53,14 @@ def request_salt(manager_salt: str, salt: str | None) -> str:
     return manager_salt if salt is None else f"{manager_salt}\x1f{salt}"
 
 
-def kv_format_salt(salt: str, kv_format: str) -> str:
-    """The hashing namespace of a KV cache whose blocks are stored in `kv_format` (its element type
-    and scales: `CacheLayout.kv_format`; "" for the model's own dtype, whose namespace is `salt`
+def kv_format_salt(salt: str, kv_format: KVFormat) -> str:
+    """The hashing namespace of a KV cache whose blocks are stored in `kv_format`
+    (`KVFormat.hash_namespace`: "" for K/V heads in the model's own dtype, whose namespace is `salt`
     itself). The KV manager refines its salt with it, so blocks of an FP8 cache never match those of
     a bf16 cache, nor of one with other scales, in any tier; the router reads the refined salt from
     the server's snapshot and hashes prompts the same way."""
-    return salt if not kv_format else f"{salt}\x1ekv={kv_format}"
+    namespace = kv_format.hash_namespace
+    return salt if not namespace else f"{salt}\x1ekv={namespace}"
 
 
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int, salt: str = "") -> list[bytes]:

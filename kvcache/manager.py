@@ -71,7 +71,7 @@ class KVCacheManager:
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "", disk_key: bytes = b"") -> None:
         self.config = config
         self.layout = layout
-        self.salt = kv_format_salt(salt, layout.kv_format)
+        self.salt = kv_format_salt(salt, layout.format)
         self.tokens_per_block = tpb = config.tokens_per_block
         self.window_sizes: tuple[int, ...] = tuple(sorted(set(layout.layer_windows)))
         sizes = level_sizes(config, layout)
@@ -98,16 +98,25 @@ class KVCacheManager:
 
     def layer_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [num_primary_slots, tpb, kv_heads, head_dim] (views of the pool)."""
+        if self.layout.format.latent:
+            raise KVCacheError("a latent KV cache has no K and V planes (layer_latent)")
         g = self._layer(layer_idx)
         local = g.layers.index(layer_idx)
         return g.pools.primary[:, local, 0], g.pools.primary[:, local, 1]
+
+    def layer_latent(self, layer_idx: int) -> torch.Tensor:
+        """A latent cache's layer: [num_primary_slots, tpb, kv_lora_rank + qk_rope_head_dim] (a view)."""
+        if not self.layout.format.latent:
+            raise KVCacheError("a K/V heads cache has no latent plane (layer_cache)")
+        g = self._layer(layer_idx)
+        return g.pools.primary[:, g.layers.index(layer_idx), 0, :, 0]
 
     def layer_scales(self, layer_idx: int) -> tuple[float, float]:
         """(k scale, v scale) the layer's blocks are stored with (FP8; (1.0, 1.0) otherwise)."""
         return self.layout.layer_scales(layer_idx)
 
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
-        """[num_slots, num_layers_in_group, 2, tpb, kv_heads, head_dim]; None if the level has no slots."""
+        """[num_slots, num_layers_in_group, planes, tpb, kv_heads, head_dim]; None if the level has no slots."""
         return self._group(window).pools.pool(level)
 
     def observe_copies(self, observer: Callable[[int, list[CopyOp]], None]) -> None:

@@ -1,7 +1,8 @@
 """KV pools of one window group: the only owner of KV cache tensors in kvcache/.
 
-Each level is one contiguous tensor, slot-major: [num_slots, num_layers, 2 (K, V), tokens_per_block,
-num_kv_heads, head_dim]. A slot is `slot_bytes` contiguous bytes, so a block moves with one row copy
+Each level is one contiguous tensor, slot-major: [num_slots, num_layers, planes, tokens_per_block,
+num_kv_heads, head_dim] (`KVFormat.slot_shape`: planes K and V, or the one latent plane). A slot
+is `slot_bytes` contiguous bytes, so a block moves with one row copy
 and its address is `base + slot * slot_bytes`. Both pools start zeroed: attention masks unused or
 out-of-window positions, but 0 * NaN would still be NaN. The secondary pool lives in host memory,
 pinned when the primary pool is on CUDA.
@@ -162,7 +163,7 @@ def _wait_for_overlap(stream: torch.cuda.Stream, pending: list[tuple[torch.cuda.
 class GroupPools:
     def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
                  num_primary: int, num_secondary: int) -> None:
-        slot_shape = (num_layers, 2, tokens_per_block, layout.num_kv_heads, layout.head_dim)
+        slot_shape = layout.format.slot_shape(num_layers, tokens_per_block)
         self.device = layout.device
         # [num_slots, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
         self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.dtype, device=layout.device)

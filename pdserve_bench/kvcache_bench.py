@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level
 from pdserve_bench import options
 
 HELP = "KV cache manager overhead per block, and offload/onboard against a plain copy"
@@ -49,7 +49,7 @@ def _per_block_us(fn: Callable[[int], None], iters: int, blocks: int) -> float:
 
 
 def manager_overhead(device: str, iters: int = 40) -> dict[str, float]:
-    layout = CacheLayout((PROMPT,), 1, 8, torch.float16, device, PROMPT)
+    layout = CacheLayout((PROMPT,), KVFormat(torch.float16, 1, 8), device, PROMPT)
     m = KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=3 * PROMPT), layout)
     prompt = list(range(PROMPT))
     m.admit("warm", prompt)
@@ -88,7 +88,7 @@ def _timed(device: str, fn: Callable[[], None]) -> float:
 
 
 def offload_onboard(device: str, iters: int = 5, blocks: int = 64) -> dict[str, float]:
-    layout = CacheLayout((4096,) * 32, 8, 128, torch.bfloat16, device, 4096)
+    layout = CacheLayout((4096,) * 32, KVFormat(torch.bfloat16, 8, 128), device, 4096)
     bpt = layout.bytes_per_token()
     cfg = KvCacheConfig(tokens_per_block=TPB, max_tokens=blocks * TPB, host_cache_size=blocks * TPB * bpt)
     m = KVCacheManager(cfg, layout)

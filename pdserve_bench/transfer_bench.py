@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level
 from pdserve_bench import options
 from transceiver.config import TransceiverConfig
 
@@ -46,8 +46,8 @@ MIB = 1 << 20
 
 def make_kv(max_mib: int) -> KVCacheManager:
     blocks = max_mib + 8  # one slot per MiB, plus room
-    layout = CacheLayout(layer_windows=(blocks * TPB,) * LAYERS, num_kv_heads=8, head_dim=128,
-                         dtype=torch.bfloat16, device="cpu", max_seq_len=blocks * TPB)
+    layout = CacheLayout(layer_windows=(blocks * TPB,) * LAYERS, format=KVFormat(torch.bfloat16, 8, 128),
+                         device="cpu", max_seq_len=blocks * TPB)
     return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=blocks * TPB,
                                         enable_block_reuse=False), layout)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from bench_gpu_disk import drop_page_cache
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level
 from kvcache.config import DiskTierConfig
 
 KEY = bytes(range(32))
@@ -51,7 +51,7 @@ def record(name: str, **fields) -> None:
 
 def make(args: argparse.Namespace, path: Path) -> KVCacheManager:
     tokens = args.blocks * args.tpb
-    layout = CacheLayout((tokens * 2,) * args.layers, args.heads, args.dim, torch.float16, "cpu", tokens * 2)
+    layout = CacheLayout((tokens * 2,) * args.layers, KVFormat(torch.float16, args.heads, args.dim), "cpu", tokens * 2)
     prompt_bytes = tokens * layout.bytes_per_token()
     disk = DiskTierConfig(path=str(path), max_bytes=6 * prompt_bytes, read_threads=args.read_threads,
                           write_threads=args.write_threads, write_queue_bytes=6 * prompt_bytes)

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat
 from kvcache.config import DiskTierConfig
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver
@@ -31,7 +31,7 @@ def make_manager(device: str, *, tpb: int = 4, primary_blocks: int = 4, host_blo
     per window group (the disk tier in `disk_dir`, with the other DiskTierConfig keys of `disk`);
     one layer per entry of `windows` (several sizes: VSWA groups), the other KvCacheConfig fields
     in `cfg`. Close it when it has a disk tier (its writer threads)."""
-    layout = CacheLayout(tuple(windows), heads, dim, dtype, device, max_seq_len)
+    layout = CacheLayout(tuple(windows), KVFormat(dtype, heads, dim), device, max_seq_len)
     block_bytes = tpb * layout.bytes_per_token()
     tier = DiskTierConfig(**{"path": str(disk_dir), "max_bytes": disk_blocks * block_bytes, **(disk or {})}) \
         if disk_blocks else None

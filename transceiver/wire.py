@@ -62,9 +62,11 @@ REASONS = (
 
 
 class WindowLayout(msgspec.Struct, frozen=True):
-    """One window group's pool: slot = `[layers, 2, tokens_per_block, kv_heads, head_dim]`. An FP8
-    pool's blocks are moved as they are, so both sides must store them with the same per-layer
-    scales (`k_scales`, `v_scales`, in `layers` order; empty for a pool in the model's dtype)."""
+    """One window group's pool: slot = `[layers, planes, tokens_per_block, kv_heads, head_dim]`
+    (`kvcache.KVFormat.slot_shape`). Blocks are moved as they are, so both sides must store them in
+    the same KV format (`kv_format`: `KVFormat.id`, less the heads a tensor-parallel rank holds):
+    layout (K/V heads or MLA's latent), dtype, and an FP8 pool's per-layer scales (`k_scales`,
+    `v_scales`, in `layers` order; empty for a pool in the model's dtype)."""
 
     window: int
     layers: list[int]
@@ -74,6 +76,7 @@ class WindowLayout(msgspec.Struct, frozen=True):
     slot_bytes: int
     k_scales: list[float] = []
     v_scales: list[float] = []
+    kv_layout: str = "heads"  # KVFormat.layout: "heads" or "latent"
 
 
 class Layout(msgspec.Struct, frozen=True):
@@ -293,7 +296,7 @@ def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
 
 
 def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
-    for name in ("layers", "head_dim", "dtype", "k_scales", "v_scales"):
+    for name in ("kv_layout", "layers", "head_dim", "dtype", "k_scales", "v_scales"):
         if getattr(a, name) != getattr(b, name):
             return f"{name} differs: context {getattr(a, name)!r} vs generation {getattr(b, name)!r}"
     if a.kv_heads == b.kv_heads and a.slot_bytes != b.slot_bytes:
@@ -309,14 +312,15 @@ def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: s
     """The layout a server advertises: per window group, the layers, kv heads, head dim, dtype,
     slot bytes and (FP8) scales of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb,
     kv_heads, head_dim]); `heads`: (first kv head held, the model's kv heads) of a tensor-parallel rank."""
-    windows = []
+    windows, fmt = [], kv.layout.format
     for w in sorted(kv.window_sizes):
         layers = list(kv.group_layers(w))
-        scales = [kv.layer_scales(i) for i in layers] if kv.layout.quantized else []
+        k_scales = [fmt.k_scales[i] for i in layers] if fmt.quantized else []
+        v_scales = [fmt.v_scales[i] for i in layers] if fmt.v_scales else []
         windows.append(WindowLayout(window=w, layers=layers, kv_heads=int(pools[w].shape[4]),
-                                    head_dim=int(pools[w].shape[5]), dtype=str(pools[w].dtype).removeprefix("torch."),
-                                    slot_bytes=kv.slot_bytes(w), k_scales=[k for k, _ in scales],
-                                    v_scales=[v for _, v in scales]))
+                                    head_dim=int(pools[w].shape[5]), dtype=str(fmt.dtype).removeprefix("torch."),
+                                    slot_bytes=kv.slot_bytes(w), k_scales=k_scales, v_scales=v_scales,
+                                    kv_layout=fmt.layout))
     start, total = heads if heads is not None else (0, 0)
     return Layout(tokens_per_block=kv.tokens_per_block, windows=windows, fingerprint=fingerprint,
                   kv_heads_total=total, kv_head_start=start)

@@ -85,6 +85,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     quantization: Literal["fp8"] | None = None
     # ranks, one process each (rank r on cuda:r); must divide the attention heads (tp_problem)
     tensor_parallel_size: Positive = 1
+    # a MoE model's routed experts: 1 splits each expert's intermediate dimension over the ranks;
+    # tensor_parallel_size spreads whole experts over them (docs/MODELS.md)
+    expert_parallel_size: Positive = 1
     # the engine in a process of its own (true) or on a thread (false); auto: its own process on CUDA
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
     # schedule step k+1 while the GPU runs step k; auto: on CUDA only (docs/GPU.md)
@@ -385,6 +388,10 @@ def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:
     problem = None if heads is None else tp_problem(*heads, cfg.tensor_parallel_size)
     if problem is not None:
         raise ConfigError(f"{source}: {'.'.join(origin(['tensor_parallel_size']))}: {problem}")
+    if cfg.expert_parallel_size not in (1, cfg.tensor_parallel_size):
+        raise ConfigError(f"{source}: {'.'.join(origin(['expert_parallel_size']))}: {cfg.expert_parallel_size}: "
+                          f"must be 1 or tensor_parallel_size ({cfg.tensor_parallel_size}): experts are spread "
+                          "over a server's tensor-parallel ranks")
 
 
 def _written(data: Any, path: KeyPath) -> bool:

@@ -43,6 +43,10 @@ class PagedKV(Protocol):
         in each slot V must follow K directly (one pool, slot-major), see `layer_units`."""
         ...
 
+    def layer_latent(self, layer_idx: int) -> torch.Tensor:
+        """A latent cache's layer (MLA): [num_primary_slots, tokens_per_block, width] (a view)."""
+        ...
+
     def layer_window(self, layer_idx: int) -> int: ...
 
     def layer_scales(self, layer_idx: int) -> tuple[float, float]:
@@ -87,7 +91,7 @@ class AttentionBackend(ABC):
 
 
 @dataclass
-class _Attend:
+class Attend:
     """One attention call: `rows` of the flattened batch against the keys of `units`."""
 
     rows: slice
@@ -97,12 +101,36 @@ class _Attend:
 
 
 @dataclass
-class _WindowPlan:
+class WindowPlan:
     """Shared by every layer of one window group for one step."""
 
     write_rows: torch.Tensor  # [T, 2] int64 token row (units view) of each new token's K and V
-    decode: _Attend | None  # all decode sequences at once, one query each
-    prefills: list[_Attend]  # one per prefill chunk
+    decode: Attend | None  # all decode sequences at once, one query each
+    prefills: list[Attend]  # one per prefill chunk
+
+
+class AdditiveMask:
+    """hi, lo [R] int64 -> [R, width] in `dtype`: key j visible (0) iff lo < j <= hi, else -inf."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._zero = torch.zeros((), dtype=dtype, device=device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+
+    def __call__(self, hi: torch.Tensor, lo: torch.Tensor | None, width: int) -> torch.Tensor:
+        j = torch.arange(width, device=hi.device)
+        visible = j <= hi[:, None]
+        if lo is not None:
+            visible &= j > lo[:, None]
+        return torch.where(visible, self._zero, self._neg_inf)
+
+
+def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_per_slot: dict[int, int],
+                 mask_fn: _MaskFn, planes: int = 2) -> dict[int, WindowPlan]:
+    """Every window's plan of a step (`WindowPlan`), its indices uploaded in one copy."""
+    host = HostInts()
+    specs = {w: _HostWindow(layout, w, tpb, ups, host, planes) for w, ups in units_per_slot.items()}
+    ints = host.upload(positions.device)
+    return {w: spec.on_device(ints, mask_fn) for w, spec in specs.items()}
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -127,31 +155,18 @@ class TorchPagedAttention(AttentionBackend):
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
         self.dtype = dtype or cache.dtype
         self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
+        self._mask = AdditiveMask(self.dtype, cache.device)
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
                          for k, v in self.scales] if self.quantized else []
-        self._zero = torch.zeros((), dtype=self.dtype, device=cache.device)
-        self._neg_inf = torch.full((), float("-inf"), dtype=self.dtype, device=cache.device)
 
     # ---- per step
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, _WindowPlan]:
-        host = HostInts()
-        specs = {w: _HostWindow(layout, w, self.tpb, self.units_per_slot[w], host)
-                 for w in self.kv.window_sizes}
-        ints = host.upload(positions.device)
-        return {w: spec.on_device(ints, self._additive_mask) for w, spec in specs.items()}
-
-    def _additive_mask(self, hi: torch.Tensor, lo: torch.Tensor | None, width: int) -> torch.Tensor:
-        """hi, lo [R] int64 -> [R, width]: key j visible (0) iff lo < j <= hi, else -inf."""
-        j = torch.arange(width, device=hi.device)
-        visible = j <= hi[:, None]
-        if lo is not None:
-            visible &= j > lo[:, None]
-        return torch.where(visible, self._zero, self._neg_inf)
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
+        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
 
     # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: dict[int, _WindowPlan]) -> torch.Tensor:
+                meta: dict[int, WindowPlan]) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q = apply_rotary(qkv[:, :heads], cos, sin)
         k = apply_rotary(qkv[:, heads:heads + kv_heads], cos, sin)
@@ -160,7 +175,7 @@ class TorchPagedAttention(AttentionBackend):
         plan = meta[cache.window]
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
-        _as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
+        as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
         outs = []
         if plan.decode is not None:
             outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode, layer))
@@ -168,7 +183,7 @@ class TorchPagedAttention(AttentionBackend):
             outs.append(self._prefill(q[p.rows], cache.blocks, p, layer))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
         head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
         s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
@@ -178,7 +193,7 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
         return self._scaled(out.reshape(s, self.num_heads, d), v_scale)  # CUDA may return another layout
 
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: _Attend, layer: int) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
         for a 256-token prompt on the CPU)."""
         keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
@@ -192,7 +207,7 @@ class TorchPagedAttention(AttentionBackend):
         return out * v_scale if self.quantized else out
 
 
-def _as_stored(t: torch.Tensor) -> torch.Tensor:
+def as_stored(t: torch.Tensor) -> torch.Tensor:
     """A view of pool memory to index: an FP8 pool's as bytes (float8 has no indexed CPU copies)."""
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
@@ -202,7 +217,7 @@ def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
     """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
     [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor; an FP8 cache's
     blocks widened, exactly: every e4m3 value is a bf16, fp16 and float32 value)."""
-    kv = _as_stored(blocks).index_select(0, units)
+    kv = as_stored(blocks).index_select(0, units)
     if blocks.dtype == FP8:
         kv = kv.view(FP8).to(dtype)
     kv = kv.view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
@@ -211,7 +226,7 @@ def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
 
 @dataclass
 class _HostAttend:
-    """Host half of an `_Attend`: slices of the step's `HostInts`."""
+    """Host half of an `Attend`: slices of the step's `HostInts`."""
 
     rows: slice
     units: slice
@@ -227,8 +242,9 @@ class _HostWindow:
     """Host half of one window's plan: index data appended to the step's `HostInts`, as slices."""
 
     def __init__(self, layout: StepLayout, window: int, tpb: int, units_per_slot: int,
-                 host: HostInts) -> None:
-        self.window, self.tpb, self.ups, self.host = window, tpb, units_per_slot, host
+                 host: HostInts, planes: int = 2) -> None:
+        """`planes`: units per block of one layer, 2 (K, V) or 1 (a latent cache's)."""
+        self.window, self.tpb, self.ups, self.host, self.planes = window, tpb, units_per_slot, host, planes
         nd = layout.num_decode
         self.decode = self._attend(layout.seqs[:nd], slice(0, nd)) if nd else None
         self.prefills, row = [], nd
@@ -236,7 +252,7 @@ class _HostWindow:
             self.prefills.append(self._attend([seq], slice(row, row + seq.num_new)))
             row += seq.num_new
         # after the span checks above: every new token's block is present
-        self.write = host.add(_write_rows(layout.seqs, window, tpb, units_per_slot))
+        self.write = host.add(_write_rows(layout.seqs, window, tpb, units_per_slot, planes))
 
     def _attend(self, seqs: list[SeqLayout], rows: slice) -> _HostAttend:
         """Host data of one attention call over `seqs` (several only for decode, one query each)."""
@@ -246,20 +262,20 @@ class _HostWindow:
         units, his = [], []
         for seq, (lo, hi) in zip(seqs, spans, strict=True):
             k_units = [s * self.ups for s in _checked_slots(seq, window, lo, hi)] + [0] * (nb - (hi - lo))
-            units += k_units + [u + 1 for u in k_units]  # the sequence's K units, then its V units
+            units += k_units + ([u + 1 for u in k_units] if self.planes == 2 else [])  # K units, then V units
             start = seq.num_past - lo * tpb  # key index of the chunk's first query
             his += range(start, start + seq.num_new)
         sliding = max(his) >= window  # else no query's window starts after key 0 of its span
         return _HostAttend(rows, self.host.add(units), self.host.add(his),
                            self.host.add([h - window for h in his]) if sliding else None, nb * tpb)
 
-    def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> _WindowPlan:
+    def on_device(self, ints: torch.Tensor, mask_fn: _MaskFn) -> WindowPlan:
         """`ints` is the uploaded `HostInts`; every index becomes a view of it."""
-        def attend(a: _HostAttend, decode: bool) -> _Attend:
+        def attend(a: _HostAttend, decode: bool) -> Attend:
             mask = mask_fn(ints[a.hi], None if a.lo is None else ints[a.lo], a.width)
-            return _Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
+            return Attend(a.rows, ints[a.units], mask[:, None, None, :] if decode else mask)
 
-        return _WindowPlan(ints[self.write].view(-1, 2),
+        return WindowPlan(ints[self.write].view(-1, self.planes),
                            attend(self.decode, True) if self.decode else None,
                            [attend(p, False) for p in self.prefills])
 
@@ -321,12 +337,13 @@ def _checked_slots(seq: SeqLayout, window: int, lo: int, hi: int) -> list[int]:
     return slots
 
 
-def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int) -> list[int]:
-    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]."""
+def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int, planes: int = 2) -> list[int]:
+    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]
+    (one plane: [k0, k1, ...])."""
     rows: list[int] = []
     for seq in seqs:
         table = seq.slot_tables[window]
         for pos in range(seq.num_past, seq.num_past + seq.num_new):
             k_row = table[pos // tpb] * units_per_slot * tpb + pos % tpb
-            rows += (k_row, k_row + tpb)
+            rows += (k_row, k_row + tpb) if planes == 2 else (k_row,)
     return rows

@@ -4,7 +4,9 @@
 ships with Python (scripts/train_tiny_story.py); its folder is package data,
 `server/models/data/tiny-story/`, and `resolve_model` returns it as is.
 
-The random tiny models (`builtin:tiny-llama`, `builtin:tiny-qwen3-swa`) serve the exactness tests.
+The random tiny models (`builtin:tiny-llama`, `builtin:tiny-qwen3-swa`, and the mixture-of-experts
+`builtin:tiny-mixtral`, `builtin:tiny-qwen2-moe`, `builtin:tiny-qwen3-moe`: 8 experts, top-2) serve
+the exactness tests.
 `resolve_model("builtin:tiny-llama")` materializes the model into
 `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models/<name>-v<N>`) and returns
 the folder. Several processes may start at once: each builds into a private temporary folder next
@@ -41,7 +43,10 @@ if TYPE_CHECKING:
 
 SEED = 1234
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_CLASS_PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                   "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe",
+                   "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
+FAMILIES = tuple(_CLASS_PREFIXES)
 
 
 def _family_classes(family: str) -> tuple[type, type]:
@@ -49,7 +54,7 @@ def _family_classes(family: str) -> tuple[type, type]:
     when a tiny model is built, so a server that loads a built model never pays for it."""
     import transformers
 
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = _CLASS_PREFIXES[family]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
@@ -113,7 +118,8 @@ def materialize_builtin(name: str, *, root: Path | None = None) -> Path:
 def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Path:
     """Write a deterministic tiny `family` model (weights, config, tokenizer) into `out_dir`.
 
-    family: llama | mistral | qwen2 | qwen3. `config_overrides` go to the transformers config
+    family: one of FAMILIES (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe).
+    `config_overrides` go to the transformers config
     (e.g. `rope_parameters`, `sliding_window`, `use_sliding_window`, `tie_word_embeddings`).
     """
     if family not in FAMILIES:
@@ -138,10 +144,15 @@ def _init_weights(model: PreTrainedModel, *, seed: int) -> None:
     Gains: embeddings N(0, 1); linear weights N(0, 1.5 / sqrt(fan_in)) so each layer changes the
     residual stream substantially and attention is sharp enough to mix the context; norm weights
     around 1 and biases around 0 with noise, so a loader that drops or swaps them is caught.
+    DeepSeek-V3's expert-choice bias (a buffer, zero in transformers' init) gets noise too, so it
+    decides some experts.
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         param.copy_(_draw(name, tuple(param.shape), gen).to(param.dtype))
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.2 * torch.randn(tuple(buffer.shape), generator=gen))
     if model.config.tie_word_embeddings:
         model.tie_weights()
 

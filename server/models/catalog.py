@@ -31,6 +31,14 @@ class BuiltinModel:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
+# DeepSeek's multi-head latent attention at tiny size (4 heads, a latent of 32 + 16 values a token);
+# layer 0 dense, the others 8 routed experts (2 a token) and a shared one
+TINY_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4, head_dim=16, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+    moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    routed_scaling_factor=2.5, first_k_dense_replace=1,
+)
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-llama": BuiltinModel("llama", 2),
     "tiny-qwen3-swa": BuiltinModel(
@@ -38,6 +46,25 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     ),
+    # mixture-of-experts: 8 experts, 2 per token, so routing decides the output
+    "tiny-mixtral": BuiltinModel("mixtral", 1, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=128)),
+    "tiny-qwen2-moe": BuiltinModel(  # a sigmoid-gated shared expert; top-k weights not renormalised
+        "qwen2_moe", 1,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    ),
+    "tiny-qwen3-moe": BuiltinModel(  # layer 1 dense (mlp_only_layers), the others sparse
+        "qwen3_moe", 1,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+             decoder_sparse_step=1, mlp_only_layers=[1]),
+    ),
+    # softmax gate (greedy top-k), q from one projection, default rope
+    "tiny-deepseek-v2": BuiltinModel("deepseek_v2", 3, dict(TINY_MLA, q_lora_rank=None, topk_method="greedy")),
+    # sigmoid gate over groups, q through its own low-rank projection, YaRN with both mscales
+    "tiny-deepseek-v3": BuiltinModel("deepseek_v3", 3, dict(
+        TINY_MLA, q_lora_rank=48, n_group=2, topk_group=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8))),
 }
 
 

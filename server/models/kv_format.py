@@ -1,5 +1,6 @@
 """The KV cache a server builds for its model: the element type (`kv_cache_config.dtype`) and, for an
-FP8 cache, each layer's k and v scales.
+FP8 cache, each layer's k and v scales (a latent cache, multi-head latent attention: one scale a
+layer, the k scale).
 
 Where the scales come from, first found wins:
 1. `kv_cache_config.scales`: a scales file (`pdserve calibrate-kv`, kvcache/kv_scales.py);
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvcache import CacheLayout, KvCacheConfig
+from kvcache import CacheLayout, KvCacheConfig, KVFormat
 from kvcache.kv_scales import checked_scales, read_scales
 from kvcache.layout import FP8, dtype_name
 from server.models.model_spec import ModelSpec
@@ -50,11 +51,19 @@ def kv_cache_layout(config: KvCacheConfig, spec: ModelSpec, max_seq_len: int, mo
                     device: torch.device | str) -> CacheLayout:
     """The layout of the KV cache `config` asks for, for the model `spec` describes (a tensor-parallel
     rank's local spec: its kv heads; the scales are per layer, the same on every rank)."""
-    layout = spec.cache_layout(max_seq_len, model_dtype, device)
+    return spec.cache_layout(max_seq_len, kv_format(config, spec, model_dtype), device)
+
+
+def kv_format(config: KvCacheConfig, spec: ModelSpec, model_dtype: torch.dtype) -> KVFormat:
+    """The one KV format value of a server: the model's layout (K/V heads or MLA's latent) in the
+    model's dtype, or FP8 with its per-layer scales (`kv_cache_config.dtype: fp8`)."""
+    fmt = spec.kv_format(model_dtype)
     if config.dtype != "fp8":
-        return layout
+        return fmt
     k, v = kv_scales(config, spec.model_dir, spec.num_layers)
-    return dataclasses.replace(layout, dtype=FP8, k_scales=k, v_scales=v)
+    if fmt.latent:  # one row a token: its scale is the k scale (`pdserve calibrate-kv` writes k = v)
+        return dataclasses.replace(fmt, dtype=FP8, k_scales=k)
+    return dataclasses.replace(fmt, dtype=FP8, k_scales=k, v_scales=v)
 
 
 def kv_scales(config: KvCacheConfig, model_dir: Path, num_layers: int) -> Scales:

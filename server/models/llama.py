@@ -1,4 +1,5 @@
-"""Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+"""Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) in plain torch.
 
 Math follows transformers' modeling code step for step (RMSNorm in float32, HF's rotate_half RoPE,
 SiLU-gated MLP, Qwen3's per-head q/k RMSNorm before RoPE). Weights are loaded by their HF names and
@@ -11,6 +12,8 @@ Tensor parallelism is applied from outside too: a rank's model holds its slices 
 after o and down, the logits); with one rank that is `SingleRank`, which adds nothing.
 A linear weight is a float tensor or an FP8 one (`Fp8Weight`, server/models/fp8/): `ops.linear`
 multiplies either, so FP8 weights change nothing here but how q/k/v and gate/up are fused (`cat_rows`).
+A layer's feed-forward block is a dense MLP (server/models/mlp.py) or, on a mixture-of-experts
+model's sparse layers, a `MoEBlock` (server/models/moe/); both are called `mlp(x, ops)`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 
 from server.models.attention import AttentionBackend
 from server.models.fp8.weight import cat_rows
+from server.models.mlp import DenseMLP, FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
+from server.models.moe import build_moe
 from server.models.ops import ModelOps, TorchOps, Weight
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
@@ -39,10 +44,11 @@ class LayerWeights:
     o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Weight  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: Weight  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
+    mlp: FeedForward  # a DenseMLP, or a MoEBlock on a mixture-of-experts model's sparse layers
+
+    @property
+    def dense_mlp(self) -> DenseMLP | None:
+        return self.mlp if isinstance(self.mlp, DenseMLP) else None
 
 
 class LlamaModel:
@@ -90,8 +96,7 @@ class LlamaModel:
         return self.ops.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, layer.gate_up, layer.gate_up_bias)
-        return self.ops.linear(self.ops.silu_mul(gate_up), layer.down, layer.down_bias)
+        return layer.mlp(x, self.ops)
 
 
 class _WeightTable:
@@ -107,6 +112,9 @@ class _WeightTable:
             raise ValueError(f"model {self.spec.model_dir}: weight {name!r} is missing")
         self.used.add(name)
         return self.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
     def maybe(self, name: str, wanted: bool) -> Weight | None:
         return self.take(name) if wanted else None
@@ -128,11 +136,10 @@ class _WeightTable:
 
 def _layer_weights(spec: ModelSpec, w: _WeightTable, i: int) -> LayerWeights:
     p = f"model.layers.{i}."
-    att, mlp = p + "self_attn.", p + "mlp."
+    att = p + "self_attn."
     qkv = [w.take(f"{att}{n}_proj.weight") for n in "qkv"]
     qkv_bias = [w.take(f"{att}{n}_proj.bias") for n in "qkv"] if spec.qkv_bias else None
-    gate_up = [w.take(f"{mlp}{n}_proj.weight") for n in ("gate", "up")]
-    gate_up_bias = [w.take(f"{mlp}{n}_proj.bias") for n in ("gate", "up")] if spec.mlp_bias else None
+    sparse = spec.moe is not None and spec.moe.is_sparse(i)
     return LayerWeights(
         input_norm=w.take(p + "input_layernorm.weight"),
         qkv=cat_rows(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
@@ -140,6 +147,5 @@ def _layer_weights(spec: ModelSpec, w: _WeightTable, i: int) -> LayerWeights:
         k_norm=w.maybe(att + "k_norm.weight", spec.qk_norm),
         o=w.take(att + "o_proj.weight"), o_bias=w.maybe(att + "o_proj.bias", spec.o_bias),
         post_norm=w.take(p + "post_attention_layernorm.weight"),
-        gate_up=cat_rows(gate_up), gate_up_bias=torch.cat(gate_up_bias) if gate_up_bias else None,
-        down=w.take(mlp + "down_proj.weight"), down_bias=w.maybe(mlp + "down_proj.bias", spec.mlp_bias),
+        mlp=build_moe(spec.moe, w, i) if sparse else load_mlp(w, p + "mlp.", bias=spec.mlp_bias),
     )

@@ -20,11 +20,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kvcache import CacheLayout
+from kvcache import CacheLayout, KVFormat
 from server.models.fp8.checkpoint import CheckpointQuant, checkpoint_quant
+from server.models.mla_spec import MLA_ARCHITECTURES, MLASpec, mla_spec
+from server.models.moe.config import MoESpec, parse_moe
 from server.models.weights import safetensors_files, tensor_signature
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *MLA_ARCHITECTURES)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq independent of sequence length
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -55,13 +58,23 @@ class ModelSpec:
     hf_config: PretrainedConfig = field(repr=False, compare=False)  # for transformers' rope functions
     checkpoint_quant: CheckpointQuant | None = None  # the checkpoint's own FP8 scheme (config.json), if any
     quantization: str | None = None  # what its linears are served as: "fp8" (checkpoint or load time) or None
+    moe: MoESpec | None = None  # the experts of a mixture-of-experts model (server/models/moe/)
+    mla: MLASpec | None = None  # DeepSeek-V2/V3: multi-head latent attention (server/models/mla_spec.py)
 
-    def cache_layout(self, max_seq_len: int, dtype: torch.dtype, device: torch.device | str) -> CacheLayout:
-        """The KV cache this model needs: full attention window max_seq_len,
-        sliding min(window, max_seq_len)."""
+    def kv_format(self, dtype: torch.dtype) -> KVFormat:
+        """The KV format of this model's cache in `dtype`: K/V heads, or MLA's latent (one plane of
+        kv_lora_rank + qk_rope_head_dim values a token, whatever the heads)."""
+        if self.mla is not None:
+            return KVFormat(dtype, 1, self.mla.latent_dim, layout="latent")
+        return KVFormat(dtype, self.num_kv_heads, self.head_dim)
+
+    def cache_layout(self, max_seq_len: int, dtype: torch.dtype | KVFormat,
+                     device: torch.device | str) -> CacheLayout:
+        """The KV cache this model needs, in `dtype` (the model's own format) or a given format:
+        full attention window max_seq_len, sliding min(window, max_seq_len)."""
         windows = tuple(max_seq_len if w is None else min(w, max_seq_len) for w in self.layer_windows)
-        return CacheLayout(layer_windows=windows, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                           dtype=dtype, device=device, max_seq_len=max_seq_len)
+        fmt = dtype if isinstance(dtype, KVFormat) else self.kv_format(dtype)
+        return CacheLayout(windows, fmt, device, max_seq_len)
 
 
 def load_spec(model_dir: Path | str) -> ModelSpec:
@@ -72,7 +85,12 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     _check_tokenizer(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
+    mla = mla_spec(architecture, raw, cfg, rope_parameters(cfg), model_dir)
     quant = checkpoint_quant(raw, model_dir)
+    moe = parse_moe(raw, cfg, architecture, model_dir)
+    if moe is not None and quant is not None:
+        raise ValueError(f"model {model_dir}: config.json: quantization_config: FP8 experts are not supported "
+                         "(serve the float checkpoint)")
     family = architecture.removesuffix("ForCausalLM")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     return ModelSpec(
@@ -82,15 +100,21 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads, head_dim=_head_dim(cfg),
         rms_norm_eps=float(cfg.rms_norm_eps), max_position_embeddings=cfg.max_position_embeddings,
         layer_windows=_layer_windows(cfg, family),
-        qkv_bias=family == "Qwen2" or (family != "Mistral" and attention_bias),
-        o_bias=family in ("Llama", "Qwen3") and attention_bias,
+        qkv_bias=_qkv_bias(cfg, family, attention_bias),
+        o_bias=family in ("Llama", "Qwen3", "Qwen3Moe") and attention_bias,
         mlp_bias=family == "Llama" and bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=family == "Qwen3", tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=family in ("Qwen3", "Qwen3Moe"), tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         rope_type=rope_parameters(cfg).get("rope_type", "default"),
         eos_token_ids=_eos_ids(raw, model_dir), bos_token_id=raw.get("bos_token_id"),
         fingerprint=_fingerprint(raw, files), hf_config=cfg, checkpoint_quant=quant,
-        quantization="fp8" if quant is not None else None,
+        quantization="fp8" if quant is not None else None, moe=moe, mla=mla,
     )
+
+
+def _qkv_bias(cfg: PretrainedConfig, family: str, attention_bias: bool) -> bool:
+    if family == "Qwen2Moe":
+        return bool(getattr(cfg, "qkv_bias", True))  # older configs lack the key: the biases were always there
+    return family == "Qwen2" or (family not in ("Mistral", "Mixtral") and attention_bias)
 
 
 def with_quantization(spec: ModelSpec, quantization: str | None) -> ModelSpec:
@@ -99,6 +123,9 @@ def with_quantization(spec: ModelSpec, quantization: str | None) -> ModelSpec:
     handoff ever mixes KV computed by the two. An FP8 checkpoint is FP8 either way."""
     if quantization is None or spec.quantization == quantization:
         return spec
+    if spec.moe is not None:
+        raise ValueError(f"quantization: {quantization!r}: model {spec.model_dir}: FP8 experts are not supported "
+                         "(serve the mixture-of-experts model without `quantization`)")
     mixed = hashlib.sha256(f"{spec.fingerprint}|quantization={quantization}".encode()).hexdigest()
     return dataclasses.replace(spec, quantization=quantization, fingerprint=mixed)
 
@@ -157,9 +184,9 @@ def _head_dim(cfg: PretrainedConfig) -> int:
 def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]:
     """Per layer window as transformers' modeling code applies it (None = full attention)."""
     n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
-    if family == "Mistral":  # Mistral applies `sliding_window` to every layer and ignores layer_types
+    if family in ("Mistral", "Mixtral"):  # these apply `sliding_window` to every layer and ignore layer_types
         return (window,) * n
-    if family == "Llama":
+    if family in ("Llama", "Qwen2Moe", "Qwen3Moe") or family.startswith("Deepseek"):  # (Qwen MoE: sliding refused)
         return (None,) * n
     types = getattr(cfg, "layer_types", None)
     if types is None:  # Qwen2/Qwen3 configs from versions without layer_types

@@ -19,9 +19,13 @@ import torch
 
 from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
+from server.models.deepseek import DeepseekModel
 from server.models.fp8.load import load_checkpoint
 from server.models.llama import LlamaModel
+from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
+from server.models.moe import moe_blocks
+from server.models.moe.load import ExpertLoad
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
 from server.models.weights import safetensors_files
@@ -137,16 +141,27 @@ class ModelRunner:
         if tensors is None:
             tensors = load_weights(self.spec, dtype, device, quantization) if shard is None else \
                 shard.load(self.spec, dtype, device, quantization)
-        self.model = LlamaModel(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
-                                parallel=None if shard is None else shard.context)
+        model_cls = LlamaModel if local.mla is None else DeepseekModel
+        self.model = model_cls(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
+                               parallel=None if shard is None else shard.context)
+        if self.kernels == "triton":
+            from server.models.kernels.moe import fused_experts
+
+            for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
+                block.experts = fused_experts
+        self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
         self.graphs = None
-        if self.kernels == "triton" and cuda_graphs:
+        if self.kernels == "triton" and cuda_graphs and local.mla is None:
             from server.models.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size,
                                        max_rows=min(max_num_tokens, max_batch_size + MIXED_ROWS))
 
     def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
+        if spec.mla is not None:  # latent attention: the torch MLA on both paths (fused ops with Triton)
+            ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
+            return TorchLatentAttention(self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank,
+                                        spec.mla.softmax_scale, self.dtype), ops
         if self.kernels == "triton":
             from server.models.triton_attention import TritonPagedAttention
 
@@ -160,7 +175,7 @@ class ModelRunner:
         """Run the step shapes the scheduler produces once and capture the decode graphs, so no
         request pays for a compile, a plan or a first use (server/models/warmup.py says what varies);
         returns the seconds it took (0 on the torch path)."""
-        if self.kernels != "triton":
+        if self.kernels != "triton" or self.model.spec.mla is not None:
             return 0.0
         from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
         from server.models.warmup import warm_steps
@@ -178,6 +193,7 @@ class ModelRunner:
         bursts, burst_s = self._warm_bursts()
         if self.device.type == "cuda":  # (the Triton path runs on the CPU under TRITON_INTERPRET in tests)
             torch.cuda.synchronize(self.device)
+        self.expert_load.reset()  # the warm-up's steps routed no request's tokens
         log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s, %d burst steps in %.1f s",
                  compiled_variants(), plans, plan_s, bursts, burst_s)
         return time.perf_counter() - start
@@ -215,9 +231,12 @@ class ModelRunner:
         if not isinstance(ops, TritonOps) or self.device.type != "cuda":
             return
         layers = self.model.layers
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o"):
             ops.choose_linear([getattr(w, name) for w in layers], [getattr(w, f"{name}_bias") for w in layers],
                               self.dtype)
+        mlps = [layer.dense_mlp for layer in layers if layer.dense_mlp is not None]  # (a MoE block's experts: none)
+        for name in ("gate_up", "down") if mlps else ():
+            ops.choose_linear([getattr(m, name) for m in mlps], [getattr(m, f"{name}_bias") for m in mlps], self.dtype)
         log.info("GEMM per weight shape (float: rows <= 16; FP8: NxK@rows): %s", ops.chosen_linears())
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
@@ -344,7 +363,10 @@ def _seq_layout(chunk: SeqChunk) -> SeqLayout:
 
 def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
     """The cache must have been laid out for this model (`spec.cache_layout`) in the model's dtype,
-    or as FP8 (`kv_cache_config.dtype: fp8`)."""
+    or as FP8 (`kv_cache_config.dtype: fp8`); an MLA model's as its latent."""
+    if spec.mla is not None:
+        _check_latent(spec, kv, dtype)
+        return
     for layer in range(spec.num_layers):
         k, _ = kv.layer_cache(layer)
         window, wanted = kv.layer_window(layer), spec.layer_windows[layer]
@@ -354,3 +376,13 @@ def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
             raise ValueError(f"KV cache layer {layer} ({tuple(k.shape)} {k.dtype}, window {window}) does "
                              f"not fit model {spec.model_dir} (kv_heads {spec.num_kv_heads}, head_dim "
                              f"{spec.head_dim}, window {wanted}, dtype {dtype})")
+
+
+def _check_latent(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
+    """An MLA model's cache: one latent row of kv_lora_rank + qk_rope_head_dim a token a layer."""
+    width = spec.mla.latent_dim
+    for layer in range(spec.num_layers):
+        latent = kv.layer_latent(layer)
+        if latent.shape[2] != width or latent.dtype not in (dtype, torch.float8_e4m3fn):
+            raise ValueError(f"KV cache layer {layer} ({tuple(latent.shape)} {latent.dtype}) does not fit model "
+                             f"{spec.model_dir} (a latent of {width} values a token, dtype {dtype})")

@@ -53,8 +53,8 @@ def tensor_signature(files: Iterable[Path]) -> list[tuple[str, str, tuple[int, .
 
 
 # (tensor name, safetensors slice handle: `handle[a:b]`, `handle[:, a:b]`, `handle.get_shape()`) -> the
-# part of the tensor to load (a tensor-parallel rank reads only its rows or columns)
-Slicer = Callable[[str, Any], torch.Tensor]
+# part of the tensor to load (a tensor-parallel rank reads only its rows or columns), None: none of it
+Slicer = Callable[[str, Any], "torch.Tensor | None"]
 
 
 # (tensor name, the tensor as read) -> what to keep of it: by default the tensor in the model dtype on
@@ -72,5 +72,7 @@ def load_tensors(files: Iterable[Path], *, dtype: torch.dtype, device: torch.dev
         with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
                 tensor = f.get_tensor(name) if slicer is None else slicer(name, f.get_slice(name))
+                if tensor is None:
+                    continue
                 out[name] = tensor.to(device=device, dtype=dtype) if convert is None else convert(name, tensor)
     return out

@@ -8,6 +8,7 @@ checks: keep them exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,11 +84,12 @@ class SpecCounts:
 
 @dataclass(frozen=True)
 class EngineCounters:
-    """The engine's cumulative counters at scrape time."""
+    """The engine's cumulative counters at scrape time (a MoE model's tokens per expert too)."""
 
     preemptions: int = 0
     transfers: Sequence[TransferCounts] = ()
     spec: SpecCounts = SpecCounts()
+    expert_tokens: Mapping[int, Sequence[int]] = dataclasses.field(default_factory=dict)
 
 
 CountersProvider = Callable[[], EngineCounters]
@@ -166,6 +168,13 @@ class _ScrapeCollector:
         yield GaugeMetricFamily("pdserve_spec_tokens_per_step", "Speculative decoding since start: tokens a "
                                 "request emits per verify step (1 + accepted drafts; 0 before any).",
                                 spec.emitted / spec.verified if spec.verified else 0.0)
+        family = CounterMetricFamily("pdserve_moe_expert_tokens", "Mixture-of-experts models: tokens routed "
+                                     "to each expert of each sparse layer (each token counts top_k times).",
+                                     labels=["layer", "expert"])
+        for layer, tokens in sorted(counters.expert_tokens.items()):
+            for expert, count in enumerate(tokens):
+                family.add_metric([str(layer), str(expert)], count, created=self.created)
+        yield family
 
 
 def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:

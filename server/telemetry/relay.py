@@ -38,6 +38,7 @@ class EngineFigures(msgspec.Struct, frozen=True):
     preemptions: int = 0
     transfers: list[TransferFigures] = []
     spec: SpecCounts = SpecCounts()
+    expert_tokens: dict[int, list[int]] = {}  # a MoE model's layer -> tokens routed to each expert
 
 
 class MetricsDelta(msgspec.Struct, frozen=True):
@@ -122,9 +123,11 @@ def transfer_stats(core) -> list:
 def engine_figures(core) -> EngineFigures:
     """The scrape-time figures, read from their owners (on the engine's thread)."""
     spec = core.spec.stats
+    load = getattr(core.runner, "expert_load", None)
     return EngineFigures(core.kv.stats(), core.scheduler.counts(), core.scheduler.num_preemptions,
                          [TransferFigures.of(s) for s in transfer_stats(core)],
-                         SpecCounts(spec.proposed, spec.accepted, spec.emitted, spec.verified))
+                         SpecCounts(spec.proposed, spec.accepted, spec.emitted, spec.verified),
+                         load.read() if load is not None else {})
 
 
 class RelayedMetrics:
@@ -140,7 +143,8 @@ class RelayedMetrics:
         return self._figures.kv
 
     def counters(self) -> EngineCounters:
-        return EngineCounters(self._figures.preemptions, tuple(self._figures.transfers), self._figures.spec)
+        figures = self._figures
+        return EngineCounters(figures.preemptions, tuple(figures.transfers), figures.spec, figures.expert_tokens)
 
     def update(self, figures: EngineFigures) -> None:
         self._figures = figures

@@ -96,11 +96,19 @@ class CancelPull(msgspec.Struct, tag=True, frozen=True):
     request_id: str
 
 
+class ShareLatent(msgspec.Struct, tag=True, frozen=True):
+    """Generation side, a latent KV cache (multi-head latent attention): rank 0 pulled the request's
+    latent alone (it is the same on every rank); take these slots' rows from it, which rank 0
+    broadcasts right after sending this (`share_latent`)."""
+
+    wanted: dict[int, tuple[int, list[int]]]  # window -> (first block index, slots), as StartPull's
+
+
 class Stop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Op = Init | Copies | CheckDisk | Forward | OfferLease | EndLease | StartPull | CancelPull | Stop
+Op = Init | Copies | CheckDisk | Forward | OfferLease | EndLease | StartPull | CancelPull | ShareLatent | Stop
 
 
 class Command(msgspec.Struct, frozen=True):

@@ -1,14 +1,18 @@
 """A rank's part in its server's KV transfers: none (aggregated), a sender of its kv heads
-(context), a receiver of them (generation). Rank 0 drives them through its commands."""
+(context), a receiver of them (generation). Rank 0 drives them through its commands. A latent KV
+cache (multi-head latent attention) is the same on every rank: rank 0 moves it, and shares what it
+pulled with the other ranks (`share_latent`, server/tp/transfers.py)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import msgspec
+import torch
 
 from kvcache import KVCacheManager
 from server.config.schema import ServerConfig
+from server.models.parallel import group
 from server.models.parallel.plan import ShardPlan
 from server.tp.messages import CancelPull, EndLease, OfferLease, Op, PullDone, StartPull
 from transceiver.receiver import KVReceiver
@@ -101,9 +105,29 @@ class PullShare:
         self.receiver.close()
 
 
+def share_latent(kv: KVCacheManager, wanted: dict[int, tuple[int, list[int]]], rank: int) -> None:
+    """Every rank calls it at the same point of its collectives: the rows of these primary slots,
+    rank 0's, written into every other rank's pool."""
+    for window in sorted(wanted):
+        slots = [s for s in wanted[window][1] if s >= 0]
+        if not slots:
+            continue
+        pool = kv.pool(window)
+        idx = torch.tensor(slots, dtype=torch.int64, device=pool.device)
+        rows = group.share_from_rank0(pool.index_select(0, idx))
+        if rank:
+            pool.index_copy_(0, idx, rows)
+
+
+def held_kv_heads(plan: ShardPlan, kv: KVCacheManager) -> tuple[int, int]:
+    """(first kv head this rank's pools hold, the model's kv heads), as the KV link names them. A
+    latent cache (multi-head latent attention) is the same on every rank: one "head", held whole."""
+    return (0, 1) if kv.layout.format.latent else (plan.kv_heads[0], plan.num_kv_heads)
+
+
 def make_role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, epoch: str, rank: int,
               plan: ShardPlan) -> WorkerRole:
-    heads = (plan.kv_heads[0], plan.num_kv_heads)
+    heads = held_kv_heads(plan, kv)
     if cfg.role == "context":  # a fixed KV port is rank 0's; rank r listens on port + r
         transceiver = cfg.cache_transceiver_config
         if transceiver.port:

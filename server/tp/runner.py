@@ -45,6 +45,11 @@ class RankedRunner:
     def warm_up(self) -> float:
         return self.runner.warm_up()
 
+    @property
+    def expert_load(self):
+        """Rank 0's count of tokens per expert (every rank routes the same tokens the same way)."""
+        return self.runner.expert_load
+
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Float32 logits [chunks with need_logits, vocab] (the whole vocabulary, on rank 0)."""
         seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits, c.num_logits)

@@ -3,26 +3,25 @@
 `RankedSender`: a lease made on rank 0 is offered to the other ranks after the copies that onboarded
 it; when it ends they are told before any later forward or copy can write its slots.
 `RankedReceiver`: a pull starts on every rank; it ends when every share arrived (then rank 0
-releases the lease) or one failed (the others are cancelled)."""
+releases the lease) or one failed (the others are cancelled).
+A latent KV cache (multi-head latent attention) is the same on every rank: the pair moves one copy,
+which the generation server's rank 0 pulls and broadcasts to its other ranks (`ShareLatent`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from server.models.parallel.plan import ShardPlan, kv_head_range
-from server.tp.messages import CancelPull, EndLease, OfferLease, StartPull
+from server.tp.messages import CancelPull, EndLease, OfferLease, ShareLatent, StartPull
 from server.tp.ranks import Ranks
+from server.tp.roles import held_kv_heads, share_latent
 from transceiver.config import TransceiverConfig
 from transceiver.receiver import KVReceiver, PullResult
 from transceiver.sender import KVSender
 from transceiver.wire import RankEndpoint
-
-
-def _heads(plan: ShardPlan) -> tuple[int, int]:
-    return plan.kv_heads[0], plan.num_kv_heads
 
 
 class RankedSender(KVSender):
@@ -30,7 +29,9 @@ class RankedSender(KVSender):
                  on_message: Callable[[], None] | None, ranks: Ranks, plan: ShardPlan) -> None:
         others = [RankEndpoint(endpoint, kv_head_range(plan.num_kv_heads, plan.size, rank))
                   for rank, endpoint in enumerate(ranks.kv_endpoints) if rank > 0 and endpoint is not None]
-        super().__init__(kv, config, fingerprint, on_message, epoch=ranks.epoch, kv_heads=_heads(plan),
+        if kv.layout.format.latent:  # the same latent on every rank: rank 0 serves it alone
+            others = []
+        super().__init__(kv, config, fingerprint, on_message, epoch=ranks.epoch, kv_heads=held_kv_heads(plan, kv),
                          other_ranks=others)
         self.endpoints = [self.endpoint, *(o.endpoint for o in others)]
         self._ranks = ranks
@@ -65,6 +66,7 @@ class _Shares:
     pending: set[int]  # ranks whose share has not arrived
     nbytes: int = 0
     stream: bool = False
+    wanted: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # a latent cache's: what to share
     first_tokens: tuple[int, ...] = ()  # a streamed pull: from rank 0's share
     cached_tokens: int = 0
 
@@ -72,16 +74,19 @@ class _Shares:
 class RankedReceiver(KVReceiver):
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None, ranks: Ranks, plan: ShardPlan) -> None:
-        super().__init__(kv, config, fingerprint, on_message, kv_heads=_heads(plan), releases=False)
+        super().__init__(kv, config, fingerprint, on_message, kv_heads=held_kv_heads(plan, kv), releases=False)
         self._ranks = ranks
         self._shares: dict[str, _Shares] = {}
+        self._latent = kv.layout.format.latent  # rank 0 pulls alone and shares it (module doc)
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
                    wanted: dict[int, tuple[int, list[int]]], stream: bool = False) -> None:
         super().start_pull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream)
-        self._ranks.flush(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
+        if not self._latent:
+            self._ranks.flush(StartPull(request_id, ctx_endpoint, ctx_epoch, ctx_request_id, wanted, stream))
         self._shares[request_id] = _Shares(ctx_endpoint, ctx_epoch, ctx_request_id, time.monotonic(),
-                                           set(range(self._ranks.size)), stream=stream)
+                                           {0} if self._latent else set(range(self._ranks.size)), stream=stream,
+                                           wanted=wanted if self._latent else {})
 
     def step(self) -> list[PullResult]:
         results = []
@@ -112,7 +117,12 @@ class RankedReceiver(KVReceiver):
         if shares.pending:
             return []
         del self._shares[request_id]
-        self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+        if self._latent:  # one plain pull: its context server ended the lease; the other ranks take it
+            self._ranks.add(ShareLatent(shares.wanted))
+            self._ranks.flush()
+            share_latent(self._kv, shares.wanted, 0)
+        else:
+            self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
         self.stats.count_ok(seconds, shares.nbytes)
         self.stats.streamed += shares.stream
         return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds, first_tokens=shares.first_tokens,

@@ -42,9 +42,10 @@ from server.tp.messages import (
     Joined,
     Op,
     Ready,
+    ShareLatent,
     Stop,
 )
-from server.tp.roles import make_role
+from server.tp.roles import make_role, share_latent
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Worker:
         dtype = resolve_dtype(args.dtype, device)
         group.join(args.rank, args.size, device, port=args.store_port)
         spec = with_quantization(load_spec(args.model_dir), cfg.quantization)  # rank 0's fingerprint
-        shard = RankShard.of(spec, args.rank, args.size)
+        shard = RankShard.of(spec, args.rank, args.size, expert_parallel=cfg.expert_parallel_size > 1)
         weights = shard.load(spec, dtype, device, cfg.quantization)
         init, self.pending = self._init()
         layout = kv_cache_layout(cfg.kv_cache_config, shard.local_spec(spec), cfg.max_seq_len, dtype, device)
@@ -169,6 +170,8 @@ class Worker:
                 self.end.report(DiskChecked(self.rank, op.call, bad))
             elif isinstance(op, Forward):
                 self.forward(op)
+            elif isinstance(op, ShareLatent):
+                share_latent(self.kv, op.wanted, self.rank)
             elif isinstance(op, Stop):
                 return False
             else:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level
 from kvcache.group import MAX_AUTO_BLOCKS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _layout() -> CacheLayout:
-    return CacheLayout((64, 64), 2, 8, torch.bfloat16, "cuda", 64)
+    return CacheLayout((64, 64), KVFormat(torch.bfloat16, 2, 8), "cuda", 64)
 
 
 def test_pools_live_on_the_gpu_and_the_host_pool_is_pinned():

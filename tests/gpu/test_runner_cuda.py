@@ -1,7 +1,10 @@
 """The runner on CUDA, with the portable torch kernels and with the Triton kernels (eager, and decode
 replayed as CUDA graphs): float32 token-exact against transformers, graphs equal to eager, bfloat16
 agreement with transformers bfloat16 counted over 64 tokens, and no host synchronisation inside the
-forward. Skipped without CUDA."""
+forward. The mixture-of-experts models run their experts densely (every expert on every token: the
+torch path) or as two grouped GEMMs (the Triton path), both graph-safe. DeepSeek-V2/V3 (latent
+attention in torch on both paths, MoE layers; no decode graphs) on the eager variants. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -20,18 +23,22 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MODELS = ["tiny-llama", "tiny-qwen3-swa"]
+MOE_MODELS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+MODELS = ["tiny-llama", "tiny-qwen3-swa", *MOE_MODELS]
+MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
 BF16_TOKENS = 64
 # (kernels, CUDA graphs): the portable path, Triton eager, Triton with decode graphs
 VARIANTS = [("torch", False), ("triton", False), ("triton", True)]
+CASES = [(n, k, g) for n in MODELS for k, g in VARIANTS] + [
+    (n, k, False) for n in MLA_MODELS for k in ("torch", "triton")]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cuda")
-    return {name: materialize_builtin(name, root=root) for name in MODELS}
+    return {name: materialize_builtin(name, root=root) for name in MODELS + MLA_MODELS}
 
 
 def _prompts() -> list[list[int]]:
@@ -66,8 +73,7 @@ def _batched_greedy(model_dir: Path, dtype: torch.dtype, kernels: str = "torch",
     return outs, runner
 
 
-@pytest.mark.parametrize("kernels, graphs", VARIANTS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, kernels, graphs", CASES)
 def test_float32_on_cuda_matches_hf_token_for_token(model_dirs: dict[str, Path], name: str, kernels: str,
                                                     graphs: bool) -> None:
     outs, _ = _batched_greedy(model_dirs[name], torch.float32, kernels, graphs)
@@ -83,8 +89,7 @@ def test_graphs_equal_eager(model_dirs: dict[str, Path], name: str) -> None:
         assert graphed == eager, dtype
 
 
-@pytest.mark.parametrize("kernels, graphs", VARIANTS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, kernels, graphs", CASES)
 def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: str, kernels: str,
                                              graphs: bool) -> None:
     """bf16 kernels round differently from transformers' (reduction orders, exp), and on a random
@@ -101,8 +106,13 @@ def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: 
         ours = _prefill_logits(runner, f"check{i}", prompt)
         theirs = hf_reference.hf_logits(model_dirs[name], prompt, dtype=torch.bfloat16, device="cuda")[-1]
         error = ((ours - theirs).norm() / theirs.norm()).item()
-        # bf16 rounding through 4 layers: 2.1e-2 seen on the H200 (Triton path); a wrong kernel is O(1)
-        assert error < 5e-2, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
+        # bf16 rounding through 4 layers: 2.1e-2 seen on the H200 (Triton path); a wrong kernel is O(1).
+        # A MoE model turns a rounding difference into another expert where two gate scores nearly tie:
+        # up to 0.165 seen on the H100 (2026-12-06, Triton path, the same with the torch experts in
+        # place of the fused ones: attention's rounding, not the experts'; torch path <= 0.027)
+        # DeepSeek's layers 1-3 are MoE layers too, on both paths (its gate in float32, as transformers')
+        bound = 0.25 if (name in MOE_MODELS and kernels == "triton") or name in MLA_MODELS else 5e-2
+        assert error < bound, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
     print(f"\n{name} {kernels} graphs={graphs} bf16: greedy tokens equal to HF bf16 before the first "
           f"divergence: {matched} of {BF16_TOKENS}")
 
@@ -115,9 +125,32 @@ def _prefill_logits(runner: ModelRunner, request_id: str, prompt: list[int]) -> 
     return logits
 
 
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_fused_experts_equal_the_dense_torch_experts_in_bfloat16(model_dirs: dict[str, Path], name: str) -> None:
+    """The Triton path's grouped GEMMs (server/models/kernels/moe.py) against the torch experts in the
+    same runner (same attention kernels), bf16 prefill logits: the experts' own rounding only."""
+    from server.models.moe import moe_blocks
+    from server.models.moe.experts import dense_experts
+
+    _, runner = _batched_greedy(model_dirs[name], torch.bfloat16, "triton", False, new_tokens=1)
+    for i, prompt in enumerate(_prompts()):
+        fused = _prefill_logits(runner, f"fused{i}", prompt)
+        blocks = moe_blocks(runner.model).values()
+        kernel = next(iter(blocks)).experts
+        for block in blocks:
+            block.experts = dense_experts
+        dense = _prefill_logits(runner, f"dense{i}", prompt)
+        for block in blocks:
+            block.experts = kernel
+        assert kernel is not dense_experts
+        error = ((fused - dense).norm() / dense.norm()).item()
+        assert error < 1e-2, f"prompt {i}: fused experts differ from the torch experts by {error:.3g}"
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-qwen3-moe", "tiny-deepseek-v3"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str) -> None:
-    _, runner = _batched_greedy(model_dirs["tiny-qwen3-swa"], torch.bfloat16, kernels)
+def test_forward_has_no_host_synchronisation(model_dirs: dict[str, Path], kernels: str, name: str) -> None:
+    _, runner = _batched_greedy(model_dirs[name], torch.bfloat16, kernels)
     tables = {w: runner.kv.slot_table("r3", w) for w in runner.kv.window_sizes}
     # a decode token of r3 and a prefill chunk rewriting r3's first 20 positions, in one step
     chunks = [SeqChunk([7], 150 + NEW_TOKENS - 1, tables, True),

@@ -3,7 +3,8 @@
 Six ~200-token prompts go through `configs/disagg_host_offload.yaml` (a 32-block context pool and
 a host tier), once one by one, then five times all six at once. Replays must hit the prefix cache,
 read back exactly the KV they wrote (identical text) although blocks were offloaded and onboarded
-in between, and match aggregated mode and transformers `generate` token for token. The same again
+in between, and match aggregated mode and transformers `generate` token for token (tiny-llama, and
+tiny-qwen3-moe and tiny-deepseek-v3 with the KV streamed). The same again
 with all three tiers in use: an 8-block host pool and a disk tier behind it on the context server,
 so blocks go down to files and come back up through the host pool.
 """
@@ -50,17 +51,37 @@ def _in_use(deployment: dh.Deployment, url: str) -> float:
     return deployment.metric(url, "pdserve_kv_cache_blocks", 'state="in_use"')
 
 
+LLAMA, QWEN3_MOE, DEEPSEEK_V3 = "builtin:tiny-llama", "builtin:tiny-qwen3-moe", "builtin:tiny-deepseek-v3"
+
+
 @pytest.fixture(scope="module")
-def reference_texts(tmp_path_factory) -> list[str]:
-    """Pass 1 through aggregated mode, and transformers generate on the same prompts."""
-    model_dir = resolve_model("builtin:tiny-llama")
+def references(tmp_path_factory):
+    """A model's reference texts: pass 1 through aggregated mode, equal to transformers generate on
+    the same prompts (computed once per model)."""
+    texts: dict[str, list[str]] = {}
+
+    def of(model: str) -> list[str]:
+        if model not in texts:
+            texts[model] = _aggregated_and_transformers(model, tmp_path_factory.mktemp("agg"))
+        return texts[model]
+
+    return of
+
+
+def _aggregated_and_transformers(model: str, tmp_path) -> list[str]:
+    model_dir = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = [tokenizer.decode(hf_reference.hf_greedy_ignore_eos(model_dir, tokenizer.encode(p), 16),
                            skip_special_tokens=True) for p in PROMPTS]
-    with dh.launched("aggregated.yaml", tmp_path_factory.mktemp("agg")) as agg:
+    with dh.launched("aggregated.yaml", tmp_path, {"model": model}) as agg:
         aggregated = [b["choices"][0]["text"] for b in asyncio.run(_serial(agg.url))]
     assert aggregated == hf
     return hf
+
+
+@pytest.fixture(scope="module")
+def reference_texts(references) -> list[str]:
+    return references(LLAMA)
 
 
 def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
@@ -72,13 +93,16 @@ def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
         assert all(b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for b in replay)
 
 
-def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, reference_texts):
+@pytest.mark.parametrize("model", [LLAMA, QWEN3_MOE, DEEPSEEK_V3])
+def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, references, model):
     """The same, the KV sent while it is prefilled in 64-token steps (`kv_stream: on`): blocks of a
     step already sent may be offloaded later, blocks not yet sent are pinned where the step wrote them.
-    The context server runs its engine in a process of its own (the default on CUDA)."""
-    with dh.launched("disagg_host_offload.yaml", tmp_path, {"context_servers": {
+    The context server runs its engine in a process of its own (the default on CUDA). Also on a
+    mixture-of-experts model (its dense layer 1 and its sparse layers), and on DeepSeek-V3 (its
+    latent KV cache through both tiers and the pair)."""
+    with dh.launched("disagg_host_offload.yaml", tmp_path, {"model": model, "context_servers": {
             "kv_stream": "on", "max_num_tokens": 64, "engine_process": True}}) as dep:
-        _replay(dep, reference_texts)
+        _replay(dep, references(model))
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0

@@ -218,5 +218,5 @@ def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers
     assert phases["context_leg"]["count"] == 3 and phases["context_leg"]["mean"] == pytest.approx(0.05)
     assert phases["context_leg"]["p50"] == pytest.approx(0.05)  # 30 <= 40, 50 <= 60, 70 <= 80 ms: (40, 60] halfway
     assert (phases["generation_queue"]["count"], phases["kv_transfer"]["count"]) == (1, 1)
-    for name in ("router_queue", "handoff", "generation_leg", "first_event"):  # shown, with nothing observed in the window
+    for name in ("router_queue", "handoff", "generation_leg", "first_event"):  # shown, nothing observed
         assert phases[name] == {"name": name, "source": "router", "p50": None, "mean": None, "count": 0}

@@ -17,6 +17,8 @@ from server.types import DisaggParams, SamplingParams, TokenLogprob
 
 LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
+MOE = ["builtin:tiny-mixtral", "builtin:tiny-qwen2-moe", "builtin:tiny-qwen3-moe"]
+V3 = "builtin:tiny-deepseek-v3"
 
 
 def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
@@ -36,7 +38,7 @@ def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
         torch.testing.assert_close(torch.tensor([v for _, v in entry.top]), top.values, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model", [LLAMA, SWA])
+@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3])
 def test_sampled_tokens_logprobs_equal_transformers(model):
     """A batch of greedy and seeded sampling rows asking 0, 5 and 20 alternatives, beside a row
     that asks none (SWA: past its window of 64)."""
@@ -55,7 +57,7 @@ def test_sampled_tokens_logprobs_equal_transformers(model):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("model", [LLAMA, SWA])
+@pytest.mark.parametrize("model", [LLAMA, SWA, V3])
 def test_prompt_logprobs_of_a_chunked_prompt_equal_transformers(model, async_scheduling):
     """A 90-token prompt in chunks of at most 32 tokens: every position's logprob, once, on the first
     output; its blocks were cached by the request before, yet none is reused for it (positions
@@ -135,9 +137,10 @@ def _assert_close_entries(a: list[TokenLogprob | None], b: list[TokenLogprob | N
         assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-5)
 
 
-@pytest.fixture
-def run():
-    with eh.loopback_pair(LLAMA, ctx={"max_num_tokens": 32}) as pair:
+@pytest.fixture(params=[LLAMA, *MOE])
+def run(request):
+    with eh.loopback_pair(request.param, ctx={"max_num_tokens": 32}) as pair:
+        pair.model = request.param
         yield pair
 
 
@@ -151,11 +154,11 @@ def test_a_context_and_generation_pair_gives_every_logprob(run):
     leg = eh.submit(ctx, prompt, params, disagg=DisaggParams("context_only"))
     run.wait([leg], "the context leg")
     answer = run.final(leg)
-    check_against_transformers(LLAMA, prompt, [], answer.prompt_logprobs[1:], 1, 1)
+    check_against_transformers(run.model, prompt, [], answer.prompt_logprobs[1:], 1, 1)
     rid = eh.submit(gen, prompt, params, disagg=eh.generation_params(answer))
     run.wait([rid], "the generation leg")
     outs = run.outputs[rid]
     assert outs[0].new_token_ids == answer.new_token_ids and outs[0].logprobs is None
     tokens = answer.new_token_ids + tokens_of(outs[1:])
     assert all(o.prompt_logprobs is None for o in outs)
-    check_against_transformers(LLAMA, prompt, tokens, answer.logprobs + logprobs_of(outs[1:]), 3, len(prompt))
+    check_against_transformers(run.model, prompt, tokens, answer.logprobs + logprobs_of(outs[1:]), 3, len(prompt))

@@ -91,7 +91,7 @@ def test_a_server_built_with_quantization_fp8(references) -> None:
     model = "builtin:tiny-llama"
     core = build_core(server_config_from_dict({"model": model, "quantization": "fp8", "device": "cpu",
                                                "max_seq_len": 512}), None)
-    assert isinstance(core.runner.model.layers[0].gate_up, Fp8Weight)
+    assert isinstance(core.runner.model.layers[0].mlp.gate_up, Fp8Weight)
     assert core.kv.salt == _fingerprint(model, "fp8") != _fingerprint(model, None)
     results = eh.generate(core, PROMPTS, eh.greedy(NEW))
     assert [r.token_ids for r in results] == [hf_reference.hf_greedy(references[model], p, NEW) for p in PROMPTS]

@@ -15,7 +15,7 @@ import torch
 from prompts import stride_prompt
 from runner_harness import prefilled_decode_rows
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat
 from kvcache.kv_scales import as_float32
 from kvcache.layout import inverse_scale, quantize_fp8
 from server.models.attention import SeqLayout, StepLayout, TorchPagedAttention
@@ -44,8 +44,8 @@ def test_quantize_fp8_saturates_and_rounds_to_nearest_even():
 
 
 def _cache(layers: int = 1, scales: bool = True) -> KVCacheManager:
-    lay = CacheLayout((64,) * layers, KVH, D, FP8, "cpu", 64,
-                      **({"k_scales": (K_SCALE,) * layers, "v_scales": (V_SCALE,) * layers} if scales else {}))
+    lay = CacheLayout((64,) * layers, KVFormat(FP8, KVH, D, **(
+        {"k_scales": (K_SCALE,) * layers, "v_scales": (V_SCALE,) * layers} if scales else {})), "cpu", 64)
     return KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=16 * TPB), lay)
 
 

@@ -134,10 +134,10 @@ def test_fp8_checkpoint_logits_equal_its_dequantized_float32_model(checkpoints, 
     fp8, ref = checkpoints[name]
     runner = make_runner(fp8)
     layer = runner.model.layers[0]
-    assert all(isinstance(getattr(layer, n), Fp8Weight) for n in ("qkv", "o", "gate_up", "down"))
+    assert all(isinstance(w, Fp8Weight) for w in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
     assert isinstance(runner.model.lm_head, torch.Tensor) and runner.model.lm_head.dtype == torch.float32
     static = CASES[name][3]
-    assert (layer.qkv.input_scale is not None) == static and (layer.down.input_scale is not None) == static
+    assert (layer.qkv.input_scale is not None) == static and (layer.mlp.down.input_scale is not None) == static
     ids = random_prompt(3, 70)
     got, want = prefill_logits(runner, ids), prefill_logits(make_runner(ref), ids)
     assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()

@@ -9,7 +9,16 @@ import pytest
 import torch
 from kv_factories import make_manager
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes, request_salt
+from kvcache import (
+    CacheLayout,
+    KvCacheConfig,
+    KVCacheError,
+    KVCacheManager,
+    KVFormat,
+    Level,
+    block_hashes,
+    request_salt,
+)
 from server.config.schema import ConfigError, server_config_from_dict
 
 
@@ -70,14 +79,15 @@ def test_constructor_checks_across_fields_and_yaml_values_convert():
     ({"device": "nodevice"}, "device='nodevice'"),
 ])
 def test_layout_errors_name_the_field(kwargs, match):
-    args = dict(layer_windows=(64,), num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu",
-                max_seq_len=64)
+    fmt = dict(num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    args = dict(layer_windows=(64,), device="cpu", max_seq_len=64)
     with pytest.raises(ValueError, match=match):
-        CacheLayout(**{**args, **kwargs})
+        CacheLayout(**{k: v for k, v in {**args, **kwargs}.items() if k not in fmt},
+                    format=KVFormat(**{**fmt, **{k: v for k, v in kwargs.items() if k in fmt}}))
 
 
 def test_sizing_per_group_from_max_tokens_and_host_bytes():
-    layout = CacheLayout((32, 64, 64), 2, 8, torch.float16, "cpu", 64)
+    layout = CacheLayout((32, 64, 64), KVFormat(torch.float16, 2, 8), "cpu", 64)
     assert layout.bytes_per_token() == 3 * 2 * 2 * 8 * 2 == 192
     cfg = KvCacheConfig(tokens_per_block=4, max_tokens=40, host_cache_size=192 * 4 * 5 + 100)
     m = KVCacheManager(cfg, layout)
@@ -90,7 +100,7 @@ def test_sizing_per_group_from_max_tokens_and_host_bytes():
 
 
 def test_host_cache_smaller_than_one_block_is_an_error():
-    layout = CacheLayout((64,), 2, 8, torch.float16, "cpu", 64)  # 64 bytes per token, 256 per block
+    layout = CacheLayout((64,), KVFormat(torch.float16, 2, 8), "cpu", 64)  # 64 bytes per token, 256 per block
     with pytest.raises(ValueError, match=r"host_cache_size=255: holds no block \(one block .* is 256 bytes\)"):
         KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=255), layout)
     m = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16, host_cache_size=256), layout)
@@ -134,11 +144,31 @@ def test_a_pool_sized_from_free_gpu_memory_is_capped_in_blocks(monkeypatch):
     from kvcache.group import MAX_AUTO_BLOCKS, primary_tokens
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 << 30, 141 << 30))
-    tiny = CacheLayout(layer_windows=(2048,) * 2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+    tiny = CacheLayout(layer_windows=(2048,) * 2, format=KVFormat(torch.bfloat16, 2, 64),
                        device="cuda", max_seq_len=2048)
-    big = CacheLayout(layer_windows=(8192,) * 32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+    big = CacheLayout(layer_windows=(8192,) * 32, format=KVFormat(torch.bfloat16, 8, 128),
                       device="cuda", max_seq_len=8192)
     cfg = KvCacheConfig(tokens_per_block=32, free_gpu_memory_fraction=0.9)
     assert primary_tokens(cfg, tiny) == MAX_AUTO_BLOCKS * 32
     assert primary_tokens(cfg, big) == int(0.9 * (140 << 30)) // big.bytes_per_token() < MAX_AUTO_BLOCKS * 32
     assert primary_tokens(KvCacheConfig(tokens_per_block=32, max_tokens=1 << 24), tiny) == 1 << 24
+
+
+def test_one_kv_format_value_names_the_slot_the_hash_namespace_and_the_id():
+    heads, latent = KVFormat(torch.float16, 2, 8), KVFormat(torch.float16, 1, 48, layout="latent")
+    assert (heads.planes, heads.slot_shape(3, 4), heads.bytes_per_token(3)) == (2, (3, 2, 4, 2, 8), 3 * 2 * 2 * 8 * 2)
+    assert (latent.planes, latent.slot_shape(3, 4), latent.bytes_per_token(3)) == (1, (3, 1, 4, 1, 48), 3 * 48 * 2)
+    assert (heads.id, latent.id) == ("heads:float16:2x8", "latent:float16:1x48")
+    assert (heads.hash_namespace, latent.hash_namespace) == ("", "latent:float16")  # K/V heads: today's hashes
+    fp8 = KVFormat(torch.float8_e4m3fn, 1, 48, layout="latent", k_scales=(0.5, 0.25))
+    assert fp8.layer_scales(1) == (0.25, 1.0) and fp8.block_scales((0, 1)) == (0.5, 0.25)
+    assert fp8.id.startswith("latent:float8_e4m3fn:1x48:") and fp8.hash_namespace.startswith("latent:float8_e4m3fn:")
+    with pytest.raises(ValueError, match="a latent cache has one head, not 2"):
+        KVFormat(torch.float16, 2, 48, layout="latent")
+    with pytest.raises(ValueError, match="no v_scales"):
+        KVFormat(torch.float8_e4m3fn, 1, 48, layout="latent", k_scales=(1.0,), v_scales=(1.0,))
+    layout = CacheLayout((64, 64), latent, "cpu", 64)
+    manager = KVCacheManager(KvCacheConfig(tokens_per_block=4, max_tokens=16), layout, salt="m")
+    assert manager.salt == "m\x1ekv=latent:float16" and manager.layer_latent(1).shape == (4, 4, 48)
+    with pytest.raises(KVCacheError, match="no K and V planes"):
+        manager.layer_cache(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from waiting import wait_until
 
-from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, Level, block_hashes
+from kvcache import CacheLayout, KvCacheConfig, KVCacheManager, KVFormat, Level, block_hashes
 from kvcache.block import CopyOp
 from kvcache.config import DiskTierConfig
 from kvcache.disk_format import BlockFormat, Manifest, key_id
@@ -31,20 +31,21 @@ TPB = 4
 
 def layout(dtype: torch.dtype = FP8, **scales) -> CacheLayout:
     """Two layers (window 64), 2 kv heads of 32: 256 bytes a token in FP8."""
-    return CacheLayout((64, 64), 2, 32, dtype, "cpu", 64, **scales)
+    return CacheLayout((64, 64), KVFormat(dtype, 2, 32, **scales), "cpu", 64)
 
 
 def test_fp8_slots_are_half_of_bf16_and_a_quarter_of_float32_with_per_layer_scales():
     assert [layout(d).bytes_per_token() for d in (torch.float32, torch.bfloat16, FP8)] == [1024, 512, 256]
     fp8 = layout()
-    assert fp8.quantized and (fp8.k_scales, fp8.v_scales) == ((1.0, 1.0), (1.0, 1.0))  # none given: 1.0
+    assert fp8.quantized and (fp8.format.k_scales, fp8.format.v_scales) == ((1.0, 1.0), (1.0, 1.0))  # none: 1.0
     scaled = layout(k_scales=(0.1, 0.02), v_scales=(3.0, 0.5))
-    assert scaled.k_scales == (as_float32(0.1), as_float32(0.02)) and scaled.k_scales[0] != 0.1
+    f = scaled.format
+    assert f.k_scales == (as_float32(0.1), as_float32(0.02)) and f.k_scales[0] != 0.1
     assert scaled.layer_scales(1) == (as_float32(0.02), 0.5) and layout(torch.bfloat16).layer_scales(0) == (1.0, 1.0)
-    assert scaled.group_scales((0, 1)) == (*scaled.k_scales, *scaled.v_scales) and layout(torch.float32).group_scales(
+    assert f.block_scales((0, 1)) == (*f.k_scales, *f.v_scales) and layout(torch.float32).format.block_scales(
         (0, 1)) == ()
-    assert layout(torch.float32).kv_format == "" and scaled.kv_format.startswith("float8_e4m3fn:")
-    assert scaled.kv_format != fp8.kv_format
+    assert layout(torch.float32).format.hash_namespace == "" and f.hash_namespace.startswith("float8_e4m3fn:")
+    assert f.hash_namespace != fp8.format.hash_namespace and f.id != fp8.format.id
     with pytest.raises(ValueError, match="k/v scales are for an FP8 cache, not bfloat16"):
         layout(torch.bfloat16, k_scales=(1.0, 1.0))
     with pytest.raises(ValueError, match=r"k_scales: 1 values for 2 layers"):
@@ -100,7 +101,7 @@ def test_blocks_of_another_dtype_or_other_scales_never_share_a_hash():
     managers = [KVCacheManager(KvCacheConfig(tokens_per_block=TPB, max_tokens=8 * TPB), lay, salt="model-A")
                 for lay in (layout(torch.float32), layout(), layout(k_scales=(0.5, 1.0)))]
     salts = [m.salt for m in managers]
-    assert salts[0] == "model-A" and salts[1] == kv_format_salt("model-A", layout().kv_format)
+    assert salts[0] == "model-A" and salts[1] == kv_format_salt("model-A", layout().format)
     assert len(set(salts)) == 3 and salts[1].startswith("model-A\x1ekv=float8_e4m3fn:")
     hashes = []
     for m in managers:

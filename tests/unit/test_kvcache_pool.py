@@ -10,7 +10,7 @@ from kv_factories import make_manager
 from test_kvcache_support import DEVICES, PrefixBook, run_prefill
 from torch.overrides import TorchFunctionMode
 
-from kvcache import CacheLayout, Level
+from kvcache import CacheLayout, KVFormat, Level
 from kvcache.block import CopyOp
 from kvcache.pool import GroupPools
 
@@ -30,7 +30,7 @@ class CountIndexedCopies(TorchFunctionMode):
 
 
 def _pools(device: str, dtype: torch.dtype = torch.float32, dim: int = 4) -> GroupPools:
-    layout = CacheLayout((16,), 1, dim, dtype, device, 16)
+    layout = CacheLayout((16,), KVFormat(dtype, 1, dim), device, 16)
     pools = GroupPools(layout, 2, 1, 4, 4)
     for level in (P, S):
         t = pools.pool(level)

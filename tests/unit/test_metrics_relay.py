@@ -49,7 +49,8 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     direct = ServerMetrics(stats_provider=lambda: KV)
     stats = transfer_stats()
     spec = SpecCounts(proposed=8, accepted=5, emitted=7, verified=2)
-    direct.set_counters_provider(lambda: EngineCounters(3, (stats,), spec))
+    experts = {0: [5, 1, 0, 2], 2: [3, 3, 1, 1]}  # a MoE model's layers 0 and 2: tokens per expert
+    direct.set_counters_provider(lambda: EngineCounters(3, (stats,), spec, experts))
     direct.set_request_counts(COUNTS)
     observe(direct)
 
@@ -59,7 +60,7 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     worker.join()
     secret = secrets.token_bytes(32)
     http, engine = link_codec(secret, engine_side=False), link_codec(secret, engine_side=True)
-    figures = EngineFigures(KV, COUNTS, 3, [TransferFigures.of(stats)], spec)
+    figures = EngineFigures(KV, COUNTS, 3, [TransferFigures.of(stats)], spec, experts)
     _, message = http.open(*engine.seal(StepOut([], recorder.take(), EngineState(figures=figures))))
     assert recorder.take() is None  # taken once
 
@@ -75,3 +76,4 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     assert "pdserve_spec_accepted_tokens_total 5.0" in samples(relayed)
     assert "pdserve_spec_acceptance_rate 0.625" in samples(relayed)
     assert "pdserve_spec_tokens_per_step 3.5" in samples(relayed)
+    assert 'pdserve_moe_expert_tokens_total{expert="0",layer="2"} 3.0' in samples(relayed)

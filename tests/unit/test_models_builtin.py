@@ -83,7 +83,8 @@ def test_tokenizer_special_tokens_and_chat_template(root: Path) -> None:
     assert chat == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("name, prompt_len", [("tiny-llama", 24), ("tiny-qwen3-swa", 100)])
+@pytest.mark.parametrize("name, prompt_len", [("tiny-llama", 24), ("tiny-qwen3-swa", 100), ("tiny-mixtral", 24),
+                                             ("tiny-qwen2-moe", 24), ("tiny-qwen3-moe", 24)])
 def test_greedy_output_varies_and_depends_on_first_token(root: Path, name: str, prompt_len: int) -> None:
     model_dir = builtin.resolve_model(f"builtin:{name}", root=root)
     prompt = [5 + (i * 37) % 500 for i in range(prompt_len)]  # longer than the 64-token window for swa

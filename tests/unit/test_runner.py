@@ -18,6 +18,7 @@ from prompts import random_prompt
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
+from server.models.catalog import TINY_MLA
 from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_device, resolve_dtype
 
@@ -34,6 +35,9 @@ FAMILIES = {
     "qwen3-qknorm": ("qwen3", {}),
     "llama-tied-bias": ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
     "tiny-qwen3-swa": None,  # the built-in model: window 64, sliding and full layers
+    # latent attention with rotate_half rope (`rope_interleave: false`), q through its low-rank projection
+    "deepseek-v3-halves-rope": ("deepseek_v3", {**TINY_MLA, "q_lora_rank": 48, "rope_interleave": False,
+                                                "n_group": 2, "topk_group": 1}),
 }
 
 

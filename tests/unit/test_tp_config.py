@@ -31,6 +31,8 @@ def test_sizes_are_per_section_and_inherited(tmp_path) -> None:
     cfg = load_deployment(_write(tmp_path, data))
     assert [s.tensor_parallel_size for s in cfg.servers] == [4, 2]  # tiny-llama: 4 heads, 2 kv heads
     assert load_deployment(_write(tmp_path, _pair())).servers[0].tensor_parallel_size == 1
+    moe = {**_pair(generation={"tensor_parallel_size": 2, "expert_parallel_size": 2}), "model": "builtin:tiny-mixtral"}
+    assert [s.expert_parallel_size for s in load_deployment(_write(tmp_path, moe)).servers] == [1, 2]
     tp = load_deployment(CONFIGS / "disagg_tp.yaml")
     assert [(s.role, s.tensor_parallel_size) for s in tp.servers] == [("context", 2), ("generation", 1)]
 
@@ -43,6 +45,8 @@ def test_sizes_are_per_section_and_inherited(tmp_path) -> None:
     ({**_pair(), "model": "builtin:tiny-story", "tensor_parallel_size": 6},
      None),  # 6 heads, 2 kv heads: each kv head on three ranks
     (_pair(context={"tensor_parallel_size": 0}), "context_servers.tensor_parallel_size: must be >= 1, got 0"),
+    ({**_pair(generation={"tensor_parallel_size": 2, "expert_parallel_size": 4}), "model": "builtin:tiny-qwen3-moe"},
+     "generation_servers.expert_parallel_size: 4: must be 1 or tensor_parallel_size (2)"),
 ])
 def test_sizes_the_model_cannot_take_name_the_key_and_file(tmp_path, data, message) -> None:
     path = _write(tmp_path, data)

@@ -5,7 +5,12 @@ Each case runs a prompt through `ModelRunner`s with `RankShard`s in `size` spawn
 logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on tiny-llama, on
 the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
-does not divide (padded rows).
+does not divide (padded rows). Mixture-of-experts models split each expert's intermediate dimension:
+TP=2 on tiny-qwen2-moe (a gated shared expert) and tiny-qwen3-moe (dense and sparse layers), TP=4
+on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`); and the same with
+expert parallelism (a name ending in ":ep": whole experts spread over the ranks, 4 or 2 each).
+DeepSeek's latent attention splits its heads (q, kv_b and o) and keeps the latent whole on every
+rank: TP=2 on tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import hf_reference
 import pytest
 import torch
 from prompts import random_prompt
+from safetensors.torch import load_file, save_file
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
@@ -71,7 +78,7 @@ def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out:
     try:
         results = {}
         for name, model_dir in model_dirs.items():
-            plan = plan_for(load_spec(model_dir), rank, size)
+            plan = plan_for(load_spec(model_dir), rank, size, expert_parallel=name.endswith(":ep"))
             runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels)
             runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size))
@@ -96,18 +103,46 @@ def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str =
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-models")
-    return {
+    dirs = {
         "tiny-qwen3-swa": materialize_builtin("tiny-qwen3-swa"),
         "qwen2-bias-sliding": build_tiny_model(root / "qwen2", "qwen2", use_sliding_window=True,
                                                sliding_window=24, max_window_layers=2),
         "tiny-llama": materialize_builtin("tiny-llama"),
         "llama-tied-bias-odd-vocab": build_tiny_model(root / "llama-odd", "llama", tie_word_embeddings=True,
                                                       attention_bias=True, mlp_bias=True, vocab_size=498),
+        "tiny-qwen2-moe": materialize_builtin("tiny-qwen2-moe"),
+        "tiny-qwen3-moe": materialize_builtin("tiny-qwen3-moe"),
+        "mixtral-stacked": _stacked_experts(materialize_builtin("tiny-mixtral"), root / "mixtral-stacked"),
+        "tiny-deepseek-v2": materialize_builtin("tiny-deepseek-v2"),
+        "tiny-deepseek-v3": materialize_builtin("tiny-deepseek-v3"),
     }
+    dirs["tiny-qwen2-moe:ep"], dirs["mixtral-stacked:ep"] = dirs["tiny-qwen2-moe"], dirs["mixtral-stacked"]
+    return dirs
 
 
-@pytest.mark.parametrize(("size", "names"), [(2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama")),
-                                             (4, ("tiny-llama", "llama-tied-bias-odd-vocab"))])
+def _stacked_experts(model_dir: Path, out: Path) -> Path:
+    """A copy of a Mixtral checkpoint with its experts in transformers 5's stacked layout
+    (`model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, hidden], `...down_proj` [E, hidden, I])."""
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    for i in range(4):
+        old = f"model.layers.{i}.block_sparse_moe."
+        experts = range(8)
+        gate_up = [torch.cat([tensors.pop(f"{old}experts.{e}.w1.weight"), tensors.pop(f"{old}experts.{e}.w3.weight")])
+                   for e in experts]
+        down = [tensors.pop(f"{old}experts.{e}.w2.weight") for e in experts]
+        new = f"model.layers.{i}.mlp."
+        tensors[new + "experts.gate_up_proj"] = torch.stack(gate_up)
+        tensors[new + "experts.down_proj"] = torch.stack(down)
+        tensors[new + "gate.weight"] = tensors.pop(old + "gate.weight")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(("size", "names"), [
+    (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe",
+         "tiny-qwen2-moe:ep", "tiny-deepseek-v2")),
+    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "mixtral-stacked:ep", "tiny-deepseek-v3"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
     ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
@@ -143,3 +178,9 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
+    with pytest.raises(ValueError, match="expert_parallel_size: 3 does not divide the model's 8 routed experts"):
+        ShardPlan(rank=0, size=3, num_heads=6, num_kv_heads=3, intermediate_size=255, vocab_size=512,
+                  num_experts=8, expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size"):
+        ShardPlan(rank=0, size=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512,
+                  other_ffn_sizes=(("moe_intermediate_size", 66),))

@@ -126,10 +126,12 @@ def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tenso
 
 
 @pytest.mark.parametrize("name, prompt_lens, on_device", [
-    ("tiny-llama", (9, 40), False), ("tiny-qwen3-swa", (70,), False), ("tiny-llama", (9, 40), True)])
+    ("tiny-llama", (9, 40), False), ("tiny-qwen3-swa", (70,), False), ("tiny-llama", (9, 40), True),
+    ("tiny-qwen3-moe", (9, 40), True), ("tiny-deepseek-v3", (9, 40), True)])
 def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[int, ...], on_device: bool) -> None:
     """Prefill (SDPA path for a fresh prompt, paged kernel past tiny-qwen3-swa's 64-token window),
-    then batched decode; float32 greedy tokens equal transformers' generate. `on_device`: as async
+    then batched decode; float32 greedy tokens equal transformers' generate (DeepSeek: the Triton
+    ops around the torch latent attention). `on_device`: as async
     scheduling runs it, each decode step's tokens are the step before's argmax, never on the host."""
     model_dir = resolve_model(f"builtin:{name}")
     steps = 5

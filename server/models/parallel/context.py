@@ -109,9 +109,10 @@ class RankShard:
     context: ParallelContext
 
     @classmethod
-    def of(cls, spec: ModelSpec, rank: int, size: int) -> RankShard:
-        """`rank`'s part of the model, meeting the others through the default process group."""
-        plan = plan_for(spec, rank, size)
+    def of(cls, spec: ModelSpec, rank: int, size: int, *, expert_parallel: bool = False) -> RankShard:
+        """`rank`'s part of the model, meeting the others through the default process group
+        (`expert_parallel`: a MoE model's experts spread whole over the ranks)."""
+        plan = plan_for(spec, rank, size, expert_parallel=expert_parallel)
         return cls(plan, TensorParallel(TorchComm(), plan))
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:

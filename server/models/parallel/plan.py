@@ -4,8 +4,9 @@ Attention: q heads are split evenly (`heads`); kv heads too while there are at l
 heads as ranks. With more ranks than kv heads (GQA), each kv head is replicated on
 `size // num_kv_heads` consecutive ranks, and every rank keeps the one kv head its q heads read
 (vLLM and TensorRT-LLM do the same). The FFN's intermediate columns and the vocabulary rows are
-split evenly; the vocabulary is padded up to a multiple of the size (padded rows are zero and their
-logits are cut off after the gather).
+split evenly; so is each expert's intermediate dimension in a mixture-of-experts layer (every rank
+holds a slice of every expert, and the router whole); the vocabulary is padded up to a multiple of
+the size (padded rows are zero and their logits are cut off after the gather).
 """
 
 from __future__ import annotations
@@ -42,11 +43,19 @@ class ShardPlan:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    other_ffn_sizes: tuple[tuple[str, int], ...] = ()  # (config key, width): a MoE model's experts, split too
+    num_experts: int = 0  # a MoE model's routed experts
+    expert_parallel: bool = False  # whole experts spread over the ranks instead of each one split
 
     def __post_init__(self) -> None:
+        if self.expert_parallel and (not self.num_experts or self.num_experts % self.size):
+            raise ValueError(f"expert_parallel_size: {self.size} does not divide the model's {self.num_experts} "
+                             "routed experts")
         problem = tp_problem(self.num_heads, self.num_kv_heads, self.size)
-        if problem is None and self.intermediate_size % self.size:
-            problem = f"{self.size} does not divide the model's intermediate_size {self.intermediate_size}"
+        split = self.other_ffn_sizes[1:] if self.expert_parallel else self.other_ffn_sizes  # experts stay whole
+        for key, width in (("intermediate_size", self.intermediate_size), *split):
+            if problem is None and width % self.size:
+                problem = f"{self.size} does not divide the model's {key} {width}"
         if problem is not None:
             raise ValueError(f"tensor_parallel_size: {problem}")
         if not 0 <= self.rank < self.size:
@@ -64,6 +73,12 @@ class ShardPlan:
     @property
     def ffn(self) -> tuple[int, int]:
         per = self.intermediate_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """[start, end) of the routed experts the rank holds whole (expert parallelism)."""
+        per = self.num_experts // self.size
         return self.rank * per, (self.rank + 1) * per
 
     @property

@@ -5,6 +5,12 @@ the rank's q heads, kv heads, intermediate columns), o and down are row-parallel
 columns are split; the model all-reduces their outputs). A row-parallel bias is added once: rank 0
 keeps it and the other ranks hold zeros. The embedding and lm_head are split by vocabulary rows,
 padded with zero rows to `plan.vocab_per_rank`. Norms (and Qwen3's per-head q/k norms) are whole.
+A MoE layer's experts split like dense MLPs, each by its own width read from the tensor (gate/up,
+Mixtral's w1/w3 by rows; down, w2 by columns; transformers 5's stacked `experts.gate_up_proj`
+[E, 2I, hidden] takes the rank's rows of both halves, `experts.down_proj` [E, hidden, I] its
+columns); the shared expert splits the same way; the router (`gate.weight`), Qwen2-MoE's
+`shared_expert_gate` and DeepSeek-V3's `e_score_correction_bias` are whole. With expert parallelism
+a rank reads only its own experts, whole (the others' tensors are never loaded there).
 FP8 scales (server/models/fp8/) follow their weight's output rows: a per-channel scale of a
 column-parallel weight is split like its rows, one of a row-parallel weight (o, down: every rank
 has all output rows) and every per-tensor or input scale is whole.
@@ -13,6 +19,7 @@ has all output rows) and every per-tensor or input scale is whole.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -25,16 +32,30 @@ from server.models.weights import safetensors_files
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def plan_for(spec: ModelSpec, rank: int, size: int) -> ShardPlan:
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's own tensor (not the shared expert's)
+_COLUMN_FFN = ("gate_proj", "up_proj", "w1", "w3")  # output rows split
+_ROW_FFN = ("down_proj", "w2")  # input columns split
+
+
+def plan_for(spec: ModelSpec, rank: int, size: int, *, expert_parallel: bool = False) -> ShardPlan:
+    """`expert_parallel`: a MoE model's routed experts spread whole over the ranks (num_experts / size
+    each), not each split; everything else is split as without it."""
+    moe = spec.moe
+    others = () if moe is None else (("moe_intermediate_size", moe.intermediate_size),
+                                     ("shared expert intermediate size", moe.shared_intermediate_size))
     return ShardPlan(rank=rank, size=size, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                     intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size)
+                     intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, other_ffn_sizes=others,
+                     num_experts=moe.num_experts if moe is not None else 0,
+                     expert_parallel=expert_parallel and moe is not None)
 
 
 def local_spec(spec: ModelSpec, plan: ShardPlan) -> ModelSpec:
-    """The shape the rank's model computes with: its heads, kv heads and FFN columns."""
+    """The shape the rank's model computes with: its heads, kv heads and FFN columns (every expert's)."""
     kv0, kv1 = plan.kv_heads
     return dataclasses.replace(spec, num_heads=spec.num_heads // plan.size, num_kv_heads=kv1 - kv0,
-                               intermediate_size=spec.intermediate_size // plan.size)
+                               intermediate_size=spec.intermediate_size // plan.size,
+                               moe=None if spec.moe is None else spec.moe.sharded(
+                                   plan.size, plan.rank, expert_parallel=plan.expert_parallel))
 
 
 def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: torch.device,
@@ -45,13 +66,22 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
                            quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
 
-def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
-    """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice)."""
+def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
+    """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice); None: none
+    of it (another rank's expert)."""
     d = spec.head_dim
-    (h0, h1), (k0, k1), (f0, f1) = plan.heads, plan.kv_heads, plan.ffn
+    (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
     if name in _VOCAB:
         return _vocab_rows(handle, plan)
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return _stacked_experts(name, handle, plan)
+    expert = _EXPERT.search(name)
+    if expert is not None and plan.expert_parallel:  # a whole expert, on its rank only
+        e0, e1 = plan.experts
+        return handle[:] if e0 <= int(expert.group(1)) < e1 else None
     kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if spec.mla is not None and kind in _MLA_HEAD_ROWS and not name.endswith(SCALES):
+        return _mla_slice(handle, kind, spec, plan)
     if name.endswith(SCALES):
         return _scale_slice(handle, kind, spec, plan)
     is_bias = name.endswith(".bias")
@@ -59,13 +89,51 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
         return handle[h0 * d:h1 * d]
     if kind in ("k_proj", "v_proj"):
         return handle[k0 * d:k1 * d]
-    if kind in ("gate_proj", "up_proj"):
+    if kind in _COLUMN_FFN:
+        f0, f1 = _share(handle.get_shape()[0], plan)
         return handle[f0:f1]
-    if kind in ("o_proj", "down_proj"):
+    if kind in ("o_proj", *_ROW_FFN):
         if is_bias:  # added once, after the all-reduce sums the ranks' parts
             return handle[:] if plan.rank == 0 else torch.zeros(handle.get_shape())
-        return handle[:, h0 * d:h1 * d] if kind == "o_proj" else handle[:, f0:f1]
+        if kind == "o_proj":
+            return handle[:, h0 * d:h1 * d]
+        f0, f1 = _share(handle.get_shape()[1], plan)
+        return handle[:, f0:f1]
     return handle[:]
+
+
+# multi-head latent attention (DeepSeek): per head, the rows of q_proj / q_b_proj (qk_head_dim each)
+# and of kv_b_proj (qk_nope_head_dim + v_head_dim), and o_proj's columns (v_head_dim); q_a_proj,
+# kv_a_proj_with_mqa and their norms, which make the latent every rank caches, are whole
+_MLA_HEAD_ROWS = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+def _mla_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
+    mla, (h0, h1) = spec.mla, plan.heads
+    if kind == "o_proj":
+        return handle[:, h0 * mla.v_head_dim:h1 * mla.v_head_dim]
+    per = mla.qk_nope_head_dim + mla.v_head_dim if kind == "kv_b_proj" else mla.qk_head_dim
+    return handle[h0 * per:h1 * per]
+
+
+def _share(width: int, plan: ShardPlan) -> tuple[int, int]:
+    """[start, end) of the rank's even share of an FFN dimension `width` (the plan checked it divides)."""
+    per = width // plan.size
+    return plan.rank * per, (plan.rank + 1) * per
+
+
+def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
+    """transformers 5's stacked experts: gate_up [E, 2I, hidden] -> the rank's rows of the gate half
+    and of the up half; down [E, hidden, I] -> its columns (expert parallelism: the rank's experts whole)."""
+    if plan.expert_parallel:
+        e0, e1 = plan.experts
+        return handle[e0:e1]
+    if name.endswith("down_proj"):
+        f0, f1 = _share(handle.get_shape()[2], plan)
+        return handle[:, :, f0:f1]
+    half = handle.get_shape()[1] // 2
+    f0, f1 = _share(half, plan)
+    return torch.cat([handle[:, f0:f1], handle[:, half + f0:half + f1]], dim=1)
 
 
 def _scale_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""`KVFormat`: what one token's cached bytes of one layer are. Made once where a server starts
+(server/models/kv_format.py `kv_format`) and passed whole to everything that stores, names or moves
+KV: the pools (their slot shape), the block hashes (`hash_namespace`), the disk tier's manifest and
+block files (`id`, `block_scales`), the transceiver's handshake (`id`) and the attention paths
+(`layer_scales`).
+
+Two layouts:
+- "heads": K and V of `num_kv_heads` heads of `head_dim` values (Llama, Mistral, Qwen): two planes.
+- "latent": multi-head latent attention's compressed cache (DeepSeek-V2/V3): one plane of one
+  "head" of `head_dim` = kv_lora_rank + qk_rope_head_dim values (the normalized latent, then the
+  roped shared key), the same on every tensor-parallel rank.
+
+An FP8 format (dtype float8_e4m3fn) has per-layer scales: a heads format one k and one v scale per
+layer, a latent format one scale per layer (`k_scales`; `v_scales` empty: no V plane).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.kv_scales import as_float32, scales_digest
+
+FP8 = torch.float8_e4m3fn  # the quantized KV element type (`kv_cache_config.dtype: fp8`)
+LAYOUTS = ("heads", "latent")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float8_e4m3fn", "bfloat16", ...: torch's name without the module."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"KVFormat.{name}={value!r}: must be an integer > 0")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    dtype: torch.dtype  # the stored element type
+    num_kv_heads: int  # heads per token of a layer (a tensor-parallel rank's own; latent: 1)
+    head_dim: int  # values per head (latent: kv_lora_rank + qk_rope_head_dim)
+    layout: str = "heads"  # "heads" (K and V planes) or "latent" (one plane)
+    k_scales: tuple[float, ...] = ()  # FP8: per layer, K (latent: the latent) is stored as K / k_scale
+    v_scales: tuple[float, ...] = ()  # FP8 heads layout: per layer, V / v_scale
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVFormat.dtype={self.dtype!r}: must be a torch.dtype")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"KVFormat.layout={self.layout!r}: must be one of {LAYOUTS}")
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"KVFormat: a latent cache has one head, not {self.num_kv_heads}")
+        for name in ("k_scales", "v_scales"):
+            values = tuple(getattr(self, name))
+            for i, v in enumerate(values):
+                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                    raise ValueError(f"KVFormat.{name}[{i}]={v!r}: a scale must be a finite number > 0")
+            object.__setattr__(self, name, tuple(as_float32(float(v)) for v in values))
+        if not self.quantized and (self.k_scales or self.v_scales):
+            raise ValueError(f"KVFormat: k/v scales are for an FP8 cache, not {dtype_name(self.dtype)}")
+        if self.latent and self.v_scales:
+            raise ValueError("KVFormat: a latent cache has one scale per layer (k_scales), no v_scales")
+
+    @property
+    def latent(self) -> bool:
+        return self.layout == "latent"
+
+    @property
+    def quantized(self) -> bool:
+        """An FP8 cache: blocks hold e4m3 values with per-layer scales."""
+        return self.dtype == FP8
+
+    @property
+    def planes(self) -> int:
+        """Planes per layer in a slot: 2 (K, V) for heads, 1 for the latent."""
+        return 1 if self.latent else 2
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def values_per_token(self) -> int:
+        """Values one token stores per layer (latent: kv_lora_rank + qk_rope_head_dim)."""
+        return self.planes * self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, num_layers: int) -> int:
+        return num_layers * self.values_per_token * self.element_bytes
+
+    def slot_shape(self, num_layers: int, tokens_per_block: int) -> tuple[int, ...]:
+        """One pool slot: [layers, planes, tokens_per_block, kv_heads, head_dim]."""
+        return (num_layers, self.planes, tokens_per_block, self.num_kv_heads, self.head_dim)
+
+    @property
+    def id(self) -> str:
+        """The whole format in one string: layout, element type, heads x values, and (FP8) a
+        digest of the scales. Two servers, two disk directories, exchange KV only if equal."""
+        base = f"{self.layout}:{dtype_name(self.dtype)}:{self.num_kv_heads}x{self.head_dim}"
+        return f"{base}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized else base
+
+    @property
+    def hash_namespace(self) -> str:
+        """What refines the block hashes' salt (kvcache.hashing.kv_format_salt): "" for K/V heads
+        in the model's dtype (the model fingerprint says all), else the layout, dtype and scales,
+        so blocks of two formats never match in any tier."""
+        if not self.quantized and not self.latent:
+            return ""
+        base = f"{dtype_name(self.dtype)}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized \
+            else dtype_name(self.dtype)
+        return f"latent:{base}" if self.latent else base
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k scale, v scale) of one layer (latent: (its scale, 1.0)); (1.0, 1.0) unquantized."""
+        if not self.quantized:
+            return 1.0, 1.0
+        return self.k_scales[layer], 1.0 if self.latent else self.v_scales[layer]
+
+    def block_scales(self, layers: tuple[int, ...] | list[int]) -> tuple[float, ...]:
+        """The scales a window group's blocks were stored with: its layers' k scales then v scales
+        (disk files, handshake); () unquantized."""
+        if not self.quantized:
+            return ()
+        return tuple(self.k_scales[i] for i in layers) + tuple(self.v_scales[i] for i in layers if self.v_scales)
+
+    def describe(self) -> str:
+        what = "latent" if self.latent else f"{self.num_kv_heads} kv heads x {self.head_dim}"
+        return f"{what} {dtype_name(self.dtype)}" + (" with per-layer scales" if self.quantized else "")

@@ -1,0 +1,139 @@
+"""DeepSeek-V2/V3 decoder in plain torch: multi-head latent attention (MLA) over a latent KV cache.
+
+Math follows transformers' DeepseekV2/V3 modeling code: q from q_proj, or q_a_proj -> RMSNorm ->
+q_b_proj (`q_lora_rank`); the compressed KV from kv_a_proj_with_mqa, split into the latent `c`
+(RMSNorm'd) and the shared rope key `k_pe`; RoPE on q_pe and k_pe in interleaved pairs (V2, and V3
+with `rope_interleave`) or rotate_half; the softmax scale with YaRN's mscale (`MLASpec.softmax_scale`).
+The q_a and kv_a norms use eps 1e-6 (transformers' default for them), the others `rms_norm_eps`.
+
+The cache holds [c, k_pe] per token and layer (kvcache.KVFormat "latent"); K and V are never
+expanded. kv_b_proj is split once at load into W_uk [heads, nope, rank] and W_uv [heads, v, rank]:
+a head's query becomes [q_nope @ W_uk, q_pe] and its output (the weighted sum of `c`) @ W_uv^T,
+which is the expanded attention's result, re-associated (server/models/mla_attention.py).
+
+Layers [0, first_k_dense_replace) have a dense SiLU MLP; the others the DeepSeek MoE block.
+Tensor parallelism: each rank holds its heads' slices of q, kv_b and o (the latent, kv_a and its
+norm are whole on every rank), and meets the others through `parallel` as LlamaModel does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.models.llama import _WeightTable
+from server.models.mla_attention import TorchLatentAttention
+from server.models.mlp import FeedForward, load_mlp
+from server.models.model_spec import ModelSpec
+from server.models.moe import build_moe
+from server.models.ops import ModelOps, TorchOps, Weight
+from server.models.parallel.context import ParallelContext, SingleRank
+from server.models.rope import Rotary, apply_rotary
+
+LORA_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default: q_a_layernorm and kv_a_layernorm take no eps
+
+
+@dataclass
+class MLAWeights:
+    q: Weight | None  # q_proj [heads * qk_head_dim, hidden] (q_lora_rank None)
+    q_a: Weight | None  # [q_lora_rank, hidden]
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: Weight | None  # [heads * qk_head_dim, q_lora_rank]
+    kv_a: Weight  # [kv_lora_rank + qk_rope_head_dim, hidden]
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    w_uk: torch.Tensor  # [heads, qk_nope_head_dim, kv_lora_rank]
+    w_uv: torch.Tensor  # [heads, v_head_dim, kv_lora_rank]
+    o: Weight  # [hidden, heads * v_head_dim]
+
+
+@dataclass
+class DeepseekLayer:
+    input_norm: torch.Tensor
+    attn: MLAWeights
+    post_norm: torch.Tensor
+    mlp: FeedForward  # a DenseMLP (layers before first_k_dense_replace) or the MoE block (server/models/moe/)
+
+
+class DeepseekModel:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: TorchLatentAttention,
+                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """`spec`: the shape this rank computes (its heads); `tensors`: its weight slices."""
+        assert spec.mla is not None
+        self.spec, self.mla = spec, spec.mla
+        self.attention = attention
+        self.ops = ops or TorchOps(spec.rms_norm_eps)
+        self.lora_ops = TorchOps(LORA_NORM_EPS)
+        self.parallel = parallel or SingleRank()
+        self.dtype = dtype
+        self.rotary = Rotary(spec, device)  # spec.head_dim is qk_rope_head_dim
+        weights = _WeightTable(spec, tensors)
+        self.embed = weights.take("model.embed_tokens.weight")
+        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+        self.final_norm = weights.take("model.norm.weight")
+        self.lm_head = weights.lm_head(self.embed)
+        weights.check_all_used()
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids, positions [T] int64; logit_rows [N] -> logits [N, vocab] float32."""
+        ops, tp = self.ops, self.parallel
+        h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rope_dim] each
+        x = ops.rms_norm(h, self.layers[0].input_norm)
+        for i, layer in enumerate(self.layers):
+            x = ops.add_rms_norm(tp.reduce(self._attention(i, layer.attn, x, cos, sin, meta)), h, layer.post_norm)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x = ops.add_rms_norm(tp.reduce(layer.mlp(x, ops)), h, after)
+        return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()
+
+    def _attention(self, i: int, w: MLAWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: object) -> torch.Tensor:
+        mla, ops, t = self.mla, self.ops, x.shape[0]
+        if w.q is not None:
+            q = ops.linear(x, w.q, None)
+        else:
+            q = ops.linear(self.lora_ops.rms_norm(ops.linear(x, w.q_a, None), w.q_a_norm), w.q_b, None)
+        q = q.view(t, -1, mla.qk_head_dim)  # [T, heads, nope + rope]
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
+        c, k_pe = ops.linear(x, w.kv_a, None).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
+        c = self.lora_ops.rms_norm(c, w.kv_a_norm)  # [T, rank]
+        q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe[:, None], cos, sin)[:, 0]
+        query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w.w_uk), q_pe), -1)  # [T, heads, rank + rope]
+        out = self.attention.forward(i, query, torch.cat((c, k_pe), -1), meta)  # [T, heads, rank]
+        out = torch.einsum("thr,hvr->thv", out, w.w_uv).reshape(t, -1)  # [T, heads * v]
+        return ops.linear(out, w.o, None)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, n, rope] rotated as transformers does for this model (see the module docstring)."""
+        if not self.mla.rope_interleave:
+            return apply_rotary(x, cos, sin)
+        half = x.shape[-1] // 2
+        c, s = cos[:, None, :half], sin[:, None, half:]  # `sin` is signed: its second half is +sin
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+    def _layer(self, w: _WeightTable, i: int) -> DeepseekLayer:
+        p = f"model.layers.{i}."
+        return DeepseekLayer(input_norm=w.take(p + "input_layernorm.weight"),
+                             attn=self._mla_weights(w, p + "self_attn."),
+                             post_norm=w.take(p + "post_attention_layernorm.weight"), mlp=self._mlp(w, i))
+
+    def _mla_weights(self, w: _WeightTable, att: str) -> MLAWeights:
+        mla, lora = self.mla, self.mla.q_lora_rank is not None
+        kv_b = w.take(att + "kv_b_proj.weight")  # [heads * (nope + v), rank]: float (not an FP8 linear)
+        kv_b = kv_b.view(-1, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        w_uk, w_uv = kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], 1)
+        return MLAWeights(
+            q=w.maybe(att + "q_proj.weight", not lora), q_a=w.maybe(att + "q_a_proj.weight", lora),
+            q_a_norm=w.maybe(att + "q_a_layernorm.weight", lora), q_b=w.maybe(att + "q_b_proj.weight", lora),
+            kv_a=w.take(att + "kv_a_proj_with_mqa.weight"), kv_a_norm=w.take(att + "kv_a_layernorm.weight"),
+            w_uk=w_uk.contiguous(), w_uv=w_uv.contiguous(), o=w.take(att + "o_proj.weight"))
+
+    def _mlp(self, w: _WeightTable, i: int) -> FeedForward:
+        moe = self.spec.moe
+        if moe is not None and moe.is_sparse(i):
+            return build_moe(moe, w, i)
+        return load_mlp(w, f"model.layers.{i}.mlp.")

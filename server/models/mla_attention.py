@@ -1,0 +1,118 @@
+"""Paged attention over a latent KV cache (multi-head latent attention, DeepSeek-V2/V3), in torch.
+
+The cache holds, per token and layer, one row of kv_lora_rank + qk_rope_head_dim values: the
+normalized compressed KV `c` and the roped shared key `k_pe` (kvcache.KVFormat "latent"), never
+per-head K or V. Attention runs over that row with the up-projections absorbed (the model does the
+absorbing, server/models/deepseek.py): every head's query is [q_nope @ W_uk, q_pe] (one row of the
+latent's width), its score against a token is that query . [c, k_pe], and its output is the
+softmax-weighted sum of the tokens' `c` ([kv_lora_rank]), which the model multiplies by W_uv.
+So every head reads the same keys: one "kv head", the heads as query rows (decode: [S, 1, heads,
+width] against [S, 1, L, width]).
+
+The plan is the K/V backend's (`attention.plan_windows` with one plane per layer), so masks,
+sliding windows and slot tables mean the same; no host synchronisation in `forward`.
+
+An FP8 cache stores e4m3(latent / scale), one scale per layer (`KVFormat.k_scales`), rounded as the
+K/V cache's (`quantize_fp8`); reads widen the gathered rows exactly, fold the scale into the softmax
+scale (the scores) and multiply the output by it (the values are the same rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcache.layout import FP8, inverse_scale, quantize_fp8
+from server.models.attention import AdditiveMask, Attend, StepLayout, WindowPlan, as_stored, plan_windows
+
+
+@dataclass(frozen=True)
+class LatentUnits:
+    """One layer's latent cache as units of one block: unit u = slot * units_per_slot (the layers
+    of the window group sit between a slot's units; only indices built with it are used)."""
+
+    window: int
+    units_per_slot: int
+    blocks: torch.Tensor  # [num_units, tpb, width] (a view of the pool)
+    tokens: torch.Tensor  # [num_units * tpb, width], same memory; row = unit * tpb + offset
+
+
+def latent_units(window: int, latent: torch.Tensor) -> LatentUnits:
+    """Units views of a layer's latent (`KVCacheManager.layer_latent`: [slots, tpb, width])."""
+    slots, tpb, width = latent.shape
+    unit = tpb * width
+    if latent.stride()[1:] != (width, 1) or latent.stride(0) % unit:
+        raise ValueError(f"latent cache layout not supported: {tuple(latent.shape)} strides {latent.stride()}")
+    per_slot = latent.stride(0) // unit
+    num_units = (slots - 1) * per_slot + 1
+    tokens = torch.as_strided(latent, (num_units * tpb, width), (width, 1), latent.storage_offset())
+    return LatentUnits(window, per_slot, tokens.view(num_units, tpb, width), tokens)
+
+
+class TorchLatentAttention:
+    """Attention over the latent cache; `plan` once per step, `forward` per layer."""
+
+    def __init__(self, kv, num_layers: int, num_heads: int, kv_lora_rank: int, scale: float,
+                 dtype: torch.dtype) -> None:
+        self.kv = kv
+        self.tpb = kv.tokens_per_block
+        self.num_heads = num_heads
+        self.num_kv_heads = 1
+        self.rank = kv_lora_rank
+        self.scale = scale
+        self.dtype = dtype
+        self.layers = [latent_units(kv.layer_window(i), kv.layer_latent(i)) for i in range(num_layers)]
+        self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
+        device = self.layers[0].blocks.device
+        self._mask = AdditiveMask(dtype, device)
+        self.quantized = self.layers[0].blocks.dtype == FP8
+        self.scales = [kv.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
+        self._inverse = [torch.tensor(inverse_scale(s), device=device) for s in self.scales] if self.quantized else []
+
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
+        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, planes=1)
+
+    def forward(self, layer: int, query: torch.Tensor, latent: torch.Tensor,
+                meta: dict[int, WindowPlan]) -> torch.Tensor:
+        """query [T, heads, width] (absorbed q_nope, then roped q_pe), latent [T, width] (the new
+        tokens' normalized c, then roped k_pe) -> [T, heads, kv_lora_rank]: per head, the
+        attention-weighted sum of the tokens' c. Writes `latent` into the cache first."""
+        cache = self.layers[layer]
+        plan = meta[cache.window]
+        stored = quantize_fp8(latent, self._inverse[layer]).view(torch.uint8) if self.quantized \
+            else latent.to(cache.tokens.dtype)
+        as_stored(cache.tokens).index_put_((plan.write_rows[:, 0],), stored)
+        scale = self.scales[layer] if self.quantized else 1.0
+        outs = []
+        if plan.decode is not None:
+            outs.append(self._decode(query[plan.decode.rows], cache.blocks, plan.decode, scale))
+        for p in plan.prefills:
+            outs.append(self._prefill(query[p.rows], cache.blocks, p, scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out * scale if self.quantized else out
+
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
+        """One query per sequence; its heads are the query rows of the one latent "head"."""
+        s = q.shape[0]
+        keys = _gather(blocks, a.units, s, q.dtype)  # [S, 1, L, width]
+        out = F.scaled_dot_product_attention(q[:, None], keys, keys[..., :self.rank], attn_mask=a.mask,
+                                             scale=self.scale * scale)  # [S, 1, heads, rank]
+        return out[:, 0]
+
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
+        keys = _gather(blocks, a.units, 1, q.dtype)  # [1, 1, L, width]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, keys[..., :self.rank],
+                                             attn_mask=a.mask, scale=self.scale * scale,
+                                             enable_gqa=True)  # [1, heads, Q, rank]
+        return out[0].transpose(0, 1)
+
+
+def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width] in `dtype`
+    (an FP8 cache's rows widened: exactly, every e4m3 value is a bf16, fp16 and float32 value)."""
+    rows = as_stored(blocks).index_select(0, units)
+    if blocks.dtype == FP8:
+        rows = rows.view(FP8).to(dtype)
+    return rows.view(num_seqs, 1, -1, blocks.shape[2])

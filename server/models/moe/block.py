@@ -1,0 +1,128 @@
+"""A sparse layer's feed-forward block: the gate, the routed experts, the shared expert(s).
+
+`build_moe(spec, weights, layer)` loads one layer's block from the checkpoint's tensors by their HF
+names, in either layout a checkpoint ships: one tensor per expert and projection
+(`{block}experts.{e}.{gate,up,down}.weight`, how every published checkpoint and transformers'
+`save_pretrained` store them) or transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, hidden]
+and `mlp.experts.down_proj` [E, hidden, I]. The block is called like a dense MLP, `block(x, ops)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from server.models.mlp import DenseMLP, WeightSource, load_mlp
+from server.models.moe.config import MoESpec
+from server.models.moe.experts import ExpertsFn, default_experts, expert_load
+from server.models.moe.router import route
+from server.models.ops import ModelOps
+
+
+@dataclass
+class MoEBlock:
+    spec: MoESpec  # a tensor-parallel rank's: `intermediate_size` is its share of each expert's
+    gate: torch.Tensor  # [E, hidden]: the router's weight
+    correction: torch.Tensor | None  # [E] float32: DeepSeek-V3's e_score_correction_bias
+    gate_up: torch.Tensor  # [E, 2I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared: DenseMLP | None = None  # the shared expert(s), one MLP
+    shared_gate: torch.Tensor | None = None  # [1, hidden]: Qwen2-MoE's sigmoid gate of the shared expert
+    experts: ExpertsFn = field(default=None)  # type: ignore[assignment]  # set from the device when None
+    load: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [E] int64: tokens routed, counted on the device
+
+    def __post_init__(self) -> None:
+        if self.experts is None:
+            self.experts = default_experts(self.gate_up.device)
+        if self.load is None:
+            self.load = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=self.gate_up.device)
+
+    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
+        weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
+        if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
+            weights = weights.to(x.dtype).float()
+        self.load += expert_load(ids, self.spec.num_experts)
+        if self.spec.local_experts is not None:
+            weights, ids = _held(self.spec.local_experts, weights, ids)
+        out = self.experts(x, self.gate_up, self.down, weights, ids)
+        if self.shared is not None:
+            shared = self.shared(x, ops)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(ops.linear(x, self.shared_gate, None)) * shared
+            out = out + shared
+        return out
+
+    def take_load(self) -> torch.Tensor:
+        """The tokens routed to each expert since the last call [E] int64 (a copy, on the device); the
+        count restarts from 0 in place (a captured CUDA graph keeps adding into the same tensor)."""
+        load = self.load.clone()
+        self.load.zero_()
+        return load
+
+
+def _held(held: tuple[int, int], weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism: ids of the experts held here as local indices (0..n-1); a pair routed to
+    another rank's expert gets the index n (no expert: the implementations skip it) and weight 0.
+    The ranks' outputs are summed like tensor-parallel partial sums."""
+    local = ids - held[0]
+    mine = (local >= 0) & (local < held[1] - held[0])
+    return weights * mine, local.masked_fill(~mine, held[1] - held[0])
+
+
+def moe_blocks(model: object) -> dict[int, MoEBlock]:
+    """layer -> MoE block, of a model whose `layers[i].mlp` is its feed-forward block (LlamaModel's)."""
+    layers = enumerate(getattr(model, "layers", []))
+    return {i: layer.mlp for i, layer in layers if isinstance(getattr(layer, "mlp", None), MoEBlock)}
+
+
+def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: ExpertsFn | None = None) -> MoEBlock:
+    """Layer `layer`'s MoE block from `weights` (HF names; `spec.is_sparse(layer)` must hold).
+    `experts`: the routed experts' implementation (default: `default_experts` of the weights' device)."""
+    names = spec.names
+    base = f"model.layers.{layer}."
+    stacked = weights.has(base + "mlp.experts.gate_up_proj")  # transformers 5's own layout: always under mlp.
+    block = base + ("mlp." if stacked else names.block)
+    gate_up, down = _stacked(spec, weights, block) if stacked else _per_expert(spec, weights, block)
+    shared = None
+    if spec.shared_intermediate_size:
+        shared = load_mlp(weights, block + names.shared)
+    return MoEBlock(
+        spec=spec, gate=weights.take(block + "gate.weight"),
+        correction=weights.take(block + "gate.e_score_correction_bias").float() if spec.score_correction_bias else None,
+        gate_up=gate_up, down=down, shared=shared,
+        shared_gate=weights.take(block + "shared_expert_gate.weight") if spec.shared_gate else None,
+        experts=experts)
+
+
+def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n = spec.names
+    gate_up, down = [], []
+    for e in spec.held_experts:
+        prefix = f"{block}experts.{e}."
+        parts = [_plain(weights.take(f"{prefix}{p}.weight"), prefix + p) for p in (n.gate, n.up)]
+        gate_up.append(torch.cat(parts))
+        down.append(_plain(weights.take(f"{prefix}{n.down}.weight"), prefix + n.down))
+    return _checked(spec, block, torch.stack(gate_up), torch.stack(down))
+
+
+def _stacked(spec: MoESpec, weights: WeightSource, block: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = _plain(weights.take(block + "experts.gate_up_proj"), block + "experts.gate_up_proj")
+    down = _plain(weights.take(block + "experts.down_proj"), block + "experts.down_proj")
+    return _checked(spec, block, gate_up, down)
+
+
+def _plain(weight: object, name: str) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight {name!r}: quantized experts are not supported (serve a float checkpoint "
+                         "without `quantization`)")
+    return weight
+
+
+def _checked(spec: MoESpec, block: str, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    e, i = len(spec.held_experts), spec.intermediate_size
+    if gate_up.shape[:2] != (e, 2 * i) or down.shape[0] != e or down.shape[2] != i:
+        raise ValueError(f"{block}experts: shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit "
+                         f"{e} experts of intermediate size {i}")
+    return gate_up.contiguous(), down.contiguous()

@@ -1,0 +1,70 @@
+"""The routed experts' computation: each token through its top-k experts, summed with their weights.
+
+Weights are stacked per layer: `gate_up` [E, 2 * I, hidden] (each expert's gate rows, then its up
+rows) and `down` [E, hidden, I], as transformers 5 holds them (MixtralExperts and the others). Two
+torch implementations compute transformers' eager math (expert by expert, SiLU(gate) * up, down,
+times the routing weight, accumulated in expert order):
+
+- `grouped_experts` gathers each expert's tokens by index: the work of the top-k experts only,
+  but the set of experts hit and their token counts are read on the host. The CPU's path.
+- `dense_experts` runs every expert over every token and weights the tokens not routed to it by
+  zero: E / top_k times the work, but no host synchronisation and no data-dependent shape, so it
+  runs inside CUDA graphs. The GPU's torch path (a fused Triton path replaces it where available).
+
+`expert_load` counts the tokens routed to each expert, on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# (x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights [T, k] float32, ids [T, k]) -> [T, hidden];
+# an id E names no expert held here (expert parallelism: another rank's) and contributes nothing
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert's MLP: x [N, hidden], gate_up [2I, hidden], down [hidden, I] -> [N, hidden]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    order = ids.flatten().argsort(stable=True)  # [T * k] (token, slot) pairs grouped by expert
+    num_experts = gate_up.shape[0]
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()  # host sync: the CPU's path
+    tokens = order // ids.shape[1]
+    scale = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts[:num_experts]):  # (pairs of id E sort last: skipped)
+        if count:
+            rows = tokens[start:start + count]
+            y = _expert(x.index_select(0, rows), gate_up[expert], down[expert]) * scale[start:start + count, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+    return out
+
+
+def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for expert in range(gate_up.shape[0]):
+        scale = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]: 0 where not routed
+        out += (_expert(x, gate_up[expert], down[expert]) * scale).to(out.dtype)
+    return out
+
+
+def default_experts(device: torch.device) -> ExpertsFn:
+    """The torch implementation for `device`: grouped on the CPU, dense (graph-safe) on CUDA."""
+    return dense_experts if device.type == "cuda" else grouped_experts
+
+
+def expert_load(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [T, k] -> tokens routed to each expert [num_experts] int64, on the device (no sync)."""
+    flat = ids.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
