@@ -31,7 +31,7 @@ class Deployment:
                 "router": parse_metrics(generate_latest(self.router.registry).decode())}
 
     def serve(self, queue: float, prefill: float, context: float, handoff: float, generation_queue: float,
-              pull: float, first_event: float, router_queue: float = 0.0002) -> None:
+              pull: float, first_event: float, router_queue: float = 0.0002, generation: float = 0.008) -> None:
         """One request's observations, as the servers and the router make them."""
         self.context.observe_queue_time(queue)
         self.context.observe_prefill(prefill)
@@ -39,7 +39,7 @@ class Deployment:
         self.generation.observe_queue_time(generation_queue)
         self.generation.observe_transfer(4096, pull)
         for phase, seconds in (("queue", router_queue), ("context", context), ("handoff", handoff),
-                               ("first_event", first_event)):
+                               ("generation", generation), ("first_event", first_event)):
             self.router.observe_phase(phase, seconds)
 
 
@@ -66,7 +66,8 @@ def test_each_phase_of_a_run_from_the_scrapes_before_and_after_it():
     out = phase_figures(before, deployment.scrape())
     assert {key: out[key] for key in out if key.endswith("_count")} == {
         f"phase_{name}_count": 3.0 for name in ("router_queue", "context_queue", "prefill", "context_leg", "handoff",
-                                                "generation_queue", "kv_transfer", "first_event")}
+                                                "generation_queue", "kv_transfer", "generation_leg",
+                                                "first_event")}
     assert out["phase_context_queue_mean_ms"] == pytest.approx(40 / 3)
     # 4 ms <= 5, 6 ms <= 10, 30 ms <= 50: the second of three lies halfway up the (5, 10] bucket
     assert out["phase_context_queue_p50_ms"] == pytest.approx(7.5)
@@ -79,6 +80,7 @@ def test_each_phase_of_a_run_from_the_scrapes_before_and_after_it():
     assert out["phase_handoff_mean_ms"] == pytest.approx(3.0)
     assert out["phase_first_event_mean_ms"] == pytest.approx((40 + 100 + 36) / 3)
     assert out["phase_generation_queue_p50_ms"] == pytest.approx(0.75)  # all in (0.5, 1]: halfway
+    assert out["phase_generation_leg_mean_ms"] == pytest.approx(8.0)
 
 
 def test_an_aggregated_server_has_only_its_queue_and_prefill():
@@ -89,7 +91,8 @@ def test_an_aggregated_server_has_only_its_queue_and_prefill():
     out = phase_figures(before, {"server": parse_metrics(server.render().decode())})
     assert (out["phase_context_queue_count"], out["phase_prefill_count"]) == (1.0, 1.0)
     assert out["phase_context_queue_mean_ms"] == pytest.approx(4.0) and out["phase_prefill_p50_ms"] == 15.0
-    for name in ("router_queue", "context_leg", "handoff", "generation_queue", "kv_transfer", "first_event"):
+    for name in ("router_queue", "context_leg", "handoff", "generation_queue", "kv_transfer", "generation_leg",
+                 "first_event"):
         assert out[f"phase_{name}_count"] == 0.0
         assert math.isnan(out[f"phase_{name}_mean_ms"]) and math.isnan(out[f"phase_{name}_p50_ms"])
 
@@ -98,6 +101,6 @@ def test_the_report_table_shows_p50_and_mean_of_each_phase():
     figures = {"phase_prefill_p50_ms": 30.0, "phase_prefill_mean_ms": 33.3333, "phase_handoff_mean_ms": math.nan}
     header, rule, row = phase_table([("disagg: c=64", figures)]).splitlines()
     assert header == ("| TTFT phases, p50 / mean ms | router queue | context queue | prefill | context leg | handoff | "
-                      "generation queue | kv transfer | first event |")
-    assert rule == "|" + "---|" * 9
-    assert row == "| disagg: c=64 | - | - | 30.0 / 33.3 | - | - | - | - | - |"
+                      "generation queue | kv transfer | generation leg | first event |")
+    assert rule == "|" + "---|" * 10
+    assert row == "| disagg: c=64 | - | - | 30.0 / 33.3 | - | - | - | - | - | - |"
