@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.models.llama import _WeightTable
+from server.models.llama import DecoderStack, _WeightTable
 from server.models.mla_attention import TorchLatentAttention
 from server.models.mlp import FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
@@ -55,7 +55,7 @@ class DeepseekLayer:
     mlp: FeedForward  # a DenseMLP (layers before first_k_dense_replace) or the MoE block (server/models/moe/)
 
 
-class DeepseekModel:
+class DeepseekModel(DecoderStack):
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: TorchLatentAttention,
                  *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
                  parallel: ParallelContext | None = None) -> None:
@@ -75,23 +75,9 @@ class DeepseekModel:
         self.lm_head = weights.lm_head(self.embed)
         weights.check_all_used()
 
-    @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """token_ids, positions [T] int64; logit_rows [N] -> logits [N, vocab] float32."""
-        ops, tp = self.ops, self.parallel
-        h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rope_dim] each
-        x = ops.rms_norm(h, self.layers[0].input_norm)
-        for i, layer in enumerate(self.layers):
-            x = ops.add_rms_norm(tp.reduce(self._attention(i, layer.attn, x, cos, sin, meta)), h, layer.post_norm)
-            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.add_rms_norm(tp.reduce(layer.mlp(x, ops)), h, after)
-        return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()
-
-    def _attention(self, i: int, w: MLAWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(self, i: int, layer: DeepseekLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
-        mla, ops, t = self.mla, self.ops, x.shape[0]
+        w, mla, ops, t = layer.attn, self.mla, self.ops, x.shape[0]
         if w.q is not None:
             q = ops.linear(x, w.q, None)
         else:

@@ -51,7 +51,28 @@ class LayerWeights:
         return self.mlp if isinstance(self.mlp, DenseMLP) else None
 
 
-class LlamaModel:
+class DecoderStack:
+    """The residual stream every decoder family runs: embed, then per layer attention and the
+    feed-forward (`layer.mlp`), each added to the stream with the next norm fused in, then the
+    logits of the rows wanted. A family gives `_attention(i, layer, x, cos, sin, meta)`, and sets
+    embed, layers (with input_norm, post_norm, mlp), final_norm, lm_head, rotary, ops, parallel, dtype."""
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
+        ops, tp = self.ops, self.parallel
+        h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
+        x = ops.rms_norm(h, self.layers[0].input_norm)
+        for i, layer in enumerate(self.layers):
+            x = ops.add_rms_norm(tp.reduce(self._attention(i, layer, x, cos, sin, meta)), h, layer.post_norm)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x = ops.add_rms_norm(tp.reduce(layer.mlp(x, ops)), h, after)  # h += mlp; x = next norm of h
+        return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()  # [N, vocab]
+
+
+class LlamaModel(DecoderStack):
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend,
                  *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
                  parallel: ParallelContext | None = None) -> None:
@@ -71,20 +92,6 @@ class LlamaModel:
         weights.check_all_used()
         self.q_size = spec.num_heads * spec.head_dim
 
-    @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
-        ops, tp = self.ops, self.parallel
-        h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
-        x = ops.rms_norm(h, self.layers[0].input_norm)
-        for i, layer in enumerate(self.layers):
-            x = ops.add_rms_norm(tp.reduce(self._attention(i, layer, x, cos, sin, meta)), h, layer.post_norm)
-            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.add_rms_norm(tp.reduce(self._mlp(layer, x)), h, after)  # h += mlp; x = next norm of h
-        return tp.logits(x.index_select(0, logit_rows), self.lm_head).float()  # [N, vocab]
-
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
         t, d, heads = x.shape[0], self.spec.head_dim, self.spec.num_heads
@@ -94,9 +101,6 @@ class LlamaModel:
             qkv = torch.cat((self.ops.rms_norm(q, layer.q_norm), self.ops.rms_norm(k, layer.k_norm), v), 1)
         out = self.attention.forward(i, qkv, cos, sin, meta)  # [T, heads, head_dim]; RoPE inside
         return self.ops.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return layer.mlp(x, self.ops)
 
 
 class _WeightTable:
