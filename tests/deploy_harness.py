@@ -60,6 +60,10 @@ def free_port() -> int:
             return port
 
 
+def free_ports(n: int) -> list[int]:
+    return [free_port() for _ in range(n)]
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():

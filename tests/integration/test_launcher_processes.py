@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_harness import free_ports
 from waiting import wait_until
 
 from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
@@ -117,16 +118,6 @@ def setup(tmp_path, request):
     script = tmp_path / "fake_child.py"
     script.write_text(FAKE_CHILD)
     return deployment, script, tmp_path / "logs", ports
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def port_is_free(port: int) -> bool:

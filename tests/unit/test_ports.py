@@ -4,19 +4,10 @@ ones in use found with a real listener on them."""
 import socket
 
 import yaml
+from deploy_harness import free_ports
 
 from server.config.schema import load_deployment
 from server.deploy.ports import Listener, bind_http, busy_ports, listeners
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def test_every_port_is_named_by_its_server_and_key(tmp_path):
