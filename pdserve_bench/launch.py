@@ -16,7 +16,6 @@ import copy
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import yaml
 
 from pdserve_bench.cpu import PROC, descendants, process_table
 from server.deploy.launcher import wait_for_health
+from server.deploy.ports import quiet_ports
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
@@ -38,15 +38,8 @@ LAUNCHER_READY = "[pdserve launch] ready: "  # server/deploy/launcher.py prints 
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports that were free a moment ago."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """`count` distinct loopback ports, free now and outside the kernel's ephemeral range."""
+    return quiet_ports(count)
 
 
 def is_disaggregated(deployment: dict[str, Any]) -> bool:

@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import yaml
 from waiting import wait_until
 
 from server.deploy.launcher import wait_for_health
+from server.deploy.ports import quiet_ports
 
 if TYPE_CHECKING:
     import openai
@@ -48,16 +48,21 @@ FILLER = "The system should keep the answer short, clear and correct, and it sho
 _HANDED_OUT: set[int] = set()
 
 
+def _lane() -> tuple[int, int]:
+    """This pytest-xdist worker's share of the port range (gw0 -> 0 of 8), inherited by the
+    processes a test starts."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    digits = worker.removeprefix("gw")
+    return (int(digits) if digits.isdigit() else 0), 8
+
+
 def free_port() -> int:
-    """A port free now and not handed out before by this process (the kernel may offer a port again
-    as soon as its probe socket closes, and one config must not get the same port twice)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A free port below the ephemeral range (no KV socket or client connection can take it before
+    the server binds it), never handed out twice by this process."""
+    lane, lanes = _lane()
+    port = quiet_ports(1, lane, lanes, avoid=_HANDED_OUT)[0]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def free_ports(n: int) -> list[int]:

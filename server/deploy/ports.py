@@ -3,8 +3,10 @@ in use is an error at start-up that names it, never a server that answers for an
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from server.config.checks import host_port
 from server.config.schema import DeploymentConfig
@@ -71,3 +73,46 @@ def busy_ports(cfg: DeploymentConfig) -> list[str]:
             lines.append(f"port {item.port} of {item.name} ({item.key} in {cfg.source}: "
                          f"{host_port(item.host, item.port)}): {problem}")
     return lines
+
+
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_SPAN = 16_000  # ports below the ephemeral range to draw from
+_LOWEST = 10_000
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (32768 where /proc does not say)."""
+    try:
+        return int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing bound to host:port (TIME_WAIT leftovers count as taken: a server may not get it)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def quiet_ports(count: int, lane: int = 0, lanes: int = 1, avoid: set[int] | None = None,
+                host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host`, drawn at random from below the kernel's ephemeral range
+    (where OS-chosen ports of KV sockets and client connections come from, so none of those can take
+    one before its server binds it); `lane` of `lanes` splits the range between parallel callers."""
+    top = ephemeral_start()
+    bottom = max(_LOWEST, top - _SPAN) if top > _LOWEST + 1000 else 1024
+    width = max(1, (top - bottom) // max(1, lanes))
+    start = bottom + (lane % max(1, lanes)) * width
+    taken = set(avoid or ())
+    out: list[int] = []
+    for port in random.sample(range(start, start + width), width):
+        if port not in taken and is_free(port, host):
+            out.append(port)
+            taken.add(port)
+            if len(out) == count:
+                return out
+    raise RuntimeError(f"no {count} free ports on {host} in {start}-{start + width - 1}")

@@ -11,12 +11,12 @@ or restarted context process, an incompatible layout, cancel.
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import msgspec
 import pytest
 import zmq
+from deploy_harness import free_port
 from kv_factories import make_manager
 from kv_transfer_harness import (
     ContextSide,
@@ -263,9 +263,7 @@ def test_lease_expires_when_nobody_pulls_and_late_pull_fails() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def test_killed_context_fails_the_pull_at_once_and_a_restart_changes_epoch() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 
+from deploy_harness import free_port
 from starlette.testclient import TestClient
 from waiting import wait_until_async
 
@@ -67,11 +68,7 @@ def test_a_failing_round_hook_does_not_stop_the_health_checks():
 
 
 def dead_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
+    return free_port()  # free, below the ephemeral range: nothing listens there
 
 
 def test_router_serves_the_page_its_assets_and_the_feed():

@@ -4,9 +4,9 @@ nothing, so the leg goes to another one (JSON and streamed); one that answers an
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
+from deploy_harness import free_port
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
@@ -41,9 +41,7 @@ def live_url():
 
 
 def _closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+    return f"http://127.0.0.1:{free_port()}"  # free, below the ephemeral range: nothing listens
 
 
 def _run(live_url: str, body: dict):

@@ -4,13 +4,13 @@ named like its actor (`<deployment>/<server>`) so that `pdserve ray down` finds 
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from server.config.placement import ROUTER, RayActorOptions
 from server.config.schema import DeploymentConfig
+from server.deploy.ports import quiet_ports
 
 SECTIONS = {"context": "context_servers", "generation": "generation_servers", "aggregated": "generation_servers"}
 STRATEGY = "STRICT_PACK"  # a tensor-parallel server's ranks on one node
@@ -112,17 +112,9 @@ def free_ports(ray, placed: dict[str, Placed], names: list[str]) -> dict[str, in
 
 
 def _pick_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports free on `host` now (each socket held until all are picked)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """`count` distinct ports free on `host` now, below its ephemeral range (no OS-chosen port of a
+    KV socket or client connection can take one before its server binds it)."""
+    return quiet_ports(count, host=host)
 
 
 def with_urls(data: dict[str, Any], urls: dict[str, list[str]]) -> dict[str, Any]:
