@@ -257,7 +257,9 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Run one step; float32 logits [sum of num_logits of chunks with need_logits, vocab], in chunk order.
-        `pending`: chunks whose token is taken on the device from the previous step's sampled ids."""
+        `pending`: chunks whose token is taken on the device from the previous step's sampled ids.
+        A step replayed from a CUDA graph returns a view of that graph's output buffer, which the next
+        replay overwrites: a caller that keeps a step's logits past the next `execute` copies them."""
         replay = replay_plan(chunks, self.graphs.fits) if self.graphs is not None else None
         if replay is not None:
             self._check_limits(chunks)

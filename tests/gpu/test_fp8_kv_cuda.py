@@ -65,11 +65,12 @@ def _teacher_forced(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor:
     for i, s in enumerate(seqs):
         kv.admit(f"r{i}", s)
     tables = [{w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes} for i in range(len(seqs))]
-    out = [runner.execute([SeqChunk(s[:PROMPT], 0, t, True) for s, t in zip(seqs, tables, strict=True)])]
+    # a replayed step's logits are its graph's output buffer, overwritten by the next replay: copy each at once
+    out = [runner.execute([SeqChunk(s[:PROMPT], 0, t, True) for s, t in zip(seqs, tables, strict=True)]).float().cpu()]
     for step in range(STEPS):
         out.append(runner.execute([SeqChunk([s[PROMPT + step]], PROMPT + step, t, True)
-                                   for s, t in zip(seqs, tables, strict=True)]))
-    return torch.stack(out).float().cpu()
+                                   for s, t in zip(seqs, tables, strict=True)]).float().cpu())
+    return torch.stack(out)
 
 
 def test_fp8_kv_logits_are_within_tolerance_of_bf16_kv_with_graphs(story):

@@ -59,13 +59,15 @@ def _teacher_forced(runner: ModelRunner, seqs: list[list[int]]) -> list[torch.Te
     for i, s in enumerate(seqs):
         kv.admit(f"r{i}", s)
     tables = [{w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes} for i in range(len(seqs))]
-    out = [runner.execute([SeqChunk(s[:FIRST], 0, t, True) for s, t in zip(seqs, tables, strict=True)]),
-           runner.execute([SeqChunk(s[FIRST:FIRST + SECOND], FIRST, t, True)
-                           for s, t in zip(seqs, tables, strict=True)])]
-    for step in range(STEPS):
-        at = FIRST + SECOND + step
-        out.append(runner.execute([SeqChunk([s[at]], at, t, True) for s, t in zip(seqs, tables, strict=True)]))
-    return [x.float().cpu() for x in out]
+    def step(chunks: list[SeqChunk]) -> torch.Tensor:  # a replay's logits live in its graph's buffer: copy now
+        return runner.execute(chunks).float().cpu()
+
+    out = [step([SeqChunk(s[:FIRST], 0, t, True) for s, t in zip(seqs, tables, strict=True)]),
+           step([SeqChunk(s[FIRST:FIRST + SECOND], FIRST, t, True) for s, t in zip(seqs, tables, strict=True)])]
+    for i in range(STEPS):
+        at = FIRST + SECOND + i
+        out.append(step([SeqChunk([s[at]], at, t, True) for s, t in zip(seqs, tables, strict=True)]))
+    return out
 
 
 def fp8_paths_logits(device: torch.device, tmp_path, graphs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
