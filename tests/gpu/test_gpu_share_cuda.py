@@ -1,7 +1,12 @@
 """`gpu_share: auto` on one GPU: `pdserve launch` of the shipped pair starts the CUDA MPS daemon, the
 servers and their engine processes run as its clients with 60% and 100% of the SMs, the pair's
 greedy text equals the pair's without MPS, and the daemon quits with the deployment. Skipped without
-CUDA or without nvidia-cuda-mps-control on PATH."""
+CUDA or without nvidia-cuda-mps-control on PATH.
+
+Both pairs run in float32: in bf16 the long repeated prompt's text parts from the plain pair's from its
+first token (seen on an H100, 2026-12-06), because a context server on 60% of the SMs gets other cuBLAS
+algorithms and the degenerate prompt's top logits nearly tie; in float32 the texts are equal, so that
+difference is rounding, not a fault of prefill under MPS (scripts/diag_pair_first_event.py shows both)."""
 
 from __future__ import annotations
 
@@ -43,10 +48,10 @@ def _ask(pipe: str, line: str) -> list[str]:
 def test_auto_runs_the_pair_under_the_launchers_mps_daemon(tmp_path) -> None:
     for name in ("plain", "mps"):
         (tmp_path / name).mkdir()
-    with deploy_harness.launched("disagg.yaml", tmp_path / "plain", {"gpu_share": "off"}) as plain:
+    with deploy_harness.launched("disagg.yaml", tmp_path / "plain", {"gpu_share": "off", "dtype": "float32"}) as plain:
         want = deploy_harness.greedy_texts(plain.url, PROMPTS, 16)
         assert [_mps_env(pid) for pid in _processes(plain, "context-0")] == [{}] * len(_processes(plain, "context-0"))
-    with deploy_harness.launched("disagg.yaml", tmp_path / "mps", {"gpu_share": "auto"}) as pair:
+    with deploy_harness.launched("disagg.yaml", tmp_path / "mps", {"gpu_share": "auto", "dtype": "float32"}) as pair:
         got = deploy_harness.greedy_texts(pair.url, PROMPTS, 16)
         pipe, log = str(pair.log_dir / "mps" / "pipe"), str(pair.log_dir / "mps" / "log")
         clients = []
