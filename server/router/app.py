@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
@@ -148,8 +148,8 @@ def create_router_app(settings: RouterConfig) -> Starlette:
     app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(ApiKeyMiddleware, access=settings.access()),
                                 Middleware(DrainGate, drain=drain)], routes=[
-        Route("/v1/completions", _completions, methods=["POST"]),
-        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/completions", partial(_handle, path="/v1/completions", chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", partial(_handle, path="/v1/chat/completions", chat=True), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
@@ -166,14 +166,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return error_response(exc.status_code, message, headers=exc.headers)
-
-
-async def _completions(request: Request) -> Response:
-    return await _handle(request, "/v1/completions", chat=False)
-
-
-async def _chat(request: Request) -> Response:
-    return await _handle(request, "/v1/chat/completions", chat=True)
 
 
 async def _handle(request: Request, path: str, chat: bool) -> Response:

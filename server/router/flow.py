@@ -270,7 +270,8 @@ class RequestFlow:
             return
         events = opening_events(ctx.json, self.ask.chat, migration.response_id, continued=True)
         params = self._handoff(context_params(ctx.json), moved=True)
-        self._start(ctx.backend, params, _fixed(params.prompt_token_ids))
+        ids = params.prompt_token_ids
+        self._start(ctx.backend, params, lambda: ids)
         for event in events:
             yield event
 
@@ -291,10 +292,6 @@ class RequestFlow:
             await self.legs.release_context(*self._lease)
         if self._early is not None:
             await self._early.close()
-
-
-def _fixed(tokens: tuple[int, ...] | None) -> Callable[[], tuple[int, ...] | None]:
-    return lambda: tokens
 
 
 def _mid_stream_error(message: str) -> bytes:
