@@ -12,7 +12,6 @@ from server.api.access import EndpointDirectory
 from server.api.builder import DEFAULT_MAX_N
 from server.api.errors import install_error_handlers
 from server.api.routes import health, v1
-from server.api.routes import metrics as metrics_route
 from server.openai.openapi import openapi_document
 from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
@@ -51,6 +50,6 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
     app.state.context_directory = context_directory
     app.state.max_n = max_n
     install_error_handlers(app)
-    for module in (v1, health, metrics_route):
+    for module in (v1, health):
         app.include_router(module.router)
     return app
