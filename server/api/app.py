@@ -8,8 +8,8 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 
 from fastapi import FastAPI
 
-from server.api.access import EndpointDirectory
 from server.api.builder import DEFAULT_MAX_N
+from server.api.context_directory import ContextDirectory
 from server.api.errors import install_error_handlers
 from server.api.routes import health, v1
 from server.openai.openapi import openapi_document
@@ -21,7 +21,7 @@ EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineCl
 
 
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
-               auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
+               auth_token: str | None = None, context_directory: ContextDirectory | None = None,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
     `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV

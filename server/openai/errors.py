@@ -26,10 +26,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+        self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)

@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from server.auth import token_headers
 from server.config.router import RouterConfig
 from server.dashboard import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
@@ -105,9 +104,8 @@ def _build_state(settings: RouterConfig) -> RouterState:
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     registry = CollectorRegistry()
-    headers = token_headers(settings.auth_token)
     routing = Routing(settings, context, generation, registry)
-    routing.follow_events(client, settings.auth_token, headers, registry)
+    routing.follow_events(client, settings.auth_token, registry)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)

@@ -45,10 +45,9 @@ class Routing:
         """The router follows the servers' KV events (kv_cache_aware, or a minimum prefix hit)."""
         return self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None
 
-    def follow_events(self, client: HttpClient, token: str | None, headers: dict[str, str],
-                      registry: CollectorRegistry) -> None:
+    def follow_events(self, client: HttpClient, token: str | None, registry: CollectorRegistry) -> None:
         if self.needs_events and token:
-            self.sync = KvEventSync(self.context + self.generation, client, token, headers, registry)
+            self.sync = KvEventSync(self.context + self.generation, client, token, registry)
 
     async def start(self) -> None:
         if self.sync is not None:

@@ -54,7 +54,8 @@ class MetricsDelta(msgspec.Struct, frozen=True):
     prefill: list[float] = []
 
 
-_LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers", "prefill")
+_SECONDS = ("ttft", "tpot", "e2e", "queue_time", "prefill")  # each replayed as `observe_<name>(seconds)`
+_LISTS = (*_SECONDS, "transfers")
 
 
 class MetricsRecorder:
@@ -152,16 +153,10 @@ class RelayedMetrics:
 
     def replay(self, delta: MetricsDelta) -> None:
         m = self.metrics
-        for seconds in delta.ttft:
-            m.observe_ttft(seconds)
-        for seconds in delta.tpot:
-            m.observe_tpot(seconds)
-        for seconds in delta.e2e:
-            m.observe_e2e(seconds)
-        for seconds in delta.queue_time:
-            m.observe_queue_time(seconds)
-        for seconds in delta.prefill:
-            m.observe_prefill(seconds)
+        for name in _SECONDS:
+            observe = getattr(m, f"observe_{name}")
+            for seconds in getattr(delta, name):
+                observe(seconds)
         for num_bytes, seconds in delta.transfers:
             m.observe_transfer(num_bytes, seconds)
         if delta.generation_tokens:
