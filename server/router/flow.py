@@ -35,7 +35,7 @@ from server.router.errors import LegError
 from server.router.http_client import HttpError
 from server.router.kv_stream import EarlyContext
 from server.router.legs import Legs, Upstream
-from server.router.migration import Migration
+from server.router.migration import EventTracker, Migration
 from server.router.policies import Prompt, PromptTokens
 
 MID_STREAM = 500  # the status an error event's type is named after: the stream itself is a 200
@@ -223,7 +223,7 @@ class RequestFlow:
 
     async def _relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
         """One generation leg's events; on a broken stream, move the request on or end with an error."""
-        tracker = self._migration.tracker() if self._migration is not None else None
+        tracker = EventTracker(self._migration.tokens) if self._migration is not None else None
         try:
             async for chunk in upstream.stream.aiter_raw():
                 self.phases.stamp("relayed")
