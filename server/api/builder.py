@@ -140,7 +140,7 @@ def _token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
 def _check_in_vocab(ids: Sequence[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})", param=param)
+        raise APIError(400, f"'{param}': token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
 # ---- 3. the disaggregated parameters
@@ -280,14 +280,9 @@ def _sampling_params(body: Body, max_tokens: int, vocab_size: int, constraint: S
 
 
 def _logit_bias(body: Body, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    out = []
-    for key, bias in (body.logit_bias or {}).items():
-        token = int(key)
-        if not 0 <= token < vocab_size:
-            raise APIError(400, f"'logit_bias': token id {token} is outside the vocabulary [0, {vocab_size})",
-                           param="logit_bias")
-        out.append((token, float(bias)))
-    return tuple(sorted(out))
+    out = sorted((int(key), float(bias)) for key, bias in (body.logit_bias or {}).items())
+    _check_in_vocab([token for token, _ in out], vocab_size, "logit_bias")
+    return tuple(out)
 
 
 # ---- 6. how to answer
