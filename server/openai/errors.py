@@ -30,3 +30,8 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def bad_field(param: str, problem: str) -> APIError:
+    """A 400 naming the field: `'<param>': <problem>`."""
+    return APIError(400, f"'{param}': {problem}", param=param)
