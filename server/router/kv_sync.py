@@ -94,9 +94,6 @@ class KvEventSync:
         self._busy: set[str] = set()  # urls with a subscribe or snapshot request in flight
         self._heard: dict[str, float] = {}
         self._counted: dict[tuple[str, str], int] = {}
-        self._metrics(registry)
-
-    def _metrics(self, registry: CollectorRegistry) -> None:
         self._events = Counter("pdserve_router_kv_events", "KV events applied to the router's index, by server",
                                ["server"], registry=registry)
         self._resyncs = Counter("pdserve_router_kv_resyncs", "Resynchronisations of a server's KV index from "
