@@ -4,6 +4,9 @@ the router alike; the type follows from the HTTP status. What each status means:
 
 from __future__ import annotations
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
 from server.openai.wire import JSONBody
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -19,6 +22,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONBody:
     return JSONBody(error_body(status, message, param=param, code=code), status, headers=headers)
+
+
+async def http_error(request: Request, exc: Exception) -> JSONBody:
+    """Unknown path, wrong method: the OpenAI error shape, like every other error (servers and router)."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    message = f"route not found: {where}" if exc.status_code == 404 else f"{exc.detail}: {where}"
+    return error_response(exc.status_code, message, headers=exc.headers)
 
 
 class APIError(Exception):

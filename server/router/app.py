@@ -23,7 +23,7 @@ from starlette.routing import Route
 from server.config.router import RouterConfig
 from server.dashboard import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
-from server.openai.errors import error_response
+from server.openai.errors import error_response, http_error
 from server.openai.openapi import openapi_document
 from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
@@ -143,7 +143,7 @@ def create_router_app(settings: RouterConfig) -> Starlette:
         await state.client.aclose()
 
     drain = Drain(settings.drain_timeout_s)
-    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(ApiKeyMiddleware, access=settings.access()),
                                 Middleware(DrainGate, drain=drain)], routes=[
         Route("/v1/completions", partial(_handle, path="/v1/completions", chat=False), methods=["POST"]),
@@ -157,13 +157,6 @@ def create_router_app(settings: RouterConfig) -> Starlette:
     ])
     app.state.drain = drain
     return app
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """Unknown path, wrong method: the OpenAI error shape, like every other error of the router."""
-    assert isinstance(exc, HTTPException)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(exc.status_code, message, headers=exc.headers)
 
 
 async def _handle(request: Request, path: str, chat: bool) -> Response:
