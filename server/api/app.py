@@ -26,7 +26,6 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
     `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV
     endpoints this server may pull from (`server.api.access`)."""
-    server_metrics = metrics if metrics is not None else ServerMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -45,7 +44,7 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = openapi_document  # request bodies included (FastAPI's own shows none: see json_body)
-    app.state.metrics = server_metrics
+    app.state.metrics = metrics if metrics is not None else ServerMetrics()
     app.state.auth_token = auth_token
     app.state.context_directory = context_directory
     app.state.max_n = max_n
