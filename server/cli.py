@@ -197,10 +197,6 @@ def _launch(args: argparse.Namespace) -> int:
         if args.detach or args.name:
             raise UsageError("--detach and --name go with --ray")
         return launch(args.config, options)
-    return _launch_on_ray(args, options)
-
-
-def _launch_on_ray(args: argparse.Namespace, options) -> int:
     from server.deploy.ray.launch import RayOptions, launch_on_ray
     from server.deploy.ray.placement import PlacementError
 

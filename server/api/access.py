@@ -6,8 +6,6 @@ anything reaches the engine: a refused request pins nothing and connects nowhere
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from starlette.requests import Request
 
 from server.api.errors import APIError
@@ -15,16 +13,6 @@ from server.auth import TOKEN_HEADER, missing_token_message, token_matches
 from server.openai.protocol import DisaggParams
 
 PARAM = "disaggregated_params"
-
-
-class EndpointDirectory(Protocol):
-    """The KV endpoints a generation server may pull from (`ContextDirectory`)."""
-
-    async def knows(self, endpoint: str) -> bool: ...
-
-    def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
 
 
 def require_token(request: Request, what: str) -> None:

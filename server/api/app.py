@@ -8,11 +8,10 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 
 from fastapi import FastAPI
 
-from server.api.access import EndpointDirectory
 from server.api.builder import DEFAULT_MAX_N
+from server.api.context_directory import ContextDirectory
 from server.api.errors import install_error_handlers
 from server.api.routes import health, v1
-from server.api.routes import metrics as metrics_route
 from server.openai.openapi import openapi_document
 from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
@@ -22,12 +21,11 @@ EngineFactory = Callable[[], EngineClient | AbstractAsyncContextManager[EngineCl
 
 
 def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None = None,
-               auth_token: str | None = None, context_directory: EndpointDirectory | None = None,
+               auth_token: str | None = None, context_directory: ContextDirectory | None = None,
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
     `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV
     endpoints this server may pull from (`server.api.access`)."""
-    server_metrics = metrics if metrics is not None else ServerMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,11 +44,11 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = openapi_document  # request bodies included (FastAPI's own shows none: see json_body)
-    app.state.metrics = server_metrics
+    app.state.metrics = metrics if metrics is not None else ServerMetrics()
     app.state.auth_token = auth_token
     app.state.context_directory = context_directory
     app.state.max_n = max_n
     install_error_handlers(app)
-    for module in (v1, health, metrics_route):
+    for module in (v1, health):
         app.include_router(module.router)
     return app

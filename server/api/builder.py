@@ -16,6 +16,7 @@ from server.api.streams import failed
 from server.api.structured import request_constraint
 from server.api.token_text import pieces_for
 from server.api.tool_choice import ToolPlan, tool_plan
+from server.openai.errors import bad_field
 from server.openai.formatting import Echo, FormatOptions
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, DisaggParams
 from server.types import (
@@ -96,18 +97,17 @@ def check_model(requested: str | None, engine: EngineClient) -> None:
 
 def _check_choices(body: Body, max_n: int) -> None:
     if body.n > max_n:
-        raise APIError(400, f"'n': {body.n} choices asked; this server's maximum is {max_n}", param="n")
+        raise bad_field("n", f"{body.n} choices asked; this server's maximum is {max_n}")
     best_of = body.best_of if isinstance(body, CompletionRequest) else None
     if best_of is not None and best_of != body.n:
-        raise APIError(400, f"'best_of': must equal n ({body.n}); pdserve does not rank extra candidates",
-                       param="best_of")
+        raise bad_field("best_of", f"must equal n ({body.n}); pdserve does not rank extra candidates")
 
 
 def _output_logprobs(body: Body) -> int | None:
     """How many alternatives each sampled token's logprob comes with; None: no logprobs."""
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "'top_logprobs': needs logprobs: true", param="top_logprobs")
+            raise bad_field("top_logprobs", "needs logprobs: true")
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
 
@@ -158,8 +158,7 @@ def _check_disagg(body: Body, vocab_size: int, prompts: int) -> DisaggParams | N
         raise APIError(400, "disaggregated_params.first_gen_tokens: a kv_stream generation_only request takes its "
                        "first token from the KV transfer", param="disaggregated_params.first_gen_tokens")
     if disagg.request_type != "context_and_generation" and prompts > 1:
-        raise APIError(400, f"'prompt': a {disagg.request_type} request carries one prompt, not {prompts}",
-                       param="prompt")
+        raise bad_field("prompt", f"a {disagg.request_type} request carries one prompt, not {prompts}")
     first = disagg.first_gen_tokens
     if first:
         _check_in_vocab(first, vocab_size, "disaggregated_params.first_gen_tokens")
@@ -202,12 +201,10 @@ def _check_generation_logprobs(disagg: DisaggParams, prompt_len: int, logprobs: 
     if logprobs and tokens:
         param = "disaggregated_params.first_gen_logprobs"
         if first is None or len(first) != len(tokens) or any(e[0] != t for e, t in zip(first, tokens, strict=False)):
-            raise APIError(400, f"'{param}': logprobs are asked: one entry per first_gen_tokens token, that token's",
-                           param=param)
+            raise bad_field(param, "logprobs are asked: one entry per first_gen_tokens token, that token's")
     if logprobs and echo and (disagg.prompt_logprobs is None or len(disagg.prompt_logprobs) != prompt_len):
         param = "disaggregated_params.prompt_logprobs"
-        raise APIError(400, f"'{param}': echo with logprobs needs the context server's, one per prompt token",
-                       param=param)
+        raise bad_field(param, "echo with logprobs needs the context server's, one per prompt token")
 
 
 # ---- 5. sampling, per prompt
@@ -280,14 +277,11 @@ def _sampling_params(body: Body, max_tokens: int, vocab_size: int, constraint: S
 
 
 def _logit_bias(body: Body, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    out = []
-    for key, bias in (body.logit_bias or {}).items():
-        token = int(key)
-        if not 0 <= token < vocab_size:
-            raise APIError(400, f"'logit_bias': token id {token} is outside the vocabulary [0, {vocab_size})",
-                           param="logit_bias")
-        out.append((token, float(bias)))
-    return tuple(sorted(out))
+    out = sorted((int(key), float(bias)) for key, bias in (body.logit_bias or {}).items())
+    bad = next((token for token, _ in out if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise bad_field("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tuple(out)
 
 
 # ---- 6. how to answer
@@ -307,8 +301,7 @@ def _transforms(body: Body, requests: list[GenerateRequest], logprobs: bool, ech
         transforms = [GenerationOutputs(disagg, body.n).apply]
     if isinstance(body, CompletionRequest) and body.max_tokens == 0:
         if not echo or disagg is not None:
-            raise APIError(400, "'max_tokens': 0 is only for echo (the prompt's logprobs), not disaggregated",
-                           param="max_tokens")
+            raise bad_field("max_tokens", "0 is only for echo (the prompt's logprobs), not disaggregated")
         transforms = [_zero_tokens] * len(requests)
     return transforms
 

@@ -9,6 +9,7 @@ from jinja2 import TemplateError
 
 from server.api.errors import APIError
 from server.openai.chat_messages import ChatMessage
+from server.openai.errors import bad_field
 from server.openai.protocol import ChatCompletionRequest
 
 
@@ -26,15 +27,14 @@ def _message_text(content, index: int) -> str:
 
 def _tool_calls(message: ChatMessage, index: int) -> list[dict]:
     if message.role != "assistant":
-        raise APIError(400, f"'messages.{index}.tool_calls': only assistant messages carry tool calls",
-                       param=f"messages.{index}.tool_calls")
+        raise bad_field(f"messages.{index}.tool_calls", "only assistant messages carry tool calls")
     calls = []
     for j, call in enumerate(message.tool_calls):
         param = f"messages.{index}.tool_calls.{j}.function.arguments"
         try:
             arguments = json.loads(call.function.arguments)
         except ValueError:
-            raise APIError(400, f"'{param}': not JSON text", param=param) from None
+            raise bad_field(param, "not JSON text") from None
         calls.append({"id": call.id, "type": "function",
                       "function": {"name": call.function.name, "arguments": arguments}})
     return calls
@@ -46,8 +46,7 @@ def template_message(message: ChatMessage, index: int) -> dict:
         out["tool_calls"] = _tool_calls(message, index)
     if message.role == "tool":
         if not message.tool_call_id:
-            raise APIError(400, f"'messages.{index}.tool_call_id': a tool message names the call it answers",
-                           param=f"messages.{index}.tool_call_id")
+            raise bad_field(f"messages.{index}.tool_call_id", "a tool message names the call it answers")
         out["tool_call_id"] = message.tool_call_id
     return out
 

@@ -5,15 +5,13 @@ lease, before the engine admits the request), then `{"status", "body"}`: the con
 
 from __future__ import annotations
 
-from pydantic import TypeAdapter
 from starlette.requests import Request
 
-from server.openai.protocol import DisaggParams
+from server.openai.protocol import DISAGG_PARAMS, DisaggParams
 from server.openai.sse import json_event, sse_event
 from server.types import EngineClient, GenerateRequest
 
 KV_STREAM = "kv_stream"  # the first event's key
-_PARAMS = TypeAdapter(DisaggParams)
 
 
 def streamed_params(request: Request, engine: EngineClient, gen: GenerateRequest) -> DisaggParams | None:
@@ -33,7 +31,7 @@ def streamed_params(request: Request, engine: EngineClient, gen: GenerateRequest
 
 
 def early_event(params: DisaggParams) -> bytes:
-    return json_event({KV_STREAM: _PARAMS.dump_python(params, mode="json")})
+    return json_event({KV_STREAM: DISAGG_PARAMS.dump_python(params, mode="json")})
 
 
 def result_event(status: int, body_json: str) -> bytes:

@@ -10,7 +10,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError
-from server.telemetry.metrics import ServerMetrics
 from server.types import EngineClient
 
 M = TypeVar("M", bound=BaseModel)
@@ -38,13 +37,9 @@ def get_engine(request: Request) -> EngineClient:
 def get_ready_engine(request: Request) -> EngineClient:
     """The engine, or a 503 while it is still loading."""
     engine = get_engine(request)
-    if not engine.is_ready():
+    if engine is None or not engine.is_ready():
         raise APIError(503, "the engine is not ready yet (model loading)", code="not_ready")
     return engine
-
-
-def get_metrics(request: Request) -> ServerMetrics:
-    return request.app.state.metrics
 
 
 Engine = Annotated[EngineClient, Depends(get_engine)]

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from server.openai.errors import APIError, error_response
+from server.openai.errors import APIError, error_response, http_error
 from server.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,6 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> Respo
     return error_response(400, message, param=field)
 
 
-async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    where = f"{request.method} {request.url.path}"
-    message = f"route not found: {where}" if exc.status_code == 404 else f"{exc.detail}: {where}"
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-
 async def _on_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error in the HTTP layer")
     return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -65,5 +59,5 @@ async def _on_unexpected(_: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, _on_unexpected)

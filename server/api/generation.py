@@ -15,7 +15,7 @@ from server.api.access import check_disagg_access
 from server.api.builder import DEFAULT_MAX_N, Built, build_request, new_request_id
 from server.api.context_stream import early_event, result_event, streamed_params
 from server.api.disagg_logprobs import with_context_logprobs
-from server.api.errors import output_error
+from server.api.errors import APIError, output_error
 from server.api.streams import RequestStreams, failed
 from server.openai.formatting import Formatter, continued_response_id
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,13 +42,16 @@ async def _collect(streams: RequestStreams) -> list[RequestOutput]:
     return [merge_outputs(outputs[i]) for i in sorted(outputs)]
 
 
-def _context_answer(built: Built, choices: list[RequestOutput]) -> list[RequestOutput]:
-    """A context leg's answer carries the log-probabilities its generation leg cannot compute."""
+def _whole(built: Built, fmt: Formatter, choices: list[RequestOutput]) -> str:
+    """The whole answer (`_collect`'s choices); APIError if one failed. A context leg's carries the
+    log-probabilities its generation leg cannot compute."""
+    if failed(choices[0]):
+        raise output_error(choices[0])
     disagg = built.requests[0].disagg
-    if disagg is None or disagg.request_type != "context_only":
-        return choices
-    logprobs = built.options.logprobs is not None
-    return with_context_logprobs(choices, logprobs, logprobs and bool(built.options.echo))
+    if disagg is not None and disagg.request_type == "context_only":
+        logprobs = built.options.logprobs is not None
+        choices = with_context_logprobs(choices, logprobs, logprobs and bool(built.options.echo))
+    return fmt.response(choices)
 
 
 async def respond_json(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
@@ -59,9 +62,7 @@ async def respond_json(request: Request, engine: EngineClient, built: Built, fmt
         await streams.close()
     if not done:
         return Response(status_code=CLIENT_CLOSED_STATUS)
-    if failed(choices[0]):
-        raise output_error(choices[0])
-    return Response(fmt.response(_context_answer(built, choices)), media_type="application/json")
+    return Response(_whole(built, fmt, choices), media_type="application/json")
 
 
 async def respond_stream(request: Request, engine: EngineClient, built: Built, fmt: Formatter,
@@ -94,12 +95,10 @@ async def respond_context(request: Request, engine: EngineClient, built: Built, 
 
 async def _context_events(streams: RequestStreams, built: Built, fmt: Formatter, early: bytes) -> AsyncIterator[bytes]:
     yield early
-    choices = await _collect(streams)
-    if failed(choices[0]):
-        error = output_error(choices[0])
+    try:
+        yield result_event(200, _whole(built, fmt, await _collect(streams)))
+    except APIError as error:
         yield result_event(error.status, dumps(error.body()).decode())
-    else:
-        yield result_event(200, fmt.response(_context_answer(built, choices)))
     yield DONE
 
 
@@ -152,9 +151,7 @@ async def answer(request: Request, engine: EngineClient, body: CompletionRequest
         built = build_request(body, engine, request_id, max_n)
     disagg = built.requests[0].disagg
     continued = disagg is not None and disagg.first_text_streamed  # the router began the stream
-    response_id = request_id
-    if continued:
-        response_id = disagg.response_id or continued_response_id(disagg.ctx_request_id)
+    response_id = (disagg.response_id or continued_response_id(disagg.ctx_request_id)) if continued else request_id
     fmt = formatter(response_id, engine.model_name, include_usage=body.include_usage, continued=continued,
                     options=built.options)
     if disagg is not None and disagg.kv_stream and disagg.request_type == "context_only":

@@ -1,8 +1,5 @@
-"""Is a JSON schema well formed? The keywords' own types, checked without compiling anything.
-
-The API checks every schema so before the grammar engine compiles it
-(`server.engine.structured.check_spec`, when present): server/api/structured.py `checked`.
-"""
+"""Is a JSON schema well formed? The keywords' own types, checked without compiling anything, before
+the grammar engine compiles it (server/api/structured.py `_checked`)."""
 
 from __future__ import annotations
 

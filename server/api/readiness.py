@@ -25,7 +25,10 @@ def health_report(app: Any) -> dict:
     directory = getattr(app.state, "context_directory", None)
     if directory is None or links.peers is None:
         return {}
-    peers = context_servers(directory, links.peers)
+    peers = {}  # context server URL -> the state of this server's handshake with its KV sender
+    for url in directory.context_urls:
+        endpoint = directory.endpoint_of(url)
+        peers[url] = UNKNOWN_ENDPOINT if endpoint is None else links.peers.get(endpoint, "unchecked")
     if any(state != PEER_COMPATIBLE for state in peers.values()):
         directory.nudge()  # learn endpoints and shake hands now, not at the next interval
     bad = {url: state for url, state in peers.items() if state.startswith(INCOMPATIBLE)}
@@ -34,12 +37,3 @@ def health_report(app: Any) -> dict:
                            for url, state in bad.items())
         return {"status": INCOMPATIBLE, "detail": detail, "context_servers": peers}
     return {"context_servers": peers}
-
-
-def context_servers(directory: Any, status: dict[str, str]) -> dict[str, str]:
-    """context server URL -> the state of this generation server's handshake with its KV sender."""
-    out = {}
-    for url in directory.context_urls:
-        endpoint = directory.endpoint_of(url)
-        out[url] = UNKNOWN_ENDPOINT if endpoint is None else status.get(endpoint, "unchecked")
-    return out

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.api.errors import APIError
 from server.api.json_schema import schema_problem
 from server.engine.structured import check_spec
+from server.openai.errors import bad_field
 from server.openai.protocol import SamplingRequest
 from server.types import StructuredSpec
 
@@ -22,7 +22,7 @@ def json_schema_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec
         try:
             schema = json.loads(schema)
         except ValueError as exc:
-            raise APIError(400, f"'{param}': not JSON text ({exc})", param=param) from None
+            raise bad_field(param, f"not JSON text ({exc})") from None
     return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
@@ -65,12 +65,11 @@ def request_constraint(body: SamplingRequest, tool_schema: dict[str, Any] | str 
     found = _from_response_format(body) + [(p, _vllm_spec(p, key, value)) for p, key, value in _vllm_fields(body)]
     if len(found) > 1:
         first, second = (p.split(".")[0] for p, _ in found[:2])
-        raise APIError(400, f"'{second}': only one structured-output constraint per request ({first} is set too)",
-                       param=second)
+        raise bad_field(second, f"only one structured-output constraint per request ({first} is set too)")
     if found and tool_schema is not None:
         field = found[0][0].split(".")[0]
-        raise APIError(400, f"'{field}': tool_choice constrains the answer to tool calls; it cannot be combined "
-                       "with another structured-output constraint", param=field)
+        raise bad_field(field, "tool_choice constrains the answer to tool calls; it cannot be combined with another "
+                        "structured-output constraint")
     if tool_schema is not None:
         found = [(tool_param, json_schema_spec(tool_schema, tool_param))]
     return _checked(found[0][1], tokenizer, found[0][0]) if found else None
@@ -85,5 +84,5 @@ def _checked(spec: StructuredSpec, tokenizer: object, param: str) -> StructuredS
                 raise ValueError(problem)
         check_spec(spec, tokenizer)
     except ValueError as exc:
-        raise APIError(400, f"'{param}': {exc}", param=param) from None
+        raise bad_field(param, str(exc)) from None
     return spec

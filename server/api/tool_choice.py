@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.errors import APIError
+from server.openai.errors import bad_field
 from server.openai.formatting import ToolMode
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.tool_parsers import PYTHON_TAG, HermesParser
@@ -54,13 +54,12 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if not body.tools:
         if choice not in ("none", "auto"):
-            raise APIError(400, "'tool_choice': a tool is required or named, but the request has no tools",
-                           param="tool_choice")
+            raise bad_field("tool_choice", "a tool is required or named, but the request has no tools")
         return ToolPlan()
     names = [t.function.name for t in body.tools]
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if duplicate is not None:
-        raise APIError(400, f"'tools': two tools are named {duplicate!r}", param="tools")
+        raise bad_field("tools", f"two tools are named {duplicate!r}")
     if choice == "none":
         return ToolPlan()
     rendered = [t.model_dump(exclude_none=True) for t in body.tools]
@@ -72,8 +71,7 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
         return ToolPlan(rendered, ToolMode("required", parallel=parallel), schema)
     name = choice.function.name
     if name not in names:
-        raise APIError(400, f"'tool_choice.function.name': no tool is named {name!r} (tools: {', '.join(names)})",
-                       param="tool_choice.function.name")
+        raise bad_field("tool_choice.function.name", f"no tool is named {name!r} (tools: {', '.join(names)})")
     at = names.index(name)
     param = f"tools.{at}.function.parameters"
     return ToolPlan(rendered, ToolMode("named", function=name), _parameters(body.tools[at]), param)
@@ -82,8 +80,7 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
 def _auto_mode(chat_template: str | dict | None, parallel: bool) -> ToolMode:
     fmt = tool_format(chat_template)
     if fmt is None:
-        raise APIError(400, "'tools': this model's chat template asks for no tool-call format pdserve parses "
-                       "(Hermes <tool_call> or Llama 3 JSON); use tool_choice \"required\" or a named function",
-                       param="tools")
+        raise bad_field("tools", "this model's chat template asks for no tool-call format pdserve parses (Hermes "
+                        "<tool_call> or Llama 3 JSON); use tool_choice \"required\" or a named function")
     return ToolMode(fmt, parallel=parallel)
 

@@ -289,7 +289,9 @@ def deployment_from_dict(data: dict[str, Any], source: str, base_dir: Path) -> D
         router=file.router.with_keys(base_dir, source), restart=file.restart, drain_timeout_s=file.drain_timeout_s)
     names = list(cfg.named())
     options = {**dict(zip(names, placement, strict=True)), **({ROUTER: file.ray_actor_options} if has_router else {})}
-    return with_auth_token(replace(cfg, ray_actor_options=options), _auth_token(data))
+    ctc = data.get("cache_transceiver_config")
+    token = ctc.get("auth_token") if isinstance(ctc, dict) else None  # its type: checked per server
+    return with_auth_token(replace(cfg, ray_actor_options=options), token or env_auth_token())
 
 
 def inherit(top: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
@@ -419,12 +421,6 @@ def env_auth_token() -> str | None:
         return Path(path).read_text().strip() or None
     except OSError as exc:
         raise ConfigError(f"{AUTH_TOKEN_FILE_ENV}={path}: cannot read the token file: {exc.strerror or exc}") from exc
-
-
-def _auth_token(data: dict[str, Any]) -> str | None:
-    ctc = data.get("cache_transceiver_config")
-    token = ctc.get("auth_token") if isinstance(ctc, dict) else None  # its type: checked per server
-    return token or env_auth_token()
 
 
 def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfig:

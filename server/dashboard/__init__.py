@@ -1,6 +1,5 @@
 """The router's live deployment page (`GET /dashboard`): see feed.py for where its numbers come from."""
 
-from server.dashboard.feed import Dashboard
-from server.dashboard.routes import dashboard_routes
+from server.dashboard.feed import Dashboard, dashboard_routes
 
 __all__ = ["Dashboard", "dashboard_routes"]

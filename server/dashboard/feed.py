@@ -1,25 +1,32 @@
 """The dashboard's feed: the router scrapes every server's /metrics on the health monitor's interval
-and keeps one minute of samples per server (and of its own counters); `state()` is the page's JSON.
-"""
+and keeps one minute of samples per server (and of its own counters); `state()` is the page's JSON,
+served with the page by `dashboard_routes`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from server.auth import token_headers
 from server.dashboard.samples import parse_metrics
 from server.dashboard.views import deployment_view, server_view
 from server.dashboard.window import Window
+from server.openai.wire import JSONBody
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 1.0
+STATIC = Path(__file__).parent / "static"
 
 
 class Dashboard:
@@ -53,3 +60,19 @@ class Dashboard:
         now = time.monotonic()
         servers = [server_view(b, self.windows[b.url], now) for b in self.backends]
         return {"deployment": deployment_view(self.backends, self.windows, self.router, now), "servers": servers}
+
+
+def dashboard_routes() -> list[BaseRoute]:
+    """GET /dashboard (the page), GET /dashboard/state (its JSON) and /dashboard/static/* (its script and
+    style, shipped in this package: the page needs nothing from the internet)."""
+    return [Route("/dashboard", _page, methods=["GET"]),
+            Route("/dashboard/state", _state, methods=["GET"]),
+            Mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")]
+
+
+async def _page(request: Request) -> Response:
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
+
+
+async def _state(request: Request) -> Response:
+    return JSONBody(request.app.state.router.dashboard.state(), headers={"Cache-Control": "no-store"})

@@ -32,7 +32,8 @@ class Sample:
 
     def buckets(self, histogram: str, **labels: str) -> dict[float, float]:
         """Upper bound (math.inf for +Inf) -> cumulative count of a histogram's buckets with `labels`."""
-        return {_bound(le): v for le, v in self.by_label(f"{histogram}_bucket", "le", **labels).items()}
+        return {math.inf if le == "+Inf" else float(le): v
+                for le, v in self.by_label(f"{histogram}_bucket", "le", **labels).items()}
 
 
 def parse_metrics(text: str, t: float) -> Sample:
@@ -48,6 +49,3 @@ def parse_metrics(text: str, t: float) -> Sample:
 def _matches(labels: Labels, wanted: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in wanted.items())
 
-
-def _bound(le: str) -> float:
-    return math.inf if le == "+Inf" else float(le)

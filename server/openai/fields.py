@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
 from typing import Annotated, Any
 
 from pydantic import (
@@ -26,9 +25,6 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 log = logging.getLogger(__name__)
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
 
 
 def one_of(expected: str) -> WrapValidator:
@@ -69,16 +65,14 @@ def refused(*accepted: Any, hint: str = "") -> Any:
 
 
 def warn_unknown(model: str, names: set[str]) -> None:
-    """Log each of `names` once per process and model (`model.name`)."""
-    new = []
-    with _warned_lock:
-        for name in sorted(names):
-            key = f"{model}.{name}"
-            if key not in _warned:
-                _warned.add(key)
-                new.append(name)
-    for name in new:
-        log.warning("%s: ignoring unknown field '%s' (no API pdserve implements has it; a typo?)", model, name)
+    """Log each of `names` once per process and model (bodies are validated on the event loop's thread)."""
+    for name in sorted(names):
+        _warn_once(model, name)
+
+
+@functools.cache
+def _warn_once(model: str, name: str) -> None:
+    log.warning("%s: ignoring unknown field '%s' (no API pdserve implements has it; a typo?)", model, name)
 
 
 class Lenient(BaseModel):

@@ -62,9 +62,6 @@ class ToolMode:
     function: str | None = None
     parallel: bool = True
 
-    def parser(self) -> ToolParser:
-        return make_parser(self.mode, self.function, self.parallel)
-
 
 @dataclass(frozen=True)
 class FormatOptions:
@@ -111,7 +108,7 @@ class _Formatter:
 
     def _new_state(self) -> _ChoiceState:
         tools = self.options.tools
-        return _ChoiceState(parser=tools.parser() if tools is not None else None)
+        return _ChoiceState(parser=make_parser(tools.mode, tools.function, tools.parallel) if tools else None)
 
     def _state(self, index: int) -> _ChoiceState:
         if index not in self._states:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, field_validator
 from pydantic.dataclasses import dataclass
 
 from server.openai.chat_messages import ChatMessage, Tool, ToolChoice
@@ -67,6 +67,7 @@ class DisaggParams:
     prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=_unset)
 
 
+DISAGG_PARAMS = TypeAdapter(DisaggParams)  # validates and dumps it outside a request model
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 Schema = dict[str, Any] | str  # a JSON schema, as an object or as JSON text
 

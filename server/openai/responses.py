@@ -104,14 +104,7 @@ class ToolCallOut(_SkipNone):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the message is only tool calls
-    tool_calls: list[ToolCallOut] | None = None  # left out when there are none
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: Any) -> dict:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: calls is None)  # none: left out
 
 
 class ChatChoice(BaseModel):

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pydantic import TypeAdapter
-
 from server.openai.formatting import continued_response_id
-from server.openai.protocol import DisaggParams
+from server.openai.protocol import DISAGG_PARAMS, DisaggParams
 from server.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,12 +24,10 @@ from server.openai.responses import (
 from server.openai.sse import DONE, EventStream, json_event, sse_event
 from server.openai.wire import JSONBody
 
-_PARAMS = TypeAdapter(DisaggParams)
-
 
 def context_params(ctx: dict) -> DisaggParams:
     """The `disaggregated_params` of an unfinished context answer."""
-    return _PARAMS.validate_python(ctx["choices"][0]["disaggregated_params"])
+    return DISAGG_PARAMS.validate_python(ctx["choices"][0]["disaggregated_params"])
 
 
 def context_finished(ctx: dict) -> bool:
@@ -66,11 +62,14 @@ def closing_events(ctx: dict, chat: bool, response_id: str, include_usage: bool,
                    continued: bool = False) -> list[bytes]:
     """The rest of a stream the context answer ended: final chunks, usage if asked, [DONE];
     `continued`: in a stream that is already open (a moved one)."""
-    usage = [json_event(_envelope(ctx, chat, response_id, [], usage=ctx.get("usage")))] if include_usage else []
-    return [*_chunks(ctx, chat, response_id, continued, finished=True), *usage, DONE]
+    usage = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": ctx.get("created"), "model": ctx.get("model") or "", "choices": [], "usage": ctx.get("usage")}
+    return [*_chunks(ctx, chat, response_id, continued, finished=True), *([json_event(usage)] if include_usage else []),
+            DONE]
 
 
 def _chunks(ctx: dict, chat: bool, response_id: str, continued: bool, finished: bool) -> list[bytes]:
+    body = ChatCompletionChunk if chat else CompletionResponse
     out = []
     for choice in ctx.get("choices") or []:
         choice = {k: v for k, v in choice.items() if k != "disaggregated_params"}
@@ -81,8 +80,7 @@ def _chunks(ctx: dict, chat: bool, response_id: str, continued: bool, finished: 
             chunk.finish_reason = chunk.finish_reason if finished else None
             if finished or chunk.text or chunk.logprobs is not None:
                 out.append(chunk)
-    return [sse_event(CompletionResponse(id=response_id, model=ctx.get("model") or "", choices=[c]).model_dump_json())
-            if isinstance(c, CompletionChoice) else sse_event(_chat_chunk(ctx, response_id, c)) for c in out]
+    return [sse_event(body(id=response_id, model=ctx.get("model") or "", choices=[c]).model_dump_json()) for c in out]
 
 
 def _chat_chunks(choice: ChatChoice, continued: bool, finished: bool) -> list[ChatChunkChoice]:
@@ -96,11 +94,3 @@ def _chat_chunks(choice: ChatChoice, continued: bool, finished: bool) -> list[Ch
                                    finish_reason=choice.finish_reason if finished else None))
     return out
 
-
-def _chat_chunk(ctx: dict, response_id: str, choice: ChatChunkChoice) -> str:
-    return ChatCompletionChunk(id=response_id, model=ctx.get("model") or "", choices=[choice]).model_dump_json()
-
-
-def _envelope(ctx: dict, chat: bool, response_id: str, choices: list, usage: dict | None) -> dict:
-    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": ctx.get("created"), "model": ctx.get("model") or "", "choices": choices, "usage": usage}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
@@ -20,11 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from server.auth import token_headers
 from server.config.router import RouterConfig
 from server.dashboard import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
-from server.openai.errors import error_response
+from server.openai.errors import error_response, http_error
 from server.openai.openapi import openapi_document
 from server.openai.wire import JSONBody, loads
 from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
@@ -105,9 +104,8 @@ def _build_state(settings: RouterConfig) -> RouterState:
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     registry = CollectorRegistry()
-    headers = token_headers(settings.auth_token)
     routing = Routing(settings, context, generation, registry)
-    routing.follow_events(client, settings.auth_token, headers, registry)
+    routing.follow_events(client, settings.auth_token, registry)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
@@ -145,11 +143,11 @@ def create_router_app(settings: RouterConfig) -> Starlette:
         await state.client.aclose()
 
     drain = Drain(settings.drain_timeout_s)
-    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: http_error},
                     middleware=[Middleware(ApiKeyMiddleware, access=settings.access()),
                                 Middleware(DrainGate, drain=drain)], routes=[
-        Route("/v1/completions", _completions, methods=["POST"]),
-        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/completions", partial(_handle, path="/v1/completions", chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", partial(_handle, path="/v1/chat/completions", chat=True), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
@@ -159,21 +157,6 @@ def create_router_app(settings: RouterConfig) -> Starlette:
     ])
     app.state.drain = drain
     return app
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """Unknown path, wrong method: the OpenAI error shape, like every other error of the router."""
-    assert isinstance(exc, HTTPException)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return error_response(exc.status_code, message, headers=exc.headers)
-
-
-async def _completions(request: Request) -> Response:
-    return await _handle(request, "/v1/completions", chat=False)
-
-
-async def _chat(request: Request) -> Response:
-    return await _handle(request, "/v1/chat/completions", chat=True)
 
 
 async def _handle(request: Request, path: str, chat: bool) -> Response:

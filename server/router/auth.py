@@ -12,7 +12,6 @@ import hmac
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.openai.errors import error_response
@@ -91,10 +90,6 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
-def unauthorized(message: str, code: str) -> Response:
-    return error_response(401, message, code=code, headers={"www-authenticate": "Bearer"})
-
-
 class ApiKeyMiddleware:
     """401 unless the path is open or the request carries a valid key (kept in `request.state.api_key`)."""
 
@@ -108,9 +103,9 @@ class ApiKeyMiddleware:
         given = _bearer(scope)
         key = self.access.match(given)
         if key is None:
-            response = unauthorized(
-                "invalid API key" if given else "missing API key: send the header Authorization: Bearer <key>",
-                "invalid_api_key" if given else "missing_api_key")
+            message = "invalid API key" if given else "missing API key: send the header Authorization: Bearer <key>"
+            response = error_response(401, message, code="invalid_api_key" if given else "missing_api_key",
+                                      headers={"www-authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["api_key"] = key

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +25,6 @@ class Backend:
     load_tokens: int = 0  # their tokens still to compute here, as estimated when booked
     kv_index: KvIndex = field(default_factory=KvIndex)
     last_error: str = ""
-    last_checked: float = field(default=0.0)
     status: str = ""  # the /health body's "status" ("ok", "draining"), else what went wrong
     epoch: str = ""  # the /health body's "epoch": changes when the server restarts
     restarts: int = 0  # epoch changes seen
@@ -36,11 +34,7 @@ class Backend:
         if response is None:
             self.status = "unreachable"
             return
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        body = body if isinstance(body, dict) else {}
+        body = _json_object(response)
         status = body.get("status")
         self.status = status if isinstance(status, str) else f"HTTP {response.status}"
         epoch = body.get("epoch")
@@ -80,18 +74,15 @@ class HealthMonitor:
     async def check(self, backend: Backend) -> None:
         try:
             response = await self.client.request("GET", f"{backend.url}/health", timeout=self.timeout_s)
-            ok = response.status == 200
         except HttpError as exc:
-            ok, response = False, None
+            response = None
             backend.last_error = f"{type(exc).__name__}: {exc}"
         backend.note_health(response)
-        if not ok:
-            reason = backend.last_error if response is None else _unhealthy(response)
-            backend.fence(reason)
+        if response is None or response.status != 200:
+            backend.fence(backend.last_error if response is None else _unhealthy(response))
         elif not backend.healthy:
             log.info("%s backend %s is healthy", backend.role, backend.url)
             backend.healthy = True
-        backend.last_checked = time.monotonic()
 
     async def _loop(self) -> None:
         while True:
@@ -104,11 +95,17 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
 
-def _unhealthy(response) -> str:
-    """`/health returned 503: <the server's reason>` (an engine names the KV check that failed)."""
+def _json_object(response: Response) -> dict:
     try:
         body = response.json()
-        detail = body.get("reason") or (body.get("error") or {}).get("message")
-    except (ValueError, AttributeError, TypeError):
-        detail = None
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _unhealthy(response: Response) -> str:
+    """`/health returned 503: <the server's reason>` (an engine names the KV check that failed)."""
+    body = _json_object(response)
+    error = body.get("error")
+    detail = body.get("reason") or (error.get("message") if isinstance(error, dict) else None)
     return f"/health returned {response.status}" + (f": {detail}" if detail else "")

@@ -35,7 +35,7 @@ from server.router.errors import LegError
 from server.router.http_client import HttpError
 from server.router.kv_stream import EarlyContext
 from server.router.legs import Legs, Upstream
-from server.router.migration import Migration
+from server.router.migration import EventTracker, Migration
 from server.router.policies import Prompt, PromptTokens
 
 MID_STREAM = 500  # the status an error event's type is named after: the stream itself is a 200
@@ -223,7 +223,7 @@ class RequestFlow:
 
     async def _relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
         """One generation leg's events; on a broken stream, move the request on or end with an error."""
-        tracker = self._migration.tracker() if self._migration is not None else None
+        tracker = EventTracker(self._migration.tokens) if self._migration is not None else None
         try:
             async for chunk in upstream.stream.aiter_raw():
                 self.phases.stamp("relayed")
@@ -270,7 +270,8 @@ class RequestFlow:
             return
         events = opening_events(ctx.json, self.ask.chat, migration.response_id, continued=True)
         params = self._handoff(context_params(ctx.json), moved=True)
-        self._start(ctx.backend, params, _fixed(params.prompt_token_ids))
+        ids = params.prompt_token_ids
+        self._start(ctx.backend, params, lambda: ids)
         for event in events:
             yield event
 
@@ -291,10 +292,6 @@ class RequestFlow:
             await self.legs.release_context(*self._lease)
         if self._early is not None:
             await self._early.close()
-
-
-def _fixed(tokens: tuple[int, ...] | None) -> Callable[[], tuple[int, ...] | None]:
-    return lambda: tokens
 
 
 def _mid_stream_error(message: str) -> bytes:

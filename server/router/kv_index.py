@@ -34,12 +34,10 @@ class KvIndex:
                 blocks.update((bytes.fromhex(h), level) for h in hashes)
             windows[int(window)] = blocks
         tokens_per_block = int(snapshot["tokens_per_block"])
-        salt = snapshot["salt"]
-        if not isinstance(salt, str):
-            raise TypeError(f"salt must be a string, got {salt!r}")
-        kv_dtype = snapshot.get("kv_dtype", "")
-        if not isinstance(kv_dtype, str):
-            raise TypeError(f"kv_dtype must be a string, got {kv_dtype!r}")
+        salt, kv_dtype = snapshot["salt"], snapshot.get("kv_dtype", "")
+        for key, value in (("salt", salt), ("kv_dtype", kv_dtype)):
+            if not isinstance(value, str):
+                raise TypeError(f"{key} must be a string, got {value!r}")
         self.windows, self.salt, self.tokens_per_block, self.kv_dtype = windows, salt, tokens_per_block, kv_dtype
         self.counts = {}
         for window, blocks in windows.items():

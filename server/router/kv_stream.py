@@ -10,15 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pydantic import TypeAdapter
-
-from server.openai.protocol import DisaggParams
+from server.openai.protocol import DISAGG_PARAMS, DisaggParams
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.http_client import HttpError, Response, StreamResponse
 from server.router.sse_reader import EventSplitter, event_data, split_events
 
-_PARAMS = TypeAdapter(DisaggParams)
 EVENT_STREAM = "text/event-stream"
 
 
@@ -96,4 +93,4 @@ async def read_context(backend: Backend, response: StreamResponse, done: Callabl
     if not isinstance(first, dict) or not isinstance(first.get("kv_stream"), dict):
         await response.aclose()
         raise LegError(502, f"{backend.url} sent no streamed-KV parameters")
-    return EarlyContext(backend, _PARAMS.validate_python(first["kv_stream"]), events, response, done)
+    return EarlyContext(backend, DISAGG_PARAMS.validate_python(first["kv_stream"]), events, response, done)

@@ -16,6 +16,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvcache import Level
+from server.auth import token_headers
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError
 from server.router.kv_feed import KvFeed
@@ -81,11 +82,11 @@ class KvEventSync:
     """Keeps `backend.kv_index` of every backend right from its events (start/stop in the lifespan)."""
 
     def __init__(self, backends: Sequence[Backend], client: HttpClient, token: str,
-                 headers: dict[str, str], registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry) -> None:
         self.backends = list(backends)
         self.feeds = {b.url: KvFeed(index=b.kv_index) for b in self.backends}
         self._by_url = {b.url: b for b in self.backends}
-        self._client, self._headers = client, headers
+        self._client, self._headers = client, token_headers(token)
         self._thread = SocketThread("pdserve-router-kv-events", _Subscriber(event_codec(token, publisher=False)),
                                     inbox_size=4096, tick_s=0.25, notify=self._notify)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,9 +94,6 @@ class KvEventSync:
         self._busy: set[str] = set()  # urls with a subscribe or snapshot request in flight
         self._heard: dict[str, float] = {}
         self._counted: dict[tuple[str, str], int] = {}
-        self._metrics(registry)
-
-    def _metrics(self, registry: CollectorRegistry) -> None:
         self._events = Counter("pdserve_router_kv_events", "KV events applied to the router's index, by server",
                                ["server"], registry=registry)
         self._resyncs = Counter("pdserve_router_kv_resyncs", "Resynchronisations of a server's KV index from "

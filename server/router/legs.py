@@ -77,11 +77,10 @@ class Legs:
         ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
         last = await self._twice(self.context_policy, self.context, prompt, set(), booked,
                                  lambda booking: self._context_once(booking, path, ctx_body, kv_stream),
-                                 lambda exc: exc.status >= 500)  # once more elsewhere if it failed
+                                 lambda exc: exc.status >= 500,  # once more elsewhere if it failed
+                                 "context leg failed: no healthy context server")
         if isinstance(last, LegError):
             raise LegError(last.status, f"context leg failed: {last}")
-        if last is None:
-            raise LegError(503, "context leg failed: no healthy context server")
         return last
 
     async def _context_once(self, booking: Booking, path: str, body: dict, kv_stream: bool) -> Upstream | EarlyContext:
@@ -108,18 +107,16 @@ class Legs:
         gen_body = dict(body) if params is None else {**body, "disaggregated_params": params}
         last = await self._twice(self.generation_policy, self.generation, prompt, set(exclude), booked,
                                  lambda booking: self._generation_once(booking, path, gen_body),
-                                 lambda exc: exc.untouched)  # another if the first never took the request
+                                 lambda exc: exc.untouched, NO_GENERATION)  # another if the first never took it
         if isinstance(last, LegError):
             raise last
-        if last is None:
-            raise LegError(503, NO_GENERATION)
         return last
 
     async def _twice(self, picker: LegPicker, backends: list[Backend], prompt: PromptTokens, tried: set[Backend],
                      booked: Callable[[], None], once: Callable[[Booking], Awaitable],
-                     again: Callable[[LegError], bool]):
+                     again: Callable[[LegError], bool], none_left: str):
         """The answer of the policy's pick, or of a second pick when `again` says the first failure may
-        be retried elsewhere; else that failure, or None when no server was there to pick."""
+        be retried elsewhere; else that failure. A 503 `none_left` when no server was there to pick."""
         last: LegError | None = None
         for _ in range(2):
             booking = await picker.pick(backends, prompt, tried)
@@ -133,6 +130,8 @@ class Legs:
                 if not again(exc):
                     raise
                 last = exc
+        if last is None:
+            raise LegError(503, none_left)
         return last
 
     async def _generation_once(self, booking: Booking, path: str, body: dict) -> Upstream:

@@ -59,9 +59,6 @@ class Migration:
     moves: int = 0
     dead: set[Backend] = field(default_factory=set)
 
-    def tracker(self) -> EventTracker:
-        return EventTracker(self.tokens)
-
     def possible(self, generation: list[Backend]) -> bool:
         others = [b for b in generation if b.healthy and b not in self.dead]
         return self.moves < self.limit and bool(others)

@@ -69,12 +69,16 @@ def hit_tokens(backend: Backend, prompt: PromptTokens) -> int:
     return len(hit_tiers(backend, prompt)) * backend.kv_index.tokens_per_block
 
 
+def available(backends: Backends, exclude: set[Backend]) -> list[Backend]:
+    return [b for b in backends if b.healthy and b not in exclude]
+
+
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = [b for b in backends if b.healthy and b not in exclude]
+        candidates = available(backends, exclude)
         if not candidates:
             return None
         return candidates[next(self._counter) % len(candidates)]
@@ -84,7 +88,7 @@ class LoadBalancing(RoundRobin):
     """Fewest legs in flight; round robin among equals."""
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = [b for b in backends if b.healthy and b not in exclude]
+        candidates = available(backends, exclude)
         if not candidates:
             return None
         least = min(b.active for b in candidates)
@@ -119,7 +123,7 @@ class KvCacheAware(RoundRobin):
         return hit - weights.load * backend.load_tokens
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = [b for b in backends if b.healthy and b not in exclude]
+        candidates = available(backends, exclude)
         if not candidates:
             return None
         scores = {b: self.score(b, prompt) for b in candidates}

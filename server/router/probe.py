@@ -24,12 +24,6 @@ PROBE_TIMEOUT_S = 60.0
 PROBE_SERVER_TIMEOUT_S = 30.0
 
 
-class ProbeFailed(Exception):
-    def __init__(self, leg: str, error: str, server: str | None = None) -> None:
-        super().__init__(error)
-        self.leg, self.error, self.server = leg, error, server
-
-
 def probe_body() -> dict:
     return {"prompt": "pdserve readiness probe", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
             "cache_salt": f"health-{secrets.token_hex(16)}"}
@@ -42,20 +36,16 @@ async def health_generate(request: Request) -> JSONBody:
                        local=not legs.disaggregated)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
-            used = await _run(legs, flow)
-    except ProbeFailed as exc:
-        return _failed(exc.leg, exc.error, exc.server, start)
+            failed = await _run(legs, flow)
     except TimeoutError:
-        leg = _leg(flow)
-        return _failed(leg, f"no answer within {PROBE_TIMEOUT_S:.0f} s", flow.servers.get("context"), start)
+        failed = _leg(flow), f"no answer within {PROBE_TIMEOUT_S:.0f} s", flow.servers.get("context")
     finally:
         await asyncio.shield(flow.close())  # a lease no generation leg opened on is released
-    return JSONBody({"status": "ok", **used, "seconds": round(time.monotonic() - start, 4)})
-
-
-def _failed(leg: str, error: str, server: str | None, start: float) -> JSONBody:
-    return JSONBody({"status": "unavailable", "leg": leg, "server": server, "error": error,
-                     "seconds": round(time.monotonic() - start, 4)}, 503)
+    seconds = round(time.monotonic() - start, 4)
+    if failed is None:
+        return JSONBody({"status": "ok", **flow.servers, "seconds": seconds})
+    leg, error, server = failed
+    return JSONBody({"status": "unavailable", "leg": leg, "server": server, "error": error, "seconds": seconds}, 503)
 
 
 def _leg(flow: RequestFlow) -> str:
@@ -63,20 +53,20 @@ def _leg(flow: RequestFlow) -> str:
     return "generation" if flow.local or "context" in flow.servers else "context"
 
 
-async def _run(legs: Legs, flow: RequestFlow) -> dict:
+async def _run(legs: Legs, flow: RequestFlow) -> tuple[str, str, str | None] | None:
+    """None when the probe went through both legs; else (the leg that failed, what went wrong, its server)."""
     if not any(b.healthy for b in legs.generation):
-        raise ProbeFailed("generation", "no healthy generation server")
+        return "generation", "no healthy generation server", None
     try:
         await flow.answer()
     except LegError as exc:
         leg = _leg(flow)
         if leg == "generation" and not flow.local and exc.server and await _runs_alone(legs, exc.server):
             leg = "transfer"  # that server generates by itself: the pair failed between the two
-        raise ProbeFailed(leg, str(exc), exc.server) from exc
+        return leg, str(exc), exc.server
     if "generation" not in flow.servers:
-        raise ProbeFailed("context", "the context server ended the probe instead of handing it over",
-                          flow.servers.get("context"))
-    return flow.servers
+        return "context", "the context server ended the probe instead of handing it over", flow.servers.get("context")
+    return None
 
 
 async def _runs_alone(legs: Legs, url: str) -> bool:

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from server.openai.errors import error_body
 from server.router.backends import Backend
 from server.router.errors import LegError
-from server.router.policies import Backends, PromptTokens, RoundRobin, hit_tokens, prompt_length
+from server.router.policies import Backends, PromptTokens, RoundRobin, available, hit_tokens, prompt_length
 
 RECHECK_S = 0.5  # a waiting leg looks again this often (a fenced server may have come back)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -95,7 +95,7 @@ class LegPicker:
     async def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Booking | None:
         """A booking on the policy's choice; None when no healthy server is left. Waits while every
         candidate is saturated; LegError 503 when the queue is full or the wait times out."""
-        if not [b for b in backends if b.healthy and b not in exclude]:
+        if not available(backends, exclude):
             return None
         if not self._waiters:
             backend = self.choose(backends, prompt, exclude)
@@ -114,7 +114,7 @@ class LegPicker:
         try:
             while True:
                 if self._waiters[0] is me:
-                    if not [b for b in backends if b.healthy and b not in exclude]:
+                    if not available(backends, exclude):
                         return None
                     backend = self.choose(backends, prompt, exclude)
                     if backend is not None:

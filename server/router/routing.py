@@ -40,15 +40,10 @@ class Routing:
         """The router tokenises prompts (kv policies, conditional disaggregation)."""
         return self.policy in KV_POLICIES or self.conditional.enabled
 
-    @property
-    def needs_events(self) -> bool:
-        """The router follows the servers' KV events (kv_cache_aware, or a minimum prefix hit)."""
-        return self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None
-
-    def follow_events(self, client: HttpClient, token: str | None, headers: dict[str, str],
-                      registry: CollectorRegistry) -> None:
-        if self.needs_events and token:
-            self.sync = KvEventSync(self.context + self.generation, client, token, headers, registry)
+    def follow_events(self, client: HttpClient, token: str | None, registry: CollectorRegistry) -> None:
+        """Follow the servers' KV events when they are read (kv_cache_aware, or a minimum prefix hit)."""
+        if (self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None) and token:
+            self.sync = KvEventSync(self.context + self.generation, client, token, registry)
 
     async def start(self) -> None:
         if self.sync is not None:

@@ -101,7 +101,7 @@ class _Publisher:
             return
         if isinstance(body, Subscribe):
             if peer not in self.subscribers:
-                self._send(io, peer, self._beat())  # tells it where the numbers stand
+                io.send(SOCKET, [peer, *self._codec.seal(self._beat())])  # tells it where the numbers stand
             self.subscribers[peer] = time.monotonic()
 
     def on_unroutable(self, io: SocketIO, key, frames: list) -> None:
@@ -124,9 +124,6 @@ class _Publisher:
             sealed = self._codec.seal(batch)
             for peer in self.subscribers:
                 io.send(SOCKET, [peer, *sealed])
-
-    def _send(self, io: SocketIO, peer: bytes, batch: KvEventBatch) -> None:
-        io.send(SOCKET, [peer, *self._codec.seal(batch)])
 
 
 class KvEventPublisher:

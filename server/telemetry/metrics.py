@@ -222,10 +222,6 @@ class ServerMetrics:
         if counters_provider is not None:
             self._scraped.counters = counters_provider
         self.registry.register(self._scraped)
-        self._make_engine_metrics()
-        self._make_transfer_metrics()
-
-    def _make_engine_metrics(self) -> None:
         reg = self.registry
         self._requests = Gauge("pdserve_requests", "Requests per scheduler state.", ["state"], registry=reg)
         for state in REQUEST_STATES:
@@ -248,9 +244,6 @@ class ServerMetrics:
         self._prefill = Histogram("pdserve_prefill_seconds", "First admission to the first token sampled, "
                                   "once per request whose prompt is computed here (context or aggregated).",
                                   buckets=TTFT_BUCKETS, registry=reg)
-
-    def _make_transfer_metrics(self) -> None:
-        reg = self.registry
         self._xfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved by the transceiver.",
                                    registry=reg)
         self._xfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer time.",

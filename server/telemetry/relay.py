@@ -7,6 +7,7 @@ the loop's next `StepOut` takes it (`MetricsDelta`), and the scrape-time figures
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import msgspec
 
@@ -54,7 +55,15 @@ class MetricsDelta(msgspec.Struct, frozen=True):
     prefill: list[float] = []
 
 
-_LISTS = ("ttft", "tpot", "e2e", "queue_time", "transfers", "prefill")
+_SECONDS = ("ttft", "tpot", "e2e", "queue_time", "prefill")  # each observed as `observe_<name>(seconds)`
+_LISTS = (*_SECONDS, "transfers")
+
+
+def _recording(name: str) -> Callable[[MetricsRecorder, float], None]:
+    """`observe_<name>(seconds)` of `MetricsRecorder`: kept for the next delta."""
+    def observe(self: MetricsRecorder, seconds: float) -> None:
+        self._add(name, seconds)
+    return observe
 
 
 class MetricsRecorder:
@@ -74,20 +83,11 @@ class MetricsRecorder:
         with self._lock:
             self._lists[name].append(value)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self._add("ttft", seconds)
-
-    def observe_tpot(self, seconds: float) -> None:
-        self._add("tpot", seconds)
-
-    def observe_e2e(self, seconds: float) -> None:
-        self._add("e2e", seconds)
-
-    def observe_queue_time(self, seconds: float) -> None:
-        self._add("queue_time", seconds)
-
-    def observe_prefill(self, seconds: float) -> None:
-        self._add("prefill", seconds)
+    observe_ttft = _recording("ttft")
+    observe_tpot = _recording("tpot")
+    observe_e2e = _recording("e2e")
+    observe_queue_time = _recording("queue_time")
+    observe_prefill = _recording("prefill")
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         self._add("transfers", (num_bytes, seconds))
@@ -136,11 +136,8 @@ class RelayedMetrics:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._figures = EngineFigures()
-        metrics.set_stats_provider(self.kv_stats)
+        metrics.set_stats_provider(lambda: self._figures.kv)
         metrics.set_counters_provider(self.counters)
-
-    def kv_stats(self) -> KVCacheStats | None:
-        return self._figures.kv
 
     def counters(self) -> EngineCounters:
         figures = self._figures
@@ -152,16 +149,10 @@ class RelayedMetrics:
 
     def replay(self, delta: MetricsDelta) -> None:
         m = self.metrics
-        for seconds in delta.ttft:
-            m.observe_ttft(seconds)
-        for seconds in delta.tpot:
-            m.observe_tpot(seconds)
-        for seconds in delta.e2e:
-            m.observe_e2e(seconds)
-        for seconds in delta.queue_time:
-            m.observe_queue_time(seconds)
-        for seconds in delta.prefill:
-            m.observe_prefill(seconds)
+        for name in _SECONDS:
+            observe = getattr(m, f"observe_{name}")
+            for seconds in getattr(delta, name):
+                observe(seconds)
         for num_bytes, seconds in delta.transfers:
             m.observe_transfer(num_bytes, seconds)
         if delta.generation_tokens:

@@ -1,4 +1,4 @@
-"""GET /health and GET /health_generate (docs/SECURITY.md, "Health").
+"""GET /health, GET /health_generate (docs/SECURITY.md, "Health") and GET /metrics.
 
 /health stays cheap: the engine checks its KV state periodically and this route reports the
 verdict (server/api/readiness.py). /health_generate runs one greedy token under a fresh `cache_salt`."""
@@ -11,10 +11,12 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from server.api.builder import new_request_id
 from server.api.deps import ReadyEngine
 from server.openai.wire import JSONBody
+from server.telemetry.metrics import CONTENT_TYPE_LATEST
 from server.types import EngineClient, GenerateRequest, SamplingParams
 
 router = APIRouter()
@@ -61,3 +63,9 @@ async def _one_token(engine: EngineClient) -> str | None:
                 return output.error or f"the probe ended with {output.finish_reason}"
             return None if output.completion_tokens == 1 else f"{output.completion_tokens} tokens, not 1"
     return "the engine ended the probe without a final output"
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition of this server's registry."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from server.api.access import require_token
+from server.api.deps import get_ready_engine
 from server.openai.errors import APIError
 from server.openai.wire import JSONBody
 
@@ -19,9 +20,7 @@ def install_kv_routes(app: FastAPI) -> None:
         """A snapshot of this server's reuse cache: block hashes per window and level, and the
         sequence number of the last KV event it includes (server/telemetry/kv_events.py)."""
         require_token(request, "GET /kv_cache/hashes")
-        engine = request.app.state.engine
-        if engine is None or not engine.is_ready():
-            raise APIError(503, "the engine is not ready yet")
+        get_ready_engine(request)
         try:
             return JSONBody(await request.app.state.kv_events.snapshot())
         except (TimeoutError, ConnectionError):  # ConnectionError: its process is gone (server/engine_host/)
@@ -33,9 +32,7 @@ def install_kv_routes(app: FastAPI) -> None:
         require_token(request, "GET /kv_cache/events")
         source = request.app.state.kv_events
         if source.publisher is None:
-            engine = request.app.state.engine
-            if engine is None or not engine.is_ready():  # an engine process says where once loaded
-                raise APIError(503, "the engine is not ready yet")
+            get_ready_engine(request)  # an engine process says where once loaded
             raise APIError(404, "this server publishes no KV events (it has no deployment token)")
         return JSONBody({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
 
