@@ -17,7 +17,7 @@ from server.engine.speculative.build import build_spec
 from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout, kv_dtype_name
 from server.models.model_spec import load_spec, with_quantization
-from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype, resolve_kernels
+from server.models.runner import ModelRunner, load_weights, resolve_device, resolve_dtype
 from server.telemetry.kv_events import KvEventPublisher
 from server.telemetry.metrics import ServerMetrics
 from server.tp.messages import Ready
@@ -30,19 +30,6 @@ from transceiver.sender import KVSender
 log = logging.getLogger(__name__)
 
 
-def eager_fp8_cache_problem(cfg: ServerConfig, device: torch.device, latent: bool) -> str | None:
-    """An FP8 KV cache on the eager Triton path of a GPU (`cuda_graphs: false`) is refused: on an H200
-    its logits parted from the graph-replayed steps over the same cache (docs/GPU.md); the graphs, and
-    `kernels: torch`, are served. A latent cache runs torch attention on both paths."""
-    if cfg.kv_cache_config.dtype != "fp8" or cfg.cuda_graphs or latent or device.type != "cuda":
-        return None
-    if resolve_kernels(cfg.kernels, device) != "triton":
-        return None
-    return ("kv_cache_config.dtype: fp8 with cuda_graphs: false is refused on CUDA with the Triton kernels: "
-            "the eager path over an FP8 cache is not yet confirmed on the GPU (docs/GPU.md); set "
-            "cuda_graphs: true (the default) or kernels: torch")
-
-
 def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> EngineCore:
     """Everything tensor-owning is made here, on the engine thread (or the engine process); a
     tensor-parallel server's other ranks are started here too (this process is rank 0)."""
@@ -52,8 +39,6 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
     spec = with_quantization(load_spec(model_dir), cfg.quantization)  # FP8 weights: a fingerprint of their own
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if problem := eager_fp8_cache_problem(cfg, device, spec.mla is not None):
-        raise ValueError(problem)
     ranks = start_ranks(cfg, model_dir, spec, device, dtype) if cfg.tensor_parallel_size > 1 else None
     shard, device = (ranks.shard, ranks.device) if ranks else (None, device)  # rank 0's share, cuda:0
     # first the weights: a GPU pool takes a share of what is left
