@@ -21,6 +21,7 @@ from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.deepseek import DeepseekModel
 from server.models.fp8.load import load_checkpoint
+from server.models.fp8.weight import Fp8Weight
 from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
@@ -146,9 +147,10 @@ class ModelRunner:
                                parallel=None if shard is None else shard.context)
         if self.kernels == "triton":
             from server.models.kernels.moe import fused_experts
+            from server.models.kernels.moe_fp8 import fused_fp8_experts
 
             for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
-                block.experts = fused_experts
+                block.experts = fused_fp8_experts if isinstance(block.gate_up, Fp8Weight) else fused_experts
         self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs and local.mla is None:

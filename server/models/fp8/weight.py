@@ -1,9 +1,11 @@
 """FP8 (e4m3) linear weights: the stored form, quantization, and the plain torch references.
 
 A linear weight W [N, K] is held as `Fp8Weight`: `qweight` float8_e4m3fn [N, K] and one float32
-scale per output row, W[n] = qweight[n] * scale[n]. Per-channel (per output row) scales are what a
-checkpoint quantized at load gets; a checkpoint's per-tensor scale is expanded to its rows (exact),
-which lets q/k/v and gate/up fuse row by row (`cat_rows`) as the float weights do.
+scale per output row, W[n] = qweight[n] * scale[n]. A MoE layer's routed experts are one stacked
+`Fp8Weight` (qweight [E, N, K], scale [E, N]: per expert and output row; `expert(e)` is expert e's).
+Per-channel (per output row) scales are what a checkpoint quantized at load gets; a checkpoint's
+per-tensor scale is expanded to its rows (exact), which lets q/k/v and gate/up fuse row by row
+(`cat_rows`) as the float weights do.
 
 Two ways to multiply, both here in plain torch:
 - `dequantized_linear`, the CPU's serving path: the weight dequantized to float32 and multiplied
@@ -30,8 +32,8 @@ MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and i
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    qweight: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
-    scale: torch.Tensor  # [N] float32: row n of the weight is qweight[n] * scale[n]
+    qweight: torch.Tensor  # [N, K] (stacked experts: [E, N, K]) float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [N] ([E, N]) float32: row n of the weight is qweight[n] * scale[n]
     input_scale: torch.Tensor | None = None  # [1] float32: a checkpoint's static activation scale
 
     @property
@@ -47,16 +49,20 @@ class Fp8Weight:
         return self.qweight.numel() + self.scale.numel() * 4 + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight it stands for, [N, K] (computed in float32, then cast)."""
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+        """The weight it stands for, [N, K] or [E, N, K] (computed in float32, then cast)."""
+        return (self.qweight.float() * self.scale[..., None]).to(dtype)
+
+    def expert(self, e: int) -> Fp8Weight:
+        """Expert e's [N, K] weight of stacked experts (views)."""
+        return Fp8Weight(self.qweight[e], self.scale[e], self.input_scale)
 
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """Per output row: scale[n] = max|W[n]| / 448, qweight = W / scale rounded to e4m3 (to nearest, ties
-    to even). On the weight's device."""
+    to even). On the weight's device. W [N, K], or stacked experts [E, N, K] (per expert and row)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = w.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(q.contiguous(), scale.contiguous())
 
 
