@@ -185,3 +185,42 @@ def test_fp8_moe_checkpoint_serves_transformers_tokens_of_its_weights(model: str
     prompts = [random_prompt(80 + i, n) for i, n in enumerate([9, 33])]
     got = [r.token_ids for r in eh.generate(core, prompts, eh.greedy(12))]
     assert got == [hf_reference.hf_greedy_ignore_eos(reference, p, 12) for p in prompts]
+
+
+@interpreted
+def test_triton_runner_runs_fp8_experts_through_the_grouped_fp8_kernels() -> None:
+    """A MoE runner on the Triton path (interpreted) with `quantization: fp8`: every sparse layer's
+    experts run `fused_fp8_experts`, and each call returns what `w8a8_experts` computes of its input
+    (checked per call, as tests/unit/test_fp8_kernels.py checks the FP8 linears)."""
+    pytest.importorskip("triton")
+    from prompts import random_prompt
+
+    from kvcache import KvCacheConfig, KVCacheManager
+    from server.models.builtin import resolve_model
+    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.model_spec import load_spec
+    from server.models.moe import moe_blocks
+    from server.models.runner import ModelRunner, SeqChunk
+
+    model_dir = resolve_model("builtin:tiny-qwen3-moe")
+    kv = KVCacheManager(KvCacheConfig(max_tokens=1024, tokens_per_block=16),
+                        load_spec(model_dir).cache_layout(256, torch.float32, "cpu"))
+    runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
+                         max_batch_size=2, kernels="triton", cuda_graphs=False, quantization="fp8")
+    blocks = moe_blocks(runner.model)
+    assert sorted(blocks) == [0, 2, 3] and all(b.experts is fused_fp8_experts for b in blocks.values())
+    calls = []
+
+    def recorded(*args: torch.Tensor) -> torch.Tensor:
+        out = fused_fp8_experts(*args)
+        calls.append((args, out))
+        return out
+
+    for block in blocks.values():
+        block.experts = recorded
+    prompt = random_prompt(5, 20)
+    runner.execute([SeqChunk(prompt, 0, {w: list(range(4)) for w in kv.window_sizes}, True)])
+    assert len(calls) == 3
+    for args, out in calls:
+        want = w8a8_experts(*args)
+        assert (out - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
