@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from server.models.fp8.blocks import from_block_checkpoint
 from server.models.fp8.weight import FP8, Fp8Weight, from_checkpoint, quantize_weight
 from server.models.weights import Slicer, load_tensors
 
@@ -114,6 +115,8 @@ def _fp8_weight(name: str, qweight: torch.Tensor, tensors: dict[str, Any], spec:
         raise ValueError(f"{where}: the checkpoint's activations are static (config.json quantization_config) "
                          f"but {base + 'input_scale'!r} is missing")
     try:
+        if quant is not None and quant.block is not None:
+            return from_block_checkpoint(qweight, scales[0], quant.block, name)
         return from_checkpoint(qweight, scales[0], input_scale, name)
     except ValueError as exc:
         raise ValueError(f"model {spec.model_dir}: {exc}") from None

@@ -62,6 +62,11 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
                quantization: str | None = None) -> dict[str, Any]:
     """The rank's slice of every tensor of the model, as `dtype` on `device` (linears as FP8 where the
     checkpoint is FP8 or `quantization` is "fp8": each rank quantizes its own slices)."""
+    quant = spec.checkpoint_quant
+    if quant is not None and quant.block is not None and plan.size > 1:
+        raise ValueError(f"model {spec.model_dir}: config.json: quantization_config.weight_block_size: "
+                         f"{list(quant.block)}: block-scaled FP8 checkpoints are served on one GPU only (no "
+                         "tensor or expert parallelism)")
     return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
                            quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
