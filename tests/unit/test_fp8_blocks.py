@@ -6,6 +6,7 @@ attention) served from such checkpoints with transformers' tokens of the dequant
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,34 @@ def test_block_checkpoint_serves_transformers_tokens_of_its_weights(model: str, 
     prompts = [random_prompt(90 + i, n) for i, n in enumerate([8, 35])]
     got = [r.token_ids for r in eh.generate(core, prompts, eh.greedy(12))]
     assert got == [hf_reference.hf_greedy_ignore_eos(reference, p, 12) for p in prompts]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: the kernels compile there")
+def test_triton_runner_runs_block_scaled_experts_on_the_torch_path(tmp_path: Path) -> None:
+    """No grouped FP8 kernel takes block scales: on the Triton path (interpreted) a block-scaled
+    checkpoint's experts run the graph-safe torch experts, dequantized, and the step's logits are the
+    torch runner's (to float32 rounding of the other attention kernels)."""
+    pytest.importorskip("triton")
+    from fp8_checkpoints import write_fp8
+    from prompts import random_prompt
+
+    from kvcache import KvCacheConfig, KVCacheManager
+    from server.models.builtin import resolve_model
+    from server.models.model_spec import load_spec
+    from server.models.moe import moe_blocks
+    from server.models.moe.experts import dense_experts
+    from server.models.runner import ModelRunner, SeqChunk
+
+    fp8_dir = write_fp8(resolve_model("builtin:tiny-qwen3-moe"), tmp_path / "fp8", per="block",
+                        scale_name="weight_scale_inv")
+    logits = {}
+    for kernels in ("torch", "triton"):
+        kv = KVCacheManager(KvCacheConfig(max_tokens=1024, tokens_per_block=16),
+                            load_spec(fp8_dir).cache_layout(256, torch.float32, "cpu"))
+        runner = ModelRunner(fp8_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
+                             max_batch_size=2, kernels=kernels, cuda_graphs=False)
+        if kernels == "triton":
+            assert all(b.experts is dense_experts for b in moe_blocks(runner.model).values())
+        prompt = random_prompt(6, 20)
+        logits[kernels] = runner.execute([SeqChunk(prompt, 0, {w: list(range(4)) for w in kv.window_sizes}, True)])
+    assert (logits["triton"] - logits["torch"]).abs().max().item() < 1e-3 * logits["torch"].abs().max().item()
