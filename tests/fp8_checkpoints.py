@@ -5,7 +5,10 @@ projections per layer to float8_e4m3fn: `layout` "hf-fp8" (config.json `quant_me
 named `weight_scale`, or `weight_scale_inv` as DeepSeek and Qwen name them) or "compressed-tensors"
 (llm-compressor's `config_groups`, scales shaped [N, 1] per channel); `per` "channel" or "tensor";
 `static` adds an `input_scale` per linear (activation_scheme static); `kv_scales` a `k_scale` and a
-`v_scale` per layer (the KV cache's, left to it). `write_dequantized(fp8, out)`
+`v_scale` per layer (the KV cache's, left to it). `per` "block" writes what DeepSeek-V3 and Qwen3-FP8
+ship: `weight_block_size: [128, 128]`, one `weight_scale_inv` per 128 x 128 block (scale_name
+"weight_scale_inv"), every linear in FP8 (a MoE layer's experts, and DeepSeek's latent-attention
+projections too) but the routers, the embedding and the lm_head. `write_dequantized(fp8, out)`
 writes the float32 model those FP8 weights stand for (W = q * scale, no quantization_config): the
 reference that transformers and a float server run. `write_quantized_at_load(src, out)` is the same
 reference for `quantization: fp8` on a float checkpoint.
@@ -25,6 +28,8 @@ from server.models.fp8.weight import quantize_weight
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 STATIC_INPUT_SCALE = 4.0 / FP8_MAX  # activations up to 4 in magnitude keep their range
+BLOCK = 128
+MLA_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
 
 
 def write_fp8(src: Path, out: Path, layout: str = "hf-fp8", per: str = "channel", static: bool = False,
@@ -36,7 +41,7 @@ def write_fp8(src: Path, out: Path, layout: str = "hf-fp8", per: str = "channel"
             shutil.copy(f, out / f.name)
     saved: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if not is_linear_weight(name):
+        if not is_linear_weight(name) and not (per == "block" and name.endswith(MLA_LINEARS)):
             saved[name] = tensor
             continue
         q, scale = _quantize(tensor.float(), per)
@@ -62,14 +67,18 @@ def write_dequantized(fp8_dir: Path, out: Path) -> Path:
     for f in fp8_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
+    blocks = "weight_block_size" in json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     saved = {}
     for name, tensor in tensors.items():
         if name.endswith(("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")):
             continue
         if tensor.dtype == FP8:
             base = name.removesuffix("weight")
-            scale = tensors.get(base + "weight_scale", tensors.get(base + "weight_scale_inv"))
-            tensor = tensor.float() * scale.float().reshape(-1, 1)
+            scale = tensors.get(base + "weight_scale", tensors.get(base + "weight_scale_inv")).float()
+            if blocks:  # one scale per 128 x 128 block
+                n, k = tensor.shape
+                scale = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+            tensor = tensor.float() * scale.reshape(tensor.shape[0] if scale.numel() > 1 else 1, -1)
         saved[name] = tensor.float().contiguous()
     save_file(saved, str(out / "model.safetensors"))
     config = json.loads((fp8_dir / "config.json").read_text())
@@ -92,13 +101,30 @@ def write_quantized_at_load(src: Path, out: Path) -> Path:
 
 
 def _quantize(w: torch.Tensor, per: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if per == "block":
+        return _quantize_blocks(w)
     amax = w.abs().amax(dim=1) if per == "channel" else w.abs().amax().reshape(1)
     scale = amax.clamp_min(1e-12) / FP8_MAX
     q = (w / scale.reshape(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.float()
 
 
+def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] float8, scale [ceil(N / 128), ceil(K / 128)]): each block's max to 448."""
+    n, k = w.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(nb * BLOCK, kb * BLOCK)
+    padded[:n, :k] = w
+    amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
+    scale = amax.clamp_min(1e-12) / FP8_MAX
+    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
+    return (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.float()
+
+
 def _config(layout: str, per: str, static: bool) -> dict:
+    if layout == "hf-fp8" and per == "block":
+        return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                "weight_block_size": [BLOCK, BLOCK], "fmt": "e4m3"}
     if layout == "hf-fp8":
         return {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
                 "ignored_layers": ["lm_head"]}

@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 
 from server.models.fp8.linear import CONFIGS
 from server.models.kernels import fp8 as K
+from server.models.kernels import moe_fp8 as MOE
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16",
@@ -24,6 +25,15 @@ QUANTIZE = {"X": "*bf16", "XQ": "*fp8e4nv", "XS": "*fp32", "STATIC": "*fp32", "K
             "stride_q": "i32"}
 SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
          "stride_a": "i32", "stride_o": "i32"}
+
+MOE_INTS = {"pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
+GATE_UP = {"XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
+           "H": "*bf16", **MOE_INTS, "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
+           "stride_hm": "i32"}
+DOWN = {"HQ": "*fp8e4nv", "HS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "SCALE": "*fp32", "ROWS": "*i64",
+        "TILE_EXPERT": "*i64", "Y": "*bf16", **{k: v for k, v in MOE_INTS.items() if k != "top_k"},
+        "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_ym": "i32"}
+MOE_TILES = (16, 64, 1024, 4096)  # pair counts that pick each of kernels/moe.py's tile configs
 
 
 def compile_one(fn, signature: dict[str, str], constexprs: dict, unspecialised: tuple[str, ...], **options) -> dict:
@@ -47,6 +57,10 @@ def variants():
                               "SWAP": swap, "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": static}
                 signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
                 yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
+    for block_m, block_n, block_k, warps in sorted({MOE.tile_config(p) for p in MOE_TILES}):
+        constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PROMOTE": min(K.PROMOTE_K, block_k)}
+        for fn, signature in ((MOE._gate_up_silu_fp8, GATE_UP), (MOE._down_weighted_fp8, DOWN)):
+            yield fn, signature, constexprs, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
 
 
 def main() -> int:

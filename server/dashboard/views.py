@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from server.dashboard.experts import expert_view
 from server.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
 from server.router.backends import Backend
 from server.telemetry.phases import TTFT_PHASES, Phase, quantile
@@ -40,7 +41,8 @@ def server_view(backend: Backend, window: Window, now: float) -> dict:
         transfers=transfer_view([window], now),
         speculation=spec_view([window], now),
         ttft=percentiles(window.bucket_increase(TTFT, now)),
-        tpot=percentiles(window.bucket_increase(TPOT, now)))
+        tpot=percentiles(window.bucket_increase(TPOT, now)),
+        experts=expert_view(window, now))
     return view
 
 

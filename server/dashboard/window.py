@@ -38,7 +38,7 @@ class Window:
         return [s for s in self.samples if s.t >= now - seconds]
 
     def increase(self, name: str, now: float, seconds: float = WINDOW_S, **labels: str) -> float:
-        return _increase(s.value(name, **labels) for s in self.recent(now, seconds))
+        return counter_increase(s.value(name, **labels) for s in self.recent(now, seconds))
 
     def rate(self, name: str, now: float, seconds: float = RATE_S, **labels: str) -> float | None:
         """Increase per second over the last `seconds`; None until two samples span time, or when stale."""
@@ -46,7 +46,7 @@ class Window:
         span = samples[-1].t - samples[0].t if samples else 0.0
         if span <= 0 or not self.fresh(now):
             return None
-        return _increase(s.value(name, **labels) for s in samples) / span
+        return counter_increase(s.value(name, **labels) for s in samples) / span
 
     def bucket_increase(self, histogram: str, now: float, seconds: float = WINDOW_S,
                         **labels: str) -> dict[float, float]:
@@ -54,10 +54,10 @@ class Window:
         samples = self.recent(now, seconds)
         bounds = samples[-1].buckets(histogram, **labels).keys() if samples else ()
         per_sample = [s.buckets(histogram, **labels) for s in samples]
-        return {le: _increase(b.get(le, 0.0) for b in per_sample) for le in bounds}
+        return {le: counter_increase(b.get(le, 0.0) for b in per_sample) for le in bounds}
 
 
-def _increase(values: Iterable[float]) -> float:
+def counter_increase(values: Iterable[float]) -> float:
     total, previous = 0.0, None
     for v in values:
         if previous is not None:

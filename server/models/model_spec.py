@@ -88,9 +88,6 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     mla = mla_spec(architecture, raw, cfg, rope_parameters(cfg), model_dir)
     quant = checkpoint_quant(raw, model_dir)
     moe = parse_moe(raw, cfg, architecture, model_dir)
-    if moe is not None and quant is not None:
-        raise ValueError(f"model {model_dir}: config.json: quantization_config: FP8 experts are not supported "
-                         "(serve the float checkpoint)")
     family = architecture.removesuffix("ForCausalLM")
     attention_bias = bool(getattr(cfg, "attention_bias", False))
     return ModelSpec(
@@ -123,9 +120,6 @@ def with_quantization(spec: ModelSpec, quantization: str | None) -> ModelSpec:
     handoff ever mixes KV computed by the two. An FP8 checkpoint is FP8 either way."""
     if quantization is None or spec.quantization == quantization:
         return spec
-    if spec.moe is not None:
-        raise ValueError(f"quantization: {quantization!r}: model {spec.model_dir}: FP8 experts are not supported "
-                         "(serve the mixture-of-experts model without `quantization`)")
     mixed = hashlib.sha256(f"{spec.fingerprint}|quantization={quantization}".encode()).hexdigest()
     return dataclasses.replace(spec, quantization=quantization, fingerprint=mixed)
 

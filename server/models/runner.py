@@ -21,10 +21,12 @@ from server.models import dense_prefill
 from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout, TorchPagedAttention
 from server.models.deepseek import DeepseekModel
 from server.models.fp8.load import load_checkpoint
+from server.models.fp8.weight import Fp8Weight
 from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
 from server.models.moe import moe_blocks
+from server.models.moe.experts import ExpertsFn, dense_experts
 from server.models.moe.load import ExpertLoad
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
@@ -118,6 +120,17 @@ def resolve_kernels(name: str, device: torch.device) -> str:
     return name
 
 
+def _fused_experts(gate_up: Weight) -> ExpertsFn:
+    """The Triton path's experts: the grouped GEMMs (float or FP8); a block-scaled checkpoint's experts
+    take the graph-safe torch path, dequantized (fp8/blocks.py)."""
+    from server.models.kernels.moe import fused_experts
+    from server.models.kernels.moe_fp8 import fused_fp8_experts
+
+    if not isinstance(gate_up, Fp8Weight):
+        return fused_experts
+    return dense_experts if gate_up.block_k else fused_fp8_experts
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
                  max_num_tokens: int, max_batch_size: int,
@@ -145,10 +158,8 @@ class ModelRunner:
         self.model = model_cls(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                parallel=None if shard is None else shard.context)
         if self.kernels == "triton":
-            from server.models.kernels.moe import fused_experts
-
             for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
-                block.experts = fused_experts
+                block.experts = _fused_experts(block.gate_up)
         self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs and local.mla is None:

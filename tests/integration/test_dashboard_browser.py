@@ -3,7 +3,9 @@ Debian's chromedriver) against a real deployment on loopback (configs/disagg_hos
 server with a small device pool and a host tier + 1 generation server + router, builtin:tiny-llama).
 It checks the server rows and pool bars, sees the numbers move while load runs (and blocks offloaded
 to the host tier) and the TTFT phases filled in, and sees a SIGKILLed generation server's row turn
-red. Screenshots are kept in the test's tmp dir and in test-artifacts/ (git-ignored).
+red. A MoE deployment (configs/disagg.yaml, builtin:tiny-qwen3-moe) shows each server's expert load per
+sparse layer (the dense deployment hides that section). Screenshots are kept in the test's tmp dir and
+in test-artifacts/ (git-ignored).
 
 Without chromium the test fails (`scripts/install.sh --test`, which .ci/run runs, installs it as
 root); a developer may skip it with PDSERVE_ALLOW_NO_BROWSER=1, which CI (CI set) ignores.
@@ -50,7 +52,15 @@ const phases = Array.from(document.querySelectorAll('#phases tr.phase')).map((r)
   name: r.dataset.phase, label: r.querySelector('.name').textContent, source: r.querySelector('.source').textContent,
   p50: r.querySelector('.p50').textContent, mean: r.querySelector('.mean').textContent,
   count: r.querySelector('.count').textContent}));
-return {rows, pools, phases, overall: text('#overall'), requests: text('#requests-total'), rps: text('#rps'),
+const experts = Array.from(document.querySelectorAll('#experts .experts')).map((c) => ({
+  url: c.dataset.url,
+  layers: Array.from(c.querySelectorAll('.layer')).map((l) => ({
+    layer: l.dataset.layer, load: l.querySelector('.load').textContent,
+    bars: Array.from(l.querySelectorAll('.expert')).map((b) => ({
+      tokens: Number(b.dataset.tokens), height: b.getBoundingClientRect().height,
+      hottest: b.classList.contains('hottest')}))}))}));
+return {rows, pools, phases, experts, experts_hidden: document.getElementById('experts-section').hidden,
+        overall: text('#overall'), requests: text('#requests-total'), rps: text('#rps'),
         xfer: text('#xfer-count'), ttft: text('#ttft-p50'), tpot: text('#tpot-p50'), offload: text('#offload-rate')};
 """
 
@@ -141,6 +151,7 @@ def test_dashboard_shows_the_deployment_live(tmp_path, browser):
         requests_before, xfer_before = int(dom["requests"]), int(dom["xfer"])
         assert [p["name"] for p in dom["phases"]] == PHASES  # every phase, nothing observed yet
         assert {(p["p50"], p["mean"], p["count"]) for p in dom["phases"]} == {("–", "–", "0")}
+        assert dom["experts_hidden"] and dom["experts"] == []  # a dense model: no expert load
 
         # load: the numbers move on the open page
         errors: list = []
@@ -180,3 +191,34 @@ def test_dashboard_shows_the_deployment_live(tmp_path, browser):
         assert row(dom, ctx)["health"] == "ok"
         assert dom["overall"] == "1 of 2 servers healthy"
         screenshot(browser, tmp_path, "dashboard-server-killed.png")
+
+
+def test_dashboard_shows_a_moe_deployments_expert_load(tmp_path, browser):
+    with dh.launched("disagg.yaml", tmp_path, {"model": "builtin:tiny-qwen3-moe"}) as dep:
+        ctx, gen = dep.context_urls[0], dep.generation_urls[0]
+        browser.get(f"{dep.url}/dashboard")
+        wait_dom(browser, lambda d: len(d["rows"]) == 2 and all(r["health"] == "ok" for r in d["rows"]), 15,
+                 "two healthy rows")
+        prompt = "The quick brown fox jumps over the lazy dog. " * 3
+        for _ in range(3):
+            response = httpx.post(f"{dep.url}/v1/completions", timeout=120,
+                                  json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+        loaded = lambda d: len(d["experts"]) == 2 and all(  # noqa: E731
+            sum(b["tokens"] for b in layer["bars"]) > 0 for card in d["experts"] for layer in card["layers"])
+        dom = wait_dom(browser, loaded, 15, "both servers' expert load")
+        assert not dom["experts_hidden"]
+        assert sorted(card["url"] for card in dom["experts"]) == sorted([ctx, gen])
+        for card in dom["experts"]:
+            assert [layer["layer"] for layer in card["layers"]] == ["0", "2", "3"]  # layer 1 is dense
+            for layer in card["layers"]:
+                tokens = [b["tokens"] for b in layer["bars"]]
+                assert len(tokens) == 8 and sum(tokens) % 2 == 0  # top-2: each token counted twice
+                imbalance = max(tokens) / (sum(tokens) / 8)
+                assert re.fullmatch(rf"{sum(tokens)} tokens · max / mean {imbalance:.2f} \(expert \d\)",
+                                    layer["load"]), layer
+                [hottest] = [b for b in layer["bars"] if b["hottest"]]
+                assert hottest["tokens"] == max(tokens)
+                assert hottest["height"] == max(b["height"] for b in layer["bars"]) > 0
+        browser.execute_script("document.getElementById('experts-section').scrollIntoView()")
+        screenshot(browser, tmp_path, "dashboard-experts.png")

@@ -220,3 +220,37 @@ def test_the_deployment_view_has_each_ttft_phase_from_the_router_and_the_servers
     assert (phases["generation_queue"]["count"], phases["kv_transfer"]["count"]) == (1, 1)
     for name in ("router_queue", "handoff", "generation_leg", "first_event"):  # shown, nothing observed
         assert phases[name] == {"name": name, "source": "router", "p50": None, "mean": None, "count": 0}
+
+
+def test_expert_view_shows_each_layers_load_over_the_window_and_its_imbalance():
+    """A MoE server's `pdserve_moe_expert_tokens_total{layer,expert}` as the page gets it: per sparse layer,
+    the tokens each expert got over the window (a restart counted from zero), the busiest one and max /
+    mean; the cumulative total since start. A dense server's view has no experts."""
+    from server.dashboard.experts import expert_view
+
+    counts: dict[int, list[int]] = {}
+    metrics = ServerMetrics(counters_provider=lambda: EngineCounters(expert_tokens=counts))
+    window = Window()
+    for t, layers in ((0.0, {0: [10, 10, 0, 0], 3: [5, 5, 5, 5]}), (1.0, {0: [16, 10, 2, 0], 3: [5, 7, 5, 7]}),
+                      (2.0, {0: [20, 10, 2, 4], 3: [5, 9, 5, 9]})):
+        counts.clear()
+        counts.update(layers)
+        window.add(sample(metrics, t))
+    view = expert_view(window, now=2.0)
+    assert [v["layer"] for v in view] == [0, 3]
+    assert view[0]["tokens"] == [10, 0, 2, 4] and view[0]["total"] == 36 and view[0]["hottest"] == 0
+    assert view[0]["imbalance"] == pytest.approx(10 / 4)  # 16 tokens over 4 experts: a mean of 4
+    assert view[1]["tokens"] == [0, 4, 0, 4] and view[1]["imbalance"] == pytest.approx(2.0)
+    restarted_counts = {0: [1, 0, 0, 0], 3: [0, 0, 0, 0]}
+    restarted = ServerMetrics(counters_provider=lambda: EngineCounters(expert_tokens=restarted_counts))
+    window.add(sample(restarted, 3.0))  # the server restarted: its counters start again from 0
+    view = expert_view(window, now=3.0)
+    assert view[0]["tokens"] == [11, 0, 2, 4] and view[0]["total"] == 1
+    assert view[1]["tokens"] == [0, 4, 0, 4]
+    assert expert_view(window, now=3.0 + WINDOW_S)[1] == {"layer": 3, "tokens": [0, 0, 0, 0], "total": 0,
+                                                          "hottest": 0, "imbalance": None}  # nothing routed lately
+    moe = Backend("http://m", "aggregated", healthy=True)
+    assert server_view(moe, window, now=3.0)["experts"] == view
+    dense = Window()
+    dense.add(sample(ServerMetrics(), 0.0))
+    assert server_view(moe, dense, now=0.0)["experts"] == [] and expert_view(Window(), now=0.0) == []

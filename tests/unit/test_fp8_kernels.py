@@ -203,3 +203,6 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     results = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in lines]
     assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in results), done.stdout
     assert any(r["wgmma"] for r in results), done.stdout
+    moe = [line for line in done.stdout.splitlines() if line.startswith(("_gate_up_silu_fp8", "_down_weighted_fp8"))]
+    assert len(moe) == 6, done.stdout  # the grouped FP8 experts' two kernels (kernels/moe_fp8.py), 3 tile configs each
+    assert all(ast.literal_eval(line[line.rindex("{'shared'"):])["pipelined"] for line in moe), done.stdout

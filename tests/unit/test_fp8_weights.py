@@ -99,8 +99,12 @@ def test_checkpoint_scales_per_tensor_and_per_channel_only() -> None:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]},
-     "quantization_config.weight_block_size: \\[128, 128\\]: block-wise FP8 scales are not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 128]},
+     "quantization_config.weight_block_size: \\[64, 128\\]: only \\[128, 128\\] blocks are supported"),
+    ({"quant_method": "fp8", "weight_block_size": 128},
+     "quantization_config.weight_block_size: 128: only \\[128, 128\\] blocks are supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "quantization_config.activation_scheme: 'static': block-wise FP8 weights are supported with 'dynamic'"),
     ({"quant_method": "fp8", "activation_scheme": "per-token"}, "quantization_config.activation_scheme: 'per-token'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt: 'e5m2'"),
     ({"quant_method": "awq"}, "quantization_config.quant_method: 'awq' is not supported"),
@@ -193,15 +197,18 @@ def test_static_checkpoint_without_input_scale_is_refused(checkpoints, tmp_path:
         load_weights(load_spec(tmp_path), torch.float32, torch.device("cpu"))
 
 
-def test_block_wise_checkpoint_is_refused_at_load(checkpoints, tmp_path: Path) -> None:
+def test_block_wise_config_with_per_channel_scales_is_refused_at_load(checkpoints, tmp_path: Path) -> None:
+    """A config that says [128, 128] blocks over per-channel scales: the first FP8 weight's scale is named."""
     fp8, _ = checkpoints["llama-hf-channel-scale-inv"]
     for f in fp8.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [128, 128]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="weight_block_size: \\[128, 128\\]: block-wise"):
-        load_spec(tmp_path)
+    assert load_spec(tmp_path).checkpoint_quant.block == (128, 128)
+    with pytest.raises(ValueError, match=f"model {tmp_path}: weight 'model.layers.0.*weight': a block scale of "
+                                         "shape \\(\\d+,\\) for a weight of shape"):
+        load_weights(load_spec(tmp_path), torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", ["llama-hf-channel-scale-inv", "qwen3-ct-tensor-static"])

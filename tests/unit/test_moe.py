@@ -212,7 +212,8 @@ def test_tiny_models_route_every_token_through_several_experts(name: str) -> Non
         assert int(load.sum()) == (60 + 3) * 2 and int(load.min()) > 0, load
 
 
-def test_fp8_is_refused_for_moe_models(tmp_path: Path) -> None:
+def test_fp8_is_accepted_for_moe_models(tmp_path: Path) -> None:
+    """FP8 experts (tests/unit/test_moe_fp8.py): `quantization: fp8` and an FP8 checkpoint's config load."""
     import json
     import shutil
 
@@ -220,14 +221,12 @@ def test_fp8_is_refused_for_moe_models(tmp_path: Path) -> None:
     from server.models.model_spec import load_spec, with_quantization
 
     model = resolve_model("builtin:tiny-qwen3-moe")
-    with pytest.raises(ValueError, match="quantization: 'fp8': .*FP8 experts are not supported"):
-        with_quantization(load_spec(model), "fp8")
+    assert with_quantization(load_spec(model), "fp8").quantization == "fp8"
     copy = shutil.copytree(model, tmp_path / "fp8")
     config = json.loads((copy / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="config.json: quantization_config: FP8 experts are not supported"):
-        load_spec(copy)
+    assert load_spec(copy).quantization == "fp8" and load_spec(copy).moe is not None
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37])

@@ -184,3 +184,23 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's moe_intermediate_size"):
         ShardPlan(rank=0, size=4, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512,
                   other_ffn_sizes=(("moe_intermediate_size", 66),))
+
+
+def test_tp2_fp8_moe_checkpoint_matches_one_rank_and_its_dequantized_model(tmp_path: Path) -> None:
+    """A per-channel FP8 checkpoint of tiny-qwen2-moe (experts, gated shared expert, attention in FP8):
+    each expert's slice takes its rows' scales (gate/up) or all of them (down), split or whole
+    (expert parallelism); the ranks' tokens are one rank's and transformers' of the dequantized weights."""
+    from fp8_checkpoints import write_dequantized, write_fp8
+
+    fp8 = write_fp8(materialize_builtin("tiny-qwen2-moe"), tmp_path / "fp8", scale_name="weight_scale_inv")
+    reference = write_dequantized(fp8, tmp_path / "ref")
+    ranks = _run_ranks(2, {"fp8": fp8, "fp8:ep": fp8}, tmp_path)
+    runner, kv = _runner(fp8, None)
+    ids = _prompt(runner.spec.vocab_size)
+    one_rank, one_rank_logits = _greedy(runner, kv, ids)
+    assert one_rank == hf_reference.hf_greedy(reference, ids, NEW_TOKENS)
+    for rank, result in enumerate(ranks):
+        for name in ("fp8", "fp8:ep"):
+            tokens, logits = result[name]
+            assert tokens == one_rank, (name, rank)
+            assert (torch.tensor(logits) - torch.tensor(one_rank_logits)).abs().max().item() < 1e-4, (name, rank)

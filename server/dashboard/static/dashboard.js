@@ -118,12 +118,38 @@
     return card;
   }
 
+  function expertLayer(l) {
+    const top = Math.max(...l.tokens, 1);
+    const sum = l.tokens.reduce((a, b) => a + b, 0);
+    const bars = el("div", { class: "expert-bars" }, ...l.tokens.map((n, e) => el("span", {
+      class: "expert" + (e === l.hottest && sum > 0 ? " hottest" : ""), "data-expert": e, "data-tokens": n,
+      style: `height:${((100 * n) / top).toFixed(1)}%`, title: `expert ${e}: ${n} tokens` })));
+    return el("div", { class: "layer", "data-layer": l.layer },
+      el("div", { class: "layer-label" },
+        el("span", {}, `layer ${l.layer} · ${l.tokens.length} experts`),
+        el("span", { class: "load" }, `${sum} tokens · max / mean ${show.num(l.imbalance, 2)}` +
+          (l.imbalance == null ? "" : ` (expert ${l.hottest})`))),
+      bars);
+  }
+
+  function expertCard(s) {
+    return el("div", { class: "experts", "data-url": s.url, "data-health": health(s) },
+      el("h3", {}, `${s.role} · ${s.url}`), ...s.experts.map(expertLayer));
+  }
+
+  function renderExperts(servers) {
+    const moe = servers.filter((s) => s.experts && s.experts.length);
+    $("experts-section").hidden = moe.length === 0;
+    $("experts").replaceChildren(...moe.map(expertCard));
+  }
+
   function render(state) {
     const d = state.deployment;
     renderTiles(d);
     document.querySelector("#servers tbody").replaceChildren(...state.servers.map(serverRow));
     document.querySelector("#phases tbody").replaceChildren(...d.phases.map(phaseRow));
     $("pools").replaceChildren(...state.servers.map(poolCard));
+    renderExperts(state.servers);
     const overall = $("overall");
     const ok = d.healthy === d.servers;
     overall.textContent = `${d.healthy} of ${d.servers} servers healthy`;

@@ -4,8 +4,9 @@ Two layouts that users download:
 - Hugging Face / vLLM `quant_method: fp8`: float8_e4m3fn `*.weight` tensors, each with a float32
   `*.weight_scale` (or `*.weight_scale_inv`, DeepSeek's and Qwen's name for the same multiplier), one
   per tensor or one per output channel; `activation_scheme: static` adds one `*.input_scale` per
-  linear, `dynamic` none. Block-wise scales (`weight_block_size`, e.g. [128, 128] in DeepSeek-V3 and
-  Qwen3-FP8) are refused with an error naming the key.
+  linear, `dynamic` none. Block-wise scales: `weight_block_size: [128, 128]` (DeepSeek-V3, Qwen3-FP8),
+  one `*.weight_scale_inv` per 128 x 128 block, with dynamic activations only
+  (server/models/fp8/blocks.py); other block sizes and static activations are refused naming the key.
 - compressed-tensors (llm-compressor) `quant_method: compressed-tensors`: config groups whose weights
   are 8-bit floats with strategy `tensor` or `channel`, and whose input activations are dynamic (per
   token), static (per tensor: an `input_scale`) or absent (weight only).
@@ -21,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("fp8", "compressed-tensors")
+BLOCK = (128, 128)  # the one weight_block_size served
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     method: str  # one of METHODS
     static_activations: bool  # every FP8 linear has an input_scale (else activations are scaled per token)
+    block: tuple[int, int] | None = None  # weight_block_size (rows, columns): one scale per block
 
 
 def checkpoint_quant(raw: dict[str, Any], model_dir: Path) -> CheckpointQuant | None:
@@ -48,16 +51,21 @@ def checkpoint_quant(raw: dict[str, Any], model_dir: Path) -> CheckpointQuant | 
 
 
 def _hf_fp8(qc: dict[str, Any], where: str) -> CheckpointQuant:
-    if qc.get("weight_block_size") is not None:
-        raise ValueError(f"{where}.weight_block_size: {qc['weight_block_size']}: block-wise FP8 scales are not "
-                         "supported (per-tensor and per-channel are); serve the bf16 checkpoint with "
-                         "`quantization: fp8` instead")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{where}.fmt: {qc['fmt']!r}: only e4m3 FP8 weights are supported")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"{where}.activation_scheme: {scheme!r}: must be 'dynamic' or 'static'")
-    return CheckpointQuant("fp8", static_activations=scheme == "static")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return CheckpointQuant("fp8", static_activations=scheme == "static")
+    if not isinstance(block, list | tuple) or list(block) != list(BLOCK):
+        raise ValueError(f"{where}.weight_block_size: {block!r}: only {list(BLOCK)} blocks are supported (as "
+                         "DeepSeek-V3 and Qwen3-FP8 ship); serve the bf16 checkpoint with `quantization: fp8` instead")
+    if scheme != "dynamic":
+        raise ValueError(f"{where}.activation_scheme: {scheme!r}: block-wise FP8 weights are supported with "
+                         "'dynamic' activations only")
+    return CheckpointQuant("fp8", static_activations=False, block=BLOCK)
 
 
 _FORMATS = (None, "float-quantized", "naive-quantized")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from server.models.fp8.weight import Fp8Weight, w8a8_linear
+from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
 from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class Fp8Linears:
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if w.block_k:  # a block-scaled checkpoint's weight: dequantized (fp8/blocks.py)
+            return dequantized_linear(x, w, bias)
         if x.stride(-1) != 1:
             x = x.contiguous()
         n, k = w.shape
@@ -99,7 +101,7 @@ class Fp8Linears:
     def choose(self, weights: list[Fp8Weight], biases: list[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Time every path for one weight shape (every layer's weight of it) per row class (CUDA only)."""
         n, k = weights[0].shape
-        if weights[0].device.type != "cuda" or (n, k, ROW_CLASSES[0]) in self.chosen:
+        if weights[0].device.type != "cuda" or weights[0].block_k or (n, k, ROW_CLASSES[0]) in self.chosen:
             return
         ours = os.environ.get("PDSERVE_SKINNY_GEMV", "1") != "0"
         for rows in (*ROW_CLASSES, PREFILL_ROWS):

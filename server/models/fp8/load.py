@@ -3,15 +3,18 @@ quantized tensor by tensor as it is read (`quantization: fp8`).
 
 `load_checkpoint` hands `weights.load_tensors` a converter: each tensor goes to the device as it is
 read; float8 tensors stay float8 and scales float32, float tensors take the model dtype, and when
-quantizing, the seven linear projections of each layer are quantized per output channel on the spot
+quantizing, the seven linear projections of each layer (and a MoE layer's routed experts: Mixtral's
+w1/w3/w2, transformers 5's stacked `experts.gate_up_proj` and `experts.down_proj` [E, N, K], per
+expert and row; and its shared experts) are quantized per output channel on the spot
 (peak memory: the FP8 model plus one float tensor). `assemble` then pairs each float8 weight with its
 scales into an `Fp8Weight` under the weight's own name, so the model finds every weight by its HF
 name as before.
 
 What stays in the model dtype, and why: the embedding (a step reads one row per token: FP8 would save
 no bandwidth), the lm_head (its logits pick every token, so its rounding would move the output most,
-for ~7% of an 8B model's bytes) and the norms (vectors). A checkpoint that stores one of those in FP8
-has it dequantized here.
+for ~7% of an 8B model's bytes), the norms (vectors), a MoE layer's router (`gate`, it picks the
+experts) and DeepSeek's latent-attention projections other than q_proj and o_proj (q_a, q_b, kv_a,
+kv_b). A checkpoint that stores one of those in FP8 has it dequantized here.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from typing import Any
 
 import torch
 
+from server.models.fp8.blocks import from_block_checkpoint
 from server.models.fp8.weight import FP8, Fp8Weight, from_checkpoint, quantize_weight
 from server.models.weights import Slicer, load_tensors
 
 QUANTIZATIONS = ("fp8",)  # `quantization:` values; None (the default) serves the checkpoint as stored
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up
+STACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # transformers 5: [E, N, K]
 WEIGHT_SCALES = (".weight_scale", ".weight_scale_inv")
 INPUT_SCALE = ".input_scale"
 # the attention's and KV cache's scales (`*.k_scale`, `*.v_scale`; `q_scale`; older checkpoints' k/v
@@ -36,9 +42,15 @@ SCALES = (*WEIGHT_SCALES, INPUT_SCALE, *KV_SCALES)
 
 
 def is_linear_weight(name: str) -> bool:
-    """A layer's q/k/v/o/gate/up/down projection weight, by HF name."""
+    """A layer's q/k/v/o/gate/up/down projection weight (a MoE layer's experts too), by HF name."""
+    if not name.startswith("model.layers."):
+        return False
+    if name.endswith(STACKED_EXPERTS):
+        return True
     parts = name.split(".")
-    return name.startswith("model.layers.") and parts[-1] == "weight" and len(parts) >= 2 and parts[-2] in LINEARS
+    if parts[-1] != "weight":
+        return False
+    return parts[-2] in LINEARS or (parts[-2] in EXPERT_LINEARS and parts[-4] == "experts")
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -103,6 +115,8 @@ def _fp8_weight(name: str, qweight: torch.Tensor, tensors: dict[str, Any], spec:
         raise ValueError(f"{where}: the checkpoint's activations are static (config.json quantization_config) "
                          f"but {base + 'input_scale'!r} is missing")
     try:
+        if quant is not None and quant.block is not None:
+            return from_block_checkpoint(qweight, scales[0], quant.block, name)
         return from_checkpoint(qweight, scales[0], input_scale, name)
     except ValueError as exc:
         raise ValueError(f"model {spec.model_dir}: {exc}") from None

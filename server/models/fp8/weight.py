@@ -1,9 +1,13 @@
 """FP8 (e4m3) linear weights: the stored form, quantization, and the plain torch references.
 
 A linear weight W [N, K] is held as `Fp8Weight`: `qweight` float8_e4m3fn [N, K] and one float32
-scale per output row, W[n] = qweight[n] * scale[n]. Per-channel (per output row) scales are what a
-checkpoint quantized at load gets; a checkpoint's per-tensor scale is expanded to its rows (exact),
-which lets q/k/v and gate/up fuse row by row (`cat_rows`) as the float weights do.
+scale per output row, W[n] = qweight[n] * scale[n]; or, from a block-scaled checkpoint (`block_k`,
+server/models/fp8/blocks.py), one scale per row and block of `block_k` columns, scale [N, K / block_k].
+A MoE layer's routed experts are one stacked `Fp8Weight` (qweight [E, N, K], scale [E, N]: per expert
+and output row; `expert(e)` is expert e's).
+Per-channel (per output row) scales are what a checkpoint quantized at load gets; a checkpoint's
+per-tensor scale is expanded to its rows (exact), which lets q/k/v and gate/up fuse row by row
+(`cat_rows`) as the float weights do.
 
 Two ways to multiply, both here in plain torch:
 - `dequantized_linear`, the CPU's serving path: the weight dequantized to float32 and multiplied
@@ -30,9 +34,10 @@ MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and i
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    qweight: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
-    scale: torch.Tensor  # [N] float32: row n of the weight is qweight[n] * scale[n]
+    qweight: torch.Tensor  # [N, K] (stacked experts: [E, N, K]) float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [N] ([E, N]) float32: row n of the weight is qweight[n] * scale[n]
     input_scale: torch.Tensor | None = None  # [1] float32: a checkpoint's static activation scale
+    block_k: int = 0  # > 0: scale is [(E,) N, ceil(K / block_k)], per row and block of block_k columns
 
     @property
     def shape(self) -> torch.Size:
@@ -47,16 +52,33 @@ class Fp8Weight:
         return self.qweight.numel() + self.scale.numel() * 4 + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight it stands for, [N, K] (computed in float32, then cast)."""
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+        """The weight it stands for, [N, K] or [E, N, K] (computed in float32, then cast)."""
+        if self.block_k:
+            k = self.qweight.shape[-1]
+            return (self.qweight.float() * self.scale.repeat_interleave(self.block_k, dim=-1)[..., :k]).to(dtype)
+        return (self.qweight.float() * self.scale[..., None]).to(dtype)
+
+    def with_blocks(self, block_k: int) -> Fp8Weight:
+        """The same weight with one scale per row and block of block_k columns (exact)."""
+        if self.block_k == block_k:
+            return self
+        if self.block_k:
+            raise ValueError(f"FP8 weights of column blocks {self.block_k} and {block_k} cannot be fused")
+        blocks = -(-self.qweight.shape[-1] // block_k)
+        scale = self.scale[..., None].expand(*self.scale.shape, blocks).contiguous()
+        return Fp8Weight(self.qweight, scale, self.input_scale, block_k)
+
+    def expert(self, e: int) -> Fp8Weight:
+        """Expert e's [N, K] weight of stacked experts (views)."""
+        return Fp8Weight(self.qweight[e], self.scale[e], self.input_scale, self.block_k)
 
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """Per output row: scale[n] = max|W[n]| / 448, qweight = W / scale rounded to e4m3 (to nearest, ties
-    to even). On the weight's device."""
+    to even). On the weight's device. W [N, K], or stacked experts [E, N, K] (per expert and row)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = w.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX
+    q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(q.contiguous(), scale.contiguous())
 
 
@@ -90,9 +112,16 @@ def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8W
     if len(fp8) < len(parts):
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts])
+    fp8 = same_form(fp8)
     statics = [p.input_scale for p in fp8]
     static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
-    return Fp8Weight(torch.cat([p.qweight for p in fp8]), torch.cat([p.scale for p in fp8]), static)
+    return Fp8Weight(torch.cat([p.qweight for p in fp8]), torch.cat([p.scale for p in fp8]), static, fp8[0].block_k)
+
+
+def same_form(parts: list[Fp8Weight]) -> list[Fp8Weight]:
+    """Parts to fuse, all per row, or all per row and column block where one of them is (exact)."""
+    block_k = max(p.block_k for p in parts)
+    return [p.with_blocks(block_k) for p in parts] if block_k else parts
 
 
 def row_scales(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +151,12 @@ def scaled_output(acc: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor, bias
 
 
 def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the GPU computes (module docstring), in float32 torch: x [M, K] -> [M, N] in x's dtype."""
+    """What the GPU computes (module docstring), in float32 torch: x [M, K] -> [M, N] in x's dtype.
+    (A block-scaled weight: the quantized rows times the dequantized weight.)"""
     xq, xs = quantize_rows(x, w.input_scale)
+    if w.block_k:
+        acc = xq.float() @ w.dequantize(torch.float32).t()
+        return scaled_output(acc, xs, torch.ones(w.shape[0], device=x.device), bias, x.dtype)
     acc = xq.float() @ w.qweight.float().t()
     return scaled_output(acc, xs, w.scale, bias, x.dtype)
 

@@ -5,6 +5,8 @@ names, in either layout a checkpoint ships: one tensor per expert and projection
 (`{block}experts.{e}.{gate,up,down}.weight`, how every published checkpoint and transformers'
 `save_pretrained` store them) or transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, hidden]
 and `mlp.experts.down_proj` [E, hidden, I]. The block is called like a dense MLP, `block(x, ops)`.
+Expert weights are float tensors or, with FP8 linears (`quantization: fp8` or an FP8 checkpoint),
+stacked `Fp8Weight`s (server/models/fp8/experts.py); a layer whose experts mix the two is dequantized.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from server.models.fp8.experts import stack_experts
+from server.models.fp8.weight import Fp8Weight, cat_rows
 from server.models.mlp import DenseMLP, WeightSource, load_mlp
 from server.models.moe.config import MoESpec
 from server.models.moe.experts import ExpertsFn, default_experts, expert_load
 from server.models.moe.router import route
-from server.models.ops import ModelOps
+from server.models.ops import ModelOps, Weight
 
 
 @dataclass
@@ -25,8 +29,8 @@ class MoEBlock:
     spec: MoESpec  # a tensor-parallel rank's: `intermediate_size` is its share of each expert's
     gate: torch.Tensor  # [E, hidden]: the router's weight
     correction: torch.Tensor | None  # [E] float32: DeepSeek-V3's e_score_correction_bias
-    gate_up: torch.Tensor  # [E, 2I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
+    gate_up: Weight  # [E, 2I, hidden]: a float tensor or a stacked Fp8Weight
+    down: Weight  # [E, hidden, I]
     shared: DenseMLP | None = None  # the shared expert(s), one MLP
     shared_gate: torch.Tensor | None = None  # [1, hidden]: Qwen2-MoE's sigmoid gate of the shared expert
     experts: ExpertsFn = field(default=None)  # type: ignore[assignment]  # set from the device when None
@@ -96,33 +100,29 @@ def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: Expe
         experts=experts)
 
 
-def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weight, Weight]:
     n = spec.names
     gate_up, down = [], []
     for e in spec.held_experts:
         prefix = f"{block}experts.{e}."
-        parts = [_plain(weights.take(f"{prefix}{p}.weight"), prefix + p) for p in (n.gate, n.up)]
-        gate_up.append(torch.cat(parts))
-        down.append(_plain(weights.take(f"{prefix}{n.down}.weight"), prefix + n.down))
-    return _checked(spec, block, torch.stack(gate_up), torch.stack(down))
+        gate_up.append(cat_rows([weights.take(f"{prefix}{p}.weight") for p in (n.gate, n.up)]))
+        down.append(weights.take(f"{prefix}{n.down}.weight"))
+    return _checked(spec, block, stack_experts(gate_up), stack_experts(down))
 
 
-def _stacked(spec: MoESpec, weights: WeightSource, block: str) -> tuple[torch.Tensor, torch.Tensor]:
-    gate_up = _plain(weights.take(block + "experts.gate_up_proj"), block + "experts.gate_up_proj")
-    down = _plain(weights.take(block + "experts.down_proj"), block + "experts.down_proj")
+def _stacked(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weight, Weight]:
+    gate_up, down = weights.take(block + "experts.gate_up_proj"), weights.take(block + "experts.down_proj")
     return _checked(spec, block, gate_up, down)
 
 
-def _plain(weight: object, name: str) -> torch.Tensor:
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"weight {name!r}: quantized experts are not supported (serve a float checkpoint "
-                         "without `quantization`)")
-    return weight
-
-
-def _checked(spec: MoESpec, block: str, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked(spec: MoESpec, block: str, gate_up: Weight, down: Weight) -> tuple[Weight, Weight]:
     e, i = len(spec.held_experts), spec.intermediate_size
     if gate_up.shape[:2] != (e, 2 * i) or down.shape[0] != e or down.shape[2] != i:
         raise ValueError(f"{block}experts: shapes {tuple(gate_up.shape)} and {tuple(down.shape)} do not fit "
                          f"{e} experts of intermediate size {i}")
+    if isinstance(gate_up, Fp8Weight) != isinstance(down, Fp8Weight):  # one FP8 projection: both dequantized
+        dtype = down.dtype if isinstance(down, torch.Tensor) else gate_up.dtype
+        gate_up, down = (w.dequantize(dtype) if isinstance(w, Fp8Weight) else w for w in (gate_up, down))
+    if isinstance(gate_up, Fp8Weight):
+        return gate_up, down
     return gate_up.contiguous(), down.contiguous()

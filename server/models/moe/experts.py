@@ -11,6 +11,9 @@ times the routing weight, accumulated in expert order):
   zero: E / top_k times the work, but no host synchronisation and no data-dependent shape, so it
   runs inside CUDA graphs. The GPU's torch path (a fused Triton path replaces it where available).
 
+FP8 experts (a stacked `Fp8Weight`, server/models/fp8/experts.py) run here as the dense FP8 linear's
+torch path does: each expert's weight dequantized to float32 (`weight.dequantized_linear`).
+
 `expert_load` counts the tokens routed to each expert, on the device.
 """
 
@@ -21,18 +24,29 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from server.models.fp8.weight import Fp8Weight, dequantized_linear
+
+Weight = torch.Tensor | Fp8Weight
 # (x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights [T, k] float32, ids [T, k]) -> [T, hidden];
 # an id E names no expert held here (expert parallelism: another rank's) and contributes nothing
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertsFn = Callable[[torch.Tensor, Weight, Weight, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    return dequantized_linear(x, w, None) if isinstance(w, Fp8Weight) else F.linear(x, w)
+
+
+def _pick(w: Weight, e: int) -> Weight:
+    return w.expert(e) if isinstance(w, Fp8Weight) else w[e]
+
+
+def _expert(x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
     """One expert's MLP: x [N, hidden], gate_up [2I, hidden], down [hidden, I] -> [N, hidden]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = _linear(x, gate_up).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, down)
 
 
-def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+def grouped_experts(x: torch.Tensor, gate_up: Weight, down: Weight, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     order = ids.flatten().argsort(stable=True)  # [T * k] (token, slot) pairs grouped by expert
@@ -44,18 +58,19 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     for expert, count in enumerate(counts[:num_experts]):  # (pairs of id E sort last: skipped)
         if count:
             rows = tokens[start:start + count]
-            y = _expert(x.index_select(0, rows), gate_up[expert], down[expert]) * scale[start:start + count, None]
+            y = _expert(x.index_select(0, rows), _pick(gate_up, expert), _pick(down, expert))
+            y = y * scale[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
     return out
 
 
-def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+def dense_experts(x: torch.Tensor, gate_up: Weight, down: Weight, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for expert in range(gate_up.shape[0]):
         scale = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]: 0 where not routed
-        out += (_expert(x, gate_up[expert], down[expert]) * scale).to(out.dtype)
+        out += (_expert(x, _pick(gate_up, expert), _pick(down, expert)) * scale).to(out.dtype)
     return out
 
 

@@ -62,6 +62,11 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
                quantization: str | None = None) -> dict[str, Any]:
     """The rank's slice of every tensor of the model, as `dtype` on `device` (linears as FP8 where the
     checkpoint is FP8 or `quantization` is "fp8": each rank quantizes its own slices)."""
+    quant = spec.checkpoint_quant
+    if quant is not None and quant.block is not None and plan.size > 1:
+        raise ValueError(f"model {spec.model_dir}: config.json: quantization_config.weight_block_size: "
+                         f"{list(quant.block)}: block-scaled FP8 checkpoints are served on one GPU only (no "
+                         "tensor or expert parallelism)")
     return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
                            quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
@@ -137,14 +142,16 @@ def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
 
 
 def _scale_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
-    """A per-channel scale of a column-parallel weight: the rank's rows; any other scale: whole."""
+    """A per-channel scale of a column-parallel weight: the rank's rows (an MLP's or expert's: its even
+    share, as the weight's); any other scale: whole."""
     shape = handle.get_shape()
-    if not shape or shape[0] == 1 or kind not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+    if not shape or shape[0] == 1 or kind not in ("q_proj", "k_proj", "v_proj", *_COLUMN_FFN):
         return handle[...]
     d = spec.head_dim
-    (h0, h1), (k0, k1), (f0, f1) = plan.heads, plan.kv_heads, plan.ffn
-    rows = {"q_proj": (h0 * d, h1 * d), "k_proj": (k0 * d, k1 * d), "v_proj": (k0 * d, k1 * d)}.get(kind, (f0, f1))
-    return handle[rows[0]:rows[1]]
+    (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
+    rows = {"q_proj": (h0 * d, h1 * d), "k_proj": (k0 * d, k1 * d), "v_proj": (k0 * d, k1 * d)}.get(kind)
+    f0, f1 = rows if rows is not None else _share(shape[0], plan)
+    return handle[f0:f1]
 
 
 def _vocab_rows(handle: Any, plan: ShardPlan) -> torch.Tensor:

@@ -1,0 +1,34 @@
+"""Block-scaled FP8 checkpoints (`quant_method: fp8`, `weight_block_size: [128, 128]`, as DeepSeek-V3
+and Qwen3-FP8 ship): each float8 weight [N, K] has a float32 `*.weight_scale_inv` [ceil(N / 128),
+ceil(K / 128)], a multiplier despite its name: W[n, k] = qweight[n, k] * scale_inv[n // 128, k // 128].
+
+`from_block_checkpoint` holds such a weight as an `Fp8Weight` with one scale per row and block of 128
+columns (scale [N, ceil(K / 128)], `block_k` 128): the row blocks expanded to their rows (exact), so
+that q|k|v and gate|up fuse, and experts stack, row by row whatever their row counts, as per-channel
+weights do (`weight.cat_rows`, `experts.stack_experts`).
+
+They run dequantized: on the CPU as every FP8 weight (`weight.dequantized_linear`), and on the GPU
+too (a block-scaled FP8 GEMM is not implemented: `linear.Fp8Linears` and the runner's experts take the
+torch path, each weight dequantized as it is used), so the memory is FP8's but not the GEMM speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.models.fp8.weight import FP8, Fp8Weight
+
+
+def from_block_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> Fp8Weight:
+    """A checkpoint's float8 weight [N, K] and its block scales [ceil(N / rows), ceil(K / columns)]; a
+    ValueError naming `name` for any other shape."""
+    if qweight.dtype != FP8 or qweight.dim() != 2:
+        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
+                         "a float8_e4m3fn matrix")
+    (n, k), (bn, bk) = qweight.shape, block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"weight {name!r}: a block scale of shape {tuple(scale.shape)} for a weight of shape "
+                         f"{(n, k)} in blocks of {list(block)}: want {want}")
+    rows = scale.float().repeat_interleave(bn, dim=0)[:n].contiguous()
+    return Fp8Weight(qweight.contiguous(), rows, None, bk)

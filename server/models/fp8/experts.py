@@ -1,0 +1,53 @@
+"""FP8 routed experts: stacking a layer's expert weights into one `Fp8Weight` [E, N, K], and what the
+GPU's grouped FP8 kernels compute (server/models/kernels/moe_fp8.py), in plain torch.
+
+A MoE layer's experts are held stacked, gate|up [E, 2I, hidden] and down [E, hidden, I], float or FP8
+(per expert and output row scales, as a dense FP8 linear's). The CPU serves FP8 experts dequantized
+(server/models/moe/experts.py: each expert's weight in float32, as `weight.dequantized_linear`), so a
+CPU server computes what the dequantized checkpoint computes. `w8a8_experts` is the GPU's numerics:
+activations quantized per token (row) before each GEMM, as `weight.w8a8_linear`; with a static
+checkpoint, one input scale per projection: the largest of its experts' (`stack_experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.models.fp8.weight import Fp8Weight, same_form, w8a8_linear
+
+Weight = torch.Tensor | Fp8Weight
+
+
+def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> Weight:
+    """Each expert's [N, K] weight -> [E, N, K]; FP8 parts keep their rows' scales (exact), and the
+    stacked static input scale is the largest of theirs. Mixed parts are all dequantized."""
+    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
+    if not fp8:
+        return torch.stack(parts).contiguous()
+    if len(fp8) < len(parts):
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        return torch.stack([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts]).contiguous()
+    fp8 = same_form(fp8)
+    statics = [p.input_scale for p in fp8]
+    static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
+    return Fp8Weight(torch.stack([p.qweight for p in fp8]).contiguous(),
+                     torch.stack([p.scale for p in fp8]).contiguous(), static, fp8[0].block_k)
+
+
+def w8a8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+    """The grouped FP8 kernels' result in float32 torch (`experts.ExpertsFn` contract): per expert,
+    h = silu(gate) * up of `w8a8_linear(x, gate|up)` (each rounded to x's dtype), then `w8a8_linear(h,
+    down)` times the routing weight; the pairs summed per token in slot order."""
+    t, k = ids.shape
+    y = torch.zeros((t, k, x.shape[1]), dtype=x.dtype, device=x.device)
+    for e in range(gate_up.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate, up = w8a8_linear(x[token], gate_up.expert(e), None).chunk(2, dim=-1)
+        h = (F.silu(gate) * up).to(x.dtype)
+        out = w8a8_linear(h, down.expert(e), None).float() * weights[token, slot, None]
+        y[token, slot] = out.to(x.dtype)
+    return y.sum(dim=1)

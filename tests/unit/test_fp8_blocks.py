@@ -1,0 +1,135 @@
+"""Block-scaled FP8 checkpoints (`weight_block_size: [128, 128]`, server/models/fp8/blocks.py), float32
+on a CPU: the weights and their fusing, the GPU's linear taking the dequantized path, refusals that
+name the tensor or the key, and MoE models (experts, shared expert, dense layers, DeepSeek's latent
+attention) served from such checkpoints with transformers' tokens of the dequantized weights
+(tests/fp8_checkpoints.py `write_fp8(..., per="block")` and `write_dequantized`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.models.fp8.blocks import from_block_checkpoint
+from server.models.fp8.experts import stack_experts
+from server.models.fp8.weight import FP8, Fp8Weight, cat_rows, dequantized_linear, quantize_weight, w8a8_linear
+
+
+def _block_weight(n: int, k: int, seed: int) -> tuple[Fp8Weight, torch.Tensor]:
+    """A block-scaled weight and the float32 weight it stands for (its blocks' scales differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
+    scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) + 0.01
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return from_block_checkpoint(q, scale, (128, 128), "w"), q.float() * full
+
+
+def test_block_weight_dequantizes_each_block_with_its_scale() -> None:
+    w, want = _block_weight(300, 200, 1)  # partial blocks at both edges
+    assert w.block_k == 128 and w.scale.shape == (300, 2)
+    assert torch.equal(w.dequantize(), want)
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(dequantized_linear(x, w, None), torch.nn.functional.linear(x, want))
+    near = w8a8_linear(x, w, None)  # the activations rounded to e4m3, the weight exact
+    assert (near - x @ want.t()).abs().max() < 0.1 * (x @ want.t()).abs().max()
+
+
+def test_wrong_block_scale_shapes_are_refused_naming_the_weight() -> None:
+    q = torch.zeros(300, 200).to(FP8)
+    with pytest.raises(ValueError, match="weight 'w': a block scale of shape \\(3, 1\\) for a weight of shape "
+                                         "\\(300, 200\\) in blocks of \\[128, 128\\]: want \\(3, 2\\)"):
+        from_block_checkpoint(q, torch.ones(3, 1), (128, 128), "w")
+
+
+def test_block_weights_fuse_and_stack_row_by_row_exactly() -> None:
+    """q|k|v of 64-row parts (not whole blocks of rows) and a per-channel part among block ones."""
+    parts = [_block_weight(n, 256, seed)[0] for seed, n in enumerate((128, 64, 64))]
+    channel = quantize_weight(torch.randn(64, 256, generator=torch.Generator().manual_seed(9)))
+    fused = cat_rows([*parts, channel])
+    assert isinstance(fused, Fp8Weight) and fused.block_k == 128 and fused.scale.shape == (320, 2)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in (*parts, channel)]))
+    stacked = stack_experts([parts[1], parts[2], channel])
+    assert isinstance(stacked, Fp8Weight) and stacked.scale.shape == (3, 64, 2)
+    assert torch.equal(stacked.expert(2).dequantize(), channel.dequantize())
+
+
+def test_gpu_linear_takes_the_dequantized_path_for_block_weights() -> None:
+    from server.models.fp8.linear import Fp8Linears
+
+    w, want = _block_weight(256, 384, 4)
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(5))
+    linears = Fp8Linears()
+    assert torch.equal(linears.linear(x, w, None), torch.nn.functional.linear(x, want))
+    linears.choose([w], [None], torch.float32)
+    assert not linears.chosen  # nothing to time: no FP8 GEMM runs block scales
+
+
+def test_block_checkpoints_are_refused_with_tensor_parallelism(tmp_path: Path) -> None:
+    from fp8_checkpoints import write_fp8
+
+    from server.models.builtin import resolve_model
+    from server.models.model_spec import load_spec
+    from server.models.parallel.shard import load_shard, plan_for
+
+    fp8_dir = write_fp8(resolve_model("builtin:tiny-qwen3-moe"), tmp_path / "fp8", per="block",
+                        scale_name="weight_scale_inv")
+    spec = load_spec(fp8_dir)
+    with pytest.raises(ValueError, match=f"model {fp8_dir}: config.json: quantization_config.weight_block_size: "
+                                         "\\[128, 128\\]: block-scaled FP8 checkpoints are served on one GPU only"):
+        load_shard(spec, plan_for(spec, 0, 2), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-qwen3-moe", "builtin:tiny-deepseek-v3", "builtin:tiny-mixtral"])
+def test_block_checkpoint_serves_transformers_tokens_of_its_weights(model: str, tmp_path: Path) -> None:
+    import engine_harness as eh
+    import hf_reference
+    from fp8_checkpoints import write_dequantized, write_fp8
+    from prompts import random_prompt
+
+    from server.models.builtin import resolve_model
+    from server.models.moe import MoEBlock
+
+    fp8_dir = write_fp8(resolve_model(model), tmp_path / "fp8", per="block", scale_name="weight_scale_inv")
+    reference = write_dequantized(fp8_dir, tmp_path / "ref")
+    core = eh.make_core(str(fp8_dir))
+    layers = core.runner.model.layers
+    block = next(layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock))
+    assert isinstance(block.gate_up, Fp8Weight) and block.gate_up.block_k == 128
+    dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, MoEBlock)]
+    assert all(isinstance(m.down, Fp8Weight) and m.down.scale.shape[-1] == 2 for m in dense)  # K = 256: 2 blocks
+    prompts = [random_prompt(90 + i, n) for i, n in enumerate([8, 35])]
+    got = [r.token_ids for r in eh.generate(core, prompts, eh.greedy(12))]
+    assert got == [hf_reference.hf_greedy_ignore_eos(reference, p, 12) for p in prompts]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: the kernels compile there")
+def test_triton_runner_runs_block_scaled_experts_on_the_torch_path(tmp_path: Path) -> None:
+    """No grouped FP8 kernel takes block scales: on the Triton path (interpreted) a block-scaled
+    checkpoint's experts run the graph-safe torch experts, dequantized, and the step's logits are the
+    torch runner's (to float32 rounding of the other attention kernels)."""
+    pytest.importorskip("triton")
+    from fp8_checkpoints import write_fp8
+    from prompts import random_prompt
+
+    from kvcache import KvCacheConfig, KVCacheManager
+    from server.models.builtin import resolve_model
+    from server.models.model_spec import load_spec
+    from server.models.moe import moe_blocks
+    from server.models.moe.experts import dense_experts
+    from server.models.runner import ModelRunner, SeqChunk
+
+    fp8_dir = write_fp8(resolve_model("builtin:tiny-qwen3-moe"), tmp_path / "fp8", per="block",
+                        scale_name="weight_scale_inv")
+    logits = {}
+    for kernels in ("torch", "triton"):
+        kv = KVCacheManager(KvCacheConfig(max_tokens=1024, tokens_per_block=16),
+                            load_spec(fp8_dir).cache_layout(256, torch.float32, "cpu"))
+        runner = ModelRunner(fp8_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
+                             max_batch_size=2, kernels=kernels, cuda_graphs=False)
+        if kernels == "triton":
+            assert all(b.experts is dense_experts for b in moe_blocks(runner.model).values())
+        prompt = random_prompt(6, 20)
+        logits[kernels] = runner.execute([SeqChunk(prompt, 0, {w: list(range(4)) for w in kv.window_sizes}, True)])
+    assert (logits["triton"] - logits["torch"]).abs().max().item() < 1e-3 * logits["torch"].abs().max().item()
