@@ -43,20 +43,16 @@ import msgspec
 
 from kvcache.config import DiskTierConfig
 from kvcache.disk_buffers import BufferPool
-from kvcache.disk_dir import StartUp, restore_or_reset, take_directory
+from kvcache.disk_dir import StartUp, read_header, restore_or_reset, take_directory
 from kvcache.disk_format import (
     CHUNK_BYTES,
     MAC_BYTES,
-    PREFIX_BYTES,
     BadFile,
     BlockFormat,
     BlockHeader,
     Manifest,
     check_digest,
-    check_format,
-    decode_header,
     encode_prefix,
-    header_length,
     payload_hasher,
 )
 
@@ -74,7 +70,6 @@ class BlockMeta:
     priority: int
 
 
-_HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fits
 # a reader's piece: on the H200 box's 16 cores a 512 MiB warm hit read and checked in 54 ms with
 # 1 MiB pieces, 66-111 ms with 256 KiB (fewer GIL round trips per block; still within a core's L2)
 READ_CHUNK_BYTES = 1 << 20
@@ -283,7 +278,8 @@ class DiskStore:
         except FileNotFoundError:
             raise BadFile("missing", f"no file for slot {slot} of window {window}") from None
         try:
-            header, offset = self._read_header(fd, window, slot, block_hash)
+            header, offset = read_header(fd, self.key, window, slot, self.slot_bytes[window], self.format_of(window),
+                                         block_hash)
             buf = self.buffers.take(header.payload_bytes)
             try:
                 check_digest(header, self._read_payload(fd, offset, memoryview(buf)))
@@ -293,24 +289,6 @@ class DiskStore:
             return memoryview(buf)
         finally:
             os.close(fd)
-
-    def _read_header(self, fd: int, window: int, slot: int, block_hash: bytes) -> tuple[BlockHeader, int]:
-        """The file's checked header, if it is of this block and its size is right; the payload's offset."""
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, _HEADER_READ), 0)
-        need = PREFIX_BYTES + header_length(head) + MAC_BYTES
-        if need > len(head) and size > len(head):
-            head += os.pread(fd, min(size, need) - len(head), len(head))
-        header, offset = decode_header(self.key, head)
-        if (header.window, header.slot, header.block_hash) != (window, slot, block_hash):
-            raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
-        check_format(header, self.format_of(window))
-        if header.payload_bytes != self.slot_bytes[window]:
-            raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have "
-                                     f"{self.slot_bytes[window]}")
-        if size != offset + header.payload_bytes:
-            raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
-        return header, offset
 
     def _read_payload(self, fd: int, offset: int, view: memoryview) -> bytes:
         """Fill `view` from the file at `offset`, piece by piece; the payload MAC of what was read."""

@@ -39,7 +39,7 @@ DMA_WAIT_S = 30.0  # the longest wait for a DMA before the CPU touches its host 
 DMA_CHUNK_SLOTS = 16
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """(index in `slots`, first slot, length) of each run of consecutive ascending slots."""
     runs: list[tuple[int, int, int]] = []
     start = 0
@@ -94,13 +94,11 @@ def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
             for step in steps]
 
 
-def _rows(pool: torch.Tensor) -> torch.Tensor:
-    """The pool as [num_slots, slot_bytes / itemsize] rows of int64 (uint8 if not divisible by 8)."""
-    flat = pool.view(pool.shape[0], -1)
-    try:
-        return flat.view(torch.int64)
-    except RuntimeError:
-        return flat.view(torch.uint8)
+def pool_rows(pool: torch.Tensor) -> torch.Tensor:
+    """`pool` seen as `[num_slots, words]`: int64 words, or bytes when a slot's bytes are not a
+    multiple of 8 (one row copy moves a slot)."""
+    rows = pool.view(pool.shape[0], -1).view(torch.uint8)  # [num_slots, slot_bytes]
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
 
 
 class _TierStreams:
@@ -172,7 +170,7 @@ class GroupPools:
             pin = layout.device.type == "cuda"
             self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
-        self._rows = (_rows(self.primary), None if self.secondary is None else _rows(self.secondary))
+        self._rows = (pool_rows(self.primary), None if self.secondary is None else pool_rows(self.secondary))
         self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None
         self.disk: DiskSlots | None = None  # the disk level's files, when there is a disk tier
 
@@ -278,11 +276,11 @@ def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int]
 
     def write() -> None:
         if streams is None:  # no CUDA: plain copies
-            for i, first, n in _runs(dst):
+            for i, first, n in slot_runs(dst):
                 dst_rows[first:first + n].copy_(staged[i:i + n])
             return
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
-        _dma(streams.d2h, _runs(dst), streams.before_offload, streams.after_offload,
+        _dma(streams.d2h, slot_runs(dst), streams.before_offload, streams.after_offload,
              lambda i, first, n: dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True))
         staged.record_stream(streams.d2h)
     return write
@@ -295,12 +293,12 @@ def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[in
     src_sorted = [src[i] for i in order]
     staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
     if streams is None:
-        for i, first, n in _runs(src_sorted):
+        for i, first, n in slot_runs(src_sorted):
             staged[i:i + n].copy_(src_rows[first:first + n])
         done = None
     else:
         streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
-        done = _dma(streams.h2d, _runs(src_sorted), streams.before_onboard, streams.after_onboard,
+        done = _dma(streams.h2d, slot_runs(src_sorted), streams.before_onboard, streams.after_onboard,
                     lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
     dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
 

@@ -6,7 +6,7 @@
   sums the words as it goes (before: gather, scatter, then a sum of the gathered rows).
 
 Both return S_b per block b: the wrapping sum of the block's words (int64 words, or bytes when
-slot_bytes % 8: `payload.pool_rows`), the sum `payload.checksum` weights by position. Program
+slot_bytes % 8: `kvcache.pool.pool_rows`), the sum `payload.checksum` weights by position. Program
 (b, t) sums tile t of block b into `partials[b, t]`; torch adds the tiles. Integer addition wraps
 and is associative, so the result is bit for bit the torch reference's, in any order.
 
