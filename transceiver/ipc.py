@@ -85,13 +85,6 @@ def open_pools(offer: IpcOffer, own: dict[int, torch.Tensor]) -> dict[int, torch
     return views
 
 
-def synchronize(device: torch.device) -> None:
-    """Every stream of `device` has finished (the writes a peer is about to read are visible);
-    CPU tensor work is synchronous already."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class DeviceSum:
     """A checksum the device is computing on the current stream: `done()` asks without waiting,
     `value()` reads it once done. It keeps the tensors that work reads or writes alive until then

@@ -38,7 +38,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgspec
-import torch
 import zmq
 
 from kvcache import KVCacheManager, Level
@@ -56,6 +55,7 @@ from transceiver.sender.lease import (
     OfferedWindow,
     Started,
     Withdraw,
+    ready_event,
 )
 from transceiver.sender.link import ExportRequest, Outgoing, SenderLink
 from transceiver.stats import TransferStats
@@ -98,16 +98,14 @@ class KVSender:
     def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
         """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
         -1 = released, not sendable) for at most kv_transfer_timeout_ms and offer their slots."""
-        if ctx_request_id in self._leases:
-            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
         unknown = set(blocks) - set(self._kv.window_sizes)
         if unknown:
-            valid = sorted(self._kv.window_sizes)
-            raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
-        lease = Lease({w: list(ids) for w, ids in blocks.items()}, time.monotonic() + self._config.timeout_s)
+            raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {sorted(self._kv.window_sizes)}")
+        lease = self._new_lease(ctx_request_id, blocks)
         try:
-            windows = {w: self._pin_and_translate(lease, w) for w in lease.blocks}
-            self._thread.submit(Offer(ctx_request_id, windows, self._ready_event()))
+            windows = {w: OfferedWindow(self._pools[w], self._pin(lease, w, ids), self._kv.slot_bytes(w))
+                       for w, ids in blocks.items()}
+            self._thread.submit(Offer(ctx_request_id, windows, ready_event(self._pools)))
         except Exception:
             self._unpin(lease.pinned)
             raise
@@ -116,10 +114,7 @@ class KVSender:
     def open_stream(self, ctx_request_id: str, num_blocks: dict[int, int]) -> None:
         """Lease a request that is still prefilling: `num_blocks` per window (its prompt's), all
         pending until `extend_stream` brings them; pulls of it wait for them."""
-        if ctx_request_id in self._leases:
-            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
-        lease = Lease({w: [] for w in num_blocks}, time.monotonic() + self._config.timeout_s,
-                      pinned={w: [] for w in num_blocks})
+        lease = self._new_lease(ctx_request_id, num_blocks)
         windows = {w: OfferedWindow(self._pools[w], [PENDING] * n, self._kv.slot_bytes(w))
                    for w, n in num_blocks.items()}
         self._thread.submit(Offer(ctx_request_id, windows, final=False))
@@ -133,37 +128,26 @@ class KVSender:
         lease = self._leases.get(ctx_request_id)
         if lease is None or lease.withdrawn:
             return False
-        windows = {}
-        for window, (first, ids) in blocks.items():
-            live = [b for b in ids if b >= 0]
-            self._kv.pin_blocks(live, window)  # blocks of a running request: primary already
-            lease.pinned[window] += live
-            slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
-            windows[window] = (first, [next(slots) if b >= 0 else RELEASED for b in ids])
+        windows = {w: (first, self._pin(lease, w, ids)) for w, (first, ids) in blocks.items()}
         lease.deadline = time.monotonic() + self._config.timeout_s  # the prefill goes on: renewed
-        self._thread.submit(Extend(ctx_request_id, windows, self._ready_event(), final, tuple(first_tokens),
+        self._thread.submit(Extend(ctx_request_id, windows, ready_event(self._pools), final, tuple(first_tokens),
                                    cached_tokens))
         return True
 
-    def _pin_and_translate(self, lease: Lease, window: int) -> OfferedWindow:
-        """Pin (onboarding what was offloaded), then translate ids to primary slots: the slot is
-        where the bytes are, and a pinned block keeps it until the lease ends."""
-        ids = lease.blocks[window]
-        live = [b for b in ids if b >= 0]
-        self._kv.pin_blocks(live, window)  # ensure_primary, then pin; OutOfBlocksError before pinning
-        lease.pinned[window] = live
-        slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
-        return OfferedWindow(self._pools[window], [next(slots) if b >= 0 else -1 for b in ids],
-                             self._kv.slot_bytes(window))
+    def _new_lease(self, ctx_request_id: str, windows: dict[int, object]) -> Lease:
+        if ctx_request_id in self._leases:
+            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
+        return Lease(time.monotonic() + self._config.timeout_s, {w: [] for w in windows})
 
-    def _ready_event(self) -> torch.cuda.Event | None:
-        """A CUDA event after every write to the pools issued so far (prefill, onboard copies)."""
-        cuda = [p for p in self._pools.values() if p.is_cuda]
-        if not cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(cuda[0].device))
-        return event
+    def _pin(self, lease: Lease, window: int, ids: list[int]) -> list[int]:
+        """Pin the blocks (onboarding what was offloaded; OutOfBlocksError before pinning), then
+        translate ids to primary slots (-1: released): the slot is where the bytes are, and a pinned
+        block keeps it until the lease ends."""
+        live = [b for b in ids if b >= 0]
+        self._kv.pin_blocks(live, window)
+        lease.pinned[window] += live
+        slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
+        return [next(slots) if b >= 0 else RELEASED for b in ids]
 
     def drop_lease(self, ctx_request_id: str) -> None:
         """Engine abort: end the lease now (a running pull is told it failed). A streamed pull

@@ -27,16 +27,26 @@ from transceiver.wire import WindowRange
 
 @dataclass
 class Lease:
-    """Engine side: pinned block ids per window, -1 = released (left a sliding window)."""
+    """Engine side: until when it lives, and the block ids it pinned per window."""
 
-    blocks: dict[int, list[int]]
     deadline: float  # monotonic; a pull that starts renews it
-    pinned: dict[int, list[int]] = field(default_factory=dict)
+    pinned: dict[int, list[int]]
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`
 
 
 RELEASED = -1  # a slot of a block that left the sliding window: never sent
 PENDING = -2  # a streamed lease's block that its prefill has not completed yet
+
+
+def ready_event(pools: dict[int, torch.Tensor]) -> torch.cuda.Event | None:
+    """A CUDA event after every write to the pools issued so far (prefill, forwards, onboard copies);
+    None for CPU pools."""
+    pool = next(iter(pools.values()))
+    if not pool.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(pool.device))
+    return event
 
 
 @dataclass(frozen=True)

@@ -162,9 +162,8 @@ class PullServer:
         io.deliver(Started(req.ctx_request_id))
         try:
             self._start(io, req, off, job)
-        except Exception as e:  # a broken invariant must fail this pull, not the thread
-            log.exception("KV sender: pull %d of %r failed", req.pull_id, req.ctx_request_id)
-            self._end(io, req.ctx_request_id, "internal_error", f"the context server failed to serve the pull: {e}")
+        except Exception as e:
+            self._broken(io, req.ctx_request_id, req.pull_id, e)
 
     def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
         job.ranges, job.planned, job.via_ipc = list(req.ranges), [r.first for r in req.ranges], req.via_ipc
@@ -195,8 +194,6 @@ class PullServer:
     @staticmethod
     def _unit_bytes(off: Offered, window: int, job: Job) -> int:
         offered = off.offer.windows[window]
-        if job.heads is None:
-            return offered.slot_bytes
         return unit_bytes(offered.slot_bytes, offered.pool.shape[4], job.heads)
 
     def ack(self, io: SocketIO, body: Ack) -> None:
@@ -288,9 +285,8 @@ class PullServer:
             try:
                 if not self._next(io, off, job):
                     return ROOM_POLL_S  # every staging buffer is still with zmq
-            except Exception as e:  # a broken invariant must fail this pull, not the thread
-                log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
-                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            except Exception as e:
+                self._broken(io, cid, job.pull_id, e)
         if not self._active:
             return None
         return 0.0 if self._room() else ROOM_POLL_S
@@ -373,9 +369,8 @@ class PullServer:
             job = off.jobs[pull_id]
             try:
                 chunks = [part.chunk(job.pull_id) for part in parts]
-            except Exception as e:  # a broken invariant must fail this pull, not the thread
-                log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
-                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            except Exception as e:
+                self._broken(io, cid, job.pull_id, e)
                 continue
             for chunk in chunks:
                 self._send(io, job.peer, chunk, [])
@@ -412,6 +407,11 @@ class PullServer:
                 stream.synchronize()
 
     # ---- the end of a lease --------------------------------------------------------------------
+
+    def _broken(self, io: SocketIO, cid: str, pull_id: int, e: Exception) -> None:
+        """A broken invariant fails the pull (its lease ends), never the socket thread."""
+        log.exception("KV sender: pull %d of %r failed", pull_id, cid)
+        self._end(io, cid, "internal_error", f"the context server failed to serve the pull: {e}")
 
     def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, skip: bytes | None = None) -> None:
         """The only place a lease ends on this side: it runs once per lease, and whatever fails
