@@ -1,36 +1,27 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
 Threads: the engine thread calls every public method and does all tensor work (checksum and
-scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one
-DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
-(in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
-and the caller frees them when the result says it failed.
+scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per
+context endpoint. The caller owns the destination blocks: they must stay allocated (in use, so
+their slots do not move) until the pull's `PullResult` arrives or `cancel` is called, and the
+caller frees them when the result says it failed.
 
 No late writer: the only writes into our slots happen in `step`, on the engine thread, for pulls
 still registered here. `cancel` (and every failure) unregisters the pull at once, before the caller
 frees its blocks, so chunks of it that are still on the wire are dropped unwritten (`late_chunks`)
 and a slot handed to another request is never written by the old transfer.
 
-Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
-(endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
-(the sender's slots, no payload), and `step` queues their copy into our slots on a side stream
-(`ipc_copies.py`: one pass that copies and sums) and checks the checksum of what it wrote in a later
-`step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
-Ack are the byte path's; a part whose copies are still running finishes when they are checked.
+Same GPU as the sender (CUDA IPC): the pull's chunks come as `IpcChunk`s, and `step` queues their
+copy into our slots on a side stream and checks it in a later `step` (`ipc_copies.py`); a part
+whose copies are still running when its `Done` comes finishes once they are checked. Streamed
+pulls (`stream=True`, transceiver/sender/stream.py): each chunk renews the deadline, and the `Done`
+brings the first token and the context server's prefix hit for the `PullResult`.
 
-Streamed pulls (`start_pull(..., stream=True)`, transceiver/sender/stream.py): the context server
-is still prefilling; its sender holds the pull until the lease is offered and sends the blocks as
-the prefill writes them. Chunks are checked and written as any pull's, each one renews the pull's
-deadline, and its `Done` brings the first token and the context server's prefix hit, which the
-`PullResult` carries.
-
-Tensor parallelism (transceiver/tp.py): our pools may hold some of the model's kv heads (`kv_heads`)
-and the context server's ranks others. The socket thread plans a pull into parts, one per context
-rank our heads come from (`Planned`, before any chunk of them); the request's result comes once
-every part arrived. With several ranks on either side the parts keep the lease, and the lease ends
-with a `Release` to the context server's rank 0, which this receiver sends unless `releases` is
-False (a rank of a tensor-parallel generation server: its rank 0 releases once every rank's share
-arrived). A failed part fails the request and cancels its other parts.
+Tensor parallelism (transceiver/tp.py): the socket thread plans a pull into parts, one per context
+rank our kv heads come from (`Planned`); the result comes once every part arrived, and a failed
+part fails the request and cancels the others. With several ranks on either side the lease ends
+with a `Release`, which this receiver sends unless `releases` is False (a rank of a
+tensor-parallel generation server: its rank 0 releases once every rank's share arrived).
 """
 
 from __future__ import annotations
@@ -204,7 +195,8 @@ class KVReceiver:
         if isinstance(item, Planned):
             self._on_planned(item)
         elif isinstance(item, PullRefused):
-            pulling = self._unplanned.get(item.pull_id) or self._part_owner(item.pull_id)
+            part = self._parts.get(item.pull_id)
+            pulling = self._unplanned.get(item.pull_id) or (part.pulling if part is not None else None)
             if pulling is not None:
                 self._fail(pulling, item.reason, item.detail, notify=False)
         elif isinstance(item, IpcPools):
@@ -219,10 +211,6 @@ class KVReceiver:
         else:
             self._on_received(item)
 
-    def _part_owner(self, pull_id: int) -> Pulling | None:
-        part = self._parts.get(pull_id)
-        return part.pulling if part is not None else None
-
     def _part(self, pull_id: int, endpoint: str) -> Part | None:
         """The running part `pull_id`; a pull the socket thread sent as it is (one rank on each side,
         no `Planned`) becomes its own single part when the first answer from its endpoint comes."""
@@ -236,13 +224,13 @@ class KVReceiver:
     def _on_planned(self, plan: Planned) -> None:
         pulling = self._unplanned.pop(plan.pull_id, None)
         if pulling is None:  # cancelled or failed meanwhile: its parts that went out must stop too
-            for p in plan.parts:
-                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=p.pull_id, ctx_epoch=plan.ctx_epoch)
+            for pull_id, p in plan.parts:
+                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
                 self._thread.submit(Send(p.endpoint, cancel))
             return
         pulling.planned, pulling.several = True, plan.several
-        for p in plan.parts:
-            pulling.parts[p.pull_id] = self._parts[p.pull_id] = Part(pulling, p.pull_id, p.endpoint, p.src, p.dst)
+        for pull_id, p in plan.parts:
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.src, p.dst)
 
     def _on_received(self, item: Received) -> None:
         body = item.body

@@ -1,31 +1,20 @@
 """Context side: leases a finished prefill's blocks for a pull (`KVSender`, the engine thread's half).
 
 Threads: the engine thread calls every public method and owns the KV manager: it pins a lease's
-blocks, onboards any that were offloaded (`ensure_primary`), translates their ids to primary-pool
-slots once (`get_memory_pool_block_indices(..., require_primary=True)`) and offers those slots to
-the socket thread (`transceiver.link.SocketThread` running `SenderLink`), which checks every incoming message,
+blocks, onboards any that were offloaded, translates their ids to primary-pool slots once and
+offers those slots to the socket thread (`SenderLink`), which checks every incoming message,
 answers handshakes and serves the pulls itself (`serve.py`), so a pull never waits for the
 engine's current step.
 
-Ownership: `add_lease` pins the request's blocks. A pinned block is never evicted or offloaded, so
-its primary slot is stable while the lease lives and the slots offered stay right. The socket
-thread ends each lease exactly once (Ack, Cancel, the receiver gone, a failure, or the engine's
-`Withdraw`: expiry, checked every `step`; an engine abort; close) and always hands it back
-(`Ended`) with the zmq trackers of frames of its slots still in flight; the engine unpins once zmq
-has released them, so a slot is never rewritten under a frame on the wire. Should the socket
-thread die, nothing reads the slots any more and `step` unpins every lease itself.
+Ownership: a pinned block is never evicted or offloaded, so its primary slot is stable while the
+lease lives and the slots offered stay right. The socket thread ends each lease exactly once and
+always hands it back (`Ended`) with the zmq trackers of frames of its slots still in flight; the
+engine unpins once zmq has released them, so a slot is never rewritten under a frame on the wire.
+Should the socket thread die, nothing reads the slots any more and `step` unpins every lease itself.
 
-Streamed leases (`open_stream`, `extend_stream`; stream.py): a request that is still prefilling
-gets its lease first, with every block pending; after each prefill step the blocks it completed are
-pinned and translated here, like any lease's, and handed to the socket thread (`Extend`), which
-sends them to a pull that is already waiting. The last `extend_stream` (`final`) brings the rest
-and the first token. Its pins, its end and its expiry are any lease's; each extension renews it.
-
-Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported for each such receiver's
-handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket thread holds
-while it reads slots; such pulls are answered with the slots and GPU checksums (`IpcChunk`s, then
-`Done`) and the receiver copies them itself. The lease, its pins and its end are the same as on the
-byte path.
+Streamed leases (`open_stream`, `extend_stream`) are leased while they prefill: stream.py. Same-GPU
+receivers (CUDA IPC): the pools are exported for each such receiver's handshake here, on the engine
+thread (`ExportRequest`), under the pool lock the socket thread holds while it reads slots.
 """
 
 from __future__ import annotations

@@ -4,12 +4,8 @@ Engine thread (`Lease`): the blocks it pinned and until when. Socket thread (`Of
 slots of those blocks, translated once when the lease was made (pinned blocks never move), and the
 pull serving them. The engine never reads slot memory of a lease and the socket thread never
 touches the KV manager; `SenderLink` hands the lease back (`Ended`) once it reads those slots no
-more, and only then may the engine unpin them.
-
-A streamed lease (`Offer.final` False) is offered while its request still prefills: its blocks are
-PENDING until an `Extend` brings their slots (the engine pinned and translated them when the
-prefill step that completed them had run), and the last `Extend` (`final`) brings the rest, the
-first token and the prefix hit. Pulls of it are served as far as its slots go (stream.py).
+more, and only then may the engine unpin them. A streamed lease's blocks are PENDING until an
+`Extend` brings their slots (stream.py).
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """The context side's data path, run by its socket thread: serve pulls from leased slots.
 
 A pull is served as soon as it arrives, whatever the engine thread is doing (a long prefill step
-no longer holds up the KV of requests that finished before it). Per pull: check it against the
-lease (`Offered`), then per chunk gather the blocks' primary slots (translated when the lease was
-made: pinned blocks never move) into a staging buffer, or for big CPU blocks take frames of the
-pool itself, checksum, send; then Done. Same-GPU pulls (`via_ipc`) get the slots and GPU checksums
-instead (`ipc_serve.py`: sent once the device has summed them; the socket thread never waits for
-it). CUDA reads run on a side stream that first waits for the lease's `ready` event (every
-write the engine issued before the lease: the prefill, onboard copies), so they never wait
-behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds while
-it exports the pools (`_share_cuda_`).
+does not hold up the KV of requests that finished before it). Per pull: check it against the
+lease (`Offered`), then per chunk gather the blocks' primary slots into a staging buffer (or, for
+big CPU blocks, take frames of the pool itself), checksum, send; then Done. Same-GPU pulls
+(`via_ipc`) get the slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side
+stream that first waits for the lease's `ready` event (the prefill, onboard copies), so they never
+wait behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds
+while it exports the pools (`_share_cuda_`).
 
 Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or
 the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
-out. A lease that was withdrawn because it expired is counted (`lease_expired`) here, so one that
-an Ack ended first is not.
+out. A lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
 
-Streamed leases (stream.py): a pull is served as far as the lease's blocks are written, and goes on
-with each `Extend` of the engine; a streamed pull whose lease is not offered yet waits for it (up to
-the transfer timeout).
-
-Tensor-parallel receivers (transceiver/tp.py) pull parts: a pull may ask for some of the kv heads
-of each block (`heads`, gathered out of the slots into the staging buffer), and several such pulls
-of distinct heads may serve one lease at once; their Acks end the pull only (`keep_lease`), and the
-generation side's `Release` ends the lease.
+Streamed leases (stream.py) are served as far as their blocks are written. Parts of
+tensor-parallel pulls (transceiver/tp.py) ask for some kv heads of each block (`heads`); several
+parts of distinct heads may serve one lease at once, and the generation side's `Release` ends it.
 """
 
 from __future__ import annotations
