@@ -89,7 +89,6 @@ class DiskIOStats:
     blocks_written: int = 0
     bytes_written: int = 0
     write_errors: int = 0
-    write_refused: int = 0  # the queue was full
     queued_bytes: int = 0  # waiting for their write now
     restored: int = 0  # blocks found again at start (set by the tier)
     skipped_at_start: dict[str, int] = field(default_factory=dict)  # files not restored, by reason
@@ -148,7 +147,6 @@ class DiskStore:
             old = self._pending.get((window, slot))
             queued = self.stats.queued_bytes - (old.nbytes if old else 0)
             if queued + n > self.config.write_queue_bytes:
-                self.stats.write_refused += 1
                 return False
             gen = next(self._gens)
             self._pending[window, slot] = _Write(gen, meta, payload, n)
