@@ -1,7 +1,7 @@
 """The disk tier's directory, files and threads (no torch; bytes in, bytes out).
 
 One file per (window group, slot), written whole to a temporary name and renamed over the slot's
-file, so a reader sees a slot's previous file or its new one, never half of one (the file format:
+file, so a reader sees a slot's previous file or its new one, never half of one (the format:
 kvcache/disk_format.py). Why one file per block and not a few large files with a slot map: a
 rename is atomic and a crash loses at most the blocks being written, the file system is the slot
 map (nothing else to keep consistent on restart), and a block's bytes are one sequential read.
@@ -12,19 +12,9 @@ slot so one slot's writes stay in order; a newer write of a slot supersedes a qu
 write lands, reads of that slot are answered from (a copy of) its queued bytes. `read_many` reads and
 checks a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read
 still running then counts as failed). hashlib releases the GIL on large buffers, so checks run in
-parallel.
-
-The bytes move once each way. A reader reads a file's header, then its payload straight into a
-reused block-sized buffer (kvcache/disk_buffers.py) in READ_CHUNK_BYTES pieces, feeding each piece
-to the payload MAC while it is in the cache; a writer writes the payload the same way (CHUNK_BYTES
-pieces: a writer works while the engine does, so it gives the GIL back often), then the header
-(whose MAC it now knows) in front of it. The payloads handed out and taken in are such buffers: see
-disk_buffers.py for who gives each back.
-
-Start-up (`open`; kvcache/disk_dir.py): an exclusive lock on the directory (one server per
-directory), then the manifest. A matching manifest means the block headers are read and checked,
-and returned for the reuse tree; any other (missing, unreadable, another model, layout or token)
-means the block files are deleted, with a warning, and a new manifest is written.
+parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
+reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
+start (kvcache/disk_dir.py).
 """
 
 from __future__ import annotations

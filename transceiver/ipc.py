@@ -3,21 +3,16 @@
 The sender exports its primary pools once per receiver handshake (`export_pools`, on the engine
 thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
 the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
-copies the sender's slots into its own with `start_copy`. Both sides compute the checksum of
-`payload.checksum` on the GPU, queued on a side stream and read once its event has fired
-(`DeviceSum`), so neither side's thread waits for the device: the sender sums its slots in place
-(`start_checksum`), the receiver sums what it copies as it copies. On CUDA both are single-pass
-Triton kernels (`kernels.py`, imported only here and only for CUDA tensors); CPU tensors take torch.
+copies the sender's slots into its own (`start_copy`). Both sides compute `payload.checksum` on the
+device, read once its event has fired (`DeviceSum`), so neither side's thread waits for the device:
+on CUDA single-pass Triton kernels (`kernels.py`, imported only here), else torch.
 
 One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
 shared-memory file of the sender): the receiver that opened it decrements it when it drops its
-mapping (new epoch, idle close, exit). A sender that exits while a count is above zero prints
-torch's "Producer process has been terminated before all shared CUDA tensors released" warning;
-with one export per receiver that only happens when a receiver really still maps the pools. The
-pools themselves live as long as the sender's process, so the count never delays a free.
-
-Importing this module needs no CUDA; the functions that export, open or identify pools need it
-(callers use them only for CUDA pools).
+mapping. A sender that exits while a count is above zero prints torch's "Producer process has been
+terminated before all shared CUDA tensors released" warning; with one export per receiver that only
+happens when a receiver really still maps the pools. The pools live as long as the sender's
+process, so the count never delays a free. Importing this module needs no CUDA.
 """
 
 from __future__ import annotations
