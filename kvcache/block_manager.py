@@ -72,14 +72,6 @@ class BlockManager:
         self.moved = {(a, b): 0 for a in Level for b in Level if abs(a - b) == 1}  # blocks per tier move
         self.copied = {(P, S): 0, (S, P): 0, (P, P): 0, (S, S): 0}  # blocks copied per direction
 
-    @property
-    def offloads(self) -> int:
-        return self.moved[P, S]
-
-    @property
-    def onboards(self) -> int:
-        return self.moved[S, P]
-
     # ---- lookups
     def get(self, block_id: int) -> Block:
         """The allocated block `block_id` (UnknownBlockError if out of range or free)."""

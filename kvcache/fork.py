@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvcache.admission import check_capacity
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup
-from kvcache.requests import RequestState
+from kvcache.matching import RequestState
 
 
 def fork_request(parent: RequestState, child_id: str, groups: Sequence[WindowGroup], num_tokens: int,

@@ -69,8 +69,8 @@ class WindowGroup:
         """Add this group's counters and block counts to `s` (O(1))."""
         bm, slot_bytes = self.bm, self.pools.slot_bytes
         s.evictions += bm.evictions
-        s.offloads += bm.offloads
-        s.onboards += bm.onboards
+        s.offloads += bm.moved[Level.PRIMARY, Level.SECONDARY]
+        s.onboards += bm.moved[Level.SECONDARY, Level.PRIMARY]
         s.bytes_offloaded += bm.copied[Level.PRIMARY, Level.SECONDARY] * slot_bytes
         s.bytes_onboarded += bm.copied[Level.SECONDARY, Level.PRIMARY] * slot_bytes
         s.bytes_copied_primary += bm.copied[Level.PRIMARY, Level.PRIMARY] * slot_bytes

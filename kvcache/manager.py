@@ -28,8 +28,7 @@ from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import kv_format_salt, request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
 from kvcache.layout import CacheLayout
-from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse
-from kvcache.requests import RequestState
+from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse, RequestState
 from kvcache.stats import KVCacheStats
 
 T = TypeVar("T", bound=Callable)
