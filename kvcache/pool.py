@@ -104,25 +104,6 @@ class _TierStreams:
         self.writes: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # offloads writing host slots
         self.reads: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # onboards reading host slots
 
-    def before_offload(self, host_slots: list[int]) -> None:
-        """The d2h stream waits for onboards still reading any of these host slots."""
-        _wait_for_overlap(self.d2h, self.reads, host_slots)
-
-    def before_onboard(self, host_slots: list[int]) -> None:
-        _wait_for_overlap(self.h2d, self.writes, host_slots)
-
-    def after_offload(self, host_slots: list[int]) -> torch.cuda.Event:
-        _prune(self.writes)
-        event = _recorded(self.d2h)
-        self.writes.append((event, frozenset(host_slots)))
-        return event
-
-    def after_onboard(self, host_slots: list[int]) -> torch.cuda.Event:
-        _prune(self.reads)
-        event = _recorded(self.h2d)
-        self.reads.append((event, frozenset(host_slots)))
-        return event
-
     def settle(self, host_slots: list[int]) -> None:
         """Wait (at most DMA_WAIT_S) until no DMA in flight reads or writes these host slots."""
         deadline = time.monotonic() + DMA_WAIT_S
@@ -135,21 +116,6 @@ class _TierStreams:
 
 def _prune(pending: list[tuple[torch.cuda.Event, frozenset[int]]]) -> None:
     pending[:] = [(event, slots) for event, slots in pending if not event.query()]
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _wait_for_overlap(stream: torch.cuda.Stream, pending: list[tuple[torch.cuda.Event, frozenset[int]]],
-                      host_slots: list[int]) -> None:
-    """Drop finished DMAs from `pending`; make `stream` wait for those that touch `host_slots`."""
-    _prune(pending)
-    for event, slots in pending:
-        if not slots.isdisjoint(host_slots):
-            stream.wait_event(event)
 
 
 class GroupPools:
@@ -246,19 +212,28 @@ def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[
     return lambda: dst_rows.index_copy_(0, dst_idx, staged)  # gathers before scattering
 
 
-def _dma(stream: torch.cuda.Stream, runs: list[tuple[int, int, int]], before: Callable[[list[int]], None],
-         after: Callable[[list[int]], torch.cuda.Event], copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
-    """`copy` each run (index, first host slot, length) on `stream`, in pieces (`_chunks`): a piece
-    first waits for the other direction's DMAs of its host slots (`before`), then records its own
-    event (`after`). Returns the last event: the stream runs the pieces in order."""
+def _dma(streams: _TierStreams, to_host: bool, runs: list[tuple[int, int, int]],
+         copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
+    """`copy` each run (index, first host slot, length) on the direction's stream, in pieces
+    (`_chunks`): a piece first waits for the other direction's DMAs of its host slots (an offload
+    for onboards still reading them, an onboard for offloads still writing them), then records its
+    own event. Returns the last event: the stream runs the pieces in order."""
+    stream, mine, other = (streams.d2h, streams.writes, streams.reads) if to_host else \
+        (streams.h2d, streams.reads, streams.writes)
     done = None
     for chunk in _chunks(runs):
         slots = _slots(chunk)
-        before(slots)
+        _prune(other)
+        for event, used in other:
+            if not used.isdisjoint(slots):
+                stream.wait_event(event)
         with torch.cuda.stream(stream):
             for i, first, n in chunk:
                 copy(i, first, n)
-        done = after(slots)
+        _prune(mine)
+        done = torch.cuda.Event()
+        done.record(stream)
+        mine.append((done, frozenset(slots)))
     assert done is not None
     return done
 
@@ -274,7 +249,7 @@ def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int]
                 dst_rows[first:first + n].copy_(staged[i:i + n])
             return
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
-        _dma(streams.d2h, slot_runs(dst), streams.before_offload, streams.after_offload,
+        _dma(streams, True, slot_runs(dst),
              lambda i, first, n: dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True))
         staged.record_stream(streams.d2h)
     return write
@@ -292,7 +267,7 @@ def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[in
         done = None
     else:
         streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
-        done = _dma(streams.h2d, slot_runs(src_sorted), streams.before_onboard, streams.after_onboard,
+        done = _dma(streams, False, slot_runs(src_sorted),
                     lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
     dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
 
