@@ -52,7 +52,6 @@ from transceiver.wire import (
     Done,
     Failed,
     IpcChunk,
-    IpcOffer,
     PullRequest,
     Release,
     WindowRange,
@@ -85,13 +84,9 @@ class KVReceiver:
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
         self._copies = IpcCopies(on_message)  # same-GPU copies on the device
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
-        identity = ipc_identity(pools, config.same_host_ipc)
-
-        def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
-            return open_pools(offer, pools)
-
         layout = layout_of(kv, pools, fingerprint, kv_heads)
-        self._link = ReceiverLink(config, self.epoch, layout, self.stats, identity, open_ipc)
+        self._link = ReceiverLink(config, self.epoch, layout, self.stats, ipc_identity(pools, config.same_host_ipc),
+                                  lambda offer: open_pools(offer, pools))  # opened on the socket thread
         self._thread = SocketThread("kv-receiver", self._link, inbox_size=16, notify=on_message)
         self._thread.start()
 

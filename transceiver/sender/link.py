@@ -140,12 +140,11 @@ class SenderLink:
         problem = layout_mismatch(self._layout, hello.layout)
         info = InstanceInfo(layout=self._layout, ranks=self._ranks)
         if problem is not None:
-            io.send(ROUTER, [peer, *self._codec.seal(Failed(reason="incompatible",
-                                                            detail=f"incompatible peers: {problem}"))])
+            self._send(io, peer, Failed(reason="incompatible", detail=f"incompatible peers: {problem}"), [])
         elif self._wants_export(hello):
             io.deliver(ExportRequest(peer, info))
         else:
-            io.send(ROUTER, [peer, *self._codec.seal(info)])
+            self._send(io, peer, info, [])
 
     def _wants_export(self, hello: Hello) -> bool:
         me, peer = self._ipc_identity, hello.identity
