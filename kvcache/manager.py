@@ -15,7 +15,6 @@ from typing import TypeVar
 
 import torch
 
-from kvcache import events
 from kvcache.admission import check_capacity, execute_plan, make_primary
 from kvcache.block import Block, CopyOp, Level
 from kvcache.config import DiskTierConfig, KvCacheConfig
@@ -341,16 +340,28 @@ class KVCacheManager:
 
     def cached_blocks(self) -> dict[int, dict[Level, list[bytes]]]:
         """Window -> level -> hashes of the reuse tree's blocks there (a KV events snapshot; O(blocks))."""
-        return events.snapshot(self._groups)
+        out: dict[int, dict[Level, list[bytes]]] = {}
+        for g in self._groups:
+            out[g.window] = {level: [] for level in Level}
+            for block_hash, b in g.bm.tree.by_hash.items():
+                out[g.window][b.level].append(block_hash)
+        return out
 
     # ---- KV events (kvcache/events.py)
     def enable_events(self) -> None:
         """From now on record every reuse-tree change; drain them with `drain_events` (else they pile up)."""
-        events.enable(self._groups)
+        for g in self._groups:
+            if not isinstance(g.bm.events, list):
+                g.bm.events = []
 
     def drain_events(self) -> list[tuple[int, int, bytes, int]]:
         """(window, kind, block hash, level) of every change since the last drain, in order per window."""
-        return events.drain(self._groups)
+        out: list[tuple[int, int, bytes, int]] = []
+        for g in self._groups:
+            if isinstance(g.bm.events, list):
+                out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in g.bm.events]
+                g.bm.events.clear()
+        return out
 
     # ---- checks and counters
     def check_integrity(self) -> None:
