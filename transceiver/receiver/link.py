@@ -51,7 +51,7 @@ from transceiver.receiver.items import (
 )
 from transceiver.signed import Rejected
 from transceiver.stats import TransferStats
-from transceiver.tp import context_ranks, plan_parts, several_ranks
+from transceiver.tp import plan_parts
 from transceiver.wire import (
     Cancel,
     ChunkHeader,
@@ -64,6 +64,7 @@ from transceiver.wire import (
     Layout,
     PeerIdentity,
     PullRequest,
+    RankEndpoint,
     layout_mismatch,
     link_codec,
 )
@@ -160,13 +161,14 @@ class ReceiverLink:
     def _plan(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
         """Cut the pull into one part per context rank our kv heads come from (transceiver/tp.py)."""
         assert peer.info is not None
-        ranks = context_ranks(endpoint, peer.info)
+        ranks = list(peer.info.ranks) or [RankEndpoint(endpoint, peer.info.layout.heads)]  # one unless TP
         try:
             parts = plan_parts(ranks, self._layout.heads)
         except ValueError as e:
             io.deliver(PullRefused(req.pull_id, INCOMPATIBLE, f"incompatible peers: {e}"))
             return
-        several = several_ranks(ranks, self._layout)
+        # either side has more than one rank: the lease ends with a `Release`, not with an Ack
+        several = len(ranks) > 1 or self._layout.heads != (0, self._layout.total_heads)
         if not several:  # one rank on each side: the pull as it is (its chunks say so to the engine)
             self._send_pull(io, endpoint, peer, req)
             return
