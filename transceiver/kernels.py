@@ -38,16 +38,10 @@ def _slot_sums(SRC, SRC_SLOTS, DST, DST_SLOTS, PARTIALS, words, n_tiles, TILE: t
     tl.store(PARTIALS + b * n_tiles + t, tl.sum(x.to(tl.int64), axis=0))  # uint8 words widen unsigned
 
 
-def _tile(words: int, tile: int | None) -> int:
-    if tile is not None:
-        return tile
-    return max(TILE, triton.next_power_of_2(triton.cdiv(words, MAX_TILES)))
-
-
 def _launch(src_rows: torch.Tensor, src_index: torch.Tensor, dst_rows: torch.Tensor | None,
             dst_index: torch.Tensor | None, tile: int | None) -> torch.Tensor:
     count, words = src_index.numel(), src_rows.shape[1]
-    size = _tile(words, tile)
+    size = tile if tile is not None else max(TILE, triton.next_power_of_2(triton.cdiv(words, MAX_TILES)))
     n_tiles = triton.cdiv(words, size)
     partials = torch.empty((count, n_tiles), dtype=torch.int64, device=src_rows.device)  # [blocks, tiles]
     if count:

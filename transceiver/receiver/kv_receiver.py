@@ -341,7 +341,11 @@ class KVReceiver:
         """End a pull that did not succeed. Its context ranks are told to drop the lease (Cancel per
         part), except where the sender itself reported the failure (`notify=False`: a sender that
         refused a pull must not lose the lease another pull reads)."""
-        self._forget(pulling)
+        del self._pulling[pulling.request_id]
+        self._unplanned.pop(pulling.pull_id, None)
+        for pull_id in pulling.parts:
+            self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
+            del self._parts[pull_id]
         self.stats.count_failure(reason)
         for endpoint, pull_id in cancel_targets(pulling, notify, failed_part):
             cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
@@ -349,10 +353,3 @@ class KVReceiver:
         if report:
             self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
                                             time.monotonic() - pulling.started))
-
-    def _forget(self, pulling: Pulling) -> None:
-        del self._pulling[pulling.request_id]
-        self._unplanned.pop(pulling.pull_id, None)
-        for pull_id in pulling.parts:
-            self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
-            del self._parts[pull_id]

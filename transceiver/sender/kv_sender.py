@@ -153,10 +153,22 @@ class KVSender:
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
         self._take_items()
-        if not self._thread.running:
-            self._take_back_all("the sender's socket thread stopped")
-        self._reap(time.monotonic())
-        self._unpin_released()
+        if not self._thread.running and self._leases:  # nothing reads the leases' slots any more
+            log.error("KV sender: the socket thread stopped; releasing %d leases", len(self._leases))
+            for lease in self._leases.values():
+                self._unpin(lease.pinned)
+            self._leases.clear()
+        now = time.monotonic()
+        for cid, lease in list(self._leases.items()):
+            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (serve.py)
+                self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
+        waiting = []  # ended leases are unpinned once zmq has released every frame made from their slots
+        for trackers, pinned in self._unpin_later:
+            if all(t.done for t in trackers):
+                self._unpin(pinned)
+            else:
+                waiting.append((trackers, pinned))
+        self._unpin_later = waiting
 
     def wait(self, timeout_s: float) -> None:
         """Block until `step` has something to do or timeout: an item arrived, or (while ended
@@ -230,8 +242,12 @@ class KVSender:
                 log.exception("KV sender: handling %r failed", item)
 
     def _on_item(self, item: Ended | Started | ExportRequest) -> None:
-        if isinstance(item, ExportRequest):
-            self._answer_with_export(item)
+        if isinstance(item, ExportRequest):  # a receiver on our GPU: a fresh export of the pools for it (ipc.py)
+            assert self.ipc_identity is not None
+            with self._pool_lock:
+                offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
+            self.ipc_exports += offer is not None
+            self._thread.submit(Outgoing(item.peer, msgspec.structs.replace(item.info, ipc=offer)))
         elif isinstance(item, Started):
             lease = self._leases.get(item.cid)
             if lease is not None and not lease.withdrawn:
@@ -245,14 +261,6 @@ class KVSender:
                 self._unpin_later.append((busy, lease.pinned))
             else:
                 self._unpin(lease.pinned)
-
-    def _answer_with_export(self, req: ExportRequest) -> None:
-        """Handshake of a receiver on our GPU: a fresh export of the pools for it (see `ipc.py`)."""
-        assert self.ipc_identity is not None
-        with self._pool_lock:
-            offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
-        self.ipc_exports += offer is not None
-        self._thread.submit(Outgoing(req.peer, msgspec.structs.replace(req.info, ipc=offer)))
 
     # ---- lease end -----------------------------------------------------------------------------
 
@@ -269,29 +277,6 @@ class KVSender:
             return
         lease.withdrawn = True
 
-    def _take_back_all(self, why: str) -> None:
-        """The socket thread is gone, so nothing reads the leases' slots any more: unpin them."""
-        if self._leases:
-            log.error("KV sender: %s; releasing %d leases", why, len(self._leases))
-        for lease in self._leases.values():
-            self._unpin(lease.pinned)
-        self._leases.clear()
-
-    def _reap(self, now: float) -> None:
-        for cid, lease in list(self._leases.items()):
-            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (serve.py)
-                self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
-
     def _unpin(self, pinned: dict[int, list[int]]) -> None:
         for window, ids in pinned.items():
             self._kv.unpin_blocks(ids, window)
-
-    def _unpin_released(self) -> None:
-        """Unpin ended leases once zmq has released every frame made from their slots."""
-        waiting = []
-        for trackers, pinned in self._unpin_later:
-            if all(t.done for t in trackers):
-                self._unpin(pinned)
-            else:
-                waiting.append((trackers, pinned))
-        self._unpin_later = waiting

@@ -314,7 +314,9 @@ class PullServer:
             frames, tracker = tracked_frames(parts)
             off.pool_frames.append(tracker)
         else:
-            staging = self._staging_pool(pool)
+            if self._staging is None:
+                self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
+            staging = self._staging
             i = staging.acquire()
             if i is None:
                 return False
@@ -336,11 +338,6 @@ class PullServer:
         job.sent_chunks += 1
         self._stats.bytes_sent += plan.nbytes
         return True
-
-    def _staging_pool(self, pool: torch.Tensor) -> StagingPool:
-        if self._staging is None:
-            self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
-        return self._staging
 
     def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange],
                    last: bool) -> None:
