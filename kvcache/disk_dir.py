@@ -77,7 +77,8 @@ def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHe
     why = _manifest_mismatch(path, store.key, wanted)
     if why is None:
         return {w: _scan(store, w, n) for w, n in num_slots.items()}
-    files = _block_files(path)
+    files = [p for d in path.glob("w*") if d.is_dir() for p in d.iterdir()
+             if BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
     if files or why != "no manifest":
         log.warning("disk tier %s: ignoring its %d block files (%s); starting it empty", path, len(files), why)
     for name in files:
@@ -124,11 +125,6 @@ def _manifest_mismatch(path: Path, key: bytes, wanted: Manifest) -> str | None:
         return f"manifest {exc}"
     difference = manifest_difference(found, wanted)
     return None if difference is None else f"manifest: {difference}"
-
-
-def _block_files(path: Path) -> list[Path]:
-    return [p for d in path.glob("w*") if d.is_dir() for p in d.iterdir()
-            if BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
 
 
 def _scan(store: StartUp, window: int, num_slots: int) -> list[BlockHeader]:

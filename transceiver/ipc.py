@@ -127,20 +127,16 @@ class DeviceSum:
             stream.wait_event(self._event)
 
 
-def _kernels():
-    """transceiver/kernels.py, or None (no triton, or PDSERVE_IPC_KERNELS=torch): the torch path."""
-    if os.environ.get(KERNELS_ENV, "triton") == "torch":
+def _fused(*tensors: torch.Tensor):
+    """transceiver/kernels.py for CUDA tensors, else None, the torch path (CPU tensors, no triton, or
+    PDSERVE_IPC_KERNELS=torch)."""
+    if not all(t.is_cuda for t in tensors) or os.environ.get(KERNELS_ENV, "triton") == "torch":
         return None
     try:
         from transceiver import kernels
     except ImportError:
         return None
     return kernels
-
-
-def _fused(*tensors: torch.Tensor):
-    """The Triton kernels for CUDA tensors, else None."""
-    return _kernels() if all(t.is_cuda for t in tensors) else None
 
 
 def _index_batches(slots: list[int], slot_bytes: int, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:

@@ -253,7 +253,11 @@ class PullServer:
             return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
         if req.via_ipc and req.heads is not None:
             return "bad_request", "the pull asks for some kv heads over CUDA IPC (whole slots only)"
-        problem = off.range_problem(req.ranges) or _heads_problem(req.heads, off)
+        problem = off.range_problem(req.ranges)
+        if problem is None and req.heads is not None:
+            held = min(w.pool.shape[4] for w in off.offer.windows.values())
+            if not 0 <= req.heads[0] < req.heads[1] <= held:
+                problem = f"kv heads [{req.heads[0]}, {req.heads[1]}) are not among this rank's {held}"
         return None if problem is None else ("bad_request", problem)
 
     # ---- the data path -------------------------------------------------------------------------
@@ -426,11 +430,3 @@ class PullServer:
                 log.exception("KV sender: could not tell pull %d of %r that it failed", job.pull_id, cid)
         io.deliver(Ended(cid, [t for t in off.pool_frames if not t.done]))
 
-
-def _heads_problem(heads: tuple[int, int] | None, off: Offered) -> str | None:
-    if heads is None:
-        return None
-    held = min(w.pool.shape[4] for w in off.offer.windows.values())
-    if not 0 <= heads[0] < heads[1] <= held:
-        return f"kv heads [{heads[0]}, {heads[1]}) are not among this rank's {held}"
-    return None
