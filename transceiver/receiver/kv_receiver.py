@@ -38,7 +38,7 @@ from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
-from transceiver.receiver.ipc_copies import Copy, IpcCopies
+from transceiver.receiver.ipc_copies import IpcCopies
 from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
 from transceiver.receiver.link import ReceiverLink
 from transceiver.receiver.parts import apply_chunk, cancel_targets, count_written, ipc_destination
@@ -281,22 +281,19 @@ class KVReceiver:
     def _settle_copies(self) -> None:
         """Check the copies the device has finished; finish parts whose Done waited for them."""
         for copy in self._copies.settled():
-            part = self._parts.get(copy.pull_id)
-            if part is not None:
-                self._check_copy(part, copy)
+            part, h = self._parts.get(copy.pull_id), copy.chunk
+            if part is None:
+                continue
+            part.apply_s += time.monotonic() - copy.issued
+            if copy.checksum.value() != h.checksum:
+                self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
+                                                      f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
+                continue
+            count_written(part, copy.nbytes, self.stats)
+            part.via_ipc = True
         for part in [p for p in self._parts.values() if p.done is not None]:
             if part.pull_id in self._parts and not self._copies.pending(part.pull_id):
                 self._finish(part, part.done)
-
-    def _check_copy(self, part: Part, copy: Copy) -> None:
-        h = copy.chunk
-        part.apply_s += time.monotonic() - copy.issued
-        if copy.checksum.value() != h.checksum:
-            self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
-                                                  f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
-            return
-        count_written(part, copy.nbytes, self.stats)
-        part.via_ipc = True
 
     def _finish(self, part: Part, done: Done) -> None:
         missing = part.missing()
