@@ -1,8 +1,6 @@
 """`KVFormat`: what one token's cached bytes of one layer are. Made once where a server starts
 (server/models/kv_format.py `kv_format`) and passed whole to everything that stores, names or moves
-KV: the pools (their slot shape), the block hashes (`hash_namespace`), the disk tier's manifest and
-block files (`id`, `block_scales`), the transceiver's handshake (`id`) and the attention paths
-(`layer_scales`).
+KV (docs/structure.md lists them).
 
 Two layouts:
 - "heads": K and V of `num_kv_heads` heads of `head_dim` values (Llama, Mistral, Qwen): two planes.

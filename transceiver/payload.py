@@ -1,9 +1,7 @@
 """KV payload mechanics: chunk plans, checksums, staging buffers, gather from and scatter into a pool.
 
-A pool is the slot-major tensor `[num_slots, layers, 2, tokens_per_block, kv_heads, head_dim]`
-(contiguous, one slot = `slot_bytes`). Here it is only ever seen as rows of words:
-`pool_rows(pool)` -> `[num_slots, slot_bytes // 8]` int64 (or uint8 rows when slot_bytes % 8),
-so gather/scatter move whole slots with one `index_select`/`index_copy_`.
+A pool is the slot-major tensor `[num_slots, layers, 2, tokens_per_block, kv_heads, head_dim]`, here
+only ever seen as rows of words (`kvcache.pool.pool_rows`), so gather/scatter move whole slots.
 """
 
 from __future__ import annotations
