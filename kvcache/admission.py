@@ -5,11 +5,8 @@ blocks that must survive (reused chain, partial-reuse source, blocks to onboard 
 are acquired or held before the first allocation, because an allocation may evict.
 
 A disk block comes up one level at a time: promoted to the secondary (host) level, then onboarded
-like any host block; the facade has read and checked its file before (kvcache/disk_tier.py).
-`_bring_up` onboards the host blocks first (freeing their host slots), then promotes as many disk
-blocks as the host level can take at once (less one block, where the primary blocks that their
-onboards evict go down), so their copies run as one batch, then onboards them; any disk blocks
-left come up one by one, each through the host slot the one before it freed.
+like any host block (`_bring_up`); the facade has read and checked its file before
+(kvcache/disk_tier.py).
 """
 
 from __future__ import annotations
@@ -60,8 +57,10 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
 
 def _bring_up(bm: BlockManager, blocks: list[Block]) -> None:
     """Make held non-primary blocks primary; each comes after its parent, whose level is <= its own.
-    A late promotion cannot fail: by then no secondary block is held (the host blocks and the disk
-    blocks promoted early are primary), so the secondary level has a free block or a candidate."""
+    The host blocks first (freeing their host slots), then as many disk blocks as the host level can
+    take at once are promoted, so their copies run as one batch; the rest come up one by one, each
+    through the host slot the one before it freed. A late promotion cannot fail: by then no
+    secondary block is held, so the secondary level has a free block or a candidate."""
     disk = [b for b in blocks if b.level is Level.DISK]
     for b in blocks:
         if b.level is Level.SECONDARY:

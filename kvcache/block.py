@@ -27,14 +27,9 @@ class CopyOp(NamedTuple):
 
 
 class Block:
-    """State of one block. Only `BlockManager` mutates it.
-
-    States (per level): free (in the free list, not in the tree, unreferenced), cached (in the reuse
-    tree, ref == pins == 0), in use (ref + pins > 0; always PRIMARY between public calls). Down the
-    tree, levels never go back up: a block's level is >= its parent's (PRIMARY < SECONDARY < DISK).
+    """State of one block; only `BlockManager` mutates it (its invariants: block_manager.py).
     `busy` == in use or some primary descendant in the tree is in use; a primary block that is in the
-    tree and not busy can be reclaimed by evicting leaves.
-    """
+    tree and not busy can be reclaimed by evicting leaves."""
 
     __slots__ = ("id", "level", "slot", "ref", "pins", "holds", "hash", "parent", "children", "tokens",
                  "priority", "tick", "busy", "busy_children", "primary_children",

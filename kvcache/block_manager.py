@@ -70,16 +70,7 @@ class BlockManager:
         self.clock = 0
         self.evictions = 0  # cached blocks that lost their slot at any level (moved down or dropped)
         self.moved = {(a, b): 0 for a in Level for b in Level if abs(a - b) == 1}  # blocks per tier move
-        self.discards = 0  # disk blocks dropped because their file could not be read back (`discard`)
         self.copied = {(P, S): 0, (S, P): 0, (P, P): 0, (S, S): 0}  # blocks copied per direction
-
-    @property
-    def offloads(self) -> int:
-        return self.moved[P, S]
-
-    @property
-    def onboards(self) -> int:
-        return self.moved[S, P]
 
     # ---- lookups
     def get(self, block_id: int) -> Block:
@@ -195,7 +186,6 @@ class BlockManager:
     def discard(self, b: Block) -> None:
         """Drop cached disk block `b` and its subtree (its file could not be read back)."""
         assert b.level is D and b.hash is not None and b.holds == 0, b
-        self.discards += 1
         self.evictions += 1
         self._drop(b)
 

@@ -11,11 +11,8 @@ Ownership is strict: a buffer is given back exactly once, by its last user, and 
 - a read's buffer: by the reader on a failed check; else by whoever staged it, after copying it into
   host rows or when forgetting it (kvcache/disk_pool.py, kvcache/disk_mirror.py).
 A buffer that is simply dropped is freed by the garbage collector: only a give-back can be unsafe.
-
-`reserve` fills the pool when the tier opens (kvcache/disk_tier.py): a hit that brings up a host
-pool's worth of blocks needs that many read buffers and as many write buffers for the host blocks it
-displaces, and without them the first such hit after a start paid their page faults on its own time
-(engine-level CPU run, docs/BENCHMARKS.md "Disk tier, engine level").
+`reserve` fills the pool when the tier opens, so the first large hit after a start does not pay the
+page faults on its own time (docs/BENCHMARKS.md "Disk tier, engine level").
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHe
     why = _manifest_mismatch(path, store.key, wanted)
     if why is None:
         return {w: _scan(store, w, n) for w, n in num_slots.items()}
-    files = _block_files(path)
+    files = [p for d in path.glob("w*") if d.is_dir() for p in d.iterdir()
+             if BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
     if files or why != "no manifest":
         log.warning("disk tier %s: ignoring its %d block files (%s); starting it empty", path, len(files), why)
     for name in files:
@@ -90,16 +91,25 @@ def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHe
     return {w: [] for w in num_slots}
 
 
-def read_all(f, n: int) -> bytearray:
-    """n bytes from the file's position (fewer only at its end)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            return buf[:got]
-        got += k
-    return buf
+def read_header(fd: int, key: bytes, window: int, slot: int, payload_bytes: int, fmt: BlockFormat,
+                block_hash: bytes | None = None) -> tuple[BlockHeader, int]:
+    """The checked header of an open block file and its payload's offset: sealed under `key`, of
+    slot `slot` of `window` (and of block `block_hash`, when given), of block format `fmt`, with a
+    payload of `payload_bytes` in a file of the size the header says."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, min(size, _HEADER_READ), 0)
+    need = PREFIX_BYTES + header_length(head) + MAC_BYTES
+    if need > len(head) and size > len(head):
+        head += os.pread(fd, min(size, need) - len(head), len(head))
+    header, offset = decode_header(key, head)
+    if (header.window, header.slot) != (window, slot) or block_hash not in (None, header.block_hash):
+        raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
+    check_format(header, fmt)
+    if header.payload_bytes != payload_bytes:
+        raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have {payload_bytes}")
+    if size != offset + header.payload_bytes:
+        raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
+    return header, offset
 
 
 def _manifest_mismatch(path: Path, key: bytes, wanted: Manifest) -> str | None:
@@ -117,11 +127,6 @@ def _manifest_mismatch(path: Path, key: bytes, wanted: Manifest) -> str | None:
     return None if difference is None else f"manifest: {difference}"
 
 
-def _block_files(path: Path) -> list[Path]:
-    return [p for d in path.glob("w*") if d.is_dir() for p in d.iterdir()
-            if BLOCK_FILE.match(p.name) or p.suffix == ".tmp"]
-
-
 def _scan(store: StartUp, window: int, num_slots: int) -> list[BlockHeader]:
     """The checked headers of window's block files (a file that fails a check is deleted)."""
     folder = store.path / f"w{window}"
@@ -133,28 +138,18 @@ def _scan(store: StartUp, window: int, num_slots: int) -> list[BlockHeader]:
             _skip(store, p, "leftover" if m is None else "beyond max_bytes")
             continue
         try:
-            found.append(_read_header(store, p, window, int(m.group(1))))
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                header, _ = read_header(fd, store.key, window, int(m.group(1)), store.slot_bytes[window],
+                                        store.format_of(window))
+            finally:
+                os.close(fd)
+            found.append(header)
         except BadFile as exc:
             _skip(store, p, exc.reason)
         except OSError as exc:
             log.warning("disk tier: cannot read %s: %s", p, exc)
     return found
-
-
-def _read_header(store: StartUp, p: Path, window: int, slot: int) -> BlockHeader:
-    with open(p, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        data = read_all(f, min(size, _HEADER_READ))
-        need = PREFIX_BYTES + header_length(data) + MAC_BYTES
-        if need > len(data):
-            data += read_all(f, min(size, need) - len(data))
-    header, offset = decode_header(store.key, data)
-    if (header.window, header.slot) != (window, slot) or header.payload_bytes != store.slot_bytes[window]:
-        raise BadFile("corrupt", "the header names another slot or size")
-    check_format(header, store.format_of(window))
-    if size != offset + header.payload_bytes:
-        raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
-    return header
 
 
 def _skip(store: StartUp, p: Path, reason: str) -> None:

@@ -1,28 +1,22 @@
 """The disk tier's files: one file per (window group, disk slot), and the directory's manifest.
 No torch, no pickle: headers are msgpack and the manifest JSON, both through msgspec Structs.
 
-A block file (`w{window}/{slot:06d}.kv`):
+A block file (`w{window}/{slot}.kv`):
 
     MAGIC (8 bytes) | header length (u32 LE) | header (msgpack BlockHeader) | header MAC (32) | payload
 
 The header MAC is keyed blake2b over everything before it; the header carries the payload's own
-MAC (`payload_mac`): HMAC-SHA256 under a subkey of the same key. SHA-256 because the payload is the
-bulk of a disk hit's work and OpenSSL's SHA-256 (SHA-NI) runs ~1.9 GB/s a core where blake2b runs
-~1.0 (docs/BENCHMARKS.md); readers and writers feed it the payload in pieces (kvcache/disk_store.py) as they
-move them, while the piece is in the CPU's cache (`payload_hasher`). The key comes from the
-deployment token, so a file written under another token, torn by a crash, truncated or flipped on
-disk fails its check and is never served.
-Start-up reads and checks headers only (the tree needs hashes, parents and tokens); a block's
-payload is checked when it is read back. A file also names its block (`block_hash`): the reader
-compares it with the block it expects, so a stale file left in a reused slot never passes.
-
-A file also names what its payload's bytes are (`dtype`, and for an FP8 cache the k then v scales of
-its window group's layers, `scales`): a reader serves a file only if that is its own block format
-(`BlockFormat`), so an FP8 block is never read into a bf16 cache, nor one stored with other scales.
+MAC (`payload_mac`): HMAC-SHA256 under a subkey of the same key, because the payload is the bulk of
+a disk hit's work and OpenSSL's SHA-256 (SHA-NI) runs ~1.9 GB/s a core where blake2b runs ~1.0
+(docs/BENCHMARKS.md); it is fed piece by piece as the bytes move (`payload_hasher`). The key comes
+from the deployment token, so a file written under another token, torn, truncated or flipped on
+disk fails its check and is never served. A header also names its block (`block_hash`: a stale
+file left in a reused slot never passes) and its payload's format (`dtype` and an FP8 cache's
+`scales`: an FP8 block is never read into a bf16 cache, nor one stored with other scales).
 
 The manifest (`manifest.json`) says what the files are for: the model fingerprint, the KV layout
-(dtype and scales included) and the key's id, sealed with a MAC under the same key. A directory
-whose manifest does not match this server is not read (kvcache/disk_store.py says what happens then).
+(dtype and scales included) and the key's id, sealed with a MAC under the same key
+(kvcache/disk_dir.py reads it at start).
 """
 
 from __future__ import annotations

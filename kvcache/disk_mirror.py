@@ -1,19 +1,13 @@
 """The disk files of a manager whose bookkeeping is another manager's (a tensor-parallel rank's).
 
-Each rank of a tensor-parallel server holds its own kv heads of every block in its pools, so each
-keeps its own files of them: a directory of its own, the same disk slots as rank 0's manager (which
-decides every move), files sealed with the same key, a manifest of its own layout. Rank 0's copies
-reach the rank in order (`KVCacheManager.apply_copies`), and so do its disk copies:
-
-- host -> disk: rank 0 sends what each file must say about its block (`BlockMeta`, from
-  `KVCacheManager.disk_block_meta` when it ran the copy); `before_copies` hands them to the writes.
-- disk -> host: before rank 0 plans a disk hit in, it asks every rank to read and check the same
-  files (`check`: their good bytes are staged for the copies that follow) and drops every block one
-  of them could not read back (kvcache/disk_tier.py `PeerCheck`), as it drops its own bad files. So
-  a block comes up only where every rank has its bytes, and a rank's lost file costs a recompute.
-
-The files a rank finds at start are read again only when rank 0's books (restored from its own
-directory) name them; a file of another block fails its check there, never served.
+Each rank of a tensor-parallel server keeps its own files of its own kv heads: a directory of its
+own, the same disk slots as rank 0's manager (which decides every move), the same key, a manifest
+of its own layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`): with a
+host -> disk copy rank 0 sends what each file must say about its block (`BlockMeta`,
+`before_copies`); before rank 0 plans a disk hit in, every rank reads and checks the same files
+(`check`; kvcache/disk_tier.py `PeerCheck`), and a block comes up only where every rank has its
+bytes. A file a rank finds at start is read only when rank 0's books name it, and a file of
+another block fails its check there.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """One window group's disk level as its pools see it: host rows <-> the disk store's files.
 
 Blocks move between neighbouring levels only, so the copies that touch the disk are host -> disk
-(a host block evicted to disk) and disk -> host (a disk block promoted on a hit). `GroupPools`
-hands both here, in the order the block manager recorded them, after any DMA still using those
-host rows has finished.
-
-- host -> disk (`copy_out`): the rows are copied into buffers of the store's (the host slots are
-  reused at once; reused buffers: no page faults, kvcache/disk_buffers.py), then, when the pools'
-  copies are done (`queue_writes`), queued for their files with what each file must say about its
-  block (`describe`: the block now in that disk slot; none when the block left it within the same
-  call). A write the queue refuses is listed in `refused`: its block has no bytes, and the tier
-  drops it.
-- disk -> host (`copy_in`): the bytes were read and checked before the block manager promoted the
-  block (`stage`, by kvcache/disk_tier.py); they are copied into the host rows, and their buffers
-  given back. What was staged and not used is given back at the end of the call (`end_call`).
-Either way a call's rows move in one `copy_rows`.
+(`copy_out`: the rows are copied into the store's buffers now, so the host slots are reused at once,
+and queued for their files once the call's copies are done, `queue_writes`; a refused write is
+listed in `refused`, and the tier drops its block) and disk -> host (`copy_in`: the bytes were read
+and checked before the block was promoted, `stage`, by kvcache/disk_tier.py). `GroupPools` hands
+both here in the block manager's order, after any DMA still using those host rows has finished;
+either way a call's rows move in one `copy_rows`.
 """
 
 from __future__ import annotations

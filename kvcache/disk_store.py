@@ -1,7 +1,7 @@
 """The disk tier's directory, files and threads (no torch; bytes in, bytes out).
 
 One file per (window group, slot), written whole to a temporary name and renamed over the slot's
-file, so a reader sees a slot's previous file or its new one, never half of one (the file format:
+file, so a reader sees a slot's previous file or its new one, never half of one (the format:
 kvcache/disk_format.py). Why one file per block and not a few large files with a slot map: a
 rename is atomic and a crash loses at most the blocks being written, the file system is the slot
 map (nothing else to keep consistent on restart), and a block's bytes are one sequential read.
@@ -12,19 +12,9 @@ slot so one slot's writes stay in order; a newer write of a slot supersedes a qu
 write lands, reads of that slot are answered from (a copy of) its queued bytes. `read_many` reads and
 checks a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read
 still running then counts as failed). hashlib releases the GIL on large buffers, so checks run in
-parallel.
-
-The bytes move once each way. A reader reads a file's header, then its payload straight into a
-reused block-sized buffer (kvcache/disk_buffers.py) in READ_CHUNK_BYTES pieces, feeding each piece
-to the payload MAC while it is in the cache; a writer writes the payload the same way (CHUNK_BYTES
-pieces: a writer works while the engine does, so it gives the GIL back often), then the header
-(whose MAC it now knows) in front of it. The payloads handed out and taken in are such buffers: see
-disk_buffers.py for who gives each back.
-
-Start-up (`open`; kvcache/disk_dir.py): an exclusive lock on the directory (one server per
-directory), then the manifest. A matching manifest means the block headers are read and checked,
-and returned for the reuse tree; any other (missing, unreadable, another model, layout or token)
-means the block files are deleted, with a warning, and a new manifest is written.
+parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
+reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
+start (kvcache/disk_dir.py).
 """
 
 from __future__ import annotations
@@ -43,20 +33,16 @@ import msgspec
 
 from kvcache.config import DiskTierConfig
 from kvcache.disk_buffers import BufferPool
-from kvcache.disk_dir import StartUp, restore_or_reset, take_directory
+from kvcache.disk_dir import StartUp, read_header, restore_or_reset, take_directory
 from kvcache.disk_format import (
     CHUNK_BYTES,
     MAC_BYTES,
-    PREFIX_BYTES,
     BadFile,
     BlockFormat,
     BlockHeader,
     Manifest,
     check_digest,
-    check_format,
-    decode_header,
     encode_prefix,
-    header_length,
     payload_hasher,
 )
 
@@ -74,7 +60,6 @@ class BlockMeta:
     priority: int
 
 
-_HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fits
 # a reader's piece: on the H200 box's 16 cores a 512 MiB warm hit read and checked in 54 ms with
 # 1 MiB pieces, 66-111 ms with 256 KiB (fewer GIL round trips per block; still within a core's L2)
 READ_CHUNK_BYTES = 1 << 20
@@ -94,7 +79,6 @@ class DiskIOStats:
     blocks_written: int = 0
     bytes_written: int = 0
     write_errors: int = 0
-    write_refused: int = 0  # the queue was full
     queued_bytes: int = 0  # waiting for their write now
     restored: int = 0  # blocks found again at start (set by the tier)
     skipped_at_start: dict[str, int] = field(default_factory=dict)  # files not restored, by reason
@@ -153,7 +137,6 @@ class DiskStore:
             old = self._pending.get((window, slot))
             queued = self.stats.queued_bytes - (old.nbytes if old else 0)
             if queued + n > self.config.write_queue_bytes:
-                self.stats.write_refused += 1
                 return False
             gen = next(self._gens)
             self._pending[window, slot] = _Write(gen, meta, payload, n)
@@ -283,7 +266,8 @@ class DiskStore:
         except FileNotFoundError:
             raise BadFile("missing", f"no file for slot {slot} of window {window}") from None
         try:
-            header, offset = self._read_header(fd, window, slot, block_hash)
+            header, offset = read_header(fd, self.key, window, slot, self.slot_bytes[window], self.format_of(window),
+                                         block_hash)
             buf = self.buffers.take(header.payload_bytes)
             try:
                 check_digest(header, self._read_payload(fd, offset, memoryview(buf)))
@@ -293,24 +277,6 @@ class DiskStore:
             return memoryview(buf)
         finally:
             os.close(fd)
-
-    def _read_header(self, fd: int, window: int, slot: int, block_hash: bytes) -> tuple[BlockHeader, int]:
-        """The file's checked header, if it is of this block and its size is right; the payload's offset."""
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, min(size, _HEADER_READ), 0)
-        need = PREFIX_BYTES + header_length(head) + MAC_BYTES
-        if need > len(head) and size > len(head):
-            head += os.pread(fd, min(size, need) - len(head), len(head))
-        header, offset = decode_header(self.key, head)
-        if (header.window, header.slot, header.block_hash) != (window, slot, block_hash):
-            raise BadFile("stale", f"the file of slot {slot} (window {window}) holds another block")
-        check_format(header, self.format_of(window))
-        if header.payload_bytes != self.slot_bytes[window]:
-            raise BadFile("corrupt", f"payload of {header.payload_bytes} bytes, blocks have "
-                                     f"{self.slot_bytes[window]}")
-        if size != offset + header.payload_bytes:
-            raise BadFile("truncated", f"{size} bytes, the header says {offset + header.payload_bytes}")
-        return header, offset
 
     def _read_payload(self, fd: int, offset: int, view: memoryview) -> bytes:
         """Fill `view` from the file at `offset`, piece by piece; the payload MAC of what was read."""

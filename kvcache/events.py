@@ -14,10 +14,7 @@ level: that is what a router's index relies on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
-
-from kvcache.block import Level
+from typing import Protocol
 
 STORED, REMOVED, MOVED = 0, 1, 2
 
@@ -36,37 +33,3 @@ class _NoEvents:
 
 
 NO_EVENTS: EventSink = _NoEvents()
-
-
-class _Group(Protocol):
-    """A window group (kvcache.group.WindowGroup): its window and its block manager."""
-
-    window: int
-    bm: Any
-
-
-def snapshot(groups: Sequence[_Group]) -> dict[int, dict[Level, list[bytes]]]:
-    """Window -> level -> hashes of the reuse tree's blocks there (O(blocks))."""
-    out: dict[int, dict[Level, list[bytes]]] = {}
-    for g in groups:
-        levels: dict[Level, list[bytes]] = {level: [] for level in Level}
-        for block_hash, b in g.bm.tree.by_hash.items():
-            levels[b.level].append(block_hash)
-        out[g.window] = levels
-    return out
-
-
-def enable(groups: Sequence[_Group]) -> None:
-    for g in groups:
-        if not isinstance(g.bm.events, list):
-            g.bm.events = []
-
-
-def drain(groups: Sequence[_Group]) -> list[tuple[int, int, bytes, int]]:
-    out: list[tuple[int, int, bytes, int]] = []
-    for g in groups:
-        pending = g.bm.events
-        if isinstance(pending, list) and pending:
-            out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in pending]
-            pending.clear()
-    return out

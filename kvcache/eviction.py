@@ -49,6 +49,3 @@ class EvictionQueue:
     def live_entries(self) -> set[int]:
         """Ids of blocks with a live entry (for integrity checks)."""
         return {b.id for _, _, seq, b in self._heap if b.queue_seq == seq}
-
-    def __len__(self) -> int:
-        return len(self._heap)

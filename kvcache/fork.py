@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from kvcache.admission import check_capacity
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup
-from kvcache.requests import RequestState
+from kvcache.matching import RequestState
 
 
 def fork_request(parent: RequestState, child_id: str, groups: Sequence[WindowGroup], num_tokens: int,
@@ -25,9 +25,16 @@ def fork_request(parent: RequestState, child_id: str, groups: Sequence[WindowGro
     KVCacheError leaves everything as it was."""
     n_full, rest = divmod(num_tokens, tokens_per_block)
     n_blocks = n_full + (1 if rest else 0)
-    _check_parent(parent, child_id, groups, num_tokens, tokens_per_block, bool(rest))
-    check_capacity(f"fork of request {parent.request_id!r} into {child_id!r}",
-                   [(g.bm, g.window, 1 if rest else 0, []) for g in groups])
+    what = f"fork of request {parent.request_id!r} into {child_id!r}"
+    for i, g in enumerate(groups):
+        blocks = parent.blocks[i]
+        if not 0 <= num_tokens <= len(blocks) * tokens_per_block:
+            raise KVCacheError(f"{what}: num_tokens={num_tokens} outside [0, {len(blocks) * tokens_per_block}] "
+                               f"(the capacity of its blocks)")
+        if rest and blocks[n_full] is None:
+            raise KVCacheError(f"{what}: its block {n_full} (window {g.window}), which holds token "
+                               f"{num_tokens - 1}, was released")
+    check_capacity(what, [(g.bm, g.window, 1 if rest else 0, []) for g in groups])
     child = RequestState(
         child_id, parent.salt_digest, parent.priority, [[] for _ in groups],
         hashes=parent.hashes[:n_full],
@@ -48,17 +55,3 @@ def fork_request(parent: RequestState, child_id: str, groups: Sequence[WindowGro
             g.bm.copy(parent.blocks[i][n_full], own)
             child.blocks[i].append(own)
     return child
-
-
-def _check_parent(parent: RequestState, child_id: str, groups: Sequence[WindowGroup], num_tokens: int,
-                  tpb: int, partial: bool) -> None:
-    n_full = num_tokens // tpb
-    for i, g in enumerate(groups):
-        blocks = parent.blocks[i]
-        if not 0 <= num_tokens <= len(blocks) * tpb:
-            raise KVCacheError(f"fork of request {parent.request_id!r} into {child_id!r}: num_tokens={num_tokens} "
-                               f"outside [0, {len(blocks) * tpb}] (the capacity of its blocks)")
-        if partial and blocks[n_full] is None:
-            raise KVCacheError(f"fork of request {parent.request_id!r} into {child_id!r}: its block {n_full} "
-                               f"(window {g.window}), which holds token {num_tokens - 1}, was released")
-

@@ -47,16 +47,13 @@ def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
 def level_sizes(config: KvCacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
     """Blocks per window group at each level: primary (primary_tokens), secondary (host_cache_size)
     and disk (disk.max_bytes), the last two over the bytes of one block of every layer."""
-    tpb, block_bytes = config.tokens_per_block, config.tokens_per_block * layout.bytes_per_token()
-    num_secondary = config.host_cache_size // block_bytes
-    if config.host_cache_size and not num_secondary:  # TensorRT-LLM #2225: silently no host pool
-        raise ValueError(f"kv_cache_config.host_cache_size={config.host_cache_size}: holds no block "
-                         f"(one block of every layer is {block_bytes} bytes)")
-    num_disk = config.disk.max_bytes // block_bytes if config.disk is not None else 0
-    if config.disk is not None and not num_disk:
-        raise ValueError(f"kv_cache_config.disk.max_bytes={config.disk.max_bytes}: holds no block "
-                         f"(one block of every layer is {block_bytes} bytes)")
-    return primary_tokens(config, layout) // tpb, num_secondary, num_disk
+    block_bytes = config.tokens_per_block * layout.bytes_per_token()
+    host, disk = config.host_cache_size, config.disk.max_bytes if config.disk is not None else 0
+    for name, nbytes in (("host_cache_size", host), ("disk.max_bytes", disk)):
+        if 0 < nbytes < block_bytes:  # TensorRT-LLM #2225: silently no host pool
+            raise ValueError(f"kv_cache_config.{name}={nbytes}: holds no block "
+                             f"(one block of every layer is {block_bytes} bytes)")
+    return primary_tokens(config, layout) // config.tokens_per_block, host // block_bytes, disk // block_bytes
 
 
 class WindowGroup:
@@ -72,8 +69,8 @@ class WindowGroup:
         """Add this group's counters and block counts to `s` (O(1))."""
         bm, slot_bytes = self.bm, self.pools.slot_bytes
         s.evictions += bm.evictions
-        s.offloads += bm.offloads
-        s.onboards += bm.onboards
+        s.offloads += bm.moved[Level.PRIMARY, Level.SECONDARY]
+        s.onboards += bm.moved[Level.SECONDARY, Level.PRIMARY]
         s.bytes_offloaded += bm.copied[Level.PRIMARY, Level.SECONDARY] * slot_bytes
         s.bytes_onboarded += bm.copied[Level.SECONDARY, Level.PRIMARY] * slot_bytes
         s.bytes_copied_primary += bm.copied[Level.PRIMARY, Level.PRIMARY] * slot_bytes

@@ -1,8 +1,6 @@
 """`KVFormat`: what one token's cached bytes of one layer are. Made once where a server starts
 (server/models/kv_format.py `kv_format`) and passed whole to everything that stores, names or moves
-KV: the pools (their slot shape), the block hashes (`hash_namespace`), the disk tier's manifest and
-block files (`id`, `block_scales`), the transceiver's handshake (`id`) and the attention paths
-(`layer_scales`).
+KV (docs/structure.md lists them).
 
 Two layouts:
 - "heads": K and V of `num_kv_heads` heads of `head_dim` values (Llama, Mistral, Qwen): two planes.
@@ -16,12 +14,11 @@ layer, a latent format one scale per layer (`k_scales`; `v_scales` empty: no V p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from kvcache.kv_scales import as_float32, scales_digest
+from kvcache.kv_scales import checked_scales, scales_digest
 
 FP8 = torch.float8_e4m3fn  # the quantized KV element type (`kv_cache_config.dtype: fp8`)
 LAYOUTS = ("heads", "latent")
@@ -57,10 +54,7 @@ class KVFormat:
             raise ValueError(f"KVFormat: a latent cache has one head, not {self.num_kv_heads}")
         for name in ("k_scales", "v_scales"):
             values = tuple(getattr(self, name))
-            for i, v in enumerate(values):
-                if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-                    raise ValueError(f"KVFormat.{name}[{i}]={v!r}: a scale must be a finite number > 0")
-            object.__setattr__(self, name, tuple(as_float32(float(v)) for v in values))
+            object.__setattr__(self, name, checked_scales(f"KVFormat.{name}", values, len(values)))
         if not self.quantized and (self.k_scales or self.v_scales):
             raise ValueError(f"KVFormat: k/v scales are for an FP8 cache, not {dtype_name(self.dtype)}")
         if self.latent and self.v_scales:

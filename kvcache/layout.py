@@ -84,17 +84,6 @@ class CacheLayout:
     def num_layers(self) -> int:
         return len(self.layer_windows)
 
-    @property
-    def quantized(self) -> bool:
-        return self.format.quantized
-
-    @property
-    def element_bytes(self) -> int:
-        return self.format.element_bytes
-
-    def layer_scales(self, layer: int) -> tuple[float, float]:
-        return self.format.layer_scales(layer)
-
     def bytes_per_token(self, num_layers: int | None = None) -> int:
         """One token's KV bytes over `num_layers` layers (default: all layers)."""
         return self.format.bytes_per_token(self.num_layers if num_layers is None else num_layers)

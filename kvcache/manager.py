@@ -15,7 +15,6 @@ from typing import TypeVar
 
 import torch
 
-from kvcache import events
 from kvcache.admission import check_capacity, execute_plan, make_primary
 from kvcache.block import Block, CopyOp, Level
 from kvcache.config import DiskTierConfig, KvCacheConfig
@@ -28,8 +27,7 @@ from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import kv_format_salt, request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
 from kvcache.layout import CacheLayout
-from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse
-from kvcache.requests import RequestState
+from kvcache.matching import AdmitPlan, NoReuse, PrefixReuse, RequestState
 from kvcache.stats import KVCacheStats
 
 T = TypeVar("T", bound=Callable)
@@ -57,15 +55,12 @@ def _flushes(method: T) -> T:
 class KVCacheManager:
     """Paged KV cache of one model: pools, block reuse, host and disk offload, id -> slot translation.
 
-    Capacity per window group: config.max_tokens // tpb primary slots (None: a fraction of free GPU
-    memory on CUDA, 8 * max_seq_len tokens on CPU), host_cache_size // bytes_per_token(all layers)
-    // tpb secondary slots and disk.max_bytes // the same disk slots (kvcache.group.level_sizes).
-    `salt` is the hashing namespace (model fingerprint); a request's own salt refines it (see
-    kvcache.request_salt), so cached blocks are shared only within a namespace; an FP8 layout refines
-    it with its format (`kvcache.hashing.kv_format_salt`: `self.salt` is the refined one, what the KV
-    events' snapshot advertises), so no tier mixes blocks of two formats. `disk_key` seals the
-    disk tier's files (derive it from the deployment token). Block ids are per window group; -1 in a
-    block list means "released" (out of the window). Call `close` at the end (the disk tier's writes).
+    Capacity per window group: kvcache.group.level_sizes. `salt` is the hashing namespace (model
+    fingerprint); a request's own salt refines it (kvcache.request_salt), and so does a KV format
+    other than K/V heads in the model's dtype (`kv_format_salt`: `self.salt` is the refined one, what
+    the KV events' snapshot advertises), so no tier mixes blocks of two namespaces. `disk_key` seals
+    the disk tier's files (derive it from the deployment token). Block ids are per window group; -1
+    in a block list means "released" (out of the window). Call `close` at the end (the disk writes).
     """
 
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "", disk_key: bytes = b"") -> None:
@@ -113,7 +108,7 @@ class KVCacheManager:
 
     def layer_scales(self, layer_idx: int) -> tuple[float, float]:
         """(k scale, v scale) the layer's blocks are stored with (FP8; (1.0, 1.0) otherwise)."""
-        return self.layout.layer_scales(layer_idx)
+        return self.layout.format.layer_scales(layer_idx)
 
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
         """[num_slots, num_layers_in_group, planes, tpb, kv_heads, head_dim]; None if the level has no slots."""
@@ -164,18 +159,15 @@ class KVCacheManager:
     def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
               max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None,
               partial_only_if_complete: bool = False) -> int:
-        """Admit a request: reuse its longest cached prefix, allocate blocks for `num_tokens` tokens
-        (default len(token_ids)); return the number of reused (cached) tokens.
+        """Admit a request: reuse its longest cached prefix (matching.py), allocate blocks for
+        `num_tokens` tokens (default len(token_ids)); return the number of reused (cached) tokens.
 
-        Full blocks match by chained hash, then one partly matching block is reused (copied, or
-        taken over when copy_on_partial_reuse is off); matched host blocks are onboarded. The hit
-        is capped at max_cached_tokens (default len(token_ids) - 1: the last prompt token must be
-        computed for its logits) and, with VSWA, is the minimum over window groups; with
-        `partial_only_if_complete` a partly matching block is reused only when the hit then reaches
-        that cap (a caller that fetches the rest by whole blocks would overwrite the copy). `salt`
-        (a tenant's cache_salt) refines the manager's namespace: requests share cached blocks only
-        under equal salts. The blocks get `priority` (0..100) for eviction, and keep the priority of
-        the last request that used them. OutOfBlocksError is raised before any change."""
+        The hit is capped at max_cached_tokens (default len(token_ids) - 1: the last prompt token
+        must be computed for its logits); with `partial_only_if_complete` a partly matching block is
+        reused only when the hit then reaches that cap (a caller that fetches the rest by whole
+        blocks would overwrite the copy). `salt` (a tenant's cache_salt) refines the namespace. The
+        blocks get `priority` (0..100) for eviction, and keep the priority of the last request that
+        used them. OutOfBlocksError is raised before any change."""
         if request_id in self._requests:
             raise KVCacheError(f"request {request_id!r} is already admitted")
         n_tok = len(token_ids) if num_tokens is None else num_tokens
@@ -230,12 +222,8 @@ class KVCacheManager:
     @_flushes
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices
-        of one prompt): in every window group its full blocks are shared (one more reference each,
-        no copy), its partly filled last block is copied into a fresh block of the child's (a copy
-        the pools run when the call returns), and entries released out of a sliding window stay
-        released. The child starts with the parent's hashing state (either may commit the shared
-        blocks) and priority, and is released like any request. OutOfBlocksError (no primary block
-        for a copy) before any change."""
+        of one prompt; kvcache/fork.py); released like any request. OutOfBlocksError (no primary
+        block for a copy) before any change."""
         if child_id in self._requests:
             raise KVCacheError(f"request {child_id!r} is already admitted")
         parent = self._request(parent_id)
@@ -286,13 +274,14 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str, window: int | None = None) -> list[int]:
         """Logical block ids of the request in token order (-1 where released)."""
-        blocks = self._request(request_id).blocks[self._groups.index(self._resolve(window))]
-        return [-1 if b is None else b.id for b in blocks]
+        return [-1 if b is None else b.id for b in self._blocks(request_id, window)]
 
     def slot_table(self, request_id: str, window: int) -> list[int]:
         """Primary slots of the request's blocks in token order (-1 where released)."""
-        blocks = self._request(request_id).blocks[self._groups.index(self._resolve(window))]
-        return [-1 if b is None else b.slot for b in blocks]
+        return [-1 if b is None else b.slot for b in self._blocks(request_id, window)]
+
+    def _blocks(self, request_id: str, window: int | None) -> list[Block | None]:
+        return self._request(request_id).blocks[self._groups.index(self._resolve(window))]
 
     @_flushes
     def pin_blocks(self, block_ids: Sequence[int], window: int) -> None:
@@ -351,16 +340,28 @@ class KVCacheManager:
 
     def cached_blocks(self) -> dict[int, dict[Level, list[bytes]]]:
         """Window -> level -> hashes of the reuse tree's blocks there (a KV events snapshot; O(blocks))."""
-        return events.snapshot(self._groups)
+        out: dict[int, dict[Level, list[bytes]]] = {}
+        for g in self._groups:
+            out[g.window] = {level: [] for level in Level}
+            for block_hash, b in g.bm.tree.by_hash.items():
+                out[g.window][b.level].append(block_hash)
+        return out
 
     # ---- KV events (kvcache/events.py)
     def enable_events(self) -> None:
         """From now on record every reuse-tree change; drain them with `drain_events` (else they pile up)."""
-        events.enable(self._groups)
+        for g in self._groups:
+            if not isinstance(g.bm.events, list):
+                g.bm.events = []
 
     def drain_events(self) -> list[tuple[int, int, bytes, int]]:
         """(window, kind, block hash, level) of every change since the last drain, in order per window."""
-        return events.drain(self._groups)
+        out: list[tuple[int, int, bytes, int]] = []
+        for g in self._groups:
+            if isinstance(g.bm.events, list):
+                out += [(g.window, kind, block_hash, int(level)) for kind, block_hash, level in g.bm.events]
+                g.bm.events.clear()
+        return out
 
     # ---- checks and counters
     def check_integrity(self) -> None:

@@ -1,4 +1,5 @@
-"""Prefix matching policies: what an admitted request can reuse, and what `commit` puts in the tree.
+"""Prefix matching policies: what an admitted request (`RequestState`) can reuse, and what `commit`
+puts in the tree.
 
 `PrefixReuse` (enable_block_reuse) matches full blocks by chained hash, then partially reuses one
 block; `NoReuse` is its null object. Both only plan or link blocks; the facade checks capacity and
@@ -8,12 +9,25 @@ executes plans, so an OutOfBlocksError happens before any state change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager
 from kvcache.hashing import ROOT_HASH, chain_hashes
-from kvcache.requests import RequestState
+
+
+@dataclass
+class RequestState:
+    """What the manager keeps of one live request."""
+
+    request_id: str
+    salt_digest: bytes  # hashing namespace of this request (manager salt + request salt)
+    priority: int  # retention priority given to the blocks it uses
+    blocks: list[list[Block | None]]  # per window group, in token order; None where released
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
+    committed: list[int] = field(default_factory=list)  # per group: leading blocks commit has handled
+    commit_stopped: list[bool] = field(default_factory=list)  # per group: chain broken, commit no more
+    released_upto: list[int] = field(default_factory=list)  # per group: blocks before it are released
 
 
 @dataclass

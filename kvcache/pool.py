@@ -1,24 +1,18 @@
 """KV pools of one window group: the only owner of KV cache tensors in kvcache/.
 
 Each level is one contiguous tensor, slot-major: [num_slots, num_layers, planes, tokens_per_block,
-num_kv_heads, head_dim] (`KVFormat.slot_shape`: planes K and V, or the one latent plane). A slot
-is `slot_bytes` contiguous bytes, so a block moves with one row copy
-and its address is `base + slot * slot_bytes`. Both pools start zeroed: attention masks unused or
-out-of-window positions, but 0 * NaN would still be NaN. The secondary pool lives in host memory,
-pinned when the primary pool is on CUDA.
+num_kv_heads, head_dim] (`KVFormat.slot_shape`), so a block moves with one row copy. Both pools
+start zeroed: attention masks unused or out-of-window positions, but 0 * NaN would still be NaN. The
+secondary pool lives in host memory, pinned when the primary pool is on CUDA.
 
-Copies: `execute` runs the block manager's copy ops in steps (`_steps`), each a parallel assignment
-(every source read, then every destination written) with one batched indexed copy per (src level,
-dst level), the result of running the ops one by one. On CUDA the device-side gathers and scatters
-run on the current stream; the host<->device DMAs (from/to pinned memory) run on two side streams,
-one per direction (`_TierStreams`), in pieces with an event each, so an admission that offloads
-evicted blocks while it onboards others moves both at once on the GPU's two copy engines. Order is
-kept where it matters: a scatter waits for its onboard DMA; a DMA waits for the gather that staged
-it; a DMA piece that touches a host slot another direction's DMA may still be using waits for that
-piece first.
-
-Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU: before it
-reads or writes host rows, every DMA still using them has finished (`_TierStreams.settle`).
+Copies: `execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side
+gathers and scatters run on the current stream; the host<->device DMAs run on two side streams, one
+per direction (`_TierStreams`), in pieces with an event each, so an admission that offloads evicted
+blocks while it onboards others moves both at once on the GPU's two copy engines. Order is kept
+where it matters: a scatter waits for its onboard DMA; a DMA waits for the gather that staged it; a
+DMA piece that touches a host slot another direction's DMA may still be using waits for that piece
+first. Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU once
+every DMA still using their host rows has finished (`_TierStreams.settle`).
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ DMA_WAIT_S = 30.0  # the longest wait for a DMA before the CPU touches its host 
 DMA_CHUNK_SLOTS = 16
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """(index in `slots`, first slot, length) of each run of consecutive ascending slots."""
     runs: list[tuple[int, int, int]] = []
     start = 0
@@ -94,13 +88,11 @@ def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
             for step in steps]
 
 
-def _rows(pool: torch.Tensor) -> torch.Tensor:
-    """The pool as [num_slots, slot_bytes / itemsize] rows of int64 (uint8 if not divisible by 8)."""
-    flat = pool.view(pool.shape[0], -1)
-    try:
-        return flat.view(torch.int64)
-    except RuntimeError:
-        return flat.view(torch.uint8)
+def pool_rows(pool: torch.Tensor) -> torch.Tensor:
+    """`pool` seen as `[num_slots, words]`: int64 words, or bytes when a slot's bytes are not a
+    multiple of 8 (one row copy moves a slot)."""
+    rows = pool.view(pool.shape[0], -1).view(torch.uint8)  # [num_slots, slot_bytes]
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
 
 
 class _TierStreams:
@@ -111,25 +103,6 @@ class _TierStreams:
         self.h2d = torch.cuda.Stream(device)
         self.writes: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # offloads writing host slots
         self.reads: list[tuple[torch.cuda.Event, frozenset[int]]] = []  # onboards reading host slots
-
-    def before_offload(self, host_slots: list[int]) -> None:
-        """The d2h stream waits for onboards still reading any of these host slots."""
-        _wait_for_overlap(self.d2h, self.reads, host_slots)
-
-    def before_onboard(self, host_slots: list[int]) -> None:
-        _wait_for_overlap(self.h2d, self.writes, host_slots)
-
-    def after_offload(self, host_slots: list[int]) -> torch.cuda.Event:
-        _prune(self.writes)
-        event = _recorded(self.d2h)
-        self.writes.append((event, frozenset(host_slots)))
-        return event
-
-    def after_onboard(self, host_slots: list[int]) -> torch.cuda.Event:
-        _prune(self.reads)
-        event = _recorded(self.h2d)
-        self.reads.append((event, frozenset(host_slots)))
-        return event
 
     def settle(self, host_slots: list[int]) -> None:
         """Wait (at most DMA_WAIT_S) until no DMA in flight reads or writes these host slots."""
@@ -145,21 +118,6 @@ def _prune(pending: list[tuple[torch.cuda.Event, frozenset[int]]]) -> None:
     pending[:] = [(event, slots) for event, slots in pending if not event.query()]
 
 
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _wait_for_overlap(stream: torch.cuda.Stream, pending: list[tuple[torch.cuda.Event, frozenset[int]]],
-                      host_slots: list[int]) -> None:
-    """Drop finished DMAs from `pending`; make `stream` wait for those that touch `host_slots`."""
-    _prune(pending)
-    for event, slots in pending:
-        if not slots.isdisjoint(host_slots):
-            stream.wait_event(event)
-
-
 class GroupPools:
     def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
                  num_primary: int, num_secondary: int) -> None:
@@ -172,7 +130,7 @@ class GroupPools:
             pin = layout.device.type == "cuda"
             self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
-        self._rows = (_rows(self.primary), None if self.secondary is None else _rows(self.secondary))
+        self._rows = (pool_rows(self.primary), None if self.secondary is None else pool_rows(self.secondary))
         self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None
         self.disk: DiskSlots | None = None  # the disk level's files, when there is a disk tier
 
@@ -254,19 +212,28 @@ def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[
     return lambda: dst_rows.index_copy_(0, dst_idx, staged)  # gathers before scattering
 
 
-def _dma(stream: torch.cuda.Stream, runs: list[tuple[int, int, int]], before: Callable[[list[int]], None],
-         after: Callable[[list[int]], torch.cuda.Event], copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
-    """`copy` each run (index, first host slot, length) on `stream`, in pieces (`_chunks`): a piece
-    first waits for the other direction's DMAs of its host slots (`before`), then records its own
-    event (`after`). Returns the last event: the stream runs the pieces in order."""
+def _dma(streams: _TierStreams, to_host: bool, runs: list[tuple[int, int, int]],
+         copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
+    """`copy` each run (index, first host slot, length) on the direction's stream, in pieces
+    (`_chunks`): a piece first waits for the other direction's DMAs of its host slots (an offload
+    for onboards still reading them, an onboard for offloads still writing them), then records its
+    own event. Returns the last event: the stream runs the pieces in order."""
+    stream, mine, other = (streams.d2h, streams.writes, streams.reads) if to_host else \
+        (streams.h2d, streams.reads, streams.writes)
     done = None
     for chunk in _chunks(runs):
         slots = _slots(chunk)
-        before(slots)
+        _prune(other)
+        for event, used in other:
+            if not used.isdisjoint(slots):
+                stream.wait_event(event)
         with torch.cuda.stream(stream):
             for i, first, n in chunk:
                 copy(i, first, n)
-        done = after(slots)
+        _prune(mine)
+        done = torch.cuda.Event()
+        done.record(stream)
+        mine.append((done, frozenset(slots)))
     assert done is not None
     return done
 
@@ -278,11 +245,11 @@ def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int]
 
     def write() -> None:
         if streams is None:  # no CUDA: plain copies
-            for i, first, n in _runs(dst):
+            for i, first, n in slot_runs(dst):
                 dst_rows[first:first + n].copy_(staged[i:i + n])
             return
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
-        _dma(streams.d2h, _runs(dst), streams.before_offload, streams.after_offload,
+        _dma(streams, True, slot_runs(dst),
              lambda i, first, n: dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True))
         staged.record_stream(streams.d2h)
     return write
@@ -295,12 +262,12 @@ def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[in
     src_sorted = [src[i] for i in order]
     staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
     if streams is None:
-        for i, first, n in _runs(src_sorted):
+        for i, first, n in slot_runs(src_sorted):
             staged[i:i + n].copy_(src_rows[first:first + n])
         done = None
     else:
         streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
-        done = _dma(streams.h2d, _runs(src_sorted), streams.before_onboard, streams.after_onboard,
+        done = _dma(streams, False, slot_runs(src_sorted),
                     lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
     dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
 

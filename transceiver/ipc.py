@@ -3,21 +3,16 @@
 The sender exports its primary pools once per receiver handshake (`export_pools`, on the engine
 thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
 the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
-copies the sender's slots into its own with `start_copy`. Both sides compute the checksum of
-`payload.checksum` on the GPU, queued on a side stream and read once its event has fired
-(`DeviceSum`), so neither side's thread waits for the device: the sender sums its slots in place
-(`start_checksum`), the receiver sums what it copies as it copies. On CUDA both are single-pass
-Triton kernels (`kernels.py`, imported only here and only for CUDA tensors); CPU tensors take torch.
+copies the sender's slots into its own (`start_copy`). Both sides compute `payload.checksum` on the
+device, read once its event has fired (`DeviceSum`), so neither side's thread waits for the device:
+on CUDA single-pass Triton kernels (`kernels.py`, imported only here), else torch.
 
 One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
 shared-memory file of the sender): the receiver that opened it decrements it when it drops its
-mapping (new epoch, idle close, exit). A sender that exits while a count is above zero prints
-torch's "Producer process has been terminated before all shared CUDA tensors released" warning;
-with one export per receiver that only happens when a receiver really still maps the pools. The
-pools themselves live as long as the sender's process, so the count never delays a free.
-
-Importing this module needs no CUDA; the functions that export, open or identify pools need it
-(callers use them only for CUDA pools).
+mapping. A sender that exits while a count is above zero prints torch's "Producer process has been
+terminated before all shared CUDA tensors released" warning; with one export per receiver that only
+happens when a receiver really still maps the pools. The pools live as long as the sender's
+process, so the count never delays a free. Importing this module needs no CUDA.
 """
 
 from __future__ import annotations
@@ -85,13 +80,6 @@ def open_pools(offer: IpcOffer, own: dict[int, torch.Tensor]) -> dict[int, torch
     return views
 
 
-def synchronize(device: torch.device) -> None:
-    """Every stream of `device` has finished (the writes a peer is about to read are visible);
-    CPU tensor work is synchronous already."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class DeviceSum:
     """A checksum the device is computing on the current stream: `done()` asks without waiting,
     `value()` reads it once done. It keeps the tensors that work reads or writes alive until then
@@ -139,20 +127,16 @@ class DeviceSum:
             stream.wait_event(self._event)
 
 
-def _kernels():
-    """transceiver/kernels.py, or None (no triton, or PDSERVE_IPC_KERNELS=torch): the torch path."""
-    if os.environ.get(KERNELS_ENV, "triton") == "torch":
+def _fused(*tensors: torch.Tensor):
+    """transceiver/kernels.py for CUDA tensors, else None, the torch path (CPU tensors, no triton, or
+    PDSERVE_IPC_KERNELS=torch)."""
+    if not all(t.is_cuda for t in tensors) or os.environ.get(KERNELS_ENV, "triton") == "torch":
         return None
     try:
         from transceiver import kernels
     except ImportError:
         return None
     return kernels
-
-
-def _fused(*tensors: torch.Tensor):
-    """The Triton kernels for CUDA tensors, else None."""
-    return _kernels() if all(t.is_cuda for t in tensors) else None
 
 
 def _index_batches(slots: list[int], slot_bytes: int, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:

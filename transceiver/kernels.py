@@ -1,18 +1,16 @@
 """Fused Triton kernels of the same-GPU KV handoff (transceiver/ipc.py): each side reads the slots once.
 
-- `slot_sums`: the sender's checksum, summed from its leased slots where they are (before: a
-  gather of every slot into a temporary buffer, then a sum of that buffer);
+- `slot_sums`: the sender's checksum, summed from its leased slots where they are;
 - `copy_slot_sums`: the receiver's copy, which writes every word it reads into its own slot and
-  sums the words as it goes (before: gather, scatter, then a sum of the gathered rows).
+  sums the words as it goes.
 
 Both return S_b per block b: the wrapping sum of the block's words (int64 words, or bytes when
-slot_bytes % 8: `payload.pool_rows`), the sum `payload.checksum` weights by position. Program
+slot_bytes % 8: `kvcache.pool.pool_rows`), the sum `payload.checksum` weights by position. Program
 (b, t) sums tile t of block b into `partials[b, t]`; torch adds the tiles. Integer addition wraps
 and is associative, so the result is bit for bit the torch reference's, in any order.
 
-Imported only for CUDA pools (ipc.py imports it lazily), so the router and the CPU paths never
-import triton. On a machine without CUDA the kernels run under TRITON_INTERPRET=1 on CPU tensors
-(tests/unit/test_transceiver_kernels.py).
+Imported only for CUDA pools, so the router and the CPU paths never import triton. Without CUDA the
+kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/unit/test_transceiver_kernels.py).
 """
 
 from __future__ import annotations
@@ -40,16 +38,10 @@ def _slot_sums(SRC, SRC_SLOTS, DST, DST_SLOTS, PARTIALS, words, n_tiles, TILE: t
     tl.store(PARTIALS + b * n_tiles + t, tl.sum(x.to(tl.int64), axis=0))  # uint8 words widen unsigned
 
 
-def _tile(words: int, tile: int | None) -> int:
-    if tile is not None:
-        return tile
-    return max(TILE, triton.next_power_of_2(triton.cdiv(words, MAX_TILES)))
-
-
 def _launch(src_rows: torch.Tensor, src_index: torch.Tensor, dst_rows: torch.Tensor | None,
             dst_index: torch.Tensor | None, tile: int | None) -> torch.Tensor:
     count, words = src_index.numel(), src_rows.shape[1]
-    size = _tile(words, tile)
+    size = tile if tile is not None else max(TILE, triton.next_power_of_2(triton.cdiv(words, MAX_TILES)))
     n_tiles = triton.cdiv(words, size)
     partials = torch.empty((count, n_tiles), dtype=torch.int64, device=src_rows.device)  # [blocks, tiles]
     if count:

@@ -1,9 +1,7 @@
 """KV payload mechanics: chunk plans, checksums, staging buffers, gather from and scatter into a pool.
 
-A pool is the slot-major tensor `[num_slots, layers, 2, tokens_per_block, kv_heads, head_dim]`
-(contiguous, one slot = `slot_bytes`). Here it is only ever seen as rows of words:
-`pool_rows(pool)` -> `[num_slots, slot_bytes // 8]` int64 (or uint8 rows when slot_bytes % 8),
-so gather/scatter move whole slots with one `index_select`/`index_copy_`.
+A pool is the slot-major tensor `[num_slots, layers, 2, tokens_per_block, kv_heads, head_dim]`, here
+only ever seen as rows of words (`kvcache.pool.pool_rows`), so gather/scatter move whole slots.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import zmq
+
+from kvcache.pool import pool_rows, slot_runs
 
 POLL_S = 0.0005  # how often `StagingPool.wait_any` looks at the trackers
 
@@ -81,28 +81,10 @@ def parts_are_valid(parts: list[np.ndarray], count: int, slot_bytes: int) -> boo
     return whole_blocks(parts, slot_bytes) or (count == 1 and all(p.size > 0 for p in parts))
 
 
-def pool_rows(pool: torch.Tensor) -> torch.Tensor:
-    """`pool` seen as `[num_slots, words]` (int64 words, or bytes when slot_bytes % 8)."""
-    rows = pool.view(pool.shape[0], -1).view(torch.uint8)  # [num_slots, slot_bytes]
-    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
-
-
 def as_rows(buf: torch.Tensor, count: int, slot_bytes: int) -> torch.Tensor:
     """The first count * slot_bytes bytes of uint8 `buf` as `[count, words]` like `pool_rows`."""
     rows = buf[: count * slot_bytes].view(count, slot_bytes)
     return rows.view(torch.int64) if slot_bytes % 8 == 0 else rows
-
-
-def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(index in `slots`, first slot, length) of each run of consecutive slots."""
-    runs: list[tuple[int, int, int]] = []
-    for i, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot:
-            start, first, n = runs[-1]
-            runs[-1] = (start, first, n + 1)
-        else:
-            runs.append((i, slot, 1))
-    return runs
 
 
 def gather(pool: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:

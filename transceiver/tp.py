@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transceiver.wire import InstanceInfo, Layout, RankEndpoint
+from transceiver.wire import RankEndpoint
 
 Heads = tuple[int, int]  # [start, end)
 
@@ -30,11 +30,6 @@ class Part:
     endpoint: str
     src: Heads | None
     dst: Heads | None
-
-
-def context_ranks(endpoint: str, info: InstanceInfo) -> list[RankEndpoint]:
-    """Every rank of the context server that answered `info` at `endpoint` (one, unless TP)."""
-    return list(info.ranks) or [RankEndpoint(endpoint, info.layout.heads)]
 
 
 def plan_parts(ranks: list[RankEndpoint], mine: Heads) -> list[Part]:
@@ -51,11 +46,6 @@ def plan_parts(ranks: list[RankEndpoint], mine: Heads) -> list[Part]:
                           None if whole else (head - mine[0], upto - mine[0])))
         head = upto
     return parts
-
-
-def several_ranks(ranks: list[RankEndpoint], own: Layout) -> bool:
-    """Either side has more than one rank: the lease ends with a `Release`, not with an Ack."""
-    return len(ranks) > 1 or own.heads != (0, own.total_heads)
 
 
 def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:

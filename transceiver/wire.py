@@ -1,30 +1,22 @@
-"""The KV link's wire (context sender <-> generation receiver): the messages, their sealing and
-opening (`Codec`), and the KV layout both sides must share. Never pickle.
+"""The KV link's wire (context sender <-> generation receiver): the messages, their codec
+(`link_codec`: transceiver/signed.py seals them) and the KV layout both sides must share. Never pickle.
 
-A message on the wire is the multipart `[header, mac, *payload]` (a ROUTER adds the peer identity
-in front): `header` is msgpack of `Envelope`, `mac` = HMAC-SHA256(auth_token, header), and only
-`ChunkHeader` carries payload frames (raw KV bytes). The envelope holds the protocol version, the
-sender's epoch, a random 64-bit `msg_id` (replay guard) and `ts` (unix seconds, staleness guard);
-`body` is one of the tagged structs below. A message that fails any check raises
-`Rejected(reason)`; the socket thread drops it and counts it.
+A message is `[header, mac, *payload]` (a ROUTER adds the peer identity in front); only `ChunkHeader`
+carries payload frames (raw KV bytes, covered by its own checksum). A message that fails a check
+raises `Rejected(reason)`; the socket thread drops it and counts it.
 
-Same-GPU fast path (CUDA IPC): the receiver's `Hello` says where it runs (`PeerIdentity`); a sender
-on the same GPU answers with `InstanceInfo.ipc`, the CUDA IPC handles of its primary pools. A
-receiver that could open them sends `PullRequest(via_ipc=True)`, and the sender answers with
-`IpcChunk`s (source slots + checksum, no payload) where it would send `ChunkHeader`s; `Done`, `Ack`,
-`Cancel`, `Failed` and the timeouts are the same on both paths. Fields added for it have defaults,
-so a peer of the previous version simply never offers or asks for IPC. "Same host" is the name of
-the machine (`node_name`): Ray's node id when `pdserve launch --ray` placed the server (it sets
-PDSERVE_NODE_ID; several Ray nodes may share one hostname), else the hostname.
+Same-GPU fast path (CUDA IPC, transceiver/ipc.py): the receiver's `Hello` says where it runs
+(`PeerIdentity`); a sender on the same GPU answers with `InstanceInfo.ipc`, the CUDA IPC handles of
+its primary pools, and a receiver that could open them pulls `via_ipc`, answered by `IpcChunk`s
+(source slots and checksum, no payload) where the byte path sends `ChunkHeader`s; the rest is the
+byte path's. Fields added for it have defaults, so a peer of the previous version never offers or
+asks for IPC. "Same host" is `node_name`: Ray's node id under `pdserve launch --ray` (several Ray
+nodes may share one hostname), else the hostname.
 
-Tensor parallelism (`transceiver/tp.py`): each rank of a server has its own link and pools holding
-its share of the kv heads; its `Layout` says which (`kv_head_start`, of `kv_heads_total`), and rank
-0's `InstanceInfo.ranks` lists every rank's endpoint and heads. A receiver pulls each of its heads
-from a context rank that holds it: whole slots when the two ranks hold the same heads (the
-one-to-one path), else `PullRequest.heads` names the sender's heads to cut out of each block. When
-either side has more than one rank, the pulls keep the lease (`keep_lease`: an Ack ends the pull
-only) and the generation side ends it with `Release` once every rank's part arrived; leases,
-epochs, checksums and Cancel work per rank pair as on one rank.
+Tensor parallelism (transceiver/tp.py): each rank's `Layout` says which of the model's kv heads it
+holds and rank 0's `InstanceInfo.ranks` lists every rank; a pull of some heads names them
+(`PullRequest.heads`), and with more than one rank on either side the pulls keep the lease
+(`keep_lease`) until the generation side's `Release`.
 """
 
 from __future__ import annotations

@@ -37,11 +37,11 @@ def layout(dtype: torch.dtype = FP8, **scales) -> CacheLayout:
 def test_fp8_slots_are_half_of_bf16_and_a_quarter_of_float32_with_per_layer_scales():
     assert [layout(d).bytes_per_token() for d in (torch.float32, torch.bfloat16, FP8)] == [1024, 512, 256]
     fp8 = layout()
-    assert fp8.quantized and (fp8.format.k_scales, fp8.format.v_scales) == ((1.0, 1.0), (1.0, 1.0))  # none: 1.0
+    assert fp8.format.quantized and (fp8.format.k_scales, fp8.format.v_scales) == ((1.0, 1.0), (1.0, 1.0))  # none: 1.0
     scaled = layout(k_scales=(0.1, 0.02), v_scales=(3.0, 0.5))
     f = scaled.format
     assert f.k_scales == (as_float32(0.1), as_float32(0.02)) and f.k_scales[0] != 0.1
-    assert scaled.layer_scales(1) == (as_float32(0.02), 0.5) and layout(torch.bfloat16).layer_scales(0) == (1.0, 1.0)
+    assert f.layer_scales(1) == (as_float32(0.02), 0.5) and layout(torch.bfloat16).format.layer_scales(0) == (1.0, 1.0)
     assert f.block_scales((0, 1)) == (*f.k_scales, *f.v_scales) and layout(torch.float32).format.block_scales(
         (0, 1)) == ()
     assert layout(torch.float32).format.hash_namespace == "" and f.hash_namespace.startswith("float8_e4m3fn:")

@@ -69,7 +69,7 @@ def _leased(ctx_kv: KVCacheManager, sender: KVSender) -> tuple[list[int], list[i
     _cache(ctx_kv, "filler", list(range(200, 232)))  # 8 blocks: warm goes to the host pool
     tokens = warm + list(range(300, 308))
     assert _cache(ctx_kv, "req", tokens, lease=sender) == 16  # reused from the host pool (onboarded)
-    ids = sender._leases["req"].blocks[W]
+    ids = sender._leases["req"].pinned[W]
     assert ids != ctx_kv.get_memory_pool_block_indices(ids, W) and ctx_kv.stats().onboards == 4
     return tokens, ids
 

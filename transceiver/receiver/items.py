@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from transceiver.tp import Heads
+from transceiver.tp import Part
 from transceiver.wire import Body, ChunkHeader, Done, Failed, IpcChunk, PullRequest
 
 
@@ -58,21 +58,13 @@ class IpcPools:
 
 
 @dataclass(frozen=True)
-class PlannedPart:
-    pull_id: int
-    endpoint: str
-    src: Heads | None  # the sender's kv heads sent (None: whole slots)
-    dst: Heads | None  # where they go among ours (None: whole slots)
-
-
-@dataclass(frozen=True)
 class Planned:
     """The pull `pull_id` goes out as these parts (the first keeps its id); `several`: more than one
     rank on either side, so the lease ends with a `Release` once every part arrived."""
 
     pull_id: int
     several: bool
-    parts: list[PlannedPart]
+    parts: list[tuple[int, Part]]  # (pull id, what it brings)
     ctx_request_id: str
     ctx_epoch: str
 

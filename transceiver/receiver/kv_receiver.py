@@ -1,36 +1,27 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
 Threads: the engine thread calls every public method and does all tensor work (checksum and
-scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one
-DEALER per context endpoint. The caller owns the destination blocks: they must stay allocated
-(in use, so their slots do not move) until the pull's `PullResult` arrives or `cancel` is called,
-and the caller frees them when the result says it failed.
+scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per
+context endpoint. The caller owns the destination blocks: they must stay allocated (in use, so
+their slots do not move) until the pull's `PullResult` arrives or `cancel` is called, and the
+caller frees them when the result says it failed.
 
 No late writer: the only writes into our slots happen in `step`, on the engine thread, for pulls
 still registered here. `cancel` (and every failure) unregisters the pull at once, before the caller
 frees its blocks, so chunks of it that are still on the wire are dropped unwritten (`late_chunks`)
 and a slot handed to another request is never written by the old transfer.
 
-Same GPU as the sender (CUDA IPC, `ipc.py`): the socket thread opens the sender's pools once per
-(endpoint, epoch) and hands them over (`IpcPools`); the pull's chunks then come as `IpcChunk`s
-(the sender's slots, no payload), and `step` queues their copy into our slots on a side stream
-(`ipc_copies.py`: one pass that copies and sums) and checks the checksum of what it wrote in a later
-`step`, once the device has finished it; the engine thread never waits for the copy. `Done` and the
-Ack are the byte path's; a part whose copies are still running finishes when they are checked.
+Same GPU as the sender (CUDA IPC): the pull's chunks come as `IpcChunk`s, and `step` queues their
+copy into our slots on a side stream and checks it in a later `step` (`ipc_copies.py`); a part
+whose copies are still running when its `Done` comes finishes once they are checked. Streamed
+pulls (`stream=True`, transceiver/sender/stream.py): each chunk renews the deadline, and the `Done`
+brings the first token and the context server's prefix hit for the `PullResult`.
 
-Streamed pulls (`start_pull(..., stream=True)`, transceiver/sender/stream.py): the context server
-is still prefilling; its sender holds the pull until the lease is offered and sends the blocks as
-the prefill writes them. Chunks are checked and written as any pull's, each one renews the pull's
-deadline, and its `Done` brings the first token and the context server's prefix hit, which the
-`PullResult` carries.
-
-Tensor parallelism (transceiver/tp.py): our pools may hold some of the model's kv heads (`kv_heads`)
-and the context server's ranks others. The socket thread plans a pull into parts, one per context
-rank our heads come from (`Planned`, before any chunk of them); the request's result comes once
-every part arrived. With several ranks on either side the parts keep the lease, and the lease ends
-with a `Release` to the context server's rank 0, which this receiver sends unless `releases` is
-False (a rank of a tensor-parallel generation server: its rank 0 releases once every rank's share
-arrived). A failed part fails the request and cancels its other parts.
+Tensor parallelism (transceiver/tp.py): the socket thread plans a pull into parts, one per context
+rank our kv heads come from (`Planned`); the result comes once every part arrived, and a failed
+part fails the request and cancels the others. With several ranks on either side the lease ends
+with a `Release`, which this receiver sends unless `releases` is False (a rank of a
+tensor-parallel generation server: its rank 0 releases once every rank's share arrived).
 """
 
 from __future__ import annotations
@@ -47,7 +38,7 @@ from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
-from transceiver.receiver.ipc_copies import Copy, IpcCopies
+from transceiver.receiver.ipc_copies import IpcCopies
 from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
 from transceiver.receiver.link import ReceiverLink
 from transceiver.receiver.parts import apply_chunk, cancel_targets, count_written, ipc_destination
@@ -61,7 +52,6 @@ from transceiver.wire import (
     Done,
     Failed,
     IpcChunk,
-    IpcOffer,
     PullRequest,
     Release,
     WindowRange,
@@ -94,13 +84,9 @@ class KVReceiver:
         self._ipc_pools: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
         self._copies = IpcCopies(on_message)  # same-GPU copies on the device
         pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
-        identity = ipc_identity(pools, config.same_host_ipc)
-
-        def open_ipc(offer: IpcOffer) -> dict[int, torch.Tensor]:  # runs on the socket thread
-            return open_pools(offer, pools)
-
         layout = layout_of(kv, pools, fingerprint, kv_heads)
-        self._link = ReceiverLink(config, self.epoch, layout, self.stats, identity, open_ipc)
+        self._link = ReceiverLink(config, self.epoch, layout, self.stats, ipc_identity(pools, config.same_host_ipc),
+                                  lambda offer: open_pools(offer, pools))  # opened on the socket thread
         self._thread = SocketThread("kv-receiver", self._link, inbox_size=16, notify=on_message)
         self._thread.start()
 
@@ -204,7 +190,8 @@ class KVReceiver:
         if isinstance(item, Planned):
             self._on_planned(item)
         elif isinstance(item, PullRefused):
-            pulling = self._unplanned.get(item.pull_id) or self._part_owner(item.pull_id)
+            part = self._parts.get(item.pull_id)
+            pulling = self._unplanned.get(item.pull_id) or (part.pulling if part is not None else None)
             if pulling is not None:
                 self._fail(pulling, item.reason, item.detail, notify=False)
         elif isinstance(item, IpcPools):
@@ -219,10 +206,6 @@ class KVReceiver:
         else:
             self._on_received(item)
 
-    def _part_owner(self, pull_id: int) -> Pulling | None:
-        part = self._parts.get(pull_id)
-        return part.pulling if part is not None else None
-
     def _part(self, pull_id: int, endpoint: str) -> Part | None:
         """The running part `pull_id`; a pull the socket thread sent as it is (one rank on each side,
         no `Planned`) becomes its own single part when the first answer from its endpoint comes."""
@@ -236,13 +219,13 @@ class KVReceiver:
     def _on_planned(self, plan: Planned) -> None:
         pulling = self._unplanned.pop(plan.pull_id, None)
         if pulling is None:  # cancelled or failed meanwhile: its parts that went out must stop too
-            for p in plan.parts:
-                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=p.pull_id, ctx_epoch=plan.ctx_epoch)
+            for pull_id, p in plan.parts:
+                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
                 self._thread.submit(Send(p.endpoint, cancel))
             return
         pulling.planned, pulling.several = True, plan.several
-        for p in plan.parts:
-            pulling.parts[p.pull_id] = self._parts[p.pull_id] = Part(pulling, p.pull_id, p.endpoint, p.src, p.dst)
+        for pull_id, p in plan.parts:
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.src, p.dst)
 
     def _on_received(self, item: Received) -> None:
         body = item.body
@@ -298,22 +281,19 @@ class KVReceiver:
     def _settle_copies(self) -> None:
         """Check the copies the device has finished; finish parts whose Done waited for them."""
         for copy in self._copies.settled():
-            part = self._parts.get(copy.pull_id)
-            if part is not None:
-                self._check_copy(part, copy)
+            part, h = self._parts.get(copy.pull_id), copy.chunk
+            if part is None:
+                continue
+            part.apply_s += time.monotonic() - copy.issued
+            if copy.checksum.value() != h.checksum:
+                self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
+                                                      f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
+                continue
+            count_written(part, copy.nbytes, self.stats)
+            part.via_ipc = True
         for part in [p for p in self._parts.values() if p.done is not None]:
             if part.pull_id in self._parts and not self._copies.pending(part.pull_id):
                 self._finish(part, part.done)
-
-    def _check_copy(self, part: Part, copy: Copy) -> None:
-        h = copy.chunk
-        part.apply_s += time.monotonic() - copy.issued
-        if copy.checksum.value() != h.checksum:
-            self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
-                                                  f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
-            return
-        count_written(part, copy.nbytes, self.stats)
-        part.via_ipc = True
 
     def _finish(self, part: Part, done: Done) -> None:
         missing = part.missing()
@@ -358,7 +338,11 @@ class KVReceiver:
         """End a pull that did not succeed. Its context ranks are told to drop the lease (Cancel per
         part), except where the sender itself reported the failure (`notify=False`: a sender that
         refused a pull must not lose the lease another pull reads)."""
-        self._forget(pulling)
+        del self._pulling[pulling.request_id]
+        self._unplanned.pop(pulling.pull_id, None)
+        for pull_id in pulling.parts:
+            self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
+            del self._parts[pull_id]
         self.stats.count_failure(reason)
         for endpoint, pull_id in cancel_targets(pulling, notify, failed_part):
             cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
@@ -366,10 +350,3 @@ class KVReceiver:
         if report:
             self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
                                             time.monotonic() - pulling.started))
-
-    def _forget(self, pulling: Pulling) -> None:
-        del self._pulling[pulling.request_id]
-        self._unplanned.pop(pulling.pull_id, None)
-        for pull_id in pulling.parts:
-            self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
-            del self._parts[pull_id]

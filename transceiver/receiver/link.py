@@ -4,28 +4,23 @@ Runs only inside `link.SocketThread`. A pull waits here until its endpoint has a
 from the epoch the pull expects (once per (endpoint, epoch)); a peer that answers with another
 epoch (it restarted) or an incompatible layout fails the pull without sending it.
 
-CUDA IPC: when the answer of a new epoch offers the sender's pools (same GPU), they are opened here,
-once per (endpoint, epoch), and handed to the engine thread (`IpcPools`) before any pull of that
-epoch leaves with `via_ipc`; an offer that cannot be opened leaves that epoch on the byte path.
-A new epoch without an offer, or an idle close, hands over `IpcPools(..., None)` so the engine
-drops the old mapping (which would keep a dead sender's pools allocated).
+CUDA IPC: the pools a new epoch's answer offers are opened here, once per (endpoint, epoch), and
+handed to the engine thread (`IpcPools`) before any pull of that epoch leaves `via_ipc`; an offer
+that cannot be opened leaves that epoch on the byte path. A new epoch without an offer, or an idle
+close, hands over `IpcPools(..., None)` so the engine drops the old mapping (which would keep a
+dead sender's pools allocated).
 
-Liveness: a monitor on each DEALER reports a lost connection (the context server died or closed)
-and every failed reconnect attempt. Either fails at once what depends on that peer (`PeerDown`
-for pulls already sent, `PullRefused` for pulls waiting for a handshake), instead of letting them
-wait for kv_transfer_timeout_ms; the next pull to that endpoint shakes hands again.
+Liveness: a monitor on each DEALER reports a lost connection and every failed reconnect; either
+fails at once what depends on that peer (`PeerDown` for pulls sent, `PullRefused` for pulls waiting
+for a handshake) instead of letting them wait for kv_transfer_timeout_ms.
 
-Tensor parallelism (transceiver/tp.py): a pull names the request's context endpoint (rank 0 of
-its server). Once that endpoint has answered, the pull is planned here (`_plan`) from its answer's
-ranks and our own kv heads: when both sides are one rank, the pull goes out as it is; otherwise as
-one part per context rank our heads come from, each sent to that rank (after a handshake with it)
-with the sender's heads to cut out, and `Planned` tells the engine thread the parts before any of
-their chunks can arrive.
+Tensor parallelism (transceiver/tp.py): once a pull's endpoint (rank 0 of its server) has answered,
+the pull is planned here (`_plan`) from the answer's ranks and our kv heads: as it is when both
+sides are one rank, else one part per context rank our heads come from, and `Planned` tells the
+engine thread the parts before any of their chunks can arrive.
 
-Probes (`Probe`): the generation server shakes hands with each context server it knows before any
-request needs it, so a layout that disagrees (dtype, tokens_per_block, layers, KV heads, head_dim,
-window groups, model fingerprint) is known up front. `peer_status` (endpoint -> PEER_* or
-"incompatible: <what differs>") is written here and read by the server's /health.
+Probes (`Probe`): a handshake before any request needs it, so a layout that disagrees is known up
+front; `peer_status` (endpoint -> PEER_* or "incompatible: <what differs>") is read by /health.
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ from transceiver.receiver.items import (
     IpcPools,
     PeerDown,
     Planned,
-    PlannedPart,
     Probe,
     Pull,
     PullRefused,
@@ -57,7 +51,7 @@ from transceiver.receiver.items import (
 )
 from transceiver.signed import Rejected
 from transceiver.stats import TransferStats
-from transceiver.tp import context_ranks, plan_parts, several_ranks
+from transceiver.tp import plan_parts
 from transceiver.wire import (
     Cancel,
     ChunkHeader,
@@ -70,6 +64,7 @@ from transceiver.wire import (
     Layout,
     PeerIdentity,
     PullRequest,
+    RankEndpoint,
     layout_mismatch,
     link_codec,
 )
@@ -166,20 +161,20 @@ class ReceiverLink:
     def _plan(self, io: SocketIO, endpoint: str, peer: _Peer, req: PullRequest) -> None:
         """Cut the pull into one part per context rank our kv heads come from (transceiver/tp.py)."""
         assert peer.info is not None
-        ranks = context_ranks(endpoint, peer.info)
+        ranks = list(peer.info.ranks) or [RankEndpoint(endpoint, peer.info.layout.heads)]  # one unless TP
         try:
             parts = plan_parts(ranks, self._layout.heads)
         except ValueError as e:
             io.deliver(PullRefused(req.pull_id, INCOMPATIBLE, f"incompatible peers: {e}"))
             return
-        several = several_ranks(ranks, self._layout)
+        # either side has more than one rank: the lease ends with a `Release`, not with an Ack
+        several = len(ranks) > 1 or self._layout.heads != (0, self._layout.total_heads)
         if not several:  # one rank on each side: the pull as it is (its chunks say so to the engine)
             self._send_pull(io, endpoint, peer, req)
             return
         ids = [req.pull_id] + [secrets.randbits(63) for _ in parts[1:]]
-        io.deliver(Planned(req.pull_id, several, [PlannedPart(i, p.endpoint, p.src, p.dst)
-                                                  for i, p in zip(ids, parts, strict=True)],
-                           req.ctx_request_id, req.ctx_epoch))
+        io.deliver(Planned(req.pull_id, several, list(zip(ids, parts, strict=True)), req.ctx_request_id,
+                           req.ctx_epoch))
         now = time.time()
         for pull_id, part in zip(ids, parts, strict=True):
             part_req = msgspec.structs.replace(req, pull_id=pull_id, heads=part.src, keep_lease=several)

@@ -1,15 +1,11 @@
 """The context side's same-GPU pulls (CUDA IPC), on its socket thread: no bytes, only where the blocks
 are and their checksums.
 
-`PullServer` starts each pull's checksums on its side stream (`ipc.start_checksum`: after the lease's
-`ready` event, one pass over the slots in place) and hands them here; `ready` gives back the pulls
-whose checksums the device has finished, and only then do their `IpcChunk`s and `Done` leave. So
-the socket thread never waits for the device: other pulls, Acks and Cancels are served meanwhile,
-and the engine thread's next prefill is queued on its own stream at the same time.
-
-A pull that ends before its checksums are done (Cancel, the lease withdrawn) is dropped here; the
-side stream may still read its slots after the engine unpinned them, which only makes a checksum
-nobody reads.
+`PullServer` starts each pull's checksums on its side stream (`ipc.start_checksum`) and hands them
+here; `ready` gives back the pulls whose checksums the device has finished, and only then do their
+`IpcChunk`s and `Done` leave, so the socket thread never waits for the device. A pull that ends
+before its checksums are done is dropped here; the side stream may still read its slots after the
+engine unpinned them, which only makes a checksum nobody reads.
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
 """Context side: leases a finished prefill's blocks for a pull (`KVSender`, the engine thread's half).
 
 Threads: the engine thread calls every public method and owns the KV manager: it pins a lease's
-blocks, onboards any that were offloaded (`ensure_primary`), translates their ids to primary-pool
-slots once (`get_memory_pool_block_indices(..., require_primary=True)`) and offers those slots to
-the socket thread (`transceiver.link.SocketThread` running `SenderLink`), which checks every incoming message,
+blocks, onboards any that were offloaded, translates their ids to primary-pool slots once and
+offers those slots to the socket thread (`SenderLink`), which checks every incoming message,
 answers handshakes and serves the pulls itself (`serve.py`), so a pull never waits for the
 engine's current step.
 
-Ownership: `add_lease` pins the request's blocks. A pinned block is never evicted or offloaded, so
-its primary slot is stable while the lease lives and the slots offered stay right. The socket
-thread ends each lease exactly once (Ack, Cancel, the receiver gone, a failure, or the engine's
-`Withdraw`: expiry, checked every `step`; an engine abort; close) and always hands it back
-(`Ended`) with the zmq trackers of frames of its slots still in flight; the engine unpins once zmq
-has released them, so a slot is never rewritten under a frame on the wire. Should the socket
-thread die, nothing reads the slots any more and `step` unpins every lease itself.
+Ownership: a pinned block is never evicted or offloaded, so its primary slot is stable while the
+lease lives and the slots offered stay right. The socket thread ends each lease exactly once and
+always hands it back (`Ended`) with the zmq trackers of frames of its slots still in flight; the
+engine unpins once zmq has released them, so a slot is never rewritten under a frame on the wire.
+Should the socket thread die, nothing reads the slots any more and `step` unpins every lease itself.
 
-Streamed leases (`open_stream`, `extend_stream`; stream.py): a request that is still prefilling
-gets its lease first, with every block pending; after each prefill step the blocks it completed are
-pinned and translated here, like any lease's, and handed to the socket thread (`Extend`), which
-sends them to a pull that is already waiting. The last `extend_stream` (`final`) brings the rest
-and the first token. Its pins, its end and its expiry are any lease's; each extension renews it.
-
-Same-GPU receivers (CUDA IPC, `ipc.py`): the pools are exported for each such receiver's
-handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket thread holds
-while it reads slots; such pulls are answered with the slots and GPU checksums (`IpcChunk`s, then
-`Done`) and the receiver copies them itself. The lease, its pins and its end are the same as on the
-byte path.
+Streamed leases (`open_stream`, `extend_stream`) are leased while they prefill: stream.py. Same-GPU
+receivers (CUDA IPC): the pools are exported for each such receiver's handshake here, on the engine
+thread (`ExportRequest`), under the pool lock the socket thread holds while it reads slots.
 """
 
 from __future__ import annotations
@@ -38,7 +27,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import msgspec
-import torch
 import zmq
 
 from kvcache import KVCacheManager, Level
@@ -56,6 +44,7 @@ from transceiver.sender.lease import (
     OfferedWindow,
     Started,
     Withdraw,
+    ready_event,
 )
 from transceiver.sender.link import ExportRequest, Outgoing, SenderLink
 from transceiver.stats import TransferStats
@@ -98,16 +87,14 @@ class KVSender:
     def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
         """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
         -1 = released, not sendable) for at most kv_transfer_timeout_ms and offer their slots."""
-        if ctx_request_id in self._leases:
-            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
         unknown = set(blocks) - set(self._kv.window_sizes)
         if unknown:
-            valid = sorted(self._kv.window_sizes)
-            raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {valid}")
-        lease = Lease({w: list(ids) for w, ids in blocks.items()}, time.monotonic() + self._config.timeout_s)
+            raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {sorted(self._kv.window_sizes)}")
+        lease = self._new_lease(ctx_request_id, blocks)
         try:
-            windows = {w: self._pin_and_translate(lease, w) for w in lease.blocks}
-            self._thread.submit(Offer(ctx_request_id, windows, self._ready_event()))
+            windows = {w: OfferedWindow(self._pools[w], self._pin(lease, w, ids), self._kv.slot_bytes(w))
+                       for w, ids in blocks.items()}
+            self._thread.submit(Offer(ctx_request_id, windows, ready_event(self._pools)))
         except Exception:
             self._unpin(lease.pinned)
             raise
@@ -116,10 +103,7 @@ class KVSender:
     def open_stream(self, ctx_request_id: str, num_blocks: dict[int, int]) -> None:
         """Lease a request that is still prefilling: `num_blocks` per window (its prompt's), all
         pending until `extend_stream` brings them; pulls of it wait for them."""
-        if ctx_request_id in self._leases:
-            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
-        lease = Lease({w: [] for w in num_blocks}, time.monotonic() + self._config.timeout_s,
-                      pinned={w: [] for w in num_blocks})
+        lease = self._new_lease(ctx_request_id, num_blocks)
         windows = {w: OfferedWindow(self._pools[w], [PENDING] * n, self._kv.slot_bytes(w))
                    for w, n in num_blocks.items()}
         self._thread.submit(Offer(ctx_request_id, windows, final=False))
@@ -133,37 +117,26 @@ class KVSender:
         lease = self._leases.get(ctx_request_id)
         if lease is None or lease.withdrawn:
             return False
-        windows = {}
-        for window, (first, ids) in blocks.items():
-            live = [b for b in ids if b >= 0]
-            self._kv.pin_blocks(live, window)  # blocks of a running request: primary already
-            lease.pinned[window] += live
-            slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
-            windows[window] = (first, [next(slots) if b >= 0 else RELEASED for b in ids])
+        windows = {w: (first, self._pin(lease, w, ids)) for w, (first, ids) in blocks.items()}
         lease.deadline = time.monotonic() + self._config.timeout_s  # the prefill goes on: renewed
-        self._thread.submit(Extend(ctx_request_id, windows, self._ready_event(), final, tuple(first_tokens),
+        self._thread.submit(Extend(ctx_request_id, windows, ready_event(self._pools), final, tuple(first_tokens),
                                    cached_tokens))
         return True
 
-    def _pin_and_translate(self, lease: Lease, window: int) -> OfferedWindow:
-        """Pin (onboarding what was offloaded), then translate ids to primary slots: the slot is
-        where the bytes are, and a pinned block keeps it until the lease ends."""
-        ids = lease.blocks[window]
-        live = [b for b in ids if b >= 0]
-        self._kv.pin_blocks(live, window)  # ensure_primary, then pin; OutOfBlocksError before pinning
-        lease.pinned[window] = live
-        slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
-        return OfferedWindow(self._pools[window], [next(slots) if b >= 0 else -1 for b in ids],
-                             self._kv.slot_bytes(window))
+    def _new_lease(self, ctx_request_id: str, windows: dict[int, object]) -> Lease:
+        if ctx_request_id in self._leases:
+            raise ValueError(f"ctx_request_id {ctx_request_id!r} already has a lease")
+        return Lease(time.monotonic() + self._config.timeout_s, {w: [] for w in windows})
 
-    def _ready_event(self) -> torch.cuda.Event | None:
-        """A CUDA event after every write to the pools issued so far (prefill, onboard copies)."""
-        cuda = [p for p in self._pools.values() if p.is_cuda]
-        if not cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(cuda[0].device))
-        return event
+    def _pin(self, lease: Lease, window: int, ids: list[int]) -> list[int]:
+        """Pin the blocks (onboarding what was offloaded; OutOfBlocksError before pinning), then
+        translate ids to primary slots (-1: released): the slot is where the bytes are, and a pinned
+        block keeps it until the lease ends."""
+        live = [b for b in ids if b >= 0]
+        self._kv.pin_blocks(live, window)
+        lease.pinned[window] += live
+        slots = iter(self._kv.get_memory_pool_block_indices(live, window, require_primary=True))
+        return [next(slots) if b >= 0 else RELEASED for b in ids]
 
     def drop_lease(self, ctx_request_id: str) -> None:
         """Engine abort: end the lease now (a running pull is told it failed). A streamed pull
@@ -180,10 +153,22 @@ class KVSender:
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
         self._take_items()
-        if not self._thread.running:
-            self._take_back_all("the sender's socket thread stopped")
-        self._reap(time.monotonic())
-        self._unpin_released()
+        if not self._thread.running and self._leases:  # nothing reads the leases' slots any more
+            log.error("KV sender: the socket thread stopped; releasing %d leases", len(self._leases))
+            for lease in self._leases.values():
+                self._unpin(lease.pinned)
+            self._leases.clear()
+        now = time.monotonic()
+        for cid, lease in list(self._leases.items()):
+            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (serve.py)
+                self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
+        waiting = []  # ended leases are unpinned once zmq has released every frame made from their slots
+        for trackers, pinned in self._unpin_later:
+            if all(t.done for t in trackers):
+                self._unpin(pinned)
+            else:
+                waiting.append((trackers, pinned))
+        self._unpin_later = waiting
 
     def wait(self, timeout_s: float) -> None:
         """Block until `step` has something to do or timeout: an item arrived, or (while ended
@@ -257,8 +242,12 @@ class KVSender:
                 log.exception("KV sender: handling %r failed", item)
 
     def _on_item(self, item: Ended | Started | ExportRequest) -> None:
-        if isinstance(item, ExportRequest):
-            self._answer_with_export(item)
+        if isinstance(item, ExportRequest):  # a receiver on our GPU: a fresh export of the pools for it (ipc.py)
+            assert self.ipc_identity is not None
+            with self._pool_lock:
+                offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
+            self.ipc_exports += offer is not None
+            self._thread.submit(Outgoing(item.peer, msgspec.structs.replace(item.info, ipc=offer)))
         elif isinstance(item, Started):
             lease = self._leases.get(item.cid)
             if lease is not None and not lease.withdrawn:
@@ -272,14 +261,6 @@ class KVSender:
                 self._unpin_later.append((busy, lease.pinned))
             else:
                 self._unpin(lease.pinned)
-
-    def _answer_with_export(self, req: ExportRequest) -> None:
-        """Handshake of a receiver on our GPU: a fresh export of the pools for it (see `ipc.py`)."""
-        assert self.ipc_identity is not None
-        with self._pool_lock:
-            offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
-        self.ipc_exports += offer is not None
-        self._thread.submit(Outgoing(req.peer, msgspec.structs.replace(req.info, ipc=offer)))
 
     # ---- lease end -----------------------------------------------------------------------------
 
@@ -296,29 +277,6 @@ class KVSender:
             return
         lease.withdrawn = True
 
-    def _take_back_all(self, why: str) -> None:
-        """The socket thread is gone, so nothing reads the leases' slots any more: unpin them."""
-        if self._leases:
-            log.error("KV sender: %s; releasing %d leases", why, len(self._leases))
-        for lease in self._leases.values():
-            self._unpin(lease.pinned)
-        self._leases.clear()
-
-    def _reap(self, now: float) -> None:
-        for cid, lease in list(self._leases.items()):
-            if lease.deadline <= now and not lease.withdrawn:  # counted where it ends (serve.py)
-                self._withdraw(cid, "lease_expired", "the context server's lease on the KV blocks expired")
-
     def _unpin(self, pinned: dict[int, list[int]]) -> None:
         for window, ids in pinned.items():
             self._kv.unpin_blocks(ids, window)
-
-    def _unpin_released(self) -> None:
-        """Unpin ended leases once zmq has released every frame made from their slots."""
-        waiting = []
-        for trackers, pinned in self._unpin_later:
-            if all(t.done for t in trackers):
-                self._unpin(pinned)
-            else:
-                waiting.append((trackers, pinned))
-        self._unpin_later = waiting

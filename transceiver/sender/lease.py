@@ -4,12 +4,8 @@ Engine thread (`Lease`): the blocks it pinned and until when. Socket thread (`Of
 slots of those blocks, translated once when the lease was made (pinned blocks never move), and the
 pull serving them. The engine never reads slot memory of a lease and the socket thread never
 touches the KV manager; `SenderLink` hands the lease back (`Ended`) once it reads those slots no
-more, and only then may the engine unpin them.
-
-A streamed lease (`Offer.final` False) is offered while its request still prefills: its blocks are
-PENDING until an `Extend` brings their slots (the engine pinned and translated them when the
-prefill step that completed them had run), and the last `Extend` (`final`) brings the rest, the
-first token and the prefix hit. Pulls of it are served as far as its slots go (stream.py).
+more, and only then may the engine unpin them. A streamed lease's blocks are PENDING until an
+`Extend` brings their slots (stream.py).
 """
 
 from __future__ import annotations
@@ -27,16 +23,26 @@ from transceiver.wire import WindowRange
 
 @dataclass
 class Lease:
-    """Engine side: pinned block ids per window, -1 = released (left a sliding window)."""
+    """Engine side: until when it lives, and the block ids it pinned per window."""
 
-    blocks: dict[int, list[int]]
     deadline: float  # monotonic; a pull that starts renews it
-    pinned: dict[int, list[int]] = field(default_factory=dict)
+    pinned: dict[int, list[int]]
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`
 
 
 RELEASED = -1  # a slot of a block that left the sliding window: never sent
 PENDING = -2  # a streamed lease's block that its prefill has not completed yet
+
+
+def ready_event(pools: dict[int, torch.Tensor]) -> torch.cuda.Event | None:
+    """A CUDA event after every write to the pools issued so far (prefill, forwards, onboard copies);
+    None for CPU pools."""
+    pool = next(iter(pools.values()))
+    if not pool.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(pool.device))
+    return event
 
 
 @dataclass(frozen=True)

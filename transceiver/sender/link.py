@@ -140,17 +140,12 @@ class SenderLink:
         problem = layout_mismatch(self._layout, hello.layout)
         info = InstanceInfo(layout=self._layout, ranks=self._ranks)
         if problem is not None:
-            io.send(ROUTER, [peer, *self._codec.seal(Failed(reason="incompatible",
-                                                            detail=f"incompatible peers: {problem}"))])
-        elif self._wants_export(hello):
+            self._send(io, peer, Failed(reason="incompatible", detail=f"incompatible peers: {problem}"), [])
+        elif self._ipc_identity is not None and hello.identity is not None and hello.open_epoch != self._codec.epoch \
+                and self._ipc_identity.shares_gpu_with(hello.identity):  # the engine exports the pools for it
             io.deliver(ExportRequest(peer, info))
         else:
-            io.send(ROUTER, [peer, *self._codec.seal(info)])
-
-    def _wants_export(self, hello: Hello) -> bool:
-        me, peer = self._ipc_identity, hello.identity
-        return me is not None and peer is not None and me.shares_gpu_with(peer) \
-            and hello.open_epoch != self._codec.epoch
+            self._send(io, peer, info, [])
 
     def on_unroutable(self, io: SocketIO, key: Hashable, frames: list[Any]) -> None:
         peer = frames[0]

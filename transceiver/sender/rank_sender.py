@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 import zmq
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.link import SocketThread
-from transceiver.sender.lease import Ended, Offer, OfferedWindow, Withdraw
+from transceiver.sender.lease import Ended, Offer, OfferedWindow, Withdraw, ready_event
 from transceiver.sender.link import SenderLink
 from transceiver.stats import TransferStats
 from transceiver.wire import layout_of
@@ -48,17 +47,8 @@ class RankSender:
 
     def offer(self, cid: str, slots: dict[int, list[int]]) -> None:
         windows = {w: OfferedWindow(self._pools[w], s, self._kv.slot_bytes(w)) for w, s in slots.items()}
-        self._thread.submit(Offer(cid, windows, self._ready_event()))
+        self._thread.submit(Offer(cid, windows, ready_event(self._pools)))
         self._offered.add(cid)
-
-    def _ready_event(self) -> torch.cuda.Event | None:
-        """After every write to the pools issued so far (this rank's forwards and copies)."""
-        pool = next(iter(self._pools.values()))
-        if not pool.is_cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(pool.device))
-        return event
 
     def end(self, cid: str) -> None:
         """Rank 0 ended the lease: a pull of it still running here fails; returns once its slots

@@ -1,29 +1,21 @@
 """The context side's data path, run by its socket thread: serve pulls from leased slots.
 
 A pull is served as soon as it arrives, whatever the engine thread is doing (a long prefill step
-no longer holds up the KV of requests that finished before it). Per pull: check it against the
-lease (`Offered`), then per chunk gather the blocks' primary slots (translated when the lease was
-made: pinned blocks never move) into a staging buffer, or for big CPU blocks take frames of the
-pool itself, checksum, send; then Done. Same-GPU pulls (`via_ipc`) get the slots and GPU checksums
-instead (`ipc_serve.py`: sent once the device has summed them; the socket thread never waits for
-it). CUDA reads run on a side stream that first waits for the lease's `ready` event (every
-write the engine issued before the lease: the prefill, onboard copies), so they never wait
-behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds while
-it exports the pools (`_share_cuda_`).
+does not hold up the KV of requests that finished before it). Per pull: check it against the
+lease (`Offered`), then per chunk gather the blocks' primary slots into a staging buffer (or, for
+big CPU blocks, take frames of the pool itself), checksum, send; then Done. Same-GPU pulls
+(`via_ipc`) get the slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side
+stream that first waits for the lease's `ready` event (the prefill, onboard copies), so they never
+wait behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds
+while it exports the pools (`_share_cuda_`).
 
 Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or
 the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
-out. A lease that was withdrawn because it expired is counted (`lease_expired`) here, so one that
-an Ack ended first is not.
+out. A lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
 
-Streamed leases (stream.py): a pull is served as far as the lease's blocks are written, and goes on
-with each `Extend` of the engine; a streamed pull whose lease is not offered yet waits for it (up to
-the transfer timeout).
-
-Tensor-parallel receivers (transceiver/tp.py) pull parts: a pull may ask for some of the kv heads
-of each block (`heads`, gathered out of the slots into the staging buffer), and several such pulls
-of distinct heads may serve one lease at once; their Acks end the pull only (`keep_lease`), and the
-generation side's `Release` ends the lease.
+Streamed leases (stream.py) are served as far as their blocks are written. Parts of
+tensor-parallel pulls (transceiver/tp.py) ask for some kv heads of each block (`heads`); several
+parts of distinct heads may serve one lease at once, and the generation side's `Release` ends it.
 """
 
 from __future__ import annotations
@@ -162,9 +154,8 @@ class PullServer:
         io.deliver(Started(req.ctx_request_id))
         try:
             self._start(io, req, off, job)
-        except Exception as e:  # a broken invariant must fail this pull, not the thread
-            log.exception("KV sender: pull %d of %r failed", req.pull_id, req.ctx_request_id)
-            self._end(io, req.ctx_request_id, "internal_error", f"the context server failed to serve the pull: {e}")
+        except Exception as e:
+            self._broken(io, req.ctx_request_id, req.pull_id, e)
 
     def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
         job.ranges, job.planned, job.via_ipc = list(req.ranges), [r.first for r in req.ranges], req.via_ipc
@@ -262,7 +253,11 @@ class PullServer:
             return "bad_request", "the pull asks for CUDA IPC, which this context server never offered"
         if req.via_ipc and req.heads is not None:
             return "bad_request", "the pull asks for some kv heads over CUDA IPC (whole slots only)"
-        problem = off.range_problem(req.ranges) or _heads_problem(req.heads, off)
+        problem = off.range_problem(req.ranges)
+        if problem is None and req.heads is not None:
+            held = min(w.pool.shape[4] for w in off.offer.windows.values())
+            if not 0 <= req.heads[0] < req.heads[1] <= held:
+                problem = f"kv heads [{req.heads[0]}, {req.heads[1]}) are not among this rank's {held}"
         return None if problem is None else ("bad_request", problem)
 
     # ---- the data path -------------------------------------------------------------------------
@@ -288,9 +283,8 @@ class PullServer:
             try:
                 if not self._next(io, off, job):
                     return ROOM_POLL_S  # every staging buffer is still with zmq
-            except Exception as e:  # a broken invariant must fail this pull, not the thread
-                log.exception("KV sender: pull %d of %r failed", job.pull_id, cid)
-                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            except Exception as e:
+                self._broken(io, cid, job.pull_id, e)
         if not self._active:
             return None
         return 0.0 if self._room() else ROOM_POLL_S
@@ -324,7 +318,9 @@ class PullServer:
             frames, tracker = tracked_frames(parts)
             off.pool_frames.append(tracker)
         else:
-            staging = self._staging_pool(pool)
+            if self._staging is None:
+                self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
+            staging = self._staging
             i = staging.acquire()
             if i is None:
                 return False
@@ -347,11 +343,6 @@ class PullServer:
         self._stats.bytes_sent += plan.nbytes
         return True
 
-    def _staging_pool(self, pool: torch.Tensor) -> StagingPool:
-        if self._staging is None:
-            self._staging = StagingPool(self._config.max_chunk_bytes, STAGING_BUFFERS, pin=pool.is_cuda)
-        return self._staging
-
     def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange],
                    last: bool) -> None:
         """Same-GPU pull: queue every block's checksum on the device (after the lease's writes);
@@ -373,9 +364,8 @@ class PullServer:
             job = off.jobs[pull_id]
             try:
                 chunks = [part.chunk(job.pull_id) for part in parts]
-            except Exception as e:  # a broken invariant must fail this pull, not the thread
-                log.exception("KV sender: IPC pull %d of %r failed", job.pull_id, cid)
-                self._end(io, cid, "internal_error", f"the context server failed to read the blocks: {e}")
+            except Exception as e:
+                self._broken(io, cid, job.pull_id, e)
                 continue
             for chunk in chunks:
                 self._send(io, job.peer, chunk, [])
@@ -413,6 +403,11 @@ class PullServer:
 
     # ---- the end of a lease --------------------------------------------------------------------
 
+    def _broken(self, io: SocketIO, cid: str, pull_id: int, e: Exception) -> None:
+        """A broken invariant fails the pull (its lease ends), never the socket thread."""
+        log.exception("KV sender: pull %d of %r failed", pull_id, cid)
+        self._end(io, cid, "internal_error", f"the context server failed to serve the pull: {e}")
+
     def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, skip: bytes | None = None) -> None:
         """The only place a lease ends on this side: it runs once per lease, and whatever fails
         here, the engine gets the lease back (`Ended`). Every running pull of it fails (`reason`),
@@ -435,11 +430,3 @@ class PullServer:
                 log.exception("KV sender: could not tell pull %d of %r that it failed", job.pull_id, cid)
         io.deliver(Ended(cid, [t for t in off.pool_frames if not t.done]))
 
-
-def _heads_problem(heads: tuple[int, int] | None, off: Offered) -> str | None:
-    if heads is None:
-        return None
-    held = min(w.pool.shape[4] for w in off.offer.windows.values())
-    if not 0 <= heads[0] < heads[1] <= held:
-        return f"kv heads [{heads[0]}, {heads[1]}) are not among this rank's {held}"
-    return None

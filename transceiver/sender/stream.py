@@ -3,13 +3,11 @@ and the test-only model of a slow link (`Pacer`).
 
 A streamed lease is offered when its request starts to prefill (`Offer.final` False): every block
 is PENDING until the engine's `Extend` brings its primary slot, once the prefill step that wrote it
-has run (pinned and translated then, on the engine thread, like any lease's blocks). A pull of it
-(the generation server starts it at once) is served as far as the slots go: each of its ranges
-advances over blocks that are no longer PENDING, in block order (`next_ranges`), and the pull waits
-for the next `Extend` when it has caught up. After the final `Extend` (the rest of the prompt, the
-first token) the pull ends as any pull does: its last chunks, then `Done`, which carries the first
-token and the prefix hit. So the transfer of a long prompt runs while it is prefilled, and what is
-left after the first token is the last chunk's blocks.
+has run. A pull of it is served as far as the slots go (`next_ranges`, in block order) and waits
+for the next `Extend` when it has caught up; after the final `Extend` (the rest of the prompt, the
+first token) it ends as any pull does, with a `Done` that carries the first token and the prefix
+hit. So a long prompt's transfer runs while it is prefilled, and only the last chunk's blocks are
+left after the first token.
 """
 
 from __future__ import annotations
