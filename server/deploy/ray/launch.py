@@ -20,6 +20,7 @@ from server.deploy.ray import NAMESPACE, require_ray
 from server.deploy.ray.actors import ActorSpec, ProcessActor, RankActor
 from server.deploy.ray.manage import Handles, actor_names, stop_deployment
 from server.deploy.ray.placement import (
+    SECTIONS,
     Placed,
     check_feasible,
     free_ports,
@@ -102,9 +103,8 @@ def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str,
                    base: Path) -> tuple[DeploymentConfig, str]:
     """The deployment with every server's address (the file's, or its node's and a free port there)
     and the file the actors read (the same without the token)."""
-    section_of = {n: "context_servers" if s.role == "context" else "generation_servers"  # aggregated too
-                  for n, s in checked.named().items()}
-    names = {section: [n for n in section_of if section_of[n] == section] for section in unplaced_sections(data)}
+    names = {section: [n for n, s in checked.named().items() if SECTIONS[s.role] == section]
+             for section in unplaced_sections(data)}
     ports = free_ports(ray, placed, [n for group in names.values() for n in group])
     urls = {section: [f"{placed[n].node_ip}:{ports[n]}" for n in group] for section, group in names.items()}
     full = with_urls(data, urls)
@@ -119,14 +119,14 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
     cfg = run.cfg
     token = cfg.auth_token or secrets.token_hex(32)
     rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])
-    servers = [_start_server(run, placed[name], server, text, token, rank_gpus[name])
-               for name, server in cfg.named().items()]
+    servers = [_start_actor(run, placed[name], server.role, server.host, server.port, text, token, server.env,
+                            rank_gpus[name], server.drain_timeout_s) for name, server in cfg.named().items()]
     if not _started(run, servers):
         return 1
     if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
         return 0 if stop.signum is not None else 1
     if cfg.has_router:
-        router = _start_router(run, placed[ROUTER], text, token)
+        router = _start_actor(run, placed[ROUTER], ROUTER, cfg.host, cfg.port, text, token, {}, (), cfg.drain_timeout_s)
         if not _started(run, [router]) or not _healthy(run, [router], stop):
             return 0 if stop.signum is not None else 1
     front = placed[ROUTER if cfg.has_router else next(iter(cfg.named()))]  # the router, or the only server
@@ -149,25 +149,12 @@ def _hold_ranks(run: Launch, servers: list[Placed]) -> dict[str, tuple[str, ...]
     return {p.want.name: tuple(g for info in found.get(p.want.name, []) for g in info["gpus"]) for p in servers}
 
 
-def _start_server(run: Launch, placed: Placed, server, text: str, token: str,
-                  rank_gpus: tuple[str, ...]) -> tuple[Child, Any]:
-    name = placed.want.name
-    env = {**child_env({}, token, len(run.cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **server.env}
-    child = Child(name, server.role, Path(name), health_url(server.host, server.port, placed.node_ip), env)
-    return child, _start_actor(run, placed, child, text, rank_gpus, server.drain_timeout_s)
-
-
-def _start_router(run: Launch, placed: Placed, text: str, token: str) -> tuple[Child, Any]:
-    cfg = run.cfg
-    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed)}
-    child = Child(ROUTER, ROUTER, Path(ROUTER), health_url(cfg.host, cfg.port, placed.node_ip), env)
-    return child, _start_actor(run, placed, child, text, (), cfg.drain_timeout_s)
-
-
-def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus: tuple[str, ...],
-                 drain_s: float) -> Any:
-    """The actor that runs `child` (not waited for: `_started`)."""
-    cfg = run.cfg
+def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, text: str, token: str,
+                 env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> tuple[Child, Any]:
+    """The actor that runs a server or the router (not waited for: `_started`)."""
+    cfg, name = run.cfg, placed.want.name
+    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
+    child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
     spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
                      stop_wait_s=drain_s + run.options.grace_s)
@@ -176,7 +163,7 @@ def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus
                                                  **run.actor_options(placed, 0)).remote(spec)
     run.handles.add(child.name, actor, child.health_url)
     run.handles.stop_waits[child.name] = spec.stop_wait_s
-    return actor
+    return child, actor
 
 
 def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
