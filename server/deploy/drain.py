@@ -92,12 +92,8 @@ class DrainGate:
             self.drain.in_flight -= 1
 
 
-def draining_error() -> dict:
-    return error_body(503, DRAINING_MESSAGE, code="draining")
-
-
 async def _refuse(send: Send) -> None:
-    body = dumps(draining_error())
+    body = dumps(error_body(503, DRAINING_MESSAGE, code="draining"))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     await send({"type": "http.response.start", "status": 503, "headers": headers})

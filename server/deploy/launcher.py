@@ -165,9 +165,7 @@ def _run(group: Supervisor, servers: list[Child], router: Child | None, cfg: Dep
         if not group.wait_healthy(stop, options.startup_timeout_s):
             return 0 if stop.signum is not None else 1
         _say(f"router listening on {cfg.url} (policy {cfg.router.type})")
-    roles = [s.role for s in cfg.servers]
-    counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
-    _say(f"ready: {cfg.url}  ({'router in front of ' if router else ''}{counts} server(s))")
+    _say(ready_line(cfg, cfg.url))
     # the children's torch threads too: a by-hand server with every core's threads spins against its peers
     threads = group.env.get("OMP_NUM_THREADS")
     # and under CUDA MPS, its daemon and share of the SMs
@@ -214,9 +212,16 @@ def handshakes_done(stop: StopOnSignals, servers: list[Child], say: Callable[[st
     return stop.signum is None
 
 
-def health_url(host: str, port: int) -> str:
-    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # a wildcard bind answers on loopback
-    return f"http://{probe}:{port}/health"
+def health_url(host: str, port: int, wildcard_ip: str = "127.0.0.1") -> str:
+    """A wildcard bind answers on `wildcard_ip`: loopback here, its node's address on Ray."""
+    probe = wildcard_ip if host in ("0.0.0.0", "::", "") else host
+    return f"http://{f'[{probe}]' if ':' in probe else probe}:{port}/health"
+
+
+def ready_line(cfg: DeploymentConfig, url: str) -> str:
+    roles = [s.role for s in cfg.servers]
+    counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
+    return f"ready: {url}  ({'router in front of ' if cfg.has_router else ''}{counts} server(s))"
 
 
 def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,

@@ -89,9 +89,7 @@ class EngineCore:
         """A moved stream (`prior_output_tokens`) goes on from the output it had: its text so far is
         decoded (and held back) exactly as before, and only what follows is reported."""
         detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
-        prior = request.disagg.prior_output_tokens if request.disagg is not None else 0
-        prompt = request.prompt_token_ids
-        for token in prompt[len(prompt) - prior:] if prior else ():
+        for token in request.prompt_token_ids[request.num_prompt_tokens - request.num_prior_output:]:
             detok.add(token)
         detok.take(False)  # streamed already
         return detok
@@ -417,7 +415,7 @@ class EngineCore:
             self._detok.pop(request.request_id)
             self.timings.finished(request)
             self.counts.release(request)
-        prior = request.disagg.prior_output_tokens if request.disagg is not None else 0  # usage counts it as output
+        prior = request.num_prior_output  # usage counts it as output
         return RequestOutput(
             request_id=request.output_id, index=request.choice, new_token_ids=new_tokens,
             new_text=detok.take(final_text),

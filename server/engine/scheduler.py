@@ -191,13 +191,12 @@ class Scheduler:
                 return
             self.waiting.popleft()
             request.scheduled_time = request.scheduled_time or time.monotonic()
+            request.admitted_once = True
             if pulls_kv:
-                request.admitted_once = True
                 request.status = Status.WAITING_FOR_KV
                 self.transferring[request.request_id] = request
                 out.to_pull.append(request)
                 continue
-            request.admitted_once = True
             request.status = Status.RUNNING
             self.running.append(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -236,16 +235,14 @@ class Scheduler:
         taken = sum(r.batch_slots for r in (*self.running, *self.transferring.values()))
         return taken + request.batch_slots <= self.config.max_batch_size
 
-    def _blocks_needed(self, request: Request) -> int:
-        return math.ceil(request.num_tokens / self.kv.tokens_per_block)
-
     def _never_fits(self, request: Request) -> str | None:
         """Why the request can never be scheduled, or None."""
         if request.batch_slots > self.config.max_batch_size:
             return (f"n={request.sampling.n} choices need as many rows of a step, but max_batch_size is "
                     f"{self.config.max_batch_size}")
-        if any(self._blocks_needed(request) > self.kv.num_slots(w) for w in self.kv.window_sizes):
-            capacity = min(self.kv.num_slots(w) for w in self.kv.window_sizes) * self.kv.tokens_per_block
+        slots = min(self.kv.num_slots(w) for w in self.kv.window_sizes)
+        if math.ceil(request.num_tokens / self.kv.tokens_per_block) > slots:
+            capacity = slots * self.kv.tokens_per_block
             return (f"request needs {request.num_tokens} tokens of KV cache but the primary pool holds "
                     f"{capacity} tokens (raise kv_cache_config.max_tokens)")
         return None

@@ -42,8 +42,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
     ranks = start_ranks(cfg, model_dir, spec, device, dtype) if cfg.tensor_parallel_size > 1 else None
     shard, device = (ranks.shard, ranks.device) if ranks else (None, device)  # rank 0's share, cuda:0
     # first the weights: a GPU pool takes a share of what is left
-    weights = load_weights(spec, dtype, device, cfg.quantization) if shard is None else \
-        shard.load(spec, dtype, device, cfg.quantization)
+    weights = load_weights(spec, dtype, device, cfg.quantization, shard)
     local = spec if shard is None else shard.local_spec(spec)  # a rank's pools hold its kv heads
     layout = kv_cache_layout(cfg.kv_cache_config, local, cfg.max_seq_len, dtype, device)  # dtype, FP8 scales
     kv = KVCacheManager(cfg.kv_cache_config, layout, salt=spec.fingerprint,

@@ -51,6 +51,10 @@ class EngineFront:
         """What the host does once its engine loaded (e.g. load the tokenizer)."""
 
     # ---- EngineClient
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         rid = request.request_id
         stream = ChoiceStream(rid, request.sampling.n)

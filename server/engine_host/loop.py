@@ -1,10 +1,7 @@
-"""The engine loop, one for both hosts: a thread of the HTTP process (thread.py) or the engine
-process (main.py).
-
-receive commands -> step -> tick hooks -> KV health check -> deliver one `StepOut`. Commands and
-messages go through a `Port` (queues for the thread, the ipc link for the process); either way the
-HTTP side reads the same messages (front.py). `run_engine` is a host's whole life: build, `Ready`
-(or `LoadFailed`), the loop until `Shutdown`, close."""
+"""The engine loop of both hosts (a thread of the HTTP process, or the engine process): receive
+commands -> step -> tick hooks -> KV health check -> deliver one `StepOut`. Commands and messages go
+through a `Port` (queues for the thread, the ipc link for the process), so the HTTP side (front.py)
+reads the same messages from either."""
 
 from __future__ import annotations
 

@@ -68,10 +68,6 @@ class EngineProcess(EngineFront):
     def tokenizer(self):
         return self._tokenizer
 
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
     def is_ready(self) -> bool:
         return self._tokenizer is not None and self.exit_code is None and not self._stopping
 

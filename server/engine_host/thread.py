@@ -82,10 +82,6 @@ class AsyncEngine(EngineFront):
     def tokenizer(self):
         return self.core.tokenizer
 
-    @property
-    def vocab_size(self) -> int:
-        return self.core.runner.spec.vocab_size
-
     def is_ready(self) -> bool:
         return self.info is not None and self._thread is not None and self._thread.is_alive()
 

@@ -282,14 +282,14 @@ class _HostWindow:
 
 @dataclass(frozen=True)
 class LayerUnits:
-    """One layer's K/V cache seen as units of one block of K or V: unit u = slot * units_per_slot + j,
-    j = 0 for K and 1 for V. The views span the whole pool, so other layers' units sit between ours;
-    only indices built with `units_per_slot` are used."""
+    """One layer's cache seen as units of one block of K or V (unit u = slot * units_per_slot + j, j = 0
+    for K and 1 for V), or of a latent cache's one row a token (j = 0). The views span the whole pool,
+    so other layers' units sit between ours; only indices built with `units_per_slot` are used."""
 
     window: int
-    units_per_slot: int  # pool slot stride / unit size (2 * layers of the window group)
-    blocks: torch.Tensor  # [num_units, tpb, kv_heads, head_dim] (view of the pool)
-    tokens: torch.Tensor  # [num_units * tpb, kv_heads, head_dim], same memory; row = unit * tpb + offset
+    units_per_slot: int  # pool slot stride / unit size (planes x layers of the window group)
+    blocks: torch.Tensor  # [num_units, tpb, kv_heads, head_dim] or [num_units, tpb, width] (a view of the pool)
+    tokens: torch.Tensor  # [num_units * tpb, ...], same memory; row = unit * tpb + offset
 
 
 def layer_units(window: int, k: torch.Tensor, v: torch.Tensor) -> LayerUnits:
@@ -309,18 +309,25 @@ def layer_units(window: int, k: torch.Tensor, v: torch.Tensor) -> LayerUnits:
 
 
 class HostInts:
-    """A step's int64 index data collected on the host, so it reaches the device in one copy."""
+    """A step's index data collected on the host, so it reaches the device in one copy. With `align`,
+    every part starts on a multiple of `align` values (the buffer itself is a fresh, aligned allocation):
+    the Triton backend's int32 parts start on 16-byte boundaries, so a kernel argument that points at
+    a part is aligned whatever the step's sizes; otherwise Triton compiles a new variant of a kernel
+    for each alignment pattern a step's token count produces, and a fresh server under varied load
+    spends its first minute compiling."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.int64, align: int = 1) -> None:
+        self.dtype, self.align = dtype, align
         self.values: list[int] = []
 
     def add(self, values: list[int]) -> slice:
         start = len(self.values)
         self.values += values
-        return slice(start, len(self.values))
+        self.values += [0] * (-len(self.values) % self.align)
+        return slice(start, start + len(values))
 
     def upload(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.values, dtype=torch.int64).to(device, non_blocking=True)
+        return torch.tensor(self.values, dtype=self.dtype).to(device, non_blocking=True)
 
 
 def _block_span(seq: SeqLayout, window: int, tpb: int) -> tuple[int, int]:

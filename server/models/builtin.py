@@ -58,9 +58,6 @@ def _family_classes(family: str) -> tuple[type, type]:
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
-_TINY_SHAPE = TINY_SHAPE
-
-
 def cache_root() -> Path:
     """Where built-in models live: `$PDSERVE_CACHE_DIR/models` or `~/.cache/pdserve/models`."""
     base = os.environ.get("PDSERVE_CACHE_DIR")
@@ -116,19 +113,15 @@ def materialize_builtin(name: str, *, root: Path | None = None) -> Path:
 
 
 def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Path:
-    """Write a deterministic tiny `family` model (weights, config, tokenizer) into `out_dir`.
-
-    family: one of FAMILIES (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe).
-    `config_overrides` go to the transformers config
-    (e.g. `rope_parameters`, `sliding_window`, `use_sliding_window`, `tie_word_embeddings`).
-    """
+    """Write a deterministic tiny `family` model (one of FAMILIES: weights, config, tokenizer) into
+    `out_dir`; `config_overrides` go to the transformers config (e.g. `sliding_window`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     config_cls, model_cls = _family_classes(family)
     tokenizer = train_tokenizer()
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    config = config_cls(**{**_TINY_SHAPE, "vocab_size": len(tokenizer), **ids, **config_overrides})
+    config = config_cls(**{**TINY_SHAPE, "vocab_size": len(tokenizer), **ids, **config_overrides})
     model = model_cls(config).eval()
     _init_weights(model, seed=SEED)
     out_dir = Path(out_dir)

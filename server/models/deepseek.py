@@ -24,12 +24,10 @@ import torch
 
 from server.models.llama import DecoderStack, _WeightTable
 from server.models.mla_attention import TorchLatentAttention
-from server.models.mlp import FeedForward, load_mlp
-from server.models.model_spec import ModelSpec
-from server.models.moe import build_moe
-from server.models.ops import ModelOps, TorchOps, Weight
-from server.models.parallel.context import ParallelContext, SingleRank
-from server.models.rope import Rotary, apply_rotary
+from server.models.mla_spec import MLASpec
+from server.models.mlp import FeedForward
+from server.models.ops import TorchOps, Weight
+from server.models.rope import apply_rotary
 
 LORA_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default: q_a_layernorm and kv_a_layernorm take no eps
 
@@ -56,24 +54,12 @@ class DeepseekLayer:
 
 
 class DeepseekModel(DecoderStack):
-    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: TorchLatentAttention,
-                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
-                 parallel: ParallelContext | None = None) -> None:
-        """`spec`: the shape this rank computes (its heads); `tensors`: its weight slices."""
-        assert spec.mla is not None
-        self.spec, self.mla = spec, spec.mla
-        self.attention = attention
-        self.ops = ops or TorchOps(spec.rms_norm_eps)
-        self.lora_ops = TorchOps(LORA_NORM_EPS)
-        self.parallel = parallel or SingleRank()
-        self.dtype = dtype
-        self.rotary = Rotary(spec, device)  # spec.head_dim is qk_rope_head_dim
-        weights = _WeightTable(spec, tensors)
-        self.embed = weights.take("model.embed_tokens.weight")
-        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
-        self.final_norm = weights.take("model.norm.weight")
-        self.lm_head = weights.lm_head(self.embed)
-        weights.check_all_used()
+    attention: TorchLatentAttention
+    lora_ops = TorchOps(LORA_NORM_EPS)
+
+    @property
+    def mla(self) -> MLASpec:
+        return self.spec.mla
 
     def _attention(self, i: int, layer: DeepseekLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
@@ -105,7 +91,7 @@ class DeepseekModel(DecoderStack):
         p = f"model.layers.{i}."
         return DeepseekLayer(input_norm=w.take(p + "input_layernorm.weight"),
                              attn=self._mla_weights(w, p + "self_attn."),
-                             post_norm=w.take(p + "post_attention_layernorm.weight"), mlp=self._mlp(w, i))
+                             post_norm=w.take(p + "post_attention_layernorm.weight"), mlp=self._feed_forward(w, i))
 
     def _mla_weights(self, w: _WeightTable, att: str) -> MLAWeights:
         mla, lora = self.mla, self.mla.q_lora_rank is not None
@@ -117,9 +103,3 @@ class DeepseekModel(DecoderStack):
             q_a_norm=w.maybe(att + "q_a_layernorm.weight", lora), q_b=w.maybe(att + "q_b_proj.weight", lora),
             kv_a=w.take(att + "kv_a_proj_with_mqa.weight"), kv_a_norm=w.take(att + "kv_a_layernorm.weight"),
             w_uk=w_uk.contiguous(), w_uv=w_uv.contiguous(), o=w.take(att + "o_proj.weight"))
-
-    def _mlp(self, w: _WeightTable, i: int) -> FeedForward:
-        moe = self.spec.moe
-        if moe is not None and moe.is_sparse(i):
-            return build_moe(moe, w, i)
-        return load_mlp(w, f"model.layers.{i}.mlp.")

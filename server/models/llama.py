@@ -12,8 +12,6 @@ Tensor parallelism is applied from outside too: a rank's model holds its slices 
 after o and down, the logits); with one rank that is `SingleRank`, which adds nothing.
 A linear weight is a float tensor or an FP8 one (`Fp8Weight`, server/models/fp8/): `ops.linear`
 multiplies either, so FP8 weights change nothing here but how q/k/v and gate/up are fused (`cat_rows`).
-A layer's feed-forward block is a dense MLP (server/models/mlp.py) or, on a mixture-of-experts
-model's sparse layers, a `MoEBlock` (server/models/moe/); both are called `mlp(x, ops)`.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 
 from server.models.attention import AttentionBackend
 from server.models.fp8.weight import cat_rows
+from server.models.mla_attention import TorchLatentAttention
 from server.models.mlp import DenseMLP, FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
 from server.models.moe import build_moe
@@ -54,8 +53,32 @@ class LayerWeights:
 class DecoderStack:
     """The residual stream every decoder family runs: embed, then per layer attention and the
     feed-forward (`layer.mlp`), each added to the stream with the next norm fused in, then the
-    logits of the rows wanted. A family gives `_attention(i, layer, x, cos, sin, meta)`, and sets
-    embed, layers (with input_norm, post_norm, mlp), final_norm, lm_head, rotary, ops, parallel, dtype."""
+    logits of the rows wanted. A family gives `_layer(weights, i)` and `_attention(i, layer, x, cos,
+    sin, meta)`. `spec` is the shape this model computes with: a tensor-parallel rank's own heads, kv
+    heads and FFN columns (`parallel.shard.local_spec`), whose weight slices `tensors` holds."""
+
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend | TorchLatentAttention,
+                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        self.spec = spec
+        self.attention = attention
+        self.ops = ops or TorchOps(spec.rms_norm_eps)
+        self.parallel = parallel or SingleRank()
+        self.dtype = dtype
+        self.rotary = Rotary(spec, device)  # an MLA spec's head_dim is qk_rope_head_dim
+        weights = _WeightTable(spec, tensors)
+        self.embed = weights.take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+        self.final_norm = weights.take("model.norm.weight")
+        self.lm_head = weights.lm_head(self.embed)  # [vocab, hidden]
+        weights.check_all_used()
+
+    def _feed_forward(self, w: _WeightTable, i: int, bias: bool = False) -> FeedForward:
+        """Layer i's `MoEBlock` on a mixture-of-experts model's sparse layers, else its dense MLP."""
+        moe = self.spec.moe
+        if moe is not None and moe.is_sparse(i):
+            return build_moe(moe, w, i)
+        return load_mlp(w, f"model.layers.{i}.mlp.", bias=bias)
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: object,
@@ -73,24 +96,7 @@ class DecoderStack:
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend,
-                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
-                 parallel: ParallelContext | None = None) -> None:
-        """`spec` is the shape this model computes with: a tensor-parallel rank's own heads, kv heads
-        and FFN columns (`parallel.shard.local_spec`), whose weight slices `tensors` holds."""
-        self.spec = spec
-        self.attention = attention
-        self.ops = ops or TorchOps(spec.rms_norm_eps)
-        self.parallel = parallel or SingleRank()
-        self.dtype = dtype
-        self.rotary = Rotary(spec, device)
-        weights = _WeightTable(spec, tensors)
-        self.embed = weights.take("model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [_layer_weights(spec, weights, i) for i in range(spec.num_layers)]
-        self.final_norm = weights.take("model.norm.weight")
-        self.lm_head = weights.lm_head(self.embed)  # [vocab, hidden]
-        weights.check_all_used()
-        self.q_size = spec.num_heads * spec.head_dim
+    attention: AttentionBackend
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: object) -> torch.Tensor:
@@ -100,7 +106,22 @@ class LlamaModel(DecoderStack):
             q, k, v = qkv.split([heads, self.spec.num_kv_heads, self.spec.num_kv_heads], 1)
             qkv = torch.cat((self.ops.rms_norm(q, layer.q_norm), self.ops.rms_norm(k, layer.k_norm), v), 1)
         out = self.attention.forward(i, qkv, cos, sin, meta)  # [T, heads, head_dim]; RoPE inside
-        return self.ops.linear(out.reshape(t, self.q_size), layer.o, layer.o_bias)
+        return self.ops.linear(out.reshape(t, heads * d), layer.o, layer.o_bias)
+
+    def _layer(self, w: _WeightTable, i: int) -> LayerWeights:
+        spec, p = self.spec, f"model.layers.{i}."
+        att = p + "self_attn."
+        qkv = [w.take(f"{att}{n}_proj.weight") for n in "qkv"]
+        qkv_bias = [w.take(f"{att}{n}_proj.bias") for n in "qkv"] if spec.qkv_bias else None
+        return LayerWeights(
+            input_norm=w.take(p + "input_layernorm.weight"),
+            qkv=cat_rows(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
+            q_norm=w.maybe(att + "q_norm.weight", spec.qk_norm),
+            k_norm=w.maybe(att + "k_norm.weight", spec.qk_norm),
+            o=w.take(att + "o_proj.weight"), o_bias=w.maybe(att + "o_proj.bias", spec.o_bias),
+            post_norm=w.take(p + "post_attention_layernorm.weight"),
+            mlp=self._feed_forward(w, i, bias=spec.mlp_bias),
+        )
 
 
 class _WeightTable:
@@ -136,20 +157,3 @@ class _WeightTable:
         if extra:
             raise ValueError(f"model {self.spec.model_dir}: unexpected weights {extra[:8]} "
                              f"({len(extra)} in all) for {self.spec.architecture}")
-
-
-def _layer_weights(spec: ModelSpec, w: _WeightTable, i: int) -> LayerWeights:
-    p = f"model.layers.{i}."
-    att = p + "self_attn."
-    qkv = [w.take(f"{att}{n}_proj.weight") for n in "qkv"]
-    qkv_bias = [w.take(f"{att}{n}_proj.bias") for n in "qkv"] if spec.qkv_bias else None
-    sparse = spec.moe is not None and spec.moe.is_sparse(i)
-    return LayerWeights(
-        input_norm=w.take(p + "input_layernorm.weight"),
-        qkv=cat_rows(qkv), qkv_bias=torch.cat(qkv_bias) if qkv_bias else None,
-        q_norm=w.maybe(att + "q_norm.weight", spec.qk_norm),
-        k_norm=w.maybe(att + "k_norm.weight", spec.qk_norm),
-        o=w.take(att + "o_proj.weight"), o_bias=w.maybe(att + "o_proj.bias", spec.o_bias),
-        post_norm=w.take(p + "post_attention_layernorm.weight"),
-        mlp=build_moe(spec.moe, w, i) if sparse else load_mlp(w, p + "mlp.", bias=spec.mlp_bias),
-    )

@@ -19,27 +19,14 @@ scale (the scores) and multiply the output by it (the values are the same rows).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from kvcache.layout import FP8, inverse_scale, quantize_fp8
-from server.models.attention import AdditiveMask, Attend, StepLayout, WindowPlan, as_stored, plan_windows
+from server.models.attention import AdditiveMask, Attend, LayerUnits, StepLayout, WindowPlan, as_stored, plan_windows
 
 
-@dataclass(frozen=True)
-class LatentUnits:
-    """One layer's latent cache as units of one block: unit u = slot * units_per_slot (the layers
-    of the window group sit between a slot's units; only indices built with it are used)."""
-
-    window: int
-    units_per_slot: int
-    blocks: torch.Tensor  # [num_units, tpb, width] (a view of the pool)
-    tokens: torch.Tensor  # [num_units * tpb, width], same memory; row = unit * tpb + offset
-
-
-def latent_units(window: int, latent: torch.Tensor) -> LatentUnits:
+def latent_units(window: int, latent: torch.Tensor) -> LayerUnits:
     """Units views of a layer's latent (`KVCacheManager.layer_latent`: [slots, tpb, width])."""
     slots, tpb, width = latent.shape
     unit = tpb * width
@@ -48,7 +35,7 @@ def latent_units(window: int, latent: torch.Tensor) -> LatentUnits:
     per_slot = latent.stride(0) // unit
     num_units = (slots - 1) * per_slot + 1
     tokens = torch.as_strided(latent, (num_units * tpb, width), (width, 1), latent.storage_offset())
-    return LatentUnits(window, per_slot, tokens.view(num_units, tpb, width), tokens)
+    return LayerUnits(window, per_slot, tokens.view(num_units, tpb, width), tokens)
 
 
 class TorchLatentAttention:

@@ -82,7 +82,8 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
     raw = _read_raw_config(model_dir)
     architecture = _architecture(raw, model_dir)
     files = safetensors_files(model_dir)
-    _check_tokenizer(model_dir)
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"model {model_dir}: no tokenizer (none of {_TOKENIZER_FILES})")
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
     mla = mla_spec(architecture, raw, cfg, rope_parameters(cfg), model_dir)
@@ -94,10 +95,10 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         model_dir=model_dir, architecture=architecture,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads, head_dim=_head_dim(cfg),
+        num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         rms_norm_eps=float(cfg.rms_norm_eps), max_position_embeddings=cfg.max_position_embeddings,
-        layer_windows=_layer_windows(cfg, family),
-        qkv_bias=_qkv_bias(cfg, family, attention_bias),
+        layer_windows=_layer_windows(cfg, family), qkv_bias=_qkv_bias(cfg, family, attention_bias),
         o_bias=family in ("Llama", "Qwen3", "Qwen3Moe") and attention_bias,
         mlp_bias=family == "Llama" and bool(getattr(cfg, "mlp_bias", False)),
         qk_norm=family in ("Qwen3", "Qwen3Moe"), tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -153,11 +154,6 @@ def _architecture(raw: dict, model_dir: Path) -> str:
                      f"(supported: {SUPPORTED_ARCHITECTURES})")
 
 
-def _check_tokenizer(model_dir: Path) -> None:
-    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"model {model_dir}: no tokenizer (none of {_TOKENIZER_FILES})")
-
-
 def _check_supported_math(cfg: PretrainedConfig, model_dir: Path) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -169,10 +165,6 @@ def _check_supported_math(cfg: PretrainedConfig, model_dir: Path) -> None:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         factor = rope["partial_rotary_factor"]
         raise ValueError(f"model {model_dir}: unsupported partial_rotary_factor {factor}")
-
-
-def _head_dim(cfg: PretrainedConfig) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]:

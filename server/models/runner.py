@@ -87,10 +87,12 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None = None) -> dict[str, Weight]:
-    """Every safetensors tensor of the model as `dtype` on `device`; the linear weights as FP8 where the
-    checkpoint is FP8 or `quantization` is "fp8" (server/models/fp8/load.py)."""
+def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                 shard: RankShard | None = None) -> dict[str, Weight]:
+    """Every safetensors tensor of the model (or `shard`'s slices) as `dtype` on `device`; the linear
+    weights as FP8 where the checkpoint is FP8 or `quantization` is "fp8" (server/models/fp8/load.py)."""
+    if shard is not None:
+        return shard.load(spec, dtype, device, quantization)
     return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
                            quantization=quantization)
 
@@ -152,8 +154,7 @@ class ModelRunner:
         self.kernels = resolve_kernels(kernels, device)
         self.attention, ops = self._backend(local, max_seq_len or max(kv.window_sizes))
         if tensors is None:
-            tensors = load_weights(self.spec, dtype, device, quantization) if shard is None else \
-                shard.load(self.spec, dtype, device, quantization)
+            tensors = load_weights(self.spec, dtype, device, quantization, shard)
         model_cls = LlamaModel if local.mla is None else DeepseekModel
         self.model = model_cls(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                parallel=None if shard is None else shard.context)

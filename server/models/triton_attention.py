@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvcache.layout import inverse_scale
-from server.models.attention import AttentionBackend, PagedKV, SeqLayout, StepLayout
+from server.models.attention import AttentionBackend, HostInts, PagedKV, SeqLayout, StepLayout
 from server.models.dense_prefill import causal_sdpa, dense_prefill_kind
 from server.models.kernels.attention import (
     decode_scratch,
@@ -65,27 +65,6 @@ class WindowMeta:
 ALIGN_INTS = 4  # int32s per 16 bytes: Triton specialises a pointer argument on 16-byte alignment
 
 
-class _Ints:
-    """int32 host data of one step, uploaded in one copy; `add` returns where each part lands.
-
-    Every part starts on a 16-byte boundary (the buffer itself is a fresh, aligned allocation), so a
-    kernel argument that points at a part is aligned whatever the step's sizes: otherwise Triton
-    compiles a new variant of a kernel for each alignment pattern a step's token count produces,
-    and a fresh server under varied load spends its first minute compiling."""
-
-    def __init__(self) -> None:
-        self.values: list[int] = []
-
-    def add(self, values: list[int]) -> tuple[int, int]:
-        start = len(self.values)
-        self.values += values
-        self.values += [0] * (-len(self.values) % ALIGN_INTS)
-        return start, start + len(values)
-
-    def upload(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.values, dtype=torch.int32).to(device)
-
-
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int, *,
                  max_seq_len: int) -> None:
@@ -112,12 +91,12 @@ class TritonPagedAttention(AttentionBackend):
 
     # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowMeta]:
-        ints = _Ints()
+        ints = HostInts(torch.int32, ALIGN_INTS)
         host = {w: self._host_window(layout, w, ints) for w in self.kv.window_sizes}
         dev = ints.upload(self.device)
         return {w: make(dev) for w, make in host.items()}
 
-    def _host_window(self, layout: StepLayout, window: int, ints: _Ints):
+    def _host_window(self, layout: StepLayout, window: int, ints: HostInts):
         seqs, nd = layout.seqs, layout.num_decode
         slots, offsets = _write_locations(seqs, window, self.tpb)
         at_slot, at_off = ints.add(slots), ints.add(offsets)
@@ -133,13 +112,12 @@ class TritonPagedAttention(AttentionBackend):
         paged = self._host_prefill(paged_seqs, window, ints) if paged_seqs else None
 
         def make(dev: torch.Tensor) -> WindowMeta:
-            view = lambda span: dev[span[0]:span[1]]  # noqa: E731
-            return WindowMeta(view(at_slot), view(at_off), decode(dev) if decode else None, dense,
+            return WindowMeta(dev[at_slot], dev[at_off], decode(dev) if decode else None, dense,
                               paged(dev) if paged else None)
 
         return make
 
-    def _host_decode(self, seqs: list[SeqLayout], window: int, ints: _Ints):
+    def _host_decode(self, seqs: list[SeqLayout], window: int, ints: HostInts):
         lens = [s.num_past + 1 for s in seqs]
         nb = max(math.ceil(n / self.tpb) for n in lens)
         table = _padded_tables(seqs, window, nb)
@@ -148,12 +126,12 @@ class TritonPagedAttention(AttentionBackend):
         b = len(seqs)
 
         def make(dev: torch.Tensor) -> DecodeMeta:
-            t, n, lo = (dev[a:z] for a, z in spans)
+            t, n, lo = (dev[span] for span in spans)
             return DecodeMeta(t.view(b, nb), n, lo, splits)
 
         return make
 
-    def _host_prefill(self, seqs: list[tuple[SeqLayout, int]], window: int, ints: _Ints):
+    def _host_prefill(self, seqs: list[tuple[SeqLayout, int]], window: int, ints: HostInts):
         per_tile = prefill_tokens_per_tile(self.num_heads, self.num_kv_heads)
         nb = max(math.ceil((s.num_past + s.num_new) / self.tpb) for s, _ in seqs)
         table = _padded_tables([s for s, _ in seqs], window, nb)
@@ -170,7 +148,7 @@ class TritonPagedAttention(AttentionBackend):
         n = len(seqs)
 
         def make(dev: torch.Tensor) -> PrefillMeta:
-            t, tl, lo = (dev[a:z] for a, z in spans)
+            t, tl, lo = (dev[span] for span in spans)
             return PrefillMeta(t.view(n, nb), tl.view(4, width)[:, :num_tiles], lo)
 
         return make

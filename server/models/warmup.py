@@ -3,7 +3,7 @@ the first request, so no request pays for a Triton compile, a cuDNN plan or anot
 
 What varies between steps, and how each is covered:
 - pointer alignment and per-step integers (token counts, block-table widths): not specialised on
-  (every index part is 16-byte aligned, triton_attention._Ints; `do_not_specialize` on the kernels'
+  (every index part is 16-byte aligned, attention.HostInts; `do_not_specialize` on the kernels'
   varying integers), so one compile serves every step;
 - the decode kernel's split count, a compile-time constant chosen from the decode batch size
   (kernels.attention.decode_splits): one mixed prefill+decode step per distinct split count over

@@ -38,15 +38,19 @@ def identity(rank: int) -> bytes:
     return f"rank-{rank}".encode()
 
 
+def _socket(kind: int, *options: tuple[int, int | bytes]) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    for option, value in ((zmq.LINGER, 0), (zmq.SNDTIMEO, SEND_TIMEOUT_MS), *options):
+        sock.setsockopt(option, value)
+    return sock
+
+
 class RootEnd:
     """Rank 0's end: one command for every rank, reports from any."""
 
     def __init__(self, secret: bytes) -> None:
         self._codec = _codec(secret, root=True)  # a counter per rank, each way
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self._sock = _socket(zmq.ROUTER, (zmq.ROUTER_MANDATORY, 1))
         self._sock.bind(f"tcp://{HOST}:0")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -78,10 +82,7 @@ class RankEnd:
     def __init__(self, secret: bytes, endpoint: str, rank: int) -> None:
         self._codec = _codec(secret, root=False)
         self._identity = identity(rank)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IDENTITY, identity(rank))
-        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self._sock = _socket(zmq.DEALER, (zmq.IDENTITY, self._identity))
         self._sock.connect(endpoint)
 
     def report(self, report: Report) -> None:

@@ -31,7 +31,7 @@ from server.models.parallel.context import RankShard
 from server.tp import worker
 from server.tp.channel import ChannelError, RootEnd
 from server.tp.disk import DiskChecks, disk_metas
-from server.tp.messages import Command, Copies, Failure, Init, Joined, Op, PullDone, Ready, Report, Stop
+from server.tp.messages import Command, Copies, Failure, Init, Joined, Op, Ready, Report, Stop
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,6 @@ class Ranks:
             self._reports.append(report)
         out, self._reports = self._reports, []
         return out
-
-    def pull_reports(self) -> list[PullDone]:
-        return [r for r in self.reports() if isinstance(r, PullDone)]
 
     # ---- the end
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from server.models.parallel.plan import ShardPlan, kv_head_range
-from server.tp.messages import CancelPull, EndLease, OfferLease, ShareLatent, StartPull
+from server.tp.messages import CancelPull, EndLease, OfferLease, PullDone, ShareLatent, StartPull
 from server.tp.ranks import Ranks
 from server.tp.roles import held_kv_heads, share_latent
 from transceiver.config import TransceiverConfig
@@ -95,7 +95,7 @@ class RankedReceiver(KVReceiver):
             if shares is not None and r.first_tokens:  # a streamed pull: the first token came with rank 0's share
                 shares.first_tokens, shares.cached_tokens = r.first_tokens, r.cached_tokens
             results += self._arrived(r.request_id, 0, r.ok, r.reason, r.error, r.nbytes)
-        for d in self._ranks.pull_reports():
+        for d in (r for r in self._ranks.reports() if isinstance(r, PullDone)):
             results += self._arrived(d.request_id, d.rank, d.ok, d.reason, d.error, d.nbytes)
         return results
 

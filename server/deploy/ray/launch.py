@@ -15,11 +15,12 @@ import yaml
 from server.config.placement import ROUTER
 from server.config.schema import DeploymentConfig, deployment_from_dict
 from server.config.yaml_io import read_yaml
-from server.deploy.launcher import LaunchOptions, child_env, handshakes_done
+from server.deploy.launcher import LaunchOptions, child_env, handshakes_done, health_url, ready_line
 from server.deploy.ray import NAMESPACE, require_ray
 from server.deploy.ray.actors import ActorSpec, ProcessActor, RankActor
 from server.deploy.ray.manage import Handles, actor_names, stop_deployment
 from server.deploy.ray.placement import (
+    SECTIONS,
     Placed,
     check_feasible,
     free_ports,
@@ -102,7 +103,7 @@ def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str,
                    base: Path) -> tuple[DeploymentConfig, str]:
     """The deployment with every server's address (the file's, or its node's and a free port there)
     and the file the actors read (the same without the token)."""
-    names = {section: [n for n, s in checked.named().items() if _section(s.role) == section]
+    names = {section: [n for n, s in checked.named().items() if SECTIONS[s.role] == section]
              for section in unplaced_sections(data)}
     ports = free_ports(ray, placed, [n for group in names.values() for n in group])
     urls = {section: [f"{placed[n].node_ip}:{ports[n]}" for n in group] for section, group in names.items()}
@@ -118,22 +119,19 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
     cfg = run.cfg
     token = cfg.auth_token or secrets.token_hex(32)
     rank_gpus = _hold_ranks(run, [placed[name] for name in cfg.named()])
-    servers = [_start_server(run, placed[name], server, text, token, rank_gpus[name])
-               for name, server in cfg.named().items()]
+    servers = [_start_actor(run, placed[name], server.role, server.host, server.port, text, token, server.env,
+                            rank_gpus[name], server.drain_timeout_s) for name, server in cfg.named().items()]
     if not _started(run, servers):
         return 1
     if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
         return 0 if stop.signum is not None else 1
     if cfg.has_router:
-        router = _start_router(run, placed[ROUTER], text, token)
+        router = _start_actor(run, placed[ROUTER], ROUTER, cfg.host, cfg.port, text, token, {}, (), cfg.drain_timeout_s)
         if not _started(run, [router]) or not _healthy(run, [router], stop):
             return 0 if stop.signum is not None else 1
-    roles = [s.role for s in cfg.servers]
-    counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     front = placed[ROUTER if cfg.has_router else next(iter(cfg.named()))]  # the router, or the only server
-    url = f"http://{_reachable(cfg.host, front.node_ip)}:{cfg.port}"
-    say(f"ready: {url}  ({'router in front of ' if cfg.has_router else ''}{counts} server(s)) as Ray actors "
-        f"{run.name}/* in namespace {run.ray_options.namespace}")
+    url = health_url(cfg.host, cfg.port, front.node_ip).removesuffix("/health")
+    say(f"{ready_line(cfg, url)} as Ray actors {run.name}/* in namespace {run.ray_options.namespace}")
     return None
 
 
@@ -151,25 +149,12 @@ def _hold_ranks(run: Launch, servers: list[Placed]) -> dict[str, tuple[str, ...]
     return {p.want.name: tuple(g for info in found.get(p.want.name, []) for g in info["gpus"]) for p in servers}
 
 
-def _start_server(run: Launch, placed: Placed, server, text: str, token: str,
-                  rank_gpus: tuple[str, ...]) -> tuple[Child, Any]:
-    name = placed.want.name
-    env = {**child_env({}, token, len(run.cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **server.env}
-    child = Child(name, server.role, Path(name), _health(server.host, server.port, placed.node_ip), env)
-    return child, _start_actor(run, placed, child, text, rank_gpus, server.drain_timeout_s)
-
-
-def _start_router(run: Launch, placed: Placed, text: str, token: str) -> tuple[Child, Any]:
-    cfg = run.cfg
-    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed)}
-    child = Child(ROUTER, ROUTER, Path(ROUTER), _health(cfg.host, cfg.port, placed.node_ip), env)
-    return child, _start_actor(run, placed, child, text, (), cfg.drain_timeout_s)
-
-
-def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus: tuple[str, ...],
-                 drain_s: float) -> Any:
-    """The actor that runs `child` (not waited for: `_started`)."""
-    cfg = run.cfg
+def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, text: str, token: str,
+                 env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> tuple[Child, Any]:
+    """The actor that runs a server or the router (not waited for: `_started`)."""
+    cfg, name = run.cfg, placed.want.name
+    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
+    child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
     spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
                      stop_wait_s=drain_s + run.options.grace_s)
@@ -178,7 +163,7 @@ def _start_actor(run: Launch, placed: Placed, child: Child, text: str, rank_gpus
                                                  **run.actor_options(placed, 0)).remote(spec)
     run.handles.add(child.name, actor, child.health_url)
     run.handles.stop_waits[child.name] = spec.stop_wait_s
-    return actor
+    return child, actor
 
 
 def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
@@ -258,22 +243,9 @@ def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str
         down.pop(name)
 
 
-def _section(role: str) -> str:
-    return "context_servers" if role == "context" else "generation_servers"
-
-
 def _threads(placed: Placed) -> str:
     """Torch threads per process: the CPUs Ray gives the actor (as Ray sets OMP_NUM_THREADS)."""
     return str(max(1, int(placed.want.options.num_cpus)))
-
-
-def _reachable(host: str, node_ip: str) -> str:
-    return node_ip if host in ("0.0.0.0", "::", "") else host
-
-
-def _health(host: str, port: int, node_ip: str) -> str:
-    host = _reachable(host, node_ip)
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/health"
 
 
 def _bundles(placed: Placed) -> str:

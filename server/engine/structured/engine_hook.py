@@ -46,9 +46,7 @@ class StructuredOutput:
             grammar = self.compiler.compile(spec).matcher()
         except ValueError as error:
             return str(error), 400
-        prior = request.disagg.prior_output_tokens if request.disagg is not None else 0
-        known = request.prompt_token_ids[len(request.prompt_token_ids) - prior:] if prior else []
-        for token in known + request.output_token_ids:
+        for token in request.counted_output():
             if not grammar.accept(token):
                 return f"disaggregated_params: the output so far does not match the {spec.kind}", MISMATCH_CODE
         request.grammar = grammar

@@ -18,10 +18,6 @@ HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of `rank`: cuda:rank for a CUDA server (one GPU per rank), else the CPU."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
@@ -40,7 +36,7 @@ def join(rank: int, size: int, device: torch.device, *, port: int | None = None,
         store = dist.TCPStore(HOST, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size,
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
 
