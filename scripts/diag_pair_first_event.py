@@ -72,6 +72,8 @@ def histogram_means(url: str) -> dict[str, float]:
 def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     config, overrides = VARIANTS[name]
     overrides = {**overrides, "model": args.model, "max_seq_len": 2048}
+    if args.kv_max_tokens:  # two servers of a large model on one GPU: a bounded pool each
+        overrides["kv_cache_config"] = {"max_tokens": args.kv_max_tokens}
     (tmp / name).mkdir()
     with deploy_harness.launched(config, tmp / name, overrides) as dep:
         prompt = " ".join(f"word{i % 97}" for i in range(args.prompt_words))
@@ -100,6 +102,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--kv-max-tokens", type=int, default=0,
+                        help="each server's KV pool in tokens (0: sized from free memory)")
     parser.add_argument("--keep-logs", type=int, default=0, help="print the last N characters of each log")
     args = parser.parse_args()
     results = {}

@@ -31,8 +31,13 @@ def test_fused_fp8_experts_compute_the_reference_on_the_device(tokens: int) -> N
     weights, ids = torch.rand(tokens, experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
     want = w8a8_experts(x, gate_up, down, weights, ids).float()
     got = fused_fp8_experts(x, gate_up, down, weights, ids).float()
+    # both quantize the SiLU-and-mul activations to e4m3 per token; a value that two summation orders put
+    # on either side of a code boundary moves by one code (1/16-1/8 of itself), so the largest error over
+    # 358k outputs is a few bf16 steps (0.0222 of the largest output at 700 tokens on an H100, 2026-12-06)
+    # while the error overall stays at bf16's rounding
     error = ((got - want).abs().max() / want.abs().max()).item()
-    assert error < 2e-2, error  # bf16 outputs round at 2^-8
+    overall = ((got - want).norm() / want.norm()).item()
+    assert error < 4e-2 and overall < 1e-2, (error, overall)
 
 
 def test_fp8_moe_runner_runs_the_fp8_kernels_in_graphs_without_host_syncs() -> None:
