@@ -37,7 +37,9 @@ from server.models.parallel.shard import plan_for
 from server.models.runner import ModelRunner, SeqChunk
 
 TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 12
-TRITON_NEW_TOKENS = 4  # the interpreted kernels: every decode step past the window all the same
+# the interpreted kernels (their time goes by the tokens a step holds): 4 decode steps, all past the window, and a
+# 64-token budget (the warm-up's steps fill it; the prompt's chunks of 37 and 53 fit)
+TRITON_NEW_TOKENS, TRITON_MAX_NUM_TOKENS = 4, 64
 PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window
 
 
@@ -64,12 +66,13 @@ def _greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int],
     return out, first
 
 
-def _runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch") -> tuple[ModelRunner, KVCacheManager]:
+def _runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch",
+            max_num_tokens: int = 128) -> tuple[ModelRunner, KVCacheManager]:
     spec = load_spec(model_dir)
     local = spec if shard is None else shard.local_spec(spec)
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
                         local.cache_layout(MAX_SEQ_LEN, torch.float32, "cpu"))
-    return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
+    return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=max_num_tokens,
                        max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard, kernels=kernels,
                        cuda_graphs=False), kv
 
@@ -82,7 +85,8 @@ def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out:
         results = {}
         for name, model_dir in model_dirs.items():
             plan = plan_for(load_spec(model_dir), rank, size, expert_parallel=name.endswith(":ep"))
-            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels)
+            budget = TRITON_MAX_NUM_TOKENS if kernels == "triton" else 128
+            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels, budget)
             runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size), new_tokens)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
