@@ -21,7 +21,7 @@ TINY = ["--model", "builtin:tiny-llama", "--max-seq-len", "2048", "--max-num-tok
         "--long-input-len", "128", "--long-output-len", "4", "--long-rate", "4", "--mixed-duration", "1.5",
         "--restart-duration", "1.5", "--ramp-s", "0.3", "--window-s", "1", "--with-extras", "--handoff-len", "256",
         "--handoff-prompts", "2", "--burst-concurrency", "3", "--burst-requests", "6", "--burst-runs", "2",
-        "--client-procs", "2", "--server-env", "OMP_NUM_THREADS=1"]
+        "--client-procs", "1", "--server-env", "OMP_NUM_THREADS=1"]  # 2 client processes: test_bench_load_cli.py
 GOALS = ["b_fresh_server_ttft", "b_fresh_client_ttft", "c_http_vs_engine_tok_s", "c_http_tpot_vs_engine_step",
          "c_http_vs_engine_closed_tok_s", "c_http_tpot_vs_engine_closed_step", "c_b1_tpot_vs_roofline",
          "d_peak_tok_s", "d_peak_ttft_p50", "d_mixed_bg_tpot_p99", "d_mixed_bg_itl_p99", "burst_fresh_server_ttft",

@@ -20,6 +20,7 @@ import os
 os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import datasets  # noqa: E402
@@ -39,12 +40,17 @@ OVERRIDES = {"model": MODEL, "dtype": "float32"}
 LOGLIKELIHOOD_TOL = 1e-3
 
 
+@functools.cache
+def _task_manager() -> TaskManager:
+    """Our two tasks only: lm-eval's own thousands of task files are not indexed (~15 s each time)."""
+    return TaskManager(include_path=str(TASK_DIR), include_defaults=False)
+
+
 def _evaluate(model: str, model_args: dict) -> dict:
     """lm-eval's results and logged samples for both tasks, run from the repository root."""
     with contextlib.chdir(ROOT):
         out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[MC, GEN],
-                                      task_manager=TaskManager(include_path=str(TASK_DIR)), log_samples=True,
-                                      bootstrap_iters=0)
+                                      task_manager=_task_manager(), log_samples=True, bootstrap_iters=0)
     assert out is not None
     return {"results": out["results"],
             "samples": {task: sorted(rows, key=lambda s: s["doc_id"]) for task, rows in out["samples"].items()}}

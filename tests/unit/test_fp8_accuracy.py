@@ -24,7 +24,7 @@ def trained_qwen3_dir() -> Path:
 @pytest.mark.parametrize("name", ["tiny-story", "trained-qwen3"])
 def test_fp8_perplexity_within_one_percent_of_float32(trained_qwen3_dir: Path, name: str, record_property) -> None:
     model_dir = resolve_model("builtin:tiny-story") if name == "tiny-story" else trained_qwen3_dir
-    figures = measure(model_dir, name, num_prompts=4)
+    figures = measure(model_dir, name, num_prompts=2)  # 2 greedy runs a variant (was 4): only reported
     record_property("fp8_accuracy", figures)
     print(json.dumps(figures))  # the greedy agreement is reported, not judged (tiny models part quickly)
     assert figures["held_out_tokens"] > 5000

@@ -215,8 +215,8 @@ def test_the_triton_runner_gives_the_torch_runners_tokens_with_the_same_fp8_cach
     scales = tmp_path / "scales.json"
     write_scales(scales, [0.011, 0.018, 0.026, 0.021], [0.0018, 0.007, 0.0095, 0.0101])
     prompts = [stride_prompt(40), stride_prompt(23)]
-    want, want_logits = _greedy(_fp8_runner(model_dir, "torch", str(scales)), prompts, 6)
-    got, got_logits = _greedy(_fp8_runner(model_dir, "triton", str(scales)), prompts, 6)
+    want, want_logits = _greedy(_fp8_runner(model_dir, "torch", str(scales)), prompts, 3)  # 2 batched decodes
+    got, got_logits = _greedy(_fp8_runner(model_dir, "triton", str(scales)), prompts, 3)
     assert got == want
     tolerance = 5e-3 if dense == "triton" else 0.5
     torch.testing.assert_close(got_logits, want_logits, atol=tolerance, rtol=0)
@@ -228,7 +228,7 @@ def test_a_static_decode_plan_over_an_fp8_cache_equals_the_eager_step():
     gives the eager decode step's logits: the layers' scales are the same launch arguments."""
     model_dir = resolve_model("builtin:tiny-qwen3-swa")
     runner = _fp8_runner(model_dir, "triton")
-    prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
+    prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 17)]  # 70: past the window
     chunks = prefilled_decode_rows(runner, prompts, 3)
     eager = runner.execute(chunks)
     plan = runner.attention.static_decode_plan(4)
