@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.models.fp8.weight import Fp8Weight, same_form, w8a8_linear
+from server.models.fp8.weight import Fp8Weight, fuse, w8a8_linear
 
 Weight = torch.Tensor | Fp8Weight
 
@@ -22,17 +22,7 @@ Weight = torch.Tensor | Fp8Weight
 def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> Weight:
     """Each expert's [N, K] weight -> [E, N, K]; FP8 parts keep their rows' scales (exact), and the
     stacked static input scale is the largest of theirs. Mixed parts are all dequantized."""
-    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
-    if not fp8:
-        return torch.stack(parts).contiguous()
-    if len(fp8) < len(parts):
-        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-        return torch.stack([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts]).contiguous()
-    fp8 = same_form(fp8)
-    statics = [p.input_scale for p in fp8]
-    static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
-    return Fp8Weight(torch.stack([p.qweight for p in fp8]).contiguous(),
-                     torch.stack([p.scale for p in fp8]).contiguous(), static, fp8[0].block_k)
+    return fuse(parts, lambda tensors: torch.stack(tensors).contiguous())
 
 
 def w8a8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,

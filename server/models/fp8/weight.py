@@ -106,16 +106,21 @@ def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8W
     """Fuse weights along their output rows (q|k|v, gate|up). FP8 parts keep their rows' scales (exact);
     the fused static input scale is the largest of the parts' (they read the same input). Mixed parts
     (a checkpoint that left some of them in float) are all dequantized to the float parts' dtype."""
+    return fuse(parts, torch.cat)
+
+
+def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp8Weight:
+    """`join` (torch.cat along rows, or a stack of experts) of float or FP8 parts, as `cat_rows` says."""
     fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
     if not fp8:
-        return torch.cat(parts)
+        return join(parts)
     if len(fp8) < len(parts):
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-        return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts])
+        return join([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts])
     fp8 = same_form(fp8)
     statics = [p.input_scale for p in fp8]
     static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
-    return Fp8Weight(torch.cat([p.qweight for p in fp8]), torch.cat([p.scale for p in fp8]), static, fp8[0].block_k)
+    return Fp8Weight(join([p.qweight for p in fp8]), join([p.scale for p in fp8]), static, fp8[0].block_k)
 
 
 def same_form(parts: list[Fp8Weight]) -> list[Fp8Weight]:
