@@ -44,6 +44,12 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # share of the free GPU memory (after the weights) for the primary pool, when max_tokens is None
     # on CUDA; None: DEFAULT_GPU_FRACTION, which `pdserve launch` splits between servers on the GPU
     free_gpu_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    # this server's share of the GPU's total memory (weights, workspace and pool together), for servers
+    # that share one GPU: the pool gets DEFAULT_GPU_FRACTION of the share less what the server holds
+    # once loaded, and never more than that fraction of the free memory. `pdserve launch` gives each of
+    # n servers on a GPU 1/n when neither this, max_tokens nor free_gpu_memory_fraction is set; sizing
+    # from the share does not depend on which server loads first
+    gpu_memory_share: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True

@@ -24,24 +24,42 @@ MAX_AUTO_BLOCKS = 1 << 18
 
 
 def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
-    """Primary capacity in tokens per window group: config.max_tokens; else on CUDA
-    free_gpu_memory_fraction (default DEFAULT_GPU_FRACTION) of the free memory over bytes_per_token
-    (all layers); else (CPU) 8 * max_seq_len. Load the weights first: the fraction is of what is left."""
+    """Primary capacity in tokens per window group: config.max_tokens; else on CUDA the pool's bytes
+    (`gpu_pool_bytes`) over bytes_per_token (all layers); else (CPU) 8 * max_seq_len. Load the weights
+    first: what the server holds then is not the pool's."""
     if config.max_tokens is not None:
         return config.max_tokens
-    if layout.device.type == "cuda":
-        fraction = config.free_gpu_memory_fraction or DEFAULT_GPU_FRACTION
-        free, _ = torch.cuda.mem_get_info(layout.device)
-        tokens = int(fraction * free) // layout.bytes_per_token()
-        if tokens < config.tokens_per_block:
-            raise KVCacheError(f"free GPU memory ({free} B) x free_gpu_memory_fraction={fraction} holds "
-                               f"less than one block")
-        cap = MAX_AUTO_BLOCKS * config.tokens_per_block
-        if tokens > cap:
-            log.info("KV pool: %d tokens fit in free_gpu_memory_fraction=%g of the free memory; capped at %d "
-                     "(%d blocks; kv_cache_config.max_tokens sets more)", tokens, fraction, cap, MAX_AUTO_BLOCKS)
-        return min(tokens, cap)
-    return 8 * layout.max_seq_len
+    if layout.device.type != "cuda":
+        return 8 * layout.max_seq_len
+    free, total = torch.cuda.mem_get_info(layout.device)
+    held = torch.cuda.memory_reserved(layout.device) if config.gpu_memory_share else 0
+    pool, basis = gpu_pool_bytes(config, free=free, total=total, held=held)
+    tokens = pool // layout.bytes_per_token()
+    if tokens < config.tokens_per_block:
+        raise KVCacheError(f"{basis} holds less than one KV block ({config.tokens_per_block} tokens of "
+                           f"{layout.bytes_per_token()} B); set kv_cache_config.max_tokens or give this "
+                           f"server more of the GPU")
+    cap = MAX_AUTO_BLOCKS * config.tokens_per_block
+    if tokens > cap:
+        log.info("KV pool: %d tokens fit in %s; capped at %d (%d blocks; kv_cache_config.max_tokens sets "
+                 "more)", tokens, basis, cap, MAX_AUTO_BLOCKS)
+    return min(tokens, cap)
+
+
+def gpu_pool_bytes(config: KvCacheConfig, *, free: int, total: int, held: int) -> tuple[int, str]:
+    """The primary pool's bytes on a GPU with `free` of `total` bytes free while this server holds
+    `held` (its weights), and what they were sized from (for messages). Without gpu_memory_share:
+    free_gpu_memory_fraction (default DEFAULT_GPU_FRACTION) of the free memory. With it: the fraction
+    of the share of the total, less `held`, and at most the fraction of the free memory; so servers
+    sharing a GPU get the same pools whichever loads first."""
+    fraction = config.free_gpu_memory_fraction or DEFAULT_GPU_FRACTION
+    of_free = int(fraction * free)
+    if config.gpu_memory_share is None:
+        return of_free, f"free_gpu_memory_fraction={fraction} of the free GPU memory ({free} B)"
+    of_share = int(fraction * config.gpu_memory_share * total) - held
+    basis = (f"gpu_memory_share={config.gpu_memory_share:g} of the GPU ({total} B) x {fraction} less the "
+             f"{held} B this server holds, and at most {fraction} of the free {free} B")
+    return max(0, min(of_share, of_free)), basis
 
 
 def level_sizes(config: KvCacheConfig, layout: CacheLayout) -> tuple[int, int, int]:

@@ -7,7 +7,6 @@ from typing import Any, Protocol, TypeVar
 
 from msgspec.structs import replace
 
-from kvcache.config import DEFAULT_GPU_FRACTION
 from kvcache.kv_scales import read_scales
 from server.config.yaml_io import ConfigError
 
@@ -128,15 +127,17 @@ def _same_host(a: str, b: str) -> bool:
 
 def share_gpu_memory(servers: list[S]) -> list[S]:
     """The servers of one deployment run on one host and, with device auto or cuda, on its first
-    GPU: where a pool is sized from free memory and no fraction was given, each of the n that may
-    use the GPU gets DEFAULT_GPU_FRACTION / n of it (else the first to start takes nearly all)."""
+    GPU: where a pool would be sized from free memory and nothing says how, each of the n that may use
+    the GPU gets 1/n of its total memory (`gpu_memory_share`; else the first to load takes nearly all,
+    and the others' pools depend on the order they loaded in)."""
     sharing = sum(s.device != "cpu" for s in servers)
     if sharing < 2:
         return servers
-    fraction, out = DEFAULT_GPU_FRACTION / sharing, []
+    out = []
     for s in servers:
         kv = s.kv_cache_config
-        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None:
-            s = replace(s, kv_cache_config=replace(kv, free_gpu_memory_fraction=fraction))
+        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None \
+                and kv.gpu_memory_share is None:
+            s = replace(s, kv_cache_config=replace(kv, gpu_memory_share=1 / sharing))
         out.append(s)
     return out

@@ -106,6 +106,7 @@ def mirror_config(config: KvCacheConfig, init: Init, layout: CacheLayout) -> KvC
     """This rank's pools get exactly rank 0's slot counts (its disk files: `mirror_disk`)."""
     tpb = config.tokens_per_block
     return msgspec.structs.replace(config, max_tokens=init.num_primary * tpb, free_gpu_memory_fraction=None,
+                                   gpu_memory_share=None,
                                    host_cache_size=init.num_secondary * tpb * layout.bytes_per_token(), disk=None)
 
 

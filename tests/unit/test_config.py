@@ -48,7 +48,7 @@ def test_disagg_defaults_and_roles(tmp_path):
     ctx = cfg.context_servers[0]
     assert (ctx.max_seq_len, ctx.max_batch_size, ctx.max_num_tokens, ctx.dtype, ctx.device) == (
         2048, 64, 2048, "auto", "auto")
-    assert ctx.kv_cache_config == KvCacheConfig(free_gpu_memory_fraction=0.45)  # half the GPU's default share
+    assert ctx.kv_cache_config == KvCacheConfig(gpu_memory_share=0.5)  # half the GPU each
     assert ctx.cache_transceiver_config == TransceiverConfig(auth_token=None)
     assert cfg.auth_token is None
     assert cfg.generation_servers[0].url == "http://127.0.0.1:8002"
@@ -236,20 +236,22 @@ def test_async_scheduling_is_auto_true_or_false_and_auto_means_cuda(tmp_path):
         load_server_config(write(tmp_path, {"model": "m", "async_scheduling": "on"}, "bad.yaml"))
 
 
-def test_servers_that_may_share_the_gpu_split_the_default_pool_fraction(tmp_path):
-    shared = load_deployment(write(tmp_path, disagg(), "d.yaml"))
-    assert [s.kv_cache_config.free_gpu_memory_fraction for s in shared.servers] == [0.45, 0.45]
+def shares(cfg) -> list:
+    return [(s.kv_cache_config.gpu_memory_share, s.kv_cache_config.free_gpu_memory_fraction) for s in cfg.servers]
+
+
+def test_servers_that_may_share_the_gpu_split_its_memory(tmp_path):
+    assert shares(load_deployment(write(tmp_path, disagg(), "d.yaml"))) == [(0.5, None), (0.5, None)]
     chosen = disagg(kv_cache_config={"free_gpu_memory_fraction": 0.3})
-    assert [s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, chosen)).servers] \
-        == [0.3, 0.3]  # a fraction the file gives is the server's own
+    assert shares(load_deployment(write(tmp_path, chosen))) == [(None, 0.3)] * 2  # the file's own sizing
+    given = disagg(kv_cache_config={"gpu_memory_share": 0.7})
+    assert shares(load_deployment(write(tmp_path, given))) == [(0.7, None)] * 2
     data = disagg()
     data["context_servers"]["device"] = "cpu"  # the generation server is the GPU's only user
-    assert [s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, data)).servers] \
-        == [None, None]
+    assert shares(load_deployment(write(tmp_path, data))) == [(None, None)] * 2
     fixed = disagg(kv_cache_config={"max_tokens": 4096})
-    assert {s.kv_cache_config.free_gpu_memory_fraction for s in load_deployment(write(tmp_path, fixed)).servers} \
-        == {None}
-    assert load_server(tmp_path / "d.yaml", "context-0").kv_cache_config.free_gpu_memory_fraction == 0.45
+    assert shares(load_deployment(write(tmp_path, fixed))) == [(None, None)] * 2
+    assert load_server(tmp_path / "d.yaml", "context-0").kv_cache_config.gpu_memory_share == 0.5
 
 
 def test_a_null_section_takes_its_defaults_and_a_null_override_keeps_the_top_level(tmp_path):

@@ -29,6 +29,7 @@ from server.config.schema import ConfigError, server_config_from_dict
     ("max_tokens", -32, "must be >= 1, got -32"),
     ("free_gpu_memory_fraction", 1.5, "must be <= 1, got 1.5"),
     ("free_gpu_memory_fraction", 0, "must be > 0, got 0"),
+    ("gpu_memory_share", 1.2, "must be <= 1, got 1.2"),
     ("enable_block_reuse", "yes", "must be true or false, got a string 'yes'"),
     ("host_cache_size", -1, "must be >= 0, got -1"),
     ("secondary_offload_min_priority", 101, "must be <= 100, got 101"),
@@ -152,6 +153,26 @@ def test_a_pool_sized_from_free_gpu_memory_is_capped_in_blocks(monkeypatch):
     assert primary_tokens(cfg, tiny) == MAX_AUTO_BLOCKS * 32
     assert primary_tokens(cfg, big) == int(0.9 * (140 << 30)) // big.bytes_per_token() < MAX_AUTO_BLOCKS * 32
     assert primary_tokens(KvCacheConfig(tokens_per_block=32, max_tokens=1 << 24), tiny) == 1 << 24
+
+
+def test_servers_sharing_a_gpu_get_the_same_pool_whichever_loads_first():
+    """Two servers of a 16 GB model on an 80 GB GPU, each with half of it: the pool is 0.9 of the half
+    less the server's own weights, in either order; sized from free memory the first took 2.5x the
+    second's pool. Another process's memory still bounds it (the free memory's fraction)."""
+    from kvcache.group import gpu_pool_bytes
+
+    gb, weights = 1 << 30, 16 << 30
+    share = KvCacheConfig(gpu_memory_share=0.5)
+    first, _ = gpu_pool_bytes(share, free=80 * gb - weights, total=80 * gb, held=weights)
+    second, _ = gpu_pool_bytes(share, free=80 * gb - 2 * weights - first, total=80 * gb, held=weights)
+    assert first == second == int(0.9 * 40 * gb) - weights
+    free_based = KvCacheConfig(free_gpu_memory_fraction=0.45)
+    a, _ = gpu_pool_bytes(free_based, free=80 * gb - weights, total=80 * gb, held=weights)
+    b, _ = gpu_pool_bytes(free_based, free=80 * gb - 2 * weights - a, total=80 * gb, held=weights)
+    assert a > 2.5 * b
+    crowded, basis = gpu_pool_bytes(share, free=10 * gb, total=80 * gb, held=weights)
+    assert crowded == int(0.9 * 10 * gb) and "gpu_memory_share=0.5" in basis
+    assert gpu_pool_bytes(share, free=60 * gb, total=80 * gb, held=40 * gb)[0] == 0  # too big to share
 
 
 def test_one_kv_format_value_names_the_slot_the_hash_namespace_and_the_id():
