@@ -1,5 +1,5 @@
 """Block-scaled FP8 checkpoints (`weight_block_size: [128, 128]`, server/models/fp8/blocks.py), float32
-on a CPU: the weights and their fusing, the GPU's linear taking the dequantized path, refusals that
+on a CPU: the weights and their fusing, the GPU's block-scaled GEMM (interpreted), refusals that
 name the tensor or the key, and MoE models (experts, shared expert, dense layers, DeepSeek's latent
 attention) served from such checkpoints with transformers' tokens of the dequantized weights
 (tests/fp8_checkpoints.py `write_fp8(..., per="block")` and `write_dequantized`)."""
@@ -55,15 +55,23 @@ def test_block_weights_fuse_and_stack_row_by_row_exactly() -> None:
     assert torch.equal(stacked.expert(2).dequantize(), channel.dequantize())
 
 
-def test_gpu_linear_takes_the_dequantized_path_for_block_weights() -> None:
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: tests/gpu/test_fp8_blocks_cuda.py")
+@pytest.mark.parametrize("rows", [1, 20, 70])
+def test_gpu_linear_runs_the_block_scaled_gemm(rows: int) -> None:
+    """The GPU's linear of a block-scaled weight is its own kernel (interpreted here): the dequantized
+    weight's product to float32 summation order, partial row, column and block tiles included; the
+    warm-up has nothing to time for it."""
     from server.models.fp8.linear import Fp8Linears
 
-    w, want = _block_weight(256, 384, 4)
-    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(5))
+    w, want = _block_weight(300, 200, 4)
+    gen = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(rows, 200, generator=gen), torch.randn(300, generator=gen)
     linears = Fp8Linears()
-    assert torch.equal(linears.linear(x, w, None), torch.nn.functional.linear(x, want))
+    got, ref = linears.linear(x, w, bias), torch.nn.functional.linear(x, want, bias)
+    assert got.shape == (rows, 300) and got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     linears.choose([w], [None], torch.float32)
-    assert not linears.chosen  # nothing to time: no FP8 GEMM runs block scales
+    assert not linears.chosen
 
 
 def test_block_checkpoints_are_refused_with_tensor_parallelism(tmp_path: Path) -> None:

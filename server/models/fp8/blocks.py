@@ -7,9 +7,10 @@ columns (scale [N, ceil(K / 128)], `block_k` 128): the row blocks expanded to th
 that q|k|v and gate|up fuse, and experts stack, row by row whatever their row counts, as per-channel
 weights do (`weight.cat_rows`, `experts.stack_experts`).
 
-They run dequantized: on the CPU as every FP8 weight (`weight.dequantized_linear`), and on the GPU
-too (a block-scaled FP8 GEMM is not implemented: `linear.Fp8Linears` and the runner's experts take the
-torch path, each weight dequantized as it is used), so the memory is FP8's but not the GEMM speed.
+On the CPU they run dequantized, as every FP8 weight (`weight.dequantized_linear`). On the GPU a linear
+runs the block-scaled GEMM (kernels/fp8_blocks.py: the float8 weight read once, widened tile by tile,
+each block's partial sum scaled); the routed experts still take the torch path, each expert's weight
+dequantized as it is used (no grouped block-scaled kernel), so there the memory is FP8's but not the speed.
 """
 
 from __future__ import annotations

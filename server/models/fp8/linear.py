@@ -10,6 +10,7 @@ The GEMMs (`run`):
 - a Triton config (kernels/fp8.py `fp8_gemm`), for the skinny decode shapes (rows <= 64); at up to
   16 rows also configs that quantize the activations inside the GEMM (one kernel per linear).
 - `TORCH`: the float32 reference (`weight.w8a8_linear`), for shapes nothing else runs.
+A block-scaled checkpoint's weight (`block_k`) always takes its own kernel (kernels/fp8_blocks.py).
 
 `choose` times them per (N, K) over every layer's weight of that shape (the reads miss L2 as in a
 real step) at each row class's largest row count (ROW_CLASSES, then PREFILL_ROWS for longer steps),
@@ -28,8 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
+from server.models.fp8.weight import Fp8Weight, w8a8_linear
 from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
+from server.models.kernels.fp8_blocks import block_fp8_gemm
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +70,10 @@ class Fp8Linears:
         self._ones: dict[torch.device, torch.Tensor] = {}
 
     def linear(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if w.block_k:  # a block-scaled checkpoint's weight: dequantized (fp8/blocks.py)
-            return dequantized_linear(x, w, bias)
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if w.block_k:  # a block-scaled checkpoint's weight (fp8/blocks.py): its own GEMM, x not quantized
+            return block_fp8_gemm(x, w.qweight, w.scale, w.block_k, bias)
         n, k = w.shape
         path = None if x.shape[0] > LONG_ROWS else self.chosen.get((n, k, row_class(x.shape[0])))
         return self.run(default_path(x, w) if path is None else path, x, w, bias)
