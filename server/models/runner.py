@@ -26,7 +26,7 @@ from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
 from server.models.moe import moe_blocks
-from server.models.moe.experts import ExpertsFn, dense_experts
+from server.models.moe.experts import ExpertsFn
 from server.models.moe.load import ExpertLoad
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
@@ -123,14 +123,14 @@ def resolve_kernels(name: str, device: torch.device) -> str:
 
 
 def _fused_experts(gate_up: Weight) -> ExpertsFn:
-    """The Triton path's experts: the grouped GEMMs (float or FP8); a block-scaled checkpoint's experts
-    take the graph-safe torch path, dequantized (fp8/blocks.py)."""
+    """The Triton path's experts: the grouped GEMMs (float, FP8 per channel, or a block-scaled
+    checkpoint's float8 weights widened in the float kernels: fp8/blocks.py)."""
     from server.models.kernels.moe import fused_experts
     from server.models.kernels.moe_fp8 import fused_fp8_experts
 
     if not isinstance(gate_up, Fp8Weight):
         return fused_experts
-    return dense_experts if gate_up.block_k else fused_fp8_experts
+    return fused_experts if gate_up.block_k else fused_fp8_experts
 
 
 class ModelRunner:

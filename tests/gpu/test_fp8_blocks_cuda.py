@@ -60,3 +60,21 @@ def test_block_gemm_replays_in_a_graph_without_host_syncs() -> None:
         torch.cuda.synchronize()
         times[name] = start.elapsed_time(end) / 50 * 1000
     print(f"7168x2048 at 4 rows: {times} us")
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_grouped_block_scaled_experts_compute_the_dequantized_experts(tokens: int) -> None:
+    """DeepSeek-V3's expert shapes (hidden 7168, intermediate 2048), 16 of them, top-8, bf16."""
+    from server.models.fp8.experts import stack_experts
+    from server.models.kernels.moe import fused_experts
+    from server.models.moe.experts import dense_experts
+
+    experts, hidden, inter, top_k = 16, 7168, 2048, 8
+    gate_up = stack_experts([_weight(2 * inter, hidden) for _ in range(experts)])
+    down = stack_experts([_weight(hidden, inter) for _ in range(experts)])
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device="cuda")
+    got = fused_experts(x, gate_up, down, weights, ids).float()
+    ref = dense_experts(x.float(), gate_up.dequantize(), down.dequantize(), weights, ids)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()

@@ -113,19 +113,19 @@ def test_block_checkpoint_serves_transformers_tokens_of_its_weights(model: str, 
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: the kernels compile there")
-def test_triton_runner_runs_block_scaled_experts_on_the_torch_path(tmp_path: Path) -> None:
-    """No grouped FP8 kernel takes block scales: on the Triton path (interpreted) a block-scaled
-    checkpoint's experts run the graph-safe torch experts, dequantized, and the step's logits are the
-    torch runner's (to float32 rounding of the other attention kernels)."""
+def test_triton_runner_runs_block_scaled_experts_in_the_grouped_kernels(tmp_path: Path) -> None:
+    """On the Triton path (interpreted) a block-scaled checkpoint's experts run the grouped kernels
+    with their float8 weights widened and each block scaled (kernels/moe.py), and the step's logits
+    are the torch runner's (to float32 rounding of the other kernels)."""
     pytest.importorskip("triton")
     from fp8_checkpoints import write_fp8
     from prompts import random_prompt
 
     from kvcache import KvCacheConfig, KVCacheManager
     from server.models.builtin import resolve_model
+    from server.models.kernels.moe import fused_experts
     from server.models.model_spec import load_spec
     from server.models.moe import moe_blocks
-    from server.models.moe.experts import dense_experts
     from server.models.runner import ModelRunner, SeqChunk
 
     fp8_dir = write_fp8(resolve_model("builtin:tiny-qwen3-moe"), tmp_path / "fp8", per="block",
@@ -137,7 +137,28 @@ def test_triton_runner_runs_block_scaled_experts_on_the_torch_path(tmp_path: Pat
         runner = ModelRunner(fp8_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=128,
                              max_batch_size=2, kernels=kernels, cuda_graphs=False)
         if kernels == "triton":
-            assert all(b.experts is dense_experts for b in moe_blocks(runner.model).values())
+            assert all(b.experts is fused_experts for b in moe_blocks(runner.model).values())
         prompt = random_prompt(6, 20)
         logits[kernels] = runner.execute([SeqChunk(prompt, 0, {w: list(range(4)) for w in kv.window_sizes}, True)])
     assert (logits["triton"] - logits["torch"]).abs().max().item() < 1e-3 * logits["torch"].abs().max().item()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: tests/gpu/test_fp8_blocks_cuda.py")
+@pytest.mark.parametrize("tokens", [1, 20, 70])
+def test_grouped_kernels_run_block_scaled_experts_as_their_dequantized_weights(tokens: int) -> None:
+    """The grouped expert kernels with block-scaled float8 weights (interpreted) compute what the torch
+    experts compute with the dequantized weights, partial column blocks (hidden 200, intermediate 192)
+    and experts no token routed to included."""
+    from server.models.kernels.moe import fused_experts
+    from server.models.moe.experts import dense_experts
+
+    experts, hidden, inter, top_k = 4, 200, 192, 2
+    gate_up = stack_experts([_block_weight(2 * inter, hidden, 10 + e)[0] for e in range(experts)])
+    down = stack_experts([_block_weight(hidden, inter, 20 + e)[0] for e in range(experts)])
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen) * 1e-3
+    ids = torch.randint(0, experts - 1, (tokens, top_k), generator=gen)  # the last expert: never routed to
+    weights = torch.rand(tokens, top_k, generator=gen)
+    got = fused_experts(x, gate_up, down, weights, ids)
+    ref = dense_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()

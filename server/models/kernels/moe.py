@@ -15,6 +15,11 @@ The sum over a token's top_k pairs is one torch reduction (`y.view(T, k, hidden)
 atomics, the same result run to run. Both GEMMs accumulate in float32 and round once; transformers
 sums the experts in expert order, this in slot order, so float32 results agree to rounding.
 Everything has a static shape for a given T, so it is captured in CUDA graphs like any kernel.
+
+A block-scaled FP8 checkpoint's experts (fp8/blocks.py: float8 weights, a scale per row and block of
+128 columns) run the same two kernels: each weight tile is widened to the activations' dtype (exact)
+and each BLOCK_K slice's product scaled by its block's scale before it joins the accumulator, so the
+experts are read at FP8's bytes and the activations are not quantized.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from server.models.fp8.weight import Fp8Weight
 
 
 def tile_config(num_pairs: int) -> tuple[int, int, int, int]:
@@ -56,11 +63,23 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return rows, tile_expert
 
 
+@triton.jit
+def _widened_dot(x, w, S, offs_s, live_s, k0, BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
+    """x @ w in float32; BLOCKED: w is float8, widened to x's dtype (exact), and the product scaled by
+    S[offs_s + k0 // GROUP_K], the weight's scale for these columns and this block of rows of w."""
+    if BLOCKED:
+        s = tl.load(S + offs_s + k0 // GROUP_K, mask=live_s, other=0.0)
+        return tl.dot(x, w.to(x.dtype), input_precision="ieee") * s[None, :]
+    return tl.dot(x, w, input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["pairs"])
-def _gate_up_silu(X, W, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_experts,
-                  stride_xm, stride_we, stride_wn, stride_hm,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """H[pair, n] = silu(sum_k X[token, k] W[e, n, k]) * sum_k X[token, k] W[e, inter + n, k]."""
+def _gate_up_silu(X, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_experts,
+                  stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
+    """H[pair, n] = silu(sum_k X[token, k] W[e, n, k]) * sum_k X[token, k] W[e, inter + n, k]
+    (BLOCKED: W float8 with S[e, n, k // GROUP_K] a scale per row and block of columns)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(TILE_EXPERT + tile)
     if expert >= num_experts:
@@ -72,6 +91,8 @@ def _gate_up_silu(X, W, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_e
     live_n = offs_n < inter
     w_gate = W + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
     w_up = w_gate + inter * stride_wn
+    s_gate = expert.to(tl.int64) * stride_se + offs_n * stride_sn
+    s_up = s_gate + inter * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -80,8 +101,10 @@ def _gate_up_silu(X, W, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_e
         x = tl.load(X + tokens[:, None] * stride_xm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         mask_w = live_k[:, None] & live_n[None, :]
-        acc_gate += tl.dot(x, tl.load(w_gate + offs_k[:, None], mask=mask_w, other=0.0), input_precision="ieee")
-        acc_up += tl.dot(x, tl.load(w_up + offs_k[:, None], mask=mask_w, other=0.0), input_precision="ieee")
+        acc_gate += _widened_dot(x, tl.load(w_gate + offs_k[:, None], mask=mask_w, other=0.0), S, s_gate, live_n,
+                                 k0, BLOCKED, GROUP_K)
+        acc_up += _widened_dot(x, tl.load(w_up + offs_k[:, None], mask=mask_w, other=0.0), S, s_up, live_n,
+                               k0, BLOCKED, GROUP_K)
     gate = acc_gate.to(H.dtype.element_ty).to(tl.float32)  # rounded like the unfused linear's output
     up = acc_up.to(H.dtype.element_ty).to(tl.float32)
     out = (gate / (1.0 + tl.exp(-gate))).to(H.dtype.element_ty).to(tl.float32) * up
@@ -90,10 +113,11 @@ def _gate_up_silu(X, W, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_e
 
 
 @triton.jit(do_not_specialize=["pairs"])
-def _down_weighted(H, W, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_experts,
-                   stride_hm, stride_we, stride_wn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[pair, n] = (sum_k H[pair, k] W[e, n, k]) * SCALE[pair]."""
+def _down_weighted(H, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_experts,
+                   stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
+    """Y[pair, n] = (sum_k H[pair, k] W[e, n, k]) * SCALE[pair] (BLOCKED: as `_gate_up_silu`)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(TILE_EXPERT + tile)
     if expert >= num_experts:
@@ -103,37 +127,55 @@ def _down_weighted(H, W, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = offs_n < hidden
     w = W + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    s = expert.to(tl.int64) * stride_se + offs_n * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         live_k = offs_k < inter
         h = tl.load(H + rows[:, None] * stride_hm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        acc += tl.dot(h, tl.load(w + offs_k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0),
-                      input_precision="ieee")
+        acc += _widened_dot(h, tl.load(w + offs_k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0),
+                            S, s, live_n, k0, BLOCKED, GROUP_K)
     scale = tl.load(SCALE + rows, mask=live_m, other=0.0)
     out = acc.to(Y.dtype.element_ty).to(tl.float32) * scale[:, None]
     tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] (unit column stride), gate_up [E, 2I, hidden] and down [E, hidden, I] contiguous,
-    weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the `experts.ExpertsFn` contract)."""
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] (unit column stride), gate_up [E, 2I, hidden] and down [E, hidden, I] contiguous
+    (or block-scaled stacked `Fp8Weight`s: their float8 weights widened tile by tile, each column
+    block's product scaled), weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the
+    `experts.ExpertsFn` contract)."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
     pairs = t * top_k
     block_m, block_n, block_k, warps = tile_config(pairs)
+    (gu, gu_s, gu_strides), (dn, dn_s, dn_strides), group_k = _operand(gate_up), _operand(down), _group_k(gate_up)
+    blocked = dict(BLOCKED=group_k > 0, GROUP_K=max(group_k, block_k))
+    if group_k % block_k:
+        raise ValueError(f"a column block of {group_k} is not a multiple of the {block_k}-column tile")
     rows, tile_expert = align(ids, num_experts, block_m)
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_silu[(tile_expert.numel(), triton.cdiv(inter, block_n))](
-        x, gate_up, rows, tile_expert, h, pairs, top_k, hidden, inter, num_experts,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        x, gu, gu_s, rows, tile_expert, h, pairs, top_k, hidden, inter, num_experts,
+        x.stride(0), gu.stride(0), gu.stride(1), *gu_strides, h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **blocked)
     y = torch.zeros((pairs, hidden), dtype=x.dtype, device=x.device)  # (pairs of no expert held here: 0)
     _down_weighted[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
-        h, down, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        h, dn, dn_s, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
+        h.stride(0), dn.stride(0), dn.stride(1), *dn_strides, y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **blocked)
     return y.view(t, top_k, hidden).sum(dim=1)
+
+
+def _operand(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """(weight, scales, the scales' expert and row strides); a float weight's scales are itself, unread."""
+    if isinstance(w, Fp8Weight):
+        return w.qweight, w.scale, (w.scale.stride(0), w.scale.stride(1))
+    return w, w, (0, 0)
+
+
+def _group_k(w: torch.Tensor | Fp8Weight) -> int:
+    return w.block_k if isinstance(w, Fp8Weight) else 0
