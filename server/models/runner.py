@@ -200,6 +200,7 @@ class ModelRunner:
         plans, plan_s = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
                                               self.device, self.max_num_tokens)
         self._choose_skinny_linears()
+        self._choose_expert_tiles()
         if self.graphs is not None:
             self.graphs.capture()
         bursts, burst_s = self._warm_bursts()
@@ -250,6 +251,22 @@ class ModelRunner:
         for name in ("gate_up", "down") if mlps else ():
             ops.choose_linear([getattr(m, name) for m in mlps], [getattr(m, f"{name}_bias") for m in mlps], self.dtype)
         log.info("GEMM per weight shape (float: rows <= 16; FP8: NxK@rows): %s", ops.chosen_linears())
+
+    def _choose_expert_tiles(self) -> None:
+        """MoE models on CUDA: the grouped expert GEMMs' tile per step size, timed per experts' shape
+        (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
+        from server.models.kernels.moe import CHOSEN, choose_tiles, fused_experts
+        from server.models.kernels.moe_fp8 import fused_fp8_experts
+        from server.models.moe import moe_blocks
+
+        if self.device.type != "cuda":
+            return
+        for block in moe_blocks(self.model).values():
+            if block.experts in (fused_experts, fused_fp8_experts):
+                choose_tiles(block.experts, block.gate_up, block.down, block.spec.top_k, self.dtype,
+                             self.max_num_tokens)
+        if CHOSEN:
+            log.info("MoE tiles (experts, intermediate, hidden, weight dtype, pairs): %s", CHOSEN)
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
         """The chunks of one warm-up step (a `warmup.WarmStep`, decode rows first) on the pool's first

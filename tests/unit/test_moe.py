@@ -255,6 +255,32 @@ def test_fused_triton_experts_equal_the_torch_path(tokens: int) -> None:
         assert expert >= 8 and not live.any() or (experts[tile][live] == expert).all()
 
 
+def test_every_candidate_tile_computes_the_torch_path_and_a_chosen_one_is_used() -> None:
+    """What the warm-up may choose (kernels/moe.py CANDIDATES, timed on CUDA only) computes the
+    grouped torch path for every tile (the Triton interpreter on a CPU); a chosen tile is what a
+    step of its pair class then runs, and any other class keeps the default."""
+    pytest.importorskip("triton")
+    from server.models.kernels import moe as kernels
+    from server.models.moe import route
+
+    block, _ = _ours("qwen3-moe", "stacked")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3))
+    weights, ids = route(block.spec, x, block.gate)
+    want = grouped_experts(x, block.gate_up, block.down, weights, ids)
+    on = [t.to(device) for t in (x, block.gate_up, block.down, weights, ids)]
+    for tile in sorted({t for tiles in kernels.CANDIDATES.values() for t in tiles}):
+        assert (kernels.fused_experts(*on, tile=tile).cpu() - want).abs().max().item() < 1e-5, tile
+    inter = block.down.shape[2]
+    key = (block.gate_up.shape[0], inter, HIDDEN, block.gate_up.dtype, 64)
+    try:
+        kernels.CHOSEN[key] = (16, 128, 64, 4)
+        assert kernels.tiles(block.gate_up, inter, 18) == (16, 128, 64, 4)  # 18 pairs: class 64
+        assert kernels.tiles(block.gate_up, inter, 200) == kernels.tile_config(200)
+    finally:
+        kernels.CHOSEN.pop(key, None)
+
+
 def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
     """What /metrics shows of a MoE model: per sparse layer, the tokens routed to each expert since
     start (each token top_k times), as the engine loop reads them (`engine_figures`)."""

@@ -24,21 +24,55 @@ experts are read at FP8's bytes and the activations are not quantized.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from server.models.fp8.weight import Fp8Weight
+from server.models.kernels.gemv import cuda_ms
+
+log = logging.getLogger(__name__)
+CHECK_TOLERANCE = 2e-2  # max |out - default tile's| / max |default's| (bf16 rounds at 2^-8)
+
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
+PAIR_CLASSES = (8, 64, 256, 1024, 4096)  # a step of p (token, slot) pairs takes the choice of the first class >= p
+# what `choose_tiles` times per class (BLOCK_K 64 divides a block-scaled weight's 128-column blocks)
+CANDIDATES: dict[int, tuple[Tile, ...]] = {
+    8: ((16, 64, 64, 4), (16, 32, 64, 4), (16, 128, 64, 4)),
+    64: ((16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4)),
+    256: ((32, 64, 64, 4), (16, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4)),
+    1024: ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8)),
+    4096: ((64, 128, 64, 8), (64, 64, 64, 4), (128, 128, 64, 8)),
+}
+# (experts, intermediate, hidden, weight dtype, pair class) -> the tile `choose_tiles` timed fastest here
+CHOSEN: dict[tuple[int, int, int, torch.dtype, int], Tile] = {}
 
 
-def tile_config(num_pairs: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) for a step of `num_pairs` (token, slot) pairs: small tiles
-    for decode (few rows per expert), larger for prefill."""
+def tile_config(num_pairs: int) -> Tile:
+    """The default tile for a step of `num_pairs` (token, slot) pairs: small tiles for decode (few
+    rows per expert), larger for prefill. `tiles` prefers what the warm-up chose."""
     if num_pairs <= 64:
         return 16, 64, 64, 4
     if num_pairs <= 1024:
         return 32, 64, 64, 4
     return 64, 128, 64, 8
+
+
+def pair_class(num_pairs: int) -> int:
+    return next((c for c in PAIR_CLASSES if num_pairs <= c), PAIR_CLASSES[-1])
+
+
+def tiles(gate_up: torch.Tensor, down_inter: int, num_pairs: int) -> Tile:
+    """The tile for these experts' weights at this step size: the warm-up's choice, else the default."""
+    key = (gate_up.shape[0], down_inter, gate_up.shape[-1], _weight_dtype(gate_up), pair_class(num_pairs))
+    return CHOSEN.get(key) or tile_config(num_pairs)
+
+
+def _weight_dtype(w: object) -> torch.dtype:
+    return w.qweight.dtype if hasattr(w, "qweight") else w.dtype
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,16 +176,16 @@ def _down_weighted(H, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, n
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """x [T, hidden] (unit column stride), gate_up [E, 2I, hidden] and down [E, hidden, I] contiguous
     (or block-scaled stacked `Fp8Weight`s: their float8 weights widened tile by tile, each column
     block's product scaled), weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the
-    `experts.ExpertsFn` contract)."""
+    `experts.ExpertsFn` contract). `tile`: this one instead of `tiles`' choice."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
     pairs = t * top_k
-    block_m, block_n, block_k, warps = tile_config(pairs)
+    block_m, block_n, block_k, warps = tile or tiles(gate_up, inter, pairs)
     (gu, gu_s, gu_strides), (dn, dn_s, dn_strides), group_k = _operand(gate_up), _operand(down), _group_k(gate_up)
     blocked = dict(BLOCKED=group_k > 0, GROUP_K=max(group_k, block_k))
     if group_k % block_k:
@@ -179,3 +213,38 @@ def _operand(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, t
 
 def _group_k(w: torch.Tensor | Fp8Weight) -> int:
     return w.block_k if isinstance(w, Fp8Weight) else 0
+
+
+def choose_tiles(run: Callable[..., torch.Tensor], gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
+                 top_k: int, dtype: torch.dtype, max_tokens: int) -> None:
+    """At warm-up, on CUDA: for each pair class a step of up to `max_tokens` tokens reaches, time
+    `run` (fused_experts or fused_fp8_experts) with each CANDIDATES tile at the class's largest size
+    (random routing over every expert), after checking its output against the default tile's (a tile
+    that computes wrong or fails on this GPU is skipped, not served); the fastest goes into CHOSEN."""
+    num_experts, inter, hidden = gate_up.shape[0], down.shape[2], gate_up.shape[-1]
+    device = gate_up.qweight.device if isinstance(gate_up, Fp8Weight) else gate_up.device
+    for cls in PAIR_CLASSES:
+        tokens = max(1, cls // top_k)
+        key = (num_experts, inter, hidden, _weight_dtype(gate_up), cls)
+        if tokens > max_tokens or key in CHOSEN:
+            continue
+        x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+        ids = torch.rand(tokens, num_experts, device=device).topk(top_k, dim=1).indices
+        weights = torch.rand(tokens, top_k, device=device)
+        CHOSEN[key] = _fastest_tile(lambda tile: run(x, gate_up, down, weights, ids, tile), cls)  # noqa: B023
+
+
+def _fastest_tile(step: Callable[[Tile], torch.Tensor], cls: int) -> Tile:
+    """The candidate tile of pair class `cls` that runs `step` fastest and computes what the default does."""
+    ref = step(tile_config(cls)).float()
+    timings = {}
+    for tile in CANDIDATES[cls]:
+        try:
+            error = ((step(tile).float() - ref).abs().max() / ref.abs().max()).item()
+            if error > CHECK_TOLERANCE:
+                log.warning("MoE tile %s at %d pairs is off by %.3g of the default tile: not used", tile, cls, error)
+                continue
+            timings[tile] = cuda_ms(lambda t=tile: step(t))
+        except Exception as exc:  # noqa: BLE001 (a tile this GPU cannot compile or run is skipped)
+            log.warning("MoE tile %s at %d pairs failed here: %s", tile, cls, exc)
+    return min(timings, key=timings.get) if timings else tile_config(cls)

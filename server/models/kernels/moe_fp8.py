@@ -24,7 +24,7 @@ import triton.language as tl
 
 from server.models.fp8.weight import Fp8Weight
 from server.models.kernels.fp8 import PROMOTE_K, quantize_rows
-from server.models.kernels.moe import align, tile_config
+from server.models.kernels.moe import Tile, align, tiles
 
 
 @triton.jit(do_not_specialize=["pairs"])
@@ -98,14 +98,15 @@ def _down_weighted_fp8(HQ, HS, W, WS, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden
 
 
 def fused_fp8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+                      ids: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """x [T, hidden] in the model dtype, gate_up [E, 2I, hidden] and down [E, hidden, I] stacked FP8,
-    weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the `experts.ExpertsFn` contract)."""
+    weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the `experts.ExpertsFn` contract);
+    `tile`: this one instead of the warm-up's choice (kernels/moe.py `tiles`)."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
     pairs = t * top_k
-    block_m, block_n, block_k, warps = tile_config(pairs)
+    block_m, block_n, block_k, warps = tile or tiles(gate_up, inter, pairs)
     promote = min(PROMOTE_K, block_k)
     rows, tile_expert = align(ids, num_experts, block_m)
     xq, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), gate_up.input_scale)
