@@ -68,6 +68,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -520,6 +521,8 @@ def summary(rows: list[dict]) -> dict:
             out.setdefault("kv_mla_vs_dense", {})[row["source"]] = row["kv_mla_vs_dense"]
         elif figure == "bandwidth":
             out["read_gb_s"] = row["read_gb_s"]
+        elif figure == "error":
+            out.setdefault("errors", []).append(f"{row['model']} {row['step']}: {row['error'][:200]}")
     return out
 
 
@@ -537,19 +540,29 @@ def main(argv: list[str] | None = None) -> int:
     real_spec = load_spec(real)
     kv_figure(rec, "layout (real shape, no weights)", real_spec, real_spec.cache_layout(1024, torch.bfloat16, "cpu"))
     read_gb_s = rec.add("bandwidth", **bandwidth())["read_gb_s"] if "engine" not in skip else 0.0
-    built = {}
-    for name in args.models.split(",") if "engine" not in skip or "texts" not in skip else []:
+    built, wanted = {}, [] if {"engine", "texts"} <= skip else args.models.split(",")
+    for name in wanted:
         shape = SHAPES[name]
         start = time.perf_counter()
         built[name] = build_moe_model(shape, args.workdir / f"{name}{'-tiny' if args.tiny else ''}-{args.layers}",
                                       args.layers, args.tiny)
         rec.add("model", model=name, dir=str(built[name]), build_s=time.perf_counter() - start, layers=args.layers)
         if "engine" not in skip:
-            engine_figures(rec, shape, built[name], read_gb_s, args, skip)
+            guarded(rec, name, engine_figures, rec, shape, built[name], read_gb_s, args, skip)
     for name, model_dir in built.items() if "texts" not in skip else []:
-        texts_figure(rec, SHAPES[name], model_dir, args)
+        guarded(rec, name, texts_figure, rec, SHAPES[name], model_dir, args)
     print("SUMMARY " + json.dumps(summary(rec.rows)), flush=True)
-    return 0
+    return 1 if any(r["figure"] == "error" for r in rec.rows) else 0
+
+
+def guarded(rec: Records, model: str, fn, *args: object) -> None:
+    """`fn(*args)`; an exception becomes an `error` line (the traceback on stderr) and the next model runs."""
+    try:
+        fn(*args)
+    except Exception as exc:  # one model's failure (e.g. out of memory) leaves the other's figures
+        traceback.print_exc()
+        rec.add("error", model=model, step=fn.__name__, error=f"{type(exc).__name__}: {exc}"[:2000])
+        release_memory()
 
 
 if __name__ == "__main__":
