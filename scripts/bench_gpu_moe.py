@@ -52,7 +52,7 @@ JSON lines. `--tiny` shrinks everything (8 experts, hidden 64, 2 layers, vocab 5
 the whole script runs on a CPU in well under a minute: the smoke test (tests/unit/test_bench_gpu_moe.py).
 
     python3 scripts/bench_gpu_moe.py --workdir /tmp/bench-moe --out $OUT/bench_gpu_moe.jsonl
-    python3 scripts/bench_gpu_moe.py --workdir /tmp/bench-moe-tiny --tiny --skip texts    # CPU smoke
+    OMP_NUM_THREADS=1 python3 scripts/bench_gpu_moe.py --workdir /tmp/bench-moe-tiny --tiny --skip texts  # CPU smoke
 """
 
 from __future__ import annotations
