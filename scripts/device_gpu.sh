@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (the device tool): install the serving wheels carried in .whl
 # (docs/GPU.md says which and why), then run what MODE names, logging under $OUT.
-#   MODE: tests | bench | serving | profile | load | disk | tp | spec | kv_stream | api | fp8 | fp8kv | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   MODE: tests | bench | serving | profile | load | disk | tp | spec | kv_stream | api | fp8 | fp8kv | moe | all   (extra arguments go to the benchmark; TESTS=paths narrows tests)
+#   moe: the MoE models (Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, 16 layers): b1 TPOT and c=64 tok/s against their
+#        rooflines, MLA KV bytes per token, aggregated = disaggregated texts (scripts/bench_gpu_moe.py); not part of `all'.
 #   fp8kv: FP8 KV cache against bf16 KV, same run (handoff, host-tier hit, b64 x 2k decode; ~3 min); not part of `all'.
 #   kv_stream: a 16k prompt's pair TTFT, KV streamed while prefilled vs sent after it; not part of `all'.
 #   load (serving under load; run it alone): records.jsonl, report.md, plots/ and bench_gpu_load.log under $OUT
@@ -60,6 +62,10 @@ if [[ "$mode" == api ]]; then  # what the API's features cost under load (json_s
 fi
 if [[ "$mode" == fp8kv ]]; then
   python3 scripts/bench_gpu_fp8_kv.py --workdir /tmp/bench-gpu --out "$out/bench_gpu_fp8_kv.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_fp8_kv.log" | grep -v '^SUMMARY'
+fi
+if [[ "$mode" == moe ]]; then
+  python3 scripts/bench_gpu_moe.py --workdir /tmp/bench-moe --out "$out/bench_gpu_moe.jsonl" "$@" 2>&1 | tee "$out/bench_gpu_moe.log" | grep -v '^SUMMARY'
+  grep '^SUMMARY' "$out/bench_gpu_moe.log"
 fi
 if [[ "$mode" == profile ]]; then
   python3 scripts/profile_gpu.py --workdir /tmp/bench-gpu "$@" 2>&1 | tee "$out/profile_gpu.log"
