@@ -26,7 +26,7 @@ from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
 from server.models.moe import moe_blocks
-from server.models.moe.experts import ExpertsFn
+from server.models.moe.experts import ExpertsFn, dense_experts
 from server.models.moe.load import ExpertLoad
 from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
@@ -187,8 +187,12 @@ class ModelRunner:
         """Run the step shapes the scheduler produces once and capture the decode graphs, so no
         request pays for a compile, a plan or a first use (server/models/warmup.py says what varies);
         returns the seconds it took (0 on the torch path)."""
-        if self.kernels != "triton" or self.model.spec.mla is not None:
+        if self.kernels != "triton":
             return 0.0
+        if self.model.spec.mla is not None:  # latent attention runs in torch, uncaptured: only the experts' tiles
+            start = time.perf_counter()
+            self._choose_expert_tiles()
+            return time.perf_counter() - start
         from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
         from server.models.warmup import warm_steps
 
@@ -255,13 +259,20 @@ class ModelRunner:
     def _choose_expert_tiles(self) -> None:
         """MoE models on CUDA: the grouped expert GEMMs' tile per step size, timed per experts' shape
         (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
-        from server.models.kernels.moe import CHOSEN, choose_tiles, fused_experts
+        from server.models.kernels.moe import CHOSEN, block_experts_compute, choose_tiles, fused_experts
         from server.models.kernels.moe_fp8 import fused_fp8_experts
         from server.models.moe import moe_blocks
 
         if self.device.type != "cuda":
             return
+        computes: dict[tuple, bool] = {}  # block-scaled experts' shape -> do the grouped kernels compute them
         for block in moe_blocks(self.model).values():
+            if block.experts is fused_experts and isinstance(block.gate_up, Fp8Weight):
+                shape = tuple(block.gate_up.shape)
+                if shape not in computes:
+                    computes[shape] = block_experts_compute(block.gate_up, block.down, self.dtype)
+                if not computes[shape]:
+                    block.experts = dense_experts  # this GPU's grouped block-scaled kernels computed wrong
             if block.experts in (fused_experts, fused_fp8_experts):
                 choose_tiles(block.experts, block.gate_up, block.down, block.spec.top_k, self.dtype,
                              self.max_num_tokens)

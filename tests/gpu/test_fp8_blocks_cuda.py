@@ -78,3 +78,18 @@ def test_grouped_block_scaled_experts_compute_the_dequantized_experts(tokens: in
     got = fused_experts(x, gate_up, down, weights, ids).float()
     ref = dense_experts(x.float(), gate_up.dequantize(), down.dequantize(), weights, ids)
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_warm_up_checks_keep_the_block_scaled_kernels_on_this_gpu() -> None:
+    """The warm-up's checks (fp8/linear.py `_check_blocks`, kernels/moe.py `block_experts_compute`)
+    find the kernels right here, so block-scaled weights are served by them, not dequantized."""
+    from server.models.fp8.experts import stack_experts
+    from server.models.fp8.linear import Fp8Linears
+    from server.models.kernels.moe import block_experts_compute
+
+    linears = Fp8Linears()
+    linears.choose([_weight(7168, 2048)], [None], torch.bfloat16)
+    assert not linears.blocks_off
+    gate_up = stack_experts([_weight(2 * 2048, 7168) for _ in range(4)])
+    down = stack_experts([_weight(7168, 2048) for _ in range(4)])
+    assert block_experts_compute(gate_up, down, torch.bfloat16)

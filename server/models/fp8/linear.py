@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from server.models.fp8.weight import Fp8Weight, w8a8_linear
+from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
 from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
 from server.models.kernels.fp8_blocks import block_fp8_gemm
 from server.models.kernels.gemv import cuda_ms
@@ -68,11 +68,14 @@ class Fp8Linears:
         self.chosen: dict[tuple[int, int, int], Path] = {}
         self.timings: dict[tuple[int, int, int], dict[str, float]] = {}  # what `choose` measured, in ms
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self.blocks_off: set[tuple[int, int]] = set()  # block-scaled shapes whose GEMM computed wrong here
 
     def linear(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if w.block_k:  # a block-scaled checkpoint's weight (fp8/blocks.py): its own GEMM, x not quantized
+            if w.shape in self.blocks_off:
+                return dequantized_linear(x, w, bias)
             return block_fp8_gemm(x, w.qweight, w.scale, w.block_k, bias)
         n, k = w.shape
         path = None if x.shape[0] > LONG_ROWS else self.chosen.get((n, k, row_class(x.shape[0])))
@@ -103,7 +106,10 @@ class Fp8Linears:
     def choose(self, weights: list[Fp8Weight], biases: list[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Time every path for one weight shape (every layer's weight of it) per row class (CUDA only)."""
         n, k = weights[0].shape
-        if weights[0].device.type != "cuda" or weights[0].block_k or (n, k, ROW_CLASSES[0]) in self.chosen:
+        if weights[0].device.type == "cuda" and weights[0].block_k:
+            self._check_blocks(weights[0], dtype)
+            return
+        if weights[0].device.type != "cuda" or (n, k, ROW_CLASSES[0]) in self.chosen:
             return
         ours = os.environ.get("PDSERVE_SKINNY_GEMV", "1") != "0"
         for rows in (*ROW_CLASSES, PREFILL_ROWS):
@@ -128,6 +134,21 @@ class Fp8Linears:
             log.warning("FP8 GEMM %s on %s at %d rows failed here: %s", _name(path), tuple(weights[0].shape),
                         x.shape[0], exc)
             return None
+
+    def _check_blocks(self, w: Fp8Weight, dtype: torch.dtype) -> None:
+        """A block-scaled shape's GEMM against the dequantized weight's product at a decode and a prefill
+        row count; where it is off (or fails) here, that shape runs dequantized instead."""
+        try:
+            for rows in (ROW_CLASSES[0], PREFILL_ROWS):
+                x = torch.randn(rows, w.shape[1], dtype=dtype, device=w.device)
+                ref = dequantized_linear(x, w, None).float()
+                got = block_fp8_gemm(x, w.qweight, w.scale, w.block_k, None).float()
+                error = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                if error > CHECK_TOLERANCE:
+                    raise ValueError(f"off by {error:.3g} of the reference at {rows} rows")
+        except Exception as exc:  # noqa: BLE001 (a kernel this GPU cannot compile or run is not served)
+            log.warning("block-scaled FP8 GEMM on %s: %s; that shape runs dequantized", tuple(w.shape), exc)
+            self.blocks_off.add(w.shape)
 
     def _sweep(self, path: Path, x: torch.Tensor, pairs: list[tuple[Fp8Weight, torch.Tensor | None]]) -> None:
         for w, b in pairs:  # each output freed before the next: the pool is already allocated

@@ -248,3 +248,26 @@ def _fastest_tile(step: Callable[[Tile], torch.Tensor], cls: int) -> Tile:
         except Exception as exc:  # noqa: BLE001 (a tile this GPU cannot compile or run is skipped)
             log.warning("MoE tile %s at %d pairs failed here: %s", tile, cls, exc)
     return min(timings, key=timings.get) if timings else tile_config(cls)
+
+
+def block_experts_compute(gate_up: Fp8Weight, down: Fp8Weight, dtype: torch.dtype) -> bool:
+    """At warm-up: do the grouped kernels compute block-scaled experts as the torch path does with the
+    dequantized weights on this GPU (a decode step and a prefill step, the first experts' weights)?"""
+    from server.models.moe.experts import dense_experts
+
+    top_k = min(2, gate_up.shape[0])
+    part_up, part_down = (Fp8Weight(w.qweight[:top_k], w.scale[:top_k], w.input_scale, w.block_k)
+                          for w in (gate_up, down))
+    try:
+        for tokens in (1, 64):
+            x = torch.randn(tokens, gate_up.shape[-1], dtype=dtype, device=gate_up.qweight.device)
+            ids = torch.arange(top_k, device=x.device).repeat(tokens, 1)
+            weights = torch.rand(tokens, top_k, device=x.device)
+            ref = dense_experts(x.float(), part_up.dequantize(), part_down.dequantize(), weights, ids)
+            got = fused_experts(x, part_up, part_down, weights, ids).float()
+            if ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() > CHECK_TOLERANCE:
+                raise ValueError(f"off at {tokens} tokens")
+    except Exception as exc:  # noqa: BLE001 (kernels this GPU cannot compile or run are not served)
+        log.warning("grouped block-scaled FP8 experts %s: %s; the experts run dequantized", tuple(gate_up.shape), exc)
+        return False
+    return True
