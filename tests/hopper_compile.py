@@ -16,6 +16,8 @@ from triton.compiler import ASTSource
 
 from server.models.fp8.linear import CONFIGS
 from server.models.kernels import fp8 as K
+from server.models.kernels import fp8_blocks as KB
+from server.models.kernels import moe as GROUPED
 from server.models.kernels import moe_fp8 as MOE
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -33,7 +35,16 @@ GATE_UP = {"XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "ROW
 DOWN = {"HQ": "*fp8e4nv", "HS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "SCALE": "*fp32", "ROWS": "*i64",
         "TILE_EXPERT": "*i64", "Y": "*bf16", **{k: v for k, v in MOE_INTS.items() if k != "top_k"},
         "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_ym": "i32"}
-MOE_TILES = (16, 64, 1024, 4096)  # pair counts that pick each of kernels/moe.py's tile configs
+MOE_TILES = sorted({t for tiles in GROUPED.CANDIDATES.values() for t in tiles})  # what the warm-up may choose
+BLOCK_GEMM = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
+              "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32"}
+# the float grouped kernels, with block-scaled float8 weights (W float8, S their scales)
+BLOCK_GATE_UP = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64", "H": "*bf16",
+                 **MOE_INTS, "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
+                 "stride_sn": "i32", "stride_hm": "i32"}
+BLOCK_DOWN = {"H": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "SCALE": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
+              "Y": "*bf16", **{k: v for k, v in MOE_INTS.items() if k != "top_k"}, "stride_hm": "i32",
+              "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_ym": "i32"}
 
 
 def compile_one(fn, signature: dict[str, str], constexprs: dict, unspecialised: tuple[str, ...], **options) -> dict:
@@ -57,10 +68,17 @@ def variants():
                               "SWAP": swap, "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": static}
                 signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
                 yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
-    for block_m, block_n, block_k, warps in sorted({MOE.tile_config(p) for p in MOE_TILES}):
+    for block_m, block_n, block_k, warps in MOE_TILES:
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PROMOTE": min(K.PROMOTE_K, block_k)}
         for fn, signature in ((MOE._gate_up_silu_fp8, GATE_UP), (MOE._down_weighted_fp8, DOWN)):
             yield fn, signature, constexprs, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
+        blocked = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCKED": True, "GROUP_K": 128}
+        for fn, signature in ((GROUPED._gate_up_silu, BLOCK_GATE_UP), (GROUPED._down_weighted, BLOCK_DOWN)):
+            yield fn, signature, blocked, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
+    for rows in (1, 32, 64, 256):
+        constexprs = {"HAS_BIAS": False, "BLOCK_M": K.block_m(rows), "BLOCK_N": KB.tile_n(rows), "BLOCK_K": 128,
+                      "GROUP_K": 128, "IEEE": False}
+        yield KB._fp8_block_gemm, BLOCK_GEMM, constexprs, ("M",), {"num_warps": 4, "num_stages": 3}
 
 
 def main() -> int:

@@ -186,7 +186,7 @@ def fp8_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> t
 
 
 def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
-    """The GPU's own compile of every kernel variant the warm-up may run (tests/hopper_compile.py), for
+    """The GPU's own compile of every FP8 kernel variant the warm-up may run (tests/hopper_compile.py), for
     sm_90, with no GPU: wgmma where the tile allows it, loads pipelined (cp.async), shared memory within
     the H200's 227 KiB."""
     pytest.importorskip("triton.backends.nvidia", reason="the Triton wheel without its NVIDIA backend")
@@ -203,6 +203,14 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     results = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in lines]
     assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in results), done.stdout
     assert any(r["wgmma"] for r in results), done.stdout
-    moe = [line for line in done.stdout.splitlines() if line.startswith(("_gate_up_silu_fp8", "_down_weighted_fp8"))]
-    assert len(moe) == 6, done.stdout  # the grouped FP8 experts' two kernels (kernels/moe_fp8.py), 3 tile configs each
-    assert all(ast.literal_eval(line[line.rindex("{'shared'"):])["pipelined"] for line in moe), done.stdout
+    from server.models.kernels.moe import CANDIDATES
+
+    tiles = len({t for candidates in CANDIDATES.values() for t in candidates})
+    moe = [line for line in done.stdout.splitlines() if line.startswith(("_gate_up_silu", "_down_weighted"))]
+    # the grouped FP8 experts' two kernels (kernels/moe_fp8.py) and the float ones with block-scaled float8
+    # weights (kernels/moe.py), at every tile the warm-up may choose; the block-scaled GEMM at 4 row counts
+    assert len(moe) == 4 * tiles and sum("BLOCKED" in line for line in moe) == 2 * tiles, done.stdout
+    blocks = [line for line in done.stdout.splitlines() if line.startswith("_fp8_block_gemm")]
+    assert len(blocks) == 4, done.stdout
+    compiled = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in moe + blocks]
+    assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in compiled), done.stdout

@@ -101,10 +101,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 def _widened_dot(x, w, S, offs_s, live_s, k0, BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
     """x @ w in float32; BLOCKED: w is float8, widened to x's dtype (exact), and the product scaled by
     S[offs_s + k0 // GROUP_K], the weight's scale for these columns and this block of rows of w."""
-    if BLOCKED:
+    if BLOCKED:  # (a constexpr branch: only the one taken is compiled)
         s = tl.load(S + offs_s + k0 // GROUP_K, mask=live_s, other=0.0)
-        return tl.dot(x, w.to(x.dtype), input_precision="ieee") * s[None, :]
-    return tl.dot(x, w, input_precision="ieee")
+        out = tl.dot(x, w.to(x.dtype), input_precision="ieee") * s[None, :]
+    else:
+        out = tl.dot(x, w, input_precision="ieee")
+    return out
 
 
 @triton.jit(do_not_specialize=["pairs"])
