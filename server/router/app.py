@@ -104,8 +104,7 @@ def _build_state(settings: RouterConfig) -> RouterState:
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     registry = CollectorRegistry()
-    routing = Routing(settings, context, generation, registry)
-    routing.follow_events(client, settings.auth_token, registry)
+    routing = Routing(settings, context, generation, registry, client)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
