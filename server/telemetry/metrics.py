@@ -114,69 +114,6 @@ _KV_COUNTERS = (
 )
 
 
-class _ScrapeCollector:
-    """The owners' cumulative counters, read once per scrape (custom collector)."""
-
-    def __init__(self) -> None:
-        self.stats: StatsProvider | None = None
-        self.counters: CountersProvider = EngineCounters
-        self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
-
-    def describe(self) -> Iterator[Metric]:
-        yield from _kv_families(None)
-        yield from self._counter_families(EngineCounters())
-
-    def collect(self) -> Iterator[Metric]:
-        yield from _kv_families(self.stats() if self.stats is not None else None)
-        yield from self._counter_families(self.counters())
-
-    def _counter_families(self, counters: EngineCounters) -> Iterator[Metric]:
-        transfers = list(counters.transfers)
-        for name, help_text, label, field in (
-            ("pdserve_kv_transfer_failures", "Failed KV transfers by reason.", "reason", "failures_by_reason"),
-            ("pdserve_kv_transfer_phase_seconds", "Successful KV pulls' time by phase: wait (until the first "
-             "answer arrives), apply (checking and writing chunks), rest.", "phase", "phase_seconds"),
-        ):
-            family = CounterMetricFamily(name, help_text, labels=[label])
-            for key, value in _summed(getattr(stats, field) for stats in transfers).items():
-                family.add_metric([key], value, created=self.created)
-            yield family
-        spec = counters.spec
-        for name, help_text, value in (
-            ("pdserve_kv_transfer_lease_expired",
-             "Context-side block leases that expired before the transfer ended.",
-             sum(s.lease_expired for s in transfers)),
-            ("pdserve_kv_transfer_streamed",
-             "KV transfers that ran while the prompt was prefilled (kv_stream), sent or pulled.",
-             sum(s.streamed for s in transfers)),
-            ("pdserve_kv_transfer_rejected_messages",
-             "Transceiver messages dropped (bad MAC, version or encoding).",
-             sum(s.rejected_messages for s in transfers)),
-            ("pdserve_num_preemptions", "Requests preempted (blocks released, resumed later).",
-             counters.preemptions),
-            ("pdserve_spec_draft_tokens", "Speculative decoding: draft tokens verified.", spec.proposed),
-            ("pdserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.", spec.accepted),
-            ("pdserve_spec_emitted_tokens", "Speculative decoding: tokens emitted by verify steps "
-             "(accepted drafts and one more each).", spec.emitted),
-            ("pdserve_spec_verify_steps", "Speculative decoding: verify steps (one request in one step).",
-             spec.verified),
-        ):
-            yield CounterMetricFamily(name, help_text, value, created=self.created)
-        yield GaugeMetricFamily("pdserve_spec_acceptance_rate", "Speculative decoding since start: accepted "
-                                "draft tokens / draft tokens verified (0 before any).",
-                                spec.accepted / spec.proposed if spec.proposed else 0.0)
-        yield GaugeMetricFamily("pdserve_spec_tokens_per_step", "Speculative decoding since start: tokens a "
-                                "request emits per verify step (1 + accepted drafts; 0 before any).",
-                                spec.emitted / spec.verified if spec.verified else 0.0)
-        family = CounterMetricFamily("pdserve_moe_expert_tokens", "Mixture-of-experts models: tokens routed "
-                                     "to each expert of each sparse layer (each token counts top_k times).",
-                                     labels=["layer", "expert"])
-        for layer, tokens in sorted(counters.expert_tokens.items()):
-            for expert, count in enumerate(tokens):
-                family.add_metric([str(layer), str(expert)], count, created=self.created)
-        yield family
-
-
 def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for counts in maps:
@@ -232,16 +169,16 @@ def _observing(key: str) -> Callable[[ServerMetrics, float], None]:
 
 
 class ServerMetrics:
-    """All metrics of one server, in a private registry. Thread-safe."""
+    """All metrics of one server, in a private registry. Thread-safe. The owners' cumulative counters
+    are read once per scrape (it is the registry's custom collector) from `stats_provider` and
+    `counters_provider`."""
 
     def __init__(self, stats_provider: StatsProvider | None = None,
-                 counters_provider: CountersProvider | None = None) -> None:
+                 counters_provider: CountersProvider = EngineCounters) -> None:
+        self.stats_provider, self.counters_provider = stats_provider, counters_provider
+        self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        self._scraped = _ScrapeCollector()
-        self._scraped.stats = stats_provider
-        if counters_provider is not None:
-            self._scraped.counters = counters_provider
-        reg.register(self._scraped)
+        reg.register(self)
         self._requests = Gauge("pdserve_requests", "Requests per scheduler state.", ["state"], registry=reg)
         for state in REQUEST_STATES:
             self._requests.labels(state).set(0)
@@ -257,13 +194,59 @@ class ServerMetrics:
         self._xfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer time.",
                                        buckets=TRANSFER_BUCKETS, registry=reg)
 
-    def set_stats_provider(self, provider: StatsProvider | None) -> None:
-        """The callable returning the KV manager's cumulative stats (called at every scrape)."""
-        self._scraped.stats = provider
+    def describe(self) -> Iterator[Metric]:
+        yield from _kv_families(None)
+        yield from self._counter_families(EngineCounters())
 
-    def set_counters_provider(self, provider: CountersProvider) -> None:
-        """The callable returning the engine's `EngineCounters` (called at every scrape)."""
-        self._scraped.counters = provider
+    def collect(self) -> Iterator[Metric]:
+        yield from _kv_families(self.stats_provider() if self.stats_provider is not None else None)
+        yield from self._counter_families(self.counters_provider())
+
+    def _counter_families(self, counters: EngineCounters) -> Iterator[Metric]:
+        transfers = list(counters.transfers)
+        for name, help_text, label, field in (
+            ("pdserve_kv_transfer_failures", "Failed KV transfers by reason.", "reason", "failures_by_reason"),
+            ("pdserve_kv_transfer_phase_seconds", "Successful KV pulls' time by phase: wait (until the first "
+             "answer arrives), apply (checking and writing chunks), rest.", "phase", "phase_seconds"),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=[label])
+            for key, value in _summed(getattr(stats, field) for stats in transfers).items():
+                family.add_metric([key], value, created=self.created)
+            yield family
+        spec = counters.spec
+        for name, help_text, value in (
+            ("pdserve_kv_transfer_lease_expired",
+             "Context-side block leases that expired before the transfer ended.",
+             sum(s.lease_expired for s in transfers)),
+            ("pdserve_kv_transfer_streamed",
+             "KV transfers that ran while the prompt was prefilled (kv_stream), sent or pulled.",
+             sum(s.streamed for s in transfers)),
+            ("pdserve_kv_transfer_rejected_messages",
+             "Transceiver messages dropped (bad MAC, version or encoding).",
+             sum(s.rejected_messages for s in transfers)),
+            ("pdserve_num_preemptions", "Requests preempted (blocks released, resumed later).",
+             counters.preemptions),
+            ("pdserve_spec_draft_tokens", "Speculative decoding: draft tokens verified.", spec.proposed),
+            ("pdserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.", spec.accepted),
+            ("pdserve_spec_emitted_tokens", "Speculative decoding: tokens emitted by verify steps "
+             "(accepted drafts and one more each).", spec.emitted),
+            ("pdserve_spec_verify_steps", "Speculative decoding: verify steps (one request in one step).",
+             spec.verified),
+        ):
+            yield CounterMetricFamily(name, help_text, value, created=self.created)
+        yield GaugeMetricFamily("pdserve_spec_acceptance_rate", "Speculative decoding since start: accepted "
+                                "draft tokens / draft tokens verified (0 before any).",
+                                spec.accepted / spec.proposed if spec.proposed else 0.0)
+        yield GaugeMetricFamily("pdserve_spec_tokens_per_step", "Speculative decoding since start: tokens a "
+                                "request emits per verify step (1 + accepted drafts; 0 before any).",
+                                spec.emitted / spec.verified if spec.verified else 0.0)
+        family = CounterMetricFamily("pdserve_moe_expert_tokens", "Mixture-of-experts models: tokens routed "
+                                     "to each expert of each sparse layer (each token counts top_k times).",
+                                     labels=["layer", "expert"])
+        for layer, tokens in sorted(counters.expert_tokens.items()):
+            for expert, count in enumerate(tokens):
+                family.add_metric([str(layer), str(expert)], count, created=self.created)
+        yield family
 
     observe_ttft = _observing("ttft")
     observe_tpot = _observing("tpot")

@@ -136,8 +136,8 @@ class RelayedMetrics:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._figures = EngineFigures()
-        metrics.set_stats_provider(lambda: self._figures.kv)
-        metrics.set_counters_provider(self.counters)
+        metrics.stats_provider = lambda: self._figures.kv
+        metrics.counters_provider = self.counters
 
     def counters(self) -> EngineCounters:
         figures = self._figures
