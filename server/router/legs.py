@@ -180,10 +180,8 @@ class Legs:
             return await call("POST", backend.url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            error = LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
-                             untouched=isinstance(exc, ConnectError))
-            error.lost = isinstance(exc, ReadError)
-            raise error from exc
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
+                           untouched=isinstance(exc, ConnectError), lost=isinstance(exc, ReadError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
 
