@@ -1,7 +1,7 @@
 """Prometheus metrics of one pdserve server (engine, KV cache, KV transfer), in a registry of its own.
 
 Cumulative counters (the KV manager's `KVCacheStats`, preemptions, `TransferStats`) are read at
-scrape time by custom collectors from the engine's last state, so a scrape copies the owners'
+scrape time (`ServerMetrics.collect`) from the engine's last state, so a scrape copies the owners'
 counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
 the engine loop recorded (server/telemetry/relay.py). The metric names are part of the acceptance
 checks: keep them exactly."""
@@ -169,9 +169,7 @@ def _observing(key: str) -> Callable[[ServerMetrics, float], None]:
 
 
 class ServerMetrics:
-    """All metrics of one server, in a private registry. Thread-safe. The owners' cumulative counters
-    are read once per scrape (it is the registry's custom collector) from `stats_provider` and
-    `counters_provider`."""
+    """All metrics of one server, in a private registry whose custom collector it is. Thread-safe."""
 
     def __init__(self, stats_provider: StatsProvider | None = None,
                  counters_provider: CountersProvider = EngineCounters) -> None:
