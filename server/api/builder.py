@@ -119,14 +119,12 @@ def _completion_prompts(body: CompletionRequest, tokenizer, vocab_size: int) -> 
     """A string, token ids, or a list of several of those."""
     prompt = body.prompt
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return [_one_prompt(prompt, tokenizer, vocab_size, "prompt")]
-    return [_one_prompt(p, tokenizer, vocab_size, f"prompt.{i}") for i, p in enumerate(prompt)]
-
-
-def _one_prompt(prompt: str | list[int], tokenizer, vocab_size: int, param: str) -> Prompt:
-    if isinstance(prompt, str) and prompt:
-        return Prompt(list(tokenizer.encode(prompt)), prompt, param)
-    return Prompt(_token_ids(prompt, vocab_size, param), None, param)  # an empty string is refused there too
+        named = [("prompt", prompt)]
+    else:
+        named = [(f"prompt.{i}", p) for i, p in enumerate(prompt)]
+    return [Prompt(list(tokenizer.encode(p)), p, param) if isinstance(p, str) and p
+            else Prompt(_token_ids(p, vocab_size, param), None, param)  # an empty string is refused there too
+            for param, p in named]
 
 
 def _token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:

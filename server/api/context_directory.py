@@ -1,7 +1,7 @@
 """Generation side: the KV endpoints of this deployment's context servers, asked of them
 (`GET /kv_cache/endpoint`; docs/SECURITY.md).
 
-An unknown endpoint triggers one shared refresh; a background task refreshes every `interval_s`,
+An unknown endpoint triggers one shared refresh; a background task refreshes every INTERVAL_S,
 and endpoints stay known after their server dies (a pull then fails as unreachable, not foreign).
 One HTTP client serves every refresh (building one costs tens of milliseconds of the event loop)."""
 
@@ -18,19 +18,18 @@ from server.auth import token_headers
 
 log = logging.getLogger(__name__)
 ENDPOINT_PATH = "/kv_cache/endpoint"
+TIMEOUT_S = 2.0
+INTERVAL_S = 2.0  # the background refresh's
 
 
 class ContextDirectory:
-    def __init__(self, context_urls: Sequence[str], token: str | None, *, timeout_s: float = 2.0,
-                 min_refresh_s: float = 0.5, interval_s: float = 2.0) -> None:
+    def __init__(self, context_urls: Sequence[str], token: str | None, *, min_refresh_s: float = 0.5) -> None:
         self.context_urls = tuple(u if u.startswith("http") else f"http://{u}" for u in context_urls)
         self._headers = token_headers(token)
-        self._timeout_s = timeout_s
         self._min_refresh_s = min_refresh_s
         self._endpoints: dict[str, str] = {}  # context URL -> its KV endpoint
         self._last_refresh = float("-inf")
         self._lock = asyncio.Lock()
-        self._interval_s = interval_s
         self._task: asyncio.Task | None = None
         self._nudged: asyncio.Task | None = None
         self._client: httpx.AsyncClient | None = None  # made on the first refresh, in the server's loop
@@ -66,7 +65,7 @@ class ContextDirectory:
         while True:
             async with self._lock:
                 await self.refresh()
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(INTERVAL_S)
 
     @property
     def endpoints(self) -> frozenset[str]:
@@ -86,7 +85,7 @@ class ContextDirectory:
     async def refresh(self) -> None:
         self._last_refresh = time.monotonic()
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout_s, trust_env=False)
+            self._client = httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False)
         found = await asyncio.gather(*(self._ask(self._client, url) for url in self.context_urls))
         for url, endpoint in zip(self.context_urls, found, strict=True):
             if endpoint is not None:

@@ -28,27 +28,22 @@ def output_error(output: RequestOutput) -> APIError:
     return APIError(status, output.error or "the engine failed the request", code="engine_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {str(first.get('msg')).removeprefix('Invalid JSON: ')}", None
-    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None  # "messages.0.role"
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    where = f"'{field}'" if field else "request body"
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{where}: {msg}{more}", field
-
-
 async def _on_api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
 
 
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:
-    message, field = _validation_message(exc)
-    return error_response(400, message, param=field)
+    errors = exc.errors()
+    if not errors:
+        return error_response(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {str(first.get('msg')).removeprefix('Invalid JSON: ')}")
+    field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None  # "messages.0.role"
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = f"'{field}'" if field else "request body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return error_response(400, f"{where}: {msg}{more}", param=field)
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> Response:

@@ -34,9 +34,7 @@ def server_view(backend: Backend, window: Window, now: float) -> dict:
     view.update(
         requests={state: int(v) for state, v in latest.by_label("pdserve_requests", "state").items()},
         pool=pool_view(latest.series.get("pdserve_kv_cache_blocks", [])),
-        prefix_hit_rate=_ratio(window.increase(HIT, now), window.increase(QUERY, now)),
-        offload_per_s=window.rate("pdserve_kv_offloaded_blocks_total", now),
-        onboard_per_s=window.rate("pdserve_kv_onboarded_blocks_total", now),
+        **cache_view([window], now),
         tokens_per_s=window.rate("pdserve_generation_tokens_total", now),
         transfers=transfer_view([window], now),
         speculation=spec_view([window], now),
@@ -70,6 +68,14 @@ def transfer_view(windows: list[Window], now: float) -> dict:
             "bytes_per_s": _sum(w.rate("pdserve_kv_transfer_bytes_total", now) for w in windows)}
 
 
+def cache_view(windows: list[Window], now: float) -> dict:
+    """The prefix cache's hit rate over the window; offloads and onboards per second."""
+    return {"prefix_hit_rate": _ratio(sum(w.increase(HIT, now) for w in windows),
+                                      sum(w.increase(QUERY, now) for w in windows)),
+            "offload_per_s": _sum(w.rate("pdserve_kv_offloaded_blocks_total", now) for w in windows),
+            "onboard_per_s": _sum(w.rate("pdserve_kv_onboarded_blocks_total", now) for w in windows)}
+
+
 def spec_view(windows: list[Window], now: float) -> dict:
     """Speculative decoding over the window: acceptance, tokens per verify step, drafts per second."""
     def increase(name: str) -> float:
@@ -92,9 +98,7 @@ def deployment_view(backends: list[Backend], windows: Mapping[str, Window], rout
         "requests": int(latest.value("pdserve_router_requests_total")) if latest else 0,
         "errors": int(latest.value("pdserve_router_requests_total", outcome="error")) if latest else 0,
         "requests_per_s": router.rate("pdserve_router_requests_total", now),
-        "prefix_hit_rate": _ratio(sum(w.increase(HIT, now) for w in every), sum(w.increase(QUERY, now) for w in every)),
-        "offload_per_s": _sum(w.rate("pdserve_kv_offloaded_blocks_total", now) for w in every),
-        "onboard_per_s": _sum(w.rate("pdserve_kv_onboarded_blocks_total", now) for w in every),
+        **cache_view(every, now),
         "transfers": transfers,
         "speculation": spec_view(of_roles(DECODE_ROLES), now),
         "ttft": percentiles(merge_buckets(w.bucket_increase(TTFT, now) for w in of_roles(FIRST_TOKEN_ROLES))),

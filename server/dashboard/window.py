@@ -17,13 +17,12 @@ STALE_S = 5.0  # a source whose newest sample is older than this has no rate
 
 
 class Window:
-    def __init__(self, span_s: float = WINDOW_S) -> None:
-        self.span_s = span_s
+    def __init__(self) -> None:
         self.samples: deque[Sample] = deque()
 
     def add(self, sample: Sample) -> None:
         self.samples.append(sample)
-        while self.samples and self.samples[0].t < sample.t - self.span_s:
+        while self.samples and self.samples[0].t < sample.t - WINDOW_S:
             self.samples.popleft()
 
     @property

@@ -9,9 +9,8 @@ from starlette.requests import Request
 
 from server.openai.wire import JSONBody
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error",
-          422: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 502: "bad_gateway",
+          503: "service_unavailable"}  # any other: invalid_request_error below 500, else server_error
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:

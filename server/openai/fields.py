@@ -64,19 +64,13 @@ def refused(*accepted: Any, hint: str = "") -> Any:
     return Annotated[Any, AfterValidator(check), Field(exclude=True)]
 
 
-def warn_unknown(model: str, names: set[str]) -> None:
-    """Log each of `names` once per process and model (bodies are validated on the event loop's thread)."""
-    for name in sorted(names):
-        _warn_once(model, name)
-
-
-@functools.cache
+@functools.cache  # once per process, model and name
 def _warn_once(model: str, name: str) -> None:
     log.warning("%s: ignoring unknown field '%s' (no API pdserve implements has it; a typo?)", model, name)
 
 
 class Lenient(BaseModel):
-    """Unknown fields are ignored, each name logged once (`warn_unknown`)."""
+    """Unknown fields are ignored, each name logged once."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -84,9 +78,8 @@ class Lenient(BaseModel):
     @classmethod
     def _log_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            unknown = {k for k in data if isinstance(k, str)} - _known_names(cls)
-            if unknown:
-                warn_unknown(cls.__name__, unknown)
+            for name in sorted({k for k in data if isinstance(k, str)} - _known_names(cls)):
+                _warn_once(cls.__name__, name)
         return data
 
 

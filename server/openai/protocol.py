@@ -6,6 +6,7 @@ docs/API.md lists them). Checks that need the server or cross fields are in serv
 
 from __future__ import annotations
 
+from operator import not_
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, field_validator
@@ -28,10 +29,6 @@ RequestType = Literal["context_only", "generation_only", "context_and_generation
 CompactLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
-def _unset(value: Any) -> bool:
-    return not value
-
-
 @dataclass(frozen=True, config=ConfigDict(extra="ignore", coerce_numbers_to_str=True))  # TRT-LLM sends int ids
 class DisaggParams:
     """TensorRT-LLM's `disaggregated_params` (the fields pdserve uses): the one shape the router sends,
@@ -47,24 +44,24 @@ class DisaggParams:
     # Set by the router on requests only (left out of a body while unset), but cache_salt:
     # generation_only: the router already streamed the text of first_gen_tokens (and a chat role
     # chunk) under the id continued_response_id(ctx_request_id); stream only what follows, under it
-    first_text_streamed: bool = Field(default=False, exclude_if=_unset)
+    first_text_streamed: bool = Field(default=False, exclude_if=not_)
     # the cache_salt the context server hashed the prompt's blocks with: the generation server
     # reuses its own cache, and pulls, under the same one
     cache_salt: str | None = None
     # Migration (the router moves a stream whose generation server died, server/router/migration.py):
     # the last `prior_output_tokens` prompt tokens are the request's output so far, their text already
     # streamed; max_tokens/min_tokens count them, text and usage are reported relative to them.
-    prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_unset)
-    response_id: str | None = Field(default=None, exclude_if=_unset)  # generation_only: the stream to continue
-    report_tokens: bool = Field(default=False, exclude_if=_unset)  # streamed: token ids in an SSE comment
+    prior_output_tokens: int = Field(default=0, ge=0, exclude_if=not_)
+    response_id: str | None = Field(default=None, exclude_if=not_)  # generation_only: the stream to continue
+    report_tokens: bool = Field(default=False, exclude_if=not_)  # streamed: token ids in an SSE comment
     # KV streamed while the prompt is prefilled (server/api/context_stream.py). context_only: the router
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
-    kv_stream: bool = Field(default=False, exclude_if=_unset)
+    kv_stream: bool = Field(default=False, exclude_if=not_)
     # Log-probabilities only the context server can compute, in its answer (server/api/disagg_logprobs.py):
     # first_gen_logprobs one per choice, its first token's; prompt_logprobs echo's, the first null.
-    first_gen_logprobs: tuple[CompactLogprob, ...] | None = Field(default=None, exclude_if=_unset)
-    prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=_unset)
+    first_gen_logprobs: tuple[CompactLogprob, ...] | None = Field(default=None, exclude_if=not_)
+    prompt_logprobs: tuple[CompactLogprob | None, ...] | None = Field(default=None, exclude_if=not_)
 
 
 DISAGG_PARAMS = TypeAdapter(DisaggParams)  # validates and dumps it outside a request model

@@ -11,14 +11,8 @@ from starlette.responses import Response
 __all__ = ["JSONBody", "dumps", "loads"]
 
 
-def loads(data: bytes | str) -> Any:
-    """The JSON value of `data`; ValueError if it is not JSON."""
-    return from_json(data)
-
-
-def dumps(value: Any) -> bytes:
-    """JSON bytes of `value` (dicts, lists, pydantic models and dataclasses)."""
-    return to_json(value)
+loads = from_json  # ValueError if it is not JSON
+dumps = to_json  # dicts, lists, pydantic models and dataclasses -> bytes
 
 
 class JSONBody(Response):

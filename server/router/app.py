@@ -104,8 +104,7 @@ def _build_state(settings: RouterConfig) -> RouterState:
     context = [Backend(_http(u), "context") for u in settings.context_urls]
     generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
     registry = CollectorRegistry()
-    routing = Routing(settings, context, generation, registry)
-    routing.follow_events(client, settings.auth_token, registry)
+    routing = Routing(settings, context, generation, registry, client)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
@@ -224,9 +223,7 @@ async def _health(request: Request) -> Response:
     if request.app.state.drain.draining:
         return JSONBody(request.app.state.drain.report(), 503)
     state: RouterState = request.app.state.router
-    ctx_ok = any(b.healthy for b in state.context)
-    gen_ok = any(b.healthy for b in state.generation)
-    ok = gen_ok and (ctx_ok or not state.context)
+    ok = any(b.healthy for b in state.generation) and (not state.context or any(b.healthy for b in state.context))
     detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
               for b in state.context + state.generation}
     return JSONBody({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)

@@ -30,10 +30,6 @@ class RouterAccess:
     open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS
     tenant_salt_from_api_key: bool = False
 
-    @property
-    def required(self) -> bool:
-        return bool(self.api_keys)
-
     def is_open(self, path: str) -> bool:
         """An open path needs no key: listed exactly, or under an entry ending in `*` (a prefix)."""
         return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.open_paths)
@@ -97,7 +93,7 @@ class ApiKeyMiddleware:
         self.app, self.access = app, access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.access.required or self.access.is_open(scope["path"]):
+        if scope["type"] != "http" or not self.access.api_keys or self.access.is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _bearer(scope)

@@ -14,6 +14,7 @@ from server.router.http_client import HttpClient, HttpError, Response
 from server.router.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
+CHECK_TIMEOUT_S = 2.0
 
 
 @dataclass(eq=False)
@@ -53,10 +54,8 @@ class Backend:
 class HealthMonitor:
     """Polls every backend's /health on an interval."""
 
-    def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0) -> None:
-        self.backends, self.client = backends, client
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+    def __init__(self, backends: list[Backend], client: HttpClient, *, interval_s: float = 1.0) -> None:
+        self.backends, self.client, self.interval_s = backends, client, interval_s
         self.on_round: Callable[[], Awaitable[None]] | None = None  # after each round of checks
         self._task: asyncio.Task | None = None
 
@@ -73,7 +72,7 @@ class HealthMonitor:
 
     async def check(self, backend: Backend) -> None:
         try:
-            response = await self.client.request("GET", f"{backend.url}/health", timeout=self.timeout_s)
+            response = await self.client.request("GET", f"{backend.url}/health", timeout=CHECK_TIMEOUT_S)
         except HttpError as exc:
             response = None
             backend.last_error = f"{type(exc).__name__}: {exc}"

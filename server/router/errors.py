@@ -6,12 +6,13 @@ from server.openai.errors import error_body
 
 
 class LegError(Exception):
-    def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False) -> None:
+    def __init__(self, status: int, message: str, body: dict | None = None, *, untouched: bool = False,
+                 lost: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body or error_body(status, message)
         self.untouched = untouched  # the server never took the request (unreachable, draining): try another
-        self.lost = False  # the connection broke after the server took the request (it died)
+        self.lost = lost  # the connection broke after the server took the request (it died)
 
         self.server: str | None = None  # the server of the leg that failed, where one was booked
 
@@ -20,6 +21,7 @@ class LegError(Exception):
         message = str(self)
         if not message.startswith(f"{leg} leg failed"):
             message = f"{leg} leg failed: {message}"
-        error = LegError(self.status, message, self.body if self.status < 500 else None, untouched=self.untouched)
-        error.lost, error.server = self.lost, server
+        error = LegError(self.status, message, self.body if self.status < 500 else None, untouched=self.untouched,
+                         lost=self.lost)
+        error.server = server
         return error

@@ -113,12 +113,11 @@ class RequestFlow:
         flow when it ends; every other way out closes it here."""
         try:
             done, response = await unless_disconnected(self.answer, receive)
+            if not done:
+                raise ClientGone()
         except BaseException:
             await asyncio.shield(self.close())
             raise
-        if not done:
-            await asyncio.shield(self.close())
-            raise ClientGone()
         if isinstance(response, EventStream):
             response.events = self._sent(response.events)
         else:

@@ -16,6 +16,7 @@ import aiohttp
 from server.openai.wire import dumps, loads
 
 KEEPALIVE_S = 2.0
+CONNECT_TIMEOUT_S = 5.0
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -85,8 +86,7 @@ class StreamResponse:
 class HttpClient:
     """Keep-alive HTTP/1.1 to the router's backends. The session opens on first use (in the loop)."""
 
-    def __init__(self, connect_timeout_s: float = 5.0, keepalive_s: float = KEEPALIVE_S) -> None:
-        self.connect_timeout_s = connect_timeout_s
+    def __init__(self, keepalive_s: float = KEEPALIVE_S) -> None:
         self.keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
 
@@ -98,7 +98,7 @@ class HttpClient:
         return self._session
 
     def _timeout(self, total: float | None, read: float | None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s, sock_read=read)
+        return aiohttp.ClientTimeout(total=total, sock_connect=CONNECT_TIMEOUT_S, sock_read=read)
 
     async def request(self, method: str, url: str, *, json: object = None, headers: dict[str, str] | None = None,
                       timeout: float | None = None) -> Response:

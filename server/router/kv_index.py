@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from kvcache import Level
@@ -18,7 +19,7 @@ class KvIndex:
 
     def __init__(self) -> None:
         self.windows: dict[int, dict[bytes, int]] = {}
-        self.counts: dict[tuple[int, int], int] = {}  # (window, tier) -> blocks
+        self.counts: Counter[tuple[int, int]] = Counter()  # (window, tier) -> blocks
         self.salt = ""  # the server's hashing namespace (model fingerprint, and its KV format if FP8)
         self.tokens_per_block = 0
         self.kv_dtype = ""  # the element type of the server's KV blocks ("" from a server that does not say)
@@ -39,13 +40,10 @@ class KvIndex:
             if not isinstance(value, str):
                 raise TypeError(f"{key} must be a string, got {value!r}")
         self.windows, self.salt, self.tokens_per_block, self.kv_dtype = windows, salt, tokens_per_block, kv_dtype
-        self.counts = {}
-        for window, blocks in windows.items():
-            for level in blocks.values():
-                self.counts[window, level] = self.counts.get((window, level), 0) + 1
+        self.counts = Counter((window, level) for window, blocks in windows.items() for level in blocks.values())
 
     def clear(self) -> None:
-        self.windows, self.counts = {}, {}
+        self.windows, self.counts = {}, Counter()
 
     def apply(self, window: int, kind: int, block_hash: bytes, level: int) -> None:
         blocks = self.windows.setdefault(window, {})
@@ -54,7 +52,7 @@ class KvIndex:
             self.counts[window, old] -= 1
         if kind in (STORED, MOVED):
             blocks[block_hash] = level
-            self.counts[window, level] = self.counts.get((window, level), 0) + 1
+            self.counts[window, level] += 1
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The tier of each leading block of `hashes` that every window group holds (a secondary

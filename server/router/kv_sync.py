@@ -37,7 +37,6 @@ class _Subscriber:
     def __init__(self, codec: SignedCodec) -> None:
         self._codec = codec
         self._last_subscribe: dict[str, float] = {}
-        self.rejected = 0
 
     def setup(self, io: SocketIO) -> None:
         return None
@@ -59,7 +58,6 @@ class _Subscriber:
                 raise Rejected("malformed")
             epoch, body = self._codec.open(frames[0].bytes, frames[1].bytes)
         except Rejected as exc:
-            self.rejected += 1
             log.warning("KV events from %s: dropped a message (%s)", url, exc.reason)
             return
         if isinstance(body, KvEventBatch):

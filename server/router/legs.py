@@ -72,9 +72,8 @@ class Legs:
                           booked: Callable[[], None] = lambda: None) -> Upstream | EarlyContext:
         """`params`: context_only, with a moved stream's prompt ids and prior output if any. `kv_stream`:
         the server may answer early. `booked` runs when a server is booked (after any queue wait)."""
-        ctx_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        ctx_body["stream"] = False
-        ctx_body["disaggregated_params"] = replace(params, kv_stream=True) if kv_stream else params
+        ctx_body = {**{k: v for k, v in body.items() if k not in ("stream", "stream_options")}, "stream": False,
+                    "disaggregated_params": replace(params, kv_stream=True) if kv_stream else params}
         last = await self._twice(self.context_policy, self.context, prompt, set(), booked,
                                  lambda booking: self._context_once(booking, path, ctx_body, kv_stream),
                                  lambda exc: exc.status >= 500,  # once more elsewhere if it failed
@@ -149,11 +148,10 @@ class Legs:
             upstream = Upstream(backend, json=await self._json(backend, path, body))
             done()
             return upstream
-        except LegError as exc:
+        except BaseException as exc:
             booking.done()
-            raise exc.of_leg("generation", backend.url) from exc
-        except BaseException:
-            booking.done()
+            if isinstance(exc, LegError):
+                raise exc.of_leg("generation", backend.url) from exc
             raise
 
     def _ender(self, booking: Booking, leg: str) -> Callable[[], None]:
@@ -182,10 +180,8 @@ class Legs:
             return await call("POST", backend.url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except RETRYABLE as exc:
             backend.fence(f"{type(exc).__name__}: {exc}")
-            error = LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
-                             untouched=isinstance(exc, ConnectError))
-            error.lost = isinstance(exc, ReadError)
-            raise error from exc
+            raise LegError(502, f"{backend.url} unreachable ({type(exc).__name__})",
+                           untouched=isinstance(exc, ConnectError), lost=isinstance(exc, ReadError)) from exc
         except RequestTimeout as exc:
             raise LegError(504, f"{backend.url} timed out") from exc
 

@@ -79,20 +79,18 @@ class RoundRobin:
 
     def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
         candidates = available(backends, exclude)
-        if not candidates:
-            return None
+        return self._choose(candidates, prompt) if candidates else None
+
+    def _choose(self, candidates: list[Backend], prompt: PromptTokens) -> Backend:
         return candidates[next(self._counter) % len(candidates)]
 
 
 class LoadBalancing(RoundRobin):
     """Fewest legs in flight; round robin among equals."""
 
-    def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = available(backends, exclude)
-        if not candidates:
-            return None
+    def _choose(self, candidates: list[Backend], prompt: PromptTokens) -> Backend:
         least = min(b.active for b in candidates)
-        return super().pick([b for b in candidates if b.active == least], prompt, set())
+        return super()._choose([b for b in candidates if b.active == least], prompt)
 
 
 @dataclass(frozen=True)
@@ -122,20 +120,16 @@ class KvCacheAware(RoundRobin):
         hit = sum(tpb * weights.tier(level) for level in hit_tiers(backend, prompt))
         return hit - weights.load * backend.load_tokens
 
-    def pick(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        candidates = available(backends, exclude)
-        if not candidates:
-            return None
+    def _choose(self, candidates: list[Backend], prompt: PromptTokens) -> Backend:
         scores = {b: self.score(b, prompt) for b in candidates}
         best = max(scores.values())
         tied = [b for b in candidates if scores[b] == best]
         least = min(b.active for b in tied)
         tied = [b for b in tied if b.active == least]
-        return tied[0] if len(tied) == 1 else super().pick(tied, prompt, set())
+        return tied[0] if len(tied) == 1 else super()._choose(tied, prompt)
 
 
 POLICIES = ("round_robin", "load_balancing", "kv_cache_aware")
-KV_POLICIES = ("kv_cache_aware",)  # it tokenises prompts
 
 
 def make_policy(name: str, weights: ScoreWeights = ScoreWeights()) -> RoundRobin:

@@ -78,14 +78,13 @@ class LegPicker:
         limit = self.limits.max_inflight_per_server
         return limit > 0 and backend.active >= limit
 
-    def choose(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Backend | None:
-        """The policy's choice among the unsaturated servers now, booking nothing."""
-        return self.policy.pick([b for b in backends if not self.saturated(b)], prompt, exclude)
-
-    def book(self, backend: Backend, prompt: PromptTokens) -> Booking:
-        """Book a leg on `backend` (chosen already) for its load: a context leg, the prompt tokens it
-        must prefill there (those not cached); a generation leg, prompt + max_tokens, the KV it holds
-        and attends to while it decodes (Dynamo's "active blocks")."""
+    def book(self, backends: Backends, prompt: PromptTokens, exclude: set[Backend]) -> Booking | None:
+        """A booking on the policy's choice among the unsaturated servers now (None: none), for its load:
+        a context leg, the prompt tokens it must prefill there (those not cached); a generation leg,
+        prompt + max_tokens, the KV it holds and attends to while it decodes (Dynamo's "active blocks")."""
+        backend = self.policy.pick([b for b in backends if not self.saturated(b)], prompt, exclude)
+        if backend is None:
+            return None
         if self.decodes:
             tokens = prompt_length(prompt) + getattr(prompt, "max_tokens", 0)
         else:
@@ -97,10 +96,8 @@ class LegPicker:
         candidate is saturated; LegError 503 when the queue is full or the wait times out."""
         if not available(backends, exclude):
             return None
-        if not self._waiters:
-            backend = self.choose(backends, prompt, exclude)
-            if backend is not None:
-                return self.book(backend, prompt)
+        if not self._waiters and (booking := self.book(backends, prompt, exclude)) is not None:
+            return booking
         if len(self._waiters) >= self.limits.max_waiting:
             self.metrics.rejected.labels(self.leg, "full").inc()
             raise self._refused("router_queue_full", f"the router queue is full ({len(self._waiters)} "
@@ -116,9 +113,8 @@ class LegPicker:
                 if self._waiters[0] is me:
                     if not available(backends, exclude):
                         return None
-                    backend = self.choose(backends, prompt, exclude)
-                    if backend is not None:
-                        return self.book(backend, prompt)
+                    if (booking := self.book(backends, prompt, exclude)) is not None:
+                        return booking
                 remaining = start + self.limits.timeout_s - time.monotonic()
                 if remaining <= 0:
                     self.metrics.rejected.labels(self.leg, "timeout").inc()

@@ -11,13 +11,13 @@ from server.config.router import Conditional, RouterConfig
 from server.router.backends import Backend
 from server.router.http_client import HttpClient
 from server.router.kv_sync import KvEventSync
-from server.router.policies import KV_POLICIES, PromptTokens, hit_tokens, make_policy, prompt_length
+from server.router.policies import PromptTokens, hit_tokens, make_policy, prompt_length
 from server.router.queue import LegPicker, QueueMetrics
 
 
 class Routing:
-    def __init__(self, config: RouterConfig, context: Sequence[Backend],
-                 generation: Sequence[Backend], registry: CollectorRegistry) -> None:
+    def __init__(self, config: RouterConfig, context: Sequence[Backend], generation: Sequence[Backend],
+                 registry: CollectorRegistry, client: HttpClient | None = None) -> None:
         self.policy, self.config = config.type, config
         self.context, self.generation = list(context), list(generation)
         metrics = QueueMetrics(registry)
@@ -27,23 +27,20 @@ class Routing:
         self.generation_picker = LegPicker("generation", make_policy(self.policy, weights), config.queue,
                                            metrics, decodes=True)
         self.conditional: Conditional = config.conditional if self.context else Conditional()
-        self.sync: KvEventSync | None = None
+        # the servers' KV events, followed when they are read (kv_cache_aware, or a minimum prefix hit)
+        follow = self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None
+        self.sync = (KvEventSync(self.context + self.generation, client, config.auth_token, registry)
+                     if follow and config.auth_token and client is not None else None)
         self._local = Counter("pdserve_router_local_requests", "Requests a generation server served alone, by "
                               "reason (short_prefill, prefix_hit: conditional disaggregation; several_prompts, "
-                              "prompt_only)",
-                              ["reason"], registry=registry)
+                              "prompt_only)", ["reason"], registry=registry)
         self._split = Counter("pdserve_router_disaggregated_requests", "Requests that ran a context leg "
                               "(disaggregated deployments)", registry=registry)
 
     @property
     def needs_tokens(self) -> bool:
         """The router tokenises prompts (kv policies, conditional disaggregation)."""
-        return self.policy in KV_POLICIES or self.conditional.enabled
-
-    def follow_events(self, client: HttpClient, token: str | None, registry: CollectorRegistry) -> None:
-        """Follow the servers' KV events when they are read (kv_cache_aware, or a minimum prefix hit)."""
-        if (self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None) and token:
-            self.sync = KvEventSync(self.context + self.generation, client, token, registry)
+        return self.policy == "kv_cache_aware" or self.conditional.enabled
 
     async def start(self) -> None:
         if self.sync is not None:

@@ -132,7 +132,6 @@ class KvEventPublisher:
     def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
         self._handler = _Publisher(token, epoch, host, kv_dtype)
         self._thread = SocketThread("pdserve-kv-events", self._handler, tick_s=0.25)
-        self.dropped_batches = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -145,7 +144,7 @@ class KvEventPublisher:
         try:
             self._thread.submit((first_seq, events), timeout_s=0)
         except (RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
-            self.dropped_batches += 1
+            pass
 
     def close(self) -> None:
         self._thread.close()

@@ -1,7 +1,7 @@
 """Prometheus metrics of one pdserve server (engine, KV cache, KV transfer), in a registry of its own.
 
 Cumulative counters (the KV manager's `KVCacheStats`, preemptions, `TransferStats`) are read at
-scrape time by custom collectors from the engine's last state, so a scrape copies the owners'
+scrape time (`ServerMetrics.collect`) from the engine's last state, so a scrape copies the owners'
 counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
 the engine loop recorded (server/telemetry/relay.py). The metric names are part of the acceptance
 checks: keep them exactly."""
@@ -114,21 +114,91 @@ _KV_COUNTERS = (
 )
 
 
-class _ScrapeCollector:
-    """The owners' cumulative counters, read once per scrape (custom collector)."""
+def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for counts in maps:
+        for key, value in dict(counts).items():  # a copy: another thread counts
+            out[key] = out.get(key, 0) + value
+    return out
 
-    def __init__(self) -> None:
-        self.stats: StatsProvider | None = None
-        self.counters: CountersProvider = EngineCounters
+
+def _kv_families(stats: KVStats | None) -> Iterator[Metric]:
+    blocks = GaugeMetricFamily(
+        "pdserve_kv_cache_blocks", "KV cache blocks per window group, pool level and state.",
+        labels=["window", "level", "state"],
+    )
+    for (window, level, state), count in sorted((stats.blocks if stats else {}).items()):
+        blocks.add_metric([str(window), level, state], count)
+    yield blocks
+    for name, field, help_text in _KV_COUNTERS:
+        family = CounterMetricFamily(name, help_text)
+        if stats is not None:
+            family.add_metric([], getattr(stats, field))
+        yield family
+    dropped = CounterMetricFamily(
+        "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
+        "failed its check (corrupt, truncated, stale, format, missing, timeout, io_error) or the write queue was full "
+        "(queue_full).", labels=["reason"])
+    for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    queued = GaugeMetricFamily("pdserve_kv_disk_write_queue_bytes", "KV bytes waiting for their disk tier write.")
+    if stats is not None:
+        queued.add_metric([], stats.disk_queued_bytes)
+    yield queued
+
+
+# observe_<key>(seconds) -> (name, help, buckets); e2e and queue time are vLLM's
+# (vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds) with the pdserve_ prefix
+HISTOGRAMS = {
+    "ttft": ("pdserve_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS),
+    "tpot": ("pdserve_time_per_output_token_seconds", "Time between output tokens.", TPOT_BUCKETS),
+    "e2e": ("pdserve_e2e_request_latency_seconds", "Arrival to the request's end on this server (a context "
+            "server: to the hand-over).", LATENCY_BUCKETS),
+    "queue_time": ("pdserve_request_queue_time_seconds", "Arrival to first admission (blocks allocated), once "
+                   "per request.", QUEUE_BUCKETS),
+    "prefill": ("pdserve_prefill_seconds", "First admission to the first token sampled, once per request whose "
+                "prompt is computed here (context or aggregated).", TTFT_BUCKETS),
+}
+
+
+def _observing(key: str) -> Callable[[ServerMetrics, float], None]:
+    def observe(self: ServerMetrics, seconds: float) -> None:
+        self._histograms[key].observe(seconds)
+    return observe
+
+
+class ServerMetrics:
+    """All metrics of one server, in a private registry whose custom collector it is. Thread-safe."""
+
+    def __init__(self, stats_provider: StatsProvider | None = None,
+                 counters_provider: CountersProvider = EngineCounters) -> None:
+        self.stats_provider, self.counters_provider = stats_provider, counters_provider
         self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        reg.register(self)
+        self._requests = Gauge("pdserve_requests", "Requests per scheduler state.", ["state"], registry=reg)
+        for state in REQUEST_STATES:
+            self._requests.labels(state).set(0)
+        self._known_states: set[str] = set(REQUEST_STATES)
+        self._histograms = {key: Histogram(name, help_text, buckets=buckets, registry=reg)
+                            for key, (name, help_text, buckets) in HISTOGRAMS.items()}
+        self._gen_tokens = Counter("pdserve_generation_tokens", "Generated tokens.", registry=reg)
+        # vllm:prompt_tokens_total with the pdserve_ prefix
+        self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here (a "
+                                      "generation server's pulled prompts are not counted).", registry=reg)
+        self._xfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved by the transceiver.",
+                                   registry=reg)
+        self._xfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer time.",
+                                       buckets=TRANSFER_BUCKETS, registry=reg)
 
     def describe(self) -> Iterator[Metric]:
         yield from _kv_families(None)
         yield from self._counter_families(EngineCounters())
 
     def collect(self) -> Iterator[Metric]:
-        yield from _kv_families(self.stats() if self.stats is not None else None)
-        yield from self._counter_families(self.counters())
+        yield from _kv_families(self.stats_provider() if self.stats_provider is not None else None)
+        yield from self._counter_families(self.counters_provider())
 
     def _counter_families(self, counters: EngineCounters) -> Iterator[Metric]:
         transfers = list(counters.transfers)
@@ -176,96 +246,11 @@ class _ScrapeCollector:
                 family.add_metric([str(layer), str(expert)], count, created=self.created)
         yield family
 
-
-def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for counts in maps:
-        for key, value in dict(counts).items():  # a copy: another thread counts
-            out[key] = out.get(key, 0) + value
-    return out
-
-
-def _kv_families(stats: KVStats | None) -> Iterator[Metric]:
-    blocks = GaugeMetricFamily(
-        "pdserve_kv_cache_blocks", "KV cache blocks per window group, pool level and state.",
-        labels=["window", "level", "state"],
-    )
-    for (window, level, state), count in sorted((stats.blocks if stats else {}).items()):
-        blocks.add_metric([str(window), level, state], count)
-    yield blocks
-    for name, field, help_text in _KV_COUNTERS:
-        family = CounterMetricFamily(name, help_text)
-        if stats is not None:
-            family.add_metric([], getattr(stats, field))
-        yield family
-    dropped = CounterMetricFamily(
-        "pdserve_kv_disk_dropped_blocks", "Disk tier blocks dropped because their bytes were lost: the file "
-        "failed its check (corrupt, truncated, stale, format, missing, timeout, io_error) or the write queue was full "
-        "(queue_full).", labels=["reason"])
-    for reason, count in sorted((stats.disk_dropped if stats else {}).items()):
-        dropped.add_metric([reason], count)
-    yield dropped
-    queued = GaugeMetricFamily("pdserve_kv_disk_write_queue_bytes", "KV bytes waiting for their disk tier write.")
-    if stats is not None:
-        queued.add_metric([], stats.disk_queued_bytes)
-    yield queued
-
-
-class ServerMetrics:
-    """All metrics of one server, in a private registry. Thread-safe."""
-
-    def __init__(self, stats_provider: StatsProvider | None = None,
-                 counters_provider: CountersProvider | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self._scraped = _ScrapeCollector()
-        self._scraped.stats = stats_provider
-        if counters_provider is not None:
-            self._scraped.counters = counters_provider
-        self.registry.register(self._scraped)
-        reg = self.registry
-        self._requests = Gauge("pdserve_requests", "Requests per scheduler state.", ["state"], registry=reg)
-        for state in REQUEST_STATES:
-            self._requests.labels(state).set(0)
-        self._known_states: set[str] = set(REQUEST_STATES)
-        self._ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token.",
-                               buckets=TTFT_BUCKETS, registry=reg)
-        self._tpot = Histogram("pdserve_time_per_output_token_seconds", "Time between output tokens.",
-                               buckets=TPOT_BUCKETS, registry=reg)
-        self._gen_tokens = Counter("pdserve_generation_tokens", "Generated tokens.", registry=reg)
-        # vLLM's names with the pdserve_ prefix: vllm:prompt_tokens_total, vllm:num_preemptions_total,
-        # vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds
-        self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens prefilled here (a "
-                                      "generation server's pulled prompts are not counted).", registry=reg)
-        self._e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the request's end on "
-                              "this server (a context server: to the hand-over).", buckets=LATENCY_BUCKETS,
-                              registry=reg)
-        self._queue = Histogram("pdserve_request_queue_time_seconds", "Arrival to first admission "
-                                "(blocks allocated), once per request.", buckets=QUEUE_BUCKETS, registry=reg)
-        self._prefill = Histogram("pdserve_prefill_seconds", "First admission to the first token sampled, "
-                                  "once per request whose prompt is computed here (context or aggregated).",
-                                  buckets=TTFT_BUCKETS, registry=reg)
-        self._xfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved by the transceiver.",
-                                   registry=reg)
-        self._xfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer time.",
-                                       buckets=TRANSFER_BUCKETS, registry=reg)
-
-    # -- KV cache (read at scrape time) -------------------------------------------------------------
-
-    def set_stats_provider(self, provider: StatsProvider | None) -> None:
-        """Set the callable returning the KV manager's cumulative stats (called at every scrape)."""
-        self._scraped.stats = provider
-
-    def set_counters_provider(self, provider: CountersProvider) -> None:
-        """Set the callable returning the engine's `EngineCounters` (called at every scrape)."""
-        self._scraped.counters = provider
-
-    # -- engine ---------------------------------------------------------------------------------------
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
-
-    def observe_tpot(self, seconds: float) -> None:
-        self._tpot.observe(seconds)
+    observe_ttft = _observing("ttft")
+    observe_tpot = _observing("tpot")
+    observe_e2e = _observing("e2e")
+    observe_queue_time = _observing("queue_time")
+    observe_prefill = _observing("prefill")
 
     def add_generation_tokens(self, n: int) -> None:
         self._gen_tokens.inc(n)
@@ -273,29 +258,16 @@ class ServerMetrics:
     def add_prompt_tokens(self, n: int) -> None:
         self._prompt_tokens.inc(n)
 
-    def observe_e2e(self, seconds: float) -> None:
-        self._e2e.observe(seconds)
-
-    def observe_queue_time(self, seconds: float) -> None:
-        self._queue.observe(seconds)
-
-    def observe_prefill(self, seconds: float) -> None:
-        self._prefill.observe(seconds)
-
     def set_request_counts(self, counts: Mapping[str, int]) -> None:
         """Set the number of requests per state; a state seen before but absent from `counts` is 0."""
         self._known_states.update(counts)
         for state in self._known_states:
             self._requests.labels(state).set(counts.get(state, 0))
 
-    # -- KV transfer (disaggregation) -----------------------------------------------------------------
-
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         """One request's completed KV transfer."""
         self._xfer_bytes.inc(num_bytes)
         self._xfer_seconds.observe(seconds)
-
-    # -- exposition -----------------------------------------------------------------------------------
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (content type `CONTENT_TYPE_LATEST`)."""

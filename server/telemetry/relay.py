@@ -12,7 +12,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvcache.stats import KVCacheStats
-from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
+from server.telemetry.metrics import HISTOGRAMS, EngineCounters, ServerMetrics, SpecCounts
 
 
 class TransferFigures(msgspec.Struct, frozen=True):
@@ -55,7 +55,7 @@ class MetricsDelta(msgspec.Struct, frozen=True):
     prefill: list[float] = []
 
 
-_SECONDS = ("ttft", "tpot", "e2e", "queue_time", "prefill")  # each observed as `observe_<name>(seconds)`
+_SECONDS = tuple(HISTOGRAMS)  # each observed as `observe_<name>(seconds)`
 _LISTS = (*_SECONDS, "transfers")
 
 
@@ -136,8 +136,8 @@ class RelayedMetrics:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._figures = EngineFigures()
-        metrics.set_stats_provider(lambda: self._figures.kv)
-        metrics.set_counters_provider(self.counters)
+        metrics.stats_provider = lambda: self._figures.kv
+        metrics.counters_provider = self.counters
 
     def counters(self) -> EngineCounters:
         figures = self._figures

@@ -111,7 +111,7 @@ def test_disk_tier_figures_are_exposed():
 def test_provider_can_be_set_after_construction():
     metrics = ServerMetrics()
     assert ("pdserve_kv_offloaded_blocks_total", ()) not in samples(metrics)
-    metrics.set_stats_provider(lambda: Stats(offloads=2))
+    metrics.stats_provider = lambda: Stats(offloads=2)
     assert samples(metrics)[("pdserve_kv_offloaded_blocks_total", ())] == 2
 
 

@@ -50,7 +50,7 @@ def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
     stats = transfer_stats()
     spec = SpecCounts(proposed=8, accepted=5, emitted=7, verified=2)
     experts = {0: [5, 1, 0, 2], 2: [3, 3, 1, 1]}  # a MoE model's layers 0 and 2: tokens per expert
-    direct.set_counters_provider(lambda: EngineCounters(3, (stats,), spec, experts))
+    direct.counters_provider = lambda: EngineCounters(3, (stats,), spec, experts)
     direct.set_request_counts(COUNTS)
     observe(direct)
 

@@ -297,7 +297,7 @@ def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
     # every prompt token and every generated token but the last went through the layers, twice each
     assert all(sum(counts) == (30 + 12 + 2 * 4) * 2 for counts in tokens.values())
     metrics = ServerMetrics()
-    metrics.set_counters_provider(lambda: EngineCounters(expert_tokens=tokens))
+    metrics.counters_provider = lambda: EngineCounters(expert_tokens=tokens)
     text = metrics.render().decode()
     assert f'pdserve_moe_expert_tokens_total{{expert="7",layer="3"}} {float(tokens[3][7])}' in text
 

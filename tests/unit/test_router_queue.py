@@ -155,8 +155,8 @@ def test_bookings_count_what_each_leg_loads_its_server_with():
     context = LegPicker("context", KvCacheAware(), QueueLimits(), metrics)
     generation = LegPicker("generation", KvCacheAware(), QueueLimits(), metrics, decodes=True)
     prompt = Prompt(lambda: tokens, max_tokens=20)
-    prefill = context.book(server, prompt)  # 100 - 64 cached: 36 tokens to prefill
-    decode = generation.book(server, prompt)  # the whole context it decodes with: 100 + 20
+    prefill = context.book([server], prompt, set())  # 100 - 64 cached: 36 tokens to prefill
+    decode = generation.book([server], prompt, set())  # the whole context it decodes with: 100 + 20
     assert (prefill.tokens, decode.tokens, server.active, server.load_tokens) == (36, 120, 2, 156)
     prefill.done()
     prefill.done()  # idempotent
