@@ -33,7 +33,7 @@ import msgspec
 
 from kvcache.config import DiskTierConfig
 from kvcache.disk_buffers import BufferPool
-from kvcache.disk_dir import StartUp, read_header, restore_or_reset, take_directory
+from kvcache.disk_dir import read_header, restore_or_reset, take_directory
 from kvcache.disk_format import (
     CHUNK_BYTES,
     MAC_BYTES,
@@ -115,14 +115,12 @@ class DiskStore:
         path = Path(config.path).expanduser()
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()}, formats)
         store._lock_fd = take_directory(path)
-        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes, store.format_of)
         try:
-            found = restore_or_reset(start, manifest)
+            found = restore_or_reset(store, {w: n for w, (n, _) in slots.items()}, manifest)
         except OSError as exc:
             store.close()
             raise ValueError(f"kv_cache_config.disk.path={str(path)!r}: cannot use the directory: "
                              f"{exc.strerror or exc}") from None
-        store.stats.skipped_at_start = start.skipped
         for writer in store._writers:
             writer.start()
         return store, found
@@ -141,7 +139,7 @@ class DiskStore:
             gen = next(self._gens)
             self._pending[window, slot] = _Write(gen, meta, payload, n)
             if old is not None and not old.taken:  # superseded before a writer got it
-                self._give(old.payload)
+                self.buffers.give(old.payload)
             self.stats.queued_bytes = queued + n
         self._queues[slot % len(self._queues)].put((window, slot, gen))
         return True
@@ -215,7 +213,7 @@ class DiskStore:
                     continue  # superseded by a newer write of the slot
                 job.taken = True
             ok = self._write_file(window, slot, job)
-            self._give(job.payload)
+            self.buffers.give(job.payload)
             with self._lock:
                 if self._pending.get((window, slot)) is job:
                     del self._pending[window, slot]
@@ -298,9 +296,6 @@ class DiskStore:
         view = memoryview(buf)
         view[:] = payload
         return view
-
-    def _give(self, payload: bytearray | memoryview) -> None:
-        self.buffers.give(payload)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -47,15 +47,19 @@ def local_identity(device: torch.device) -> PeerIdentity:
     return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
 
 
-def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer:
+def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
     """The IPC handle of every window's primary pool (`[num_slots, layers, 2, tpb, heads, dim]`,
-    CUDA, contiguous, at the start of its own storage); raises RuntimeError when CUDA refuses."""
+    CUDA, contiguous, at the start of its own storage), or None (logged: that receiver gets bytes)."""
     exported = []
-    for window, pool in sorted(pools.items()):
-        if not pool.is_cuda or not pool.is_contiguous() or pool.storage_offset() != 0:
-            raise ValueError(f"window {window}: the primary pool is not a whole contiguous CUDA storage")
-        fields = pool.untyped_storage()._share_cuda_()
-        exported.append(CudaIpcPool(window, int(pool.shape[0]), *fields))
+    try:
+        for window, pool in sorted(pools.items()):
+            if not pool.is_cuda or not pool.is_contiguous() or pool.storage_offset() != 0:
+                raise ValueError(f"window {window}: the primary pool is not a whole contiguous CUDA storage")
+            fields = pool.untyped_storage()._share_cuda_()
+            exported.append(CudaIpcPool(window, int(pool.shape[0]), *fields))
+    except (RuntimeError, ValueError) as e:  # CUDA refused
+        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes: %s", e)
+        return None
     return IpcOffer(identity=identity, pools=exported)
 
 
@@ -221,12 +225,3 @@ def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity 
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
     return local_identity(next(iter(pools.values())).device)
-
-
-def try_export(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
-    """`export_pools`, or None (logged: that receiver gets bytes) when CUDA refuses."""
-    try:
-        return export_pools(pools, identity)
-    except (RuntimeError, ValueError) as e:
-        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes: %s", e)
-        return None

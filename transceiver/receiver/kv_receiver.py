@@ -212,8 +212,7 @@ class KVReceiver:
         pulling = self._unplanned.get(pull_id)
         if pulling is not None and pulling.endpoint == endpoint:
             del self._unplanned[pull_id]
-            pulling.planned = True
-            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, endpoint, None, None)
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, endpoint, None)
         return self._parts.get(pull_id)
 
     def _on_planned(self, plan: Planned) -> None:
@@ -223,9 +222,9 @@ class KVReceiver:
                 cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
                 self._thread.submit(Send(p.endpoint, cancel))
             return
-        pulling.planned, pulling.several = True, plan.several
+        pulling.several = True
         for pull_id, p in plan.parts:
-            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.src, p.dst)
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.dst)
 
     def _on_received(self, item: Received) -> None:
         body = item.body

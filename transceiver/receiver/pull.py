@@ -43,7 +43,6 @@ class Pulling:
     deadline: float
     parts: dict[int, Part] = field(default_factory=dict)  # running parts by pull_id (empty until planned)
     done_parts: list[Part] = field(default_factory=list)
-    planned: bool = False
     several: bool = False  # several ranks on a side: the lease ends with Release, not with an Ack
     stream: bool = False  # pulled while the context server prefills (transceiver/sender/stream.py)
     first_tokens: tuple[int, ...] = ()  # from a streamed pull's Done
@@ -61,8 +60,7 @@ class Part:
     pulling: Pulling
     pull_id: int
     endpoint: str
-    src: Heads | None  # the sender's kv heads (None: whole slots)
-    dst: Heads | None  # ours they go into
+    dst: Heads | None  # our kv heads the sender's go into (None: whole slots)
     next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
     nbytes: int = 0
     chunks: int = 0

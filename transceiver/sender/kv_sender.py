@@ -31,7 +31,7 @@ import zmq
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import ipc_identity, try_export
+from transceiver.ipc import export_pools, ipc_identity
 from transceiver.link import SocketThread
 from transceiver.payload import wait_any
 from transceiver.sender.lease import (
@@ -245,7 +245,7 @@ class KVSender:
         if isinstance(item, ExportRequest):  # a receiver on our GPU: a fresh export of the pools for it (ipc.py)
             assert self.ipc_identity is not None
             with self._pool_lock:
-                offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
+                offer = export_pools(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
             self.ipc_exports += offer is not None
             self._thread.submit(Outgoing(item.peer, msgspec.structs.replace(item.info, ipc=offer)))
         elif isinstance(item, Started):
