@@ -3,7 +3,7 @@ one per context rank it comes from (`Part`); what it reports when it ends (`Pull
 check of what a caller asks to pull into (`check_wanted`).
 
 Without tensor parallelism a request has one part: whole slots from its context server. Otherwise
-each part brings some kv heads of every block (`src` of the sender's, written into our `dst`).
+each part brings some kv heads of every block (written into our `dst`).
 """
 
 from __future__ import annotations
