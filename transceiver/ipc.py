@@ -92,7 +92,7 @@ class DeviceSum:
 
     def __init__(self, total: torch.Tensor, keep: tuple[torch.Tensor, ...]) -> None:
         self._event: torch.cuda.Event | None = None
-        self._device = total.device if total.is_cuda else None
+        self._device = total.device
         self._host = total  # int64 scalar
         if total.is_cuda:
             self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
@@ -100,11 +100,6 @@ class DeviceSum:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(total.device))
         self._keep: tuple[torch.Tensor, ...] = (total, *keep)
-
-    @property
-    def device(self) -> torch.device | None:
-        """The CUDA device it runs on; None for CPU work (done already)."""
-        return self._device
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -125,10 +120,11 @@ class DeviceSum:
         self.synchronize()
         return self.value()
 
-    def order_before(self, stream: torch.cuda.Stream | None) -> None:
-        """Work queued on `stream` from now on runs after this (GPU-side; no host wait)."""
-        if self._event is not None and stream is not None:
-            stream.wait_event(self._event)
+    def order_before_current(self) -> None:
+        """Work queued on its device's current stream from now on runs after this (GPU-side; no host
+        wait). CPU work: done already."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 def _fused(*tensors: torch.Tensor):
