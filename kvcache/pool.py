@@ -50,15 +50,15 @@ Write = Callable[[], None]  # the second half of a group's copy (its writes), wh
 
 def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Runs in pieces of about DMA_CHUNK_SLOTS slots (a longer run is one piece)."""
-    chunks: list[list[tuple[int, int, int]]] = [[]]
-    size = 0
+    chunks: list[list[tuple[int, int, int]]] = []
+    size = DMA_CHUNK_SLOTS
     for run in runs:
         if size >= DMA_CHUNK_SLOTS:
             chunks.append([])
             size = 0
         chunks[-1].append(run)
         size += run[2]
-    return chunks if chunks[0] else []
+    return chunks
 
 
 def _slots(runs: list[tuple[int, int, int]]) -> list[int]:

@@ -225,11 +225,9 @@ class KVSender:
             self._take_items()
             time.sleep(0.005)  # give the Failed notices a moment to leave
         self._thread.close()  # closes the socket: zmq drops whatever it still held
-        for lease in self._leases.values():
-            self._unpin(lease.pinned)
-        self._leases.clear()
-        for _, pinned in self._unpin_later:
+        for pinned in [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]:
             self._unpin(pinned)
+        self._leases.clear()
         self._unpin_later.clear()
 
     # ---- items from the socket thread ----------------------------------------------------------
