@@ -149,19 +149,16 @@ class PullServer:
             return
         assert off is not None
         job = off.jobs[req.pull_id] = Job(peer, req.pull_id, deque(), time.monotonic(), heads=req.heads,
-                                          keep_lease=req.keep_lease)
+                                          keep_lease=req.keep_lease, ranges=list(req.ranges),
+                                          planned=[r.first for r in req.ranges], via_ipc=req.via_ipc)
         io.deliver(Started(req.ctx_request_id))
         try:
-            self._start(io, req, off, job)
+            total = sum(r.count * self._unit_bytes(off, r.window, job) for r in req.ranges)
+            # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
+            job.target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
+            self._plan_more(io, req.ctx_request_id, off, job)
         except Exception as e:
             self._broken(io, req.ctx_request_id, req.pull_id, e)
-
-    def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
-        job.ranges, job.planned, job.via_ipc = list(req.ranges), [r.first for r in req.ranges], req.via_ipc
-        total = sum(r.count * self._unit_bytes(off, r.window, job) for r in req.ranges)
-        # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
-        job.target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
-        self._plan_more(io, req.ctx_request_id, off, job)
 
     def _plan_more(self, io: SocketIO, cid: str, off: Offered, job: Job) -> None:
         """Plan the blocks of the pull that can go out now (all of them, unless the lease is streamed),
