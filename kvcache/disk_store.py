@@ -141,7 +141,7 @@ class DiskStore:
             gen = next(self._gens)
             self._pending[window, slot] = _Write(gen, meta, payload, n)
             if old is not None and not old.taken:  # superseded before a writer got it
-                self._give(old.payload)
+                self.buffers.give(old.payload)
             self.stats.queued_bytes = queued + n
         self._queues[slot % len(self._queues)].put((window, slot, gen))
         return True
@@ -215,7 +215,7 @@ class DiskStore:
                     continue  # superseded by a newer write of the slot
                 job.taken = True
             ok = self._write_file(window, slot, job)
-            self._give(job.payload)
+            self.buffers.give(job.payload)
             with self._lock:
                 if self._pending.get((window, slot)) is job:
                     del self._pending[window, slot]
@@ -298,9 +298,6 @@ class DiskStore:
         view = memoryview(buf)
         view[:] = payload
         return view
-
-    def _give(self, payload: bytearray | memoryview) -> None:
-        self.buffers.give(payload)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -193,25 +193,18 @@ def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:
 
 def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:
     """Restore entries, parents before children and, at equal depth, oldest first; of two files of
-    one block the newer counts, and a block whose parent has no file is left out with its subtree."""
+    one block the newer counts, and a block whose parent has no file is left out with its subtree
+    (so is a loop of parents: no root child leads to it)."""
     newest: dict[bytes, BlockHeader] = {}
     for h in sorted(headers, key=lambda h: h.written_ns):
         newest[h.block_hash] = h
-    depth: dict[bytes, int] = {}  # 1 for a root child, its parent's + 1 below; 0: not restorable
-    for first in newest.values():
-        path, h, base = [], first, 0
-        while h.block_hash not in depth:
-            path.append(h)
-            parent = None if h.parent_hash is None else newest.get(h.parent_hash)
-            if parent is None or parent in path:  # a root child (base 0), else an orphan or a loop
-                base = 0 if h.parent_hash is None else -len(newest) - 1
-                break
-            h = parent
-        else:
-            base = depth[h.block_hash] or -len(newest) - 1
-        for c in reversed(path):
-            base += 1
-            depth[c.block_hash] = max(base, 0)
-    ordered = sorted((h for h in newest.values() if depth[h.block_hash]),
-                     key=lambda h: (depth[h.block_hash], h.written_ns))
+    position = {block_hash: i for i, block_hash in enumerate(newest)}
+    children: dict[bytes | None, list[BlockHeader]] = {}
+    for h in newest.values():
+        children.setdefault(h.parent_hash, []).append(h)
+    ordered: list[BlockHeader] = []
+    level = children.get(None, [])  # the root children, then each depth in turn
+    while level:
+        ordered += sorted(level, key=lambda h: (h.written_ns, position[h.block_hash]))
+        level = [c for h in level for c in children.get(h.block_hash, [])]
     return [(h.slot, h.block_hash, h.parent_hash, h.tokens, h.root_salt, h.priority) for h in ordered]

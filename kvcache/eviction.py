@@ -13,17 +13,16 @@ other (it would look live there, and popping it would drop the block from the qu
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Iterator
 
 from kvcache.block import Block
 
 
 class EvictionQueue:
-    def __init__(self, capacity: int, seqs: Iterator[int] | None = None) -> None:
+    def __init__(self, capacity: int, seqs: Iterator[int]) -> None:
         """`seqs`: the counter shared with the other queues the same blocks can be in."""
         self._heap: list[tuple[int, int, int, Block]] = []
-        self._seqs = seqs if seqs is not None else itertools.count(1)
+        self._seqs = seqs
         self._compact_at = 4 * capacity + 64
 
     def push(self, block: Block) -> None:

@@ -50,15 +50,15 @@ Write = Callable[[], None]  # the second half of a group's copy (its writes), wh
 
 def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Runs in pieces of about DMA_CHUNK_SLOTS slots (a longer run is one piece)."""
-    chunks: list[list[tuple[int, int, int]]] = [[]]
-    size = 0
+    chunks: list[list[tuple[int, int, int]]] = []
+    size = DMA_CHUNK_SLOTS
     for run in runs:
         if size >= DMA_CHUNK_SLOTS:
             chunks.append([])
             size = 0
         chunks[-1].append(run)
         size += run[2]
-    return chunks if chunks[0] else []
+    return chunks
 
 
 def _slots(runs: list[tuple[int, int, int]]) -> list[int]:
@@ -164,6 +164,7 @@ class GroupPools:
         assert src_rows is not None and dst_rows is not None
         if src_rows.device == dst_rows.device:
             return _copy_same_device(src_rows, dst_rows, src, dst, defer)
+        assert self._streams is not None  # pools on two devices: a CUDA primary and its host pool
         if dst_rows.device.type == "cpu":
             return _copy_to_host(src_rows, dst_rows, src, dst, self._streams)
         return _copy_to_device(src_rows, dst_rows, src, dst, self._streams)
@@ -239,15 +240,11 @@ def _dma(streams: _TierStreams, to_host: bool, runs: list[tuple[int, int, int]],
 
 
 def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
-                  streams: _TierStreams | None) -> Write:
+                  streams: _TierStreams) -> Write:
     """Gather the device rows now; the write DMAs them into the host slots."""
     staged = src_rows.index_select(0, torch.tensor(src, dtype=torch.int64, device=src_rows.device))
 
     def write() -> None:
-        if streams is None:  # no CUDA: plain copies
-            for i, first, n in slot_runs(dst):
-                dst_rows[first:first + n].copy_(staged[i:i + n])
-            return
         streams.d2h.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather
         _dma(streams, True, slot_runs(dst),
              lambda i, first, n: dst_rows[first:first + n].copy_(staged[i:i + n], non_blocking=True))
@@ -256,23 +253,17 @@ def _copy_to_host(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int]
 
 
 def _copy_to_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[int], dst: list[int],
-                    streams: _TierStreams | None) -> Write:
+                    streams: _TierStreams) -> Write:
     """DMA the host rows into a device buffer now; the write scatters it into the slots."""
     order = sorted(range(len(src)), key=src.__getitem__)
     src_sorted = [src[i] for i in order]
     staged = torch.empty((len(src), dst_rows.shape[1]), dtype=dst_rows.dtype, device=dst_rows.device)
-    if streams is None:
-        for i, first, n in slot_runs(src_sorted):
-            staged[i:i + n].copy_(src_rows[first:first + n])
-        done = None
-    else:
-        streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
-        done = _dma(streams, False, slot_runs(src_sorted),
-                    lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
+    streams.h2d.wait_stream(torch.cuda.current_stream(staged.device))  # `staged` is allocated
+    done = _dma(streams, False, slot_runs(src_sorted),
+                lambda i, first, n: staged[i:i + n].copy_(src_rows[first:first + n], non_blocking=True))
     dst_idx = torch.tensor([dst[i] for i in order], dtype=torch.int64, device=dst_rows.device)
 
     def write() -> None:
-        if done is not None:
-            torch.cuda.current_stream(staged.device).wait_event(done)
+        torch.cuda.current_stream(staged.device).wait_event(done)
         dst_rows.index_copy_(0, dst_idx, staged)
     return write

@@ -47,15 +47,19 @@ def local_identity(device: torch.device) -> PeerIdentity:
     return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
 
 
-def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer:
+def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
     """The IPC handle of every window's primary pool (`[num_slots, layers, 2, tpb, heads, dim]`,
-    CUDA, contiguous, at the start of its own storage); raises RuntimeError when CUDA refuses."""
+    CUDA, contiguous, at the start of its own storage), or None (logged: that receiver gets bytes)."""
     exported = []
-    for window, pool in sorted(pools.items()):
-        if not pool.is_cuda or not pool.is_contiguous() or pool.storage_offset() != 0:
-            raise ValueError(f"window {window}: the primary pool is not a whole contiguous CUDA storage")
-        fields = pool.untyped_storage()._share_cuda_()
-        exported.append(CudaIpcPool(window, int(pool.shape[0]), *fields))
+    try:
+        for window, pool in sorted(pools.items()):
+            if not pool.is_cuda or not pool.is_contiguous() or pool.storage_offset() != 0:
+                raise ValueError(f"window {window}: the primary pool is not a whole contiguous CUDA storage")
+            fields = pool.untyped_storage()._share_cuda_()
+            exported.append(CudaIpcPool(window, int(pool.shape[0]), *fields))
+    except (RuntimeError, ValueError) as e:  # CUDA refused
+        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes: %s", e)
+        return None
     return IpcOffer(identity=identity, pools=exported)
 
 
@@ -88,7 +92,7 @@ class DeviceSum:
 
     def __init__(self, total: torch.Tensor, keep: tuple[torch.Tensor, ...]) -> None:
         self._event: torch.cuda.Event | None = None
-        self._device = total.device if total.is_cuda else None
+        self._device = total.device
         self._host = total  # int64 scalar
         if total.is_cuda:
             self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
@@ -96,11 +100,6 @@ class DeviceSum:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(total.device))
         self._keep: tuple[torch.Tensor, ...] = (total, *keep)
-
-    @property
-    def device(self) -> torch.device | None:
-        """The CUDA device it runs on; None for CPU work (done already)."""
-        return self._device
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -121,10 +120,11 @@ class DeviceSum:
         self.synchronize()
         return self.value()
 
-    def order_before(self, stream: torch.cuda.Stream | None) -> None:
-        """Work queued on `stream` from now on runs after this (GPU-side; no host wait)."""
-        if self._event is not None and stream is not None:
-            stream.wait_event(self._event)
+    def order_before_current(self) -> None:
+        """Work queued on its device's current stream from now on runs after this (GPU-side; no host
+        wait). CPU work: done already."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 def _fused(*tensors: torch.Tensor):
@@ -221,12 +221,3 @@ def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity 
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
     return local_identity(next(iter(pools.values())).device)
-
-
-def try_export(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
-    """`export_pools`, or None (logged: that receiver gets bytes) when CUDA refuses."""
-    try:
-        return export_pools(pools, identity)
-    except (RuntimeError, ValueError) as e:
-        log.warning("KV sender: CUDA IPC export of the KV pools failed, serving bytes: %s", e)
-        return None

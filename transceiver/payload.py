@@ -7,39 +7,21 @@ only ever seen as rows of words (`kvcache.pool.pool_rows`), so gather/scatter mo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zmq
 
 from kvcache.pool import pool_rows, slot_runs
+from transceiver.wire import WindowRange
 
 POLL_S = 0.0005  # how often `StagingPool.wait_any` looks at the trackers
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Blocks [first, first + count) of one window's block list, sent as one chunk message."""
-
-    window: int
-    first: int
-    count: int
-    slot_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.slot_bytes
-
-
-def plan_chunks(window: int, first: int, count: int, slot_bytes: int,
-                max_chunk_bytes: int) -> list[ChunkPlan]:
-    """Whole blocks per chunk, as many as fit in max_chunk_bytes (at least one)."""
-    per_chunk = max(1, max_chunk_bytes // slot_bytes)
-    return [
-        ChunkPlan(window, start, min(per_chunk, first + count - start), slot_bytes)
-        for start in range(first, first + count, per_chunk)
-    ]
+def plan_chunks(r: WindowRange, slot_bytes: int, max_chunk_bytes: int) -> list[WindowRange]:
+    """The blocks of `r`, one chunk message each of as many whole blocks as fit in max_chunk_bytes
+    (at least one)."""
+    return r.split(max(1, max_chunk_bytes // slot_bytes))
 
 
 def frame_bounds(nbytes: int, max_chunk_bytes: int) -> list[tuple[int, int]]:

@@ -176,6 +176,11 @@ class WindowRange(msgspec.Struct, frozen=True):
     first: int
     count: int
 
+    def split(self, most: int) -> list[WindowRange]:
+        """The range as consecutive ranges of at most `most` blocks."""
+        end = self.first + self.count
+        return [WindowRange(self.window, first, min(most, end - first)) for first in range(self.first, end, most)]
+
 
 class PullRequest(msgspec.Struct, tag=True, frozen=True):
     """gen -> ctx: send these blocks of the leased request."""

@@ -84,12 +84,11 @@ def test_identity_shares_the_gpu_only_on_same_host_boot_and_gpu(other, shared) -
     assert HOST.shares_gpu_with(other) is shared and other.shares_gpu_with(HOST) is shared
 
 
-def test_cpu_pools_and_the_knob_never_offer_or_ask() -> None:
+def test_cpu_pools_and_the_knob_never_offer_or_ask(caplog) -> None:
     pools = {128: torch.zeros(4, 8)}
     assert ipc.ipc_identity(pools, True) is None and ipc.ipc_identity(pools, False) is None
-    with pytest.raises(ValueError, match="window 128: the primary pool is not a whole contiguous CUDA storage"):
-        ipc.export_pools(pools, HOST)
-    assert ipc.try_export(pools, HOST) is None  # logged; that receiver gets bytes
+    assert ipc.export_pools(pools, HOST) is None  # logged; that receiver gets bytes
+    assert "window 128: the primary pool is not a whole contiguous CUDA storage" in caplog.text
 
 
 # ---- the sender's handshake answer -------------------------------------------------------------

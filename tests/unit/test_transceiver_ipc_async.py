@@ -30,7 +30,6 @@ class Held:
 
     def __init__(self, real: DeviceSum, gate: threading.Event) -> None:
         self.real, self.gate = real, gate
-        self.device = None
 
     def done(self) -> bool:
         return self.gate.is_set()
@@ -42,7 +41,7 @@ class Held:
     def synchronize(self) -> None:
         self.gate.wait(10)
 
-    def order_before(self, stream) -> None:
+    def order_before_current(self) -> None:
         return None
 
 

@@ -56,7 +56,7 @@ def same_gpu(monkeypatch):
     """The CUDA boundary of both sides, as in-process tensors; yields the sender's KV manager."""
     ctx_kv = _kv(max_blocks=8, host_blocks=16)
     monkeypatch.setattr(sender_mod, "ipc_identity", lambda pools, enabled: CTX if enabled else None)
-    monkeypatch.setattr(sender_mod, "try_export", lambda pools, identity: IpcOffer(identity=identity, pools=[]))
+    monkeypatch.setattr(sender_mod, "export_pools", lambda pools, identity: IpcOffer(identity=identity, pools=[]))
     monkeypatch.setattr(receiver_mod, "ipc_identity", lambda pools, enabled: GEN if enabled else None)
     monkeypatch.setattr(receiver_mod, "open_pools", lambda offer, own: {W: ctx_kv.pool(W, Level.PRIMARY)})
     return ctx_kv

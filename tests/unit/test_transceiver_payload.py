@@ -8,7 +8,6 @@ import torch
 import zmq
 
 from transceiver.payload import (
-    ChunkPlan,
     StagingPool,
     checksum,
     frame_bounds,
@@ -18,13 +17,14 @@ from transceiver.payload import (
     slot_runs,
     wait_any,
 )
+from transceiver.wire import WindowRange
 
 
 def test_plan_chunks_packs_whole_blocks() -> None:
-    assert plan_chunks(64, 3, 7, 1000, 3000) == [
-        ChunkPlan(64, 3, 3, 1000), ChunkPlan(64, 6, 3, 1000), ChunkPlan(64, 9, 1, 1000)]
-    assert plan_chunks(64, 0, 2, 5000, 3000) == [ChunkPlan(64, 0, 1, 5000), ChunkPlan(64, 1, 1, 5000)]
-    assert plan_chunks(64, 4, 0, 1000, 3000) == []
+    assert plan_chunks(WindowRange(64, 3, 7), 1000, 3000) == [
+        WindowRange(64, 3, 3), WindowRange(64, 6, 3), WindowRange(64, 9, 1)]
+    assert plan_chunks(WindowRange(64, 0, 2), 5000, 3000) == [WindowRange(64, 0, 1), WindowRange(64, 1, 1)]
+    assert plan_chunks(WindowRange(64, 4, 0), 1000, 3000) == []
     assert frame_bounds(3000, 3000) == [(0, 3000)]
     assert frame_bounds(5000, 3000) == [(0, 3000), (3000, 5000)]
 

@@ -178,7 +178,7 @@ def test_the_same_gpu_path_streams_batches(monkeypatch) -> None:
     """CUDA IPC with the CUDA boundary replaced by the tensors themselves (as test_transceiver_ipc_flow.py)."""
     holder: dict[str, KVCacheManager] = {}
     monkeypatch.setattr(sender_mod, "ipc_identity", lambda pools, enabled: CTX if enabled else None)
-    monkeypatch.setattr(sender_mod, "try_export", lambda pools, identity: IpcOffer(identity=identity, pools=[]))
+    monkeypatch.setattr(sender_mod, "export_pools", lambda pools, identity: IpcOffer(identity=identity, pools=[]))
     monkeypatch.setattr(receiver_mod, "ipc_identity", lambda pools, enabled: GEN if enabled else None)
     monkeypatch.setattr(receiver_mod, "open_pools", lambda offer, own: {W: holder["ctx"].pool(W, Level.PRIMARY)})
     pair = Pair()

@@ -78,9 +78,7 @@ class IpcCopies:
         for c in self._copies:
             if c.pull_id == pull_id and not c.abandoned:
                 c.abandoned = True
-                device = c.checksum.device
-                if device is not None:
-                    c.checksum.order_before(torch.cuda.current_stream(device))
+                c.checksum.order_before_current()
 
     def close(self) -> None:
         if self._watch is not None and self._watcher is not None:

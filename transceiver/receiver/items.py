@@ -59,11 +59,10 @@ class IpcPools:
 
 @dataclass(frozen=True)
 class Planned:
-    """The pull `pull_id` goes out as these parts (the first keeps its id); `several`: more than one
-    rank on either side, so the lease ends with a `Release` once every part arrived."""
+    """The pull `pull_id` goes out as these parts (the first keeps its id): more than one rank on
+    either side, so the lease ends with a `Release` once every part arrived."""
 
     pull_id: int
-    several: bool
     parts: list[tuple[int, Part]]  # (pull id, what it brings)
     ctx_request_id: str
     ctx_epoch: str

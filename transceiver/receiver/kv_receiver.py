@@ -32,18 +32,20 @@ import time
 import uuid
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
 from transceiver.link import SocketThread
+from transceiver.payload import checksum, parts_are_valid, scatter
 from transceiver.receiver.ipc_copies import IpcCopies
 from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
 from transceiver.receiver.link import ReceiverLink
-from transceiver.receiver.parts import apply_chunk, cancel_targets, count_written, ipc_destination
 from transceiver.receiver.pull import Part, Pulling, PullResult, Wanted, check_wanted
 from transceiver.stats import TransferStats
+from transceiver.tp import scatter_heads, unit_bytes
 from transceiver.wire import (
     REASONS,
     Ack,
@@ -212,8 +214,7 @@ class KVReceiver:
         pulling = self._unplanned.get(pull_id)
         if pulling is not None and pulling.endpoint == endpoint:
             del self._unplanned[pull_id]
-            pulling.planned = True
-            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, endpoint, None, None)
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, endpoint, None)
         return self._parts.get(pull_id)
 
     def _on_planned(self, plan: Planned) -> None:
@@ -223,9 +224,9 @@ class KVReceiver:
                 cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
                 self._thread.submit(Send(p.endpoint, cancel))
             return
-        pulling.planned, pulling.several = True, plan.several
+        pulling.several = True
         for pull_id, p in plan.parts:
-            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.src, p.dst)
+            pulling.parts[pull_id] = self._parts[pull_id] = Part(pulling, pull_id, p.endpoint, p.dst)
 
     def _on_received(self, item: Received) -> None:
         body = item.body
@@ -257,26 +258,50 @@ class KVReceiver:
             self._fail(pulling, reason, f"context server: {body.detail}", notify=False, failed_part=part)
 
     def _apply(self, part: Part, body: ChunkHeader | IpcChunk, payload: list) -> tuple[str, str] | None:
-        """Write one chunk of `part`; a problem -> (reason, sentence)."""
-        if body.window not in part.pulling.wanted:
-            return "integrity", f"unexpected chunk: window {body.window}, block {body.first}"
-        pool, slot_bytes = self._kv.pool(body.window, Level.PRIMARY), self._kv.slot_bytes(body.window)
+        """Check one chunk of `part` and write it (CUDA IPC: queue its copy); a problem -> (reason, sentence)."""
+        window, wanted = body.window, part.pulling.wanted
+        if window not in wanted or body.first != part.next_first[window]:
+            return "integrity", f"unexpected chunk: window {window}, block {body.first}"
+        first, slots = wanted[window]
+        count = body.count if isinstance(body, ChunkHeader) else len(body.slots)
+        dst = slots[body.first - first : body.first - first + count]  # shorter than count: beyond the pull
+        pool, slot_bytes = self._kv.pool(window, Level.PRIMARY), self._kv.slot_bytes(window)
         if isinstance(body, ChunkHeader):
-            problem = apply_chunk(part, body, payload, pool, slot_bytes, self.stats)
-            return None if problem is None else ("integrity", problem)
+            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst) if part.dst is not None else slot_bytes
+            parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in payload]  # zero-copy views
+            if count < 1 or len(dst) < count or body.nbytes != count * unit:
+                return "integrity", f"chunk header does not fit the pull: window {window}, blocks {body.first}+{count}"
+            if not parts_are_valid(parts, count, unit):
+                return "integrity", (f"chunk byte count mismatch: header says {body.nbytes}, received "
+                                     f"{sum(p.size for p in parts)} in {len(parts)} frames")
+            if checksum(parts, unit, body.first) != body.checksum:
+                last = body.first + count - 1
+                return "integrity", f"chunk checksum mismatch (window {window}, blocks {body.first}..{last})"
+            if part.dst is None:
+                scatter(pool, dst, parts)
+            else:
+                scatter_heads(pool, dst, part.dst, parts)
+            self._written(part, body.nbytes)
+            part.next_first[window] = body.first + count
+            return None
         opened, epoch = self._ipc_pools.get(part.endpoint), part.pulling.ctx_epoch
         if opened is None or opened[0] != epoch:
             return "integrity", f"CUDA IPC chunk but no pools of {part.endpoint} epoch {epoch} are open"
-        src = opened[1][body.window]  # [sender's num_slots, layers, 2, tpb, heads, dim]
-        dst, problem = ipc_destination(part, body, src)
-        if problem is not None:
-            return "integrity", problem
+        src = opened[1][window]  # [sender's num_slots, layers, 2, tpb, heads, dim]
+        if count < 1 or len(dst) < count or any(not 0 <= s < src.shape[0] for s in body.slots):
+            return "integrity", f"CUDA IPC chunk does not fit the pull: window {window}, blocks {body.first}+{count}"
+        part.next_first[window] = body.first + count
         try:  # queued on a side stream; checked in a later step (`_settle_copies`)
-            self._copies.start(part.pull_id, body, src, pool, dst, len(dst) * slot_bytes)
+            self._copies.start(part.pull_id, body, src, pool, dst, count * slot_bytes)
         except Exception as e:  # a CUDA error must fail this pull, not the engine loop
             log.exception("KV receiver: CUDA IPC copy of pull %d failed", part.pull_id)
             return "internal_error", f"the generation server failed to copy the blocks: {e}"
         return None
+
+    def _written(self, part: Part, nbytes: int) -> None:
+        part.nbytes += nbytes
+        part.chunks += 1
+        self.stats.bytes_received += nbytes
 
     def _settle_copies(self) -> None:
         """Check the copies the device has finished; finish parts whose Done waited for them."""
@@ -289,7 +314,7 @@ class KVReceiver:
                 self._fail(part.pulling, "integrity", f"chunk checksum mismatch after the CUDA IPC copy (window "
                                                       f"{h.window}, blocks {h.first}..{h.first + len(h.slots) - 1})")
                 continue
-            count_written(part, copy.nbytes, self.stats)
+            self._written(part, copy.nbytes)
             part.via_ipc = True
         for part in [p for p in self._parts.values() if p.done is not None]:
             if part.pull_id in self._parts and not self._copies.pending(part.pull_id):
@@ -344,7 +369,12 @@ class KVReceiver:
             self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
             del self._parts[pull_id]
         self.stats.count_failure(reason)
-        for endpoint, pull_id in cancel_targets(pulling, notify, failed_part):
+        if pulling.several:  # a Cancel per part, except the part whose sender reported the failure
+            targets = [(p.endpoint, p.pull_id) for p in [*pulling.parts.values(), *pulling.done_parts]
+                       if notify or p is not failed_part]  # (a refused duplicate must not end the lease)
+        else:  # one rank on each side (or not planned yet): one Cancel, unless the sender reported it
+            targets = [(pulling.endpoint, pulling.pull_id)] if notify else []
+        for endpoint, pull_id in targets:
             cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
             self._thread.submit(Send(endpoint, cancel))
         if report:

@@ -167,17 +167,15 @@ class ReceiverLink:
         except ValueError as e:
             io.deliver(PullRefused(req.pull_id, INCOMPATIBLE, f"incompatible peers: {e}"))
             return
-        # either side has more than one rank: the lease ends with a `Release`, not with an Ack
-        several = len(ranks) > 1 or self._layout.heads != (0, self._layout.total_heads)
-        if not several:  # one rank on each side: the pull as it is (its chunks say so to the engine)
-            self._send_pull(io, endpoint, peer, req)
+        if len(ranks) == 1 and self._layout.heads == (0, self._layout.total_heads):
+            self._send_pull(io, endpoint, peer, req)  # one rank on each side: the pull as it is
             return
+        # either side has more than one rank: the parts keep the lease, which ends with a `Release`
         ids = [req.pull_id] + [secrets.randbits(63) for _ in parts[1:]]
-        io.deliver(Planned(req.pull_id, several, list(zip(ids, parts, strict=True)), req.ctx_request_id,
-                           req.ctx_epoch))
+        io.deliver(Planned(req.pull_id, list(zip(ids, parts, strict=True)), req.ctx_request_id, req.ctx_epoch))
         now = time.time()
         for pull_id, part in zip(ids, parts, strict=True):
-            part_req = msgspec.structs.replace(req, pull_id=pull_id, heads=part.src, keep_lease=several)
+            part_req = msgspec.structs.replace(req, pull_id=pull_id, heads=part.src, keep_lease=True)
             if part.endpoint == endpoint:
                 self._send_pull(io, endpoint, peer, part_req)
             else:

@@ -3,7 +3,7 @@ one per context rank it comes from (`Part`); what it reports when it ends (`Pull
 check of what a caller asks to pull into (`check_wanted`).
 
 Without tensor parallelism a request has one part: whole slots from its context server. Otherwise
-each part brings some kv heads of every block (`src` of the sender's, written into our `dst`).
+each part brings some kv heads of every block (written into our `dst`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class Pulling:
     deadline: float
     parts: dict[int, Part] = field(default_factory=dict)  # running parts by pull_id (empty until planned)
     done_parts: list[Part] = field(default_factory=list)
-    planned: bool = False
     several: bool = False  # several ranks on a side: the lease ends with Release, not with an Ack
     stream: bool = False  # pulled while the context server prefills (transceiver/sender/stream.py)
     first_tokens: tuple[int, ...] = ()  # from a streamed pull's Done
@@ -61,8 +60,7 @@ class Part:
     pulling: Pulling
     pull_id: int
     endpoint: str
-    src: Heads | None  # the sender's kv heads (None: whole slots)
-    dst: Heads | None  # ours they go into
+    dst: Heads | None  # our kv heads the sender's go into (None: whole slots)
     next_first: dict[int, int] = field(default_factory=dict)  # window -> next block index expected
     nbytes: int = 0
     chunks: int = 0

@@ -19,13 +19,6 @@ MAX_IPC_SLOTS = 4096  # slots per IpcChunk: its header stays well under wire.MAX
 POLL_S = 0.0002  # how soon the socket thread looks again while a checksum is on the device
 
 
-def ipc_parts(r: WindowRange) -> list[WindowRange]:
-    """`r` cut into ranges of at most MAX_IPC_SLOTS blocks."""
-    end = r.first + r.count
-    return [WindowRange(window=r.window, first=first, count=min(MAX_IPC_SLOTS, end - first))
-            for first in range(r.first, end, MAX_IPC_SLOTS)]
-
-
 @dataclass(frozen=True)
 class IpcPart:
     """One future IpcChunk: blocks `range` of a lease, in the sender's `slots`, being summed."""

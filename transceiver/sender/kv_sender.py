@@ -31,7 +31,7 @@ import zmq
 
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
-from transceiver.ipc import ipc_identity, try_export
+from transceiver.ipc import export_pools, ipc_identity
 from transceiver.link import SocketThread
 from transceiver.payload import wait_any
 from transceiver.sender.lease import (
@@ -225,11 +225,9 @@ class KVSender:
             self._take_items()
             time.sleep(0.005)  # give the Failed notices a moment to leave
         self._thread.close()  # closes the socket: zmq drops whatever it still held
-        for lease in self._leases.values():
-            self._unpin(lease.pinned)
-        self._leases.clear()
-        for _, pinned in self._unpin_later:
+        for pinned in [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]:
             self._unpin(pinned)
+        self._leases.clear()
         self._unpin_later.clear()
 
     # ---- items from the socket thread ----------------------------------------------------------
@@ -245,7 +243,7 @@ class KVSender:
         if isinstance(item, ExportRequest):  # a receiver on our GPU: a fresh export of the pools for it (ipc.py)
             assert self.ipc_identity is not None
             with self._pool_lock:
-                offer = try_export(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
+                offer = export_pools(self._pools, self.ipc_identity)  # None: CUDA refused (logged), bytes then
             self.ipc_exports += offer is not None
             self._thread.submit(Outgoing(item.peer, msgspec.structs.replace(item.info, ipc=offer)))
         elif isinstance(item, Started):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import zmq
 
-from transceiver.payload import ChunkPlan
 from transceiver.wire import WindowRange
 
 
@@ -105,7 +104,7 @@ class Job:
 
     peer: bytes  # ROUTER identity of the receiver
     pull_id: int
-    chunks: deque[ChunkPlan]
+    chunks: deque[WindowRange]  # one chunk message each
     started: float  # monotonic
     sent_bytes: int = 0
     sent_chunks: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -44,9 +44,10 @@ MAX_INCOMING_BYTES = 64 * 1024  # receivers send only small control messages
 
 @dataclass(frozen=True)
 class Outgoing:
+    """The engine's answer to an `ExportRequest`, sealed and sent here."""
+
     peer: bytes
     body: Body
-    payload: list[Any] = field(default_factory=list)  # zmq.Frame objects (zero-copy)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class SenderLink:
         elif isinstance(cmd, Withdraw):
             self._server.withdraw(io, cmd)
         else:
-            self._send(io, cmd.peer, cmd.body, cmd.payload)
+            self._send(io, cmd.peer, cmd.body, [])
 
     def pump(self, io: SocketIO) -> float | None:
         return self._server.pump(io)

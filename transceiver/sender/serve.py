@@ -35,7 +35,6 @@ from transceiver.config import TransceiverConfig
 from transceiver.ipc import start_checksum
 from transceiver.link import SocketIO
 from transceiver.payload import (
-    ChunkPlan,
     StagingPool,
     checksum,
     frame_bounds,
@@ -44,7 +43,7 @@ from transceiver.payload import (
     pool_views,
     tracked_frames,
 )
-from transceiver.sender.ipc_serve import POLL_S, IpcPart, IpcPulls, ipc_parts
+from transceiver.sender.ipc_serve import MAX_IPC_SLOTS, POLL_S, IpcPart, IpcPulls
 from transceiver.sender.lease import Ended, Extend, Job, Offer, Offered, Started, Withdraw
 from transceiver.sender.stream import Pacer, complete, next_ranges
 from transceiver.stats import TransferStats
@@ -150,19 +149,16 @@ class PullServer:
             return
         assert off is not None
         job = off.jobs[req.pull_id] = Job(peer, req.pull_id, deque(), time.monotonic(), heads=req.heads,
-                                          keep_lease=req.keep_lease)
+                                          keep_lease=req.keep_lease, ranges=list(req.ranges),
+                                          planned=[r.first for r in req.ranges], via_ipc=req.via_ipc)
         io.deliver(Started(req.ctx_request_id))
         try:
-            self._start(io, req, off, job)
+            total = sum(r.count * self._unit_bytes(off, r.window, job) for r in req.ranges)
+            # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
+            job.target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
+            self._plan_more(io, req.ctx_request_id, off, job)
         except Exception as e:
             self._broken(io, req.ctx_request_id, req.pull_id, e)
-
-    def _start(self, io: SocketIO, req: PullRequest, off: Offered, job: Job) -> None:
-        job.ranges, job.planned, job.via_ipc = list(req.ranges), [r.first for r in req.ranges], req.via_ipc
-        total = sum(r.count * self._unit_bytes(off, r.window, job) for r in req.ranges)
-        # small pulls in smaller chunks: the receiver's work on the last chunk is not overlapped
-        job.target = min(self._config.max_chunk_bytes, max(MIN_CHUNK_TARGET, total // CHUNKS_PER_PULL))
-        self._plan_more(io, req.ctx_request_id, off, job)
 
     def _plan_more(self, io: SocketIO, cid: str, off: Offered, job: Job) -> None:
         """Plan the blocks of the pull that can go out now (all of them, unless the lease is streamed),
@@ -177,8 +173,7 @@ class PullServer:
                 self._serve_ipc(io, cid, off, job, ranges, last)
                 job.queued = last
             return
-        job.chunks.extend(c for r in ranges for c in plan_chunks(r.window, r.first, r.count,
-                                                                 self._unit_bytes(off, r.window, job), job.target))
+        job.chunks.extend(c for r in ranges for c in plan_chunks(r, self._unit_bytes(off, r.window, job), job.target))
         if (job.chunks or last) and not job.queued:
             job.queued = True
             self._active.append((cid, job.pull_id))
@@ -308,12 +303,13 @@ class PullServer:
         self._inflight = [t for t in self._inflight if not t.done]
         return len(self._inflight) < MAX_INFLIGHT
 
-    def _send_chunk(self, io: SocketIO, off: Offered, job: Job, plan: ChunkPlan) -> bool:
+    def _send_chunk(self, io: SocketIO, off: Offered, job: Job, plan: WindowRange) -> bool:
         """Send one chunk; False (nothing done) when no staging buffer is free."""
-        window = off.offer.windows[plan.window]
-        slots = window.slots[plan.first : plan.first + plan.count]  # primary slots: where the bytes are
-        pool, max_frame = window.pool, self._config.max_chunk_bytes
-        if job.heads is None and pool.device.type == "cpu" and plan.slot_bytes >= ZERO_COPY_SLOT_BYTES:
+        slots = off.range_slots(plan)  # primary slots: where the bytes are
+        pool, max_frame = off.offer.windows[plan.window].pool, self._config.max_chunk_bytes
+        unit = self._unit_bytes(off, plan.window, job)
+        nbytes = plan.count * unit
+        if job.heads is None and pool.device.type == "cpu" and unit >= ZERO_COPY_SLOT_BYTES:
             parts = [v[s:e] for v in pool_views(pool, slots) for s, e in frame_bounds(v.size, max_frame)]
             frames, tracker = tracked_frames(parts)
             off.pool_frames.append(tracker)
@@ -329,18 +325,18 @@ class PullServer:
                     gather(pool, slots, staging.buffer(i))
                 else:
                     gather_heads(pool, slots, job.heads, staging.buffer(i))
-            bounds = frame_bounds(plan.nbytes, max_frame)
+            bounds = frame_bounds(nbytes, max_frame)
             parts = staging.parts(i, bounds)
             frames, tracker = staging.frames(i, bounds)
-        digest = checksum(parts, plan.slot_bytes, plan.first)
+        digest = checksum(parts, unit, plan.first)
         header = ChunkHeader(pull_id=job.pull_id, window=plan.window, first=plan.first, count=plan.count,
-                             nbytes=plan.nbytes, checksum=digest)
+                             nbytes=nbytes, checksum=digest)
         self._send(io, job.peer, header, frames)
-        self._pacer.sent(plan.nbytes)
+        self._pacer.sent(nbytes)
         self._inflight.append(tracker)
-        job.sent_bytes += plan.nbytes
+        job.sent_bytes += nbytes
         job.sent_chunks += 1
-        self._stats.bytes_sent += plan.nbytes
+        self._stats.bytes_sent += nbytes
         return True
 
     def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange],
@@ -349,7 +345,7 @@ class PullServer:
         its slots, checksums (and, after the `last` batch, Done) are sent once the device has
         finished (`_send_ipc_ready`). A streamed lease's pull comes in several batches."""
         parts = []
-        for part in (p for r in ranges for p in ipc_parts(r)):
+        for part in (p for r in ranges for p in r.split(MAX_IPC_SLOTS)):
             pool, slots = off.offer.windows[part.window].pool, off.range_slots(part)
             with self._reading(off, pool.device, wait=False):
                 parts.append(IpcPart(part, slots, start_checksum(pool, slots, part.first)))
