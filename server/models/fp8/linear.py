@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-
 import torch
 
 from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
 from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
+from server.models.kernels.gemv import time_ms
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class Fp8Linears:
                             _name(path), tuple(weights[0].shape), x.shape[0], error)
                 return None
             pairs = list(zip(weights, biases, strict=True))
-            return _time(lambda: self._sweep(path, x, pairs))
+            return time_ms(lambda: self._sweep(path, x, pairs))
         except Exception as exc:  # noqa: BLE001 (a config this GPU cannot compile or run is skipped, not fatal)
             log.warning("FP8 GEMM %s on %s at %d rows failed here: %s", _name(path), tuple(weights[0].shape),
                         x.shape[0], exc)
@@ -179,14 +178,3 @@ def _name(path: Path) -> str:
         return path
     block_n, block_k, warps, stages, swap, quant = path
     return f"triton_{block_n}x{block_k}_w{warps}_s{stages}" + ("_swap" if swap else "") + ("_quant" if quant else "")
-
-
-def _time(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats

@@ -11,6 +11,8 @@ additions differs, so bf16 results agree with cuBLAS to rounding, not bit for bi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -82,10 +84,10 @@ class SkinnyLinear:
             return
         x = torch.randn(rows, key[1], dtype=weights[0].dtype, device=weights[0].device)
         pairs = list(zip(weights, biases, strict=True))
-        best, best_ms = None, _time(lambda: [F.linear(x, w, b) for w, b in pairs]) * 0.98
+        best, best_ms = None, time_ms(lambda: [F.linear(x, w, b) for w, b in pairs]) * 0.98
         for config in CONFIGS:
             try:
-                ms = _time(lambda c=config: [skinny_linear(x, w, b, c) for w, b in pairs])
+                ms = time_ms(lambda c=config: [skinny_linear(x, w, b, c) for w, b in pairs])
             except triton.runtime.errors.OutOfResources:  # too much shared memory for this GPU
                 continue
             if ms < best_ms:
@@ -93,7 +95,8 @@ class SkinnyLinear:
         self.chosen[key] = best
 
 
-def _time(fn, repeats: int = 5) -> float:
+def time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The mean CUDA time of `fn` in ms, after one untimed run."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
