@@ -2,14 +2,9 @@
 and Qwen3-FP8 ship): each float8 weight [N, K] has a float32 `*.weight_scale_inv` [ceil(N / 128),
 ceil(K / 128)], a multiplier despite its name: W[n, k] = qweight[n, k] * scale_inv[n // 128, k // 128].
 
-`from_block_checkpoint` holds such a weight as an `Fp8Weight` with one scale per row and block of 128
-columns (scale [N, ceil(K / 128)], `block_k` 128): the row blocks expanded to their rows (exact), so
-that q|k|v and gate|up fuse, and experts stack, row by row whatever their row counts, as per-channel
-weights do (`weight.cat_rows`, `experts.stack_experts`).
-
-They run dequantized: on the CPU as every FP8 weight (`weight.dequantized_linear`), and on the GPU
-too (a block-scaled FP8 GEMM is not implemented: `linear.Fp8Linears` and the runner's experts take the
-torch path, each weight dequantized as it is used), so the memory is FP8's but not the GEMM speed.
+`from_block_checkpoint` expands the row blocks to their rows (exact: scale [N, ceil(K / 128)],
+`block_k` 128), so such weights fuse and stack row by row as per-channel ones do. They run
+dequantized on the CPU and the GPU alike (no block-scaled FP8 GEMM here): FP8's memory, not its speed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A sparse layer's feed-forward block: the gate, the routed experts, the shared expert(s).
 
-`build_moe(spec, weights, layer)` loads one layer's block from the checkpoint's tensors by their HF
-names, in either layout a checkpoint ships: one tensor per expert and projection
-(`{block}experts.{e}.{gate,up,down}.weight`, how every published checkpoint and transformers'
-`save_pretrained` store them) or transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, hidden]
-and `mlp.experts.down_proj` [E, hidden, I]. The block is called like a dense MLP, `block(x, ops)`.
-Expert weights are float tensors or, with FP8 linears (`quantization: fp8` or an FP8 checkpoint),
-stacked `Fp8Weight`s (server/models/fp8/experts.py); a layer whose experts mix the two is dequantized.
+`build_moe` loads one layer's block by HF names, from either layout a checkpoint ships: one tensor
+per expert and projection (`experts.{e}.{gate,up,down}.weight`) or transformers 5's stacked
+`experts.gate_up_proj` [E, 2I, hidden] and `experts.down_proj` [E, hidden, I]. Expert weights are
+float or stacked `Fp8Weight`s; a layer whose experts mix the two is dequantized.
 """
 
 from __future__ import annotations
