@@ -167,18 +167,16 @@ class ModelRunner:
                                        max_rows=min(max_num_tokens, max_batch_size + MIXED_ROWS))
 
     def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
+        ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
         if spec.mla is not None:  # latent attention: the torch MLA on both paths (fused ops with Triton)
-            ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
             return TorchLatentAttention(self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank,
                                         spec.mla.softmax_scale, self.dtype), ops
         if self.kernels == "triton":
             from server.models.triton_attention import TritonPagedAttention
 
-            backend = TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
-                                           max_seq_len=max_seq_len)
-            return backend, TritonOps(spec.rms_norm_eps)
-        return (TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim, self.dtype),
-                TorchOps(spec.rms_norm_eps))
+            return TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
+                                        max_seq_len=max_seq_len), ops
+        return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim, self.dtype), ops
 
     def warm_up(self) -> float:
         """Run the step shapes the scheduler produces once and capture the decode graphs, so no

@@ -114,9 +114,9 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm."""
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm[(x.shape[0],)](x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), n, eps,
                              BLOCK=_block(n), ADD=False, num_warps=_warps(n))
