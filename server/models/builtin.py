@@ -24,14 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.models.catalog import (  # noqa: F401 (re-exported: the built-in models' names live there)
-    BUILTIN_MODELS,
-    BUILTIN_PREFIX,
-    PACKAGED_MODELS,
-    PACKAGED_ROOT,
-    TINY_SHAPE,
-    BuiltinModel,
-)
+from server.models.catalog import BUILTIN_MODELS, BUILTIN_PREFIX, PACKAGED_MODELS, PACKAGED_ROOT, TINY_SHAPE
 from server.models.tiny_tokenizer import train_tokenizer
 
 if TYPE_CHECKING:

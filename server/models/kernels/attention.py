@@ -171,7 +171,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     b, heads, d = q.shape
     kv_heads = k.shape[2]
     g = heads // kv_heads
-    gp = max(16, triton.next_power_of_2(g))
+    gp = group_rows(heads, kv_heads)
     if scratch is None:
         scratch = decode_scratch(b, kv_heads, gp, d, splits, q.device)
     partials, maxes, sums = scratch

@@ -9,10 +9,8 @@ Triton path, server/models/kernels/moe.py) and whose load `ExpertLoad` (load.py)
 The forward has no host synchronisation on CUDA (experts.py says how), so it runs inside CUDA graphs.
 """
 
-from server.models.mlp import DenseMLP, WeightSource, load_mlp
 from server.models.moe.block import MoEBlock, build_moe, moe_blocks
-from server.models.moe.config import MOE_ARCHITECTURES, MoESpec, parse_moe
+from server.models.moe.config import MoESpec, parse_moe
 from server.models.moe.router import route
 
-__all__ = ["MOE_ARCHITECTURES", "DenseMLP", "MoEBlock", "MoESpec", "WeightSource", "build_moe", "load_mlp",
-           "moe_blocks", "parse_moe", "route"]
+__all__ = ["MoEBlock", "MoESpec", "build_moe", "moe_blocks", "parse_moe", "route"]
