@@ -1,21 +1,15 @@
 """Paged attention over a flattened (varlen) batch: the backend interface and a portable torch backend.
 
-The runner lays a step out as `StepLayout`: decode sequences (one query each) first, then prefill
-chunks, all tokens in one flattened batch of T rows. A backend turns the layout into per-window
-metadata ONCE per step (`plan`), then every layer calls `forward` with its q and new K/V:
+A step (`StepLayout`) is decode sequences (one query each) first, then prefill chunks, T rows in
+all. A backend builds per-window metadata once per step (`plan`); each layer's `forward` writes the
+new K/V into its cache and attends through the block tables with a causal + sliding-window mask (a
+query at position p sees keys k with p - window < k <= p). `forward` never syncs the host: every
+index and mask is built in `plan` and uploaded in one copy. Pools are zero-initialised, so padded
+or masked slots never inject NaN.
 
-1. write the new K/V into the layer's cache at (slot, offset) of each token's position;
-2. read each sequence's context back through its block table (primary slots) and attend, with a
-   causal + sliding-window mask: a query at position p sees keys k with p - window < k <= p.
-
-No host synchronisation in `forward`: every index and mask is a tensor built in `plan` from host
-lists (uploaded in one copy per step), and Python branches only on host-known sizes. Pools are
-zero-initialised, so padded or masked slots never inject NaN.
-
-An FP8 cache (`kv_cache_config.dtype: fp8`) stores e4m3(K / k_scale) and e4m3(V / v_scale) per
-layer (`quantize_fp8`: float32 product, saturated at +-448, rounded to nearest even, the rounding the
-Triton kernels reproduce bit for bit); reads dequantize: the gathered blocks are widened to the
-model's dtype, k_scale is folded into the softmax scale and v_scale into the output.
+An FP8 cache stores e4m3(K / k_scale) and e4m3(V / v_scale) per layer (`quantize_fp8`, the rounding
+the Triton kernels reproduce bit for bit); reads widen the gathered blocks to the model's dtype and
+fold k_scale into the softmax scale, v_scale into the output.
 """
 
 from __future__ import annotations
@@ -39,19 +33,15 @@ class PagedKV(Protocol):
     window_sizes: tuple[int, ...]
 
     def layer_cache(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each [num_primary_slots, tokens_per_block, kv_heads, head_dim] (views);
-        in each slot V must follow K directly (one pool, slot-major), see `layer_units`."""
-        ...
+        """K and V views [slots, tokens_per_block, kv_heads, head_dim]; V follows K in each slot."""
 
     def layer_latent(self, layer_idx: int) -> torch.Tensor:
-        """A latent cache's layer (MLA): [num_primary_slots, tokens_per_block, width] (a view)."""
-        ...
+        """A latent cache's layer (MLA): [slots, tokens_per_block, width] (a view)."""
 
     def layer_window(self, layer_idx: int) -> int: ...
 
     def layer_scales(self, layer_idx: int) -> tuple[float, float]:
         """(k scale, v scale) of an FP8 cache's layer; (1.0, 1.0) for a cache in the model's dtype."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -85,9 +75,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: object) -> torch.Tensor:
-        """qkv [T, heads + 2 * kv_heads, head_dim] (q, k, v heads of each new token, before RoPE),
-        cos / signed sin [T, head_dim] (`Rotary.cos_sin`) -> attention output [T, heads, head_dim].
-        Rotates q and k, writes the new K/V into the cache, attends."""
+        """qkv [T, heads + 2 * kv_heads, head_dim] before RoPE, cos / signed sin [T, head_dim]
+        (`Rotary.cos_sin`) -> [T, heads, head_dim]; rotates q and k and writes K/V into the cache."""
 
 
 @dataclass
@@ -95,8 +84,7 @@ class Attend:
     """One attention call: `rows` of the flattened batch against the keys of `units`."""
 
     rows: slice
-    units: torch.Tensor  # [seqs * 2 * blocks] int64: per sequence its K units, then its V units (padding:
-    # slot 0); sequence-major, so a thread that gathers a sequence's blocks is likely to attend over them
+    units: torch.Tensor  # [seqs * 2 * blocks] int64: per sequence its K units, then its V units (padding: slot 0)
     mask: torch.Tensor  # [seqs, 1, 1, keys] (decode) or [rows, keys] (prefill): 0 = attend, -inf = not
 
 
@@ -107,6 +95,13 @@ class WindowPlan:
     write_rows: torch.Tensor  # [T, 2] int64 token row (units view) of each new token's K and V
     decode: Attend | None  # all decode sequences at once, one query each
     prefills: list[Attend]  # one per prefill chunk
+
+    def attend(self, q: torch.Tensor, decode: Callable[[torch.Tensor, Attend], torch.Tensor],
+               prefill: Callable[[torch.Tensor, Attend], torch.Tensor]) -> torch.Tensor:
+        """`decode` of the decode rows of q, then `prefill` of each chunk's, concatenated in row order."""
+        outs = [] if self.decode is None else [decode(q[self.decode.rows], self.decode)]
+        outs += [prefill(q[p.rows], p) for p in self.prefills]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class AdditiveMask:
@@ -138,8 +133,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype | None = None) -> None:
-        """`dtype`: the model's (what q, k, v and the output are); default the cache's, which an FP8
-        cache is not."""
+        """`dtype`: the model's; default the cache's (which an FP8 cache is not)."""
         self.kv = kv
         self.tpb = kv.tokens_per_block
         self.num_heads = num_heads
@@ -176,12 +170,8 @@ class TorchPagedAttention(AttentionBackend):
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
         as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
-        outs = []
-        if plan.decode is not None:
-            outs.append(self._decode(q[plan.decode.rows], cache.blocks, plan.decode, layer))
-        for p in plan.prefills:
-            outs.append(self._prefill(q[p.rows], cache.blocks, p, layer))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
+                           lambda q, a: self._prefill(q, cache.blocks, a, layer))
 
     def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
@@ -212,15 +202,18 @@ def as_stored(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
+def gather_units(blocks: torch.Tensor, units: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks[units] in `dtype`: an FP8 cache's widened, exactly (every e4m3 value is a bf16, fp16
+    and float32 value)."""
+    out = as_stored(blocks).index_select(0, units)
+    return out.view(FP8).to(dtype) if blocks.dtype == FP8 else out
+
+
 def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
-    [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor; an FP8 cache's
-    blocks widened, exactly: every e4m3 value is a bf16, fp16 and float32 value)."""
-    kv = as_stored(blocks).index_select(0, units)
-    if blocks.dtype == FP8:
-        kv = kv.view(FP8).to(dtype)
-    kv = kv.view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
+    [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor)."""
+    kv = gather_units(blocks, units, dtype).view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
     return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
@@ -282,9 +275,9 @@ class _HostWindow:
 
 @dataclass(frozen=True)
 class LayerUnits:
-    """One layer's cache seen as units of one block of K or V (unit u = slot * units_per_slot + j, j = 0
-    for K and 1 for V), or of a latent cache's one row a token (j = 0). The views span the whole pool,
-    so other layers' units sit between ours; only indices built with `units_per_slot` are used."""
+    """One layer's cache as units of one block of K or V (unit u = slot * units_per_slot + j, j = 0
+    for K, 1 for V), or of a latent cache's rows (j = 0). The views span the whole pool, other
+    layers' units between ours; only indices built with `units_per_slot` are used."""
 
     window: int
     units_per_slot: int  # pool slot stride / unit size (planes x layers of the window group)
@@ -302,19 +295,24 @@ def layer_units(window: int, k: torch.Tensor, v: torch.Tensor) -> LayerUnits:
     if not fits:
         raise ValueError(f"KV cache layout not supported: K {tuple(k.shape)} strides {k.stride()}, V must "
                          "follow K directly in each slot of one slot-major pool")
-    per_slot = k.stride(0) // unit
-    num_units = (slots - 1) * per_slot + 2  # up to the last slot's V
-    tokens = torch.as_strided(k, (num_units * tpb, heads, dim), (heads * dim, dim, 1), k.storage_offset())
-    return LayerUnits(window, per_slot, tokens.view(num_units, tpb, heads, dim), tokens)
+    return units_view(window, k, planes=2)
+
+
+def units_view(window: int, view: torch.Tensor, planes: int) -> LayerUnits:
+    """The units of a checked layer view [slots, tpb, *row] (rows contiguous, slot stride a multiple
+    of the unit), up to the last slot's `planes` units."""
+    slots, tpb, *row = view.shape
+    per_slot = view.stride(0) // view.stride(1) // tpb
+    num_units = (slots - 1) * per_slot + planes
+    tokens = torch.as_strided(view, (num_units * tpb, *row), view.stride()[1:], view.storage_offset())
+    return LayerUnits(window, per_slot, tokens.view(num_units, tpb, *row), tokens)
 
 
 class HostInts:
     """A step's index data collected on the host, so it reaches the device in one copy. With `align`,
-    every part starts on a multiple of `align` values (the buffer itself is a fresh, aligned allocation):
-    the Triton backend's int32 parts start on 16-byte boundaries, so a kernel argument that points at
-    a part is aligned whatever the step's sizes; otherwise Triton compiles a new variant of a kernel
-    for each alignment pattern a step's token count produces, and a fresh server under varied load
-    spends its first minute compiling."""
+    every part starts on a multiple of `align` values: the Triton backend's int32 parts start on
+    16-byte boundaries, else Triton would compile a kernel variant per alignment pattern of the
+    step's sizes (a fresh server under varied load would spend its first minute compiling)."""
 
     def __init__(self, dtype: torch.dtype = torch.int64, align: int = 1) -> None:
         self.dtype, self.align = dtype, align

@@ -1,17 +1,13 @@
 """Built-in models: a trained default that ships in the package, and deterministic random tiny models.
 
-`builtin:tiny-story` (the default in configs/) is a ~2 M parameter Llama trained on English text that
-ships with Python (scripts/train_tiny_story.py); its folder is package data,
-`server/models/data/tiny-story/`, and `resolve_model` returns it as is.
+`builtin:tiny-story` (the default in configs/) is a ~2 M parameter Llama trained on English text
+(scripts/train_tiny_story.py), shipped as package data (`server/models/data/tiny-story/`).
 
-The random tiny models (`builtin:tiny-llama`, `builtin:tiny-qwen3-swa`, and the mixture-of-experts
-`builtin:tiny-mixtral`, `builtin:tiny-qwen2-moe`, `builtin:tiny-qwen3-moe`: 8 experts, top-2) serve
-the exactness tests.
-`resolve_model("builtin:tiny-llama")` materializes the model into
-`$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models/<name>-v<N>`) and returns
-the folder. Several processes may start at once: each builds into a private temporary folder next
-to the target and renames it into place; the first rename wins and the others discard their copy
-(the content is the same). A folder that exists is therefore always complete.
+The random tiny models (catalog.py: Llama, Qwen3 with sliding windows, the mixture-of-experts
+Mixtral and Qwen MoEs, DeepSeek-V2/V3) serve the exactness tests. `resolve_model` builds one once
+into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
+starts at once builds into a private temporary folder and renames it into place, the first rename
+winning, so a folder that exists is always complete.
 
 Random init makes tiny models repeat one token, so weights are drawn from our own seeded
 generator with gains large enough that greedy output varies and depends on the whole context.
@@ -28,14 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from server.models.catalog import (  # noqa: F401 (re-exported: the built-in models' names live there)
-    BUILTIN_MODELS,
-    BUILTIN_PREFIX,
-    PACKAGED_MODELS,
-    PACKAGED_ROOT,
-    TINY_SHAPE,
-    BuiltinModel,
-)
+from server.models.catalog import BUILTIN_MODELS, BUILTIN_PREFIX, PACKAGED_MODELS, PACKAGED_ROOT, TINY_SHAPE
 from server.models.tiny_tokenizer import train_tokenizer
 
 if TYPE_CHECKING:
@@ -134,11 +123,9 @@ def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Pat
 def _init_weights(model: PreTrainedModel, *, seed: int) -> None:
     """Fill every parameter from one seeded generator, in name order (independent of HF's init).
 
-    Gains: embeddings N(0, 1); linear weights N(0, 1.5 / sqrt(fan_in)) so each layer changes the
-    residual stream substantially and attention is sharp enough to mix the context; norm weights
-    around 1 and biases around 0 with noise, so a loader that drops or swaps them is caught.
-    DeepSeek-V3's expert-choice bias (a buffer, zero in transformers' init) gets noise too, so it
-    decides some experts.
+    Linear weights N(0, 1.5 / sqrt(fan_in)) so each layer changes the residual stream substantially
+    and attention mixes the context; norms and biases get noise, so a loader that drops or swaps them
+    is caught; so does DeepSeek-V3's expert-choice bias (zero in transformers' init).
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):

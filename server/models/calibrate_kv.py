@@ -1,16 +1,12 @@
 """`pdserve calibrate-kv MODEL --out scales.json`: per-layer FP8 KV scales measured on sample text.
 
-The model prefills the sample in windows of `seq_len` tokens through the runner, into a KV cache in
-the model's own dtype, with block reuse off; after each window, the largest |K| and |V| of every
-layer's blocks of it are what the cache would have to hold. So the scales are measured on what the
-cache stores (K after RoPE, and for Qwen3 after its q/k norm), whatever the model family. A
-layer's scale is its largest |K| (|V|) over the sample divided by 448, e4m3's largest value: that
-largest K is then stored as 448 exactly, and nothing of the sample saturates.
+The model prefills the sample in windows of `seq_len` tokens into a cache in its own dtype (block
+reuse off), so the scales are measured on what the cache stores (K after RoPE and any q/k norm),
+whatever the family. A layer's scale is its largest |K| (|V|) over the sample / 448: that K is
+stored as 448 exactly, and nothing of the sample saturates.
 
-The sample: text files (`--text`), else the prose of Python's own language reference
-(`pydoc_data`, shipped with every Python): text like what the model will serve. Its size matters:
-the largest value is an extreme, and one the sample never reached saturates at 448. On
-builtin:tiny-story, 8k tokens of its training text set layer 0's k_scale 17% under what held-back
+The sample: text files (`--text`), else the prose of Python's language reference (`pydoc_data`).
+Its size matters: on builtin:tiny-story, 8k tokens set layer 0's k_scale 17% under what held-back
 text reaches; 64k tokens (the default) come within 1% (docs/FP8.md).
 """
 

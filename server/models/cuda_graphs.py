@@ -1,20 +1,15 @@
 """CUDA graphs for decode steps, applied from outside the model.
 
-At start-up the runner captures one graph per batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...
-up to the engine's max_batch_size), largest first, sharing one memory pool. Each graph replays the
-whole forward of a decode-only step over static buffers (`StaticDecodePlan`: token ids, positions,
-block tables, sequence lengths, window bounds, write slots); a step of n sequences fills the
-smallest bucket >= n (padding rows write nothing and attend to nothing) with one host-to-device
-copy and replays it. Capture runs every kernel first, so Triton and cuBLAS are warm after it.
+At start-up the runner captures one graph per batch-size bucket (`batch_buckets`), largest first,
+sharing one memory pool. A graph replays the whole forward over static buffers
+(`StaticDecodePlan`); a step of n rows fills the smallest bucket >= n (padding rows write and attend
+to nothing) with one host-to-device copy. Capture runs every kernel first, warming Triton and cuBLAS.
 
-With async scheduling a row's input token may still be on the device (the previous step sampled
-it): `run` copies those sampled ids into the static `source` buffer, and each graph starts by
-gathering them into its token ids (`StaticDecodePlan.take_pending`), so no id goes through the host.
-
-Rows are not only decode steps: the runner turns speculative verify chunks and short prefill chunks
-into one-token rows (runner.as_decode_rows), so mixed prefill + decode steps replay a graph too. The
-buckets therefore go past max_batch_size up to `max_rows`; a replay computes the logits of at most
-max_batch_size rows (`StaticDecodePlan.logit_rows`: which ones, e.g. a prefill chunk's last row).
+With async scheduling a row's input token may still be on the device: `run` copies the sampled ids
+into the static `source` buffer, from which each graph gathers them (`StaticDecodePlan.take_pending`).
+Speculative verify chunks and short prefill chunks ride as one-token rows too (runner.as_decode_rows),
+so the buckets go past max_batch_size up to `max_rows`; a replay computes the logits of at most
+max_batch_size rows (`StaticDecodePlan.logit_rows`).
 """
 
 from __future__ import annotations
@@ -85,9 +80,8 @@ class DecodeGraphs:
 
     def run(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
             source: torch.Tensor | None = None, logit_rows: list[int] | None = None) -> torch.Tensor:
-        """Logits of one step of one-token rows: [len(seqs), vocab], or with `logit_rows` (at most
-        max_logit_rows of them) those rows' logits in that order; row i with picks[i] >= 0 takes
-        source[picks[i]] (device ids) instead of token_ids[i]."""
+        """Logits [len(seqs), vocab] of one step of one-token rows, or those of `logit_rows`; row i with
+        picks[i] >= 0 takes its token from source[picks[i]]."""
         batch = self.bucket(len(seqs))
         self.plans[batch].fill(seqs, token_ids, picks, logit_rows)
         if source is not None:

@@ -1,19 +1,15 @@
 """DeepSeek-V2/V3 decoder in plain torch: multi-head latent attention (MLA) over a latent KV cache.
 
-Math follows transformers' DeepseekV2/V3 modeling code: q from q_proj, or q_a_proj -> RMSNorm ->
-q_b_proj (`q_lora_rank`); the compressed KV from kv_a_proj_with_mqa, split into the latent `c`
-(RMSNorm'd) and the shared rope key `k_pe`; RoPE on q_pe and k_pe in interleaved pairs (V2, and V3
-with `rope_interleave`) or rotate_half; the softmax scale with YaRN's mscale (`MLASpec.softmax_scale`).
-The q_a and kv_a norms use eps 1e-6 (transformers' default for them), the others `rms_norm_eps`.
+Math follows transformers' DeepseekV2/V3 code: q from q_proj, or q_a_proj -> RMSNorm -> q_b_proj;
+kv_a_proj_with_mqa gives the latent `c` (RMSNorm'd) and the shared rope key `k_pe`; RoPE in
+interleaved pairs (V2, and V3 with `rope_interleave`) or rotate_half; the softmax scale with YaRN's
+mscale. The q_a and kv_a norms use eps 1e-6 (transformers' default for them).
 
-The cache holds [c, k_pe] per token and layer (kvcache.KVFormat "latent"); K and V are never
-expanded. kv_b_proj is split once at load into W_uk [heads, nope, rank] and W_uv [heads, v, rank]:
-a head's query becomes [q_nope @ W_uk, q_pe] and its output (the weighted sum of `c`) @ W_uv^T,
-which is the expanded attention's result, re-associated (server/models/mla_attention.py).
-
-Layers [0, first_k_dense_replace) have a dense SiLU MLP; the others the DeepSeek MoE block.
-Tensor parallelism: each rank holds its heads' slices of q, kv_b and o (the latent, kv_a and its
-norm are whole on every rank), and meets the others through `parallel` as LlamaModel does.
+The cache holds [c, k_pe] per token and layer; K and V are never expanded: kv_b_proj is split at
+load into W_uk and W_uv, a head's query becomes [q_nope @ W_uk, q_pe] and its output (the weighted
+sum of `c`) @ W_uv^T, the expanded attention re-associated (server/models/mla_attention.py).
+Layers before first_k_dense_replace have a dense MLP, the others the MoE block. Tensor parallelism:
+each rank holds its heads' slices of q, kv_b and o; the latent path is whole on every rank.
 """
 
 from __future__ import annotations

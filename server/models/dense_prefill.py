@@ -1,18 +1,15 @@
 """Attention of a prefill chunk with nothing cached before it: one fused causal SDPA over the
 chunk's own contiguous q/k/v (the Triton backend's "dense" path, triton_attention.py).
 
-Which kernel runs (`PDSERVE_DENSE_PREFILL`, read per call so a benchmark can compare them in one
-process):
-- "auto" (default): cuDNN for bf16/fp16 prompts of at least CUDNN_MIN_TOKENS tokens, FlashAttention
-  below. cuDNN runs 4k causal attention at ~460 TFLOP/s on the H200 against FlashAttention-2's ~250
-  (research/gpu-kernels.md), but builds an execution plan for every new sequence length (~0.9 s on
-  the H200). So the prompt is padded at its end to a multiple of CUDNN_BUCKET tokens, and `warm_up`
-  builds the plan of every bucket at start-up. Causal attention makes the padding invisible: a real
-  query at position p sees keys <= p only, never the zero rows after the prompt.
-- "flash": FlashAttention only; "cudnn": cuDNN at the exact length (a plan per new length);
-  "triton": the paged Triton prefill kernel for every prompt (triton_attention.py decides).
-float32 (no fused kernel takes it with GQA) always runs torch's math kernel, unpadded, so float32
-runs stay token-exact against transformers.
+`PDSERVE_DENSE_PREFILL` (read per call, so a benchmark can compare kernels in one process):
+- "auto" (default): cuDNN for bf16/fp16 prompts of at least CUDNN_MIN_TOKENS tokens (~460 TFLOP/s
+  at 4k on the H200 against FlashAttention-2's ~250), FlashAttention below. cuDNN builds a plan per
+  new sequence length (~0.9 s), so prompts are padded at their end to a multiple of CUDNN_BUCKET
+  and `warm_up` builds every bucket's plan; causal attention never lets a real query see the padding.
+- "flash": FlashAttention only; "cudnn": cuDNN at the exact length; "triton": the paged Triton
+  prefill kernel for every prompt.
+float32 (no fused kernel takes it with GQA) runs torch's math kernel, unpadded, so it stays
+token-exact against transformers.
 """
 
 from __future__ import annotations

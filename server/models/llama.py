@@ -1,17 +1,13 @@
 """Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
 Mixtral, Qwen2-MoE, Qwen3-MoE) in plain torch.
 
-Math follows transformers' modeling code step for step (RMSNorm in float32, HF's rotate_half RoPE,
-SiLU-gated MLP, Qwen3's per-head q/k RMSNorm before RoPE). Weights are loaded by their HF names and
-fused once at load time: q/k/v into one projection, gate/up into one. The model is stateless
-between steps: the KV cache lives in the pool and is reached only through the attention backend,
-which also applies RoPE to q and k (so a GPU backend can fuse it with the cache write). The
-residual add is fused into the next RMSNorm (`ops.add_rms_norm`); `ops` is torch or Triton.
-Tensor parallelism is applied from outside too: a rank's model holds its slices of the weights
-(server/models/parallel/) and meets the other ranks only through `parallel` (embedding, the sum
-after o and down, the logits); with one rank that is `SingleRank`, which adds nothing.
-A linear weight is a float tensor or an FP8 one (`Fp8Weight`, server/models/fp8/): `ops.linear`
-multiplies either, so FP8 weights change nothing here but how q/k/v and gate/up are fused (`cat_rows`).
+Math follows transformers' modeling code step for step (RMSNorm in float32, rotate_half RoPE,
+SiLU-gated MLP, Qwen3's per-head q/k norm before RoPE). Weights load by HF name and fuse once:
+q/k/v into one projection, gate/up into one (`cat_rows`, also for FP8 weights). The model is
+stateless between steps: the KV cache is reached only through the attention backend, which also
+applies RoPE (so a GPU backend fuses it with the cache write). The residual add is fused into the
+next RMSNorm; `ops` is torch or Triton. A tensor-parallel rank's model holds its weight slices and
+meets the other ranks only through `parallel` (`SingleRank` with one rank, which adds nothing).
 """
 
 from __future__ import annotations
@@ -51,11 +47,10 @@ class LayerWeights:
 
 
 class DecoderStack:
-    """The residual stream every decoder family runs: embed, then per layer attention and the
-    feed-forward (`layer.mlp`), each added to the stream with the next norm fused in, then the
-    logits of the rows wanted. A family gives `_layer(weights, i)` and `_attention(i, layer, x, cos,
-    sin, meta)`. `spec` is the shape this model computes with: a tensor-parallel rank's own heads, kv
-    heads and FFN columns (`parallel.shard.local_spec`), whose weight slices `tensors` holds."""
+    """The residual stream of every decoder family: embed, per layer attention and feed-forward, each
+    added with the next norm fused in, then the wanted rows' logits. A family gives `_layer(weights,
+    i)` and `_attention(i, layer, x, cos, sin, meta)`. `spec`: the shape computed here (a rank's own
+    heads and FFN columns, `parallel.shard.local_spec`)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend | TorchLatentAttention,
                  *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,

@@ -1,20 +1,13 @@
 """Paged attention over a latent KV cache (multi-head latent attention, DeepSeek-V2/V3), in torch.
 
-The cache holds, per token and layer, one row of kv_lora_rank + qk_rope_head_dim values: the
-normalized compressed KV `c` and the roped shared key `k_pe` (kvcache.KVFormat "latent"), never
-per-head K or V. Attention runs over that row with the up-projections absorbed (the model does the
-absorbing, server/models/deepseek.py): every head's query is [q_nope @ W_uk, q_pe] (one row of the
-latent's width), its score against a token is that query . [c, k_pe], and its output is the
-softmax-weighted sum of the tokens' `c` ([kv_lora_rank]), which the model multiplies by W_uv.
-So every head reads the same keys: one "kv head", the heads as query rows (decode: [S, 1, heads,
-width] against [S, 1, L, width]).
+The cache holds one row a token and layer: the normalized compressed KV `c` and the roped shared key
+`k_pe` (kvcache.KVFormat "latent"). With the up-projections absorbed (server/models/deepseek.py) a
+head's query is [q_nope @ W_uk, q_pe], its score against a token that query . [c, k_pe], its output
+the softmax-weighted sum of the tokens' `c`. So every head reads the same keys: one "kv head", the
+heads as query rows. The plan is the K/V backend's (`attention.plan_windows`, one plane per layer).
 
-The plan is the K/V backend's (`attention.plan_windows` with one plane per layer), so masks,
-sliding windows and slot tables mean the same; no host synchronisation in `forward`.
-
-An FP8 cache stores e4m3(latent / scale), one scale per layer (`KVFormat.k_scales`), rounded as the
-K/V cache's (`quantize_fp8`); reads widen the gathered rows exactly, fold the scale into the softmax
-scale (the scores) and multiply the output by it (the values are the same rows).
+An FP8 cache stores e4m3(latent / scale), one scale per layer (`KVFormat.k_scales`); reads widen the
+rows exactly, fold the scale into the softmax scale and multiply the output by it.
 """
 
 from __future__ import annotations
@@ -23,19 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.layout import FP8, inverse_scale, quantize_fp8
+from server.models import attention
 from server.models.attention import AdditiveMask, Attend, LayerUnits, StepLayout, WindowPlan, as_stored, plan_windows
 
 
 def latent_units(window: int, latent: torch.Tensor) -> LayerUnits:
     """Units views of a layer's latent (`KVCacheManager.layer_latent`: [slots, tpb, width])."""
     slots, tpb, width = latent.shape
-    unit = tpb * width
-    if latent.stride()[1:] != (width, 1) or latent.stride(0) % unit:
+    if latent.stride()[1:] != (width, 1) or latent.stride(0) % (tpb * width):
         raise ValueError(f"latent cache layout not supported: {tuple(latent.shape)} strides {latent.stride()}")
-    per_slot = latent.stride(0) // unit
-    num_units = (slots - 1) * per_slot + 1
-    tokens = torch.as_strided(latent, (num_units * tpb, width), (width, 1), latent.storage_offset())
-    return LayerUnits(window, per_slot, tokens.view(num_units, tpb, width), tokens)
+    return attention.units_view(window, latent, planes=1)
 
 
 class TorchLatentAttention:
@@ -72,12 +62,8 @@ class TorchLatentAttention:
             else latent.to(cache.tokens.dtype)
         as_stored(cache.tokens).index_put_((plan.write_rows[:, 0],), stored)
         scale = self.scales[layer] if self.quantized else 1.0
-        outs = []
-        if plan.decode is not None:
-            outs.append(self._decode(query[plan.decode.rows], cache.blocks, plan.decode, scale))
-        for p in plan.prefills:
-            outs.append(self._prefill(query[p.rows], cache.blocks, p, scale))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = plan.attend(query, lambda q, a: self._decode(q, cache.blocks, a, scale),
+                          lambda q, a: self._prefill(q, cache.blocks, a, scale))
         return out * scale if self.quantized else out
 
     def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
@@ -97,9 +83,5 @@ class TorchLatentAttention:
 
 
 def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width] in `dtype`
-    (an FP8 cache's rows widened: exactly, every e4m3 value is a bf16, fp16 and float32 value)."""
-    rows = as_stored(blocks).index_select(0, units)
-    if blocks.dtype == FP8:
-        rows = rows.view(FP8).to(dtype)
-    return rows.view(num_seqs, 1, -1, blocks.shape[2])
+    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width] in `dtype`."""
+    return attention.gather_units(blocks, units, dtype).view(num_seqs, 1, -1, blocks.shape[2])

@@ -1,11 +1,7 @@
 """DeepSeek-V2/V3's multi-head latent attention (MLA), as a model directory describes it, checked
-once at load: the shapes, the softmax scale (with YaRN's mscale, as transformers computes it),
-the rope layout, and the config options pdserve refuses, each named by its key (docs/MODELS.md).
-The feed-forward side (first_k_dense_replace, the experts and their router) is the MoE spec's
-(server/models/moe/config.py).
-
-The KV cache of an MLA model is the latent (`MLASpec.latent_dim` values a token a layer: the
-normalized compressed KV, then the roped shared key), kvcache.KVFormat's "latent" layout.
+once at load: shapes, softmax scale (with YaRN's mscale, as transformers computes it), rope layout,
+and the refused options, each named by its key (docs/MODELS.md). The KV cache of an MLA model is the
+latent (`MLASpec.latent_dim` values a token a layer), kvcache.KVFormat's "latent" layout.
 """
 
 from __future__ import annotations
@@ -45,9 +41,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def softmax_scale(rope: dict, qk_head_dim: int) -> float:
-    """The attention's softmax scale as transformers' DeepSeek attention computes it
-    (`yarn_apply_mscale`): qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim)**2 for a
-    scaled rope with `mscale_all_dim` set."""
+    """qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim)**2 for a scaled rope with
+    `mscale_all_dim` set (transformers' `yarn_apply_mscale`)."""
     scaling = qk_head_dim ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         mscale = yarn_mscale(rope["factor"], rope["mscale_all_dim"])

@@ -1,11 +1,8 @@
 """What the runner needs to know about a model directory, parsed and checked once.
 
 `load_spec(model_dir)` refuses, with a ValueError that names the problem, a directory without
-config.json, weights or tokenizer, an unsupported architecture, activation or rope type.
-transformers' config classes normalize each family (Qwen2's `use_sliding_window` and
-`max_window_layers` -> `layer_types`; `rope_theta` vs `rope_parameters`), so the parse goes
-through `AutoConfig` after a raw check of config.json.
-
+config.json, weights or tokenizer, an unsupported architecture, activation or rope type. The parse
+goes through transformers' `AutoConfig` (which normalizes each family's keys) after a raw check.
 Window semantics are transformers': a query at position p attends keys k with p - window < k <= p.
 """
 

@@ -1,10 +1,7 @@
-"""The model's steps between GEMMs, as one small interface with a plain torch implementation and a
-fused Triton one (`server.models.kernels`, CUDA only). The model calls these; which one it gets is
-decided outside it (`ModelRunner`), so the model code stays plain.
-
-Both compute what transformers' modules compute, rounding where they round (see kernels/elementwise.py).
-`linear` takes a float weight or an FP8 one (`Fp8Weight`, server/models/fp8/): the torch ops dequantize
-it to float32 (the CPU's path), the Triton ops run FP8 GEMMs (fp8/linear.py).
+"""The model's steps between GEMMs: one small interface, a plain torch implementation and a fused
+Triton one (`server.models.kernels`, CUDA only), chosen outside the model (`ModelRunner`). Both round
+where transformers' modules round. `linear` takes a float or an FP8 weight (`Fp8Weight`): the torch
+ops dequantize it (the CPU's path), the Triton ops run FP8 GEMMs (fp8/linear.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Rotary position embedding, numerically as transformers computes it.
 
-Inverse frequencies come from transformers' `ROPE_INIT_FUNCTIONS` for every scaled rope type, and
-from the original formula for "default", so each variant matches HF exactly. cos/sin are built
-once per step from the explicit positions ([T, head_dim] each) and shared by all layers and heads;
-the attention backend rotates q and k with them (`apply_rotary`, or a fused GPU kernel).
+Inverse frequencies come from transformers' `ROPE_INIT_FUNCTIONS` for scaled rope types and from the
+original formula for "default". cos/sin are built once per step from the positions and shared by
+all layers; the attention backend rotates q and k with them (`apply_rotary` or a fused kernel).
 """
 
 from __future__ import annotations

@@ -50,9 +50,8 @@ class SeqChunk:
 
 @dataclass
 class PendingTokens:
-    """Input tokens that are still on the device (async scheduling): the one token of chunk `i` is
-    `source[rows[i]]`, sampled by the step before and never copied to the host for this; that
-    chunk's `token_ids` hold a placeholder."""
+    """Input tokens still on the device (async scheduling): the one token of chunk `i` is
+    `source[rows[i]]`, sampled by the step before; that chunk's `token_ids` hold a placeholder."""
 
     source: torch.Tensor  # [M] int64 token ids sampled by the previous step, on the runner's device
     rows: dict[int, int]  # chunk index (a one-token chunk) -> row of `source`
@@ -139,12 +138,10 @@ class ModelRunner:
                  tensors: dict[str, Weight] | None = None, kernels: str = "auto",
                  cuda_graphs: bool = True, max_seq_len: int | None = None, shard: RankShard | None = None,
                  quantization: str | None = None) -> None:
-        """`tensors`: the weights already loaded (`load_weights`), e.g. before the KV pool was sized.
-        `quantization`: "fp8" quantizes a float checkpoint's linears as they load (when `tensors` is None).
-        `kernels`: "torch" (portable) or "triton" (CUDA: paged kernels, fused ops, and with
-        `cuda_graphs` decode steps replayed as CUDA graphs captured by `warm_up`). `shard`: run one
-        tensor-parallel rank's part (its weight slices, its kv heads in `kv`); `spec` stays the
-        whole model's."""
+        """`tensors`: the weights already loaded (`load_weights`); else loaded here, `quantization`
+        "fp8" quantizing a float checkpoint's linears. `kernels`: "torch" or "triton" (CUDA: paged
+        kernels, fused ops, and with `cuda_graphs` decode graphs captured by `warm_up`). `shard`: one
+        tensor-parallel rank's part (its weight slices and kv heads); `spec` stays the whole model's."""
         self.spec: ModelSpec = load_spec(model_dir)
         self.device, self.dtype = device, dtype
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
@@ -170,18 +167,16 @@ class ModelRunner:
                                        max_rows=min(max_num_tokens, max_batch_size + MIXED_ROWS))
 
     def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
+        ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
         if spec.mla is not None:  # latent attention: the torch MLA on both paths (fused ops with Triton)
-            ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
             return TorchLatentAttention(self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank,
                                         spec.mla.softmax_scale, self.dtype), ops
         if self.kernels == "triton":
             from server.models.triton_attention import TritonPagedAttention
 
-            backend = TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
-                                           max_seq_len=max_seq_len)
-            return backend, TritonOps(spec.rms_norm_eps)
-        return (TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim, self.dtype),
-                TorchOps(spec.rms_norm_eps))
+            return TritonPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim,
+                                        max_seq_len=max_seq_len), ops
+        return TorchPagedAttention(self.kv, spec.num_layers, spec.num_heads, spec.head_dim, self.dtype), ops
 
     def warm_up(self) -> float:
         """Run the step shapes the scheduler produces once and capture the decode graphs, so no
@@ -216,9 +211,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _warm_bursts(self) -> tuple[int, float]:
-        """The steps a burst of fresh prompts adds (`warmup.burst_steps`), after the graph capture;
-        on CUDA only: they pay CUDA's first uses, which a CPU (the Triton interpreter in tests) has
-        none of. Returns (steps, seconds)."""
+        """The steps a burst of fresh prompts adds (`warmup.burst_steps`), CUDA only; (steps, seconds)."""
         if self.device.type != "cuda":
             return 0, 0.0
         from server.models.warmup import burst_steps
@@ -230,8 +223,7 @@ class ModelRunner:
         return len(steps), seconds
 
     def run_warm_steps(self, steps: list[WarmStep]) -> float:
-        """Run `warmup.WarmStep`s as serving runs them (`execute`: a graph replay where one fits);
-        returns the seconds they took."""
+        """Run `warmup.WarmStep`s as serving runs them (`execute`); returns the seconds they took."""
         start = time.perf_counter()
         source = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
         for step in steps:
@@ -241,9 +233,8 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _choose_skinny_linears(self) -> None:
-        """Decode at small batch: time our Triton GEMMs against cuBLAS for each layer weight shape
-        (float weights: kernels/gemv.py; FP8 weights: fp8/linear.py, per row count too); before graph
-        capture, so the graphs hold the faster one. PDSERVE_SKINNY_GEMV=0 keeps cuBLAS everywhere."""
+        """Time our Triton GEMMs against cuBLAS for each layer weight shape (`TritonOps.choose_linear`),
+        before graph capture, so the graphs hold the faster one."""
         ops = self.model.ops
         if not isinstance(ops, TritonOps) or self.device.type != "cuda":
             return
@@ -280,8 +271,8 @@ class ModelRunner:
             log.info("MoE tiles (experts, intermediate, hidden, weight dtype, pairs): %s", CHOSEN)
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
-        """The chunks of one warm-up step (a `warmup.WarmStep`, decode rows first) on the pool's first
-        slots; a prompt is cut to what the pool holds, and chunks past max_batch_size are left out."""
+        """A `warmup.WarmStep`'s chunks on the pool's first slots, prompts cut to what the pool holds,
+        at most max_batch_size of them."""
         from server.models.warmup import blocks_needed
 
         tpb = self.kv.tokens_per_block
@@ -298,8 +289,7 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Run one step; float32 logits [sum of num_logits of chunks with need_logits, vocab], in chunk order.
         `pending`: chunks whose token is taken on the device from the previous step's sampled ids.
-        A step replayed from a CUDA graph returns a view of that graph's output buffer, which the next
-        replay overwrites: a caller that keeps a step's logits past the next `execute` copies them."""
+        A replayed step returns a view of its graph's output, which the next replay overwrites."""
         replay = replay_plan(chunks, self.graphs.fits) if self.graphs is not None else None
         if replay is not None:
             self._check_limits(chunks)
@@ -313,9 +303,8 @@ class ModelRunner:
         return self.forward(self.prepare(chunks, pending))
 
     def prepare(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> StepInputs:
-        """Host work of a step: flatten the chunks (decode tokens first), copy inputs to the device,
-        and let the attention backend build its metadata once for all layers. Pending tokens are
-        gathered on the device into the token ids (two small kernels, no host sync)."""
+        """Host work of a step: flatten the chunks (decode tokens first), copy the inputs to the device
+        in one copy, build the attention plan. Pending tokens are gathered on the device."""
         self._check_limits(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
         token_ids, positions, last_row = [], [], {}
@@ -357,14 +346,11 @@ class ModelRunner:
 
 def replay_plan(chunks: list[SeqChunk], fits: Callable[[int, int], bool]
                 ) -> tuple[list[SeqChunk], list[int] | None] | None:
-    """The step as one-token rows a captured decode graph replays, and the rows whose logits it
-    returns (None: every row's, in order), or None: run it eagerly. Decode rows, verify chunks
-    (speculative decoding: every token's logits) and prefill chunks each become rows
-    (`as_decode_rows`), so a mixed prefill + decode step replays a graph instead of launching some
-    400 kernels from Python; a prefill chunk keeps the logits of its last row(s) only. Eager when the
-    rows or their logits do not fit a bucket (`fits`), or when the prefill rows would read more than
-    PREFILL_ROW_READS cached tokens in all (the decode kernel reads each row's whole context: long
-    chunks belong to the prefill kernel)."""
+    """The step as one-token rows a decode graph replays (`as_decode_rows`) and the rows whose logits
+    it returns (None: every row's), or None: run it eagerly. So a mixed prefill + decode step replays
+    a graph instead of launching some 400 kernels from Python. Eager when the rows or their logits
+    do not fit a bucket (`fits`), or the prefill rows would read more than PREFILL_ROW_READS cached
+    tokens in all (the decode kernel reads each row's whole context)."""
     multi = [c for c in chunks if len(c.token_ids) > 1]
     if not multi and all(c.need_logits for c in chunks):  # a decode step: its chunks are the rows
         return (chunks, None) if fits(len(chunks), len(chunks)) else None
@@ -381,12 +367,9 @@ def replay_plan(chunks: list[SeqChunk], fits: Callable[[int, int], bool]
 
 
 def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
-    """Each token of each chunk as a one-token chunk at its position, over the same slot tables.
-
-    A verify chunk (its last token sampled, then k drafts; every position's logits wanted) is then k+1
-    decode rows: row j writes its token's K/V at position num_past + j and attends to the keys up to
-    it. A layer writes every row's K/V before any row attends, so row j sees rows < j of its own
-    chunk: the causal attention of the chunk, computed by the decode kernel (and so replayable)."""
+    """Each token of each chunk as a one-token chunk at its position, over the same slot tables. A
+    layer writes every row's K/V before any row attends, so row j sees rows < j of its own chunk:
+    the chunk's causal attention, computed by the decode kernel (and so replayable)."""
     return [SeqChunk([t], c.num_past + j, c.slot_tables, True) for c in chunks for j, t in enumerate(c.token_ids)]
 
 
@@ -406,10 +389,14 @@ def _seq_layout(chunk: SeqChunk) -> SeqLayout:
 def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
     """The cache must have been laid out for this model (`spec.cache_layout`) in the model's dtype,
     or as FP8 (`kv_cache_config.dtype: fp8`); an MLA model's as its latent."""
-    if spec.mla is not None:
-        _check_latent(spec, kv, dtype)
-        return
     for layer in range(spec.num_layers):
+        if spec.mla is not None:
+            latent = kv.layer_latent(layer)
+            if latent.shape[2] != spec.mla.latent_dim or latent.dtype not in (dtype, torch.float8_e4m3fn):
+                raise ValueError(f"KV cache layer {layer} ({tuple(latent.shape)} {latent.dtype}) does not fit "
+                                 f"model {spec.model_dir} (a latent of {spec.mla.latent_dim} values a token, "
+                                 f"dtype {dtype})")
+            continue
         k, _ = kv.layer_cache(layer)
         window, wanted = kv.layer_window(layer), spec.layer_windows[layer]
         bad_window = wanted is not None and window > wanted
@@ -418,13 +405,3 @@ def _check_kv(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
             raise ValueError(f"KV cache layer {layer} ({tuple(k.shape)} {k.dtype}, window {window}) does "
                              f"not fit model {spec.model_dir} (kv_heads {spec.num_kv_heads}, head_dim "
                              f"{spec.head_dim}, window {wanted}, dtype {dtype})")
-
-
-def _check_latent(spec: ModelSpec, kv: PagedKV, dtype: torch.dtype) -> None:
-    """An MLA model's cache: one latent row of kv_lora_rank + qk_rope_head_dim a token a layer."""
-    width = spec.mla.latent_dim
-    for layer in range(spec.num_layers):
-        latent = kv.layer_latent(layer)
-        if latent.shape[2] != width or latent.dtype not in (dtype, torch.float8_e4m3fn):
-            raise ValueError(f"KV cache layer {layer} ({tuple(latent.shape)} {latent.dtype}) does not fit model "
-                             f"{spec.model_dir} (a latent of {width} values a token, dtype {dtype})")

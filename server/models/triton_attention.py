@@ -1,18 +1,14 @@
 """GPU attention backend: Triton kernels that read K/V through block tables (no per-step gather).
 
-Per layer: one kernel rotates q and k and writes the new K/V into the cache (`rope_write`), then
-- decode rows: split-K paged decode (`paged_decode`), all decode sequences in one launch;
-- a prefill chunk with nothing cached before it whose every key is in its window: torch's fused
-  SDPA (FlashAttention/cuDNN class) over the chunk's own contiguous q/k/v, causal;
-- any other prefill chunk (a cached prefix, chunked prefill, or a sliding window shorter than the
-  chunk): the Triton paged prefill kernel over the cached prefix and the chunk.
+Per layer, `rope_write` rotates q and k and writes the new K/V into the cache, then decode rows run
+the split-K paged decode (one launch); a prefill chunk with nothing cached before it and every key
+in its window runs torch's fused causal SDPA over its own q/k/v; any other chunk runs the paged
+prefill kernel. `plan` packs a step's indices into one int32 buffer uploaded in one copy;
+`StaticDecodePlan` keeps them in static buffers for CUDA graphs (cuda_graphs.py).
 
-`plan` packs every index of a step into one int32 host buffer uploaded in one copy. A plan whose
-tensors live in static buffers (`StaticDecodePlan`) is what CUDA graphs replay (cuda_graphs.py).
-
-An FP8 cache: `rope_write` stores e4m3(K / k_scale), e4m3(V / v_scale) and the paged kernels read
-them back with the layer's scales (the scales are per layer and fixed: launch arguments that a
-captured graph keeps). A dense prefill attends over the chunk's own K/V before they are rounded.
+An FP8 cache: K and V are stored as e4m3 of K / k_scale, V / v_scale and read back with the layer's
+scales (fixed launch arguments a captured graph keeps); a dense prefill attends over the chunk's own
+K/V before they are rounded.
 """
 
 from __future__ import annotations
@@ -183,9 +179,9 @@ class TritonPagedAttention(AttentionBackend):
 
 
 class StaticDecodePlan:
-    """A decode-only plan for `batch` rows whose tensors never move: `fill` rewrites their contents
-    (one host-to-device copy) before each replay; rows past the real batch are padding. `logit_rows`
-    (<= batch, default batch): how many rows' logits a replay computes, which rows `fill` says."""
+    """A decode-only plan for `batch` rows whose tensors never move: `fill` rewrites them (one copy)
+    before each replay; rows past the real batch are padding. A replay computes the logits of
+    `logit_rows` rows (default batch), which ones `fill` says."""
 
     def __init__(self, backend: TritonPagedAttention, batch: int, logit_rows: int | None = None) -> None:
         self.backend, self.batch = backend, batch
@@ -222,11 +218,9 @@ class StaticDecodePlan:
 
     def fill(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
              logit_rows: list[int] | None = None) -> None:
-        """Write one decode step (len(seqs) <= batch) into the static buffers: numpy writes straight
-        into a pinned staging buffer, then one asynchronous host-to-device copy. `picks[i] >= 0`:
-        row i's token is `take_pending`'s source[picks[i]] (its `token_ids[i]` is a placeholder).
-        `logit_rows`: the rows whose logits the replay returns, in order (default: the first rows,
-        as many as there are seqs and logit rows)."""
+        """Write one decode step (len(seqs) <= batch) into a pinned staging buffer, then one
+        asynchronous copy. `picks[i] >= 0`: row i's token is `take_pending`'s source[picks[i]].
+        `logit_rows`: the rows whose logits the replay returns (default: the first ones)."""
         b, nb, tpb = self.batch, self.backend.max_blocks, self.backend.tpb
         n = len(seqs)
         self._turn ^= 1
@@ -262,8 +256,8 @@ class StaticDecodePlan:
             self._uploaded[self._turn].record()
 
     def take_pending(self, source: torch.Tensor) -> None:
-        """Device side of `fill`'s picks, captured in the graph before the forward: a row with a pick
-        takes its token from `source` ([>= batch] int64, the previous step's sampled ids)."""
+        """Device side of `fill`'s picks, captured in the graph: a row with a pick takes its token from
+        `source` (the previous step's sampled ids)."""
         picked = source.index_select(0, self.picks.clamp(min=0)).to(torch.int32)
         self.token_ids.copy_(torch.where(self.picks >= 0, picked, self.token_ids))
 

@@ -2,46 +2,25 @@
 the first request, so no request pays for a Triton compile, a cuDNN plan or another first use.
 
 What varies between steps, and how each is covered:
-- pointer alignment and per-step integers (token counts, block-table widths): not specialised on
-  (every index part is 16-byte aligned, attention.HostInts; `do_not_specialize` on the kernels'
-  varying integers), so one compile serves every step;
-- the decode kernel's split count, a compile-time constant chosen from the decode batch size
-  (kernels.attention.decode_splits): one mixed prefill+decode step per distinct split count over
-  batch sizes 1..max_batch_size, each with a fresh prompt (dense prefill) and a chunk after a
-  cached prefix (the paged prefill kernel) (`warm_steps`);
-- cuDNN prefill plans: one per prompt-length bucket up to max_num_tokens (dense_prefill.warm_up);
-  FlashAttention (shorter prompts) and cuDNN run one call per prompt, batch 1, so the number of
-  prompts in a step asks for no plan of its own;
+- pointer alignment and per-step integers: not specialised on (attention.HostInts aligns every
+  index part; `do_not_specialize` on the kernels' varying integers), so one compile serves all;
+- the decode kernel's split count, a compile-time constant of the decode batch size
+  (kernels.attention.decode_splits): one mixed step per distinct split count, each with a fresh
+  prompt (dense prefill) and a chunk after a cached prefix (paged prefill) (`warm_steps`);
+- cuDNN prefill plans: one per prompt-length bucket (dense_prefill.warm_up);
 - decode-only steps: CUDA graphs captured per batch bucket (cuda_graphs.py).
 
-What a burst of fresh prompts adds (`burst_steps`, run after the capture, CUDA only: these are
-costs of CUDA's lazy first uses, none of them exists on a CPU):
-- the first launch of each captured graph: torch instantiates a graph without uploading it, so its
-  first `cudaGraphLaunch` uploads it; a burst's mixed steps (k prompts of a few tokens + decode rows,
-  as one-token rows) reach buckets that decode-only steps of max_batch_size rows never do. One
-  replayed step per bucket, through `runner.execute` as serving runs it (`replay_plan`);
-- eager steps of token counts no warm-up step had: a step of many prompts runs the GEMMs with M =
-  its token count, and cuBLAS picks its kernel per M range, each kernel loaded at its first launch
-  (torch sets CUDA_MODULE_LOADING=LAZY); the language model head runs with M = the step's logit
-  rows (1..max_batch_size); the per-prompt attention calls run at lengths no single-prompt step
-  had; the caching allocator's blocks are split in new ways. One eager step per point of a
-  geometric grid of token counts, STEPS_PER_DOUBLING per doubling from the largest graph bucket
-  (max_batch_size without graphs) to max_num_tokens, each of k fresh prompts plus decode rows
-  whose numbers rise together to max_batch_size rows at max_num_tokens (max_prefill_batch_tokens
-  changes how many prompts share a step, not the token and row counts the grid spans);
-- with async scheduling a decode row's token is the previous step's sampled id, gathered on the
-  device (runner.PendingTokens: its index_copy_ in an eager step, the graphs' pending source): the
-  burst steps' decode rows take their tokens that way.
-Steps added: len(cuda_graphs.batch_buckets(min(max_num_tokens, max_batch_size + runner.MIXED_ROWS)))
-replayed (17 for max_batch_size 64: 9 + (max_batch_size + 256 - 64) / 32) plus at most
-ceil(STEPS_PER_DOUBLING * log2(max_num_tokens / that largest bucket)) eager (10 for max_num_tokens
-8192). On the 8B shape: 31,824 tokens of eager steps (~0.8 s at the 4k prefill's ~25 us a token),
-17 replays of <= 320 rows (~0.1 s) and ten eager launches of up to 64 sequences (~0.3 s): ~1-2 s.
+A burst of fresh prompts adds CUDA's lazy first uses (`burst_steps`, run after the capture, CUDA
+only): each captured graph's first launch uploads it (a burst's mixed steps reach buckets decode
+steps never do: one replayed step per bucket), and eager steps of new token counts load new cuBLAS
+kernels (picked per M range), run the lm_head at new row counts and split the allocator's blocks in
+new ways (one eager step per point of a geometric grid of token counts, STEPS_PER_DOUBLING per
+doubling up to max_num_tokens). Their decode rows take their tokens on the device, as with async
+scheduling. On the 8B shape this adds ~1-2 s.
 
-Not covered here (they are not the runner's): the sampler's per-call pinned uploads of sampling
-rows (non-greedy requests; each new size class of torch's pinned host cache is a cudaHostAlloc) and
-`inflight.TokenStaging` growing past max_batch_size int64 when a step returns logprobs.
-Nothing is cached yet while this runs, so what the steps write into the pool is never read.
+Not covered (they are not the runner's): the sampler's pinned uploads of sampling rows and
+`inflight.TokenStaging` growing past max_batch_size. Nothing is cached yet while this runs, so what
+the steps write into the pool is never read.
 """
 
 from __future__ import annotations
@@ -87,9 +66,8 @@ def warm_steps(max_batch: int, max_tokens: int, tpb: int, kv_heads: int, num_sms
 
 
 def burst_steps(max_batch: int, max_tokens: int, buckets: list[int]) -> list[WarmStep]:
-    """The steps a burst of fresh prompts adds (module docstring): one replayed step per graph
-    bucket (`buckets`: the decode graphs' row buckets, [] without graphs), then the eager steps of
-    `token_grid`."""
+    """One replayed step per graph bucket (`buckets`, [] without graphs), then the eager steps of
+    `token_grid` (module docstring)."""
     replayed = [_replayed(rows, max_batch) for rows in buckets]
     grid = token_grid(buckets[-1] if buckets else max_batch, max_tokens)
     counts = [min(max_batch, max(1, round(max_batch ** ((j + 1) / len(grid))))) for j in range(len(grid))]

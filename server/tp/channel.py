@@ -1,9 +1,9 @@
 """The rank channel: rank 0's ROUTER and one DEALER per other rank, on loopback.
 
-Messages are signed and ordered: each carries the sender's count, which must be exactly one more
-than the last received, and its MAC binds it to the rank and the direction (keys from the secret
-rank 0 draws at start). A failed check raises `ChannelError` and the server stops. Each end is used
-by one thread only."""
+Messages are signed and ordered: each carries the sender's count (exactly one more than the last),
+its MAC binding it to the rank and direction (keys from rank 0's start-up secret). A failed check
+raises `ChannelError` and the server stops. Each end is used by one thread only.
+"""
 
 from __future__ import annotations
 

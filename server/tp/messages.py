@@ -1,9 +1,9 @@
 """What rank 0 tells the other ranks of its server, and what they report back (msgspec, never pickle).
 
-Rank 0 sends `Command`s: its operations on the shared state, in the order it made them. Applying
-them in that order is what keeps every rank's slice of the KV pools identical in slot terms to rank
-0's: a copy recorded before a forward is run before it, a lease ends before its slots are written
-again, and a pull starts after the copies that freed its slots.
+Rank 0 sends `Command`s, its operations on the shared state in the order it made them; applying them
+in that order keeps every rank's pools identical in slot terms to rank 0's (a copy recorded before a
+forward runs before it, a lease ends before its slots are written again, a pull starts after the
+copies that freed its slots).
 """
 
 from __future__ import annotations

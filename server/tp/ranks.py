@@ -1,10 +1,10 @@
 """Rank 0's handle on the other ranks of its server: start them, keep them in step, stop them.
 
-`Ranks.start` (engine thread, before the model loads) spawns ranks 1..N-1 ("spawn": nothing forked
-after torch or CUDA started) and joins the process group. Rank 0 queues every operation the ranks
-must mirror and sends the queue in order as one `Command` (`flush`) before each forward and before a
-lease or pull. A watchdog ends this process with RANK_DIED_EXIT when a rank dies, so the launcher
-restarts the whole server; a stuck collective is never waited on for ever."""
+`Ranks.start` spawns ranks 1..N-1 ("spawn": nothing forked after torch or CUDA started) and joins the
+process group. Rank 0 queues every operation the ranks must mirror and sends the queue in order as
+one `Command` (`flush`) before each forward, lease or pull. A watchdog ends this process with
+RANK_DIED_EXIT when a rank dies, so the launcher restarts the whole server.
+"""
 
 from __future__ import annotations
 

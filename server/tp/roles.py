@@ -1,7 +1,7 @@
 """A rank's part in its server's KV transfers: none (aggregated), a sender of its kv heads
-(context), a receiver of them (generation). Rank 0 drives them through its commands. A latent KV
-cache (multi-head latent attention) is the same on every rank: rank 0 moves it, and shares what it
-pulled with the other ranks (`share_latent`, server/tp/transfers.py)."""
+(context), a receiver of them (generation), driven by rank 0's commands. A latent KV cache is the
+same on every rank: rank 0 moves it and shares what it pulled (`share_latent`).
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Rank 0's KV sender and receiver of a tensor-parallel server: its own share, plus the other ranks'.
 
-`RankedSender`: a lease made on rank 0 is offered to the other ranks after the copies that onboarded
-it; when it ends they are told before any later forward or copy can write its slots.
-`RankedReceiver`: a pull starts on every rank; it ends when every share arrived (then rank 0
-releases the lease) or one failed (the others are cancelled).
-A latent KV cache (multi-head latent attention) is the same on every rank: the pair moves one copy,
-which the generation server's rank 0 pulls and broadcasts to its other ranks (`ShareLatent`)."""
+`RankedSender` offers a lease to the other ranks after the copies that onboarded it and tells them
+when it ends, before any later forward or copy can write its slots. `RankedReceiver` starts a pull
+on every rank; it ends when every share arrived (rank 0 then releases the lease) or one failed (the
+others are cancelled). A latent KV cache is the same on every rank: rank 0 alone moves it, and a
+generation server's rank 0 broadcasts what it pulled (`ShareLatent`).
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel server: each a process that mirrors rank 0 on its own shards.
 
 A rank loads its weight slices, builds its pools from rank 0's `Init`, warms up in step with rank 0,
-starts its role's KV endpoint for its own kv heads and reports `Ready`; then it applies rank 0's
-commands in order. Rank 0 keeps the books. It exits on `Stop`, when rank 0's process ends (a
-watchdog thread), and with code 1 after reporting a `Failure`."""
+starts its role's KV endpoint and reports `Ready`; then it applies rank 0's commands in order. It
+exits on `Stop`, when rank 0's process ends (a watchdog thread), and with code 1 after a `Failure`.
+"""
 
 from __future__ import annotations
 

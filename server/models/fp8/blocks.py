@@ -2,15 +2,11 @@
 and Qwen3-FP8 ship): each float8 weight [N, K] has a float32 `*.weight_scale_inv` [ceil(N / 128),
 ceil(K / 128)], a multiplier despite its name: W[n, k] = qweight[n, k] * scale_inv[n // 128, k // 128].
 
-`from_block_checkpoint` holds such a weight as an `Fp8Weight` with one scale per row and block of 128
-columns (scale [N, ceil(K / 128)], `block_k` 128): the row blocks expanded to their rows (exact), so
-that q|k|v and gate|up fuse, and experts stack, row by row whatever their row counts, as per-channel
-weights do (`weight.cat_rows`, `experts.stack_experts`).
-
-On the CPU they run dequantized, as every FP8 weight (`weight.dequantized_linear`). On the GPU a linear
-runs the block-scaled GEMM (kernels/fp8_blocks.py: the float8 weight read once, widened tile by tile,
-each block's partial sum scaled); the routed experts still take the torch path, each expert's weight
-dequantized as it is used (no grouped block-scaled kernel), so there the memory is FP8's but not the speed.
+`from_block_checkpoint` expands the row blocks to their rows (exact: scale [N, ceil(K / 128)],
+`block_k` 128), so such weights fuse and stack row by row as per-channel ones do. On the CPU they run
+dequantized, as every FP8 weight. On the GPU a linear runs the block-scaled GEMM (kernels/fp8_blocks.py)
+and the routed experts the grouped expert kernels (kernels/moe.py), both reading the float8 weight
+once, widening each tile to the activations' dtype and scaling each 128-column block's partial sum.
 """
 
 from __future__ import annotations

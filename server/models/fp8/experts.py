@@ -1,12 +1,9 @@
 """FP8 routed experts: stacking a layer's expert weights into one `Fp8Weight` [E, N, K], and what the
-GPU's grouped FP8 kernels compute (server/models/kernels/moe_fp8.py), in plain torch.
+GPU's grouped FP8 kernels (server/models/kernels/moe_fp8.py) compute, in plain torch.
 
-A MoE layer's experts are held stacked, gate|up [E, 2I, hidden] and down [E, hidden, I], float or FP8
-(per expert and output row scales, as a dense FP8 linear's). The CPU serves FP8 experts dequantized
-(server/models/moe/experts.py: each expert's weight in float32, as `weight.dequantized_linear`), so a
-CPU server computes what the dequantized checkpoint computes. `w8a8_experts` is the GPU's numerics:
-activations quantized per token (row) before each GEMM, as `weight.w8a8_linear`; with a static
-checkpoint, one input scale per projection: the largest of its experts' (`stack_experts`).
+The CPU serves FP8 experts dequantized (server/models/moe/experts.py), as a dense FP8 linear; the GPU
+quantizes the activations per row before each GEMM (`w8a8_experts`, as `weight.w8a8_linear`), with a
+static checkpoint one input scale per projection: the largest of its experts' (`stack_experts`).
 """
 
 from __future__ import annotations
@@ -20,16 +17,15 @@ Weight = torch.Tensor | Fp8Weight
 
 
 def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> Weight:
-    """Each expert's [N, K] weight -> [E, N, K]; FP8 parts keep their rows' scales (exact), and the
-    stacked static input scale is the largest of theirs. Mixed parts are all dequantized."""
+    """Each expert's [N, K] weight -> [E, N, K] (`weight.fuse`)."""
     return fuse(parts, lambda tensors: torch.stack(tensors).contiguous())
 
 
 def w8a8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
-    """The grouped FP8 kernels' result in float32 torch (`experts.ExpertsFn` contract): per expert,
-    h = silu(gate) * up of `w8a8_linear(x, gate|up)` (each rounded to x's dtype), then `w8a8_linear(h,
-    down)` times the routing weight; the pairs summed per token in slot order."""
+    """The grouped FP8 kernels' result in torch (`experts.ExpertsFn` contract): per expert, h =
+    silu(gate) * up of `w8a8_linear(x, gate|up)`, then `w8a8_linear(h, down)` times the routing
+    weight; the pairs summed per token in slot order."""
     t, k = ids.shape
     y = torch.zeros((t, k, x.shape[1]), dtype=x.dtype, device=x.device)
     for e in range(gate_up.shape[0]):

@@ -2,23 +2,20 @@
 GEMM the warm-up timed fastest for the weight's shape and the step's row count.
 
 The GEMMs (`run`):
-- `CUBLAS_UNIT`: `torch._scaled_mm` with unit per-tensor scales, float32 out, then the scale epilogue
-  kernel (per-token x per-channel scales, bias, one rounding). cuBLAS's per-tensor FP8 path read an
-  8B model's linears 1.68x faster than bf16 at M=1 on the H200.
-- `CUBLAS_ROWWISE`: `torch._scaled_mm` with row-wise scales ([M, 1] x [1, N]) and the bias fused
-  (bf16 models): one kernel, but measured reading the weight at half rate at M=1.
-- a Triton config (kernels/fp8.py `fp8_gemm`), for the skinny decode shapes (rows <= 64); at up to
+- `CUBLAS_UNIT`: `torch._scaled_mm` with unit scales, float32 out, then the scale epilogue kernel
+  (cuBLAS's per-tensor FP8 path read an 8B model's linears 1.68x faster than bf16 at M=1 on the H200).
+- `CUBLAS_ROWWISE`: `torch._scaled_mm` with row-wise scales and the bias fused (bf16 models): one
+  kernel, but measured reading the weight at half rate at M=1.
+- a Triton config (kernels/fp8.py `fp8_gemm`) for the skinny decode shapes (rows <= 64); at up to
   16 rows also configs that quantize the activations inside the GEMM (one kernel per linear).
 - `TORCH`: the float32 reference (`weight.w8a8_linear`), for shapes nothing else runs.
 A block-scaled checkpoint's weight (`block_k`) always takes its own kernel (kernels/fp8_blocks.py).
 
-`choose` times them per (N, K) over every layer's weight of that shape (the reads miss L2 as in a
-real step) at each row class's largest row count (ROW_CLASSES, then PREFILL_ROWS for longer steps),
-after checking each result against the torch reference on a slice of the weight (a kernel that
-computes wrong on some GPU is skipped, not served). A Triton config is kept only if it beats cuBLAS
-by 2%. PDSERVE_SKINNY_GEMV=0 keeps cuBLAS (as for the float skinny GEMM). Before any choice (CPU
-interpreter tests, shapes never timed) and past LONG_ROWS rows: `default_path`.
-Nothing here syncs the host or allocates outside torch's allocator, so CUDA graphs capture it.
+`choose` times them per (N, K) over every layer's weight of that shape at each row class's largest
+row count, after checking each against the torch reference (a kernel that computes wrong on some
+GPU is skipped); a Triton config is kept only if it beats cuBLAS by 2%. PDSERVE_SKINNY_GEMV=0 keeps
+cuBLAS. Before any choice and past LONG_ROWS rows: `default_path`. Nothing here syncs the host or
+allocates outside torch's allocator, so CUDA graphs capture it.
 """
 
 from __future__ import annotations

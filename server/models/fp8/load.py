@@ -1,20 +1,16 @@
 """Loading a model's weights with FP8 linears: a checkpoint's own FP8 tensors, or a float checkpoint
 quantized tensor by tensor as it is read (`quantization: fp8`).
 
-`load_checkpoint` hands `weights.load_tensors` a converter: each tensor goes to the device as it is
-read; float8 tensors stay float8 and scales float32, float tensors take the model dtype, and when
-quantizing, the seven linear projections of each layer (and a MoE layer's routed experts: Mixtral's
-w1/w3/w2, transformers 5's stacked `experts.gate_up_proj` and `experts.down_proj` [E, N, K], per
-expert and row; and its shared experts) are quantized per output channel on the spot
-(peak memory: the FP8 model plus one float tensor). `assemble` then pairs each float8 weight with its
-scales into an `Fp8Weight` under the weight's own name, so the model finds every weight by its HF
-name as before.
+`load_checkpoint` converts each tensor as it is read, on the device: float8 tensors stay float8,
+scales float32, float tensors take the model dtype, and when quantizing, each layer's linear
+projections (and a MoE layer's routed and shared experts) are quantized per output row on the spot
+(peak memory: the FP8 model plus one float tensor). `assemble` pairs each float8 weight with its
+scales into an `Fp8Weight` under the weight's own name.
 
-What stays in the model dtype, and why: the embedding (a step reads one row per token: FP8 would save
-no bandwidth), the lm_head (its logits pick every token, so its rounding would move the output most,
-for ~7% of an 8B model's bytes), the norms (vectors), a MoE layer's router (`gate`, it picks the
-experts) and DeepSeek's latent-attention projections other than q_proj and o_proj (q_a, q_b, kv_a,
-kv_b). A checkpoint that stores one of those in FP8 has it dequantized here.
+What stays in the model dtype, and why: the embedding (one row read a token: no bandwidth saved),
+the lm_head (its rounding would move the output most, for ~7% of an 8B model's bytes), the norms, a
+MoE router (it picks the experts) and DeepSeek's latent projections other than q_proj and o_proj. A
+checkpoint that stores one of those in FP8 has it dequantized here.
 """
 
 from __future__ import annotations
@@ -53,16 +49,12 @@ def is_linear_weight(name: str) -> bool:
     return parts[-2] in LINEARS or (parts[-2] in EXPERT_LINEARS and parts[-4] == "experts")
 
 
-def check_quantization(quantization: str | None) -> None:
-    if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or null, got {quantization!r}")
-
-
 def load_checkpoint(spec: Any, files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
                     quantization: str | None = None, slicer: Slicer | None = None) -> dict[str, Any]:
     """Every tensor of `files` (a `model_spec.ModelSpec`'s), each linear an `Fp8Weight` where the
     checkpoint is FP8 or `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
-    check_quantization(quantization)
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or null, got {quantization!r}")
     quantize = quantization == "fp8" and spec.checkpoint_quant is None
     tensors = load_tensors(files, dtype=dtype, device=device, slicer=slicer,
                            convert=_converter(quantize, dtype, device))

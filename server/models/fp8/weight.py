@@ -1,23 +1,17 @@
 """FP8 (e4m3) linear weights: the stored form, quantization, and the plain torch references.
 
-A linear weight W [N, K] is held as `Fp8Weight`: `qweight` float8_e4m3fn [N, K] and one float32
-scale per output row, W[n] = qweight[n] * scale[n]; or, from a block-scaled checkpoint (`block_k`,
-server/models/fp8/blocks.py), one scale per row and block of `block_k` columns, scale [N, K / block_k].
-A MoE layer's routed experts are one stacked `Fp8Weight` (qweight [E, N, K], scale [E, N]: per expert
-and output row; `expert(e)` is expert e's).
-Per-channel (per output row) scales are what a checkpoint quantized at load gets; a checkpoint's
-per-tensor scale is expanded to its rows (exact), which lets q/k/v and gate/up fuse row by row
-(`cat_rows`) as the float weights do.
+`Fp8Weight` holds W [N, K] as float8 `qweight` and one float32 scale per output row (a checkpoint's
+per-tensor scale expanded to its rows, exactly, so q/k/v and gate/up fuse row by row: `cat_rows`),
+or per row and block of `block_k` columns (a block-scaled checkpoint, fp8/blocks.py). A MoE layer's
+experts are one stacked `Fp8Weight` [E, N, K] (`expert(e)`).
 
-Two ways to multiply, both here in plain torch:
-- `dequantized_linear`, the CPU's serving path: the weight dequantized to float32 and multiplied
-  with the activations as they are (no activation rounding). A CPU server's FP8 model therefore
-  computes exactly what the dequantized checkpoint computes in float32.
-- `w8a8_linear`, what the GPU computes (server/models/fp8/linear.py): activations quantized per token
-  (row) at run time, x[m] = xq[m] * xs[m] with xs[m] = max|x[m]| / 448 (or a checkpoint's static
-  `input_scale` for every row), then y[m, n] = (sum_k xq[m, k] qweight[n, k]) * xs[m] * scale[n]
-  (+ bias[n]), summed in float32 and rounded once to the model dtype. This is the Triton kernels'
-  test reference and the accuracy script's emulation of the GPU on a CPU.
+Two ways to multiply:
+- `dequantized_linear`, the CPU's serving path: the weight dequantized to float32, the activations
+  as they are, so a CPU server computes exactly what the dequantized checkpoint computes.
+- `w8a8_linear`, what the GPU computes (fp8/linear.py): activations quantized per row, xs[m] =
+  max|x[m]| / 448 (or a static `input_scale`), y = (xq @ qweight.T) * xs[m] * scale[n] (+ bias)
+  summed in float32 and rounded once: the Triton kernels' reference, and the accuracy script's
+  emulation of the GPU on a CPU.
 """
 
 from __future__ import annotations
@@ -103,14 +97,14 @@ def from_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, input_scale: tor
 
 
 def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
-    """Fuse weights along their output rows (q|k|v, gate|up). FP8 parts keep their rows' scales (exact);
-    the fused static input scale is the largest of the parts' (they read the same input). Mixed parts
-    (a checkpoint that left some of them in float) are all dequantized to the float parts' dtype."""
+    """Fuse weights along their output rows (q|k|v, gate|up), as `fuse` says."""
     return fuse(parts, torch.cat)
 
 
 def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp8Weight:
-    """`join` (torch.cat along rows, or a stack of experts) of float or FP8 parts, as `cat_rows` says."""
+    """`join` (torch.cat along rows, or a stack of experts) of float or FP8 parts. FP8 parts keep
+    their rows' scales (exact); the fused static input scale is the largest of the parts' (they read
+    the same input). Mixed parts (some left in float) are all dequantized to the float parts' dtype."""
     fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
     if not fp8:
         return join(parts)
@@ -130,9 +124,9 @@ def same_form(parts: list[Fp8Weight]) -> list[Fp8Weight]:
 
 
 def row_scales(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row activation scales of x [M, K]: (xs [M] float32: x[m] ~ xq[m] * xs[m], inv [M]: what x is
-    multiplied by before rounding). Dynamic: xs = max|x[m]| / 448, inv = 448 / max|x[m]|; static:
-    xs = input_scale, inv = 1 / input_scale for every row. The Triton kernel computes the same."""
+    """Per-row activation scales of x [M, K]: (xs [M], x[m] ~ xq[m] * xs[m]; inv [M], what x is
+    multiplied by before rounding), from max|x[m]| / 448 or the `static` input scale, as the Triton
+    kernel computes them."""
     if static is not None:
         s = static.float().reshape(1).expand(x.shape[0])
         return s.contiguous(), (1.0 / s).contiguous()

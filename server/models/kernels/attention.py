@@ -1,17 +1,13 @@
 """Triton paged attention over pdserve's slot-major KV pools: decode (split-K) and prefill.
 
-K and V are read in place through block tables of primary slots (no per-step gather), with GQA
-(the q heads that share a kv head are the rows of one tile) and sliding windows (a per-query lower
-bound). Every index a kernel needs is a device tensor; launch grids depend only on host-known sizes,
-so decode is CUDA-graph capturable (the split size is derived from each sequence's length inside the
-kernel, never passed as a scalar that a graph would freeze).
+K and V are read in place through block tables (no per-step gather), with GQA (the q heads sharing
+a kv head are the rows of one tile) and sliding windows. Every index is a device tensor and launch
+grids depend only on host-known sizes, so decode is CUDA-graph capturable (the split size is derived
+from each sequence's length inside the kernel, never frozen as a scalar).
 
-Pool views (`PagedKV.layer_cache`): K, V each [slots, tpb, kv_heads, head_dim], strides (S, H*D, D, 1).
-Keys visible to a query at position p: lo <= k <= p (decode: lo = max(0, len - window), p = len - 1).
-
-An FP8 cache's K and V are loaded as e4m3 (half the bytes of bf16: decode reads half as much) and
-widened to q's dtype, exactly; the layer's k_scale is folded into the softmax scale and its v_scale
-into the output (1.0 for a cache in the model's dtype, which changes nothing).
+Pool views: K, V each [slots, tpb, kv_heads, head_dim], strides (S, H*D, D, 1). A query at position p
+sees keys lo <= k <= p. An FP8 cache's K and V are loaded as e4m3 (decode reads half the bytes) and
+widened exactly; k_scale is folded into the softmax scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -175,7 +171,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     b, heads, d = q.shape
     kv_heads = k.shape[2]
     g = heads // kv_heads
-    gp = max(16, triton.next_power_of_2(g))
+    gp = group_rows(heads, kv_heads)
     if scratch is None:
         scratch = decode_scratch(b, kv_heads, gp, d, splits, q.device)
     partials, maxes, sums = scratch

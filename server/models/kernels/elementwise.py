@@ -1,10 +1,8 @@
 """Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add), SiLU-and-mul, and
 RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3).
 
-Each rounds where transformers' modules round, so bf16 results match them op for op: an op on bf16
-tensors computes in float32 and rounds its result to bf16, and these kernels round after the same
-ops (RMSNorm normalises in float32, rounds, then scales by the weight; RoPE rounds each product and
-the sum). Float32 models round nowhere.
+Each rounds where transformers' modules round (compute in float32, round each op's result to the
+model dtype), so bf16 results match them op for op; float32 models round nowhere.
 """
 
 from __future__ import annotations
@@ -116,9 +114,9 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm."""
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm[(x.shape[0],)](x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), n, eps,
                              BLOCK=_block(n), ADD=False, num_warps=_warps(n))

@@ -1,24 +1,17 @@
 """FP8 e4m3 GEMM kernels: per-token activation quantization, a skinny GEMM for decode shapes, and the
 scale epilogue that follows a cuBLAS GEMM with unit scales.
 
-`quantize_rows` quantizes x [M, K] row by row (one program per row: the row's max, then the row
-rounded to e4m3). It rounds to nearest, ties to even, in float32 arithmetic before the cast (the
-cast then only changes the type), so its output equals torch's `.to(float8_e4m3fn)` bit for bit, on
-the GPU and under Triton's CPU interpreter alike (whose own float32 -> fp8 cast rounds wrongly at
-binade edges).
+`quantize_rows` quantizes x [M, K] row by row, rounding to nearest even in float32 arithmetic before
+the cast, so it equals torch's `.to(float8_e4m3fn)` bit for bit on the GPU and under Triton's CPU
+interpreter (whose own float32 -> fp8 cast rounds wrongly at binade edges).
 
-`fp8_gemm` is OUT = (XQ @ W.T) * xs[m] * ws[n] (+ bias), XQ [M, K] and W [N, K] float8 e4m3, one
-program per BLOCK_N output features and BLOCK_M rows, the whole K per program (no split-K: the
-weight is streamed once). Its `quant` configs take the activations in the model dtype and quantize
-them in the GEMM itself (each program reads its rows twice from L2: their max, then the tiles), so a
-decode step's linear is one kernel, as a bf16 one is: at M=1 the launches of 128 quantization
-kernels would cost ~0.2 ms of an 8B model's ~3 ms step. At decode (M <= 64) it is a read of the
-weight; which config runs, or whether cuBLAS does, is decided per weight shape and row count at
-warm-up by timing (server/models/fp8/linear.py). `SWAP` computes the transposed tile (W @ XQ.T), which puts the large
-weight dimension on the MMA's M side (Hopper's wgmma wants M >= 64). Products of two e4m3 values are
-exact in float32; each BLOCK_K slice is summed by the tensor cores and added into a float32
-accumulator (`max_num_imprecise_acc`: Hopper's FP8 MMA keeps fewer accumulator bits, so partial sums
-are promoted every PROMOTE_K products, as cuBLAS does without fast accumulation).
+`fp8_gemm` is OUT = (XQ @ W.T) * xs[m] * ws[n] (+ bias), one program per BLOCK_N features and
+BLOCK_M rows over the whole K (no split-K: the weight is streamed once). Its `quant` configs
+quantize the activations in the GEMM itself, so a decode step's linear is one kernel (at M=1 the
+launches of 128 quantization kernels would cost ~0.2 ms of an 8B model's ~3 ms step). `SWAP`
+computes the transposed tile, putting the large weight dimension on the MMA's M side (Hopper's wgmma
+wants M >= 64). Partial sums are promoted to float32 every PROMOTE_K products
+(`max_num_imprecise_acc`), as cuBLAS does without fast accumulation.
 """
 
 from __future__ import annotations

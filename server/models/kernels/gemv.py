@@ -1,12 +1,10 @@
 """Skinny GEMMs (a few rows against a large weight: decode at small batch) as one Triton kernel.
 
-At batch 1-8 a linear layer is a read of its weight. cuBLAS runs the small attention projections
-(qkv, o) of an 8B model at 74-79% of the H200's HBM rate plus split-K reduce kernels (docs/
-BENCHMARKS.md, the b1 profile); this kernel streams the weight once, each program owning BLOCK_N
-output features for every row, with no split-K. Which of the two runs is decided per weight shape
-at warm-up by timing both (`SkinnyLinear.choose`), so a shape where cuBLAS is faster keeps cuBLAS.
-The sum runs in float32 over K in BLOCK_K steps and rounds once, as cuBLAS does; the order of the
-additions differs, so bf16 results agree with cuBLAS to rounding, not bit for bit.
+At batch 1-8 a linear layer is a read of its weight. cuBLAS runs an 8B model's qkv and o at 74-79%
+of the H200's HBM rate plus split-K reduce kernels (docs/BENCHMARKS.md); this kernel streams the
+weight once with no split-K. `SkinnyLinear.choose` times both per weight shape at warm-up and keeps
+cuBLAS where it is faster. The sum runs in float32 and rounds once, as cuBLAS does, in another
+order: bf16 results agree with cuBLAS to rounding, not bit for bit.
 """
 
 from __future__ import annotations

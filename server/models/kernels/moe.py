@@ -1,20 +1,13 @@
 """The routed experts as two grouped GEMMs in Triton: no host synchronisation, static shapes.
 
-A step's (token, slot) pairs are sorted by expert on the device (`align`): each expert's pairs are
-padded to a multiple of BLOCK_M, so every tile of BLOCK_M rows belongs to one expert, and the list
-of tiles has a fixed length (T * top_k + E * (BLOCK_M - 1) rows at most) whatever the routing; the
-tiles past the step's last real one find the expert id E and return at once, and so do the tiles
-of pairs routed to no expert held here (id E: another rank's, with expert parallelism). Then:
-
-1. `_gate_up_silu`: for each tile, h = SiLU(x @ gate.T) * (x @ up.T) for that expert, the gate and
-   up rows read by the same program, the activation applied in registers; h [T * top_k, I] rows
-   are indexed by the pair, so padding rows are never stored.
-2. `_down_weighted`: y = (h @ down.T) * the pair's routing weight, into y [T * top_k, hidden].
-
-The sum over a token's top_k pairs is one torch reduction (`y.view(T, k, hidden).sum(1)`): no
-atomics, the same result run to run. Both GEMMs accumulate in float32 and round once; transformers
-sums the experts in expert order, this in slot order, so float32 results agree to rounding.
-Everything has a static shape for a given T, so it is captured in CUDA graphs like any kernel.
+`align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a
+multiple of BLOCK_M, so every tile belongs to one expert and the tile list has a fixed length
+whatever the routing; tiles past the last real one, and those of pairs routed to no expert held
+here (id E, expert parallelism), return at once. Then `_gate_up_silu` computes h = SiLU(x @ gate.T)
+* (x @ up.T) per pair, and `_down_weighted` y = (h @ down.T) * the pair's routing weight. A token's
+pairs are summed by one torch reduction: no atomics, the same result run to run. Both GEMMs
+accumulate in float32 and round once (transformers sums in expert order, this in slot order, so
+float32 results agree to rounding). Static shapes for a given T: captured in CUDA graphs.
 
 A block-scaled FP8 checkpoint's experts (fp8/blocks.py: float8 weights, a scale per row and block of
 128 columns) run the same two kernels: each weight tile is widened to the activations' dtype (exact)

@@ -1,19 +1,11 @@
 """FP8 routed experts as two grouped GEMMs in Triton: kernels/moe.py's tiles over FP8 e4m3 weights.
 
-The weights are stacked `Fp8Weight`s (server/models/fp8/experts.py): qweight [E, N, K] float8 with a
-float32 scale per expert and output row. The activations are quantized per token (row) first, as a
-dense FP8 linear's (kernels/fp8.py `quantize_rows`: dynamic per-row scales, or a static checkpoint's
-one input scale), then:
-
-1. `_gate_up_silu_fp8`: per tile of one expert's pairs, gate and up = (xq @ qweight.T) * xs[token] *
-   scale[e, n] each rounded to the model dtype, h = SiLU(gate) * up, stored per pair.
-2. h quantized per row (`quantize_rows`), then `_down_weighted_fp8`: y = ((hq @ qweight.T) * hs[pair]
-   * scale[e, n] rounded) * the pair's routing weight.
-
-The products of two e4m3 values are exact in float32 and summed in a float32 accumulator (promoted
-every PROMOTE_K products on Hopper, as kernels/fp8.py); `fp8/experts.py w8a8_experts` is the torch
-reference. The routing (`moe.align`), the static shapes and the absence of host synchronisation are
-kernels/moe.py's: the path is captured in CUDA graphs like it.
+The weights are stacked `Fp8Weight`s (qweight [E, N, K], a scale per expert and output row). The
+activations are quantized per row first (kernels/fp8.py `quantize_rows`), then `_gate_up_silu_fp8`
+computes gate and up = (xq @ qweight.T) * xs * scale, each rounded, and h = SiLU(gate) * up; h is
+quantized per row and `_down_weighted_fp8` computes y = ((hq @ qweight.T) * hs * scale, rounded) *
+the routing weight. Accumulation as kernels/fp8.py's; `fp8/experts.py w8a8_experts` is the torch
+reference. Routing, static shapes and graph capture are kernels/moe.py's.
 """
 
 from __future__ import annotations

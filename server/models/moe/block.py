@@ -1,12 +1,9 @@
 """A sparse layer's feed-forward block: the gate, the routed experts, the shared expert(s).
 
-`build_moe(spec, weights, layer)` loads one layer's block from the checkpoint's tensors by their HF
-names, in either layout a checkpoint ships: one tensor per expert and projection
-(`{block}experts.{e}.{gate,up,down}.weight`, how every published checkpoint and transformers'
-`save_pretrained` store them) or transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, hidden]
-and `mlp.experts.down_proj` [E, hidden, I]. The block is called like a dense MLP, `block(x, ops)`.
-Expert weights are float tensors or, with FP8 linears (`quantization: fp8` or an FP8 checkpoint),
-stacked `Fp8Weight`s (server/models/fp8/experts.py); a layer whose experts mix the two is dequantized.
+`build_moe` loads one layer's block by HF names, from either layout a checkpoint ships: one tensor
+per expert and projection (`experts.{e}.{gate,up,down}.weight`) or transformers 5's stacked
+`experts.gate_up_proj` [E, 2I, hidden] and `experts.down_proj` [E, hidden, I]. Expert weights are
+float or stacked `Fp8Weight`s; a layer whose experts mix the two is dequantized.
 """
 
 from __future__ import annotations
@@ -88,10 +85,12 @@ def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: Expe
     base = f"model.layers.{layer}."
     stacked = weights.has(base + "mlp.experts.gate_up_proj")  # transformers 5's own layout: always under mlp.
     block = base + ("mlp." if stacked else names.block)
-    gate_up, down = _stacked(spec, weights, block) if stacked else _per_expert(spec, weights, block)
-    shared = None
-    if spec.shared_intermediate_size:
-        shared = load_mlp(weights, block + names.shared)
+    if stacked:
+        gate_up, down = weights.take(block + "experts.gate_up_proj"), weights.take(block + "experts.down_proj")
+    else:
+        gate_up, down = _per_expert(spec, weights, block)
+    gate_up, down = _checked(spec, block, gate_up, down)
+    shared = load_mlp(weights, block + names.shared) if spec.shared_intermediate_size else None
     return MoEBlock(
         spec=spec, gate=weights.take(block + "gate.weight"),
         correction=weights.take(block + "gate.e_score_correction_bias").float() if spec.score_correction_bias else None,
@@ -107,12 +106,7 @@ def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weigh
         prefix = f"{block}experts.{e}."
         gate_up.append(cat_rows([weights.take(f"{prefix}{p}.weight") for p in (n.gate, n.up)]))
         down.append(weights.take(f"{prefix}{n.down}.weight"))
-    return _checked(spec, block, stack_experts(gate_up), stack_experts(down))
-
-
-def _stacked(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weight, Weight]:
-    gate_up, down = weights.take(block + "experts.gate_up_proj"), weights.take(block + "experts.down_proj")
-    return _checked(spec, block, gate_up, down)
+    return stack_experts(gate_up), stack_experts(down)
 
 
 def _checked(spec: MoESpec, block: str, gate_up: Weight, down: Weight) -> tuple[Weight, Weight]:

@@ -1,23 +1,14 @@
 """What a mixture-of-experts model's config.json says about its experts, parsed and checked once.
 
-`parse_moe(raw, cfg, architecture, model_dir)` returns a `MoESpec` (None for a dense architecture)
-or raises a ValueError that names config.json and the key pdserve does not implement. The router's
-math is transformers' for each family:
-
-- Mixtral: softmax scores, the top-k, their weights renormalised to sum to 1.
-- Qwen2-MoE, Qwen3-MoE: softmax, the top-k, renormalised when `norm_topk_prob`.
-- DeepSeek-V2: softmax; `topk_method` greedy, or group_limited_greedy (the `topk_group` of `n_group`
-  groups with the best single score, then the top-k inside them); weights x `routed_scaling_factor`.
+`parse_moe` returns a `MoESpec` (None for a dense architecture) or a ValueError naming the key
+pdserve does not implement. The router is transformers' for each family:
+- Mixtral: softmax, the top-k renormalised; Qwen2/3-MoE: softmax, renormalised when `norm_topk_prob`.
+- DeepSeek-V2: softmax; `topk_method` greedy or group_limited_greedy; weights x `routed_scaling_factor`.
 - DeepSeek-V3 (noaux_tc): sigmoid; experts chosen by score + `e_score_correction_bias` inside the
-  `topk_group` groups whose two best such scores sum highest, weighted by their plain scores,
-  renormalised when `norm_topk_prob`, then x `routed_scaling_factor`.
-
-Which layers are sparse: Qwen's `mlp_only_layers` and `decoder_sparse_step` (layer i is sparse when
-i is not listed and (i + 1) % step == 0), DeepSeek's `first_k_dense_replace` (and `moe_layer_freq`,
-which must be 1: transformers ignores it). Dense layers keep the model's `intermediate_size`.
-Training-only keys (`output_router_logits`, `router_aux_loss_coef`, `router_jitter_noise`,
-`aux_loss_alpha`, `seq_aux`) change nothing at inference and are ignored; so is DeepSeek's `ep_size`
-(a deployment choice of the original code, not of the weights).
+  best `topk_group` groups, weighted by their plain scores, renormalised, x `routed_scaling_factor`.
+Sparse layers: Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's `first_k_dense_replace`
+(`moe_layer_freq` must be 1: transformers ignores it). Training-only keys and DeepSeek's `ep_size`
+(a deployment choice) change nothing at inference and are ignored.
 """
 
 from __future__ import annotations
@@ -26,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SCORINGS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -36,14 +25,13 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 class ExpertNames:
     """HF tensor names of a sparse layer, relative to `model.layers.{i}.`."""
 
-    block: str  # "mlp." (Qwen, DeepSeek) or "block_sparse_moe." (Mixtral)
-    gate: str  # an expert's projections: "gate_proj", "up_proj", "down_proj" (Mixtral: w1, w3, w2)
-    up: str
-    down: str
+    block: str = "mlp."  # or "block_sparse_moe." (Mixtral)
+    gate: str = "gate_proj"  # an expert's projections (Mixtral: w1, w3, w2)
+    up: str = "up_proj"
+    down: str = "down_proj"
     shared: str = ""  # the shared expert's module: "shared_expert." (Qwen2-MoE), "shared_experts." (DeepSeek)
 
 
-HF_NAMES = ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe.", "w1", "w3", "w2")
 
 
@@ -150,7 +138,7 @@ def _qwen(keys: _Keys, *, shared: bool) -> MoESpec:
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(_layers(keys)))
     shared_size = int(keys.get("shared_expert_intermediate_size", default=0)) if shared else 0
     return MoESpec(num, top_k, int(keys.get("moe_intermediate_size")), sparse,
-                   ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj", "shared_expert."),
+                   ExpertNames(shared="shared_expert."),
                    norm_topk_prob=bool(keys.get("norm_topk_prob", default=False)), round_weights=True,
                    shared_intermediate_size=shared_size, shared_gate=shared_size > 0)
 
@@ -178,7 +166,7 @@ def _deepseek(keys: _Keys, *, v3: bool) -> MoESpec:
     shared = int(keys.get("n_shared_experts", default=0) or 0)
     size = int(keys.get("moe_intermediate_size"))
     return MoESpec(num, top_k, size, tuple(i >= first_dense for i in range(_layers(keys))),
-                   ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj", "shared_experts."),
+                   ExpertNames(shared="shared_experts."),
                    scoring=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
                    norm_topk_prob=norm, routed_scaling_factor=float(keys.get("routed_scaling_factor", default=1.0)),
                    score_correction_bias=v3, router_float32=True, shared_intermediate_size=size * shared)

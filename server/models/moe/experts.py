@@ -1,20 +1,12 @@
 """The routed experts' computation: each token through its top-k experts, summed with their weights.
 
-Weights are stacked per layer: `gate_up` [E, 2 * I, hidden] (each expert's gate rows, then its up
-rows) and `down` [E, hidden, I], as transformers 5 holds them (MixtralExperts and the others). Two
-torch implementations compute transformers' eager math (expert by expert, SiLU(gate) * up, down,
-times the routing weight, accumulated in expert order):
-
-- `grouped_experts` gathers each expert's tokens by index: the work of the top-k experts only,
-  but the set of experts hit and their token counts are read on the host. The CPU's path.
-- `dense_experts` runs every expert over every token and weights the tokens not routed to it by
-  zero: E / top_k times the work, but no host synchronisation and no data-dependent shape, so it
-  runs inside CUDA graphs. The GPU's torch path (a fused Triton path replaces it where available).
-
-FP8 experts (a stacked `Fp8Weight`, server/models/fp8/experts.py) run here as the dense FP8 linear's
-torch path does: each expert's weight dequantized to float32 (`weight.dequantized_linear`).
-
-`expert_load` counts the tokens routed to each expert, on the device.
+Weights are stacked per layer, `gate_up` [E, 2I, hidden] and `down` [E, hidden, I]. Two torch
+implementations of transformers' eager math (expert by expert, accumulated in expert order):
+- `grouped_experts` gathers each expert's tokens: the top-k's work only, but reads the counts on
+  the host. The CPU's path.
+- `dense_experts` runs every expert over every token, weighting the others by zero: E / top_k times
+  the work, but no host synchronisation: the GPU's torch path, inside CUDA graphs.
+FP8 experts run dequantized to float32, as the dense FP8 linear's torch path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Tokens routed to each expert of each MoE layer since the server started, for /metrics.
 
-Each `MoEBlock` adds its step's counts into a device tensor inside the forward (captured in the CUDA
-graphs like the rest). `ExpertLoad.read` brings them to the host without waiting for the device: on
-CUDA it starts one non-blocking copy of them all into pinned memory at most every `interval_s`, and
-takes a copy's numbers on a later read, once its event has passed; until then it returns the last
-numbers it has. On the CPU it reads them at once. The counts start after the warm-up (`reset`).
+Each `MoEBlock` counts its tokens into a device tensor inside the forward (captured in the graphs).
+`ExpertLoad.read` never waits for the device: on CUDA it starts a non-blocking copy of them all into
+pinned memory at most every `interval_s` and takes its numbers on a later read, once its event has
+passed (until then, the last numbers); on the CPU it reads them at once. Counts start after the
+warm-up (`reset`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The gate of a MoE block: which experts each token goes to, and with what weight.
 
-`route` computes what transformers' routers compute (MixtralTopKRouter, Qwen2MoeTopKRouter,
-Qwen3MoeTopKRouter, DeepseekV2TopkRouter, DeepseekV3TopkRouter), op for op, so that float32 picks
-the same experts. Everything stays on the device with static shapes (no host synchronisation): it
-runs inside CUDA graphs.
+`route` computes what transformers' routers compute, op for op, so that float32 picks the same
+experts; on the device with static shapes, so it runs inside CUDA graphs.
 """
 
 from __future__ import annotations

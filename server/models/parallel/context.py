@@ -1,12 +1,10 @@
 """Where tensor-parallel ranks meet inside the model: three calls, and a null object for one rank.
 
-`LlamaModel` calls its `ParallelContext` at exactly three points: `embed` (the vocabulary-parallel
-embedding: rows this rank does not hold are zero, and an all-reduce sums the ranks' rows),
-`reduce` (the all-reduce after each row-parallel projection, o and down) and `logits` (each rank's
-vocabulary slice of the lm_head, gathered along the vocabulary). `SingleRank` is TP=1: plain
-`F.embedding`, no reduce, plain `F.linear`, so the one-rank model computes exactly what it did
-before. `TensorParallel` does the collectives through a `Comm` (torch.distributed: gloo on the CPU,
-NCCL on CUDA, where the collectives are captured in the decode CUDA graphs like any kernel).
+The model calls its `ParallelContext` at three points: `embed` (vocabulary-parallel: rows this rank
+does not hold are zero, an all-reduce sums the ranks'), `reduce` (the all-reduce after o and down)
+and `logits` (each rank's vocabulary slice of the lm_head, gathered). `SingleRank` is TP=1 and adds
+nothing; `TensorParallel` runs the collectives through torch.distributed (gloo on the CPU, NCCL on
+CUDA, captured in the decode CUDA graphs like any kernel).
 """
 
 from __future__ import annotations
@@ -47,17 +45,6 @@ class SingleRank:
         return F.linear(x, head)
 
 
-class Comm(Protocol):
-    rank: int
-    size: int
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns it."""
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[R, ...] on each rank -> [size * R, ...]: rank 0's rows, then rank 1's, ..."""
-
-
 class TorchComm:
     """A torch.distributed process group (the default one unless `group` is given)."""
 
@@ -69,17 +56,19 @@ class TorchComm:
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, ...] on each rank -> [size * R, ...]: rank 0's rows, then rank 1's, ..."""
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         self._gather(out, x.contiguous(), group=self.group)
         return out
 
 
 class TensorParallel:
-    def __init__(self, comm: Comm, plan: ShardPlan) -> None:
+    def __init__(self, comm: TorchComm, plan: ShardPlan) -> None:
         self.comm = comm
         self.vocab_start = plan.vocab[0]
         self.vocab_rows = plan.vocab_per_rank

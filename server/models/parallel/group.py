@@ -1,10 +1,9 @@
 """The torch.distributed process group of one server's ranks (all on one host).
 
-Rank 0 opens the rendezvous store on a free loopback port (`open_store`) before it starts the
-other ranks, and hands them the port; every rank then joins (`join`). The backend follows the
-device: NCCL on CUDA (rank r uses cuda:r of the GPUs the process sees), gloo on the CPU. Every
-collective is bounded by `timeout_s`: a rank that stops answering fails the others' next
-collective instead of hanging them for ever (the server's rank watchdog usually ends it sooner).
+Rank 0 opens the rendezvous store on a free loopback port (`open_store`) before it starts the other
+ranks and hands them the port; every rank then `join`s: NCCL on CUDA (rank r on cuda:r), gloo on the
+CPU. Every collective is bounded by `timeout_s`, so a rank that stops answering fails the others'
+next collective instead of hanging them for ever.
 """
 
 from __future__ import annotations

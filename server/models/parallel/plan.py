@@ -1,12 +1,10 @@
 """Which slice of the model one tensor-parallel rank holds (Megatron-style), as plain arithmetic.
 
-Attention: q heads are split evenly (`heads`); kv heads too while there are at least as many kv
-heads as ranks. With more ranks than kv heads (GQA), each kv head is replicated on
-`size // num_kv_heads` consecutive ranks, and every rank keeps the one kv head its q heads read
-(vLLM and TensorRT-LLM do the same). The FFN's intermediate columns and the vocabulary rows are
-split evenly; so is each expert's intermediate dimension in a mixture-of-experts layer (every rank
-holds a slice of every expert, and the router whole); the vocabulary is padded up to a multiple of
-the size (padded rows are zero and their logits are cut off after the gather).
+q heads are split evenly, kv heads too while there are at least as many as ranks; with more ranks
+than kv heads (GQA) each kv head is replicated on `size // num_kv_heads` consecutive ranks, each
+rank keeping the one its q heads read (as vLLM and TensorRT-LLM do). FFN columns, every expert's
+intermediate dimension and the vocabulary rows are split evenly (the router whole); the vocabulary
+is zero-padded to a multiple of the size and the padded logits cut off after the gather.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """A tensor-parallel rank's weights, read slice by slice from safetensors, and its local model shape.
 
-By HF name (Megatron style): q/k/v and gate/up are column-parallel (their output rows are split:
-the rank's q heads, kv heads, intermediate columns), o and down are row-parallel (their input
-columns are split; the model all-reduces their outputs). A row-parallel bias is added once: rank 0
-keeps it and the other ranks hold zeros. The embedding and lm_head are split by vocabulary rows,
-padded with zero rows to `plan.vocab_per_rank`. Norms (and Qwen3's per-head q/k norms) are whole.
-A MoE layer's experts split like dense MLPs, each by its own width read from the tensor (gate/up,
-Mixtral's w1/w3 by rows; down, w2 by columns; transformers 5's stacked `experts.gate_up_proj`
-[E, 2I, hidden] takes the rank's rows of both halves, `experts.down_proj` [E, hidden, I] its
-columns); the shared expert splits the same way; the router (`gate.weight`), Qwen2-MoE's
-`shared_expert_gate` and DeepSeek-V3's `e_score_correction_bias` are whole. With expert parallelism
-a rank reads only its own experts, whole (the others' tensors are never loaded there).
-FP8 scales (server/models/fp8/) follow their weight's output rows: a per-channel scale of a
-column-parallel weight is split like its rows, one of a row-parallel weight (o, down: every rank
-has all output rows) and every per-tensor or input scale is whole.
+By HF name (Megatron style): q/k/v and gate/up are column-parallel (output rows split: the rank's q
+heads, kv heads, intermediate columns), o and down row-parallel (input columns split; the model
+all-reduces their outputs), a row-parallel bias kept by rank 0 alone (zeros elsewhere). Embedding
+and lm_head are split by vocabulary rows, zero-padded to `plan.vocab_per_rank`; norms are whole.
+A MoE layer's experts split like dense MLPs by their own widths (transformers 5's stacked
+`experts.gate_up_proj` takes the rank's rows of both halves), as does the shared expert; the router,
+Qwen2-MoE's `shared_expert_gate` and DeepSeek-V3's `e_score_correction_bias` are whole. With expert
+parallelism a rank reads only its own experts, whole. FP8 scales follow their weight's output rows:
+a per-channel scale of a column-parallel weight is split like its rows, any other scale is whole.
 """
 
 from __future__ import annotations
@@ -74,8 +69,6 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
 def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
     """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice); None: none
     of it (another rank's expert)."""
-    d = spec.head_dim
-    (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
     if name in _VOCAB:
         return _vocab_rows(handle, plan)
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -87,24 +80,31 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
     kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
     if spec.mla is not None and kind in _MLA_HEAD_ROWS and not name.endswith(SCALES):
         return _mla_slice(handle, kind, spec, plan)
-    if name.endswith(SCALES):
-        return _scale_slice(handle, kind, spec, plan)
-    is_bias = name.endswith(".bias")
-    if kind == "q_proj":
-        return handle[h0 * d:h1 * d]
-    if kind in ("k_proj", "v_proj"):
-        return handle[k0 * d:k1 * d]
-    if kind in _COLUMN_FFN:
-        f0, f1 = _share(handle.get_shape()[0], plan)
-        return handle[f0:f1]
+    shape = handle.get_shape()
+    if name.endswith(SCALES):  # per channel of a column-parallel weight: its rows; else whole
+        rows = _column_rows(kind, shape, spec, plan) if shape and shape[0] != 1 else None
+        return handle[...] if rows is None else handle[rows[0]:rows[1]]
+    rows = _column_rows(kind, shape, spec, plan)
+    if rows is not None:
+        return handle[rows[0]:rows[1]]
     if kind in ("o_proj", *_ROW_FFN):
-        if is_bias:  # added once, after the all-reduce sums the ranks' parts
-            return handle[:] if plan.rank == 0 else torch.zeros(handle.get_shape())
-        if kind == "o_proj":
-            return handle[:, h0 * d:h1 * d]
-        f0, f1 = _share(handle.get_shape()[1], plan)
+        if name.endswith(".bias"):  # added once, after the all-reduce sums the ranks' parts
+            return handle[:] if plan.rank == 0 else torch.zeros(shape)
+        h0, h1 = plan.heads
+        f0, f1 = (h0 * spec.head_dim, h1 * spec.head_dim) if kind == "o_proj" else _share(shape[1], plan)
         return handle[:, f0:f1]
     return handle[:]
+
+
+def _column_rows(kind: str, shape: list[int], spec: ModelSpec, plan: ShardPlan) -> tuple[int, int] | None:
+    """[start, end) of the output rows the rank holds of a column-parallel projection (q/k/v: its
+    heads', gate/up: its even share); None for any other `kind`."""
+    d = spec.head_dim
+    if kind == "q_proj":
+        return plan.heads[0] * d, plan.heads[1] * d
+    if kind in ("k_proj", "v_proj"):
+        return plan.kv_heads[0] * d, plan.kv_heads[1] * d
+    return _share(shape[0], plan) if kind in _COLUMN_FFN else None
 
 
 # multi-head latent attention (DeepSeek): per head, the rows of q_proj / q_b_proj (qk_head_dim each)
@@ -139,19 +139,6 @@ def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
     half = handle.get_shape()[1] // 2
     f0, f1 = _share(half, plan)
     return torch.cat([handle[:, f0:f1], handle[:, half + f0:half + f1]], dim=1)
-
-
-def _scale_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor:
-    """A per-channel scale of a column-parallel weight: the rank's rows (an MLP's or expert's: its even
-    share, as the weight's); any other scale: whole."""
-    shape = handle.get_shape()
-    if not shape or shape[0] == 1 or kind not in ("q_proj", "k_proj", "v_proj", *_COLUMN_FFN):
-        return handle[...]
-    d = spec.head_dim
-    (h0, h1), (k0, k1) = plan.heads, plan.kv_heads
-    rows = {"q_proj": (h0 * d, h1 * d), "k_proj": (k0 * d, k1 * d), "v_proj": (k0 * d, k1 * d)}.get(kind)
-    f0, f1 = rows if rows is not None else _share(shape[0], plan)
-    return handle[f0:f1]
 
 
 def _vocab_rows(handle: Any, plan: ShardPlan) -> torch.Tensor:
