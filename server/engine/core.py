@@ -118,9 +118,8 @@ class EngineCore:
     def _pulls_same_lease(self, params: DisaggParams) -> bool:
         """Another live generation_only request here names the same context lease."""
         key = (params.ctx_endpoint, params.ctx_request_id)
-        scheduler = self.scheduler
         return any(r.is_generation_only and (r.disagg.ctx_endpoint, r.disagg.ctx_request_id) == key
-                   for r in (*scheduler.waiting, *scheduler.running, *scheduler.transferring.values()))
+                   for r in self.scheduler.live())
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """End every live choice of the request (none: it ended already)."""

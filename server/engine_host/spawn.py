@@ -41,10 +41,6 @@ def start_engine_process(launch: Launch) -> subprocess.Popen:
     return proc
 
 
-def read_launch(raw: bytes) -> Launch:
-    return msgspec.json.decode(raw, type=Launch)
-
-
 def stop_engine_process(proc: subprocess.Popen, timeout_s: float) -> int:
     """Wait for the child to exit (after its Shutdown) at most `timeout_s`, then SIGKILL it."""
     try:

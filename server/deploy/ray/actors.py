@@ -18,13 +18,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.config.schema import RestartPolicy
+from server.deploy.gpu_share import VISIBLE_DEVICES
 from server.deploy.launcher import pdserve_command
 from server.deploy.supervisor import Child, Running, Supervisor, log_tail
 from server.exit import exit_text
 from transceiver.wire import NODE_ID_ENV
 
 log = logging.getLogger(__name__)
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,7 @@ class ProcessActor:
                 "exited": self.exited(), "niceness": self.niceness}
 
     def exited(self) -> str | None:
-        code = self.run.popen.poll()
-        return None if code is None else exit_text(code)
+        return self.run.exited()
 
     def tail(self) -> str:
         return log_tail(self.run.log_path)
