@@ -415,19 +415,15 @@ class EngineCore:
             self.timings.finished(request)
             self.counts.release(request)
         prior = request.num_prior_output  # usage counts it as output
+        # honest usage: the generation leg reports the context server's hit; transfers are not hits
+        cached = request.disagg.ctx_cached_tokens if request.is_generation_only else request.num_cached_tokens
         return RequestOutput(
             request_id=request.output_id, index=request.choice, new_token_ids=new_tokens,
             new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
-            cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
+            cached_tokens=min(cached, request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg,
             logprobs=lp.take_sampled(request, len(new_tokens)) if scored else None,
             prompt_logprobs=lp.take_prompt(request),
         )
-
-    def _reported_cached(self, request: Request) -> int:
-        """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""
-        if request.is_generation_only:
-            return request.disagg.ctx_cached_tokens
-        return request.num_cached_tokens

@@ -1,4 +1,4 @@
-"""`python -m server.engine_host.main`: the engine process of one server (started by spawn.py).
+"""`python -m server.engine_host.main`: the engine process of one server (started by process.py).
 
 It runs `run_engine` as the engine thread does, until `Shutdown` or until the HTTP process is gone.
 A load failure is logged, reported (`LoadFailed`) and ends the process with 1."""
@@ -16,7 +16,7 @@ import msgspec
 
 from server.engine_host.link import EngineEnd
 from server.engine_host.loop import run_engine
-from server.engine_host.spawn import Launch
+from server.engine_host.process import Launch
 from server.exit import exit_now
 from server.telemetry.kv_events import KvEventSource
 

@@ -154,7 +154,7 @@ def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, t
     cfg, name = run.cfg, placed.want.name
     env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
     child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
-    spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
+    spec = ActorSpec(run.name, child, text, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
                      stop_wait_s=drain_s + run.options.grace_s)
     restarts = 0 if cfg.restart.max_quick_deaths == 0 else -1
