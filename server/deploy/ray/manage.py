@@ -115,19 +115,12 @@ def connect(address: str, namespace: str):
     return ray
 
 
-def _found(command: str, deployment: str, address: str, namespace: str) -> Handles | None:
-    """The running deployment's actors; None (said) when there is none of that name."""
-    handles = Handles.found(connect(address, namespace), deployment)
-    if not handles.actors:
-        print(f"pdserve ray {command}: no deployment {deployment!r} in namespace {namespace}")
-        return None
-    return handles
-
-
 def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray down NAME`: 0 once stopped, 1 if no such deployment runs."""
-    handles = _found("down", deployment, address, namespace)
-    if handles is None:
+    ray = connect(address, namespace)
+    handles = Handles.found(ray, deployment)
+    if not handles.actors:
+        print(f"pdserve ray down: no deployment {deployment!r} in namespace {namespace}")
         return 1
     stop_deployment(handles, lambda line: print(f"[pdserve ray down] {line}", flush=True))
     return 0
@@ -135,12 +128,14 @@ def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> 
 
 def status(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray status NAME`: a line per server (node, GPUs, epoch, health); 1 if none runs."""
-    handles = _found("status", deployment, address, namespace)
-    if handles is None:
+    ray = connect(address, namespace)
+    handles = Handles.found(ray, deployment)
+    if not handles.actors:
+        print(f"pdserve ray status: no deployment {deployment!r} in namespace {namespace}")
         return 1
     print(f"{'NAME':<16} {'NODE':<28} {'GPU':<8} {'PID':>8} {'RESTARTED':<10} {'EPOCH':<34} HEALTH")
     for name in handles.processes():
-        print(_status_line(handles.ray, name, handles.actors[name]), flush=True)
+        print(_status_line(ray, name, handles.actors[name]), flush=True)
     return 0
 
 
