@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from kvcache import KVCacheManager
 from server.auth import disk_tier_key
 from server.config.schema import ServerConfig
@@ -26,10 +28,6 @@ from transceiver.receiver import KVReceiver
 from transceiver.sender import KVSender
 
 log = logging.getLogger(__name__)
-
-# On a CPU a prefill step costs about the same per token for 1 to 8 prompts of 256 tokens
-# (docs/BENCHMARKS.md), so batching more prompts only delays the first ones' first tokens.
-CPU_PREFILL_BATCH_TOKENS = 256
 
 
 def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> EngineCore:
@@ -60,20 +58,36 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
         ranks.wait_for(Ready)
         runner = RankedRunner(runner, ranks)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prefill = cfg.max_prefill_batch_tokens  # unset: the device's default
-    if prefill is None and device.type == "cpu":
-        prefill = CPU_PREFILL_BATCH_TOKENS
-    limits = SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
-    # `auto`: on where a forward runs asynchronously to the host (CUDA)
-    async_scheduling = device.type == "cuda" if cfg.async_scheduling == "auto" else cfg.async_scheduling
-    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, async_scheduling=async_scheduling,
-                      connector=_role(cfg, kv, spec.fingerprint, wake, ranks),
+    limits = scheduler_limits(cfg, device)
+    core = EngineCore(runner, kv, limits, tokenizer, metrics=metrics, connector=_role(cfg, kv, spec.fingerprint, wake,
+                      ranks), async_scheduling=use_async_scheduling(cfg, device),
                       spec=build_spec(cfg.speculative, limits, runner))
     log.info("engine ready: %s on %s/%s, linear weights %s, %s kernels (warm-up %.1f s), KV windows %s, %s primary "
              "blocks of %s, async scheduling %s, speculative %s", model_dir, device, dtype, spec.quantization or dtype,
              runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes], kv.layout.dtype,
-             core.async_scheduling, cfg.speculative.method)
+             core.async_scheduling,
+             cfg.speculative.method)
     return core
+
+
+# On a CPU a prefill step costs about the same per token for 1 to 8 prompts of 256 tokens
+# (docs/BENCHMARKS.md), so batching more prompts only delays the first ones' first tokens.
+CPU_PREFILL_BATCH_TOKENS = 256
+
+
+def scheduler_limits(cfg: ServerConfig, device: torch.device) -> SchedulerConfig:
+    """The engine's step limits; an unset max_prefill_batch_tokens takes the device's default."""
+    prefill = cfg.max_prefill_batch_tokens
+    if prefill is None and device.type == "cpu":
+        prefill = CPU_PREFILL_BATCH_TOKENS
+    return SchedulerConfig(cfg.max_num_tokens, cfg.max_batch_size, cfg.max_seq_len, prefill)
+
+
+def use_async_scheduling(cfg: ServerConfig, device: torch.device) -> bool:
+    """`async_scheduling: auto` is on where a forward runs asynchronously to the host (CUDA)."""
+    if cfg.async_scheduling == "auto":
+        return device.type == "cuda"
+    return cfg.async_scheduling
 
 
 def _role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, wake, ranks: Ranks | None) -> KVConnector:
