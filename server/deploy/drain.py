@@ -29,11 +29,9 @@ DRAINING_MESSAGE = ("this server is draining (shutting down): it takes no new re
 
 
 class Drain:
-    def __init__(self, timeout_s: float, idle: Callable[[], bool] = lambda: True,
-                 paths: tuple[str, ...] = ADMISSION_PATHS) -> None:
+    def __init__(self, timeout_s: float, idle: Callable[[], bool] = lambda: True) -> None:
         self.timeout_s = timeout_s
         self.idle = idle  # True when the process has nothing left to finish besides HTTP requests
-        self.paths = paths
         self.in_flight = 0
         self.started: float | None = None  # monotonic, once draining
 
@@ -79,7 +77,7 @@ class DrainGate:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.drain.paths:
+        if scope["type"] != "http" or scope["path"] not in ADMISSION_PATHS:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:

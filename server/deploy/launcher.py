@@ -35,11 +35,6 @@ from server.deploy.supervisor import Child, StopOnSignals, Supervisor, health
 TOKEN_FILE = "auth_token"
 HANDSHAKE_TIMEOUT_S = 30.0  # generation servers shaking hands with every context server at startup
 
-__all__ = ["Child", "LaunchOptions", "launch", "pdserve_command", "plan_children", "wait_for_health"]
-
-CommandBuilder = Callable[[Child], list[str]]
-
-
 def pdserve_command(child: Child) -> list[str]:
     """The argv that runs `child` (the pdserve CLI's `serve` and `router` subcommands)."""
     base = [sys.executable, "-m", "server.cli"]
@@ -54,7 +49,7 @@ class LaunchOptions:
     startup_timeout_s: float = 300.0  # for the servers, and again for the router
     poll_interval_s: float = 0.5
     grace_s: float = 10.0  # after a child's drain timeout: SIGTERM -> SIGKILL
-    command: CommandBuilder = field(default=pdserve_command)
+    command: Callable[[Child], list[str]] = field(default=pdserve_command)
 
 
 def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
@@ -75,7 +70,7 @@ def launch(path: str | Path, options: LaunchOptions | None = None) -> int:
     log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     _say(f"logs in {log_dir}")
     with StopOnSignals() as stop:  # from here on, every way out but SIGKILL cleans up
-        token_file = write_token_file(log_dir, cfg.auth_token or "")
+        token_file = write_private(log_dir / TOKEN_FILE, cfg.auth_token or "")
         code = 1
         try:
             code = _supervised(cfg, Path(path), log_dir, token_file, options, stop)
@@ -111,13 +106,12 @@ def clean_up(log_dir: Path, token_file: Path, made: bool, failed: bool) -> None:
         _say(f"logs kept in {log_dir}")
 
 
-def write_token_file(log_dir: Path, token: str) -> Path:
-    """`<log_dir>/auth_token`, readable by its owner only (created 0600, never wider)."""
-    path = log_dir / TOKEN_FILE
+def write_private(path: Path, text: str) -> Path:
+    """`path` holding `text`, readable by its owner only (created 0600, never wider)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # an older file of the same name keeps its mode otherwise
-        os.write(fd, token.encode())
+        os.write(fd, text.encode())
     finally:
         os.close(fd)
     return path
@@ -131,15 +125,11 @@ def stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) -> 
 
 
 def child_env(base: dict[str, str], auth_token: str, num_servers: int) -> dict[str, str]:
-    """The children's environment: the token, and torch threads shared out unless the user chose."""
+    """The children's environment: the token, and torch threads (the cores shared out, so engines do not
+    fight) unless the user chose."""
     env = {**base, AUTH_TOKEN_ENV: auth_token, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_server(num_servers)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, num_servers))))
     return env
-
-
-def threads_per_server(num_servers: int) -> int:
-    """CPU threads for each engine's torch ops: the cores shared out, so engines do not fight."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_servers))
 
 
 def plan_children(cfg: DeploymentConfig, deployment_path: Path) -> tuple[list[Child], Child | None]:

@@ -38,15 +38,6 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
-def bind_problem(host: str, port: int) -> str | None:
-    """Why host:port cannot be listened on now (the OS's words), or None if it can."""
-    try:
-        bind_http(host, port).close()
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
 def listeners(cfg: DeploymentConfig) -> list[Listener]:
     """Every fixed port of a deployment: the router's, each server's HTTP port, and each context
     server's transceiver port where the file sets one (0, the default, is an ephemeral port)."""
@@ -68,10 +59,11 @@ def busy_ports(cfg: DeploymentConfig) -> list[str]:
     """One line per port of the deployment that cannot be listened on now, naming its server and key."""
     lines = []
     for item in listeners(cfg):
-        problem = bind_problem(item.host, item.port)
-        if problem is not None:
+        try:
+            bind_http(item.host, item.port).close()
+        except OSError as exc:  # the OS's words
             lines.append(f"port {item.port} of {item.name} ({item.key} in {cfg.source}: "
-                         f"{host_port(item.host, item.port)}): {problem}")
+                         f"{host_port(item.host, item.port)}): {exc.strerror or exc}")
     return lines
 
 

@@ -75,9 +75,10 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)
     install_kv_routes(app)
-    install_health(app, Drain(cfg.drain_timeout_s, lambda: engine_idle(app.state.engine)))
-    if directory is not None:
-        directory.on_refresh = lambda: probe_context_servers(app.state.engine, directory)
+    # nothing left to finish: no request queued or running, no KV lease or pull
+    install_health(app, Drain(cfg.drain_timeout_s, lambda: app.state.engine is None or app.state.engine.idle()))
+    if directory is not None:  # shake hands with every known context server (the KV layouts must agree)
+        directory.on_refresh = lambda: app.state.engine is not None and app.state.engine.probe(directory.endpoints)
     return app
 
 
@@ -103,17 +104,6 @@ def install_health(app, drain: Drain) -> None:
     app.state.drain = drain
     app.state.health_report = lambda: health_report(app)
     app.add_middleware(DrainGate, drain=drain)
-
-
-def engine_idle(engine) -> bool:
-    """Nothing left to finish: no request queued or running, no KV lease or pull."""
-    return engine is None or engine.idle()
-
-
-def probe_context_servers(engine, directory: ContextDirectory) -> None:
-    """Generation side: shake hands with every known context server (the KV layouts must agree)."""
-    if engine is not None:
-        engine.probe(directory.endpoints)
 
 
 async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:

@@ -52,6 +52,11 @@ class Running:
     died_at: float | None = None  # dead, waiting to be back (healthy again)
     gave_up: bool = False
 
+    def exited(self) -> str | None:
+        """How its process ended; None while it runs."""
+        code = self.popen.poll()
+        return None if code is None else exit_text(code)
+
 
 @dataclass(frozen=True)
 class Watched:
@@ -95,11 +100,6 @@ def wait_healthy(watched: list[Watched], stop: StopOnSignals, timeout_s: float, 
     return True
 
 
-def _exited(r: Running) -> str | None:
-    code = r.popen.poll()
-    return None if code is None else exit_text(code)
-
-
 class Supervisor:
     def __init__(self, command: Callable[[Child], list[str]], env: dict[str, str], log_dir: Path,
                  policy: RestartPolicy, poll_interval_s: float, say: Callable[[str], None]) -> None:
@@ -125,7 +125,7 @@ class Supervisor:
 
     def wait_healthy(self, stop: StopOnSignals, timeout_s: float) -> bool:
         """`wait_healthy` for every started child."""
-        watched = [Watched(r.child, lambda r=r: _exited(r), lambda r=r: log_tail(r.log_path)) for r in self.running]
+        watched = [Watched(r.child, r.exited, lambda r=r: log_tail(r.log_path)) for r in self.running]
         return wait_healthy(watched, stop, timeout_s, self.poll_interval_s, self.say)
 
     # ---- supervise ----------------------------------------------------------------------------

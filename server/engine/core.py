@@ -118,9 +118,8 @@ class EngineCore:
     def _pulls_same_lease(self, params: DisaggParams) -> bool:
         """Another live generation_only request here names the same context lease."""
         key = (params.ctx_endpoint, params.ctx_request_id)
-        scheduler = self.scheduler
         return any(r.is_generation_only and (r.disagg.ctx_endpoint, r.disagg.ctx_request_id) == key
-                   for r in (*scheduler.waiting, *scheduler.running, *scheduler.transferring.values()))
+                   for r in self.scheduler.live())
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """End every live choice of the request (none: it ended already)."""
@@ -416,19 +415,15 @@ class EngineCore:
             self.timings.finished(request)
             self.counts.release(request)
         prior = request.num_prior_output  # usage counts it as output
+        # honest usage: the generation leg reports the context server's hit; transfers are not hits
+        cached = request.disagg.ctx_cached_tokens if request.is_generation_only else request.num_cached_tokens
         return RequestOutput(
             request_id=request.output_id, index=request.choice, new_token_ids=new_tokens,
             new_text=detok.take(final_text),
             finished=finished, finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens - prior, completion_tokens=len(request.output_token_ids) + prior,
-            cached_tokens=min(self._reported_cached(request), request.num_prompt_tokens - prior),
+            cached_tokens=min(cached, request.num_prompt_tokens - prior),
             error=request.error, error_code=request.error_code, disagg=disagg,
             logprobs=lp.take_sampled(request, len(new_tokens)) if scored else None,
             prompt_logprobs=lp.take_prompt(request),
         )
-
-    def _reported_cached(self, request: Request) -> int:
-        """Honest usage: the generation leg reports the context server's hit; transfers are not hits."""
-        if request.is_generation_only:
-            return request.disagg.ctx_cached_tokens
-        return request.num_cached_tokens

@@ -2,12 +2,7 @@
 
 Decision side only: which blocks a request needs and who frees them; the bytes move
 in `transceiver/`. A connector is given requests and returns data (params, ids that arrived or
-failed); it never holds the engine. `EngineCore.step` calls it in plain lines:
-
-    arrived, failed = connector.poll()     # KV in: pulls that ended since the last step
-    connector.start_pulls(admitted)        # KV in: ask for the blocks admitted requests lack
-    connector.progress(requests)           # KV out, streamed: blocks the step's prefill completed
-    params = connector.offer(prefilled)    # KV out: lease prefilled blocks, answer with where they are
+failed); it never holds the engine (`EngineCore.step` calls it).
 
 Streamed KV (`disaggregated_params.kv_stream`, transceiver/sender/stream.py): a context request's
 lease opens at its first prefill step, every step's completed blocks are offered at once, and the

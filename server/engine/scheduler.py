@@ -86,16 +86,16 @@ class Scheduler:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "transferring": len(self.transferring)}
 
+    def live(self) -> list[Request]:
+        """Every request running, waiting or pulling its KV."""
+        return [*self.running, *self.waiting, *self.transferring.values()]
+
     def find(self, request_id: str) -> Request | None:
-        for request in (*self.running, *self.waiting, *self.transferring.values()):
-            if request.request_id == request_id:
-                return request
-        return None
+        return next((r for r in self.live() if r.request_id == request_id), None)
 
     def choices_of(self, output_id: str) -> list[Request]:
         """The live choices of the request whose outputs go out under `output_id`, in choice order."""
-        live = [r for r in (*self.running, *self.waiting, *self.transferring.values()) if r.output_id == output_id]
-        return sorted(live, key=lambda r: r.choice)
+        return sorted((r for r in self.live() if r.output_id == output_id), key=lambda r: r.choice)
 
     def adopt(self, children: list[Request]) -> None:
         """Forked choices (server/engine/choices.py): those holding KV run from the next step; those

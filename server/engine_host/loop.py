@@ -110,9 +110,7 @@ class EngineLoop:
             return self.core.step()
         except Exception as exc:
             log.exception("engine step failed")
-            scheduler = self.core.scheduler
-            requests = [*scheduler.running, *scheduler.waiting, *scheduler.transferring.values()]
-            return [o for r in requests for o in self.core.fail(r, f"engine error: {exc}", code=500)]
+            return [o for r in self.core.scheduler.live() for o in self.core.fail(r, f"engine error: {exc}", code=500)]
 
     def _handle(self, message: ToEngine) -> None:
         """A refused add or an abort ends its request at once: its outputs go with the next step's."""
@@ -160,7 +158,7 @@ class EngineLoop:
 
 
 def transceiver(core: Any) -> tuple[Any, Any]:
-    """(KVSender or None, KVReceiver or None) of a loaded engine core (None: not loaded)."""
+    """(KVSender or None, KVReceiver or None) of an engine core."""
     role = getattr(core, "connector", None)
     return getattr(role, "sender", None), getattr(role, "receiver", None)
 
@@ -173,10 +171,8 @@ def links_of(core: Any) -> LinkState:
                      sender_endpoints=tuple(getattr(sender, "endpoints", ())))
 
 
-def idle_of(core: Any) -> bool:
-    """No request queued or running, no KV lease or pull (True before the core is loaded)."""
-    if core is None:
-        return True
+def idle_of(core: EngineCore) -> bool:
+    """No request queued or running, no KV lease or pull."""
     sender, receiver = transceiver(core)
     return not core.scheduler.has_work() and (sender is None or sender.num_leases == 0) \
         and (receiver is None or receiver.num_pulls == 0)

@@ -1,4 +1,4 @@
-"""`python -m server.engine_host.main`: the engine process of one server (started by spawn.py).
+"""`python -m server.engine_host.main`: the engine process of one server (started by process.py).
 
 It runs `run_engine` as the engine thread does, until `Shutdown` or until the HTTP process is gone.
 A load failure is logged, reported (`LoadFailed`) and ends the process with 1."""
@@ -12,9 +12,11 @@ import signal
 import sys
 import time
 
+import msgspec
+
 from server.engine_host.link import EngineEnd
 from server.engine_host.loop import run_engine
-from server.engine_host.spawn import Launch, read_launch
+from server.engine_host.process import Launch
 from server.exit import exit_now
 from server.telemetry.kv_events import KvEventSource
 
@@ -50,25 +52,20 @@ class ParentWatch:
         return True
 
 
-def serve_engine(launch: Launch, end: EngineEnd) -> bool:
-    """The engine's life in this process; False when it could not load."""
-    from server.engine_host.build import build_core, event_publisher  # heavy (torch, the model): after the link is up
-
-    cfg = launch.config
-    kv_events = KvEventSource(event_publisher(cfg, launch.epoch), launch.epoch)  # the server's epoch
-    loop = run_engine(end, lambda: build_core(cfg, None, end.wake), kv_events, alive=ParentWatch(launch.parent_pid))
-    return loop is not None
-
-
 def main() -> int:
-    launch = read_launch(sys.stdin.buffer.read())
+    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=Launch)
     die_with_parent(launch.parent_pid)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the HTTP process drains, then stops this one
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     end = EngineEnd(launch.directory, bytes.fromhex(launch.secret))
     try:
-        loaded = serve_engine(launch, end)
+        from server.engine_host.build import build_core, event_publisher  # heavy: after the link is up
+
+        cfg = launch.config
+        kv_events = KvEventSource(event_publisher(cfg, launch.epoch), launch.epoch)  # the server's epoch
+        loaded = run_engine(end, lambda: build_core(cfg, None, end.wake), kv_events,
+                            alive=ParentWatch(launch.parent_pid)) is not None
         if not loaded:
             time.sleep(FLUSH_S)
     finally:

@@ -2,7 +2,12 @@
 
 `EngineProcess` is the engine's front over the ipc link. If the child dies, every request in flight
 ends with a 503 and `on_fatal()` makes the server exit non-zero (the launcher restarts it); before
-`Ready`, its death or `LoadFailed` is a `load_error`."""
+`Ready`, its death or `LoadFailed` is a `load_error`.
+
+The child is `python -m server.engine_host.main` (fork + exec: a parent with CUDA is never forked),
+in the server's process group. Its `Launch` comes on stdin (the token and link secret never go on
+argv). It ignores SIGINT and SIGTERM so the HTTP process drains first, then stops it with
+`Shutdown` and SIGKILL after a timeout."""
 
 from __future__ import annotations
 
@@ -10,20 +15,33 @@ import asyncio
 import logging
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Callable
+
+import msgspec
 
 from server.config.schema import ServerConfig
 from server.engine_host.front import EngineFront
 from server.engine_host.link import HttpEnd, private_dir
-from server.engine_host.spawn import Launch, start_engine_process, stop_engine_process
 from server.engine_host.wire import KEY_BYTES, EngineInfo, Shutdown
 from server.exit import exit_text
 from server.telemetry.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+MODULE = "server.engine_host.main"
 POLL_S = 0.2  # the reader looks at the child's exit status when nothing arrived for this long
 STOP_TIMEOUT_S = 10.0
+KILL_WAIT_S = 5.0
+
+
+class Launch(msgspec.Struct, frozen=True):
+    config: ServerConfig
+    directory: str  # the private directory of the link's ipc sockets (server/engine_host/link.py)
+    secret: str  # hex: the link's HMAC secret (server/engine_host/wire.py)
+    epoch: str  # the server's epoch (/health): its KV events carry it
+    parent_pid: int  # the HTTP process: the child exits when it is gone
 
 
 class EngineProcess(EngineFront):
@@ -40,10 +58,18 @@ class EngineProcess(EngineFront):
 
     # ---- lifecycle (event loop thread: the main thread)
     def start(self) -> None:
+        """Start the child and hand it its `Launch` (on the main thread: the parent-death signal the
+        child asks for fires when the thread that started it ends)."""
         secret = secrets.token_bytes(KEY_BYTES)
         directory = private_dir()
         self._end = HttpEnd(directory, secret)
-        self._proc = start_engine_process(Launch(self._cfg, str(directory), secret.hex(), self._epoch, os.getpid()))
+        self._proc = subprocess.Popen([sys.executable, "-m", MODULE], stdin=subprocess.PIPE, close_fds=True)
+        try:
+            self._proc.stdin.write(msgspec.json.encode(Launch(self._cfg, str(directory), secret.hex(), self._epoch,
+                                                              os.getpid())))
+            self._proc.stdin.close()
+        except OSError as exc:  # it died at once: the reader sees it exit before it was ready
+            log.error("could not hand the engine process its launch settings: %s", exc)
         log.info("engine process %d started", self._proc.pid)
         reader = asyncio.create_task(self._read())
         reader.add_done_callback(self._reader_ended)
@@ -55,7 +81,7 @@ class EngineProcess(EngineFront):
         if self._proc is not None and self.exit_code is None:
             # still loading (no Ready): it reads no Shutdown before its model is up, and holds nothing yet
             graceful = self.info is not None and self._end.send(Shutdown())
-            self.exit_code = await asyncio.to_thread(stop_engine_process, self._proc, timeout_s if graceful else 0.0)
+            self.exit_code = await asyncio.to_thread(_stop_child, self._proc, timeout_s if graceful else 0.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -127,3 +153,14 @@ class EngineProcess(EngineFront):
                 answer.set_exception(ConnectionError(reason))
         if self._on_fatal is not None:
             self._on_fatal()
+
+
+def _stop_child(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Wait for the child to exit (after its Shutdown) at most `timeout_s`, then SIGKILL it."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if timeout_s > 0:
+            log.warning("the engine process (pid %d) did not stop within %g s: SIGKILL", proc.pid, timeout_s)
+        proc.kill()
+        return proc.wait(timeout=KILL_WAIT_S)

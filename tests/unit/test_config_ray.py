@@ -8,8 +8,8 @@ import yaml
 
 from server.config.placement import RayActorOptions
 from server.config.schema import ConfigError, deployment_from_dict, load_deployment
+from server.deploy.ports import quiet_ports
 from server.deploy.ray.placement import (
-    _pick_ports,
     provisional,
     unplaced_sections,
     wants,
@@ -104,7 +104,7 @@ def test_the_ray_plan_checks_the_file_with_provisional_addresses_then_takes_the_
 
 
 def test_ports_picked_together_are_distinct():
-    ports = _pick_ports("127.0.0.1", 8)
+    ports = quiet_ports(8, host="127.0.0.1")  # what each node's probe runs (free_ports)
     assert len(set(ports)) == 8 and all(1024 <= p <= 65535 for p in ports)
 
 

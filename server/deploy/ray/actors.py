@@ -18,21 +18,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from server.config.schema import RestartPolicy
-from server.deploy.launcher import pdserve_command
+from server.deploy.gpu_share import VISIBLE_DEVICES
+from server.deploy.launcher import pdserve_command, write_private
 from server.deploy.supervisor import Child, Running, Supervisor, log_tail
 from server.exit import exit_text
 from transceiver.wire import NODE_ID_ENV
 
 log = logging.getLogger(__name__)
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
 class ActorSpec:
     deployment: str
-    child: Child  # its health_url as the launcher reaches it; config_path is replaced on the node
+    # its env: the token, torch threads, the section's `env`; its health_url as the launcher reaches it;
+    # its config_path is replaced on the node
+    child: Child
     config_yaml: str  # the placed deployment file, without the token
-    env: dict[str, str]  # the token, torch threads, the section's `env`
     node_id: str  # where its placement group is: on another node it does not start (that node was lost)
     rank_gpus: tuple[str, ...] = ()  # the GPUs Ray gave ranks 1..N-1 of a tensor-parallel server
     log_dir: str | None = None  # None: <tmp>/pdserve-ray
@@ -69,11 +70,8 @@ class ProcessActor:
 
     def _start(self, spec: ActorSpec) -> Running:
         folder = deployment_dir(spec)
-        config = folder / f"{spec.child.name}.yaml"
-        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(spec.config_yaml)
-        env = {**spec.env, NODE_ID_ENV: self.node_id}
+        config = write_private(folder / f"{spec.child.name}.yaml", spec.config_yaml)
+        env = {**spec.child.env, NODE_ID_ENV: self.node_id}
         if self.gpus:  # rank r of the server uses cuda:r: the GPU Ray gave rank r's bundle
             env[VISIBLE_DEVICES] = ",".join([*self.gpus, *spec.rank_gpus])
         self.group = Supervisor(pdserve_command, dict(os.environ), folder, RestartPolicy(max_quick_deaths=0), 0.5,
@@ -93,8 +91,7 @@ class ProcessActor:
                 "exited": self.exited(), "niceness": self.niceness}
 
     def exited(self) -> str | None:
-        code = self.run.popen.poll()
-        return None if code is None else exit_text(code)
+        return self.run.exited()
 
     def tail(self) -> str:
         return log_tail(self.run.log_path)

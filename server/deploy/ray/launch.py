@@ -18,7 +18,7 @@ from server.config.yaml_io import read_yaml
 from server.deploy.launcher import LaunchOptions, child_env, handshakes_done, health_url, ready_line
 from server.deploy.ray import NAMESPACE, require_ray
 from server.deploy.ray.actors import ActorSpec, ProcessActor, RankActor
-from server.deploy.ray.manage import Handles, actor_names, stop_deployment
+from server.deploy.ray.manage import Handles, actor_names, connect, stop_deployment
 from server.deploy.ray.placement import (
     SECTIONS,
     Placed,
@@ -64,13 +64,12 @@ class Launch:
 
 def launch_on_ray(path: str | Path, options: LaunchOptions, ray_options: RayOptions) -> int:
     """Run the deployment in `path` on the Ray cluster at `ray_options.address` (returns as `launch`)."""
-    ray = require_ray()
+    require_ray()  # before the file: without Ray, nothing else is said
     data = read_yaml(path)
     base = Path(path).resolve().parent
     checked = deployment_from_dict(provisional(data), str(path), base)  # every key checked before placing
     name = ray_options.name or Path(path).stem
-    ray.init(address=ray_options.address, namespace=ray_options.namespace, logging_level=logging.WARNING,
-             log_to_driver=False)
+    ray = connect(ray_options.address, ray_options.namespace)
     # Ray warns that removing a detached actor's placement group kills it: `pdserve ray down` means that
     logging.getLogger("ray.actor").setLevel(logging.ERROR)
     if actor_names(ray, name):
@@ -155,7 +154,7 @@ def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, t
     cfg, name = run.cfg, placed.want.name
     env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
     child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
-    spec = ActorSpec(run.name, child, text, child.env, placed.node_id, rank_gpus,
+    spec = ActorSpec(run.name, child, text, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
                      stop_wait_s=drain_s + run.options.grace_s)
     restarts = 0 if cfg.restart.max_quick_deaths == 0 else -1

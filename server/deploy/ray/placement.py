@@ -97,24 +97,19 @@ def strategy(placed: Placed, bundle: int = 0):
 
 
 def free_ports(ray, placed: dict[str, Placed], names: list[str]) -> dict[str, int]:
-    """A free port for each of `names` on its node. Nodes of one address (several Ray nodes of one
-    machine) get theirs from one probe, so no port is handed out twice there."""
+    """A free port for each of `names` on its node, below its ephemeral range (no OS-chosen port of a
+    KV socket or client connection can take one before its server binds it). Nodes of one address
+    (several Ray nodes of one machine) get theirs from one probe, so no port is handed out twice there."""
     by_ip: dict[str, list[str]] = {}
     for name in names:
         by_ip.setdefault(placed[name].node_ip, []).append(name)
-    probe = ray.remote(num_cpus=0)(_pick_ports)
-    calls = {ip: probe.options(scheduling_strategy=strategy(placed[group[0]])).remote(ip, len(group))
+    probe = ray.remote(num_cpus=0)(quiet_ports)
+    calls = {ip: probe.options(scheduling_strategy=strategy(placed[group[0]])).remote(len(group), host=ip)
              for ip, group in by_ip.items()}
     out = {}
     for ip, group in by_ip.items():
         out.update(zip(group, ray.get(calls[ip], timeout=60), strict=True))
     return out
-
-
-def _pick_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports free on `host` now, below its ephemeral range (no OS-chosen port of a
-    KV socket or client connection can take one before its server binds it)."""
-    return quiet_ports(count, host=host)
 
 
 def with_urls(data: dict[str, Any], urls: dict[str, list[str]]) -> dict[str, Any]:
