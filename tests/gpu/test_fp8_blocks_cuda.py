@@ -81,15 +81,18 @@ def test_grouped_block_scaled_experts_compute_the_dequantized_experts(tokens: in
 
 
 def test_warm_up_checks_keep_the_block_scaled_kernels_on_this_gpu() -> None:
-    """The warm-up's checks (fp8/linear.py `_check_blocks`, kernels/moe.py `block_experts_compute`)
-    find the kernels right here, so block-scaled weights are served by them, not dequantized."""
+    """The warm-up's checks (fp8/linear.py `choose` over BLOCKS and DEQUANT, kernels/moe.py
+    `block_experts_compute`) find the kernels right here: the block-scaled GEMM computed within the
+    tolerance and was timed at every row class, and the grouped experts are served."""
     from server.models.fp8.experts import stack_experts
     from server.models.fp8.linear import Fp8Linears
     from server.models.kernels.moe import block_experts_compute
 
     linears = Fp8Linears()
     linears.choose([_weight(7168, 2048)], [None], torch.bfloat16)
-    assert not linears.blocks_off
+    rows = {key[-1] for key in linears.timings if key[:2] == (7168, 2048)}
+    assert rows and all({"fp8_blocks", "dequantized"} <= set(linears.timings[(7168, 2048, r)]) for r in rows)
+    print("block-scaled 7168x2048 paths:", linears.summary(), linears.timings)
     gate_up = stack_experts([_weight(2 * 2048, 7168) for _ in range(4)])
     down = stack_experts([_weight(7168, 2048) for _ in range(4)])
     assert block_experts_compute(gate_up, down, torch.bfloat16)

@@ -9,7 +9,8 @@ The GEMMs (`run`):
 - a Triton config (kernels/fp8.py `fp8_gemm`) for the skinny decode shapes (rows <= 64); at up to
   16 rows also configs that quantize the activations inside the GEMM (one kernel per linear).
 - `TORCH`: the float32 reference (`weight.w8a8_linear`), for shapes nothing else runs.
-A block-scaled checkpoint's weight (`block_k`) always takes its own kernel (kernels/fp8_blocks.py).
+- a block-scaled checkpoint's weight (`block_k`): `BLOCKS`, its own kernel (kernels/fp8_blocks.py,
+  the activations not quantized), or `DEQUANT`, the weight dequantized and multiplied in float32.
 
 `choose` times them per (N, K) over every layer's weight of that shape at each row class's largest
 row count, after checking each against the torch reference (a kernel that computes wrong on some
@@ -28,11 +29,12 @@ import torch
 from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
 from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
 from server.models.kernels.fp8_blocks import block_fp8_gemm
-from server.models.kernels.gemv import cuda_ms
+from server.models.kernels.gemv import cuda_ms, relative_error
 
 log = logging.getLogger(__name__)
 
 CUBLAS_UNIT, CUBLAS_ROWWISE, TORCH = "cublas_unit", "cublas_rowwise", "torch"
+BLOCKS, DEQUANT = "fp8_blocks", "dequantized"  # a block-scaled weight's two paths
 ROW_CLASSES = (1, 8, 16, 32, 64)  # a step of m rows takes the choice of the first class >= m
 PREFILL_ROWS = 256  # longer steps take the choice timed at this many rows (cuBLAS only)
 LONG_ROWS = 1024  # past this, a bf16 model's GEMM is compute-bound: cuBLAS row-wise, no float32 [M, N] buffer
@@ -65,15 +67,10 @@ class Fp8Linears:
         self.chosen: dict[tuple[int, int, int], Path] = {}
         self.timings: dict[tuple[int, int, int], dict[str, float]] = {}  # what `choose` measured, in ms
         self._ones: dict[torch.device, torch.Tensor] = {}
-        self.blocks_off: set[tuple[int, int]] = set()  # block-scaled shapes whose GEMM computed wrong here
 
     def linear(self, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if w.block_k:  # a block-scaled checkpoint's weight (fp8/blocks.py): its own GEMM, x not quantized
-            if w.shape in self.blocks_off:
-                return dequantized_linear(x, w, bias)
-            return block_fp8_gemm(x, w.qweight, w.scale, w.block_k, bias)
         n, k = w.shape
         path = None if x.shape[0] > LONG_ROWS else self.chosen.get((n, k, row_class(x.shape[0])))
         return self.run(default_path(x, w) if path is None else path, x, w, bias)
@@ -82,6 +79,10 @@ class Fp8Linears:
         """x [M, K] (unit column stride) in the model dtype -> [M, N] in the same dtype."""
         if path == TORCH:
             return w8a8_linear(x, w, bias)
+        if path == BLOCKS:
+            return block_fp8_gemm(x, w.qweight, w.scale, w.block_k, bias)
+        if path == DEQUANT:
+            return dequantized_linear(x, w, bias)
         if isinstance(path, tuple) and path[-1]:  # the GEMM quantizes x itself
             return fp8_gemm(x, None, w.qweight, w.scale, bias, x.dtype, path, w.input_scale)
         xq, xs = quantize_rows(x, w.input_scale)
@@ -103,15 +104,12 @@ class Fp8Linears:
     def choose(self, weights: list[Fp8Weight], biases: list[torch.Tensor | None], dtype: torch.dtype) -> None:
         """Time every path for one weight shape (every layer's weight of it) per row class (CUDA only)."""
         n, k = weights[0].shape
-        if weights[0].device.type == "cuda" and weights[0].block_k:
-            self._check_blocks(weights[0], dtype)
-            return
         if weights[0].device.type != "cuda" or (n, k, ROW_CLASSES[0]) in self.chosen:
             return
         ours = os.environ.get("PDSERVE_SKINNY_GEMV", "1") != "0"
         for rows in (*ROW_CLASSES, PREFILL_ROWS):
             x = torch.randn(rows, k, dtype=dtype, device=weights[0].device)
-            paths = candidates(rows, n, k, dtype, ours)
+            paths = [BLOCKS, DEQUANT] if weights[0].block_k else candidates(rows, n, k, dtype, ours)
             timings = {_name(p): ms for p in paths if (ms := self._try(p, x, weights, biases)) is not None}
             self.timings[(n, k, rows)] = timings
             self.chosen[(n, k, rows)] = _fastest(paths, timings)
@@ -132,31 +130,16 @@ class Fp8Linears:
                         x.shape[0], exc)
             return None
 
-    def _check_blocks(self, w: Fp8Weight, dtype: torch.dtype) -> None:
-        """A block-scaled shape's GEMM against the dequantized weight's product at a decode and a prefill
-        row count; where it is off (or fails) here, that shape runs dequantized instead."""
-        try:
-            for rows in (ROW_CLASSES[0], PREFILL_ROWS):
-                x = torch.randn(rows, w.shape[1], dtype=dtype, device=w.device)
-                ref = dequantized_linear(x, w, None).float()
-                got = block_fp8_gemm(x, w.qweight, w.scale, w.block_k, None).float()
-                error = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-                if error > CHECK_TOLERANCE:
-                    raise ValueError(f"off by {error:.3g} of the reference at {rows} rows")
-        except Exception as exc:  # noqa: BLE001 (a kernel this GPU cannot compile or run is not served)
-            log.warning("block-scaled FP8 GEMM on %s: %s; that shape runs dequantized", tuple(w.shape), exc)
-            self.blocks_off.add(w.shape)
-
     def _sweep(self, path: Path, x: torch.Tensor, pairs: list[tuple[Fp8Weight, torch.Tensor | None]]) -> None:
         for w, b in pairs:  # each output freed before the next: the pool is already allocated
             self.run(path, x, w, b)
 
     def _error(self, path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> float:
         rows = min(CHECK_ROWS, w.shape[0])
-        part = Fp8Weight(w.qweight[:rows], w.scale[:rows], w.input_scale)
-        ref = w8a8_linear(x, part, None if bias is None else bias[:rows]).float()
-        out = self.run(path, x, w, bias)[:, :rows].float()
-        return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        part = Fp8Weight(w.qweight[:rows], w.scale[:rows], w.input_scale, w.block_k)
+        reference = dequantized_linear if w.block_k else w8a8_linear  # a block-scaled GEMM does not quantize x
+        ref = reference(x, part, None if bias is None else bias[:rows])
+        return relative_error(self.run(path, x, w, bias)[:, :rows], ref)
 
     def summary(self) -> dict[str, str]:
         """"NxK@rows" -> the chosen path's name, for the start-up log."""
@@ -164,9 +147,12 @@ class Fp8Linears:
 
 
 def default_path(x: torch.Tensor, w: Fp8Weight) -> Path:
-    """Before any choice, and for steps past LONG_ROWS: cuBLAS (row-wise for bf16 prefill-sized steps:
-    one kernel and no float32 intermediate), else our kernel, else the torch reference."""
+    """Before any choice, and for steps past LONG_ROWS: a block-scaled weight's own GEMM; else cuBLAS
+    (row-wise for bf16 prefill-sized steps: one kernel and no float32 intermediate), else our kernel,
+    else the torch reference."""
     n, k = w.shape
+    if w.block_k:
+        return BLOCKS
     if x.device.type == "cuda" and cublas_fits(n, k):
         return CUBLAS_ROWWISE if x.shape[0] > ROW_CLASSES[-1] and x.dtype == torch.bfloat16 else CUBLAS_UNIT
     if x.shape[0] <= ROW_CLASSES[-1] or x.device.type != "cuda":

@@ -103,3 +103,9 @@ def cuda_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|, in float32: how a warm-up check compares a kernel with its reference."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from server.models.fp8.weight import Fp8Weight
-from server.models.kernels.gemv import cuda_ms
+from server.models.kernels.gemv import cuda_ms, relative_error
 
 log = logging.getLogger(__name__)
 CHECK_TOLERANCE = 2e-2  # max |out - default tile's| / max |default's| (bf16 rounds at 2^-8)
@@ -64,8 +64,8 @@ def tiles(gate_up: torch.Tensor, down_inter: int, num_pairs: int) -> Tile:
     return CHOSEN.get(key) or tile_config(num_pairs)
 
 
-def _weight_dtype(w: object) -> torch.dtype:
-    return w.qweight.dtype if hasattr(w, "qweight") else w.dtype
+def _weight_dtype(w: torch.Tensor | Fp8Weight) -> torch.dtype:
+    return w.qweight.dtype if isinstance(w, Fp8Weight) else w.dtype
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,11 +231,11 @@ def choose_tiles(run: Callable[..., torch.Tensor], gate_up: torch.Tensor | Fp8We
 
 def _fastest_tile(step: Callable[[Tile], torch.Tensor], cls: int) -> Tile:
     """The candidate tile of pair class `cls` that runs `step` fastest and computes what the default does."""
-    ref = step(tile_config(cls)).float()
+    ref = step(tile_config(cls))
     timings = {}
     for tile in CANDIDATES[cls]:
         try:
-            error = ((step(tile).float() - ref).abs().max() / ref.abs().max()).item()
+            error = relative_error(step(tile), ref)
             if error > CHECK_TOLERANCE:
                 log.warning("MoE tile %s at %d pairs is off by %.3g of the default tile: not used", tile, cls, error)
                 continue
@@ -259,8 +259,7 @@ def block_experts_compute(gate_up: Fp8Weight, down: Fp8Weight, dtype: torch.dtyp
             ids = torch.arange(top_k, device=x.device).repeat(tokens, 1)
             weights = torch.rand(tokens, top_k, device=x.device)
             ref = dense_experts(x.float(), part_up.dequantize(), part_down.dequantize(), weights, ids)
-            got = fused_experts(x, part_up, part_down, weights, ids).float()
-            if ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() > CHECK_TOLERANCE:
+            if relative_error(fused_experts(x, part_up, part_down, weights, ids), ref) > CHECK_TOLERANCE:
                 raise ValueError(f"off at {tokens} tokens")
     except Exception as exc:  # noqa: BLE001 (kernels this GPU cannot compile or run are not served)
         log.warning("grouped block-scaled FP8 experts %s: %s; the experts run dequantized", tuple(gate_up.shape), exc)
