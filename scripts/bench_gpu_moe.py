@@ -22,9 +22,9 @@ more against the shallower stack than in the real models).
 Each model's engine is built as `pdserve serve` builds it (`server_config_from_dict` + `build_core`:
 weights, KV pool, warm-up with graph capture) and driven without HTTP (`bench_gpu.submit` / `drive`):
 
-- `bandwidth`: HBM read GB/s (`x.sum()` over 4 GiB, as bench_gpu's ceilings) and a 2 GiB
-  device-to-device copy (read + write bytes / time), measured in the same run; on a CPU the RAM
-  read rate. The roofline divides by the read rate;
+- `bandwidth`: bench_gpu_load_engine's ceilings measured in the same run: HBM read GB/s (`x.sum()`
+  over 4 GiB), pinned host-to-device GB/s and bf16 GEMM TFLOP/s; on a CPU the RAM read rate. The
+  roofline divides by the read rate (`read_gb_s`);
 - `b1`: median ms per decode step of one request (--input-len in, --output-len out, greedy), against
   the bytes one b1 step reads / bandwidth: every non-expert weight (attention, norms, router gates,
   shared experts, the dense first layers' MLP, lm_head), one embedding row, the top_k routed experts
@@ -73,7 +73,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_gpu import drive, submit, timed_ms
+from bench_gpu import drive, submit
+from bench_gpu_load_engine import memory_ceilings, prompt
 
 from kvcache import CacheLayout, KVFormat
 from server.config.schema import server_config_from_dict
@@ -292,33 +293,10 @@ def uniform_distinct(num_experts: int, top_k: int, tokens: int) -> float:
 
 # ---- the machine ----------------------------------------------------------------------------------
 
-def bandwidth() -> dict[str, float]:
-    """HBM read GB/s (`x.sum()` over 4 GiB) and a 2 GiB device-to-device copy (read + write); on a
-    CPU the RAM read rate of `x.sum()` over 256 MiB."""
-    if not torch.cuda.is_available():
-        x = torch.empty(64 << 20, dtype=torch.float32).normal_()
-        best = min(_seconds(x.sum) for _ in range(5))
-        return {"read_gb_s": x.numel() * 4 / best / 1e9}
-    read, copy = _hbm_read_gb_s(), _d2d_copy_gb_s()
-    torch.cuda.empty_cache()
-    return {"read_gb_s": read, "d2d_copy_gb_s": copy, "gpu": torch.cuda.get_device_name()}
-
-
-def _hbm_read_gb_s() -> float:
-    big = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    return big.numel() * 2 / timed_ms(big.sum) / 1e6
-
-
-def _d2d_copy_gb_s() -> float:
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / timed_ms(lambda: dst.copy_(src)) / 1e6
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _read_rate(ceilings: dict[str, float]) -> dict[str, float]:
+    """bench_gpu_load_engine's ceilings (HBM read, pinned H2D, GEMM; a CPU's RAM read), the read rate
+    as `read_gb_s`: the roofline's denominator."""
+    return {"read_gb_s": ceilings.pop("hbm_read_gb_s"), **ceilings}
 
 
 # ---- the engine -----------------------------------------------------------------------------------
@@ -339,10 +317,6 @@ def make_core(model_dir: Path, args: argparse.Namespace) -> tuple[EngineCore, fl
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def prompt(n: int) -> list[int]:
-    return torch.randint(10, 500, (n,)).tolist()
 
 
 def b1_tpot_ms(core: EngineCore, args: argparse.Namespace) -> tuple[float, float]:
@@ -539,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     real = layout_only_dir(dsv2, args.workdir / f"dsv2lite-layout-{args.layers}", args.layers)
     real_spec = load_spec(real)
     kv_figure(rec, "layout (real shape, no weights)", real_spec, real_spec.cache_layout(1024, torch.bfloat16, "cpu"))
-    read_gb_s = rec.add("bandwidth", **bandwidth())["read_gb_s"] if "engine" not in skip else 0.0
+    read_gb_s = rec.add("bandwidth", **_read_rate(memory_ceilings()))["read_gb_s"] if "engine" not in skip else 0.0
     built, wanted = {}, [] if {"engine", "texts"} <= skip else args.models.split(",")
     for name in wanted:
         shape = SHAPES[name]
