@@ -55,6 +55,21 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, float, i
     return first or float("nan"), time.perf_counter() - start, tokens
 
 
+def event_trace(url: str, prompt: str, max_tokens: int, first: int = 8) -> list[str]:
+    """The first `first` SSE events of one streamed request: ms since sending, then the text and usage."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, trace = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and len(trace) < first:
+                data = line[5:].strip()
+                brief = data if data == "[DONE]" else json.dumps(
+                    [(c.get("text"), c.get("finish_reason")) for c in json.loads(data).get("choices") or []])
+                trace.append(f"{1000 * (time.perf_counter() - start):.1f} ms {brief}")
+    return trace
+
+
 def histogram_means(url: str) -> dict[str, float]:
     """name{labels} -> mean in ms of every `*_seconds` histogram with samples."""
     sums, counts = {}, {}
@@ -79,11 +94,12 @@ def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         prompt = " ".join(f"word{i % 97}" for i in range(args.prompt_words))
         for _ in range(3):
             one_request(dep.url, prompt + " warm", args.max_tokens)
+        trace = event_trace(dep.url, f"trace {prompt}", args.max_tokens)
         runs = [one_request(dep.url, f"{i} {prompt}", args.max_tokens) for i in range(args.requests)]
         ttft = statistics.median(r[0] for r in runs) * 1000
         tpot = statistics.median((r[1] - r[0]) / max(1, r[2] - 1) for r in runs) * 1000
         out = {"variant": name, "ttft_p50_ms": round(ttft, 1), "tpot_p50_ms": round(tpot, 2),
-               "ttfts_ms": [round(r[0] * 1000, 1) for r in runs]}
+               "ttfts_ms": [round(r[0] * 1000, 1) for r in runs], "trace": trace}
         for role, urls in (("router", [dep.url]), ("context", dep.context_urls), ("generation", dep.generation_urls)):
             for url in urls:
                 out[role] = {k: round(v, 2) for k, v in histogram_means(url).items()}
