@@ -88,6 +88,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # a MoE model's routed experts: 1 splits each expert's intermediate dimension over the ranks;
     # tensor_parallel_size spreads whole experts over them (docs/MODELS.md)
     expert_parallel_size: Positive = 1
+    # with expert_parallel_size > 1: all_reduce (every rank routes every token to its own experts and the
+    # block's all-reduce sums the ranks') or all_to_all (tokens sent to their experts' ranks and back)
+    expert_dispatch: Literal["all_reduce", "all_to_all"] = "all_reduce"
     # the engine in a process of its own (true) or on a thread (false); auto: its own process on CUDA
     engine_process: Annotated[Literal["auto"] | bool, Meta(description="auto, true or false")] = "auto"
     # schedule step k+1 while the GPU runs step k; auto: on CUDA only (docs/GPU.md)
@@ -394,6 +397,9 @@ def _check_tensor_parallel(cfg: ServerConfig, source: str, origin) -> None:
         raise ConfigError(f"{source}: {'.'.join(origin(['expert_parallel_size']))}: {cfg.expert_parallel_size}: "
                           f"must be 1 or tensor_parallel_size ({cfg.tensor_parallel_size}): experts are spread "
                           "over a server's tensor-parallel ranks")
+    if cfg.expert_dispatch == "all_to_all" and cfg.expert_parallel_size == 1:
+        raise ConfigError(f"{source}: {'.'.join(origin(['expert_dispatch']))}: all_to_all sends tokens to the ranks "
+                          "that hold their experts: it needs expert_parallel_size > 1")
 
 
 def _written(data: Any, path: KeyPath) -> bool:

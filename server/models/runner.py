@@ -158,6 +158,9 @@ class ModelRunner:
         if self.kernels == "triton":
             for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
                 block.experts = _fused_experts(block.gate_up)
+        if shard is not None and shard.dispatch is not None:
+            for block in moe_blocks(self.model).values():
+                block.dispatch = shard.dispatch
         self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs and local.mla is None:

@@ -191,5 +191,6 @@ def start_ranks(cfg: ServerConfig, model_dir: Path, spec: ModelSpec, device: tor
     size = cfg.tensor_parallel_size
     ranks = Ranks.start(msgspec.json.encode(cfg), str(model_dir), size, device, dtype)
     ranks.device = group.rank_device(device, 0)
-    ranks.shard = RankShard.of(spec, 0, size, expert_parallel=cfg.expert_parallel_size > 1)
+    ranks.shard = RankShard.of(spec, 0, size, expert_parallel=cfg.expert_parallel_size > 1,
+                               all_to_all=cfg.expert_dispatch == "all_to_all")
     return ranks

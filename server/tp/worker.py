@@ -127,7 +127,8 @@ class Worker:
         dtype = resolve_dtype(args.dtype, device)
         group.join(args.rank, args.size, device, port=args.store_port)
         spec = with_quantization(load_spec(args.model_dir), cfg.quantization)  # rank 0's fingerprint
-        shard = RankShard.of(spec, args.rank, args.size, expert_parallel=cfg.expert_parallel_size > 1)
+        shard = RankShard.of(spec, args.rank, args.size, expert_parallel=cfg.expert_parallel_size > 1,
+                             all_to_all=cfg.expert_dispatch == "all_to_all")
         weights = shard.load(spec, dtype, device, cfg.quantization)
         init, self.pending = self._init()
         layout = kv_cache_layout(cfg.kv_cache_config, shard.local_spec(spec), cfg.max_seq_len, dtype, device)

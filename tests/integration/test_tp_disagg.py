@@ -8,9 +8,10 @@ what it evicts, so replayed prompts are onboarded on every context rank before t
 Every text must equal transformers `generate`; replays hit the cache; no block stays in use. The
 last case streams the KV while it is prefilled in 64-token steps (`kv_stream: on`): each generation
 rank's part is served as the context server's prefill writes the blocks. A mixture-of-experts model
-(tiny-qwen2-moe) goes from a context server whose two ranks hold four whole experts each
-(`expert_parallel_size: 2`) to a one-rank generation server, and both count their experts' tokens
-on /metrics.
+(tiny-qwen2-moe) goes from a context server whose two ranks hold four whole experts each and route
+every token (`expert_parallel_size: 2`) to a generation server whose two ranks send each token to
+its experts' rank by all-to-all (`expert_dispatch: all_to_all`), and both count their experts'
+tokens on /metrics.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ PAYLOAD = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 def _overrides(ctx_tp: int, gen_tp: int, kv_stream: str, model: str = MODEL) -> dict:
     ep = {"expert_parallel_size": ctx_tp} if model == MOE else {}
+    a2a = {"expert_parallel_size": gen_tp, "expert_dispatch": "all_to_all"} if model == MOE and gen_tp > 1 else {}
     return {"model": model, "device": "cpu", "max_seq_len": 512,
             "context_servers": {"tensor_parallel_size": ctx_tp, "max_num_tokens": 64 if kv_stream == "on" else 512,
                                 "kv_stream": kv_stream, "kv_cache_config": {"host_cache_size": 4 << 20}, **ep},
             "generation_servers": {"tensor_parallel_size": gen_tp, "max_num_tokens": 512,
-                                   "kv_cache_config": {"max_tokens": 4096}}}
+                                   "kv_cache_config": {"max_tokens": 4096}, **a2a}}
 
 
 def _reference_texts(model: str) -> list[str]:
@@ -43,7 +45,7 @@ def _reference_texts(model: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("ctx_tp", "gen_tp", "kv_stream", "model"),
-                         [(2, 1, "auto", MODEL), (1, 2, "auto", MODEL), (1, 2, "on", MODEL), (2, 1, "auto", MOE)])
+                         [(2, 1, "auto", MODEL), (1, 2, "auto", MODEL), (1, 2, "on", MODEL), (2, 2, "auto", MOE)])
 def test_replay_between_tp_sizes_matches_transformers(tmp_path, ctx_tp, gen_tp, kv_stream, model):
     with dh.launched("disagg_host_offload.yaml", tmp_path, _overrides(ctx_tp, gen_tp, kv_stream, model)) as dep:
         ctx, gen = dep.context_urls[0], dep.generation_urls[0]

@@ -184,7 +184,7 @@ def test_server_config_unknown_key_lists_valid_keys(tmp_path):
     assert str(info.value) == (f"{path}: portt: unknown key (did you mean 'port'?); valid keys: model, "
                                "max_seq_len, max_batch_size, max_num_tokens, max_prefill_batch_tokens, dtype, device, "
                                "kernels, cuda_graphs, quantization, tensor_parallel_size, expert_parallel_size, "
-                               "engine_process, async_scheduling, kv_cache_config, speculative, "
+                               "expert_dispatch, engine_process, async_scheduling, kv_cache_config, speculative, "
                                "cache_transceiver_config, kv_stream, drain_timeout_s, "
                                "max_n, env, gpu_share, hostname, port, context_urls")
 

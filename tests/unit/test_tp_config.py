@@ -31,8 +31,10 @@ def test_sizes_are_per_section_and_inherited(tmp_path) -> None:
     cfg = load_deployment(_write(tmp_path, data))
     assert [s.tensor_parallel_size for s in cfg.servers] == [4, 2]  # tiny-llama: 4 heads, 2 kv heads
     assert load_deployment(_write(tmp_path, _pair())).servers[0].tensor_parallel_size == 1
-    moe = {**_pair(generation={"tensor_parallel_size": 2, "expert_parallel_size": 2}), "model": "builtin:tiny-mixtral"}
-    assert [s.expert_parallel_size for s in load_deployment(_write(tmp_path, moe)).servers] == [1, 2]
+    moe = {**_pair(generation={"tensor_parallel_size": 2, "expert_parallel_size": 2, "expert_dispatch": "all_to_all"}),
+           "model": "builtin:tiny-mixtral"}
+    servers = load_deployment(_write(tmp_path, moe)).servers
+    assert [(s.expert_parallel_size, s.expert_dispatch) for s in servers] == [(1, "all_reduce"), (2, "all_to_all")]
     tp = load_deployment(CONFIGS / "disagg_tp.yaml")
     assert [(s.role, s.tensor_parallel_size) for s in tp.servers] == [("context", 2), ("generation", 1)]
 
@@ -47,6 +49,10 @@ def test_sizes_are_per_section_and_inherited(tmp_path) -> None:
     (_pair(context={"tensor_parallel_size": 0}), "context_servers.tensor_parallel_size: must be >= 1, got 0"),
     ({**_pair(generation={"tensor_parallel_size": 2, "expert_parallel_size": 4}), "model": "builtin:tiny-qwen3-moe"},
      "generation_servers.expert_parallel_size: 4: must be 1 or tensor_parallel_size (2)"),
+    ({**_pair(generation={"tensor_parallel_size": 2, "expert_dispatch": "all_to_all"}),
+      "model": "builtin:tiny-qwen3-moe"},
+     "generation_servers.expert_dispatch: all_to_all sends tokens to the ranks that hold their experts: it needs "
+     "expert_parallel_size > 1"),
 ])
 def test_sizes_the_model_cannot_take_name_the_key_and_file(tmp_path, data, message) -> None:
     path = _write(tmp_path, data)

@@ -31,9 +31,8 @@ from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
 from server.models.model_spec import load_spec
 from server.models.parallel import group
-from server.models.parallel.context import RankShard, TensorParallel, TorchComm
+from server.models.parallel.context import RankShard
 from server.models.parallel.plan import ShardPlan, kv_head_range, tp_problem
-from server.models.parallel.shard import plan_for
 from server.models.runner import ModelRunner, SeqChunk
 
 TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 6  # every decode step attends past the 64-token window
@@ -84,9 +83,11 @@ def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out:
     try:
         results = {}
         for name, model_dir in model_dirs.items():
-            plan = plan_for(load_spec(model_dir), rank, size, expert_parallel=name.endswith(":ep"))
+            all_to_all = name.endswith(":a2a")
+            shard = RankShard.of(load_spec(model_dir), rank, size, expert_parallel=name.endswith((":ep", ":a2a")),
+                                 all_to_all=all_to_all)
             budget = TRITON_MAX_NUM_TOKENS if kernels == "triton" else 128
-            runner, kv = _runner(Path(model_dir), RankShard(plan, TensorParallel(TorchComm(), plan)), kernels, budget)
+            runner, kv = _runner(Path(model_dir), shard, kernels, budget)
             runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size), new_tokens)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -125,7 +126,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "tiny-deepseek-v2": materialize_builtin("tiny-deepseek-v2"),
         "tiny-deepseek-v3": materialize_builtin("tiny-deepseek-v3"),
     }
-    dirs["tiny-qwen2-moe:ep"], dirs["mixtral-stacked:ep"] = dirs["tiny-qwen2-moe"], dirs["mixtral-stacked"]
+    for name in ("tiny-qwen2-moe:ep", "mixtral-stacked:ep", "tiny-qwen2-moe:a2a", "tiny-deepseek-v3:a2a"):
+        dirs[name] = dirs[name.split(":")[0]]
     return dirs
 
 
@@ -150,8 +152,9 @@ def _stacked_experts(model_dir: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize(("size", "names"), [
     (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe",
-         "tiny-qwen2-moe:ep", "tiny-deepseek-v2")),
-    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "mixtral-stacked:ep", "tiny-deepseek-v3"))])
+         "tiny-qwen2-moe:ep", "tiny-qwen2-moe:a2a", "tiny-deepseek-v2")),
+    (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "mixtral-stacked:ep", "tiny-deepseek-v3",
+         "tiny-deepseek-v3:a2a"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
     ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)

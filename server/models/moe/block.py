@@ -16,6 +16,7 @@ from server.models.fp8.experts import stack_experts
 from server.models.fp8.weight import Fp8Weight, cat_rows
 from server.models.mlp import DenseMLP, WeightSource, load_mlp
 from server.models.moe.config import MoESpec
+from server.models.moe.dispatch import AllToAllDispatch
 from server.models.moe.experts import ExpertsFn, default_experts, expert_load
 from server.models.moe.router import route
 from server.models.ops import ModelOps, Weight
@@ -32,6 +33,7 @@ class MoEBlock:
     shared_gate: torch.Tensor | None = None  # [1, hidden]: Qwen2-MoE's sigmoid gate of the shared expert
     experts: ExpertsFn = field(default=None)  # type: ignore[assignment]  # set from the device when None
     load: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [E] int64: tokens routed, counted on the device
+    dispatch: AllToAllDispatch | None = None  # expert parallelism by all-to-all (else every rank routes every token)
 
     def __post_init__(self) -> None:
         if self.experts is None:
@@ -45,9 +47,12 @@ class MoEBlock:
         if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
             weights = weights.to(x.dtype).float()
         self.load += expert_load(ids, self.spec.num_experts)
-        if self.spec.local_experts is not None:
-            weights, ids = _held(self.spec.local_experts, weights, ids)
-        out = self.experts(x, self.gate_up, self.down, weights, ids)
+        if self.dispatch is not None:
+            out = self.dispatch(x, weights, ids, lambda rows, w, i: self.experts(rows, self.gate_up, self.down, w, i))
+        else:
+            if self.spec.local_experts is not None:
+                weights, ids = _held(self.spec.local_experts, weights, ids)
+            out = self.experts(x, self.gate_up, self.down, weights, ids)
         if self.shared is not None:
             shared = self.shared(x, ops)
             if self.shared_gate is not None:

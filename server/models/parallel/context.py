@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from server.models.model_spec import ModelSpec
+from server.models.moe.dispatch import AllToAllDispatch
 from server.models.parallel.plan import ShardPlan
 from server.models.parallel.shard import load_shard, local_spec, plan_for
 
@@ -96,13 +97,20 @@ class RankShard:
 
     plan: ShardPlan
     context: ParallelContext
+    dispatch: AllToAllDispatch | None = None  # the MoE blocks' all-to-all (`expert_dispatch: all_to_all`)
 
     @classmethod
-    def of(cls, spec: ModelSpec, rank: int, size: int, *, expert_parallel: bool = False) -> RankShard:
+    def of(cls, spec: ModelSpec, rank: int, size: int, *, expert_parallel: bool = False,
+           all_to_all: bool = False) -> RankShard:
         """`rank`'s part of the model, meeting the others through the default process group
-        (`expert_parallel`: a MoE model's experts spread whole over the ranks)."""
+        (`expert_parallel`: a MoE model's experts spread whole over the ranks, their tokens sent to
+        them by all-to-all with `all_to_all`)."""
         plan = plan_for(spec, rank, size, expert_parallel=expert_parallel)
-        return cls(plan, TensorParallel(TorchComm(), plan))
+        comm = TorchComm()
+        dispatch = None
+        if all_to_all and plan.expert_parallel:
+            dispatch = AllToAllDispatch(rank, size, plan.num_experts // size, comm.group)
+        return cls(plan, TensorParallel(comm, plan), dispatch)
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         return local_spec(spec, self.plan)

@@ -1,0 +1,71 @@
+"""Expert parallelism's all-to-all: each rank routes a slice of the tokens, sends each (token, expert)
+pair to the rank that holds the expert, and gets the weighted outputs back (`expert_dispatch:
+all_to_all`, docs/MODELS.md).
+
+Tensor-parallel attention leaves every token on every rank, so rank r takes the r-th of `size` equal
+slices. Every buffer has a fixed size (a slice's pairs, top_k per token, in each rank's segment), so
+one step is three `all_to_all_single` calls of equal splits and no count crosses to the host: the
+step runs inside CUDA graphs. Pairs are sent in expert order and their outputs added back in that
+order, as the one-rank path sums them. The result holds this rank's slice (zeros elsewhere); the
+block's all-reduce, which also sums the shared expert's split output, puts every slice on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# (rows [N, hidden], weights [N, 1] float32, local expert ids [N, 1]) -> [N, hidden]; an id equal to the
+# experts held here is no expert (a padding row) and gives zeros
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class AllToAllDispatch:
+    def __init__(self, rank: int, size: int, experts_per_rank: int, group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.size, self.per, self.group = rank, size, experts_per_rank, group
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 experts: LocalExperts) -> torch.Tensor:
+        """x [T, hidden] (the same on every rank), weights/ids [T, top_k] (global expert ids) -> the
+        routed experts' sum for this rank's slice of the tokens, zeros for the other rows [T, hidden]."""
+        tokens, top_k = ids.shape
+        per_slice = -(-tokens // self.size)
+        lo, hi = min(tokens, self.rank * per_slice), min(tokens, (self.rank + 1) * per_slice)
+        pairs = per_slice * top_k  # each destination's segment holds all of a slice's pairs at most
+        flat_ids = _padded(ids[lo:hi], per_slice, fill=0).flatten()
+        flat_w = _padded(weights[lo:hi], per_slice, fill=0.0).flatten()  # padding tokens weigh nothing
+        order = flat_ids.argsort(stable=True)  # by expert, so by destination rank
+        dest = torch.div(flat_ids[order], self.per, rounding_mode="floor")
+        counts = torch.zeros(self.size, dtype=dest.dtype, device=dest.device).scatter_add_(
+            0, dest, torch.ones_like(dest))  # (bincount would ask the host for the largest id)
+        slot = dest * pairs + torch.arange(pairs, device=x.device) - (counts.cumsum(0) - counts)[dest]
+        token = torch.div(order, top_k, rounding_mode="floor")
+        rows = self._exchange(_scattered(_padded(x[lo:hi], per_slice, 0.0)[token], slot, self.size * pairs))
+        local = _scattered((flat_ids[order] - dest * self.per)[:, None], slot, self.size * pairs, fill=self.per)
+        scale = _scattered(flat_w[order][:, None], slot, self.size * pairs, fill=0.0)
+        done = experts(rows, self._exchange(scale), self._exchange(local))
+        back = self._exchange(done)[slot]  # the outputs of this slice's pairs, in expert order
+        out = torch.zeros_like(x)
+        out[lo:hi] = torch.zeros((per_slice, x.shape[1]), dtype=x.dtype, device=x.device).index_add_(
+            0, token, back)[:hi - lo]
+        return out
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """Segment d of `send` to rank d; segment s of the result from rank s."""
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send.contiguous(), group=self.group)
+        return got
+
+
+def _padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)])
+
+
+def _scattered(values: torch.Tensor, slot: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:
+    out = values.new_full((rows, *values.shape[1:]), fill)
+    out[slot] = values
+    return out
