@@ -113,7 +113,8 @@ def test_block_matches_transformers_module(case: str, layout: str) -> None:
         want = hf(x)
         want = want[0] if isinstance(want, tuple) else want
         got = ours(x[0], TorchOps(1e-6))
-    assert (got - want[0]).abs().max().item() < 1e-5
+    # float32 rounding of outputs up to a few hundred (DeepSeek's routed_scaling_factor): relative to the largest
+    assert (got - want[0]).abs().max().item() < 1e-6 * max(1.0, want.abs().max().item())
     assert int(ours.take_load().sum()) == TOKENS * ours.spec.top_k
     assert int(ours.load.sum()) == 0
 
