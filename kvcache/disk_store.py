@@ -188,6 +188,8 @@ class DiskStore:
         if self._pending:
             log.warning("disk tier: %d block writes still queued at close are lost", len(self._pending))
         self._stop.set()
+        for jobs in self._queues:  # wake each writer now instead of at its next get timeout
+            jobs.put(None)
         for writer in self._writers:
             if writer.is_alive():
                 writer.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -206,9 +208,12 @@ class DiskStore:
     def _write_loop(self, jobs: queue.SimpleQueue) -> None:
         while not (self._stop.is_set() and jobs.empty()):
             try:
-                window, slot, gen = jobs.get(timeout=0.2)
+                item = jobs.get(timeout=0.2)
             except queue.Empty:
                 continue
+            if item is None:  # close(): stop set, look again
+                continue
+            window, slot, gen = item
             with self._lock:
                 job = self._pending.get((window, slot))
                 if job is None or job.gen != gen:

@@ -155,7 +155,7 @@ def launched(config: str, tmp_path: Path, overrides: dict | None = None,
         _wait_ready(deployment)
         yield deployment
     finally:
-        _stop(process)
+        stop(process)
 
 
 def _wait_ready(deployment: Deployment) -> None:
@@ -167,7 +167,8 @@ def _wait_ready(deployment: Deployment) -> None:
     raise AssertionError(f"deployment not healthy within {STARTUP_TIMEOUT_S} s\n{deployment.logs()}")
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the launcher and wait for it (it drains and stops its children); SIGKILL after 90 s."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:  # the router, then the servers, drain first (server/deploy/drain.py)

@@ -57,7 +57,7 @@ def launched_with_output(config: str, tmp_path: Path,
         wait_until(lambda: "[pdserve launch] ready:" in out.read_text(), 60, what="the launcher's ready line")
         yield dep, out
     finally:
-        dh._stop(process)
+        dh.stop(process)
 
 
 # ---- 1. generation server killed mid-stream ---------------------------------------------------

@@ -46,35 +46,42 @@ def test_sliding_window_pair_matches_transformers_beyond_the_window(tmp_path, as
             wait_until(lambda u=url: dep.metric(u, "pdserve_kv_cache_blocks", 'state="in_use"') == 0, 10)
 
 
-def test_streaming_and_chat_through_the_router(tmp_path):
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """configs/disagg.yaml, launched once: the streaming test uses it, then the SIGTERM test stops it."""
+    with dh.launched("disagg.yaml", tmp_path_factory.mktemp("pair")) as dep:
+        yield dep
+
+
+def test_streaming_and_chat_through_the_router(pair):
     model = "builtin:tiny-llama"
     prompt = "Topic: tides. " + FILLER * 2
-    with dh.launched("disagg.yaml", tmp_path) as dep:
-        client = _client(dep.url)
-        whole = _complete(client, model, prompt, 20)
-        assert whole.choices[0].text == _hf_text(model, prompt, 20)
-        stream = _complete(client, model, prompt, 20, stream=True, stream_options={"include_usage": True})
-        chunks = list(stream)
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-        assert chunks[-1].usage.completion_tokens == 20
-        messages = [{"role": "user", "content": "Tell me about the sea."}]
-        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                              extra_body={"ignore_eos": True})
-        streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                                  extra_body={"ignore_eos": True}, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        assert chat.usage.completion_tokens == 12
-        assert text == chat.choices[0].message.content
-        one = _complete(client, model, prompt, 1)  # the context leg alone finishes it
-        assert one.choices[0].text == whole.choices[0].text[: len(one.choices[0].text)]
-        assert one.usage.completion_tokens == 1
-        assert len({c.id for c in chunks}) == 1  # the router's first chunk and the rest: one response
-        streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12,
-                                                       temperature=0, extra_body={"ignore_eos": True},
-                                                       stream=True))
-        assert len({c.id for c in streamed}) == 1
-        assert [c.choices[0].delta.role for c in streamed if c.choices].count("assistant") == 1
-        _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, one.choices[0].text, whole)
+    dep = pair
+    client = _client(dep.url)
+    whole = _complete(client, model, prompt, 20)
+    assert whole.choices[0].text == _hf_text(model, prompt, 20)
+    stream = _complete(client, model, prompt, 20, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 20
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert chat.usage.completion_tokens == 12
+    assert text == chat.choices[0].message.content
+    one = _complete(client, model, prompt, 1)  # the context leg alone finishes it
+    assert one.choices[0].text == whole.choices[0].text[: len(one.choices[0].text)]
+    assert one.usage.completion_tokens == 1
+    assert len({c.id for c in chunks}) == 1  # the router's first chunk and the rest: one response
+    streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True},
+                                                   stream=True))
+    assert len({c.id for c in streamed}) == 1
+    assert [c.choices[0].delta.role for c in streamed if c.choices].count("assistant") == 1
+    _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, one.choices[0].text, whole)
 
 
 def _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, first, whole):
@@ -86,6 +93,28 @@ def _held_back_first_text_joins_without_gap_or_repeat(client, model, prompt, fir
     texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert texts[0] == first[:-1]
     assert "".join(texts) == whole.choices[0].text
+
+
+def test_sigterm_stops_every_process_and_frees_every_port(pair):
+    """The pair the streaming test used, stopped as the harness stops a deployment (SIGTERM to the
+    launcher): every process it started ends and every port is free again."""
+    import socket
+
+    import psutil
+
+    dep = pair
+    pids = [p.pid for p in psutil.Process(dep.process.pid).children(recursive=True)]
+    assert len(dep.server_pids("context")) == 1 and len(dep.server_pids("generation")) == 1
+    ports = [int(u.rsplit(":", 1)[1]) for u in [dep.url, *dep.context_urls, *dep.generation_urls]]
+    dh.stop(dep.process)
+    assert dep.process.returncode == 0  # the launcher stopped cleanly on SIGTERM
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids),
+               10, what="no child process left")
+    for port in ports:
+        with socket.socket() as s:  # as a restarted server would bind (TIME_WAIT of old clients allowed)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # raises if anything still listens there
+            s.listen()
 
 
 @pytest.mark.parametrize("policy", ["load_balancing", "round_robin"])  # kv_cache_aware:
@@ -101,22 +130,3 @@ def test_two_by_two_deployment(tmp_path, policy):
         assert [r.choices[0].text for r in replays] == [e for e in expected for _ in range(2)]
         served = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
         assert all(s > 0 for s in served), served  # both context servers took work
-
-
-def test_sigterm_stops_every_process_and_frees_every_port(tmp_path):
-    import socket
-
-    import psutil
-
-    with dh.launched("disagg.yaml", tmp_path) as dep:
-        pids = [p.pid for p in psutil.Process(dep.process.pid).children(recursive=True)]
-        assert len(dep.server_pids("context")) == 1 and len(dep.server_pids("generation")) == 1
-        ports = [int(u.rsplit(":", 1)[1]) for u in [dep.url, *dep.context_urls, *dep.generation_urls]]
-    assert dep.process.returncode == 0  # the launcher stopped cleanly on SIGTERM
-    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids),
-               10, what="no child process left")
-    for port in ports:
-        with socket.socket() as s:  # as a restarted server would bind (TIME_WAIT of old clients allowed)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))  # raises if anything still listens there
-            s.listen()

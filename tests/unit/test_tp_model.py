@@ -1,22 +1,21 @@
 """Tensor-parallel model shards (gloo, real processes) against one rank and transformers, float32.
 
 Each case runs a prompt through `ModelRunner`s with `RankShard`s in `size` spawned processes (rank
-0 here is a child too), prefilled in two chunks then decoded greedily; every rank gets the whole
+0 here is a child too; tests/tp_ranks.py), prefilled in two chunks then decoded greedily; every rank gets the whole
 logits (gathered), so each picks the same token without a broadcast. Cases: TP=2 on tiny-llama, on
 the sliding window model and on Qwen2 (qkv biases, sliding layers); TP=4 on tiny-llama (4 ranks, 2 kv heads:
 each kv head replicated on two ranks) and on a tied Llama with every bias and a vocabulary that 4
 does not divide (padded rows). Mixture-of-experts models split each expert's intermediate dimension:
 TP=2 on tiny-qwen2-moe (a gated shared expert) and tiny-qwen3-moe (dense and sparse layers), TP=4
 on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`); and the same with
-expert parallelism (a name ending in ":ep": whole experts spread over the ranks, 4 or 2 each).
+expert parallelism (a name ending in ":ep": whole experts spread over the ranks, 4 or 2 each; ":a2a": the same, their
+tokens sent to them by all-to-all).
 DeepSeek's latent attention splits its heads (q, kv_b and o) and keeps the latent whole on every
 rank: TP=2 on tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -24,90 +23,12 @@ from pathlib import Path
 import hf_reference
 import pytest
 import torch
-from prompts import random_prompt
 from safetensors.torch import load_file, save_file
+from tp_ranks import NEW_TOKENS, TRITON_NEW_TOKENS, greedy, make_runner, run_ranks, tp_prompt
 
-from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import build_tiny_model, materialize_builtin
 from server.models.model_spec import load_spec
-from server.models.parallel import group
-from server.models.parallel.context import RankShard
 from server.models.parallel.plan import ShardPlan, kv_head_range, tp_problem
-from server.models.runner import ModelRunner, SeqChunk
-
-TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 6  # every decode step attends past the 64-token window
-# the interpreted kernels (their time goes by the tokens a step holds): 4 decode steps, all past the window, and a
-# 64-token budget (the warm-up's steps fill it; the prompt's chunks of 37 and 53 fit)
-TRITON_NEW_TOKENS, TRITON_MAX_NUM_TOKENS = 4, 64
-PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window
-
-
-def _prompt(vocab: int) -> list[int]:
-    return random_prompt(7, PROMPT_LEN, low=5, high=vocab)
-
-
-def _greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int],
-            new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
-    """Prefill in two chunks, decode `new_tokens` greedily (EOS masked); also the prefill's last logits."""
-    kv.admit("r", ids, num_tokens=len(ids) + new_tokens)
-    tables = lambda: {w: kv.slot_table("r", w) for w in kv.window_sizes}  # noqa: E731
-    runner.execute([SeqChunk(ids[:FIRST_CHUNK], 0, tables(), need_logits=False)])
-    kv.release_out_of_window("r", FIRST_CHUNK)
-    logits = runner.execute([SeqChunk(ids[FIRST_CHUNK:], FIRST_CHUNK, tables(), need_logits=True)])
-    first, out, past = logits[0].tolist(), [], len(ids)
-    eos = list(runner.spec.eos_token_ids)
-    for _ in range(new_tokens):
-        kv.release_out_of_window("r", past)
-        logits[:, eos] = float("-inf")
-        out.append(int(logits[0].argmax()))
-        logits = runner.execute([SeqChunk([out[-1]], past, tables(), need_logits=True)])
-        past += 1
-    return out, first
-
-
-def _runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch",
-            max_num_tokens: int = 128) -> tuple[ModelRunner, KVCacheManager]:
-    spec = load_spec(model_dir)
-    local = spec if shard is None else shard.local_spec(spec)
-    kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
-                        local.cache_layout(MAX_SEQ_LEN, torch.float32, "cpu"))
-    return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=max_num_tokens,
-                       max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard, kernels=kernels,
-                       cuda_graphs=False), kv
-
-
-def _rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: str, kernels: str,
-               new_tokens: int) -> None:
-    torch.set_num_threads(1)
-    group.join(rank, size, torch.device("cpu"), port=port, timeout_s=120)
-    try:
-        results = {}
-        for name, model_dir in model_dirs.items():
-            all_to_all = name.endswith(":a2a")
-            shard = RankShard.of(load_spec(model_dir), rank, size, expert_parallel=name.endswith((":ep", ":a2a")),
-                                 all_to_all=all_to_all)
-            budget = TRITON_MAX_NUM_TOKENS if kernels == "triton" else 128
-            runner, kv = _runner(Path(model_dir), shard, kernels, budget)
-            runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
-            results[name] = _greedy(runner, kv, _prompt(runner.spec.vocab_size), new_tokens)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        group.leave()
-
-
-def _run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str = "torch",
-               new_tokens: int = NEW_TOKENS) -> list[dict]:
-    store = group.open_store(size, timeout_s=120)
-    ctx = multiprocessing.get_context("spawn")
-    args = lambda r: (r, size, store.port, {k: str(v) for k, v in model_dirs.items()}, str(out), kernels,  # noqa: E731
-                      new_tokens)
-    procs = [ctx.Process(target=_rank_main, args=args(r), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert [p.exitcode for p in procs] == [0] * size
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +78,11 @@ def _stacked_experts(model_dir: Path, out: Path) -> Path:
          "tiny-deepseek-v3:a2a"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,
                                                      size: int, names: tuple[str, ...]) -> None:
-    ranks = _run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
+    ranks = run_ranks(size, {n: model_dirs[n] for n in names}, tmp_path)
     for name in names:
-        runner, kv = _runner(model_dirs[name], None)
-        ids = _prompt(runner.spec.vocab_size)
-        one_rank, one_rank_logits = _greedy(runner, kv, ids)
+        runner, kv = make_runner(model_dirs[name], None)
+        ids = tp_prompt(runner.spec.vocab_size)
+        one_rank, one_rank_logits = greedy(runner, kv, ids)
         assert one_rank == hf_reference.hf_greedy(model_dirs[name], ids, NEW_TOKENS), name
         for rank, result in enumerate(ranks):
             tokens, logits = result[name]
@@ -174,8 +95,8 @@ def test_tp2_triton_kernels_after_warm_up_match_transformers(model_dirs: dict[st
     """The Triton path (interpreted on the CPU): each rank warms up with its own heads, in step."""
     pytest.importorskip("triton")
     name = "tiny-qwen3-swa"
-    ranks = _run_ranks(2, {name: model_dirs[name]}, tmp_path, kernels="triton", new_tokens=TRITON_NEW_TOKENS)
-    ids = _prompt(load_spec(model_dirs[name]).vocab_size)
+    ranks = run_ranks(2, {name: model_dirs[name]}, tmp_path, kernels="triton", new_tokens=TRITON_NEW_TOKENS)
+    ids = tp_prompt(load_spec(model_dirs[name]).vocab_size)
     want = hf_reference.hf_greedy(model_dirs[name], ids, TRITON_NEW_TOKENS)
     assert [r[name][0] for r in ranks] == [want, want]
 
@@ -206,10 +127,10 @@ def test_tp2_fp8_moe_checkpoint_matches_one_rank_and_its_dequantized_model(tmp_p
 
     fp8 = write_fp8(materialize_builtin("tiny-qwen2-moe"), tmp_path / "fp8", scale_name="weight_scale_inv")
     reference = write_dequantized(fp8, tmp_path / "ref")
-    ranks = _run_ranks(2, {"fp8": fp8, "fp8:ep": fp8}, tmp_path)
-    runner, kv = _runner(fp8, None)
-    ids = _prompt(runner.spec.vocab_size)
-    one_rank, one_rank_logits = _greedy(runner, kv, ids)
+    ranks = run_ranks(2, {"fp8": fp8, "fp8:ep": fp8}, tmp_path)
+    runner, kv = make_runner(fp8, None)
+    ids = tp_prompt(runner.spec.vocab_size)
+    one_rank, one_rank_logits = greedy(runner, kv, ids)
     assert one_rank == hf_reference.hf_greedy(reference, ids, NEW_TOKENS)
     for rank, result in enumerate(ranks):
         for name in ("fp8", "fp8:ep"):
