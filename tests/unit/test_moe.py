@@ -130,7 +130,7 @@ def test_dense_path_equals_grouped_path(case: str) -> None:
     weights, ids = route(block.spec, x, block.gate, block.correction)
     grouped = grouped_experts(x, block.gate_up, block.down, weights, ids)
     dense = dense_experts(x, block.gate_up, block.down, weights, ids)
-    assert (grouped - dense).abs().max().item() < 1e-5
+    assert (grouped - dense).abs().max().item() < 1e-6 * max(1.0, grouped.abs().max().item())  # float32 rounding
     assert grouped.abs().max().item() > 0.1
 
 
