@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ def tp_prompt(vocab: int) -> list[int]:
 
 
 def greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int],
-            new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
+           new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
     """Prefill in two chunks, decode `new_tokens` greedily (EOS masked); also the prefill's last logits."""
     kv.admit("r", ids, num_tokens=len(ids) + new_tokens)
     tables = lambda: {w: kv.slot_table("r", w) for w in kv.window_sizes}  # noqa: E731
@@ -51,7 +52,7 @@ def greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int],
 
 
 def make_runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch",
-            max_num_tokens: int = 128) -> tuple[ModelRunner, KVCacheManager]:
+                max_num_tokens: int = 128) -> tuple[ModelRunner, KVCacheManager]:
     spec = load_spec(model_dir)
     local = spec if shard is None else shard.local_spec(spec)
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
@@ -62,7 +63,7 @@ def make_runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch"
 
 
 def rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: str, kernels: str,
-               new_tokens: int) -> None:
+              new_tokens: int) -> None:
     torch.set_num_threads(1)
     group.join(rank, size, torch.device("cpu"), port=port, timeout_s=120)
     try:
@@ -79,16 +80,20 @@ def rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: 
         group.leave()
 
 
-def run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str = "torch",
-               new_tokens: int = NEW_TOKENS) -> list[dict]:
+def spawn_ranks(size: int, target: Callable[..., None], *args: object) -> None:
+    """`target(rank, size, port, *args)` in `size` spawned processes that meet on the rendezvous store
+    at `port` (server/models/parallel/group.py); each must exit with 0."""
     store = group.open_store(size, timeout_s=120)
     ctx = multiprocessing.get_context("spawn")
-    args = lambda r: (r, size, store.port, {k: str(v) for k, v in model_dirs.items()}, str(out), kernels,  # noqa: E731
-                      new_tokens)
-    procs = [ctx.Process(target=rank_main, args=args(r), daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=target, args=(r, size, store.port, *args), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(300)
     assert [p.exitcode for p in procs] == [0] * size
+
+
+def run_ranks(size: int, model_dirs: dict[str, Path], out: Path, kernels: str = "torch",
+              new_tokens: int = NEW_TOKENS) -> list[dict]:
+    spawn_ranks(size, rank_main, {k: str(v) for k, v in model_dirs.items()}, str(out), kernels, new_tokens)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]

@@ -5,10 +5,10 @@ to one rank's experts."""
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import torch
+from tp_ranks import spawn_ranks
 
 from server.models.moe.dispatch import AllToAllDispatch
 from server.models.moe.experts import grouped_experts
@@ -48,20 +48,11 @@ def _rank_main(rank: int, size: int, port: int, out: str) -> None:
 
 
 def test_all_to_all_equals_one_rank_for_every_token(tmp_path: Path) -> None:
-    for size in (4,):
-        store = group.open_store(size, timeout_s=60)
-        ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, size, store.port, str(tmp_path)), daemon=True)
-                 for r in range(size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0] * size
-        for i, (tokens, top_k) in enumerate(CASES):
-            for seed in (2 * i, 2 * i + 1):
-                want = grouped_experts(*_case(tokens, top_k, seed))
-                for rank in range(size):
-                    got = torch.load(tmp_path / f"{rank}-{seed}.pt")
-                    assert torch.allclose(got, want, rtol=0, atol=1e-12), (size, tokens, top_k, seed, rank)
-        del store
+    size = 4
+    spawn_ranks(size, _rank_main, str(tmp_path))
+    for i, (tokens, top_k) in enumerate(CASES):
+        for seed in (2 * i, 2 * i + 1):
+            want = grouped_experts(*_case(tokens, top_k, seed))
+            for rank in range(size):
+                got = torch.load(tmp_path / f"{rank}-{seed}.pt")
+                assert torch.allclose(got, want, rtol=0, atol=1e-12), (tokens, top_k, seed, rank)

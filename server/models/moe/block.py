@@ -47,18 +47,19 @@ class MoEBlock:
         if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
             weights = weights.to(x.dtype).float()
         self.load += expert_load(ids, self.spec.num_experts)
-        if self.dispatch is not None:
-            out = self.dispatch(x, weights, ids, lambda rows, w, i: self.experts(rows, self.gate_up, self.down, w, i))
-        else:
-            if self.spec.local_experts is not None:
-                weights, ids = _held(self.spec.local_experts, weights, ids)
-            out = self.experts(x, self.gate_up, self.down, weights, ids)
+        if self.dispatch is not None:  # the pairs go to their experts' ranks, and their outputs come back
+            out = self.dispatch(x, weights, ids, self._routed)
+        else:  # every rank routes every token to the experts it holds (all of them on one rank)
+            out = self._routed(x, *_held(self.spec.local_experts, weights, ids))
         if self.shared is not None:
             shared = self.shared(x, ops)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(ops.linear(x, self.shared_gate, None)) * shared
             out = out + shared
         return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate_up, self.down, weights, ids)
 
     def take_load(self) -> torch.Tensor:
         """The tokens routed to each expert since the last call [E] int64 (a copy, on the device); the
@@ -68,10 +69,14 @@ class MoEBlock:
         return load
 
 
-def _held(held: tuple[int, int], weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert parallelism: ids of the experts held here as local indices (0..n-1); a pair routed to
-    another rank's expert gets the index n (no expert: the implementations skip it) and weight 0.
-    The ranks' outputs are summed like tensor-parallel partial sums."""
+def _held(held: tuple[int, int] | None, weights: torch.Tensor,
+          ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism (`held`: [start, end) of the experts here; None: all, the pairs unchanged):
+    ids of the experts held here as local indices (0..n-1); a pair routed to another rank's expert
+    gets the index n (no expert: the implementations skip it) and weight 0. The ranks' outputs are
+    summed like tensor-parallel partial sums."""
+    if held is None:
+        return weights, ids
     local = ids - held[0]
     mine = (local >= 0) & (local < held[1] - held[0])
     return weights * mine, local.masked_fill(~mine, held[1] - held[0])

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from server.models.moe.experts import expert_load
+
 # (rows [N, hidden], weights [N, 1] float32, local expert ids [N, 1]) -> [N, hidden]; an id equal to the
 # experts held here is no expert (a padding row) and gives zeros
 LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,19 +39,19 @@ class AllToAllDispatch:
         flat_ids = _padded(ids[lo:hi], per_slice, fill=0).flatten()
         flat_w = _padded(weights[lo:hi], per_slice, fill=0.0).flatten()  # padding tokens weigh nothing
         order = flat_ids.argsort(stable=True)  # by expert, so by destination rank
-        dest = torch.div(flat_ids[order], self.per, rounding_mode="floor")
-        counts = torch.zeros(self.size, dtype=dest.dtype, device=dest.device).scatter_add_(
-            0, dest, torch.ones_like(dest))  # (bincount would ask the host for the largest id)
+        sorted_ids = flat_ids[order]
+        dest = sorted_ids // self.per
+        counts = expert_load(dest, self.size)  # pairs per destination, on the device
         slot = dest * pairs + torch.arange(pairs, device=x.device) - (counts.cumsum(0) - counts)[dest]
-        token = torch.div(order, top_k, rounding_mode="floor")
-        rows = self._exchange(_scattered(_padded(x[lo:hi], per_slice, 0.0)[token], slot, self.size * pairs))
-        local = _scattered((flat_ids[order] - dest * self.per)[:, None], slot, self.size * pairs, fill=self.per)
-        scale = _scattered(flat_w[order][:, None], slot, self.size * pairs, fill=0.0)
-        done = experts(rows, self._exchange(scale), self._exchange(local))
+        token = order // top_k  # within the slice; a padding token reads a real row, at weight 0
+        segments = self.size * pairs
+        rows = _scattered(x.index_select(0, (lo + token).clamp(max=tokens - 1)), slot, segments)
+        local = _scattered((sorted_ids - dest * self.per)[:, None], slot, segments, fill=self.per)
+        scale = _scattered(flat_w[order][:, None], slot, segments, fill=0.0)
+        done = experts(self._exchange(rows), self._exchange(scale), self._exchange(local))
         back = self._exchange(done)[slot]  # the outputs of this slice's pairs, in expert order
         out = torch.zeros_like(x)
-        out[lo:hi] = torch.zeros((per_slice, x.shape[1]), dtype=x.dtype, device=x.device).index_add_(
-            0, token, back)[:hi - lo]
+        out[lo:hi] = back.new_zeros(per_slice, x.shape[1]).index_add_(0, token, back)[:hi - lo]
         return out
 
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
