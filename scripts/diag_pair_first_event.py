@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -39,7 +40,7 @@ VARIANTS = {
 }
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+def one_request(url: str, prompt: str | list[int], max_tokens: int) -> tuple[float, float, int]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     start, first, tokens = time.perf_counter(), None, 0
@@ -48,14 +49,14 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, float, i
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if first is None and chunk.get("choices"):
+            if first is None and (chunk.get("choices") or [{}])[0].get("text"):  # as the benchmarks count
                 first = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return first or float("nan"), time.perf_counter() - start, tokens
 
 
-def event_trace(url: str, prompt: str, max_tokens: int, first: int = 8) -> list[str]:
+def event_trace(url: str, prompt: str | list[int], max_tokens: int, first: int = 8) -> list[str]:
     """The first `first` SSE events of one streamed request: ms since sending, then the text and usage."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -84,6 +85,19 @@ def histogram_means(url: str) -> dict[str, float]:
     return {k: 1000 * sums[k] / c for k, c in counts.items() if c and k in sums}
 
 
+def make_prompts(args: argparse.Namespace, n: int) -> list[str] | list[list[int]]:
+    """`n` distinct prompts: words, or (--token-prompts, as the load benchmarks send) random token ids."""
+    if not args.token_prompts:
+        words = " ".join(f"word{i % 97}" for i in range(args.prompt_words))
+        return [f"{i} {words}" for i in range(n)]
+    from transformers import AutoTokenizer
+
+    from pdserve_bench.workloads import usable_token_ids
+    vocab = usable_token_ids(AutoTokenizer.from_pretrained(args.model))
+    rng = random.Random(0)
+    return [[vocab[rng.randrange(len(vocab))] for _ in range(args.prompt_words)] for _ in range(n)]
+
+
 def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     config, overrides = VARIANTS[name]
     overrides = {**overrides, "model": args.model, "max_seq_len": 2048}
@@ -91,11 +105,11 @@ def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         overrides["kv_cache_config"] = {"max_tokens": args.kv_max_tokens}
     (tmp / name).mkdir()
     with deploy_harness.launched(config, tmp / name, overrides) as dep:
-        prompt = " ".join(f"word{i % 97}" for i in range(args.prompt_words))
-        for _ in range(3):
-            one_request(dep.url, prompt + " warm", args.max_tokens)
-        trace = event_trace(dep.url, f"trace {prompt}", args.max_tokens)
-        runs = [one_request(dep.url, f"{i} {prompt}", args.max_tokens) for i in range(args.requests)]
+        prompts = make_prompts(args, args.requests + 4)
+        for prompt in prompts[:3]:
+            one_request(dep.url, prompt, args.max_tokens)
+        trace = event_trace(dep.url, prompts[3], args.max_tokens)
+        runs = [one_request(dep.url, prompt, args.max_tokens) for prompt in prompts[4:]]
         ttft = statistics.median(r[0] for r in runs) * 1000
         tpot = statistics.median((r[1] - r[0]) / max(1, r[2] - 1) for r in runs) * 1000
         out = {"variant": name, "ttft_p50_ms": round(ttft, 1), "tpot_p50_ms": round(tpot, 2),
@@ -120,6 +134,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--kv-max-tokens", type=int, default=0,
                         help="each server's KV pool in tokens (0: sized from free memory)")
+    parser.add_argument("--token-prompts", action="store_true",
+                        help="prompts of random token ids (a model directory's tokenizer), as the load benchmarks")
     parser.add_argument("--keep-logs", type=int, default=0, help="print the last N characters of each log")
     args = parser.parse_args()
     results = {}
