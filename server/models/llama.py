@@ -81,7 +81,7 @@ class DecoderStack:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
         ops, tp = self.ops, self.parallel
         h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim] each
         x = ops.rms_norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(tp.reduce(self._attention(i, layer, x, cos, sin, meta)), h, layer.post_norm)

@@ -51,13 +51,14 @@ def is_linear_weight(name: str) -> bool:
 
 def load_checkpoint(spec: Any, files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
                     quantization: str | None = None, slicer: Slicer | None = None) -> dict[str, Any]:
-    """Every tensor of `files` (a `model_spec.ModelSpec`'s), each linear an `Fp8Weight` where the
-    checkpoint is FP8 or `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
+    """Every tensor of `files` (a `model_spec.ModelSpec`'s) but those generation never reads
+    (`ModelSpec.unused_weights`), each linear an `Fp8Weight` where the checkpoint is FP8 or
+    `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or null, got {quantization!r}")
     quantize = quantization == "fp8" and spec.checkpoint_quant is None
     tensors = load_tensors(files, dtype=dtype, device=device, slicer=slicer,
-                           convert=_converter(quantize, dtype, device))
+                           convert=_converter(quantize, dtype, device), skip=spec.is_unused_weight)
     return assemble(tensors, spec, dtype)
 
 
