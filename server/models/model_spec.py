@@ -204,7 +204,8 @@ def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]
     n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
     if family in ("Mistral", "Mixtral"):  # these apply `sliding_window` to every layer and ignore layer_types
         return (window,) * n
-    if family in ("Llama", "Qwen2Moe", "Qwen3Moe", "Glm4Moe") or family.startswith("Deepseek"):  # (Qwen MoE: sliding refused)
+    # full attention everywhere (Qwen MoE: sliding refused; GLM-4.5 and DeepSeek have no window)
+    if family in ("Llama", "Qwen2Moe", "Qwen3Moe", "Glm4Moe") or family.startswith("Deepseek"):
         return (None,) * n
     types = getattr(cfg, "layer_types", None)
     if types is None:  # Qwen2/Qwen3 configs from versions without layer_types

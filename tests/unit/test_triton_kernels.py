@@ -1,7 +1,8 @@
 """The Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1): each kernel
 against a plain torch reference on random data (paged decode with splits and sliding windows,
 paged prefill after a cached prefix, RMSNorm(+add), SiLU-mul, RoPE + cache write with padding
-rows, over whole heads or their first dims), and the whole runner on the Triton path token for token against transformers.
+rows, over whole heads or their first dims), and the whole runner on the Triton path token for
+token against transformers.
 
 The same kernels are compiled for the GPU in tests/gpu/test_runner_cuda.py; this file keeps their
 logic (indexing, masks, windows, padding) under test where there is no GPU.
