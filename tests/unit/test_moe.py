@@ -338,3 +338,24 @@ def test_expert_parallel_shares_sum_to_the_whole(path: str) -> None:
         args = [t.to(device) for t in (x, block.gate_up[held[0]:held[1]], block.down[held[0]:held[1]], w, i)]
         parts.append(fn(*args).cpu())
     assert (sum(parts) - whole).abs().max().item() < 1e-5 * whole.abs().max().item()
+
+
+def test_a_float32_router_stays_float32_in_a_bfloat16_model() -> None:
+    """transformers keeps DeepSeek's and GLM-4.5's router weight and correction bias in float32 whatever
+    the model dtype; so does the loader (the tiny model stores them in float32: bf16 would round them).
+    The multi-token-prediction layer's tensors are not read at all."""
+    from safetensors.torch import load_file
+
+    from server.models.builtin import resolve_model
+    from server.models.model_spec import load_spec
+    from server.models.runner import load_weights
+
+    spec = load_spec(resolve_model("builtin:tiny-glm4-moe"))
+    tensors = load_weights(spec, torch.bfloat16, torch.device("cpu"))
+    stored = load_file(spec.model_dir / "model.safetensors")
+    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+        assert tensors[name].dtype == torch.float32 and torch.equal(tensors[name], stored[name]), name
+        assert not torch.equal(stored[name].bfloat16().float(), stored[name])  # the rounding it avoids
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
+    assert any(n.startswith("model.layers.4.") for n in stored)
+    assert not any(n.startswith("model.layers.4.") for n in tensors)
