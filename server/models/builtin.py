@@ -4,8 +4,8 @@
 (scripts/train_tiny_story.py), shipped as package data (`server/models/data/tiny-story/`).
 
 The random tiny models (catalog.py: Llama, Qwen3 with sliding windows, the mixture-of-experts
-Mixtral and Qwen MoEs, DeepSeek-V2/V3, GLM-4.5) serve the exactness tests. `resolve_model` builds one once
-into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
+Mixtral and Qwen MoEs, DeepSeek-V2/V3, GLM-4.5) serve the exactness tests. `resolve_model` builds
+one once into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
 starts at once builds into a private temporary folder and renames it into place, the first rename
 winning, so a folder that exists is always complete.
 
