@@ -60,12 +60,12 @@ class ModelSpec:
     quantization: str | None = None  # what its linears are served as: "fp8" (checkpoint or load time) or None
     moe: MoESpec | None = None  # the experts of a mixture-of-experts model (server/models/moe/)
     mla: MLASpec | None = None  # DeepSeek-V2/V3: multi-head latent attention (server/models/mla_spec.py)
-    # tensor name prefixes the checkpoint holds but plain generation never reads (GLM-4.5's
-    # multi-token-prediction layers, `num_nextn_predict_layers` of them after the last decoder layer)
+    # tensor name prefixes the checkpoint holds but plain generation never reads (GLM-4.5's and
+    # DeepSeek-V3's multi-token-prediction layers, `num_nextn_predict_layers` after the last decoder layer)
     unused_weights: tuple[str, ...] = ()
 
     def is_unused_weight(self, name: str) -> bool:
-        return name.startswith(self.unused_weights) if self.unused_weights else False
+        return name.startswith(self.unused_weights)
 
     def kv_format(self, dtype: torch.dtype) -> KVFormat:
         """The KV format of this model's cache in `dtype`: K/V heads, or MLA's latent (one plane of
