@@ -75,8 +75,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: object) -> torch.Tensor:
-        """qkv [T, heads + 2 * kv_heads, head_dim] before RoPE, cos / signed sin [T, head_dim]
-        (`Rotary.cos_sin`) -> [T, heads, head_dim]; rotates q and k and writes K/V into the cache."""
+        """qkv [T, heads + 2 * kv_heads, head_dim] before RoPE, cos / signed sin [T, rotary_dim]
+        (`Rotary.cos_sin`) -> [T, heads, head_dim]; rotates the first rotary_dim dims of q and k and
+        writes K/V into the cache."""
 
 
 @dataclass

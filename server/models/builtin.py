@@ -4,8 +4,8 @@
 (scripts/train_tiny_story.py), shipped as package data (`server/models/data/tiny-story/`).
 
 The random tiny models (catalog.py: Llama, Qwen3 with sliding windows, the mixture-of-experts
-Mixtral and Qwen MoEs, DeepSeek-V2/V3) serve the exactness tests. `resolve_model` builds one once
-into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
+Mixtral and Qwen MoEs, DeepSeek-V2/V3, GLM-4.5) serve the exactness tests. `resolve_model` builds
+one once into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
 starts at once builds into a private temporary folder and renames it into place, the first rename
 winning, so a folder that exists is always complete.
 
@@ -34,8 +34,11 @@ SEED = 1234
 
 _CLASS_PREFIXES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                    "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe",
-                   "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
+                   "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}
 FAMILIES = tuple(_CLASS_PREFIXES)
+# families whose published checkpoints hold their `num_nextn_predict_layers` multi-token-prediction
+# layers, which transformers' model does not build: a tiny model gets random ones (`_add_prediction_layers`)
+_PREDICTION_LAYERS = ("glm4_moe",)
 
 
 def _family_classes(family: str) -> tuple[type, type]:
@@ -115,8 +118,33 @@ def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Pat
     _init_weights(model, seed=SEED)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
+    if family in _PREDICTION_LAYERS:
+        _add_prediction_layers(Path(out_dir), config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0))
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _add_prediction_layers(out_dir: Path, num_layers: int, count: int) -> None:
+    """Multi-token-prediction layers numbered from `num_layers` on, named as GLM-4.5's checkpoints
+    name them: a decoder layer (a copy of the last one's tensors, noise added) and its projections
+    `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`."""
+    from safetensors.torch import load_file, save_file
+
+    path = out_dir / "model.safetensors"
+    tensors = load_file(path)
+    last = f"model.layers.{num_layers - 1}."
+    gen = torch.Generator().manual_seed(SEED + 1)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    for i in range(num_layers, num_layers + count):
+        layer = f"model.layers.{i}."
+        for name in [n for n in tensors if n.startswith(last)]:
+            tensors[layer + name.removeprefix(last)] = tensors[name] + 0.1 * torch.randn(tensors[name].shape,
+                                                                                        generator=gen)
+        extra = {"eh_proj.weight": (hidden, 2 * hidden), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                 "shared_head.norm.weight": (hidden,)}
+        for name, shape in extra.items():
+            tensors[layer + name] = _draw(name, shape, gen)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @torch.no_grad()

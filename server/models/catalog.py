@@ -65,6 +65,13 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         TINY_MLA, q_lora_rank=48, n_group=2, topk_group=1,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8))),
+    # GLM-4.5's shape: GQA with q/k/v biases and q/k norms, RoPE on half of each head; DeepSeek-V3's
+    # gate (sigmoid over 2 groups, a correction bias); layer 0 dense; one multi-token-prediction layer
+    # in the checkpoint (builtin.py writes it), which generation does not use
+    "tiny-glm4-moe": BuiltinModel("glm4_moe", 1, dict(
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, moe_intermediate_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, num_nextn_predict_layers=1)),
 }
 
 

@@ -1,9 +1,10 @@
 """Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) in plain torch.
+Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) in plain torch.
 
-Math follows transformers' modeling code step for step (RMSNorm in float32, rotate_half RoPE,
-SiLU-gated MLP, Qwen3's per-head q/k norm before RoPE). Weights load by HF name and fuse once:
-q/k/v into one projection, gate/up into one (`cat_rows`, also for FP8 weights). The model is
+Math follows transformers' modeling code step for step (RMSNorm in float32, rotate_half RoPE (on
+the first rotary_dim dims of a head with GLM-4.5's partial rotary factor), SiLU-gated MLP, Qwen3's
+and GLM-4.5's per-head q/k norm before RoPE). Weights load by HF name and fuse once: q/k/v into one
+projection, gate/up into one (`cat_rows`, also for FP8 weights). The model is
 stateless between steps: the KV cache is reached only through the attention backend, which also
 applies RoPE (so a GPU backend fuses it with the cache write). The residual add is fused into the
 next RMSNorm; `ops` is torch or Triton. A tensor-parallel rank's model holds its weight slices and
@@ -81,7 +82,7 @@ class DecoderStack:
         """token_ids, positions [T] int64; logit_rows [N] rows wanted -> logits [N, vocab] float32."""
         ops, tp = self.ops, self.parallel
         h = tp.embed(token_ids, self.embed)  # [T, hidden]: the residual stream
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, head_dim] each
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim] each
         x = ops.rms_norm(h, self.layers[0].input_norm)
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(tp.reduce(self._attention(i, layer, x, cos, sin, meta)), h, layer.post_norm)

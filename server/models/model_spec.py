@@ -24,7 +24,9 @@ from server.models.moe.config import MoESpec, parse_moe
 from server.models.weights import safetensors_files, tensor_signature
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", *MLA_ARCHITECTURES)
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
+                           *MLA_ARCHITECTURES)
+PARTIAL_ROTARY_ARCHITECTURES = ("Glm4MoeForCausalLM",)  # transformers rotates only rotary_dim of their head dims
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq independent of sequence length
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -46,9 +48,10 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: per-head RMSNorm of q and k before RoPE
+    qk_norm: bool  # Qwen3, GLM-4.5 (`use_qk_norm`): per-head RMSNorm of q and k before RoPE
     tie_word_embeddings: bool
     rope_type: str
+    rotary_dim: int  # leading dims of each q/k head that RoPE rotates (rotate_half); the rest pass through
     eos_token_ids: tuple[int, ...]  # config.json and generation_config.json, deduplicated
     bos_token_id: int | None
     fingerprint: str  # sha256 hex of config.json + tensor names/shapes/dtypes
@@ -57,6 +60,12 @@ class ModelSpec:
     quantization: str | None = None  # what its linears are served as: "fp8" (checkpoint or load time) or None
     moe: MoESpec | None = None  # the experts of a mixture-of-experts model (server/models/moe/)
     mla: MLASpec | None = None  # DeepSeek-V2/V3: multi-head latent attention (server/models/mla_spec.py)
+    # tensor name prefixes the checkpoint holds but plain generation never reads (GLM-4.5's and
+    # DeepSeek-V3's multi-token-prediction layers, `num_nextn_predict_layers` after the last decoder layer)
+    unused_weights: tuple[str, ...] = ()
+
+    def is_unused_weight(self, name: str) -> bool:
+        return name.startswith(self.unused_weights)
 
     def kv_format(self, dtype: torch.dtype) -> KVFormat:
         """The KV format of this model's cache in `dtype`: K/V heads, or MLA's latent (one plane of
@@ -83,6 +92,7 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         raise ValueError(f"model {model_dir}: no tokenizer (none of {_TOKENIZER_FILES})")
     cfg = AutoConfig.from_pretrained(model_dir)
     _check_supported_math(cfg, model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     mla = mla_spec(architecture, raw, cfg, rope_parameters(cfg), model_dir)
     quant = checkpoint_quant(raw, model_dir)
     moe = parse_moe(raw, cfg, architecture, model_dir)
@@ -93,17 +103,43 @@ def load_spec(model_dir: Path | str) -> ModelSpec:
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.rms_norm_eps), max_position_embeddings=cfg.max_position_embeddings,
         layer_windows=_layer_windows(cfg, family), qkv_bias=_qkv_bias(cfg, family, attention_bias),
         o_bias=family in ("Llama", "Qwen3", "Qwen3Moe") and attention_bias,
         mlp_bias=family == "Llama" and bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=family in ("Qwen3", "Qwen3Moe"), tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qk_norm=family in ("Qwen3", "Qwen3Moe") or (family == "Glm4Moe" and bool(cfg.use_qk_norm)),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         rope_type=rope_parameters(cfg).get("rope_type", "default"),
+        rotary_dim=_rotary_dim(cfg, architecture, head_dim, model_dir),
         eos_token_ids=_eos_ids(raw, model_dir), bos_token_id=raw.get("bos_token_id"),
         fingerprint=_fingerprint(raw, files), hf_config=cfg, checkpoint_quant=quant,
         quantization="fp8" if quant is not None else None, moe=moe, mla=mla,
+        unused_weights=_prediction_layers(raw, cfg.num_hidden_layers),
     )
+
+
+def _rotary_dim(cfg: PretrainedConfig, architecture: str, head_dim: int, model_dir: Path) -> int:
+    """int(head_dim * partial_rotary_factor), as transformers computes it; a factor other than 1 only
+    where the architecture's transformers code rotates part of the head (Llama's ignores it with the
+    default rope and fails with a scaled one)."""
+    factor = rope_parameters(cfg).get("partial_rotary_factor", 1.0)
+    if factor == 1.0:
+        return head_dim
+    if architecture not in PARTIAL_ROTARY_ARCHITECTURES:
+        raise ValueError(f"model {model_dir}: unsupported partial_rotary_factor {factor} for {architecture} "
+                         f"(supported for {PARTIAL_ROTARY_ARCHITECTURES})")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2 or dim > head_dim:
+        raise ValueError(f"model {model_dir}: config.json: partial_rotary_factor: {factor}: rotates {dim} of the "
+                         f"{head_dim} head dims; an even number from 2 to head_dim is needed")
+    return dim
+
+
+def _prediction_layers(raw: dict, num_layers: int) -> tuple[str, ...]:
+    """The name prefixes of the multi-token-prediction layers (`num_nextn_predict_layers`, numbered
+    from num_hidden_layers on), which transformers' generate does not run either."""
+    return tuple(f"model.layers.{num_layers + i}." for i in range(int(raw.get("num_nextn_predict_layers") or 0)))
 
 
 def _qkv_bias(cfg: PretrainedConfig, family: str, attention_bias: bool) -> bool:
@@ -130,6 +166,8 @@ def rope_parameters(cfg: PretrainedConfig) -> dict:
     params = dict(getattr(cfg, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if getattr(cfg, "partial_rotary_factor", None) is not None:  # transformers 4.x kept it at the top level
+        params.setdefault("partial_rotary_factor", cfg.partial_rotary_factor)
     return params
 
 
@@ -159,9 +197,6 @@ def _check_supported_math(cfg: PretrainedConfig, model_dir: Path) -> None:
     if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
         raise ValueError(f"model {model_dir}: unsupported rope_type {rope.get('rope_type')!r} "
                          f"(supported: {STATIC_ROPE_TYPES})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        factor = rope["partial_rotary_factor"]
-        raise ValueError(f"model {model_dir}: unsupported partial_rotary_factor {factor}")
 
 
 def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]:
@@ -169,7 +204,8 @@ def _layer_windows(cfg: PretrainedConfig, family: str) -> tuple[int | None, ...]
     n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None)
     if family in ("Mistral", "Mixtral"):  # these apply `sliding_window` to every layer and ignore layer_types
         return (window,) * n
-    if family in ("Llama", "Qwen2Moe", "Qwen3Moe") or family.startswith("Deepseek"):  # (Qwen MoE: sliding refused)
+    # full attention everywhere (Qwen MoE: sliding refused; GLM-4.5 and DeepSeek have no window)
+    if family in ("Llama", "Qwen2Moe", "Qwen3Moe", "Glm4Moe") or family.startswith("Deepseek"):
         return (None,) * n
     types = getattr(cfg, "layer_types", None)
     if types is None:  # Qwen2/Qwen3 configs from versions without layer_types

@@ -63,14 +63,17 @@ Convert = Callable[[str, torch.Tensor], Any]
 
 
 def load_tensors(files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
-                 slicer: Slicer | None = None, convert: Convert | None = None) -> dict[str, Any]:
+                 slicer: Slicer | None = None, convert: Convert | None = None,
+                 skip: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """All tensors of `files` (or, with `slicer`, the part of each it picks), converted to `dtype`
     on `device` (or by `convert`, one tensor at a time as it is read). A slice is read from the file
-    alone: the rest of the tensor is never loaded."""
+    alone: the rest of the tensor is never loaded; a tensor whose name `skip` accepts, none of it."""
     out: dict[str, Any] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 tensor = f.get_tensor(name) if slicer is None else slicer(name, f.get_slice(name))
                 if tensor is None:
                     continue

@@ -23,7 +23,7 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-MOE_MODELS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
+MOE_MODELS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-glm4-moe"]  # GLM: partial rotary in rope_write
 MODELS = ["tiny-llama", "tiny-qwen3-swa", *MOE_MODELS]
 MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window

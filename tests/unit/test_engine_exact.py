@@ -1,5 +1,5 @@
 """The whole engine (scheduler + runner + KV manager) token for token against transformers generate,
-on dense models and the mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+on dense models and the mixture-of-experts ones (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
 MOE = ["builtin:tiny-mixtral", "builtin:tiny-qwen2-moe", "builtin:tiny-qwen3-moe"]
 V2, V3 = "builtin:tiny-deepseek-v2", "builtin:tiny-deepseek-v3"  # latent attention: the cache is the latent
+GLM = "builtin:tiny-glm4-moe"  # RoPE on half of each head; DeepSeek-V3's gate
 
 
 def _expected(model: str, prompt: list[int], n: int) -> list[int]:
@@ -22,7 +23,7 @@ def _expected(model: str, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("model, length", [(LLAMA, 7), (LLAMA, 70), (SWA, 150), *((m, 40) for m in MOE), (V2, 70),
-                                           (V3, 150)])
+                                           (V3, 150), (GLM, 70)])
 def test_single_request_matches_transformers(model, length):
     core = eh.make_core(model)
     prompt = random_prompt(length, length)
@@ -33,7 +34,7 @@ def test_single_request_matches_transformers(model, length):
     core.kv.check_integrity()
 
 
-@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3])
+@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3, GLM])
 def test_concurrent_requests_with_chunked_prefill_match(model):
     core = eh.make_core(model, max_num_tokens=48, max_batch_size=8)  # prompts up to 160 tokens: chunked
     prompts = [random_prompt(100 + i, n) for i, n in enumerate([3, 17, 160, 45, 96, 1])]

@@ -1,8 +1,8 @@
 """Streamed KV between two engines in one process (real KV sender and receiver on loopback): the
 generation request is added before its context request has prefilled anything, pulls each block as
 a prefill chunk writes it, and gets its first token with the last of them; token for token against
-transformers (a full-attention and a sliding-window model, the mixture-of-experts ones, with and
-without async scheduling).
+transformers (a full-attention and a sliding-window model, the mixture-of-experts ones, GLM-4.5's
+partial rotary, with and without async scheduling).
 Aborting both legs mid-prefill, or a context leg that ends at its first token, leaves no lease, no
 pin and no block in use on either side."""
 
@@ -57,7 +57,8 @@ def make_pair():
 
 @pytest.mark.parametrize(("model", "async_scheduling"), [(LLAMA, False), (LLAMA, True), (SWA, False), (MIXTRAL, False),
                                                       (QWEN2_MOE, True), (QWEN3_MOE, False),
-                                                      ("builtin:tiny-deepseek-v3", False)])
+                                                      ("builtin:tiny-deepseek-v3", False),
+                                                      ("builtin:tiny-glm4-moe", True)])
 def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_pair, model, async_scheduling):
     run = make_pair(model, async_scheduling)
     prompt = random_prompt(11, 150)

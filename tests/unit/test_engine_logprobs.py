@@ -19,6 +19,7 @@ LLAMA = "builtin:tiny-llama"
 SWA = "builtin:tiny-qwen3-swa"
 MOE = ["builtin:tiny-mixtral", "builtin:tiny-qwen2-moe", "builtin:tiny-qwen3-moe"]
 V3 = "builtin:tiny-deepseek-v3"
+GLM = "builtin:tiny-glm4-moe"
 
 
 def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
@@ -38,7 +39,7 @@ def check_against_transformers(model: str, prompt: list[int], tokens: list[int],
         torch.testing.assert_close(torch.tensor([v for _, v in entry.top]), top.values, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3])
+@pytest.mark.parametrize("model", [LLAMA, SWA, *MOE, V3, GLM])
 def test_sampled_tokens_logprobs_equal_transformers(model):
     """A batch of greedy and seeded sampling rows asking 0, 5 and 20 alternatives, beside a row
     that asks none (SWA: past its window of 64)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.models.builtin import build_tiny_model
+from server.models.builtin import build_tiny_model, materialize_builtin
 from server.models.model_spec import load_spec
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -114,3 +114,33 @@ def test_unsupported_architecture_and_math_are_named(models: dict[str, Path], tm
     dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         load_spec(_edit_config(src, tmp_path / "c", rope_parameters=dynamic))
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor 0.5 for LlamaForCausalLM"):
+        load_spec(_edit_config(src, tmp_path / "d", partial_rotary_factor=0.5))  # transformers' Llama ignores it
+
+
+def test_glm4_moe_spec_and_its_partial_rotary_in_either_config_style(tmp_path: Path) -> None:
+    """GLM-4.5: q/k/v biases (no o bias), q/k norms, RoPE on int(head_dim * partial_rotary_factor)
+    dims, read from transformers 5's `rope_parameters` or a 4.x config's top-level keys; the
+    multi-token-prediction layer's weights are named unused."""
+    src = materialize_builtin("tiny-glm4-moe")
+    spec = load_spec(src)
+    assert (spec.architecture, spec.head_dim, spec.rotary_dim) == ("Glm4MoeForCausalLM", 32, 16)
+    assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.qk_norm) == (True, False, False, True)
+    assert spec.layer_windows == (None,) * 4 and spec.moe.sparse_layers == (False, True, True, True)
+    assert spec.unused_weights == ("model.layers.4.",)
+    assert spec.is_unused_weight("model.layers.4.eh_proj.weight") and not spec.is_unused_weight("model.layers.3.x")
+    assert load_spec(_edit_config(src, tmp_path / "no-norm", use_qk_norm=False)).qk_norm is False
+    old = _old_style_config(src, tmp_path / "old", partial_rotary_factor=0.25)
+    assert load_spec(old).rotary_dim == 8
+    with pytest.raises(ValueError, match=r"partial_rotary_factor: 0.1: rotates 3 of the 32 head dims"):
+        load_spec(_old_style_config(src, tmp_path / "odd", partial_rotary_factor=0.1))
+
+
+def _old_style_config(src: Path, dst: Path, **changes: object) -> Path:
+    """A copy whose config.json has transformers 4.x's top-level rope keys (as GLM-4.5's own has)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], **changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

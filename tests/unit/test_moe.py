@@ -1,8 +1,9 @@
 """MoE blocks (server/models/moe/) against transformers' own modules on random weights, float32.
 
 Each case builds transformers' sparse block of a family (MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock,
-Qwen3MoeSparseMoeBlock, DeepseekV2Moe, DeepseekV3MoE) from a small config, fills it from a seeded
-generator (DeepSeek-V3's e_score_correction_bias too, so it changes the choice), and runs ours,
+Qwen3MoeSparseMoeBlock, DeepseekV2Moe, DeepseekV3MoE, Glm4MoeMoE) from a small config, fills it from a
+seeded generator (the e_score_correction_bias of DeepSeek-V3 and GLM-4.5 too, so it changes the
+choice), and runs ours,
 built by `parse_moe` + `build_moe` from the module's tensors under their HF names, in both layouts
 a checkpoint may use: one tensor per expert (as published checkpoints are) and transformers 5's
 stacked `experts.gate_up_proj`. Also: which layers are sparse, the graph-safe dense path against the
@@ -50,6 +51,9 @@ CASES = {
                                  dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                       n_shared_experts=2, routed_scaling_factor=1.0, n_group=1, topk_group=1,
                                       norm_topk_prob=False)),
+    "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4_moe.modeling_glm4_moe.Glm4MoeMoE",
+                 dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, n_shared_experts=1,
+                      routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=True)),
 }
 
 
@@ -156,6 +160,9 @@ def test_load_counts_each_expert_on_the_device() -> None:
      dict(n_routed_experts=4, first_k_dense_replace=2, n_group=2, topk_group=1, num_experts_per_tok=2,
           num_hidden_layers=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
           v_head_dim=8, head_dim=8)),
+    ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer",
+     dict(n_routed_experts=4, first_k_dense_replace=3, n_group=2, topk_group=1, num_experts_per_tok=2,
+          num_hidden_layers=5)),
 ])
 def test_sparse_layers_are_transformers(config_cls, arch, layer_cls, keys) -> None:
     cfg = getattr(transformers, config_cls)(**{**SHAPE, "num_experts_per_tok": 2, "moe_intermediate_size": 8, **keys})
@@ -174,6 +181,8 @@ REFUSALS = [
     ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob: True"),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(moe_layer_freq=2), "moe_layer_freq: 2"),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(n_group=3), "n_group: 3"),
+    ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(n_group=8, topk_group=1), "n_group: 8"),  # groups of 1 expert
+    ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(scoring_func="softmax"), "scoring_func: 'softmax'"),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(n_group=4, topk_group=5), "topk_group: 5"),
     ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(n_group=4, topk_group=1, num_experts_per_tok=3),
      "num_experts_per_tok: 3"),
@@ -192,13 +201,15 @@ def test_unsupported_keys_are_refused_by_name(config_cls, arch, keys, message) -
         parse_moe(raw, cfg, arch, Path("tiny"))
 
 
-TINY = {"tiny-mixtral": (True,) * 4, "tiny-qwen2-moe": (True,) * 4, "tiny-qwen3-moe": (True, False, True, True)}
+TINY = {"tiny-mixtral": (True,) * 4, "tiny-qwen2-moe": (True,) * 4, "tiny-qwen3-moe": (True, False, True, True),
+        "tiny-glm4-moe": (False, True, True, True)}
 
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_tiny_models_route_every_token_through_several_experts(name: str) -> None:
     """The built-in MoE models: 8 experts, 2 per token, and a prompt spreads over all of them in every
-    sparse layer (so a wrong gate changes the output); tiny-qwen3-moe's layer 1 is dense."""
+    sparse layer (so a wrong gate changes the output); tiny-qwen3-moe's layer 1 is dense, and
+    tiny-glm4-moe's layer 0."""
     import engine_harness as eh
     from prompts import random_prompt
 
@@ -327,3 +338,24 @@ def test_expert_parallel_shares_sum_to_the_whole(path: str) -> None:
         args = [t.to(device) for t in (x, block.gate_up[held[0]:held[1]], block.down[held[0]:held[1]], w, i)]
         parts.append(fn(*args).cpu())
     assert (sum(parts) - whole).abs().max().item() < 1e-5 * whole.abs().max().item()
+
+
+def test_a_float32_router_stays_float32_in_a_bfloat16_model() -> None:
+    """transformers keeps DeepSeek's and GLM-4.5's router weight and correction bias in float32 whatever
+    the model dtype; so does the loader (the tiny model stores them in float32: bf16 would round them).
+    The multi-token-prediction layer's tensors are not read at all."""
+    from safetensors.torch import load_file
+
+    from server.models.builtin import resolve_model
+    from server.models.model_spec import load_spec
+    from server.models.runner import load_weights
+
+    spec = load_spec(resolve_model("builtin:tiny-glm4-moe"))
+    tensors = load_weights(spec, torch.bfloat16, torch.device("cpu"))
+    stored = load_file(spec.model_dir / "model.safetensors")
+    for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+        assert tensors[name].dtype == torch.float32 and torch.equal(tensors[name], stored[name]), name
+        assert not torch.equal(stored[name].bfloat16().float(), stored[name])  # the rounding it avoids
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
+    assert any(n.startswith("model.layers.4.") for n in stored)
+    assert not any(n.startswith("model.layers.4.") for n in tensors)

@@ -38,6 +38,7 @@ FAMILIES = {
     # latent attention with rotate_half rope (`rope_interleave: false`), q through its low-rank projection
     "deepseek-v3-halves-rope": ("deepseek_v3", {**TINY_MLA, "q_lora_rank": 48, "rope_interleave": False,
                                                 "n_group": 2, "topk_group": 1}),
+    "tiny-glm4-moe": None,  # RoPE on half of each head, q/k norms and biases, DeepSeek-V3's gate
 }
 
 

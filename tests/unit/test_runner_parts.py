@@ -1,5 +1,5 @@
 """Pieces of the runner's hot path, exactly: the K/V "units" views over the real pool, and RoPE applied
-once to the fused qkv (q and k as transformers rotates them, v untouched)."""
+once to the fused qkv (q and k as transformers rotates them, v untouched; GLM-4.5's on half of each head)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from kv_factories import make_manager
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.glm4_moe import modeling_glm4_moe
+from transformers.models.llama import modeling_llama
 
 from kvcache import KVCacheManager
 from server.models.attention import layer_units
@@ -50,19 +51,31 @@ def test_units_views_refuse_a_layout_where_v_does_not_follow_k() -> None:
         layer_units(64, k, v.clone())  # not in the pool
 
 
-@pytest.mark.parametrize("rope", [{}, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
-                                                           "factor": 4.0,
-                                                           "original_max_position_embeddings": 64}}])
-def test_rope_equals_hf_on_q_and_k(tmp_path: Path, rope: dict) -> None:
-    spec = load_spec(build_tiny_model(tmp_path / "m", "llama", **rope))
+# family -> (transformers' modeling module, its RotaryEmbedding class, tiny-model overrides)
+ROPE_FAMILIES = {
+    "llama": (modeling_llama, "LlamaRotaryEmbedding", {}),
+    "glm4_moe": (modeling_glm4_moe, "Glm4MoeRotaryEmbedding",  # rotates half of each head
+                 {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}),
+}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("family", list(ROPE_FAMILIES))
+@pytest.mark.parametrize("rope", [{}, {"rope_parameters": YARN}])
+def test_rope_equals_hf_on_q_and_k(tmp_path: Path, rope: dict, family: str) -> None:
+    modeling, embedding, overrides = ROPE_FAMILIES[family]
+    if family == "glm4_moe" and rope:
+        rope = {"rope_parameters": {**YARN, "partial_rotary_factor": 0.5}}
+    spec = load_spec(build_tiny_model(tmp_path / "m", family, **overrides, **rope))
+    assert spec.rotary_dim == (spec.head_dim // 2 if family == "glm4_moe" else spec.head_dim)
     rotary = Rotary(spec, torch.device("cpu"))
     heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     positions = torch.tensor([0, 1, 5, 63, 200, 1000])
     qkv = torch.randn(len(positions), heads + 2 * kv_heads, d)
-    cos, sin = rotary.cos_sin(positions, torch.float32)  # [T, head_dim] each
+    cos, sin = rotary.cos_sin(positions, torch.float32)  # [T, rotary_dim] each
     # transformers' own rotary embedding and apply_rotary_pos_emb on the same positions
-    hf_cos, hf_sin = LlamaRotaryEmbedding(spec.hf_config)(qkv, positions[None])  # [1, T, head_dim]
+    hf_cos, hf_sin = getattr(modeling, embedding)(spec.hf_config)(qkv, positions[None])  # [1, T, rotary_dim]
     q, k, _ = qkv.split([heads, kv_heads, kv_heads], 1)
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    hf_q, hf_k = modeling.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     assert torch.equal(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
     assert torch.equal(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))

@@ -11,7 +11,8 @@ on tiny-mixtral saved in transformers 5's stacked layout (`experts.gate_up_proj`
 expert parallelism (a name ending in ":ep": whole experts spread over the ranks, 4 or 2 each; ":a2a": the same, their
 tokens sent to them by all-to-all).
 DeepSeek's latent attention splits its heads (q, kv_b and o) and keeps the latent whole on every
-rank: TP=2 on tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3.
+rank: TP=2 on tiny-deepseek-v2, TP=4 (one head a rank) on tiny-deepseek-v3. GLM-4.5 (q/k/v biases and
+norms per head, RoPE on half of each head, DeepSeek-V3's gate and shared expert): TP=2 on tiny-glm4-moe.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mixtral-stacked": _stacked_experts(materialize_builtin("tiny-mixtral"), root / "mixtral-stacked"),
         "tiny-deepseek-v2": materialize_builtin("tiny-deepseek-v2"),
         "tiny-deepseek-v3": materialize_builtin("tiny-deepseek-v3"),
+        "tiny-glm4-moe": materialize_builtin("tiny-glm4-moe"),
     }
     for name in ("tiny-qwen2-moe:ep", "mixtral-stacked:ep", "tiny-qwen2-moe:a2a", "tiny-deepseek-v3:a2a"):
         dirs[name] = dirs[name.split(":")[0]]
@@ -73,7 +75,7 @@ def _stacked_experts(model_dir: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize(("size", "names"), [
     (2, ("tiny-qwen3-swa", "qwen2-bias-sliding", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe",
-         "tiny-qwen2-moe:ep", "tiny-qwen2-moe:a2a", "tiny-deepseek-v2")),
+         "tiny-qwen2-moe:ep", "tiny-qwen2-moe:a2a", "tiny-deepseek-v2", "tiny-glm4-moe")),
     (4, ("tiny-llama", "llama-tied-bias-odd-vocab", "mixtral-stacked", "mixtral-stacked:ep", "tiny-deepseek-v3",
          "tiny-deepseek-v3:a2a"))])
 def test_tp_greedy_matches_one_rank_and_transformers(model_dirs: dict[str, Path], tmp_path: Path,

@@ -1,7 +1,8 @@
 """The Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1): each kernel
 against a plain torch reference on random data (paged decode with splits and sliding windows,
 paged prefill after a cached prefix, RMSNorm(+add), SiLU-mul, RoPE + cache write with padding
-rows), and the whole runner on the Triton path token for token against transformers.
+rows, over whole heads or their first dims), and the whole runner on the Triton path token for
+token against transformers.
 
 The same kernels are compiled for the GPU in tests/gpu/test_runner_cuda.py; this file keeps their
 logic (indexing, masks, windows, padding) under test where there is no GPU.
@@ -107,16 +108,19 @@ def test_rms_norm_and_add_and_silu_mul() -> None:
     torch.testing.assert_close(E.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:])
 
 
-def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tensor) -> None:
+@pytest.mark.parametrize("rotary", [D, D // 2, 12])  # all of a head, half (GLM-4.5), a width the lanes mask
+def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tensor, rotary: int) -> None:
+    """q and k rotated on their first `rotary` dims (rotate_half over those), the rest passed through."""
     qkv = torch.randn(4, H + 2 * KVH, D)
     before, cache = qkv.clone(), pool.clone()
-    cos, sin = torch.randn(4, D), torch.randn(4, D)
+    cos, sin = torch.randn(4, rotary), torch.randn(4, rotary)
     slot = torch.tensor([3, -1, 7, 7], dtype=torch.int32)  # row 1 is padding
     offset = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
     E.rope_write(qkv, cos, sin, cache[:, 1, 0], cache[:, 1, 1], slot, offset, H, KVH)
-    half = D // 2
-    rotated = before * cos[:, None] + torch.cat((before[..., half:], before[..., :half]), -1) * sin[:, None]
-    torch.testing.assert_close(qkv[:, :H + KVH], rotated[:, :H + KVH])
+    half, part = rotary // 2, before[..., :rotary]
+    rotated = part * cos[:, None] + torch.cat((part[..., half:], part[..., :half]), -1) * sin[:, None]
+    torch.testing.assert_close(qkv[:, :H + KVH, :rotary], rotated[:, :H + KVH])
+    assert torch.equal(qkv[:, :H + KVH, rotary:], before[:, :H + KVH, rotary:])
     assert torch.equal(qkv[:, H + KVH:], before[:, H + KVH:])
     for t in (0, 2, 3):
         assert torch.equal(cache[slot[t], 1, 0, offset[t]], qkv[t, H:H + KVH])
@@ -127,7 +131,7 @@ def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tenso
 
 @pytest.mark.parametrize("name, prompt_lens, on_device", [
     ("tiny-llama", (9, 40), False), ("tiny-qwen3-swa", (70,), False), ("tiny-llama", (9, 40), True),
-    ("tiny-qwen3-moe", (9, 40), True), ("tiny-deepseek-v3", (9, 40), True)])
+    ("tiny-qwen3-moe", (9, 40), True), ("tiny-deepseek-v3", (9, 40), True), ("tiny-glm4-moe", (12,), True)])
 def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[int, ...], on_device: bool) -> None:
     """Prefill (SDPA path for a fresh prompt, paged kernel past tiny-qwen3-swa's 64-token window),
     then batched decode; float32 greedy tokens equal transformers' generate (DeepSeek: the Triton

@@ -2,15 +2,17 @@
 quantized tensor by tensor as it is read (`quantization: fp8`).
 
 `load_checkpoint` converts each tensor as it is read, on the device: float8 tensors stay float8,
-scales float32, float tensors take the model dtype, and when quantizing, each layer's linear
+scales float32, float tensors take the model dtype (a float32 router's weight and correction bias:
+float32, as transformers keeps them), and when quantizing, each layer's linear
 projections (and a MoE layer's routed and shared experts) are quantized per output row on the spot
 (peak memory: the FP8 model plus one float tensor). `assemble` pairs each float8 weight with its
 scales into an `Fp8Weight` under the weight's own name.
 
 What stays in the model dtype, and why: the embedding (one row read a token: no bandwidth saved),
 the lm_head (its rounding would move the output most, for ~7% of an 8B model's bytes), the norms, a
-MoE router (it picks the experts) and DeepSeek's latent projections other than q_proj and o_proj. A
-checkpoint that stores one of those in FP8 has it dequantized here.
+MoE router (it picks the experts; DeepSeek's and GLM-4.5's in float32) and DeepSeek's latent
+projections other than q_proj and o_proj. A checkpoint that stores one of those in FP8 has it
+dequantized here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ INPUT_SCALE = ".input_scale"
 # `output_scale`): the KV cache reads them from the checkpoint itself; they are none of these weights'
 KV_SCALES = (".k_scale", ".v_scale", ".q_scale", "_proj.output_scale")
 SCALES = (*WEIGHT_SCALES, INPUT_SCALE, *KV_SCALES)
+# a float32 router's tensors (DeepSeek-V2/V3, GLM-4.5), which transformers keeps in float32 whatever
+# the model dtype (`_keep_in_fp32_modules_strict`)
+FLOAT32_ROUTER = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 
 
 def is_linear_weight(name: str) -> bool:
@@ -51,24 +56,28 @@ def is_linear_weight(name: str) -> bool:
 
 def load_checkpoint(spec: Any, files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
                     quantization: str | None = None, slicer: Slicer | None = None) -> dict[str, Any]:
-    """Every tensor of `files` (a `model_spec.ModelSpec`'s), each linear an `Fp8Weight` where the
-    checkpoint is FP8 or `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
+    """Every tensor of `files` (a `model_spec.ModelSpec`'s) but those generation never reads
+    (`ModelSpec.unused_weights`), each linear an `Fp8Weight` where the checkpoint is FP8 or
+    `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or null, got {quantization!r}")
     quantize = quantization == "fp8" and spec.checkpoint_quant is None
+    moe = getattr(spec, "moe", None)
+    float32 = FLOAT32_ROUTER if moe is not None and moe.router_float32 else ()
     tensors = load_tensors(files, dtype=dtype, device=device, slicer=slicer,
-                           convert=_converter(quantize, dtype, device))
+                           convert=_converter(quantize, dtype, device, float32), skip=spec.is_unused_weight)
     return assemble(tensors, spec, dtype)
 
 
-def _converter(quantize: bool, dtype: torch.dtype, device: torch.device):
+def _converter(quantize: bool, dtype: torch.dtype, device: torch.device, float32: tuple[str, ...]):
+    """`float32`: name suffixes of the tensors kept in float32 (a float32 router's)."""
     def convert(name: str, tensor: torch.Tensor) -> torch.Tensor | Fp8Weight:
         tensor = tensor.to(device)
         if tensor.dtype == FP8:
             return tensor
         if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:
             raise ValueError(f"weight {name!r}: {tensor.dtype} is not supported (FP8 weights are float8_e4m3fn)")
-        if name.endswith(SCALES):
+        if name.endswith(SCALES) or name.endswith(float32):
             return tensor.float()
         if quantize and is_linear_weight(name):
             return quantize_weight(tensor)  # from the stored precision, not after a cast to `dtype`

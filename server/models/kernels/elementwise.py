@@ -1,5 +1,6 @@
 """Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add), SiLU-and-mul, and
-RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3).
+RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3), over a
+head's first rotary_dim dims (all of them but with a partial rotary factor).
 
 Each rounds where transformers' modules round (compute in float32, round each op's result to the
 model dtype), so bf16 results match them op for op; float32 models round nowhere.
@@ -68,46 +69,57 @@ def e4m3_bits(x):
 
 
 @triton.jit
-def _store_kv(dst, x, inv, QUANT: tl.constexpr):
-    """Store a half head of K or V: as is, or (QUANT, `dst` bytes of an FP8 cache) x * inv as e4m3."""
+def _store_kv(dst, x, inv, live, QUANT: tl.constexpr):
+    """Store part of a head of K or V (`live`: its lanes): as is, or (QUANT, `dst` bytes of an FP8
+    cache) x * inv as e4m3."""
     if QUANT:
-        tl.store(dst, e4m3_bits(x.to(tl.float32) * inv).to(tl.uint8))
+        tl.store(dst, e4m3_bits(x.to(tl.float32) * inv).to(tl.uint8), mask=live)
     else:
-        tl.store(dst, x)
+        tl.store(dst, x, mask=live)
 
 
 @triton.jit
 def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh, k_inv, v_inv,
-                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
-    """Program (token, head of q|k|v): rotate q and k in place; write k and v to the cache."""
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+                PASS: tl.constexpr, QUANT: tl.constexpr):
+    """Program (token, head of q|k|v): rotate the first R dims of q and k in place (rotate_half over
+    R; HALF = next power of two of R / 2 lanes) and write k and v to the cache; dims R..D of q and k
+    pass through (PASS lanes, 0 when R == D)."""
     t, j = tl.program_id(0), tl.program_id(1)
-    half = tl.arange(0, D // 2)
     base = QKV + t * stride_t + j * D
-    x1 = tl.load(base + half)
-    x2 = tl.load(base + D // 2 + half)
     slot = tl.load(SLOT + t)
     if j < H + KVH:
+        half = tl.arange(0, HALF)
+        live = half < R // 2
+        x1 = tl.load(base + half, mask=live, other=0.0)
+        x2 = tl.load(base + R // 2 + half, mask=live, other=0.0)
         dt = x1.dtype
-        c1 = tl.load(COS + t * stride_c + half).to(tl.float32)
-        c2 = tl.load(COS + t * stride_c + D // 2 + half).to(tl.float32)
-        s1 = tl.load(SIN + t * stride_c + half).to(tl.float32)  # signed: rotate_half's minus folded in
-        s2 = tl.load(SIN + t * stride_c + D // 2 + half).to(tl.float32)
+        c1 = tl.load(COS + t * stride_c + half, mask=live, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + t * stride_c + R // 2 + half, mask=live, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + t * stride_c + half, mask=live, other=0.0).to(tl.float32)  # signed: rotate_half's minus
+        s2 = tl.load(SIN + t * stride_c + R // 2 + half, mask=live, other=0.0).to(tl.float32)
         a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
         b1 = (x2.to(tl.float32) * s1).to(dt).to(tl.float32)
         a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
         b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
         y1 = (a1 + b1).to(dt)
         y2 = (a2 + b2).to(dt)
-        tl.store(base + half, y1)  # q and k rotated in place (a dense prefill reads k from here)
-        tl.store(base + D // 2 + half, y2)
+        tl.store(base + half, y1, mask=live)  # q and k rotated in place (a dense prefill reads k from here)
+        tl.store(base + R // 2 + half, y2, mask=live)
         if j >= H and slot >= 0:
             dst = K + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H) * stride_kh
-            _store_kv(dst + half, y1, k_inv, QUANT)
-            _store_kv(dst + D // 2 + half, y2, k_inv, QUANT)
+            _store_kv(dst + half, y1, k_inv, live, QUANT)
+            _store_kv(dst + R // 2 + half, y2, k_inv, live, QUANT)
+            if PASS > 0:  # a partial rotary factor: the unrotated dims of k as they are
+                rest = R + tl.arange(0, PASS)
+                kept = rest < D
+                _store_kv(dst + rest, tl.load(base + rest, mask=kept, other=0.0), k_inv, kept, QUANT)
     elif slot >= 0:
+        half = tl.arange(0, D // 2)
+        live = half < D // 2
         dst = V + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H - KVH) * stride_kh
-        _store_kv(dst + half, x1, v_inv, QUANT)
-        _store_kv(dst + D // 2 + half, x2, v_inv, QUANT)
+        _store_kv(dst + half, tl.load(base + half), v_inv, live, QUANT)
+        _store_kv(dst + D // 2 + half, tl.load(base + D // 2 + half), v_inv, live, QUANT)
 
 
 def _block(n: int) -> int:
@@ -145,10 +157,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor, num_heads: int,
                num_kv_heads: int, k_inv: float = 1.0, v_inv: float = 1.0) -> None:
-    """qkv [T, H + 2 KVH, D] (heads contiguous): q and k rotated in place, k and v written to the
-    cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin [T, D]. An FP8
-    cache gets e4m3(k * k_inv) and e4m3(v * v_inv) (the inverses of the layer's scales)."""
+    """qkv [T, H + 2 KVH, D] (heads contiguous): the first R dims of q and k rotated in place, k and v
+    written to the cache at (slot[t], offset[t]) (int32; slot -1: padding, not written). cos, sin
+    [T, R] (R <= D, even: a partial rotary factor rotates R < D dims). An FP8 cache gets
+    e4m3(k * k_inv) and e4m3(v * v_inv) (the inverses of the layer's scales)."""
     t, heads, d = qkv.shape
+    r = cos.shape[1]
     if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride():
         raise ValueError("rope_write needs heads laid out contiguously and K, V views with equal strides")
     ks, kt, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -156,7 +170,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
     if quant:  # the codes are computed in the kernel and stored as bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_write[(t, heads)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0),
-                            ks, kt, kh, k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, QUANT=quant, num_warps=1)
+                            ks, kt, kh, k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, R=r,
+                            HALF=_block(r // 2), PASS=_block(d - r) if r < d else 0, QUANT=quant, num_warps=1)
 
 
 def _warps(n: int) -> int:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3).
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5).
 
 `parse_moe` (config.py) reads a config.json's experts into a `MoESpec` (`ModelSpec.moe`; None for a
 dense model); `build_moe` (block.py) loads one sparse layer's `MoEBlock` by HF tensor names; the

@@ -6,6 +6,7 @@ pdserve does not implement. The router is transformers' for each family:
 - DeepSeek-V2: softmax; `topk_method` greedy or group_limited_greedy; weights x `routed_scaling_factor`.
 - DeepSeek-V3 (noaux_tc): sigmoid; experts chosen by score + `e_score_correction_bias` inside the
   best `topk_group` groups, weighted by their plain scores, renormalised, x `routed_scaling_factor`.
+  GLM-4.5 (Glm4Moe) routes the same way (transformers' Glm4MoeTopkRouter is DeepSeek-V3's).
 Sparse layers: Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's `first_k_dense_replace`
 (`moe_layer_freq` must be 1: transformers ignores it). Training-only keys and DeepSeek's `ep_size`
 (a deployment choice) change nothing at inference and are ignored.
@@ -102,8 +103,8 @@ def parse_moe(raw: dict[str, Any], cfg: Any, architecture: str, model_dir: Path)
         return _mixtral(keys)
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return _qwen(keys, shared=architecture == "Qwen2MoeForCausalLM")
-    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        return _deepseek(keys, v3=architecture == "DeepseekV3ForCausalLM")
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):
+        return _deepseek(keys, v3=architecture != "DeepseekV2ForCausalLM")
     return None
 
 
@@ -147,7 +148,7 @@ def _deepseek(keys: _Keys, *, v3: bool) -> MoESpec:
     num, top_k = _experts(keys, "n_routed_experts", "num_local_experts", "num_experts")
     scoring = keys.get("scoring_func", default="sigmoid" if v3 else "softmax")
     if scoring != ("sigmoid" if v3 else "softmax"):
-        raise keys.refuse("scoring_func", scoring, f"DeepSeek-V{3 if v3 else 2} scores experts with "
+        raise keys.refuse("scoring_func", scoring, f"this architecture scores experts with "
                           f"{'sigmoid' if v3 else 'softmax'} (transformers' math; no other is supported)")
     method = keys.get("topk_method", default="noaux_tc" if v3 else "greedy")
     allowed = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
