@@ -100,7 +100,7 @@ def make_prompts(args: argparse.Namespace, n: int) -> list[str] | list[list[int]
 
 def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     config, overrides = VARIANTS[name]
-    overrides = {**overrides, "model": args.model, "max_seq_len": 2048}
+    overrides = {"dtype": args.dtype, **overrides, "model": args.model, "max_seq_len": 2048}
     if args.kv_max_tokens:  # two servers of a large model on one GPU: a bounded pool each
         overrides["kv_cache_config"] = {"max_tokens": args.kv_max_tokens}
     (tmp / name).mkdir()
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--kv-max-tokens", type=int, default=0,
                         help="each server's KV pool in tokens (0: sized from free memory)")
+    parser.add_argument("--dtype", default="bfloat16", help="the servers' dtype where the variant names none")
     parser.add_argument("--token-prompts", action="store_true",
                         help="prompts of random token ids (a model directory's tokenizer), as the load benchmarks")
     parser.add_argument("--keep-logs", type=int, default=0, help="print the last N characters of each log")
