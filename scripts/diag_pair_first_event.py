@@ -37,6 +37,10 @@ VARIANTS = {
     "off_thread": ("disagg.yaml", {"gpu_share": "off", "engine_process": False}),
     "off_nographs": ("disagg.yaml", {"gpu_share": "off", "cuda_graphs": False}),
     "off_process": ("disagg.yaml", {"gpu_share": "off", "engine_process": True}),
+    "mps100": ("disagg.yaml", {"gpu_share": 100}),  # both servers under MPS, no SM limit
+    "auto_nographs": ("disagg.yaml", {"gpu_share": "auto", "cuda_graphs": False}),
+    "auto_torch": ("disagg.yaml", {"gpu_share": "auto", "kernels": "torch"}),  # no Triton kernels
+    "share60": ("disagg.yaml", {"gpu_share": 60}),  # both servers limited to 60% of the SMs
 }
 
 
@@ -69,6 +73,13 @@ def event_trace(url: str, prompt: str | list[int], max_tokens: int, first: int =
                     [(c.get("text"), c.get("finish_reason")) for c in json.loads(data).get("choices") or []])
                 trace.append(f"{1000 * (time.perf_counter() - start):.1f} ms {brief}")
     return trace
+
+
+def first_logprobs(url: str, prompt: str, tokens: int = 4) -> list:
+    """The top-3 logprobs of a short greedy completion's first tokens (NaN or -inf show a broken forward)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return (choice.get("logprobs") or {}).get("top_logprobs") or []
 
 
 def histogram_means(url: str) -> dict[str, float]:
@@ -118,6 +129,7 @@ def run_variant(name: str, args: argparse.Namespace, tmp: Path) -> dict:
             for url in urls:
                 out[role] = {k: round(v, 2) for k, v in histogram_means(url).items()}
         out["texts"] = deploy_harness.greedy_texts(dep.url, PROMPTS, 16)
+        out["first_logprobs"] = first_logprobs(dep.url, PROMPTS[0])
         print(json.dumps(out), flush=True)
         if args.keep_logs:
             for log in sorted(dep.log_dir.glob("*.log")):

@@ -381,6 +381,10 @@ def _check_mps_env(cfg: ServerConfig, source: str, origin) -> None:
     """`gpu_share` sets the CUDA MPS variables; `env` may set them only when it is off (MPS run by hand)."""
     if cfg.gpu_share == "off":
         return
+    if isinstance(cfg.gpu_share, int) and cfg.gpu_share < 100:
+        raise ConfigError(f"{source}: {'.'.join(origin(['gpu_share']))}: an SM cap below 100 is refused: under "
+                          f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={cfg.gpu_share} an H100 computed NaN logits "
+                          "(docs/GPU.md); use auto (CUDA MPS without a cap), 100 or off")
     for name in MPS_ENV:
         if name in cfg.env:
             how = "give the share as gpu_share: <percent>" if name == MPS_ENV[0] else "the launcher's daemon sets it"

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from server.config.schema import ServerConfig
 
-# The split measured best for a context and a generation server on one H200 (docs/DISAGG_LOAD.md):
-# the context server capped at 60% of the SMs, the generation server free to use all of them
-# (40% for the context server starved the prompts: TTFT p50 3.4x aggregated).
-CONTEXT_SM_PERCENT = 60
-GENERATION_SM_PERCENT = 100  # generation and aggregated servers
+# No server is capped: on an H100 (CUDA 13, torch 2.11; docs/GPU.md, 2026-12-07) a context server
+# under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 computed NaN logits for an 8B-shaped bf16 model (torch's
+# own kernels too, not only pdserve's Triton ones), while both servers under MPS at 100% gave the
+# plain pair's text. So `auto` runs the servers under MPS without a cap, and a number below 100 is
+# refused (server/config/schema.py).
+SM_PERCENT = 100  # every sharing server's, unless it gives its own
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -40,7 +41,7 @@ class GpuSharePlan:
         return next((g.percent[name] for g in self.groups if name in g.percent), None)
 
     def describe(self) -> str:
-        """`context-0 (60%) and generation-0 (100%) on GPU 0`, each group's, joined by `; `."""
+        """`context-0 (100%) and generation-0 (100%) on GPU 0`, each group's, joined by `; `."""
         return "; ".join(
             f"{_and([f'{name} ({pct}%)' for name, pct in g.percent.items()])} on GPU {','.join(g.gpus)}"
             for g in self.groups)
@@ -93,7 +94,7 @@ def _shared(names: list[str], used: dict[str, tuple[str, ...]],
 def _percent(server: ServerConfig) -> int:
     if isinstance(server.gpu_share, int):
         return server.gpu_share
-    return CONTEXT_SM_PERCENT if server.role == "context" else GENERATION_SM_PERCENT
+    return SM_PERCENT
 
 
 def _and(items: list[str]) -> str:

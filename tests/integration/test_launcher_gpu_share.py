@@ -48,7 +48,7 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
     proc, out = start_runner(setup, {})
     try:
         wait_ready(proc, out)
-        assert mps_lines(log_dir / "context-0.log") == [f"{pipe} {mps_log} 60"]
+        assert mps_lines(log_dir / "context-0.log") == [f"{pipe} {mps_log} 100"]
         assert mps_lines(log_dir / "generation-0.log") == [f"{pipe} {mps_log} 100"]
         assert mps_lines(log_dir / "router.log") == ["- - -"]
         assert (pipe / "nvidia-cuda-mps-control.pid").exists()
@@ -58,10 +58,10 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
         proc.kill()
     text = out.read_text()
     assert text.count("gpu_share:") == 1
-    assert (f"gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0 under CUDA MPS (its daemon: "
+    assert (f"gpu_share: context-0 (100%) and generation-0 (100%) on GPU 0 under CUDA MPS (its daemon: "
             f"CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control)") in text
-    assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(60% of the SMs\)", text)
-    assert (f"CUDA_MPS_PIPE_DIRECTORY={pipe} CUDA_MPS_LOG_DIRECTORY={mps_log} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 "
+    assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(100% of the SMs\)", text)
+    assert (f"CUDA_MPS_PIPE_DIRECTORY={pipe} CUDA_MPS_LOG_DIRECTORY={mps_log} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 "
             f"{pdserve_program()} serve --config") in text  # the command that starts context-0 again by hand
     assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]
     assert not (pipe / "nvidia-cuda-mps-control.pid").exists()
@@ -75,8 +75,9 @@ def test_a_restarted_server_keeps_the_daemon_and_its_share(shared):
         wait_ready(proc, out)
         wait_until(lambda: "context-0 is back: healthy" in out.read_text(), 30, "the restart")
         pipe, mps_log = setup[2] / "mps" / "pipe", setup[2] / "mps" / "log"
-        assert mps_lines(setup[2] / "context-0.log") == [f"{pipe} {mps_log} 60"] * 2
-        assert len(re.findall(r"started context-0 \(pid \d+\) under CUDA MPS \(60% of the SMs\)", out.read_text())) == 2
+        assert mps_lines(setup[2] / "context-0.log") == [f"{pipe} {mps_log} 100"] * 2
+        started = r"started context-0 \(pid \d+\) under CUDA MPS \(100% of the SMs\)"
+        assert len(re.findall(started, out.read_text())) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
@@ -97,7 +98,7 @@ def test_without_the_daemon_the_pair_starts_plainly_and_one_line_says_why(shared
     tools.set_mode("fail-start")
     assert run_inline(setup, {"router": ["--exit-after", "0.3", "--code", "0"]}) == 1
     said = [line for line in capsys.readouterr().out.splitlines() if "gpu_share" in line or "MPS" in line]
-    assert said == ["[pdserve launch] gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0: no CUDA MPS, the "
+    assert said == ["[pdserve launch] gpu_share: context-0 (100%) and generation-0 (100%) on GPU 0: no CUDA MPS, the "
                     "servers time-slice the GPU: `nvidia-cuda-mps-control -d` failed with exit code 1: An instance of "
                     "this daemon is already running"]
     assert mps_lines(setup[2] / "context-0.log") == ["- - -"]
@@ -131,6 +132,6 @@ def test_pdserve_launch_on_the_cpu(short_tmp, device):
         assert environs == {"context-0": {}, "generation-0": {}}
     else:
         mps = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(log)}
-        assert environs == {"context-0": {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"},
+        assert environs == {"context-0": {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"},
                             "generation-0": {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}}
         assert [c.split()[0] for c in tools.calls()] == ["-d", "get_default_active_thread_percentage", "quit"]

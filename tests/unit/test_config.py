@@ -283,9 +283,9 @@ def test_serve_command_line_names_a_server_of_the_deployment(tmp_path, capsys, a
 def test_gpu_share_is_inherited_and_sections_override_it(tmp_path):
     cfg = load_deployment(write(tmp_path, disagg()))
     assert [s.gpu_share for s in cfg.servers] == ["auto", "auto"]
-    data = disagg(gpu_share=80)
-    data["context_servers"]["gpu_share"] = 55
-    assert [s.gpu_share for s in load_deployment(write(tmp_path, data)).servers] == [55, 80]
+    data = disagg(gpu_share="off")
+    data["context_servers"]["gpu_share"] = 100
+    assert [s.gpu_share for s in load_deployment(write(tmp_path, data)).servers] == [100, "off"]
 
 
 def test_yaml_on_and_off_are_words_for_gpu_share_and_kv_stream(tmp_path):

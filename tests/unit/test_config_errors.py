@@ -103,6 +103,8 @@ CASES = [
     ("speculative.method", "draft_model", "speculative.draft_model: required when method is draft_model"),
     ("context_servers.gpu_share", 0,
      "context_servers.gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 0"),
+    ("gpu_share", 60, "gpu_share: an SM cap below 100 is refused: under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 an "
+     "H100 computed NaN logits (docs/GPU.md); use auto (CUDA MPS without a cap), 100 or off"),
     ("gpu_share", 101, "gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 101"),
     ("generation_servers.gpu_share", "mps",
      "generation_servers.gpu_share: must be auto, off or a percent of the GPU's SMs (1..100), got 'mps'"),
