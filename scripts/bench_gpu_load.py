@@ -295,7 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
     p.add_argument("--disagg-variants", default="plain", help="d: plain and/or mps (the pair under CUDA MPS, "
                    "the context server's SM share --context-sm-pct), comma-separated")
-    p.add_argument("--context-sm-pct", type=int, default=50, help="d with mps: the context server's gpu_share")
+    p.add_argument("--context-sm-pct", type=int, default=100,
+                   help="d with mps: the context server's gpu_share (a cap below 100 is refused)")
     p.add_argument("--profile-agg", action="store_true", help="py-spy the aggregated server (agg-py-spy.txt)")
     p.add_argument("--client-procs", type=int, default=default_procs())
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",

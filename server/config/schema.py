@@ -111,8 +111,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     context_urls: tuple[HostPort, ...] = ()
     # extra environment of this server's process under `pdserve launch` (CUDA_VISIBLE_DEVICES, ...)
     env: dict[str, str] = {}  # checked and made strings by _env (YAML writes `CUDA_VISIBLE_DEVICES: 0`)
-    # this server's percent of the SMs of a GPU it shares under CUDA MPS (docs/DEPLOY.md,
-    # server/deploy/gpu_share.py); off: never under MPS
+    # this server's percent of the SMs of a GPU it shares under CUDA MPS, 100 (a cap below is refused,
+    # docs/DEPLOY.md; server/deploy/gpu_share.py); off: never under MPS
     gpu_share: GpuShare = "auto"
     role: Role = "aggregated"  # set by the section (a deployment) or `--role`, never in the file
 

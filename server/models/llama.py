@@ -121,18 +121,21 @@ class LlamaModel(DecoderStack):
 
 
 class _WeightTable:
-    """HF tensor names -> tensors; tracks which were used so leftovers are reported."""
+    """HF tensor names -> tensors, taken out of the caller's dict as the model takes them: a part
+    fused into another tensor (q|k|v, gate|up, stacked experts) is freed as soon as it is fused, so
+    loading holds one layer's copies at a time beside the KV pool, not the whole model's. What is
+    left at the end is reported."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight]) -> None:
         self.spec = spec
-        self.tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
-        self.used: set[str] = set()
+        for name in [k for k in tensors if k.endswith(_IGNORED_SUFFIXES)]:
+            del tensors[name]
+        self.tensors = tensors
 
     def take(self, name: str) -> Weight:
         if name not in self.tensors:
             raise ValueError(f"model {self.spec.model_dir}: weight {name!r} is missing")
-        self.used.add(name)
-        return self.tensors[name]
+        return self.tensors.pop(name)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -149,7 +152,7 @@ class _WeightTable:
                          "(and tie_word_embeddings is false)")
 
     def check_all_used(self) -> None:
-        extra = sorted(set(self.tensors) - self.used)
+        extra = sorted(self.tensors)
         if extra:
             raise ValueError(f"model {self.spec.model_dir}: unexpected weights {extra[:8]} "
                              f"({len(extra)} in all) for {self.spec.architecture}")

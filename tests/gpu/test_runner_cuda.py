@@ -110,8 +110,10 @@ def test_bfloat16_agreement_with_hf_bfloat16(model_dirs: dict[str, Path], name: 
         # A MoE model turns a rounding difference into another expert where two gate scores nearly tie:
         # up to 0.165 seen on the H100 (2026-12-06, Triton path, the same with the torch experts in
         # place of the fused ones: attention's rounding, not the experts'; torch path <= 0.027)
-        # DeepSeek's layers 1-3 are MoE layers too, on both paths (its gate in float32, as transformers')
-        bound = 0.25 if (name in MOE_MODELS and kernels == "triton") or name in MLA_MODELS else 5e-2
+        # DeepSeek's layers 1-3 are MoE layers too, on both paths (its gate in float32, as transformers'),
+        # and GLM-4.5's, with the same gate (0.184 seen on the torch path, H100, 2026-12-07)
+        float32_gate = name in MLA_MODELS or name == "tiny-glm4-moe"
+        bound = 0.25 if (name in MOE_MODELS and kernels == "triton") or float32_gate else 5e-2
         assert error < bound, f"prompt {i}: prefill logits differ from HF bf16 by {error:.3g} (relative L2)"
     print(f"\n{name} {kernels} graphs={graphs} bf16: greedy tokens equal to HF bf16 before the first "
           f"divergence: {matched} of {BF16_TOKENS}")

@@ -79,3 +79,33 @@ def test_rope_equals_hf_on_q_and_k(tmp_path: Path, rope: dict, family: str) -> N
     hf_q, hf_k = modeling.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     assert torch.equal(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
     assert torch.equal(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-moe", "tiny-deepseek-v3"])
+def test_building_the_model_takes_every_loaded_tensor_out_of_the_dict(name: str) -> None:
+    """The unfused parts (q, k, v; gate, up; each expert) must not outlive their fused tensors: on a
+    GPU the KV pool is sized before the model is built, and an 8B model's parts held to the end
+    (~9 GB beside the pool) ran an 80 GB H100 out of memory at load."""
+    from kvcache.config import KvCacheConfig
+    from server.models.builtin import materialize_builtin
+    from server.models.runner import ModelRunner, load_weights
+
+    model_dir = materialize_builtin(name)
+    spec = load_spec(model_dir)
+    weights = load_weights(spec, torch.float32, torch.device("cpu"))
+    assert len(weights) > 10
+    kv = KVCacheManager(KvCacheConfig(max_tokens=256, tokens_per_block=16),
+                        spec.cache_layout(128, torch.float32, "cpu"))
+    runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=64,
+                         max_batch_size=2, tensors=weights, kernels="torch")
+    assert weights == {} and runner.model is not None
+
+
+def test_a_weight_the_model_does_not_use_is_still_refused(tmp_path: Path) -> None:
+    from server.models.builtin import materialize_builtin
+    from server.models.llama import _WeightTable
+
+    table = _WeightTable(load_spec(materialize_builtin("tiny-llama")), {"a": torch.zeros(1), "b": torch.zeros(1)})
+    assert table.take("a") is not None and not table.has("a")
+    with pytest.raises(ValueError, match=r"unexpected weights \['b'\]"):
+        table.check_all_used()
