@@ -13,8 +13,7 @@ from msgspec import Meta
 
 from server.config.yaml_io import ConfigError
 from server.router.auth import API_KEYS_ENV, DEFAULT_OPEN_PATHS, RouterAccess
-from server.router.policies import POLICIES, ScoreWeights
-from server.router.queue import QueueLimits
+from server.router.settings import POLICIES, QueueLimits, ScoreWeights
 
 Weight = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from kvcache import Level, block_hashes, request_salt
+from kvcache import block_hashes, request_salt
 from server.router.backends import Backend
+from server.router.settings import ScoreWeights
 
 Backends = Sequence[Backend]
 PromptTokens = Callable[[], Sequence[int] | None]  # lazily tokenised prompt (only the kv policies ask)
+DEFAULT_WEIGHTS = ScoreWeights()
 
 
 class Prompt:
@@ -93,25 +94,12 @@ class LoadBalancing(RoundRobin):
         return super()._choose([b for b in candidates if b.active == least], prompt)
 
 
-@dataclass(frozen=True)
-class ScoreWeights:
-    """kv_cache_aware's weights (router.kv_weights, router.load_weight)."""
-
-    primary: float = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
-    secondary: float = 0.75  # a block on the host tier: onboarded (copied back) before reuse
-    load: float = 1.0  # per token the server still has to compute for the router's legs in flight
-    disk: float = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
-
-    def tier(self, level: int) -> float:
-        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
-
-
 class KvCacheAware(RoundRobin):
     """The highest tier-weighted hit minus load (module docstring); among equals the fewest legs in
     flight, then round robin (its turn moves only when there is a choice, so that requests which go
     where their prefix is do not skew the turns of those that may go anywhere)."""
 
-    def __init__(self, weights: ScoreWeights = ScoreWeights()) -> None:
+    def __init__(self, weights: ScoreWeights = DEFAULT_WEIGHTS) -> None:
         super().__init__()
         self.weights = weights
 
@@ -129,10 +117,7 @@ class KvCacheAware(RoundRobin):
         return tied[0] if len(tied) == 1 else super()._choose(tied, prompt)
 
 
-POLICIES = ("round_robin", "load_balancing", "kv_cache_aware")
-
-
-def make_policy(name: str, weights: ScoreWeights = ScoreWeights()) -> RoundRobin:
+def make_policy(name: str, weights: ScoreWeights = DEFAULT_WEIGHTS) -> RoundRobin:
     if name == "kv_cache_aware":
         return KvCacheAware(weights)
     return {"round_robin": RoundRobin, "load_balancing": LoadBalancing}[name]()

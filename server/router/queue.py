@@ -11,27 +11,17 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Annotated
 
-import msgspec
-from msgspec import Meta
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from server.openai.errors import error_body
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.policies import Backends, PromptTokens, RoundRobin, available, hit_tokens, prompt_length
+from server.router.settings import QueueLimits
 
 RECHECK_S = 0.5  # a waiting leg looks again this often (a fenced server may have come back)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`router.queue` of the deployment YAML."""
-
-    max_inflight_per_server: Annotated[int, Meta(ge=0)] = 64  # 0: a server is never saturated
-    max_waiting: Annotated[int, Meta(ge=0)] = 1024
-    timeout_s: Annotated[float, Meta(ge=0)] = 60.0
 
 
 class Booking:

@@ -3,15 +3,24 @@ router with the real `openai` client, and a 2 + 2 deployment under each routing 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import deploy_harness as dh
 import hf_reference
 import openai
 import pytest
+import yaml
 from waiting import wait_until
 
+from server.deploy.launcher import wait_for_health
 from server.models.builtin import resolve_model
 
 FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "
+TOKEN = "disagg-modes-test-token-0123456789"  # the 2 + 2 deployment's, so that a router of the test's joins it
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -117,16 +126,49 @@ def test_sigterm_stops_every_process_and_frees_every_port(pair):
             s.listen()
 
 
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory) -> Iterator[dh.Deployment]:
+    """configs/disagg_2x2.yaml, launched once with a known token: each policy's test runs a router of
+    its own (`pdserve router`) in front of the same four servers."""
+    with dh.launched("disagg_2x2.yaml", tmp_path_factory.mktemp("2x2"), {"cache_transceiver_config": {
+            "auth_token": TOKEN}}) as dep:
+        yield dep
+
+
+@contextmanager
+def router(dep: dh.Deployment, tmp: Path, policy: str) -> Iterator[str]:
+    """`pdserve router` for `dep`'s servers under `policy`, on a port of its own; yields its URL."""
+    cfg = {**dep.config, "port": dh.free_port(), "router": {**dep.config["router"], "type": policy}}
+    path = tmp / f"router-{policy}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    url = f"http://127.0.0.1:{cfg['port']}"
+    with open(tmp / f"router-{policy}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "router", "--config", str(path)], cwd=dh.ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if not wait_for_health(url, dh.STARTUP_TIMEOUT_S, lambda: proc.poll() is None, interval_s=0.3):
+            raise AssertionError(f"router not healthy:\n{(tmp / f'router-{policy}.log').read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("policy", ["load_balancing", "round_robin"])  # kv_cache_aware:
 # tests/integration/test_routing_live.py
-def test_two_by_two_deployment(tmp_path, policy):
+def test_two_by_two_deployment(two_by_two, tmp_path, policy):
+    """The servers are shared by both policies' tests: the texts are exact whatever their caches hold,
+    and the work each context server took is counted from this test's start."""
     model = "builtin:tiny-llama"
     prompts = [f"Topic: {t}. " + FILLER * 3 for t in ("maps", "clocks", "lamps")]
     expected = [_hf_text(model, p, 12) for p in prompts]
-    with dh.launched("disagg_2x2.yaml", tmp_path, {"router": {"type": policy}}) as dep:
-        client = _client(dep.url)
+    dep = two_by_two
+    before = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
+    with router(dep, tmp_path, policy) as url:
+        client = _client(url)
         assert [_complete(client, model, p, 12).choices[0].text for p in prompts] == expected
         replays = [_complete(client, model, p, 12) for p in prompts for _ in range(2)]
         assert [r.choices[0].text for r in replays] == [e for e in expected for _ in range(2)]
-        served = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
-        assert all(s > 0 for s in served), served  # both context servers took work
+    after = [dep.metric(u, "pdserve_generation_tokens_total") for u in dep.context_urls]
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(s > 0 for s in served), served  # both context servers took work

@@ -53,6 +53,8 @@ def _in_use(deployment: dh.Deployment, url: str) -> float:
 
 
 LLAMA, DEEPSEEK_V3 = "builtin:tiny-llama", "builtin:tiny-deepseek-v3"
+BLOCK_BYTES = 32 * 2048  # tiny-llama: 32 tokens x 2 KiB per token (4 layers, K and V, 2 heads x 32)
+FIRST_PASS_BLOCKS = 44  # the blocks the first pass (the six prompts one by one, cold caches) sends for tiny-llama
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,16 @@ def reference_texts(references) -> list[str]:
 
 
 def _replay(dep: dh.Deployment, reference_texts: list[str]) -> None:
+    _first_pass(dep, reference_texts)
+    _replays(dep, reference_texts)
+
+
+def _first_pass(dep: dh.Deployment, reference_texts: list[str]) -> None:
     first = asyncio.run(_serial(dep.url))
     assert [b["choices"][0]["text"] for b in first] == reference_texts
+
+
+def _replays(dep: dh.Deployment, reference_texts: list[str]) -> None:
     for _ in range(5):
         replay = asyncio.run(_concurrent(dep.url))
         assert [b["choices"][0]["text"] for b in replay] == reference_texts
@@ -114,8 +124,13 @@ def test_replay_through_host_offload_pair_with_streamed_kv(tmp_path, references,
 
 
 def test_replay_through_host_offload_pair(tmp_path, reference_texts):
+    """The float32 KV moves as it is: the first pass sends FIRST_PASS_BLOCKS whole blocks of 2 KiB a
+    token (an FP8 pair sends a quarter of it: tests/integration/test_fp8_kv_deploy.py)."""
     with dh.launched("disagg_host_offload.yaml", tmp_path) as dep:
-        _replay(dep, reference_texts)
+        _first_pass(dep, reference_texts)
+        sent = dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_bytes_total")
+        assert sent == FIRST_PASS_BLOCKS * BLOCK_BYTES
+        _replays(dep, reference_texts)
         ctx = dep.context_urls[0]
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
@@ -123,7 +138,6 @@ def test_replay_through_host_offload_pair(tmp_path, reference_texts):
             wait_until(lambda u=url: _in_use(dep, u) == 0, 10, what=f"no block in use on {url}")
 
 
-BLOCK_BYTES = 32 * 2048  # tiny-llama: 32 tokens x 2 KiB per token (4 layers, K and V, 2 heads x 32)
 
 
 def test_replay_through_host_and_disk_tiers(tmp_path, reference_texts):

@@ -3,7 +3,8 @@
 - The host-offload pair of test_disagg_replay.py, FP8 on both sides: six prompts one by one, then
   five times all six at once; every text equals the FP8 aggregated server's, although blocks were
   offloaded to the host tier and onboarded again before they were sent. The pair moves the blocks
-  as they are: the first pass's transfer bytes are a quarter of the same pass through a float32 pair.
+  as they are: the first pass sends the same blocks as the float32 pair of test_disagg_replay.py
+  (FIRST_PASS_BLOCKS, measured there at 2 KiB a token), each a quarter of the size.
 - The disk tier: an FP8 server's blocks go down to files; a restart with the same format finds them
   again and answers the same texts; a restart of a float32 cache on the same directory serves none
   of them (another dtype: the files are ignored) and answers transformers' texts.
@@ -16,7 +17,7 @@ import asyncio
 import deploy_harness as dh
 import hf_reference
 import pytest
-from test_disagg_replay import _concurrent, _serial
+from test_disagg_replay import FIRST_PASS_BLOCKS, _concurrent, _serial
 from test_disk_tier_restart import PROMPTS as DISK_PROMPTS
 from test_disk_tier_restart import _serial as disk_serial
 from transformers import AutoTokenizer
@@ -40,19 +41,14 @@ def fp8_reference(tmp_path_factory) -> list[str]:
         return _texts(asyncio.run(_serial(agg.url)))
 
 
-def _first_pass_bytes(dep: dh.Deployment, reference: list[str] | None) -> float:
+def _first_pass_bytes(dep: dh.Deployment, reference: list[str]) -> float:
     first = asyncio.run(_serial(dep.url))
-    if reference is not None:
-        assert _texts(first) == reference
+    assert _texts(first) == reference
     return dep.metric(dep.generation_urls[0], "pdserve_kv_transfer_bytes_total")
 
 
 def test_an_fp8_pair_equals_the_fp8_aggregated_server_through_host_offload(tmp_path, fp8_reference):
-    (tmp_path / "fp32").mkdir()
-    (tmp_path / "fp8").mkdir()
-    with dh.launched("disagg_host_offload.yaml", tmp_path / "fp32") as dep:
-        fp32_bytes = _first_pass_bytes(dep, None)
-    with dh.launched("disagg_host_offload.yaml", tmp_path / "fp8", FP8_PAIR) as dep:
+    with dh.launched("disagg_host_offload.yaml", tmp_path, FP8_PAIR) as dep:
         fp8_bytes = _first_pass_bytes(dep, fp8_reference)
         for _ in range(5):
             replay = asyncio.run(_concurrent(dep.url))
@@ -61,8 +57,8 @@ def test_an_fp8_pair_equals_the_fp8_aggregated_server_through_host_offload(tmp_p
         ctx = dep.context_urls[0]
         assert dep.metric(ctx, "pdserve_kv_offloaded_blocks_total") > 0
         assert dep.metric(ctx, "pdserve_kv_onboarded_blocks_total") > 0
-    assert fp8_bytes > 0 and fp8_bytes % BLOCK_BYTES["fp8"] == 0
-    assert fp32_bytes == 4 * fp8_bytes
+    assert fp8_bytes == FIRST_PASS_BLOCKS * BLOCK_BYTES["fp8"]  # a quarter of the float32 pair's
+    assert BLOCK_BYTES["float32"] == 4 * BLOCK_BYTES["fp8"]
 
 
 def test_fp8_blocks_on_disk_survive_a_restart_and_another_dtype_never_reads_them(tmp_path):
