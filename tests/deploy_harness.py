@@ -96,8 +96,8 @@ class Deployment:
     def server_pids(self, role: str) -> list[int]:
         """pids of the launcher's children serving `role` (context|generation|router)."""
         pids = []
-        for child in psutil.Process(self.process.pid).children(recursive=True):
-            cmd = " ".join(child.cmdline())
+        for child, argv in live_children(self.process.pid):
+            cmd = " ".join(argv)
             if (role == "router" and " router " in cmd) or f"--server {role}-" in cmd:
                 pids.append(child.pid)
         return pids
@@ -219,10 +219,26 @@ def engine_child(server_pid: int) -> psutil.Process:
     return child
 
 
+def live_children(pid: int) -> list[tuple[psutil.Process, list[str]]]:
+    """(process, argv) of every live descendant of `pid`. A child killed a moment ago stays a zombie
+    until its parent reaps it; it is not running, so it is left out (its argv cannot be read)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            found.append((child, child.cmdline()))
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def server_children(dep: Deployment, name: str) -> list[psutil.Process]:
+    """The launcher's live children named `name` ("context-0", "generation-1", ...)."""
+    return [c for c, argv in live_children(dep.process.pid) if argv[-2:] == ["--server", name]]
+
+
 def server_pids(dep: Deployment, name: str) -> list[int]:
-    """pids of the launcher's child `name` ("context-0", "generation-1", ...): none while it restarts."""
-    return [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
-            if c.cmdline()[-2:] == ["--server", name]]
+    """pids of the launcher's child `name`: none while it restarts."""
+    return [c.pid for c in server_children(dep, name)]
 
 
 def pid_of(dep: Deployment, name: str) -> int:

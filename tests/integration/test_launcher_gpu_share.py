@@ -108,10 +108,7 @@ def test_without_the_daemon_the_pair_starts_plainly_and_one_line_says_why(shared
 # ---- real `pdserve launch` on the CPU ------------------------------------------------------------
 
 def _server_environ(dep: deploy_harness.Deployment, name: str) -> dict[str, str]:
-    import psutil
-
-    [child] = [c for c in psutil.Process(dep.process.pid).children(recursive=True)
-               if c.cmdline()[-2:] == ["--server", name]]
+    [child] = deploy_harness.server_children(dep, name)
     return {k: v for k, v in child.environ().items() if k.startswith("CUDA_MPS_")}
 
 

@@ -36,12 +36,7 @@ def running_on(dep: dh.Deployment) -> str:
 
 def pid_serving(dep: dh.Deployment, url: str) -> int:
     """pid of the launcher's child for generation server `url` (generation-<its index>)."""
-    import psutil
-
-    name = f"generation-{dep.generation_urls.index(url)}"
-    [pid] = [c.pid for c in psutil.Process(dep.process.pid).children(recursive=True)
-             if c.cmdline()[-2:] == ["--server", name]]
-    return pid
+    return dh.pid_of(dep, f"generation-{dep.generation_urls.index(url)}")
 
 
 def stream_and_kill(dep: dh.Deployment, path: str, body: dict, text_of) -> tuple[str, set[str], dict | None]:
