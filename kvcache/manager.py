@@ -106,10 +106,6 @@ class KVCacheManager:
         g = self._layer(layer_idx)
         return g.pools.primary[:, g.layers.index(layer_idx), 0, :, 0]
 
-    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
-        """(k scale, v scale) the layer's blocks are stored with (FP8; (1.0, 1.0) otherwise)."""
-        return self.layout.format.layer_scales(layer_idx)
-
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
         """[num_slots, num_layers_in_group, planes, tpb, kv_heads, head_dim]; None if the level has no slots."""
         return self._group(window).pools.pool(level)

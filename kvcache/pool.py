@@ -124,11 +124,11 @@ class GroupPools:
         slot_shape = layout.format.slot_shape(num_layers, tokens_per_block)
         self.device = layout.device
         # [num_slots, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
-        self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.dtype, device=layout.device)
+        self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.format.dtype, device=layout.device)
         self.secondary: torch.Tensor | None = None
         if num_secondary:
             pin = layout.device.type == "cuda"
-            self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
+            self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.format.dtype, pin_memory=pin)
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
         self._rows = (pool_rows(self.primary), None if self.secondary is None else pool_rows(self.secondary))
         self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None

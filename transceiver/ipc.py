@@ -204,17 +204,6 @@ def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
     return DeviceSum(total, (src, dst))
 
 
-def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
-    """`start_checksum`, waited for."""
-    return start_checksum(pool, slots, first).wait()
-
-
-def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
-               first: int) -> int:
-    """`start_copy`, waited for: returns once the copy has finished, so `src` may change afterwards."""
-    return start_copy(src, src_slots, dst, dst_slots, first).wait()
-
-
 def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
     """What a side says about itself in the handshake: None (bytes only) unless `enabled` and every
     pool is CUDA."""
