@@ -2,20 +2,17 @@
 
 One file per (window group, slot), written whole to a temporary name and renamed over the slot's
 file, so a reader sees a slot's previous file or its new one, never half of one (the format:
-kvcache/disk_format.py). Why one file per block and not a few large files with a slot map: a
-rename is atomic and a crash loses at most the blocks being written, the file system is the slot
-map (nothing else to keep consistent on restart), and a block's bytes are one sequential read.
+kvcache/disk_format.py). One file per block rather than a few large files with a slot map: a rename
+is atomic, a crash loses at most the blocks being written, the file system is the slot map, and a
+block's bytes are one sequential read.
 
-Threads. The engine thread calls every public method. Writes never block it: `write` queues the
-bytes (refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by
-slot so one slot's writes stay in order; a newer write of a slot supersedes a queued one. Until a
-write lands, reads of that slot are answered from (a copy of) its queued bytes. `read_many` reads and
-checks a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read
-still running then counts as failed). hashlib releases the GIL on large buffers, so checks run in
-parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
-reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
-start (kvcache/disk_dir.py).
-"""
+The engine thread calls every public method and never blocks on a write: `write` queues the bytes
+(refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by slot so
+one slot's writes stay in order; a newer write of a slot supersedes a queued one, and until a write
+lands, reads of that slot are answered from a copy of its queued bytes. `read_many` reads and checks
+a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
+running then counts as failed); hashlib releases the GIL on large buffers, so checks run in
+parallel. Payloads move through reused buffers (kvcache/disk_buffers.py says who gives each back)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """KV pools of one window group: the only owner of KV cache tensors in kvcache/.
 
-Each level is one contiguous tensor, slot-major: [num_slots, num_layers, planes, tokens_per_block,
-num_kv_heads, head_dim] (`KVFormat.slot_shape`), so a block moves with one row copy. Both pools
-start zeroed: attention masks unused or out-of-window positions, but 0 * NaN would still be NaN. The
-secondary pool lives in host memory, pinned when the primary pool is on CUDA.
+Each level is one contiguous tensor, slot-major (`KVFormat.slot_shape`), so a block moves with one
+row copy. Both pools start zeroed: attention masks unused positions, but 0 * NaN would still be NaN.
+The secondary pool lives in host memory, pinned when the primary pool is on CUDA.
 
-Copies: `execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side
-gathers and scatters run on the current stream; the host<->device DMAs run on two side streams, one
-per direction (`_TierStreams`), in pieces with an event each, so an admission that offloads evicted
-blocks while it onboards others moves both at once on the GPU's two copy engines. Order is kept
-where it matters: a scatter waits for its onboard DMA; a DMA waits for the gather that staged it; a
-DMA piece that touches a host slot another direction's DMA may still be using waits for that piece
-first. Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU once
-every DMA still using their host rows has finished (`_TierStreams.settle`).
-"""
+`execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side gathers and
+scatters run on the current stream; the host<->device DMAs run on one side stream per direction
+(`_TierStreams`), in pieces with an event each, so offloads and onboards of one admission use the
+GPU's two copy engines at once. Order is kept where it matters: a scatter waits for its onboard DMA;
+a DMA waits for the gather that staged it and for the other direction's DMA pieces of its host
+slots. Host <-> disk copies (kvcache/disk_pool.py) run on the CPU once every DMA still using their
+host rows has finished (`_TierStreams.settle`)."""
 
 from __future__ import annotations
 

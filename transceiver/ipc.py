@@ -4,16 +4,14 @@ The sender exports its primary pools once per receiver handshake (`export_pools`
 thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
 the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
 copies the sender's slots into its own (`start_copy`). Both sides compute `payload.checksum` on the
-device, read once its event has fired (`DeviceSum`), so neither side's thread waits for the device:
-on CUDA single-pass Triton kernels (`kernels.py`, imported only here), else torch.
+device (`DeviceSum`), so neither side's thread waits for it: on CUDA single-pass Triton kernels
+(`kernels.py`, imported only here), else torch. Importing this module needs no CUDA.
 
-One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
-shared-memory file of the sender): the receiver that opened it decrements it when it drops its
-mapping. A sender that exits while a count is above zero prints torch's "Producer process has been
-terminated before all shared CUDA tensors released" warning; with one export per receiver that only
-happens when a receiver really still maps the pools. The pools live as long as the sender's
-process, so the count never delays a free. Importing this module needs no CUDA.
-"""
+One export per receiver because of the ref counter torch attaches to each export (in a shared-memory
+file of the sender): the receiver decrements it when it drops its mapping, and a sender that exits
+while a count is above zero warns "Producer process has been terminated before all shared CUDA
+tensors released"; one export per receiver keeps that warning for a receiver that still maps the
+pools. The pools live as long as the sender's process, so the count never delays a free."""
 
 from __future__ import annotations
 

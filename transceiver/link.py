@@ -113,6 +113,21 @@ class SocketIO:
         return bool(self._pending_deliveries) or any(self._pending_sends.values())
 
 
+class LinkOwner:
+    """What a KV sender or receiver tells /health about its socket thread."""
+
+    _thread: SocketThread
+
+    @property
+    def link_alive(self) -> bool:
+        """False once the socket thread has died: no pull is served or made (the server reports it)."""
+        return self._thread.running
+
+    @property
+    def link_name(self) -> str:
+        return self._thread.name
+
+
 class SocketThread:
     """Runs `handler` on a private thread that owns all its sockets."""
 

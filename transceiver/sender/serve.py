@@ -1,22 +1,18 @@
 """The context side's data path, run by its socket thread: serve pulls from leased slots.
 
-A pull is served as soon as it arrives, whatever the engine thread is doing (a long prefill step
-does not hold up the KV of requests that finished before it). Per pull: check it against the
-lease (`Offered`), then per chunk gather the blocks' primary slots into a staging buffer (or, for
-big CPU blocks, take frames of the pool itself), checksum, send; then Done. Same-GPU pulls
-(`via_ipc`) get the slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side
-stream that first waits for the lease's `ready` event (the prefill, onboard copies), so they never
-wait behind the engine's later kernels, and are queued under `pool_lock`, which the engine holds
-while it exports the pools (`_share_cuda_`).
+A pull is served as soon as it arrives, whatever the engine thread is doing. Per pull: check it
+against the lease (`Offered`), then per chunk gather the blocks' primary slots into a staging buffer
+(or, for big CPU blocks, send frames of the pool itself), checksum, send; then Done. Same-GPU pulls
+(`via_ipc`) get the slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side stream
+that first waits for the lease's `ready` event, so they never wait behind the engine's later
+kernels, and are queued under `pool_lock`, which the engine holds while it exports the pools.
 
-Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or
-the engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still
-out. A lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
-
-Streamed leases (stream.py) are served as far as their blocks are written. Parts of
-tensor-parallel pulls (transceiver/tp.py) ask for some kv heads of each block (`heads`); several
-parts of distinct heads may serve one lease at once, and the generation side's `Release` ends it.
-"""
+Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or the
+engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still out. A
+lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
+Streamed leases (stream.py) are served as far as their blocks are written; parts of tensor-parallel
+pulls (transceiver/tp.py) ask for some kv heads of each block, and the generation side's `Release`
+ends such a lease."""
 
 from __future__ import annotations
 
