@@ -115,7 +115,3 @@ class KVFormat:
         if not self.quantized:
             return ()
         return tuple(self.k_scales[i] for i in layers) + tuple(self.v_scales[i] for i in layers if self.v_scales)
-
-    def describe(self) -> str:
-        what = "latent" if self.latent else f"{self.num_kv_heads} kv heads x {self.head_dim}"
-        return f"{what} {dtype_name(self.dtype)}" + (" with per-layer scales" if self.quantized else "")

@@ -119,7 +119,6 @@ class GroupPools:
     def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
                  num_primary: int, num_secondary: int) -> None:
         slot_shape = layout.format.slot_shape(num_layers, tokens_per_block)
-        self.device = layout.device
         # [num_slots, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
         self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.format.dtype, device=layout.device)
         self.secondary: torch.Tensor | None = None

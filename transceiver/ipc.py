@@ -33,18 +33,6 @@ KERNELS_ENV = "PDSERVE_IPC_KERNELS"  # "torch": the gather/scatter path on CUDA 
 log = logging.getLogger(__name__)
 
 
-def local_identity(device: torch.device) -> PeerIdentity:
-    """This process's machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The GPU's
-    UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
-    handle that still cannot be opened means bytes)."""
-    try:
-        boot_id = BOOT_ID.read_text().strip()
-    except OSError:
-        boot_id = "unknown"
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
-
-
 def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
     """The IPC handle of every window's primary pool (`[num_slots, layers, 2, tpb, heads, dim]`,
     CUDA, contiguous, at the start of its own storage), or None (logged: that receiver gets bytes)."""
@@ -204,7 +192,14 @@ def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
 
 def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
     """What a side says about itself in the handshake: None (bytes only) unless `enabled` and every
-    pool is CUDA."""
+    pool is CUDA, else its machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The
+    GPU's UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
+    handle that still cannot be opened means bytes)."""
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
-    return local_identity(next(iter(pools.values())).device)
+    try:
+        boot_id = BOOT_ID.read_text().strip()
+    except OSError:
+        boot_id = "unknown"
+    uuid = str(torch.cuda.get_device_properties(next(iter(pools.values())).device).uuid)
+    return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
