@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_READS_PER_SOCKET = 64  # messages read from one socket before looking at commands again
 BACKOFF_S = 0.001  # poll timeout while a send or a delivery is held back
+OUTBOX_SIZE = 1024  # commands queued for a socket thread before `submit` blocks
 
 
 def shared_context() -> zmq.Context:
@@ -131,12 +132,12 @@ class LinkOwner:
 class SocketThread:
     """Runs `handler` on a private thread that owns all its sockets."""
 
-    def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256,
-                 outbox_size: int = 1024, tick_s: float = 0.05, notify: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256, tick_s: float = 0.05,
+                 notify: Callable[[], None] | None = None) -> None:
         self._handler = handler
         self._notify = notify
         self._inbox: queue.Queue = queue.Queue(maxsize=inbox_size)
-        self._outbox: queue.Queue = queue.Queue(maxsize=outbox_size)
+        self._outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_SIZE)
         self._early: deque[Any] = deque()  # items `wait` took from the inbox before `drain`
         self._tick_s = tick_s
         self._stop = threading.Event()
