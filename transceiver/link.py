@@ -1,14 +1,12 @@
 """The one ZeroMQ wrapper of pdserve: a thread that owns its sockets, fed through bounded queues.
 
 Every zmq socket is created, used and closed by the `SocketThread` that owns it (zmq sockets are
-not thread-safe). Other threads talk to it only through `submit` (commands, bounded) and `drain`/
-`wait` (delivered items, bounded). All sockets have linger=0; every wait is a poll with a timeout.
-A handler (the protocol side: sender or receiver) reacts to commands, incoming multipart
-messages and ticks, and uses `SocketIO` to send and deliver; a handler with work of its own (the
-sender's outgoing chunks) also has `pump(io) -> float | None`, called on every turn of the loop and
-returning how soon it wants the next call (None: only when something arrives). Handler exceptions are
-logged and never kill the thread.
-"""
+not thread-safe). Other threads talk to it only through `submit` (commands) and `drain`/`wait`
+(delivered items), both bounded. All sockets have linger=0; every wait is a poll with a timeout.
+A handler (the sender's or receiver's protocol) reacts to commands, incoming messages and ticks
+through `SocketIO`; one with work of its own (the sender's chunks) also has `pump(io)`, called on
+every turn and returning how soon it wants the next call (None: when something arrives). Handler
+exceptions are logged and never kill the thread."""
 
 from __future__ import annotations
 
