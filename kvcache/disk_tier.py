@@ -17,7 +17,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvcache.admission import check_capacity, onboard_closure
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager, DiskEntry
 from kvcache.config import KvCacheConfig
@@ -47,7 +46,7 @@ class NoDiskTier:
     def check(self, work: Work) -> int:
         return 0
 
-    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+    def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
         return None
 
     def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
@@ -114,16 +113,12 @@ class DiskTier:
             self._drop(g, b, error.reason, b.hash)
         return len(bad)
 
-    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
-        """Check the files of the disk blocks that bringing `blocks` up needs (they or ancestors),
-        after the capacity check (no file is read for a call that cannot go ahead); KVCacheError when
+    def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
+        """Check the files of the disk blocks among `onboard`, what bringing `blocks` up needs (called
+        after the capacity check: no file is read for a call that cannot go ahead); KVCacheError when
         one failed: it was dropped with its subtree, so a listed block is gone."""
-        onboard, keep = onboard_closure(blocks)
         disk = [b for b in onboard if b.level is Level.DISK]
-        if not disk:
-            return
-        check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
-        if self.check([(g, disk)]):
+        if disk and self.check([(g, disk)]):
             gone = [b.id for b in blocks if b.hash is None and not b.in_use]
             raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
                                f"its check: they were dropped (the KV must be computed again)")
