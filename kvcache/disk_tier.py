@@ -2,13 +2,11 @@
 hits before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its
 null object (kv_cache_config.disk unset), so the facade never asks whether there is one.
 
-A disk block is read back only after its file passed its checks, and those happen before the
-bookkeeping relies on it: `check` reads the files of the disk blocks an admission (or an
-ensure_primary) is about to bring up, in one batch over every window group, stages the good ones'
-bytes for their promotion (kvcache/disk_pool.py) and discards the others with their subtrees
-(BlockManager.discard), so the request computes those tokens instead. Writes happen in the pools'
-copies; a write the queue refused leaves its block without bytes, and `after_flush` drops it.
-"""
+A disk block is read back only after its file passed its checks, before the bookkeeping relies on
+it: `check` reads the files of the disk blocks an admission (or an onboard) is about to bring up,
+in one batch over every window group, stages the good ones' bytes for their promotion
+(kvcache/disk_pool.py) and discards the others with their subtrees, so the request computes those
+tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it."""
 
 from __future__ import annotations
 
