@@ -6,7 +6,8 @@ layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`),
 with what each file must say about its block (`before_copies`). Before rank 0 plans a disk hit in,
 every rank reads and checks the same files (`check`; kvcache/disk_tier.py `PeerCheck`), so a block
 comes up only where every rank has its bytes; a file left from before is read only when rank 0's
-books name it, and a file of another block fails its check."""
+books name it, and a file of another block fails its check.
+"""
 
 from __future__ import annotations
 

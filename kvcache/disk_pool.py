@@ -5,7 +5,8 @@ are copied into the store's buffers now, so the host slots are reused at once, a
 files once the call's copies are done, `queue_writes`; a refused write is listed in `refused` and
 the tier drops its block) or disk -> host (`copy_in`: the bytes were read and checked before the
 block was promoted, `stage`, by kvcache/disk_tier.py). `GroupPools` hands both here in order, after
-any DMA still using those host rows has finished; a call's rows move in one `copy_rows`."""
+any DMA still using those host rows has finished; a call's rows move in one `copy_rows`.
+"""
 
 from __future__ import annotations
 

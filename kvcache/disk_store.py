@@ -12,7 +12,10 @@ one slot's writes stay in order; a newer write of a slot supersedes a queued one
 lands, reads of that slot are answered from a copy of its queued bytes. `read_many` reads and checks
 a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
 running then counts as failed); hashlib releases the GIL on large buffers, so checks run in
-parallel. Payloads move through reused buffers (kvcache/disk_buffers.py says who gives each back)."""
+parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
+reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
+start (kvcache/disk_dir.py).
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ A disk block is read back only after its file passed its checks, before the book
 it: `check` reads the files of the disk blocks an admission (or an onboard) is about to bring up,
 in one batch over every window group, stages the good ones' bytes for their promotion
 (kvcache/disk_pool.py) and discards the others with their subtrees, so the request computes those
-tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it."""
+tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it.
+"""
 
 from __future__ import annotations
 

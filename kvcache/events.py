@@ -5,7 +5,8 @@ engine thread: STORED (a block entered the tree, always PRIMARY), REMOVED (it le
 over for partial reuse), MOVED (a cached block moved to `level`). The sink is `NO_EVENTS` unless
 the owner enables events (`KVCacheManager.drain_events`). Replaying a group's events in order on the
 tree's content before them gives its content after them, level by level: a router's index relies
-on that."""
+on that.
+"""
 
 from __future__ import annotations
 

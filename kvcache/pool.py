@@ -10,7 +10,8 @@ scatters run on the current stream; the host<->device DMAs run on one side strea
 GPU's two copy engines at once. Order is kept where it matters: a scatter waits for its onboard DMA;
 a DMA waits for the gather that staged it and for the other direction's DMA pieces of its host
 slots. Host <-> disk copies (kvcache/disk_pool.py) run on the CPU once every DMA still using their
-host rows has finished (`_TierStreams.settle`)."""
+host rows has finished (`_TierStreams.settle`).
+"""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ One export per receiver because of the ref counter torch attaches to each export
 file of the sender): the receiver decrements it when it drops its mapping, and a sender that exits
 while a count is above zero warns "Producer process has been terminated before all shared CUDA
 tensors released"; one export per receiver keeps that warning for a receiver that still maps the
-pools. The pools live as long as the sender's process, so the count never delays a free."""
+pools. The pools live as long as the sender's process, so the count never delays a free.
+"""
 
 from __future__ import annotations
 

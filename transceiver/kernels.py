@@ -8,7 +8,8 @@ slot_bytes % 8: `kvcache.pool.pool_rows`), which `payload.checksum` weights by p
 and is associative, so the result is bit for bit the torch reference's, in any order.
 
 Imported only for CUDA pools, so the router and the CPU paths never import triton. Without CUDA the
-kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/unit/test_transceiver_kernels.py)."""
+kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/unit/test_transceiver_kernels.py).
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ not thread-safe). Other threads talk to it only through `submit` (commands) and 
 A handler (the sender's or receiver's protocol) reacts to commands, incoming messages and ticks
 through `SocketIO`; one with work of its own (the sender's chunks) also has `pump(io)`, called on
 every turn and returning how soon it wants the next call (None: when something arrives). Handler
-exceptions are logged and never kill the thread."""
+exceptions are logged and never kill the thread.
+"""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ envelope's `version` (`wrong_version`); `fresh`: `ts` within MAX_SKEW_S of now (
 random id not seen within the staleness window (`replayed`), for links whose peers come and go;
 `ordered`: `seq` counts each peer's messages from 1 (`out_of_order`): nothing lost, replayed or
 reordered goes unnoticed (the rank channel); `max_bytes`: a longer header is `malformed` before any
-MAC is computed. A message that fails raises `Rejected`, whose `reason` is a label for counters."""
+MAC is computed. A message that fails raises `Rejected`, whose `reason` is a label for counters.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ of every slot. A generation rank takes each of its heads from the first context 
 (`plan_parts`): where the two ranks hold the same heads the pull moves whole slots; otherwise the
 sender gathers the heads asked for (`gather_heads`) and the receiver writes them among its own
 (`scatter_heads`): context TP=2 -> generation TP=1 merges two halves into each slot, and TP=1 ->
-TP=2 gives each generation rank its half of one sender's slots."""
+TP=2 gives each generation rank its half of one sender's slots.
+"""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ could open them pulls `via_ipc`, answered by `IpcChunk`s (source slots and check
 Fields added for it have defaults, so a peer of the previous version never offers or asks for IPC.
 Tensor parallelism (transceiver/tp.py): each rank's `Layout` names the kv heads it holds, rank 0's
 `InstanceInfo.ranks` lists every rank, a pull of some heads names them (`PullRequest.heads`), and with
-more than one rank on either side the pulls keep the lease (`keep_lease`) until the `Release`."""
+more than one rank on either side the pulls keep the lease (`keep_lease`) until the `Release`.
+"""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ events and wakes the engine (`notify`), so an idle engine learns at once that a 
 No late writer: `abandon(pull_id)` (a pull that failed or was cancelled, before its blocks are
 freed) makes the engine's stream wait for that pull's copies still on the device, so whatever the
 engine writes into those blocks later lands after them; the host does not wait. Abandoned copies
-are kept until done (they read a peer's mapped pool, which must stay mapped meanwhile)."""
+are kept until done (they read a peer's mapped pool, which must stay mapped meanwhile).
+"""
 
 from __future__ import annotations
 

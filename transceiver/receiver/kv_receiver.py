@@ -15,7 +15,8 @@ each chunk renews the deadline, and the `Done` brings the first token and the pr
 parallelism (transceiver/tp.py): one part per context rank our kv heads come from (`Planned`); a
 failed part fails the request and cancels the others, and with several ranks on either side the
 lease ends with a `Release`, sent here unless `releases` is False (a rank of a tensor-parallel
-generation server, whose rank 0 releases once every rank's share arrived)."""
+generation server, whose rank 0 releases once every rank's share arrived).
+"""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ opened leaves that epoch on the byte path. A new epoch without an offer, or an i
 Liveness: a monitor on each DEALER reports a lost connection and every failed reconnect, which fail
 at once what depends on that peer (`PeerDown`, `PullRefused`) instead of waiting for
 kv_transfer_timeout_ms. Probes (`Probe`) shake hands before any request needs it; `peer_status` is
-read by /health."""
+read by /health.
+"""
 
 from __future__ import annotations
 

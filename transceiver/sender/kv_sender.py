@@ -11,7 +11,8 @@ trackers of frames of its slots still in flight; the engine unpins once zmq has 
 slot is never rewritten under a frame on the wire. Should the socket thread die, nothing reads the
 slots any more and `step` unpins every lease itself. Same-GPU receivers: the pools are exported for
 each one's handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket
-thread holds while it reads slots."""
+thread holds while it reads slots.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ slots to the other ranks in order with everything else they mirror (server/tp/).
 pulls of its own kv heads from those slots (`offer`) until rank 0 says the lease ended (`end`, which
 returns only once the socket thread reads them no more, so the rank may write those slots again
 right after). A part of a pull that comes before its offer waits for it (`PARK_S`). Bytes only:
-no CUDA IPC offer from these ranks."""
+no CUDA IPC offer from these ranks.
+"""
 
 from __future__ import annotations
 

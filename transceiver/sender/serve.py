@@ -12,7 +12,8 @@ engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of 
 lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
 Streamed leases (stream.py) are served as far as their blocks are written; parts of tensor-parallel
 pulls (transceiver/tp.py) ask for some kv heads of each block, and the generation side's `Release`
-ends such a lease."""
+ends such a lease.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ A streamed lease is offered when its request starts to prefill (`Offer.final` Fa
 is PENDING until the engine's `Extend` brings its primary slot, once the prefill step that wrote it
 has run. A pull of it is served as far as the slots go (`next_ranges`) and waits for the next
 `Extend` when it has caught up; after the final one it ends with a `Done` that carries the first
-token and the prefix hit. So only the last chunk's blocks are left after the first token."""
+token and the prefix hit. So only the last chunk's blocks are left after the first token.
+"""
 
 from __future__ import annotations
 
