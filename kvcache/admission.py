@@ -11,6 +11,8 @@ like any host block (`_bring_up`); the facade has read and checked its file befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager
 from kvcache.errors import KVCacheError, OutOfBlocksError
@@ -106,13 +108,16 @@ def onboard_closure(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
     return onboard, keep
 
 
-def make_primary(bm: BlockManager, window: int, blocks: list[Block]) -> None:
-    """Onboard the non-primary blocks of `blocks` and their non-primary ancestors, root first (the
-    facade has checked the files of the disk ones); OutOfBlocksError before any change."""
+def make_primary(bm: BlockManager, window: int, blocks: list[Block],
+                 check_files: Callable[[list[Block]], None]) -> None:
+    """Onboard the non-primary blocks of `blocks` and their non-primary ancestors, root first;
+    OutOfBlocksError before any change. `check_files(onboard)` runs after the capacity check, before
+    anything moves: it reads the disk blocks' files (and raises if one failed)."""
     onboard, keep = onboard_closure(blocks)
     if not onboard:
         return
     check_capacity(f"onboarding {len(onboard)} blocks", [(bm, window, len(onboard), keep)])
+    check_files(onboard)
     held = keep + onboard
     for b in held:
         bm.hold(b)

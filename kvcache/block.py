@@ -58,10 +58,6 @@ class Block:
     def in_use(self) -> bool:
         return self.ref + self.pins > 0
 
-    @property
-    def in_tree(self) -> bool:
-        return self.hash is not None
-
     def __repr__(self) -> str:
         return (f"Block(id={self.id}, {self.level.name.lower()}:{self.slot}, ref={self.ref}, "
-                f"pins={self.pins}, cached={self.in_tree})")
+                f"pins={self.pins}, cached={self.hash is not None})")

@@ -1,9 +1,10 @@
 """Reused block-sized buffers for the disk tier's reads and writes (no torch).
 
-A fresh 4 MiB buffer per block costs its page faults (the kernel zeroes each page on first touch):
-on a 512 MiB hit that was as long as the copies themselves. So the payloads the tier reads, and the
-copies of evicted host rows it queues for writing, live in buffers taken from here and given back
-when their bytes have been used; a given-back buffer keeps its pages.
+A fresh 4 MiB buffer per block costs its page faults: on a 512 MiB hit as long as the copies
+themselves. So read payloads and the copies of evicted host rows queued for writing live in buffers
+taken from here and given back once used; a given-back buffer keeps its pages. `reserve` fills the
+pool when the tier opens, so the first large hit does not pay the page faults on its own time
+(docs/BENCHMARKS.md "Disk tier, engine level").
 
 Ownership is strict: a buffer is given back exactly once, by its last user, and never touched after.
 - a write's buffer: by the writer thread once it wrote (or skipped) it; by `DiskStore.write` when a
@@ -11,8 +12,6 @@ Ownership is strict: a buffer is given back exactly once, by its last user, and 
 - a read's buffer: by the reader on a failed check; else by whoever staged it, after copying it into
   host rows or when forgetting it (kvcache/disk_pool.py, kvcache/disk_mirror.py).
 A buffer that is simply dropped is freed by the garbage collector: only a give-back can be unsafe.
-`reserve` fills the pool when the tier opens, so the first large hit after a start does not pay the
-page faults on its own time (docs/BENCHMARKS.md "Disk tier, engine level").
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The disk files of a manager whose bookkeeping is another manager's (a tensor-parallel rank's).
 
-Each rank of a tensor-parallel server keeps its own files of its own kv heads: a directory of its
-own, the same disk slots as rank 0's manager (which decides every move), the same key, a manifest
-of its own layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`): with a
-host -> disk copy rank 0 sends what each file must say about its block (`BlockMeta`,
-`before_copies`); before rank 0 plans a disk hit in, every rank reads and checks the same files
-(`check`; kvcache/disk_tier.py `PeerCheck`), and a block comes up only where every rank has its
-bytes. A file a rank finds at start is read only when rank 0's books name it, and a file of
-another block fails its check there.
+Each rank of a tensor-parallel server keeps files of its own kv heads: a directory of its own, the
+same disk slots as rank 0's manager (which decides every move), the same key, a manifest of its own
+layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`), a host -> disk copy
+with what each file must say about its block (`before_copies`). Before rank 0 plans a disk hit in,
+every rank reads and checks the same files (`check`; kvcache/disk_tier.py `PeerCheck`), so a block
+comes up only where every rank has its bytes; a file left from before is read only when rank 0's
+books name it, and a file of another block fails its check.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """One window group's disk level as its pools see it: host rows <-> the disk store's files.
 
-Blocks move between neighbouring levels only, so the copies that touch the disk are host -> disk
-(`copy_out`: the rows are copied into the store's buffers now, so the host slots are reused at once,
-and queued for their files once the call's copies are done, `queue_writes`; a refused write is
-listed in `refused`, and the tier drops its block) and disk -> host (`copy_in`: the bytes were read
-and checked before the block was promoted, `stage`, by kvcache/disk_tier.py). `GroupPools` hands
-both here in the block manager's order, after any DMA still using those host rows has finished;
-either way a call's rows move in one `copy_rows`.
+Blocks move between neighbouring levels only, so a disk copy is host -> disk (`copy_out`: the rows
+are copied into the store's buffers now, so the host slots are reused at once, and queued for their
+files once the call's copies are done, `queue_writes`; a refused write is listed in `refused` and
+the tier drops its block) or disk -> host (`copy_in`: the bytes were read and checked before the
+block was promoted, `stage`, by kvcache/disk_tier.py). `GroupPools` hands both here in order, after
+any DMA still using those host rows has finished; a call's rows move in one `copy_rows`.
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 
 One file per (window group, slot), written whole to a temporary name and renamed over the slot's
 file, so a reader sees a slot's previous file or its new one, never half of one (the format:
-kvcache/disk_format.py). Why one file per block and not a few large files with a slot map: a
-rename is atomic and a crash loses at most the blocks being written, the file system is the slot
-map (nothing else to keep consistent on restart), and a block's bytes are one sequential read.
+kvcache/disk_format.py). One file per block rather than a few large files with a slot map: a rename
+is atomic, a crash loses at most the blocks being written, the file system is the slot map, and a
+block's bytes are one sequential read.
 
-Threads. The engine thread calls every public method. Writes never block it: `write` queues the
-bytes (refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by
-slot so one slot's writes stay in order; a newer write of a slot supersedes a queued one. Until a
-write lands, reads of that slot are answered from (a copy of) its queued bytes. `read_many` reads and
-checks a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read
-still running then counts as failed). hashlib releases the GIL on large buffers, so checks run in
+The engine thread calls every public method and never blocks on a write: `write` queues the bytes
+(refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by slot so
+one slot's writes stay in order; a newer write of a slot supersedes a queued one, and until a write
+lands, reads of that slot are answered from a copy of its queued bytes. `read_many` reads and checks
+a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
+running then counts as failed); hashlib releases the GIL on large buffers, so checks run in
 parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
 reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
 start (kvcache/disk_dir.py).
@@ -33,7 +33,7 @@ import msgspec
 
 from kvcache.config import DiskTierConfig
 from kvcache.disk_buffers import BufferPool
-from kvcache.disk_dir import StartUp, read_header, restore_or_reset, take_directory
+from kvcache.disk_dir import read_header, restore_or_reset, take_directory
 from kvcache.disk_format import (
     CHUNK_BYTES,
     MAC_BYTES,
@@ -115,14 +115,12 @@ class DiskStore:
         path = Path(config.path).expanduser()
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()}, formats)
         store._lock_fd = take_directory(path)
-        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes, store.format_of)
         try:
-            found = restore_or_reset(start, manifest)
+            found = restore_or_reset(store, {w: n for w, (n, _) in slots.items()}, manifest)
         except OSError as exc:
             store.close()
             raise ValueError(f"kv_cache_config.disk.path={str(path)!r}: cannot use the directory: "
                              f"{exc.strerror or exc}") from None
-        store.stats.skipped_at_start = start.skipped
         for writer in store._writers:
             writer.start()
         return store, found

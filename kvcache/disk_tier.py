@@ -2,12 +2,11 @@
 hits before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its
 null object (kv_cache_config.disk unset), so the facade never asks whether there is one.
 
-A disk block is read back only after its file passed its checks, and those happen before the
-bookkeeping relies on it: `check` reads the files of the disk blocks an admission (or an
-ensure_primary) is about to bring up, in one batch over every window group, stages the good ones'
-bytes for their promotion (kvcache/disk_pool.py) and discards the others with their subtrees
-(BlockManager.discard), so the request computes those tokens instead. Writes happen in the pools'
-copies; a write the queue refused leaves its block without bytes, and `after_flush` drops it.
+A disk block is read back only after its file passed its checks, before the bookkeeping relies on
+it: `check` reads the files of the disk blocks an admission (or an onboard) is about to bring up,
+in one batch over every window group, stages the good ones' bytes for their promotion
+(kvcache/disk_pool.py) and discards the others with their subtrees, so the request computes those
+tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvcache.admission import check_capacity, onboard_closure
 from kvcache.block import Block, Level
 from kvcache.block_manager import BlockManager, DiskEntry
 from kvcache.config import KvCacheConfig
@@ -47,7 +45,7 @@ class NoDiskTier:
     def check(self, work: Work) -> int:
         return 0
 
-    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
+    def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
         return None
 
     def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
@@ -114,16 +112,12 @@ class DiskTier:
             self._drop(g, b, error.reason, b.hash)
         return len(bad)
 
-    def before_onboard(self, g: WindowGroup, blocks: list[Block]) -> None:
-        """Check the files of the disk blocks that bringing `blocks` up needs (they or ancestors),
-        after the capacity check (no file is read for a call that cannot go ahead); KVCacheError when
+    def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
+        """Check the files of the disk blocks among `onboard`, what bringing `blocks` up needs (called
+        after the capacity check: no file is read for a call that cannot go ahead); KVCacheError when
         one failed: it was dropped with its subtree, so a listed block is gone."""
-        onboard, keep = onboard_closure(blocks)
         disk = [b for b in onboard if b.level is Level.DISK]
-        if not disk:
-            return
-        check_capacity(f"onboarding {len(onboard)} blocks", [(g.bm, g.window, len(onboard), keep)])
-        if self.check([(g, disk)]):
+        if disk and self.check([(g, disk)]):
             gone = [b.id for b in blocks if b.hash is None and not b.in_use]
             raise KVCacheError(f"window {g.window}: blocks {gone} were on disk, and a file they need failed "
                                f"its check: they were dropped (the KV must be computed again)")

@@ -1,15 +1,11 @@
 """KV events: what entered, left or moved within a reuse tree, for a router's index of this cache.
 
-The block manager appends one small tuple per change to its `events` sink, on the engine thread:
-
-    (STORED, block_hash, level)    a block entered the reuse tree (always at the PRIMARY level)
-    (REMOVED, block_hash, level)   a block left it (evicted, or taken over for partial reuse)
-    (MOVED, block_hash, level)     a cached block moved to `level` (offload: SECONDARY, onboard: PRIMARY)
-
-The sink is `NO_EVENTS` (a null object that drops them) unless the owner enables events; the
-KVCacheManager then drains them per window group (`KVCacheManager.drain_events`). Replaying a group's
-events, in order, on the tree's content before them gives the tree's content after them, level by
-level: that is what a router's index relies on.
+The block manager appends one `(kind, block_hash, level)` per change to its `events` sink, on the
+engine thread: STORED (a block entered the tree, always PRIMARY), REMOVED (it left: evicted, or taken
+over for partial reuse), MOVED (a cached block moved to `level`). The sink is `NO_EVENTS` unless
+the owner enables events (`KVCacheManager.drain_events`). Replaying a group's events in order on the
+tree's content before them gives its content after them, level by level: a router's index relies
+on that.
 """
 
 from __future__ import annotations

@@ -78,13 +78,8 @@ class KVFormat:
     def element_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def values_per_token(self) -> int:
-        """Values one token stores per layer (latent: kv_lora_rank + qk_rope_head_dim)."""
-        return self.planes * self.num_kv_heads * self.head_dim
-
     def bytes_per_token(self, num_layers: int) -> int:
-        return num_layers * self.values_per_token * self.element_bytes
+        return num_layers * self.planes * self.num_kv_heads * self.head_dim * self.element_bytes
 
     def slot_shape(self, num_layers: int, tokens_per_block: int) -> tuple[int, ...]:
         """One pool slot: [layers, planes, tokens_per_block, kv_heads, head_dim]."""
@@ -120,7 +115,3 @@ class KVFormat:
         if not self.quantized:
             return ()
         return tuple(self.k_scales[i] for i in layers) + tuple(self.v_scales[i] for i in layers if self.v_scales)
-
-    def describe(self) -> str:
-        what = "latent" if self.latent else f"{self.num_kv_heads} kv heads x {self.head_dim}"
-        return f"{what} {dtype_name(self.dtype)}" + (" with per-layer scales" if self.quantized else "")

@@ -67,19 +67,6 @@ class CacheLayout:
             checked_scales(f"CacheLayout.format.{name}", v, self.num_layers)
         object.__setattr__(self, "format", dataclasses.replace(f, **values))
 
-    # the format's parts, read often
-    @property
-    def num_kv_heads(self) -> int:
-        return self.format.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.format.head_dim
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.format.dtype
-
     @property
     def num_layers(self) -> int:
         return len(self.layer_windows)

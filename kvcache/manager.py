@@ -106,10 +106,6 @@ class KVCacheManager:
         g = self._layer(layer_idx)
         return g.pools.primary[:, g.layers.index(layer_idx), 0, :, 0]
 
-    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
-        """(k scale, v scale) the layer's blocks are stored with (FP8; (1.0, 1.0) otherwise)."""
-        return self.layout.format.layer_scales(layer_idx)
-
     def pool(self, window: int, level: Level = Level.PRIMARY) -> torch.Tensor | None:
         """[num_slots, num_layers_in_group, planes, tpb, kv_heads, head_dim]; None if the level has no slots."""
         return self._group(window).pools.pool(level)
@@ -287,9 +283,7 @@ class KVCacheManager:
     def pin_blocks(self, block_ids: Sequence[int], window: int) -> None:
         """Pin blocks (onboarding any that are not primary); a pinned block is never evicted."""
         g = self._resolve(window)
-        blocks = self._onboardable(g, block_ids)
-        make_primary(g.bm, g.window, blocks)
-        for b in blocks:
+        for b in self._make_primary(g, block_ids):
             g.bm.pin(b)
 
     def unpin_blocks(self, block_ids: Sequence[int], window: int) -> None:
@@ -323,14 +317,13 @@ class KVCacheManager:
     @_flushes
     def ensure_primary(self, block_ids: Sequence[int], window_size: int | None = None) -> None:
         """Onboard (batched) every listed block not in the primary pool. Pin them to keep them there."""
-        g = self._resolve(window_size)
-        make_primary(g.bm, g.window, self._onboardable(g, block_ids))
+        self._make_primary(self._resolve(window_size), block_ids)
 
-    def _onboardable(self, g: WindowGroup, block_ids: Sequence[int]) -> list[Block]:
-        """The listed blocks (-1: a released, out-of-window block, skipped), the files of those that
-        come up from disk checked (kvcache/disk_tier.py `before_onboard`)."""
+    def _make_primary(self, g: WindowGroup, block_ids: Sequence[int]) -> list[Block]:
+        """The listed blocks (-1: a released, out-of-window block, skipped), made primary; the files
+        of those that come up from disk are checked first (kvcache/disk_tier.py `before_onboard`)."""
         blocks = [g.bm.get(i) for i in block_ids if i != -1]
-        self._disk.before_onboard(g, blocks)
+        make_primary(g.bm, g.window, blocks, lambda onboard: self._disk.before_onboard(g, blocks, onboard))
         return blocks
 
     def cached_block_hashes(self, window: int | None = None) -> list[bytes]:

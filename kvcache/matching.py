@@ -91,7 +91,6 @@ class PrefixReuse:
         self.tpb = tokens_per_block
         self.partial = partial
         self.take_over = partial and not copy
-        self.onboard = onboard
         self.max_level = Level.DISK if onboard else Level.PRIMARY  # deepest level a full block matches at
         # a partly matching block is reused from the primary or the host pool, never read from disk
         self.max_partial_level = min(self.max_level, Level.SECONDARY)

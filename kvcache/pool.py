@@ -1,18 +1,16 @@
 """KV pools of one window group: the only owner of KV cache tensors in kvcache/.
 
-Each level is one contiguous tensor, slot-major: [num_slots, num_layers, planes, tokens_per_block,
-num_kv_heads, head_dim] (`KVFormat.slot_shape`), so a block moves with one row copy. Both pools
-start zeroed: attention masks unused or out-of-window positions, but 0 * NaN would still be NaN. The
-secondary pool lives in host memory, pinned when the primary pool is on CUDA.
+Each level is one contiguous tensor, slot-major (`KVFormat.slot_shape`), so a block moves with one
+row copy. Both pools start zeroed: attention masks unused positions, but 0 * NaN would still be NaN.
+The secondary pool lives in host memory, pinned when the primary pool is on CUDA.
 
-Copies: `execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side
-gathers and scatters run on the current stream; the host<->device DMAs run on two side streams, one
-per direction (`_TierStreams`), in pieces with an event each, so an admission that offloads evicted
-blocks while it onboards others moves both at once on the GPU's two copy engines. Order is kept
-where it matters: a scatter waits for its onboard DMA; a DMA waits for the gather that staged it; a
-DMA piece that touches a host slot another direction's DMA may still be using waits for that piece
-first. Copies between the host pool and the disk tier (kvcache/disk_pool.py) run on the CPU once
-every DMA still using their host rows has finished (`_TierStreams.settle`).
+`execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side gathers and
+scatters run on the current stream; the host<->device DMAs run on one side stream per direction
+(`_TierStreams`), in pieces with an event each, so offloads and onboards of one admission use the
+GPU's two copy engines at once. Order is kept where it matters: a scatter waits for its onboard DMA;
+a DMA waits for the gather that staged it and for the other direction's DMA pieces of its host
+slots. Host <-> disk copies (kvcache/disk_pool.py) run on the CPU once every DMA still using their
+host rows has finished (`_TierStreams.settle`).
 """
 
 from __future__ import annotations
@@ -122,13 +120,12 @@ class GroupPools:
     def __init__(self, layout: CacheLayout, tokens_per_block: int, num_layers: int,
                  num_primary: int, num_secondary: int) -> None:
         slot_shape = layout.format.slot_shape(num_layers, tokens_per_block)
-        self.device = layout.device
         # [num_slots, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
-        self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.dtype, device=layout.device)
+        self.primary = torch.zeros((num_primary, *slot_shape), dtype=layout.format.dtype, device=layout.device)
         self.secondary: torch.Tensor | None = None
         if num_secondary:
             pin = layout.device.type == "cuda"
-            self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.dtype, pin_memory=pin)
+            self.secondary = torch.zeros((num_secondary, *slot_shape), dtype=layout.format.dtype, pin_memory=pin)
         self.slot_bytes = tokens_per_block * layout.bytes_per_token(num_layers)
         self._rows = (pool_rows(self.primary), None if self.secondary is None else pool_rows(self.secondary))
         self._streams = _TierStreams(layout.device) if num_secondary and layout.device.type == "cuda" else None

@@ -377,12 +377,12 @@ def dense_layout(spec: ModelSpec, dtype: torch.dtype) -> CacheLayout:
 
 
 def kv_figure(rec: Records, source: str, spec: ModelSpec, layout: CacheLayout) -> dict:
-    dense = dense_layout(spec, layout.dtype)
+    dense = dense_layout(spec, layout.format.dtype)
     mla = spec.mla
     formula = (mla.kv_lora_rank + mla.qk_rope_head_dim) / (2 * spec.num_heads * (spec.hidden_size // spec.num_heads))
     ratio = layout.bytes_per_token() / dense.bytes_per_token()
     return rec.add("kv_handoff", source=source, model=str(spec.model_dir), layers=spec.num_layers,
-                   dtype=str(layout.dtype).removeprefix("torch."), mla_bytes_per_token=layout.bytes_per_token(),
+                   dtype=str(layout.format.dtype).removeprefix("torch."), mla_bytes_per_token=layout.bytes_per_token(),
                    dense_bytes_per_token=dense.bytes_per_token(), kv_mla_vs_dense=ratio, formula=formula,
                    formula_text="(kv_lora_rank + qk_rope_head_dim) / (2 * heads * hidden / heads)",
                    dense_reduction=1 / ratio, goal=f"<= 1/7 ({GOALS['kv_mla_vs_dense']:.4f})",

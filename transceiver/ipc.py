@@ -4,15 +4,14 @@ The sender exports its primary pools once per receiver handshake (`export_pools`
 thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
 the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
 copies the sender's slots into its own (`start_copy`). Both sides compute `payload.checksum` on the
-device, read once its event has fired (`DeviceSum`), so neither side's thread waits for the device:
-on CUDA single-pass Triton kernels (`kernels.py`, imported only here), else torch.
+device (`DeviceSum`), so neither side's thread waits for it: on CUDA single-pass Triton kernels
+(`kernels.py`, imported only here), else torch. Importing this module needs no CUDA.
 
-One export per receiver because of the ref counter torch attaches to each export (set to 1, in a
-shared-memory file of the sender): the receiver that opened it decrements it when it drops its
-mapping. A sender that exits while a count is above zero prints torch's "Producer process has been
-terminated before all shared CUDA tensors released" warning; with one export per receiver that only
-happens when a receiver really still maps the pools. The pools live as long as the sender's
-process, so the count never delays a free. Importing this module needs no CUDA.
+One export per receiver because of the ref counter torch attaches to each export (in a shared-memory
+file of the sender): the receiver decrements it when it drops its mapping, and a sender that exits
+while a count is above zero warns "Producer process has been terminated before all shared CUDA
+tensors released"; one export per receiver keeps that warning for a receiver that still maps the
+pools. The pools live as long as the sender's process, so the count never delays a free.
 """
 
 from __future__ import annotations
@@ -33,18 +32,6 @@ MASK64 = (1 << 64) - 1
 KERNELS_ENV = "PDSERVE_IPC_KERNELS"  # "torch": the gather/scatter path on CUDA too (A/B runs)
 
 log = logging.getLogger(__name__)
-
-
-def local_identity(device: torch.device) -> PeerIdentity:
-    """This process's machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The GPU's
-    UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
-    handle that still cannot be opened means bytes)."""
-    try:
-        boot_id = BOOT_ID.read_text().strip()
-    except OSError:
-        boot_id = "unknown"
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())
 
 
 def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
@@ -204,20 +191,16 @@ def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
     return DeviceSum(total, (src, dst))
 
 
-def slots_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
-    """`start_checksum`, waited for."""
-    return start_checksum(pool, slots, first).wait()
-
-
-def copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
-               first: int) -> int:
-    """`start_copy`, waited for: returns once the copy has finished, so `src` may change afterwards."""
-    return start_copy(src, src_slots, dst, dst_slots, first).wait()
-
-
 def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
     """What a side says about itself in the handshake: None (bytes only) unless `enabled` and every
-    pool is CUDA."""
+    pool is CUDA, else its machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The
+    GPU's UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
+    handle that still cannot be opened means bytes)."""
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
-    return local_identity(next(iter(pools.values())).device)
+    try:
+        boot_id = BOOT_ID.read_text().strip()
+    except OSError:
+        boot_id = "unknown"
+    uuid = str(torch.cuda.get_device_properties(next(iter(pools.values())).device).uuid)
+    return PeerIdentity(hostname=node_name(), boot_id=boot_id, gpu_uuid=uuid, pid=os.getpid())

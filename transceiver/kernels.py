@@ -1,11 +1,9 @@
 """Fused Triton kernels of the same-GPU KV handoff (transceiver/ipc.py): each side reads the slots once.
+`slot_sums` is the sender's checksum, summed from its leased slots where they are; `copy_slot_sums`
+the receiver's copy, which writes every word it reads into its own slot and sums it as it goes.
 
-- `slot_sums`: the sender's checksum, summed from its leased slots where they are;
-- `copy_slot_sums`: the receiver's copy, which writes every word it reads into its own slot and
-  sums the words as it goes.
-
-Both return S_b per block b: the wrapping sum of the block's words (int64 words, or bytes when
-slot_bytes % 8: `kvcache.pool.pool_rows`), the sum `payload.checksum` weights by position. Program
+Both return S_b per block b: the wrapping sum of the block's words (int64, or bytes when
+slot_bytes % 8: `kvcache.pool.pool_rows`), which `payload.checksum` weights by position. Program
 (b, t) sums tile t of block b into `partials[b, t]`; torch adds the tiles. Integer addition wraps
 and is associative, so the result is bit for bit the torch reference's, in any order.
 

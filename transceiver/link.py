@@ -1,13 +1,12 @@
 """The one ZeroMQ wrapper of pdserve: a thread that owns its sockets, fed through bounded queues.
 
 Every zmq socket is created, used and closed by the `SocketThread` that owns it (zmq sockets are
-not thread-safe). Other threads talk to it only through `submit` (commands, bounded) and `drain`/
-`wait` (delivered items, bounded). All sockets have linger=0; every wait is a poll with a timeout.
-A handler (the protocol side: sender or receiver) reacts to commands, incoming multipart
-messages and ticks, and uses `SocketIO` to send and deliver; a handler with work of its own (the
-sender's outgoing chunks) also has `pump(io) -> float | None`, called on every turn of the loop and
-returning how soon it wants the next call (None: only when something arrives). Handler exceptions are
-logged and never kill the thread.
+not thread-safe). Other threads talk to it only through `submit` (commands) and `drain`/`wait`
+(delivered items), both bounded. All sockets have linger=0; every wait is a poll with a timeout.
+A handler (the sender's or receiver's protocol) reacts to commands, incoming messages and ticks
+through `SocketIO`; one with work of its own (the sender's chunks) also has `pump(io)`, called on
+every turn and returning how soon it wants the next call (None: when something arrives). Handler
+exceptions are logged and never kill the thread.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_READS_PER_SOCKET = 64  # messages read from one socket before looking at commands again
 BACKOFF_S = 0.001  # poll timeout while a send or a delivery is held back
+OUTBOX_SIZE = 1024  # commands queued for a socket thread before `submit` blocks
 
 
 def shared_context() -> zmq.Context:
@@ -113,15 +113,30 @@ class SocketIO:
         return bool(self._pending_deliveries) or any(self._pending_sends.values())
 
 
+class LinkOwner:
+    """What a KV sender or receiver tells /health about its socket thread."""
+
+    _thread: SocketThread
+
+    @property
+    def link_alive(self) -> bool:
+        """False once the socket thread has died: no pull is served or made (the server reports it)."""
+        return self._thread.running
+
+    @property
+    def link_name(self) -> str:
+        return self._thread.name
+
+
 class SocketThread:
     """Runs `handler` on a private thread that owns all its sockets."""
 
-    def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256,
-                 outbox_size: int = 1024, tick_s: float = 0.05, notify: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256, tick_s: float = 0.05,
+                 notify: Callable[[], None] | None = None) -> None:
         self._handler = handler
         self._notify = notify
         self._inbox: queue.Queue = queue.Queue(maxsize=inbox_size)
-        self._outbox: queue.Queue = queue.Queue(maxsize=outbox_size)
+        self._outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_SIZE)
         self._early: deque[Any] = deque()  # items `wait` took from the inbox before `drain`
         self._tick_s = tick_s
         self._stop = threading.Event()

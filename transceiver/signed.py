@@ -3,21 +3,18 @@ engine link, the rank channel). Typed msgspec messages in msgpack; nothing is ev
 
 A message is the two frames `[header, mac]`; a channel may put frames around them that the MAC does
 not cover (a ROUTER's peer identity in front, the KV link's raw payload behind, checked by its own
-checksum). `header` is msgpack of `Envelope`: the channel's version, the sender's epoch, `seq`, `ts`
-(unix seconds) and the body, one of the channel's tagged Structs. `mac` is HMAC-SHA256 over the
-peer (one length byte, then the bytes: empty unless the channel binds messages to a peer) and the
-header, under a key derived from the channel's secret, its purpose and the direction
-(`derive_key`): a message of one channel or direction never verifies on another, nor one bound to
-one peer as another's. The MAC is checked first, in constant time (`hmac.compare_digest`).
+checksum). `header` is msgpack of `Envelope`. `mac` is HMAC-SHA256 over the peer (one length byte,
+then the bytes: empty unless the channel binds messages to a peer) and the header, under a key
+derived from the channel's secret, its purpose and the direction (`derive_key`): a message of one
+channel or direction never verifies on another, nor one bound to one peer as another's. The MAC is
+checked first, in constant time (`hmac.compare_digest`).
 
-The checks a channel needs are options of `SignedCodec`, run in this order after the MAC:
-- the envelope's `version` must be the channel's (`wrong_version`);
-- `fresh`: `ts` within MAX_SKEW_S of now (`stale`), and `seq` a random 64-bit id not seen within the
-  staleness window (`replayed`): links whose peers come and go (the KV link, the KV events);
-- `ordered`: `seq` counts each peer's messages from 1 and must be the last one + 1
-  (`out_of_order`): nothing lost, replayed or reordered goes unnoticed (the rank channel);
-- `max_bytes`: a longer header is `malformed` before any MAC is computed.
-A message that fails raises `Rejected`, whose `reason` is a short label for counters.
+The checks a channel needs are options of `SignedCodec`, run in this order after the MAC: the
+envelope's `version` (`wrong_version`); `fresh`: `ts` within MAX_SKEW_S of now (`stale`) and `seq` a
+random id not seen within the staleness window (`replayed`), for links whose peers come and go;
+`ordered`: `seq` counts each peer's messages from 1 (`out_of_order`): nothing lost, replayed or
+reordered goes unnoticed (the rank channel); `max_bytes`: a longer header is `malformed` before any
+MAC is computed. A message that fails raises `Rejected`, whose `reason` is a label for counters.
 """
 
 from __future__ import annotations

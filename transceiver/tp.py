@@ -1,13 +1,12 @@
 """KV between servers of different tensor-parallel sizes: which context rank sends which kv heads
 to a generation rank, and how a block's heads are cut out of or written into a slot.
 
-A pool slot is `[layers, 2, tokens_per_block, kv_heads, head_dim]`, so a rank's share of the heads
-is a strided part of every slot. A generation rank holding heads [a, b) of the model takes each of
-them from the first context rank that holds it (`plan_parts`): where the two ranks hold exactly
-the same heads the pull moves whole slots (today's path); otherwise the sender gathers the heads
-asked for (`gather_heads`) and the receiver writes them among its own (`scatter_heads`). So context
-TP=2 -> generation TP=1 merges two halves into each slot, and TP=1 -> TP=2 gives each generation
-rank its half of one sender's slots.
+A slot is `[layers, 2, tokens_per_block, kv_heads, head_dim]`, so a rank's heads are a strided part
+of every slot. A generation rank takes each of its heads from the first context rank that holds it
+(`plan_parts`): where the two ranks hold the same heads the pull moves whole slots; otherwise the
+sender gathers the heads asked for (`gather_heads`) and the receiver writes them among its own
+(`scatter_heads`): context TP=2 -> generation TP=1 merges two halves into each slot, and TP=1 ->
+TP=2 gives each generation rank its half of one sender's slots.
 """
 
 from __future__ import annotations

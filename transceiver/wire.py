@@ -5,18 +5,13 @@ A message is `[header, mac, *payload]` (a ROUTER adds the peer identity in front
 carries payload frames (raw KV bytes, covered by its own checksum). A message that fails a check
 raises `Rejected(reason)`; the socket thread drops it and counts it.
 
-Same-GPU fast path (CUDA IPC, transceiver/ipc.py): the receiver's `Hello` says where it runs
-(`PeerIdentity`); a sender on the same GPU answers with `InstanceInfo.ipc`, the CUDA IPC handles of
-its primary pools, and a receiver that could open them pulls `via_ipc`, answered by `IpcChunk`s
-(source slots and checksum, no payload) where the byte path sends `ChunkHeader`s; the rest is the
-byte path's. Fields added for it have defaults, so a peer of the previous version never offers or
-asks for IPC. "Same host" is `node_name`: Ray's node id under `pdserve launch --ray` (several Ray
-nodes may share one hostname), else the hostname.
-
-Tensor parallelism (transceiver/tp.py): each rank's `Layout` says which of the model's kv heads it
-holds and rank 0's `InstanceInfo.ranks` lists every rank; a pull of some heads names them
-(`PullRequest.heads`), and with more than one rank on either side the pulls keep the lease
-(`keep_lease`) until the generation side's `Release`.
+Same GPU (CUDA IPC, transceiver/ipc.py): a sender that shares the `Hello`'s GPU (`PeerIdentity`;
+"same host" is `node_name`) answers with `InstanceInfo.ipc`, its pools' handles, and a receiver that
+could open them pulls `via_ipc`, answered by `IpcChunk`s (source slots and checksum, no payload).
+Fields added for it have defaults, so a peer of the previous version never offers or asks for IPC.
+Tensor parallelism (transceiver/tp.py): each rank's `Layout` names the kv heads it holds, rank 0's
+`InstanceInfo.ranks` lists every rank, a pull of some heads names them (`PullRequest.heads`), and with
+more than one rank on either side the pulls keep the lease (`keep_lease`) until the `Release`.
 """
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
                       spec=build_spec(cfg.speculative, limits, runner))
     log.info("engine ready: %s on %s/%s, linear weights %s, %s kernels (warm-up %.1f s), KV windows %s, %s primary "
              "blocks of %s, async scheduling %s, speculative %s", model_dir, device, dtype, spec.quantization or dtype,
-             runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes], kv.layout.dtype,
-             core.async_scheduling,
-             cfg.speculative.method)
+             runner.kernels, warm_s, kv.window_sizes, [kv.num_slots(w) for w in kv.window_sizes],
+             kv.layout.format.dtype, core.async_scheduling, cfg.speculative.method)
     return core
 
 

@@ -149,7 +149,7 @@ class TorchPagedAttention(AttentionBackend):
         if self.quantized and dtype is None:
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
         self.dtype = dtype or cache.dtype
-        self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
+        self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
         self._mask = AdditiveMask(self.dtype, cache.device)
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)

@@ -45,7 +45,7 @@ class TorchLatentAttention:
         device = self.layers[0].blocks.device
         self._mask = AdditiveMask(dtype, device)
         self.quantized = self.layers[0].blocks.dtype == FP8
-        self.scales = [kv.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
+        self.scales = [kv.layout.format.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
         self._inverse = [torch.tensor(inverse_scale(s), device=device) for s in self.scales] if self.quantized else []
 
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:

@@ -71,7 +71,7 @@ class TritonPagedAttention(AttentionBackend):
         self.scale = head_dim**-0.5
         self.views = [kv.layer_cache(i) for i in range(num_layers)]  # (K, V) [slots, tpb, kv_heads, D]
         self.windows = [kv.layer_window(i) for i in range(num_layers)]
-        self.scales = [kv.layer_scales(i) for i in range(num_layers)]  # (k, v): 1.0 unless FP8
+        self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v): 1.0 unless FP8
         self.inverse = [(inverse_scale(k), inverse_scale(v)) for k, v in self.scales]
         self.num_kv_heads = self.views[0][0].shape[2]
         self.max_blocks = math.ceil(max_seq_len / self.tpb)

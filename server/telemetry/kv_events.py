@@ -201,7 +201,7 @@ class KvEventSource:
         largest = blocks[max(blocks)]
         return {
             "salt": kv.salt, "tokens_per_block": kv.tokens_per_block, "epoch": self.epoch, "seq": self.seq,
-            "kv_dtype": str(kv.layout.dtype).removeprefix("torch."),
+            "kv_dtype": str(kv.layout.format.dtype).removeprefix("torch."),
             # the snapshot policy's view (kv_cache_snapshot): the largest window, any level
             "hashes": [h.hex() for level in Level for h in largest[level]],
             "windows": {str(w): {level.name.lower(): [h.hex() for h in hashes] for level, hashes in levels.items()}

@@ -193,7 +193,7 @@ def test_both_ends_in_one_process_take_the_byte_path() -> None:
 
 
 def device_ms(kv: KVCacheManager, what: str, repeats: int = 5) -> float:
-    """Best time of `ipc.slots_checksum` or `ipc.copy_slots` over 128 scattered 4 MiB slots."""
+    """Best time of `ipc.start_checksum` or `ipc.start_copy`, waited for, over 128 scattered 4 MiB slots."""
     from transceiver import ipc
 
     pool = kv.pool(8192, Level.PRIMARY)
@@ -204,9 +204,9 @@ def device_ms(kv: KVCacheManager, what: str, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         if what == "checksum":
-            ipc.slots_checksum(pool, src, 0)
+            ipc.start_checksum(pool, src, 0).wait()
         else:
-            ipc.copy_slots(pool, src, dst, list(range(128)), 0)
+            ipc.start_copy(pool, src, dst, list(range(128)), 0).wait()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 

@@ -44,15 +44,16 @@ def test_fused_kernels_equal_the_torch_path(monkeypatch, slot_shape, dtype) -> N
 
     src, dst = _pool(160, slot_shape, dtype, 1), _pool(160, slot_shape, dtype, 2)
     src_slots, dst_slots = list(range(159, 31, -1)), list(range(7, 135))  # 128 scattered slots
-    fused = ipc.slots_checksum(src, src_slots, 5)
-    written = ipc.copy_slots(src, src_slots, dst, dst_slots, 5)
+    fused = ipc.start_checksum(src, src_slots, 5).wait()
+    written = ipc.start_copy(src, src_slots, dst, dst_slots, 5).wait()
     assert torch.equal(pool_rows(dst)[dst_slots], pool_rows(src)[src_slots])
     _torch_path(monkeypatch)
-    assert fused == written == ipc.slots_checksum(src, src_slots, 5) == ipc.slots_checksum(dst, dst_slots, 5)
+    assert fused == written == ipc.start_checksum(src, src_slots, 5).wait()
+    assert fused == ipc.start_checksum(dst, dst_slots, 5).wait()
     raw = src.view(160, -1).view(torch.uint8)
     raw[src_slots[77], 12345 % raw.shape[1]] ^= 1
     monkeypatch.undo()
-    assert ipc.slots_checksum(src, src_slots, 5) != fused
+    assert ipc.start_checksum(src, src_slots, 5).wait() != fused
 
 
 def _best_ms(fn, repeats: int = 5) -> float:
@@ -73,8 +74,8 @@ def test_time_of_both_paths_over_512_mib(monkeypatch) -> None:
     times = {}
     for path in ("triton", "torch"):
         monkeypatch.setenv(ipc.KERNELS_ENV, path)
-        times[path] = (_best_ms(lambda: ipc.slots_checksum(src, src_slots, 0)),
-                       _best_ms(lambda: ipc.copy_slots(src, src_slots, dst, dst_slots, 0)))
+        times[path] = (_best_ms(lambda: ipc.start_checksum(src, src_slots, 0).wait()),
+                       _best_ms(lambda: ipc.start_copy(src, src_slots, dst, dst_slots, 0).wait()))
     print(f"512 MiB of 8B KV: checksum {times['triton'][0]:.2f} ms fused vs {times['torch'][0]:.2f} ms "
           f"gather+sum; copy+checksum {times['triton'][1]:.2f} ms fused vs {times['torch'][1]:.2f} ms "
           f"gather+scatter+sum")
@@ -87,8 +88,8 @@ def test_checksums_and_copies_are_queued_not_waited_for() -> None:
     from transceiver.wire import IpcChunk
 
     src, dst = _pool(64, SLOT_8B, torch.bfloat16, 5), _pool(64, SLOT_8B, torch.bfloat16, 6)
-    expected = ipc.slots_checksum(src, list(range(32)), 0)
-    ipc.copy_slots(src, [0], dst, [0], 0)  # both kernels compiled before anything is timed
+    expected = ipc.start_checksum(src, list(range(32)), 0).wait()
+    ipc.start_copy(src, [0], dst, [0], 0).wait()  # both kernels compiled before anything is timed
     torch.cuda.synchronize()
     woken = []
     copies = IpcCopies(notify=lambda: woken.append(time.monotonic()))
@@ -118,7 +119,7 @@ def test_an_abandoned_copy_runs_before_later_engine_writes_to_its_blocks() -> No
     from transceiver.wire import IpcChunk
 
     src, dst = _pool(64, SLOT_8B, torch.bfloat16, 7), _pool(64, SLOT_8B, torch.bfloat16, 8)
-    ipc.copy_slots(src, [63], dst, [63], 0)  # compiled before the test
+    ipc.start_copy(src, [63], dst, [63], 0).wait()  # compiled before the test
     torch.cuda.synchronize()
     copies = IpcCopies()
     try:
@@ -132,4 +133,5 @@ def test_an_abandoned_copy_runs_before_later_engine_writes_to_its_blocks() -> No
         assert copies.settled() == [] and copies._copies == []
     finally:
         copies.close()
-    assert ipc.slots_checksum(dst, list(range(32)), 0) != ipc.slots_checksum(src, list(range(32)), 0)
+    written, source = (ipc.start_checksum(pool, list(range(32)), 0).wait() for pool in (dst, src))
+    assert written != source

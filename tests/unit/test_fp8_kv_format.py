@@ -59,7 +59,7 @@ def test_the_checkpoints_scales_are_read_under_each_tools_names(model_copy, k_na
     assert k == tuple(as_float32(0.01 * (i + 1)) for i in range(LAYERS))
     assert v == tuple(as_float32(0.5 / (i + 1)) for i in range(LAYERS))
     lay = kv_cache_layout(KvCacheConfig(dtype="fp8"), load_spec(model_copy), 64, torch.float32, "cpu")
-    assert (lay.dtype, lay.format.k_scales, lay.format.v_scales) == (torch.float8_e4m3fn, k, v)
+    assert (lay.format.dtype, lay.format.k_scales, lay.format.v_scales) == (torch.float8_e4m3fn, k, v)
 
 
 def test_one_kv_scale_serves_both_a_per_head_scale_its_largest_and_a_file_comes_first(model_copy, tmp_path):
@@ -73,7 +73,8 @@ def test_one_kv_scale_serves_both_a_per_head_scale_its_largest_and_a_file_comes_
     assert (lay.format.k_scales, lay.format.v_scales) == ((2.0,) * LAYERS, (3.0,) * LAYERS)
     bare = kv_cache_layout(KvCacheConfig(dtype="fp8"), load_spec(resolve_model(LLAMA)), 64, torch.float32, "cpu")
     assert bare.format.k_scales == (1.0,) * LAYERS  # none anywhere: 1.0
-    assert kv_cache_layout(KvCacheConfig(), load_spec(model_copy), 64, torch.float32, "cpu").dtype == torch.float32
+    plain = kv_cache_layout(KvCacheConfig(), load_spec(model_copy), 64, torch.float32, "cpu")
+    assert plain.format.dtype == torch.float32
 
 
 def test_scales_for_some_layers_only_are_refused(model_copy):

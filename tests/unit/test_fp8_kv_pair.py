@@ -96,7 +96,7 @@ def test_a_pair_of_other_kv_dtypes_or_scales_is_refused_at_the_handshake_naming_
     other = tmp_path / "other.json"
     write_scales(other, [0.5, 0.25, 0.125, 1.0], [1.0] * 4)
     status = _handshake(fp8_kv, eh.make_core(LLAMA, kv=fp8(str(other))).kv)
-    ctx_k = [fp8_kv.layer_scales(i)[0] for i in range(4)]
+    ctx_k = [fp8_kv.layout.format.layer_scales(i)[0] for i in range(4)]
     assert f"k_scales differs: context {ctx_k!r} vs generation [0.5, 0.25, 0.125, 1.0]" in status, status
 
 

@@ -69,7 +69,7 @@ def test_the_same_host_and_disk_bytes_hold_twice_the_fp8_blocks_of_bf16(tmp_path
     primary, host = m.pool(64), m.pool(64, Level.SECONDARY)
     assert (primary.dtype, tuple(primary.shape), m.slot_bytes(64)) == (FP8, (8, 2, 2, TPB, 2, 32), 1024)
     assert tuple(host.shape) == (32, 2, 2, TPB, 2, 32) and host.nbytes == 16 * 2048
-    assert m.layer_scales(1) == (0.25, 1.0) and m.num_slots(64, Level.SECONDARY) == 32
+    assert m.layout.format.layer_scales(1) == (0.25, 1.0) and m.num_slots(64, Level.SECONDARY) == 32
 
 
 def _pattern(seed: int, nbytes: int) -> torch.Tensor:

@@ -65,8 +65,8 @@ def test_sliding_windows_per_family(models: dict[str, Path]) -> None:
 def test_cache_layout_clips_windows(models: dict[str, Path]) -> None:
     layout = load_spec(models["qwen2"]).cache_layout(256, torch.float32, "cpu")
     assert layout.layer_windows == (256, 256, 24, 24)
-    assert (layout.num_kv_heads, layout.head_dim, layout.max_seq_len) == (2, 32, 256)
-    assert layout.dtype == torch.float32
+    assert (layout.format.num_kv_heads, layout.format.head_dim, layout.max_seq_len) == (2, 32, 256)
+    assert layout.format.dtype == torch.float32
     assert load_spec(models["mistral"]).cache_layout(16, torch.bfloat16, "cpu").layer_windows == (16,) * 4
 
 

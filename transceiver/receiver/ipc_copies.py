@@ -1,16 +1,15 @@
 """The generation side's same-GPU copies (CUDA IPC): queued on a side stream, checked once done.
 
-`start` queues the copy of one `IpcChunk`'s slots into ours and its checksum (`ipc.start_copy`: one
-pass on CUDA) on a side stream that first waits for everything the engine queued on its own stream
-(earlier writes to those destination blocks), so the engine thread never waits for the device.
-`settled()` (engine thread, every `KVReceiver.step`) hands back the copies the device has finished.
-A watcher thread waits on their events and wakes the engine (`notify`), so an idle engine learns at
-once that a pull can finish.
+`start` queues the copy of one `IpcChunk`'s slots into ours and its checksum (`ipc.start_copy`) on a
+side stream that first waits for everything the engine queued on its own stream (earlier writes to
+those blocks), so the engine thread never waits for the device. `settled()` (every
+`KVReceiver.step`) hands back the copies the device has finished; a watcher thread waits on their
+events and wakes the engine (`notify`), so an idle engine learns at once that a pull can finish.
 
 No late writer: `abandon(pull_id)` (a pull that failed or was cancelled, before its blocks are
 freed) makes the engine's stream wait for that pull's copies still on the device, so whatever the
-engine writes into those blocks later lands after them; GPU-side, the host does not wait. Abandoned
-copies are kept until done (they read a peer's mapped pool, which must stay mapped meanwhile).
+engine writes into those blocks later lands after them; the host does not wait. Abandoned copies
+are kept until done (they read a peer's mapped pool, which must stay mapped meanwhile).
 """
 
 from __future__ import annotations

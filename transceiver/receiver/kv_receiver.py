@@ -1,27 +1,21 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
-Threads: the engine thread calls every public method and does all tensor work (checksum and
-scatter into its own primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per
-context endpoint. The caller owns the destination blocks: they must stay allocated (in use, so
-their slots do not move) until the pull's `PullResult` arrives or `cancel` is called, and the
-caller frees them when the result says it failed.
+The engine thread calls every public method and does all tensor work (checksum, scatter into its own
+primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per context endpoint. The
+caller keeps the destination blocks allocated (in use, so their slots do not move) until the pull's
+`PullResult` arrives or `cancel` is called, and frees them when the result says it failed.
 
-No late writer: the only writes into our slots happen in `step`, on the engine thread, for pulls
-still registered here. `cancel` (and every failure) unregisters the pull at once, before the caller
-frees its blocks, so chunks of it that are still on the wire are dropped unwritten (`late_chunks`)
-and a slot handed to another request is never written by the old transfer.
+No late writer: our slots are written only in `step`, on the engine thread, for pulls still
+registered here. `cancel` (and every failure) unregisters the pull at once, before the caller frees
+its blocks, so its chunks still on the wire are dropped unwritten (`late_chunks`).
 
-Same GPU as the sender (CUDA IPC): the pull's chunks come as `IpcChunk`s, and `step` queues their
-copy into our slots on a side stream and checks it in a later `step` (`ipc_copies.py`); a part
-whose copies are still running when its `Done` comes finishes once they are checked. Streamed
-pulls (`stream=True`, transceiver/sender/stream.py): each chunk renews the deadline, and the `Done`
-brings the first token and the context server's prefix hit for the `PullResult`.
-
-Tensor parallelism (transceiver/tp.py): the socket thread plans a pull into parts, one per context
-rank our kv heads come from (`Planned`); the result comes once every part arrived, and a failed
-part fails the request and cancels the others. With several ranks on either side the lease ends
-with a `Release`, which this receiver sends unless `releases` is False (a rank of a
-tensor-parallel generation server: its rank 0 releases once every rank's share arrived).
+Same GPU (CUDA IPC): `IpcChunk`s are copied on a side stream and checked in a later `step`
+(`ipc_copies.py`); a part whose `Done` comes first finishes once they are checked. Streamed pulls:
+each chunk renews the deadline, and the `Done` brings the first token and the prefix hit. Tensor
+parallelism (transceiver/tp.py): one part per context rank our kv heads come from (`Planned`); a
+failed part fails the request and cancels the others, and with several ranks on either side the
+lease ends with a `Release`, sent here unless `releases` is False (a rank of a tensor-parallel
+generation server, whose rank 0 releases once every rank's share arrived).
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ import torch
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import ipc_identity, open_pools
-from transceiver.link import SocketThread
+from transceiver.link import LinkOwner, SocketThread
 from transceiver.payload import checksum, parts_are_valid, scatter
 from transceiver.receiver.ipc_copies import IpcCopies
 from transceiver.receiver.items import IpcPools, PeerDown, Planned, Probe, Pull, PullRefused, Received, Send
@@ -63,7 +57,7 @@ from transceiver.wire import (
 log = logging.getLogger(__name__)
 
 
-class KVReceiver:
+class KVReceiver(LinkOwner):
     """Pulls KV blocks from context servers into this server's primary pool."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
@@ -166,15 +160,6 @@ class KVReceiver:
         """endpoint -> "compatible", "unchecked", "unreachable" or "incompatible: <what differs>"."""
         return dict(self._link.peer_status)
 
-    @property
-    def link_alive(self) -> bool:
-        """False once the socket thread has died: no pull can run (the server reports it)."""
-        return self._thread.running
-
-    @property
-    def link_name(self) -> str:
-        return self._thread.name
-
     def close(self) -> None:
         """Cancel every running pull (results are dropped) and stop the socket thread."""
         pulls = list(self._pulling.values())
@@ -267,7 +252,7 @@ class KVReceiver:
         dst = slots[body.first - first : body.first - first + count]  # shorter than count: beyond the pull
         pool, slot_bytes = self._kv.pool(window, Level.PRIMARY), self._kv.slot_bytes(window)
         if isinstance(body, ChunkHeader):
-            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst) if part.dst is not None else slot_bytes
+            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst)
             parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in payload]  # zero-copy views
             if count < 1 or len(dst) < count or body.nbytes != count * unit:
                 return "integrity", f"chunk header does not fit the pull: window {window}, blocks {body.first}+{count}"

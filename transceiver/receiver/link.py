@@ -1,26 +1,20 @@
 """The generation side's socket thread: one DEALER per context endpoint, handshakes, message checks.
 
-Runs only inside `link.SocketThread`. A pull waits here until its endpoint has answered a Hello
-from the epoch the pull expects (once per (endpoint, epoch)); a peer that answers with another
-epoch (it restarted) or an incompatible layout fails the pull without sending it.
+A pull waits here until its endpoint has answered a Hello from the epoch the pull expects (once per
+(endpoint, epoch)); a peer that answers with another epoch (it restarted) or an incompatible layout
+fails the pull without sending it. Once rank 0 of the context server has answered, the pull is
+planned (`_plan`, transceiver/tp.py): as it is when both sides are one rank, else one part per
+context rank our kv heads come from, and `Planned` reaches the engine thread before any chunk.
 
-CUDA IPC: the pools a new epoch's answer offers are opened here, once per (endpoint, epoch), and
-handed to the engine thread (`IpcPools`) before any pull of that epoch leaves `via_ipc`; an offer
-that cannot be opened leaves that epoch on the byte path. A new epoch without an offer, or an idle
-close, hands over `IpcPools(..., None)` so the engine drops the old mapping (which would keep a
-dead sender's pools allocated).
+CUDA IPC: a new epoch's offered pools are opened here, once per (endpoint, epoch), and handed to the
+engine thread (`IpcPools`) before any pull of that epoch leaves `via_ipc`; an offer that cannot be
+opened leaves that epoch on the byte path. A new epoch without an offer, or an idle close, hands over
+`IpcPools(..., None)` so the engine drops the old mapping (it would keep a dead sender's pools).
 
-Liveness: a monitor on each DEALER reports a lost connection and every failed reconnect; either
-fails at once what depends on that peer (`PeerDown` for pulls sent, `PullRefused` for pulls waiting
-for a handshake) instead of letting them wait for kv_transfer_timeout_ms.
-
-Tensor parallelism (transceiver/tp.py): once a pull's endpoint (rank 0 of its server) has answered,
-the pull is planned here (`_plan`) from the answer's ranks and our kv heads: as it is when both
-sides are one rank, else one part per context rank our heads come from, and `Planned` tells the
-engine thread the parts before any of their chunks can arrive.
-
-Probes (`Probe`): a handshake before any request needs it, so a layout that disagrees is known up
-front; `peer_status` (endpoint -> PEER_* or "incompatible: <what differs>") is read by /health.
+Liveness: a monitor on each DEALER reports a lost connection and every failed reconnect, which fail
+at once what depends on that peer (`PeerDown`, `PullRefused`) instead of waiting for
+kv_transfer_timeout_ms. Probes (`Probe`) shake hands before any request needs it; `peer_status` is
+read by /health.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Context side: leases a finished prefill's blocks for a pull (`KVSender`, the engine thread's half).
 
-Threads: the engine thread calls every public method and owns the KV manager: it pins a lease's
-blocks, onboards any that were offloaded, translates their ids to primary-pool slots once and
-offers those slots to the socket thread (`SenderLink`), which checks every incoming message,
-answers handshakes and serves the pulls itself (`serve.py`), so a pull never waits for the
-engine's current step.
+The engine thread calls every public method and owns the KV manager: it pins a lease's blocks,
+onboards any that were offloaded, translates their ids to primary-pool slots once and offers those
+slots to the socket thread (`SenderLink`, `serve.py`), which serves the pulls itself, so a pull never
+waits for the engine's current step.
 
 Ownership: a pinned block is never evicted or offloaded, so its primary slot is stable while the
-lease lives and the slots offered stay right. The socket thread ends each lease exactly once and
-always hands it back (`Ended`) with the zmq trackers of frames of its slots still in flight; the
-engine unpins once zmq has released them, so a slot is never rewritten under a frame on the wire.
-Should the socket thread die, nothing reads the slots any more and `step` unpins every lease itself.
-
-Streamed leases (`open_stream`, `extend_stream`) are leased while they prefill: stream.py. Same-GPU
-receivers (CUDA IPC): the pools are exported for each such receiver's handshake here, on the engine
-thread (`ExportRequest`), under the pool lock the socket thread holds while it reads slots.
+lease lives. The socket thread ends each lease exactly once and hands it back (`Ended`) with the zmq
+trackers of frames of its slots still in flight; the engine unpins once zmq has released them, so a
+slot is never rewritten under a frame on the wire. Should the socket thread die, nothing reads the
+slots any more and `step` unpins every lease itself. Same-GPU receivers: the pools are exported for
+each one's handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket
+thread holds while it reads slots.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import zmq
 from kvcache import KVCacheManager, Level
 from transceiver.config import TransceiverConfig
 from transceiver.ipc import export_pools, ipc_identity
-from transceiver.link import SocketThread
+from transceiver.link import LinkOwner, SocketThread
 from transceiver.payload import wait_any
 from transceiver.sender.lease import (
     PENDING,
@@ -55,7 +52,7 @@ log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 1.0  # how long `close` lets running pulls learn that they failed
 
 
-class KVSender:
+class KVSender(LinkOwner):
     """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
@@ -184,15 +181,6 @@ class KVSender:
         return bool(self._unpin_later)
 
     @property
-    def link_alive(self) -> bool:
-        """False once the socket thread has died: no pull is served (the server reports it)."""
-        return self._thread.running
-
-    @property
-    def link_name(self) -> str:
-        return self._thread.name
-
-    @property
     def lease_ids(self) -> frozenset[str]:
         """Leases not yet ended (their blocks pinned, their slots served)."""
         return frozenset(self._leases)
@@ -206,7 +194,7 @@ class KVSender:
         """Window -> pins per block id that this sender holds (live leases, and ended ones waiting
         for zmq): on a context server, exactly the KV manager's pins (the engine's health check)."""
         out: dict[int, Counter[int]] = {}
-        for pinned in [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]:
+        for pinned in self._all_pinned():
             for window, ids in pinned.items():
                 out.setdefault(window, Counter()).update(ids)
         return out
@@ -225,7 +213,7 @@ class KVSender:
             self._take_items()
             time.sleep(0.005)  # give the Failed notices a moment to leave
         self._thread.close()  # closes the socket: zmq drops whatever it still held
-        for pinned in [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]:
+        for pinned in self._all_pinned():
             self._unpin(pinned)
         self._leases.clear()
         self._unpin_later.clear()
@@ -274,6 +262,9 @@ class KVSender:
             log.warning("KV sender: could not withdraw lease %r yet: %s", cid, e)
             return
         lease.withdrawn = True
+
+    def _all_pinned(self) -> list[dict[int, list[int]]]:
+        return [lease.pinned for lease in self._leases.values()] + [p for _, p in self._unpin_later]
 
     def _unpin(self, pinned: dict[int, list[int]]) -> None:
         for window, ids in pinned.items():

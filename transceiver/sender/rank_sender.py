@@ -1,11 +1,11 @@
 """The KV sender of a tensor-parallel context server's other ranks (1..N-1).
 
-Rank 0 keeps the leases: it pins the blocks, onboards them, translates their ids to slots and ends
-the leases; it sends each lease's slots to the other ranks in order with everything else they
-mirror (server/tp/). Such a rank serves pulls of its own kv heads from those slots (`offer`) until
-rank 0 says the lease ended (`end`, which returns only once the socket thread reads them no more,
-so the rank may write those slots again right after). A part of a pull that reaches this rank
-before its offer waits for it (`PARK_S`). Bytes only: no CUDA IPC offer from these ranks.
+Rank 0 keeps the leases (pins, onboards, translates ids to slots, ends them) and sends each lease's
+slots to the other ranks in order with everything else they mirror (server/tp/). Such a rank serves
+pulls of its own kv heads from those slots (`offer`) until rank 0 says the lease ended (`end`, which
+returns only once the socket thread reads them no more, so the rank may write those slots again
+right after). A part of a pull that comes before its offer waits for it (`PARK_S`). Bytes only:
+no CUDA IPC offer from these ranks.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@ and the test-only model of a slow link (`Pacer`).
 
 A streamed lease is offered when its request starts to prefill (`Offer.final` False): every block
 is PENDING until the engine's `Extend` brings its primary slot, once the prefill step that wrote it
-has run. A pull of it is served as far as the slots go (`next_ranges`, in block order) and waits
-for the next `Extend` when it has caught up; after the final `Extend` (the rest of the prompt, the
-first token) it ends as any pull does, with a `Done` that carries the first token and the prefix
-hit. So a long prompt's transfer runs while it is prefilled, and only the last chunk's blocks are
-left after the first token.
+has run. A pull of it is served as far as the slots go (`next_ranges`) and waits for the next
+`Extend` when it has caught up; after the final one it ends with a `Done` that carries the first
+token and the prefix hit. So only the last chunk's blocks are left after the first token.
 """
 
 from __future__ import annotations
