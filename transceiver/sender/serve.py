@@ -176,6 +176,8 @@ class PullServer:
     @staticmethod
     def _unit_bytes(off: Offered, window: int, job: Job) -> int:
         offered = off.offer.windows[window]
+        if job.heads is None:
+            return offered.slot_bytes
         return unit_bytes(offered.slot_bytes, offered.pool.shape[4], job.heads)
 
     def ack(self, io: SocketIO, body: Ack) -> None:
