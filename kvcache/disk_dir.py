@@ -15,8 +15,8 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvcache.disk_format import (
     MAC_BYTES,
@@ -32,9 +32,6 @@ from kvcache.disk_format import (
     open_manifest,
     seal_manifest,
 )
-
-if TYPE_CHECKING:
-    from kvcache.disk_store import DiskStore
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +60,20 @@ def take_directory(path: Path) -> int:
     return fd
 
 
-def restore_or_reset(store: DiskStore, num_slots: dict[int, int], wanted: Manifest) -> dict[int, list[BlockHeader]]:
-    """The checked headers of the blocks to restore per window (none unless the manifest matches);
-    the files not used are counted in `store.stats.skipped_at_start`."""
-    path = store.path
+class StartUp:
+    """What the scan needs: the directory, the key, slots, payload bytes and block format per window;
+    it counts the files it did not use by reason (`skipped`)."""
+
+    def __init__(self, path: Path, key: bytes, num_slots: dict[int, int], slot_bytes: dict[int, int],
+                 format_of: Callable[[int], BlockFormat] = lambda _: BlockFormat()) -> None:
+        self.path, self.key, self.num_slots, self.slot_bytes = path, key, num_slots, slot_bytes
+        self.format_of = format_of
+        self.skipped: dict[str, int] = {}
+
+
+def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHeader]]:
+    """The checked headers of the blocks to restore per window (none unless the manifest matches)."""
+    path, num_slots = store.path, store.num_slots
     why = _manifest_mismatch(path, store.key, wanted)
     if why is None:
         return {w: _scan(store, w, n) for w, n in num_slots.items()}
@@ -120,7 +127,7 @@ def _manifest_mismatch(path: Path, key: bytes, wanted: Manifest) -> str | None:
     return None if difference is None else f"manifest: {difference}"
 
 
-def _scan(store: DiskStore, window: int, num_slots: int) -> list[BlockHeader]:
+def _scan(store: StartUp, window: int, num_slots: int) -> list[BlockHeader]:
     """The checked headers of window's block files (a file that fails a check is deleted)."""
     folder = store.path / f"w{window}"
     folder.mkdir(mode=0o700, exist_ok=True)
@@ -145,7 +152,6 @@ def _scan(store: DiskStore, window: int, num_slots: int) -> list[BlockHeader]:
     return found
 
 
-def _skip(store: DiskStore, p: Path, reason: str) -> None:
-    skipped = store.stats.skipped_at_start
-    skipped[reason] = skipped.get(reason, 0) + 1
+def _skip(store: StartUp, p: Path, reason: str) -> None:
+    store.skipped[reason] = store.skipped.get(reason, 0) + 1
     p.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ import msgspec
 
 from kvcache.config import DiskTierConfig
 from kvcache.disk_buffers import BufferPool
-from kvcache.disk_dir import read_header, restore_or_reset, take_directory
+from kvcache.disk_dir import StartUp, read_header, restore_or_reset, take_directory
 from kvcache.disk_format import (
     CHUNK_BYTES,
     MAC_BYTES,
@@ -115,12 +115,14 @@ class DiskStore:
         path = Path(config.path).expanduser()
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()}, formats)
         store._lock_fd = take_directory(path)
+        start = StartUp(path, key, {w: n for w, (n, _) in slots.items()}, store.slot_bytes, store.format_of)
         try:
-            found = restore_or_reset(store, {w: n for w, (n, _) in slots.items()}, manifest)
+            found = restore_or_reset(start, manifest)
         except OSError as exc:
             store.close()
             raise ValueError(f"kv_cache_config.disk.path={str(path)!r}: cannot use the directory: "
                              f"{exc.strerror or exc}") from None
+        store.stats.skipped_at_start = start.skipped
         for writer in store._writers:
             writer.start()
         return store, found
