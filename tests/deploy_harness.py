@@ -215,20 +215,25 @@ def answers_health(url: str) -> bool:
 
 def engine_child(server_pid: int) -> psutil.Process:
     """The engine process (`engine_process: true`) of the server process `server_pid`."""
-    [child] = [c for c in psutil.Process(server_pid).children() if "server.engine_host.main" in " ".join(c.cmdline())]
+    [child] = children_running(server_pid, "server.engine_host.main")
     return child
 
 
-def live_children(pid: int) -> list[tuple[psutil.Process, list[str]]]:
-    """(process, argv) of every live descendant of `pid`. A child killed a moment ago stays a zombie
-    until its parent reaps it; it is not running, so it is left out (its argv cannot be read)."""
+def live_children(pid: int, recursive: bool = True) -> list[tuple[psutil.Process, list[str]]]:
+    """(process, argv) of every live descendant (or child) of `pid`. A child killed a moment ago stays a
+    zombie until its parent reaps it; it is not running, so it is left out (its argv cannot be read)."""
     found = []
-    for child in psutil.Process(pid).children(recursive=True):
+    for child in psutil.Process(pid).children(recursive=recursive):
         try:
             found.append((child, child.cmdline()))
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
     return found
+
+
+def children_running(pid: int, text: str) -> list[psutil.Process]:
+    """The live direct children of `pid` whose command line contains `text`."""
+    return [c for c, argv in live_children(pid, recursive=False) if text in " ".join(argv)]
 
 
 def server_children(dep: Deployment, name: str) -> list[psutil.Process]:

@@ -34,9 +34,9 @@ def _gpu_pids() -> set[int] | None:
 
 def _servers_and_engines(dep: deploy_harness.Deployment) -> list[tuple[psutil.Process, list[psutil.Process]]]:
     out = []
-    for proc in psutil.Process(dep.process.pid).children(recursive=True):
-        if " serve " in " ".join(proc.cmdline()):
-            out.append((proc, [c for c in proc.children() if CHILD in " ".join(c.cmdline())]))
+    for proc, argv in deploy_harness.live_children(dep.process.pid):
+        if " serve " in " ".join(argv):
+            out.append((proc, deploy_harness.children_running(proc.pid, CHILD)))
     return out
 
 

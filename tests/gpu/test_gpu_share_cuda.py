@@ -34,8 +34,7 @@ def _mps_env(pid: int) -> dict[str, str]:
 
 def _processes(dep: deploy_harness.Deployment, name: str) -> list[int]:
     """The server `name`'s process and its descendants (its engine process)."""
-    [server] = [c for c in psutil.Process(dep.process.pid).children(recursive=True)
-                if c.cmdline()[-2:] == ["--server", name]]
+    [server] = deploy_harness.server_children(dep, name)
     return [server.pid, *(c.pid for c in server.children(recursive=True))]
 
 

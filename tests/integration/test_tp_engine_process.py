@@ -20,7 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from deploy_harness import back_again, engine_child, pid_of
+from deploy_harness import back_again, children_running, engine_child, pid_of
 from test_disagg_fault_kills import launched_with_output
 from test_disagg_faults import AUTHORISED, TOKEN
 from test_disagg_modes import _hf_text
@@ -50,7 +50,7 @@ def client(deployment):
 
 
 def rank1(engine: psutil.Process) -> psutil.Process:
-    [rank] = [c for c in engine.children() if "spawn_main" in " ".join(c.cmdline())]
+    [rank] = children_running(engine.pid, "spawn_main")
     return rank
 
 
@@ -58,7 +58,7 @@ def test_the_engine_process_starts_the_other_ranks(deployment):
     dep, _ = deployment
     for name in ("context-0", "generation-0"):
         server = pid_of(dep, name)
-        assert not [c for c in psutil.Process(server).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert not children_running(server, "spawn_main")
         assert rank1(engine_child(server)).is_running()
     logs = "".join(p.read_text(errors="replace") for p in dep.log_dir.glob("*.log"))
     assert logs.count("async scheduling True") == 2

@@ -19,7 +19,6 @@ import signal
 import deploy_harness as dh
 import hf_reference
 import httpx
-import psutil
 import pytest
 from deploy_harness import pid_of
 from test_disagg_fault_kills import launched_with_output
@@ -102,7 +101,7 @@ def test_a_killed_rank_restarts_its_whole_server_and_the_router_fences_it(client
     prompt = "Topic: kites. " + FILLER * 2
     reference = _text(client, prompt)[0]
     server = pid_of(dep, "context-0")
-    [rank1] = [p for p in psutil.Process(server).children() if "spawn_main" in " ".join(p.cmdline())]
+    [rank1] = dh.children_running(server, "spawn_main")
     os.kill(rank1.pid, signal.SIGKILL)
     wait_until(lambda: "context-0 exited with exit code 3" in out.read_text(), 20, what="the server's exit")
     wait_until(lambda: not _all_healthy(dep), 10, what="the router fences the context server")
