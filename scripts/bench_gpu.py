@@ -139,14 +139,31 @@ def replay_ms(core: EngineCore, batch: int) -> float:
 
 
 def weight_bytes(core: EngineCore) -> int:
+    """The bytes of every weight tensor a decode step reads: the layers (their MLP, expert and attention
+    objects included), the final norm and the LM head; of the embedding table a step reads one row."""
     model = core.runner.model
-    seen, total = set(), 0
-    per_layer = (v for layer in model.layers for v in vars(layer).values())
-    for t in [model.embed, model.final_norm, model.lm_head, *per_layer]:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total - model.embed.numel() * model.embed.element_size()  # a step reads one embedding row
+    seen: tuple[set[int], set[int]] = (set(), set())
+    return sum(_tensor_bytes(v, seen) for v in [model.final_norm, model.lm_head, *model.layers])
+
+
+def _tensor_bytes(value: object, seen: tuple[set[int], set[int]]) -> int:
+    """Bytes of the tensors reachable from `value` through attributes, lists and dicts, each storage once."""
+    storages, objects = seen
+    if isinstance(value, torch.Tensor):  # integer tensors are counters and indices, not weights
+        if not value.is_floating_point() or value.data_ptr() in storages:
+            return 0
+        storages.add(value.data_ptr())
+        return value.numel() * value.element_size()
+    if id(value) in objects or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return 0
+    objects.add(id(value))
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        items = vars(value).values() if hasattr(value, "__dict__") else ()
+    return sum(_tensor_bytes(v, seen) for v in items)
 
 
 def model_flops(layers: int, tokens: int) -> float:
