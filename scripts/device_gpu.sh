@@ -19,8 +19,14 @@ export PYTHONPATH="/tmp/site:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PDSERVE_C
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 nproc
-# a mode cut short (timeout) can leave servers in their own sessions holding the GPU: clear it after each
-kill_gpu_leftovers() { for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done; }
+# a mode cut short (timeout) can leave servers in their own sessions holding the GPU, their HTTP processes (no
+# CUDA context) holding ports and a launcher's MPS daemon, after which the next pair under MPS failed to start
+# (2026-12-07): clear all three after each mode
+kill_gpu_leftovers() {
+  for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done
+  pkill -9 -f -- "-m server.cli (serve|launch|router)"; pkill -9 -x nvidia-cuda-mps-control; pkill -9 -x nvidia-cuda-mps-server
+  return 0
+}
 kill_gpu_leftovers  # an earlier call on this machine may have left some (a `timeout` stops only its child)
 trap kill_gpu_leftovers EXIT
 trap 'exit 143' TERM INT
