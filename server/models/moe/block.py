@@ -61,13 +61,6 @@ class MoEBlock:
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate_up, self.down, weights, ids)
 
-    def take_load(self) -> torch.Tensor:
-        """The tokens routed to each expert since the last call [E] int64 (a copy, on the device); the
-        count restarts from 0 in place (a captured CUDA graph keeps adding into the same tensor)."""
-        load = self.load.clone()
-        self.load.zero_()
-        return load
-
 
 def _held(held: tuple[int, int] | None, weights: torch.Tensor,
           ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +81,8 @@ def moe_blocks(model: object) -> dict[int, MoEBlock]:
     return {i: layer.mlp for i, layer in layers if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
 
-def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: ExpertsFn | None = None) -> MoEBlock:
-    """Layer `layer`'s MoE block from `weights` (HF names; `spec.is_sparse(layer)` must hold).
-    `experts`: the routed experts' implementation (default: `default_experts` of the weights' device)."""
+def build_moe(spec: MoESpec, weights: WeightSource, layer: int) -> MoEBlock:
+    """Layer `layer`'s MoE block from `weights` (HF names; `spec.is_sparse(layer)` must hold)."""
     names = spec.names
     base = f"model.layers.{layer}."
     stacked = weights.has(base + "mlp.experts.gate_up_proj")  # transformers 5's own layout: always under mlp.
@@ -105,8 +97,7 @@ def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: Expe
         spec=spec, gate=weights.take(block + "gate.weight"),
         correction=weights.take(block + "gate.e_score_correction_bias").float() if spec.score_correction_bias else None,
         gate_up=gate_up, down=down, shared=shared,
-        shared_gate=weights.take(block + "shared_expert_gate.weight") if spec.shared_gate else None,
-        experts=experts)
+        shared_gate=weights.take(block + "shared_expert_gate.weight") if spec.shared_gate else None)
 
 
 def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weight, Weight]:
