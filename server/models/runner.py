@@ -255,7 +255,6 @@ class ModelRunner:
         (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
         from server.models.kernels.moe import CHOSEN, block_experts_compute, choose_tiles, fused_experts
         from server.models.kernels.moe_fp8 import fused_fp8_experts
-        from server.models.moe import moe_blocks
 
         if self.device.type != "cuda":
             return

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from server.models.fp8.weight import FP8, Fp8Weight
+from server.models.fp8.weight import Fp8Weight, check_matrix
 
 
 def from_block_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> Fp8Weight:
     """A checkpoint's float8 weight [N, K] and its block scales [ceil(N / rows), ceil(K / columns)]; a
     ValueError naming `name` for any other shape."""
-    if qweight.dtype != FP8 or qweight.dim() != 2:
-        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
-                         "a float8_e4m3fn matrix")
+    check_matrix(qweight, name)
     (n, k), (bn, bk) = qweight.shape, block
     want = (-(-n // bn), -(-k // bk))
     if tuple(scale.shape) != want:

@@ -3,15 +3,12 @@
 `align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a
 multiple of BLOCK_M, so every tile belongs to one expert and the tile list has a fixed length
 whatever the routing; tiles past the last real one, and those of pairs routed to no expert held
-here (id E, expert parallelism), return at once. Then `_gate_up_silu` computes h = SiLU(x @ gate.T)
-* (x @ up.T) per pair, and `_down_weighted` y = (h @ down.T) * the pair's routing weight. A token's
-pairs are summed by one torch reduction: no atomics, the same result run to run. Both GEMMs
-accumulate in float32 and round once (transformers sums in expert order, this in slot order, so
-float32 results agree to rounding). Static shapes for a given T: captured in CUDA graphs.
+here (id E, expert parallelism), return at once. A token's pairs are summed by one torch reduction:
+no atomics, the same result run to run. Both GEMMs accumulate in float32 and round once
+(transformers sums in expert order, this in slot order: float32 results agree to rounding).
 
-A block-scaled FP8 checkpoint's experts (fp8/blocks.py: float8 weights, a scale per row and block of
-128 columns) run the same two kernels: each weight tile is widened to the activations' dtype (exact)
-and each BLOCK_K slice's product scaled by its block's scale before it joins the accumulator, so the
+A block-scaled FP8 checkpoint's experts run the same kernels: each weight tile is widened to the
+activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's scale, so the
 experts are read at FP8's bytes and the activations are not quantized.
 """
 
