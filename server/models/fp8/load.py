@@ -1,18 +1,11 @@
 """Loading a model's weights with FP8 linears: a checkpoint's own FP8 tensors, or a float checkpoint
-quantized tensor by tensor as it is read (`quantization: fp8`).
-
-`load_checkpoint` converts each tensor as it is read, on the device: float8 tensors stay float8,
-scales float32, float tensors take the model dtype (a float32 router's weight and correction bias:
-float32, as transformers keeps them), and when quantizing, each layer's linear
-projections (and a MoE layer's routed and shared experts) are quantized per output row on the spot
-(peak memory: the FP8 model plus one float tensor). `assemble` pairs each float8 weight with its
-scales into an `Fp8Weight` under the weight's own name.
+quantized tensor by tensor as it is read, on the device (`quantization: fp8`; peak memory: the FP8
+model plus one float tensor). Scales and a float32 router (as transformers keeps it) load as float32.
 
 What stays in the model dtype, and why: the embedding (one row read a token: no bandwidth saved),
 the lm_head (its rounding would move the output most, for ~7% of an 8B model's bytes), the norms, a
-MoE router (it picks the experts; DeepSeek's and GLM-4.5's in float32) and DeepSeek's latent
-projections other than q_proj and o_proj. A checkpoint that stores one of those in FP8 has it
-dequantized here.
+MoE router (it picks the experts) and DeepSeek's latent projections other than q_proj and o_proj. A
+checkpoint that stores one of those in FP8 has it dequantized here.
 """
 
 from __future__ import annotations
