@@ -22,7 +22,6 @@ import torch
 from server.models.fp8.load import SCALES, load_checkpoint
 from server.models.model_spec import ModelSpec
 from server.models.parallel.plan import ShardPlan
-from server.models.weights import safetensors_files
 
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -62,8 +61,8 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
         raise ValueError(f"model {spec.model_dir}: config.json: quantization_config.weight_block_size: "
                          f"{list(quant.block)}: block-scaled FP8 checkpoints are served on one GPU only (no "
                          "tensor or expert parallelism)")
-    return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
-                           quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
+    return load_checkpoint(spec, dtype=dtype, device=device, quantization=quantization,
+                           slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
 
 def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
