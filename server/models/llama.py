@@ -21,7 +21,7 @@ from server.models.mla_attention import TorchLatentAttention
 from server.models.mlp import DenseMLP, FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
 from server.models.moe import build_moe
-from server.models.ops import ModelOps, TorchOps, Weight
+from server.models.ops import TorchOps, Weight
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
 
@@ -52,7 +52,7 @@ class DecoderStack:
     heads and FFN columns, `parallel.shard.local_spec`)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend | TorchLatentAttention,
-                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
+                 *, dtype: torch.dtype, device: torch.device, ops: TorchOps | None = None,
                  parallel: ParallelContext | None = None) -> None:
         self.spec = spec
         self.attention = attention

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from server.models.fp8.weight import cat_rows
-from server.models.ops import ModelOps, Weight
+from server.models.ops import TorchOps, Weight
 
 
 class WeightSource(Protocol):
@@ -26,7 +26,7 @@ class WeightSource(Protocol):
 
 
 class FeedForward(Protocol):
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (a tensor-parallel rank's partial sum)."""
 
 
@@ -37,7 +37,7 @@ class DenseMLP:
     down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up, self.gate_up_bias)
         return ops.linear(ops.silu_mul(gate_up), self.down, self.down_bias)
 

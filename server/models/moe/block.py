@@ -19,7 +19,7 @@ from server.models.moe.config import MoESpec
 from server.models.moe.dispatch import AllToAllDispatch
 from server.models.moe.experts import ExpertsFn, default_experts, expert_load
 from server.models.moe.router import route
-from server.models.ops import ModelOps, Weight
+from server.models.ops import TorchOps, Weight
 
 
 @dataclass
@@ -41,7 +41,7 @@ class MoEBlock:
         if self.load is None:
             self.load = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=self.gate_up.device)
 
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
         weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
         if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
