@@ -57,10 +57,6 @@ class StepLayout:
     seqs: list[SeqLayout]
     num_decode: int
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
-
 
 class AttentionBackend(ABC):
     """Attention for one model: `plan` once per step, then `forward` per layer with that plan."""
