@@ -62,14 +62,7 @@ class AdmitPlan:
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    if a[:len(b)] == b:
-        return len(b)
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class NoReuse:

@@ -18,7 +18,6 @@ from server.models.fp8.linear import CONFIGS
 from server.models.kernels import fp8 as K
 from server.models.kernels import fp8_blocks as KB
 from server.models.kernels import moe as GROUPED
-from server.models.kernels import moe_fp8 as MOE
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16",
@@ -29,22 +28,20 @@ SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf
          "stride_a": "i32", "stride_o": "i32"}
 
 MOE_INTS = {"pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
-GATE_UP = {"XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
+# the grouped kernels of the FP8 experts (W8A8: X, H float8 with their row scales XS, HS; S the weights')
+GATE_UP = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
            "H": "*bf16", **MOE_INTS, "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
-           "stride_hm": "i32"}
-DOWN = {"HQ": "*fp8e4nv", "HS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "SCALE": "*fp32", "ROWS": "*i64",
+           "stride_sn": "i32", "stride_hm": "i32"}
+DOWN = {"H": "*fp8e4nv", "HS": "*fp32", "W": "*fp8e4nv", "S": "*fp32", "SCALE": "*fp32", "ROWS": "*i64",
         "TILE_EXPERT": "*i64", "Y": "*bf16", **{k: v for k, v in MOE_INTS.items() if k != "top_k"},
-        "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_ym": "i32"}
+        "stride_hm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+        "stride_ym": "i32"}
 MOE_TILES = sorted({t for tiles in GROUPED.CANDIDATES.values() for t in tiles})  # what the warm-up may choose
 BLOCK_GEMM = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
               "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32"}
 # the float grouped kernels, with block-scaled float8 weights (W float8, S their scales)
-BLOCK_GATE_UP = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64", "H": "*bf16",
-                 **MOE_INTS, "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32",
-                 "stride_sn": "i32", "stride_hm": "i32"}
-BLOCK_DOWN = {"H": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "SCALE": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
-              "Y": "*bf16", **{k: v for k, v in MOE_INTS.items() if k != "top_k"}, "stride_hm": "i32",
-              "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+BLOCK_GATE_UP = {**GATE_UP, "X": "*bf16"}
+BLOCK_DOWN = {**DOWN, "H": "*bf16"}
 
 
 def compile_one(fn, signature: dict[str, str], constexprs: dict, unspecialised: tuple[str, ...], **options) -> dict:
@@ -69,10 +66,11 @@ def variants():
                 signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
                 yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
     for block_m, block_n, block_k, warps in MOE_TILES:
-        constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PROMOTE": min(K.PROMOTE_K, block_k)}
-        for fn, signature in ((MOE._gate_up_silu_fp8, GATE_UP), (MOE._down_weighted_fp8, DOWN)):
-            yield fn, signature, constexprs, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
-        blocked = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "BLOCKED": True, "GROUP_K": 128}
+        tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PROMOTE": min(K.PROMOTE_K, block_k)}
+        w8a8 = {**tiles, "BLOCKED": False, "GROUP_K": block_k, "W8A8": True}
+        for fn, signature in ((GROUPED._gate_up_silu, GATE_UP), (GROUPED._down_weighted, DOWN)):  # stride_sn: 1
+            yield fn, signature, w8a8, ("pairs", "top_k", "num_experts", "stride_sn"), {"num_warps": warps}
+        blocked = {**tiles, "BLOCKED": True, "GROUP_K": 128, "W8A8": False}
         for fn, signature in ((GROUPED._gate_up_silu, BLOCK_GATE_UP), (GROUPED._down_weighted, BLOCK_DOWN)):
             yield fn, signature, blocked, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
     for rows in (1, 32, 64, 256):

@@ -40,9 +40,6 @@ class PagedKV(Protocol):
 
     def layer_window(self, layer_idx: int) -> int: ...
 
-    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
-        """(k scale, v scale) of an FP8 cache's layer; (1.0, 1.0) for a cache in the model's dtype."""
-
 
 @dataclass(frozen=True)
 class SeqLayout:
@@ -59,10 +56,6 @@ class StepLayout:
 
     seqs: list[SeqLayout]
     num_decode: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
 
 
 class AttentionBackend(ABC):

@@ -1,16 +1,12 @@
 """Built-in models: a trained default that ships in the package, and deterministic random tiny models.
 
 `builtin:tiny-story` (the default in configs/) is a ~2 M parameter Llama trained on English text
-(scripts/train_tiny_story.py), shipped as package data (`server/models/data/tiny-story/`).
-
-The random tiny models (catalog.py: Llama, Qwen3 with sliding windows, the mixture-of-experts
-Mixtral and Qwen MoEs, DeepSeek-V2/V3, GLM-4.5) serve the exactness tests. `resolve_model` builds
-one once into `$PDSERVE_CACHE_DIR/models/<name>-v<N>` (default `~/.cache/pdserve/models`): each process that
-starts at once builds into a private temporary folder and renames it into place, the first rename
-winning, so a folder that exists is always complete.
-
-Random init makes tiny models repeat one token, so weights are drawn from our own seeded
-generator with gains large enough that greedy output varies and depends on the whole context.
+(scripts/train_tiny_story.py), shipped as package data. The random tiny models (catalog.py) serve
+the exactness tests: `resolve_model` builds one once into `$PDSERVE_CACHE_DIR/models/<name>-v<N>`;
+processes starting at once each build into a private folder and rename it into place, the first
+rename winning, so a folder that exists is complete. Random init makes tiny models repeat one token,
+so weights are drawn from our own seeded generator with gains large enough that greedy output varies
+and depends on the whole context.
 """
 
 from __future__ import annotations
@@ -39,15 +35,6 @@ FAMILIES = tuple(_CLASS_PREFIXES)
 # families whose published checkpoints hold their `num_nextn_predict_layers` multi-token-prediction
 # layers, which transformers' model does not build: a tiny model gets random ones (`_add_prediction_layers`)
 _PREDICTION_LAYERS = ("glm4_moe",)
-
-
-def _family_classes(family: str) -> tuple[type, type]:
-    """(config class, model class) of a family; transformers' modeling code is imported only here,
-    when a tiny model is built, so a server that loads a built model never pays for it."""
-    import transformers
-
-    prefix = _CLASS_PREFIXES[family]
-    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
 def cache_root() -> Path:
@@ -109,17 +96,21 @@ def build_tiny_model(out_dir: Path, family: str, **config_overrides: Any) -> Pat
     `out_dir`; `config_overrides` go to the transformers config (e.g. `sliding_window`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
-    config_cls, model_cls = _family_classes(family)
+    # transformers' modeling code is imported only here, so a server that loads a built model never pays for it
+    import transformers
+
+    prefix = _CLASS_PREFIXES[family]
+    config_cls, model_cls = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
     tokenizer = train_tokenizer()
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
     config = config_cls(**{**TINY_SHAPE, "vocab_size": len(tokenizer), **ids, **config_overrides})
     model = model_cls(config).eval()
-    _init_weights(model, seed=SEED)
+    _init_weights(model)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     if family in _PREDICTION_LAYERS:
-        _add_prediction_layers(Path(out_dir), config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0))
+        _add_prediction_layers(out_dir, config.num_hidden_layers, getattr(config, "num_nextn_predict_layers", 0))
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -148,14 +139,14 @@ def _add_prediction_layers(out_dir: Path, num_layers: int, count: int) -> None:
 
 
 @torch.no_grad()
-def _init_weights(model: PreTrainedModel, *, seed: int) -> None:
+def _init_weights(model: PreTrainedModel) -> None:
     """Fill every parameter from one seeded generator, in name order (independent of HF's init).
 
     Linear weights N(0, 1.5 / sqrt(fan_in)) so each layer changes the residual stream substantially
     and attention mixes the context; norms and biases get noise, so a loader that drops or swaps them
     is caught; so does DeepSeek-V3's expert-choice bias (zero in transformers' init).
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(SEED)
     for name, param in sorted(model.named_parameters()):
         param.copy_(_draw(name, tuple(param.shape), gen).to(param.dtype))
     for name, buffer in sorted(model.named_buffers()):

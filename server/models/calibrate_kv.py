@@ -1,13 +1,11 @@
 """`pdserve calibrate-kv MODEL --out scales.json`: per-layer FP8 KV scales measured on sample text.
 
-The model prefills the sample in windows of `seq_len` tokens into a cache in its own dtype (block
-reuse off), so the scales are measured on what the cache stores (K after RoPE and any q/k norm),
-whatever the family. A layer's scale is its largest |K| (|V|) over the sample / 448: that K is
-stored as 448 exactly, and nothing of the sample saturates.
-
-The sample: text files (`--text`), else the prose of Python's language reference (`pydoc_data`).
-Its size matters: on builtin:tiny-story, 8k tokens set layer 0's k_scale 17% under what held-back
-text reaches; 64k tokens (the default) come within 1% (docs/FP8.md).
+The model prefills the sample in windows of `seq_len` tokens into a cache in its own dtype, so the
+scales are measured on what the cache stores (K after RoPE and any q/k norm). A layer's scale is its
+largest |K| (|V|) over the sample / 448: nothing of the sample saturates. The sample: text files
+(`--text`), else the prose of Python's language reference. Its size matters: on builtin:tiny-story,
+8k tokens set layer 0's k_scale 17% under what held-back text reaches; 64k tokens (the default) come
+within 1% (docs/FP8.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """CUDA graphs for decode steps, applied from outside the model.
 
 At start-up the runner captures one graph per batch-size bucket (`batch_buckets`), largest first,
-sharing one memory pool. A graph replays the whole forward over static buffers
-(`StaticDecodePlan`); a step of n rows fills the smallest bucket >= n (padding rows write and attend
-to nothing) with one host-to-device copy. Capture runs every kernel first, warming Triton and cuBLAS.
-
-With async scheduling a row's input token may still be on the device: `run` copies the sampled ids
-into the static `source` buffer, from which each graph gathers them (`StaticDecodePlan.take_pending`).
-Speculative verify chunks and short prefill chunks ride as one-token rows too (runner.as_decode_rows),
-so the buckets go past max_batch_size up to `max_rows`; a replay computes the logits of at most
-max_batch_size rows (`StaticDecodePlan.logit_rows`).
+sharing one memory pool; capture runs every kernel first, warming Triton and cuBLAS. A step of n
+one-token rows fills the smallest bucket >= n (padding rows write and attend to nothing) with one
+host-to-device copy (`StaticDecodePlan`); a row whose token is still on the device (async
+scheduling) gathers it from the static `source` buffer inside the graph. Speculative verify chunks
+and short prefill chunks ride as one-token rows too (runner.as_decode_rows), so the buckets go past
+max_batch_size up to `max_rows`; a replay computes the logits of at most max_batch_size rows.
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         self.source = torch.zeros(self.max_batch, dtype=torch.int64, device=self.attention.device)
         for batch in reversed(self.buckets):
-            plan = self.attention.static_decode_plan(batch, min(batch, self.max_logit_rows))
+            plan = StaticDecodePlan(self.attention, batch, min(batch, self.max_logit_rows))
             rows = self.rows[batch] = plan.logit_rows
             run = lambda plan=plan, rows=rows: self._forward(plan, rows)  # noqa: E731
             stream.wait_stream(torch.cuda.current_stream())

@@ -1,15 +1,11 @@
 """DeepSeek-V2/V3 decoder in plain torch: multi-head latent attention (MLA) over a latent KV cache.
 
-Math follows transformers' DeepseekV2/V3 code: q from q_proj, or q_a_proj -> RMSNorm -> q_b_proj;
-kv_a_proj_with_mqa gives the latent `c` (RMSNorm'd) and the shared rope key `k_pe`; RoPE in
-interleaved pairs (V2, and V3 with `rope_interleave`) or rotate_half; the softmax scale with YaRN's
-mscale. The q_a and kv_a norms use eps 1e-6 (transformers' default for them).
-
-The cache holds [c, k_pe] per token and layer; K and V are never expanded: kv_b_proj is split at
-load into W_uk and W_uv, a head's query becomes [q_nope @ W_uk, q_pe] and its output (the weighted
-sum of `c`) @ W_uv^T, the expanded attention re-associated (server/models/mla_attention.py).
-Layers before first_k_dense_replace have a dense MLP, the others the MoE block. Tensor parallelism:
-each rank holds its heads' slices of q, kv_b and o; the latent path is whole on every rank.
+Math follows transformers' DeepseekV2/V3 code (q through q_proj or the q_a/q_b low rank; the latent
+`c` and the shared rope key `k_pe` from kv_a_proj_with_mqa; the q_a and kv_a norms with eps 1e-6,
+transformers' default for them). The cache holds [c, k_pe] per token and layer; K and V are never
+expanded: kv_b_proj is split at load into W_uk and W_uv, a head's query becomes [q_nope @ W_uk, q_pe]
+and its output (the weighted sum of `c`) @ W_uv^T (server/models/mla_attention.py). Tensor
+parallelism: each rank holds its heads' slices of q, kv_b and o; the latent path is whole on every rank.
 """
 
 from __future__ import annotations

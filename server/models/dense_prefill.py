@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +61,8 @@ def _sdpa(qkv: torch.Tensor, heads: int, kv_heads: int, scale: float,
     q = qkv[:, :heads].transpose(0, 1)[None]  # [1, heads, n, D]
     k = qkv[:, heads:heads + kv_heads].transpose(0, 1)[None]
     v = qkv[:, heads + kv_heads:].transpose(0, 1)[None]
-    if backends is None:
+    with nullcontext() if backends is None else sdpa_kernel(backends):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        with sdpa_kernel(backends):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -1,13 +1,9 @@
 """The KV cache a server builds for its model: the element type (`kv_cache_config.dtype`) and, for an
-FP8 cache, each layer's k and v scales (a latent cache, multi-head latent attention: one scale a
-layer, the k scale).
-
-Where the scales come from, first found wins:
-1. `kv_cache_config.scales`: a scales file (`pdserve calibrate-kv`, kvcache/kv_scales.py);
-2. the checkpoint: the per-layer scales FP8 checkpoints carry, under the names the tools that make
-   them write (`CHECKPOINT_NAMES`; a per-head scale counts as its largest head);
-3. 1.0 (as vLLM, SGLang and TensorRT-LLM do without scales): |K|, |V| up to 448 are kept (rounded
-   to e4m3), larger ones saturate there, and tiny ones lose precision; calibrate the model.
+FP8 cache, each layer's k and v scales (a latent cache: one scale a layer, the k scale). The scales
+come from, first found wins: `kv_cache_config.scales` (`pdserve calibrate-kv`, kvcache/kv_scales.py);
+the checkpoint's (`CHECKPOINT_NAMES`; a per-head scale counts as its largest head); else 1.0 (as
+vLLM, SGLang and TensorRT-LLM do): |K|, |V| up to 448 are kept, larger ones saturate there, and tiny
+ones lose precision.
 """
 
 from __future__ import annotations
@@ -38,13 +34,9 @@ CHECKPOINT_NAMES = (
 Scales = tuple[tuple[float, ...], tuple[float, ...]]
 
 
-def kv_dtype(config: KvCacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The element type of the KV blocks: FP8 e4m3 for `dtype: fp8`, else the model's dtype."""
-    return FP8 if config.dtype == "fp8" else model_dtype
-
-
 def kv_dtype_name(config: KvCacheConfig, model_dtype: torch.dtype) -> str:
-    return dtype_name(kv_dtype(config, model_dtype))
+    """The element type of the KV blocks: FP8 e4m3 for `dtype: fp8`, else the model's dtype."""
+    return dtype_name(FP8 if config.dtype == "fp8" else model_dtype)
 
 
 def kv_cache_layout(config: KvCacheConfig, spec: ModelSpec, max_seq_len: int, model_dtype: torch.dtype,

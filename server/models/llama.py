@@ -1,14 +1,12 @@
 """Our compact Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
 Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) in plain torch.
 
-Math follows transformers' modeling code step for step (RMSNorm in float32, rotate_half RoPE (on
-the first rotary_dim dims of a head with GLM-4.5's partial rotary factor), SiLU-gated MLP, Qwen3's
-and GLM-4.5's per-head q/k norm before RoPE). Weights load by HF name and fuse once: q/k/v into one
-projection, gate/up into one (`cat_rows`, also for FP8 weights). The model is
-stateless between steps: the KV cache is reached only through the attention backend, which also
+Math follows transformers' modeling code step for step (RMSNorm in float32, rotate_half RoPE, Qwen3's
+and GLM-4.5's per-head q/k norm before RoPE). Weights fuse once at load: q/k/v, and gate/up. The model
+is stateless between steps: the KV cache is reached only through the attention backend, which also
 applies RoPE (so a GPU backend fuses it with the cache write). The residual add is fused into the
-next RMSNorm; `ops` is torch or Triton. A tensor-parallel rank's model holds its weight slices and
-meets the other ranks only through `parallel` (`SingleRank` with one rank, which adds nothing).
+next RMSNorm. A tensor-parallel rank's model holds its weight slices and meets the other ranks only
+through `parallel` (`SingleRank` with one rank, which adds nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from server.models.mla_attention import TorchLatentAttention
 from server.models.mlp import DenseMLP, FeedForward, load_mlp
 from server.models.model_spec import ModelSpec
 from server.models.moe import build_moe
-from server.models.ops import ModelOps, TorchOps, Weight
+from server.models.ops import TorchOps, Weight
 from server.models.parallel.context import ParallelContext, SingleRank
 from server.models.rope import Rotary
 
@@ -54,7 +52,7 @@ class DecoderStack:
     heads and FFN columns, `parallel.shard.local_spec`)."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Weight], attention: AttentionBackend | TorchLatentAttention,
-                 *, dtype: torch.dtype, device: torch.device, ops: ModelOps | None = None,
+                 *, dtype: torch.dtype, device: torch.device, ops: TorchOps | None = None,
                  parallel: ParallelContext | None = None) -> None:
         self.spec = spec
         self.attention = attention

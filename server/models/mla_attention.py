@@ -1,13 +1,11 @@
 """Paged attention over a latent KV cache (multi-head latent attention, DeepSeek-V2/V3), in torch.
 
 The cache holds one row a token and layer: the normalized compressed KV `c` and the roped shared key
-`k_pe` (kvcache.KVFormat "latent"). With the up-projections absorbed (server/models/deepseek.py) a
-head's query is [q_nope @ W_uk, q_pe], its score against a token that query . [c, k_pe], its output
-the softmax-weighted sum of the tokens' `c`. So every head reads the same keys: one "kv head", the
-heads as query rows. The plan is the K/V backend's (`attention.plan_windows`, one plane per layer).
-
-An FP8 cache stores e4m3(latent / scale), one scale per layer (`KVFormat.k_scales`); reads widen the
-rows exactly, fold the scale into the softmax scale and multiply the output by it.
+`k_pe`. With the up-projections absorbed (server/models/deepseek.py) a head's query is
+[q_nope @ W_uk, q_pe] and its output the softmax-weighted sum of the tokens' `c`, so every head reads
+the same keys: one "kv head", the heads as query rows, over the K/V backend's plan with one plane per
+layer. An FP8 cache stores e4m3(latent / scale), one scale per layer: reads widen the rows exactly,
+fold the scale into the softmax scale and multiply the output by it.
 """
 
 from __future__ import annotations

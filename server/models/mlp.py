@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from server.models.fp8.weight import cat_rows
-from server.models.ops import ModelOps, Weight
+from server.models.ops import TorchOps, Weight
 
 
 class WeightSource(Protocol):
@@ -26,7 +26,7 @@ class WeightSource(Protocol):
 
 
 class FeedForward(Protocol):
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (a tensor-parallel rank's partial sum)."""
 
 
@@ -37,16 +37,15 @@ class DenseMLP:
     down: Weight  # [hidden, intermediate]
     down_bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up, self.gate_up_bias)
         return ops.linear(ops.silu_mul(gate_up), self.down, self.down_bias)
 
 
-def load_mlp(w: WeightSource, prefix: str, *, bias: bool = False,
-             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> DenseMLP:
+def load_mlp(w: WeightSource, prefix: str, *, bias: bool = False) -> DenseMLP:
     """The MLP whose projections are `{prefix}{gate,up,down}_proj.weight` (and `.bias` with `bias`)."""
-    gate, up, down = names
-    gate_up = [w.take(f"{prefix}{n}.weight") for n in (gate, up)]
-    gate_up_bias = [w.take(f"{prefix}{n}.bias") for n in (gate, up)] if bias else None
+    gate_up = [w.take(f"{prefix}{n}_proj.weight") for n in ("gate", "up")]
+    gate_up_bias = [w.take(f"{prefix}{n}_proj.bias") for n in ("gate", "up")] if bias else None
     return DenseMLP(gate_up=cat_rows(gate_up), gate_up_bias=torch.cat(gate_up_bias) if gate_up_bias else None,
-                    down=w.take(f"{prefix}{down}.weight"), down_bias=w.take(f"{prefix}{down}.bias") if bias else None)
+                    down=w.take(f"{prefix}down_proj.weight"),
+                    down_bias=w.take(f"{prefix}down_proj.bias") if bias else None)

@@ -7,7 +7,6 @@ ops dequantize it (the CPU's path), the Triton ops run FP8 GEMMs (fp8/linear.py)
 from __future__ import annotations
 
 import os
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,26 +16,14 @@ from server.models.fp8.weight import Fp8Weight, dequantized_linear
 Weight = torch.Tensor | Fp8Weight  # a linear layer's weight [N, K]
 
 
-class ModelOps(Protocol):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' LlamaRMSNorm of x [..., N]."""
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """residual += x (in place, [R, N]); returns rms_norm(residual)."""
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
-
-    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """F.linear: x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
-
-
 class TorchOps:
+    """The interface, in plain torch; `TritonOps` overrides it with fused kernels."""
+
     def __init__(self, eps: float) -> None:
         self.eps = eps
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNorm: normalize in float32, cast back, then scale by the weight."""
+        """transformers' LlamaRMSNorm of x [..., N]: normalize in float32, cast back, then scale by the weight."""
         if x.dtype == torch.float32:  # the fused op computes exactly this in float32
             return F.rms_norm(x, weight.shape, weight, self.eps)
         xf = x.float()
@@ -44,14 +31,17 @@ class TorchOps:
         return weight * xf.to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, [R, N]); returns rms_norm(residual)."""
         residual += x
         return self.rms_norm(residual, weight)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear: x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
         if isinstance(weight, Fp8Weight):
             return dequantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)

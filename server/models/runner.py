@@ -28,9 +28,8 @@ from server.models.model_spec import ModelSpec, load_spec
 from server.models.moe import moe_blocks
 from server.models.moe.experts import ExpertsFn, dense_experts
 from server.models.moe.load import ExpertLoad
-from server.models.ops import ModelOps, TorchOps, TritonOps, Weight
+from server.models.ops import TorchOps, TritonOps, Weight
 from server.models.parallel.context import RankShard
-from server.models.weights import safetensors_files
 
 if TYPE_CHECKING:
     from server.models.warmup import WarmStep
@@ -92,8 +91,7 @@ def load_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, quan
     weights as FP8 where the checkpoint is FP8 or `quantization` is "fp8" (server/models/fp8/load.py)."""
     if shard is not None:
         return shard.load(spec, dtype, device, quantization)
-    return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
-                           quantization=quantization)
+    return load_checkpoint(spec, dtype=dtype, device=device, quantization=quantization)
 
 
 KERNELS = ("auto", "torch", "triton")
@@ -127,9 +125,7 @@ def _fused_experts(gate_up: Weight) -> ExpertsFn:
     from server.models.kernels.moe import fused_experts
     from server.models.kernels.moe_fp8 import fused_fp8_experts
 
-    if not isinstance(gate_up, Fp8Weight):
-        return fused_experts
-    return fused_experts if gate_up.block_k else fused_fp8_experts
+    return fused_fp8_experts if isinstance(gate_up, Fp8Weight) and not gate_up.block_k else fused_experts
 
 
 class ModelRunner:
@@ -155,13 +151,13 @@ class ModelRunner:
         model_cls = LlamaModel if local.mla is None else DeepseekModel
         self.model = model_cls(local, tensors, self.attention, dtype=dtype, device=device, ops=ops,
                                parallel=None if shard is None else shard.context)
-        if self.kernels == "triton":
-            for block in moe_blocks(self.model).values():  # a MoE model's routed experts: two grouped GEMMs
+        blocks = moe_blocks(self.model)
+        for block in blocks.values():
+            if self.kernels == "triton":  # a MoE model's routed experts: two grouped GEMMs
                 block.experts = _fused_experts(block.gate_up)
-        if shard is not None and shard.dispatch is not None:
-            for block in moe_blocks(self.model).values():
+            if shard is not None and shard.dispatch is not None:
                 block.dispatch = shard.dispatch
-        self.expert_load = ExpertLoad(moe_blocks(self.model))  # tokens per expert, for /metrics
+        self.expert_load = ExpertLoad(blocks)  # tokens per expert, for /metrics
         self.graphs = None
         if self.kernels == "triton" and cuda_graphs and local.mla is None:
             from server.models.cuda_graphs import DecodeGraphs
@@ -169,7 +165,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size,
                                        max_rows=min(max_num_tokens, max_batch_size + MIXED_ROWS))
 
-    def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, ModelOps]:
+    def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, TorchOps]:
         ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
         if spec.mla is not None:  # latent attention: the torch MLA on both paths (fused ops with Triton)
             return TorchLatentAttention(self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank,
@@ -255,7 +251,6 @@ class ModelRunner:
         (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
         from server.models.kernels.moe import CHOSEN, block_experts_compute, choose_tiles, fused_experts
         from server.models.kernels.moe_fp8 import fused_fp8_experts
-        from server.models.moe import moe_blocks
 
         if self.device.type != "cuda":
             return

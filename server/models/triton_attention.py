@@ -173,10 +173,6 @@ class TritonPagedAttention(AttentionBackend):
                           k_scale, v_scale)
         return out
 
-    # ---- CUDA graphs
-    def static_decode_plan(self, batch: int, logit_rows: int | None = None) -> StaticDecodePlan:
-        return StaticDecodePlan(self, batch, logit_rows)
-
 
 class StaticDecodePlan:
     """A decode-only plan for `batch` rows whose tensors never move: `fill` rewrites them (one copy)

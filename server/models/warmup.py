@@ -1,26 +1,18 @@
 """The start-up warm-up of the GPU fast path: the step shapes the scheduler produces run once before
 the first request, so no request pays for a Triton compile, a cuDNN plan or another first use.
 
-What varies between steps, and how each is covered:
-- pointer alignment and per-step integers: not specialised on (attention.HostInts aligns every
-  index part; `do_not_specialize` on the kernels' varying integers), so one compile serves all;
-- the decode kernel's split count, a compile-time constant of the decode batch size
-  (kernels.attention.decode_splits): one mixed step per distinct split count, each with a fresh
-  prompt (dense prefill) and a chunk after a cached prefix (paged prefill) (`warm_steps`);
-- cuDNN prefill plans: one per prompt-length bucket (dense_prefill.warm_up);
-- decode-only steps: CUDA graphs captured per batch bucket (cuda_graphs.py).
+Pointer alignment and per-step integers are not specialised on (attention.HostInts aligns every
+index part; `do_not_specialize`), so one compile serves all. The decode kernel's split count is a
+compile-time constant of the batch size (kernels.attention.decode_splits): `warm_steps` runs one
+mixed step per split count, each with a fresh prompt (dense prefill) and a chunk after a cached
+prefix (paged prefill). cuDNN plans: dense_prefill.warm_up; decode graphs: cuda_graphs.py.
 
-A burst of fresh prompts adds CUDA's lazy first uses (`burst_steps`, run after the capture, CUDA
-only): each captured graph's first launch uploads it (a burst's mixed steps reach buckets decode
-steps never do: one replayed step per bucket), and eager steps of new token counts load new cuBLAS
-kernels (picked per M range), run the lm_head at new row counts and split the allocator's blocks in
-new ways (one eager step per point of a geometric grid of token counts, STEPS_PER_DOUBLING per
-doubling up to max_num_tokens). Their decode rows take their tokens on the device, as with async
-scheduling. On the 8B shape this adds ~1-2 s.
-
-Not covered (they are not the runner's): the sampler's pinned uploads of sampling rows and
-`inflight.TokenStaging` growing past max_batch_size. Nothing is cached yet while this runs, so what
-the steps write into the pool is never read.
+`burst_steps` (CUDA, after the capture) covers a burst's lazy first uses: each graph's first launch
+(one replayed mixed step per bucket), and new cuBLAS kernels, lm_head row counts and allocator splits
+(one eager step per point of a geometric grid of token counts, STEPS_PER_DOUBLING per doubling up to
+max_num_tokens), decode rows taking their tokens on the device. ~1-2 s on the 8B shape. Not covered:
+the sampler's and `inflight.TokenStaging`'s uploads. Nothing is cached yet, so what the steps write
+into the pool is never read.
 """
 
 from __future__ import annotations

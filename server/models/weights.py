@@ -57,25 +57,24 @@ def tensor_signature(files: Iterable[Path]) -> list[tuple[str, str, tuple[int, .
 Slicer = Callable[[str, Any], "torch.Tensor | None"]
 
 
-# (tensor name, the tensor as read) -> what to keep of it: by default the tensor in the model dtype on
-# the device; the FP8 loader keeps float8 tensors and scales as they are and may quantize (server/models/fp8/)
+# (tensor name, the tensor as read) -> what to keep of it (server/models/fp8/load.py: the model dtype,
+# float8 tensors and scales as they are, or quantized)
 Convert = Callable[[str, torch.Tensor], Any]
 
 
-def load_tensors(files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
-                 slicer: Slicer | None = None, convert: Convert | None = None,
-                 skip: Callable[[str], bool] | None = None) -> dict[str, Any]:
-    """All tensors of `files` (or, with `slicer`, the part of each it picks), converted to `dtype`
-    on `device` (or by `convert`, one tensor at a time as it is read). A slice is read from the file
-    alone: the rest of the tensor is never loaded; a tensor whose name `skip` accepts, none of it."""
+def load_tensors(files: Iterable[Path], *, device: torch.device, convert: Convert, skip: Callable[[str], bool],
+                 slicer: Slicer | None = None) -> dict[str, Any]:
+    """All tensors of `files` (or, with `slicer`, the part of each it picks), each converted by
+    `convert` as it is read, on `device`. A slice is read from the file alone: the rest of the tensor
+    is never loaded; a tensor whose name `skip` accepts, none of it."""
     out: dict[str, Any] = {}
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:  # straight onto the device
             for name in f.keys():
-                if skip is not None and skip(name):
+                if skip(name):
                     continue
                 tensor = f.get_tensor(name) if slicer is None else slicer(name, f.get_slice(name))
                 if tensor is None:
                     continue
-                out[name] = tensor.to(device=device, dtype=dtype) if convert is None else convert(name, tensor)
+                out[name] = convert(name, tensor)
     return out

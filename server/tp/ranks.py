@@ -88,19 +88,15 @@ class Ranks:
         """Give the ranks the pools' slot counts and mirror every copy (and disk check) `kv` runs from now on."""
         window = kv.window_sizes[0]
         num_disk = kv.num_slots(window, Level.DISK)
-        self.add(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY), num_disk))
         self._kv = kv
         kv.observe_copies(self._on_copies)
         if num_disk:
             kv.share_disk_checks(DiskChecks(self, kv.config.disk.io_timeout_s))
-        self.flush()
+        self.flush(Init(kv.num_slots(window, Level.PRIMARY), kv.num_slots(window, Level.SECONDARY), num_disk))
 
     def _on_copies(self, window: int, ops: list[CopyOp]) -> None:
         metas = disk_metas(self._kv, window, ops) if self._kv is not None else []
         self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops], metas))
-
-    def add(self, op: Op) -> None:
-        self._ops.append(op)
 
     def flush(self, *ops: Op) -> None:
         """Queue `ops`, then send every queued operation, in order, to every rank; a rank that does not

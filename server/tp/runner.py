@@ -38,11 +38,9 @@ class RankedRunner:
         seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits, c.num_logits)
                 for c in chunks]
         if pending is None:
-            self.ranks.add(Forward(seqs))
+            self.ranks.flush(Forward(seqs))
         else:
             source = pending.source.contiguous()
-            self.ranks.add(Forward(seqs, dict(pending.rows), source.numel()))
-        self.ranks.flush()
-        if pending is not None:
+            self.ranks.flush(Forward(seqs, dict(pending.rows), source.numel()))
             group.share_from_rank0(source)
         return self.runner.execute(chunks, pending)

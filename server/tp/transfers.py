@@ -108,7 +108,8 @@ class RankedReceiver(KVReceiver):
         if rank > 0:
             self.stats.bytes_received += nbytes  # rank 0's own bytes are counted as they land
         if not ok:
-            self._end_others(request_id, shares, rank)
+            del self._shares[request_id]
+            self._end_others(request_id, shares, own=rank == 0 or super().cancel(request_id))
             if rank > 0:
                 self.stats.count_failure(reason or "remote_error")
             return [PullResult(request_id, False, reason, f"rank {rank}: {error}", shares.nbytes + nbytes, seconds)]
@@ -118,8 +119,7 @@ class RankedReceiver(KVReceiver):
             return []
         del self._shares[request_id]
         if self._latent:  # one plain pull: its context server ended the lease; the other ranks take it
-            self._ranks.add(ShareLatent(shares.wanted))
-            self._ranks.flush()
+            self._ranks.flush(ShareLatent(shares.wanted))
             share_latent(self._kv, shares.wanted, 0)
         else:
             self.release_lease(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
@@ -128,21 +128,19 @@ class RankedReceiver(KVReceiver):
         return [PullResult(request_id, True, nbytes=shares.nbytes, seconds=seconds, first_tokens=shares.first_tokens,
                            cached_tokens=shares.cached_tokens)]
 
-    def _end_others(self, request_id: str, shares: _Shares, failed_rank: int) -> None:
-        """A share failed: stop the other ranks' (their receivers cancel their parts), and rank 0's
-        own: a running one is cancelled; if it had landed, the lease is cancelled here."""
-        del self._shares[request_id]
+    def _end_others(self, request_id: str, shares: _Shares, own: bool) -> None:
+        """A share failed or the pull was cancelled: stop the other ranks' (their receivers cancel their
+        parts). `own`: rank 0's share failed, or was running and is cancelled; else if it had landed,
+        the lease is cancelled here."""
         self._ranks.flush(CancelPull(request_id))
-        if failed_rank != 0 and not super().cancel(request_id) and 0 not in shares.pending:
+        if not own and 0 not in shares.pending:
             self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
 
     def cancel(self, request_id: str) -> bool:
         shares = self._shares.pop(request_id, None)
         own = super().cancel(request_id)
         if shares is not None:
-            self._ranks.flush(CancelPull(request_id))
-            if not own and 0 not in shares.pending:  # rank 0's share landed: end the lease here
-                self.release_remote(shares.ctx_endpoint, shares.ctx_request_id, shares.ctx_epoch)
+            self._end_others(request_id, shares, own)
         return own or shares is not None
 
     @property

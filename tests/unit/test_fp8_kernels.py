@@ -207,9 +207,10 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
 
     tiles = len({t for candidates in CANDIDATES.values() for t in candidates})
     moe = [line for line in done.stdout.splitlines() if line.startswith(("_gate_up_silu", "_down_weighted"))]
-    # the grouped FP8 experts' two kernels (kernels/moe_fp8.py) and the float ones with block-scaled float8
-    # weights (kernels/moe.py), at every tile the warm-up may choose; the block-scaled GEMM at 4 row counts
-    assert len(moe) == 4 * tiles and sum("BLOCKED" in line for line in moe) == 2 * tiles, done.stdout
+    # the grouped kernels (kernels/moe.py) for the FP8 experts (W8A8) and with block-scaled float8 weights,
+    # at every tile the warm-up may choose; the block-scaled GEMM at 4 row counts
+    assert len(moe) == 4 * tiles and sum("'BLOCKED': True" in line for line in moe) == 2 * tiles, done.stdout
+    assert sum("'W8A8': True" in line for line in moe) == 2 * tiles, done.stdout
     blocks = [line for line in done.stdout.splitlines() if line.startswith("_fp8_block_gemm")]
     assert len(blocks) == 4, done.stdout
     compiled = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in moe + blocks]

@@ -231,7 +231,9 @@ def test_a_static_decode_plan_over_an_fp8_cache_equals_the_eager_step():
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 17)]  # 70: past the window
     chunks = prefilled_decode_rows(runner, prompts, 3)
     eager = runner.execute(chunks)
-    plan = runner.attention.static_decode_plan(4)
+    from server.models.triton_attention import StaticDecodePlan
+
+    plan = StaticDecodePlan(runner.attention, 4)
     plan.fill([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], [c.token_ids[0] for c in chunks])
     plan.take_pending(torch.zeros(4, dtype=torch.int64))
     logits = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))

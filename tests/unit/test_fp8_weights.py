@@ -221,7 +221,7 @@ def test_tensor_parallel_shards_take_their_rows_scales(checkpoints, name: str) -
     for rank in range(2):
         plan = plan_for(spec, rank, 2)
         part = load_shard(spec, plan, torch.float32, torch.device("cpu"))
-        d, (h0, h1), (f0, f1) = spec.head_dim, plan.heads, plan.ffn
+        d, (h0, h1), (f0, f1) = spec.head_dim, plan.heads, plan.share(plan.intermediate_size)
         q, gate = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"
         o, down = "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"
         assert torch.equal(part[q].dequantize(), whole[q].dequantize()[h0 * d:h1 * d])

@@ -131,11 +131,9 @@ def test_quantization_fp8_loads_fp8_experts_and_float_routers(model: str) -> Non
     from server.models.builtin import resolve_model
     from server.models.fp8.load import load_checkpoint
     from server.models.model_spec import load_spec, with_quantization
-    from server.models.weights import safetensors_files
 
     spec = with_quantization(load_spec(resolve_model(model)), "fp8")
-    tensors = load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=torch.float32,
-                              device=torch.device("cpu"), quantization="fp8")
+    tensors = load_checkpoint(spec, dtype=torch.float32, device=torch.device("cpu"), quantization="fp8")
     experts = [n for n in tensors if ".experts." in n and n.endswith("weight")]
     assert experts and all(isinstance(tensors[n], Fp8Weight) for n in experts)
     routers = [n for n in tensors if n.endswith((".gate.weight", "shared_expert_gate.weight"))]

@@ -110,7 +110,8 @@ def test_shard_plan_heads_replication_and_vocab() -> None:
     assert [kv_head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [kv_head_range(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
     plan = ShardPlan(rank=3, size=4, num_heads=8, num_kv_heads=2, intermediate_size=256, vocab_size=498)
-    assert (plan.heads, plan.kv_heads, plan.ffn, plan.vocab) == ((6, 8), (1, 2), (192, 256), (375, 500))
+    assert (plan.heads, plan.kv_heads, plan.share(plan.intermediate_size), plan.vocab) == \
+        ((6, 8), (1, 2), (192, 256), (375, 500))
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide"):
         ShardPlan(rank=0, size=3, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=512)
     with pytest.raises(ValueError, match="expert_parallel_size: 3 does not divide the model's 8 routed experts"):

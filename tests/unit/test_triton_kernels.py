@@ -33,6 +33,7 @@ from server.models.kernels import attention as A  # noqa: E402
 from server.models.kernels import elementwise as E  # noqa: E402
 from server.models.model_spec import load_spec  # noqa: E402
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk  # noqa: E402
+from server.models.triton_attention import StaticDecodePlan  # noqa: E402
 
 SLOTS, LAYERS, TPB, KVH, D, H = 40, 3, 8, 2, 32, 8
 
@@ -179,7 +180,7 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
     chunks = prefilled_decode_rows(runner, prompts, 3)
     eager = runner.execute(chunks)  # the static run below writes the same K/V at the same places again
-    plan = runner.attention.static_decode_plan(4)
+    plan = StaticDecodePlan(runner.attention, 4)
     seqs = StepLayout([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], 3).seqs
     plan.fill(seqs, [c.token_ids[0] for c in chunks])
     plan.take_pending(torch.zeros(4, dtype=torch.int64))  # no picks: the host tokens stay
@@ -193,7 +194,7 @@ def test_static_decode_plan_equals_the_eager_plan() -> None:
     picked = runner.model.forward(plan.token_ids, plan.positions, plan.meta, torch.arange(4))
     assert torch.equal(picked[:3], logits[:3])
     # a bucket that computes 2 rows' logits, the rows `fill` names (a mixed step: prefill rows' last ones)
-    some = runner.attention.static_decode_plan(4, logit_rows=2)
+    some = StaticDecodePlan(runner.attention, 4, logit_rows=2)
     some.fill(seqs, [c.token_ids[0] for c in chunks], logit_rows=[2, 0])
     some.take_pending(torch.zeros(4, dtype=torch.int64))
     chosen = runner.model.forward(some.token_ids, some.positions, some.meta, some.logit_rows)

@@ -72,7 +72,7 @@ def test_every_index_part_of_a_plan_is_16_byte_aligned() -> None:
         tables = {w: list(range(16)) for w in runner.kv.window_sizes}
         seqs = [SeqLayout(s.num_past, s.num_new, tables) for s in seqs]
         layout = StepLayout(seqs, num_decode)
-        meta = runner.attention.plan(layout, torch.zeros(layout.num_tokens, dtype=torch.int64))
+        meta = runner.attention.plan(layout, torch.zeros(sum(s.num_new for s in seqs), dtype=torch.int64))
         for tensor in _index_tensors(meta):
             assert tensor.dtype == torch.int32 and tensor.storage_offset() % 4 == 0
 

@@ -1,27 +1,22 @@
 """Block-scaled FP8 checkpoints (`quant_method: fp8`, `weight_block_size: [128, 128]`, as DeepSeek-V3
 and Qwen3-FP8 ship): each float8 weight [N, K] has a float32 `*.weight_scale_inv` [ceil(N / 128),
-ceil(K / 128)], a multiplier despite its name: W[n, k] = qweight[n, k] * scale_inv[n // 128, k // 128].
-
-`from_block_checkpoint` expands the row blocks to their rows (exact: scale [N, ceil(K / 128)],
-`block_k` 128), so such weights fuse and stack row by row as per-channel ones do. On the CPU they run
-dequantized, as every FP8 weight. On the GPU a linear runs the block-scaled GEMM (kernels/fp8_blocks.py)
-and the routed experts the grouped expert kernels (kernels/moe.py), both reading the float8 weight
-once, widening each tile to the activations' dtype and scaling each 128-column block's partial sum.
+ceil(K / 128)], a multiplier despite its name. `from_block_checkpoint` expands the row blocks to their
+rows (exact), so such weights fuse and stack row by row as per-channel ones do. The CPU runs them
+dequantized; the GPU runs kernels/fp8_blocks.py (linears) and kernels/moe.py (experts), which read
+the float8 weight once and scale each 128-column block's partial sum.
 """
 
 from __future__ import annotations
 
 import torch
 
-from server.models.fp8.weight import FP8, Fp8Weight
+from server.models.fp8.weight import Fp8Weight, check_matrix
 
 
 def from_block_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> Fp8Weight:
     """A checkpoint's float8 weight [N, K] and its block scales [ceil(N / rows), ceil(K / columns)]; a
     ValueError naming `name` for any other shape."""
-    if qweight.dtype != FP8 or qweight.dim() != 2:
-        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
-                         "a float8_e4m3fn matrix")
+    check_matrix(qweight, name)
     (n, k), (bn, bk) = qweight.shape, block
     want = (-(-n // bn), -(-k // bk))
     if tuple(scale.shape) != want:

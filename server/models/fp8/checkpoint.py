@@ -1,18 +1,11 @@
 """The FP8 quantization a checkpoint declares in config.json's `quantization_config`, checked once.
 
-Two layouts that users download:
-- Hugging Face / vLLM `quant_method: fp8`: float8_e4m3fn `*.weight` tensors, each with a float32
-  `*.weight_scale` (or `*.weight_scale_inv`, DeepSeek's and Qwen's name for the same multiplier), one
-  per tensor or one per output channel; `activation_scheme: static` adds one `*.input_scale` per
-  linear, `dynamic` none. Block-wise scales: `weight_block_size: [128, 128]` (DeepSeek-V3, Qwen3-FP8),
-  one `*.weight_scale_inv` per 128 x 128 block, with dynamic activations only
-  (server/models/fp8/blocks.py); other block sizes and static activations are refused naming the key.
-- compressed-tensors (llm-compressor) `quant_method: compressed-tensors`: config groups whose weights
-  are 8-bit floats with strategy `tensor` or `channel`, and whose input activations are dynamic (per
-  token), static (per tensor: an `input_scale`) or absent (weight only).
-Which linears are FP8 is read from the tensors (a float8 weight and its scale); modules a checkpoint
-leaves in float (its ignore list: lm_head, ...) load as float. The KV cache scales some checkpoints
-carry (`kv_cache_scheme`, `*.k_scale`, `*.v_scale`) belong to the KV cache, not to these weights.
+Two layouts that users download: Hugging Face / vLLM `quant_method: fp8` (float8 `*.weight` tensors,
+each with a float32 `*.weight_scale` or `*.weight_scale_inv`, per tensor, per output channel, or, for
+`weight_block_size: [128, 128]`, per block: fp8/blocks.py), and compressed-tensors (llm-compressor)
+`quant_method: compressed-tensors`. Which linears are FP8 is read from the tensors: modules a
+checkpoint leaves in float (its ignore list) load as float. The KV cache scales some checkpoints
+carry (`*.k_scale`, `*.v_scale`) belong to the KV cache, not to these weights.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""FP8 routed experts: stacking a layer's expert weights into one `Fp8Weight` [E, N, K], and what the
-GPU's grouped FP8 kernels (server/models/kernels/moe_fp8.py) compute, in plain torch.
-
-The CPU serves FP8 experts dequantized (server/models/moe/experts.py), as a dense FP8 linear; the GPU
-quantizes the activations per row before each GEMM (`w8a8_experts`, as `weight.w8a8_linear`), with a
-static checkpoint one input scale per projection: the largest of its experts' (`stack_experts`).
+"""FP8 routed experts: a layer's expert weights stacked into one `Fp8Weight` [E, N, K], and what the
+GPU's grouped FP8 kernels (server/models/kernels/moe_fp8.py) compute, in plain torch (`w8a8_experts`:
+activations quantized per row before each GEMM, as `weight.w8a8_linear`; a static checkpoint's input
+scale per projection is the largest of its experts'). The CPU serves FP8 experts dequantized.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """The FP8 linear on the GPU: activations quantized per token (kernels/fp8.py `quantize_rows`), then the
-GEMM the warm-up timed fastest for the weight's shape and the step's row count.
+GEMM the warm-up timed fastest for the weight's shape and the step's row count (`run`): cuBLAS with
+unit scales and our scale epilogue (its per-tensor FP8 path read an 8B model's linears 1.68x faster
+than bf16 at M=1 on the H200), cuBLAS row-wise with the bias fused (one kernel, but measured reading
+the weight at half rate at M=1), a Triton config for rows <= 64 (at up to 16 rows also configs that
+quantize inside the GEMM), the float32 torch reference, and for a block-scaled weight its own kernel
+(kernels/fp8_blocks.py) or the dequantized product.
 
-The GEMMs (`run`):
-- `CUBLAS_UNIT`: `torch._scaled_mm` with unit scales, float32 out, then the scale epilogue kernel
-  (cuBLAS's per-tensor FP8 path read an 8B model's linears 1.68x faster than bf16 at M=1 on the H200).
-- `CUBLAS_ROWWISE`: `torch._scaled_mm` with row-wise scales and the bias fused (bf16 models): one
-  kernel, but measured reading the weight at half rate at M=1.
-- a Triton config (kernels/fp8.py `fp8_gemm`) for the skinny decode shapes (rows <= 64); at up to
-  16 rows also configs that quantize the activations inside the GEMM (one kernel per linear).
-- `TORCH`: the float32 reference (`weight.w8a8_linear`), for shapes nothing else runs.
-- a block-scaled checkpoint's weight (`block_k`): `BLOCKS`, its own kernel (kernels/fp8_blocks.py,
-  the activations not quantized), or `DEQUANT`, the weight dequantized and multiplied in float32.
-
-`choose` times them per (N, K) over every layer's weight of that shape at each row class's largest
-row count, after checking each against the torch reference (a kernel that computes wrong on some
-GPU is skipped); a Triton config is kept only if it beats cuBLAS by 2%. PDSERVE_SKINNY_GEMV=0 keeps
-cuBLAS. Before any choice and past LONG_ROWS rows: `default_path`. Nothing here syncs the host or
-allocates outside torch's allocator, so CUDA graphs capture it.
+`choose` checks each path against the torch reference (a kernel that computes wrong on some GPU is
+skipped) and keeps a Triton config only if it beats cuBLAS by 2%; PDSERVE_SKINNY_GEMV=0 keeps cuBLAS.
+Before any choice and past LONG_ROWS rows: `default_path`. Nothing here syncs the host or allocates
+outside torch's allocator, so CUDA graphs capture it.
 """
 
 from __future__ import annotations

@@ -1,31 +1,22 @@
 """Loading a model's weights with FP8 linears: a checkpoint's own FP8 tensors, or a float checkpoint
-quantized tensor by tensor as it is read (`quantization: fp8`).
-
-`load_checkpoint` converts each tensor as it is read, on the device: float8 tensors stay float8,
-scales float32, float tensors take the model dtype (a float32 router's weight and correction bias:
-float32, as transformers keeps them), and when quantizing, each layer's linear
-projections (and a MoE layer's routed and shared experts) are quantized per output row on the spot
-(peak memory: the FP8 model plus one float tensor). `assemble` pairs each float8 weight with its
-scales into an `Fp8Weight` under the weight's own name.
+quantized tensor by tensor as it is read, on the device (`quantization: fp8`; peak memory: the FP8
+model plus one float tensor). Scales and a float32 router (as transformers keeps it) load as float32.
 
 What stays in the model dtype, and why: the embedding (one row read a token: no bandwidth saved),
 the lm_head (its rounding would move the output most, for ~7% of an 8B model's bytes), the norms, a
-MoE router (it picks the experts; DeepSeek's and GLM-4.5's in float32) and DeepSeek's latent
-projections other than q_proj and o_proj. A checkpoint that stores one of those in FP8 has it
-dequantized here.
+MoE router (it picks the experts) and DeepSeek's latent projections other than q_proj and o_proj. A
+checkpoint that stores one of those in FP8 has it dequantized here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from server.models.fp8.blocks import from_block_checkpoint
 from server.models.fp8.weight import FP8, Fp8Weight, from_checkpoint, quantize_weight
-from server.models.weights import Slicer, load_tensors
+from server.models.weights import Slicer, load_tensors, safetensors_files
 
 QUANTIZATIONS = ("fp8",)  # `quantization:` values; None (the default) serves the checkpoint as stored
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -54,9 +45,9 @@ def is_linear_weight(name: str) -> bool:
     return parts[-2] in LINEARS or (parts[-2] in EXPERT_LINEARS and parts[-4] == "experts")
 
 
-def load_checkpoint(spec: Any, files: Iterable[Path], *, dtype: torch.dtype, device: torch.device,
-                    quantization: str | None = None, slicer: Slicer | None = None) -> dict[str, Any]:
-    """Every tensor of `files` (a `model_spec.ModelSpec`'s) but those generation never reads
+def load_checkpoint(spec: Any, *, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                    slicer: Slicer | None = None) -> dict[str, Any]:
+    """Every tensor of the model (a `model_spec.ModelSpec`) but those generation never reads
     (`ModelSpec.unused_weights`), each linear an `Fp8Weight` where the checkpoint is FP8 or
     `quantization` is "fp8", everything else a tensor in `dtype` on `device`."""
     if quantization not in (None, *QUANTIZATIONS):
@@ -64,7 +55,7 @@ def load_checkpoint(spec: Any, files: Iterable[Path], *, dtype: torch.dtype, dev
     quantize = quantization == "fp8" and spec.checkpoint_quant is None
     moe = getattr(spec, "moe", None)
     float32 = FLOAT32_ROUTER if moe is not None and moe.router_float32 else ()
-    tensors = load_tensors(files, dtype=dtype, device=device, slicer=slicer,
+    tensors = load_tensors(safetensors_files(spec.model_dir), device=device, slicer=slicer,
                            convert=_converter(quantize, dtype, device, float32), skip=spec.is_unused_weight)
     return assemble(tensors, spec, dtype)
 

@@ -2,16 +2,10 @@
 
 `Fp8Weight` holds W [N, K] as float8 `qweight` and one float32 scale per output row (a checkpoint's
 per-tensor scale expanded to its rows, exactly, so q/k/v and gate/up fuse row by row: `cat_rows`),
-or per row and block of `block_k` columns (a block-scaled checkpoint, fp8/blocks.py). A MoE layer's
-experts are one stacked `Fp8Weight` [E, N, K] (`expert(e)`).
-
-Two ways to multiply:
-- `dequantized_linear`, the CPU's serving path: the weight dequantized to float32, the activations
-  as they are, so a CPU server computes exactly what the dequantized checkpoint computes.
-- `w8a8_linear`, what the GPU computes (fp8/linear.py): activations quantized per row, xs[m] =
-  max|x[m]| / 448 (or a static `input_scale`), y = (xq @ qweight.T) * xs[m] * scale[n] (+ bias)
-  summed in float32 and rounded once: the Triton kernels' reference, and the accuracy script's
-  emulation of the GPU on a CPU.
+or per row and block of `block_k` columns (fp8/blocks.py). `dequantized_linear` is the CPU's serving
+path (exactly what the dequantized checkpoint computes); `w8a8_linear` is what the GPU computes
+(activations quantized per row, fp8/linear.py): the Triton kernels' reference, and the accuracy
+script's emulation of the GPU on a CPU.
 """
 
 from __future__ import annotations
@@ -80,9 +74,7 @@ def from_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, input_scale: tor
                     name: str) -> Fp8Weight:
     """A checkpoint's float8 weight with its scale: one value (per tensor) or one per output row
     ([N] or [N, 1]: per channel). Other shapes (block-wise scales) raise a ValueError naming `name`."""
-    if qweight.dtype != FP8 or qweight.dim() != 2:
-        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
-                         "a float8_e4m3fn matrix")
+    check_matrix(qweight, name)
     n = qweight.shape[0]
     if scale.numel() not in (1, n) or (scale.dim() == 2 and scale.shape[1] != 1) or scale.dim() > 2:
         raise ValueError(f"weight {name!r}: an FP8 scale of shape {tuple(scale.shape)} for a weight of shape "
@@ -94,6 +86,12 @@ def from_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, input_scale: tor
     rows = scale.float().reshape(-1).expand(n).contiguous()
     static = None if input_scale is None else input_scale.float().reshape(1).contiguous()
     return Fp8Weight(qweight.contiguous(), rows, static)
+
+
+def check_matrix(qweight: torch.Tensor, name: str) -> None:
+    if qweight.dtype != FP8 or qweight.dim() != 2:
+        raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
+                         "a float8_e4m3fn matrix")
 
 
 def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
@@ -111,16 +109,11 @@ def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp
     if len(fp8) < len(parts):
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         return join([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p for p in parts])
-    fp8 = same_form(fp8)
+    block_k = max(p.block_k for p in fp8)  # all per row, or all per row and column block where one is (exact)
+    fp8 = [p.with_blocks(block_k) for p in fp8] if block_k else fp8
     statics = [p.input_scale for p in fp8]
     static = None if any(s is None for s in statics) else torch.stack(statics).amax(0)
-    return Fp8Weight(join([p.qweight for p in fp8]), join([p.scale for p in fp8]), static, fp8[0].block_k)
-
-
-def same_form(parts: list[Fp8Weight]) -> list[Fp8Weight]:
-    """Parts to fuse, all per row, or all per row and column block where one of them is (exact)."""
-    block_k = max(p.block_k for p in parts)
-    return [p.with_blocks(block_k) for p in parts] if block_k else parts
+    return Fp8Weight(join([p.qweight for p in fp8]), join([p.scale for p in fp8]), static, block_k)
 
 
 def row_scales(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,16 @@ PREFILL_BLOCK_M = 64  # query rows (token, head-of-group) per tile
 PREFILL_BLOCK_N = 64  # keys per inner step
 
 
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """a @ b in float32; IEEE (float32 inputs): no TF32 rounding."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
 # Arguments that change from step to step are not specialised on (Triton would compile a variant
 # per value class: == 1, divisible by 16, other); the launch-time cost of that is nil here.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -52,20 +62,14 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
         page = tl.load(BT + b * stride_bt + tok // TPB, mask=live, other=0).to(tl.int64)
         off = page * stride_ks + (tok % TPB) * stride_kt + h * stride_kh
         k = tl.load(K + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        qk = dot(q, tl.trans(k), IEEE)
         qk = tl.where(live[None, :], qk * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     base = ((b * KVH + h) * NSPLIT + s) * GP
     tl.store(OP + (base + offs_g)[:, None] * D + offs_d[None, :], acc)
@@ -127,10 +131,7 @@ def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
         page = tl.load(BT + seq * stride_bt + key // TPB, mask=key_live, other=0).to(tl.int64)
         off = page * stride_ks + (key % TPB) * stride_kt + h * stride_kh
         k = tl.load(K + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        qk = dot(q, tl.trans(k), IEEE)
         visible = (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window) & key_live[None, :]
         qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -139,10 +140,7 @@ def _prefill(Q, K, V, OUT, BT, TILE_SEQ, TILE_ROW, TILE_POS, TILE_N, LO_SEQ,
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + off[:, None] + offs_d[None, :], mask=key_live[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(OUT + (row0 + t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

@@ -122,25 +122,22 @@ def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, s
         _store_kv(dst + D // 2 + half, tl.load(base + D // 2 + half), v_inv, live, QUANT)
 
 
-def _block(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm."""
-    out = torch.empty_like(x)
-    n = x.shape[-1]
-    _rms_norm[(x.shape[0],)](x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), n, eps,
-                             BLOCK=_block(n), ADD=False, num_warps=_warps(n))
-    return out
+    return _launch_rms_norm(x, x, weight, eps, add=False)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place); returns RMSNorm(residual) * weight."""
+    return _launch_rms_norm(x, residual, weight, eps, add=True)
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     add: bool) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.shape[-1]
     _rms_norm[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps,
-                             BLOCK=_block(n), ADD=True, num_warps=_warps(n))
+                             BLOCK=triton.next_power_of_2(n), ADD=add, num_warps=4 if n <= 2048 else 8)
     return out
 
 
@@ -148,7 +145,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(2048, _block(n))
+    block = min(2048, triton.next_power_of_2(n))
     _silu_mul[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block,
                                               num_warps=4)
     return out
@@ -171,8 +168,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_write[(t, heads)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0),
                             ks, kt, kh, k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, R=r,
-                            HALF=_block(r // 2), PASS=_block(d - r) if r < d else 0, QUANT=quant, num_warps=1)
+                            HALF=triton.next_power_of_2(r // 2), PASS=triton.next_power_of_2(d - r) if r < d else 0,
+                            QUANT=quant, num_warps=1)
 
-
-def _warps(n: int) -> int:
-    return 4 if n <= 2048 else 8

@@ -1,16 +1,12 @@
 """The block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints, server/models/fp8/blocks.py): the
 weight stays float8 e4m3 in memory and is read once, at half a bf16 weight's bytes.
 
-OUT[m, n] = sum over column blocks b of (X[m, b] @ Q[n, b].T) * S[n, b] (+ bias), Q [N, K] float8,
-S [N, ceil(K / block_k)] float32 (one scale per row and block of `block_k` columns). The activations
-are not quantized: each weight tile is widened to the activations' dtype (every e4m3 value is exact
-in bf16 and float32), the tensor cores sum the tile's products in float32, and the block's scale
-multiplies that partial sum before it joins the accumulator. The result is the dequantized weight's
-product up to the order of float32 additions, one rounding to the output dtype.
-
-A tile of BLOCK_K columns lies inside one scale block (BLOCK_K divides block_k). Decode shapes (few
-rows) are a read of the weight: the column tile is narrow so that there are enough programs to keep
-the GPU's memory busy. No host sync, no allocation outside torch's: CUDA graphs capture it.
+OUT[m, n] = sum over column blocks b of (X[m, b] @ Q[n, b].T) * S[n, b] (+ bias). The activations
+are not quantized: each weight tile is widened to their dtype (exact: every e4m3 value is a bf16 and
+float32 value) and each block's float32 partial sum scaled before it joins the accumulator, so the
+result is the dequantized weight's product up to the order of float32 additions. BLOCK_K divides
+block_k; decode's narrow column tile gives enough programs to keep the GPU's memory busy. No host
+sync, no allocation outside torch's: CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from server.models.kernels.attention import dot
 from server.models.kernels.fp8 import block_m
 
 
@@ -39,11 +36,7 @@ def _fp8_block_gemm(X, W, S, B, OUT, M, N, K, stride_xm, stride_wn, stride_sn, s
         w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=live_n[:, None] & live_k[None, :],
                     other=0.0).to(x.dtype)  # exact: e4m3 values are bf16 (and float32) values
         s = tl.load(S + offs_n * stride_sn + k0 // GROUP_K, mask=live_n, other=0.0)
-        if IEEE:  # float32 activations (the CPU interpreter's tests): no TF32 rounding
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        acc += part * s[None, :]
+        acc += dot(x, tl.trans(w), IEEE) * s[None, :]  # IEEE: float32 activations (the CPU interpreter's tests)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=live_n, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty),

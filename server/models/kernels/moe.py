@@ -3,15 +3,12 @@
 `align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a
 multiple of BLOCK_M, so every tile belongs to one expert and the tile list has a fixed length
 whatever the routing; tiles past the last real one, and those of pairs routed to no expert held
-here (id E, expert parallelism), return at once. Then `_gate_up_silu` computes h = SiLU(x @ gate.T)
-* (x @ up.T) per pair, and `_down_weighted` y = (h @ down.T) * the pair's routing weight. A token's
-pairs are summed by one torch reduction: no atomics, the same result run to run. Both GEMMs
-accumulate in float32 and round once (transformers sums in expert order, this in slot order, so
-float32 results agree to rounding). Static shapes for a given T: captured in CUDA graphs.
+here (id E, expert parallelism), return at once. A token's pairs are summed by one torch reduction:
+no atomics, the same result run to run. Both GEMMs accumulate in float32 and round once
+(transformers sums in expert order, this in slot order: float32 results agree to rounding).
 
-A block-scaled FP8 checkpoint's experts (fp8/blocks.py: float8 weights, a scale per row and block of
-128 columns) run the same two kernels: each weight tile is widened to the activations' dtype (exact)
-and each BLOCK_K slice's product scaled by its block's scale before it joins the accumulator, so the
+A block-scaled FP8 checkpoint's experts run the same kernels: each weight tile is widened to the
+activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's scale, so the
 experts are read at FP8's bytes and the activations are not quantized.
 """
 
@@ -25,6 +22,7 @@ import triton
 import triton.language as tl
 
 from server.models.fp8.weight import Fp8Weight
+from server.models.kernels.fp8 import PROMOTE_K, quantize_rows
 from server.models.kernels.gemv import cuda_ms, relative_error
 
 log = logging.getLogger(__name__)
@@ -91,31 +89,46 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 @triton.jit
-def _widened_dot(x, w, S, offs_s, live_s, k0, BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
-    """x @ w in float32; BLOCKED: w is float8, widened to x's dtype (exact), and the product scaled by
-    S[offs_s + k0 // GROUP_K], the weight's scale for these columns and this block of rows of w."""
-    if BLOCKED:  # (a constexpr branch: only the one taken is compiled)
+def _accumulate(acc, x, w, S, offs_s, live_s, k0, BLOCKED: tl.constexpr, GROUP_K: tl.constexpr,
+                W8A8: tl.constexpr, PROMOTE: tl.constexpr):
+    """acc + x @ w in float32 (constexpr branches: only the one taken is compiled). W8A8: x and w float8
+    (their scales come after the loop, `_dequantized`), partial sums promoted every PROMOTE products;
+    BLOCKED: w float8, widened to x's dtype (exact), the product scaled by S[offs_s + k0 // GROUP_K],
+    the weight's scale for these columns and this block of rows of w."""
+    if W8A8:
+        acc = tl.dot(x, w, acc, max_num_imprecise_acc=PROMOTE)
+    elif BLOCKED:
         s = tl.load(S + offs_s + k0 // GROUP_K, mask=live_s, other=0.0)
-        out = tl.dot(x, w.to(x.dtype), input_precision="ieee") * s[None, :]
+        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee") * s[None, :]
     else:
-        out = tl.dot(x, w, input_precision="ieee")
-    return out
+        acc += tl.dot(x, w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _dequantized(acc, XS, offs_m, live_m, S, offs_s, live_s, W8A8: tl.constexpr):
+    """W8A8: acc times the rows' activation scales XS[offs_m] and the columns' weight scales S[offs_s]."""
+    if W8A8:
+        xs = tl.load(XS + offs_m, mask=live_m, other=0.0)
+        acc = acc * xs[:, None] * tl.load(S + offs_s, mask=live_s, other=0.0)[None, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["pairs"])
-def _gate_up_silu(X, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_experts,
+def _gate_up_silu(X, XS, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_experts,
                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
-    """H[pair, n] = silu(sum_k X[token, k] W[e, n, k]) * sum_k X[token, k] W[e, inter + n, k]
-    (BLOCKED: W float8 with S[e, n, k // GROUP_K] a scale per row and block of columns)."""
+                  BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr):
+    """H[pair, n] = silu(sum_k X[token, k] W[e, n, k]) * sum_k X[token, k] W[e, inter + n, k], each sum
+    rounded (BLOCKED: W float8 with S[e, n, k // GROUP_K] a scale per row and block of columns; W8A8:
+    X and W float8, each sum times XS[token] * S[e, n])."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(TILE_EXPERT + tile)
     if expert >= num_experts:
         return
     rows = tl.load(ROWS + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     live_m = rows < pairs
-    tokens = rows // top_k
+    tokens = tl.where(live_m, rows // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = offs_n < inter
     w_gate = W + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
@@ -130,29 +143,32 @@ def _gate_up_silu(X, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, nu
         x = tl.load(X + tokens[:, None] * stride_xm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         mask_w = live_k[:, None] & live_n[None, :]
-        acc_gate += _widened_dot(x, tl.load(w_gate + offs_k[:, None], mask=mask_w, other=0.0), S, s_gate, live_n,
-                                 k0, BLOCKED, GROUP_K)
-        acc_up += _widened_dot(x, tl.load(w_up + offs_k[:, None], mask=mask_w, other=0.0), S, s_up, live_n,
-                               k0, BLOCKED, GROUP_K)
-    gate = acc_gate.to(H.dtype.element_ty).to(tl.float32)  # rounded like the unfused linear's output
-    up = acc_up.to(H.dtype.element_ty).to(tl.float32)
+        acc_gate = _accumulate(acc_gate, x, tl.load(w_gate + offs_k[:, None], mask=mask_w, other=0.0), S, s_gate,
+                               live_n, k0, BLOCKED, GROUP_K, W8A8, PROMOTE)
+        acc_up = _accumulate(acc_up, x, tl.load(w_up + offs_k[:, None], mask=mask_w, other=0.0), S, s_up,
+                             live_n, k0, BLOCKED, GROUP_K, W8A8, PROMOTE)
+    # rounded like the unfused linear's output
+    gate = _dequantized(acc_gate, XS, tokens, live_m, S, s_gate, live_n, W8A8).to(H.dtype.element_ty).to(tl.float32)
+    up = _dequantized(acc_up, XS, tokens, live_m, S, s_up, live_n, W8A8).to(H.dtype.element_ty).to(tl.float32)
     out = (gate / (1.0 + tl.exp(-gate))).to(H.dtype.element_ty).to(tl.float32) * up
     tl.store(H + rows[:, None] * stride_hm + offs_n[None, :], out.to(H.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
 
 @triton.jit(do_not_specialize=["pairs"])
-def _down_weighted(H, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_experts,
+def _down_weighted(H, HS, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_experts,
                    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCKED: tl.constexpr, GROUP_K: tl.constexpr):
-    """Y[pair, n] = (sum_k H[pair, k] W[e, n, k]) * SCALE[pair] (BLOCKED: as `_gate_up_silu`)."""
+                   BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr):
+    """Y[pair, n] = (sum_k H[pair, k] W[e, n, k], rounded) * SCALE[pair] (BLOCKED, W8A8: as
+    `_gate_up_silu`, HS the rows' activation scales)."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(TILE_EXPERT + tile)
     if expert >= num_experts:
         return
     rows = tl.load(ROWS + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     live_m = rows < pairs
+    safe = tl.where(live_m, rows, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = offs_n < hidden
     w = W + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
@@ -161,12 +177,12 @@ def _down_weighted(H, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, n
     for k0 in range(0, inter, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         live_k = offs_k < inter
-        h = tl.load(H + rows[:, None] * stride_hm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        acc += _widened_dot(h, tl.load(w + offs_k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0),
-                            S, s, live_n, k0, BLOCKED, GROUP_K)
-    scale = tl.load(SCALE + rows, mask=live_m, other=0.0)
-    out = acc.to(Y.dtype.element_ty).to(tl.float32) * scale[:, None]
-    tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], out.to(Y.dtype.element_ty),
+        h = tl.load(H + safe[:, None] * stride_hm + offs_k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+        acc = _accumulate(acc, h, tl.load(w + offs_k[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0),
+                          S, s, live_n, k0, BLOCKED, GROUP_K, W8A8, PROMOTE)
+    out = _dequantized(acc, HS, safe, live_m, S, s, live_n, W8A8).to(Y.dtype.element_ty).to(tl.float32)
+    scale = tl.load(SCALE + safe, mask=live_m, other=0.0)
+    tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], (out * scale[:, None]).to(Y.dtype.element_ty),
              mask=live_m[:, None] & live_n[None, :])
 
 
@@ -176,26 +192,39 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torc
     (or block-scaled stacked `Fp8Weight`s: their float8 weights widened tile by tile, each column
     block's product scaled), weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the
     `experts.ExpertsFn` contract). `tile`: this one instead of `tiles`' choice."""
+    return run_experts(x, gate_up, down, weights, ids, tile, w8a8=False)
+
+
+def run_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
+                weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None, *, w8a8: bool) -> torch.Tensor:
+    """`fused_experts`, or with `w8a8` `moe_fp8.fused_fp8_experts` (x and h quantized per row first)."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
     pairs = t * top_k
     block_m, block_n, block_k, warps = tile or tiles(gate_up, inter, pairs)
-    (gu, gu_s, gu_strides), (dn, dn_s, dn_strides), group_k = _operand(gate_up), _operand(down), _group_k(gate_up)
-    blocked = dict(BLOCKED=group_k > 0, GROUP_K=max(group_k, block_k))
+    (gu, gu_s, gu_strides), (dn, dn_s, dn_strides) = _operand(gate_up), _operand(down)
+    group_k = gate_up.block_k if isinstance(gate_up, Fp8Weight) and not w8a8 else 0
     if group_k % block_k:
         raise ValueError(f"a column block of {group_k} is not a multiple of the {block_k}-column tile")
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCKED=group_k > 0,
+                  GROUP_K=max(group_k, block_k), W8A8=w8a8, PROMOTE=min(PROMOTE_K, block_k), num_warps=warps)
     rows, tile_expert = align(ids, num_experts, block_m)
-    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    dtype, xs = x.dtype, gu_s  # (xs: unread unless w8a8)
+    if w8a8:
+        x, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), gate_up.input_scale)
+    # pairs of no expert held here: 0 (an FP8 h is quantized per row, garbage rows included)
+    h = (torch.zeros if w8a8 else torch.empty)((pairs, inter), dtype=dtype, device=x.device)
     _gate_up_silu[(tile_expert.numel(), triton.cdiv(inter, block_n))](
-        x, gu, gu_s, rows, tile_expert, h, pairs, top_k, hidden, inter, num_experts,
-        x.stride(0), gu.stride(0), gu.stride(1), *gu_strides, h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **blocked)
-    y = torch.zeros((pairs, hidden), dtype=x.dtype, device=x.device)  # (pairs of no expert held here: 0)
+        x, xs, gu, gu_s, rows, tile_expert, h, pairs, top_k, hidden, inter, num_experts,
+        x.stride(0), gu.stride(0), gu.stride(1), *gu_strides, h.stride(0), **consts)
+    hs = gu_s
+    if w8a8:
+        h, hs = quantize_rows(h, down.input_scale)
+    y = torch.zeros((pairs, hidden), dtype=dtype, device=x.device)  # (pairs of no expert held here: 0)
     _down_weighted[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
-        h, dn, dn_s, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
-        h.stride(0), dn.stride(0), dn.stride(1), *dn_strides, y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **blocked)
+        h, hs, dn, dn_s, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
+        h.stride(0), dn.stride(0), dn.stride(1), *dn_strides, y.stride(0), **consts)
     return y.view(t, top_k, hidden).sum(dim=1)
 
 
@@ -204,10 +233,6 @@ def _operand(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, t
     if isinstance(w, Fp8Weight):
         return w.qweight, w.scale, (w.scale.stride(0), w.scale.stride(1))
     return w, w, (0, 0)
-
-
-def _group_k(w: torch.Tensor | Fp8Weight) -> int:
-    return w.block_k if isinstance(w, Fp8Weight) else 0
 
 
 def choose_tiles(run: Callable[..., torch.Tensor], gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,

@@ -19,7 +19,7 @@ from server.models.moe.config import MoESpec
 from server.models.moe.dispatch import AllToAllDispatch
 from server.models.moe.experts import ExpertsFn, default_experts, expert_load
 from server.models.moe.router import route
-from server.models.ops import ModelOps, Weight
+from server.models.ops import TorchOps, Weight
 
 
 @dataclass
@@ -41,7 +41,7 @@ class MoEBlock:
         if self.load is None:
             self.load = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=self.gate_up.device)
 
-    def __call__(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
         weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
         if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
@@ -60,13 +60,6 @@ class MoEBlock:
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate_up, self.down, weights, ids)
-
-    def take_load(self) -> torch.Tensor:
-        """The tokens routed to each expert since the last call [E] int64 (a copy, on the device); the
-        count restarts from 0 in place (a captured CUDA graph keeps adding into the same tensor)."""
-        load = self.load.clone()
-        self.load.zero_()
-        return load
 
 
 def _held(held: tuple[int, int] | None, weights: torch.Tensor,
@@ -88,9 +81,8 @@ def moe_blocks(model: object) -> dict[int, MoEBlock]:
     return {i: layer.mlp for i, layer in layers if isinstance(getattr(layer, "mlp", None), MoEBlock)}
 
 
-def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: ExpertsFn | None = None) -> MoEBlock:
-    """Layer `layer`'s MoE block from `weights` (HF names; `spec.is_sparse(layer)` must hold).
-    `experts`: the routed experts' implementation (default: `default_experts` of the weights' device)."""
+def build_moe(spec: MoESpec, weights: WeightSource, layer: int) -> MoEBlock:
+    """Layer `layer`'s MoE block from `weights` (HF names; `spec.is_sparse(layer)` must hold)."""
     names = spec.names
     base = f"model.layers.{layer}."
     stacked = weights.has(base + "mlp.experts.gate_up_proj")  # transformers 5's own layout: always under mlp.
@@ -105,8 +97,7 @@ def build_moe(spec: MoESpec, weights: WeightSource, layer: int, *, experts: Expe
         spec=spec, gate=weights.take(block + "gate.weight"),
         correction=weights.take(block + "gate.e_score_correction_bias").float() if spec.score_correction_bias else None,
         gate_up=gate_up, down=down, shared=shared,
-        shared_gate=weights.take(block + "shared_expert_gate.weight") if spec.shared_gate else None,
-        experts=experts)
+        shared_gate=weights.take(block + "shared_expert_gate.weight") if spec.shared_gate else None)
 
 
 def _per_expert(spec: MoESpec, weights: WeightSource, block: str) -> tuple[Weight, Weight]:

@@ -1,15 +1,12 @@
-"""What a mixture-of-experts model's config.json says about its experts, parsed and checked once.
-
-`parse_moe` returns a `MoESpec` (None for a dense architecture) or a ValueError naming the key
-pdserve does not implement. The router is transformers' for each family:
+"""What a mixture-of-experts model's config.json says about its experts, parsed and checked once
+(`parse_moe`: a ValueError names each key pdserve does not implement). The router is transformers'
+for each family:
 - Mixtral: softmax, the top-k renormalised; Qwen2/3-MoE: softmax, renormalised when `norm_topk_prob`.
 - DeepSeek-V2: softmax; `topk_method` greedy or group_limited_greedy; weights x `routed_scaling_factor`.
-- DeepSeek-V3 (noaux_tc): sigmoid; experts chosen by score + `e_score_correction_bias` inside the
-  best `topk_group` groups, weighted by their plain scores, renormalised, x `routed_scaling_factor`.
-  GLM-4.5 (Glm4Moe) routes the same way (transformers' Glm4MoeTopkRouter is DeepSeek-V3's).
-Sparse layers: Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's `first_k_dense_replace`
-(`moe_layer_freq` must be 1: transformers ignores it). Training-only keys and DeepSeek's `ep_size`
-(a deployment choice) change nothing at inference and are ignored.
+- DeepSeek-V3 and GLM-4.5 (noaux_tc): sigmoid; experts chosen by score + `e_score_correction_bias`
+  inside the best `topk_group` groups, weighted by their plain scores, renormalised, x the factor.
+DeepSeek's `moe_layer_freq` must be 1 (transformers ignores it); training-only keys and `ep_size` (a
+deployment choice) change nothing at inference and are ignored.
 """
 
 from __future__ import annotations

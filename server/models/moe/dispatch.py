@@ -1,13 +1,10 @@
-"""Expert parallelism's all-to-all: each rank routes a slice of the tokens, sends each (token, expert)
-pair to the rank that holds the expert, and gets the weighted outputs back (`expert_dispatch:
-all_to_all`, docs/MODELS.md).
-
-Tensor-parallel attention leaves every token on every rank, so rank r takes the r-th of `size` equal
-slices. Every buffer has a fixed size (a slice's pairs, top_k per token, in each rank's segment), so
-one step is three `all_to_all_single` calls of equal splits and no count crosses to the host: the
-step runs inside CUDA graphs. Pairs are sent in expert order and their outputs added back in that
-order, as the one-rank path sums them. The result holds this rank's slice (zeros elsewhere); the
-block's all-reduce, which also sums the shared expert's split output, puts every slice on every rank.
+"""Expert parallelism's all-to-all (`expert_dispatch: all_to_all`, docs/MODELS.md): rank r routes the
+r-th of `size` equal slices of the tokens (tensor-parallel attention leaves every token on every
+rank), sends each (token, expert) pair to the expert's rank, and gets the weighted outputs back.
+Every buffer has a fixed size, so a step is three `all_to_all_single` calls of equal splits, no count
+crosses to the host, and it runs inside CUDA graphs. Pairs go in expert order and their outputs are
+added back in that order, as the one-rank path sums them. The result holds this rank's slice (zeros
+elsewhere); the block's all-reduce puts every slice on every rank.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 
 class AllToAllDispatch:
-    def __init__(self, rank: int, size: int, experts_per_rank: int, group: dist.ProcessGroup | None = None) -> None:
-        self.rank, self.size, self.per, self.group = rank, size, experts_per_rank, group
+    def __init__(self, rank: int, size: int, experts_per_rank: int) -> None:
+        self.rank, self.size, self.per = rank, size, experts_per_rank
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  experts: LocalExperts) -> torch.Tensor:
@@ -57,7 +54,7 @@ class AllToAllDispatch:
     def _exchange(self, send: torch.Tensor) -> torch.Tensor:
         """Segment d of `send` to rank d; segment s of the result from rank s."""
         got = torch.empty_like(send)
-        dist.all_to_all_single(got, send.contiguous(), group=self.group)
+        dist.all_to_all_single(got, send.contiguous())
         return got
 
 

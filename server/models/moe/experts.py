@@ -1,12 +1,8 @@
-"""The routed experts' computation: each token through its top-k experts, summed with their weights.
-
-Weights are stacked per layer, `gate_up` [E, 2I, hidden] and `down` [E, hidden, I]. Two torch
-implementations of transformers' eager math (expert by expert, accumulated in expert order):
-- `grouped_experts` gathers each expert's tokens: the top-k's work only, but reads the counts on
-  the host. The CPU's path.
-- `dense_experts` runs every expert over every token, weighting the others by zero: E / top_k times
-  the work, but no host synchronisation: the GPU's torch path, inside CUDA graphs.
-FP8 experts run dequantized to float32, as the dense FP8 linear's torch path.
+"""The routed experts' computation, two torch implementations of transformers' eager math (expert by
+expert, accumulated in expert order): `grouped_experts` gathers each expert's tokens (the top-k's work
+only, but it reads the counts on the host: the CPU's path); `dense_experts` runs every expert over
+every token, weighting the others by zero (E / top_k times the work, but no host synchronisation:
+the GPU's torch path, inside CUDA graphs). FP8 experts run dequantized to float32.
 """
 
 from __future__ import annotations

@@ -46,49 +46,35 @@ class SingleRank:
         return F.linear(x, head)
 
 
-class TorchComm:
-    """A torch.distributed process group (the default one unless `group` is given)."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        # torch 2.13 renamed all_gather_into_tensor (which still works, with a warning)
-        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns it."""
-        dist.all_reduce(x, group=self.group)
-        return x
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[R, ...] on each rank -> [size * R, ...]: rank 0's rows, then rank 1's, ..."""
-        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._gather(out, x.contiguous(), group=self.group)
-        return out
-
-
 class TensorParallel:
-    def __init__(self, comm: TorchComm, plan: ShardPlan) -> None:
-        self.comm = comm
+    """The collectives over the default torch.distributed process group."""
+
+    def __init__(self, plan: ShardPlan) -> None:
+        self.size = dist.get_world_size()
         self.vocab_start = plan.vocab[0]
         self.vocab_rows = plan.vocab_per_rank
         self.vocab_size = plan.vocab_size
+        # torch 2.13 renamed all_gather_into_tensor (which still works, with a warning)
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_rows)
         h = F.embedding(local.masked_fill(outside, 0), table)  # [T, hidden]
-        return self.comm.all_reduce(h.masked_fill_(outside[:, None], 0))
+        return self.reduce(h.masked_fill_(outside[:, None], 0))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(x)
+        """Sum `x` over the ranks, in place; returns it."""
+        dist.all_reduce(x)
+        return x
 
     def logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         part = F.linear(x, head)  # [N, vocab_rows]
         n = part.shape[0]
-        gathered = self.comm.all_gather(part).view(self.comm.size, n, self.vocab_rows)
-        return gathered.transpose(0, 1).reshape(n, self.comm.size * self.vocab_rows)[:, :self.vocab_size]
+        gathered = torch.empty((self.size * n, self.vocab_rows), dtype=part.dtype, device=part.device)
+        self._gather(gathered, part.contiguous())  # rank 0's rows, then rank 1's, ...
+        gathered = gathered.view(self.size, n, self.vocab_rows)
+        return gathered.transpose(0, 1).reshape(n, self.size * self.vocab_rows)[:, :self.vocab_size]
 
 
 @dataclass(frozen=True)
@@ -106,11 +92,10 @@ class RankShard:
         (`expert_parallel`: a MoE model's experts spread whole over the ranks, their tokens sent to
         them by all-to-all with `all_to_all`)."""
         plan = plan_for(spec, rank, size, expert_parallel=expert_parallel)
-        comm = TorchComm()
         dispatch = None
         if all_to_all and plan.expert_parallel:
-            dispatch = AllToAllDispatch(rank, size, plan.num_experts // size, comm.group)
-        return cls(plan, TensorParallel(comm, plan), dispatch)
+            dispatch = AllToAllDispatch(rank, size, plan.num_experts // size)
+        return cls(plan, TensorParallel(plan), dispatch)
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         return local_spec(spec, self.plan)

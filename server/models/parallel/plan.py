@@ -59,25 +59,23 @@ class ShardPlan:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} outside [0, {self.size})")
 
+    def share(self, width: int) -> tuple[int, int]:
+        """[start, end) of the rank's even share of `width` (heads, FFN columns, experts: checked to divide)."""
+        per = width // self.size
+        return self.rank * per, (self.rank + 1) * per
+
     @property
     def heads(self) -> tuple[int, int]:
-        per = self.num_heads // self.size
-        return self.rank * per, (self.rank + 1) * per
+        return self.share(self.num_heads)
 
     @property
     def kv_heads(self) -> tuple[int, int]:
         return kv_head_range(self.num_kv_heads, self.size, self.rank)
 
     @property
-    def ffn(self) -> tuple[int, int]:
-        per = self.intermediate_size // self.size
-        return self.rank * per, (self.rank + 1) * per
-
-    @property
     def experts(self) -> tuple[int, int]:
         """[start, end) of the routed experts the rank holds whole (expert parallelism)."""
-        per = self.num_experts // self.size
-        return self.rank * per, (self.rank + 1) * per
+        return self.share(self.num_experts)
 
     @property
     def vocab_per_rank(self) -> int:

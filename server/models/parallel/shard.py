@@ -22,7 +22,6 @@ import torch
 from server.models.fp8.load import SCALES, load_checkpoint
 from server.models.model_spec import ModelSpec
 from server.models.parallel.plan import ShardPlan
-from server.models.weights import safetensors_files
 
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -62,8 +61,8 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
         raise ValueError(f"model {spec.model_dir}: config.json: quantization_config.weight_block_size: "
                          f"{list(quant.block)}: block-scaled FP8 checkpoints are served on one GPU only (no "
                          "tensor or expert parallelism)")
-    return load_checkpoint(spec, safetensors_files(spec.model_dir), dtype=dtype, device=device,
-                           quantization=quantization, slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
+    return load_checkpoint(spec, dtype=dtype, device=device, quantization=quantization,
+                           slicer=lambda name, handle: shard_slice(name, handle, spec, plan))
 
 
 def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
@@ -91,7 +90,7 @@ def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> tor
         if name.endswith(".bias"):  # added once, after the all-reduce sums the ranks' parts
             return handle[:] if plan.rank == 0 else torch.zeros(shape)
         h0, h1 = plan.heads
-        f0, f1 = (h0 * spec.head_dim, h1 * spec.head_dim) if kind == "o_proj" else _share(shape[1], plan)
+        f0, f1 = (h0 * spec.head_dim, h1 * spec.head_dim) if kind == "o_proj" else plan.share(shape[1])
         return handle[:, f0:f1]
     return handle[:]
 
@@ -104,7 +103,7 @@ def _column_rows(kind: str, shape: list[int], spec: ModelSpec, plan: ShardPlan) 
         return plan.heads[0] * d, plan.heads[1] * d
     if kind in ("k_proj", "v_proj"):
         return plan.kv_heads[0] * d, plan.kv_heads[1] * d
-    return _share(shape[0], plan) if kind in _COLUMN_FFN else None
+    return plan.share(shape[0]) if kind in _COLUMN_FFN else None
 
 
 # multi-head latent attention (DeepSeek): per head, the rows of q_proj / q_b_proj (qk_head_dim each)
@@ -121,12 +120,6 @@ def _mla_slice(handle: Any, kind: str, spec: ModelSpec, plan: ShardPlan) -> torc
     return handle[h0 * per:h1 * per]
 
 
-def _share(width: int, plan: ShardPlan) -> tuple[int, int]:
-    """[start, end) of the rank's even share of an FFN dimension `width` (the plan checked it divides)."""
-    per = width // plan.size
-    return plan.rank * per, (plan.rank + 1) * per
-
-
 def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
     """transformers 5's stacked experts: gate_up [E, 2I, hidden] -> the rank's rows of the gate half
     and of the up half; down [E, hidden, I] -> its columns (expert parallelism: the rank's experts whole)."""
@@ -134,10 +127,10 @@ def _stacked_experts(name: str, handle: Any, plan: ShardPlan) -> torch.Tensor:
         e0, e1 = plan.experts
         return handle[e0:e1]
     if name.endswith("down_proj"):
-        f0, f1 = _share(handle.get_shape()[2], plan)
+        f0, f1 = plan.share(handle.get_shape()[2])
         return handle[:, :, f0:f1]
     half = handle.get_shape()[1] // 2
-    f0, f1 = _share(half, plan)
+    f0, f1 = plan.share(half)
     return torch.cat([handle[:, f0:f1], handle[:, half + f0:half + f1]], dim=1)
 
 
