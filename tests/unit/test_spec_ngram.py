@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine.request import Request
-from server.engine.sampler import sample, sample_on_device
+from server.engine.sampler import sample_on_device
 from server.engine.speculative.config import SpeculativeConfig
 from server.engine.speculative.ngram import NgramDrafter, NgramIndex, propose_ngram
 from server.engine.speculative.verify import VerifyRow, accepted_prefix, emitted, sampling_rows
@@ -78,7 +78,7 @@ def test_verify_rows_count_earlier_rows_toward_min_tokens():
     assert [r.num_output_tokens for r in rows] == [0, 1, 2, 3]
     logits = torch.zeros(4, 5)
     logits[:, eos] = 10.0  # EOS is everyone's favourite, but the first two rows may not emit it
-    assert sample(logits, rows) == [0, 0, eos, eos]
+    assert sample_on_device(logits, rows).tolist() == [0, 0, eos, eos]
     assert sampling_rows(request, ()) == [request]
 
 

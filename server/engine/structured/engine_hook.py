@@ -11,8 +11,6 @@ from server.engine.request import Request, Status
 from server.engine.structured.bitmask import StepMask
 from server.engine.structured.compiler import GrammarCompiler, compiler_for
 
-MISMATCH_CODE = 400
-
 
 class StructuredOutput:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, device: torch.device) -> None:
@@ -48,7 +46,7 @@ class StructuredOutput:
             return str(error), 400
         for token in request.counted_output():
             if not grammar.accept(token):
-                return f"disaggregated_params: the output so far does not match the {spec.kind}", MISMATCH_CODE
+                return f"disaggregated_params: the output so far does not match the {spec.kind}", 400
         request.grammar = grammar
         return None
 
