@@ -26,7 +26,6 @@ from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.deploy.logs import configure_logging
 from server.deploy.ports import PORT_HINT, bind_http
 from server.engine_host.build import build_core, event_publisher
-from server.engine_host.front import EngineKvEvents
 from server.engine_host.process import EngineProcess
 from server.engine_host.thread import AsyncEngine
 from server.models.runner import resolve_device
@@ -71,7 +70,6 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory,
                      max_n=cfg.max_n)
-    app.state.kv_events = EngineKvEvents(engine, EPOCH)
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)
     install_kv_routes(app)
