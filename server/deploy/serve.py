@@ -9,7 +9,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -50,7 +50,7 @@ def engine_in_child(cfg: ServerConfig) -> bool:
     return cfg.engine_process
 
 
-def make_app(cfg: ServerConfig, on_fatal=None):
+def make_app(cfg: ServerConfig, on_fatal: Callable[..., None]):
     """The server's app. `on_fatal()` is called if the engine cannot load or its process dies;
     `on_fatal(RANK_DIED_EXIT)` when a tensor-parallel rank died."""
     metrics = ServerMetrics()
@@ -87,13 +87,9 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
                              metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
         return engine
 
-    def died() -> None:
-        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
-            on_fatal(RANK_DIED_EXIT)
-        else:
-            on_fatal()
-
-    engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, None if on_fatal is None else died)
+    # a tensor-parallel rank died: the server says so too
+    died = lambda: on_fatal(RANK_DIED_EXIT) if engine.exit_code == RANK_DIED_EXIT else on_fatal()
+    engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, died)
     return engine
 
 
@@ -109,8 +105,7 @@ async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:
     while engine.load_error is None:
         await asyncio.sleep(0.2)
     log.error("exiting: the engine could not start: %s", engine.load_error)
-    if on_fatal is not None:
-        on_fatal()
+    on_fatal()
 
 
 def served_name(model: str) -> str:

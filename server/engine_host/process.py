@@ -46,7 +46,7 @@ class Launch(msgspec.Struct, frozen=True):
 
 class EngineProcess(EngineFront):
     def __init__(self, cfg: ServerConfig, model_name: str, metrics: ServerMetrics, epoch: str,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None]) -> None:
         super().__init__(model_name, cfg.max_seq_len, metrics)
         self.exit_code: int | None = None  # set once the child ended
         self._cfg, self._epoch, self._on_fatal = cfg, epoch, on_fatal
@@ -121,8 +121,7 @@ class EngineProcess(EngineFront):
         log.error("the engine link's reader failed", exc_info=task.exception())
         self._stopping = True
         self._end_all("the server lost its engine (internal error); it is restarting", 500)
-        if self._on_fatal is not None:
-            self._on_fatal()
+        self._on_fatal()
 
     def _on_ready(self, info: EngineInfo) -> None:
         self._tasks.append(asyncio.create_task(self._load_tokenizer(info)))
@@ -151,8 +150,7 @@ class EngineProcess(EngineFront):
         for answer in self._calls.values():
             if not answer.done():
                 answer.set_exception(ConnectionError(reason))
-        if self._on_fatal is not None:
-            self._on_fatal()
+        self._on_fatal()
 
 
 def _stop_child(proc: subprocess.Popen, timeout_s: float) -> int:

@@ -115,12 +115,17 @@ def connect(address: str, namespace: str):
     return ray
 
 
+def _found(command: str, deployment: str, address: str, namespace: str) -> Handles | None:
+    handles = Handles.found(connect(address, namespace), deployment)
+    if handles.actors:
+        return handles
+    print(f"pdserve ray {command}: no deployment {deployment!r} in namespace {namespace}")
+    return None
+
+
 def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray down NAME`: 0 once stopped, 1 if no such deployment runs."""
-    ray = connect(address, namespace)
-    handles = Handles.found(ray, deployment)
-    if not handles.actors:
-        print(f"pdserve ray down: no deployment {deployment!r} in namespace {namespace}")
+    if (handles := _found("down", deployment, address, namespace)) is None:
         return 1
     stop_deployment(handles, lambda line: print(f"[pdserve ray down] {line}", flush=True))
     return 0
@@ -128,14 +133,11 @@ def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> 
 
 def status(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray status NAME`: a line per server (node, GPUs, epoch, health); 1 if none runs."""
-    ray = connect(address, namespace)
-    handles = Handles.found(ray, deployment)
-    if not handles.actors:
-        print(f"pdserve ray status: no deployment {deployment!r} in namespace {namespace}")
+    if (handles := _found("status", deployment, address, namespace)) is None:
         return 1
     print(f"{'NAME':<16} {'NODE':<28} {'GPU':<8} {'PID':>8} {'RESTARTED':<10} {'EPOCH':<34} HEALTH")
     for name in handles.processes():
-        print(_status_line(ray, name, handles.actors[name]), flush=True)
+        print(_status_line(handles.ray, name, handles.actors[name]), flush=True)
     return 0
 
 
