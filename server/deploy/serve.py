@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 import uvicorn
@@ -144,10 +144,8 @@ def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> in
     announced: list[asyncio.Task] = []
     server = DrainingServer(config, app.state.drain,
                             on_listening=lambda: announced.append(asyncio.ensure_future(announce(app, line))))
-    try:
+    with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
-        pass
     return failed[0] if failed else 0
 
 

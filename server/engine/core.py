@@ -387,13 +387,10 @@ class EngineCore:
     def _stop_without_text(self, request: Request, token: int, hit_stop_string: bool) -> None:
         params, produced = request.sampling, len(request.output_token_ids)
         ending = request.grammar.ending() if request.grammar is not None else None
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if ending is not None:  # structured output: the grammar is complete ("stop"), or was left ("error")
             request.finish(*ending)
-        elif produced >= params.min_tokens and token in params.stop_token_ids:
-            request.finish("stop")
-        elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
-            request.finish("stop")
-        elif hit_stop_string:
+        elif hit_stop_string or (produced >= params.min_tokens and stop_token):
             request.finish("stop")
         elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
@@ -51,10 +52,8 @@ class _Queues:
             wake = not self._handed  # else the wake-up scheduled for those is still to run
             self._handed.append(message)
         if wake:
-            try:
+            with suppress(RuntimeError):  # the event loop is closed: nobody reads any more
                 self._loop.call_soon_threadsafe(self._hand_over)
-            except RuntimeError:  # the event loop is closed: nobody reads any more
-                pass
 
     def _hand_over(self) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from server.config.placement import ROUTER
@@ -81,10 +82,8 @@ def stop_deployment(handles: Handles, say: Callable[[str], None]) -> None:
             except Exception as exc:  # gone, restarting or stuck: killed below all the same
                 say(f"{name} did not stop by itself ({type(exc).__name__}): killing its actor")
     for actor in handles.actors.values():
-        try:
+        with suppress(Exception):  # already dead
             ray.kill(actor, no_restart=True)
-        except Exception:  # already dead
-            pass
     _remove_groups(ray, handles.deployment, sorted({*handles.groups, *processes}))
     handles.actors.clear()
 
@@ -103,10 +102,8 @@ def _remove_groups(ray, deployment: str, names: list[str]) -> None:
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
     for name in names:
-        try:
+        with suppress(Exception):  # none of that name (never placed, or removed already)
             remove_placement_group(get_placement_group(f"{deployment}/{name}"))
-        except Exception:  # none of that name (never placed, or removed already)
-            pass
 
 
 def connect(address: str, namespace: str):

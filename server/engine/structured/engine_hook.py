@@ -4,6 +4,7 @@ steps must be postprocessed before the next schedule, and fill a step's bitmask.
 from __future__ import annotations
 
 import threading
+from contextlib import suppress
 
 import torch
 
@@ -28,10 +29,8 @@ class StructuredOutput:
         return self._compiler
 
     def _warm(self) -> None:
-        try:
+        with suppress(ValueError):  # a slow tokenizer: each constrained request is refused with the reason
             _ = self.compiler
-        except ValueError:  # a slow tokenizer: each constrained request is refused with the reason
-            pass
 
     def attach(self, request: Request) -> tuple[str, int] | None:
         """Give a constrained request its grammar, fed the output it has already (a generation leg's
