@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from server.engine.request import Request
 from server.engine.sampler import sample_on_device
 from server.engine.speculative.config import SpeculativeConfig
-from server.engine.speculative.ngram import NgramDrafter, NgramIndex, propose_ngram
+from server.engine.speculative.ngram import NgramDrafter, NgramIndex
 from server.engine.speculative.verify import VerifyRow, accepted_prefix, emitted, sampling_rows
 from server.types import SamplingParams
 
@@ -40,6 +41,18 @@ def test_a_longer_gram_beats_a_more_recent_shorter_one():
     tokens = [1, 2, 3, 50, 9, 3, 60, 1, 2, 3]
     assert _propose(tokens, lo=1, hi=3) == [50, 9, 3, 60]  # (1, 2, 3) at 0, though 3 alone last led to 60
     assert _propose(tokens, lo=1, hi=1) == [60, 1, 2, 3]
+
+
+def propose_ngram(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """One lookup without an index: the reference `NgramIndex` is tested against."""
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == suffix:
+                return list(tokens[start + n:start + n + k])
+    return []
 
 
 def test_index_grown_token_by_token_equals_the_reference_lookup():
