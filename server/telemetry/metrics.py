@@ -53,7 +53,7 @@ class TransferCounts(Protocol):
 
 @dataclass(frozen=True)
 class SpecCounts:
-    """Speculative decoding since start (server/engine/speculative/decoder.py `SpecStats`)."""
+    """Speculative decoding since start (server/engine/speculative/decoder.py `SpecDecoder.stats`)."""
 
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
