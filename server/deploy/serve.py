@@ -17,7 +17,6 @@ import uvicorn
 
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
-from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.config.checks import host_port
@@ -94,9 +93,8 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
 
 
 def install_health(app, drain: Drain) -> None:
-    """Drain on SIGTERM (server/deploy/drain.py) and /health's report (server/api/readiness.py)."""
+    """Drain on SIGTERM (server/deploy/drain.py); /health reports it."""
     app.state.drain = drain
-    app.state.health_report = lambda: health_report(app)
     app.add_middleware(DrainGate, drain=drain)
 
 
