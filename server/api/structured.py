@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from server.api.json_schema import schema_problem
-from server.engine.structured import check_spec
+from server.engine.structured.compiler import check_spec
 from server.openai.errors import bad_field
 from server.openai.protocol import SamplingRequest
 from server.types import StructuredSpec

@@ -24,7 +24,7 @@ from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
-from server.engine.structured import StructuredOutput
+from server.engine.structured.engine_hook import StructuredOutput
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput, TokenLogprob

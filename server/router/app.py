@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.config.router import RouterConfig
-from server.dashboard import Dashboard, dashboard_routes
+from server.dashboard.feed import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response, http_error
 from server.openai.openapi import openapi_document

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from server.engine.structured import GrammarCompiler, StepMask, check_spec
+from server.engine.structured.bitmask import StepMask
+from server.engine.structured.compiler import GrammarCompiler, check_spec
 from server.models.builtin import resolve_model
 from server.types import StructuredSpec
 
@@ -110,7 +111,7 @@ def test_the_compile_cache_hits_and_evicts_the_least_recently_used(tokenizer):
 
 
 def test_check_spec_uses_one_cached_compiler_per_tokenizer(tokenizer):
-    from server.engine.structured import compiler_for
+    from server.engine.structured.compiler import compiler_for
 
     spec = StructuredSpec("regex", "[0-9]{4}")
     check_spec(spec, tokenizer)
