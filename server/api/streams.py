@@ -30,7 +30,7 @@ def failed(output: RequestOutput) -> bool:
 class EngineStream:
     """The outputs of one engine request. `next()` never raises: engine failures become an "error" output."""
 
-    def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None = None):
+    def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None):
         self._engine = engine
         self._request = request
         self._transform = transform
@@ -85,8 +85,7 @@ class RequestStreams:
     """Every engine request of one HTTP request; `next()` is the next output of any of them."""
 
     def __init__(self, engine: EngineClient, requests: Sequence[GenerateRequest],
-                 transforms: Sequence[Transform | None] | None = None):
-        transforms = transforms or [None] * len(requests)
+                 transforms: Sequence[Transform | None]):
         self._streams = [EngineStream(engine, r, t) for r, t in zip(requests, transforms, strict=True)]
         self._n = [r.sampling.n for r in requests]
         self._reading: dict[int, asyncio.Future] = {}  # prompt -> its pending next()

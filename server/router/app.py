@@ -100,9 +100,8 @@ class RouterState:
 
 def _build_state(settings: RouterConfig) -> RouterState:
     client = HttpClient()
-    role = "context" if settings.context_urls else "aggregated"
     context = [Backend(_http(u), "context") for u in settings.context_urls]
-    generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
+    generation = [Backend(_http(u), "generation" if context else "aggregated") for u in settings.generation_urls]
     registry = CollectorRegistry()
     routing = Routing(settings, context, generation, registry, client)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
