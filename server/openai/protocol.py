@@ -53,7 +53,7 @@ class DisaggParams:
     prior_output_tokens: int = Field(default=0, ge=0, exclude_if=not_)
     response_id: str | None = Field(default=None, exclude_if=not_)  # generation_only: the stream to continue
     report_tokens: bool = Field(default=False, exclude_if=not_)  # streamed: token ids in an SSE comment
-    # KV streamed while the prompt is prefilled (server/api/context_stream.py). context_only: the router
+    # KV streamed while the prompt is prefilled (server/api/generation.py). context_only: the router
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
     kv_stream: bool = Field(default=False, exclude_if=not_)
