@@ -17,9 +17,9 @@ from server.api.disagg_logprobs import with_context_logprobs
 from server.api.errors import APIError, output_error
 from server.api.streams import RequestStreams, failed
 from server.openai.formatting import Formatter, continued_response_id
+from server.openai.logprobs import aligned
 from server.openai.protocol import DISAGG_PARAMS, ChatCompletionRequest, CompletionRequest, DisaggParams
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
-from server.openai.usage import merge_outputs
 from server.openai.wire import dumps
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
@@ -31,6 +31,15 @@ def _streams(engine: EngineClient, built: Built) -> RequestStreams:
     return RequestStreams(engine, built.requests, built.transforms)
 
 
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """One choice's outputs as one: all its tokens, text and log-probabilities, the last's counters."""
+    entries = [e for o in outputs for e in aligned(o.new_token_ids, o.logprobs)]
+    return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                   new_text="".join(o.new_text for o in outputs),
+                   logprobs=entries if any(e is not None for e in entries) else None,
+                   prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None))
+
+
 async def _collect(streams: RequestStreams) -> list[RequestOutput]:
     """Every choice's outputs merged into one, by index; or [the failure] if one failed."""
     outputs: dict[int, list[RequestOutput]] = defaultdict(list)
@@ -39,7 +48,7 @@ async def _collect(streams: RequestStreams) -> list[RequestOutput]:
         if failed(output):
             return [output]
         outputs[output.index].append(output)
-    return [merge_outputs(outputs[i]) for i in sorted(outputs)]
+    return [_merged(outputs[i]) for i in sorted(outputs)]
 
 
 def _whole(built: Built, fmt: Formatter, choices: list[RequestOutput]) -> str:

@@ -30,11 +30,11 @@ from server.openai.responses import (
     CompletionLogprobs,
     CompletionResponse,
     FunctionOut,
+    PromptTokensDetails,
     ToolCallOut,
     Usage,
 )
 from server.openai.tool_parsers import ToolParser, make_parser
-from server.openai.usage import UsageTally
 from server.types import RequestOutput, TokenLogprob
 
 __all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
@@ -93,6 +93,26 @@ class _ChoiceState:
         return out
 
 
+class UsageTally:
+    """Usage over every choice: each prompt once (choice index // n), each choice's completion tokens."""
+
+    def __init__(self, n: int = 1) -> None:
+        self._n = n
+        self._prompts: dict[int, tuple[int, int]] = {}
+        self._completions: dict[int, int] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        self._prompts[output.index // self._n] = (output.prompt_tokens, output.cached_tokens)
+        self._completions[output.index] = output.completion_tokens
+
+    def usage(self) -> Usage:
+        prompt = sum(p for p, _ in self._prompts.values())
+        completion = sum(self._completions.values())
+        cached = sum(c for _, c in self._prompts.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
 class _Formatter:
     """`continued`: someone else (the router) opened this stream: the chat role chunk and echo were sent."""
 
@@ -136,7 +156,7 @@ class _Formatter:
         return self._stream_chunk([], self._usage.usage())
 
     def response(self, choices: Sequence[RequestOutput]) -> str:
-        """The whole body from each choice's merged output (`merge_outputs`)."""
+        """The whole body from each choice's merged output (server/api/generation.py `_merged`)."""
         tally = UsageTally(self.options.n)
         bodies = []
         for output in sorted(choices, key=lambda o: o.index):
