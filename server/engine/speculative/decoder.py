@@ -25,6 +25,8 @@ from kvcache import KVCacheManager, OutOfBlocksError
 from server.engine.request import Request, Status
 from server.engine.scheduler import ScheduledChunk, SchedulerConfig
 from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.draft_model import build_draft_drafter
+from server.engine.speculative.ngram import NgramDrafter
 from server.engine.speculative.verify import VerifyRow, accepted_prefix, sampling_rows
 from server.telemetry.metrics import SpecCounts
 
@@ -155,3 +157,14 @@ class NoSpeculation:
 
     def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> list[int]:
         raise AssertionError("no verify chunk without speculation")
+
+
+def build_spec(config: SpeculativeConfig, limits: SchedulerConfig, runner=None) -> SpecDecoder | NoSpeculation:
+    """The policy a server's `speculative:` section asks for. `runner`: the target's model runner (a draft
+    model runs on its device, in its dtype)."""
+    if config.method == "ngram":
+        return SpecDecoder(config, limits, NgramDrafter(config.ngram_min, config.ngram_max))
+    if config.method == "draft_model":
+        drafter = build_draft_drafter(config.draft_model, runner, limits.max_seq_len, 2 * config.max_decode_batch)
+        return SpecDecoder(config, limits, drafter)
+    return NoSpeculation()
