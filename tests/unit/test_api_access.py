@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_api_engine_fake import TOKEN, FakeEngine, KnownEndpoints, deployment_app
 
-from server.api import create_app
+from server.api.app import create_app
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.auth import TOKEN_HEADER
