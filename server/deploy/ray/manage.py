@@ -56,14 +56,6 @@ class Handles:
             return False
         return False
 
-    @classmethod
-    def found(cls, ray, deployment: str) -> Handles:
-        """The deployment's actors as the cluster names them."""
-        handles = cls(ray, deployment)
-        for name in sorted(actor_names(ray, deployment)):
-            handles.add(name.removeprefix(f"{deployment}/"), ray.get_actor(name))
-        return handles
-
 
 def actor_names(ray, deployment: str) -> list[str]:
     return [n for n in ray.util.list_named_actors() if n.startswith(f"{deployment}/")]
@@ -113,7 +105,10 @@ def connect(address: str, namespace: str):
 
 
 def _found(command: str, deployment: str, address: str, namespace: str) -> Handles | None:
-    handles = Handles.found(connect(address, namespace), deployment)
+    ray = connect(address, namespace)
+    handles = Handles(ray, deployment)  # its actors as the cluster names them
+    for name in sorted(actor_names(ray, deployment)):
+        handles.add(name.removeprefix(f"{deployment}/"), ray.get_actor(name))
     if handles.actors:
         return handles
     print(f"pdserve ray {command}: no deployment {deployment!r} in namespace {namespace}")
