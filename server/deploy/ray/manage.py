@@ -47,13 +47,11 @@ class Handles:
         exceptions = self.ray.exceptions
         try:
             self.ray.get(self.actors[name].exited.remote(), timeout=2.0)
-        except exceptions.ActorUnavailableError:  # restarting
+        except (exceptions.ActorUnavailableError, exceptions.GetTimeoutError):  # restarting, or no answer yet
             return False
         except exceptions.RayActorError:
             self.gone.add(name)
             return True
-        except exceptions.GetTimeoutError:
-            return False
         return False
 
 
