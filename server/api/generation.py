@@ -27,10 +27,6 @@ CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone
 KV_STREAM = "kv_stream"  # a streamed context leg's first event's key
 
 
-def _streams(engine: EngineClient, built: Built) -> RequestStreams:
-    return RequestStreams(engine, built.requests, built.transforms)
-
-
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:
     """One choice's outputs as one: all its tokens, text and log-probabilities, the last's counters."""
     entries = [e for o in outputs for e in aligned(o.new_token_ids, o.logprobs)]
@@ -64,7 +60,7 @@ def _whole(built: Built, fmt: Formatter, choices: list[RequestOutput]) -> str:
 
 
 async def respond_json(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
-    streams = _streams(engine, built)
+    streams = RequestStreams(engine, built.requests, built.transforms)
     try:
         done, choices = await unless_disconnected(lambda: _collect(streams), request.receive)
     finally:
@@ -77,7 +73,7 @@ async def respond_json(request: Request, engine: EngineClient, built: Built, fmt
 async def respond_stream(request: Request, engine: EngineClient, built: Built, fmt: Formatter,
                          report_tokens: bool = False) -> Response:
     """Waits for the first output before answering, so a failure before it still gets its HTTP status."""
-    streams = _streams(engine, built)
+    streams = RequestStreams(engine, built.requests, built.transforms)
     try:
         done, first = await unless_disconnected(streams.next, request.receive)
     except BaseException:
@@ -100,7 +96,8 @@ async def respond_context(request: Request, engine: EngineClient, built: Built, 
     if early is None:
         plain = replace(gen, disagg=replace(gen.disagg, kv_stream=False))
         return await respond_json(request, engine, replace(built, requests=[plain]), fmt)
-    streams = _streams(engine, built)  # closed (aborted if the router left) when the event stream ends
+    # closed (aborted if the router left) when the event stream ends
+    streams = RequestStreams(engine, built.requests, built.transforms)
     return EventStream(_context_events(streams, built, fmt, early), streams.close)
 
 
