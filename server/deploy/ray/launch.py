@@ -152,7 +152,8 @@ def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, t
                  env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> tuple[Child, Any]:
     """The actor that runs a server or the router (not waited for: `_started`)."""
     cfg, name = run.cfg, placed.want.name
-    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
+    threads = str(max(1, int(placed.want.options.num_cpus)))  # the actor's CPUs, as Ray sets OMP_NUM_THREADS
+    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": threads, **env}
     child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
     spec = ActorSpec(run.name, child, text, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
@@ -240,11 +241,6 @@ def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str
     if name in down and run.handles.dead(name):
         say(f"{name} is gone for good (its actor died and is not restarted: its node was lost, or restarts are off)")
         down.pop(name)
-
-
-def _threads(placed: Placed) -> str:
-    """Torch threads per process: the CPUs Ray gives the actor (as Ray sets OMP_NUM_THREADS)."""
-    return str(max(1, int(placed.want.options.num_cpus)))
 
 
 def _bundles(placed: Placed) -> str:
