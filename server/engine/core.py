@@ -57,14 +57,6 @@ class EngineCore:
         # structured output: grammars of constrained requests, their step's bitmask (server/engine/structured/)
         self.structured = StructuredOutput(tokenizer, runner.spec.vocab_size, self.eos_token_ids, runner.device)
 
-    @property
-    def metrics(self):
-        return self.timings.metrics
-
-    @metrics.setter
-    def metrics(self, metrics) -> None:
-        self.timings.metrics = metrics
-
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> list[RequestOutput]:
         """Queue a request; a request this server's role cannot run, or whose output constraint does

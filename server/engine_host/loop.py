@@ -54,7 +54,7 @@ class EngineLoop:
     def __init__(self, core: EngineCore, port: Port, kv_events: KvEventSource, health: HealthCheck) -> None:
         self.core, self.port, self.kv_events, self.health = core, port, kv_events, health
         self.recorder = MetricsRecorder()
-        core.metrics = self.recorder
+        core.timings.metrics = self.recorder
         self.recorder.watch_transfers(core)
         kv_events.attach(core.kv)
         self.stopped = False
