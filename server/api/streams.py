@@ -33,15 +33,12 @@ class EngineStream:
     def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None):
         self._engine = engine
         self._request = request
+        self.request_id = request.request_id
         self._transform = transform
         self._outputs = None  # created on the first next(): a failing submit is an "error" output too
         self._open_choices = set(range(request.sampling.n))
         self.finished = False  # every choice finished, or the request failed
         self._engine_done = False  # the engine itself ended the request: nothing to abort
-
-    @property
-    def request_id(self) -> str:
-        return self._request.request_id
 
     def _failure(self, message: str) -> RequestOutput:
         return RequestOutput(self.request_id, [], "", finished=True, finish_reason="error",

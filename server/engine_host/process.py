@@ -50,7 +50,7 @@ class EngineProcess(EngineFront):
         super().__init__(model_name, cfg.max_seq_len, metrics)
         self.exit_code: int | None = None  # set once the child ended
         self._cfg, self._epoch, self._on_fatal = cfg, epoch, on_fatal
-        self._tokenizer = None
+        self.tokenizer = None  # loaded once the engine is Ready
         self._end: HttpEnd | None = None
         self._proc = None
         self._tasks: list[asyncio.Task] = []
@@ -90,12 +90,8 @@ class EngineProcess(EngineFront):
             self._end.close()
 
     # ---- EngineClient
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
     def is_ready(self) -> bool:
-        return self._tokenizer is not None and self.exit_code is None and not self._stopping
+        return self.tokenizer is not None and self.exit_code is None and not self._stopping
 
     def idle(self) -> bool:
         return self.exit_code is not None or super().idle()
@@ -130,7 +126,7 @@ class EngineProcess(EngineFront):
         from transformers import AutoTokenizer
 
         try:
-            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.model_dir)
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.model_dir)
         except Exception as exc:
             log.exception("the tokenizer of %s could not load", info.model_dir)
             self.load_error = exc
@@ -142,7 +138,7 @@ class EngineProcess(EngineFront):
         if self._stopping:
             return
         reason = f"the engine process exited with {exit_text(returncode)}"
-        if self._tokenizer is None:  # not ready yet: a load failure (serve.py's watcher ends the server)
+        if self.tokenizer is None:  # not ready yet: a load failure (serve.py's watcher ends the server)
             self.load_error = self.load_error or RuntimeError(f"{reason} before it was ready (its log says why)")
             return
         log.error("%s: failing %d requests in flight; the server exits", reason, len(self._streams))
