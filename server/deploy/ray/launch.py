@@ -109,7 +109,8 @@ def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str,
     full = with_urls(data, urls)
     cfg = deployment_from_dict(full, checked.source, base)
     for name, p in placed.items():
-        say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){_bundles(p)}")
+        bundles = f" ({p.want.ranks} bundles, {p.want.options.bundle()} each)" if p.want.ranks > 1 else ""
+        say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){bundles}")
     return cfg, yaml.safe_dump(without_token(full), sort_keys=False)
 
 
@@ -241,10 +242,6 @@ def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str
     if name in down and run.handles.dead(name):
         say(f"{name} is gone for good (its actor died and is not restarted: its node was lost, or restarts are off)")
         down.pop(name)
-
-
-def _bundles(placed: Placed) -> str:
-    return f" ({placed.want.ranks} bundles, {placed.want.options.bundle()} each)" if placed.want.ranks > 1 else ""
 
 
 def say(message: str) -> None:
