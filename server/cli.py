@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 
 
@@ -180,10 +181,8 @@ def _router(args: argparse.Namespace) -> int:
     servers = f"{len(cfg.context_servers)} context, {len(front)} generation" if cfg.disaggregated else \
         f"{len(front)} aggregated"
     line = f"pdserve: router listening on http://{address} (policy {cfg.router.type}, {servers} server(s))"
-    try:
+    with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
         DrainingServer(config, app.state.drain, on_listening=lambda: print(line, flush=True)).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
-        pass
     return 0
 
 

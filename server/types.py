@@ -134,7 +134,7 @@ class EngineClient(Protocol):
 
 @dataclass(frozen=True)
 class LinkState:
-    """A server's KV transceiver as `/health` and the KV routes see it (server/api/readiness.py)."""
+    """A server's KV transceiver as `/health` and the KV routes see it (server/api/routes/health.py)."""
 
     dead: tuple[str, ...] = ()  # socket threads that died: no KV transfer can run
     peers: dict[str, str] | None = None  # a generation server's handshakes: KV endpoint -> state

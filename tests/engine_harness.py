@@ -19,9 +19,8 @@ from kvcache import KvCacheConfig, KVCacheManager
 from server.engine.core import EngineCore
 from server.engine.kv_connector import ContextConnector, GenerationConnector
 from server.engine.scheduler import SchedulerConfig
-from server.engine.speculative.build import build_spec
 from server.engine.speculative.config import SpeculativeConfig
-from server.engine.speculative.decoder import SpecDecoder
+from server.engine.speculative.decoder import SpecDecoder, build_spec
 from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec, with_quantization

@@ -13,22 +13,27 @@ from starlette.responses import Response
 
 from server.api.access import check_disagg_access
 from server.api.builder import DEFAULT_MAX_N, Built, build_request, new_request_id
-from server.api.context_stream import early_event, result_event, streamed_params
 from server.api.disagg_logprobs import with_context_logprobs
 from server.api.errors import APIError, output_error
 from server.api.streams import RequestStreams, failed
 from server.openai.formatting import Formatter, continued_response_id
-from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.logprobs import aligned
+from server.openai.protocol import DISAGG_PARAMS, ChatCompletionRequest, CompletionRequest, DisaggParams
 from server.openai.sse import DONE, EventStream, json_event, sse_event, unless_disconnected
-from server.openai.usage import merge_outputs
 from server.openai.wire import dumps
-from server.types import EngineClient, RequestOutput
+from server.types import EngineClient, GenerateRequest, RequestOutput
 
 CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone
+KV_STREAM = "kv_stream"  # a streamed context leg's first event's key
 
 
-def _streams(engine: EngineClient, built: Built) -> RequestStreams:
-    return RequestStreams(engine, built.requests, built.transforms)
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """One choice's outputs as one: all its tokens, text and log-probabilities, the last's counters."""
+    entries = [e for o in outputs for e in aligned(o.new_token_ids, o.logprobs)]
+    return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                   new_text="".join(o.new_text for o in outputs),
+                   logprobs=entries if any(e is not None for e in entries) else None,
+                   prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None))
 
 
 async def _collect(streams: RequestStreams) -> list[RequestOutput]:
@@ -39,7 +44,7 @@ async def _collect(streams: RequestStreams) -> list[RequestOutput]:
         if failed(output):
             return [output]
         outputs[output.index].append(output)
-    return [merge_outputs(outputs[i]) for i in sorted(outputs)]
+    return [_merged(outputs[i]) for i in sorted(outputs)]
 
 
 def _whole(built: Built, fmt: Formatter, choices: list[RequestOutput]) -> str:
@@ -55,7 +60,7 @@ def _whole(built: Built, fmt: Formatter, choices: list[RequestOutput]) -> str:
 
 
 async def respond_json(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
-    streams = _streams(engine, built)
+    streams = RequestStreams(engine, built.requests, built.transforms)
     try:
         done, choices = await unless_disconnected(lambda: _collect(streams), request.receive)
     finally:
@@ -68,7 +73,7 @@ async def respond_json(request: Request, engine: EngineClient, built: Built, fmt
 async def respond_stream(request: Request, engine: EngineClient, built: Built, fmt: Formatter,
                          report_tokens: bool = False) -> Response:
     """Waits for the first output before answering, so a failure before it still gets its HTTP status."""
-    streams = _streams(engine, built)
+    streams = RequestStreams(engine, built.requests, built.transforms)
     try:
         done, first = await unless_disconnected(streams.next, request.receive)
     except BaseException:
@@ -83,23 +88,44 @@ async def respond_stream(request: Request, engine: EngineClient, built: Built, f
 
 
 async def respond_context(request: Request, engine: EngineClient, built: Built, fmt: Formatter) -> Response:
-    """A context_only request that asked for streamed KV: the early event and the answer's, or plain JSON."""
+    """A context_only request that asked for streamed KV (docs/KV_STREAM.md): plain JSON, or when its KV
+    is streamed two SSE events at once: `{"kv_stream": <params>}` (the lease, before the engine admits
+    the request), then `{"status", "body"}`: the context answer, or the error with its HTTP status."""
     gen = built.requests[0]
-    early = streamed_params(request, engine, gen)
+    early = _streamed_params(request, engine, gen)
     if early is None:
         plain = replace(gen, disagg=replace(gen.disagg, kv_stream=False))
         return await respond_json(request, engine, replace(built, requests=[plain]), fmt)
-    streams = _streams(engine, built)  # closed (aborted if the router left) when the event stream ends
-    return EventStream(_context_events(streams, built, fmt, early_event(early)), streams.close)
+    # closed (aborted if the router left) when the event stream ends
+    streams = RequestStreams(engine, built.requests, built.transforms)
+    return EventStream(_context_events(streams, built, fmt, early), streams.close)
 
 
-async def _context_events(streams: RequestStreams, built: Built, fmt: Formatter, early: bytes) -> AsyncIterator[bytes]:
-    yield early
+async def _context_events(streams: RequestStreams, built: Built, fmt: Formatter,
+                          early: DisaggParams) -> AsyncIterator[bytes]:
+    yield json_event({KV_STREAM: DISAGG_PARAMS.dump_python(early, mode="json")})
     try:
-        yield result_event(200, _whole(built, fmt, await _collect(streams)))
+        status, body = 200, _whole(built, fmt, await _collect(streams))
     except APIError as error:
-        yield result_event(error.status, dumps(error.body()).decode())
+        status, body = error.status, dumps(error.body()).decode()
+    yield sse_event(f'{{"status": {status}, "body": {body}}}')
     yield DONE
+
+
+def _streamed_params(request: Request, engine: EngineClient, gen: GenerateRequest) -> DisaggParams | None:
+    """The early answer's parameters when this context_only request's KV is streamed, else None: the
+    server's `kv_stream` allows it for this prompt length, it is no moved stream's leg, and its KV
+    sender is one rank (a tensor-parallel context server sends whole prompts)."""
+    min_tokens = getattr(request.app.state, "kv_stream_min_tokens", None)
+    disagg = gen.disagg
+    if min_tokens is None or len(gen.prompt_token_ids) < min_tokens or disagg.prior_output_tokens:
+        return None
+    links = engine.links()
+    if links.sender is None or len(links.sender_endpoints) > 1:
+        return None
+    endpoint, epoch = links.sender
+    return DisaggParams("context_only", ctx_request_id=gen.request_id, ctx_endpoint=endpoint, ctx_epoch=epoch,
+                        prompt_token_ids=tuple(gen.prompt_token_ids), cache_salt=gen.cache_salt, kv_stream=True)
 
 
 async def engine_events(streams: RequestStreams, first: RequestOutput, fmt: Formatter,

@@ -30,18 +30,15 @@ def failed(output: RequestOutput) -> bool:
 class EngineStream:
     """The outputs of one engine request. `next()` never raises: engine failures become an "error" output."""
 
-    def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None = None):
+    def __init__(self, engine: EngineClient, request: GenerateRequest, transform: Transform | None):
         self._engine = engine
         self._request = request
+        self.request_id = request.request_id
         self._transform = transform
         self._outputs = None  # created on the first next(): a failing submit is an "error" output too
         self._open_choices = set(range(request.sampling.n))
         self.finished = False  # every choice finished, or the request failed
         self._engine_done = False  # the engine itself ended the request: nothing to abort
-
-    @property
-    def request_id(self) -> str:
-        return self._request.request_id
 
     def _failure(self, message: str) -> RequestOutput:
         return RequestOutput(self.request_id, [], "", finished=True, finish_reason="error",
@@ -85,8 +82,7 @@ class RequestStreams:
     """Every engine request of one HTTP request; `next()` is the next output of any of them."""
 
     def __init__(self, engine: EngineClient, requests: Sequence[GenerateRequest],
-                 transforms: Sequence[Transform | None] | None = None):
-        transforms = transforms or [None] * len(requests)
+                 transforms: Sequence[Transform | None]):
         self._streams = [EngineStream(engine, r, t) for r, t in zip(requests, transforms, strict=True)]
         self._n = [r.sampling.n for r in requests]
         self._reading: dict[int, asyncio.Future] = {}  # prompt -> its pending next()

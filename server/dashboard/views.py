@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from server.dashboard.experts import expert_view
-from server.dashboard.window import RATE_S, WINDOW_S, Window, merge_buckets, percentiles
+from server.dashboard.window import RATE_S, WINDOW_S, Window, counter_increase, merge_buckets, percentiles
 from server.router.backends import Backend
 from server.telemetry.phases import TTFT_PHASES, Phase, quantile
 
@@ -20,6 +19,7 @@ SPEC_EMITTED, SPEC_STEPS = "pdserve_spec_emitted_tokens_total", "pdserve_spec_ve
 FIRST_TOKEN_ROLES, DECODE_ROLES = ("context", "aggregated"), ("generation", "aggregated")
 PHASE_ROLES = {"prefill": FIRST_TOKEN_ROLES, "generation": ("generation",)}  # a phase's source: its servers' roles
 LEVELS = ("primary", "secondary", "disk")
+EXPERT_TOKENS = "pdserve_moe_expert_tokens_total"
 
 
 def server_view(backend: Backend, window: Window, now: float) -> dict:
@@ -117,6 +117,34 @@ def phase_view(phase: Phase, windows: list[Window], now: float) -> dict:
     total = sum(w.increase(f"{h}_sum", now, **labels) for w in windows)
     return {"name": phase.name, "source": phase.source, "p50": quantile(0.5, buckets),
             "mean": _ratio(total, count), "count": int(count)}
+
+
+def expert_view(window: Window, now: float) -> list[dict]:
+    """A mixture-of-experts model's expert load, per sparse layer: [{layer, tokens: [per expert, over
+    the window; each token counted top_k times], total: since the server started, hottest: the busiest
+    expert, imbalance: max / mean (1.0: even; None when no token was routed in the window)}]. A dense
+    model's server has no such series: an empty list."""
+    samples = window.recent(now, WINDOW_S)
+    if not samples or EXPERT_TOKENS not in samples[-1].series:
+        return []
+    per_sample = [_counts(s.series.get(EXPERT_TOKENS, [])) for s in samples]
+    latest = per_sample[-1]
+    sizes: dict[int, int] = {}
+    for layer, expert in latest:
+        sizes[layer] = max(sizes.get(layer, 0), expert + 1)
+    out = []
+    for layer in sorted(sizes):
+        keys = [(layer, e) for e in range(sizes[layer])]
+        tokens = [int(counter_increase(counts.get(key, 0.0) for counts in per_sample)) for key in keys]
+        mean = sum(tokens) / len(tokens)
+        out.append({"layer": layer, "tokens": tokens, "total": int(sum(latest.get(key, 0.0) for key in keys)),
+                    "hottest": max(range(len(tokens)), key=tokens.__getitem__),
+                    "imbalance": max(tokens) / mean if mean > 0 else None})
+    return out
+
+
+def _counts(series: list) -> dict[tuple[int, int], float]:
+    return {(int(labels["layer"]), int(labels["expert"])): value for labels, value in series}
 
 
 def _ratio(part: float, whole: float) -> float | None:

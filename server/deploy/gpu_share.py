@@ -17,8 +17,8 @@ from server.config.schema import ServerConfig
 # under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60 computed NaN logits for an 8B-shaped bf16 model (torch's
 # own kernels too, not only pdserve's Triton ones), while both servers under MPS at 100% gave the
 # plain pair's text. So `auto` runs the servers under MPS without a cap, and a number below 100 is
-# refused (server/config/schema.py).
-SM_PERCENT = 100  # every sharing server's, unless it gives its own
+# refused (server/config/schema.py): a server that gives a number gives 100.
+SM_PERCENT = 100  # every sharing server's
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -88,13 +88,7 @@ def _shared(names: list[str], used: dict[str, tuple[str, ...]],
     if "off" in shares or not ({"context", "generation"} <= roles or any(isinstance(s, int) for s in shares)):
         return None
     gpus = tuple(dict.fromkeys(gpu for n in names for gpu in used[n]))
-    return SharedGpus(gpus, {n: _percent(servers[n]) for n in names}, any(s.device == "cuda" for s in members))
-
-
-def _percent(server: ServerConfig) -> int:
-    if isinstance(server.gpu_share, int):
-        return server.gpu_share
-    return SM_PERCENT
+    return SharedGpus(gpus, dict.fromkeys(names, SM_PERCENT), any(s.device == "cuda" for s in members))
 
 
 def _and(items: list[str]) -> str:

@@ -42,14 +42,13 @@ def listeners(cfg: DeploymentConfig) -> list[Listener]:
     """Every fixed port of a deployment: the router's, each server's HTTP port, and each context
     server's transceiver port where the file sets one (0, the default, is an ephemeral port)."""
     found = [Listener("router", "port", cfg.host, cfg.port)] if cfg.has_router else []
-    roles = [s.role for s in cfg.servers]
-    for (name, server), role in zip(cfg.named().items(), roles, strict=True):
+    for name, server in cfg.named().items():
         index = int(name.rsplit("-", 1)[1])
-        section = "context_servers" if role == "context" else "generation_servers"
+        section = "context_servers" if server.role == "context" else "generation_servers"
         key = f"{section}.urls[{index}]" if cfg.has_router else "port"
         found.append(Listener(name, key, server.host, server.port))
         kv = server.cache_transceiver_config
-        if role == "context" and kv.port:
+        if server.role == "context" and kv.port:
             for rank in range(server.tensor_parallel_size):  # rank r listens on port + r
                 found.append(Listener(name, f"cache_transceiver_config.port of {name}", kv.host, kv.port + rank))
     return found

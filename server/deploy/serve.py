@@ -9,15 +9,14 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 import uvicorn
 
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
-from server.api.readiness import health_report
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.config.checks import host_port
@@ -26,7 +25,6 @@ from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.deploy.logs import configure_logging
 from server.deploy.ports import PORT_HINT, bind_http
 from server.engine_host.build import build_core, event_publisher
-from server.engine_host.front import EngineKvEvents
 from server.engine_host.process import EngineProcess
 from server.engine_host.thread import AsyncEngine
 from server.models.runner import resolve_device
@@ -51,7 +49,7 @@ def engine_in_child(cfg: ServerConfig) -> bool:
     return cfg.engine_process
 
 
-def make_app(cfg: ServerConfig, on_fatal=None):
+def make_app(cfg: ServerConfig, on_fatal: Callable[..., None]):
     """The server's app. `on_fatal()` is called if the engine cannot load or its process dies;
     `on_fatal(RANK_DIED_EXIT)` when a tensor-parallel rank died."""
     metrics = ServerMetrics()
@@ -71,7 +69,6 @@ def make_app(cfg: ServerConfig, on_fatal=None):
     directory = ContextDirectory(cfg.context_urls, token) if cfg.role == "generation" else None
     app = create_app(engine_factory, metrics=metrics, auth_token=token, context_directory=directory,
                      max_n=cfg.max_n)
-    app.state.kv_events = EngineKvEvents(engine, EPOCH)
     app.state.role = cfg.role  # the leg /health_generate names
     app.state.kv_stream_min_tokens = kv_stream_min_tokens(cfg)
     install_kv_routes(app)
@@ -89,20 +86,15 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
                              metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
         return engine
 
-    def died() -> None:
-        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
-            on_fatal(RANK_DIED_EXIT)
-        else:
-            on_fatal()
-
-    engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, None if on_fatal is None else died)
+    # a tensor-parallel rank died: the server says so too
+    died = lambda: on_fatal(RANK_DIED_EXIT) if engine.exit_code == RANK_DIED_EXIT else on_fatal()
+    engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, died)
     return engine
 
 
 def install_health(app, drain: Drain) -> None:
-    """Drain on SIGTERM (server/deploy/drain.py) and /health's report (server/api/readiness.py)."""
+    """Drain on SIGTERM (server/deploy/drain.py); /health reports it."""
     app.state.drain = drain
-    app.state.health_report = lambda: health_report(app)
     app.add_middleware(DrainGate, drain=drain)
 
 
@@ -111,8 +103,7 @@ async def _watch_load(engine: AsyncEngine | EngineProcess, on_fatal) -> None:
     while engine.load_error is None:
         await asyncio.sleep(0.2)
     log.error("exiting: the engine could not start: %s", engine.load_error)
-    if on_fatal is not None:
-        on_fatal()
+    on_fatal()
 
 
 def served_name(model: str) -> str:
@@ -151,10 +142,8 @@ def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> in
     announced: list[asyncio.Task] = []
     server = DrainingServer(config, app.state.drain,
                             on_listening=lambda: announced.append(asyncio.ensure_future(announce(app, line))))
-    try:
+    with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again, after its clean shutdown
-        pass
     return failed[0] if failed else 0
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,10 +264,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:
     """Signal a child's process group (its pid: each child leads its own session)."""
-    try:
+    with suppress(ProcessLookupError, PermissionError):  # the whole group is gone already
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):  # the whole group is gone already
-        pass
 
 
 def log_tail(log_path: Path) -> str:

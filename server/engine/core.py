@@ -24,7 +24,7 @@ from server.engine.request import Request, Status
 from server.engine.sampler import sample_on_device
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, committable
 from server.engine.speculative.decoder import NoSpeculation, SpecDecoder
-from server.engine.structured import StructuredOutput
+from server.engine.structured.engine_hook import StructuredOutput
 from server.engine.timings import TokenTimings
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
 from server.types import DisaggParams, GenerateRequest, RequestOutput, TokenLogprob
@@ -56,14 +56,6 @@ class EngineCore:
         self.counts = TokenCounts(runner.device)  # penalised requests' token counts, on the device
         # structured output: grammars of constrained requests, their step's bitmask (server/engine/structured/)
         self.structured = StructuredOutput(tokenizer, runner.spec.vocab_size, self.eos_token_ids, runner.device)
-
-    @property
-    def metrics(self):
-        return self.timings.metrics
-
-    @metrics.setter
-    def metrics(self, metrics) -> None:
-        self.timings.metrics = metrics
 
     # ---- receive
     def add_request(self, gen: GenerateRequest) -> list[RequestOutput]:
@@ -387,13 +379,10 @@ class EngineCore:
     def _stop_without_text(self, request: Request, token: int, hit_stop_string: bool) -> None:
         params, produced = request.sampling, len(request.output_token_ids)
         ending = request.grammar.ending() if request.grammar is not None else None
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if ending is not None:  # structured output: the grammar is complete ("stop"), or was left ("error")
             request.finish(*ending)
-        elif produced >= params.min_tokens and token in params.stop_token_ids:
-            request.finish("stop")
-        elif produced >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
-            request.finish("stop")
-        elif hit_stop_string:
+        elif hit_stop_string or (produced >= params.min_tokens and stop_token):
             request.finish("stop")
         elif produced >= params.max_tokens or request.num_known_tokens >= self.config.max_seq_len:
             request.finish("length")

@@ -36,17 +36,12 @@ from server.engine.uploads import upload as _upload
 MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities); this close to 0 it is greedy anyway
 
 
-def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | None = None) -> list[int]:
-    """Pick one token per row. `logits`: float32 [num_requests, vocab], row i belongs to requests[i]."""
-    return sample_on_device(logits, requests, counts).tolist()
-
-
 def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None,
                      mask: StepMask | None = None) -> torch.Tensor:
-    """`sample` without the host copy: [num_requests] token ids on the logits' device (on a GPU the
-    work is only queued, so the caller can do host work before it waits for the ids). `requests`:
-    per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`: the
-    engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
+    """One token per row of `logits` (float32 [rows, vocab]), as [rows] ids on the logits' device (on
+    a GPU the work is only queued, so the caller can do host work before it waits for the ids).
+    `requests`: per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`:
+    the engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
     from the requests' tokens when None). `mask`: the structured-output rows' allowed tokens (the
     others -inf, before biases and penalties: -inf stays -inf through both)."""
     logits = _mask_banned(logits, requests)

@@ -13,7 +13,7 @@ from server.config.schema import ServerConfig
 from server.engine.core import EngineCore
 from server.engine.kv_connector import AggregatedConnector, ContextConnector, GenerationConnector, KVConnector
 from server.engine.scheduler import SchedulerConfig
-from server.engine.speculative.build import build_spec
+from server.engine.speculative.decoder import build_spec
 from server.models.builtin import resolve_model
 from server.models.kv_format import kv_cache_layout, kv_dtype_name
 from server.models.model_spec import load_spec, with_quantization

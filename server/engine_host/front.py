@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Iterable
-from types import SimpleNamespace
 
 from server.engine_host.streams import ChoiceStream
 from server.engine_host.wire import (
@@ -135,19 +134,3 @@ class EngineFront:
         for stream in self._streams.values():
             stream.fail(message, code)
 
-
-class EngineKvEvents:
-    """`app.state.kv_events`: where the engine publishes KV events, and the cache's snapshots."""
-
-    def __init__(self, engine: EngineFront, epoch: str) -> None:
-        self._engine = engine
-        self.epoch = epoch
-
-    @property
-    def publisher(self) -> SimpleNamespace | None:
-        info = self._engine.info
-        endpoint = info.kv_events_endpoint if info is not None else None
-        return SimpleNamespace(endpoint=endpoint) if endpoint is not None else None
-
-    async def snapshot(self) -> dict:
-        return await self._engine.snapshot()

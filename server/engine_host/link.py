@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -114,20 +115,16 @@ class EngineEnd(_Opener):
         self._poller.register(self._wake_r, zmq.POLLIN)
 
     def wake(self) -> None:
-        try:
+        with suppress(BlockingIOError, OSError):  # the pipe is full (a wake-up is pending already) or closed
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending already) or closed
 
     def receive(self, timeout_s: float) -> list[Any]:
         """Every message waiting, after waiting at most `timeout_s` for one (or a wake-up)."""
         events = dict(self._poller.poll(timeout_s * 1000)) if timeout_s > 0 else {}
         if self._wake_r in events:
-            try:
+            with suppress(BlockingIOError, OSError):
                 while os.read(self._wake_r, 4096):
                     pass
-            except (BlockingIOError, OSError):
-                pass
         messages = []
         while True:
             try:
@@ -145,7 +142,5 @@ class EngineEnd(_Opener):
         for sock in (self._pull, self._push):
             sock.close(linger=0)
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass

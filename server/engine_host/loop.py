@@ -1,5 +1,5 @@
 """The engine loop of both hosts (a thread of the HTTP process, or the engine process): receive
-commands -> step -> tick hooks -> KV health check -> deliver one `StepOut`. Commands and messages go
+commands -> step -> KV events tick -> KV health check -> deliver one `StepOut`. Commands and messages go
 through a `Port` (queues for the thread, the ipc link for the process), so the HTTP side (front.py)
 reads the same messages from either."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from server.engine.core import EngineCore
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 
 STATE_INTERVAL_S = 0.1  # an idle engine's state (health, handshakes, leases) goes out at most this often
 
-Hook = Callable[[EngineCore], None]
-
 
 class Port(Protocol):
     def receive(self, timeout_s: float) -> list[ToEngine]:
@@ -53,14 +51,12 @@ class Port(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, port: Port, kv_events: KvEventSource, health: HealthCheck,
-                 hooks: Sequence[Hook] = ()) -> None:
+    def __init__(self, core: EngineCore, port: Port, kv_events: KvEventSource, health: HealthCheck) -> None:
         self.core, self.port, self.kv_events, self.health = core, port, kv_events, health
         self.recorder = MetricsRecorder()
-        core.metrics = self.recorder
+        core.timings.metrics = self.recorder
         self.recorder.watch_transfers(core)
         kv_events.attach(core.kv)
-        self.hooks = [kv_events.on_tick, *hooks]
         self.stopped = False
         self._outputs: list[RequestOutput] = []  # the commands' outputs, sent with the next step's
         self._replies: list[SnapshotReply] = []  # filled by snapshot futures during the KV events hook
@@ -86,8 +82,7 @@ class EngineLoop:
                 break
             outputs = self._outputs + self._step()
             self._outputs = []
-            for hook in self.hooks:
-                hook(self.core)
+            self.kv_events.on_tick(self.core)
             self.health.maybe_check(self.core)
             self._deliver(outputs)
 
@@ -191,15 +186,14 @@ def probe(core: Any, endpoints: Iterable[str]) -> None:
 
 
 def run_engine(port: Port, build: Callable[[], EngineCore], kv_events: KvEventSource, *,
-               health: HealthCheck | None = None, hooks: Sequence[Hook] = (),
-               alive: Callable[[], bool] = lambda: True) -> EngineLoop | None:
+               health: HealthCheck | None = None, alive: Callable[[], bool] = lambda: True) -> EngineLoop | None:
     """A host's engine from start to end: the KV event publisher, the core (`build`), `Ready` or
     `LoadFailed`, the loop until `Shutdown` (or `alive()` turns False), close. None: it did not load."""
     kv_events.wake = port.wake
     try:
         if kv_events.publisher is not None:
             kv_events.publisher.start()
-        loop = EngineLoop(build(), port, kv_events, health or HealthCheck(), hooks)
+        loop = EngineLoop(build(), port, kv_events, health or HealthCheck())
     except BaseException as exc:
         log.exception("engine failed to load")
         if kv_events.publisher is not None:

@@ -46,11 +46,11 @@ class Launch(msgspec.Struct, frozen=True):
 
 class EngineProcess(EngineFront):
     def __init__(self, cfg: ServerConfig, model_name: str, metrics: ServerMetrics, epoch: str,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None]) -> None:
         super().__init__(model_name, cfg.max_seq_len, metrics)
         self.exit_code: int | None = None  # set once the child ended
         self._cfg, self._epoch, self._on_fatal = cfg, epoch, on_fatal
-        self._tokenizer = None
+        self.tokenizer = None  # loaded once the engine is Ready
         self._end: HttpEnd | None = None
         self._proc = None
         self._tasks: list[asyncio.Task] = []
@@ -90,12 +90,8 @@ class EngineProcess(EngineFront):
             self._end.close()
 
     # ---- EngineClient
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
     def is_ready(self) -> bool:
-        return self._tokenizer is not None and self.exit_code is None and not self._stopping
+        return self.tokenizer is not None and self.exit_code is None and not self._stopping
 
     def idle(self) -> bool:
         return self.exit_code is not None or super().idle()
@@ -121,8 +117,7 @@ class EngineProcess(EngineFront):
         log.error("the engine link's reader failed", exc_info=task.exception())
         self._stopping = True
         self._end_all("the server lost its engine (internal error); it is restarting", 500)
-        if self._on_fatal is not None:
-            self._on_fatal()
+        self._on_fatal()
 
     def _on_ready(self, info: EngineInfo) -> None:
         self._tasks.append(asyncio.create_task(self._load_tokenizer(info)))
@@ -131,7 +126,7 @@ class EngineProcess(EngineFront):
         from transformers import AutoTokenizer
 
         try:
-            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.model_dir)
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.model_dir)
         except Exception as exc:
             log.exception("the tokenizer of %s could not load", info.model_dir)
             self.load_error = exc
@@ -143,7 +138,7 @@ class EngineProcess(EngineFront):
         if self._stopping:
             return
         reason = f"the engine process exited with {exit_text(returncode)}"
-        if self._tokenizer is None:  # not ready yet: a load failure (serve.py's watcher ends the server)
+        if self.tokenizer is None:  # not ready yet: a load failure (serve.py's watcher ends the server)
             self.load_error = self.load_error or RuntimeError(f"{reason} before it was ready (its log says why)")
             return
         log.error("%s: failing %d requests in flight; the server exits", reason, len(self._streams))
@@ -151,8 +146,7 @@ class EngineProcess(EngineFront):
         for answer in self._calls.values():
             if not answer.done():
                 answer.set_exception(ConnectionError(reason))
-        if self._on_fatal is not None:
-            self._on_fatal()
+        self._on_fatal()
 
 
 def _stop_child(proc: subprocess.Popen, timeout_s: float) -> int:

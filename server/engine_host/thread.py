@@ -10,11 +10,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 
 from server.engine.core import EngineCore
 from server.engine.health import HealthCheck
 from server.engine_host.front import EngineFront
-from server.engine_host.loop import Hook, run_engine
+from server.engine_host.loop import run_engine
 from server.engine_host.wire import FromEngine, Shutdown, ToEngine
 from server.telemetry.kv_events import KvEventPublisher, KvEventSource
 from server.telemetry.metrics import ServerMetrics
@@ -51,10 +52,8 @@ class _Queues:
             wake = not self._handed  # else the wake-up scheduled for those is still to run
             self._handed.append(message)
         if wake:
-            try:
+            with suppress(RuntimeError):  # the event loop is closed: nobody reads any more
                 self._loop.call_soon_threadsafe(self._hand_over)
-            except RuntimeError:  # the event loop is closed: nobody reads any more
-                pass
 
     def _hand_over(self) -> None:
         with self._lock:
@@ -74,7 +73,6 @@ class AsyncEngine(EngineFront):
         self.core: EngineCore | None = None
         self.health = HealthCheck()  # its KV invariants, checked on the engine thread between steps
         self._kv_events = KvEventSource(publisher, epoch)
-        self._hooks: list[Hook] = []
         self._port: _Queues | None = None
         self._thread: threading.Thread | None = None
 
@@ -84,10 +82,6 @@ class AsyncEngine(EngineFront):
 
     def is_ready(self) -> bool:
         return self.info is not None and self._thread is not None and self._thread.is_alive()
-
-    def add_tick_hook(self, hook: Hook) -> None:
-        """Run `hook(core)` on the engine thread after every step (before `start`)."""
-        self._hooks.append(hook)
 
     def wake(self) -> None:
         """Any thread: end the engine thread's idle wait now (e.g. a KV transfer message arrived)."""
@@ -117,7 +111,7 @@ class AsyncEngine(EngineFront):
         return True
 
     def _run(self) -> None:
-        run_engine(self._port, self._build, self._kv_events, health=self.health, hooks=self._hooks)
+        run_engine(self._port, self._build, self._kv_events, health=self.health)
 
     def _build(self) -> EngineCore:
         self.core = self._build_core()

@@ -6,9 +6,11 @@ with the choice's next chunk, so the chunks add up to the whole response."""
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from server.openai.json_calls import CallArguments, CallStart, Content, Event
 from server.openai.logprobs import (
     Pieces,
     TextOffsets,
@@ -27,11 +29,12 @@ from server.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionOut,
+    PromptTokensDetails,
+    ToolCallOut,
     Usage,
 )
-from server.openai.tool_deltas import stream_deltas, tool_message
 from server.openai.tool_parsers import ToolParser, make_parser
-from server.openai.usage import UsageTally
 from server.types import RequestOutput, TokenLogprob
 
 __all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
@@ -90,6 +93,26 @@ class _ChoiceState:
         return out
 
 
+class UsageTally:
+    """Usage over every choice: each prompt once (choice index // n), each choice's completion tokens."""
+
+    def __init__(self, n: int = 1) -> None:
+        self._n = n
+        self._prompts: dict[int, tuple[int, int]] = {}
+        self._completions: dict[int, int] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        self._prompts[output.index // self._n] = (output.prompt_tokens, output.cached_tokens)
+        self._completions[output.index] = output.completion_tokens
+
+    def usage(self) -> Usage:
+        prompt = sum(p for p, _ in self._prompts.values())
+        completion = sum(self._completions.values())
+        cached = sum(c for _, c in self._prompts.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
 class _Formatter:
     """`continued`: someone else (the router) opened this stream: the chat role chunk and echo were sent."""
 
@@ -133,7 +156,7 @@ class _Formatter:
         return self._stream_chunk([], self._usage.usage())
 
     def response(self, choices: Sequence[RequestOutput]) -> str:
-        """The whole body from each choice's merged output (`merge_outputs`)."""
+        """The whole body from each choice's merged output (server/api/generation.py `_merged`)."""
         tally = UsageTally(self.options.n)
         bodies = []
         for output in sorted(choices, key=lambda o: o.index):
@@ -232,3 +255,52 @@ class ChatFormatter(_Formatter):
 
 
 Formatter = CompletionFormatter | ChatFormatter
+
+
+# ---- tool-call events (server/openai/json_calls.py) in OpenAI's shapes: a message's `tool_calls`, and stream
+# deltas (a call's first delta carries index, id, type and the function's name, arguments ""; the next ones
+# only index and arguments fragments)
+
+def _started(call: CallStart, index: int | None = None) -> ToolCallOut:
+    """A call's first part: its id, type and function name (`index` in stream deltas only)."""
+    return ToolCallOut(index=index, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                       function=FunctionOut(name=call.name, arguments=""))
+
+
+def stream_deltas(events: list[Event]) -> list[ChatDelta]:
+    """One delta per run of content or of one call's arguments."""
+    return [_delta(event) for event in _merged(events)]
+
+
+def _merged(events: list[Event]) -> list[Event]:
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Content) and isinstance(last, Content):
+            out[-1] = Content(last.text + event.text)
+        elif isinstance(event, CallArguments) and isinstance(last, CallArguments) and last.index == event.index:
+            out[-1] = CallArguments(event.index, last.text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+def _delta(event: Event) -> ChatDelta:
+    if isinstance(event, Content):
+        return ChatDelta(content=event.text)
+    if isinstance(event, CallStart):
+        return ChatDelta(tool_calls=[_started(event, event.index)])
+    return ChatDelta(tool_calls=[ToolCallOut(index=event.index, function=FunctionOut(arguments=event.text))])
+
+
+def tool_message(events: list[Event]) -> ChatMessageOut:
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls: dict[int, ToolCallOut] = {}
+    for event in events:
+        if isinstance(event, CallStart):
+            calls[event.index] = _started(event)
+        elif isinstance(event, CallArguments):
+            calls[event.index].function.arguments += event.text
+    if not calls:
+        return ChatMessageOut(content=content)
+    return ChatMessageOut(content=content or None, tool_calls=[calls[i] for i in sorted(calls)])

@@ -9,12 +9,11 @@ from __future__ import annotations
 from operator import not_
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from server.openai.chat_messages import ChatMessage, Tool, ToolChoice
 from server.openai.fields import Lenient, one_of, refused
-from server.openai.formats import ResponseFormat, StructuredOutputs
 
 MAX_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs; pdserve uses it for completions' logprobs too
 
@@ -54,7 +53,7 @@ class DisaggParams:
     prior_output_tokens: int = Field(default=0, ge=0, exclude_if=not_)
     response_id: str | None = Field(default=None, exclude_if=not_)  # generation_only: the stream to continue
     report_tokens: bool = Field(default=False, exclude_if=not_)  # streamed: token ids in an SSE comment
-    # KV streamed while the prompt is prefilled (server/api/context_stream.py). context_only: the router
+    # KV streamed while the prompt is prefilled (server/api/generation.py). context_only: the router
     # takes the early answer (the lease before the first token); the context server decides. generation_only:
     # the pull starts at once, and the first token (no first_gen_tokens) comes with the last of the KV.
     kv_stream: bool = Field(default=False, exclude_if=not_)
@@ -67,6 +66,56 @@ class DisaggParams:
 DISAGG_PARAMS = TypeAdapter(DisaggParams)  # validates and dumps it outside a request model
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 Schema = dict[str, Any] | str  # a JSON schema, as an object or as JSON text
+
+
+# ---- structured output: OpenAI's `response_format` and vLLM's `structured_outputs` (server/api/structured.py
+# turns them into the engine's `StructuredSpec`)
+
+class JSONSchemaFormat(Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any JSON object
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputs(Lenient):
+    """vLLM's `structured_outputs`: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema (object or text)
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # EBNF / Lark
+    json_object: bool | None = None
+    structural_tag: refused() = None
+    whitespace_pattern: refused() = None
+    disable_fallback: refused(False) = None
+    disable_any_whitespace: refused(False) = None
+    disable_additional_properties: refused(False) = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        chosen = [name for name, _ in self.chosen()]
+        if len(chosen) != 1:
+            raise ValueError("set exactly one of json, regex, choice, grammar, json_object "
+                             f"(got {', '.join(chosen) or 'none'})")
+        return self
+
+    def chosen(self) -> list[tuple[str, Any]]:
+        """(name, value) of each constraint set."""
+        constraints = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                       "json_object": self.json_object}
+        return [(name, value) for name, value in constraints.items() if value not in (None, False)]
 
 
 class SamplingRequest(Lenient):

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.config.router import RouterConfig
-from server.dashboard import Dashboard, dashboard_routes
+from server.dashboard.feed import Dashboard, dashboard_routes
 from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response, http_error
 from server.openai.openapi import openapi_document
@@ -100,9 +100,8 @@ class RouterState:
 
 def _build_state(settings: RouterConfig) -> RouterState:
     client = HttpClient()
-    role = "context" if settings.context_urls else "aggregated"
     context = [Backend(_http(u), "context") for u in settings.context_urls]
-    generation = [Backend(_http(u), "generation" if context else role) for u in settings.generation_urls]
+    generation = [Backend(_http(u), "generation" if context else "aggregated") for u in settings.generation_urls]
     registry = CollectorRegistry()
     routing = Routing(settings, context, generation, registry, client)
     monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)

@@ -1,6 +1,6 @@
 """The router's half of streamed KV: a context leg that answers early.
 
-A context server that streams this prompt (server/api/context_stream.py) answers with an SSE stream
+A context server that streams this prompt (server/api/generation.py `respond_context`) answers with an SSE stream
 whose first event holds the lease's parameters (`EarlyContext`), so the generation leg starts at
 once; the second event is the context answer, or its error. A server that does not stream the
 prompt answers plain JSON."""

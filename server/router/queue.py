@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -111,10 +112,8 @@ class LegPicker:
                     raise self._refused("router_queue_timeout", f"waited {self.limits.timeout_s:g} s in the "
                                         "router queue")
                 me.clear()
-                try:
+                with suppress(TimeoutError):
                     await asyncio.wait_for(me.wait(), min(remaining, RECHECK_S))
-                except TimeoutError:
-                    pass
         finally:
             self._waiters.remove(me)
             self.metrics.depth.labels(self.leg).set(len(self._waiters))

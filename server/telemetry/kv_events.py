@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 import msgspec
 import zmq
@@ -141,10 +142,8 @@ class KvEventPublisher:
         return self._handler.endpoint
 
     def publish(self, first_seq: int, events: list[KvEvent]) -> None:
-        try:
+        with suppress(RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
             self._thread.submit((first_seq, events), timeout_s=0)
-        except (RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
-            pass
 
     def close(self) -> None:
         self._thread.close()

@@ -18,7 +18,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "KVStats", "ServerMetrics", "SpecCounts", "TransferCounts"]
+from kvcache.stats import KVCacheStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "ServerMetrics", "SpecCounts", "TransferCounts"]
 
 REQUEST_STATES = ("waiting", "running", "transferring")
 
@@ -36,30 +38,7 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
                     5.0, 10.0, 30.0, 60.0)
 
 
-class KVStats(Protocol):
-    """What the collector reads from the KV manager's cumulative `KVCacheStats`: `blocks` maps
-    (window, level, state) to a count; `disk_queued_bytes` is a current value, the rest cumulative."""
-
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    evictions: int
-    offloads: int
-    onboards: int
-    bytes_offloaded: int
-    bytes_onboarded: int
-    bytes_copied_primary: int
-    disk_offloads: int
-    disk_onboards: int
-    disk_bytes_written: int
-    disk_bytes_read: int
-    disk_write_errors: int
-    disk_restored: int
-    disk_queued_bytes: int
-    disk_dropped: Mapping[str, int]
-    blocks: Mapping[tuple[int, str, str], int]
-
-
-StatsProvider = Callable[[], KVStats | None]
+StatsProvider = Callable[[], KVCacheStats | None]
 
 
 class TransferCounts(Protocol):
@@ -74,7 +53,7 @@ class TransferCounts(Protocol):
 
 @dataclass(frozen=True)
 class SpecCounts:
-    """Speculative decoding since start (server/engine/speculative/decoder.py `SpecStats`)."""
+    """Speculative decoding since start (server/engine/speculative/decoder.py `SpecDecoder.stats`)."""
 
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
@@ -94,7 +73,7 @@ class EngineCounters:
 
 CountersProvider = Callable[[], EngineCounters]
 
-# (exposed name without "_total", KVStats field, help)
+# (exposed name without "_total", KVCacheStats field, help)
 _KV_COUNTERS = (
     ("pdserve_kv_offloaded_blocks", "offloads", "Blocks moved from the primary to the host pool."),
     ("pdserve_kv_onboarded_blocks", "onboards", "Blocks moved from the host back to the primary pool."),
@@ -122,7 +101,7 @@ def _summed(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def _kv_families(stats: KVStats | None) -> Iterator[Metric]:
+def _kv_families(stats: KVCacheStats | None) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(
         "pdserve_kv_cache_blocks", "KV cache blocks per window group, pool level and state.",
         labels=["window", "level", "state"],

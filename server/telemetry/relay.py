@@ -122,11 +122,9 @@ def transfer_stats(core) -> list:
 
 def engine_figures(core) -> EngineFigures:
     """The scrape-time figures, read from their owners (on the engine's thread)."""
-    spec = core.spec.stats
     load = getattr(core.runner, "expert_load", None)
     return EngineFigures(core.kv.stats(), core.scheduler.counts(), core.scheduler.num_preemptions,
-                         [TransferFigures.of(s) for s in transfer_stats(core)],
-                         SpecCounts(spec.proposed, spec.accepted, spec.emitted, spec.verified),
+                         [TransferFigures.of(s) for s in transfer_stats(core)], core.spec.stats,
                          load.read() if load is not None else {})
 
 

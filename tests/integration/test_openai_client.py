@@ -16,7 +16,7 @@ import openai
 import pytest
 from waiting import uvicorn_in_thread, wait_until
 
-from server.api import create_app
+from server.api.app import create_app
 
 UNIT_TESTS = Path(__file__).resolve().parents[1] / "unit"
 START_TIMEOUT_S = 20.0

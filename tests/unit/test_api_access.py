@@ -6,11 +6,14 @@ answer is a 401/403 in OpenAI's error shape.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from fastapi.testclient import TestClient
 from test_api_engine_fake import TOKEN, FakeEngine, KnownEndpoints, deployment_app
 
-from server.api import create_app
+from server.api.app import create_app
+from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
 from server.auth import TOKEN_HEADER
 
@@ -70,21 +73,14 @@ def test_generation_only_may_only_name_a_context_server_of_the_deployment(engine
     assert [r.disagg.ctx_endpoint for r in engine.requests] == ["tcp://h:1"]
 
 
-class _Publisher:
-    endpoint = "tcp://127.0.0.1:5999"
-
-
-class _KvEvents:
-    publisher = _Publisher()
-    epoch = "e1"
-
-    async def snapshot(self) -> dict:
-        return {"hashes": ["ab"], "salt": "s", "tokens_per_block": 32, "seq": 7, "epoch": "e1"}
+async def _snapshot() -> dict:
+    return {"hashes": ["ab"], "salt": "s", "tokens_per_block": 32, "seq": 7, "epoch": EPOCH}
 
 
 def _kv_app(engine):
+    engine.info = SimpleNamespace(kv_events_endpoint="tcp://127.0.0.1:5999")  # the engine's `Ready`
+    engine.snapshot = _snapshot
     app = deployment_app(lambda: engine)
-    app.state.kv_events = _KvEvents()
     install_kv_routes(app)
     return app
 
@@ -98,7 +94,7 @@ def test_internal_kv_routes_need_the_token(engine):
         authorised = {TOKEN_HEADER: TOKEN}
         assert client.get("/kv_cache/hashes", headers=authorised).json()["hashes"] == ["ab"]
         assert client.get("/kv_cache/events", headers=authorised).json() == {"endpoint": "tcp://127.0.0.1:5999",
-                                                                             "epoch": "e1"}
+                                                                             "epoch": EPOCH}
         assert_refused(client.get("/kv_cache/endpoint", headers=authorised), 404, "not_found_error",
                        "no KV sender")
         assert engine.released == []

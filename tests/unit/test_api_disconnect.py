@@ -12,7 +12,7 @@ import anyio
 import pytest
 from test_api_engine_fake import FakeEngine
 
-from server.api import create_app
+from server.api.app import create_app
 
 pytestmark = pytest.mark.anyio
 DEADLINE_S = 5.0  # the fake's silences last 30 s: finishing sooner proves the disconnect cut them

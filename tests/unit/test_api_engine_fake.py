@@ -292,6 +292,6 @@ class KnownEndpoints:
 
 def deployment_app(engine_factory, directory: KnownEndpoints | None = None):
     """An app configured as a server of a deployment: it holds `TOKEN` and knows its context servers."""
-    from server.api import create_app
+    from server.api.app import create_app
 
     return create_app(engine_factory, auth_token=TOKEN, context_directory=directory or KnownEndpoints())

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_api_engine_fake import TOKEN, FakeEngine, deployment_app
 
-from server.api import create_app
+from server.api.app import create_app
 
 MAX_SEQ_LEN = 128  # the fake tokenizer is byte-level: one token per ASCII character
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_api_engine_fake import FakeEngine
 
-from server.api import create_app
+from server.api.app import create_app
 from server.types import SamplingParams, StructuredSpec
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

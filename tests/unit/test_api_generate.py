@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_api_engine_fake import TOKEN, FakeEngine, deployment_app, sse_chunks, sse_events
 
-from server.api import create_app
+from server.api.app import create_app
 from server.types import DisaggParams, SamplingParams
 
 MAX_SEQ_LEN = 128

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from test_api_engine_fake import FakeEngine
 
-from server.api import create_app
+from server.api.app import create_app
 from server.telemetry.metrics import EngineCounters, ServerMetrics
 from transceiver.stats import TransferStats
 

@@ -11,7 +11,7 @@ from waiting import uvicorn_in_thread
 from pdserve_bench.client import run_workload, served_model
 from pdserve_bench.launch import bench_deployment
 from pdserve_bench.workloads import Workload
-from server.api import create_app
+from server.api.app import create_app
 
 START_TIMEOUT_S = 20.0
 

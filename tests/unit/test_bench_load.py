@@ -24,7 +24,7 @@ from pdserve_bench.load_figures import (
 )
 from pdserve_bench.load_job import Traffic, WorkerJob, prompt_for
 from pdserve_bench.stats import SLO, RequestResult, percentile
-from server.api import create_app
+from server.api.app import create_app
 
 
 def _request(start: float, ttft: float, tpot: float, tokens: int = 5) -> RequestResult:

@@ -226,7 +226,7 @@ def test_expert_view_shows_each_layers_load_over_the_window_and_its_imbalance():
     """A MoE server's `pdserve_moe_expert_tokens_total{layer,expert}` as the page gets it: per sparse layer,
     the tokens each expert got over the window (a restart counted from zero), the busiest one and max /
     mean; the cumulative total since start. A dense server's view has no experts."""
-    from server.dashboard.experts import expert_view
+    from server.dashboard.views import expert_view
 
     counts: dict[int, list[int]] = {}
     metrics = ServerMetrics(counters_provider=lambda: EngineCounters(expert_tokens=counts))

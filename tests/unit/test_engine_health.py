@@ -121,11 +121,25 @@ def _wait(client: TestClient, path: str, status: int, timeout_s: float = 60.0):
                       check=lambda response: response.status_code == status)
 
 
+def _core_running(pending: list):
+    """A core that runs `pending`'s first function on the engine thread (which owns the KV manager) before
+    each step; the engine loop steps on every turn, idle or not."""
+    core = eh.make_core()
+    step = core.step
+
+    def stepping():
+        if pending:
+            pending.pop(0)(core)
+        return step()
+
+    core.step = stepping
+    return core
+
+
 def test_health_route_says_503_with_the_reason_while_blocks_are_stranded():
-    engine = AsyncEngine(lambda: eh.make_core(), "tiny-llama", 512)
+    pending: list = []
+    engine = AsyncEngine(lambda: _core_running(pending), "tiny-llama", 512)
     engine.health = HealthCheck(interval_s=0.05, grace_s=0.3)
-    pending: list = []  # run on the engine thread, which owns the KV manager
-    engine.add_tick_hook(lambda core: pending and pending.pop(0)(core))
     with TestClient(create_app(lambda: _engine(engine))) as client:
         assert _wait(client, "/health", 200).json() == {"status": "ok", "model": "tiny-llama", "epoch": EPOCH}
         probe = client.get("/health_generate")

@@ -25,7 +25,7 @@ TTFT, TRANSFER = "pdserve_time_to_first_token_seconds", "pdserve_kv_transfer_sec
 
 def recording(core) -> MetricsRecorder:
     recorder = MetricsRecorder()
-    core.metrics = recorder
+    core.timings.metrics = recorder
     recorder.watch_transfers(core)
     return recorder
 

@@ -85,7 +85,7 @@ def test_engine_metrics_count_prompts_preemptions_and_latencies():
     metrics = ServerMetrics()
     config = KvCacheConfig(tokens_per_block=16, max_tokens=6 * 16)
     core = eh.make_core(LLAMA, kv=config, max_num_tokens=64, max_batch_size=4)
-    core.metrics = metrics
+    core.timings.metrics = metrics
     prompts = [random_prompt(20 + i, 30) for i in range(3)]  # 3 x (30 + 40) tokens > 6 blocks: preemption
     results = eh.generate(core, prompts, eh.greedy(40))
     for prompt, result in zip(prompts, results, strict=True):

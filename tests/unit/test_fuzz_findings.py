@@ -45,10 +45,10 @@ def test_extreme_top_p_and_temperature_sample_a_token():
     import torch
 
     from server.engine.request import Request
-    from server.engine.sampler import sample
+    from server.engine.sampler import sample_on_device
     from server.types import SamplingParams
 
     logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
     requests = [Request("a", [1], SamplingParams(temperature=1.0, top_p=5e-324, seed=1), frozenset()),
                 Request("b", [1], SamplingParams(temperature=5e-324, top_p=1.0, seed=1), frozenset())]
-    assert sample(logits, requests) == [1, 1]  # only the most likely token can be picked
+    assert sample_on_device(logits, requests).tolist() == [1, 1]  # only the most likely token can be picked

@@ -1,4 +1,4 @@
-"""/health beyond a loaded engine (server/api/readiness.py) with real transceivers in-process:
+"""/health beyond a loaded engine (server/api/routes/health.py) with real transceivers in-process:
 a dead socket thread makes the server unhealthy, naming the thread; a generation
 server's background handshake names the layout field a context server disagrees on (item 6); a
 draining server says so and refuses new requests (item 3)."""

@@ -2,10 +2,14 @@ import torch
 
 from server.engine.penalties import TokenCounts
 from server.engine.request import Request
-from server.engine.sampler import sample
+from server.engine.sampler import sample_on_device
 from server.types import SamplingParams
 
 EOS = 2
+
+
+def sample(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None) -> list[int]:
+    return sample_on_device(logits, requests, counts).tolist()
 
 
 def _request(**params) -> Request:

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from server.engine.request import Request
-from server.engine.sampler import sample, sample_on_device
+from server.engine.sampler import sample_on_device
+from server.engine.scheduler import SchedulerConfig
 from server.engine.speculative.config import SpeculativeConfig
-from server.engine.speculative.ngram import NgramDrafter, NgramIndex, propose_ngram
-from server.engine.speculative.verify import VerifyRow, accepted_prefix, emitted, sampling_rows
+from server.engine.speculative.decoder import SpecDecoder
+from server.engine.speculative.ngram import NgramDrafter, NgramIndex
+from server.engine.speculative.verify import VerifyRow, accepted_prefix, sampling_rows
 from server.types import SamplingParams
 
 
@@ -42,6 +45,18 @@ def test_a_longer_gram_beats_a_more_recent_shorter_one():
     assert _propose(tokens, lo=1, hi=1) == [60, 1, 2, 3]
 
 
+def propose_ngram(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """One lookup without an index: the reference `NgramIndex` is tested against."""
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == suffix:
+                return list(tokens[start + n:start + n + k])
+    return []
+
+
 def test_index_grown_token_by_token_equals_the_reference_lookup():
     rng = random.Random(0)
     for trial in range(20):
@@ -66,9 +81,12 @@ def test_drafter_keeps_one_index_per_request_and_drops_it_with_the_request():
 
 def test_greedy_acceptance_is_the_matching_prefix_plus_one():
     assert accepted_prefix([4, 5, 6], [4, 5, 9, 1]) == 2
-    assert emitted([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
-    assert emitted([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]  # all accepted: the bonus token too
-    assert emitted([4, 5, 6], [3, 5, 6, 1]) == [3]
+    spec = SpecDecoder(SpeculativeConfig(method="ngram"), SchedulerConfig(), NgramDrafter(1, 3))
+    request = Request("r", [1], SamplingParams(max_tokens=64), frozenset())
+    assert spec.accept(request, (4, 5, 6), [4, 5, 9, 1]) == [4, 5, 9]
+    assert spec.accept(request, (4, 5, 6), [4, 5, 6, 1]) == [4, 5, 6, 1]  # all accepted: the bonus token too
+    assert spec.accept(request, (4, 5, 6), [3, 5, 6, 1]) == [3]
+    assert (spec.stats.proposed, spec.stats.accepted, spec.stats.emitted, spec.stats.verified) == (9, 5, 8, 3)
 
 
 def test_verify_rows_count_earlier_rows_toward_min_tokens():
@@ -78,7 +96,7 @@ def test_verify_rows_count_earlier_rows_toward_min_tokens():
     assert [r.num_output_tokens for r in rows] == [0, 1, 2, 3]
     logits = torch.zeros(4, 5)
     logits[:, eos] = 10.0  # EOS is everyone's favourite, but the first two rows may not emit it
-    assert sample(logits, rows) == [0, 0, eos, eos]
+    assert sample_on_device(logits, rows).tolist() == [0, 0, eos, eos]
     assert sampling_rows(request, ()) == [request]
 
 
@@ -92,7 +110,7 @@ def test_rejection_rule_keeps_the_distribution_and_accepts_with_p_of_the_draft()
     request = Request("r", [1], SamplingParams(temperature=1.0, max_tokens=8), frozenset())
     logits = p.log().repeat(2 * n, 1)  # n verify chunks of one draft: rows (draft position, bonus)
     picked = sample_on_device(logits, [VerifyRow(request, i % 2) for i in range(2 * n)]).view(n, 2).tolist()
-    runs = [emitted([draft], targets) for targets in picked]
+    runs = [targets[:accepted_prefix([draft], targets) + 1] for targets in picked]
     first = torch.bincount(torch.tensor([r[0] for r in runs]), minlength=5) / n
     assert torch.allclose(first, p, atol=0.015)
     accepted = sum(len(r) == 2 for r in runs) / n

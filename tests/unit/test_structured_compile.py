@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from server.engine.structured import GrammarCompiler, StepMask, check_spec
+from server.engine.structured.bitmask import StepMask
+from server.engine.structured.compiler import GrammarCompiler, check_spec
 from server.models.builtin import resolve_model
 from server.types import StructuredSpec
 
@@ -57,7 +58,7 @@ def test_a_valid_output_completes_its_grammar_and_then_only_eos_is_allowed(compi
     grammar = compiler.compile(spec).matcher()
     assert grammar.ending() is None
     assert feed(grammar, tokenizer, text)
-    assert grammar.complete and grammar.ending() == ("stop",)
+    assert grammar.ending() == ("stop",)
     assert allowed(grammar) == {EOS}
 
 
@@ -65,12 +66,12 @@ def test_a_refused_token_ends_the_request_with_an_error_and_a_fork_is_independen
     spec = StructuredSpec("choice", '["yes", "no"]')
     fresh, grammar = compiler.compile(spec).matcher(), compiler.compile(spec).matcher()
     fork = grammar.fork()
-    assert feed(grammar, tokenizer, "no") and grammar.complete
+    assert feed(grammar, tokenizer, "no") and grammar.ending() == ("stop",)
     assert fork.ending() is None and allowed(fork) == allowed(fresh) != {EOS}
     token = tokenizer.encode("x", add_special_tokens=False)[0]
     assert not fork.accept(token)
     assert fork.ending() == ("error", f"token {token} does not match the output's grammar", 500)
-    assert not fork.complete and grammar.complete
+    assert grammar.ending() == ("stop",)
 
 
 BAD = [
@@ -110,7 +111,7 @@ def test_the_compile_cache_hits_and_evicts_the_least_recently_used(tokenizer):
 
 
 def test_check_spec_uses_one_cached_compiler_per_tokenizer(tokenizer):
-    from server.engine.structured import compiler_for
+    from server.engine.structured.compiler import compiler_for
 
     spec = StructuredSpec("regex", "[0-9]{4}")
     check_spec(spec, tokenizer)
@@ -128,7 +129,7 @@ def test_json_whitespace_is_strict(compiler, tokenizer):
         for piece in ('{', '"n"', ':', '-12', ',', '"c"', ':', '"red"', '}'):
             assert not allowed(grammar) & blank, f"{spec.kind}: whitespace allowed before {piece!r}"
             assert feed(grammar, tokenizer, piece)
-        assert grammar.complete
+        assert grammar.ending() == ("stop",)
 
 
 def test_ids_past_the_tokenizer_are_never_allowed(tokenizer):

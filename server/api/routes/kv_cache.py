@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 
 from server.api.access import require_token
 from server.api.deps import get_ready_engine
+from server.api.routes.health import EPOCH
 from server.openai.errors import APIError
 from server.openai.wire import JSONBody
 
@@ -20,9 +21,9 @@ def install_kv_routes(app: FastAPI) -> None:
         """A snapshot of this server's reuse cache: block hashes per window and level, and the
         sequence number of the last KV event it includes (server/telemetry/kv_events.py)."""
         require_token(request, "GET /kv_cache/hashes")
-        get_ready_engine(request)
+        engine = get_ready_engine(request)
         try:
-            return JSONBody(await request.app.state.kv_events.snapshot())
+            return JSONBody(await engine.snapshot())
         except (TimeoutError, ConnectionError):  # ConnectionError: its process is gone (server/engine_host/)
             raise APIError(503, "the engine did not answer the cache snapshot in time (still loading?)") from None
 
@@ -30,11 +31,11 @@ def install_kv_routes(app: FastAPI) -> None:
     async def kv_events(request: Request) -> JSONBody:
         """Where this server publishes its KV events, and its epoch."""
         require_token(request, "GET /kv_cache/events")
-        source = request.app.state.kv_events
-        if source.publisher is None:
-            get_ready_engine(request)  # an engine process says where once loaded
+        info = getattr(request.app.state.engine, "info", None)  # the engine's `Ready` says where, once loaded
+        if info is None or info.kv_events_endpoint is None:
+            get_ready_engine(request)
             raise APIError(404, "this server publishes no KV events (it has no deployment token)")
-        return JSONBody({"endpoint": source.publisher.endpoint, "epoch": source.epoch})
+        return JSONBody({"endpoint": info.kv_events_endpoint, "epoch": EPOCH})
 
     @app.get("/kv_cache/endpoint")
     async def kv_endpoint(request: Request) -> JSONBody:

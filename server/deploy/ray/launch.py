@@ -109,7 +109,8 @@ def _placed_config(ray, data: dict, checked: DeploymentConfig, placed: dict[str,
     full = with_urls(data, urls)
     cfg = deployment_from_dict(full, checked.source, base)
     for name, p in placed.items():
-        say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){_bundles(p)}")
+        bundles = f" ({p.want.ranks} bundles, {p.want.options.bundle()} each)" if p.want.ranks > 1 else ""
+        say(f"placed {name} on node {p.node_ip} ({p.node_id[:12]}){bundles}")
     return cfg, yaml.safe_dump(without_token(full), sort_keys=False)
 
 
@@ -152,7 +153,8 @@ def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, t
                  env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> tuple[Child, Any]:
     """The actor that runs a server or the router (not waited for: `_started`)."""
     cfg, name = run.cfg, placed.want.name
-    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": _threads(placed), **env}
+    threads = str(max(1, int(placed.want.options.num_cpus)))  # the actor's CPUs, as Ray sets OMP_NUM_THREADS
+    env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": threads, **env}
     child = Child(name, role, Path(name), health_url(host, port, placed.node_ip), env)
     spec = ActorSpec(run.name, child, text, placed.node_id, rank_gpus,
                      str(run.options.log_dir) if run.options.log_dir else None, cfg.restart.backoff_s,
@@ -240,15 +242,6 @@ def _check(run: Launch, name: str, epochs: dict[str, str | None], down: dict[str
     if name in down and run.handles.dead(name):
         say(f"{name} is gone for good (its actor died and is not restarted: its node was lost, or restarts are off)")
         down.pop(name)
-
-
-def _threads(placed: Placed) -> str:
-    """Torch threads per process: the CPUs Ray gives the actor (as Ray sets OMP_NUM_THREADS)."""
-    return str(max(1, int(placed.want.options.num_cpus)))
-
-
-def _bundles(placed: Placed) -> str:
-    return f" ({placed.want.ranks} bundles, {placed.want.options.bundle()} each)" if placed.want.ranks > 1 else ""
 
 
 def say(message: str) -> None:

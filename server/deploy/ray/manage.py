@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from server.config.placement import ROUTER
@@ -46,22 +47,12 @@ class Handles:
         exceptions = self.ray.exceptions
         try:
             self.ray.get(self.actors[name].exited.remote(), timeout=2.0)
-        except exceptions.ActorUnavailableError:  # restarting
+        except (exceptions.ActorUnavailableError, exceptions.GetTimeoutError):  # restarting, or no answer yet
             return False
         except exceptions.RayActorError:
             self.gone.add(name)
             return True
-        except exceptions.GetTimeoutError:
-            return False
         return False
-
-    @classmethod
-    def found(cls, ray, deployment: str) -> Handles:
-        """The deployment's actors as the cluster names them."""
-        handles = cls(ray, deployment)
-        for name in sorted(actor_names(ray, deployment)):
-            handles.add(name.removeprefix(f"{deployment}/"), ray.get_actor(name))
-        return handles
 
 
 def actor_names(ray, deployment: str) -> list[str]:
@@ -81,10 +72,8 @@ def stop_deployment(handles: Handles, say: Callable[[str], None]) -> None:
             except Exception as exc:  # gone, restarting or stuck: killed below all the same
                 say(f"{name} did not stop by itself ({type(exc).__name__}): killing its actor")
     for actor in handles.actors.values():
-        try:
+        with suppress(Exception):  # already dead
             ray.kill(actor, no_restart=True)
-        except Exception:  # already dead
-            pass
     _remove_groups(ray, handles.deployment, sorted({*handles.groups, *processes}))
     handles.actors.clear()
 
@@ -103,10 +92,8 @@ def _remove_groups(ray, deployment: str, names: list[str]) -> None:
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
     for name in names:
-        try:
+        with suppress(Exception):  # none of that name (never placed, or removed already)
             remove_placement_group(get_placement_group(f"{deployment}/{name}"))
-        except Exception:  # none of that name (never placed, or removed already)
-            pass
 
 
 def connect(address: str, namespace: str):
@@ -115,12 +102,20 @@ def connect(address: str, namespace: str):
     return ray
 
 
+def _found(command: str, deployment: str, address: str, namespace: str) -> Handles | None:
+    ray = connect(address, namespace)
+    handles = Handles(ray, deployment)  # its actors as the cluster names them
+    for name in sorted(actor_names(ray, deployment)):
+        handles.add(name.removeprefix(f"{deployment}/"), ray.get_actor(name))
+    if handles.actors:
+        return handles
+    print(f"pdserve ray {command}: no deployment {deployment!r} in namespace {namespace}")
+    return None
+
+
 def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray down NAME`: 0 once stopped, 1 if no such deployment runs."""
-    ray = connect(address, namespace)
-    handles = Handles.found(ray, deployment)
-    if not handles.actors:
-        print(f"pdserve ray down: no deployment {deployment!r} in namespace {namespace}")
+    if (handles := _found("down", deployment, address, namespace)) is None:
         return 1
     stop_deployment(handles, lambda line: print(f"[pdserve ray down] {line}", flush=True))
     return 0
@@ -128,14 +123,11 @@ def down(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> 
 
 def status(deployment: str, address: str = "auto", namespace: str = NAMESPACE) -> int:
     """`pdserve ray status NAME`: a line per server (node, GPUs, epoch, health); 1 if none runs."""
-    ray = connect(address, namespace)
-    handles = Handles.found(ray, deployment)
-    if not handles.actors:
-        print(f"pdserve ray status: no deployment {deployment!r} in namespace {namespace}")
+    if (handles := _found("status", deployment, address, namespace)) is None:
         return 1
     print(f"{'NAME':<16} {'NODE':<28} {'GPU':<8} {'PID':>8} {'RESTARTED':<10} {'EPOCH':<34} HEALTH")
     for name in handles.processes():
-        print(_status_line(ray, name, handles.actors[name]), flush=True)
+        print(_status_line(handles.ray, name, handles.actors[name]), flush=True)
     return 0
 
 

@@ -30,10 +30,6 @@ class Want:
     key: str  # where the file set it: `context_servers.ray_actor_options`, or `ray_actor_options`
 
     @property
-    def bundles(self) -> list[dict[str, float]]:
-        return [self.options.bundle()] * self.ranks
-
-    @property
     def total(self) -> dict[str, float]:
         return {k: v * self.ranks for k, v in self.options.bundle().items()}
 
@@ -73,8 +69,8 @@ def place(ray, wanted: list[Want], deployment: str, detached: bool, timeout_s: f
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     lifetime = "detached" if detached else None
-    groups = {w.name: placement_group(w.bundles, strategy=STRATEGY, name=f"{deployment}/{w.name}", lifetime=lifetime)
-              for w in wanted}
+    groups = {w.name: placement_group([w.options.bundle()] * w.ranks, strategy=STRATEGY,
+                                      name=f"{deployment}/{w.name}", lifetime=lifetime) for w in wanted}
     deadline = time.monotonic() + timeout_s
     pending = [w for w in wanted if not groups[w.name].wait(max(0.0, deadline - time.monotonic()))]
     if pending:

@@ -25,7 +25,10 @@ from kvcache import KVCacheManager, OutOfBlocksError
 from server.engine.request import Request, Status
 from server.engine.scheduler import ScheduledChunk, SchedulerConfig
 from server.engine.speculative.config import SpeculativeConfig
+from server.engine.speculative.draft_model import build_draft_drafter
+from server.engine.speculative.ngram import NgramDrafter
 from server.engine.speculative.verify import VerifyRow, accepted_prefix, sampling_rows
+from server.telemetry.metrics import SpecCounts
 
 MISS_LIMIT = 2
 MIN_BACKOFF = 8
@@ -41,16 +44,6 @@ class Drafter(Protocol):
 
 
 @dataclass
-class SpecStats:
-    """Cumulative figures for /metrics."""
-
-    proposed: int = 0  # draft tokens verified
-    accepted: int = 0  # of them, accepted
-    emitted: int = 0  # tokens emitted by verify chunks (accepted + one each)
-    verified: int = 0  # verify chunks (one request in one step)
-
-
-@dataclass
 class _Pace:
     """One request's drafting pace."""
 
@@ -62,7 +55,7 @@ class _Pace:
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, limits: SchedulerConfig, drafter: Drafter) -> None:
         self.config, self.limits, self.drafter = config, limits, drafter
-        self.stats = SpecStats()
+        self.stats = SpecCounts()  # cumulative, for /metrics
         self._paces: weakref.WeakKeyDictionary[Request, _Pace] = weakref.WeakKeyDictionary()
         self._global = 1.0  # server-wide acceptance average (optimistic until verifies say otherwise)
 
@@ -102,9 +95,8 @@ class SpecDecoder:
     def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> list[int]:
         """The tokens a verify chunk emits (accepted drafts + one)."""
         a = accepted_prefix(drafts, targets)
-        stats = self.stats
-        stats.proposed, stats.accepted = stats.proposed + len(drafts), stats.accepted + a
-        stats.emitted, stats.verified = stats.emitted + a + 1, stats.verified + 1
+        s = self.stats
+        self.stats = SpecCounts(s.proposed + len(drafts), s.accepted + a, s.emitted + a + 1, s.verified + 1)
         self._global += GLOBAL_ALPHA * (a / len(drafts) - self._global)
         self._observe(request, a)
         return list(targets[:a + 1])
@@ -152,7 +144,7 @@ def _reserve(kv: KVCacheManager, request: Request, num_drafts: int) -> bool:
 class NoSpeculation:
     """`method: off`: every step is a plain step."""
 
-    stats = SpecStats()
+    stats = SpecCounts()
 
     def wants_tokens(self, requests: list[Request]) -> bool:
         return False
@@ -165,3 +157,14 @@ class NoSpeculation:
 
     def accept(self, request: Request, drafts: tuple[int, ...], targets: list[int]) -> list[int]:
         raise AssertionError("no verify chunk without speculation")
+
+
+def build_spec(config: SpeculativeConfig, limits: SchedulerConfig, runner=None) -> SpecDecoder | NoSpeculation:
+    """The policy a server's `speculative:` section asks for. `runner`: the target's model runner (a draft
+    model runs on its device, in its dtype)."""
+    if config.method == "ngram":
+        return SpecDecoder(config, limits, NgramDrafter(config.ngram_min, config.ngram_max))
+    if config.method == "draft_model":
+        drafter = build_draft_drafter(config.draft_model, runner, limits.max_seq_len, 2 * config.max_decode_batch)
+        return SpecDecoder(config, limits, drafter)
+    return NoSpeculation()

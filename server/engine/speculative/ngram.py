@@ -43,18 +43,6 @@ class NgramIndex:
         return []
 
 
-def propose_ngram(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """One lookup without an index (the reference `NgramIndex` is tested against)."""
-    for n in range(ngram_max, ngram_min - 1, -1):
-        if len(tokens) <= n:
-            continue
-        suffix = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + k])
-    return []
-
-
 class NgramDrafter:
     """The `Drafter` of `method: ngram`: one `NgramIndex` per live request (dropped with it)."""
 

@@ -35,11 +35,6 @@ def accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return a
 
 
-def emitted(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
-    """The tokens a verify step emits: the accepted drafts, then the target after them."""
-    return list(targets[:accepted_prefix(drafts, targets) + 1])
-
-
 @dataclass(frozen=True, eq=False)
 class VerifyRow:
     """Row `offset` of a request's verify chunk, as the sampler sees a request (server/engine/sampler.py)."""

@@ -9,11 +9,3 @@ samples from (`sample_on_device(..., mask=)`); a request whose grammar is comple
 With async scheduling, a step holding constrained requests is postprocessed before the next schedule
 (their next mask needs their token). Constrained requests do not draft (speculative decoding).
 """
-
-from server.engine.structured.bitmask import StepMask
-from server.engine.structured.compiler import CompiledGrammar, GrammarCompiler, check_spec, compiler_for
-from server.engine.structured.engine_hook import StructuredOutput
-from server.engine.structured.matcher import RequestGrammar
-
-__all__ = ["CompiledGrammar", "GrammarCompiler", "RequestGrammar", "StepMask", "StructuredOutput", "check_spec",
-           "compiler_for"]

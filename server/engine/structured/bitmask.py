@@ -40,7 +40,7 @@ class StepMask:
             (row, grammar), = rows.items()
             grammar.fill(bits[row])
         else:
-            matchers = [(grammar.llmatcher, row) for row, grammar in rows.items()]
+            matchers = [(grammar.matcher, row) for row, grammar in rows.items()]
             _pool().unsafe_compute_mask_ptr(matchers, bits.data_ptr(), words * 4, num_rows)
         return cls(bits)
 

@@ -30,7 +30,6 @@ MAX_MESSAGE = 400
 
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
-    spec: StructuredSpec
     template: llguidance.LLMatcher  # in its start state, never fed: each request takes a copy
 
     def matcher(self) -> RequestGrammar:
@@ -62,7 +61,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return compiled
-        compiled = CompiledGrammar(spec, self._build(spec))  # outside the lock: llguidance drops the GIL
+        compiled = CompiledGrammar(self._build(spec))  # outside the lock: llguidance drops the GIL
         with self._lock:
             self.misses += 1
             self._cache[key] = compiled

@@ -4,14 +4,13 @@ steps must be postprocessed before the next schedule, and fill a step's bitmask.
 from __future__ import annotations
 
 import threading
+from contextlib import suppress
 
 import torch
 
 from server.engine.request import Request, Status
 from server.engine.structured.bitmask import StepMask
 from server.engine.structured.compiler import GrammarCompiler, compiler_for
-
-MISMATCH_CODE = 400
 
 
 class StructuredOutput:
@@ -30,10 +29,8 @@ class StructuredOutput:
         return self._compiler
 
     def _warm(self) -> None:
-        try:
+        with suppress(ValueError):  # a slow tokenizer: each constrained request is refused with the reason
             _ = self.compiler
-        except ValueError:  # a slow tokenizer: each constrained request is refused with the reason
-            pass
 
     def attach(self, request: Request) -> tuple[str, int] | None:
         """Give a constrained request its grammar, fed the output it has already (a generation leg's
@@ -48,7 +45,7 @@ class StructuredOutput:
             return str(error), 400
         for token in request.counted_output():
             if not grammar.accept(token):
-                return f"disaggregated_params: the output so far does not match the {spec.kind}", MISMATCH_CODE
+                return f"disaggregated_params: the output so far does not match the {spec.kind}", 400
         request.grammar = grammar
         return None
 

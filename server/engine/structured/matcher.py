@@ -10,38 +10,30 @@ ERROR_CODE = 500  # a sampled token the grammar refuses is the server's failure,
 
 class RequestGrammar:
     """Feeds a request's output tokens to its llguidance matcher (`accept`, from `Request.append_token`)
-    and fills its row of a step's token bitmask (`fill`). `complete`: nothing but EOS may follow, so the
-    request ends ("stop") with the token that completed it."""
+    and fills its row of a step's token bitmask (`fill`). Once nothing but EOS may follow, the request
+    ends ("stop") with the token that completed it."""
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self._matcher = matcher
+        self.matcher = matcher
         self.error: str | None = None  # set when a token was refused: the matcher accepts nothing more
 
     def accept(self, token: int) -> bool:
-        if self.error is None and not self._matcher.consume_token(token):
+        if self.error is None and not self.matcher.consume_token(token):
             self.error = f"token {token} does not match the output's grammar"
         return self.error is None
-
-    @property
-    def complete(self) -> bool:
-        return self.error is None and self._matcher.is_stopped()
 
     def ending(self) -> tuple | None:
         """`Request.finish` arguments once the grammar ends the request, else None."""
         if self.error is not None:
             return "error", self.error, ERROR_CODE
-        return ("stop",) if self._matcher.is_stopped() else None
+        return ("stop",) if self.matcher.is_stopped() else None
 
     def fill(self, row: torch.Tensor) -> None:
         """Write the allowed next tokens into `row` (int32 on the CPU, contiguous, one bit per id)."""
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-
-    @property
-    def llmatcher(self) -> llguidance.LLMatcher:
-        return self._matcher
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def fork(self) -> RequestGrammar:
         """An independent copy at the same place (a choice forked from another, n > 1)."""
-        copy = RequestGrammar(self._matcher.deep_copy())
+        copy = RequestGrammar(self.matcher.deep_copy())
         copy.error = self.error
         return copy
