@@ -21,7 +21,7 @@ from transceiver.sender import KVSender
 from transceiver.sender.lease import Ended, Offer, OfferedWindow, Started
 from transceiver.sender.serve import PullServer
 from transceiver.stats import TransferStats
-from transceiver.wire import ChunkHeader, Done, Failed, PullRequest, WindowRange, link_codec
+from transceiver.wire import Cancel, ChunkHeader, Done, Failed, PullRequest, WindowRange, link_codec
 
 TOKEN = "unit-sender-token-0123456"
 MIB = 1 << 20
@@ -161,3 +161,32 @@ def test_if_the_socket_thread_dies_the_engine_unpins_every_lease_itself(leased) 
     sender.step()
     assert sender.num_leases == 0 and _in_use(kv) == 0
     kv.check_integrity()
+
+
+def test_parked_pulls_wait_for_their_offer_until_their_time_then_are_refused() -> None:
+    """A tensor-parallel part pulled before its lease is offered waits `park_s`: a cancel of another
+    pull leaves it, a cancel of its own or its peer gone drops it, and the rest are refused once their
+    time is up."""
+    sent: list[tuple[bytes, Failed]] = []
+    server = PullServer(TransceiverConfig(auth_token=TOKEN), "e", TransferStats(),
+                        lambda io, peer, body, payload: sent.append((peer, body)), threading.Lock(),
+                        lambda: False, park_s=0.2)
+    io = _FakeIO()
+
+    def part(pull_id: int) -> PullRequest:
+        return PullRequest(pull_id=pull_id, ctx_request_id="r", ctx_epoch="e", keep_lease=True,
+                           ranges=[WindowRange(window=W, first=0, count=1)])
+
+    for peer, pull_id in ((b"a", 1), (b"b", 2), (b"c", 3), (b"d", 4)):
+        server.pull(io, peer, part(pull_id))
+    server.peer_gone(io, b"d")
+    server.cancel(io, b"a", Cancel(ctx_request_id="r", pull_id=9))  # another pull of a: a's stays
+    server.cancel(io, b"b", Cancel(ctx_request_id="r", pull_id=2))
+    server.expire_parked(io)  # before their time: nothing is refused
+    assert sent == []
+    time.sleep(0.25)
+    server.expire_parked(io)
+    assert sorted((peer, body.pull_id, body.reason) for peer, body in sent) == [
+        (b"a", 1, "unknown_request"), (b"c", 3, "unknown_request")]
+    server.expire_parked(io)  # each once
+    assert len(sent) == 2

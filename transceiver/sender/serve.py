@@ -68,6 +68,7 @@ ZERO_COPY_SLOT_BYTES = 1 << 20  # CPU-pool blocks this large go out as frames of
 ROOM_POLL_S = 0.0005  # how soon to look again while zmq still holds MAX_INFLIGHT chunks
 
 Send = Callable[[SocketIO, bytes, Body, list[Any]], None]  # (io, peer, body, payload frames)
+Parked = tuple[bytes, PullRequest, float]  # a pull waiting for its lease's offer: (peer, pull, until)
 
 
 class PullServer:
@@ -84,7 +85,7 @@ class PullServer:
         self._inflight: list[zmq.MessageTracker] = []  # every chunk zmq has not released yet
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
-        self._parked: dict[str, list[tuple[bytes, PullRequest, float]]] = {}  # cid -> (peer, pull, until)
+        self._parked: dict[str, list[Parked]] = {}  # cid -> its pulls waiting for the offer
         # streamed leases that ended or were withdrawn before they opened: cid -> (until, reason, detail),
         # so a streamed pull that comes later is refused at once instead of waiting for its lease
         self._dropped: dict[str, tuple[float, str, str]] = {}
@@ -103,13 +104,10 @@ class PullServer:
         """Fail the parked pulls whose offer did not come in time."""
         now = time.monotonic()
         self._dropped = {cid: d for cid, d in self._dropped.items() if d[0] > now}
-        for cid, parked in list(self._parked.items()):
-            for peer, req, _ in [p for p in parked if p[2] <= now]:
+        for cid in list(self._parked):
+            for peer, req, _ in self._unpark(cid, lambda _peer, _req, until: until <= now):
                 self._refuse(io, peer, req, ("unknown_request", f"no lease for ctx_request_id {cid!r} "
                                                                 "reached this rank in time"))
-            self._parked[cid] = [p for p in parked if p[2] > now]
-            if not self._parked[cid]:
-                del self._parked[cid]
 
     def extend(self, io: SocketIO, ext: Extend) -> None:
         """More blocks of a streamed lease are written: its pulls go on (an ended lease: nothing)."""
@@ -203,7 +201,7 @@ class PullServer:
         refused as a duplicate, or a part of a tensor-parallel pull that already ended here). A
         parked pull of the peer is dropped."""
         if body.ctx_request_id in self._parked:
-            self._unpark(body.ctx_request_id, lambda p, req: p == peer and body.pull_id in (None, req.pull_id))
+            self._unpark(body.ctx_request_id, lambda p, req, _: p == peer and body.pull_id in (None, req.pull_id))
         off = self._offers.get(body.ctx_request_id)
         if off is None or body.ctx_epoch not in (None, self._epoch):
             return
@@ -211,16 +209,18 @@ class PullServer:
             return
         self._end(io, body.ctx_request_id, "cancelled", "the receiver cancelled", skip=peer)
 
-    def _unpark(self, cid: str, drop: Callable[[bytes, PullRequest], bool]) -> None:
-        kept = [p for p in self._parked[cid] if not drop(p[0], p[1])]
+    def _unpark(self, cid: str, drop: Callable[[bytes, PullRequest, float], bool]) -> list[Parked]:
+        """Take the parked pulls of `cid` that `drop(peer, pull, until)` picks out of its queue."""
+        taken, kept = [], []
+        for parked in self._parked.pop(cid):
+            (taken if drop(*parked) else kept).append(parked)
         if kept:
             self._parked[cid] = kept
-        else:
-            del self._parked[cid]
+        return taken
 
     def peer_gone(self, io: SocketIO, peer: bytes) -> None:
         for cid in list(self._parked):
-            self._unpark(cid, lambda p, _: p == peer)
+            self._unpark(cid, lambda p, _req, _until: p == peer)
         for cid, off in list(self._offers.items()):
             if any(job.peer == peer for job in off.jobs.values()):
                 self._end(io, cid, "peer_gone", "the receiver disconnected", skip=peer)
