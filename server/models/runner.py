@@ -122,8 +122,7 @@ def resolve_kernels(name: str, device: torch.device) -> str:
 def _fused_experts(gate_up: Weight) -> ExpertsFn:
     """The Triton path's experts: the grouped GEMMs (float, FP8 per channel, or a block-scaled
     checkpoint's float8 weights widened in the float kernels: fp8/blocks.py)."""
-    from server.models.kernels.moe import fused_experts
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_experts, fused_fp8_experts
 
     return fused_fp8_experts if isinstance(gate_up, Fp8Weight) and not gate_up.block_k else fused_experts
 
@@ -249,8 +248,13 @@ class ModelRunner:
     def _choose_expert_tiles(self) -> None:
         """MoE models on CUDA: the grouped expert GEMMs' tile per step size, timed per experts' shape
         (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
-        from server.models.kernels.moe import CHOSEN, block_experts_compute, choose_tiles, fused_experts
-        from server.models.kernels.moe_fp8 import fused_fp8_experts
+        from server.models.kernels.moe import (
+            CHOSEN,
+            block_experts_compute,
+            choose_tiles,
+            fused_experts,
+            fused_fp8_experts,
+        )
 
         if self.device.type != "cuda":
             return

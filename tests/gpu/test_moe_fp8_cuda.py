@@ -1,4 +1,4 @@
-"""FP8 routed experts on CUDA (bf16 activations): the grouped FP8 kernels (kernels/moe_fp8.py) against
+"""FP8 routed experts on CUDA (bf16 activations): the grouped FP8 kernels (kernels/moe.py) against
 their torch reference `w8a8_experts` at each tile config, and a MoE runner with `quantization: fp8` on
 the Triton path: its experts run those kernels, its forward never syncs the host, and its decode graph
 replays equal its eager steps. Skipped without CUDA."""
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("tokens", [1, 20, 300, 700])  # pairs of each tile config (kernels/moe.py tile_config)
 def test_fused_fp8_experts_compute_the_reference_on_the_device(tokens: int) -> None:
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_fp8_experts
 
     torch.manual_seed(tokens)
     experts, hidden, inter, top_k = 8, 512, 384, 2
@@ -41,7 +41,7 @@ def test_fused_fp8_experts_compute_the_reference_on_the_device(tokens: int) -> N
 
 
 def test_fp8_moe_runner_runs_the_fp8_kernels_in_graphs_without_host_syncs() -> None:
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_fp8_experts
     from server.models.moe import moe_blocks
 
     model_dir = resolve_model("builtin:tiny-qwen3-moe")

@@ -1,4 +1,4 @@
-"""FP8 routed experts (server/models/fp8/experts.py, kernels/moe_fp8.py), float32 on a CPU.
+"""FP8 routed experts (server/models/fp8/experts.py, kernels/moe.py), float32 on a CPU.
 
 Stacked experts quantize per expert and row exactly as each expert's own weight would; the CPU's torch
 paths serve FP8 experts as the dequantized weights compute (bit for bit); the grouped FP8 Triton
@@ -93,7 +93,7 @@ def test_fused_fp8_experts_equal_the_torch_reference(tokens: int, static: bool) 
     """The grouped FP8 kernels (Triton's interpreter) against `w8a8_experts`: a decode row, a few rows,
     a prefill's worth of pairs, and a static checkpoint's input scales."""
     pytest.importorskip("triton")
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_fp8_experts
 
     fp8, _ = _fp8_block("qwen3-moe")
     gate_up, down = fp8.gate_up, fp8.down
@@ -111,7 +111,7 @@ def test_fused_fp8_experts_equal_the_torch_reference(tokens: int, static: bool) 
 def test_fused_fp8_expert_parallel_shares_sum_to_the_whole() -> None:
     """Expert parallelism: each of 4 ranks runs its 2 FP8 experts (other ranks' pairs: id E, weight 0)."""
     pytest.importorskip("triton")
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_fp8_experts
 
     fp8, _ = _fp8_block("mixtral")
     x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(8))
@@ -195,7 +195,7 @@ def test_triton_runner_runs_fp8_experts_through_the_grouped_fp8_kernels() -> Non
 
     from kvcache import KvCacheConfig, KVCacheManager
     from server.models.builtin import resolve_model
-    from server.models.kernels.moe_fp8 import fused_fp8_experts
+    from server.models.kernels.moe import fused_fp8_experts
     from server.models.model_spec import load_spec
     from server.models.moe import moe_blocks
     from server.models.runner import ModelRunner, SeqChunk

@@ -10,6 +10,12 @@ no atomics, the same result run to run. Both GEMMs accumulate in float32 and rou
 A block-scaled FP8 checkpoint's experts run the same kernels: each weight tile is widened to the
 activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's scale, so the
 experts are read at FP8's bytes and the activations are not quantized.
+
+A per-channel FP8 checkpoint's experts (stacked `Fp8Weight`s, a scale per expert and output row) run
+them with W8A8 set (`fused_fp8_experts`): the activations quantized per row first (kernels/fp8.py
+`quantize_rows`), gate and up = (xq @ qweight.T) * xs * scale, each rounded, h = SiLU(gate) * up
+quantized per row, then y = ((hq @ qweight.T) * hs * scale, rounded) * the routing weight;
+accumulation as kernels/fp8.py's, `fp8/experts.py w8a8_experts` the torch reference.
 """
 
 from __future__ import annotations
@@ -192,12 +198,18 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torc
     (or block-scaled stacked `Fp8Weight`s: their float8 weights widened tile by tile, each column
     block's product scaled), weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the
     `experts.ExpertsFn` contract). `tile`: this one instead of `tiles`' choice."""
-    return run_experts(x, gate_up, down, weights, ids, tile, w8a8=False)
+    return _experts(x, gate_up, down, weights, ids, tile, w8a8=False)
 
 
-def run_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
-                weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None, *, w8a8: bool) -> torch.Tensor:
-    """`fused_experts`, or with `w8a8` `moe_fp8.fused_fp8_experts` (x and h quantized per row first)."""
+def fused_fp8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
+                      ids: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
+    """`fused_experts` of per-channel stacked FP8 experts (gate_up [E, 2I, hidden], down [E, hidden, I]),
+    W8A8: x and h quantized per row first."""
+    return _experts(x, gate_up, down, weights, ids, tile, w8a8=True)
+
+
+def _experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
+             weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None, *, w8a8: bool) -> torch.Tensor:
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
