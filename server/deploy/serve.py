@@ -86,8 +86,12 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
                              metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
         return engine
 
-    # a tensor-parallel rank died: the server says so too
-    died = lambda: on_fatal(RANK_DIED_EXIT) if engine.exit_code == RANK_DIED_EXIT else on_fatal()
+    def died() -> None:
+        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
+            on_fatal(RANK_DIED_EXIT)
+        else:
+            on_fatal()
+
     engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, died)
     return engine
 
