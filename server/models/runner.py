@@ -158,7 +158,7 @@ class ModelRunner:
                 block.dispatch = shard.dispatch
         self.expert_load = ExpertLoad(blocks)  # tokens per expert, for /metrics
         self.graphs = None
-        if self.kernels == "triton" and cuda_graphs and local.mla is None:
+        if self.kernels == "triton" and cuda_graphs and not isinstance(self.attention, TorchLatentAttention):
             from server.models.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.attention, max_batch_size,
@@ -166,9 +166,15 @@ class ModelRunner:
 
     def _backend(self, spec: ModelSpec, max_seq_len: int) -> tuple[AttentionBackend, TorchOps]:
         ops = TritonOps(spec.rms_norm_eps) if self.kernels == "triton" else TorchOps(spec.rms_norm_eps)
-        if spec.mla is not None:  # latent attention: the torch MLA on both paths (fused ops with Triton)
-            return TorchLatentAttention(self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank,
-                                        spec.mla.softmax_scale, self.dtype), ops
+        if spec.mla is not None:  # latent attention: Triton decode (not for an FP8 latent), else the torch MLA
+            args = (self.kv, spec.num_layers, spec.num_heads, spec.mla.kv_lora_rank, spec.mla.softmax_scale,
+                    self.dtype)
+            if self.kernels == "triton":
+                from server.models.triton_latent import TritonLatentAttention, supports
+
+                if supports(spec.mla, self.kv.layer_latent(0).dtype):
+                    return TritonLatentAttention(*args, max_seq_len=max_seq_len), ops
+            return TorchLatentAttention(*args), ops
         if self.kernels == "triton":
             from server.models.triton_attention import TritonPagedAttention
 
@@ -182,10 +188,8 @@ class ModelRunner:
         returns the seconds it took (0 on the torch path)."""
         if self.kernels != "triton":
             return 0.0
-        if self.model.spec.mla is not None:  # latent attention runs in torch, uncaptured: only the experts' tiles
-            start = time.perf_counter()
-            self._choose_expert_tiles()
-            return time.perf_counter() - start
+        if self.model.spec.mla is not None:  # latent attention: the experts' tiles, the decode graphs, bursts
+            return self._warm_up_latent()
         from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
         from server.models.warmup import warm_steps
 
@@ -206,6 +210,18 @@ class ModelRunner:
         self.expert_load.reset()  # the warm-up's steps routed no request's tokens
         log.info("warm-up: Triton variants %s, %d cuDNN prefill plans in %.1f s, %d burst steps in %.1f s",
                  compiled_variants(), plans, plan_s, bursts, burst_s)
+        return time.perf_counter() - start
+
+    def _warm_up_latent(self) -> float:
+        """An MLA model's warm-up: its prefill runs the torch MLA and cuBLAS (no plans or skinny GEMMs
+        to choose), its decode the latent kernels, compiled as the graphs are captured."""
+        start = time.perf_counter()
+        self._choose_expert_tiles()
+        if self.graphs is not None:
+            self.graphs.capture()
+        bursts, burst_s = self._warm_bursts()
+        self.expert_load.reset()
+        log.info("warm-up of a latent-attention model: %d burst steps in %.1f s", bursts, burst_s)
         return time.perf_counter() - start
 
     def _warm_bursts(self) -> tuple[int, float]:

@@ -3,8 +3,8 @@ replayed as CUDA graphs): float32 token-exact against transformers, graphs equal
 agreement with transformers bfloat16 counted over 64 tokens, and no host synchronisation inside the
 forward. The mixture-of-experts models run their experts densely (every expert on every token: the
 torch path) or as two grouped GEMMs (the Triton path), both graph-safe. DeepSeek-V2/V3 (latent
-attention in torch on both paths, MoE layers; no decode graphs) on the eager variants. Skipped
-without CUDA."""
+attention, MoE layers): the torch MLA on the torch path and for the Triton path's prefill, the latent
+decode kernel (kernels/latent.py) for its decode, eager and in graphs. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -24,21 +24,20 @@ from server.models.runner import ModelRunner, SeqChunk, resolve_device, resolve_
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MOE_MODELS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-glm4-moe"]  # GLM: partial rotary in rope_write
-MODELS = ["tiny-llama", "tiny-qwen3-swa", *MOE_MODELS]
 MLA_MODELS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
+MODELS = ["tiny-llama", "tiny-qwen3-swa", *MOE_MODELS, *MLA_MODELS]
 PROMPT_LENS = [9, 40, 100, 150]  # the longer ones exceed tiny-qwen3-swa's 64-token window
 NEW_TOKENS = 32
 BF16_TOKENS = 64
 # (kernels, CUDA graphs): the portable path, Triton eager, Triton with decode graphs
 VARIANTS = [("torch", False), ("triton", False), ("triton", True)]
-CASES = [(n, k, g) for n in MODELS for k, g in VARIANTS] + [
-    (n, k, False) for n in MLA_MODELS for k in ("torch", "triton")]
+CASES = [(n, k, g) for n in MODELS for k, g in VARIANTS]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cuda")
-    return {name: materialize_builtin(name, root=root) for name in MODELS + MLA_MODELS}
+    return {name: materialize_builtin(name, root=root) for name in MODELS}
 
 
 def _prompts() -> list[list[int]]:

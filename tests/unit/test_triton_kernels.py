@@ -71,6 +71,36 @@ def test_paged_decode(pool: torch.Tensor, window: int, splits: int) -> None:
     assert torch.equal(out[-1], torch.zeros(H, D))
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_latent_decode_and_write(splits: int) -> None:
+    """The MLA decode kernel (kernels/latent.py): every head's query [q_c, q_pe] against one latent
+    row a key, the output the weighted sum of the keys' c; a padding row writes and reads nothing."""
+    from server.models.kernels.latent import latent_decode, write_latent
+
+    torch.manual_seed(1)
+    rank, rope, heads = 32, 16, 4
+    cache = torch.randn(SLOTS, TPB, rank + rope)
+    lens, lo = [5, 30, 0], [0, 3, 0]
+    tables = [torch.randperm(SLOTS)[:4].tolist() for _ in lens]
+    new = torch.randn(3, rank + rope)  # each row's newest key, written first
+    slot = torch.tensor([tables[0][0], tables[1][29 // TPB], -1], dtype=torch.int32)
+    offset = torch.tensor([4, 29 % TPB, 0], dtype=torch.int32)
+    before = cache.clone()
+    write_latent(new, cache, slot, offset)
+    changed = (cache != before).reshape(SLOTS, -1).any(1).nonzero().flatten().tolist()
+    assert changed == sorted({tables[0][0], tables[1][3]})
+    assert torch.equal(cache[tables[0][0], 4], new[0]) and torch.equal(cache[tables[1][3], 5], new[1])
+    q = torch.randn(3, heads, rank + rope)
+    out = torch.full((3, heads, rank), 7.0)
+    scratch = A.decode_scratch(3, 1, A.group_rows(heads, 1), rank, splits, torch.device("cpu"))
+    latent_decode(q, cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                  torch.tensor(lo, dtype=torch.int32), out, 0.3, splits, scratch)
+    for b, (n, first) in enumerate(zip(lens, lo, strict=True)):
+        keys = torch.cat([cache[s] for s in tables[b]])[first:n]  # [L, rank + rope]
+        want = (q[b] @ keys.T * 0.3).softmax(-1) @ keys[:, :rank] if n else torch.zeros(heads, rank)
+        torch.testing.assert_close(out[b], want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("window", [10**9, 6])
 def test_paged_prefill_after_a_cached_prefix(pool: torch.Tensor, window: int) -> None:
     k, v = pool[:, 2, 0], pool[:, 2, 1]
@@ -135,8 +165,8 @@ def test_rope_write_rotates_in_place_and_writes_only_real_rows(pool: torch.Tenso
     ("tiny-qwen3-moe", (9, 40), True), ("tiny-deepseek-v3", (9, 40), True), ("tiny-glm4-moe", (12,), True)])
 def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[int, ...], on_device: bool) -> None:
     """Prefill (SDPA path for a fresh prompt, paged kernel past tiny-qwen3-swa's 64-token window),
-    then batched decode; float32 greedy tokens equal transformers' generate (DeepSeek: the Triton
-    ops around the torch latent attention). `on_device`: as async
+    then batched decode; float32 greedy tokens equal transformers' generate (DeepSeek: the latent
+    decode kernel, the torch MLA for prefill). `on_device`: as async
     scheduling runs it, each decode step's tokens are the step before's argmax, never on the host."""
     model_dir = resolve_model(f"builtin:{name}")
     steps = 5
@@ -167,12 +197,14 @@ def test_triton_runner_matches_hf_token_for_token(name: str, prompt_lens: tuple[
         assert out == hf_reference.hf_greedy(model_dir, p, steps)
 
 
-def test_static_decode_plan_equals_the_eager_plan() -> None:
+@pytest.mark.parametrize("name", ["tiny-qwen3-swa", "tiny-deepseek-v3"])
+def test_static_decode_plan_equals_the_eager_plan(name: str) -> None:
     """What a CUDA graph replays: the forward over a `StaticDecodePlan` (bucket of 4 rows, 3 real,
-    block tables padded to max_seq_len) gives the eager step's logits."""
+    block tables padded to max_seq_len) gives the eager step's logits (DeepSeek: the latent decode
+    kernel in both, the eager step's prefill on the torch MLA)."""
     from server.models.attention import StepLayout
 
-    model_dir = resolve_model("builtin:tiny-qwen3-swa")
+    model_dir = resolve_model(f"builtin:{name}")
     layout = load_spec(model_dir).cache_layout(256, torch.float32, "cpu")
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=16), layout)
     runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,

@@ -1,0 +1,98 @@
+"""Triton decode over a latent (MLA) cache: one row a token and layer, [c (R values), k_pe (P)].
+
+With the up-projections absorbed a head's query is [q_c (R), q_pe (P)], its scores q_c . c + q_pe .
+k_pe and its output the softmax-weighted sum of `c`: every head reads the same keys, so a program
+takes one (sequence, split) with all heads as the rows of its tiles, reads each key row once and
+writes softmax partials that `kernels.attention._decode_merge` combines (one kv head, D = R). Every
+index is a device tensor and the grids depend only on host-known sizes: CUDA-graph capturable.
+R and P must be powers of two (DeepSeek-V2/V3: 512 and 64).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from server.models.kernels.attention import LOG2E, _decode_merge, dot
+
+LATENT_BLOCK_N = 32  # keys per inner step: a [32, R] tile of c and the [heads, R] accumulator
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _latent_split(Q, C, BT, SEQ, LO, OP, MP, LP, stride_qt, stride_qh, stride_cs, stride_ct, stride_bt,
+                  sm_scale_log2, G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                  TPB: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One (sequence, split): softmax partials of every head over the split's keys."""
+    b, s = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(SEQ + b)
+    lo = tl.load(LO + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    offs_g, offs_r, offs_p, offs_n = tl.arange(0, GP), tl.arange(0, R), tl.arange(0, P), tl.arange(0, BLOCK_N)
+    rows = Q + b * stride_qt + offs_g[:, None] * stride_qh
+    q_c = tl.load(rows + offs_r[None, :], mask=(offs_g < G)[:, None], other=0.0)
+    q_p = tl.load(rows + R + offs_p[None, :], mask=(offs_g < G)[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        live = tok < end
+        page = tl.load(BT + b * stride_bt + tok // TPB, mask=live, other=0).to(tl.int64)
+        row = C + page * stride_cs + (tok % TPB) * stride_ct
+        c = tl.load(row[:, None] + offs_r[None, :], mask=live[:, None], other=0.0).to(q_c.dtype)
+        k_pe = tl.load(row[:, None] + R + offs_p[None, :], mask=live[:, None], other=0.0).to(q_c.dtype)
+        qk = dot(q_c, tl.trans(c), IEEE) + dot(q_p, tl.trans(k_pe), IEEE)
+        qk = tl.where(live[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(c.dtype), c, IEEE)
+        m_i = m_new
+    base = (b * NSPLIT + s) * GP
+    tl.store(OP + (base + offs_g)[:, None] * R + offs_r[None, :], acc)
+    tl.store(MP + base + offs_g, m_i)
+    tl.store(LP + base + offs_g, l_i)
+
+
+@triton.jit
+def _write_rows(X, CACHE, SLOT, OFF, stride_xt, stride_cs, stride_ct, W: tl.constexpr, WP: tl.constexpr):
+    """Row t of X into the cache at (SLOT[t], OFF[t]); a padding row (slot -1) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t)
+    if slot >= 0:
+        offs = tl.arange(0, WP)
+        value = tl.load(X + t * stride_xt + offs, mask=offs < W)
+        where = CACHE + slot.to(tl.int64) * stride_cs + tl.load(OFF + t) * stride_ct + offs
+        tl.store(where, value.to(CACHE.dtype.element_ty), mask=offs < W)
+
+
+def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor, offset: torch.Tensor) -> None:
+    """latent [T, W] -> cache [slots, tpb, W] at slot[t], offset[t] (int32; slot -1: skipped)."""
+    width = latent.shape[1]
+    _write_rows[(latent.shape[0],)](latent, cache, slot, offset, latent.stride(0), cache.stride(0), cache.stride(1),
+                                    W=width, WP=triton.next_power_of_2(width), num_warps=4)
+
+
+def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  lo: torch.Tensor, out: torch.Tensor, scale: float, splits: int,
+                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """q [B, H, R + P] (unit stride on the last dim), cache [slots, tpb, R + P], block_table [B, NB],
+    seq_lens / lo [B] int32 -> out [B, H, R]. `scratch`: (partials [B*splits*GP, R] f32, m, l)."""
+    b, heads, width = q.shape
+    rank = out.shape[2]
+    gp = max(16, triton.next_power_of_2(heads))
+    partials, maxes, sums = scratch
+    if cache.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError(f"latent decode needs unit strides on the row: q {q.stride()}, cache {cache.stride()}")
+    _latent_split[(b, splits)](
+        q, cache, block_table, seq_lens, lo, partials, maxes, sums, q.stride(0), q.stride(1), cache.stride(0),
+        cache.stride(1), block_table.stride(0), scale * LOG2E, G=heads, GP=gp, R=rank, P=width - rank,
+        TPB=cache.shape[1], NSPLIT=splits, BLOCK_N=LATENT_BLOCK_N, IEEE=q.dtype == torch.float32,
+        num_warps=8, num_stages=2)
+    _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), 1.0, KVH=1, G=heads,
+                              GP=gp, D=rank, NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out
