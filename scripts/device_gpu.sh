@@ -24,7 +24,7 @@ nproc
 # (2026-12-07): clear all three after each mode
 kill_gpu_leftovers() {
   for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill -9 "$p"; done
-  pkill -9 -f -- "-m server.cli (serve|launch|router)"; pkill -9 -x nvidia-cuda-mps-control; pkill -9 -x nvidia-cuda-mps-server
+  pkill -9 -f -- "-m server.cli (serve|launch|router)"; pkill -9 -f "nvidia-cuda-mps-(control|server)"
   return 0
 }
 kill_gpu_leftovers  # an earlier call on this machine may have left some (a `timeout` stops only its child)
