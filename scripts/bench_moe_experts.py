@@ -2,7 +2,10 @@
 (server/models/kernels/moe.py) against the dense torch path (every expert on every token), bf16,
 random weights, uniform random routing, each call replayed as a CUDA graph. Prints one JSON line
 per (path, tokens): microseconds per call and the bytes of the experts the step touches divided by
-that time (the roofline's numerator).
+that time (the roofline's numerator). For steps of at most 64 pairs also every warm-up candidate
+tile of the step's pair class, grouped and per-pair (kernels/moe.py PER_PAIR_TILES), one line each,
+then a "compare" line: the fastest of each kind, their ratio, and the per-pair kernels' error
+against the float32 torch experts.
 
     python scripts/bench_moe_experts.py [--experts 128 --top-k 8 --hidden 2048 --inter 768]
 
@@ -17,7 +20,7 @@ import json
 
 import torch
 
-from server.models.kernels.moe import fused_experts
+from server.models.kernels.moe import CANDIDATES, PER_PAIR_TILES, fused_experts, pair_class
 from server.models.moe.experts import dense_experts
 
 
@@ -39,13 +42,35 @@ def _time_us(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / repeats
 
 
+def _compare_tiles(x, gate_up, down, weights, ids, touched: int) -> None:
+    """Every candidate tile of this step's pair class, grouped and per-pair: one line each, then the
+    fastest of each kind side by side."""
+    t = x.shape[0]
+    cls = pair_class(ids.numel())
+    timed = {}
+    for tile in dict.fromkeys((*CANDIDATES[cls], *PER_PAIR_TILES)):
+        timed[tile] = _time_us(functools.partial(fused_experts, x, gate_up, down, weights, ids, tile))
+        print(json.dumps({"tile": tile, "kind": "per-pair" if tile[0] == 1 else "grouped", "tokens": t,
+                          "us": round(timed[tile], 1), "touched_GBps": round(touched / timed[tile] / 1e3, 1)}))
+    grouped = min((tile for tile in timed if tile[0] > 1), key=timed.get)
+    per_pair = min(PER_PAIR_TILES, key=timed.get)
+    ref = dense_experts(x.float(), gate_up.float(), down.float(), weights, ids)
+    got = fused_experts(x, gate_up, down, weights, ids, per_pair).float()
+    print(json.dumps({"compare": "fastest grouped vs fastest per-pair tile", "tokens": t,
+                      "grouped_tile": grouped, "grouped_us": round(timed[grouped], 1),
+                      "per_pair_tile": per_pair, "per_pair_us": round(timed[per_pair], 1),
+                      "grouped_over_per_pair": round(timed[grouped] / timed[per_pair], 2),
+                      "per_pair_touched_GBps": round(touched / timed[per_pair] / 1e3, 1),
+                      "per_pair_rel_err": round(((got - ref).norm() / ref.norm()).item(), 5)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=768)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64, 256, 2048])
     parser.add_argument("--dense-max", type=int, default=64, help="largest token count the dense path runs")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -63,6 +88,8 @@ def main() -> None:
             us = _time_us(functools.partial(fn, x, gate_up, down, weights, ids))
             print(json.dumps({"path": name, "tokens": t, "us": round(us, 1), "experts_touched": touched // expert_bytes,
                               "touched_GBps": round(touched / us / 1e3, 1)}))
+        if t * args.top_k <= 64:
+            _compare_tiles(x, gate_up, down, weights, ids, touched)
         ref = dense_experts(x[:8], gate_up, down, weights[:8], ids[:8]).float()
         got = fused_experts(x[:8], gate_up, down, weights[:8], ids[:8]).float()
         print(json.dumps({"check": "fused vs dense, bf16, 8 tokens", "rel_err": round(

@@ -66,11 +66,15 @@ def variants():
                 signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
                 yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
     for block_m, block_n, block_k, warps in MOE_TILES:
-        tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PROMOTE": min(K.PROMOTE_K, block_k)}
+        per_pair = block_m == 1  # (a per-pair tile: 16 rows for tl.dot, its pair the first)
+        tiles = {"BLOCK_M": GROUPED.PAIR_ROWS if per_pair else block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                 "PROMOTE": min(K.PROMOTE_K, block_k), "PER_PAIR": per_pair}
         w8a8 = {**tiles, "BLOCKED": False, "GROUP_K": block_k, "W8A8": True}
         for fn, signature in ((GROUPED._gate_up_silu, GATE_UP), (GROUPED._down_weighted, DOWN)):  # stride_sn: 1
             yield fn, signature, w8a8, ("pairs", "top_k", "num_experts", "stride_sn"), {"num_warps": warps}
-        blocked = {**tiles, "BLOCKED": True, "GROUP_K": 128, "W8A8": False}
+        cut = min(block_k, 128) if per_pair else block_k  # (`_experts` cuts a per-pair tile's K step to the block)
+        blocked = {**tiles, "BLOCK_K": cut, "PROMOTE": min(K.PROMOTE_K, cut), "BLOCKED": True, "GROUP_K": 128,
+                   "W8A8": False}
         for fn, signature in ((GROUPED._gate_up_silu, BLOCK_GATE_UP), (GROUPED._down_weighted, BLOCK_DOWN)):
             yield fn, signature, blocked, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
     for rows in (1, 32, 64, 256):

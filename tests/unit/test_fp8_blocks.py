@@ -162,3 +162,27 @@ def test_grouped_kernels_run_block_scaled_experts_as_their_dequantized_weights(t
     got = fused_experts(x, gate_up, down, weights, ids)
     ref = dense_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids)
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CUDA machine: tests/gpu covers it")
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_per_pair_tiles_run_block_scaled_experts_as_their_dequantized_weights(tokens: int) -> None:
+    """The per-pair tiles (kernels/moe.py PER_PAIR_TILES; a K step longer than the 128-column scale block
+    cut to it) with block-scaled float8 experts, interpreted, on 3 of 4 experts (pairs of the fourth:
+    id E, weight 0) against the torch experts of the dequantized weights; partial column blocks."""
+    from server.models.kernels.moe import PER_PAIR_TILES, fused_experts
+    from server.models.moe.experts import dense_experts
+
+    experts, hidden, inter, top_k = 4, 200, 192, 2
+    gate_up = stack_experts([_block_weight(2 * inter, hidden, 10 + e)[0] for e in range(experts - 1)])
+    down = stack_experts([_block_weight(hidden, inter, 20 + e)[0] for e in range(experts - 1)])
+    gen = torch.Generator().manual_seed(40 + tokens)
+    x = torch.randn(tokens, hidden, generator=gen) * 1e-3
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices  # id 3: no expert here
+    ids[-1, 0] = 3
+    weights = torch.rand(tokens, top_k, generator=gen) * (ids < 3)
+    ref = dense_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids.clamp(max=2))
+    assert ref.abs().max() > 0
+    for tile in PER_PAIR_TILES:
+        got = fused_experts(x, gate_up, down, weights, ids, tile)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), tile

@@ -292,6 +292,43 @@ def test_every_candidate_tile_computes_the_torch_path_and_a_chosen_one_is_used()
         kernels.CHOSEN.pop(key, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_per_pair_tiles_compute_the_torch_path_without_the_sort(tokens: int, dtype: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each per-pair tile (kernels/moe.py PER_PAIR_TILES, interpreted on a CPU) on the experts one of two
+    expert-parallel ranks holds (top 3 of 8, pairs of the other rank's experts routed to id E, one token
+    of several wholly elsewhere): the grouped torch path of the held experts, float32 to rounding and
+    float16 to float16's rounding (as the grouped tile's float16 output is), the elsewhere-routed token's
+    row exactly 0, and `align` never run. (bf16: tests/gpu/test_moe_per_pair_cuda.py; Triton's
+    interpreter multiplies bf16 tiles wrongly, the grouped tiles' too.)"""
+    pytest.importorskip("triton")
+    from server.models.kernels import moe as kernels
+    from server.models.moe import route
+    from server.models.moe.block import _held
+
+    block, _ = _ours("qwen3-moe", "stacked")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(20 + tokens))
+    weights, ids = _held((0, 4), *route(block.spec, x, block.gate))
+    if tokens > 1:
+        ids[0], weights[0] = 4, 0.0  # token 0: no expert of this rank
+    gate_up, down = block.gate_up[:4], block.down[:4]
+    on = [t.to(device=device, dtype=dtype) for t in (x, gate_up, down)] + [t.to(device) for t in (weights, ids)]
+    want = grouped_experts(*(t.to(dtype).float() for t in (x, gate_up, down)), weights, ids.clamp(max=3))
+    grouped = kernels.fused_experts(*on, tile=kernels.tile_config(ids.numel())).cpu().float()
+    monkeypatch.setattr(kernels, "align", None)  # a per-pair tile's step does not sort
+    for tile in kernels.PER_PAIR_TILES:
+        got = kernels.fused_experts(*on, tile=tile).cpu().float()
+        assert tokens == 1 or torch.equal(got[0], torch.zeros(HIDDEN))
+        if dtype == torch.float32:
+            assert (got - want).abs().max().item() < 1e-5, tile
+        else:  # gate, up, SiLU, h and each pair's output rounded to float16: as the grouped tile's
+            assert (got - want).abs().max().item() < 4e-3 * want.abs().max().item(), tile
+            assert (got - grouped).abs().max().item() < 2e-3 * want.abs().max().item(), tile
+    assert (ids == 4).any() and (ids < 4).any() and want.abs().max().item() > 0.1
+
+
 def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
     """What /metrics shows of a MoE model: per sparse layer, the tokens routed to each expert since
     start (each token top_k times), as the engine loop reads them (`engine_figures`)."""

@@ -126,6 +126,25 @@ def test_fused_fp8_expert_parallel_shares_sum_to_the_whole() -> None:
     assert (sum(parts) - whole).abs().max().item() < 1e-5
 
 
+@interpreted
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_fused_fp8_experts_per_pair_tiles_equal_the_torch_reference(tokens: int) -> None:
+    """The per-pair tiles (kernels/moe.py PER_PAIR_TILES) of the FP8 experts (W8A8, interpreted) on the
+    4 of 8 experts one rank holds (the others' pairs: id E, weight 0) against `w8a8_experts`."""
+    pytest.importorskip("triton")
+    from server.models.kernels.moe import PER_PAIR_TILES, fused_fp8_experts
+
+    fp8, _ = _fp8_block("qwen3-moe")
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(30 + tokens))
+    weights, ids = _held((4, 8), *route(fp8.spec, x, fp8.gate))
+    gate_up, down = (Fp8Weight(w.qweight[4:], w.scale[4:]) for w in (fp8.gate_up, fp8.down))
+    want = w8a8_experts(x, gate_up, down, weights, ids.clamp(max=3))
+    assert (ids == 4).any() and want.abs().max().item() > 0.1
+    for tile in PER_PAIR_TILES:
+        got = fused_fp8_experts(x, gate_up, down, weights, ids, tile)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), tile
+
+
 @pytest.mark.parametrize("model", ["builtin:tiny-mixtral", "builtin:tiny-qwen2-moe", "builtin:tiny-deepseek-v3"])
 def test_quantization_fp8_loads_fp8_experts_and_float_routers(model: str) -> None:
     from server.models.builtin import resolve_model

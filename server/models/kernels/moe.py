@@ -7,6 +7,15 @@ here (id E, expert parallelism), return at once. A token's pairs are summed by o
 no atomics, the same result run to run. Both GEMMs accumulate in float32 and round once
 (transformers sums in expert order, this in slot order: float32 results agree to rounding).
 
+Per-pair tiles (BLOCK_M 1, `PER_PAIR_TILES`) are for decode steps of a few pairs: no sort, one program
+per (pair, BLOCK_N outputs) that reads its expert from `ids` and loops over all of K. A one-token top-8
+step then runs 8 x N / BLOCK_N programs, all of them reading weights, where the grouped tiles launch
+one tile per expert held (most of them empty) and `align` runs a dozen small torch kernels first. The
+same two kernels with PER_PAIR set: the pair is row 0 of a 16-row tile (tl.dot's least), rows 1-15
+dead; summation, rounding and the final torch reduction are the grouped tiles', so the result is the
+same run to run. The float, block-scaled and per-channel FP8 experts all run them. `choose_tiles`
+times them beside the grouped tiles of pair classes 8 and 64.
+
 A block-scaled FP8 checkpoint's experts run the same kernels: each weight tile is widened to the
 activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's scale, so the
 experts are read at FP8's bytes and the activations are not quantized.
@@ -34,12 +43,17 @@ from server.models.kernels.gemv import cuda_ms, relative_error
 log = logging.getLogger(__name__)
 CHECK_TOLERANCE = 2e-2  # max |out - default tile's| / max |default's| (bf16 rounds at 2^-8)
 
-Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, warps)
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, warps); BLOCK_M 1: a per-pair tile
+PAIR_ROWS = 16  # the rows of a per-pair tile's tl.dot: its pair and 15 dead rows
+# decode's candidates without the sort: BLOCK_K long enough to stream the weight (a block-scaled weight's
+# BLOCK_K is cut to its column block), a few hundred programs and more for a one-token step
+PER_PAIR_TILES: tuple[Tile, ...] = ((1, 16, 128, 4), (1, 16, 256, 4), (1, 32, 128, 4))
 PAIR_CLASSES = (8, 64, 256, 1024, 4096)  # a step of p (token, slot) pairs takes the choice of the first class >= p
-# what `choose_tiles` times per class (BLOCK_K 64 divides a block-scaled weight's 128-column blocks)
+# what `choose_tiles` times per class (the grouped tiles' BLOCK_K 64 divides a block-scaled weight's 128-column
+# blocks); the default tile (`tile_config`) is grouped, a per-pair one runs where the warm-up timed it faster
 CANDIDATES: dict[int, tuple[Tile, ...]] = {
-    8: ((16, 64, 64, 4), (16, 32, 64, 4), (16, 128, 64, 4)),
-    64: ((16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4)),
+    8: ((16, 64, 64, 4), (16, 32, 64, 4), (16, 128, 64, 4), *PER_PAIR_TILES),
+    64: ((16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), *PER_PAIR_TILES),
     256: ((32, 64, 64, 4), (16, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4)),
     1024: ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8)),
     4096: ((64, 128, 64, 8), (64, 64, 64, 4), (128, 128, 64, 8)),
@@ -120,19 +134,33 @@ def _dequantized(acc, XS, offs_m, live_m, S, offs_s, live_s, W8A8: tl.constexpr)
     return acc
 
 
+@triton.jit
+def _tile(ROWS, TILE_EXPERT, pairs, BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
+    """(expert, rows [BLOCK_M]) of this program's tile: PER_PAIR, TILE_EXPERT is the pairs' expert ids and
+    the program's pair is its row 0 (rows 1.. are `pairs`: dead); else `align`'s expert and rows."""
+    tile = tl.program_id(0)
+    expert = tl.load(TILE_EXPERT + tile)
+    if PER_PAIR:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, tile.to(tl.int64), pairs)
+    else:
+        rows = tl.load(ROWS + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, rows
+
+
 @triton.jit(do_not_specialize=["pairs"])
 def _gate_up_silu(X, XS, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter, num_experts,
                   stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr):
+                  BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr,
+                  PER_PAIR: tl.constexpr):
     """H[pair, n] = silu(sum_k X[token, k] W[e, n, k]) * sum_k X[token, k] W[e, inter + n, k], each sum
     rounded (BLOCKED: W float8 with S[e, n, k // GROUP_K] a scale per row and block of columns; W8A8:
-    X and W float8, each sum times XS[token] * S[e, n])."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(TILE_EXPERT + tile)
+    X and W float8, each sum times XS[token] * S[e, n]). A program: a tile of rows of one expert (`_tile`)
+    and BLOCK_N columns of gate and of up."""
+    expert, rows = _tile(ROWS, TILE_EXPERT, pairs, BLOCK_M, PER_PAIR)
     if expert >= num_experts:
         return
-    rows = tl.load(ROWS + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    pid_n = tl.program_id(1)
     live_m = rows < pairs
     tokens = tl.where(live_m, rows // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,14 +193,14 @@ def _gate_up_silu(X, XS, W, S, ROWS, TILE_EXPERT, H, pairs, top_k, hidden, inter
 def _down_weighted(H, HS, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inter, num_experts,
                    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr):
+                   BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr,
+                   PER_PAIR: tl.constexpr):
     """Y[pair, n] = (sum_k H[pair, k] W[e, n, k], rounded) * SCALE[pair] (BLOCKED, W8A8: as
     `_gate_up_silu`, HS the rows' activation scales)."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(TILE_EXPERT + tile)
+    expert, rows = _tile(ROWS, TILE_EXPERT, pairs, BLOCK_M, PER_PAIR)
     if expert >= num_experts:
         return
-    rows = tl.load(ROWS + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    pid_n = tl.program_id(1)
     live_m = rows < pairs
     safe = tl.where(live_m, rows, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,11 +245,16 @@ def _experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Ten
     block_m, block_n, block_k, warps = tile or tiles(gate_up, inter, pairs)
     (gu, gu_s, gu_strides), (dn, dn_s, dn_strides) = _operand(gate_up), _operand(down)
     group_k = gate_up.block_k if isinstance(gate_up, Fp8Weight) and not w8a8 else 0
+    per_pair = block_m == 1
+    if per_pair and group_k:
+        block_k = min(block_k, group_k)  # a K step reads one scale per column: within one column block
     if group_k % block_k:
         raise ValueError(f"a column block of {group_k} is not a multiple of the {block_k}-column tile")
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCKED=group_k > 0,
-                  GROUP_K=max(group_k, block_k), W8A8=w8a8, PROMOTE=min(PROMOTE_K, block_k), num_warps=warps)
-    rows, tile_expert = align(ids, num_experts, block_m)
+    consts = dict(BLOCK_M=PAIR_ROWS if per_pair else block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCKED=group_k > 0,
+                  GROUP_K=max(group_k, block_k), W8A8=w8a8, PROMOTE=min(PROMOTE_K, block_k), PER_PAIR=per_pair,
+                  num_warps=warps)
+    # per pair: a program per pair, its expert read from ids (ROWS unread); else `align`'s tiles
+    rows, tile_expert = (ids.reshape(-1),) * 2 if per_pair else align(ids, num_experts, block_m)
     dtype, xs = x.dtype, gu_s  # (xs: unread unless w8a8)
     if w8a8:
         x, xs = quantize_rows(x if x.stride(-1) == 1 else x.contiguous(), gate_up.input_scale)
