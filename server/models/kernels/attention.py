@@ -162,10 +162,11 @@ def _strides(k: torch.Tensor) -> tuple[int, int, int]:
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, lo: torch.Tensor, out: torch.Tensor, scale: float, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
     """q [B, H, D] (any row/head strides), block_table [B, NB] int32, seq_lens / lo [B] int32 ->
     out [B, H, D]. `scratch`: preallocated (partials [B*KVH*splits*GP, D] f32, m, l) for graphs.
-    `k_scale`, `v_scale`: an FP8 cache's layer scales (K, V are stored divided by them)."""
+    `k_scale`, `v_scale`: an FP8 cache's layer scales (K, V are stored divided by them). `block_n`:
+    keys per inner step (scripts/bench_decode_kernel.py times the choices)."""
     b, heads, d = q.shape
     kv_heads = k.shape[2]
     g = heads // kv_heads
@@ -179,7 +180,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     _decode_split[(b, kv_heads, splits)](
         q, k, v, block_table, seq_lens, lo, partials, maxes, sums,
         q.stride(0), q.stride(1), ks, kt, kh, block_table.stride(0), scale * k_scale * LOG2E,
-        KVH=kv_heads, G=g, GP=gp, D=d, TPB=k.shape[1], NSPLIT=splits, BLOCK_N=DECODE_BLOCK_N,
+        KVH=kv_heads, G=g, GP=gp, D=d, TPB=k.shape[1], NSPLIT=splits, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), v_scale, KVH=kv_heads, G=g,
                               GP=gp, D=d, NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
