@@ -14,14 +14,16 @@ import torch
 from server.models.runner import ModelRunner, SeqChunk
 
 
-def prefilled_decode_rows(runner: ModelRunner, prompts: list[list[int]], first_token: int) -> list[SeqChunk]:
-    """Each prompt admitted as request `r{i}` and prefilled (one step each); the decode row that
-    follows each, its token `first_token + i`, for one step of them all."""
+def prefilled_decode_rows(runner: ModelRunner, prompts: list[list[int]], first_token: int,
+                          prefill: ModelRunner | None = None) -> list[SeqChunk]:
+    """Each prompt admitted as request `r{i}` and prefilled (one step each, by `prefill`, a runner of
+    the same model over the same cache, else by `runner`); the decode row that follows each, its
+    token `first_token + i`, for one step of them all."""
     kv, rows = runner.kv, []
     for i, p in enumerate(prompts):
         kv.admit(f"r{i}", p, num_tokens=len(p) + 1)
         tables = {w: kv.slot_table(f"r{i}", w) for w in kv.window_sizes}
-        runner.execute([SeqChunk(p, 0, tables, True)])
+        (prefill or runner).execute([SeqChunk(p, 0, tables, True)])
         rows.append(SeqChunk([first_token + i], len(p), tables, True))
     return rows
 

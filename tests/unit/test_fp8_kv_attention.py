@@ -176,9 +176,9 @@ def _window_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, l
     return _reference(q, keys[lo:], vals[lo:], hi - lo)
 
 
-def _fp8_runner(model_dir, kernels: str, scales: str | None = None) -> ModelRunner:
+def _fp8_runner(model_dir, kernels: str, scales: str | None = None, kv: KVCacheManager | None = None) -> ModelRunner:
     config = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8", scales=scales)
-    kv = KVCacheManager(config, kv_cache_layout(config, load_spec(model_dir), 256, torch.float32, "cpu"))
+    kv = kv or KVCacheManager(config, kv_cache_layout(config, load_spec(model_dir), 256, torch.float32, "cpu"))
     return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
                        max_batch_size=4, kernels=kernels, cuda_graphs=False, max_seq_len=256)
 
@@ -229,7 +229,9 @@ def test_a_static_decode_plan_over_an_fp8_cache_equals_the_eager_step():
     model_dir = resolve_model("builtin:tiny-qwen3-swa")
     runner = _fp8_runner(model_dir, "triton")
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 17)]  # 70: past the window
-    chunks = prefilled_decode_rows(runner, prompts, 3)
+    # the torch path prefills (it writes the Triton kernels' e4m3 bits, and Triton's interpreter would
+    # take most of a minute over the 92 tokens); the decode step is the Triton path's, eager and static
+    chunks = prefilled_decode_rows(runner, prompts, 3, prefill=_fp8_runner(model_dir, "torch", kv=runner.kv))
     eager = runner.execute(chunks)
     from server.models.triton_attention import StaticDecodePlan
 

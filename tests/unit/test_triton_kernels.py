@@ -210,7 +210,9 @@ def test_static_decode_plan_equals_the_eager_plan(name: str) -> None:
     runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
                          max_batch_size=4, kernels="triton", cuda_graphs=False, max_seq_len=256)
     prompts = [[7 + (n * 11 + j * 31) % 400 for j in range(n)] for n in (5, 70, 33)]
-    chunks = prefilled_decode_rows(runner, prompts, 3)
+    torch_runner = ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=256,
+                               max_batch_size=4, kernels="torch", max_seq_len=256)
+    chunks = prefilled_decode_rows(runner, prompts, 3, prefill=torch_runner)  # (the interpreter's prefill: slow)
     eager = runner.execute(chunks)  # the static run below writes the same K/V at the same places again
     plan = StaticDecodePlan(runner.attention, 4)
     seqs = StepLayout([SeqLayout(c.num_past, 1, c.slot_tables) for c in chunks], 3).seqs
