@@ -53,16 +53,3 @@ def short_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="pd-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-# The files that take a minute or more on a 2-core CI machine (pytest --durations, 2026-12-07), slowest
-# first. They run before the rest: `-n 2 --dist loadfile` hands out whole files in collection order,
-# and when the alphabet put one of them last, one worker ran it alone for minutes at the end.
-SLOW_FILES = ("integration/test_ray.py", "unit/test_fp8_kv_attention.py", "unit/test_triton_kernels.py",
-              "unit/test_tp_model.py", "integration/test_engine_process.py", "integration/test_tp_disagg.py",
-              "integration/test_bench_gpu_load_cpu.py", "integration/test_disagg_modes.py", "unit/test_warmup.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(SLOW_FILES)))
