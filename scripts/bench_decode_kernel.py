@@ -15,7 +15,7 @@ import argparse
 import json
 
 import torch
-from bench_moe_experts import _time_us
+from bench_moe_experts import time_us
 
 from server.models.kernels.attention import decode_scratch, decode_splits, group_rows, paged_decode
 
@@ -47,7 +47,7 @@ def main() -> None:
         k, v = kv[:, 0], kv[:, 1]
         kv_bytes = 2 * b * n * kvh * d * kv.element_size()
         for block_n in (int(x) for x in args.block_n.split(",")):
-            us = _time_us(lambda k=k, v=v, block_n=block_n: paged_decode(
+            us = time_us(lambda k=k, v=v, block_n=block_n: paged_decode(
                 q, k, v, table, lens, lo, out, d**-0.5, splits, scratch, block_n=block_n))
             print(json.dumps({"cache": str(dtype).removeprefix("torch."), "block_n": block_n, "splits": splits,
                               "us": round(us, 1), "kv_gb_s": round(kv_bytes / us / 1e3, 1)}), flush=True)

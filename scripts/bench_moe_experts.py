@@ -24,7 +24,7 @@ from server.models.kernels.moe import CANDIDATES, PER_PAIR_TILES, fused_experts,
 from server.models.moe.experts import dense_experts
 
 
-def _time_us(fn, repeats: int = 20) -> float:
+def time_us(fn, repeats: int = 20) -> float:
     """Microseconds per call of `fn` replayed as a CUDA graph (as serving's decode steps run it)."""
     fn()
     torch.cuda.synchronize()
@@ -49,7 +49,7 @@ def _compare_tiles(x, gate_up, down, weights, ids, touched: int) -> None:
     cls = pair_class(ids.numel())
     timed = {}
     for tile in dict.fromkeys((*CANDIDATES[cls], *PER_PAIR_TILES)):
-        timed[tile] = _time_us(functools.partial(fused_experts, x, gate_up, down, weights, ids, tile))
+        timed[tile] = time_us(functools.partial(fused_experts, x, gate_up, down, weights, ids, tile))
         print(json.dumps({"tile": tile, "kind": "per-pair" if tile[0] == 1 else "grouped", "tokens": t,
                           "us": round(timed[tile], 1), "touched_GBps": round(touched / timed[tile] / 1e3, 1)}))
     grouped = min((tile for tile in timed if tile[0] > 1), key=timed.get)
@@ -85,7 +85,7 @@ def main() -> None:
         touched = int(torch.unique(ids).numel()) * expert_bytes
         paths = {"fused": fused_experts} | ({"dense": dense_experts} if t <= args.dense_max else {})
         for name, fn in paths.items():
-            us = _time_us(functools.partial(fn, x, gate_up, down, weights, ids))
+            us = time_us(functools.partial(fn, x, gate_up, down, weights, ids))
             print(json.dumps({"path": name, "tokens": t, "us": round(us, 1), "experts_touched": touched // expert_bytes,
                               "touched_GBps": round(touched / us / 1e3, 1)}))
         if t * args.top_k <= 64:

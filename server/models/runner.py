@@ -188,19 +188,12 @@ class ModelRunner:
         returns the seconds it took (0 on the torch path)."""
         if self.kernels != "triton":
             return 0.0
-        if self.model.spec.mla is not None:  # latent attention: the experts' tiles, the decode graphs, bursts
-            return self._warm_up_latent()
         from server.models.kernels.variants import compiled_variants  # Triton: imported on this path only
-        from server.models.warmup import warm_steps
 
         start = time.perf_counter()
-        for step in warm_steps(self.max_batch_size, self.max_num_tokens, self.kv.tokens_per_block,
-                               self.attention.num_kv_heads, self.attention.num_sms):
-            self.forward(self.prepare(self._warm_chunks(step)))
-        spec = self.model.spec  # a tensor-parallel rank's own heads
-        plans, plan_s = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
-                                              self.device, self.max_num_tokens)
-        self._choose_skinny_linears()
+        # a latent-attention model's prefill runs the torch MLA: no step shapes, prefill plans or skinny
+        # GEMMs to warm; its decode kernels compile as the graphs are captured
+        plans, plan_s = self._warm_dense_steps() if self.model.spec.mla is None else (0, 0.0)
         self._choose_expert_tiles()
         if self.graphs is not None:
             self.graphs.capture()
@@ -212,17 +205,18 @@ class ModelRunner:
                  compiled_variants(), plans, plan_s, bursts, burst_s)
         return time.perf_counter() - start
 
-    def _warm_up_latent(self) -> float:
-        """An MLA model's warm-up: its prefill runs the torch MLA and cuBLAS (no plans or skinny GEMMs
-        to choose), its decode the latent kernels, compiled as the graphs are captured."""
-        start = time.perf_counter()
-        self._choose_expert_tiles()
-        if self.graphs is not None:
-            self.graphs.capture()
-        bursts, burst_s = self._warm_bursts()
-        self.expert_load.reset()
-        log.info("warm-up of a latent-attention model: %d burst steps in %.1f s", bursts, burst_s)
-        return time.perf_counter() - start
+    def _warm_dense_steps(self) -> tuple[int, float]:
+        """A K/V-heads model's step shapes, cuDNN prefill plans and skinny GEMMs; (plans, their seconds)."""
+        from server.models.warmup import warm_steps
+
+        for step in warm_steps(self.max_batch_size, self.max_num_tokens, self.kv.tokens_per_block,
+                               self.attention.num_kv_heads, self.attention.num_sms):
+            self.forward(self.prepare(self._warm_chunks(step)))
+        spec = self.model.spec  # a tensor-parallel rank's own heads
+        plans = dense_prefill.warm_up(spec.num_heads, self.attention.num_kv_heads, spec.head_dim, self.dtype,
+                                      self.device, self.max_num_tokens)
+        self._choose_skinny_linears()
+        return plans
 
     def _warm_bursts(self) -> tuple[int, float]:
         """The steps a burst of fresh prompts adds (`warmup.burst_steps`), CUDA only; (steps, seconds)."""

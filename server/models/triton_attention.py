@@ -61,6 +61,11 @@ class WindowMeta:
 ALIGN_INTS = 4  # int32s per 16 bytes: Triton specialises a pointer argument on 16-byte alignment
 
 
+def num_sms(device: torch.device) -> int:
+    """The multiprocessors decode splits are sized for (4 on the CPU, where the interpreter runs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int, *,
                  max_seq_len: int) -> None:
@@ -77,7 +82,7 @@ class TritonPagedAttention(AttentionBackend):
         self.max_blocks = math.ceil(max_seq_len / self.tpb)
         device = self.views[0][0].device
         self.device = device
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        self.num_sms = num_sms(device)
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 32, got {head_dim}")
         fp8 = self.views[0][0].dtype == torch.float8_e4m3fn

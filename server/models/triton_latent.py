@@ -15,11 +15,10 @@ import math
 import torch
 
 from server.models.attention import PagedKV, StepLayout
-from server.models.kernels.attention import decode_scratch, group_rows
 from server.models.kernels.latent import latent_decode, write_latent
 from server.models.mla_attention import TorchLatentAttention
 from server.models.mla_spec import MLASpec
-from server.models.triton_attention import TritonPagedAttention, WindowMeta
+from server.models.triton_attention import TritonPagedAttention, WindowMeta, num_sms
 
 
 def supports(mla: MLASpec, cache_dtype: torch.dtype) -> bool:
@@ -40,8 +39,7 @@ class TritonLatentAttention(TritonPagedAttention):
         self.windows = [kv.layer_window(i) for i in range(num_layers)]
         self.max_blocks = math.ceil(max_seq_len / self.tpb)
         self.device = self.latents[0].device
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if self.device.type == "cuda" else 4
+        self.num_sms = num_sms(self.device)
         self.torch = TorchLatentAttention(kv, num_layers, num_heads, kv_lora_rank, scale, dtype)
 
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict:
@@ -59,9 +57,5 @@ class TritonLatentAttention(TritonPagedAttention):
         write_latent(latent, cache, plan.slot, plan.offset)
         out = torch.empty(query.shape[0], self.num_heads, self.head_dim, dtype=query.dtype, device=query.device)
         if d is not None:
-            latent_decode(query, cache, d.block_table, d.seq_lens, d.lo, out, self.scale, d.splits,
-                          d.scratch or self._scratch(query.shape[0], d.splits))
+            latent_decode(query, cache, d.block_table, d.seq_lens, d.lo, out, self.scale, d.splits, d.scratch)
         return out
-
-    def _scratch(self, batch: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return decode_scratch(batch, 1, group_rows(self.num_heads, 1), self.head_dim, splits, self.device)

@@ -34,6 +34,17 @@ def dot(a, b, IEEE: tl.constexpr):
     return out
 
 
+@triton.jit
+def split_range(SEQ, LO, b, s, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, end) of split `s` of sequence `b`: its keys LO[b] <= k < SEQ[b] in NSPLIT chunks of
+    whole BLOCK_N steps (sized from the length inside the kernel, so a captured graph fits any length)."""
+    lo = tl.load(LO + b)
+    seq_len = tl.load(SEQ + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
+    start = lo + s * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
 # Arguments that change from step to step are not specialised on (Triton would compile a variant
 # per value class: == 1, divisible by 16, other); the launch-time cost of that is nil here.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -43,11 +54,7 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
                   NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One (sequence, kv head, split): softmax partials of its query heads over its key range."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_len = tl.load(SEQ + b)
-    lo = tl.load(LO + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(SEQ, LO, b, s, NSPLIT, BLOCK_N)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.models.kernels.attention import LOG2E, _decode_merge, dot
+from server.models.kernels.attention import LOG2E, _decode_merge, decode_scratch, dot, group_rows, split_range
 
 LATENT_BLOCK_N = 32  # keys per inner step: a [32, R] tile of c and the [heads, R] accumulator
 
@@ -25,11 +25,7 @@ def _latent_split(Q, C, BT, SEQ, LO, OP, MP, LP, stride_qt, stride_qh, stride_cs
                   TPB: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One (sequence, split): softmax partials of every head over the split's keys."""
     b, s = tl.program_id(0), tl.program_id(1)
-    seq_len = tl.load(SEQ + b)
-    lo = tl.load(LO + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NSPLIT), BLOCK_N) * BLOCK_N
-    start = lo + s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(SEQ, LO, b, s, NSPLIT, BLOCK_N)
     offs_g, offs_r, offs_p, offs_n = tl.arange(0, GP), tl.arange(0, R), tl.arange(0, P), tl.arange(0, BLOCK_N)
     rows = Q + b * stride_qt + offs_g[:, None] * stride_qh
     q_c = tl.load(rows + offs_r[None, :], mask=(offs_g < G)[:, None], other=0.0)
@@ -79,13 +75,14 @@ def write_latent(latent: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor, 
 
 def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   lo: torch.Tensor, out: torch.Tensor, scale: float, splits: int,
-                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, H, R + P] (unit stride on the last dim), cache [slots, tpb, R + P], block_table [B, NB],
-    seq_lens / lo [B] int32 -> out [B, H, R]. `scratch`: (partials [B*splits*GP, R] f32, m, l)."""
+    seq_lens / lo [B] int32 -> out [B, H, R]. `scratch`: preallocated (partials [B*splits*GP, R] f32,
+    m, l) for graphs."""
     b, heads, width = q.shape
     rank = out.shape[2]
-    gp = max(16, triton.next_power_of_2(heads))
-    partials, maxes, sums = scratch
+    gp = group_rows(heads, 1)
+    partials, maxes, sums = scratch or decode_scratch(b, 1, gp, rank, splits, q.device)
     if cache.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError(f"latent decode needs unit strides on the row: q {q.stride()}, cache {cache.stride()}")
     _latent_split[(b, splits)](
