@@ -1,9 +1,10 @@
-"""Compile the FP8 Triton kernels for a Hopper GPU (sm_90) on a machine without one: Triton's own
-compiler and the `ptxas` its wheel ships, driven as `triton.tools.compile` drives them, with the
-argument hints a real launch gives (16-byte aligned pointers, strides and sizes divisible by 16; the
-row count unspecialised). Run as a script (the tests start it in a process of its own: Triton's CPU
-interpreter, which the tests' conftest turns on, replaces the compiler in the process that sets it).
-Prints one line per kernel variant and exits non-zero if one fails to compile.
+"""Compile the FP8 Triton kernels and the decode attention kernels for a Hopper GPU (sm_90) on a
+machine without one: Triton's own compiler and the `ptxas` its wheel ships, driven as
+`triton.tools.compile` drives them, with the argument hints a real launch gives (16-byte aligned
+pointers, strides and sizes divisible by 16; the row count unspecialised). Run as a script (the tests
+start it in a process of its own: Triton's CPU interpreter, which the tests' conftest turns on,
+replaces the compiler in the process that sets it). Prints one line per kernel variant and exits
+non-zero if one fails to compile.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from server.models.fp8.linear import CONFIGS
+from server.models.kernels import attention as A
 from server.models.kernels import fp8 as K
 from server.models.kernels import fp8_blocks as KB
+from server.models.kernels import latent as L
 from server.models.kernels import moe as GROUPED
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,6 +45,14 @@ BLOCK_GEMM = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "B": "*bf16", "OUT": 
 # the float grouped kernels, with block-scaled float8 weights (W float8, S their scales)
 BLOCK_GATE_UP = {**GATE_UP, "X": "*bf16"}
 BLOCK_DOWN = {**DOWN, "H": "*bf16"}
+# decode attention: dense K/V (bf16 or FP8) and a latent cache, at the 8B and DeepSeek-V2-Lite shapes
+PARTIALS = {"BT": "*i32", "SEQ": "*i32", "LO": "*i32", "OP": "*fp32", "MP": "*fp32", "LP": "*fp32"}
+DECODE = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", **PARTIALS, "stride_qt": "i32", "stride_qh": "i32",
+          "stride_ks": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_bt": "i32", "sm_scale_log2": "fp32"}
+LATENT = {"Q": "*bf16", "C": "*bf16", **PARTIALS, "stride_qt": "i32", "stride_qh": "i32", "stride_cs": "i32",
+          "stride_ct": "i32", "stride_bt": "i32", "sm_scale_log2": "fp32"}
+WRITE = {"X": "*bf16", "CACHE": "*bf16", "SLOT": "*i32", "OFF": "*i32", "stride_xt": "i32", "stride_cs": "i32",
+         "stride_ct": "i32"}
 
 
 def compile_one(fn, signature: dict[str, str], constexprs: dict, unspecialised: tuple[str, ...], **options) -> dict:
@@ -83,9 +94,22 @@ def variants():
         yield KB._fp8_block_gemm, BLOCK_GEMM, constexprs, ("M",), {"num_warps": 4, "num_stages": 3}
 
 
+def decode_variants():
+    for kv in ("*bf16", "*fp8e4nv"):
+        for block_n in (32, 64, 128):  # what scripts/bench_decode_kernel.py times
+            constexprs = {"KVH": 8, "G": 4, "GP": 16, "D": 128, "TPB": 32, "NSPLIT": 2, "BLOCK_N": block_n,
+                          "IEEE": False}
+            yield A._decode_split, {**DECODE, "K": kv, "V": kv}, constexprs, ("stride_bt",), \
+                {"num_warps": 4, "num_stages": 2}
+    constexprs = {"G": 16, "GP": 16, "R": 512, "P": 64, "TPB": 32, "NSPLIT": 2, "BLOCK_N": L.LATENT_BLOCK_N,
+                  "IEEE": False}
+    yield L._latent_split, LATENT, constexprs, ("stride_bt",), {"num_warps": 8, "num_stages": 2}
+    yield L._write_rows, WRITE, {"W": 576, "WP": 1024}, (), {"num_warps": 4}
+
+
 def main() -> int:
     failed = 0
-    for fn, signature, constexprs, unspecialised, options in variants():
+    for fn, signature, constexprs, unspecialised, options in [*variants(), *decode_variants()]:
         try:
             print(fn.__name__, constexprs, options, compile_one(fn, signature, constexprs, unspecialised, **options),
                   flush=True)
