@@ -86,8 +86,10 @@ def deployment_file(args: argparse.Namespace, model: str, kind: str) -> Path:
         cfg["generation_servers"] = {"num_instances": 1, "urls": ["127.0.0.1:18952"]}
     if kind == "disagg":  # the pair time-slicing the GPU
         cfg["gpu_share"] = "off"
-    if kind == "disagg-mps":  # the launcher runs the pair under its CUDA MPS daemon
+    if kind in ("disagg-mps", "disagg-split"):  # the launcher runs the pair under its CUDA MPS daemon
         cfg["context_servers"]["gpu_share"] = args.context_sm_pct
+    if kind == "disagg-split":  # every prompt through the context server (no local short prefills)
+        cfg["router"] = {"conditional": {}}
     if kind == "restart":
         cfg["restart"] = {"max_quick_deaths": 3, "backoff_s": 1.0, "quick_s": 60.0}
     path = args.workdir / f"load-{kind}.yaml"
@@ -169,12 +171,12 @@ def aggregated(s: Session, args: argparse.Namespace) -> None:
 
 def disaggregated(s: Session, args: argparse.Namespace, variant: str) -> None:
     """d on the pair; variant `mps`: under the launcher's MPS daemon (`gpu_share`), the context server
-    capped at --context-sm-pct."""
+    capped at --context-sm-pct; `split`: the same with `router.conditional: {}`."""
     who = "disagg" if variant == "plain" else f"disagg-{variant}"
     with ExitStack() as stack, s.phase(f"d-{who}"):
         env, config = dict(s.server_env), s.config["disagg"]
-        if variant == "mps":
-            config = s.config["disagg-mps"]
+        if variant in ("mps", "split"):
+            config = s.config[who]
         server = ServerUnderTest(config, env=env)
         target = start(s, stack, server, who)
         warm_up(target.url, target.model, s.vocab)
@@ -293,8 +295,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="serve this model instead of building the 8B-shaped one (CPU smoke runs)")
     p.add_argument("--skip", default="", help="phases to leave out, e.g. e or c,e,burst (a: only build the model)")
     p.add_argument("--with-extras", action="store_true", help="phase f: KV handoff share and prefill TFLOP/s")
-    p.add_argument("--disagg-variants", default="plain", help="d: plain and/or mps (the pair under CUDA MPS, "
-                   "the context server's SM share --context-sm-pct), comma-separated")
+    p.add_argument("--disagg-variants", default="plain", help="d: plain, mps (the pair under CUDA MPS, "
+                   "the context server's SM share --context-sm-pct; short prompts served by the generation server, "
+                   "the launcher's default on one GPU) and/or split (mps with every prompt through the context "
+                   "server), comma-separated")
     p.add_argument("--context-sm-pct", type=int, default=100,
                    help="d with mps: the context server's gpu_share (a cap below 100 is refused)")
     p.add_argument("--profile-agg", action="store_true", help="py-spy the aggregated server (agg-py-spy.txt)")
@@ -332,7 +336,8 @@ def main() -> int:
     with s.phase("a"):
         model = engine_phase(s, args)
         s.vocab = model_vocab(model)
-        s.config = {kind: deployment_file(args, model, kind) for kind in ("agg", "disagg", "disagg-mps", "restart")}
+        kinds = ("agg", "disagg", "disagg-mps", "disagg-split", "restart")
+        s.config = {kind: deployment_file(args, model, kind) for kind in kinds}
     if s.vocab:
         if not {"b", "c", "d"} <= args.skip:
             aggregated(s, args)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
@@ -156,6 +157,7 @@ def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.config.checks import host_port
+    from server.config.router import SHARED_GPU_ENV
     from server.config.schema import ConfigError, load_deployment
     from server.deploy.drain import DrainingServer
     from server.deploy.logs import configure_logging
@@ -175,7 +177,7 @@ def _router(args: argparse.Namespace) -> int:
         print(f"pdserve router: cannot listen on {address} (port in {cfg.source}): {exc.strerror or exc}; "
               f"nothing was started. {PORT_HINT}", file=sys.stderr)
         return 1
-    app = create_router_app(cfg.router_config())
+    app = create_router_app(cfg.router_config(shared_gpu=os.environ.get(SHARED_GPU_ENV) == "1"))
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
                             timeout_graceful_shutdown=5)
     servers = f"{len(cfg.context_servers)} context, {len(front)} generation" if cfg.disaggregated else \

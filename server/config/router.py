@@ -17,6 +17,11 @@ from server.router.settings import POLICIES, QueueLimits, ScoreWeights
 
 Weight = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]
+# `router.conditional` left out where the launcher runs a context and a generation server on one GPU: a
+# context leg there costs a second read of the weights, which a short prefill inside the generation server's
+# decode step mostly hides (8B in bf16 on an H100: the read is ~5 ms, as are the GEMMs of 256 tokens)
+SHARED_GPU_LOCAL_PREFILL = 256
+SHARED_GPU_ENV = "PDSERVE_PAIR_SHARES_GPU"  # set by the launcher for its router: "1" when that is so
 ApiKey = Annotated[str, Meta(pattern=r"^[^\s,]+$", description="a key without spaces or commas")]
 _TRAILING = "starting with '/' (a trailing * opens every path under a prefix)"
 OpenPath = Annotated[str, Meta(pattern=r"^/[^*]*\*?$", description=f"a path {_TRAILING}")]
@@ -53,7 +58,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_weights: KvWeights = KvWeights()
     load_weight: Weight = ScoreWeights.load
     queue: QueueLimits = QueueLimits()
-    conditional: Conditional = Conditional()
+    conditional: Conditional | None = None  # None: SHARED_GPU_LOCAL_PREFILL on a shared GPU, else not used
     # from the deployment, not YAML keys (INTERNAL_KEYS)
     context_urls: tuple[str, ...] = ()
     generation_urls: tuple[str, ...] = ()  # the aggregated servers' when there is no context server
@@ -125,4 +130,5 @@ def _keys_env() -> list[str]:
     return keys
 
 
-__all__ = ["POLICIES", "Conditional", "QueueLimits", "RouterConfig", "YAML_KEYS"]
+__all__ = ["POLICIES", "SHARED_GPU_ENV", "SHARED_GPU_LOCAL_PREFILL", "Conditional", "QueueLimits", "RouterConfig",
+           "YAML_KEYS"]

@@ -30,8 +30,8 @@ from server.config.checks import (
     split_host_port,
 )
 from server.config.placement import ROUTER, RayActorOptions
+from server.config.router import SHARED_GPU_LOCAL_PREFILL, Conditional, RouterConfig
 from server.config.router import YAML_KEYS as ROUTER_KEYS
-from server.config.router import RouterConfig
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
 from server.engine.speculative.config import SpeculativeConfig
 from server.models.catalog import attention_heads
@@ -177,7 +177,7 @@ class DeploymentFile(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.context_servers and not self.generation_servers:
             raise ValueError("generation_servers: required when context_servers is given")
-        if self.router.conditional.enabled and not self.context_servers:
+        if self.router.conditional is not None and self.router.conditional.enabled and not self.context_servers:
             raise ValueError("router.conditional: needs context_servers: it lets generation servers serve some "
                              "requests without a context leg")
 
@@ -225,10 +225,17 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     def aggregated_servers(self) -> tuple[ServerConfig, ...]:
         return tuple(s for s in self.servers if s.role == "aggregated")
 
-    def router_config(self) -> RouterConfig:
-        """What `pdserve router` runs on: `router:` with the deployment's servers, model, token and drain."""
+    def router_config(self, shared_gpu: bool = False) -> RouterConfig:
+        """What `pdserve router` runs on: `router:` with the deployment's servers, model, token and drain;
+        `shared_gpu`: the launcher runs a context and a generation server on one GPU (the default
+        `router.conditional` then serves short prefills on the generation server)."""
         front = self.generation_servers if self.disaggregated else self.aggregated_servers
-        return replace(self.router, context_urls=tuple(f"{s.host}:{s.port}" for s in self.context_servers),
+        conditional = self.router.conditional
+        if conditional is None:
+            local = SHARED_GPU_LOCAL_PREFILL if shared_gpu and self.disaggregated else None
+            conditional = Conditional(max_local_prefill_length=local)
+        return replace(self.router, conditional=conditional,
+                       context_urls=tuple(f"{s.host}:{s.port}" for s in self.context_servers),
                        generation_urls=tuple(f"{s.host}:{s.port}" for s in front), model=self.model,
                        auth_token=self.auth_token, drain_timeout_s=self.drain_timeout_s)
 

@@ -30,6 +30,7 @@ class SharedGpus:
     gpus: tuple[str, ...]  # as CUDA_VISIBLE_DEVICES names them, in the servers' order
     percent: dict[str, int]  # server name -> its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, in deployment order
     cuda_required: bool  # a server says `device: cuda` (with only `auto`, a host without GPU runs them on its CPU)
+    pair: bool = False  # a context and a generation server among them
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ def _shared(names: list[str], used: dict[str, tuple[str, ...]],
     if "off" in shares or not ({"context", "generation"} <= roles or any(isinstance(s, int) for s in shares)):
         return None
     gpus = tuple(dict.fromkeys(gpu for n in names for gpu in used[n]))
-    return SharedGpus(gpus, dict.fromkeys(names, SM_PERCENT), any(s.device == "cuda" for s in members))
+    return SharedGpus(gpus, dict.fromkeys(names, SM_PERCENT), any(s.device == "cuda" for s in members),
+                      {"context", "generation"} <= roles)
 
 
 def _and(items: list[str]) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from server.config.router import SHARED_GPU_ENV, SHARED_GPU_LOCAL_PREFILL
 from server.config.schema import (
     AUTH_TOKEN_ENV,
     AUTH_TOKEN_FILE_ENV,
@@ -89,6 +90,12 @@ def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Pa
         share = start_gpu_share(plan_gpu_share(cfg.named(), os.environ.get(VISIBLE_DEVICES)), log_dir,
                                 os.environ, _say)
         servers = [replace(c, env={**c.env, **share.env_of(c.name)}) for c in servers]
+        if router is not None and share.pair_on_gpu:
+            router = replace(router, env={SHARED_GPU_ENV: "1"})
+            if cfg.router.conditional is None:
+                _say(f"gpu_share: the router serves prompts of up to {SHARED_GPU_LOCAL_PREFILL} new tokens on the "
+                     "generation server alone (router.conditional; `conditional: {}` sends every prompt to the "
+                     "context server)")
         return _run(group, servers, router, cfg, stop, options, token_file)
     finally:
         try:

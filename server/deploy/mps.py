@@ -129,6 +129,7 @@ class GpuShare:
     plan: GpuSharePlan = field(default_factory=GpuSharePlan)
     daemon: MpsDaemon | None = None
     say: Say = print
+    pair_on_gpu: bool = False  # a context and a generation server share a GPU, under MPS or time-sliced
 
     def env_of(self, name: str) -> dict[str, str]:
         percent = self.plan.percent_of(name)
@@ -152,18 +153,19 @@ def start_gpu_share(plan: GpuSharePlan, log_dir: Path, env: Mapping[str, str], s
         if any(g.cuda_required for g in plan.groups):
             say(_time_sliced(plan, "no CUDA device (nvidia-smi lists none)"))
         return GpuShare()
+    pair = any(g.pair for g in plan.groups)
     if env.get(PIPE_ENV):
         say(f"gpu_share: {PIPE_ENV}={env[PIPE_ENV]} is set for the launcher, so CUDA MPS is run by hand: the "
             "servers keep their environment and no daemon is started (gpu_share: off says so quietly)")
-        return GpuShare()
+        return GpuShare(pair_on_gpu=pair)
     exe = shutil.which(CONTROL, path=env.get("PATH", os.defpath))
     daemon = MpsDaemon(exe or CONTROL, log_dir / "mps", env)
     reason = host_problem(plan, gpus, exe, daemon.pipe_dir) or daemon.start()
     if reason is not None:
         say(_time_sliced(plan, reason))
-        return GpuShare()
+        return GpuShare(pair_on_gpu=pair)
     say(f"gpu_share: {plan.describe()} under CUDA MPS (its daemon: {PIPE_ENV}={daemon.pipe_dir} {CONTROL})")
-    return GpuShare(plan, daemon, say)
+    return GpuShare(plan, daemon, say, pair)
 
 
 def host_problem(plan: GpuSharePlan, gpus: list[Gpu], exe: str | None, pipe_dir: Path) -> str | None:

@@ -26,7 +26,7 @@ class Routing:
         self.context_picker = LegPicker("context", make_policy(self.policy, weights), config.queue, metrics)
         self.generation_picker = LegPicker("generation", make_policy(self.policy, weights), config.queue,
                                            metrics, decodes=True)
-        self.conditional: Conditional = config.conditional if self.context else Conditional()
+        self.conditional: Conditional = (config.conditional if self.context else None) or Conditional()
         # the servers' KV events, followed when they are read (kv_cache_aware, or a minimum prefix hit)
         follow = self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None
         self.sync = (KvEventSync(self.context + self.generation, client, config.auth_token, registry)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import deploy_harness
 import fake_nvidia
+import hf_reference
 import pytest
 import yaml
 from test_launcher_processes import FAKE_CHILD, alive, child_pids, free_ports, run_inline, start_runner, wait_ready
@@ -15,6 +16,7 @@ from waiting import wait_until
 
 from server.config.schema import AUTH_TOKEN_ENV, HOSTNAME_ENV
 from server.deploy.launcher import pdserve_program
+from server.models.builtin import resolve_model
 
 
 @pytest.fixture
@@ -57,7 +59,9 @@ def test_the_pair_runs_under_the_launchers_daemon_until_ctrl_c(shared):
     finally:
         proc.kill()
     text = out.read_text()
-    assert text.count("gpu_share:") == 1
+    assert text.count("gpu_share:") == 2
+    assert ("gpu_share: the router serves prompts of up to 256 new tokens on the generation server alone "
+            "(router.conditional; `conditional: {}` sends every prompt to the context server)") in text
     assert (f"gpu_share: context-0 (100%) and generation-0 (100%) on GPU 0 under CUDA MPS (its daemon: "
             f"CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control)") in text
     assert re.search(r"started context-0 \(pid \d+\) under CUDA MPS \(100% of the SMs\)", text)
@@ -100,7 +104,9 @@ def test_without_the_daemon_the_pair_starts_plainly_and_one_line_says_why(shared
     said = [line for line in capsys.readouterr().out.splitlines() if "gpu_share" in line or "MPS" in line]
     assert said == ["[pdserve launch] gpu_share: context-0 (100%) and generation-0 (100%) on GPU 0: no CUDA MPS, the "
                     "servers time-slice the GPU: `nvidia-cuda-mps-control -d` failed with exit code 1: An instance of "
-                    "this daemon is already running"]
+                    "this daemon is already running",
+                    "[pdserve launch] gpu_share: the router serves prompts of up to 256 new tokens on the generation "
+                    "server alone (router.conditional; `conditional: {}` sends every prompt to the context server)"]
     assert mps_lines(setup[2] / "context-0.log") == ["- - -"]
     assert [c.split()[0] for c in tools.calls()] == ["-d"]
 
@@ -115,13 +121,22 @@ def _server_environ(dep: deploy_harness.Deployment, name: str) -> dict[str, str]
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_pdserve_launch_on_the_cpu(short_tmp, device):
     """device cpu: no MPS and not a word about it. device auto where nvidia-smi lists a GPU: the real
-    servers get the daemon's variables (on a CPU they are only environment)."""
+    servers get the daemon's variables (on a CPU they are only environment), and the router serves a
+    short prompt on the generation server alone (a context leg on a shared GPU reads the weights again)."""
     tools = fake_nvidia.install(short_tmp / "bin")
     overrides = {"device": device, "gpu_share": "auto"}
+    prompts = ["The quick brown fox", "word " * 300]  # 5 and 301 prompt tokens: under and over 256
     with deploy_harness.launched("disagg.yaml", short_tmp, overrides, env={"PATH": tools.path()}) as dep:
-        assert deploy_harness.greedy_texts(dep.url, ["The quick brown fox"], 4)[0] != ""
+        texts = deploy_harness.greedy_texts(dep.url, prompts, 4)
+        routed = {name: dep.metric(dep.url, f"pdserve_router_{name}_requests_total")
+                  for name in ("local", "disaggregated")}
         environs = {name: _server_environ(dep, name) for name in ("context-0", "generation-0")}
+    model = resolve_model(dep.config["model"])
+    assert texts == [hf_reference.hf_text_ignore_eos(model, p, 4) for p in prompts]
+    assert routed == ({"local": 0, "disaggregated": 2} if device == "cpu" else {"local": 1, "disaggregated": 1})
     launcher_log = (dep.log_dir / "launcher.log").read_text()
+    local_line = "gpu_share: the router serves prompts of up to 256 new tokens on the generation server alone"
+    assert (local_line in launcher_log) == (device == "auto")
     pipe, log = dep.log_dir / "mps" / "pipe", dep.log_dir / "mps" / "log"
     if device == "cpu":
         assert re.findall(r".*(?:gpu_share|MPS).*", launcher_log) == []

@@ -42,7 +42,7 @@ def test_no_server_is_capped_by_default():
 
 def test_the_shipped_pair_shares_gpu_0():
     plan = plan_gpu_share(load_deployment(CONFIGS / "disagg.yaml").named(), None)
-    assert plan == GpuSharePlan((SharedGpus(("0",), {"context-0": 100, "generation-0": 100}, False),))
+    assert plan == GpuSharePlan((SharedGpus(("0",), {"context-0": 100, "generation-0": 100}, False, True),))
     assert plan.percent_of("context-0") == 100 and plan.percent_of("router") is None
     assert plan.describe() == "context-0 (100%) and generation-0 (100%) on GPU 0"
 
@@ -50,14 +50,14 @@ def test_the_shipped_pair_shares_gpu_0():
 def test_two_by_two_on_one_gpu_is_one_group():
     plan = plan_gpu_share(load_deployment(CONFIGS / "disagg_2x2.yaml").named(), None)
     assert plan.groups == (SharedGpus(("0",), {"context-0": 100, "context-1": 100, "generation-0": 100,
-                                               "generation-1": 100}, False),)
+                                               "generation-1": 100}, False, True),)
     assert plan.describe() == ("context-0 (100%), context-1 (100%), generation-0 (100%) and generation-1 (100%) "
                                "on GPU 0")
 
 
 def test_a_number_is_that_servers_percentage(tmp_path):
     plan = plan_of(tmp_path, pair(context={"gpu_share": 100}, generation={"gpu_share": "auto"}))
-    assert plan.groups == (SharedGpus(("0",), {"context-0": 100, "generation-0": 100}, False),)
+    assert plan.groups == (SharedGpus(("0",), {"context-0": 100, "generation-0": 100}, False, True),)
     inherited = plan_of(tmp_path, {**pair(), "gpu_share": 100})
     assert inherited.groups[0].percent == {"context-0": 100, "generation-0": 100}
 
@@ -89,7 +89,7 @@ def test_auto_needs_a_context_and_a_generation_server(tmp_path):
 def test_gpus_are_the_ones_each_server_sees(tmp_path):
     data = pair(context={"env": {"CUDA_VISIBLE_DEVICES": "2"}})
     assert plan_of(tmp_path, data, launcher_devices="2,3").groups == (
-        SharedGpus(("2",), {"context-0": 100, "generation-0": 100}, False),)
+        SharedGpus(("2",), {"context-0": 100, "generation-0": 100}, False, True),)
     assert plan_of(tmp_path, data, launcher_devices="3,2") == GpuSharePlan()  # the generation server: GPU 3
     uuid = "GPU-4f1c7d2e"
     assert plan_of(tmp_path, pair(), launcher_devices=f" {uuid} ,1").groups[0].gpus == (uuid,)
@@ -98,13 +98,14 @@ def test_gpus_are_the_ones_each_server_sees(tmp_path):
 def test_tensor_parallel_servers_join_every_gpu_they_use(tmp_path):
     data = pair(context={"tensor_parallel_size": 2, "env": {"CUDA_VISIBLE_DEVICES": "0,1"}},
                 generation={"env": {"CUDA_VISIBLE_DEVICES": "1"}})
-    assert plan_of(tmp_path, data).groups == (SharedGpus(("0", "1"), {"context-0": 100, "generation-0": 100}, False),)
+    assert plan_of(tmp_path, data).groups == (
+        SharedGpus(("0", "1"), {"context-0": 100, "generation-0": 100}, False, True),)
     # a generation server on GPU 1 and one on GPU 0 are joined through the context server on both
     data = pair(context={"tensor_parallel_size": 2})
     data["generation_servers"] = {"urls": ["127.0.0.1:8002", "127.0.0.1:8003"], "env": {"CUDA_VISIBLE_DEVICES": "1"}}
     data["context_servers"]["urls"] = ["127.0.0.1:8001"]
     assert plan_of(tmp_path, data).groups == (
-        SharedGpus(("0", "1"), {"context-0": 100, "generation-0": 100, "generation-1": 100}, False),)
+        SharedGpus(("0", "1"), {"context-0": 100, "generation-0": 100, "generation-1": 100}, False, True),)
 
 
 def test_separate_gpus_are_separate_groups(tmp_path):

@@ -23,7 +23,7 @@ from server.deploy.mps import (
     start_gpu_share,
 )
 
-PAIR = GpuSharePlan((SharedGpus(("0",), {"context-0": 60, "generation-0": 100}, False),))
+PAIR = GpuSharePlan((SharedGpus(("0",), {"context-0": 60, "generation-0": 100}, False, True),))
 FALLBACK = "gpu_share: context-0 (60%) and generation-0 (100%) on GPU 0: no CUDA MPS, the servers time-slice the GPU: "
 
 
@@ -51,7 +51,7 @@ def test_the_daemon_starts_with_private_dirs_and_quits(short_tmp, tools):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert share.env_of("context-0") == {PIPE_ENV: str(pipe), LOG_ENV: str(log), PERCENT_ENV: "60"}
     assert share.env_of("generation-0") == {PIPE_ENV: str(pipe), LOG_ENV: str(log), PERCENT_ENV: "100"}
-    assert share.env_of("router") == {}
+    assert share.env_of("router") == {} and share.pair_on_gpu  # the launcher tells its router so
     assert (pipe / "nvidia-cuda-mps-control.pid").exists()
     share.stop()
     assert tools.calls()[2:] == [f"quit {seen}"]
@@ -66,7 +66,7 @@ def test_a_daemon_that_fails_to_start_is_reported_and_nothing_changes(short_tmp,
     assert said == [FALLBACK + "`nvidia-cuda-mps-control -d` failed with exit code 1: An instance of this "
                                "daemon is already running"]
     assert [c.split()[0] for c in tools.calls()] == ["-d"]
-    assert share.env_of("context-0") == {}
+    assert share.env_of("context-0") == {} and share.pair_on_gpu  # time-sliced, still one GPU
     share.stop()
     assert len(tools.calls()) == 1
 
@@ -134,15 +134,16 @@ def test_no_gpu_is_quiet_unless_a_server_asked_for_cuda(short_tmp):
     for tools in (fake_nvidia.install(short_tmp / "none", smi=False),
                   fake_nvidia.install(short_tmp / "empty", gpus=[])):
         share, said, _ = start(short_tmp, tools, PATH=str(tools.bin))
-        assert said == [] and tools.calls() == [] and share.env_of("context-0") == {}
-        cuda = GpuSharePlan((SharedGpus(("0",), {"context-0": 60, "generation-0": 100}, True),))
+        assert said == [] and tools.calls() == [] and share.env_of("context-0") == {} and not share.pair_on_gpu
+        cuda = GpuSharePlan((SharedGpus(("0",), {"context-0": 60, "generation-0": 100}, True, True),))
         share, said, _ = start(short_tmp, tools, cuda, PATH=str(tools.bin))
         assert said == [FALLBACK + "no CUDA device (nvidia-smi lists none)"] and tools.calls() == []
+        assert not share.pair_on_gpu
 
 
 def test_an_empty_plan_runs_nothing(short_tmp, tools):
     share, said, log_dir = start(short_tmp, tools, GpuSharePlan())
-    assert said == [] and tools.calls() == [] and not (log_dir / "mps").exists()
+    assert said == [] and tools.calls() == [] and not (log_dir / "mps").exists() and not share.pair_on_gpu
     share.stop()
 
 

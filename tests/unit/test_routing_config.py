@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.router import Conditional, QueueLimits
+from server.config.router import SHARED_GPU_LOCAL_PREFILL, Conditional, QueueLimits
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
 from server.router.policies import ScoreWeights
 
@@ -29,7 +29,7 @@ def _load(tmp_path: Path, router: dict, disaggregated: bool = True):
 def test_defaults_and_every_key(tmp_path):
     router = _load(tmp_path, {"type": "kv_cache_aware"}).router
     assert (router.weights, router.queue, router.conditional) == (
-        ScoreWeights(1.0, 0.75, 1.0), QueueLimits(64, 1024, 60.0), Conditional(None, None))
+        ScoreWeights(1.0, 0.75, 1.0), QueueLimits(64, 1024, 60.0), None)
     cfg = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"primary": 2, "secondary": 0.5},
                            "load_weight": 0.25, "queue": {"max_inflight_per_server": 0, "max_waiting": 8,
                                                           "timeout_s": 1.5},
@@ -38,6 +38,7 @@ def test_defaults_and_every_key(tmp_path):
     assert (router.weights, router.queue, router.conditional) == (
         ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
     assert router.conditional.enabled and not Conditional().enabled
+    assert cfg.router_config(shared_gpu=True).conditional == Conditional(128, 256)
     disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).router.weights
     assert (disk.primary, disk.secondary, disk.disk, disk.load) == (1.0, 0.75, 0.1, 1.0)
 
@@ -60,6 +61,19 @@ def test_errors_name_the_file_and_the_key(tmp_path, router, expected):
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, router)
     assert str(info.value).startswith(f"{tmp_path / 'd.yaml'}: {expected}"), str(info.value)
+
+
+def test_a_pair_on_one_gpu_serves_short_prefills_locally_unless_the_yaml_says(tmp_path):
+    """Left out, `router.conditional` is off, except where the launcher says a context and a generation
+    server share a GPU: then prompts of up to SHARED_GPU_LOCAL_PREFILL new tokens skip the context leg.
+    `conditional: {}` keeps it off; an aggregated deployment has no context leg to skip."""
+    plain = _load(tmp_path, {})
+    assert plain.router_config().conditional == Conditional(None, None)
+    assert plain.router_config(shared_gpu=True).conditional == Conditional(SHARED_GPU_LOCAL_PREFILL, None)
+    assert SHARED_GPU_LOCAL_PREFILL == 256
+    assert _load(tmp_path, {"conditional": {}}).router_config(shared_gpu=True).conditional == Conditional(None, None)
+    alone = _load(tmp_path, {}, disaggregated=False)
+    assert not alone.router_config(shared_gpu=True).conditional.enabled
 
 
 def test_conditional_needs_context_servers(tmp_path):
