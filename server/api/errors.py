@@ -17,7 +17,6 @@ from server.openai.errors import APIError, error_response, http_error
 from server.types import RequestOutput
 
 log = logging.getLogger(__name__)
-__all__ = ["APIError", "install_error_handlers", "output_error"]
 
 
 def output_error(output: RequestOutput) -> APIError:
