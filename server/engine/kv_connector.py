@@ -1,13 +1,11 @@
-"""The KV hand-over between the engine and the transceiver, one connector per server role.
-
-Decision side only: which blocks a request needs and who frees them; the bytes move
-in `transceiver/`. A connector is given requests and returns data (params, ids that arrived or
-failed); it never holds the engine (`EngineCore.step` calls it).
+"""The KV hand-over between the engine and the transceiver, one connector per server role: which
+blocks a request needs and who frees them (the bytes move in `transceiver/`). A connector is given
+requests and returns data; it never holds the engine (`EngineCore.step` calls it).
 
 Streamed KV (`disaggregated_params.kv_stream`, transceiver/sender/stream.py): a context request's
 lease opens at its first prefill step, every step's completed blocks are offered at once, and the
-offer after its first token adds the rest and that token (with n > 1, one per choice). Its generation
-request pulls from the start and learns its first token(s) when the pull ends (`Arrived.first_tokens`).
+offer after its first token adds the rest and that token (one per choice). Its generation request
+pulls from the start and learns its first token(s) when the pull ends (`Arrived.first_tokens`).
 """
 
 from __future__ import annotations

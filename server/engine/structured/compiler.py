@@ -133,8 +133,8 @@ def compiler_for(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> Gramma
         return compiler
 
 
-def check_spec(spec: StructuredSpec, tokenizer, vocab_size: int | None = None) -> None:
+def check_spec(spec: StructuredSpec, tokenizer) -> None:
     """Compile `spec` for `tokenizer` (cached), raising ValueError naming the problem: the HTTP side
     answers 400 with it before the request reaches the engine."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    compiler_for(tokenizer, vocab_size or len(tokenizer), eos).compile(spec)
+    compiler_for(tokenizer, len(tokenizer), eos).compile(spec)
