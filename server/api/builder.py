@@ -53,7 +53,6 @@ class Built:
 
 
 def build_request(body: Body, engine: EngineClient, request_id: str, max_n: int = DEFAULT_MAX_N) -> Built:
-    """Validate `body` against the engine and build the engine's requests."""
     check_model(body.model, engine)
     _check_choices(body, max_n)
     logprobs = _output_logprobs(body)

@@ -231,7 +231,6 @@ class Scheduler:
         return taken + request.batch_slots <= self.config.max_batch_size
 
     def _never_fits(self, request: Request) -> str | None:
-        """Why the request can never be scheduled, or None."""
         if request.batch_slots > self.config.max_batch_size:
             return (f"n={request.sampling.n} choices need as many rows of a step, but max_batch_size is "
                     f"{self.config.max_batch_size}")

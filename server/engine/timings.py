@@ -32,7 +32,6 @@ class TokenTimings:
         request.last_token_time = now
 
     def observe(self) -> None:
-        """Hand the stamped tokens to the metrics."""
         timings, self._pending = self._pending, []
         prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
         prefills, self._prefills = self._prefills, []

@@ -45,8 +45,6 @@ class Drafter(Protocol):
 
 @dataclass
 class _Pace:
-    """One request's drafting pace."""
-
     backoff: int
     misses: int = 0
     resume_at: int = 0  # drafting resumes once the request has this many output tokens
