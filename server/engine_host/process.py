@@ -1,10 +1,10 @@
 """`EngineProcess`: the engine's front over the ipc link when the engine runs in its own process
 (`engine_process`). If the child dies, every request in flight ends with a 503 and `on_fatal()` makes
 the server exit non-zero (the launcher restarts it); before `Ready`, its death or `LoadFailed` is a
-`load_error`. The child, `python -m server.engine_host.main` (fork + exec: a parent with CUDA is
-never forked), gets its `Launch` on stdin (the token and link secret never go on argv) and ignores
-SIGINT and SIGTERM: the HTTP process drains first, then sends `Shutdown` and SIGKILLs it after a
-timeout."""
+`load_error`. The child, `python -m server.engine_host.main` in the server's process group (fork +
+exec: a parent with CUDA is never forked), gets its `Launch` on stdin (the token and link secret never
+go on argv) and ignores SIGINT and SIGTERM: the HTTP process drains first, then sends `Shutdown` and
+SIGKILLs it after a timeout."""
 
 from __future__ import annotations
 
