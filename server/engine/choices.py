@@ -52,10 +52,9 @@ def fork_children(parent: Request, kv: KVCacheManager, num_tokens: int) -> list[
 
 def fork_rows(logits: torch.Tensor, sampled: list[ScheduledChunk],
               fork: Callable[[Request, int], list[Request]]) -> tuple[torch.Tensor, list[Request]]:
-    """A step's logits (rows of `sampled`, in order) and the children forked by `fork` from the
-    requests whose first token is due (their prompt is computed by this step): the logits gain a copy
-    of the parent's row for each child, in the order of the children (a view and a concatenation on
-    the device: nothing waits for it)."""
+    """A step's logits (rows of `sampled`, in order) and the children `fork` made of the requests whose
+    first token is due: the logits gain a copy of the parent's row for each child, in the children's
+    order (a view and a concatenation on the device: nothing waits for it)."""
     copies, children, row = [logits], [], 0
     for chunk in sampled:
         request = chunk.request

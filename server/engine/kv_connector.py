@@ -213,13 +213,10 @@ class GenerationConnector(KVConnector):
 def blocks_to_pull(kv: KVCacheManager, request_id: str, num_prompt_tokens: int,
                    cached_tokens: int) -> dict[int, tuple[int, list[int]]]:
     """Per window: (first block index, destination slots) of the prompt blocks not held locally.
-
-    Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first
-    decode step can no longer see are released here and not pulled either. The hit ends on a block
-    boundary unless a partly matching block completed the prompt (the scheduler admits generation
-    requests so: `partial_only_if_complete`): then every prompt token is local and nothing is
-    pulled, where a pull of the last block would only bring its tokens again.
-    """
+    Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first decode
+    step can no longer see are released here and not pulled either. The hit ends on a block boundary
+    unless a partly matching block completed the prompt (`partial_only_if_complete`): then nothing is
+    pulled, where a pull of the last block would only bring its tokens again."""
     tpb = kv.tokens_per_block
     kv.release_out_of_window(request_id, num_prompt_tokens)
     num_blocks = math.ceil(num_prompt_tokens / tpb)

@@ -28,12 +28,11 @@ MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities);
 
 def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None,
                      mask: StepMask | None = None) -> torch.Tensor:
-    """One token per row of `logits` (float32 [rows, vocab]), as [rows] ids on the logits' device (on
-    a GPU the work is only queued, so the caller can do host work before it waits for the ids).
-    `requests`: per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`:
-    the engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
-    from the requests' tokens when None). `mask`: the structured-output rows' allowed tokens (the
-    others -inf, before biases and penalties: -inf stays -inf through both)."""
+    """One token per row of `logits` (float32 [rows, vocab]), as [rows] ids on its device (only queued
+    on a GPU). `requests`: per row a `Request` or a `VerifyRow`. `counts`: the engine's token counts of
+    penalised requests, bumped with the ids picked (None: a throwaway one from the requests' tokens).
+    `mask`: the structured-output rows' allowed tokens (the others -inf, before biases and penalties:
+    -inf stays -inf through both)."""
     logits = _mask_banned(logits, requests)
     if mask is not None:  # structured output (server/engine/structured/)
         logits = mask.apply(logits)
