@@ -47,11 +47,14 @@ def _constraints(body: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
              if getattr(body, f"guided_{key}") is not None]
     for param, key, value in vllm:
         if key == "json":
-            found.append((param, json_schema_spec(value, param)))
+            spec = json_schema_spec(value, param)
         elif key == "choice":
-            found.append((param, StructuredSpec("choice", json.dumps(value, ensure_ascii=False))))
+            spec = StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
+        elif key == "json_object":
+            spec = StructuredSpec("json_object")
         else:
-            found.append((param, StructuredSpec(key) if key == "json_object" else StructuredSpec(key, value)))
+            spec = StructuredSpec(key, value)
+        found.append((param, spec))
     return found
 
 
