@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from server.api.errors import APIError
 from server.auth import TOKEN_HEADER, missing_token_message, token_matches
+from server.openai.errors import APIError
 from server.openai.protocol import DisaggParams
 
 PARAM = "disaggregated_params"

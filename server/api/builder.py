@@ -1,7 +1,6 @@
-"""One OpenAI body -> the engine's requests, in one pass (`build_request`), read top to bottom:
-server limits, the prompt, the disaggregated parameters, the constraint, sampling per prompt, and
-how to answer. Plain value checks are pydantic's (server/openai/protocol.py). Every failure is an
-`APIError` (400, or 404 for the model). One engine request per prompt, each with the request's `n`."""
+"""One OpenAI body -> the engine's requests (one per prompt, each with the request's `n`), in one
+pass (`build_request`) whose sections below are its steps, in order. Plain value checks are
+pydantic's (server/openai/protocol.py). Every failure is an `APIError` (400, or 404 for the model)."""
 
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ from dataclasses import dataclass, replace
 
 from server.api.chat_template import chat_prompt_ids
 from server.api.disagg_logprobs import GenerationOutputs
-from server.api.errors import APIError
 from server.api.streams import failed
 from server.api.structured import request_constraint
 from server.api.token_text import pieces_for
 from server.api.tool_choice import ToolPlan, tool_plan
-from server.openai.errors import bad_field
+from server.openai.errors import APIError, bad_field
 from server.openai.formatting import Echo, FormatOptions
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, DisaggParams
 from server.types import (
@@ -55,12 +53,9 @@ class Built:
 
 
 def build_request(body: Body, engine: EngineClient, request_id: str, max_n: int = DEFAULT_MAX_N) -> Built:
-    """Validate `body` against the engine and build the engine's requests."""
-    # 1. what needs the server
     check_model(body.model, engine)
     _check_choices(body, max_n)
     logprobs = _output_logprobs(body)
-    # 2. the prompt
     tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     chat = isinstance(body, ChatCompletionRequest)
     plan = tool_plan(body, getattr(tokenizer, "chat_template", None)) if chat else ToolPlan()
@@ -68,17 +63,13 @@ def build_request(body: Body, engine: EngineClient, request_id: str, max_n: int 
         prompts = [Prompt(chat_prompt_ids(body, tokenizer, plan.template_tools), None, "messages")]
     else:
         prompts = _completion_prompts(body, tokenizer, vocab_size)
-    # 3. the disaggregated parameters
     disagg = _check_disagg(body, vocab_size, len(prompts))
     generation_leg = disagg is not None and disagg.request_type == GENERATION_ONLY
-    # 4. the constraint
     constraint = request_constraint(body, plan.schema, plan.param, tokenizer)
-    # 5. sampling, per prompt
     echo = not chat and body.echo
     prompt_logprobs = logprobs if echo and not generation_leg else None  # computed where the prompt is
     requests = [_engine_request(body, engine, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id,
                                 constraint, logprobs, prompt_logprobs) for i, p in enumerate(prompts)]
-    # 6. how to answer
     options = FormatOptions(n=body.n, logprobs=logprobs, tools=plan.mode,
                             echo=tuple(_echo(p, r, tokenizer) for p, r in zip(prompts, requests, strict=True))
                             if echo else (),

@@ -7,9 +7,8 @@ import json
 
 from jinja2 import TemplateError
 
-from server.api.errors import APIError
 from server.openai.chat_messages import ChatMessage
-from server.openai.errors import bad_field
+from server.openai.errors import APIError, bad_field
 from server.openai.protocol import ChatCompletionRequest
 
 

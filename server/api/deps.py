@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from server.api.errors import APIError
+from server.openai.errors import APIError
 from server.types import EngineClient
 
 M = TypeVar("M", bound=BaseModel)

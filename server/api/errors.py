@@ -1,8 +1,6 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` (statuses: docs/API.md).
-
-Wrong types are a 400 naming the field, not FastAPI's 422, as OpenAI and vLLM answer (so the
-`openai` client raises `BadRequestError`). Every handler returns a response and the server keeps
-serving."""
+"""The servers' error handlers (the shape: server/openai/errors.py; statuses: docs/API.md). Wrong
+types are a 400 naming the field, not FastAPI's 422, as OpenAI and vLLM answer (so the `openai`
+client raises `BadRequestError`). Every handler returns a response and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from server.openai.errors import APIError, error_response, http_error
 from server.types import RequestOutput
 
 log = logging.getLogger(__name__)
-__all__ = ["APIError", "install_error_handlers", "output_error"]
 
 
 def output_error(output: RequestOutput) -> APIError:

@@ -9,11 +9,10 @@ from typing import Any
 
 from server.engine.structured.compiler import check_spec
 from server.openai.errors import bad_field
-from server.openai.protocol import SamplingRequest
+from server.openai.protocol import GUIDED, SamplingRequest
 from server.types import StructuredSpec
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_*` fields
 TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 ONE_SCHEMA = ("items", "not", "additionalProperties", "additionalItems", "contains", "if", "then", "else",
               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
@@ -33,43 +32,36 @@ def json_schema_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec
     return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
-def _from_response_format(body: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return []
-    if fmt.type == "json_object":
-        return [("response_format", StructuredSpec("json_object"))]
-    param = "response_format.json_schema.schema"
-    return [(param, json_schema_spec(fmt.json_schema.schema_ or ANY_OBJECT, param))]
-
-
-def _vllm_fields(body: SamplingRequest) -> list[tuple[str, str, Any]]:
-    """(field, kind, value) of each of vLLM's constraint fields the request sets."""
+def _constraints(body: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
+    """(field, spec) of each constraint the request sets: OpenAI's `response_format`, then vLLM's fields."""
     found = []
-    if body.structured_outputs is not None:
-        (key, value), = body.structured_outputs.chosen()
-        found.append((f"structured_outputs.{key}", key, value))
-    for key in GUIDED:
-        value = getattr(body, f"guided_{key}")
-        if value is not None:
-            found.append((f"guided_{key}", key, value))
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", StructuredSpec("json_object")))
+    elif fmt is not None and fmt.type == "json_schema":
+        param = "response_format.json_schema.schema"
+        found.append((param, json_schema_spec(fmt.json_schema.schema_ or ANY_OBJECT, param)))
+    chosen = body.structured_outputs.chosen() if body.structured_outputs is not None else []
+    vllm = [(f"structured_outputs.{key}", key, value) for key, value in chosen]
+    vllm += [(f"guided_{key}", key, getattr(body, f"guided_{key}")) for key in GUIDED
+             if getattr(body, f"guided_{key}") is not None]
+    for param, key, value in vllm:
+        if key == "json":
+            spec = json_schema_spec(value, param)
+        elif key == "choice":
+            spec = StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
+        elif key == "json_object":
+            spec = StructuredSpec("json_object")
+        else:
+            spec = StructuredSpec(key, value)
+        found.append((param, spec))
     return found
-
-
-def _vllm_spec(param: str, key: str, value: Any) -> StructuredSpec:
-    if key == "json":
-        return json_schema_spec(value, param)
-    if key == "choice":
-        return StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
-    if key == "json_object":
-        return StructuredSpec("json_object")
-    return StructuredSpec(key, value)
 
 
 def request_constraint(body: SamplingRequest, tool_schema: dict[str, Any] | str | None, tool_param: str,
                        tokenizer: object) -> StructuredSpec | None:
     """The request's one constraint, compiled (its fields' or `tool_choice`'s, never both); None if none."""
-    found = _from_response_format(body) + [(p, _vllm_spec(p, key, value)) for p, key, value in _vllm_fields(body)]
+    found = _constraints(body)
     if len(found) > 1:
         first, second = (p.split(".")[0] for p, _ in found[:2])
         raise bad_field(second, f"only one structured-output constraint per request ({first} is set too)")

@@ -65,7 +65,11 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
     rendered = [t.model_dump(exclude_none=True) for t in body.tools]
     parallel = body.parallel_tool_calls is not False
     if choice == "auto":
-        return ToolPlan(rendered, _auto_mode(chat_template, parallel))
+        fmt = tool_format(chat_template)
+        if fmt is None:
+            raise bad_field("tools", "this model's chat template asks for no tool-call format pdserve parses (Hermes "
+                            "<tool_call> or Llama 3 JSON); use tool_choice \"required\" or a named function")
+        return ToolPlan(rendered, ToolMode(fmt, parallel=parallel))
     if choice == "required":
         schema = required_schema(body.tools, parallel)
         return ToolPlan(rendered, ToolMode("required", parallel=parallel), schema)
@@ -75,12 +79,4 @@ def tool_plan(body: ChatCompletionRequest, chat_template: str | dict | None) -> 
     at = names.index(name)
     param = f"tools.{at}.function.parameters"
     return ToolPlan(rendered, ToolMode("named", function=name), _parameters(body.tools[at]), param)
-
-
-def _auto_mode(chat_template: str | dict | None, parallel: bool) -> ToolMode:
-    fmt = tool_format(chat_template)
-    if fmt is None:
-        raise bad_field("tools", "this model's chat template asks for no tool-call format pdserve parses (Hermes "
-                        "<tool_call> or Llama 3 JSON); use tool_choice \"required\" or a named function")
-    return ToolMode(fmt, parallel=parallel)
 

@@ -1,21 +1,18 @@
 """The n choices of one request (`SamplingParams.n`): one prompt computed once, n continuations.
 
-A request with n > 1 is admitted, scheduled and computed as one request (choice 0) until its first
-token is due; it takes n rows of a step's batch meanwhile (`Request.batch_slots`). Then it forks
-n - 1 children: requests of their own (`child_id`, `choice` i) that hold its prompt's KV through
-`KVCacheManager.fork` (full blocks shared, the partly filled one copied) and from then on run as
-any request does (decode, stop rules, preemption, speculative decoding). Where the fork happens:
-- aggregated and context servers: in the step that computes the prompt's last token; each child
-  samples its first token from a copy of its parent's logits row (`EngineCore._launch`);
-- generation servers: when the prompt's KV has arrived; child i takes the context server's first
-  token i (`Request.take_first_tokens`).
-A child for whose copy no block is left starts as a preempted request does: waiting, its prompt to
-be recomputed (from the prefix cache, where its parent committed the full blocks).
+Until its first token is due, a request with n > 1 runs as one request (choice 0) that takes n rows
+of a step's batch (`Request.batch_slots`). Then it forks n - 1 children (`child_id`, `choice` i)
+that hold its prompt's KV through `KVCacheManager.fork` (full blocks shared, the partly filled one
+copied) and from then on run as any request does. The fork happens on aggregated and context
+servers in the step that computes the prompt's last token, each child sampling its first token from
+a copy of its parent's logits row (`EngineCore._launch`); on generation servers when the prompt's KV
+has arrived, child i taking the context server's first token i (`Request.take_first_tokens`). A
+child for whose copy no block is left starts as a preempted request does: waiting, its prompt to be
+recomputed (from the prefix cache, where its parent committed the full blocks).
 
 Outputs of child i go out under the parent's request id with index i. A context server hands all n
-choices over under the parent's one lease (`Request.choice_first_tokens`), and releases the
-children's blocks at once; it applies no stop rule to their first tokens (the generation server
-does, as for the first tokens it is sent).
+choices over under the parent's one lease (`Request.choice_first_tokens`) and releases the
+children's blocks at once, applying no stop rule to their first tokens (the generation server does).
 """
 
 from __future__ import annotations
@@ -55,10 +52,9 @@ def fork_children(parent: Request, kv: KVCacheManager, num_tokens: int) -> list[
 
 def fork_rows(logits: torch.Tensor, sampled: list[ScheduledChunk],
               fork: Callable[[Request, int], list[Request]]) -> tuple[torch.Tensor, list[Request]]:
-    """A step's logits (rows of `sampled`, in order) and the children forked by `fork` from the
-    requests whose first token is due (their prompt is computed by this step): the logits gain a copy
-    of the parent's row for each child, in the order of the children (a view and a concatenation on
-    the device: nothing waits for it)."""
+    """A step's logits (rows of `sampled`, in order) and the children `fork` made of the requests whose
+    first token is due: the logits gain a copy of the parent's row for each child, in the children's
+    order (a view and a concatenation on the device: nothing waits for it)."""
     copies, children, row = [logits], [], 0
     for chunk in sampled:
         request = chunk.request

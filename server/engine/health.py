@@ -1,22 +1,18 @@
 """The engine's own health: periodic checks of its KV invariants, on the engine thread.
 
-A server that answers `/health` with 200 while blocks are stranded (held by no live request and no
-live lease) keeps taking traffic until its pool runs dry. So every `interval_s` (between steps, off
-the hot path) the engine compares what the KV manager counts with what holds blocks:
-
-- `kv_accounting`: the manager's cheap invariants (request references counted == those the live
-  requests hold; free + in use + cached fit the pool) — `KVCacheManager.check_accounting`;
-- `stranded_requests`: KV requests no scheduler queue knows (their blocks would never be released),
-  or running requests that hold no blocks;
-- `stranded_pins`: pins on blocks that no live lease holds (context servers pin only for leases,
-  others never), or leases whose pins are gone;
+A server whose blocks are stranded (held by no live request and no live lease) would answer
+`/health` with 200 until its pool ran dry. So every `interval_s`, between steps, the engine compares
+what the KV manager counts with what holds blocks:
+- `kv_accounting`: `KVCacheManager.check_accounting` (request references counted == those the live
+  requests hold; free + in use + cached fit the pool);
+- `stranded_requests`: KV requests no scheduler queue knows, or running requests holding no blocks;
+- `stranded_pins`: pins on blocks that no live lease holds (only a context server's leases pin), or
+  leases whose pins are gone;
 - `expired_leases`: leases past their deadline that were never taken back;
-- `kv_integrity`: while the engine is idle, at most every `full_interval_s`, the full
-  `check_integrity` (O(blocks), so never while requests run).
-
-A problem is reported only once it has lasted `grace_s` (seen on checks at least that far apart), so
-a state between two halves of one hand-over is never one. `problem` (None or a sentence naming the
-check) is read by the HTTP thread: `/health` answers 503 with it, and the router fences the server.
+- `kv_integrity`: the full `check_integrity` (O(blocks)), only while idle, at most every `full_interval_s`.
+A problem counts once it has lasted `grace_s` (so the state between two halves of one hand-over is
+none). `problem` (None or a sentence naming the check) is read by the HTTP thread: `/health`
+answers 503 with it, and the router fences the server.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """A launched step's sampled token ids on their way to the host (async scheduling).
 
-`SampledStep` starts one non-blocking device->host copy of the step's sampled ids, followed by its
-log-probabilities when some row asked for them (server/engine/logprobs.py packs them as int64 behind
-the ids), into a pinned buffer and records an event behind it; `tokens()` waits for that event: the
-step's one host synchronisation. The ids also stay on the device (`picked`): the next step, launched
-before this one is waited for, takes each request's pending token from there (`runner.PendingTokens`).
-
-On the CPU the forward is synchronous, so the ids are on the host when the step returns; the same
-code runs, with no copy and no event.
+`SampledStep` starts one non-blocking device->host copy of the step's sampled ids (and of its
+log-probabilities, packed as int64 behind them by server/engine/logprobs.py) into a pinned buffer,
+with an event behind it; `tokens()` waits for that event: the step's one host synchronisation. The
+ids also stay on the device (`picked`): the next step, launched before this one is waited for, takes
+each pending token from there (`runner.PendingTokens`). On the CPU the forward is synchronous: the
+same code runs, with no copy and no event.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The KV hand-over between the engine and the transceiver, one connector per server role.
-
-Decision side only: which blocks a request needs and who frees them; the bytes move
-in `transceiver/`. A connector is given requests and returns data (params, ids that arrived or
-failed); it never holds the engine (`EngineCore.step` calls it).
+"""The KV hand-over between the engine and the transceiver, one connector per server role: which
+blocks a request needs and who frees them (the bytes move in `transceiver/`). A connector is given
+requests and returns data; it never holds the engine (`EngineCore.step` calls it).
 
 Streamed KV (`disaggregated_params.kv_stream`, transceiver/sender/stream.py): a context request's
 lease opens at its first prefill step, every step's completed blocks are offered at once, and the
-offer after its first token adds the rest and that token (with n > 1, one per choice). Its generation
-request pulls from the start and learns its first token(s) when the pull ends (`Arrived.first_tokens`).
+offer after its first token adds the rest and that token (one per choice). Its generation request
+pulls from the start and learns its first token(s) when the pull ends (`Arrived.first_tokens`).
 """
 
 from __future__ import annotations
@@ -215,13 +213,10 @@ class GenerationConnector(KVConnector):
 def blocks_to_pull(kv: KVCacheManager, request_id: str, num_prompt_tokens: int,
                    cached_tokens: int) -> dict[int, tuple[int, list[int]]]:
     """Per window: (first block index, destination slots) of the prompt blocks not held locally.
-
-    Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first
-    decode step can no longer see are released here and not pulled either. The hit ends on a block
-    boundary unless a partly matching block completed the prompt (the scheduler admits generation
-    requests so: `partial_only_if_complete`): then every prompt token is local and nothing is
-    pulled, where a pull of the last block would only bring its tokens again.
-    """
+    Blocks before the local prefix hit are reused; in sliding-window groups, blocks the first decode
+    step can no longer see are released here and not pulled either. The hit ends on a block boundary
+    unless a partly matching block completed the prompt (`partial_only_if_complete`): then nothing is
+    pulled, where a pull of the last block would only bring its tokens again."""
     tpb = kv.tokens_per_block
     kv.release_out_of_window(request_id, num_prompt_tokens)
     num_blocks = math.ceil(num_prompt_tokens / tpb)

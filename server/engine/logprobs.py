@@ -1,22 +1,17 @@
 """Log-probabilities of a step's sampled tokens and of prompt tokens, computed on the device.
 
-Convention (OpenAI's and vLLM's default): a position's log-probabilities are log_softmax of the
-model's RAW logits of that row, before min_tokens, logit_bias, penalties, temperature and
-top-k/top-p/min-p: they describe the model's distribution, not the sampler's. `TokenLogprob.top`
-holds the k most likely tokens of the position (k = the request's `logprobs`, or `prompt_logprobs`
-for prompt tokens), whether or not the token there is among them.
+A position's log-probabilities are log_softmax of the model's RAW logits of its row (OpenAI's and
+vLLM's default: the model's distribution, before min_tokens, biases, penalties, temperature and
+truncation). `TokenLogprob.top` holds the k most likely tokens (k: the request's `logprobs`, or
+`prompt_logprobs` for prompt tokens), whether or not the token there is among them.
 
-The rows of one step that want them are computed together: the sampler rows of requests with
-`logprobs` set (the token is the one sampled there; a verify chunk's rows each have theirs) and the
-prompt rows of requests with `prompt_logprobs` set (the row computing prompt position q gives the
-logprob of prompt token q + 1). One index_select of those logits rows, one log_softmax, one gather
-of the chosen tokens, one topk(k_max). The result rides to the host with the step's sampled ids
-(server/engine/inflight.py: one copy, one event wait), packed as int64 (the float32 values bit-cast).
-
-Prompt rows: a prefill chunk of such a request returns the logits of all its positions
-(`SeqChunk.num_logits`), the chunks of a prompt longer than one step included, and the request
-reuses no prefix-cached block until its prompt logprobs are complete (`Request.max_cached_tokens`).
-A generation leg computes none (its prompt's KV comes from the context server, which computed them).
+A step computes all its wanted rows at once (one index_select, log_softmax, gather and topk(k_max)):
+the sampler rows of requests with `logprobs` (a verify chunk's rows each have theirs) and the prompt
+rows of requests with `prompt_logprobs` (the row computing prompt position q gives token q + 1's).
+They ride to the host with the step's sampled ids (server/engine/inflight.py), packed as int64 (the
+float32 values bit-cast). A prefill chunk with prompt rows returns the logits of all its positions,
+and its request reuses no prefix-cached block until they are complete (`Request.max_cached_tokens`).
+A generation leg computes none: the context server did.
 """
 
 from __future__ import annotations

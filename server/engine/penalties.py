@@ -1,19 +1,18 @@
-"""Penalties and logit biases, applied on the device to the raw logits of a step's sampler rows.
-
-Semantics (vLLM's, whose order this follows: logit_bias, then repetition, frequency and presence):
+"""Penalties and logit biases, applied on the device to the raw logits of a step's sampler rows, in
+vLLM's order:
 - `logit_bias`: (token, bias) pairs added to the row's logits;
 - `repetition_penalty` r (transformers/vLLM): a token that occurs in the prompt OR the output has its
   logit divided by r when positive, multiplied by r otherwise;
 - `frequency_penalty` f and `presence_penalty` p (OpenAI): over OUTPUT tokens only, with c the
   token's count, logit -= f * c + p * (c > 0).
-A generation leg's first token(s) (sampled by the context server) and a moved stream's prior output
-(the last prompt tokens of its leg, `Request.counted_output`) are output tokens.
+A generation leg's first token(s) and a moved stream's prior output (`Request.counted_output`) are
+output tokens.
 
-The counts live on the device (`TokenCounts`): one row per penalised request, taken at its first
-penalised sampler row and initialised there from its known tokens, bumped on the device from each
-step's sampled ids (no host round trip), given back when the request ends. A verify chunk's row i
-(speculative decoding) counts the drafts before it too, and its accepted run is added once it is on
-the host (verify steps are postprocessed before the next schedule).
+The counts live on the device (`TokenCounts`): one row per penalised request, taken and initialised
+from its known tokens at its first penalised sampler row, bumped on the device from each step's
+sampled ids (no host round trip), given back when the request ends. A verify chunk's row i counts
+the drafts before it too; its accepted run is added once on the host (verify steps are postprocessed
+before the next schedule).
 """
 
 from __future__ import annotations

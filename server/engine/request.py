@@ -1,15 +1,13 @@
-"""Per-request state inside the engine (unified token accounting).
+"""Per-request state inside the engine (unified token accounting: no prefill and decode phases).
 
-A request has `num_tokens` (prompt + generated) and `num_computed_tokens` (tokens whose K/V are in
-the cache). There are no separate prefill/decode phases: a step computes
-`num_tokens - num_computed_tokens` tokens (capped by the token budget), and when the computed count
-reaches `num_tokens` the last logits are sampled. A request that arrives with its KV (generation
-side of a disaggregated pair) simply starts with `num_computed_tokens == len(prompt)`.
+A step computes `num_tokens - num_computed_tokens` tokens (prompt + generated, less those whose K/V
+are cached; capped by the token budget), and once the counts meet the last logits are sampled. A
+request that arrives with its KV (a generation leg) starts with `num_computed_tokens == len(prompt)`.
 
 With async scheduling a sampled token reaches the host one step late: until then it is *pending*
-(`num_pending`), counted in `num_tokens` (the scheduler gives the request its next row, whose input
-the runner takes from the device) but not yet in `all_token_ids`. When the scheduler runs, a
-request has at most one pending token, and only if every known token is computed.
+(`num_pending`), counted in `num_tokens` (its next row's input is taken from the device) but not in
+`all_token_ids`. When the scheduler runs, a request has at most one pending token, and only if every
+known token is computed.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""Token sampling for one step, batched on the logits' device: greedy, temperature, top-k, top-p,
-min-p, logit_bias, penalties, min_tokens, per-request seeds. One host copy of the chosen token ids per
-step (server/engine/inflight.py).
+"""Token sampling for one step, batched on the logits' device (one host copy of the ids per step:
+server/engine/inflight.py). vLLM's order: on the raw logits, min_tokens (EOS and stop ids
+forbidden), logit_bias, then the penalties (server/engine/penalties.py); greedy rows (penalised too)
+take the argmax; sampling rows divide by their temperature, then apply min_p, top-k and top-p.
+Log-probabilities come from the raw logits instead (server/engine/logprobs.py).
 
-The order is vLLM's: on the raw logits, min_tokens (EOS and stop ids forbidden), logit_bias, then the
-repetition, frequency and presence penalties (server/engine/penalties.py); greedy rows take the
-argmax of that (penalties apply to greedy requests too); sampling rows then divide by their
-temperature, drop the tokens below min_p x the top token's probability, then apply top-k and top-p.
-Log-probabilities are not computed from any of this: they are log_softmax of the RAW logits of the
-row (OpenAI's and vLLM's default; server/engine/logprobs.py).
-
-Sampling from softmax(scores) is done as argmax(scores - log E) with E ~ Exp(1) drawn per row
-(the exponential race, equivalent to Gumbel-max): every row of the batch is sampled by one argmax.
-A request with a seed draws its row's noise from a CPU generator seeded with a 64-bit hash of
-(seed, choice index, output position) (`noise_seed`): its tokens depend only on those and its
-logits, never on what else is in the batch, on which server sampled its earlier tokens
-(aggregated, or a context and a generation server, or a stream moved to another server), or on how
-many rows a verify step drew before (speculative decoding redraws a rejected position with its key).
-
-Nothing here waits for the device: host values go up with non-blocking copies (`upload`;
-`torch.tensor(values, device=cuda)` would synchronise the stream), so async scheduling can queue a
-step's sampling behind its forward and return at once.
+Sampling is argmax(scores - log E) with E ~ Exp(1) per row (the exponential race, as Gumbel-max):
+one argmax samples the whole batch. A seeded row draws its noise from a CPU generator seeded with a
+64-bit hash of (seed, choice, output position) (`noise_seed`), so its tokens depend on nothing else:
+not the batch, not the server that sampled its earlier tokens, not the rows a verify step drew before
+(a rejected position is redrawn with its key). Host values go up with non-blocking copies (`upload`):
+a step's sampling queues behind its forward and returns at once.
 """
 
 from __future__ import annotations
@@ -38,12 +28,11 @@ MIN_TEMPERATURE = 1e-5  # smaller ones divide logits to inf (NaN probabilities);
 
 def sample_on_device(logits: torch.Tensor, requests: list, counts: TokenCounts | None = None,
                      mask: StepMask | None = None) -> torch.Tensor:
-    """One token per row of `logits` (float32 [rows, vocab]), as [rows] ids on the logits' device (on
-    a GPU the work is only queued, so the caller can do host work before it waits for the ids).
-    `requests`: per row a `Request` or a verify chunk's row (`speculative.verify.VerifyRow`). `counts`:
-    the engine's token counts of penalised requests, bumped here with the ids picked (a throwaway one
-    from the requests' tokens when None). `mask`: the structured-output rows' allowed tokens (the
-    others -inf, before biases and penalties: -inf stays -inf through both)."""
+    """One token per row of `logits` (float32 [rows, vocab]), as [rows] ids on its device (only queued
+    on a GPU). `requests`: per row a `Request` or a `VerifyRow`. `counts`: the engine's token counts of
+    penalised requests, bumped with the ids picked (None: a throwaway one from the requests' tokens).
+    `mask`: the structured-output rows' allowed tokens (the others -inf, before biases and penalties:
+    -inf stays -inf through both)."""
     logits = _mask_banned(logits, requests)
     if mask is not None:  # structured output (server/engine/structured/)
         logits = mask.apply(logits)

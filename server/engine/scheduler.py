@@ -1,23 +1,21 @@
-"""Continuous-batching scheduler with chunked prefill, prefix reuse and preemption.
-
-Decisions only: which requests run this step and how many tokens each computes. Blocks are
-reserved through the KV manager here; tensors are never touched.
+"""Continuous-batching scheduler with chunked prefill, prefix reuse and preemption. Decisions only:
+which requests run this step and how many tokens each computes (blocks are reserved through the KV
+manager; tensors are never touched).
 
 Invariants:
-- every request in `running` or `transferring` holds blocks for all of its computed tokens and for
-  the tokens scheduled this step; a request in `waiting` holds none;
-- a step never schedules more than `max_num_tokens` tokens nor more than `max_batch_size` requests;
-- a step starts no further waiting prompt once its prefill tokens reach `max_prefill_batch_tokens`
-  (a prompt already started goes on in chunks under `max_num_tokens`; decode tokens do not count);
+- a request `running` or `transferring` holds blocks for all its computed tokens and those scheduled
+  this step; a `waiting` one holds none;
+- a step schedules at most `max_num_tokens` tokens and `max_batch_size` requests, and starts no
+  further waiting prompt once its prefill tokens reach `max_prefill_batch_tokens` (a started prompt
+  goes on in chunks; decode tokens do not count);
 - preemption picks the newest running request: its computed full blocks are committed to the reuse
-  tree and released, so with a host tier they are offloaded on eviction and onboarded on resume
-  ("swap"), and without one they are recomputed.
+  tree and released (with a host tier offloaded on eviction and onboarded on resume, else recomputed).
 
 Async scheduling (request.py: a pending token is counted but its id is still on the device):
 - a request whose pending token is certainly its last gets no row (it could produce nothing) and is
   never preempted;
-- a request preempted with a pending token is not admitted again before the token has arrived (it
-  is recomputed from its ids); it holds the head of the queue meanwhile;
+- a request preempted with a pending token is recomputed from its ids, so it is not admitted again
+  before the token has arrived; it holds the head of the queue meanwhile;
 - commits cover only known ids (`committable`); the token arriving later commits the rest.
 """
 
@@ -205,14 +203,11 @@ class Scheduler:
             prefill += n if n > 1 else 0
 
     def _admit(self, request: Request) -> bool:
-        """Allocate blocks (prefix reuse first).
-
-        A generation-only request arrives holding its first token: it reuses what it can of the
-        prompt (all of it may match, no logits are needed) and reserves room for that token too.
-        It pulls the rest by whole blocks, so a partly matching block is reused only if it
-        completes the prompt (else the pull would overwrite the copy). A request that still needs
-        its prompt logprobs reuses nothing (`Request.max_cached_tokens`).
-        """
+        """Allocate blocks, prefix reuse first. A generation-only request holds its first token: it
+        reuses what it can of the prompt (all of it may match: no logits are needed), reserves room
+        for that token, and pulls the rest by whole blocks, so a partly matching block is reused only
+        if it completes the prompt (else the pull would overwrite the copy). A request that still
+        needs its prompt logprobs reuses nothing (`Request.max_cached_tokens`)."""
         prompt_kv_only = request.is_generation_only and not request.admitted_once
         tokens = request.prompt_token_ids if prompt_kv_only else request.all_token_ids
         try:
@@ -236,7 +231,6 @@ class Scheduler:
         return taken + request.batch_slots <= self.config.max_batch_size
 
     def _never_fits(self, request: Request) -> str | None:
-        """Why the request can never be scheduled, or None."""
         if request.batch_slots > self.config.max_batch_size:
             return (f"n={request.sampling.n} choices need as many rows of a step, but max_batch_size is "
                     f"{self.config.max_batch_size}")

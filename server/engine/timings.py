@@ -1,10 +1,8 @@
 """Token timings for the engine's metrics: stamped when a token is accepted, handed to the metrics
-later (`observe`, between steps or while the GPU computes), so the step's hot path only appends.
-
-A request's server-side phases of its time to first token (docs/DISAGG_LOAD.md), each observed
-once per request: its queue time (arrival -> first admission: `finished`) and, where its prompt is
-computed (a context or an aggregated server), its prefill (first admission -> first token sampled:
-`stamp`)."""
+later (`observe`, between steps or while the GPU computes), so the step's hot path only appends. The
+server-side phases of a request's time to first token (docs/DISAGG_LOAD.md) are observed once per
+request: its queue time (arrival -> first admission) and, where its prompt is computed, its prefill
+(first admission -> first token sampled)."""
 
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ class TokenTimings:
         request.last_token_time = now
 
     def observe(self) -> None:
-        """Hand the stamped tokens to the metrics."""
         timings, self._pending = self._pending, []
         prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
         prefills, self._prefills = self._prefills, []

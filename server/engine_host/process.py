@@ -1,13 +1,10 @@
-"""The HTTP process's engine when the engine runs in its own process (`engine_process`).
-
-`EngineProcess` is the engine's front over the ipc link. If the child dies, every request in flight
-ends with a 503 and `on_fatal()` makes the server exit non-zero (the launcher restarts it); before
-`Ready`, its death or `LoadFailed` is a `load_error`.
-
-The child is `python -m server.engine_host.main` (fork + exec: a parent with CUDA is never forked),
-in the server's process group. Its `Launch` comes on stdin (the token and link secret never go on
-argv). It ignores SIGINT and SIGTERM so the HTTP process drains first, then stops it with
-`Shutdown` and SIGKILL after a timeout."""
+"""`EngineProcess`: the engine's front over the ipc link when the engine runs in its own process
+(`engine_process`). If the child dies, every request in flight ends with a 503 and `on_fatal()` makes
+the server exit non-zero (the launcher restarts it); before `Ready`, its death or `LoadFailed` is a
+`load_error`. The child, `python -m server.engine_host.main` in the server's process group (fork +
+exec: a parent with CUDA is never forked), gets its `Launch` on stdin (the token and link secret never
+go on argv) and ignores SIGINT and SIGTERM: the HTTP process drains first, then sends `Shutdown` and
+SIGKILLs it after a timeout."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The engine on a thread of the HTTP process: `AsyncEngine`, the engine's front over two queues.
-
-The engine thread owns the KV manager, the model and every tensor; its messages reach the event
-loop in batches (`_Queues.send`), so HTTP stays responsive while the model runs."""
+The engine thread owns the KV manager, the model and every tensor; HTTP stays responsive while the
+model runs because its messages reach the event loop in batches (`_Queues`)."""
 
 from __future__ import annotations
 

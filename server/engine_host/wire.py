@@ -1,11 +1,9 @@
-"""The engine loop's messages, on either host (server/engine_host/loop.py), and the engine link's sealing.
-
-The engine thread hands them over in memory; the engine process sends them over ipc:// (link.py),
-each signed (`link_codec`) under a key derived from a per-server secret (handed over on stdin,
-never argv) and the direction, so a message of one pipe is never valid on the other. One that fails
-the MAC or does not decode raises `Rejected` and is dropped and counted. Nothing is unpickled.
-HTTP -> engine: `Add`, `Abort`, `Release`, `Probe`, `Snapshot`, `Shutdown`, applied between steps.
-engine -> HTTP: `Ready` (or `LoadFailed`), then one `StepOut` per step that has anything to say."""
+"""The engine loop's messages (server/engine_host/loop.py) and the engine link's sealing. The engine
+thread hands them over in memory; the engine process sends them over ipc:// (link.py), each signed
+(`link_codec`) under a key derived from a per-server secret and the direction, so a message of one
+pipe is never valid on the other; one that fails the MAC or does not decode is dropped and counted.
+Nothing is unpickled. HTTP -> engine: commands applied between steps; engine -> HTTP: `Ready` (or
+`LoadFailed`), then one `StepOut` per step that has anything to say."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from server.openai.fields import Lenient, one_of, refused
 
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function (and response format) names
 
 
 class TextPart(Lenient):

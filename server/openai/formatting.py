@@ -37,9 +37,6 @@ from server.openai.responses import (
 from server.openai.tool_parsers import ToolParser, make_parser
 from server.types import RequestOutput, TokenLogprob
 
-__all__ = ["ChatFormatter", "CompletionFormatter", "Echo", "FormatOptions", "Formatter", "ToolMode",
-           "continued_response_id"]
-
 
 def continued_response_id(ctx_request_id: str) -> str:
     """The id of a stream the router opened from a context answer and a generation server continues:
@@ -238,7 +235,7 @@ class ChatFormatter(_Formatter):
         if state.parser is None:
             return [ChatDelta(content=output.new_text)] if output.new_text else []
         events = state.parser.feed(output.new_text) + (state.parser.finish() if output.finished else [])
-        return stream_deltas(events)
+        return [_delta(event) for event in _merged(events)]
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> ChatLogprobs:
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, self.options.pieces, self.options.logprobs))
@@ -257,9 +254,7 @@ class ChatFormatter(_Formatter):
 Formatter = CompletionFormatter | ChatFormatter
 
 
-# ---- tool-call events (server/openai/json_calls.py) in OpenAI's shapes: a message's `tool_calls`, and stream
-# deltas (a call's first delta carries index, id, type and the function's name, arguments ""; the next ones
-# only index and arguments fragments)
+# ---- tool-call events (server/openai/json_calls.py) as a message's `tool_calls` or stream deltas (ToolCallOut)
 
 def _started(call: CallStart, index: int | None = None) -> ToolCallOut:
     """A call's first part: its id, type and function name (`index` in stream deltas only)."""
@@ -267,12 +262,8 @@ def _started(call: CallStart, index: int | None = None) -> ToolCallOut:
                        function=FunctionOut(name=call.name, arguments=""))
 
 
-def stream_deltas(events: list[Event]) -> list[ChatDelta]:
-    """One delta per run of content or of one call's arguments."""
-    return [_delta(event) for event in _merged(events)]
-
-
 def _merged(events: list[Event]) -> list[Event]:
+    """The events with each run of content, or of one call's arguments, as one (one stream delta each)."""
     out: list[Event] = []
     for event in events:
         last = out[-1] if out else None

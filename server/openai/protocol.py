@@ -12,10 +12,11 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-from server.openai.chat_messages import ChatMessage, Tool, ToolChoice
+from server.openai.chat_messages import FUNCTION_NAME, ChatMessage, Tool, ToolChoice
 from server.openai.fields import Lenient, one_of, refused
 
 MAX_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs; pdserve uses it for completions' logprobs too
+GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's older `guided_*` constraint fields
 
 
 class StreamOptions(Lenient):
@@ -72,7 +73,7 @@ Schema = dict[str, Any] | str  # a JSON schema, as an object or as JSON text
 # turns them into the engine's `StructuredSpec`)
 
 class JSONSchemaFormat(Lenient):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any JSON object
     strict: bool | None = None  # the output always follows the schema here, strict or not
@@ -194,7 +195,7 @@ class SamplingRequest(Lenient):
         """The request names a structured-output constraint (compiling its grammar runs off the event loop)."""
         fmt = self.response_format
         return (fmt is not None and fmt.type != "text") or self.structured_outputs is not None or any(
-            getattr(self, f"guided_{key}") is not None for key in ("json", "regex", "choice", "grammar"))
+            getattr(self, f"guided_{key}") is not None for key in GUIDED)
 
 
 class CompletionRequest(SamplingRequest):

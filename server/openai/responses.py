@@ -1,9 +1,6 @@
-"""OpenAI response bodies and stream chunks for completions and chat, and /v1/models (pydantic v2).
-
-Shapes are the `openai` package's (`Completion`, `CompletionChoice.Logprobs`, `ChatCompletion`,
-`ChatCompletionChunk`, `ChatCompletionTokenLogprob`, `ChatCompletionMessageFunctionToolCall`,
-`ChoiceDeltaToolCall`); tests/unit/test_api_logprobs.py, test_api_tools.py and test_api_choices.py
-parse ours back with them.
+"""OpenAI response bodies and stream chunks for completions and chat, and /v1/models (pydantic v2),
+in the `openai` package's shapes: tests/unit/test_api_logprobs.py, test_api_tools.py and
+test_api_choices.py parse ours back with its models.
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ from typing import Any
 from pydantic_core import from_json, to_json
 from starlette.responses import Response
 
-__all__ = ["JSONBody", "dumps", "loads"]
-
-
 loads = from_json  # ValueError if it is not JSON
 dumps = to_json  # dicts, lists, pydantic models and dataclasses -> bytes
 

@@ -41,10 +41,13 @@ def install_kv_routes(app: FastAPI) -> None:
     async def kv_endpoint(request: Request) -> JSONBody:
         """Context side: the address and epoch of this server's KV sender (and of each rank's)."""
         require_token(request, "GET /kv_cache/endpoint")
-        advertised = _advertised(request.app.state.engine)
-        if advertised is None:
+        engine = request.app.state.engine
+        links = engine.links() if engine is not None else None
+        if links is None or links.sender is None:
             raise APIError(404, "this server has no KV sender (not a context server, or not ready yet)")
-        return JSONBody(advertised)
+        (endpoint, epoch), ranks = links.sender, links.sender_endpoints
+        # a tensor-parallel server lists every rank's KV sender, rank 0's first (its handshakes name them too)
+        return JSONBody({"endpoint": endpoint, "epoch": epoch, "endpoints": list(ranks or (endpoint,))})
 
     @app.post("/kv_cache/release")
     async def release_lease(request: Request) -> JSONBody:
@@ -60,11 +63,3 @@ def install_kv_routes(app: FastAPI) -> None:
         request.app.state.engine.release_lease(ctx_request_id)
         return JSONBody({"ctx_request_id": ctx_request_id, "release": "queued"})
 
-
-def _advertised(engine) -> dict | None:
-    links = engine.links() if engine is not None else None
-    if links is None or links.sender is None:
-        return None
-    endpoint, epoch = links.sender
-    # a tensor-parallel server lists every rank's KV sender, rank 0's first (its handshakes name them too)
-    return {"endpoint": endpoint, "epoch": epoch, "endpoints": list(links.sender_endpoints or (endpoint,))}

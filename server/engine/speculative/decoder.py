@@ -2,17 +2,15 @@
 
 `SpecDecoder.draft` turns decode chunks into verify chunks (the last sampled token + k drafts, blocks
 reserved for all 1+k positions); `rows` gives the sampler one row per verify position; `accept` picks
-the emitted tokens (verify.py says why the output is unchanged) and keeps the figures. The engine
-rolls the request's computed count back over rejected drafts: their K/V stays in the blocks and is
-overwritten when those positions are computed again, and only known (accepted) ids are ever hashed
-into the prefix cache (`scheduler.committable`).
+the emitted tokens (verify.py says why the output is unchanged). The engine rolls the computed count
+back over rejected drafts: their K/V is overwritten when those positions are computed again, and only
+known (accepted) ids are ever hashed into the prefix cache (`scheduler.committable`).
 
-Adaptive: a request that drafts nothing or has nothing accepted `MISS_LIMIT` times in a row stops
-drafting for `backoff` output tokens, doubled at each such pause up to `MAX_BACKOFF` (random text
-costs a few verify steps in hundreds), halved again by each accepted draft. A new request starts
-with a longer pause while drafts are rarely accepted server-wide. A step that decodes more than
-`max_decode_batch` requests drafts nothing (a large batch is compute-bound). `NoSpeculation` is
-the null policy (`method: off`).
+Adaptive: a request that drafts nothing or has nothing accepted `MISS_LIMIT` times in a row pauses
+for `backoff` output tokens, doubled at each pause up to `MAX_BACKOFF` (random text costs a few verify
+steps in hundreds) and halved by each accepted draft; a new request starts paused longer while drafts
+are rarely accepted server-wide. A step that decodes more than `max_decode_batch` requests drafts
+nothing (a large batch is compute-bound). `NoSpeculation` is the null policy (`method: off`).
 """
 
 from __future__ import annotations
@@ -45,8 +43,6 @@ class Drafter(Protocol):
 
 @dataclass
 class _Pace:
-    """One request's drafting pace."""
-
     backoff: int
     misses: int = 0
     resume_at: int = 0  # drafting resumes once the request has this many output tokens

@@ -1,16 +1,13 @@
-"""The draft-model drafter: a small model of the same tokenizer proposes k tokens, greedily.
+"""The draft-model drafter: a small model of the same tokenizer proposes k tokens, greedily (a
+deterministic drafter, so verification keeps the target's output or distribution: verify.py).
 
-It owns a model runner and a private paged KV cache (no prefix reuse, no host tier), and per
-request the ids whose K/V that cache holds (`_Draft.ids`, positions 0..len-1). One `propose`:
-1. catch up: every known id after the longest common prefix of what the draft holds and what the
-   request now knows (accepted drafts stay; a rejected draft's K/V is overwritten), in chunks of at
-   most the runner's token budget; the last logits give each request its first draft;
-2. k - 1 decode steps over the requests that want more drafts (the argmax of each).
-Greedy drafts make a deterministic drafter, so verification (verify.py) keeps the target's output
-(greedy) or its distribution (sampling) whatever the draft model proposes.
-
-A request's draft K/V is released with the request (`weakref.finalize`), or at once when the draft
-pool is full (that request gets no drafts this step).
+It owns a model runner and a private paged KV cache (no prefix reuse, no host tier), and per request
+the ids whose K/V that cache holds (`_Draft.ids`). One `propose` first catches up: it computes every
+known id after the longest common prefix of what the draft holds and what the request now knows
+(accepted drafts stay; a rejected draft's K/V is overwritten), in chunks of at most the runner's
+token budget, the last logits giving each request its first draft; then k - 1 decode steps over the
+requests that want more. A request's draft K/V is released with the request (`weakref.finalize`),
+or at once when the draft pool is full (that request gets no drafts this step).
 """
 
 from __future__ import annotations

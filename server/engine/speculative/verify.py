@@ -1,21 +1,19 @@
 """Verification of drafted tokens: which drafts a step accepts, and the sampling rows of a verify chunk.
 
 A verify chunk of a request with known tokens t[0..L) and drafts d[0..k) computes the inputs
-t[L-1], d[0], ..., d[k-1] at positions L-1 .. L-1+k, so its logit row i gives the distribution of
-position L+i after the prefix t + d[:i]. Each row is sampled exactly as a plain decode step samples
-(`VerifyRow` lends it the request's settings, with `min_tokens` counting the i tokens before it),
-giving targets s[0..k]. The step keeps the longest prefix of drafts equal to their targets, plus the
-target after it: s[0..a] with a = the number of leading i where d[i] == s[i].
+t[L-1], d[0], ..., d[k-1] at positions L-1 .. L-1+k: its logit row i gives the distribution of
+position L+i after t + d[:i]. Each row is sampled exactly as a plain decode step samples (`VerifyRow`
+lends it the request's settings, `min_tokens` counting the i tokens before it), giving targets
+s[0..k]. The step keeps s[0..a], a = the number of leading i where d[i] == s[i].
 
-Greedy: s[i] is the argmax, so the output is the non-speculative greedy output, token for token.
-Sampling: sampling s[i] ~ p_i and accepting d[i] iff s[i] == d[i] is the rejection rule for a
-deterministic drafter (q one-hot at d[i]): d[i] is accepted with probability p_i(d[i]), and a
-rejected position's token is a sample of p_i with d[i] removed and renormalised; every emitted token
-is a sample of the target distribution, so the output distribution is unchanged. A request with a
-seed draws row i's noise from a key of its output position (server/engine/sampler.py `noise_seed`):
-a rejected position is drawn again next step with the same key, so its output equals its
-non-speculative output for that seed. Row i's penalties count the drafts d[:i] as output
-(`VerifyRow.drafted`), and its log-probabilities are those of its own logits row.
+Greedy: s[i] is the argmax, so the output is the non-speculative one, token for token. Sampling:
+accepting d[i] iff s[i] ~ p_i equals it is the rejection rule for a deterministic drafter (q one-hot
+at d[i]): d[i] is accepted with probability p_i(d[i]), and a rejected position's token is a sample of
+p_i with d[i] removed and renormalised, so the output distribution is unchanged. A seeded request
+draws row i's noise from a key of its output position (sampler.py `noise_seed`): a rejected position
+is drawn again with the same key, so its output equals its non-speculative output for that seed.
+Row i's penalties count the drafts d[:i] as output (`VerifyRow.drafted`); its log-probabilities are
+those of its own logits row.
 """
 
 from __future__ import annotations

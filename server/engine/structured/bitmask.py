@@ -1,9 +1,7 @@
 """A step's token bitmask: filled on the CPU while the device runs the forward, applied on the device.
-
 One int32 row of ceil(vocab / 32) words per sampled row, bit j of word w allowing token 32 * w + j
-(llguidance's layout). Rows of unconstrained requests allow every token. On CUDA the bitmask is
-filled in pinned memory and goes up without waiting (torch keeps the pinned block until the copy has
-run); the device unpacks it and sets the refused tokens' logits to -inf.
+(llguidance's layout; unconstrained rows allow every token). On CUDA it is filled in pinned memory and
+goes up without waiting (torch keeps the pinned block until the copy has run).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A `StructuredSpec` compiled into a grammar for one model's tokenizer, with llguidance (docs/API.md,
-"Structured output", says why this engine).
-
-JSON is compiled with strict whitespace: no whitespace between elements, "," and ":" as separators,
-so no output can loop on whitespace (a random-weight model would). A grammar is compiled for the
-width of the model's logits, which can exceed the tokenizer: ids past the tokenizer have no bytes,
-so no grammar ever allows them. Compiled grammars are kept in a bounded LRU keyed by (kind, spec);
-a request's matcher is a copy of the compiled one (`CompiledGrammar.matcher`).
+"Structured output", says why this engine). JSON is compiled without whitespace between elements, so
+no output can loop on whitespace (a random-weight model would). A grammar is compiled for the width
+of the model's logits, which can exceed the tokenizer: ids past it have no bytes, so no grammar allows
+them. Compiled grammars are kept in a bounded LRU keyed by (kind, spec); each request matches with a
+copy (`CompiledGrammar.matcher`).
 """
 
 from __future__ import annotations
@@ -133,8 +131,8 @@ def compiler_for(tokenizer, vocab_size: int, eos_token_ids: list[int]) -> Gramma
         return compiler
 
 
-def check_spec(spec: StructuredSpec, tokenizer, vocab_size: int | None = None) -> None:
+def check_spec(spec: StructuredSpec, tokenizer) -> None:
     """Compile `spec` for `tokenizer` (cached), raising ValueError naming the problem: the HTTP side
     answers 400 with it before the request reaches the engine."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    compiler_for(tokenizer, vocab_size or len(tokenizer), eos).compile(spec)
+    compiler_for(tokenizer, len(tokenizer), eos).compile(spec)
