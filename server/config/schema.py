@@ -29,7 +29,6 @@ from server.config.checks import (
     share_gpu_memory,
     split_host_port,
 )
-from server.config.placement import ROUTER, RayActorOptions
 from server.config.router import YAML_KEYS as ROUTER_KEYS
 from server.config.router import RouterConfig
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
@@ -44,7 +43,7 @@ AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (operators restarting by hand)
 
 Positive = Annotated[int, Meta(ge=1)]
-Seconds = Annotated[float, Meta(ge=0)]
+Amount = Annotated[float, Meta(ge=0)]  # seconds, or a Ray actor's CPUs and GPUs
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Host = Annotated[str, Meta(min_length=1)]
 HostPort = Annotated[str, Meta(pattern=r"^(\[[^\]\s/]+\]|[^:\s/\[\]]+):\d{1,5}$",  # IPv6 in brackets
@@ -57,12 +56,39 @@ GpuShare = Annotated[Literal["auto", "off"] | Percent,
 MPS_ENV = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 # keys whose values include the words on/off, which YAML 1.1 reads as booleans (`kv_stream: off`)
 SWITCH_KEYS = ("kv_stream", "gpu_share")
+ROUTER = "router"  # the router's key in DeploymentConfig.ray_actor_options
+DEFAULT_NUM_CPUS = 1.0  # Ray Serve's default for a replica's actor
 
 __all__ = [
     "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
     "ServerConfig", "deployment_from_dict", "env_auth_token", "inherit", "load_deployment", "load_server",
     "load_server_config", "server_config_from_dict", "with_auth_token",
 ]
+
+
+class RayActorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`ray_actor_options` (Ray Serve's key; docs/DEPLOY.md): the resources of one actor under `pdserve
+    launch --ray` (one rank of a tensor-parallel server), and its runtime env. The one-host launcher
+    ignores it; nothing here imports Ray."""
+
+    num_cpus: Amount = DEFAULT_NUM_CPUS
+    num_gpus: Amount = 0.0
+    resources: dict[str, Any] = {}  # checked by __post_init__ (msgspec's path of a dict value names no key)
+    runtime_env: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"resources.{name}: give it as num_{name.lower()}s")
+            if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+                raise ValueError(f"resources.{name}: must be a number >= 0, got {amount!r}")
+        if not (self.num_cpus or self.num_gpus or any(self.resources.values())):
+            raise ValueError("num_cpus: an actor must ask for some resource (num_cpus, num_gpus or resources)")
+
+    def bundle(self) -> dict[str, float]:
+        """One placement group bundle: the resources of one actor."""
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in out.items() if v}
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,7 +130,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # prefilled in several steps (over max_num_tokens)
     kv_stream: Literal["auto", "on", "off"] = "auto"
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
-    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
+    drain_timeout_s: Amount = DEFAULT_DRAIN_TIMEOUT_S
     # the most choices (`n`) a completions or chat request may ask for per prompt (a 400 naming n above it)
     max_n: Positive = 16
     # generation servers: the deployment's context servers; KV is pulled only from their KV senders
@@ -136,8 +162,8 @@ class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `max_quick_deaths` of them (0: never restarts)."""
 
     max_quick_deaths: Annotated[int, Meta(ge=0)] = 5
-    backoff_s: Seconds = 1.0
-    quick_s: Seconds = 60.0
+    backoff_s: Amount = 1.0
+    quick_s: Amount = 60.0
 
 
 class Section(msgspec.Struct, kw_only=True):
@@ -168,7 +194,7 @@ class DeploymentFile(msgspec.Struct, kw_only=True):
     port: Port = 8000
     router: RouterConfig = RouterConfig()
     restart: RestartPolicy = RestartPolicy()
-    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
+    drain_timeout_s: Amount = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
     # the router's placement on Ray (or the single server's); never inherited by the sections
     ray_actor_options: RayActorOptions = RayActorOptions()
     context_servers: Section | None = None
