@@ -155,8 +155,7 @@ def _port_key(args: argparse.Namespace) -> str:
 def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.config.checks import host_port
-    from server.config.schema import ConfigError, load_deployment
+    from server.config.schema import ConfigError, host_port, load_deployment
     from server.deploy.drain import DrainingServer
     from server.deploy.logs import configure_logging
     from server.deploy.ports import PORT_HINT, bind_http

@@ -8,8 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.config.checks import host_port
-from server.config.schema import DeploymentConfig
+from server.config.schema import DeploymentConfig, host_port
 
 PORT_HINT = "Stop what listens there (`ss -ltnp` shows it) or choose another port."
 

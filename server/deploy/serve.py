@@ -19,8 +19,7 @@ from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
-from server.config.checks import host_port
-from server.config.schema import ServerConfig
+from server.config.schema import ServerConfig, host_port
 from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.deploy.logs import configure_logging
 from server.deploy.ports import PORT_HINT, bind_http
