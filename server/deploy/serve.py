@@ -83,11 +83,8 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
                              metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
         return engine
 
-    def died() -> None:
-        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
-            on_fatal(RANK_DIED_EXIT)
-        else:
-            on_fatal()
+    def died() -> None:  # a tensor-parallel rank that died: the server says so too
+        on_fatal(RANK_DIED_EXIT if engine.exit_code == RANK_DIED_EXIT else 1)
 
     engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, died)
     return engine
