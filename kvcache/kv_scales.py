@@ -1,6 +1,6 @@
 """The FP8 KV cache's numbers: the e4m3 range, per-layer k/v scales, and the scales file that
 `pdserve calibrate-kv` writes and `kv_cache_config.scales` names. No torch: the deployment checks
-(server/config/checks.py) compare two servers' scales before anything is loaded.
+(server/config/schema.py) compare two servers' scales before anything is loaded.
 
 A layer's K is stored as e4m3(K / k_scale), saturated at +-FP8_MAX, and read back as the stored
 value times k_scale (V likewise); a scale is the largest |K| (|V|) the layer is expected to hold,

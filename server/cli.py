@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 
 
@@ -154,14 +153,11 @@ def _port_key(args: argparse.Namespace) -> str:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from server.config.checks import host_port
     from server.config.router import SHARED_GPU_ENV
-    from server.config.schema import ConfigError, load_deployment
+    from server.config.schema import ConfigError, host_port, load_deployment
     from server.deploy.drain import DrainingServer
     from server.deploy.logs import configure_logging
-    from server.deploy.ports import PORT_HINT, bind_http
+    from server.deploy.ports import bind_or_say
     from server.router.app import create_router_app
 
     cfg = load_deployment(args.config)
@@ -170,21 +166,14 @@ def _router(args: argparse.Namespace) -> int:
     if cfg.router.tenant_salt_from_api_key and not cfg.auth_token:
         raise ConfigError(f"{cfg.source}: router.tenant_salt_from_api_key needs the deployment token "
                           "(PDSERVE_AUTH_TOKEN; `pdserve launch` makes one)")
-    address = host_port(cfg.host, cfg.port)
-    try:
-        sock = bind_http(cfg.host, cfg.port)
-    except OSError as exc:
-        print(f"pdserve router: cannot listen on {address} (port in {cfg.source}): {exc.strerror or exc}; "
-              f"nothing was started. {PORT_HINT}", file=sys.stderr)
+    if (sock := bind_or_say(cfg.host, cfg.port, "router", f"(port in {cfg.source})")) is None:
         return 1
     app = create_router_app(cfg.router_config(shared_gpu=os.environ.get(SHARED_GPU_ENV) == "1"))
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, ws="none",
-                            timeout_graceful_shutdown=5)
     servers = f"{len(cfg.context_servers)} context, {len(front)} generation" if cfg.disaggregated else \
         f"{len(front)} aggregated"
-    line = f"pdserve: router listening on http://{address} (policy {cfg.router.type}, {servers} server(s))"
-    with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
-        DrainingServer(config, app.state.drain, on_listening=lambda: print(line, flush=True)).run(sockets=[sock])
+    line = (f"pdserve: router listening on http://{host_port(cfg.host, cfg.port)} (policy {cfg.router.type}, "
+            f"{servers} server(s))")
+    DrainingServer(app, cfg.host, cfg.port, on_listening=lambda: print(line, flush=True)).run_on(sock)
     return 0
 
 

@@ -5,15 +5,16 @@ from the deployment (`DeploymentConfig.router_config`), never from `router:`."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
+from kvcache import Level
 from server.config.yaml_io import ConfigError
 from server.router.auth import API_KEYS_ENV, DEFAULT_OPEN_PATHS, RouterAccess
-from server.router.settings import POLICIES, QueueLimits, ScoreWeights
 
 Weight = Annotated[float, Meta(ge=0)]
 Count = Annotated[int, Meta(ge=0)]
@@ -25,6 +26,28 @@ SHARED_GPU_ENV = "PDSERVE_PAIR_SHARES_GPU"  # set by the launcher for its router
 ApiKey = Annotated[str, Meta(pattern=r"^[^\s,]+$", description="a key without spaces or commas")]
 _TRAILING = "starting with '/' (a trailing * opens every path under a prefix)"
 OpenPath = Annotated[str, Meta(pattern=r"^/[^*]*\*?$", description=f"a path {_TRAILING}")]
+POLICIES = ("round_robin", "load_balancing", "kv_cache_aware")
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    """kv_cache_aware's weights (router.kv_weights, router.load_weight), as the router scores with them."""
+
+    primary: float = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
+    secondary: float = 0.75  # a block on the host tier: onboarded (copied back) before reuse
+    load: float = 1.0  # per token the server still has to compute for the router's legs in flight
+    disk: float = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
+
+    def tier(self, level: int) -> float:
+        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
+
+
+class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`router.queue` of the deployment YAML."""
+
+    max_inflight_per_server: Count = 64  # 0: a server is never saturated
+    max_waiting: Count = 1024
+    timeout_s: Annotated[float, Meta(ge=0)] = 60.0
 
 
 class KvWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -128,7 +151,3 @@ def _keys_env() -> list[str]:
         if any(c.isspace() for c in key):
             raise ConfigError(f"{API_KEYS_ENV}: a key contains a space")
     return keys
-
-
-__all__ = ["POLICIES", "SHARED_GPU_ENV", "SHARED_GPU_LOCAL_PREFILL", "Conditional", "QueueLimits", "RouterConfig",
-           "YAML_KEYS"]

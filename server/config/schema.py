@@ -20,16 +20,7 @@ from msgspec import Meta
 from msgspec.structs import replace
 
 from kvcache.config import KvCacheConfig
-from server.config.checks import (
-    check_disk_paths,
-    check_kv_formats,
-    check_ports,
-    check_same_model,
-    host_port,
-    share_gpu_memory,
-    split_host_port,
-)
-from server.config.placement import ROUTER, RayActorOptions
+from kvcache.kv_scales import read_scales
 from server.config.router import SHARED_GPU_LOCAL_PREFILL, Conditional, RouterConfig
 from server.config.router import YAML_KEYS as ROUTER_KEYS
 from server.config.yaml_io import ConfigError, KeyPath, check_keys, convert, read_yaml
@@ -44,7 +35,7 @@ AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 AUTH_TOKEN_FILE_ENV = "PDSERVE_AUTH_TOKEN_FILE"  # a file holding the token (operators restarting by hand)
 
 Positive = Annotated[int, Meta(ge=1)]
-Seconds = Annotated[float, Meta(ge=0)]
+Amount = Annotated[float, Meta(ge=0)]  # seconds, or a Ray actor's CPUs and GPUs
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Host = Annotated[str, Meta(min_length=1)]
 HostPort = Annotated[str, Meta(pattern=r"^(\[[^\]\s/]+\]|[^:\s/\[\]]+):\d{1,5}$",  # IPv6 in brackets
@@ -57,12 +48,39 @@ GpuShare = Annotated[Literal["auto", "off"] | Percent,
 MPS_ENV = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 # keys whose values include the words on/off, which YAML 1.1 reads as booleans (`kv_stream: off`)
 SWITCH_KEYS = ("kv_stream", "gpu_share")
+ROUTER = "router"  # the router's key in DeploymentConfig.ray_actor_options
+DEFAULT_NUM_CPUS = 1.0  # Ray Serve's default for a replica's actor
 
 __all__ = [
     "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
     "ServerConfig", "deployment_from_dict", "env_auth_token", "inherit", "load_deployment", "load_server",
     "load_server_config", "server_config_from_dict", "with_auth_token",
 ]
+
+
+class RayActorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`ray_actor_options` (Ray Serve's key; docs/DEPLOY.md): the resources of one actor under `pdserve
+    launch --ray` (one rank of a tensor-parallel server), and its runtime env. The one-host launcher
+    ignores it; nothing here imports Ray."""
+
+    num_cpus: Amount = DEFAULT_NUM_CPUS
+    num_gpus: Amount = 0.0
+    resources: dict[str, Any] = {}  # checked by __post_init__ (msgspec's path of a dict value names no key)
+    runtime_env: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"resources.{name}: give it as num_{name.lower()}s")
+            if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+                raise ValueError(f"resources.{name}: must be a number >= 0, got {amount!r}")
+        if not (self.num_cpus or self.num_gpus or any(self.resources.values())):
+            raise ValueError("num_cpus: an actor must ask for some resource (num_cpus, num_gpus or resources)")
+
+    def bundle(self) -> dict[str, float]:
+        """One placement group bundle: the resources of one actor."""
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in out.items() if v}
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -104,7 +122,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # prefilled in several steps (over max_num_tokens)
     kv_stream: Literal["auto", "on", "off"] = "auto"
     # SIGTERM: refuse new requests, let those in flight and their KV transfers end, at most this long
-    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S
+    drain_timeout_s: Amount = DEFAULT_DRAIN_TIMEOUT_S
     # the most choices (`n`) a completions or chat request may ask for per prompt (a 400 naming n above it)
     max_n: Positive = 16
     # generation servers: the deployment's context servers; KV is pulled only from their KV senders
@@ -136,8 +154,8 @@ class RestartPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `max_quick_deaths` of them (0: never restarts)."""
 
     max_quick_deaths: Annotated[int, Meta(ge=0)] = 5
-    backoff_s: Seconds = 1.0
-    quick_s: Seconds = 60.0
+    backoff_s: Amount = 1.0
+    quick_s: Amount = 60.0
 
 
 class Section(msgspec.Struct, kw_only=True):
@@ -168,7 +186,7 @@ class DeploymentFile(msgspec.Struct, kw_only=True):
     port: Port = 8000
     router: RouterConfig = RouterConfig()
     restart: RestartPolicy = RestartPolicy()
-    drain_timeout_s: Seconds = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
+    drain_timeout_s: Amount = DEFAULT_DRAIN_TIMEOUT_S  # the router's; the servers inherit the same key
     # the router's placement on Ray (or the single server's); never inherited by the sections
     ray_actor_options: RayActorOptions = RayActorOptions()
     context_servers: Section | None = None
@@ -445,3 +463,122 @@ def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfi
     servers = tuple(replace(s, cache_transceiver_config=replace(s.cache_transceiver_config, auth_token=token))
                     for s in cfg.servers)
     return replace(cfg, servers=servers, auth_token=token)
+
+
+# ---- rules that span a deployment's servers (one model with one quantization, no shared port, the
+# GPU's memory shared out, one KV format across the pair), and host:port strings ----------------------
+
+# hosts that bind every interface, so they collide with any host on the same port
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_LOOPBACK = ("localhost", "127.0.0.1")
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_host_port(url: str) -> tuple[str, int]:
+    """`host:port` (IPv6 hosts in brackets) -> (host, port)."""
+    host, _, port = url.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_same_model(servers: list[ServerConfig], source: str) -> None:
+    models = {s.model for s in servers}
+    if len(models) > 1:
+        raise ConfigError(f"{source}: model: every server must serve the same model, got {sorted(models)}")
+    quantizations = {str(s.quantization) for s in servers}  # one model's KV, prefixes and tokens: the same weights
+    if len(quantizations) > 1:
+        raise ConfigError(f"{source}: quantization: every server must serve the same weights, got "
+                          f"{sorted(quantizations)} (set it at the top level)")
+
+
+def check_ports(servers: list[ServerConfig], router: tuple[str, int] | None, source: str) -> None:
+    """No two listeners (router, servers, context transceivers) may share a port on one host."""
+    seen: list[tuple[str, int, str]] = [(*router, "router (hostname:port)")] if router else []
+    for s in servers:
+        seen.append((s.host, s.port, f"{s.role} server {s.host}:{s.port}"))
+        ctc_port = s.cache_transceiver_config.port
+        if s.role == "context" and ctc_port:  # 0: ephemeral; rank r of a tensor-parallel server: port + r
+            for rank in range(s.tensor_parallel_size):
+                which = f" (rank {rank})" if s.tensor_parallel_size > 1 else ""
+                seen.append((s.host, ctc_port + rank, f"the transceiver of context server {s.host}:{s.port}{which}"))
+    for i, (h1, p1, name1) in enumerate(seen):
+        for h2, p2, name2 in seen[:i]:
+            if p1 == p2 and _same_host(h1, h2):
+                raise ConfigError(f"{source}: duplicate port {p1}: {name2} and {name1}")
+
+
+def check_disk_paths(servers: list[ServerConfig], source: str) -> None:
+    """No two servers on one host may share a disk tier directory (kv_cache_config.disk.path): a
+    deployment's sections inherit the top level's kv_cache_config, so give each section its own."""
+    seen: list[tuple[str, str, str]] = []
+    for s in servers:
+        disk = s.kv_cache_config.disk
+        if disk is None:
+            continue
+        name = f"{s.role} server {host_port(s.host, s.port)}"
+        for rank in range(s.tensor_parallel_size):  # rank r > 0 of a tensor-parallel server: path.rank<r>
+            mine = disk.for_rank(rank).path
+            for host, path, other in seen:
+                if path == mine and _same_host(host, s.host):
+                    raise ConfigError(f"{source}: kv_cache_config.disk.path: {other} and {name} both use "
+                                      f"{path!r}; give each server its own directory (set disk.path per section)")
+            seen.append((s.host, mine, name if rank == 0 else f"{name} (rank {rank})"))
+
+
+def check_kv_formats(servers: list[ServerConfig], source: str) -> None:
+    """A context server's KV blocks reach a generation server as they are: both must have the same
+    kv_cache_config.dtype and, for FP8, equal scales. Refused here, naming both servers."""
+    generation = [s for s in servers if s.role == "generation"]
+    for ctx in (s for s in servers if s.role == "context"):
+        for gen in generation:
+            problem = _kv_format_difference(ctx, gen, source)
+            if problem is not None:
+                raise ConfigError(f"{source}: kv_cache_config.{problem}")
+
+
+def _kv_format_difference(ctx: ServerConfig, gen: ServerConfig, source: str) -> str | None:
+    a, b = ctx.kv_cache_config, gen.kv_cache_config
+    names = f"context server {host_port(ctx.host, ctx.port)}", f"generation server {host_port(gen.host, gen.port)}"
+    if a.dtype != b.dtype:
+        return f"dtype differs: {names[0]} has {a.dtype!r}, {names[1]} has {b.dtype!r}"
+    if a.dtype != "fp8" or a.scales == b.scales:
+        return None
+    if a.scales is None or b.scales is None:
+        where = [f"{name} {_scales_source(p)}" for name, p in zip(names, (a.scales, b.scales), strict=True)]
+        return f"scales differ: {where[0]}, {where[1]}"
+    try:
+        if read_scales(a.scales) != read_scales(b.scales):
+            return f"scales differ: {names[0]} has {a.scales!r}, {names[1]} has {b.scales!r}, of other values"
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return None
+
+
+def _scales_source(path: str | None) -> str:
+    return "the checkpoint's (or 1.0)" if path is None else repr(path)
+
+
+def _same_host(a: str, b: str) -> bool:
+    if a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS:
+        return True
+    return a == b or (a in _LOOPBACK and b in _LOOPBACK)
+
+
+def share_gpu_memory(servers: list[ServerConfig]) -> list[ServerConfig]:
+    """The servers of one deployment run on one host and, with device auto or cuda, on its first
+    GPU: where a pool would be sized from free memory and nothing says how, each of the n that may use
+    the GPU gets 1/n of its total memory (`gpu_memory_share`; else the first to load takes nearly all,
+    and the others' pools depend on the order they loaded in)."""
+    sharing = sum(s.device != "cpu" for s in servers)
+    if sharing < 2:
+        return servers
+    out = []
+    for s in servers:
+        kv = s.kv_cache_config
+        if s.device != "cpu" and kv.max_tokens is None and kv.free_gpu_memory_fraction is None \
+                and kv.gpu_memory_share is None:
+            s = replace(s, kv_cache_config=replace(kv, gpu_memory_share=1 / sharing))
+        out.append(s)
+    return out

@@ -16,9 +16,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from server.auth import token_headers
-from server.dashboard.samples import parse_metrics
 from server.dashboard.views import deployment_view, server_view
-from server.dashboard.window import Window
+from server.dashboard.window import Window, parse_metrics
 from server.openai.wire import JSONBody
 from server.router.backends import Backend
 from server.router.http_client import HttpClient, HttpError

@@ -1,19 +1,63 @@
-"""The last minute of samples of one source: counter increases, rates and histogram quantiles.
+"""One scrape of a server's /metrics kept as plain numbers (`Sample`), and the last minute of them
+from one source (`Window`): counter increases, rates and histogram quantiles.
 
 A counter lower than before is counted from zero (a restart), as Prometheus' `increase` does. A
 source whose last sample is older than STALE_S has no rate."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-from server.dashboard.samples import Sample
+from prometheus_client.parser import text_string_to_metric_families
+
 from server.telemetry.phases import quantile
 
 WINDOW_S = 60.0  # percentiles and hit rates are over this span
 RATE_S = 10.0  # rates (per second) are over this span: short enough to follow the load
 STALE_S = 5.0  # a source whose newest sample is older than this has no rate
+Labels = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Every series of one scrape: sample name ("x_total", "x_bucket", ...) -> [(labels, value)]."""
+
+    t: float  # time.monotonic() of the scrape
+    series: Mapping[str, list[tuple[Labels, float]]]
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the series `name` whose labels include `labels` (0 if there is none)."""
+        return sum(v for lab, v in self.series.get(name, ()) if _matches(lab, labels))
+
+    def by_label(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        """label value -> sum of the series `name` with that label value (and `labels`)."""
+        out: dict[str, float] = {}
+        for lab, v in self.series.get(name, ()):
+            if label in lab and _matches(lab, labels):
+                out[lab[label]] = out.get(lab[label], 0.0) + v
+        return out
+
+    def buckets(self, histogram: str, **labels: str) -> dict[float, float]:
+        """Upper bound (math.inf for +Inf) -> cumulative count of a histogram's buckets with `labels`."""
+        return {math.inf if le == "+Inf" else float(le): v
+                for le, v in self.by_label(f"{histogram}_bucket", "le", **labels).items()}
+
+
+def parse_metrics(text: str, t: float) -> Sample:
+    """A Sample of a Prometheus text exposition (ValueError if it is not one)."""
+    series: dict[str, list[tuple[Labels, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                series.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return Sample(t, series)
+
+
+def _matches(labels: Labels, wanted: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in wanted.items())
 
 
 class Window:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -99,15 +101,21 @@ async def _refuse(send: Send) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM drains (`Drain`) before the usual shutdown, and that
-    `on_listening()` is called (on the event loop) once the app has started and the socket listens."""
+    """uvicorn serving `app`, except that the first SIGTERM drains (`app.state.drain`) before the usual
+    shutdown, and that `on_listening()` is called (on the event loop) once the app has started and the
+    socket listens."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, on_listening: Callable[[], None] | None = None) -> None:
-        super().__init__(config)
-        self.drain = drain
+    def __init__(self, app: ASGIApp, host: str, port: int, on_listening: Callable[[], None] | None = None) -> None:
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning", ws="none",
+                                        timeout_graceful_shutdown=5, access_log=False))
+        self.drain: Drain = app.state.drain
         self.on_listening = on_listening
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+
+    def run_on(self, sock: socket.socket) -> None:
+        with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
+            self.run(sockets=[sock])
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.config.checks import host_port
-from server.config.schema import DeploymentConfig
+from server.config.schema import DeploymentConfig, host_port
 
 PORT_HINT = "Stop what listens there (`ss -ltnp` shows it) or choose another port."
 
@@ -36,6 +36,16 @@ def bind_http(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def bind_or_say(host: str, port: int, command: str, what: str) -> socket.socket | None:
+    """`bind_http`, or None once stderr says `pdserve COMMAND: cannot listen on HOST:PORT WHAT: why`."""
+    try:
+        return bind_http(host, port)
+    except OSError as exc:
+        print(f"pdserve {command}: cannot listen on {host_port(host, port)} {what}: {exc.strerror or exc}; "
+              f"nothing was started. {PORT_HINT}", file=sys.stderr, flush=True)
+        return None
 
 
 def listeners(cfg: DeploymentConfig) -> list[Listener]:

@@ -10,20 +10,17 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from pathlib import Path
-
-import uvicorn
 
 from server.api.app import create_app
 from server.api.context_directory import ContextDirectory
 from server.api.routes.health import EPOCH
 from server.api.routes.kv_cache import install_kv_routes
-from server.config.checks import host_port
-from server.config.schema import ServerConfig
+from server.config.schema import ServerConfig, host_port
 from server.deploy.drain import Drain, DrainGate, DrainingServer
 from server.deploy.logs import configure_logging
-from server.deploy.ports import PORT_HINT, bind_http
+from server.deploy.ports import bind_or_say
 from server.engine_host.build import build_core, event_publisher
 from server.engine_host.process import EngineProcess
 from server.engine_host.thread import AsyncEngine
@@ -86,11 +83,8 @@ def _engine(cfg: ServerConfig, metrics: ServerMetrics, on_fatal) -> AsyncEngine 
                              metrics=metrics, publisher=event_publisher(cfg, EPOCH), epoch=EPOCH)
         return engine
 
-    def died() -> None:
-        if engine.exit_code == RANK_DIED_EXIT:  # a tensor-parallel rank died: the server says so too
-            on_fatal(RANK_DIED_EXIT)
-        else:
-            on_fatal()
+    def died() -> None:  # a tensor-parallel rank that died: the server says so too
+        on_fatal(RANK_DIED_EXIT if engine.exit_code == RANK_DIED_EXIT else 1)
 
     engine = EngineProcess(cfg, served_name(cfg.model), metrics, EPOCH, died)
     return engine
@@ -125,11 +119,7 @@ def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> in
     os.environ.update(cfg.env)  # the launcher sets them already; by hand, before CUDA reads them
     configure_logging()
     label = name or f"{cfg.role} server"
-    try:
-        sock = bind_http(cfg.host, cfg.port)
-    except OSError as exc:
-        print(f"pdserve serve: cannot listen on {host_port(cfg.host, cfg.port)} for {label} ({key}): "
-              f"{exc.strerror or exc}; nothing was started. {PORT_HINT}", file=sys.stderr, flush=True)
+    if (sock := bind_or_say(cfg.host, cfg.port, "serve", f"for {label} ({key})")) is None:
         return 1
     if not engine_in_child(cfg):
         sys.setswitchinterval(IN_THREAD_SWITCH_INTERVAL_S)
@@ -140,14 +130,11 @@ def serve(cfg: ServerConfig, name: str | None = None, key: str = "--port") -> in
         server.should_exit = True
 
     app = make_app(cfg, on_fatal)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", ws="none",
-                            timeout_graceful_shutdown=5, access_log=False)
     line = f"pdserve: {label} listening on http://{host_port(cfg.host, cfg.port)} (model {cfg.model}, role {cfg.role})"
     announced: list[asyncio.Task] = []
-    server = DrainingServer(config, app.state.drain,
+    server = DrainingServer(app, cfg.host, cfg.port,
                             on_listening=lambda: announced.append(asyncio.ensure_future(announce(app, line))))
-    with suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it handled again, after its clean shutdown
-        server.run(sockets=[sock])
+    server.run_on(sock)
     return failed[0] if failed else 0
 
 

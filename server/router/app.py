@@ -134,9 +134,11 @@ def create_router_app(settings: RouterConfig) -> Starlette:
         app.state.router = state
         await state.monitor.check_all()
         state.monitor.start()
-        await state.routing.start()
+        if sync := state.routing.sync:  # the servers' KV events, where the policy reads them
+            await sync.start()
         yield
-        await state.routing.stop()
+        if sync:
+            await sync.stop()
         await state.monitor.stop()
         await state.client.aclose()
 

@@ -11,12 +11,42 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from server.openai.protocol import DISAGG_PARAMS, DisaggParams
+from server.openai.wire import loads
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.http_client import HttpError, Response, StreamResponse
-from server.router.sse_reader import EventSplitter, event_data, split_events
 
 EVENT_STREAM = "text/event-stream"
+END = b"\n\n"
+
+
+class EventSplitter:
+    """The router's one SSE parser (here and in the relay of a generation leg that may move): feed it
+    chunks as they arrive; it returns the complete events so far, each ending with a blank line (b"" if
+    none; a partial event waits)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buffer = self._buffer + chunk
+        end = buffer.rfind(END)
+        if end < 0:
+            self._buffer = buffer
+            return b""
+        self._buffer = buffer[end + 2:]
+        return buffer[:end + 2]
+
+
+def split_events(complete: bytes) -> list[bytes]:
+    """Complete events (what `EventSplitter.feed` returned) one by one, without their blank line."""
+    return complete[:-2].split(END) if complete else []
+
+
+def event_data(event: bytes) -> object | None:
+    """The JSON value of an event's `data:` lines (None for `[DONE]` or an event without data)."""
+    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    return None if data in (b"", b"[DONE]") else loads(data)
 
 
 class Events:

@@ -85,15 +85,11 @@ class Legs:
     async def _context_once(self, booking: Booking, path: str, body: dict, kv_stream: bool) -> Upstream | EarlyContext:
         """One try; its booking ends with the answer (an early one: when the leg ends, `EarlyContext.close`)."""
         backend, done = booking.backend, self._ender(booking, "context")
-        try:
-            if not kv_stream:
-                answer: dict | EarlyContext = await self._json(backend, path, body)
-            else:
-                answer = await read_context(backend, await self._send(backend, self.client.stream, path, body), done,
-                                            _parse)
-        except BaseException:
-            booking.done()
-            raise
+        if not kv_stream:
+            answer: dict | EarlyContext = await self._json(backend, path, body)
+        else:
+            answer = await read_context(backend, await self._send(backend, self.client.stream, path, body), done,
+                                        _parse)
         if isinstance(answer, EarlyContext):
             return answer
         done()
@@ -115,7 +111,8 @@ class Legs:
                      booked: Callable[[], None], once: Callable[[Booking], Awaitable],
                      again: Callable[[LegError], bool], none_left: str):
         """The answer of the policy's pick, or of a second pick when `again` says the first failure may
-        be retried elsewhere; else that failure. A 503 `none_left` when no server was there to pick."""
+        be retried elsewhere; else that failure. A 503 `none_left` when no server was there to pick. A try
+        that fails ends its booking."""
         last: LegError | None = None
         for _ in range(2):
             booking = await picker.pick(backends, prompt, tried)
@@ -125,8 +122,9 @@ class Legs:
             tried.add(booking.backend)
             try:
                 return await once(booking)
-            except LegError as exc:
-                if not again(exc):
+            except BaseException as exc:
+                booking.done()
+                if not isinstance(exc, LegError) or not again(exc):
                     raise
                 last = exc
         if last is None:
@@ -148,11 +146,8 @@ class Legs:
             upstream = Upstream(backend, json=await self._json(backend, path, body))
             done()
             return upstream
-        except BaseException as exc:
-            booking.done()
-            if isinstance(exc, LegError):
-                raise exc.of_leg("generation", backend.url) from exc
-            raise
+        except LegError as exc:
+            raise exc.of_leg("generation", backend.url) from exc
 
     def _ender(self, booking: Booking, leg: str) -> Callable[[], None]:
         """Ends the booking and records the leg's time (once)."""

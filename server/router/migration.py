@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from server.openai.protocol import DisaggParams
 from server.router.backends import Backend
-from server.router.sse_reader import EventSplitter, split_events
+from server.router.kv_stream import EventSplitter, split_events
 
 COMMENT = b": tokens"
 

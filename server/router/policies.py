@@ -17,8 +17,8 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from kvcache import block_hashes, request_salt
+from server.config.router import ScoreWeights
 from server.router.backends import Backend
-from server.router.settings import ScoreWeights
 
 Backends = Sequence[Backend]
 PromptTokens = Callable[[], Sequence[int] | None]  # lazily tokenised prompt (only the kv policies ask)

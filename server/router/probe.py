@@ -24,16 +24,12 @@ PROBE_TIMEOUT_S = 60.0
 PROBE_SERVER_TIMEOUT_S = 30.0
 
 
-def probe_body() -> dict:
-    return {"prompt": "pdserve readiness probe", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
-            "cache_salt": f"health-{secrets.token_hex(16)}"}
-
-
 async def health_generate(request: Request) -> JSONBody:
     legs = request.app.state.router.legs
     start = time.monotonic()
-    flow = RequestFlow(legs, Ask(PATH, probe_body(), chat=False, prompt=Prompt(lambda: None)),
-                       local=not legs.disaggregated)
+    body = {"prompt": "pdserve readiness probe", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
+            "cache_salt": f"health-{secrets.token_hex(16)}"}
+    flow = RequestFlow(legs, Ask(PATH, body, chat=False, prompt=Prompt(lambda: None)), local=not legs.disaggregated)
     try:
         async with asyncio.timeout(PROBE_TIMEOUT_S):
             failed = await _run(legs, flow)

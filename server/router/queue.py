@@ -15,11 +15,11 @@ from contextlib import suppress
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from server.config.router import QueueLimits
 from server.openai.errors import error_body
 from server.router.backends import Backend
 from server.router.errors import LegError
 from server.router.policies import Backends, PromptTokens, RoundRobin, available, hit_tokens, prompt_length
-from server.router.settings import QueueLimits
 
 RECHECK_S = 0.5  # a waiting leg looks again this often (a fenced server may have come back)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

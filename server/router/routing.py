@@ -18,13 +18,12 @@ from server.router.queue import LegPicker, QueueMetrics
 class Routing:
     def __init__(self, config: RouterConfig, context: Sequence[Backend], generation: Sequence[Backend],
                  registry: CollectorRegistry, client: HttpClient | None = None) -> None:
-        self.policy, self.config = config.type, config
+        self.policy = config.type
         self.context, self.generation = list(context), list(generation)
         metrics = QueueMetrics(registry)
-        weights = config.weights
         # generation servers: kv_cache_aware scores them too (their own hit saves a pull)
-        self.context_picker = LegPicker("context", make_policy(self.policy, weights), config.queue, metrics)
-        self.generation_picker = LegPicker("generation", make_policy(self.policy, weights), config.queue,
+        self.context_picker = LegPicker("context", make_policy(self.policy, config.weights), config.queue, metrics)
+        self.generation_picker = LegPicker("generation", make_policy(self.policy, config.weights), config.queue,
                                            metrics, decodes=True)
         self.conditional: Conditional = (config.conditional if self.context else None) or Conditional()
         # the servers' KV events, followed when they are read (kv_cache_aware, or a minimum prefix hit)
@@ -41,14 +40,6 @@ class Routing:
     def needs_tokens(self) -> bool:
         """The router tokenises prompts (kv policies, conditional disaggregation)."""
         return self.policy == "kv_cache_aware" or self.conditional.enabled
-
-    async def start(self) -> None:
-        if self.sync is not None:
-            await self.sync.start()
-
-    async def stop(self) -> None:
-        if self.sync is not None:
-            await self.sync.stop()
 
     def serve_locally(self, prompt: PromptTokens, several_prompts: bool = False, prompt_only: bool = False) -> bool:
         """Decide (and count) whether a request of a disaggregated deployment skips its context leg:

@@ -141,13 +141,27 @@ HISTOGRAMS = {
 }
 
 
-def _observing(key: str) -> Callable[[ServerMetrics, float], None]:
-    def observe(self: ServerMetrics, seconds: float) -> None:
-        self._histograms[key].observe(seconds)
+def _observing(key: str) -> Callable[[Observer, float], None]:
+    def observe(self: Observer, seconds: float) -> None:
+        self._observe(key, seconds)
     return observe
 
 
-class ServerMetrics:
+class Observer:
+    """`observe_<key>(seconds)` for each of HISTOGRAMS, as `_observe(key, seconds)`: into the histogram
+    (`ServerMetrics`), or kept for the engine's next message (server/telemetry/relay.py)."""
+
+    def _observe(self, key: str, seconds: float) -> None:
+        raise NotImplementedError
+
+    observe_ttft = _observing("ttft")
+    observe_tpot = _observing("tpot")
+    observe_e2e = _observing("e2e")
+    observe_queue_time = _observing("queue_time")
+    observe_prefill = _observing("prefill")
+
+
+class ServerMetrics(Observer):
     """All metrics of one server, in a private registry whose custom collector it is. Thread-safe."""
 
     def __init__(self, stats_provider: StatsProvider | None = None,
@@ -225,11 +239,8 @@ class ServerMetrics:
                 family.add_metric([str(layer), str(expert)], count, created=self.created)
         yield family
 
-    observe_ttft = _observing("ttft")
-    observe_tpot = _observing("tpot")
-    observe_e2e = _observing("e2e")
-    observe_queue_time = _observing("queue_time")
-    observe_prefill = _observing("prefill")
+    def _observe(self, key: str, seconds: float) -> None:
+        self._histograms[key].observe(seconds)
 
     def add_generation_tokens(self, n: int) -> None:
         self._gen_tokens.inc(n)

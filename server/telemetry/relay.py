@@ -7,12 +7,11 @@ the loop's next `StepOut` takes it (`MetricsDelta`), and the scrape-time figures
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import msgspec
 
 from kvcache.stats import KVCacheStats
-from server.telemetry.metrics import HISTOGRAMS, EngineCounters, ServerMetrics, SpecCounts
+from server.telemetry.metrics import HISTOGRAMS, EngineCounters, Observer, ServerMetrics, SpecCounts
 
 
 class TransferFigures(msgspec.Struct, frozen=True):
@@ -59,14 +58,7 @@ _SECONDS = tuple(HISTOGRAMS)  # each observed as `observe_<name>(seconds)`
 _LISTS = (*_SECONDS, "transfers")
 
 
-def _recording(name: str) -> Callable[[MetricsRecorder, float], None]:
-    """`observe_<name>(seconds)` of `MetricsRecorder`: kept for the next delta."""
-    def observe(self: MetricsRecorder, seconds: float) -> None:
-        self._add(name, seconds)
-    return observe
-
-
-class MetricsRecorder:
+class MetricsRecorder(Observer):
     """What the engine calls of `ServerMetrics` to observe, kept for the next message. Thread-safe:
     transfers end on the transceiver's socket threads."""
 
@@ -79,18 +71,12 @@ class MetricsRecorder:
         self._generation_tokens = 0
         self._prompt_tokens = 0
 
-    def _add(self, name: str, value) -> None:
+    def _observe(self, key: str, value) -> None:
         with self._lock:
-            self._lists[name].append(value)
-
-    observe_ttft = _recording("ttft")
-    observe_tpot = _recording("tpot")
-    observe_e2e = _recording("e2e")
-    observe_queue_time = _recording("queue_time")
-    observe_prefill = _recording("prefill")
+            self._lists[key].append(value)
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
-        self._add("transfers", (num_bytes, seconds))
+        self._observe("transfers", (num_bytes, seconds))
 
     def add_generation_tokens(self, n: int) -> None:
         with self._lock:

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.placement import RayActorOptions
-from server.config.schema import ConfigError, deployment_from_dict, load_deployment
+from server.config.schema import ConfigError, RayActorOptions, deployment_from_dict, load_deployment
 from server.deploy.ports import quiet_ports
 from server.deploy.ray.placement import (
     provisional,

@@ -10,9 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvcache.stats import KVCacheStats
 from server.config.router import RouterConfig
-from server.dashboard.samples import parse_metrics
 from server.dashboard.views import deployment_view, pool_view, server_view
-from server.dashboard.window import STALE_S, WINDOW_S, Window, percentiles, quantile
+from server.dashboard.window import STALE_S, WINDOW_S, Window, parse_metrics, percentiles, quantile
 from server.router.app import _build_state
 from server.router.backends import Backend
 from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts

@@ -114,7 +114,7 @@ def test_blocks_of_another_dtype_or_other_scales_never_share_a_hash():
 
 def test_the_hashing_and_the_scales_file_need_no_torch():
     """The router and the deployment checks import them: no torch in their processes."""
-    code = ("import sys; import kvcache.hashing, kvcache.kv_scales, kvcache.config, server.config.checks; "
+    code = ("import sys; import kvcache.hashing, kvcache.kv_scales, kvcache.config, server.config.schema; "
             "from kvcache import block_hashes, request_salt; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

@@ -29,7 +29,7 @@ def test_the_kvcache_package_still_offers_its_names_on_first_use():
 
 def test_the_deployment_config_imports_no_router_machinery():
     """Every server and the launcher read the deployment YAML: that needs the router's settings
-    (server/router/settings.py), not its HTTP client, backends, policies or queue."""
+    (server/config/router.py), not its HTTP client, backends, policies or queue."""
     probe = "import sys, server.config.schema; heavy = ('aiohttp', 'server.router.backends', " \
             "'server.router.policies', 'server.router.queue'); print(sorted(m for m in heavy if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)

@@ -12,8 +12,7 @@ from typing import Any
 
 import yaml
 
-from server.config.placement import ROUTER
-from server.config.schema import DeploymentConfig, deployment_from_dict
+from server.config.schema import ROUTER, DeploymentConfig, deployment_from_dict
 from server.config.yaml_io import read_yaml
 from server.deploy.launcher import LaunchOptions, child_env, handshakes_done, health_url, ready_line
 from server.deploy.ray import NAMESPACE, require_ray

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from server.config.placement import ROUTER
+from server.config.schema import ROUTER
 from server.deploy.ray import NAMESPACE, require_ray
 from server.deploy.supervisor import health
 

@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.config.placement import ROUTER, RayActorOptions
-from server.config.schema import DeploymentConfig
+from server.config.schema import ROUTER, DeploymentConfig, RayActorOptions
 from server.deploy.ports import quiet_ports
 
 SECTIONS = {"context": "context_servers", "generation": "generation_servers", "aggregated": "generation_servers"}
