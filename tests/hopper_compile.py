@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from server.models.fp8.linear import CONFIGS
 from server.models.kernels import attention as A
+from server.models.kernels import elementwise as E
 from server.models.kernels import fp8 as K
 from server.models.kernels import fp8_blocks as KB
 from server.models.kernels import latent as L
@@ -51,6 +52,9 @@ DECODE = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", **PARTIALS, "stride_qt": "i3
           "stride_ks": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_bt": "i32", "sm_scale_log2": "fp32"}
 LATENT = {"Q": "*bf16", "C": "*bf16", **PARTIALS, "stride_qt": "i32", "stride_qh": "i32", "stride_cs": "i32",
           "stride_ct": "i32", "stride_bt": "i32", "sm_scale_log2": "fp32"}
+ROPE = {"QKV": "*bf16", "COS": "*fp32", "SIN": "*fp32", "K": "*bf16", "V": "*bf16", "SLOT": "*i32", "OFF": "*i32",
+        "stride_t": "i32", "stride_c": "i32", "stride_ks": "i32", "stride_kt": "i32", "stride_kh": "i32",
+        "k_inv": "fp32", "v_inv": "fp32"}
 WRITE = {"X": "*bf16", "CACHE": "*bf16", "SLOT": "*i32", "OFF": "*i32", "stride_xt": "i32", "stride_cs": "i32",
          "stride_ct": "i32"}
 
@@ -105,6 +109,12 @@ def decode_variants():
                   "IEEE": False}
     yield L._latent_split, LATENT, constexprs, ("stride_bt",), {"num_warps": 8, "num_stages": 2}
     yield L._write_rows, WRITE, {"W": 576, "WP": 1024}, (), {"num_warps": 4}
+    # rope_write: the 8B shape into a bf16 and an FP8 (bytes) cache, and a half rotary (GLM-4's)
+    shape = {"H": 32, "KVH": 8, "D": 128, "QK": 64, "VH": 8, "DP": 128}
+    for kv, rotary in (("*bf16", 128), ("*u8", 128), ("*bf16", 64)):
+        constexprs = {**shape, "R": rotary, "HALF": rotary // 2, "PASS": 128 - rotary if rotary < 128 else 0,
+                      "QUANT": kv == "*u8"}
+        yield E._rope_write, {**ROPE, "K": kv, "V": kv}, constexprs, ("k_inv", "v_inv"), {"num_warps": 4}
 
 
 def main() -> int:

@@ -81,45 +81,48 @@ def _store_kv(dst, x, inv, live, QUANT: tl.constexpr):
 @triton.jit
 def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, stride_kt, stride_kh, k_inv, v_inv,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
-                PASS: tl.constexpr, QUANT: tl.constexpr):
-    """Program (token, head of q|k|v): rotate the first R dims of q and k in place (rotate_half over
+                PASS: tl.constexpr, QK: tl.constexpr, VH: tl.constexpr, DP: tl.constexpr, QUANT: tl.constexpr):
+    """Program (token), its heads as rows: rotate the first R dims of q and k in place (rotate_half over
     R; HALF = next power of two of R / 2 lanes) and write k and v to the cache; dims R..D of q and k
-    pass through (PASS lanes, 0 when R == D)."""
-    t, j = tl.program_id(0), tl.program_id(1)
-    base = QKV + t * stride_t + j * D
+    pass through (PASS lanes, 0 when R == D). QK, VH, DP: powers of two >= H + KVH, KVH and D."""
+    t = tl.program_id(0)
+    row = QKV + t * stride_t
     slot = tl.load(SLOT + t)
-    if j < H + KVH:
-        half = tl.arange(0, HALF)
-        live = half < R // 2
-        x1 = tl.load(base + half, mask=live, other=0.0)
-        x2 = tl.load(base + R // 2 + half, mask=live, other=0.0)
-        dt = x1.dtype
-        c1 = tl.load(COS + t * stride_c + half, mask=live, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + t * stride_c + R // 2 + half, mask=live, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + t * stride_c + half, mask=live, other=0.0).to(tl.float32)  # signed: rotate_half's minus
-        s2 = tl.load(SIN + t * stride_c + R // 2 + half, mask=live, other=0.0).to(tl.float32)
-        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-        b1 = (x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
-        b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
-        y1 = (a1 + b1).to(dt)
-        y2 = (a2 + b2).to(dt)
-        tl.store(base + half, y1, mask=live)  # q and k rotated in place (a dense prefill reads k from here)
-        tl.store(base + R // 2 + half, y2, mask=live)
-        if j >= H and slot >= 0:
-            dst = K + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H) * stride_kh
-            _store_kv(dst + half, y1, k_inv, live, QUANT)
-            _store_kv(dst + R // 2 + half, y2, k_inv, live, QUANT)
-            if PASS > 0:  # a partial rotary factor: the unrotated dims of k as they are
-                rest = R + tl.arange(0, PASS)
-                kept = rest < D
-                _store_kv(dst + rest, tl.load(base + rest, mask=kept, other=0.0), k_inv, kept, QUANT)
-    elif slot >= 0:
-        half = tl.arange(0, D // 2)
-        live = half < D // 2
-        dst = V + slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt + (j - H - KVH) * stride_kh
-        _store_kv(dst + half, tl.load(base + half), v_inv, live, QUANT)
-        _store_kv(dst + D // 2 + half, tl.load(base + D // 2 + half), v_inv, live, QUANT)
+    at = slot.to(tl.int64) * stride_ks + tl.load(OFF + t) * stride_kt  # the token's place in the cache
+    heads = tl.arange(0, QK)[:, None]
+    half = tl.arange(0, HALF)[None, :]
+    lanes = half < R // 2
+    live = (heads < H + KVH) & lanes
+    base = row + heads * D
+    x1 = tl.load(base + half, mask=live, other=0.0)
+    x2 = tl.load(base + R // 2 + half, mask=live, other=0.0)
+    dt = x1.dtype
+    c1 = tl.load(COS + t * stride_c + half, mask=lanes, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * stride_c + R // 2 + half, mask=lanes, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_c + half, mask=lanes, other=0.0).to(tl.float32)  # signed: rotate_half's minus
+    s2 = tl.load(SIN + t * stride_c + R // 2 + half, mask=lanes, other=0.0).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+    b1 = (x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    y1 = (a1 + b1).to(dt)
+    y2 = (a2 + b2).to(dt)
+    tl.store(base + half, y1, mask=live)  # q and k rotated in place (a dense prefill reads k from here)
+    tl.store(base + R // 2 + half, y2, mask=live)
+    if slot >= 0:  # slot -1: a padding row, nothing written
+        is_k = (heads >= H) & (heads < H + KVH)
+        dst = K + at + (heads - H) * stride_kh
+        _store_kv(dst + half, y1, k_inv, live & is_k, QUANT)
+        _store_kv(dst + R // 2 + half, y2, k_inv, live & is_k, QUANT)
+        if PASS > 0:  # a partial rotary factor: the unrotated dims of k as they are
+            rest = R + tl.arange(0, PASS)[None, :]
+            kept = is_k & (rest < D)
+            _store_kv(dst + rest, tl.load(base + rest, mask=kept, other=0.0), k_inv, kept, QUANT)
+        vh = tl.arange(0, VH)[:, None]
+        dims = tl.arange(0, DP)[None, :]
+        vlive = (vh < KVH) & (dims < D)
+        v = tl.load(row + (H + KVH + vh) * D + dims, mask=vlive, other=0.0)
+        _store_kv(V + at + vh * stride_kh + dims, v, v_inv, vlive, QUANT)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,8 +169,10 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
     quant = k_cache.dtype == torch.float8_e4m3fn
     if quant:  # the codes are computed in the kernel and stored as bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    _rope_write[(t, heads)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0),
-                            ks, kt, kh, k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, R=r,
-                            HALF=triton.next_power_of_2(r // 2), PASS=triton.next_power_of_2(d - r) if r < d else 0,
-                            QUANT=quant, num_warps=1)
+    half, qk = triton.next_power_of_2(r // 2), triton.next_power_of_2(num_heads + num_kv_heads)
+    _rope_write[(t,)](qkv, cos, sin, k_cache, v_cache, slot, offset, qkv.stride(0), cos.stride(0), ks, kt, kh,
+                      k_inv, v_inv, H=num_heads, KVH=num_kv_heads, D=d, R=r, HALF=half,
+                      PASS=triton.next_power_of_2(d - r) if r < d else 0, QK=qk,
+                      VH=triton.next_power_of_2(num_kv_heads), DP=triton.next_power_of_2(d), QUANT=quant,
+                      num_warps=4 if qk * half >= 1024 else 1)
 
