@@ -28,7 +28,8 @@ from kvcache.eviction import EvictionQueue
 from kvcache.reuse_tree import ReuseTree
 
 P, S, D = Level.PRIMARY, Level.SECONDARY, Level.DISK
-DiskEntry = tuple[int, bytes, bytes | None, tuple[int, ...], bytes, int]  # see BlockManager.restore_disk
+# (disk slot, hash, parent hash or None for a root child, tokens, salt digest, priority)
+DiskEntry = tuple[int, bytes, bytes | None, tuple[int, ...], bytes, int]
 
 
 def _primary_candidate(b: Block) -> bool:
@@ -100,29 +101,25 @@ class BlockManager:
         b.ref += 1
         self.num_refs += 1
         b.priority = priority
-        if b.ref + b.pins == 1:
-            self._became_used(b)
+        self._became_used(b)
 
     def release(self, b: Block) -> None:
         b.ref -= 1
         self.num_refs -= 1
         self.clock += 1
         b.tick = self.clock
-        if b.ref + b.pins == 0:
-            self._became_idle(b)
+        self._became_idle(b)
 
     def pin(self, b: Block) -> None:
         assert b.level is P, b
         b.pins += 1
         self.num_pins += 1
-        if b.ref + b.pins == 1:
-            self._became_used(b)
+        self._became_used(b)
 
     def unpin(self, b: Block) -> None:
         b.pins -= 1
         self.num_pins -= 1
-        if b.ref + b.pins == 0:
-            self._became_idle(b)
+        self._became_idle(b)
 
     def hold(self, b: Block) -> None:
         """Guard `b` against eviction until `unhold` (inside one public call)."""
@@ -190,11 +187,9 @@ class BlockManager:
         self._drop(b)
 
     def restore_disk(self, entries: Iterable[DiskEntry]) -> list[int]:
-        """Put blocks found on disk at start into the tree as cached disk blocks. Each entry is
-        (disk slot, hash, parent hash or None for a root child, tokens, salt digest, priority), parents
-        before children. Call it before any other change. Skips an entry whose slot is out of range or
-        taken, whose hash is in the tree already, or whose parent is not; returns the slots restored
-        (later entries count as more recently used)."""
+        """Put blocks found on disk at start (before any other change) into the tree as cached disk
+        blocks; entries (DiskEntry) parents first, later ones more recently used. Skips a slot out of
+        range or taken, a hash already in the tree, a parent not in it; returns the slots restored."""
         base = self.num_slots[P] + self.num_slots[S]
         restored = []
         for slot, block_hash, parent_hash, tokens, salt_dig, priority in entries:
@@ -219,11 +214,15 @@ class BlockManager:
 
     # ---- internals
     def _became_used(self, b: Block) -> None:
+        if b.ref + b.pins != 1:
+            return
         self.num_in_use += 1
         if not b.busy:
             self._update_busy(b)
 
     def _became_idle(self, b: Block) -> None:
+        if b.ref + b.pins != 0:
+            return
         self.num_in_use -= 1
         if b.hash is None:
             b.busy = False
