@@ -49,8 +49,8 @@ class Received:
 
 @dataclass(frozen=True)
 class IpcPools:
-    """The sender's primary pools of `epoch` at `endpoint`, opened through CUDA IPC (window -> view
-    `[num_slots, layers, 2, tpb, heads, dim]` on our device); None: forget that endpoint's pools."""
+    """The sender's primary pools of `epoch` at `endpoint` opened through CUDA IPC (window -> view on
+    our device); None: forget that endpoint's pools."""
 
     endpoint: str
     epoch: str | None
@@ -59,8 +59,7 @@ class IpcPools:
 
 @dataclass(frozen=True)
 class Planned:
-    """The pull `pull_id` goes out as these parts (the first keeps its id): more than one rank on
-    either side, so the lease ends with a `Release` once every part arrived."""
+    """The pull goes out as these parts (the first keeps its id); the lease ends with a `Release`."""
 
     pull_id: int
     parts: list[tuple[int, Part]]  # (pull id, what it brings)

@@ -1,21 +1,18 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
-The engine thread calls every public method and does all tensor work (checksum, scatter into its own
-primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per context endpoint. The
-caller keeps the destination blocks allocated (in use, so their slots do not move) until the pull's
-`PullResult` arrives or `cancel` is called, and frees them when the result says it failed.
+The engine thread calls every public method and does all tensor work; the socket thread
+(`link.ReceiverLink`) owns one DEALER per context endpoint. The caller keeps the destination blocks
+allocated until the `PullResult` (or `cancel`), and frees them when it failed.
 
-No late writer: our slots are written only in `step`, on the engine thread, for pulls still
-registered here. `cancel` (and every failure) unregisters the pull at once, before the caller frees
-its blocks, so its chunks still on the wire are dropped unwritten (`late_chunks`).
+No late writer: slots are written only in `step`, for pulls still registered; `cancel` and every
+failure unregister the pull at once, so chunks still on the wire are dropped (`late_chunks`).
 
-Same GPU (CUDA IPC): `IpcChunk`s are copied on a side stream and checked in a later `step`
-(`ipc_copies.py`); a part whose `Done` comes first finishes once they are checked. Streamed pulls:
-each chunk renews the deadline, and the `Done` brings the first token and the prefix hit. Tensor
-parallelism (transceiver/tp.py): one part per context rank our kv heads come from (`Planned`); a
-failed part fails the request and cancels the others, and with several ranks on either side the
-lease ends with a `Release`, sent here unless `releases` is False (a rank of a tensor-parallel
-generation server, whose rank 0 releases once every rank's share arrived).
+Same GPU: `IpcChunk`s are copied on a side stream and checked in a later `step` (`ipc_copies.py`);
+a `Done` that comes first waits for them. Streamed pulls: each chunk renews the deadline; the
+`Done` brings the first token and prefix hit. Tensor parallelism (tp.py): one part per context rank
+our kv heads come from (`Planned`); a failed part fails the request and cancels the others; with
+several ranks on a side the lease ends with a `Release`, unless `releases` is False (a generation
+rank whose rank 0 releases once every share arrived).
 """
 
 from __future__ import annotations
@@ -63,10 +60,9 @@ class KVReceiver(LinkOwner):
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, kv_heads: tuple[int, int] | None = None,
                  releases: bool = True) -> None:
-        """`on_message()` is called (from the socket thread) whenever messages await `step`. A rank
-        of a tensor-parallel server passes `kv_heads` (its first kv head, the model's kv heads), and
-        `releases=False` where its pull is one rank's share of the request's: then it neither ends the
-        lease nor counts the transfer (see the module doc)."""
+        """`on_message()` (socket thread): messages await `step`. A tensor-parallel rank passes
+        `kv_heads` (its first, the model's); `releases=False`: one rank's share, which neither ends
+        the lease nor counts the transfer."""
         self._kv = kv
         self._config = config
         self._releases = releases
@@ -90,9 +86,8 @@ class KVReceiver(LinkOwner):
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
                    wanted: Wanted, stream: bool = False) -> None:
-        """Pull, per window, the blocks [first, first + len(slots)) of the context request into
-        `slots` (primary slot indices of this server, in block order); `stream`: while it is
-        prefilled (the result then carries the first token)."""
+        """Pull, per window, blocks [first, first + len(slots)) of the context request into our primary
+        `slots`; `stream`: while it is prefilled (the result then carries the first token)."""
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} is already pulling")
         check_wanted(self._kv, wanted)
@@ -124,8 +119,7 @@ class KVReceiver(LinkOwner):
         self._thread.wait(timeout_s)
 
     def cancel(self, request_id: str) -> bool:
-        """Abandon a pull (client gone, request aborted): the context side drops its lease. False
-        when `request_id` has no running pull."""
+        """Abandon a pull (the context side drops its lease); False when none is running."""
         pulling = self._pulling.get(request_id)
         if pulling is not None:
             self._fail(pulling, "cancelled", "cancelled by the generation server", report=False)
@@ -194,8 +188,8 @@ class KVReceiver(LinkOwner):
             self._on_received(item)
 
     def _part(self, pull_id: int, endpoint: str) -> Part | None:
-        """The running part `pull_id`; a pull the socket thread sent as it is (one rank on each side,
-        no `Planned`) becomes its own single part when the first answer from its endpoint comes."""
+        """The running part `pull_id`; a pull sent as it is (no `Planned`) becomes its own single part
+        at the first answer from its endpoint."""
         pulling = self._unplanned.get(pull_id)
         if pulling is not None and pulling.endpoint == endpoint:
             del self._unplanned[pull_id]
@@ -345,19 +339,18 @@ class KVReceiver(LinkOwner):
 
     def _fail(self, pulling: Pulling, reason: str, detail: str, notify: bool = True, report: bool = True,
               failed_part: Part | None = None) -> None:
-        """End a pull that did not succeed. Its context ranks are told to drop the lease (Cancel per
-        part), except where the sender itself reported the failure (`notify=False`: a sender that
-        refused a pull must not lose the lease another pull reads)."""
+        """End a failed pull: a Cancel per part, except to the sender that reported the failure
+        (`notify=False`: one that refused a duplicate must not lose the lease another pull reads)."""
         del self._pulling[pulling.request_id]
         self._unplanned.pop(pulling.pull_id, None)
         for pull_id in pulling.parts:
             self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
             del self._parts[pull_id]
         self.stats.count_failure(reason)
-        if pulling.several:  # a Cancel per part, except the part whose sender reported the failure
+        if pulling.several:
             targets = [(p.endpoint, p.pull_id) for p in [*pulling.parts.values(), *pulling.done_parts]
-                       if notify or p is not failed_part]  # (a refused duplicate must not end the lease)
-        else:  # one rank on each side (or not planned yet): one Cancel, unless the sender reported it
+                       if notify or p is not failed_part]
+        else:  # one rank on each side (or not planned yet)
             targets = [(pulling.endpoint, pulling.pull_id)] if notify else []
         for endpoint, pull_id in targets:
             cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
