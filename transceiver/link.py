@@ -1,12 +1,9 @@
-"""The one ZeroMQ wrapper of pdserve: a thread that owns its sockets, fed through bounded queues.
-
-Every zmq socket is created, used and closed by the `SocketThread` that owns it (zmq sockets are
-not thread-safe). Other threads talk to it only through `submit` (commands) and `drain`/`wait`
-(delivered items), both bounded. All sockets have linger=0; every wait is a poll with a timeout.
-A handler (the sender's or receiver's protocol) reacts to commands, incoming messages and ticks
-through `SocketIO`; one with work of its own (the sender's chunks) also has `pump(io)`, called on
-every turn and returning how soon it wants the next call (None: when something arrives). Handler
-exceptions are logged and never kill the thread.
+"""The one ZeroMQ wrapper of pdserve: a thread that owns its sockets (zmq sockets are not
+thread-safe), fed through bounded queues: `submit` (commands), `drain`/`wait` (delivered items).
+Sockets have linger=0; every wait is a poll with a timeout. A handler reacts to commands, messages
+and ticks through `SocketIO`; one with work of its own also has `pump(io)`, called every turn,
+returning how soon it wants the next (None: when something arrives). Handler exceptions are logged,
+never fatal.
 """
 
 from __future__ import annotations
