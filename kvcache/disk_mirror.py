@@ -1,12 +1,10 @@
-"""The disk files of a manager whose bookkeeping is another manager's (a tensor-parallel rank's).
+"""The disk files of a manager whose bookkeeping is another's (a tensor-parallel rank's).
 
-Each rank of a tensor-parallel server keeps files of its own kv heads: a directory of its own, the
-same disk slots as rank 0's manager (which decides every move), the same key, a manifest of its own
-layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`), a host -> disk copy
-with what each file must say about its block (`before_copies`). Before rank 0 plans a disk hit in,
-every rank reads and checks the same files (`check`; kvcache/disk_tier.py `PeerCheck`), so a block
-comes up only where every rank has its bytes; a file left from before is read only when rank 0's
-books name it, and a file of another block fails its check.
+Each rank keeps files of its own kv heads: its own directory and manifest, rank 0's disk slots and
+key. Rank 0's copies arrive in order (`KVCacheManager.apply_copies`), host -> disk ones with their
+files' metadata (`before_copies`). Every rank checks the files of a disk hit before rank 0 plans it
+(`check`, disk_tier.py `PeerCheck`), so a block comes up only where every rank has its bytes (a
+file from before is read only when rank 0's books name it, and fails if it holds another block).
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ class DiskMirror:
         return cls(store, groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
-        """Read and check these files; stage the good ones' bytes for the copies that follow, and
-        return index -> (reason, detail) of the others. What an earlier check staged is forgotten."""
+        """Check these files (forgetting an earlier check's): stage the good ones, return index ->
+        (reason, detail) of the others."""
         for slots in self._slots.values():
             slots.forget()
         bad = {}
@@ -60,8 +58,7 @@ class DiskMirror:
         self._meta[window] = metas
 
     def after_copies(self, window: int) -> None:
-        """Forget the batch: its metas, its staged bytes (used), its refused writes (their files never
-        appear, so a later check of those slots fails and rank 0 drops the block)."""
+        """Forget the batch: metas, staged bytes, refused writes (a later check fails; rank 0 drops them)."""
         self._meta.pop(window, None)
         self._slots[window].end_call()
 

@@ -1,12 +1,11 @@
-"""The disk tier as the facade uses it: open (restore the blocks a previous server left), check disk
-hits before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its
-null object (kv_cache_config.disk unset), so the facade never asks whether there is one.
+"""The disk tier as the facade uses it: open (restore a previous server's blocks), check disk hits
+before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its null
+object (kv_cache_config.disk unset).
 
-A disk block is read back only after its file passed its checks, before the bookkeeping relies on
-it: `check` reads the files of the disk blocks an admission (or an onboard) is about to bring up,
-in one batch over every window group, stages the good ones' bytes for their promotion
-(kvcache/disk_pool.py) and discards the others with their subtrees, so the request computes those
-tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it.
+`check` reads the files an admission (or onboard) is about to bring up, in one batch over every
+window group, before the bookkeeping relies on them: it stages the good ones' bytes (disk_pool.py)
+and discards the others with their subtrees (those tokens are computed instead). A write the queue
+refused leaves its block without bytes: `after_flush` drops it.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ log = logging.getLogger(__name__)
 
 Work = list[tuple[WindowGroup, list[Block]]]  # disk blocks to check, per window group
 Item = tuple[int, int, bytes]  # (window, disk slot, block hash) of a file to read and check
-# Other holders of the same disk slots (a tensor-parallel server's other ranks, each with files of
-# its own kv heads): given the items of a check, they start reading theirs; the returned call waits
-# for them and gives index -> (reason, detail) of every item one of them could not read back.
+# Other holders of the same disk slots (a tensor-parallel server's ranks): given a check's items they
+# start reading theirs; the returned call waits and gives index -> (reason, detail) of failed ones.
 PeerCheck = Callable[[list[Item]], Callable[[], dict[int, tuple[str, str]]]]
 
 
@@ -74,8 +72,7 @@ class DiskTier:
     @classmethod
     def open(cls, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
              groups: Sequence[WindowGroup]) -> DiskTier:
-        """Take the directory and put the blocks a matching manifest vouches for into the groups'
-        trees (before anything else touches them)."""
+        """Take the directory; put the blocks a matching manifest vouches for into the groups' trees."""
         assert config.disk is not None
         slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
         store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots,
@@ -88,8 +85,7 @@ class DiskTier:
         return cls(store, groups)
 
     def check(self, work: Work) -> int:
-        """Read and check the files of `work`'s disk blocks in one batch; stage the good ones' bytes,
-        discard the others (and their subtrees). Returns the number discarded."""
+        """Check `work`'s disk files in one batch, staging or discarding each; returns how many failed."""
         items: list[Item] = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]  # type: ignore[misc]
         peers = self.peers(items) if self.peers is not None else None  # their reads run meanwhile
         own = self.store.read_many(items)
@@ -113,9 +109,8 @@ class DiskTier:
         return len(bad)
 
     def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
-        """Check the files of the disk blocks among `onboard`, what bringing `blocks` up needs (called
-        after the capacity check: no file is read for a call that cannot go ahead); KVCacheError when
-        one failed: it was dropped with its subtree, so a listed block is gone."""
+        """Check the disk files among `onboard` (after the capacity check); KVCacheError when one failed
+        (dropped with its subtree: a listed block is gone)."""
         disk = [b for b in onboard if b.level is Level.DISK]
         if disk and self.check([(g, disk)]):
             gone = [b.id for b in blocks if b.hash is None and not b.in_use]
@@ -154,8 +149,7 @@ class DiskTier:
 
 
 def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
-    """Fill the store's buffer pool for a hit of a whole host pool: a read buffer for each block it
-    brings up and a write buffer for each host block it displaces (kvcache/disk_buffers.py `reserve`)."""
+    """Reserve buffers for a hit of a whole host pool: a read for each block, a write for each displaced."""
     for g in groups:
         host = g.pools.secondary
         if host is not None:
@@ -186,9 +180,8 @@ def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:
 
 
 def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:
-    """Restore entries, parents before children and, at equal depth, oldest first; of two files of
-    one block the newer counts, and a block whose parent has no file is left out with its subtree
-    (so is a loop of parents: no root child leads to it)."""
+    """Restore entries, parents first and, at equal depth, oldest first; of two files of a block the
+    newer counts; a block without its parent's file (or in a loop) is left out with its subtree."""
     newest: dict[bytes, BlockHeader] = {}
     for h in sorted(headers, key=lambda h: h.written_ns):
         newest[h.block_hash] = h
