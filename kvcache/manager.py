@@ -20,7 +20,6 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.disk_store import BlockMeta
 from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
 from kvcache.errors import KVCacheError
-from kvcache.fork import fork_request
 from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import kv_format_salt, request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
@@ -202,11 +201,44 @@ class KVCacheManager:
     @_flushes
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices of
-        one prompt; kvcache/fork.py)."""
+        one prompt): in every group the full blocks are shared (one more reference), a partly filled
+        last block is copied into one of the child's (its later tokens differ), and released blocks
+        stay released. The child inherits the hashing state, so either may commit the shared blocks.
+        Every check runs first: OutOfBlocksError or KVCacheError leaves everything as it was."""
         if child_id in self._requests:
             raise KVCacheError(f"request {child_id!r} is already admitted")
-        parent = self._request(parent_id)
-        self._requests[child_id] = fork_request(parent, child_id, self._groups, num_tokens, self.tokens_per_block)
+        parent, tpb = self._request(parent_id), self.tokens_per_block
+        n_full, rest = divmod(num_tokens, tpb)
+        what = f"fork of request {parent_id!r} into {child_id!r}"
+        for i, g in enumerate(self._groups):
+            blocks = parent.blocks[i]
+            if not 0 <= num_tokens <= len(blocks) * tpb:
+                raise KVCacheError(f"{what}: num_tokens={num_tokens} outside [0, {len(blocks) * tpb}] "
+                                   f"(the capacity of its blocks)")
+            if rest and blocks[n_full] is None:
+                raise KVCacheError(f"{what}: its block {n_full} (window {g.window}), which holds token "
+                                   f"{num_tokens - 1}, was released")
+        check_capacity(what, [(g.bm, g.window, 1 if rest else 0, []) for g in self._groups])
+        child = RequestState(
+            child_id, parent.salt_digest, parent.priority, [[] for _ in self._groups],
+            hashes=parent.hashes[:n_full],
+            committed=[min(c, n_full) for c in parent.committed],
+            # the parent's commit stopped at a block the child shares: the child's stops there too
+            commit_stopped=[stopped and c < n_full for stopped, c in zip(parent.commit_stopped, parent.committed,
+                                                                         strict=True)],
+            released_upto=[min(r, n_full + (1 if rest else 0)) for r in parent.released_upto],
+        )
+        for i, g in enumerate(self._groups):
+            shared = parent.blocks[i][:n_full]
+            for b in shared:
+                if b is not None:
+                    g.bm.acquire(b, parent.priority)
+            child.blocks[i] = list(shared)
+            if rest:
+                own = g.bm.allocate(parent.priority)
+                g.bm.copy(parent.blocks[i][n_full], own)
+                child.blocks[i].append(own)
+        self._requests[child_id] = child
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Put every full, computed block into the reuse tree (call after each step). If an equal block
