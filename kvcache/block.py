@@ -1,8 +1,5 @@
-"""One KV block: a stable logical id plus a current (level, slot). Pure Python, no torch.
-
-A block holds `tokens_per_block` tokens of K and V for every layer of one window group. Its id never
-changes; offload and onboard move it between levels and change its slot (so id != slot after that).
-Blocks move only between neighbouring levels: primary <-> secondary (host) <-> disk.
+"""One KV block (pure Python): `tokens_per_block` tokens of every layer of one window group, a stable
+id and a current (level, slot). Blocks move between neighbouring levels: primary <-> host <-> disk.
 """
 
 from __future__ import annotations

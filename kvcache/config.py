@@ -1,7 +1,6 @@
-"""`KvCacheConfig`: the KV cache's settings, with TensorRT-LLM's `kv_cache_config` field names so the
-YAML reads the same. A msgspec Struct: the deployment loader (server/config/schema.py) checks types, ranges
-and unknown keys when it converts the YAML; `__post_init__` checks what spans two fields. No torch
-here, so the router can read a deployment without loading it."""
+"""`KvCacheConfig`: the KV cache's settings, with TensorRT-LLM's `kv_cache_config` field names. A msgspec
+Struct (types, ranges and unknown keys checked on conversion; `__post_init__`: what spans two fields).
+No torch, so the router can read a deployment."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
 class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`kv_cache_config.disk`: a third level behind the host pool (kvcache/disk_store.py). Blocks the
-    host pool evicts (at or above secondary_offload_min_priority) are written to `path`, one file per
-    block; a prompt that hits them reads them back (disk -> host -> primary). The directory outlives
-    the server: a server of the same model, KV layout and deployment token finds its blocks again."""
+    """`kv_cache_config.disk`: a level behind the host pool. Blocks it evicts (at or above
+    secondary_offload_min_priority) go to files under `path`, read back on a hit; a server of the same
+    model, KV layout and deployment token finds them again after a restart."""
 
     path: Annotated[str, msgspec.Meta(min_length=1)]  # a directory, created if missing; one per server
     max_bytes: Positive  # KV bytes the tier holds (block files add a small header each)
@@ -31,8 +29,7 @@ class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     io_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # one hit's reads; the writes' flush at close
 
     def for_rank(self, rank: int) -> DiskTierConfig:
-        """Rank `rank`'s directory of a tensor-parallel server (each rank keeps files of its own kv
-        heads, kvcache/disk_mirror.py): `path` for rank 0, `path.rank<r>` beside it for the others."""
+        """A tensor-parallel rank's directory: `path` for rank 0, `path.rank<r>` for the others."""
         return self if rank == 0 else msgspec.structs.replace(self, path=f"{self.path}.rank{rank}")
 
 

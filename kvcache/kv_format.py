@@ -1,15 +1,10 @@
 """`KVFormat`: what one token's cached bytes of one layer are. Made once where a server starts
-(server/models/kv_format.py `kv_format`) and passed whole to everything that stores, names or moves
-KV (docs/structure.md lists them).
+(server/models/kv_format.py) and passed whole to everything that stores, names or moves KV.
 
-Two layouts:
-- "heads": K and V of `num_kv_heads` heads of `head_dim` values (Llama, Mistral, Qwen): two planes.
-- "latent": multi-head latent attention's compressed cache (DeepSeek-V2/V3): one plane of one
-  "head" of `head_dim` = kv_lora_rank + qk_rope_head_dim values (the normalized latent, then the
-  roped shared key), the same on every tensor-parallel rank.
-
-An FP8 format (dtype float8_e4m3fn) has per-layer scales: a heads format one k and one v scale per
-layer, a latent format one scale per layer (`k_scales`; `v_scales` empty: no V plane).
+Layouts: "heads", K and V planes of `num_kv_heads` heads (Llama, Mistral, Qwen); "latent", multi-head
+latent attention's one plane of one "head" (DeepSeek-V2/V3: the normalized latent, then the roped
+shared key), the same on every tensor-parallel rank. FP8 has per-layer scales: k and v (heads), or
+`k_scales` only (latent).
 """
 
 from __future__ import annotations
@@ -87,16 +82,14 @@ class KVFormat:
 
     @property
     def id(self) -> str:
-        """The whole format in one string: layout, element type, heads x values, and (FP8) a
-        digest of the scales. Two servers, two disk directories, exchange KV only if equal."""
+        """The whole format in one string (FP8: with a digest of the scales); KV moves only between equals."""
         base = f"{self.layout}:{dtype_name(self.dtype)}:{self.num_kv_heads}x{self.head_dim}"
         return f"{base}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized else base
 
     @property
     def hash_namespace(self) -> str:
-        """What refines the block hashes' salt (kvcache.hashing.kv_format_salt): "" for K/V heads
-        in the model's dtype (the model fingerprint says all), else the layout, dtype and scales,
-        so blocks of two formats never match in any tier."""
+        """What refines the block hashes' salt (`kv_format_salt`): "" for K/V heads in the model's dtype,
+        else layout, dtype and scales, so blocks of two formats never match in any tier."""
         if not self.quantized and not self.latent:
             return ""
         base = f"{dtype_name(self.dtype)}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized \
@@ -110,8 +103,7 @@ class KVFormat:
         return self.k_scales[layer], 1.0 if self.latent else self.v_scales[layer]
 
     def block_scales(self, layers: tuple[int, ...] | list[int]) -> tuple[float, ...]:
-        """The scales a window group's blocks were stored with: its layers' k scales then v scales
-        (disk files, handshake); () unquantized."""
+        """A window group's layers' k scales then v scales (disk files, handshake); () unquantized."""
         if not self.quantized:
             return ()
         return tuple(self.k_scales[i] for i in layers) + tuple(self.v_scales[i] for i in layers if self.v_scales)
