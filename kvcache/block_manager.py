@@ -1,7 +1,6 @@
 """Blocks of one window group at three levels: free lists, ref counts and pins, the reuse tree,
-eviction (priority, then LRU, leaves of each level only), offload of evicted blocks one level down
-(primary -> secondary -> disk), onboard one level up. Pure Python, no torch, no files: data moves
-are recorded as `CopyOp`s in `copies`, which the pools execute.
+eviction (priority, then LRU, leaves of each level only), offload one level down, onboard one up.
+Pure Python: data moves are recorded as `CopyOp`s in `copies`, which the pools execute.
 
 Invariants (checked by `kvcache.integrity.check_block_manager`), between public calls:
 - each block is exactly one of: free (in its level's free list), cached (in the tree, ref == pins
@@ -84,9 +83,8 @@ class BlockManager:
         return b
 
     def evictable_keeping(self, keep: list[Block]) -> int:
-        """Primary blocks obtainable (free + reclaimable by eviction) while every block of `keep` and
-        its ancestors stays. Exact: a non-busy primary tree block outside that closure can be
-        reclaimed by evicting leaves first."""
+        """Primary blocks obtainable (free + reclaimable) while `keep` and its ancestors stay. Exact: a
+        non-busy primary tree block outside that closure can be reclaimed by evicting leaves first."""
         lost, seen = 0, set()
         for b in keep:
             while b is not None and b.id not in seen and b.level is P and b.hash is not None and not b.busy:
@@ -171,9 +169,8 @@ class BlockManager:
         self._move(b, P)
 
     def promote(self, b: Block) -> bool:
-        """Move disk tree block `b` (held by the caller, parent primary or secondary) to a secondary
-        slot, evicting a secondary candidate if none is free; False (nothing changed) when the
-        secondary level has no room: every block there is held or has a secondary child."""
+        """Move held disk tree block `b` to a secondary slot (evicting if need be); False (nothing
+        changed) when every secondary block is held or has a secondary child."""
         assert b.level is D and b.holds > 0 and (b.parent is None or b.parent.level is not D), b
         if not self._make_room(S):
             return False
@@ -257,9 +254,8 @@ class BlockManager:
             raise KVCacheError("internal: no evictable primary block although the capacity check passed")
 
     def _make_room(self, level: Level) -> bool:
-        """True when `level` has a free block, after evicting one of its candidates if it had none:
-        the victim moves one level down if its priority allows and that level has room (made the
-        same way), else it is dropped. False when the level has no free block and no candidate."""
+        """True when `level` has a free block, after evicting a candidate if need be (moved one level
+        down if its priority allows and room is made there the same way, else dropped)."""
         if self.free[level]:
             return True
         victim = self.queues[level].pop(CANDIDATES[level])
@@ -274,8 +270,7 @@ class BlockManager:
         return True
 
     def _move(self, b: Block, level: Level) -> None:
-        """Move cached block b to a free block's slot of the neighbouring `level` (the caller made
-        room there); the free block takes b's slot. Parent counters, queues and events follow."""
+        """Swap cached block b with a free block of the neighbouring `level` (the caller made room)."""
         old, parent = b.level, b.parent
         if old is P:
             self.num_reclaimable -= 1  # b was a non-busy primary tree block (an eviction victim)
@@ -298,8 +293,7 @@ class BlockManager:
             parent.secondary_children += delta
 
     def _swap_slots(self, b: Block, spare: Block) -> None:
-        """b takes free block spare's (level, slot) and spare takes b's, back in its new level's free
-        list; b's data is copied across."""
+        """b and free block `spare` trade (level, slot); b's data is copied across."""
         self.copies.append(CopyOp(b.level, b.slot, spare.level, spare.slot))
         if (b.level, spare.level) in self.copied:
             self.copied[b.level, spare.level] += 1

@@ -29,9 +29,7 @@ def _is_int(v: object) -> bool:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """What the model needs cached: per-layer windows (a full-attention layer's is `max_seq_len`)
-    and the KV format (kvcache/kv_format.py) of every layer. An FP8 format made without scales
-    gets 1.0 for every layer here."""
+    """Per-layer windows (full attention: `max_seq_len`) and the KV format (FP8 without scales: 1.0)."""
 
     layer_windows: tuple[int, ...]  # per layer attention window in tokens
     format: KVFormat

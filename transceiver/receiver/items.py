@@ -1,5 +1,4 @@
-"""What the generation side's engine thread and its socket thread (`link.ReceiverLink`) trade:
-commands (`Pull`, `Probe`, `Send`) one way, delivered items the other."""
+"""What the generation side's engine and socket threads trade: commands, then delivered items."""
 
 from __future__ import annotations
 
