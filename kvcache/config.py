@@ -20,9 +20,8 @@ class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     path: Annotated[str, msgspec.Meta(min_length=1)]  # a directory, created if missing; one per server
     max_bytes: Positive  # KV bytes the tier holds (block files add a small header each)
-    # bytes of offloaded blocks waiting for their write; an offload beyond it drops the block
-    # instead (the engine never waits for the disk). Up to twice this in block buffers is kept for
-    # reuse by the writes and a hit's reads once used (kvcache/disk_buffers.py)
+    # bytes of offloaded blocks waiting for their write (beyond it the block is dropped: the engine
+    # never waits for the disk); up to twice this in buffers is kept for reuse (disk_buffers.py)
     write_queue_bytes: Positive = 256 << 20
     read_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8  # files read and checked at once on a hit
     write_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
@@ -41,11 +40,9 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # share of the free GPU memory (after the weights) for the primary pool, when max_tokens is None
     # on CUDA; None: DEFAULT_GPU_FRACTION, which `pdserve launch` splits between servers on the GPU
     free_gpu_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    # this server's share of the GPU's total memory (weights, workspace and pool together), for servers
-    # that share one GPU: the pool gets DEFAULT_GPU_FRACTION of the share less what the server holds
-    # once loaded, and never more than that fraction of the free memory. `pdserve launch` gives each of
-    # n servers on a GPU 1/n when neither this, max_tokens nor free_gpu_memory_fraction is set; sizing
-    # from the share does not depend on which server loads first
+    # this server's share of the GPU's total memory, for servers sharing one GPU (kvcache.group
+    # `gpu_pool_bytes`); `pdserve launch` gives each of n servers 1/n when neither this, max_tokens
+    # nor free_gpu_memory_fraction is set
     gpu_memory_share: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True

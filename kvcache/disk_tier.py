@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvcache.block import Block, Level
-from kvcache.block_manager import BlockManager, DiskEntry
+from kvcache.block_manager import DiskEntry
 from kvcache.config import KvCacheConfig
 from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockFormat, BlockHeader, Manifest, key_id
 from kvcache.disk_pool import DiskSlots
@@ -66,7 +66,7 @@ class DiskTier:
         self.bytes_read = 0
         self.peers: PeerCheck | None = None  # other ranks' files of the same slots (`check`)
         for g in groups:
-            g.pools.disk = DiskSlots(store, g.window, functools.partial(_describe, g.bm))
+            g.pools.disk = DiskSlots(store, g.window, functools.partial(self.describe, g))
         reserve_buffers(store, groups)
 
     @classmethod
@@ -119,7 +119,12 @@ class DiskTier:
 
     def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
         """What the file of disk slot `slot` must say about the block there now (None: free)."""
-        return _describe(g.bm, slot)
+        b = g.bm.owners[Level.DISK][slot]
+        if b.hash is None:
+            return None
+        parent = b.parent
+        root_salt = g.bm.tree.root_salt(b) if parent is None else b""
+        return BlockMeta(b.hash, None if parent is None else parent.hash, root_salt, b.tokens, b.priority)
 
     def after_flush(self, g: WindowGroup) -> None:
         """Drop the blocks whose write the queue refused during the call that just ended."""
@@ -167,16 +172,6 @@ def block_formats(layout: CacheLayout, groups: Sequence[WindowGroup]) -> dict[in
     """Window -> what its blocks' bytes are (the group's layers' scales, for an FP8 cache)."""
     f = layout.format
     return {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
-
-
-def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:
-    """What the file of disk slot `slot` must say about the block there (None: the slot is free)."""
-    b = bm.owners[Level.DISK][slot]
-    if b.hash is None:
-        return None
-    parent = b.parent
-    root_salt = bm.tree.root_salt(b) if parent is None else b""
-    return BlockMeta(b.hash, None if parent is None else parent.hash, root_salt, b.tokens, b.priority)
 
 
 def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:

@@ -54,10 +54,6 @@ def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
     return chunks
 
 
-def _slots(runs: list[tuple[int, int, int]]) -> list[int]:
-    return [first + k for _, first, n in runs for k in range(n)]
-
-
 def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
     """Ops in steps, each a parallel assignment (all sources read, then all destinations written)
     with the result of running them one by one: an op goes after every step writing its source or
@@ -208,7 +204,7 @@ def _dma(streams: _TierStreams, to_host: bool, runs: list[tuple[int, int, int]],
         (streams.h2d, streams.reads, streams.writes)
     done = None
     for chunk in _chunks(runs):
-        slots = _slots(chunk)
+        slots = [first + k for _, first, n in chunk for k in range(n)]
         _prune(other)
         for event, used in other:
             if not used.isdisjoint(slots):
