@@ -125,9 +125,11 @@ class KVReceiver(LinkOwner):
             self._fail(pulling, "cancelled", "cancelled by the generation server", report=False)
         return pulling is not None
 
-    def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
-        """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
-        self._thread.submit(Send(ctx_endpoint, Cancel(ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch)))
+    def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None,
+                       pull_id: int | None = None) -> None:
+        """Tell a context server to drop a lease (early reject, nothing missing; or the pull failed)."""
+        cancel = Cancel(ctx_request_id=ctx_request_id, pull_id=pull_id, ctx_epoch=ctx_epoch)
+        self._thread.submit(Send(ctx_endpoint, cancel))
 
     def release_lease(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str) -> None:
         """Every rank's share of a lease's KV arrived: its context server ends the lease (a success)."""
@@ -200,8 +202,7 @@ class KVReceiver(LinkOwner):
         pulling = self._unplanned.pop(plan.pull_id, None)
         if pulling is None:  # cancelled or failed meanwhile: its parts that went out must stop too
             for pull_id, p in plan.parts:
-                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
-                self._thread.submit(Send(p.endpoint, cancel))
+                self.release_remote(p.endpoint, plan.ctx_request_id, plan.ctx_epoch, pull_id)
             return
         pulling.several = True
         for pull_id, p in plan.parts:
@@ -353,8 +354,7 @@ class KVReceiver(LinkOwner):
         else:  # one rank on each side (or not planned yet)
             targets = [(pulling.endpoint, pulling.pull_id)] if notify else []
         for endpoint, pull_id in targets:
-            cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
-            self._thread.submit(Send(endpoint, cancel))
+            self.release_remote(endpoint, pulling.ctx_request_id, pulling.ctx_epoch, pull_id)
         if report:
             self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
                                             time.monotonic() - pulling.started))
