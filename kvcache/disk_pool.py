@@ -33,7 +33,6 @@ class DiskSlots:
         self.staged[slot] = payload
 
     def forget(self) -> None:
-        """Give back every staged payload."""
         for payload in self.staged.values():
             self.store.buffers.give(payload)
         self.staged.clear()

@@ -36,7 +36,6 @@ PeerCheck = Callable[[list[Item]], Callable[[], dict[int, tuple[str, str]]]]
 
 
 class NoDiskTier:
-    """No disk tier: nothing to check, drop or count."""
 
     peers: PeerCheck | None = None
 

@@ -20,7 +20,6 @@ LAYOUTS = ("heads", "latent")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float8_e4m3fn", "bfloat16", ...: torch's name without the module."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -66,7 +65,6 @@ class KVFormat:
 
     @property
     def planes(self) -> int:
-        """Planes per layer in a slot: 2 (K, V) for heads, 1 for the latent."""
         return 1 if self.latent else 2
 
     @property
@@ -77,7 +75,6 @@ class KVFormat:
         return num_layers * self.planes * self.num_kv_heads * self.head_dim * self.element_bytes
 
     def slot_shape(self, num_layers: int, tokens_per_block: int) -> tuple[int, ...]:
-        """One pool slot: [layers, planes, tokens_per_block, kv_heads, head_dim]."""
         return (num_layers, self.planes, tokens_per_block, self.num_kv_heads, self.head_dim)
 
     @property

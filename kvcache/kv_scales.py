@@ -37,7 +37,6 @@ class ScalesFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def as_float32(value: float) -> float:
-    """`value` rounded to the nearest float32."""
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 

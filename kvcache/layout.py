@@ -70,5 +70,4 @@ class CacheLayout:
         return len(self.layer_windows)
 
     def bytes_per_token(self, num_layers: int | None = None) -> int:
-        """One token's KV bytes over `num_layers` layers (default: all layers)."""
         return self.format.bytes_per_token(self.num_layers if num_layers is None else num_layers)

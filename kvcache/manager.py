@@ -382,7 +382,6 @@ class KVCacheManager:
         self._disk.close()
 
     def request_ids(self) -> list[str]:
-        """Requests admitted and not yet released."""
         return list(self._requests)
 
     def num_pins(self, window: int) -> int:

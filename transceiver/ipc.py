@@ -96,7 +96,6 @@ class DeviceSum:
             self._event.synchronize()
 
     def wait(self) -> int:
-        """Block until done, then `value()`."""
         self.synchronize()
         return self.value()
 

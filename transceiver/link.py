@@ -52,7 +52,6 @@ class SocketIO:
         self._inbox = inbox
 
     def socket(self, key: Hashable, kind: int) -> zmq.Socket:
-        """Create and register a socket (linger 0) under `key`."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         self.sockets[key] = sock
@@ -126,7 +125,6 @@ class LinkOwner:
 
 
 class SocketThread:
-    """Runs `handler` on a private thread that owns all its sockets."""
 
     def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256, tick_s: float = 0.05,
                  notify: Callable[[], None] | None = None) -> None:

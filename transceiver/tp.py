@@ -45,7 +45,6 @@ def plan_parts(ranks: list[RankEndpoint], mine: Heads) -> list[Part]:
 
 
 def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:
-    """Bytes of one block's `heads` (whole slot when None)."""
     return slot_bytes if heads is None else slot_bytes // kv_heads * (heads[1] - heads[0])
 
 

@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver(LinkOwner):
-    """Pulls KV blocks from context servers into this server's primary pool."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, kv_heads: tuple[int, int] | None = None,
@@ -115,7 +114,6 @@ class KVReceiver(LinkOwner):
         return results
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a message arrives for `step` or `timeout_s` passes."""
         self._thread.wait(timeout_s)
 
     def cancel(self, request_id: str) -> bool:

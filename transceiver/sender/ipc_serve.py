@@ -46,7 +46,6 @@ class IpcPulls:
         self._pending.setdefault((cid, pull_id), []).append((parts, last))
 
     def drop(self, cid: str) -> None:
-        """Every pull of the lease `cid`."""
         for key in [k for k in self._pending if k[0] == cid]:
             del self._pending[key]
 

@@ -48,7 +48,6 @@ CLOSE_WAIT_S = 1.0  # how long `close` lets running pulls learn that they failed
 
 
 class KVSender(LinkOwner):
-    """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, epoch: str | None = None,
