@@ -23,9 +23,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _positive_int(name: str, value: object) -> None:
+def positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"KVFormat.{name}={value!r}: must be an integer > 0")
+        raise ValueError(f"{name}={value!r}: must be an integer > 0")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class KVFormat:
             raise ValueError(f"KVFormat.dtype={self.dtype!r}: must be a torch.dtype")
         if self.layout not in LAYOUTS:
             raise ValueError(f"KVFormat.layout={self.layout!r}: must be one of {LAYOUTS}")
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
+        positive_int("KVFormat.num_kv_heads", self.num_kv_heads)
+        positive_int("KVFormat.head_dim", self.head_dim)
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"KVFormat: a latent cache has one head, not {self.num_kv_heads}")
         for name in ("k_scales", "v_scales"):
