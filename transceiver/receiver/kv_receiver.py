@@ -245,7 +245,7 @@ class KVReceiver(LinkOwner):
         dst = slots[body.first - first : body.first - first + count]  # shorter than count: beyond the pull
         pool, slot_bytes = self._kv.pool(window, Level.PRIMARY), self._kv.slot_bytes(window)
         if isinstance(body, ChunkHeader):
-            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst) if part.dst is not None else slot_bytes
+            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst)
             parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in payload]  # zero-copy views
             if count < 1 or len(dst) < count or body.nbytes != count * unit:
                 return "integrity", f"chunk header does not fit the pull: window {window}, blocks {body.first}+{count}"
