@@ -55,9 +55,8 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
 
 
 def _bring_up(bm: BlockManager, blocks: list[Block]) -> None:
-    """Make held non-primary blocks (each after its parent) primary: host blocks first, then as many
-    disk blocks as the host level takes at once (one batch of copies), the rest one by one through
-    the host slot the one before freed (no secondary block is held then: it cannot fail)."""
+    """Make held non-primary blocks (each after its parent) primary: host blocks, then disk blocks in
+    one batch as far as the host level has room, the rest one by one (then no host block is held)."""
     disk = [b for b in blocks if b.level is Level.DISK]
     for b in blocks:
         if b.level is Level.SECONDARY:

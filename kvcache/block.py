@@ -24,9 +24,8 @@ class CopyOp(NamedTuple):
 
 
 class Block:
-    """State of one block; only `BlockManager` mutates it (its invariants: block_manager.py).
-    `busy` == in use or some primary descendant in the tree is in use; a primary block that is in the
-    tree and not busy can be reclaimed by evicting leaves."""
+    """State of one block, mutated only by `BlockManager`. `busy`: it or a tree descendant is in use
+    (a primary tree block that is not busy can be reclaimed by evicting leaves)."""
 
     __slots__ = ("id", "level", "slot", "ref", "pins", "holds", "hash", "parent", "children", "tokens",
                  "priority", "tick", "busy", "busy_children", "primary_children",

@@ -2,16 +2,14 @@
 eviction (priority, then LRU, leaves of each level only), offload one level down, onboard one up.
 Pure Python: data moves are recorded as `CopyOp`s in `copies`, which the pools execute.
 
-Invariants (checked by `kvcache.integrity.check_block_manager`), between public calls:
-- each block is exactly one of: free (in its level's free list), cached (in the tree, ref == pins
-  == 0), in use (ref + pins > 0); an in-use block is PRIMARY and never evicted, offloaded or moved;
-- down the tree, levels never go back up (a block's level is >= its parent's), so the PRIMARY
-  blocks of the tree are prefix-closed, and the secondary and disk blocks are whole subtrees
-  (dropping a block drops its subtree, all of it farther from the GPU);
+Invariants between public calls (`kvcache.integrity.check_block_manager`):
+- each block is exactly one of: free, cached (in the tree, ref == pins == 0), in use (ref + pins >
+  0: PRIMARY, never evicted, offloaded or moved);
+- a block's level is >= its parent's: the tree's PRIMARY blocks are prefix-closed, the secondary and
+  disk ones whole subtrees (dropping a block drops its subtree);
 - slots are a permutation of range(num_slots) per level; holds == 0.
-An evicted block moves down when its priority is >= offload_min_priority and the level below has
-room (a free block, or one made by evicting that level's own candidate the same way); else it is
-dropped. A level's candidate is a cached block with no child at its own level and no hold.
+An evicted block moves down if its priority is >= offload_min_priority and the level below has room
+(made the same way), else it is dropped. A candidate: cached, no hold, no child at its own level.
 """
 
 from __future__ import annotations
@@ -184,9 +182,8 @@ class BlockManager:
         self._drop(b)
 
     def restore_disk(self, entries: Iterable[DiskEntry]) -> list[int]:
-        """Put blocks found on disk at start (before any other change) into the tree as cached disk
-        blocks; entries (DiskEntry) parents first, later ones more recently used. Skips a slot out of
-        range or taken, a hash already in the tree, a parent not in it; returns the slots restored."""
+        """Put blocks found on disk at start (first thing) in the tree, parents first, later ones more
+        recent; skips a bad or taken slot, a known hash or a missing parent. Returns the slots restored."""
         base = self.num_slots[P] + self.num_slots[S]
         restored = []
         for slot, block_hash, parent_hash, tokens, salt_dig, priority in entries:

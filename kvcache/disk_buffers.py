@@ -4,10 +4,9 @@ A fresh 4 MiB buffer per block costs page faults: on a 512 MiB hit as long as th
 payloads and queued writes use buffers from here, given back (pages kept) once used; `reserve` fills
 the pool when the tier opens (docs/BENCHMARKS.md "Disk tier, engine level").
 
-A buffer is given back exactly once, by its last user, and never touched after: a write's by the
-writer (once written or skipped), by `DiskStore.write` when superseded before a writer took it, or
-by the caller when refused; a read's by the reader on a failed check, else by whoever staged it,
-after copying or forgetting it. A dropped buffer is simply garbage-collected.
+A buffer is given back once, by its last user: a write's by the writer, by `DiskStore.write` if
+superseded first, or by the caller if refused; a read's by the reader on a failed check, else by
+whoever staged it. A dropped buffer is simply garbage-collected.
 """
 
 from __future__ import annotations

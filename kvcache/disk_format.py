@@ -5,14 +5,11 @@ A block file (`w{window}/{slot}.kv`):
 
     MAGIC (8 bytes) | header length (u32 LE) | header (msgpack BlockHeader) | header MAC (32) | payload
 
-The header MAC is keyed blake2b; the payload's (`payload_mac`) is HMAC-SHA256 under a subkey, fed
-piece by piece (`payload_hasher`): SHA-NI runs ~1.9 GB/s a core, blake2b ~1.0 (docs/BENCHMARKS.md).
-The key comes from the deployment token, so a file of another token, torn, truncated or flipped
-never passes. A header names its block (a stale file in a reused slot fails) and its format
-(`dtype`, FP8 `scales`: never read into a cache of another format).
-
-The manifest (`manifest.json`, read by disk_dir.py) names the model fingerprint, the KV layout and
-the key's id, sealed under the same key.
+The header MAC is keyed blake2b; the payload's (`payload_mac`) HMAC-SHA256 under a subkey, fed piece
+by piece (SHA-NI ~1.9 GB/s a core, blake2b ~1.0: docs/BENCHMARKS.md); the key is the deployment
+token's, so a foreign, torn or flipped file never passes. A header names its block (a stale file
+fails) and format (`dtype`, FP8 `scales`). The manifest (`manifest.json`, disk_dir.py) names the
+model fingerprint, the KV layout and the key's id, sealed under the same key.
 """
 
 from __future__ import annotations

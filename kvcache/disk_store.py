@@ -1,8 +1,7 @@
 """The disk tier's directory, files and threads (no torch; bytes in, bytes out).
 
-One file per (window group, slot) (disk_format.py), written to a temporary name and renamed over
-the slot's file, so readers never see half of one. Not a few large files with a slot map: a rename
-is atomic, a crash loses at most the blocks being written, and a block is one sequential read.
+One file per (window group, slot) (disk_format.py), written under a temporary name and renamed: a
+reader never sees half of one, a crash loses at most the blocks being written, a read is sequential.
 
 The engine thread calls every public method and never blocks on a write: `write` queues the bytes
 (up to `write_queue_bytes`) for writer threads sharded by slot (one slot's writes stay in order); a

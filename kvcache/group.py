@@ -45,9 +45,8 @@ def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
 
 
 def gpu_pool_bytes(config: KvCacheConfig, *, free: int, total: int, held: int) -> tuple[int, str]:
-    """The primary pool's bytes and their basis (for messages): the fraction of `free`; with
-    gpu_memory_share, that of the share of `total` less `held` (the weights), at most the fraction of
-    `free`, so servers sharing a GPU get the same pools whichever loads first."""
+    """The primary pool's bytes and their basis: the fraction of `free`, or with gpu_memory_share of
+    the share of `total` less `held` (at most that of `free`: the same whichever server loads first)."""
     fraction = config.free_gpu_memory_fraction or DEFAULT_GPU_FRACTION
     of_free = int(fraction * free)
     if config.gpu_memory_share is None:

@@ -141,12 +141,11 @@ class KVCacheManager:
     def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
               max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None,
               partial_only_if_complete: bool = False) -> int:
-        """Reuse the longest cached prefix, allocate blocks for `num_tokens` (default len(token_ids));
-        return the reused tokens, capped at max_cached_tokens (default len(token_ids) - 1: the last
-        token is computed for its logits). `partial_only_if_complete`: reuse a partly matching block
-        only if the hit then reaches the cap (a caller fetching the rest by whole blocks would
-        overwrite it). `salt`: a tenant's cache_salt. Blocks keep the `priority` (0..100) of their
-        last user. OutOfBlocksError before any change."""
+        """Reuse the longest cached prefix (at most max_cached_tokens, default len(token_ids) - 1: the
+        last token is computed for its logits), allocate blocks for `num_tokens`; return the tokens
+        reused. `partial_only_if_complete`: a partly matching block only if the hit then reaches the
+        cap (a caller fetching the rest by whole blocks would overwrite it). `salt`: a tenant's
+        cache_salt; blocks keep their last user's `priority`. OutOfBlocksError before any change."""
         if request_id in self._requests:
             raise KVCacheError(f"request {request_id!r} is already admitted")
         n_tok = len(token_ids) if num_tokens is None else num_tokens
@@ -201,10 +200,8 @@ class KVCacheManager:
     @_flushes
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices of
-        one prompt): in every group the full blocks are shared (one more reference), a partly filled
-        last block is copied into one of the child's (its later tokens differ), and released blocks
-        stay released. The child inherits the hashing state, so either may commit the shared blocks.
-        Every check runs first: OutOfBlocksError or KVCacheError leaves everything as it was."""
+        one prompt): full blocks shared, a partly filled last one copied (its later tokens differ),
+        released ones still released; either may commit the shared blocks. Checks come first."""
         if child_id in self._requests:
             raise KVCacheError(f"request {child_id!r} is already admitted")
         parent, tpb = self._request(parent_id), self.tokens_per_block

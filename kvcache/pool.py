@@ -3,11 +3,10 @@
 Each level is one contiguous slot-major tensor, so a block moves with one row copy. Pools start
 zeroed (attention masks unused positions, but 0 * NaN is NaN); the host pool is pinned under CUDA.
 
-`execute` runs the block manager's copies in steps (`_steps`): gathers and scatters on the current
-stream, host<->device DMAs on a side stream per direction (`_TierStreams`) in pieces with an event
-each, so one admission's offloads and onboards use both copy engines. A scatter waits for its DMA; a
-DMA for its gather and for the other direction's pieces of its host slots. Host <-> disk copies
-(disk_pool.py) run on the CPU once no DMA uses their host rows (`_TierStreams.settle`).
+`execute` runs the copies in steps (`_steps`): gathers and scatters on the current stream,
+host<->device DMAs on a stream per direction, in pieces with an event each (both copy engines run);
+a scatter waits for its DMA, a DMA for its gather and the other direction's pieces of its host
+slots. Host <-> disk copies (disk_pool.py) run on the CPU once no DMA uses their rows (`settle`).
 """
 
 from __future__ import annotations
@@ -55,11 +54,9 @@ def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
 
 
 def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
-    """Ops in steps, each a parallel assignment (all sources read, then all destinations written)
-    with the result of running them one by one: an op goes after every step writing its source or
-    destination, and not before one reading its destination. One admission's chained offloads and
-    onboards then take one step, a batch per (src, dst) level pair (one by one: a 4k disk hit took
-    257 batches)."""
+    """Ops in steps, each a parallel assignment with the result of running them one by one: an op goes
+    after every step writing its source or destination, not before one reading its destination. One
+    admission's chained offloads and onboards take one step (one by one: a 4k disk hit took 257)."""
     steps: list[dict[tuple[Level, Level], dict[int, int]]] = []
     written: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that writes it
     read: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that reads it

@@ -6,9 +6,8 @@ opens them once per (endpoint, epoch) (`open_pools`) and copies slots per pull (
 sides compute `payload.checksum` on the device (`DeviceSum`) without waiting: Triton kernels on CUDA
 (`kernels.py`, imported only here), else torch. Importing this module needs no CUDA.
 
-One export per receiver because torch attaches a ref counter to each: a sender exiting while one is
-above zero warns "Producer process has been terminated before all shared CUDA tensors released",
-which then names only receivers that still map the pools (they live as long as the sender's process).
+One export per receiver: torch's ref counter per export then makes a sender's exit warn ("Producer
+process has been terminated before all shared CUDA tensors released") only for live mappings.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TransferStats:
-    """Counters only grow, each written by one thread: the receiver's engine thread (its socket
-    thread: `rejected_*`, `ipc_open_failures`), the sender's socket thread. `on_transfer(seconds,
-    nbytes)` is called per successful transfer from the thread that saw it end."""
+    """Counters only grow, each written by one thread (receiver: the engine's, but `rejected_*` and
+    `ipc_open_failures`; sender: the socket thread). `on_transfer(seconds, nbytes)`: per success."""
 
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -4,12 +4,10 @@ sealed by transceiver/signed.py) and the KV layout both sides must share. Never 
 A message is `[header, mac, *payload]` (a ROUTER adds the peer identity in front); only `ChunkHeader`
 carries payload frames (raw KV bytes, under their own checksum). A failed check raises `Rejected`.
 
-Same GPU (ipc.py): a sender sharing the `Hello`'s GPU answers with `InstanceInfo.ipc` (its pools'
-handles); a receiver that opened them pulls `via_ipc`, answered by `IpcChunk`s (slots and checksum).
-Those fields have defaults, so a peer of the previous version never offers or asks for IPC. Tensor
-parallelism (tp.py): `Layout` names a rank's kv heads, rank 0's `InstanceInfo.ranks` lists every
-rank, `PullRequest.heads` asks for some, and with several ranks on a side the pulls `keep_lease`
-until the `Release`.
+Same GPU (ipc.py): `InstanceInfo.ipc` offers the pools, pulls go `via_ipc`, answered by `IpcChunk`s;
+the defaults of those fields keep the previous version on bytes. Tensor parallelism (tp.py):
+`Layout` names a rank's kv heads, rank 0's `InstanceInfo.ranks` lists every rank, `PullRequest.heads`
+asks for some, and with several ranks on a side pulls `keep_lease` until the `Release`.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ REASONS = (
 
 
 class WindowLayout(msgspec.Struct, frozen=True):
-    """One window group's pool (slot: `KVFormat.slot_shape`). Blocks move as they are, so both sides
-    must share the KV format: layout, dtype and an FP8 pool's per-layer scales (in `layers` order;
-    empty in the model's dtype)."""
+    """One window group's pool: blocks move as they are, so both sides must share layout, dtype and
+    FP8 per-layer scales (in `layers` order; empty in the model's dtype)."""
 
     window: int
     layers: list[int]
@@ -181,9 +178,8 @@ class PullRequest(msgspec.Struct, tag=True, frozen=True):
 
 
 class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen: `count` blocks of `window` from block `first`, their slot bytes back to back in
-    the payload frames (whole blocks per frame, unless one block exceeds `max_chunk_bytes`: then
-    count == 1 and it is cut). `checksum`: `payload.checksum`."""
+    """ctx -> gen: `count` blocks of `window` from `first`, back to back in whole-block frames (one
+    block over `max_chunk_bytes`: count == 1, cut in several); `checksum`: `payload.checksum`."""
 
     pull_id: int
     window: int

@@ -1,12 +1,9 @@
 """The generation side's same-GPU copies (CUDA IPC): queued on a side stream, checked once done.
 
-`start` queues an `IpcChunk`'s copy and checksum (`ipc.start_copy`) on a side stream after the
-engine's earlier work; `settled()` hands back the finished ones, and a watcher thread wakes the
-engine (`notify`) as each finishes, so an idle engine learns at once that a pull can finish.
-
-No late writer: `abandon(pull_id)` (before the blocks are freed) makes the engine's stream wait for
-that pull's copies, so later writes land after them; the host does not wait. Abandoned copies are
-kept until done (the peer's pool they read must stay mapped).
+`start` queues an `IpcChunk`'s copy and checksum on a side stream after the engine's earlier work;
+`settled()` hands back finished ones (a watcher thread wakes an idle engine, `notify`). No late
+writer: `abandon(pull_id)` makes the engine's stream wait for that pull's copies (the host does
+not), which are kept until done (the peer's pool they read must stay mapped).
 """
 
 from __future__ import annotations

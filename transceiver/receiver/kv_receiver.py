@@ -1,11 +1,9 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
-The engine thread calls every public method and does all tensor work; the socket thread
-(`link.ReceiverLink`) owns one DEALER per context endpoint. The caller keeps the destination blocks
-allocated until the `PullResult` (or `cancel`), and frees them when it failed.
-
-No late writer: slots are written only in `step`, for pulls still registered; `cancel` and every
-failure unregister the pull at once, so chunks still on the wire are dropped (`late_chunks`).
+The engine thread calls every public method and does all tensor work (socket thread:
+`link.ReceiverLink`). The caller keeps the destination blocks until the `PullResult` (or `cancel`).
+No late writer: slots are written only in `step`, for pulls still registered; `cancel` and failures
+unregister at once, so chunks still on the wire are dropped (`late_chunks`).
 
 Same GPU: `IpcChunk`s are copied on a side stream and checked in a later `step` (`ipc_copies.py`);
 a `Done` that comes first waits for them. Streamed pulls: each chunk renews the deadline; the
@@ -59,9 +57,8 @@ class KVReceiver(LinkOwner):
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, kv_heads: tuple[int, int] | None = None,
                  releases: bool = True) -> None:
-        """`on_message()` (socket thread): messages await `step`. A tensor-parallel rank passes
-        `kv_heads` (its first, the model's); `releases=False`: one rank's share, which neither ends
-        the lease nor counts the transfer."""
+        """`on_message()` (socket thread): messages await `step`. `kv_heads`: a tensor-parallel rank's
+        (first, the model's); `releases=False`: one rank's share (neither ends the lease nor counts)."""
         self._kv = kv
         self._config = config
         self._releases = releases

@@ -5,13 +5,10 @@ another epoch (a restart) or an incompatible layout fails it unsent. Then it is 
 tp.py): as it is with one rank on each side, else one part per context rank our kv heads come
 from, with `Planned` reaching the engine before any chunk.
 
-CUDA IPC: a new epoch's offer is opened here once and handed over (`IpcPools`) before any pull of
-it goes `via_ipc`; one that cannot be opened leaves the byte path. A new epoch without an offer, or
-an idle close, hands over `IpcPools(..., None)` so the engine drops a dead sender's mapping.
-
-Liveness: a monitor on each DEALER reports lost connections and failed reconnects, failing what
-depends on the peer at once (`PeerDown`, `PullRefused`). `Probe`s shake hands before any request
-needs it; `peer_status` is read by /health.
+CUDA IPC: a new epoch's offer is opened once and handed over (`IpcPools`) before any pull of it goes
+`via_ipc` (else: bytes); a new epoch without one, or an idle close, sends `IpcPools(..., None)`.
+A monitor on each DEALER fails what depends on a lost peer at once (`PeerDown`, `PullRefused`).
+`Probe`s shake hands before any request needs it; `peer_status` is read by /health.
 """
 
 from __future__ import annotations

@@ -32,9 +32,8 @@ class IpcPart:
 
 
 class IpcPulls:
-    """Pulls whose checksums are on the device, by (lease id, pull id) (several per lease: tensor-
-    parallel parts), in arrival order; a pull's batches (one per `Extend` when streamed; the `last`
-    then gets its Done) come back in order."""
+    """Pulls whose checksums are on the device, by (lease id, pull id), in arrival order; a pull's
+    batches (one per `Extend` when streamed, Done after the `last`) come back in order."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], list[tuple[list[IpcPart], bool]]] = {}

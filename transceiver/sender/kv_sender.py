@@ -1,12 +1,10 @@
 """Context side: leases a finished prefill's blocks for a pull (`KVSender`, the engine thread's half).
 
-The engine thread owns the KV manager: it pins a lease's blocks (onboarding offloaded ones),
-translates them to primary slots once (pinned blocks never move) and offers those to the socket
-thread (`SenderLink`, `serve.py`), which serves pulls without waiting for the engine's step. The
-socket thread hands each lease back once (`Ended`) with the zmq trackers of frames still in flight;
-the engine unpins once zmq released them, so no slot is rewritten under a frame on the wire (if the
-socket thread dies, `step` unpins everything). Same-GPU receivers get the pools exported here
-(`ExportRequest`), under the pool lock the socket thread holds while it reads slots.
+The engine thread pins a lease's blocks (onboarding offloaded ones) and offers their primary slots
+(stable while pinned) to the socket thread (`SenderLink`, `serve.py`), which serves pulls without
+waiting for the engine. It hands each lease back (`Ended`) with the trackers of frames in flight;
+the engine unpins once zmq released them (if the socket thread died, at once). Same-GPU receivers
+get the pools exported here (`ExportRequest`), under the pool lock the slot reads hold.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The context side's data path, on its socket thread: serve pulls from leased slots as they arrive.
 
-Per pull: check it against the lease (`Offered`), then per chunk gather the slots into a staging
-buffer (big CPU blocks: frames of the pool itself), checksum, send; then Done. Same-GPU pulls get
-slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side stream after the lease's
-`ready` event (never behind the engine's later kernels), under `pool_lock` (held by exports).
+Per pull: check it against the lease, then per chunk gather the slots into a staging buffer (big
+CPU blocks: frames of the pool), checksum, send; then Done (same GPU: `ipc_serve.py`). CUDA reads
+run on a side stream after the lease's `ready` event, under `pool_lock` (held by exports).
 
 Every lease ends here exactly once (`_end`: Ack, Cancel, receiver gone, failure, `Withdraw`, or a
 tensor-parallel `Release`) and goes back in `Ended`; an expiry is counted here, so one an Ack
