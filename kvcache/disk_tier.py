@@ -85,23 +85,21 @@ class DiskTier:
 
     def check(self, work: Work) -> int:
         """Check `work`'s disk files in one batch, staging or discarding each; returns how many failed."""
-        items: list[Item] = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]  # type: ignore[misc]
+        pairs = [(g, b) for g, blocks in work for b in blocks]
+        items: list[Item] = [(g.window, b.slot, b.hash) for g, b in pairs]  # type: ignore[misc]
         peers = self.peers(items) if self.peers is not None else None  # their reads run meanwhile
         own = self.store.read_many(items)
         for i, (reason, detail) in (peers() if peers is not None else {}).items():
             if not isinstance(own[i], BadFile):
                 own[i] = BadFile(reason, detail)
-        results = iter(own)
         bad: list[tuple[WindowGroup, Block, BadFile]] = []
-        for g, blocks in work:
-            for b in blocks:
-                result = next(results)
-                if isinstance(result, BadFile):
-                    bad.append((g, b, result))
-                else:
-                    assert g.pools.disk is not None
-                    g.pools.disk.stage(b.slot, result)
-                    self.bytes_read += result.nbytes
+        for (g, b), result in zip(pairs, own, strict=True):
+            if isinstance(result, BadFile):
+                bad.append((g, b, result))
+            else:
+                assert g.pools.disk is not None
+                g.pools.disk.stage(b.slot, result)
+                self.bytes_read += result.nbytes
         for g, b, error in bad:
             log.warning("disk tier: window %d slot %d dropped: %s", g.window, b.slot, error)
             self._drop(g, b, error.reason, b.hash)
