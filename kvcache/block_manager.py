@@ -206,7 +206,6 @@ class BlockManager:
             self._maybe_queue(b)
         return restored
 
-    # ---- internals
     def _became_used(self, b: Block) -> None:
         if b.ref + b.pins != 1:
             return

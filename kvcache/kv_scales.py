@@ -3,9 +3,7 @@
 compare scales before anything is loaded).
 
 K is stored as e4m3(K / k_scale), saturated at +-FP8_MAX (V likewise); a scale is the largest |K|
-expected over FP8_MAX. Scales are rounded to float32 once, here (the kernels use float32).
-
-The scales file (JSON):
+expected over FP8_MAX, rounded to float32 once, here (the kernels use float32). The scales file:
 
     {"format": "pdserve-kv-scales", "version": 1, "dtype": "float8_e4m3fn",
      "k_scale": [one per layer], "v_scale": [one per layer], "model": "...", "tokens": 4096}

@@ -396,7 +396,6 @@ class KVCacheManager:
         self._disk.add_stats(s)
         return s
 
-    # ---- internals
     def _group(self, window: int) -> WindowGroup:
         g = self._by_window.get(window)
         if g is None:

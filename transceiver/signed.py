@@ -1,17 +1,13 @@
 """Signed messages: the one sealing of every pdserve ZeroMQ channel (KV link, KV events, engine link,
 rank channel). Typed msgspec messages in msgpack; nothing is ever unpickled.
 
-A message is `[header, mac]` (a channel may add uncovered frames: a ROUTER's identity in front, the
-KV link's checksummed payload behind). `header` is msgpack of `Envelope`; `mac` is HMAC-SHA256 over
-the peer (a length byte, then its bytes: empty unless bound to a peer) and the header, under a key
-per channel purpose and direction (`derive_key`), so a message never verifies on another channel,
-direction or peer. The MAC is checked first, in constant time.
-
-`SignedCodec`'s options, checked in this order after the MAC: `version` (`wrong_version`); `fresh`:
-`ts` within MAX_SKEW_S (`stale`) and `seq` a random id not seen in that window (`replayed`), for
-peers that come and go; `ordered`: `seq` counts each peer's messages from 1 (`out_of_order`: nothing
-lost, replayed or reordered; the rank channel); `max_bytes`: a longer header is `malformed` before
-any MAC. A failure raises `Rejected`, whose `reason` labels counters.
+A message is `[header, mac]` (a channel may add uncovered frames around them); `header` is msgpack
+of `Envelope`, `mac` HMAC-SHA256 over the peer (length byte, bytes; empty unless bound to one) and
+the header, under a key per channel purpose and direction (`derive_key`), checked first, in
+constant time. Options, checked after it in this order: `version` (`wrong_version`); `fresh`: `ts`
+within MAX_SKEW_S (`stale`), `seq` a random id not seen in that window (`replayed`); `ordered`:
+`seq` counts each peer's messages from 1 (`out_of_order`: the rank channel); `max_bytes`: a longer
+header is `malformed` before any MAC. A failure raises `Rejected` (`reason`: a counter label).
 """
 
 from __future__ import annotations

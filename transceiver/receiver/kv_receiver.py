@@ -162,8 +162,6 @@ class KVReceiver(LinkOwner):
         self._copies.close()
         self._ipc_pools.clear()
 
-    # ---- messages ----------------------------------------------------------------------------
-
     def _on_item(self, item) -> None:
         if isinstance(item, Planned):
             self._on_planned(item)
@@ -330,8 +328,6 @@ class KVReceiver(LinkOwner):
         self.stats.streamed += pulling.stream and self._releases
         self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds,
                                         first_tokens=pulling.first_tokens, cached_tokens=pulling.cached_tokens))
-
-    # ---- failure -------------------------------------------------------------------------------
 
     def _fail(self, pulling: Pulling, reason: str, detail: str, notify: bool = True, report: bool = True,
               failed_part: Part | None = None) -> None:

@@ -201,8 +201,6 @@ class KVSender(LinkOwner):
         self._leases.clear()
         self._unpin_later.clear()
 
-    # ---- items from the socket thread ----------------------------------------------------------
-
     def _take_items(self) -> None:
         for item in self._thread.drain():
             try:
@@ -230,8 +228,6 @@ class KVSender(LinkOwner):
                 self._unpin_later.append((busy, lease.pinned))
             else:
                 self._unpin(lease.pinned)
-
-    # ---- lease end -----------------------------------------------------------------------------
 
     def _withdraw(self, cid: str, reason: str, detail: str) -> None:
         """Ask the socket thread to end the lease (unpinned on `Ended`); if that cannot be queued,

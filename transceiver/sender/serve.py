@@ -244,8 +244,6 @@ class PullServer:
                 problem = f"kv heads [{req.heads[0]}, {req.heads[1]}) are not among this rank's {held}"
         return None if problem is None else ("bad_request", problem)
 
-    # ---- the data path -------------------------------------------------------------------------
-
     def pump(self, io: SocketIO) -> float | None:
         """Send chunks and finished same-GPU pulls; seconds until the next call (None: idle)."""
         self._send_ipc_ready(io)
@@ -383,8 +381,6 @@ class PullServer:
                 yield
             if wait:
                 stream.synchronize()
-
-    # ---- the end of a lease --------------------------------------------------------------------
 
     def _broken(self, io: SocketIO, cid: str, pull_id: int, e: Exception) -> None:
         """A broken invariant fails the pull (its lease ends), never the socket thread."""
