@@ -24,19 +24,14 @@ def salt_digest(salt: str) -> bytes:
     return blake2b(salt.encode("utf-8"), digest_size=DIGEST_BYTES).digest()
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Little-endian int64 bytes of the tokens (one C-level conversion, no per-token Python work)."""
-    arr = array("q", token_ids)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
 def chain_hashes(token_ids: Sequence[int], tokens_per_block: int, salt_dig: bytes, start_block: int,
                  parent: bytes, end_block: int) -> list[bytes]:
     """Hashes of full blocks start_block..end_block-1, chained from `parent` (hash of start_block - 1)."""
     span = 8 * tokens_per_block
-    data = memoryview(token_bytes(token_ids[start_block * tokens_per_block:end_block * tokens_per_block]))
+    tokens = array("q", token_ids[start_block * tokens_per_block:end_block * tokens_per_block])  # one C-level pass
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
     out: list[bytes] = []
     for off in range(0, (end_block - start_block) * span, span):
         parent = blake2b(parent + salt_dig + data[off:off + span], digest_size=DIGEST_BYTES).digest()
