@@ -14,6 +14,7 @@ through reused buffers (disk_buffers.py). `open` takes the directory (disk_dir.p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -238,10 +239,8 @@ class DiskStore:
         except OSError as exc:
             log.warning("disk tier: writing %s failed: %s", target, exc)
             for name in (tmp, target):  # no stale file under the slot's name
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(name)
-                except OSError:
-                    pass
             return False
 
     def _write_block(self, fd: int, header: BlockHeader, payload: memoryview) -> None:

@@ -8,6 +8,7 @@ never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -197,17 +198,13 @@ class SocketThread:
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join(timeout_s)
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._wake_r = self._wake_w = -1
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # pipe full (already woken) or closed (shutting down)
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (already woken) or closed (shutting down)
 
     def _run(self) -> None:
         io = SocketIO(self._inbox, self._notify)
@@ -280,11 +277,9 @@ class SocketThread:
                 self._guard(self._handler.on_frames, io, key, frames)
 
     def _drain_wake_pipe(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError once it is empty
             while os.read(self._wake_r, 4096):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:

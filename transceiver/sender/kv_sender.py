@@ -9,6 +9,7 @@ get the pools exported here (`ExportRequest`), under the pool lock the slot read
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -127,11 +128,9 @@ class KVSender(LinkOwner):
         if ctx_request_id in self._leases:
             self._withdraw(ctx_request_id, "cancelled", "the context server aborted the request")
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the parked pull then fails when its wait ends
             self._thread.submit(Withdraw(ctx_request_id, "cancelled", "the context server aborted the request"),
                                 timeout_s=0.1)
-        except RuntimeError:  # the parked pull then fails when its wait ends
-            pass
 
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
