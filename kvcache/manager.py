@@ -311,14 +311,11 @@ class KVCacheManager:
         g = self._resolve(window_size)
         out = []
         for i in block_ids:
-            if i == -1:
-                out.append(-1)
-                continue
-            b = g.bm.get(i)
-            if require_primary and b.level is not Level.PRIMARY:
+            b = None if i == -1 else g.bm.get(i)
+            if require_primary and b is not None and b.level is not Level.PRIMARY:
                 raise KVCacheError(f"block {i} (window {g.window}) is not in the primary pool (secondary "
                                    f"slot {b.slot}); call ensure_primary or pin_blocks first")
-            out.append(b.slot)
+            out.append(-1 if b is None else b.slot)
         return out
 
     @_flushes
