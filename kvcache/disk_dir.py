@@ -1,10 +1,9 @@
 """The disk tier's directory at start-up (no torch): the lock giving it to one server, and the
 manifest deciding whether its block files are this server's to restore.
 
-A matching manifest (model fingerprint, KV layout, token key) means every header is checked (a file
-that fails, has another format, or a slot beyond `max_bytes` is deleted) and returned for the reuse
-tree. Any other manifest, or none: the files are deleted with a warning naming why, a new manifest
-written, and the tier starts empty.
+A matching manifest (model fingerprint, KV layout, token key): every header is checked (failed ones,
+other formats, slots beyond `max_bytes` deleted) and returned. Else the files are deleted with a
+warning naming why, and the tier starts empty under a new manifest.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The disk files of a manager whose bookkeeping is another's (a tensor-parallel rank's).
 
-Each rank keeps files of its own kv heads: its own directory and manifest, rank 0's disk slots and
-key. Rank 0's copies arrive in order (`KVCacheManager.apply_copies`), host -> disk ones with their
-files' metadata (`before_copies`). Every rank checks the files of a disk hit before rank 0 plans it
-(`check`, disk_tier.py `PeerCheck`), so a block comes up only where every rank has its bytes (a
-file from before is read only when rank 0's books name it, and fails if it holds another block).
+Each rank keeps files of its own kv heads (own directory and manifest; rank 0's slots and key).
+Rank 0's copies arrive in order (`apply_copies`), host -> disk ones with their metadata
+(`before_copies`); every rank checks a disk hit's files before rank 0 plans it (`check`,
+disk_tier.py `PeerCheck`), so a block comes up only where every rank has its bytes.
 """
 
 from __future__ import annotations

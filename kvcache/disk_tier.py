@@ -2,10 +2,9 @@
 before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its null
 object (kv_cache_config.disk unset).
 
-`check` reads the files an admission (or onboard) is about to bring up, in one batch over every
-window group, before the bookkeeping relies on them: it stages the good ones' bytes (disk_pool.py)
-and discards the others with their subtrees (those tokens are computed instead). A write the queue
-refused leaves its block without bytes: `after_flush` drops it.
+`check` reads the files an admission (or onboard) will bring up, in one batch over every group: it
+stages the good ones' bytes (disk_pool.py) and discards the others with their subtrees (computed
+instead). `after_flush` drops the blocks whose write the queue refused.
 """
 
 from __future__ import annotations

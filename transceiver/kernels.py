@@ -1,10 +1,9 @@
 """Fused Triton kernels of the same-GPU KV handoff (ipc.py), each reading the slots once: the
 sender's checksum (`slot_sums`) and the receiver's copy that sums as it writes (`copy_slot_sums`).
 
-Both return S_b, the wrapping sum of block b's words (`kvcache.pool.pool_rows`), which
-`payload.checksum` weights. Program (b, t) sums tile t into `partials[b, t]`, torch adds the tiles:
-wrapping addition is associative, so the result equals the torch reference's bit for bit.
-Imported only for CUDA pools: the router and CPU paths never import triton (tests: TRITON_INTERPRET=1).
+Both return S_b, block b's wrapping word sum (`payload.checksum` weights it); program (b, t) sums
+tile t and torch adds the tiles: associative wrapping addition equals the torch reference bit for
+bit. Imported only for CUDA pools: the router and CPU paths never import triton.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The one ZeroMQ wrapper of pdserve: a thread that owns its sockets (zmq sockets are not
-thread-safe), fed through bounded queues: `submit` (commands), `drain`/`wait` (delivered items).
-Sockets have linger=0; every wait is a poll with a timeout. A handler reacts to commands, messages
-and ticks through `SocketIO`; one with work of its own also has `pump(io)`, called every turn,
-returning how soon it wants the next (None: when something arrives). Handler exceptions are logged,
-never fatal.
+"""The one ZeroMQ wrapper of pdserve: a thread owning its sockets (not thread-safe), fed through
+bounded queues (`submit`; `drain`/`wait`). Linger is 0; every wait is a poll with a timeout. A
+handler reacts to commands, messages and ticks through `SocketIO`; `pump(io)`, if it has one, runs
+every turn and says how soon it wants the next (None: when something arrives). Its exceptions are
+logged, never fatal.
 """
 
 from __future__ import annotations

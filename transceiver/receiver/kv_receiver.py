@@ -6,11 +6,9 @@ No late writer: slots are written only in `step`, for pulls still registered; `c
 unregister at once, so chunks still on the wire are dropped (`late_chunks`).
 
 Same GPU: `IpcChunk`s are copied on a side stream and checked in a later `step` (`ipc_copies.py`);
-a `Done` that comes first waits for them. Streamed pulls: each chunk renews the deadline; the
-`Done` brings the first token and prefix hit. Tensor parallelism (tp.py): one part per context rank
-our kv heads come from (`Planned`); a failed part fails the request and cancels the others; with
-several ranks on a side the lease ends with a `Release`, unless `releases` is False (a generation
-rank whose rank 0 releases once every share arrived).
+a `Done` that comes first waits for them. Streamed pulls: each chunk renews the deadline; the `Done`
+brings the first token. Tensor parallelism (tp.py): one part per context rank (`Planned`); a failed
+part fails the request and cancels the others; with several ranks the lease ends with a `Release`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The context side's same-GPU pulls (CUDA IPC, socket thread): slots and checksums, no bytes.
 
-`PullServer` starts each pull's checksums on its side stream and hands them here; `ready` gives back
-those the device finished, and only then do their `IpcChunk`s and `Done` leave (the socket thread
-never waits for the device). A pull that ends first is dropped; its checksum may still read the
-unpinned slots, which only makes a value nobody reads.
+`PullServer` queues each pull's checksums on its side stream; their `IpcChunk`s and `Done` leave
+once `ready` says the device finished (the socket thread never waits). A pull that ends first is
+dropped (its checksum may read unpinned slots: a value nobody reads).
 """
 
 from __future__ import annotations

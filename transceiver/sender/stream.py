@@ -1,10 +1,8 @@
-"""The context side's streamed leases (socket thread): which blocks of a pull can go out now, and the
-test-only model of a slow link (`Pacer`).
+"""The context side's streamed leases (socket thread), and the test-only model of a slow link (`Pacer`).
 
-A streamed lease is offered when its prefill starts (`Offer.final` False); each block is PENDING
-until an `Extend` brings its slot after the step that wrote it. A pull goes as far as the slots
-(`next_ranges`), waits for the next `Extend`, and after the final one ends with a `Done` carrying
-the first token and prefix hit: only the last chunk is left after the first token.
+A streamed lease is offered when its prefill starts (`Offer.final` False), its blocks PENDING until
+an `Extend` brings their slots. A pull goes as far as the slots (`next_ranges`), then waits; after
+the final `Extend` its `Done` carries the first token and prefix hit (only the last chunk is left).
 """
 
 from __future__ import annotations
