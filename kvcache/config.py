@@ -52,9 +52,8 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     secondary_offload_min_priority: Annotated[int, msgspec.Meta(ge=0, le=100)] = 35
     onboard_blocks: bool = True  # reuse host-cached blocks (onboard them); False: host blocks never match
     disk: DiskTierConfig | None = None  # a disk tier behind the host pool; None: none
-    # the blocks' element type: "auto" is the model's dtype; "fp8" is float8 e4m3 (one byte an
-    # element: twice the tokens of bf16 in the same bytes, moved and stored at half the bytes), with
-    # per-layer k/v scales from `scales`, else from the checkpoint's k_scale/v_scale, else 1.0
+    # the blocks' element type: "auto" (the model's dtype) or "fp8" (e4m3, one byte: twice bf16's tokens
+    # in the same bytes), with per-layer k/v scales from `scales`, else the checkpoint's, else 1.0
     dtype: Literal["auto", "fp8"] = "auto"
     scales: Annotated[str, msgspec.Meta(min_length=1)] | None = None  # a scales file (`pdserve calibrate-kv`)
 

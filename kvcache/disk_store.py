@@ -85,8 +85,7 @@ class DiskStore:
         """Use `open`: it takes the lock and checks the manifest first."""
         self.path, self.key, self.config = path, key, config
         self.slot_bytes = slot_bytes  # window -> payload bytes of one block
-        # window -> what its blocks' bytes are: written in every file's header, and a file that says
-        # otherwise is never served (none given: BlockFormat())
+        # window -> its blocks' format, in every file's header (a file saying otherwise is never served)
         self.formats = formats or {}
         self.stats = DiskIOStats()
         self._lock = threading.Lock()

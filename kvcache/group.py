@@ -16,9 +16,8 @@ from kvcache.stats import KVCacheStats
 
 log = logging.getLogger(__name__)
 
-# At most this many blocks per window group when sized from free GPU memory: blocks are Python objects
-# (~2 s per million to build), and a tiny model on a 141 GB GPU would get 4 million, 30 s at start (an
-# 8B model gets ~27 k). kv_cache_config.max_tokens goes past the cap.
+# Blocks per window group sized from free GPU memory (Python objects, ~2 s per million to build: a tiny
+# model on a 141 GB GPU would get 4 million, an 8B model ~27 k); kv_cache_config.max_tokens goes past it.
 MAX_AUTO_BLOCKS = 1 << 18
 
 

@@ -18,8 +18,6 @@ from transceiver.wire import WindowRange
 
 @dataclass
 class Lease:
-    """Engine side: until when it lives, and the block ids it pinned per window."""
-
     deadline: float  # monotonic; a pull that starts renews it
     pinned: dict[int, list[int]]
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`

@@ -80,8 +80,8 @@ class PullServer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
         self._parked: dict[str, list[Parked]] = {}  # cid -> its pulls waiting for the offer
-        # streamed leases that ended or were withdrawn before they opened: cid -> (until, reason, detail),
-        # so a streamed pull that comes later is refused at once instead of waiting for its lease
+        # streamed leases ended or withdrawn before they opened: cid -> (until, reason, detail), to refuse a
+        # later streamed pull at once
         self._dropped: dict[str, tuple[float, str, str]] = {}
         self._ipc = IpcPulls()  # same-GPU pulls whose checksums are on the device
         self._pacer = Pacer(config.test_link_delay_ms, config.test_link_bytes_per_s)  # test only
