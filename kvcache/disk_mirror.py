@@ -15,7 +15,7 @@ from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import BadFile
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
-from kvcache.disk_tier import Item, block_formats, manifest_of, reserve_buffers
+from kvcache.disk_tier import Item, open_store
 from kvcache.group import WindowGroup
 from kvcache.layout import CacheLayout
 
@@ -28,16 +28,12 @@ class DiskMirror:
         for g in groups:
             describe = functools.partial(self._describe, g.window)
             g.pools.disk = self._slots[g.window] = DiskSlots(store, g.window, describe)
-        reserve_buffers(store, groups)
 
     @classmethod
     def open(cls, disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
              groups: Sequence[WindowGroup], num_disk: int) -> DiskMirror:
         """Take `disk.path` for this rank's files of `num_disk` slots per window group."""
-        slots = {g.window: (num_disk, g.pools.slot_bytes) for g in groups}
-        store, _ = DiskStore.open(disk, key, manifest_of(config, layout, salt, key), slots,
-                                  block_formats(layout, groups))
-        return cls(store, groups)
+        return cls(open_store(disk, config, layout, salt, key, groups, num_disk)[0], groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
         """Check these files (forgetting an earlier check's): stage the good ones, return index ->

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from kvcache.block import Block, Level
 from kvcache.block_manager import DiskEntry
-from kvcache.config import KvCacheConfig
+from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockFormat, BlockHeader, Manifest, key_id
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
@@ -65,16 +65,13 @@ class DiskTier:
         self.peers: PeerCheck | None = None  # other ranks' files of the same slots (`check`)
         for g in groups:
             g.pools.disk = DiskSlots(store, g.window, functools.partial(self.describe, g))
-        reserve_buffers(store, groups)
 
     @classmethod
     def open(cls, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
              groups: Sequence[WindowGroup]) -> DiskTier:
         """Take the directory; put the blocks a matching manifest vouches for into the groups' trees."""
         assert config.disk is not None
-        slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
-        store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots,
-                                      block_formats(layout, groups))
+        store, found = open_store(config.disk, config, layout, salt, key, groups)
         for g in groups:
             store.stats.restored += len(g.bm.restore_disk(_entries(found[g.window])))
         if store.stats.restored or store.stats.skipped_at_start:
@@ -149,25 +146,23 @@ class DiskTier:
         g.bm.discard(b)
 
 
-def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
-    """Reserve buffers for a hit of a whole host pool: a read for each block, a write for each displaced."""
+def open_store(disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
+               groups: Sequence[WindowGroup],
+               num_disk: int | None = None) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
+    """`DiskStore.open` for `groups`' files (`num_disk` slots each; default: their own) of this model, windows,
+    KV format (an FP8 group's layers' scales) and key, with buffers reserved for a hit of a whole host
+    pool: a read for each block, a write for each displaced."""
+    f = layout.format
+    manifest = Manifest(MANIFEST_VERSION, salt, dtype_name(f.dtype), config.tokens_per_block, layout.layer_windows,
+                        f.num_kv_heads, f.head_dim, key_id(key), f.k_scales, f.v_scales, f.layout)
+    slots = {g.window: (g.bm.num_slots[Level.DISK] if num_disk is None else num_disk, g.pools.slot_bytes)
+             for g in groups}
+    formats = {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
+    store, found = DiskStore.open(disk, key, manifest, slots, formats)
     for g in groups:
-        host = g.pools.secondary
-        if host is not None:
-            store.buffers.reserve(g.pools.slot_bytes, 2 * host.shape[0])
-
-
-def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:
-    """What a disk directory's files must be for: this model, windows, KV format and key."""
-    f = layout.format
-    return Manifest(MANIFEST_VERSION, salt, dtype_name(f.dtype), config.tokens_per_block, layout.layer_windows,
-                    f.num_kv_heads, f.head_dim, key_id(key), f.k_scales, f.v_scales, f.layout)
-
-
-def block_formats(layout: CacheLayout, groups: Sequence[WindowGroup]) -> dict[int, BlockFormat]:
-    """Window -> what its blocks' bytes are (the group's layers' scales, for an FP8 cache)."""
-    f = layout.format
-    return {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
+        if g.pools.secondary is not None:
+            store.buffers.reserve(g.pools.slot_bytes, 2 * g.pools.secondary.shape[0])
+    return store, found
 
 
 def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:
