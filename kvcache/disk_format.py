@@ -137,8 +137,7 @@ def header_length(prefix: bytes | memoryview) -> int:
 
 
 def decode_header(key: bytes, data: bytes | memoryview) -> tuple[BlockHeader, int]:
-    """(the checked header, the payload's offset) from a file's first bytes (at least up to the end
-    of the header MAC)."""
+    """(the checked header, the payload's offset) from a file's first bytes (through the header MAC)."""
     end = PREFIX_BYTES + header_length(data)
     if len(data) < end + MAC_BYTES:
         raise BadFile("truncated", "the file ends inside its header")

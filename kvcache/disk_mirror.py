@@ -36,8 +36,7 @@ class DiskMirror:
         return cls(open_store(disk, config, layout, salt, key, groups, num_disk)[0], groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
-        """Check these files (forgetting an earlier check's): stage the good ones, return index ->
-        (reason, detail) of the others."""
+        """Check these files (forgetting earlier ones): stage the good, return index -> (reason, detail)."""
         for slots in self._slots.values():
             slots.forget()
         bad = {}

@@ -165,9 +165,7 @@ class DiskStore:
     def delete(self, window: int, slot: int) -> None:
         """Remove a slot's file (it failed its check); its slot is free, and no write of it is queued."""
         try:
-            os.unlink(self._file(window, slot))
-        except FileNotFoundError:
-            pass
+            self._file(window, slot).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("disk tier: could not delete %s: %s", self._file(window, slot), exc)
 

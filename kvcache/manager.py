@@ -169,8 +169,7 @@ class KVCacheManager:
 
     def _plan(self, req: RequestState, token_ids: Sequence[int], cap: int, total_blocks: int,
               partial_only_if_complete: bool) -> AdmitPlan:
-        """The checked plan; its disk blocks' files are checked first, and a failed one is dropped
-        and the request planned again."""
+        """The checked plan (a disk block whose file fails its check is dropped, and it is planned again)."""
         bms = [g.bm for g in self._groups]
         plan = self._policy.plan(req, bms, token_ids, cap, total_blocks, partial_only_if_complete)
         self._check_plan_capacity(req.request_id, plan)

@@ -87,8 +87,7 @@ class PrefixReuse:
 
     def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
              cap: int, total_blocks: int, partial_only_if_complete: bool = False) -> AdmitPlan:
-        """Longest reusable prefix, the minimum over window groups (`partial_only_if_complete`: see
-        KVCacheManager.admit)."""
+        """Longest reusable prefix, the minimum over groups (`partial_only_if_complete`: see `admit`)."""
         tpb = self.tpb
         req.hashes = chain_hashes(token_ids, tpb, req.salt_digest, 0, ROOT_HASH, len(token_ids) // tpb)
         full = [bm.tree.match(req.hashes, self.max_level) for bm in bms]

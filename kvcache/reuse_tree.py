@@ -61,7 +61,6 @@ class ReuseTree:
 
     def partial_candidates(self, parent: Block | None, first_token: int,
                            salt_digest: bytes) -> Iterator[Block]:
-        """Tree blocks under `parent` (None: the root of namespace `salt_digest`) whose first token is
-        `first_token`."""
+        """Tree blocks under `parent` (None: namespace `salt_digest`'s root) starting with `first_token`."""
         key = (parent.hash if parent is not None else salt_digest, first_token)
         yield from self._by_first.get(key, {}).values()

@@ -99,8 +99,7 @@ class DeviceSum:
         return self.value()
 
     def order_before_current(self) -> None:
-        """Work queued on its device's current stream from now on runs after this (GPU-side; no host
-        wait). CPU work: done already."""
+        """Work queued on its device's current stream from now on runs after this (no host wait)."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
 

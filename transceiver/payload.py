@@ -19,8 +19,7 @@ POLL_S = 0.0005  # how often `StagingPool.wait_any` looks at the trackers
 
 
 def plan_chunks(r: WindowRange, slot_bytes: int, max_chunk_bytes: int) -> list[WindowRange]:
-    """The blocks of `r`, one chunk message each of as many whole blocks as fit in max_chunk_bytes
-    (at least one)."""
+    """The chunks of `r`: each as many whole blocks as fit in max_chunk_bytes (at least one)."""
     return r.split(max(1, max_chunk_bytes // slot_bytes))
 
 

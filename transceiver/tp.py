@@ -49,8 +49,7 @@ def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:
 
 
 def gather_heads(pool: torch.Tensor, slots: list[int], heads: Heads, out: torch.Tensor) -> int:
-    """Copy kv heads `heads` of `slots`, block after block, into the front of uint8 buffer `out`;
-    returns the bytes written."""
+    """Copy kv heads `heads` of `slots` block by block into the front of uint8 `out`; returns the bytes."""
     pool = _elements(pool)
     idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
     part = pool.index_select(0, idx)[:, :, :, :, heads[0]:heads[1]]  # [n, layers, 2, tpb, h, dim]

@@ -277,8 +277,7 @@ def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
 
 def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: str,
               heads: tuple[int, int] | None = None) -> Layout:
-    """The layout a server advertises for its primary `pools`; `heads`: (first kv head held, the
-    model's kv heads) of a tensor-parallel rank."""
+    """The layout a server advertises for its primary `pools`; `heads`: a TP rank's (first held, total)."""
     windows, fmt = [], kv.layout.format
     for w in sorted(kv.window_sizes):
         layers = list(kv.group_layers(w))

@@ -170,8 +170,7 @@ class ReceiverLink:
                 self._route(io, part.endpoint, self._peer(io, part.endpoint, now), _Waiting(part_req, False), now)
 
     def _probe(self, io: SocketIO, endpoint: str, now: float) -> None:
-        """A Hello without a pull, once per connection; a silent peer is asked again at most every
-        PROBE_INTERVAL_S."""
+        """A Hello without a pull, once per connection (a silent peer: at most every PROBE_INTERVAL_S)."""
         old = self._peers.get(endpoint)
         used = old.last_used if old is not None else now
         peer = self._peer(io, endpoint, now)

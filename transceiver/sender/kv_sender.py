@@ -74,8 +74,7 @@ class KVSender(LinkOwner):
     # ---- engine thread API -------------------------------------------------------------------
 
     def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
-        """Pin `blocks` (window -> block ids, -1: released) for at most kv_transfer_timeout_ms and
-        offer their slots."""
+        """Pin `blocks` (window -> block ids, -1: released) for kv_transfer_timeout_ms; offer their slots."""
         unknown = set(blocks) - set(self._kv.window_sizes)
         if unknown:
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {sorted(self._kv.window_sizes)}")
@@ -229,8 +228,7 @@ class KVSender(LinkOwner):
                 self._unpin(lease.pinned)
 
     def _withdraw(self, cid: str, reason: str, detail: str) -> None:
-        """Ask the socket thread to end the lease (unpinned on `Ended`); if that cannot be queued,
-        the next reap tries again."""
+        """Ask the socket thread to end the lease (unpinned on `Ended`); if that fails, the next reap retries."""
         lease = self._leases.get(cid)
         if lease is None or lease.withdrawn:
             return

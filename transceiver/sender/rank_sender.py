@@ -48,8 +48,7 @@ class RankSender:
         self._offered.add(cid)
 
     def end(self, cid: str) -> None:
-        """Rank 0 ended the lease: a running pull fails; returns once its slots are read no more (at
-        most END_TIMEOUT_S)."""
+        """Rank 0 ended the lease: a pull still running fails; returns once its slots are read no more."""
         if cid not in self._offered:
             return
         self._thread.submit(Withdraw(cid, "cancelled", "the lease ended on the context server"))

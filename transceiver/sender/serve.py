@@ -366,8 +366,7 @@ class PullServer:
 
     @contextmanager
     def _reading(self, off: Offered, device: torch.device, wait: bool = True) -> Iterator[None]:
-        """Read the lease's slots under the pool lock (CUDA: on a side stream after its writes; with
-        `wait`, finished on exit)."""
+        """Read the lease's slots under the pool lock (CUDA: a side stream after its writes; `wait`: done on exit)."""
         with self._pool_lock:
             if device.type != "cuda":
                 yield
