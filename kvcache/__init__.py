@@ -1,8 +1,5 @@
-"""Paged KV cache manager: blocks, reuse tree, pools, offload/onboard, block id -> slot translation.
-
-See docs/structure.md. Dependencies point inward only: kvcache imports nothing of server/ or transceiver/.
-The names below load on first use (PEP 562), so a process that needs only `Level` or the block
-hashing (the router) does not import torch with the pools.
+"""Paged KV cache manager (docs/structure.md); imports nothing of server/ or transceiver/. The names
+below load on first use (PEP 562), so the router (`Level`, block hashing) does not import torch.
 """
 
 from importlib import import_module

@@ -1,12 +1,9 @@
 """Carrying out checked plans: capacity check, admission of one group, onboarding for ensure_primary.
 
-Order matters for atomicity and safety: capacity is checked for every group before any state change;
-blocks that must survive (reused chain, partial-reuse source, blocks to onboard and their anchors)
-are acquired or held before the first allocation, because an allocation may evict.
-
-A disk block comes up one level at a time: promoted to the secondary (host) level, then onboarded
-like any host block (`_bring_up`); the facade has read and checked its file before
-(kvcache/disk_tier.py).
+Capacity is checked for every group before any change; blocks that must survive (reused chain,
+partial-reuse source, blocks to onboard and their anchors) are acquired or held before the first
+allocation, which may evict. A disk block comes up via the host level (`_bring_up`), its file
+checked before by the facade (disk_tier.py).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from kvcache.matching import GroupPlan
 
 def check_capacity(what: str, needs: list[tuple[BlockManager, int, int, list[Block]]]) -> None:
     """OutOfBlocksError if some (block manager, window, primary blocks needed, blocks to keep) cannot
-    be served. Call it for every group before changing anything."""
+    be served (call it for every group before any change)."""
     for bm, window, need, keep in needs:
         if need > 0:
             available = bm.evictable_keeping(keep)
@@ -58,17 +55,13 @@ def execute_plan(bm: BlockManager, gp: GroupPlan, priority: int, *, take_over: b
 
 
 def _bring_up(bm: BlockManager, blocks: list[Block]) -> None:
-    """Make held non-primary blocks primary; each comes after its parent, whose level is <= its own.
-    The host blocks first (freeing their host slots), then as many disk blocks as the host level can
-    take at once are promoted, so their copies run as one batch; the rest come up one by one, each
-    through the host slot the one before it freed. A late promotion cannot fail: by then no
-    secondary block is held, so the secondary level has a free block or a candidate."""
+    """Make held non-primary blocks (each after its parent) primary: host blocks, then disk blocks in
+    one batch as far as the host level has room, the rest one by one (then no host block is held)."""
     disk = [b for b in blocks if b.level is Level.DISK]
     for b in blocks:
         if b.level is Level.SECONDARY:
             bm.onboard(b)  # its parent is primary: a host block's parent is never on disk
-    # while the host level has room for them all (one batch of copies), leaving it one block for
-    # the primary blocks their onboards evict, which would otherwise be dropped
+    # leave the host level one block for the primary blocks their onboards evict (else dropped)
     for b in disk[:bm.num_slots[Level.SECONDARY] - 1]:
         if not bm.promote(b):
             break
@@ -91,8 +84,8 @@ def _reuse_partial(bm: BlockManager, src: Block, priority: int, take_over: bool)
 
 
 def onboard_closure(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
-    """(the non-primary blocks of `blocks` and their non-primary ancestors, each path root first;
-    the primary blocks that must stay: those of `blocks` and the primary parents of those paths)."""
+    """(non-primary `blocks` and their non-primary ancestors, each path root first; the primary blocks
+    that must stay: those of `blocks` and the paths' primary parents)."""
     onboard: list[Block] = []
     keep = [b for b in blocks if b.level is Level.PRIMARY]
     seen: set[int] = set()
@@ -110,9 +103,8 @@ def onboard_closure(blocks: list[Block]) -> tuple[list[Block], list[Block]]:
 
 def make_primary(bm: BlockManager, window: int, blocks: list[Block],
                  check_files: Callable[[list[Block]], None]) -> None:
-    """Onboard the non-primary blocks of `blocks` and their non-primary ancestors, root first;
-    OutOfBlocksError before any change. `check_files(onboard)` runs after the capacity check, before
-    anything moves: it reads the disk blocks' files (and raises if one failed)."""
+    """Onboard `blocks` and their ancestors (OutOfBlocksError first); `check_files(onboard)` reads the
+    disk files after the capacity check, before anything moves."""
     onboard, keep = onboard_closure(blocks)
     if not onboard:
         return

@@ -1,8 +1,5 @@
-"""One KV block: a stable logical id plus a current (level, slot). Pure Python, no torch.
-
-A block holds `tokens_per_block` tokens of K and V for every layer of one window group. Its id never
-changes; offload and onboard move it between levels and change its slot (so id != slot after that).
-Blocks move only between neighbouring levels: primary <-> secondary (host) <-> disk.
+"""One KV block (pure Python): `tokens_per_block` tokens of every layer of one window group, a stable
+id and a current (level, slot). Blocks move between neighbouring levels: primary <-> host <-> disk.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ class CopyOp(NamedTuple):
 
 
 class Block:
-    """State of one block; only `BlockManager` mutates it (its invariants: block_manager.py).
-    `busy` == in use or some primary descendant in the tree is in use; a primary block that is in the
-    tree and not busy can be reclaimed by evicting leaves."""
+    """State of one block, mutated only by `BlockManager`. `busy`: it or a tree descendant is in use
+    (a primary tree block that is not busy can be reclaimed by evicting leaves)."""
 
     __slots__ = ("id", "level", "slot", "ref", "pins", "holds", "hash", "parent", "children", "tokens",
                  "priority", "tick", "busy", "busy_children", "primary_children",

@@ -1,18 +1,15 @@
 """Blocks of one window group at three levels: free lists, ref counts and pins, the reuse tree,
-eviction (priority, then LRU, leaves of each level only), offload of evicted blocks one level down
-(primary -> secondary -> disk), onboard one level up. Pure Python, no torch, no files: data moves
-are recorded as `CopyOp`s in `copies`, which the pools execute.
+eviction (priority, then LRU, leaves of each level only), offload one level down, onboard one up.
+Pure Python: data moves are recorded as `CopyOp`s in `copies`, which the pools execute.
 
-Invariants (checked by `kvcache.integrity.check_block_manager`), between public calls:
-- each block is exactly one of: free (in its level's free list), cached (in the tree, ref == pins
-  == 0), in use (ref + pins > 0); an in-use block is PRIMARY and never evicted, offloaded or moved;
-- down the tree, levels never go back up (a block's level is >= its parent's), so the PRIMARY
-  blocks of the tree are prefix-closed, and the secondary and disk blocks are whole subtrees
-  (dropping a block drops its subtree, all of it farther from the GPU);
+Invariants between public calls (`kvcache.integrity.check_block_manager`):
+- each block is exactly one of: free, cached (in the tree, ref == pins == 0), in use (ref + pins >
+  0: PRIMARY, never evicted, offloaded or moved);
+- a block's level is >= its parent's: the tree's PRIMARY blocks are prefix-closed, the secondary and
+  disk ones whole subtrees (dropping a block drops its subtree);
 - slots are a permutation of range(num_slots) per level; holds == 0.
-An evicted block moves down when its priority is >= offload_min_priority and the level below has
-room (a free block, or one made by evicting that level's own candidate the same way); else it is
-dropped. A level's candidate is a cached block with no child at its own level and no hold.
+An evicted block moves down if its priority is >= offload_min_priority and the level below has room
+(made the same way), else it is dropped. A candidate: cached, no hold, no child at its own level.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ from kvcache.eviction import EvictionQueue
 from kvcache.reuse_tree import ReuseTree
 
 P, S, D = Level.PRIMARY, Level.SECONDARY, Level.DISK
-DiskEntry = tuple[int, bytes, bytes | None, tuple[int, ...], bytes, int]  # see BlockManager.restore_disk
+# (disk slot, hash, parent hash or None for a root child, tokens, salt digest, priority)
+DiskEntry = tuple[int, bytes, bytes | None, tuple[int, ...], bytes, int]
 
 
 def _primary_candidate(b: Block) -> bool:
@@ -83,9 +81,8 @@ class BlockManager:
         return b
 
     def evictable_keeping(self, keep: list[Block]) -> int:
-        """Primary blocks obtainable (free + reclaimable by eviction) while every block of `keep` and
-        its ancestors stays. Exact: a non-busy primary tree block outside that closure can be
-        reclaimed by evicting leaves first."""
+        """Primary blocks obtainable (free + reclaimable) while `keep` and its ancestors stay. Exact: a
+        non-busy primary tree block outside that closure can be reclaimed by evicting leaves first."""
         lost, seen = 0, set()
         for b in keep:
             while b is not None and b.id not in seen and b.level is P and b.hash is not None and not b.busy:
@@ -100,29 +97,25 @@ class BlockManager:
         b.ref += 1
         self.num_refs += 1
         b.priority = priority
-        if b.ref + b.pins == 1:
-            self._became_used(b)
+        self._became_used(b)
 
     def release(self, b: Block) -> None:
         b.ref -= 1
         self.num_refs -= 1
         self.clock += 1
         b.tick = self.clock
-        if b.ref + b.pins == 0:
-            self._became_idle(b)
+        self._became_idle(b)
 
     def pin(self, b: Block) -> None:
         assert b.level is P, b
         b.pins += 1
         self.num_pins += 1
-        if b.ref + b.pins == 1:
-            self._became_used(b)
+        self._became_used(b)
 
     def unpin(self, b: Block) -> None:
         b.pins -= 1
         self.num_pins -= 1
-        if b.ref + b.pins == 0:
-            self._became_idle(b)
+        self._became_idle(b)
 
     def hold(self, b: Block) -> None:
         """Guard `b` against eviction until `unhold` (inside one public call)."""
@@ -174,9 +167,8 @@ class BlockManager:
         self._move(b, P)
 
     def promote(self, b: Block) -> bool:
-        """Move disk tree block `b` (held by the caller, parent primary or secondary) to a secondary
-        slot, evicting a secondary candidate if none is free; False (nothing changed) when the
-        secondary level has no room: every block there is held or has a secondary child."""
+        """Move held disk tree block `b` to a secondary slot (evicting if need be); False (nothing
+        changed) when every secondary block is held or has a secondary child."""
         assert b.level is D and b.holds > 0 and (b.parent is None or b.parent.level is not D), b
         if not self._make_room(S):
             return False
@@ -190,11 +182,8 @@ class BlockManager:
         self._drop(b)
 
     def restore_disk(self, entries: Iterable[DiskEntry]) -> list[int]:
-        """Put blocks found on disk at start into the tree as cached disk blocks. Each entry is
-        (disk slot, hash, parent hash or None for a root child, tokens, salt digest, priority), parents
-        before children. Call it before any other change. Skips an entry whose slot is out of range or
-        taken, whose hash is in the tree already, or whose parent is not; returns the slots restored
-        (later entries count as more recently used)."""
+        """Put blocks found on disk at start (first thing) in the tree, parents first, later ones more
+        recent; skips a bad or taken slot, a known hash or a missing parent. Returns the slots restored."""
         base = self.num_slots[P] + self.num_slots[S]
         restored = []
         for slot, block_hash, parent_hash, tokens, salt_dig, priority in entries:
@@ -217,13 +206,16 @@ class BlockManager:
             self._maybe_queue(b)
         return restored
 
-    # ---- internals
     def _became_used(self, b: Block) -> None:
+        if b.ref + b.pins != 1:
+            return
         self.num_in_use += 1
         if not b.busy:
             self._update_busy(b)
 
     def _became_idle(self, b: Block) -> None:
+        if b.ref + b.pins != 0:
+            return
         self.num_in_use -= 1
         if b.hash is None:
             b.busy = False
@@ -258,9 +250,8 @@ class BlockManager:
             raise KVCacheError("internal: no evictable primary block although the capacity check passed")
 
     def _make_room(self, level: Level) -> bool:
-        """True when `level` has a free block, after evicting one of its candidates if it had none:
-        the victim moves one level down if its priority allows and that level has room (made the
-        same way), else it is dropped. False when the level has no free block and no candidate."""
+        """True when `level` has a free block, after evicting a candidate if need be (moved one level
+        down if its priority allows and room is made there the same way, else dropped)."""
         if self.free[level]:
             return True
         victim = self.queues[level].pop(CANDIDATES[level])
@@ -275,8 +266,7 @@ class BlockManager:
         return True
 
     def _move(self, b: Block, level: Level) -> None:
-        """Move cached block b to a free block's slot of the neighbouring `level` (the caller made
-        room there); the free block takes b's slot. Parent counters, queues and events follow."""
+        """Swap cached block b with a free block of the neighbouring `level` (the caller made room)."""
         old, parent = b.level, b.parent
         if old is P:
             self.num_reclaimable -= 1  # b was a non-busy primary tree block (an eviction victim)
@@ -299,8 +289,7 @@ class BlockManager:
             parent.secondary_children += delta
 
     def _swap_slots(self, b: Block, spare: Block) -> None:
-        """b takes free block spare's (level, slot) and spare takes b's, back in its new level's free
-        list; b's data is copied across."""
+        """b and free block `spare` trade (level, slot); b's data is copied across."""
         self.copies.append(CopyOp(b.level, b.slot, spare.level, spare.slot))
         if (b.level, spare.level) in self.copied:
             self.copied[b.level, spare.level] += 1

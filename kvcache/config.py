@@ -1,7 +1,6 @@
-"""`KvCacheConfig`: the KV cache's settings, with TensorRT-LLM's `kv_cache_config` field names so the
-YAML reads the same. A msgspec Struct: the deployment loader (server/config/schema.py) checks types, ranges
-and unknown keys when it converts the YAML; `__post_init__` checks what spans two fields. No torch
-here, so the router can read a deployment without loading it."""
+"""`KvCacheConfig`: the KV cache's settings, with TensorRT-LLM's `kv_cache_config` field names. A msgspec
+Struct (types, ranges and unknown keys checked on conversion; `__post_init__`: what spans two fields).
+No torch, so the router can read a deployment."""
 
 from __future__ import annotations
 
@@ -15,24 +14,21 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
 class DiskTierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`kv_cache_config.disk`: a third level behind the host pool (kvcache/disk_store.py). Blocks the
-    host pool evicts (at or above secondary_offload_min_priority) are written to `path`, one file per
-    block; a prompt that hits them reads them back (disk -> host -> primary). The directory outlives
-    the server: a server of the same model, KV layout and deployment token finds its blocks again."""
+    """`kv_cache_config.disk`: a level behind the host pool. Blocks it evicts (at or above
+    secondary_offload_min_priority) go to files under `path`, read back on a hit; a server of the same
+    model, KV layout and deployment token finds them again after a restart."""
 
     path: Annotated[str, msgspec.Meta(min_length=1)]  # a directory, created if missing; one per server
     max_bytes: Positive  # KV bytes the tier holds (block files add a small header each)
-    # bytes of offloaded blocks waiting for their write; an offload beyond it drops the block
-    # instead (the engine never waits for the disk). Up to twice this in block buffers is kept for
-    # reuse by the writes and a hit's reads once used (kvcache/disk_buffers.py)
+    # bytes of offloaded blocks waiting for their write (beyond it the block is dropped: the engine
+    # never waits for the disk); up to twice this in buffers is kept for reuse (disk_buffers.py)
     write_queue_bytes: Positive = 256 << 20
     read_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8  # files read and checked at once on a hit
     write_threads: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
     io_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # one hit's reads; the writes' flush at close
 
     def for_rank(self, rank: int) -> DiskTierConfig:
-        """Rank `rank`'s directory of a tensor-parallel server (each rank keeps files of its own kv
-        heads, kvcache/disk_mirror.py): `path` for rank 0, `path.rank<r>` beside it for the others."""
+        """A tensor-parallel rank's directory: `path` for rank 0, `path.rank<r>` for the others."""
         return self if rank == 0 else msgspec.structs.replace(self, path=f"{self.path}.rank{rank}")
 
 
@@ -44,11 +40,9 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # share of the free GPU memory (after the weights) for the primary pool, when max_tokens is None
     # on CUDA; None: DEFAULT_GPU_FRACTION, which `pdserve launch` splits between servers on the GPU
     free_gpu_memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    # this server's share of the GPU's total memory (weights, workspace and pool together), for servers
-    # that share one GPU: the pool gets DEFAULT_GPU_FRACTION of the share less what the server holds
-    # once loaded, and never more than that fraction of the free memory. `pdserve launch` gives each of
-    # n servers on a GPU 1/n when neither this, max_tokens nor free_gpu_memory_fraction is set; sizing
-    # from the share does not depend on which server loads first
+    # this server's share of the GPU's total memory, for servers sharing one GPU (kvcache.group
+    # `gpu_pool_bytes`); `pdserve launch` gives each of n servers 1/n when neither this, max_tokens
+    # nor free_gpu_memory_fraction is set
     gpu_memory_share: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
@@ -58,9 +52,8 @@ class KvCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     secondary_offload_min_priority: Annotated[int, msgspec.Meta(ge=0, le=100)] = 35
     onboard_blocks: bool = True  # reuse host-cached blocks (onboard them); False: host blocks never match
     disk: DiskTierConfig | None = None  # a disk tier behind the host pool; None: none
-    # the blocks' element type: "auto" is the model's dtype; "fp8" is float8 e4m3 (one byte an
-    # element: twice the tokens of bf16 in the same bytes, moved and stored at half the bytes), with
-    # per-layer k/v scales from `scales`, else from the checkpoint's k_scale/v_scale, else 1.0
+    # the blocks' element type: "auto" (the model's dtype) or "fp8" (e4m3, one byte: twice bf16's tokens
+    # in the same bytes), with per-layer k/v scales from `scales`, else the checkpoint's, else 1.0
     dtype: Literal["auto", "fp8"] = "auto"
     scales: Annotated[str, msgspec.Meta(min_length=1)] | None = None  # a scales file (`pdserve calibrate-kv`)
 

@@ -1,17 +1,12 @@
 """Reused block-sized buffers for the disk tier's reads and writes (no torch).
 
-A fresh 4 MiB buffer per block costs its page faults: on a 512 MiB hit as long as the copies
-themselves. So read payloads and the copies of evicted host rows queued for writing live in buffers
-taken from here and given back once used; a given-back buffer keeps its pages. `reserve` fills the
-pool when the tier opens, so the first large hit does not pay the page faults on its own time
-(docs/BENCHMARKS.md "Disk tier, engine level").
+A fresh 4 MiB buffer per block costs page faults: on a 512 MiB hit as long as the copies. So read
+payloads and queued writes use buffers from here, given back (pages kept) once used; `reserve` fills
+the pool when the tier opens (docs/BENCHMARKS.md "Disk tier, engine level").
 
-Ownership is strict: a buffer is given back exactly once, by its last user, and never touched after.
-- a write's buffer: by the writer thread once it wrote (or skipped) it; by `DiskStore.write` when a
-  newer write of the slot supersedes it before a writer picked it up; by the caller when refused;
-- a read's buffer: by the reader on a failed check; else by whoever staged it, after copying it into
-  host rows or when forgetting it (kvcache/disk_pool.py, kvcache/disk_mirror.py).
-A buffer that is simply dropped is freed by the garbage collector: only a give-back can be unsafe.
+A buffer is given back once, by its last user: a write's by the writer, by `DiskStore.write` if
+superseded first, or by the caller if refused; a read's by the reader on a failed check, else by
+whoever staged it. A dropped buffer is simply garbage-collected.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class BufferPool:
         return bytearray(nbytes)
 
     def give(self, buf: bytearray | memoryview) -> None:
-        """Hand back a buffer (or a view of all of one) that nothing uses any more; anything else
-        (bytes, a view of part of a buffer) is left to the garbage collector."""
+        """Hand back an unused bytearray (or a view of all of one); anything else is left to the GC."""
         if isinstance(buf, memoryview):
             whole = buf.obj
             if not isinstance(whole, bytearray) or buf.nbytes != len(whole):
@@ -52,8 +46,7 @@ class BufferPool:
                 self._free_bytes += len(buf)
 
     def reserve(self, nbytes: int, count: int) -> int:
-        """Put up to `count` fresh buffers of `nbytes` in the pool, their pages touched now, within
-        `max_free_bytes`; returns how many."""
+        """Add up to `count` fresh, page-touched buffers within `max_free_bytes`; returns how many."""
         made = 0
         while made < count:
             with self._lock:

@@ -1,11 +1,9 @@
-"""The disk tier's directory at start-up (no torch): the lock that gives it to one server, and the
-manifest that decides whether the block files in it are this server's to restore.
+"""The disk tier's directory at start-up (no torch): the lock giving it to one server, and the
+manifest deciding whether its block files are this server's to restore.
 
-A matching manifest (same model fingerprint, KV layout and token key: kvcache/disk_format.py)
-means every block file's header is read and checked (a file that fails, names another block
-format, or whose slot is beyond `max_bytes` now, is deleted) and the headers go back to the tier
-for the reuse tree. Any other manifest, or none, means the block files are deleted, with a warning
-naming why, and a new manifest is written: the tier starts empty.
+A matching manifest (model fingerprint, KV layout, token key): every header is checked (failed ones,
+other formats, slots beyond `max_bytes` deleted) and returned. Else the files are deleted with a
+warning naming why, and the tier starts empty under a new manifest.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ _HEADER_READ = 4096  # bytes read first: a header of tokens_per_block tokens fit
 
 
 def take_directory(path: Path) -> int:
-    """Create `path` (0700) and lock it for this process; the lock's file descriptor (closing it
-    releases the directory). ValueError naming the key when it cannot be had."""
+    """Create `path` (0700) and lock it; returns the lock's fd (closing it releases the directory)."""
     where = f"kv_cache_config.disk.path={str(path)!r}"
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -93,9 +90,8 @@ def restore_or_reset(store: StartUp, wanted: Manifest) -> dict[int, list[BlockHe
 
 def read_header(fd: int, key: bytes, window: int, slot: int, payload_bytes: int, fmt: BlockFormat,
                 block_hash: bytes | None = None) -> tuple[BlockHeader, int]:
-    """The checked header of an open block file and its payload's offset: sealed under `key`, of
-    slot `slot` of `window` (and of block `block_hash`, when given), of block format `fmt`, with a
-    payload of `payload_bytes` in a file of the size the header says."""
+    """The checked header of an open block file (of `window`'s `slot`, `block_hash` if given, `fmt`,
+    `payload_bytes`, whole) and its payload's offset."""
     size = os.fstat(fd).st_size
     head = os.pread(fd, min(size, _HEADER_READ), 0)
     need = PREFIX_BYTES + header_length(head) + MAC_BYTES

@@ -1,22 +1,15 @@
-"""The disk tier's files: one file per (window group, disk slot), and the directory's manifest.
-No torch, no pickle: headers are msgpack and the manifest JSON, both through msgspec Structs.
+"""The disk tier's files: one per (window group, disk slot), and the directory's manifest. No torch,
+no pickle: msgpack headers and a JSON manifest, through msgspec Structs.
 
 A block file (`w{window}/{slot}.kv`):
 
     MAGIC (8 bytes) | header length (u32 LE) | header (msgpack BlockHeader) | header MAC (32) | payload
 
-The header MAC is keyed blake2b over everything before it; the header carries the payload's own
-MAC (`payload_mac`): HMAC-SHA256 under a subkey of the same key, because the payload is the bulk of
-a disk hit's work and OpenSSL's SHA-256 (SHA-NI) runs ~1.9 GB/s a core where blake2b runs ~1.0
-(docs/BENCHMARKS.md); it is fed piece by piece as the bytes move (`payload_hasher`). The key comes
-from the deployment token, so a file written under another token, torn, truncated or flipped on
-disk fails its check and is never served. A header also names its block (`block_hash`: a stale
-file left in a reused slot never passes) and its payload's format (`dtype` and an FP8 cache's
-`scales`: an FP8 block is never read into a bf16 cache, nor one stored with other scales).
-
-The manifest (`manifest.json`) says what the files are for: the model fingerprint, the KV layout
-(dtype and scales included) and the key's id, sealed with a MAC under the same key
-(kvcache/disk_dir.py reads it at start).
+The header MAC is keyed blake2b; the payload's (`payload_mac`) HMAC-SHA256 under a subkey, fed piece
+by piece (SHA-NI ~1.9 GB/s a core, blake2b ~1.0: docs/BENCHMARKS.md); the key is the deployment
+token's, so a foreign, torn or flipped file never passes. A header names its block (a stale file
+fails) and format (`dtype`, FP8 `scales`). The manifest (`manifest.json`, disk_dir.py) names the
+model fingerprint, the KV layout and the key's id, sealed under the same key.
 """
 
 from __future__ import annotations
@@ -144,8 +137,7 @@ def header_length(prefix: bytes | memoryview) -> int:
 
 
 def decode_header(key: bytes, data: bytes | memoryview) -> tuple[BlockHeader, int]:
-    """(the checked header, the payload's offset) from a file's first bytes (at least up to the end
-    of the header MAC)."""
+    """(the checked header, the payload's offset) from a file's first bytes (through the header MAC)."""
     end = PREFIX_BYTES + header_length(data)
     if len(data) < end + MAC_BYTES:
         raise BadFile("truncated", "the file ends inside its header")

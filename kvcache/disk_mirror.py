@@ -1,12 +1,9 @@
-"""The disk files of a manager whose bookkeeping is another manager's (a tensor-parallel rank's).
+"""The disk files of a manager whose bookkeeping is another's (a tensor-parallel rank's).
 
-Each rank of a tensor-parallel server keeps files of its own kv heads: a directory of its own, the
-same disk slots as rank 0's manager (which decides every move), the same key, a manifest of its own
-layout. Rank 0's copies reach the rank in order (`KVCacheManager.apply_copies`), a host -> disk copy
-with what each file must say about its block (`before_copies`). Before rank 0 plans a disk hit in,
-every rank reads and checks the same files (`check`; kvcache/disk_tier.py `PeerCheck`), so a block
-comes up only where every rank has its bytes; a file left from before is read only when rank 0's
-books name it, and a file of another block fails its check.
+Each rank keeps files of its own kv heads (own directory and manifest; rank 0's slots and key).
+Rank 0's copies arrive in order (`apply_copies`), host -> disk ones with their metadata
+(`before_copies`); every rank checks a disk hit's files before rank 0 plans it (`check`,
+disk_tier.py `PeerCheck`), so a block comes up only where every rank has its bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import BadFile
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
-from kvcache.disk_tier import Item, block_formats, manifest_of, reserve_buffers
+from kvcache.disk_tier import Item, open_store
 from kvcache.group import WindowGroup
 from kvcache.layout import CacheLayout
 
@@ -31,20 +28,15 @@ class DiskMirror:
         for g in groups:
             describe = functools.partial(self._describe, g.window)
             g.pools.disk = self._slots[g.window] = DiskSlots(store, g.window, describe)
-        reserve_buffers(store, groups)
 
     @classmethod
     def open(cls, disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
              groups: Sequence[WindowGroup], num_disk: int) -> DiskMirror:
         """Take `disk.path` for this rank's files of `num_disk` slots per window group."""
-        slots = {g.window: (num_disk, g.pools.slot_bytes) for g in groups}
-        store, _ = DiskStore.open(disk, key, manifest_of(config, layout, salt, key), slots,
-                                  block_formats(layout, groups))
-        return cls(store, groups)
+        return cls(open_store(disk, config, layout, salt, key, groups, num_disk)[0], groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
-        """Read and check these files; stage the good ones' bytes for the copies that follow, and
-        return index -> (reason, detail) of the others. What an earlier check staged is forgotten."""
+        """Check these files (forgetting earlier ones): stage the good, return index -> (reason, detail)."""
         for slots in self._slots.values():
             slots.forget()
         bad = {}
@@ -60,8 +52,7 @@ class DiskMirror:
         self._meta[window] = metas
 
     def after_copies(self, window: int) -> None:
-        """Forget the batch: its metas, its staged bytes (used), its refused writes (their files never
-        appear, so a later check of those slots fails and rank 0 drops the block)."""
+        """Forget the batch: metas, staged bytes, refused writes (a later check fails; rank 0 drops them)."""
         self._meta.pop(window, None)
         self._slots[window].end_call()
 

@@ -1,11 +1,9 @@
 """One window group's disk level as its pools see it: host rows <-> the disk store's files.
 
-Blocks move between neighbouring levels only, so a disk copy is host -> disk (`copy_out`: the rows
-are copied into the store's buffers now, so the host slots are reused at once, and queued for their
-files once the call's copies are done, `queue_writes`; a refused write is listed in `refused` and
-the tier drops its block) or disk -> host (`copy_in`: the bytes were read and checked before the
-block was promoted, `stage`, by kvcache/disk_tier.py). `GroupPools` hands both here in order, after
-any DMA still using those host rows has finished; a call's rows move in one `copy_rows`.
+Host -> disk (`copy_out`): rows copied into store buffers now (the host slots are free at once),
+queued once the call's copies are done (`queue_writes`; refused ones listed for the tier to drop).
+Disk -> host (`copy_in`): bytes read and checked before the promotion (`stage`, disk_tier.py).
+`GroupPools` calls both after any DMA using those host rows; a call's rows move in one `copy_rows`.
 """
 
 from __future__ import annotations
@@ -35,14 +33,12 @@ class DiskSlots:
         self.staged[slot] = payload
 
     def forget(self) -> None:
-        """Give back every staged payload."""
         for payload in self.staged.values():
             self.store.buffers.give(payload)
         self.staged.clear()
 
     def copy_out(self, host_rows: torch.Tensor, src: list[int], dst: list[int]) -> None:
-        """Copy host rows `src` into write buffers for disk slots `dst` now (the host slots may be
-        reused right after); `queue_writes` hands them to the writers (host_rows: [num_host_slots, words])."""
+        """Copy host rows `src` ([num_host_slots, words]) into write buffers for disk slots `dst` now."""
         host_bytes = host_rows.view(torch.uint8)  # [num_host_slots, slot_bytes]
         jobs = [(host_slot, slot, meta) for host_slot, slot in zip(src, dst, strict=True)
                 if (meta := self.describe(slot)) is not None]  # None: dropped again within the call
@@ -51,8 +47,7 @@ class DiskSlots:
         self.outgoing += [(slot, meta, buf) for (_, slot, meta), buf in zip(jobs, bufs, strict=True)]
 
     def queue_writes(self) -> None:
-        """Queue what `copy_out` copied, once the call's copies are done: the writer threads' hashing
-        then does not compete with them for the CPU and the GIL."""
+        """Queue what `copy_out` copied after the call's copies (hashing would compete for the GIL)."""
         for slot, meta, buf in self.outgoing:
             if not self.store.write(self.window, slot, meta, buf):
                 self.store.buffers.give(buf)
@@ -83,7 +78,6 @@ class DiskSlots:
 
 
 def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i] <- src[i] in one call: the engine thread gives up the GIL once for the lot, not once per
-    block (each time it has to win it back from the disk tier's reader and writer threads)."""
+    """dst[i] <- src[i] in one call: the GIL is given up (and won back from the disk threads) once."""
     if dst:
         torch._foreach_copy_(dst, src)

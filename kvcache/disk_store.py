@@ -1,25 +1,20 @@
 """The disk tier's directory, files and threads (no torch; bytes in, bytes out).
 
-One file per (window group, slot), written whole to a temporary name and renamed over the slot's
-file, so a reader sees a slot's previous file or its new one, never half of one (the format:
-kvcache/disk_format.py). One file per block rather than a few large files with a slot map: a rename
-is atomic, a crash loses at most the blocks being written, the file system is the slot map, and a
-block's bytes are one sequential read.
+One file per (window group, slot) (disk_format.py), written under a temporary name and renamed: a
+reader never sees half of one, a crash loses at most the blocks being written, a read is sequential.
 
 The engine thread calls every public method and never blocks on a write: `write` queues the bytes
-(refusing them beyond `write_queue_bytes`) for `write_threads` writer threads, sharded by slot so
-one slot's writes stay in order; a newer write of a slot supersedes a queued one, and until a write
-lands, reads of that slot are answered from a copy of its queued bytes. `read_many` reads and checks
-a batch of files on `read_threads` reader threads, waiting at most `io_timeout_s` (a read still
-running then counts as failed); hashlib releases the GIL on large buffers, so checks run in
-parallel. Payloads move once each way, in pieces hashed while they are in the CPU's cache, through
-reused buffers (kvcache/disk_buffers.py says who gives each back). `open` takes the directory at
-start (kvcache/disk_dir.py).
+(up to `write_queue_bytes`) for writer threads sharded by slot (one slot's writes stay in order); a
+newer write supersedes a queued one, whose slot is read from a copy of the queued bytes until it
+lands. `read_many` checks a batch of files on reader threads within `io_timeout_s` (hashlib releases
+the GIL, so checks run in parallel). Payloads move once each way, hashed in pieces while in cache,
+through reused buffers (disk_buffers.py). `open` takes the directory (disk_dir.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -90,8 +85,7 @@ class DiskStore:
         """Use `open`: it takes the lock and checks the manifest first."""
         self.path, self.key, self.config = path, key, config
         self.slot_bytes = slot_bytes  # window -> payload bytes of one block
-        # window -> what its blocks' bytes are: written in every file's header, and a file that says
-        # otherwise is never served (none given: BlockFormat())
+        # window -> its blocks' format, in every file's header (a file saying otherwise is never served)
         self.formats = formats or {}
         self.stats = DiskIOStats()
         self._lock = threading.Lock()
@@ -109,9 +103,8 @@ class DiskStore:
     @classmethod
     def open(cls, config: DiskTierConfig, key: bytes, manifest: Manifest, slots: dict[int, tuple[int, int]],
              formats: dict[int, BlockFormat] | None = None) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
-        """The store on `config.path`, and the checked headers of the blocks found there per window.
-        `slots`: window -> (number of disk slots, payload bytes of one block); `formats`: window -> its
-        block format. ValueError naming the key when the directory cannot be used."""
+        """The store on `config.path` and the checked headers found there per window (`slots`: window ->
+        (disk slots, payload bytes of a block)); ValueError naming the key when it cannot be used."""
         path = Path(config.path).expanduser()
         store = cls(path, key, config, {w: nbytes for w, (_, nbytes) in slots.items()}, formats)
         store._lock_fd = take_directory(path)
@@ -129,9 +122,8 @@ class DiskStore:
 
     # ---- engine thread API
     def write(self, window: int, slot: int, meta: BlockMeta, payload: bytearray | memoryview) -> bool:
-        """Queue a block's bytes for its slot's file; False (nothing queued) when the queue is full.
-        `payload` must stay unchanged until written: the caller hands over a copy (a bytearray of
-        `buffers` is given back to it once written; a refused one stays the caller's)."""
+        """Queue a block's bytes (handed over unchanged until written; a `buffers` bytearray goes back
+        there, a refused one stays the caller's); False when the queue is full."""
         n = memoryview(payload).nbytes
         with self._lock:
             old = self._pending.get((window, slot))
@@ -147,9 +139,8 @@ class DiskStore:
         return True
 
     def read_many(self, items: list[tuple[int, int, bytes]]) -> list[memoryview | BadFile]:
-        """The checked payload of each (window, slot, expected block hash), or the BadFile saying why
-        not: from the write queue when the slot's write has not landed, else from its file, read on
-        the reader threads. Waits at most io_timeout_s for the files."""
+        """The checked payload of each (window, slot, expected block hash), or why not (BadFile): from
+        the write queue until the slot's write lands, else read within io_timeout_s."""
         out: list[memoryview | BadFile | None] = [None] * len(items)
         with self._lock:
             for i, (window, slot, block_hash) in enumerate(items):
@@ -174,9 +165,7 @@ class DiskStore:
     def delete(self, window: int, slot: int) -> None:
         """Remove a slot's file (it failed its check); its slot is free, and no write of it is queued."""
         try:
-            os.unlink(self._file(window, slot))
-        except FileNotFoundError:
-            pass
+            self._file(window, slot).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("disk tier: could not delete %s: %s", self._file(window, slot), exc)
 
@@ -247,10 +236,8 @@ class DiskStore:
         except OSError as exc:
             log.warning("disk tier: writing %s failed: %s", target, exc)
             for name in (tmp, target):  # no stale file under the slot's name
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(name)
-                except OSError:
-                    pass
             return False
 
     def _write_block(self, fd: int, header: BlockHeader, payload: memoryview) -> None:

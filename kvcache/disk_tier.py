@@ -1,12 +1,10 @@
-"""The disk tier as the facade uses it: open (restore the blocks a previous server left), check disk
-hits before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its
-null object (kv_cache_config.disk unset), so the facade never asks whether there is one.
+"""The disk tier as the facade uses it: open (restore a previous server's blocks), check disk hits
+before they are planned in, drop blocks whose bytes are lost, counters. `NoDiskTier` is its null
+object (kv_cache_config.disk unset).
 
-A disk block is read back only after its file passed its checks, before the bookkeeping relies on
-it: `check` reads the files of the disk blocks an admission (or an onboard) is about to bring up,
-in one batch over every window group, stages the good ones' bytes for their promotion
-(kvcache/disk_pool.py) and discards the others with their subtrees, so the request computes those
-tokens instead. A write the queue refused leaves its block without bytes: `after_flush` drops it.
+`check` reads the files an admission (or onboard) will bring up, in one batch over every group: it
+stages the good ones' bytes (disk_pool.py) and discards the others with their subtrees (computed
+instead). `after_flush` drops the blocks whose write the queue refused.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvcache.block import Block, Level
-from kvcache.block_manager import BlockManager, DiskEntry
-from kvcache.config import KvCacheConfig
+from kvcache.block_manager import DiskEntry
+from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import MANIFEST_VERSION, BadFile, BlockFormat, BlockHeader, Manifest, key_id
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
@@ -31,14 +29,12 @@ log = logging.getLogger(__name__)
 
 Work = list[tuple[WindowGroup, list[Block]]]  # disk blocks to check, per window group
 Item = tuple[int, int, bytes]  # (window, disk slot, block hash) of a file to read and check
-# Other holders of the same disk slots (a tensor-parallel server's other ranks, each with files of
-# its own kv heads): given the items of a check, they start reading theirs; the returned call waits
-# for them and gives index -> (reason, detail) of every item one of them could not read back.
+# Other holders of the same disk slots (a tensor-parallel server's ranks): given a check's items they
+# start reading theirs; the returned call waits and gives index -> (reason, detail) of failed ones.
 PeerCheck = Callable[[list[Item]], Callable[[], dict[int, tuple[str, str]]]]
 
 
 class NoDiskTier:
-    """No disk tier: nothing to check, drop or count."""
 
     peers: PeerCheck | None = None
 
@@ -68,18 +64,14 @@ class DiskTier:
         self.bytes_read = 0
         self.peers: PeerCheck | None = None  # other ranks' files of the same slots (`check`)
         for g in groups:
-            g.pools.disk = DiskSlots(store, g.window, functools.partial(_describe, g.bm))
-        reserve_buffers(store, groups)
+            g.pools.disk = DiskSlots(store, g.window, functools.partial(self.describe, g))
 
     @classmethod
     def open(cls, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
              groups: Sequence[WindowGroup]) -> DiskTier:
-        """Take the directory and put the blocks a matching manifest vouches for into the groups'
-        trees (before anything else touches them)."""
+        """Take the directory; put the blocks a matching manifest vouches for into the groups' trees."""
         assert config.disk is not None
-        slots = {g.window: (g.bm.num_slots[Level.DISK], g.pools.slot_bytes) for g in groups}
-        store, found = DiskStore.open(config.disk, key, manifest_of(config, layout, salt, key), slots,
-                                      block_formats(layout, groups))
+        store, found = open_store(config.disk, config, layout, salt, key, groups)
         for g in groups:
             store.stats.restored += len(g.bm.restore_disk(_entries(found[g.window])))
         if store.stats.restored or store.stats.skipped_at_start:
@@ -88,34 +80,30 @@ class DiskTier:
         return cls(store, groups)
 
     def check(self, work: Work) -> int:
-        """Read and check the files of `work`'s disk blocks in one batch; stage the good ones' bytes,
-        discard the others (and their subtrees). Returns the number discarded."""
-        items: list[Item] = [(g.window, b.slot, b.hash) for g, blocks in work for b in blocks]  # type: ignore[misc]
+        """Check `work`'s disk files in one batch, staging or discarding each; returns how many failed."""
+        pairs = [(g, b) for g, blocks in work for b in blocks]
+        items: list[Item] = [(g.window, b.slot, b.hash) for g, b in pairs]  # type: ignore[misc]
         peers = self.peers(items) if self.peers is not None else None  # their reads run meanwhile
         own = self.store.read_many(items)
         for i, (reason, detail) in (peers() if peers is not None else {}).items():
             if not isinstance(own[i], BadFile):
                 own[i] = BadFile(reason, detail)
-        results = iter(own)
         bad: list[tuple[WindowGroup, Block, BadFile]] = []
-        for g, blocks in work:
-            for b in blocks:
-                result = next(results)
-                if isinstance(result, BadFile):
-                    bad.append((g, b, result))
-                else:
-                    assert g.pools.disk is not None
-                    g.pools.disk.stage(b.slot, result)
-                    self.bytes_read += result.nbytes
+        for (g, b), result in zip(pairs, own, strict=True):
+            if isinstance(result, BadFile):
+                bad.append((g, b, result))
+            else:
+                assert g.pools.disk is not None
+                g.pools.disk.stage(b.slot, result)
+                self.bytes_read += result.nbytes
         for g, b, error in bad:
             log.warning("disk tier: window %d slot %d dropped: %s", g.window, b.slot, error)
             self._drop(g, b, error.reason, b.hash)
         return len(bad)
 
     def before_onboard(self, g: WindowGroup, blocks: list[Block], onboard: list[Block]) -> None:
-        """Check the files of the disk blocks among `onboard`, what bringing `blocks` up needs (called
-        after the capacity check: no file is read for a call that cannot go ahead); KVCacheError when
-        one failed: it was dropped with its subtree, so a listed block is gone."""
+        """Check the disk files among `onboard` (after the capacity check); KVCacheError when one failed
+        (dropped with its subtree: a listed block is gone)."""
         disk = [b for b in onboard if b.level is Level.DISK]
         if disk and self.check([(g, disk)]):
             gone = [b.id for b in blocks if b.hash is None and not b.in_use]
@@ -124,7 +112,12 @@ class DiskTier:
 
     def describe(self, g: WindowGroup, slot: int) -> BlockMeta | None:
         """What the file of disk slot `slot` must say about the block there now (None: free)."""
-        return _describe(g.bm, slot)
+        b = g.bm.owners[Level.DISK][slot]
+        if b.hash is None:
+            return None
+        parent = b.parent
+        root_salt = g.bm.tree.root_salt(b) if parent is None else b""
+        return BlockMeta(b.hash, None if parent is None else parent.hash, root_salt, b.tokens, b.priority)
 
     def after_flush(self, g: WindowGroup) -> None:
         """Drop the blocks whose write the queue refused during the call that just ended."""
@@ -153,42 +146,28 @@ class DiskTier:
         g.bm.discard(b)
 
 
-def reserve_buffers(store: DiskStore, groups: Sequence[WindowGroup]) -> None:
-    """Fill the store's buffer pool for a hit of a whole host pool: a read buffer for each block it
-    brings up and a write buffer for each host block it displaces (kvcache/disk_buffers.py `reserve`)."""
+def open_store(disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
+               groups: Sequence[WindowGroup],
+               num_disk: int | None = None) -> tuple[DiskStore, dict[int, list[BlockHeader]]]:
+    """`DiskStore.open` for `groups`' files (`num_disk` slots each; default: their own) of this model, windows,
+    KV format (an FP8 group's layers' scales) and key, with buffers reserved for a hit of a whole host
+    pool: a read for each block, a write for each displaced."""
+    f = layout.format
+    manifest = Manifest(MANIFEST_VERSION, salt, dtype_name(f.dtype), config.tokens_per_block, layout.layer_windows,
+                        f.num_kv_heads, f.head_dim, key_id(key), f.k_scales, f.v_scales, f.layout)
+    slots = {g.window: (g.bm.num_slots[Level.DISK] if num_disk is None else num_disk, g.pools.slot_bytes)
+             for g in groups}
+    formats = {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
+    store, found = DiskStore.open(disk, key, manifest, slots, formats)
     for g in groups:
-        host = g.pools.secondary
-        if host is not None:
-            store.buffers.reserve(g.pools.slot_bytes, 2 * host.shape[0])
-
-
-def manifest_of(config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes) -> Manifest:
-    """What a disk directory's files must be for: this model, windows, KV format and key."""
-    f = layout.format
-    return Manifest(MANIFEST_VERSION, salt, dtype_name(f.dtype), config.tokens_per_block, layout.layer_windows,
-                    f.num_kv_heads, f.head_dim, key_id(key), f.k_scales, f.v_scales, f.layout)
-
-
-def block_formats(layout: CacheLayout, groups: Sequence[WindowGroup]) -> dict[int, BlockFormat]:
-    """Window -> what its blocks' bytes are (the group's layers' scales, for an FP8 cache)."""
-    f = layout.format
-    return {g.window: BlockFormat(dtype_name(f.dtype), f.block_scales(g.layers)) for g in groups}
-
-
-def _describe(bm: BlockManager, slot: int) -> BlockMeta | None:
-    """What the file of disk slot `slot` must say about the block there (None: the slot is free)."""
-    b = bm.owners[Level.DISK][slot]
-    if b.hash is None:
-        return None
-    parent = b.parent
-    root_salt = bm.tree.root_salt(b) if parent is None else b""
-    return BlockMeta(b.hash, None if parent is None else parent.hash, root_salt, b.tokens, b.priority)
+        if g.pools.secondary is not None:
+            store.buffers.reserve(g.pools.slot_bytes, 2 * g.pools.secondary.shape[0])
+    return store, found
 
 
 def _entries(headers: list[BlockHeader]) -> list[DiskEntry]:
-    """Restore entries, parents before children and, at equal depth, oldest first; of two files of
-    one block the newer counts, and a block whose parent has no file is left out with its subtree
-    (so is a loop of parents: no root child leads to it)."""
+    """Restore entries, parents first and, at equal depth, oldest first; of two files of a block the
+    newer counts; a block without its parent's file (or in a loop) is left out with its subtree."""
     newest: dict[bytes, BlockHeader] = {}
     for h in sorted(headers, key=lambda h: h.written_ns):
         newest[h.block_hash] = h

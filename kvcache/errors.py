@@ -8,10 +8,7 @@ class KVCacheError(RuntimeError):
 
 
 class OutOfBlocksError(KVCacheError):
-    """Not enough primary blocks (free + evictable) for the call.
-
-    Raised BEFORE any state change, so the scheduler can catch it and retry later or preempt.
-    """
+    """Not enough primary blocks (free + evictable), raised BEFORE any change: retry later or preempt."""
 
 
 class UnknownBlockError(KVCacheError, KeyError):

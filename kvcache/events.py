@@ -1,15 +1,14 @@
 """KV events: what entered, left or moved within a reuse tree, for a router's index of this cache.
 
-The block manager appends one `(kind, block_hash, level)` per change to its `events` sink, on the
-engine thread: STORED (a block entered the tree, always PRIMARY), REMOVED (it left: evicted, or taken
-over for partial reuse), MOVED (a cached block moved to `level`). The sink is `NO_EVENTS` unless
-the owner enables events (`KVCacheManager.drain_events`). Replaying a group's events in order on the
-tree's content before them gives its content after them, level by level: a router's index relies
-on that.
+The block manager appends `(kind, block_hash, level)` per change to its `events` sink (`NO_EVENTS`
+unless enabled): STORED (entered the tree), REMOVED (evicted, or taken over for partial reuse), MOVED
+(to `level`). Replaying a group's events in order on the tree before them gives the tree after them,
+level by level: a router's index relies on that.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 STORED, REMOVED, MOVED = 0, 1, 2
@@ -21,11 +20,4 @@ class EventSink(Protocol):
     def append(self, event: Event, /) -> None: ...
 
 
-class _NoEvents:
-    """Events off: drops every event (the block manager never checks whether they are on)."""
-
-    def append(self, event: Event, /) -> None:
-        return None
-
-
-NO_EVENTS: EventSink = _NoEvents()
+NO_EVENTS: EventSink = deque(maxlen=0)  # events off: drops every event (the block manager never checks)

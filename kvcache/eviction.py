@@ -1,13 +1,10 @@
 """Eviction order for one level: lowest priority first, least recently used within a priority.
 
-A binary heap of (priority, tick, seq, block) entries with lazy deletion: pushing a block again, or
-the block leaving the candidate set, makes older entries stale; `pop` skips stale entries (an entry is
-live only while `block.queue_seq == seq` and the caller's `is_candidate(block)` holds). The heap is
-rebuilt from live entries when stale ones dominate, so its size stays O(number of blocks).
-
-The queues of one block manager (one per level) draw `seq` from one shared counter: a block moves
-between levels, and a stale entry in one queue must never carry the seq of its live entry in the
-other (it would look live there, and popping it would drop the block from the queue it is in).
+A heap of (priority, tick, seq, block) with lazy deletion: an entry is live only while
+`block.queue_seq == seq` and `is_candidate(block)` holds; `pop` skips the others, and the heap is
+rebuilt when stale entries dominate (size O(blocks)). A block manager's queues (one per level) share
+the `seq` counter: a stale entry in one queue must never carry the seq of the block's live entry in
+another (popping it would drop the block from the queue it is in).
 """
 
 from __future__ import annotations

@@ -16,17 +16,14 @@ from kvcache.stats import KVCacheStats
 
 log = logging.getLogger(__name__)
 
-# A pool sized from free GPU memory holds at most this many blocks per window group. Each block is a
-# Python object with a place in the free list (~2 s per million to build): a tiny model on a 141 GB
-# GPU would otherwise get 4 million blocks (130 M tokens) and start 30 s later for nothing. An 8B
-# model gets ~27 k blocks; set kv_cache_config.max_tokens to go past the cap.
+# Blocks per window group sized from free GPU memory (Python objects, ~2 s per million to build: a tiny
+# model on a 141 GB GPU would get 4 million, an 8B model ~27 k); kv_cache_config.max_tokens goes past it.
 MAX_AUTO_BLOCKS = 1 << 18
 
 
 def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
-    """Primary capacity in tokens per window group: config.max_tokens; else on CUDA the pool's bytes
-    (`gpu_pool_bytes`) over bytes_per_token (all layers); else (CPU) 8 * max_seq_len. Load the weights
-    first: what the server holds then is not the pool's."""
+    """Primary tokens per window group: config.max_tokens, else on CUDA `gpu_pool_bytes` (call it after
+    loading the weights), else 8 * max_seq_len."""
     if config.max_tokens is not None:
         return config.max_tokens
     if layout.device.type != "cuda":
@@ -47,11 +44,8 @@ def primary_tokens(config: KvCacheConfig, layout: CacheLayout) -> int:
 
 
 def gpu_pool_bytes(config: KvCacheConfig, *, free: int, total: int, held: int) -> tuple[int, str]:
-    """The primary pool's bytes on a GPU with `free` of `total` bytes free while this server holds
-    `held` (its weights), and what they were sized from (for messages). Without gpu_memory_share:
-    free_gpu_memory_fraction (default DEFAULT_GPU_FRACTION) of the free memory. With it: the fraction
-    of the share of the total, less `held`, and at most the fraction of the free memory; so servers
-    sharing a GPU get the same pools whichever loads first."""
+    """The primary pool's bytes and their basis: the fraction of `free`, or with gpu_memory_share of
+    the share of `total` less `held` (at most that of `free`: the same whichever server loads first)."""
     fraction = config.free_gpu_memory_fraction or DEFAULT_GPU_FRACTION
     of_free = int(fraction * free)
     if config.gpu_memory_share is None:
@@ -63,8 +57,7 @@ def gpu_pool_bytes(config: KvCacheConfig, *, free: int, total: int, held: int) -
 
 
 def level_sizes(config: KvCacheConfig, layout: CacheLayout) -> tuple[int, int, int]:
-    """Blocks per window group at each level: primary (primary_tokens), secondary (host_cache_size)
-    and disk (disk.max_bytes), the last two over the bytes of one block of every layer."""
+    """Blocks per window group: primary, host (host_cache_size) and disk (disk.max_bytes)."""
     block_bytes = config.tokens_per_block * layout.bytes_per_token()
     host, disk = config.host_cache_size, config.disk.max_bytes if config.disk is not None else 0
     for name, nbytes in (("host_cache_size", host), ("disk.max_bytes", disk)):

@@ -1,10 +1,8 @@
 """Chained block hashes over token ids (prefix identity of full blocks).
 
 hash_i = blake2b-128(hash_{i-1} || salt_digest || int64-LE bytes of block i's tokens), hash_{-1} = 16
-zero bytes, salt_digest = blake2b-128(salt as UTF-8). Equal hashes mean equal (salt, token prefix), so
-equal prefixes share blocks and different salts (model fingerprint, LoRA-like variant) never do. The
-value is the same in every process and on every machine (the router recomputes it for kv-cache-aware
-routing).
+zero bytes, salt_digest = blake2b-128(salt as UTF-8): equal hashes mean equal (salt, token prefix).
+The same on every machine (the router recomputes it for kv-cache-aware routing).
 """
 
 from __future__ import annotations
@@ -26,19 +24,14 @@ def salt_digest(salt: str) -> bytes:
     return blake2b(salt.encode("utf-8"), digest_size=DIGEST_BYTES).digest()
 
 
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Little-endian int64 bytes of the tokens (one C-level conversion, no per-token Python work)."""
-    arr = array("q", token_ids)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
 def chain_hashes(token_ids: Sequence[int], tokens_per_block: int, salt_dig: bytes, start_block: int,
                  parent: bytes, end_block: int) -> list[bytes]:
     """Hashes of full blocks start_block..end_block-1, chained from `parent` (hash of start_block - 1)."""
     span = 8 * tokens_per_block
-    data = memoryview(token_bytes(token_ids[start_block * tokens_per_block:end_block * tokens_per_block]))
+    tokens = array("q", token_ids[start_block * tokens_per_block:end_block * tokens_per_block])  # one C-level pass
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
     out: list[bytes] = []
     for off in range(0, (end_block - start_block) * span, span):
         parent = blake2b(parent + salt_dig + data[off:off + span], digest_size=DIGEST_BYTES).digest()
@@ -47,18 +40,13 @@ def chain_hashes(token_ids: Sequence[int], tokens_per_block: int, salt_dig: byte
 
 
 def request_salt(manager_salt: str, salt: str | None) -> str:
-    """The hashing namespace of a request: the manager's salt (model fingerprint), refined by the
-    request's own salt (a tenant's `cache_salt`) when it has one; the salt enters every block's
-    hash, so no block of one namespace matches another's. Pass the result to `block_hashes`."""
+    """A request's hashing namespace: the manager's salt refined by its own (a tenant's `cache_salt`)."""
     return manager_salt if salt is None else f"{manager_salt}\x1f{salt}"
 
 
 def kv_format_salt(salt: str, kv_format: KVFormat) -> str:
-    """The hashing namespace of a KV cache whose blocks are stored in `kv_format`
-    (`KVFormat.hash_namespace`: "" for K/V heads in the model's own dtype, whose namespace is `salt`
-    itself). The KV manager refines its salt with it, so blocks of an FP8 cache never match those of
-    a bf16 cache, nor of one with other scales, in any tier; the router reads the refined salt from
-    the server's snapshot and hashes prompts the same way."""
+    """`salt` refined by `KVFormat.hash_namespace`, so blocks of two formats never match in any tier
+    (the router reads the refined salt from the server's snapshot)."""
     namespace = kv_format.hash_namespace
     return salt if not namespace else f"{salt}\x1ekv={namespace}"
 

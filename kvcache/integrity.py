@@ -1,6 +1,5 @@
-"""A BlockManager's invariants: the full recomputation (`check_block_manager`, `check_request_refs`:
-tests, debug runs and idle engines; O(number of blocks)) and the cheap subset a busy engine checks
-periodically (`check_accounting`: O(blocks of live requests), no pass over the pool)."""
+"""A BlockManager's invariants: the full recomputation (O(blocks): tests, debug runs, idle engines)
+and the cheap subset a busy engine checks periodically (`check_accounting`: O(blocks of live requests))."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def check_block_manager(bm: BlockManager, label: str) -> None:
 
 
 def check_request_refs(bm: BlockManager, label: str, request_blocks: list[list[Block | None]]) -> None:
-    """Each block's ref count equals the number of live request block lists holding it, and no copy
-    recorded by the last call is left unexecuted."""
+    """Each ref count equals the live requests' references, and no recorded copy is left unexecuted."""
     if bm.copies:
         raise KVCacheError(f"{label}: {len(bm.copies)} copies were never executed")
     refs = Counter(b.id for blocks in request_blocks for b in blocks if b is not None)
@@ -57,8 +55,7 @@ def check_request_refs(bm: BlockManager, label: str, request_blocks: list[list[B
 
 
 def check_accounting(bm: BlockManager, label: str, request_blocks: list[list[Block | None]]) -> None:
-    """The cheap subset: the request references counted equal those the live requests hold, and the
-    pool's counters fit its size (free + in use + cached == slots, each part >= 0)."""
+    """Request references equal the live requests', and the counters fit the pool's size."""
     refs = sum(b is not None for blocks in request_blocks for b in blocks)
     if refs != bm.num_refs:
         raise KVCacheError(f"{label}: blocks count {bm.num_refs} request references, live requests hold {refs}")

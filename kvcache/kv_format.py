@@ -1,15 +1,10 @@
 """`KVFormat`: what one token's cached bytes of one layer are. Made once where a server starts
-(server/models/kv_format.py `kv_format`) and passed whole to everything that stores, names or moves
-KV (docs/structure.md lists them).
+(server/models/kv_format.py) and passed whole to everything that stores, names or moves KV.
 
-Two layouts:
-- "heads": K and V of `num_kv_heads` heads of `head_dim` values (Llama, Mistral, Qwen): two planes.
-- "latent": multi-head latent attention's compressed cache (DeepSeek-V2/V3): one plane of one
-  "head" of `head_dim` = kv_lora_rank + qk_rope_head_dim values (the normalized latent, then the
-  roped shared key), the same on every tensor-parallel rank.
-
-An FP8 format (dtype float8_e4m3fn) has per-layer scales: a heads format one k and one v scale per
-layer, a latent format one scale per layer (`k_scales`; `v_scales` empty: no V plane).
+Layouts: "heads", K and V planes of `num_kv_heads` heads (Llama, Mistral, Qwen); "latent", multi-head
+latent attention's one plane of one "head" (DeepSeek-V2/V3: the normalized latent, then the roped
+shared key), the same on every tensor-parallel rank. FP8 has per-layer scales: k and v (heads), or
+`k_scales` only (latent).
 """
 
 from __future__ import annotations
@@ -25,13 +20,12 @@ LAYOUTS = ("heads", "latent")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float8_e4m3fn", "bfloat16", ...: torch's name without the module."""
     return str(dtype).removeprefix("torch.")
 
 
-def _positive_int(name: str, value: object) -> None:
+def positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"KVFormat.{name}={value!r}: must be an integer > 0")
+        raise ValueError(f"{name}={value!r}: must be an integer > 0")
 
 
 @dataclass(frozen=True)
@@ -48,8 +42,8 @@ class KVFormat:
             raise ValueError(f"KVFormat.dtype={self.dtype!r}: must be a torch.dtype")
         if self.layout not in LAYOUTS:
             raise ValueError(f"KVFormat.layout={self.layout!r}: must be one of {LAYOUTS}")
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
+        positive_int("KVFormat.num_kv_heads", self.num_kv_heads)
+        positive_int("KVFormat.head_dim", self.head_dim)
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"KVFormat: a latent cache has one head, not {self.num_kv_heads}")
         for name in ("k_scales", "v_scales"):
@@ -71,7 +65,6 @@ class KVFormat:
 
     @property
     def planes(self) -> int:
-        """Planes per layer in a slot: 2 (K, V) for heads, 1 for the latent."""
         return 1 if self.latent else 2
 
     @property
@@ -82,21 +75,18 @@ class KVFormat:
         return num_layers * self.planes * self.num_kv_heads * self.head_dim * self.element_bytes
 
     def slot_shape(self, num_layers: int, tokens_per_block: int) -> tuple[int, ...]:
-        """One pool slot: [layers, planes, tokens_per_block, kv_heads, head_dim]."""
         return (num_layers, self.planes, tokens_per_block, self.num_kv_heads, self.head_dim)
 
     @property
     def id(self) -> str:
-        """The whole format in one string: layout, element type, heads x values, and (FP8) a
-        digest of the scales. Two servers, two disk directories, exchange KV only if equal."""
+        """The whole format in one string (FP8: with a digest of the scales); KV moves only between equals."""
         base = f"{self.layout}:{dtype_name(self.dtype)}:{self.num_kv_heads}x{self.head_dim}"
         return f"{base}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized else base
 
     @property
     def hash_namespace(self) -> str:
-        """What refines the block hashes' salt (kvcache.hashing.kv_format_salt): "" for K/V heads
-        in the model's dtype (the model fingerprint says all), else the layout, dtype and scales,
-        so blocks of two formats never match in any tier."""
+        """What refines the block hashes' salt (`kv_format_salt`): "" for K/V heads in the model's dtype,
+        else layout, dtype and scales, so blocks of two formats never match in any tier."""
         if not self.quantized and not self.latent:
             return ""
         base = f"{dtype_name(self.dtype)}:{scales_digest(self.k_scales, self.v_scales)}" if self.quantized \
@@ -110,8 +100,7 @@ class KVFormat:
         return self.k_scales[layer], 1.0 if self.latent else self.v_scales[layer]
 
     def block_scales(self, layers: tuple[int, ...] | list[int]) -> tuple[float, ...]:
-        """The scales a window group's blocks were stored with: its layers' k scales then v scales
-        (disk files, handshake); () unquantized."""
+        """A window group's layers' k scales then v scales (disk files, handshake); () unquantized."""
         if not self.quantized:
             return ()
         return tuple(self.k_scales[i] for i in layers) + tuple(self.v_scales[i] for i in layers if self.v_scales)

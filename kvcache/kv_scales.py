@@ -1,13 +1,9 @@
 """The FP8 KV cache's numbers: the e4m3 range, per-layer k/v scales, and the scales file that
-`pdserve calibrate-kv` writes and `kv_cache_config.scales` names. No torch: the deployment checks
-(server/config/schema.py) compare two servers' scales before anything is loaded.
+`pdserve calibrate-kv` writes and `kv_cache_config.scales` names. No torch (the deployment checks in
+server/config/schema.py compare scales before anything is loaded).
 
-A layer's K is stored as e4m3(K / k_scale), saturated at +-FP8_MAX, and read back as the stored
-value times k_scale (V likewise); a scale is the largest |K| (|V|) the layer is expected to hold,
-divided by FP8_MAX. Scales are float32 values (the kernels compute with them in float32), so a
-scale read from JSON or a checkpoint is rounded to float32 once, here, and compared as such.
-
-The scales file (JSON):
+K is stored as e4m3(K / k_scale), saturated at +-FP8_MAX (V likewise); a scale is the largest |K|
+expected over FP8_MAX, rounded to float32 once, here (the kernels use float32). The scales file:
 
     {"format": "pdserve-kv-scales", "version": 1, "dtype": "float8_e4m3fn",
      "k_scale": [one per layer], "v_scale": [one per layer], "model": "...", "tokens": 4096}
@@ -39,7 +35,6 @@ class ScalesFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def as_float32(value: float) -> float:
-    """`value` rounded to the nearest float32."""
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
@@ -65,8 +60,7 @@ def scales_digest(k_scales: tuple[float, ...], v_scales: tuple[float, ...]) -> s
 
 
 def read_scales(path: str | Path, num_layers: int | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(k scales, v scales) of a scales file; ValueError naming the file and what is wrong with it
-    (`num_layers`: the model's layers, which the file must have as many of)."""
+    """(k scales, v scales) of a scales file (for `num_layers` layers); ValueError naming the file."""
     where = f"kv_cache_config.scales={str(path)!r}"
     try:
         data = Path(path).expanduser().read_bytes()

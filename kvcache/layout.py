@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.kv_format import FP8, KVFormat, dtype_name  # noqa: F401 (re-exported)
+from kvcache.kv_format import FP8, KVFormat, dtype_name, positive_int  # noqa: F401 (re-exported)
 from kvcache.kv_scales import FP8_MAX, as_float32, checked_scales
 
 
@@ -23,15 +23,9 @@ def inverse_scale(scale: float) -> float:
     return as_float32(1.0 / scale)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class CacheLayout:
-    """What the model needs cached: per-layer windows (a full-attention layer's is `max_seq_len`)
-    and the KV format (kvcache/kv_format.py) of every layer. An FP8 format made without scales
-    gets 1.0 for every layer here."""
+    """Per-layer windows (full attention: `max_seq_len`) and the KV format (FP8 without scales: 1.0)."""
 
     layer_windows: tuple[int, ...]  # per layer attention window in tokens
     format: KVFormat
@@ -39,8 +33,7 @@ class CacheLayout:
     max_seq_len: int
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_seq_len) or self.max_seq_len <= 0:
-            raise ValueError(f"CacheLayout.max_seq_len={self.max_seq_len!r}: must be an integer > 0")
+        positive_int("CacheLayout.max_seq_len", self.max_seq_len)
         if not isinstance(self.format, KVFormat):
             raise ValueError(f"CacheLayout.format={self.format!r}: must be a KVFormat")
         try:
@@ -52,7 +45,7 @@ class CacheLayout:
         if not self.layer_windows:
             raise ValueError("CacheLayout.layer_windows=(): needs at least one layer")
         for i, w in enumerate(self.layer_windows):
-            if not _is_int(w) or not 0 < w <= self.max_seq_len:
+            if isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= self.max_seq_len:
                 raise ValueError(f"CacheLayout.layer_windows[{i}]={w!r}: layer {i}'s window must be an "
                                  f"integer in [1, max_seq_len={self.max_seq_len}]")
         self._check_scales()
@@ -72,5 +65,4 @@ class CacheLayout:
         return len(self.layer_windows)
 
     def bytes_per_token(self, num_layers: int | None = None) -> int:
-        """One token's KV bytes over `num_layers` layers (default: all layers)."""
         return self.format.bytes_per_token(self.num_layers if num_layers is None else num_layers)

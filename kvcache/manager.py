@@ -1,9 +1,7 @@
-"""KVCacheManager: the facade the engine and the transceiver use.
+"""KVCacheManager: the facade the engine and the transceiver use (engine thread only, not thread-safe).
 
-One BlockManager + GroupPools per window group (VSWA: layers grouped by attention window; a full
-attention layer's window is max_seq_len). Request calls keep every live request's blocks PRIMARY with
-stable slots. Copies recorded by the block managers are executed at the end of each public call.
-Not thread-safe: call it from the engine loop's thread.
+One BlockManager + GroupPools per window group (VSWA; a full attention layer's window is max_seq_len).
+Live requests' blocks stay PRIMARY with stable slots; recorded copies run at the end of each public call.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from kvcache.disk_mirror import DiskMirror
 from kvcache.disk_store import BlockMeta
 from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
 from kvcache.errors import KVCacheError
-from kvcache.fork import fork_request
 from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import kv_format_salt, request_salt, salt_digest
 from kvcache.integrity import check_accounting, check_block_manager, check_request_refs
@@ -53,15 +50,10 @@ def _flushes(method: T) -> T:
 
 
 class KVCacheManager:
-    """Paged KV cache of one model: pools, block reuse, host and disk offload, id -> slot translation.
-
-    Capacity per window group: kvcache.group.level_sizes. `salt` is the hashing namespace (model
-    fingerprint); a request's own salt refines it (kvcache.request_salt), and so does a KV format
-    other than K/V heads in the model's dtype (`kv_format_salt`: `self.salt` is the refined one, what
-    the KV events' snapshot advertises), so no tier mixes blocks of two namespaces. `disk_key` seals
-    the disk tier's files (derive it from the deployment token). Block ids are per window group; -1
-    in a block list means "released" (out of the window). Call `close` at the end (the disk writes).
-    """
+    """Paged KV cache of one model. `salt` is the hashing namespace (model fingerprint), refined by a
+    request's salt and by a non-default KV format (`kv_format_salt`; `self.salt` is the refined one,
+    advertised in the KV events' snapshot). `disk_key` seals the disk files (from the deployment
+    token). Block ids are per window group; -1 means released. Call `close` at the end."""
 
     def __init__(self, config: KvCacheConfig, layout: CacheLayout, *, salt: str = "", disk_key: bytes = b"") -> None:
         self.config = config
@@ -111,28 +103,23 @@ class KVCacheManager:
         return self._group(window).pools.pool(level)
 
     def observe_copies(self, observer: Callable[[int, list[CopyOp]], None]) -> None:
-        """Call `observer(window, ops)` with every batch of copies right after the pools ran it, in
-        order: a tensor-parallel server's other ranks replay them on their slices of the pools."""
+        """`observer(window, ops)` sees every batch of copies after it ran (TP ranks replay them)."""
         self._copy_observers.append(observer)
 
     def apply_copies(self, window: int, ops: Sequence[CopyOp]) -> None:
-        """Run copies that another manager with the same slot counts recorded (`observe_copies`) on
-        these pools; the bookkeeping here is not touched (a rank whose manager is rank 0's)."""
+        """Run another manager's copies (`observe_copies`) on these pools; bookkeeping untouched."""
         self._group(window).pools.execute(ops)
 
     def disk_block_meta(self, window: int, slot: int) -> BlockMeta | None:
-        """What the file of disk slot `slot` says about its block now (None: free, or no disk tier):
-        an observer of copies that wrote it hands this to the ranks that mirror them."""
+        """What disk slot `slot`'s file says about its block now (None: free, or no disk tier)."""
         return self._disk.describe(self._group(window), slot)
 
     def share_disk_checks(self, peers: PeerCheck) -> None:
-        """Every check of disk files (before a disk hit is planned in) asks `peers` too, and a block
-        whose file one of them could not read back is dropped like one whose own file failed."""
+        """Disk file checks ask `peers` too; a block one of them could not read back is dropped."""
         self._disk.peers = peers
 
     def mirror_disk(self, disk: DiskTierConfig, key: bytes, num_disk: int) -> DiskMirror:
-        """Files of this manager's pools for another manager's disk slots (`num_disk` per window
-        group): a tensor-parallel rank whose books are rank 0's (kvcache/disk_mirror.py)."""
+        """Files of these pools for another manager's `num_disk` disk slots (kvcache/disk_mirror.py)."""
         if isinstance(self._disk, DiskTier):
             raise KVCacheError("a manager with a disk tier of its own cannot mirror another's")
         return DiskMirror.open(disk, self.config, self.layout, self.salt, key, self._groups, num_disk)
@@ -144,9 +131,8 @@ class KVCacheManager:
         return self._group(window).bm.num_slots[level]
 
     def num_available_blocks(self, window: int | None = None) -> int:
-        """Primary blocks an allocation can get: free ones plus cached ones that eviction can reclaim
-        (ref 0, unpinned, no in-use block below them in the tree); the minimum over groups if no
-        window. Exactly what admit/extend check, so a request that fits never fails midway."""
+        """Free plus evictable primary blocks (minimum over groups if no window): exactly what
+        admit/extend check, so a request that fits never fails midway."""
         groups = self._groups if window is None else [self._group(window)]
         return min(g.bm.evictable_keeping([]) for g in groups)
 
@@ -155,15 +141,11 @@ class KVCacheManager:
     def admit(self, request_id: str, token_ids: Sequence[int], *, num_tokens: int | None = None,
               max_cached_tokens: int | None = None, priority: int = 35, salt: str | None = None,
               partial_only_if_complete: bool = False) -> int:
-        """Admit a request: reuse its longest cached prefix (matching.py), allocate blocks for
-        `num_tokens` tokens (default len(token_ids)); return the number of reused (cached) tokens.
-
-        The hit is capped at max_cached_tokens (default len(token_ids) - 1: the last prompt token
-        must be computed for its logits); with `partial_only_if_complete` a partly matching block is
-        reused only when the hit then reaches that cap (a caller that fetches the rest by whole
-        blocks would overwrite the copy). `salt` (a tenant's cache_salt) refines the namespace. The
-        blocks get `priority` (0..100) for eviction, and keep the priority of the last request that
-        used them. OutOfBlocksError is raised before any change."""
+        """Reuse the longest cached prefix (at most max_cached_tokens, default len(token_ids) - 1: the
+        last token is computed for its logits), allocate blocks for `num_tokens`; return the tokens
+        reused. `partial_only_if_complete`: a partly matching block only if the hit then reaches the
+        cap (a caller fetching the rest by whole blocks would overwrite it). `salt`: a tenant's
+        cache_salt; blocks keep their last user's `priority`. OutOfBlocksError before any change."""
         if request_id in self._requests:
             raise KVCacheError(f"request {request_id!r} is already admitted")
         n_tok = len(token_ids) if num_tokens is None else num_tokens
@@ -187,8 +169,7 @@ class KVCacheManager:
 
     def _plan(self, req: RequestState, token_ids: Sequence[int], cap: int, total_blocks: int,
               partial_only_if_complete: bool) -> AdmitPlan:
-        """The checked admission plan. Its disk blocks' files are read and checked first (when the
-        capacity allows the plan); one that fails is dropped, and the request is planned again."""
+        """The checked plan (a disk block whose file fails its check is dropped, and it is planned again)."""
         bms = [g.bm for g in self._groups]
         plan = self._policy.plan(req, bms, token_ids, cap, total_blocks, partial_only_if_complete)
         self._check_plan_capacity(req.request_id, plan)
@@ -217,20 +198,48 @@ class KVCacheManager:
 
     @_flushes
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
-        """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices
-        of one prompt; kvcache/fork.py); released like any request. OutOfBlocksError (no primary
-        block for a copy) before any change."""
+        """Admit `child_id` holding `parent_id`'s KV of its first `num_tokens` tokens (the n choices of
+        one prompt): full blocks shared, a partly filled last one copied (its later tokens differ),
+        released ones still released; either may commit the shared blocks. Checks come first."""
         if child_id in self._requests:
             raise KVCacheError(f"request {child_id!r} is already admitted")
-        parent = self._request(parent_id)
-        self._requests[child_id] = fork_request(parent, child_id, self._groups, num_tokens, self.tokens_per_block)
+        parent, tpb = self._request(parent_id), self.tokens_per_block
+        n_full, rest = divmod(num_tokens, tpb)
+        what = f"fork of request {parent_id!r} into {child_id!r}"
+        for i, g in enumerate(self._groups):
+            blocks = parent.blocks[i]
+            if not 0 <= num_tokens <= len(blocks) * tpb:
+                raise KVCacheError(f"{what}: num_tokens={num_tokens} outside [0, {len(blocks) * tpb}] "
+                                   f"(the capacity of its blocks)")
+            if rest and blocks[n_full] is None:
+                raise KVCacheError(f"{what}: its block {n_full} (window {g.window}), which holds token "
+                                   f"{num_tokens - 1}, was released")
+        check_capacity(what, [(g.bm, g.window, 1 if rest else 0, []) for g in self._groups])
+        child = RequestState(
+            child_id, parent.salt_digest, parent.priority, [[] for _ in self._groups],
+            hashes=parent.hashes[:n_full],
+            committed=[min(c, n_full) for c in parent.committed],
+            # the parent's commit stopped at a block the child shares: the child's stops there too
+            commit_stopped=[stopped and c < n_full for stopped, c in zip(parent.commit_stopped, parent.committed,
+                                                                         strict=True)],
+            released_upto=[min(r, n_full + (1 if rest else 0)) for r in parent.released_upto],
+        )
+        for i, g in enumerate(self._groups):
+            shared = parent.blocks[i][:n_full]
+            for b in shared:
+                if b is not None:
+                    g.bm.acquire(b, parent.priority)
+            child.blocks[i] = list(shared)
+            if rest:
+                own = g.bm.allocate(parent.priority)
+                g.bm.copy(parent.blocks[i][n_full], own)
+                child.blocks[i].append(own)
+        self._requests[child_id] = child
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Put every full block whose tokens are all computed into the reuse tree (if not there yet);
-        call it after each step so concurrent requests share freshly computed prefixes. If an equal
-        block is already cached, the request's block stays private and commit stops for that group:
-        its later blocks would hang under a block the request does not hold, and a held block's
-        ancestors must stay primary (prefix-closed primary level)."""
+        """Put every full, computed block into the reuse tree (call after each step). If an equal block
+        is cached already, this one stays private and commit stops for that group: later blocks would
+        hang under a block the request does not hold (the primary level must stay prefix-closed)."""
         req = self._request(request_id)
         capacity = len(req.blocks[0]) * self.tokens_per_block
         if not 0 <= num_computed_tokens <= min(capacity, len(token_ids)):
@@ -250,11 +259,9 @@ class KVCacheManager:
                     g.bm.release(b)
 
     def release_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
-        """Sliding-window groups: drop references to blocks entirely before the window of the next
-        token (position num_computed_tokens); block_ids shows -1 there. Returns the number of
-        references dropped. A private block is freed at once; a block in the reuse tree stays cached
-        and becomes reclaimable only when no block below it is in use (with block reuse on, that is
-        usually when the request ends: eviction takes leaves only)."""
+        """Drop references to blocks wholly before the window of token num_computed_tokens (block_ids
+        shows -1); returns how many. A tree block stays cached, reclaimable once nothing below it is
+        in use (eviction takes leaves only: usually when the request ends)."""
         req = self._request(request_id)
         released = 0
         for i, g in enumerate(self._groups):
@@ -299,19 +306,15 @@ class KVCacheManager:
     # ---- translation
     def get_memory_pool_block_indices(self, block_ids: Sequence[int], window_size: int | None = None,
                                       require_primary: bool = True) -> list[int]:
-        """Current slots of logical block ids (-1 stays -1): primary slots, or, with
-        require_primary=False, the slot in whichever pool holds each block."""
+        """Slots of block ids (-1 stays -1); require_primary=False: in whichever pool holds each."""
         g = self._resolve(window_size)
         out = []
         for i in block_ids:
-            if i == -1:
-                out.append(-1)
-                continue
-            b = g.bm.get(i)
-            if require_primary and b.level is not Level.PRIMARY:
+            b = None if i == -1 else g.bm.get(i)
+            if require_primary and b is not None and b.level is not Level.PRIMARY:
                 raise KVCacheError(f"block {i} (window {g.window}) is not in the primary pool (secondary "
                                    f"slot {b.slot}); call ensure_primary or pin_blocks first")
-            out.append(b.slot)
+            out.append(-1 if b is None else b.slot)
         return out
 
     @_flushes
@@ -320,8 +323,7 @@ class KVCacheManager:
         self._make_primary(self._resolve(window_size), block_ids)
 
     def _make_primary(self, g: WindowGroup, block_ids: Sequence[int]) -> list[Block]:
-        """The listed blocks (-1: a released, out-of-window block, skipped), made primary; the files
-        of those that come up from disk are checked first (kvcache/disk_tier.py `before_onboard`)."""
+        """The listed blocks (-1 skipped), made primary; disk files checked first (`before_onboard`)."""
         blocks = [g.bm.get(i) for i in block_ids if i != -1]
         make_primary(g.bm, g.window, blocks, lambda onboard: self._disk.before_onboard(g, blocks, onboard))
         return blocks
@@ -364,8 +366,7 @@ class KVCacheManager:
             check_request_refs(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
 
     def check_accounting(self) -> None:
-        """The cheap subset of `check_integrity` (O(blocks of live requests)): request references
-        counted equal those live requests hold, and pool counters add up. For periodic health checks."""
+        """The cheap subset of `check_integrity` (O(blocks of live requests)), for periodic health checks."""
         for i, g in enumerate(self._groups):
             check_accounting(g.bm, f"window {g.window}", [req.blocks[i] for req in self._requests.values()])
 
@@ -374,7 +375,6 @@ class KVCacheManager:
         self._disk.close()
 
     def request_ids(self) -> list[str]:
-        """Requests admitted and not yet released."""
         return list(self._requests)
 
     def num_pins(self, window: int) -> int:
@@ -392,7 +392,6 @@ class KVCacheManager:
         self._disk.add_stats(s)
         return s
 
-    # ---- internals
     def _group(self, window: int) -> WindowGroup:
         g = self._by_window.get(window)
         if g is None:

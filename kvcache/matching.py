@@ -1,9 +1,6 @@
-"""Prefix matching policies: what an admitted request (`RequestState`) can reuse, and what `commit`
-puts in the tree.
-
-`PrefixReuse` (enable_block_reuse) matches full blocks by chained hash, then partially reuses one
-block; `NoReuse` is its null object. Both only plan or link blocks; the facade checks capacity and
-executes plans, so an OutOfBlocksError happens before any state change.
+"""Prefix matching policies: what an admitted request can reuse, and what `commit` puts in the tree.
+`PrefixReuse` (enable_block_reuse) matches full blocks by chained hash, then partially reuses one;
+`NoReuse` is its null object. Both only plan or link: the facade checks capacity and executes.
 """
 
 from __future__ import annotations
@@ -90,9 +87,7 @@ class PrefixReuse:
 
     def plan(self, req: RequestState, bms: Sequence[BlockManager], token_ids: Sequence[int],
              cap: int, total_blocks: int, partial_only_if_complete: bool = False) -> AdmitPlan:
-        """Longest reusable prefix, the same in every window group (VSWA: minimum over groups).
-        `partial_only_if_complete`: a partly matching block is reused only if the hit then reaches
-        `cap` (else its tokens would still have to come from elsewhere, and the copy is wasted)."""
+        """Longest reusable prefix, the minimum over groups (`partial_only_if_complete`: see `admit`)."""
         tpb = self.tpb
         req.hashes = chain_hashes(token_ids, tpb, req.salt_digest, 0, ROOT_HASH, len(token_ids) // tpb)
         full = [bm.tree.match(req.hashes, self.max_level) for bm in bms]

@@ -1,16 +1,12 @@
 """KV pools of one window group: the only owner of KV cache tensors in kvcache/.
 
-Each level is one contiguous tensor, slot-major (`KVFormat.slot_shape`), so a block moves with one
-row copy. Both pools start zeroed: attention masks unused positions, but 0 * NaN would still be NaN.
-The secondary pool lives in host memory, pinned when the primary pool is on CUDA.
+Each level is one contiguous slot-major tensor, so a block moves with one row copy. Pools start
+zeroed (attention masks unused positions, but 0 * NaN is NaN); the host pool is pinned under CUDA.
 
-`execute` runs the block manager's copy ops in steps (`_steps`). On CUDA the device-side gathers and
-scatters run on the current stream; the host<->device DMAs run on one side stream per direction
-(`_TierStreams`), in pieces with an event each, so offloads and onboards of one admission use the
-GPU's two copy engines at once. Order is kept where it matters: a scatter waits for its onboard DMA;
-a DMA waits for the gather that staged it and for the other direction's DMA pieces of its host
-slots. Host <-> disk copies (kvcache/disk_pool.py) run on the CPU once every DMA still using their
-host rows has finished (`_TierStreams.settle`).
+`execute` runs the copies in steps (`_steps`): gathers and scatters on the current stream,
+host<->device DMAs on a stream per direction, in pieces with an event each (both copy engines run);
+a scatter waits for its DMA, a DMA for its gather and the other direction's pieces of its host
+slots. Host <-> disk copies (disk_pool.py) run on the CPU once no DMA uses their rows (`settle`).
 """
 
 from __future__ import annotations
@@ -26,9 +22,7 @@ from kvcache.errors import KVCacheError
 from kvcache.layout import CacheLayout
 
 DMA_WAIT_S = 30.0  # the longest wait for a DMA before the CPU touches its host rows
-# host<->device DMAs go in pieces of about this many slots, each with its own event: a step's
-# offloads into the host slots its onboards free wait for those pieces only, so both copy engines run
-DMA_CHUNK_SLOTS = 16
+DMA_CHUNK_SLOTS = 16  # slots per DMA piece: offloads wait only for the onboard pieces of their slots
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -59,18 +53,10 @@ def _chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
     return chunks
 
 
-def _slots(runs: list[tuple[int, int, int]]) -> list[int]:
-    return [first + k for _, first, n in runs for k in range(n)]
-
-
 def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
-    """Ops in steps, each step run as one parallel assignment (every source of the step read, then
-    every destination written), with the result of running the ops one by one: an op goes in the
-    first step after every step that writes its source or its destination, and not before a step
-    that reads its destination (reading first, that one still sees the old bytes). So the offloads
-    and onboards of one admission (offload a victim into the host slot the previous onboard freed,
-    onboard into the victim's slot, ...) take one step: one batch per (src, dst) level pair, where
-    running them in order took a batch per op (a 4k disk-tier hit: 257 batches)."""
+    """Ops in steps, each a parallel assignment with the result of running them one by one: an op goes
+    after every step writing its source or destination, not before one reading its destination. One
+    admission's chained offloads and onboards take one step (one by one: a 4k disk hit took 257)."""
     steps: list[dict[tuple[Level, Level], dict[int, int]]] = []
     written: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that writes it
     read: dict[tuple[Level, int], int] = {}  # (level, slot) -> last step that reads it
@@ -87,8 +73,7 @@ def _steps(ops: Sequence[CopyOp]) -> list[list[Group]]:
 
 
 def pool_rows(pool: torch.Tensor) -> torch.Tensor:
-    """`pool` seen as `[num_slots, words]`: int64 words, or bytes when a slot's bytes are not a
-    multiple of 8 (one row copy moves a slot)."""
+    """`pool` as `[num_slots, words]`: int64 words, or bytes when a slot is not a multiple of 8."""
     rows = pool.view(pool.shape[0], -1).view(torch.uint8)  # [num_slots, slot_bytes]
     return rows.view(torch.int64) if rows.shape[1] % 8 == 0 else rows
 
@@ -136,9 +121,8 @@ class GroupPools:
         return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary}.get(level)
 
     def execute(self, ops: Sequence[CopyOp]) -> None:
-        """Run `ops` with the result of running them one by one, step by step (`_steps`): every group
-        of a step reads its sources, then the step's writes run (a group whose destinations no one in
-        the step reads may write at once, `_copy_same_device`)."""
+        """Run `ops` step by step (`_steps`): each group reads its sources, then the step's writes run
+        (at once for a group whose destinations nobody in the step reads)."""
         try:
             for step in _steps(ops):
                 reads = {(g[0], s) for g in step for s in g[2]}
@@ -152,9 +136,8 @@ class GroupPools:
 
     def _copy(self, src_level: Level, dst_level: Level, src: list[int], dst: list[int],
               defer: bool) -> Write | None:
-        """dst rows (ascending) <- src rows, in one indexed copy (plus one DMA per contiguous run):
-        the sources are read now, the writes returned (None: done already, only when not `defer`,
-        which says someone in the step still reads a destination)."""
+        """dst rows (ascending) <- src rows: sources read now, the writes returned (None: done, only
+        when not `defer`: nobody in the step reads a destination)."""
         if Level.DISK in (src_level, dst_level):
             return self._copy_disk(dst_level, src, dst)
         src_rows, dst_rows = self._rows[src_level], self._rows[dst_level]
@@ -167,8 +150,8 @@ class GroupPools:
         return _copy_to_device(src_rows, dst_rows, src, dst, self._streams)
 
     def _copy_disk(self, dst_level: Level, src: list[int], dst: list[int]) -> Write | None:
-        """Host rows -> disk slots (dst_level DISK: the rows are copied out now, their writes queued
-        after the last step) or disk slots -> host rows (the staged bytes copied in as the write), on the CPU."""
+        """Host rows -> disk slots (copied out now, writes queued after the last step) or disk slots ->
+        host rows (the staged bytes copied in as the write), on the CPU."""
         host = self._rows[Level.SECONDARY]
         disk, streams = self.disk, self._streams
         assert disk is not None and host is not None
@@ -212,15 +195,13 @@ def _copy_same_device(src_rows: torch.Tensor, dst_rows: torch.Tensor, src: list[
 
 def _dma(streams: _TierStreams, to_host: bool, runs: list[tuple[int, int, int]],
          copy: Callable[[int, int, int], object]) -> torch.cuda.Event:
-    """`copy` each run (index, first host slot, length) on the direction's stream, in pieces
-    (`_chunks`): a piece first waits for the other direction's DMAs of its host slots (an offload
-    for onboards still reading them, an onboard for offloads still writing them), then records its
-    own event. Returns the last event: the stream runs the pieces in order."""
+    """`copy` each run (index, first host slot, length) on the direction's stream in pieces, each
+    after the other direction's DMAs of its host slots, with an event; returns the last event."""
     stream, mine, other = (streams.d2h, streams.writes, streams.reads) if to_host else \
         (streams.h2d, streams.reads, streams.writes)
     done = None
     for chunk in _chunks(runs):
-        slots = _slots(chunk)
+        slots = [first + k for _, first, n in chunk for k in range(n)]
         _prune(other)
         for event, used in other:
             if not used.isdisjoint(slots):

@@ -1,8 +1,6 @@
-"""Index of the reuse tree of one window group: chained block hash -> block, plus an index by
-(parent hash, first token) to find partially matching blocks. Pure Python, no torch.
-
-The tree itself is the blocks' `parent`/`children` links; this class only keeps the lookups in step
-with them. Because a hash chains its parent's hash, a hash lookup walk from the root follows a path.
+"""Index of one window group's reuse tree (the blocks' `parent`/`children` links): chained block hash
+-> block (so a walk of hash lookups follows a path), and (parent hash, first token) -> blocks for
+partial matches. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class ReuseTree:
 
     def partial_candidates(self, parent: Block | None, first_token: int,
                            salt_digest: bytes) -> Iterator[Block]:
-        """Tree blocks under `parent` (None: the root of namespace `salt_digest`) whose first token is
-        `first_token`."""
+        """Tree blocks under `parent` (None: namespace `salt_digest`'s root) starting with `first_token`."""
         key = (parent.hash if parent is not None else salt_digest, first_token)
         yield from self._by_first.get(key, {}).values()

@@ -1,4 +1,4 @@
-"""Counters of the KV cache manager, exported as Prometheus metrics by the server."""
+"""Counters of the KV cache manager (cumulative, all window groups), exported as Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KVCacheStats:
-    """Cumulative counters (all groups together) and current block counts."""
 
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0

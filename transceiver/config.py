@@ -1,7 +1,5 @@
 """`cache_transceiver_config`: how one server's KV transceiver listens, authenticates and times out.
-
-A msgspec Struct: the deployment loader (server/config/schema.py) checks types, ranges and unknown keys
-when it converts the YAML. No torch here."""
+A msgspec Struct (types, ranges and unknown keys checked on conversion); no torch."""
 
 from __future__ import annotations
 
@@ -18,8 +16,8 @@ _CHUNK = f"a multiple of 8 in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}"
 
 
 class TransceiverConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`auth_token` may be None in YAML only: the launcher then generates one per deployment and
-    hands every server a copy; a sender or receiver refuses to start without one (`token_bytes`)."""
+    """`auth_token` may be None in YAML only: the launcher generates one per deployment; a sender or
+    receiver refuses to start without one."""
 
     kv_transfer_timeout_ms: Annotated[int, msgspec.Meta(gt=0)] = 60000
     auth_token: Annotated[str, msgspec.Meta(min_length=MIN_TOKEN_CHARS, description=_TOKEN)] | None = None
@@ -30,9 +28,8 @@ class TransceiverConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_chunk_bytes: Annotated[int, msgspec.Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, multiple_of=8,
                                                  description=_CHUNK)] = 8 << 20
     same_host_ipc: bool = True  # CUDA pools on one GPU: copy device-to-device via CUDA IPC (false: bytes)
-    # Test only: the sender's byte path paces its chunks as a link with this latency per chunk message
-    # and this bandwidth would (0: off), so CPU tests can show a transfer overlapping the prefill
-    # (transceiver/sender/stream.py `Pacer`). Never set in a production deployment.
+    # Test only (never in production): the byte path paces chunks as a link of this latency per message
+    # and bandwidth would (0: off), so CPU tests show a transfer overlapping the prefill (`Pacer`).
     test_link_delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     test_link_bytes_per_s: Annotated[int, msgspec.Meta(ge=0)] = 0
 

@@ -1,17 +1,13 @@
 """Same-GPU fast path of the KV link: CUDA IPC handles of the primary pools, device-side copies.
 
-The sender exports its primary pools once per receiver handshake (`export_pools`, on the engine
-thread: `_share_cuda_` rewraps the storage's data pointer, which must not race with other users of
-the pool); the receiver opens the handles once per (endpoint, epoch) (`open_pools`) and, per pull,
-copies the sender's slots into its own (`start_copy`). Both sides compute `payload.checksum` on the
-device (`DeviceSum`), so neither side's thread waits for it: on CUDA single-pass Triton kernels
+The sender exports its pools per receiver handshake (`export_pools`, on the engine thread:
+`_share_cuda_` rewraps the storage's data pointer, which must not race other users); the receiver
+opens them once per (endpoint, epoch) (`open_pools`) and copies slots per pull (`start_copy`). Both
+sides compute `payload.checksum` on the device (`DeviceSum`) without waiting: Triton kernels on CUDA
 (`kernels.py`, imported only here), else torch. Importing this module needs no CUDA.
 
-One export per receiver because of the ref counter torch attaches to each export (in a shared-memory
-file of the sender): the receiver decrements it when it drops its mapping, and a sender that exits
-while a count is above zero warns "Producer process has been terminated before all shared CUDA
-tensors released"; one export per receiver keeps that warning for a receiver that still maps the
-pools. The pools live as long as the sender's process, so the count never delays a free.
+One export per receiver: torch's ref counter per export then makes a sender's exit warn ("Producer
+process has been terminated before all shared CUDA tensors released") only for live mappings.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcOffer | None:
-    """The IPC handle of every window's primary pool (`[num_slots, layers, 2, tpb, heads, dim]`,
-    CUDA, contiguous, at the start of its own storage), or None (logged: that receiver gets bytes)."""
+    """The IPC handle of every window's primary pool, or None (logged: that receiver gets bytes)."""
     exported = []
     try:
         for window, pool in sorted(pools.items()):
@@ -51,9 +46,8 @@ def export_pools(pools: dict[int, torch.Tensor], identity: PeerIdentity) -> IpcO
 
 
 def open_pools(offer: IpcOffer, own: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Views of the sender's pools, each shaped like our pool of the window (layouts already
-    matched) with the sender's slot count, on our device (the same GPU; raises when the handle
-    cannot be opened or does not fit)."""
+    """Views of the sender's pools, shaped like ours with its slot count, on our device (raises when
+    a handle cannot be opened or does not fit)."""
     if sorted(p.window for p in offer.pools) != sorted(own):
         raise ValueError(f"the offer's windows {[p.window for p in offer.pools]} are not ours {sorted(own)}")
     views = {}
@@ -72,10 +66,8 @@ def open_pools(offer: IpcOffer, own: dict[int, torch.Tensor]) -> dict[int, torch
 
 
 class DeviceSum:
-    """A checksum the device is computing on the current stream: `done()` asks without waiting,
-    `value()` reads it once done. It keeps the tensors that work reads or writes alive until then
-    (a dropped mapping of a peer's pool must not be unmapped under a running copy). CPU work is
-    done when this is made."""
+    """A checksum queued on the current stream (CPU: done already). Keeps the tensors it uses alive
+    until read, so a peer's pool is not unmapped under a running copy."""
 
     def __init__(self, total: torch.Tensor, keep: tuple[torch.Tensor, ...]) -> None:
         self._event: torch.cuda.Event | None = None
@@ -103,20 +95,17 @@ class DeviceSum:
             self._event.synchronize()
 
     def wait(self) -> int:
-        """Block until done, then `value()`."""
         self.synchronize()
         return self.value()
 
     def order_before_current(self) -> None:
-        """Work queued on its device's current stream from now on runs after this (GPU-side; no host
-        wait). CPU work: done already."""
+        """Work queued on its device's current stream from now on runs after this (no host wait)."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 def _fused(*tensors: torch.Tensor):
-    """transceiver/kernels.py for CUDA tensors, else None, the torch path (CPU tensors, no triton, or
-    PDSERVE_IPC_KERNELS=torch)."""
+    """transceiver/kernels.py for CUDA tensors; None: the torch path (no triton, or KERNELS_ENV=torch)."""
     if not all(t.is_cuda for t in tensors) or os.environ.get(KERNELS_ENV, "triton") == "torch":
         return None
     try:
@@ -154,8 +143,8 @@ def _row_sums(rows: torch.Tensor) -> torch.Tensor:
 
 
 def start_checksum(pool: torch.Tensor, slots: list[int], first: int) -> DeviceSum:
-    """`payload.checksum` of blocks first, first+1, ... stored in `slots` of `pool`, queued on the
-    current stream. CUDA: one pass over the slots where they are (`kernels.slot_sums`)."""
+    """`payload.checksum` of blocks first, first+1, ... in `slots` of `pool`, queued on the current
+    stream (CUDA: one pass, `kernels.slot_sums`)."""
     rows = pool_rows(pool)  # [num_slots, words]
     kernels = _fused(pool)
     if kernels is not None:
@@ -171,10 +160,8 @@ def start_checksum(pool: torch.Tensor, slots: list[int], first: int) -> DeviceSu
 
 def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_slots: list[int],
                first: int) -> DeviceSum:
-    """dst[dst_slots[i]] = src[src_slots[i]] (same device, same slot shape), queued on the current
-    stream, and the checksum (`start_checksum`'s) of the rows written, summed from the rows as they
-    were read (not read back). CUDA: one pass (`kernels.copy_slot_sums`); else bounded batches of
-    gather, scatter and sum."""
+    """dst[dst_slots[i]] = src[src_slots[i]] on the current stream, and `start_checksum`'s value of the
+    rows as read (CUDA: one pass, `kernels.copy_slot_sums`; else bounded batches)."""
     src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # [slots, words]
     dst_index = _device_index(dst_slots, dst.device)
     kernels = _fused(src, dst)
@@ -192,10 +179,8 @@ def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
 
 
 def ipc_identity(pools: dict[int, torch.Tensor], enabled: bool) -> PeerIdentity | None:
-    """What a side says about itself in the handshake: None (bytes only) unless `enabled` and every
-    pool is CUDA, else its machine (`node_name`: the hostname, or Ray's node id), boot and GPU. The
-    GPU's UUID alone already names one machine; where the boot id cannot be read it is "unknown" (a
-    handle that still cannot be opened means bytes)."""
+    """What a side says about itself in the handshake (None: bytes only, unless `enabled` with CUDA
+    pools): machine, boot ("unknown" if unreadable: the GPU's UUID names one machine) and GPU."""
     if not enabled or not pools or not all(p.is_cuda for p in pools.values()):
         return None
     try:

@@ -1,14 +1,9 @@
-"""Fused Triton kernels of the same-GPU KV handoff (transceiver/ipc.py): each side reads the slots once.
-`slot_sums` is the sender's checksum, summed from its leased slots where they are; `copy_slot_sums`
-the receiver's copy, which writes every word it reads into its own slot and sums it as it goes.
+"""Fused Triton kernels of the same-GPU KV handoff (ipc.py), each reading the slots once: the
+sender's checksum (`slot_sums`) and the receiver's copy that sums as it writes (`copy_slot_sums`).
 
-Both return S_b per block b: the wrapping sum of the block's words (int64, or bytes when
-slot_bytes % 8: `kvcache.pool.pool_rows`), which `payload.checksum` weights by position. Program
-(b, t) sums tile t of block b into `partials[b, t]`; torch adds the tiles. Integer addition wraps
-and is associative, so the result is bit for bit the torch reference's, in any order.
-
-Imported only for CUDA pools, so the router and the CPU paths never import triton. Without CUDA the
-kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/unit/test_transceiver_kernels.py).
+Both return S_b, block b's wrapping word sum (`payload.checksum` weights it); program (b, t) sums
+tile t and torch adds the tiles: associative wrapping addition equals the torch reference bit for
+bit. Imported only for CUDA pools: the router and CPU paths never import triton.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""The one ZeroMQ wrapper of pdserve: a thread that owns its sockets, fed through bounded queues.
-
-Every zmq socket is created, used and closed by the `SocketThread` that owns it (zmq sockets are
-not thread-safe). Other threads talk to it only through `submit` (commands) and `drain`/`wait`
-(delivered items), both bounded. All sockets have linger=0; every wait is a poll with a timeout.
-A handler (the sender's or receiver's protocol) reacts to commands, incoming messages and ticks
-through `SocketIO`; one with work of its own (the sender's chunks) also has `pump(io)`, called on
-every turn and returning how soon it wants the next call (None: when something arrives). Handler
-exceptions are logged and never kill the thread.
+"""The one ZeroMQ wrapper of pdserve: a thread owning its sockets (not thread-safe), fed through
+bounded queues (`submit`; `drain`/`wait`). Linger is 0; every wait is a poll with a timeout. A
+handler reacts to commands, messages and ticks through `SocketIO`; `pump(io)`, if it has one, runs
+every turn and says how soon it wants the next (None: when something arrives). Its exceptions are
+logged, never fatal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -55,7 +52,6 @@ class SocketIO:
         self._inbox = inbox
 
     def socket(self, key: Hashable, kind: int) -> zmq.Socket:
-        """Create and register a socket (linger 0) under `key`."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         self.sockets[key] = sock
@@ -129,7 +125,6 @@ class LinkOwner:
 
 
 class SocketThread:
-    """Runs `handler` on a private thread that owns all its sockets."""
 
     def __init__(self, name: str, handler: LinkHandler, *, inbox_size: int = 256, tick_s: float = 0.05,
                  notify: Callable[[], None] | None = None) -> None:
@@ -202,17 +197,13 @@ class SocketThread:
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join(timeout_s)
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._wake_r = self._wake_w = -1
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # pipe full (already woken) or closed (shutting down)
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (already woken) or closed (shutting down)
 
     def _run(self) -> None:
         io = SocketIO(self._inbox, self._notify)
@@ -285,11 +276,9 @@ class SocketThread:
                 self._guard(self._handler.on_frames, io, key, frames)
 
     def _drain_wake_pipe(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError once it is empty
             while os.read(self._wake_r, 4096):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:

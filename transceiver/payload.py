@@ -19,8 +19,7 @@ POLL_S = 0.0005  # how often `StagingPool.wait_any` looks at the trackers
 
 
 def plan_chunks(r: WindowRange, slot_bytes: int, max_chunk_bytes: int) -> list[WindowRange]:
-    """The blocks of `r`, one chunk message each of as many whole blocks as fit in max_chunk_bytes
-    (at least one)."""
+    """The chunks of `r`: each as many whole blocks as fit in max_chunk_bytes (at least one)."""
     return r.split(max(1, max_chunk_bytes // slot_bytes))
 
 
@@ -34,13 +33,9 @@ def _words(part: np.ndarray, slot_bytes: int) -> np.ndarray:
 
 
 def checksum(parts: list[np.ndarray], slot_bytes: int, first: int) -> int:
-    """Position-weighted wrapping sum: sum_b (2 * (first + b) + 1) * S_b mod 2**64.
-
-    S_b is the wrapping sum of block b's 64-bit words (its bytes when slot_bytes % 8). `parts`
-    are the chunk's uint8 frames in order (`parts_are_valid`): whole blocks (any number per
-    part), or one block cut in several parts. The weights make a swapped or misplaced block
-    change the result.
-    """
+    """sum_b (2 * (first + b) + 1) * S_b mod 2**64, S_b the wrapping sum of block b's 64-bit words
+    (bytes when slot_bytes % 8) over a chunk's frames (`parts_are_valid`); the weights catch a
+    swapped or misplaced block."""
     if whole_blocks(parts, slot_bytes):
         sums = np.concatenate([  # [count]
             _words(p, slot_bytes).reshape(p.size // slot_bytes, -1).sum(axis=1, dtype=np.uint64) for p in parts])
@@ -70,11 +65,9 @@ def as_rows(buf: torch.Tensor, count: int, slot_bytes: int) -> torch.Tensor:
 
 
 def gather(pool: torch.Tensor, slots: list[int], out: torch.Tensor) -> None:
-    """Copy primary slots `slots` of `pool`, in order, into the front of uint8 CPU buffer `out`.
-
-    CPU pools: one numpy slice copy per run of consecutive slots, on the calling thread only.
-    (Measured on 2 busy cores: 10-14 GB/s, against 4 GB/s for np.take and as low as 0.2 GB/s
-    for torch's multi-threaded copies, which stall when the zmq threads take the cores.)"""
+    """Copy `slots` of `pool` in order into the front of uint8 CPU buffer `out`. CPU pools: a numpy
+    slice copy per run on this thread (2 busy cores: 10-14 GB/s, np.take 4, torch's multi-threaded
+    copies as low as 0.2, stalled by the zmq threads)."""
     src = pool_rows(pool)
     dst = as_rows(out, len(slots), src.shape[1] * src.element_size())
     if pool.device.type == "cpu":

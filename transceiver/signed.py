@@ -1,20 +1,13 @@
-"""Signed messages: the one sealing of every pdserve ZeroMQ channel (the KV link, the KV events, the
-engine link, the rank channel). Typed msgspec messages in msgpack; nothing is ever unpickled.
+"""Signed messages: the one sealing of every pdserve ZeroMQ channel (KV link, KV events, engine link,
+rank channel). Typed msgspec messages in msgpack; nothing is ever unpickled.
 
-A message is the two frames `[header, mac]`; a channel may put frames around them that the MAC does
-not cover (a ROUTER's peer identity in front, the KV link's raw payload behind, checked by its own
-checksum). `header` is msgpack of `Envelope`. `mac` is HMAC-SHA256 over the peer (one length byte,
-then the bytes: empty unless the channel binds messages to a peer) and the header, under a key
-derived from the channel's secret, its purpose and the direction (`derive_key`): a message of one
-channel or direction never verifies on another, nor one bound to one peer as another's. The MAC is
-checked first, in constant time (`hmac.compare_digest`).
-
-The checks a channel needs are options of `SignedCodec`, run in this order after the MAC: the
-envelope's `version` (`wrong_version`); `fresh`: `ts` within MAX_SKEW_S of now (`stale`) and `seq` a
-random id not seen within the staleness window (`replayed`), for links whose peers come and go;
-`ordered`: `seq` counts each peer's messages from 1 (`out_of_order`): nothing lost, replayed or
-reordered goes unnoticed (the rank channel); `max_bytes`: a longer header is `malformed` before any
-MAC is computed. A message that fails raises `Rejected`, whose `reason` is a label for counters.
+A message is `[header, mac]` (a channel may add uncovered frames around them); `header` is msgpack
+of `Envelope`, `mac` HMAC-SHA256 over the peer (length byte, bytes; empty unless bound to one) and
+the header, under a key per channel purpose and direction (`derive_key`), checked first, in
+constant time. Options, checked after it in this order: `version` (`wrong_version`); `fresh`: `ts`
+within MAX_SKEW_S (`stale`), `seq` a random id not seen in that window (`replayed`); `ordered`:
+`seq` counts each peer's messages from 1 (`out_of_order`: the rank channel); `max_bytes`: a longer
+header is `malformed` before any MAC. A failure raises `Rejected` (`reason`: a counter label).
 """
 
 from __future__ import annotations
@@ -60,8 +53,7 @@ def mac(key: bytes, header: bytes, peer: bytes = b"") -> bytes:
 
 
 class ReplayGuard:
-    """Remembers recent ids (bounded memory); ids older than the staleness window are forgotten,
-    since such a message would be rejected as stale anyway."""
+    """Recent ids in bounded memory; older than the staleness window they would be stale anyway."""
 
     def __init__(self, window_s: float = 2 * MAX_SKEW_S, capacity: int = 200_000) -> None:
         self._seen: OrderedDict[int, float] = OrderedDict()  # id -> arrival time, oldest first
@@ -85,9 +77,8 @@ class ReplayGuard:
 
 
 class SignedCodec:
-    """One end of a channel: seals what it sends (`sends`: the direction's name) and opens what it
-    receives (`receives`), decoding bodies into `incoming` (a Struct type or a union of them).
-    Owned by one thread (the counters and the replay guard are not thread-safe)."""
+    """One end of a channel (one thread's): seals what it `sends`, opens what it `receives` (direction
+    names) into `incoming` (a Struct type or a union)."""
 
     def __init__(self, secret: bytes, purpose: str, sends: str, receives: str, incoming: Any, *,
                  epoch: str = "", version: int = 1, fresh: bool = False, ordered: bool = False,

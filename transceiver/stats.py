@@ -8,13 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TransferStats:
-    """Counters only grow; each has one writing thread. Receiver: the engine thread, except
-    `rejected_*` and `ipc_open_failures` (its socket thread). Sender: its socket thread, which
-    serves the pulls and ends the leases (`lease_expired` too: the engine only asks).
-
-    `on_transfer(seconds, nbytes)` is called once per successful transfer, from the thread that
-    saw it end (e.g. to feed a thread-safe histogram).
-    """
+    """Counters only grow, each written by one thread (receiver: the engine's, but `rejected_*` and
+    `ipc_open_failures`; sender: the socket thread). `on_transfer(seconds, nbytes)`: per success."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -27,10 +22,8 @@ class TransferStats:
     late_chunks: int = 0  # receiver: chunks of pulls that had ended (cancelled, failed): dropped unwritten
     rejected_messages: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
-    # receiver, successful pulls: seconds until the first answer reached the socket thread ("wait":
-    # the request out, the sender's work, the answer back), checking and writing chunks ("apply";
-    # CUDA IPC: from queueing each copy until the engine checked it, the device's copy included),
-    # and the rest (the engine thread picking messages up, the Done)
+    # receiver, successful pulls: seconds until the first answer ("wait"), checking and writing chunks
+    # ("apply"; CUDA IPC: from queueing each copy until checked), and the "rest"
     phase_seconds: dict[str, float] = field(default_factory=dict)
     on_transfer: Callable[[float, int], None] | None = None
 

@@ -1,12 +1,9 @@
 """KV between servers of different tensor-parallel sizes: which context rank sends which kv heads
-to a generation rank, and how a block's heads are cut out of or written into a slot.
+(a strided part of every slot) to a generation rank, and how they are cut out and written in.
 
-A slot is `[layers, 2, tokens_per_block, kv_heads, head_dim]`, so a rank's heads are a strided part
-of every slot. A generation rank takes each of its heads from the first context rank that holds it
-(`plan_parts`): where the two ranks hold the same heads the pull moves whole slots; otherwise the
-sender gathers the heads asked for (`gather_heads`) and the receiver writes them among its own
-(`scatter_heads`): context TP=2 -> generation TP=1 merges two halves into each slot, and TP=1 ->
-TP=2 gives each generation rank its half of one sender's slots.
+A generation rank takes each head from the first context rank holding it (`plan_parts`): whole
+slots where both hold the same heads, else the sender gathers them (`gather_heads`) and the receiver
+writes them among its own (`scatter_heads`), e.g. two halves merged into one slot (TP=2 -> TP=1).
 """
 
 from __future__ import annotations
@@ -48,13 +45,11 @@ def plan_parts(ranks: list[RankEndpoint], mine: Heads) -> list[Part]:
 
 
 def unit_bytes(slot_bytes: int, kv_heads: int, heads: Heads | None) -> int:
-    """Bytes of one block's `heads` (whole slot when None)."""
     return slot_bytes if heads is None else slot_bytes // kv_heads * (heads[1] - heads[0])
 
 
 def gather_heads(pool: torch.Tensor, slots: list[int], heads: Heads, out: torch.Tensor) -> int:
-    """Copy kv heads `heads` of slots `slots` of `pool` ([num_slots, layers, 2, tpb, kv_heads, dim]),
-    block after block, into the front of uint8 CPU buffer `out`; returns the bytes written."""
+    """Copy kv heads `heads` of `slots` block by block into the front of uint8 `out`; returns the bytes."""
     pool = _elements(pool)
     idx = torch.tensor(slots, dtype=torch.long, device=pool.device)
     part = pool.index_select(0, idx)[:, :, :, :, heads[0]:heads[1]]  # [n, layers, 2, tpb, h, dim]
@@ -74,6 +69,5 @@ def scatter_heads(pool: torch.Tensor, slots: list[int], heads: Heads, parts: lis
 
 
 def _elements(pool: torch.Tensor) -> torch.Tensor:
-    """The pool as elements these copies can index: a one-byte (FP8) pool as its bytes (torch has
-    no indexed copy of float8 on the CPU); the bytes move unchanged either way."""
+    """A one-byte (FP8) pool as bytes: torch has no indexed float8 copy on the CPU."""
     return pool.view(torch.uint8) if pool.element_size() == 1 else pool

@@ -1,17 +1,13 @@
-"""The KV link's wire (context sender <-> generation receiver): the messages, their codec
-(`link_codec`: transceiver/signed.py seals them) and the KV layout both sides must share. Never pickle.
+"""The KV link's wire (context sender <-> generation receiver): the messages, their codec (`link_codec`,
+sealed by transceiver/signed.py) and the KV layout both sides must share. Never pickle.
 
 A message is `[header, mac, *payload]` (a ROUTER adds the peer identity in front); only `ChunkHeader`
-carries payload frames (raw KV bytes, covered by its own checksum). A message that fails a check
-raises `Rejected(reason)`; the socket thread drops it and counts it.
+carries payload frames (raw KV bytes, under their own checksum). A failed check raises `Rejected`.
 
-Same GPU (CUDA IPC, transceiver/ipc.py): a sender that shares the `Hello`'s GPU (`PeerIdentity`;
-"same host" is `node_name`) answers with `InstanceInfo.ipc`, its pools' handles, and a receiver that
-could open them pulls `via_ipc`, answered by `IpcChunk`s (source slots and checksum, no payload).
-Fields added for it have defaults, so a peer of the previous version never offers or asks for IPC.
-Tensor parallelism (transceiver/tp.py): each rank's `Layout` names the kv heads it holds, rank 0's
-`InstanceInfo.ranks` lists every rank, a pull of some heads names them (`PullRequest.heads`), and with
-more than one rank on either side the pulls keep the lease (`keep_lease`) until the `Release`.
+Same GPU (ipc.py): `InstanceInfo.ipc` offers the pools, pulls go `via_ipc`, answered by `IpcChunk`s;
+the defaults of those fields keep the previous version on bytes. Tensor parallelism (tp.py):
+`Layout` names a rank's kv heads, rank 0's `InstanceInfo.ranks` lists every rank, `PullRequest.heads`
+asks for some, and with several ranks on a side pulls `keep_lease` until the `Release`.
 """
 
 from __future__ import annotations
@@ -49,11 +45,8 @@ REASONS = (
 
 
 class WindowLayout(msgspec.Struct, frozen=True):
-    """One window group's pool: slot = `[layers, planes, tokens_per_block, kv_heads, head_dim]`
-    (`kvcache.KVFormat.slot_shape`). Blocks are moved as they are, so both sides must store them in
-    the same KV format (`kv_format`: `KVFormat.id`, less the heads a tensor-parallel rank holds):
-    layout (K/V heads or MLA's latent), dtype, and an FP8 pool's per-layer scales (`k_scales`,
-    `v_scales`, in `layers` order; empty for a pool in the model's dtype)."""
+    """One window group's pool: blocks move as they are, so both sides must share layout, dtype and
+    FP8 per-layer scales (in `layers` order; empty in the model's dtype)."""
 
     window: int
     layers: list[int]
@@ -96,8 +89,8 @@ NODE_ID_ENV = "PDSERVE_NODE_ID"  # set by server/deploy/ray/ for the server proc
 
 
 def node_name() -> str:
-    """The machine this process runs on, for the same-GPU decision: `ray:<node id>` under Ray (two
-    Ray nodes on one host are two machines to it), else the hostname."""
+    """This machine for the same-GPU decision: `ray:<node id>` under Ray (two Ray nodes on one host
+    are two machines to it), else the hostname."""
     node = os.environ.get(NODE_ID_ENV)
     return f"ray:{node}" if node else socket.gethostname()
 
@@ -111,20 +104,16 @@ class PeerIdentity(msgspec.Struct, frozen=True):
     pid: int
 
     def shares_gpu_with(self, other: PeerIdentity) -> bool:
-        """Another process on the same running host and the same GPU (CUDA IPC cannot open a
-        handle in the process that exported it, hence the pid)."""
+        """Another process (CUDA IPC cannot open its own export) on the same booted host and GPU."""
         return (self.hostname, self.boot_id, self.gpu_uuid) == (other.hostname, other.boot_id, other.gpu_uuid) \
             and self.pid != other.pid
 
 
 class CudaIpcPool(msgspec.Struct, frozen=True):
-    """One window group's primary pool, exported with `torch.UntypedStorage._share_cuda_()`.
-
-    The eight fields after `num_slots` are that tuple, in its order, raw (the order of
+    """One window group's primary pool (contiguous, at its storage's start). The eight fields after
+    `num_slots` are `UntypedStorage._share_cuda_()`'s tuple, raw and in order (as in
     torch/multiprocessing/reductions.py; run on torch 2.11, read in 2.13's source), for
-    `torch.UntypedStorage._new_shared_cuda(*fields)` on the receiver (which passes its own index of
-    the same GPU as `device`). The pool is the storage's start: `[num_slots, *slot shape]`, contiguous.
-    """
+    `_new_shared_cuda(*fields)` on the receiver (with its own index of the GPU as `device`)."""
 
     window: int
     num_slots: int
@@ -146,8 +135,7 @@ class IpcOffer(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """gen -> ctx, once per (endpoint, epoch): the receiver's layout (and, when its pools are CUDA
-    and same_host_ipc is on, where they are)."""
+    """gen -> ctx, once per (endpoint, epoch): the receiver's layout (and where its CUDA pools are)."""
 
     layout: Layout
     identity: PeerIdentity | None = None
@@ -155,9 +143,8 @@ class Hello(msgspec.Struct, tag=True, frozen=True):
 
 
 class InstanceInfo(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen, answer to Hello: the sender's layout; its epoch is the envelope's. `ipc` only
-    when the Hello's identity shares the sender's GPU, its open_epoch is not the sender's epoch, and
-    the sender could export its pools (a fresh export for each such Hello)."""
+    """ctx -> gen, answer to Hello (its epoch is the envelope's). `ipc`: a fresh export, when the
+    Hello's identity shares the GPU and its open_epoch is not the sender's epoch."""
 
     layout: Layout
     ipc: IpcOffer | None = None
@@ -187,18 +174,12 @@ class PullRequest(msgspec.Struct, tag=True, frozen=True):
     via_ipc: bool = False  # answer with IpcChunks (only after an InstanceInfo with `ipc` of this epoch)
     heads: tuple[int, int] | None = None  # [start, end) of the sender's own kv heads to send; None: all
     keep_lease: bool = False  # this pull's Ack ends the pull only; the lease ends with `Release`
-    # a streamed lease (the prefill still runs): wait for it up to the transfer timeout if it is not
-    # offered yet; its blocks are sent as the prefill completes them, and its Done carries the first token
-    stream: bool = False
+    stream: bool = False  # a lease still prefilling: waited for, sent as written; Done has the first token
 
 
 class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen: `count` blocks of `window` from block index `first`; payload frames follow.
-
-    The payload is the blocks' slot bytes back to back (`nbytes` = count * slot_bytes). Frames hold
-    whole blocks (any number per frame), except when one block exceeds `max_chunk_bytes` (then
-    count == 1 and the block is cut into several frames). `checksum` is `payload.checksum`.
-    """
+    """ctx -> gen: `count` blocks of `window` from `first`, back to back in whole-block frames (one
+    block over `max_chunk_bytes`: count == 1, cut in several); `checksum`: `payload.checksum`."""
 
     pull_id: int
     window: int
@@ -209,11 +190,8 @@ class ChunkHeader(msgspec.Struct, tag=True, frozen=True):
 
 
 class IpcChunk(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen, on the CUDA IPC path instead of a ChunkHeader and its payload: blocks
-    [first, first + len(slots)) of `window` are in these primary slots of the sender's pool (of the
-    InstanceInfo's offer), written, synchronized and pinned until the Ack. `checksum` is
-    `payload.checksum` of their bytes. A pull's chunks are followed by `Done`, as on the byte path.
-    """
+    """ctx -> gen, CUDA IPC's ChunkHeader: blocks [first, first + len(slots)) of `window` are in
+    these slots of the offered pool, written and pinned until the Ack; `checksum` of their bytes."""
 
     pull_id: int
     window: int
@@ -223,8 +201,7 @@ class IpcChunk(msgspec.Struct, tag=True, frozen=True):
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):
-    """ctx -> gen: every chunk of the pull has been sent. A streamed lease's Done also carries what
-    the context answer would have: the first token(s) sampled and the context server's prefix hit."""
+    """ctx -> gen: every chunk was sent (streamed: with the first token(s) and the prefix hit)."""
 
     pull_id: int
     total_bytes: int
@@ -267,8 +244,7 @@ Body = Hello | InstanceInfo | PullRequest | ChunkHeader | IpcChunk | Done | Ack 
 
 
 def layout_mismatch(ctx: Layout, gen: Layout) -> str | None:
-    """None when the two layouts are compatible, else a sentence saying what differs. Ranks of
-    tensor-parallel servers may hold different numbers of the model's kv heads."""
+    """None when compatible, else what differs (tensor-parallel ranks may hold different kv heads)."""
     if ctx.fingerprint != gen.fingerprint:
         return f"model fingerprint differs: context {ctx.fingerprint!r} vs generation {gen.fingerprint!r}"
     if ctx.tokens_per_block != gen.tokens_per_block:
@@ -301,9 +277,7 @@ def _window_mismatch(a: WindowLayout, b: WindowLayout) -> str | None:
 
 def layout_of(kv: KVCacheManager, pools: dict[int, torch.Tensor], fingerprint: str,
               heads: tuple[int, int] | None = None) -> Layout:
-    """The layout a server advertises: per window group, the layers, kv heads, head dim, dtype,
-    slot bytes and (FP8) scales of its primary pool (`pools`: window -> [num_slots, layers, 2, tpb,
-    kv_heads, head_dim]); `heads`: (first kv head held, the model's kv heads) of a tensor-parallel rank."""
+    """The layout a server advertises for its primary `pools`; `heads`: a TP rank's (first held, total)."""
     windows, fmt = [], kv.layout.format
     for w in sorted(kv.window_sizes):
         layers = list(kv.group_layers(w))
@@ -325,8 +299,7 @@ TO_SENDER, TO_RECEIVER = "to-sender", "to-receiver"
 
 
 def link_codec(token: bytes, epoch: str, *, sender: bool) -> SignedCodec:
-    """One end of the KV link: a context server's sender (`sender`) or a generation server's receiver.
-    Keys derived from the deployment token per direction; fresh and first-seen messages only."""
+    """The sender's or receiver's end of the KV link: fresh, first-seen messages, a key per direction."""
     sends, receives = (TO_RECEIVER, TO_SENDER) if sender else (TO_SENDER, TO_RECEIVER)
     return SignedCodec(token, "kv-link", sends, receives, Body, epoch=epoch, version=PROTOCOL_VERSION,
                        fresh=True, max_bytes=MAX_HEADER_BYTES)

@@ -1,15 +1,9 @@
 """The generation side's same-GPU copies (CUDA IPC): queued on a side stream, checked once done.
 
-`start` queues the copy of one `IpcChunk`'s slots into ours and its checksum (`ipc.start_copy`) on a
-side stream that first waits for everything the engine queued on its own stream (earlier writes to
-those blocks), so the engine thread never waits for the device. `settled()` (every
-`KVReceiver.step`) hands back the copies the device has finished; a watcher thread waits on their
-events and wakes the engine (`notify`), so an idle engine learns at once that a pull can finish.
-
-No late writer: `abandon(pull_id)` (a pull that failed or was cancelled, before its blocks are
-freed) makes the engine's stream wait for that pull's copies still on the device, so whatever the
-engine writes into those blocks later lands after them; the host does not wait. Abandoned copies
-are kept until done (they read a peer's mapped pool, which must stay mapped meanwhile).
+`start` queues an `IpcChunk`'s copy and checksum on a side stream after the engine's earlier work;
+`settled()` hands back finished ones (a watcher thread wakes an idle engine, `notify`). No late
+writer: `abandon(pull_id)` makes the engine's stream wait for that pull's copies (the host does
+not), which are kept until done (the peer's pool they read must stay mapped).
 """
 
 from __future__ import annotations
@@ -63,8 +57,7 @@ class IpcCopies:
         return any(c.pull_id == pull_id and not c.abandoned for c in self._copies)
 
     def settled(self) -> list[Copy]:
-        """Copies of live pulls the device has finished, taken out in start order (abandoned ones
-        that finished are dropped)."""
+        """Finished copies of live pulls, taken out in start order (finished abandoned ones dropped)."""
         running: list[Copy] = []
         done: list[Copy] = []
         for c in self._copies:

@@ -1,5 +1,4 @@
-"""What the generation side's engine thread and its socket thread (`link.ReceiverLink`) trade:
-commands (`Pull`, `Probe`, `Send`) one way, delivered items the other."""
+"""What the generation side's engine and socket threads trade: commands, then delivered items."""
 
 from __future__ import annotations
 
@@ -49,8 +48,8 @@ class Received:
 
 @dataclass(frozen=True)
 class IpcPools:
-    """The sender's primary pools of `epoch` at `endpoint`, opened through CUDA IPC (window -> view
-    `[num_slots, layers, 2, tpb, heads, dim]` on our device); None: forget that endpoint's pools."""
+    """The sender's primary pools of `epoch` at `endpoint` opened through CUDA IPC (window -> view on
+    our device); None: forget that endpoint's pools."""
 
     endpoint: str
     epoch: str | None
@@ -59,8 +58,7 @@ class IpcPools:
 
 @dataclass(frozen=True)
 class Planned:
-    """The pull `pull_id` goes out as these parts (the first keeps its id): more than one rank on
-    either side, so the lease ends with a `Release` once every part arrived."""
+    """The pull goes out as these parts (the first keeps its id); the lease ends with a `Release`."""
 
     pull_id: int
     parts: list[tuple[int, Part]]  # (pull id, what it brings)

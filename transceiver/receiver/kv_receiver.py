@@ -1,21 +1,14 @@
 """Generation side: pulls the blocks a request lacks from the context server (`KVReceiver`).
 
-The engine thread calls every public method and does all tensor work (checksum, scatter into its own
-primary slots); the socket thread (`link.ReceiverLink`) owns one DEALER per context endpoint. The
-caller keeps the destination blocks allocated (in use, so their slots do not move) until the pull's
-`PullResult` arrives or `cancel` is called, and frees them when the result says it failed.
+The engine thread calls every public method and does all tensor work (socket thread:
+`link.ReceiverLink`). The caller keeps the destination blocks until the `PullResult` (or `cancel`).
+No late writer: slots are written only in `step`, for pulls still registered; `cancel` and failures
+unregister at once, so chunks still on the wire are dropped (`late_chunks`).
 
-No late writer: our slots are written only in `step`, on the engine thread, for pulls still
-registered here. `cancel` (and every failure) unregisters the pull at once, before the caller frees
-its blocks, so its chunks still on the wire are dropped unwritten (`late_chunks`).
-
-Same GPU (CUDA IPC): `IpcChunk`s are copied on a side stream and checked in a later `step`
-(`ipc_copies.py`); a part whose `Done` comes first finishes once they are checked. Streamed pulls:
-each chunk renews the deadline, and the `Done` brings the first token and the prefix hit. Tensor
-parallelism (transceiver/tp.py): one part per context rank our kv heads come from (`Planned`); a
-failed part fails the request and cancels the others, and with several ranks on either side the
-lease ends with a `Release`, sent here unless `releases` is False (a rank of a tensor-parallel
-generation server, whose rank 0 releases once every rank's share arrived).
+Same GPU: `IpcChunk`s are copied on a side stream and checked in a later `step` (`ipc_copies.py`);
+a `Done` that comes first waits for them. Streamed pulls: each chunk renews the deadline; the `Done`
+brings the first token. Tensor parallelism (tp.py): one part per context rank (`Planned`); a failed
+part fails the request and cancels the others; with several ranks the lease ends with a `Release`.
 """
 
 from __future__ import annotations
@@ -58,15 +51,12 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver(LinkOwner):
-    """Pulls KV blocks from context servers into this server's primary pool."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, kv_heads: tuple[int, int] | None = None,
                  releases: bool = True) -> None:
-        """`on_message()` is called (from the socket thread) whenever messages await `step`. A rank
-        of a tensor-parallel server passes `kv_heads` (its first kv head, the model's kv heads), and
-        `releases=False` where its pull is one rank's share of the request's: then it neither ends the
-        lease nor counts the transfer (see the module doc)."""
+        """`on_message()` (socket thread): messages await `step`. `kv_heads`: a tensor-parallel rank's
+        (first, the model's); `releases=False`: one rank's share (neither ends the lease nor counts)."""
         self._kv = kv
         self._config = config
         self._releases = releases
@@ -90,9 +80,8 @@ class KVReceiver(LinkOwner):
 
     def start_pull(self, request_id: str, ctx_endpoint: str, ctx_epoch: str, ctx_request_id: str,
                    wanted: Wanted, stream: bool = False) -> None:
-        """Pull, per window, the blocks [first, first + len(slots)) of the context request into
-        `slots` (primary slot indices of this server, in block order); `stream`: while it is
-        prefilled (the result then carries the first token)."""
+        """Pull, per window, blocks [first, first + len(slots)) of the context request into our primary
+        `slots`; `stream`: while it is prefilled (the result then carries the first token)."""
         if request_id in self._pulling:
             raise ValueError(f"request {request_id!r} is already pulling")
         check_wanted(self._kv, wanted)
@@ -120,20 +109,20 @@ class KVReceiver(LinkOwner):
         return results
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a message arrives for `step` or `timeout_s` passes."""
         self._thread.wait(timeout_s)
 
     def cancel(self, request_id: str) -> bool:
-        """Abandon a pull (client gone, request aborted): the context side drops its lease. False
-        when `request_id` has no running pull."""
+        """Abandon a pull (the context side drops its lease); False when none is running."""
         pulling = self._pulling.get(request_id)
         if pulling is not None:
             self._fail(pulling, "cancelled", "cancelled by the generation server", report=False)
         return pulling is not None
 
-    def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None) -> None:
-        """Tell a context server to drop a lease without pulling (early reject, nothing missing)."""
-        self._thread.submit(Send(ctx_endpoint, Cancel(ctx_request_id=ctx_request_id, ctx_epoch=ctx_epoch)))
+    def release_remote(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str | None = None,
+                       pull_id: int | None = None) -> None:
+        """Tell a context server to drop a lease (early reject, nothing missing; or the pull failed)."""
+        cancel = Cancel(ctx_request_id=ctx_request_id, pull_id=pull_id, ctx_epoch=ctx_epoch)
+        self._thread.submit(Send(ctx_endpoint, cancel))
 
     def release_lease(self, ctx_endpoint: str, ctx_request_id: str, ctx_epoch: str) -> None:
         """Every rank's share of a lease's KV arrived: its context server ends the lease (a success)."""
@@ -171,8 +160,6 @@ class KVReceiver(LinkOwner):
         self._copies.close()
         self._ipc_pools.clear()
 
-    # ---- messages ----------------------------------------------------------------------------
-
     def _on_item(self, item) -> None:
         if isinstance(item, Planned):
             self._on_planned(item)
@@ -194,8 +181,8 @@ class KVReceiver(LinkOwner):
             self._on_received(item)
 
     def _part(self, pull_id: int, endpoint: str) -> Part | None:
-        """The running part `pull_id`; a pull the socket thread sent as it is (one rank on each side,
-        no `Planned`) becomes its own single part when the first answer from its endpoint comes."""
+        """The running part `pull_id`; a pull sent as it is (no `Planned`) becomes its own single part
+        at the first answer from its endpoint."""
         pulling = self._unplanned.get(pull_id)
         if pulling is not None and pulling.endpoint == endpoint:
             del self._unplanned[pull_id]
@@ -206,8 +193,7 @@ class KVReceiver(LinkOwner):
         pulling = self._unplanned.pop(plan.pull_id, None)
         if pulling is None:  # cancelled or failed meanwhile: its parts that went out must stop too
             for pull_id, p in plan.parts:
-                cancel = Cancel(ctx_request_id=plan.ctx_request_id, pull_id=pull_id, ctx_epoch=plan.ctx_epoch)
-                self._thread.submit(Send(p.endpoint, cancel))
+                self.release_remote(p.endpoint, plan.ctx_request_id, plan.ctx_epoch, pull_id)
             return
         pulling.several = True
         for pull_id, p in plan.parts:
@@ -252,7 +238,7 @@ class KVReceiver(LinkOwner):
         dst = slots[body.first - first : body.first - first + count]  # shorter than count: beyond the pull
         pool, slot_bytes = self._kv.pool(window, Level.PRIMARY), self._kv.slot_bytes(window)
         if isinstance(body, ChunkHeader):
-            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst) if part.dst is not None else slot_bytes
+            unit = unit_bytes(slot_bytes, pool.shape[4], part.dst)
             parts = [np.frombuffer(f.buffer, dtype=np.uint8) for f in payload]  # zero-copy views
             if count < 1 or len(dst) < count or body.nbytes != count * unit:
                 return "integrity", f"chunk header does not fit the pull: window {window}, blocks {body.first}+{count}"
@@ -341,27 +327,23 @@ class KVReceiver(LinkOwner):
         self._results.append(PullResult(pulling.request_id, True, nbytes=pulling.nbytes, seconds=seconds,
                                         first_tokens=pulling.first_tokens, cached_tokens=pulling.cached_tokens))
 
-    # ---- failure -------------------------------------------------------------------------------
-
     def _fail(self, pulling: Pulling, reason: str, detail: str, notify: bool = True, report: bool = True,
               failed_part: Part | None = None) -> None:
-        """End a pull that did not succeed. Its context ranks are told to drop the lease (Cancel per
-        part), except where the sender itself reported the failure (`notify=False`: a sender that
-        refused a pull must not lose the lease another pull reads)."""
+        """End a failed pull: a Cancel per part, except to the sender that reported the failure
+        (`notify=False`: one that refused a duplicate must not lose the lease another pull reads)."""
         del self._pulling[pulling.request_id]
         self._unplanned.pop(pulling.pull_id, None)
         for pull_id in pulling.parts:
             self._copies.abandon(pull_id)  # no late writer: before the caller frees the blocks
             del self._parts[pull_id]
         self.stats.count_failure(reason)
-        if pulling.several:  # a Cancel per part, except the part whose sender reported the failure
+        if pulling.several:
             targets = [(p.endpoint, p.pull_id) for p in [*pulling.parts.values(), *pulling.done_parts]
-                       if notify or p is not failed_part]  # (a refused duplicate must not end the lease)
-        else:  # one rank on each side (or not planned yet): one Cancel, unless the sender reported it
+                       if notify or p is not failed_part]
+        else:  # one rank on each side (or not planned yet)
             targets = [(pulling.endpoint, pulling.pull_id)] if notify else []
         for endpoint, pull_id in targets:
-            cancel = Cancel(ctx_request_id=pulling.ctx_request_id, pull_id=pull_id, ctx_epoch=pulling.ctx_epoch)
-            self._thread.submit(Send(endpoint, cancel))
+            self.release_remote(endpoint, pulling.ctx_request_id, pulling.ctx_epoch, pull_id)
         if report:
             self._results.append(PullResult(pulling.request_id, False, reason, detail, pulling.nbytes,
                                             time.monotonic() - pulling.started))

@@ -1,20 +1,14 @@
 """The generation side's socket thread: one DEALER per context endpoint, handshakes, message checks.
 
-A pull waits here until its endpoint has answered a Hello from the epoch the pull expects (once per
-(endpoint, epoch)); a peer that answers with another epoch (it restarted) or an incompatible layout
-fails the pull without sending it. Once rank 0 of the context server has answered, the pull is
-planned (`_plan`, transceiver/tp.py): as it is when both sides are one rank, else one part per
-context rank our kv heads come from, and `Planned` reaches the engine thread before any chunk.
+A pull waits until its endpoint answered a Hello from the pull's epoch (once per (endpoint, epoch));
+another epoch (a restart) or an incompatible layout fails it unsent. Then it is planned (`_plan`,
+tp.py): as it is with one rank on each side, else one part per context rank our kv heads come
+from, with `Planned` reaching the engine before any chunk.
 
-CUDA IPC: a new epoch's offered pools are opened here, once per (endpoint, epoch), and handed to the
-engine thread (`IpcPools`) before any pull of that epoch leaves `via_ipc`; an offer that cannot be
-opened leaves that epoch on the byte path. A new epoch without an offer, or an idle close, hands over
-`IpcPools(..., None)` so the engine drops the old mapping (it would keep a dead sender's pools).
-
-Liveness: a monitor on each DEALER reports a lost connection and every failed reconnect, which fail
-at once what depends on that peer (`PeerDown`, `PullRefused`) instead of waiting for
-kv_transfer_timeout_ms. Probes (`Probe`) shake hands before any request needs it; `peer_status` is
-read by /health.
+CUDA IPC: a new epoch's offer is opened once and handed over (`IpcPools`) before any pull of it goes
+`via_ipc` (else: bytes); a new epoch without one, or an idle close, sends `IpcPools(..., None)`.
+A monitor on each DEALER fails what depends on a lost peer at once (`PeerDown`, `PullRefused`).
+`Probe`s shake hands before any request needs it; `peer_status` is read by /health.
 """
 
 from __future__ import annotations
@@ -176,8 +170,7 @@ class ReceiverLink:
                 self._route(io, part.endpoint, self._peer(io, part.endpoint, now), _Waiting(part_req, False), now)
 
     def _probe(self, io: SocketIO, endpoint: str, now: float) -> None:
-        """A Hello without a pull, once per connection; a peer that does not answer is asked again
-        at most every PROBE_INTERVAL_S (its Hellos queue in the DEALER until it connects)."""
+        """A Hello without a pull, once per connection (a silent peer: at most every PROBE_INTERVAL_S)."""
         old = self._peers.get(endpoint)
         used = old.last_used if old is not None else now
         peer = self._peer(io, endpoint, now)
@@ -254,8 +247,7 @@ class ReceiverLink:
                 )))
 
     def _take_offer(self, io: SocketIO, endpoint: str, peer: _Peer, epoch: str, offer: IpcOffer | None) -> None:
-        """Open the pools of a new epoch's offer (or forget the old ones): the engine gets them
-        before any pull of that epoch is sent."""
+        """Open a new epoch's offered pools (or forget the old ones) before any pull of it is sent."""
         pools = None
         if offer is not None and self._open_ipc is not None and self._identity is not None \
                 and offer.identity.shares_gpu_with(self._identity):

@@ -1,9 +1,6 @@
-"""A pull as the generation side's engine thread tracks it: the request (`Pulling`) and its parts,
-one per context rank it comes from (`Part`); what it reports when it ends (`PullResult`), and the
-check of what a caller asks to pull into (`check_wanted`).
-
-Without tensor parallelism a request has one part: whole slots from its context server. Otherwise
-each part brings some kv heads of every block (written into our `dst`).
+"""A pull as the generation side's engine thread tracks it: the request (`Pulling`), its parts (one
+per context rank: whole slots without tensor parallelism, else some kv heads of every block), its
+`PullResult`, and `check_wanted`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The context side's same-GPU pulls (CUDA IPC), on its socket thread: no bytes, only where the blocks
-are and their checksums.
+"""The context side's same-GPU pulls (CUDA IPC, socket thread): slots and checksums, no bytes.
 
-`PullServer` starts each pull's checksums on its side stream (`ipc.start_checksum`) and hands them
-here; `ready` gives back the pulls whose checksums the device has finished, and only then do their
-`IpcChunk`s and `Done` leave, so the socket thread never waits for the device. A pull that ends
-before its checksums are done is dropped here; the side stream may still read its slots after the
-engine unpinned them, which only makes a checksum nobody reads.
+`PullServer` queues each pull's checksums on its side stream; their `IpcChunk`s and `Done` leave
+once `ready` says the device finished (the socket thread never waits). A pull that ends first is
+dropped (its checksum may read unpinned slots: a value nobody reads).
 """
 
 from __future__ import annotations
@@ -34,10 +31,8 @@ class IpcPart:
 
 
 class IpcPulls:
-    """Same-GPU pulls whose checksums are on the device, by (lease id, pull id), in arrival order
-    (a lease serves several at once when tensor-parallel ranks pull their parts, transceiver/tp.py).
-    A pull's parts come in batches (one, or one per `Extend` of a streamed lease: stream.py), the
-    `last` followed by its Done; a pull's batches are handed back in order."""
+    """Pulls whose checksums are on the device, by (lease id, pull id), in arrival order; a pull's
+    batches (one per `Extend` when streamed, Done after the `last`) come back in order."""
 
     def __init__(self) -> None:
         self._pending: dict[tuple[str, int], list[tuple[list[IpcPart], bool]]] = {}
@@ -49,7 +44,6 @@ class IpcPulls:
         self._pending.setdefault((cid, pull_id), []).append((parts, last))
 
     def drop(self, cid: str) -> None:
-        """Every pull of the lease `cid`."""
         for key in [k for k in self._pending if k[0] == cid]:
             del self._pending[key]
 

@@ -1,21 +1,15 @@
 """Context side: leases a finished prefill's blocks for a pull (`KVSender`, the engine thread's half).
 
-The engine thread calls every public method and owns the KV manager: it pins a lease's blocks,
-onboards any that were offloaded, translates their ids to primary-pool slots once and offers those
-slots to the socket thread (`SenderLink`, `serve.py`), which serves the pulls itself, so a pull never
-waits for the engine's current step.
-
-Ownership: a pinned block is never evicted or offloaded, so its primary slot is stable while the
-lease lives. The socket thread ends each lease exactly once and hands it back (`Ended`) with the zmq
-trackers of frames of its slots still in flight; the engine unpins once zmq has released them, so a
-slot is never rewritten under a frame on the wire. Should the socket thread die, nothing reads the
-slots any more and `step` unpins every lease itself. Same-GPU receivers: the pools are exported for
-each one's handshake here, on the engine thread (`ExportRequest`), under the pool lock the socket
-thread holds while it reads slots.
+The engine thread pins a lease's blocks (onboarding offloaded ones) and offers their primary slots
+(stable while pinned) to the socket thread (`SenderLink`, `serve.py`), which serves pulls without
+waiting for the engine. It hands each lease back (`Ended`) with the trackers of frames in flight;
+the engine unpins once zmq released them (if the socket thread died, at once). Same-GPU receivers
+get the pools exported here (`ExportRequest`), under the pool lock the slot reads hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -53,14 +47,12 @@ CLOSE_WAIT_S = 1.0  # how long `close` lets running pulls learn that they failed
 
 
 class KVSender(LinkOwner):
-    """Serves pulls of leased KV blocks over a ROUTER bound on `config.host`."""
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, epoch: str | None = None,
                  kv_heads: tuple[int, int] | None = None, other_ranks: list[RankEndpoint] | None = None) -> None:
-        """`on_message()` is called (from the socket thread) whenever items await `step`. Rank 0 of
-        a tensor-parallel server passes the server's `epoch` (every rank's), its `kv_heads` (first kv
-        head held, the model's kv heads) and the `other_ranks`' endpoints (transceiver/tp.py)."""
+        """`on_message()` (socket thread): items await `step`. Rank 0 of a tensor-parallel server passes
+        the server's `epoch`, its `kv_heads` (first held, the model's) and `other_ranks` (tp.py)."""
         self._kv = kv
         self._config = config
         self.epoch = epoch or uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
@@ -82,8 +74,7 @@ class KVSender(LinkOwner):
     # ---- engine thread API -------------------------------------------------------------------
 
     def add_lease(self, ctx_request_id: str, blocks: dict[int, list[int]]) -> None:
-        """Pin `blocks` (window -> block ids; block i covers prompt tokens [i*tpb, (i+1)*tpb);
-        -1 = released, not sendable) for at most kv_transfer_timeout_ms and offer their slots."""
+        """Pin `blocks` (window -> block ids, -1: released) for kv_transfer_timeout_ms; offer their slots."""
         unknown = set(blocks) - set(self._kv.window_sizes)
         if unknown:
             raise ValueError(f"unknown window sizes {sorted(unknown)}; valid: {sorted(self._kv.window_sizes)}")
@@ -98,8 +89,7 @@ class KVSender(LinkOwner):
         self._leases[ctx_request_id] = lease
 
     def open_stream(self, ctx_request_id: str, num_blocks: dict[int, int]) -> None:
-        """Lease a request that is still prefilling: `num_blocks` per window (its prompt's), all
-        pending until `extend_stream` brings them; pulls of it wait for them."""
+        """Lease a request still prefilling: `num_blocks` per window, pending until `extend_stream`."""
         lease = self._new_lease(ctx_request_id, num_blocks)
         windows = {w: OfferedWindow(self._pools[w], [PENDING] * n, self._kv.slot_bytes(w))
                    for w, n in num_blocks.items()}
@@ -108,9 +98,8 @@ class KVSender(LinkOwner):
 
     def extend_stream(self, ctx_request_id: str, blocks: dict[int, tuple[int, list[int]]], *, final: bool = False,
                       first_tokens: tuple[int, ...] = (), cached_tokens: int = 0) -> bool:
-        """Pin and offer more blocks of a streamed lease (window -> (index of the first, their ids;
-        -1 = released)); `final` with the first tokens. False when the lease has ended (its pull
-        failed, was cancelled or expired): nothing is pinned then."""
+        """Pin and offer more blocks of a streamed lease (window -> (index of the first, their ids));
+        `final` with the first tokens. False (nothing pinned) when the lease has ended."""
         lease = self._leases.get(ctx_request_id)
         if lease is None or lease.withdrawn:
             return False
@@ -126,9 +115,7 @@ class KVSender(LinkOwner):
         return Lease(time.monotonic() + self._config.timeout_s, {w: [] for w in windows})
 
     def _pin(self, lease: Lease, window: int, ids: list[int]) -> list[int]:
-        """Pin the blocks (onboarding what was offloaded; OutOfBlocksError before pinning), then
-        translate ids to primary slots (-1: released): the slot is where the bytes are, and a pinned
-        block keeps it until the lease ends."""
+        """Pin the blocks (onboarding offloaded ones; OutOfBlocksError first), then their primary slots."""
         live = [b for b in ids if b >= 0]
         self._kv.pin_blocks(live, window)
         lease.pinned[window] += live
@@ -136,16 +123,13 @@ class KVSender(LinkOwner):
         return [next(slots) if b >= 0 else RELEASED for b in ids]
 
     def drop_lease(self, ctx_request_id: str) -> None:
-        """Engine abort: end the lease now (a running pull is told it failed). A streamed pull
-        waiting for a lease that was never opened is refused at once."""
+        """Engine abort: end the lease now (a running pull fails; a parked streamed pull is refused)."""
         if ctx_request_id in self._leases:
             self._withdraw(ctx_request_id, "cancelled", "the context server aborted the request")
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the parked pull then fails when its wait ends
             self._thread.submit(Withdraw(ctx_request_id, "cancelled", "the context server aborted the request"),
                                 timeout_s=0.1)
-        except RuntimeError:  # the parked pull then fails when its wait ends
-            pass
 
     def step(self) -> None:
         """Every engine tick, idle or not: take back ended leases, reap expired ones, unpin."""
@@ -168,8 +152,7 @@ class KVSender(LinkOwner):
         self._unpin_later = waiting
 
     def wait(self, timeout_s: float) -> None:
-        """Block until `step` has something to do or timeout: an item arrived, or (while ended
-        leases wait for zmq) frames were released."""
+        """Block until `step` has something to do (an item, or frames of ended leases released)."""
         if self._unpin_later:
             wait_any([t for trackers, _ in self._unpin_later for t in trackers], timeout_s)
         else:
@@ -191,8 +174,7 @@ class KVSender(LinkOwner):
         return len(self._leases) + len(self._unpin_later)
 
     def pinned_blocks(self) -> dict[int, Counter[int]]:
-        """Window -> pins per block id that this sender holds (live leases, and ended ones waiting
-        for zmq): on a context server, exactly the KV manager's pins (the engine's health check)."""
+        """Window -> pins per block id of every lease (the engine's health check compares them)."""
         out: dict[int, Counter[int]] = {}
         for pinned in self._all_pinned():
             for window, ids in pinned.items():
@@ -200,8 +182,7 @@ class KVSender(LinkOwner):
         return out
 
     def expired_leases(self, now: float) -> list[str]:
-        """Ids of leases past their deadline that still pin blocks (`step` reaps them at once:
-        one that stays is stuck)."""
+        """Leases past their deadline (`step` reaps them at once: one that stays is stuck)."""
         return [cid for cid, lease in self._leases.items() if lease.deadline <= now]
 
     def close(self) -> None:
@@ -217,8 +198,6 @@ class KVSender(LinkOwner):
             self._unpin(pinned)
         self._leases.clear()
         self._unpin_later.clear()
-
-    # ---- items from the socket thread ----------------------------------------------------------
 
     def _take_items(self) -> None:
         for item in self._thread.drain():
@@ -248,11 +227,8 @@ class KVSender(LinkOwner):
             else:
                 self._unpin(lease.pinned)
 
-    # ---- lease end -----------------------------------------------------------------------------
-
     def _withdraw(self, cid: str, reason: str, detail: str) -> None:
-        """Ask the socket thread to end the lease; it is unpinned when `Ended` comes back. If the
-        command cannot be queued the lease stays as it is, and the next reap tries again."""
+        """Ask the socket thread to end the lease (unpinned on `Ended`); if that fails, the next reap retries."""
         lease = self._leases.get(cid)
         if lease is None or lease.withdrawn:
             return

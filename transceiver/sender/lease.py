@@ -1,11 +1,7 @@
-"""One leased context request, as each of the sender's two threads sees it.
-
-Engine thread (`Lease`): the blocks it pinned and until when. Socket thread (`Offered`): the primary
-slots of those blocks, translated once when the lease was made (pinned blocks never move), and the
-pull serving them. The engine never reads slot memory of a lease and the socket thread never
-touches the KV manager; `SenderLink` hands the lease back (`Ended`) once it reads those slots no
-more, and only then may the engine unpin them. A streamed lease's blocks are PENDING until an
-`Extend` brings their slots (stream.py).
+"""One leased context request as each of the sender's threads sees it: the engine's `Lease` (blocks
+pinned, deadline) and the socket thread's `Offered` (their primary slots, the pulls serving them).
+The engine never reads a lease's slot memory, the socket thread never touches the KV manager; the
+engine unpins only after `Ended`. A streamed lease's blocks are PENDING until an `Extend` (stream.py).
 """
 
 from __future__ import annotations
@@ -22,8 +18,6 @@ from transceiver.wire import WindowRange
 
 @dataclass
 class Lease:
-    """Engine side: until when it lives, and the block ids it pinned per window."""
-
     deadline: float  # monotonic; a pull that starts renews it
     pinned: dict[int, list[int]]
     withdrawn: bool = False  # the engine ended it; waiting for the socket thread's `Ended`
@@ -34,8 +28,7 @@ PENDING = -2  # a streamed lease's block that its prefill has not completed yet
 
 
 def ready_event(pools: dict[int, torch.Tensor]) -> torch.cuda.Event | None:
-    """A CUDA event after every write to the pools issued so far (prefill, forwards, onboard copies);
-    None for CPU pools."""
+    """A CUDA event after every write to the pools issued so far; None for CPU pools."""
     pool = next(iter(pools.values()))
     if not pool.is_cuda:
         return None
@@ -63,8 +56,8 @@ class Offer:
 
 @dataclass(frozen=True)
 class Extend:
-    """Engine -> socket thread: more blocks of the streamed lease `cid` are written (window -> (first
-    block index, their primary slots)); `final`: the prefill is over, nothing follows."""
+    """Engine -> socket thread: more written blocks of streamed lease `cid` (window -> (first block
+    index, primary slots)); `final`: the prefill is over."""
 
     cid: str
     windows: dict[int, tuple[int, list[int]]]
@@ -120,8 +113,7 @@ class Job:
 
 @dataclass
 class Offered:
-    """Socket side of a lease. One pull at a time serves it, or, for tensor-parallel receivers
-    (`keep_lease`), one part per receiver."""
+    """Socket side of a lease: one pull at a time, or one `keep_lease` part per receiver."""
 
     offer: Offer
     jobs: dict[int, Job] = field(default_factory=dict)  # by pull_id

@@ -1,10 +1,6 @@
-"""The context side's socket thread: one ROUTER, message checks, handshakes, and the pulls.
-
-Runs only inside `link.SocketThread`. Pulls, Acks and Cancels are served here by `PullServer`
-(`serve.py`) from the leases the engine offers (`Offer`, `Withdraw` commands; `Started`,
-`Ended` items back). A Hello is answered here, except from a receiver on our GPU that holds no
-pools of this epoch yet: the engine thread exports the pools for it and answers with an
-`Outgoing` command (sealed here, so its timestamp is fresh).
+"""The context side's socket thread: one ROUTER, message checks, handshakes, and the pulls (served by
+`PullServer` from the engine's `Offer`s). A Hello is answered here, except from a receiver on our GPU
+without this epoch's pools: the engine exports them and answers with `Outgoing` (sealed here, fresh).
 """
 
 from __future__ import annotations
@@ -52,8 +48,8 @@ class Outgoing:
 
 @dataclass(frozen=True)
 class ExportRequest:
-    """A compatible receiver on our GPU said Hello: the engine exports the pools for it and sends
-    `info` with the offer (`_share_cuda_` must run on the engine thread)."""
+    """A receiver on our GPU said Hello: the engine (where `_share_cuda_` must run) exports the pools
+    and sends `info` with the offer."""
 
     peer: bytes
     info: InstanceInfo  # the answer, without the offer
@@ -66,9 +62,8 @@ class SenderLink:
                  ipc_identity: PeerIdentity | None = None, *, pool_lock: threading.Lock | None = None,
                  ipc_offered: Callable[[], bool] = lambda: False,
                  other_ranks: list[RankEndpoint] | None = None, park_s: float = 0.0) -> None:
-        """`other_ranks`: rank 0 of a tensor-parallel context server names its other ranks (their KV
-        endpoints and kv heads); its handshakes then list every rank (`InstanceInfo.ranks`).
-        `park_s`: another rank's sender lets a pull wait that long for its lease (`PullServer`)."""
+        """`other_ranks`: rank 0 of a tensor-parallel server lists them in its handshakes; `park_s`:
+        another rank's sender lets a pull wait that long for its lease (`PullServer`)."""
         self._config = config
         self._other_ranks = other_ranks or []
         self._ranks: list[RankEndpoint] = []

@@ -1,11 +1,8 @@
-"""The KV sender of a tensor-parallel context server's other ranks (1..N-1).
+"""The KV sender of a tensor-parallel context server's ranks 1..N-1 (bytes only, no CUDA IPC).
 
-Rank 0 keeps the leases (pins, onboards, translates ids to slots, ends them) and sends each lease's
-slots to the other ranks in order with everything else they mirror (server/tp/). Such a rank serves
-pulls of its own kv heads from those slots (`offer`) until rank 0 says the lease ended (`end`, which
-returns only once the socket thread reads them no more, so the rank may write those slots again
-right after). A part of a pull that comes before its offer waits for it (`PARK_S`). Bytes only:
-no CUDA IPC offer from these ranks.
+Rank 0 keeps the leases and sends their slots to the other ranks (server/tp/). A rank serves pulls
+of its own kv heads from them (`offer`) until rank 0 ends the lease (`end` returns once the socket
+thread reads them no more). A part of a pull that comes before its offer waits `PARK_S`.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ class RankSender:
         self._offered.add(cid)
 
     def end(self, cid: str) -> None:
-        """Rank 0 ended the lease: a pull of it still running here fails; returns once its slots
-        are read no more (or after END_TIMEOUT_S, logged)."""
+        """Rank 0 ended the lease: a pull still running fails; returns once its slots are read no more."""
         if cid not in self._offered:
             return
         self._thread.submit(Withdraw(cid, "cancelled", "the lease ended on the context server"))

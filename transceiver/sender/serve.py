@@ -1,18 +1,12 @@
-"""The context side's data path, run by its socket thread: serve pulls from leased slots.
+"""The context side's data path, on its socket thread: serve pulls from leased slots as they arrive.
 
-A pull is served as soon as it arrives, whatever the engine thread is doing. Per pull: check it
-against the lease (`Offered`), then per chunk gather the blocks' primary slots into a staging buffer
-(or, for big CPU blocks, send frames of the pool itself), checksum, send; then Done. Same-GPU pulls
-(`via_ipc`) get the slots and GPU checksums instead (`ipc_serve.py`). CUDA reads run on a side stream
-that first waits for the lease's `ready` event, so they never wait behind the engine's later
-kernels, and are queued under `pool_lock`, which the engine holds while it exports the pools.
+Per pull: check it against the lease, then per chunk gather the slots into a staging buffer (big
+CPU blocks: frames of the pool), checksum, send; then Done (same GPU: `ipc_serve.py`). CUDA reads
+run on a side stream after the lease's `ready` event, under `pool_lock` (held by exports).
 
-Every lease offered ends here exactly once (`_end`): Ack, Cancel, a receiver gone, a failure, or the
-engine's `Withdraw`; `Ended` then hands the lease back with the zmq trackers of frames still out. A
-lease that expired is counted (`lease_expired`) here, so one that an Ack ended first is not.
-Streamed leases (stream.py) are served as far as their blocks are written; parts of tensor-parallel
-pulls (transceiver/tp.py) ask for some kv heads of each block, and the generation side's `Release`
-ends such a lease.
+Every lease ends here exactly once (`_end`: Ack, Cancel, receiver gone, failure, `Withdraw`, or a
+tensor-parallel `Release`) and goes back in `Ended`; an expiry is counted here, so one an Ack
+ended first is not. Streamed leases (stream.py) are served as far as their blocks are written.
 """
 
 from __future__ import annotations
@@ -74,8 +68,8 @@ Parked = tuple[bytes, PullRequest, float]  # a pull waiting for its lease's offe
 class PullServer:
     def __init__(self, config: TransceiverConfig, epoch: str, stats: TransferStats, send: Send,
                  pool_lock: threading.Lock, ipc_offered: Callable[[], bool], park_s: float = 0.0) -> None:
-        """`park_s` > 0: a part of a tensor-parallel pull (`keep_lease`) for a lease not offered yet
-        waits this long for its offer (a rank whose offers come from rank 0, possibly after the pull)."""
+        """`park_s` > 0: a tensor-parallel part (`keep_lease`) waits this long for its lease's offer
+        (a rank whose offers come from rank 0, possibly after the pull)."""
         self._config, self._epoch, self._stats, self._send = config, epoch, stats, send
         self._pool_lock = pool_lock
         self._ipc_offered = ipc_offered  # has the engine exported the pools to anyone (this epoch)?
@@ -86,8 +80,8 @@ class PullServer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._park_s = park_s
         self._parked: dict[str, list[Parked]] = {}  # cid -> its pulls waiting for the offer
-        # streamed leases that ended or were withdrawn before they opened: cid -> (until, reason, detail),
-        # so a streamed pull that comes later is refused at once instead of waiting for its lease
+        # streamed leases ended or withdrawn before they opened: cid -> (until, reason, detail), to refuse a
+        # later streamed pull at once
         self._dropped: dict[str, tuple[float, str, str]] = {}
         self._ipc = IpcPulls()  # same-GPU pulls whose checksums are on the device
         self._pacer = Pacer(config.test_link_delay_ms, config.test_link_bytes_per_s)  # test only
@@ -156,8 +150,7 @@ class PullServer:
             self._broken(io, req.ctx_request_id, req.pull_id, e)
 
     def _plan_more(self, io: SocketIO, cid: str, off: Offered, job: Job) -> None:
-        """Plan the blocks of the pull that can go out now (all of them, unless the lease is streamed),
-        and queue the pull if it has chunks to send or its Done is due."""
+        """Plan the blocks that can go out now; queue the pull if it has chunks or its Done is due."""
         ranges, problem = next_ranges(off, job)
         if problem is not None:
             self._end(io, cid, "bad_request", problem)
@@ -197,9 +190,8 @@ class PullServer:
             self._end(io, body.ctx_request_id, None, "")
 
     def cancel(self, io: SocketIO, peer: bytes, body: Cancel) -> None:
-        """The lease ends, unless the Cancel names a pull it never served while others run (one
-        refused as a duplicate, or a part of a tensor-parallel pull that already ended here). A
-        parked pull of the peer is dropped."""
+        """End the lease (and drop the peer's parked pulls), unless the Cancel names a pull it never
+        served while others run (a refused duplicate, or a tensor-parallel part that ended here)."""
         if body.ctx_request_id in self._parked:
             self._unpark(body.ctx_request_id, lambda p, req, _: p == peer and body.pull_id in (None, req.pull_id))
         off = self._offers.get(body.ctx_request_id)
@@ -252,11 +244,8 @@ class PullServer:
                 problem = f"kv heads [{req.heads[0]}, {req.heads[1]}) are not among this rank's {held}"
         return None if problem is None else ("bad_request", problem)
 
-    # ---- the data path -------------------------------------------------------------------------
-
     def pump(self, io: SocketIO) -> float | None:
-        """Send chunks while zmq has room, and the same-GPU pulls whose checksums are done; seconds
-        until the next call is wanted (None: idle)."""
+        """Send chunks and finished same-GPU pulls; seconds until the next call (None: idle)."""
         self._send_ipc_ready(io)
         again = self._pump_bytes(io)
         if self._ipc:
@@ -282,8 +271,8 @@ class PullServer:
         return 0.0 if self._room() else ROOM_POLL_S
 
     def _next(self, io: SocketIO, off: Offered, job: Job) -> bool:
-        """Send the job's next chunk, or Done after the last (a streamed pull that has caught up with
-        its prefill leaves the queue until the next `Extend`); False when no staging buffer is free."""
+        """Send the next chunk, or Done after the last (a streamed pull that caught up leaves the queue
+        until the next `Extend`); False when no staging buffer is free."""
         if not job.chunks:
             self._active.popleft()
             job.queued = False
@@ -338,9 +327,8 @@ class PullServer:
 
     def _serve_ipc(self, io: SocketIO, cid: str, off: Offered, job: Job, ranges: list[WindowRange],
                    last: bool) -> None:
-        """Same-GPU pull: queue every block's checksum on the device (after the lease's writes);
-        its slots, checksums (and, after the `last` batch, Done) are sent once the device has
-        finished (`_send_ipc_ready`). A streamed lease's pull comes in several batches."""
+        """Same-GPU pull (a batch per `Extend` when streamed): queue the checksums on the device; slots,
+        checksums and, after the `last` batch, Done go once it finished (`_send_ipc_ready`)."""
         parts = []
         for part in (p for r in ranges for p in r.split(MAX_IPC_SLOTS)):
             pool, slots = off.offer.windows[part.window].pool, off.range_slots(part)
@@ -378,8 +366,7 @@ class PullServer:
 
     @contextmanager
     def _reading(self, off: Offered, device: torch.device, wait: bool = True) -> Iterator[None]:
-        """Read the lease's slots: under the pool lock, on CUDA after its writes, on a side stream;
-        with `wait`, every read issued inside has finished on exit (else it is only queued)."""
+        """Read the lease's slots under the pool lock (CUDA: a side stream after its writes; `wait`: done on exit)."""
         with self._pool_lock:
             if device.type != "cuda":
                 yield
@@ -394,17 +381,14 @@ class PullServer:
             if wait:
                 stream.synchronize()
 
-    # ---- the end of a lease --------------------------------------------------------------------
-
     def _broken(self, io: SocketIO, cid: str, pull_id: int, e: Exception) -> None:
         """A broken invariant fails the pull (its lease ends), never the socket thread."""
         log.exception("KV sender: pull %d of %r failed", pull_id, cid)
         self._end(io, cid, "internal_error", f"the context server failed to serve the pull: {e}")
 
     def _end(self, io: SocketIO, cid: str, reason: str | None, detail: str, skip: bytes | None = None) -> None:
-        """The only place a lease ends on this side: it runs once per lease, and whatever fails
-        here, the engine gets the lease back (`Ended`). Every running pull of it fails (`reason`),
-        and its receiver is told unless it is `skip` (the peer that cancelled, or is gone)."""
+        """End a lease (once; the engine always gets it back in `Ended`): its running pulls fail with
+        `reason`, each receiver told unless it is `skip` (the peer that cancelled, or is gone)."""
         off = self._offers.pop(cid)
         if not off.offer.final:
             self._dropped[cid] = (time.monotonic() + self._config.timeout_s, "unknown_request",
