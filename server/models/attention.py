@@ -148,11 +148,9 @@ class TorchPagedAttention(AttentionBackend):
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
                          for k, v in self.scales] if self.quantized else []
 
-    # ---- per step
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
         return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
 
-    # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: dict[int, WindowPlan]) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -164,8 +162,9 @@ class TorchPagedAttention(AttentionBackend):
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
         as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
-        return plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
-                           lambda q, a: self._prefill(q, cache.blocks, a, layer))
+        out = plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
+                          lambda q, a: self._prefill(q, cache.blocks, a, layer))
+        return out * self.scales[layer][1] if self.quantized else out  # dequantized values: times v_scale
 
     def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
@@ -173,22 +172,17 @@ class TorchPagedAttention(AttentionBackend):
         s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
         keys, values = _gather(blocks, a.units, s, q.dtype)  # each [S, kv_heads, L, D]
         qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
-        k_scale, v_scale = self.scales[layer]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
-        return self._scaled(out.reshape(s, self.num_heads, d), v_scale)  # CUDA may return another layout
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask,
+                                             scale=self.scale * self.scales[layer][0])
+        return out.reshape(s, self.num_heads, d)  # CUDA may return another layout
 
     def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
         for a 256-token prompt on the CPU)."""
         keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
-        k_scale, v_scale = self.scales[layer]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=a.mask,
-                                             scale=self.scale * k_scale, enable_gqa=True)  # [1, heads, Q, D]
-        return self._scaled(out[0].transpose(0, 1), v_scale)
-
-    def _scaled(self, out: torch.Tensor, v_scale: float) -> torch.Tensor:
-        """The attention output of dequantized values: times v_scale (an FP8 cache only)."""
-        return out * v_scale if self.quantized else out
+                                             scale=self.scale * self.scales[layer][0], enable_gqa=True)
+        return out[0].transpose(0, 1)  # [1, heads, Q, D] -> [Q, heads, D]
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
