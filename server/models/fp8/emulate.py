@@ -1,9 +1,6 @@
-"""The GPU's FP8 numerics on any device, in plain torch: `W8A8TorchOps` is `TorchOps` whose FP8 linears
-round their activations to FP8 per token as the GPU's FP8 GEMMs do (`weight.w8a8_linear`), where the
-CPU's serving path (`TorchOps`) multiplies the dequantized weight with the activations as they are.
-
-The accuracy script runs a model with it to say, on a CPU, what the GPU's FP8 path costs
-(pdserve_bench/fp8_accuracy.py); it is applied from outside, as `runner.model.ops = W8A8TorchOps(eps)`.
+"""The GPU's FP8 numerics in plain torch: `W8A8TorchOps` rounds an FP8 linear's activations per token
+(`weight.w8a8_linear`) where `TorchOps` uses them as they are. pdserve_bench/fp8_accuracy.py sets
+`runner.model.ops = W8A8TorchOps(eps)` to measure, on a CPU, what the GPU's FP8 path costs.
 """
 
 from __future__ import annotations
