@@ -67,7 +67,7 @@ class TritonOps(TorchOps):
         return self._k.rms_norm(x, weight, self.eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._k.add_rms_norm(x, residual, weight, self.eps)
+        return self._k.rms_norm(x, weight, self.eps, residual)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
