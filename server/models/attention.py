@@ -122,34 +122,38 @@ def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_pe
     return {w: spec.on_device(ints, mask_fn) for w, spec in specs.items()}
 
 
-class TorchPagedAttention(AttentionBackend):
+class SdpaPaged:
+    """What the torch backends share: every layer's units views (the manager allocates its pools once,
+    so they stay valid), the step's `plan_windows` with `planes` units per block, the mask in `dtype`."""
+
+    def __init__(self, kv: PagedKV, layers: list[LayerUnits], num_heads: int, scale: float, dtype: torch.dtype,
+                 planes: int) -> None:
+        self.kv, self.tpb, self.layers, self.planes = kv, kv.tokens_per_block, layers, planes
+        self.num_heads, self.scale, self.dtype = num_heads, scale, dtype
+        self.units_per_slot = {u.window: u.units_per_slot for u in layers}
+        self.quantized = layers[0].blocks.dtype == FP8
+        self._mask = AdditiveMask(dtype, layers[0].blocks.device)
+
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
+        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, self.planes)
+
+
+class TorchPagedAttention(SdpaPaged, AttentionBackend):
     """Portable backend (CPU and CUDA): gathers K and V blocks with one index_select, attends with SDPA."""
 
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype | None = None) -> None:
         """`dtype`: the model's; default the cache's (which an FP8 cache is not)."""
-        self.kv = kv
-        self.tpb = kv.tokens_per_block
-        self.num_heads = num_heads
-        self.num_kv_heads = kv.layer_cache(0)[0].shape[2]
-        self.scale = head_dim**-0.5
-        # the manager allocates its pools once, so these views stay valid
-        self.layers: list[LayerUnits] = [layer_units(kv.layer_window(i), *kv.layer_cache(i))
-                                         for i in range(num_layers)]
-        self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
-        cache = self.layers[0].blocks
-        self.quantized = cache.dtype == FP8
-        if self.quantized and dtype is None:
+        layers = [layer_units(kv.layer_window(i), *kv.layer_cache(i)) for i in range(num_layers)]
+        cache = layers[0].blocks
+        if cache.dtype == FP8 and dtype is None:
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
-        self.dtype = dtype or cache.dtype
+        super().__init__(kv, layers, num_heads, head_dim**-0.5, dtype or cache.dtype, planes=2)
+        self.num_kv_heads = cache.shape[2]
         self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
-        self._mask = AdditiveMask(self.dtype, cache.device)
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
                          for k, v in self.scales] if self.quantized else []
-
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
-        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
 
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: dict[int, WindowPlan]) -> torch.Tensor:
@@ -191,8 +195,7 @@ def as_stored(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_units(blocks: torch.Tensor, units: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks[units] in `dtype`: an FP8 cache's widened, exactly (every e4m3 value is a bf16, fp16
-    and float32 value)."""
+    """blocks[units] in `dtype`: an FP8 cache's widened exactly (e4m3 values are bf16/fp16/float32 values)."""
     out = as_stored(blocks).index_select(0, units)
     return out.view(FP8).to(dtype) if blocks.dtype == FP8 else out
 
@@ -331,8 +334,7 @@ def _checked_slots(seq: SeqLayout, window: int, lo: int, hi: int) -> list[int]:
 
 
 def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int, planes: int = 2) -> list[int]:
-    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]
-    (one plane: [k0, k1, ...])."""
+    """Token rows (units view) of each new token's K and V, in order: [k0, v0, k1, ...] (one plane: [k0, k1, ...])."""
     rows: list[int] = []
     for seq in seqs:
         table = seq.slot_tables[window]
