@@ -278,8 +278,7 @@ class ModelRunner:
             log.info("MoE tiles (experts, intermediate, hidden, weight dtype, pairs): %s", kernels.CHOSEN)
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
-        """A `warmup.WarmStep`'s chunks on the pool's first slots, prompts cut to what the pool holds,
-        at most max_batch_size of them."""
+        """A `warmup.WarmStep`'s first max_batch_size chunks on the pool's first slots, prompts cut to fit."""
         from server.models.warmup import blocks_needed
 
         tpb = self.kv.tokens_per_block

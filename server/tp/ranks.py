@@ -98,8 +98,7 @@ class Ranks:
         self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops], metas))
 
     def flush(self, *ops: Op) -> None:
-        """Queue `ops`, then send every queued operation, in order, to every rank; a rank that does not
-        take them ends the server."""
+        """Queue `ops`, then send the queue in order to every rank; a rank that does not take it ends the server."""
         self._ops += ops
         if self._ops:
             ops, self._ops = self._ops, []

@@ -90,8 +90,7 @@ class _Keys:
 
 
 def parse_moe(raw: dict[str, Any], cfg: Any, architecture: str, model_dir: Path) -> MoESpec | None:
-    """The experts of `architecture`'s config (None: a dense model); ValueError naming a key pdserve
-    does not implement."""
+    """The experts of `architecture`'s config (None: a dense model); see the module docstring."""
     keys = _Keys(raw, cfg, model_dir)
     if architecture == "MixtralForCausalLM":
         return _mixtral(keys)
