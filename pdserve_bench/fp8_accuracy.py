@@ -9,7 +9,7 @@ Each model runs three ways (`VARIANTS`), float32 on the CPU, kernels "torch":
 - "fp8": `quantization: fp8` as a CPU server serves it (linears FP8 per output channel, dequantized to
   float32 for the multiply: the weight rounding alone);
 - "fp8_w8a8": the same weights with activations also rounded to FP8 per token, as the GPU's FP8
-  GEMMs compute (server/models/fp8/emulate.py).
+  GEMMs compute (server/models/ops.py `W8A8TorchOps`).
 Figures: perplexity over the held-out text in windows of WINDOW tokens (each window starts fresh),
 and over SEEN_TOKENS tokens of the training text (tiny-story memorised its corpus: its held-out
 perplexity is high, its seen one low, and FP8 should move neither);
@@ -29,8 +29,8 @@ from transformers import AutoTokenizer
 
 from kvcache import KvCacheConfig, KVCacheManager
 from pdserve_bench import tiny_story_corpus as corpus
-from server.models.fp8.emulate import W8A8TorchOps
 from server.models.model_spec import load_spec
+from server.models.ops import W8A8TorchOps
 from server.models.runner import ModelRunner, SeqChunk
 
 VARIANTS = ("float32", "fp8", "fp8_w8a8")

@@ -57,7 +57,8 @@ def kind_of(name: str) -> str:
 
 def kernel_breakdown(core, batch: int, runs: int = 5) -> dict:
     graphs = core.runner.graphs
-    plan, rows = graphs.plans[batch], graphs.rows[batch]
+    plan = graphs.plans[batch]
+    rows = plan.logit_rows
     model = graphs.model
     with torch.no_grad():
         for _ in range(2):

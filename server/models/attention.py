@@ -122,37 +122,39 @@ def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_pe
     return {w: spec.on_device(ints, mask_fn) for w, spec in specs.items()}
 
 
-class TorchPagedAttention(AttentionBackend):
+class SdpaPaged:
+    """What the torch backends share: every layer's units views (the manager allocates its pools once,
+    so they stay valid), the step's `plan_windows` with `planes` units per block, the mask in `dtype`."""
+
+    def __init__(self, kv: PagedKV, layers: list[LayerUnits], num_heads: int, scale: float, dtype: torch.dtype,
+                 planes: int) -> None:
+        self.kv, self.tpb, self.layers, self.planes = kv, kv.tokens_per_block, layers, planes
+        self.num_heads, self.scale, self.dtype = num_heads, scale, dtype
+        self.units_per_slot = {u.window: u.units_per_slot for u in layers}
+        self.quantized = layers[0].blocks.dtype == FP8
+        self._mask = AdditiveMask(dtype, layers[0].blocks.device)
+
+    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
+        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, self.planes)
+
+
+class TorchPagedAttention(SdpaPaged, AttentionBackend):
     """Portable backend (CPU and CUDA): gathers K and V blocks with one index_select, attends with SDPA."""
 
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype | None = None) -> None:
         """`dtype`: the model's; default the cache's (which an FP8 cache is not)."""
-        self.kv = kv
-        self.tpb = kv.tokens_per_block
-        self.num_heads = num_heads
-        self.num_kv_heads = kv.layer_cache(0)[0].shape[2]
-        self.scale = head_dim**-0.5
-        # the manager allocates its pools once, so these views stay valid
-        self.layers: list[LayerUnits] = [layer_units(kv.layer_window(i), *kv.layer_cache(i))
-                                         for i in range(num_layers)]
-        self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
-        cache = self.layers[0].blocks
-        self.quantized = cache.dtype == FP8
-        if self.quantized and dtype is None:
+        layers = [layer_units(kv.layer_window(i), *kv.layer_cache(i)) for i in range(num_layers)]
+        cache = layers[0].blocks
+        if cache.dtype == FP8 and dtype is None:
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
-        self.dtype = dtype or cache.dtype
+        super().__init__(kv, layers, num_heads, head_dim**-0.5, dtype or cache.dtype, planes=2)
+        self.num_kv_heads = cache.shape[2]
         self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
-        self._mask = AdditiveMask(self.dtype, cache.device)
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
                          for k, v in self.scales] if self.quantized else []
 
-    # ---- per step
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
-        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask)
-
-    # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: dict[int, WindowPlan]) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -164,8 +166,9 @@ class TorchPagedAttention(AttentionBackend):
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
         as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
-        return plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
-                           lambda q, a: self._prefill(q, cache.blocks, a, layer))
+        out = plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
+                          lambda q, a: self._prefill(q, cache.blocks, a, layer))
+        return out * self.scales[layer][1] if self.quantized else out  # dequantized values: times v_scale
 
     def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """One query per sequence. GQA without copies: the q heads sharing a kv head become that
@@ -173,22 +176,17 @@ class TorchPagedAttention(AttentionBackend):
         s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
         keys, values = _gather(blocks, a.units, s, q.dtype)  # each [S, kv_heads, L, D]
         qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
-        k_scale, v_scale = self.scales[layer]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
-        return self._scaled(out.reshape(s, self.num_heads, d), v_scale)  # CUDA may return another layout
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask,
+                                             scale=self.scale * self.scales[layer][0])
+        return out.reshape(s, self.num_heads, d)  # CUDA may return another layout
 
     def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
         """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
         for a 256-token prompt on the CPU)."""
         keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
-        k_scale, v_scale = self.scales[layer]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=a.mask,
-                                             scale=self.scale * k_scale, enable_gqa=True)  # [1, heads, Q, D]
-        return self._scaled(out[0].transpose(0, 1), v_scale)
-
-    def _scaled(self, out: torch.Tensor, v_scale: float) -> torch.Tensor:
-        """The attention output of dequantized values: times v_scale (an FP8 cache only)."""
-        return out * v_scale if self.quantized else out
+                                             scale=self.scale * self.scales[layer][0], enable_gqa=True)
+        return out[0].transpose(0, 1)  # [1, heads, Q, D] -> [Q, heads, D]
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
@@ -197,8 +195,7 @@ def as_stored(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_units(blocks: torch.Tensor, units: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks[units] in `dtype`: an FP8 cache's widened, exactly (every e4m3 value is a bf16, fp16
-    and float32 value)."""
+    """blocks[units] in `dtype`: an FP8 cache's widened exactly (e4m3 values are bf16/fp16/float32 values)."""
     out = as_stored(blocks).index_select(0, units)
     return out.view(FP8).to(dtype) if blocks.dtype == FP8 else out
 
@@ -337,8 +334,7 @@ def _checked_slots(seq: SeqLayout, window: int, lo: int, hi: int) -> list[int]:
 
 
 def _write_rows(seqs: list[SeqLayout], window: int, tpb: int, units_per_slot: int, planes: int = 2) -> list[int]:
-    """Token rows (units view) of every new token's K and V, flattened order: [k0, v0, k1, v1, ...]
-    (one plane: [k0, k1, ...])."""
+    """Token rows (units view) of each new token's K and V, in order: [k0, v0, k1, ...] (one plane: [k0, k1, ...])."""
     rows: list[int] = []
     for seq in seqs:
         table = seq.slot_tables[window]

@@ -58,9 +58,7 @@ def calibrate(model_dir: Path, token_ids: list[int], *, seq_len: int, device: to
         runner.execute([SeqChunk(window, 0, tables, need_logits=True)])
         for layer in range(spec.num_layers):
             # [slots, tpb, kv_heads, head_dim] each; a latent cache's one row a token is both
-            k = v = kv.layer_latent(layer) if kv.layout.format.latent else None
-            if k is None:
-                k, v = kv.layer_cache(layer)
+            k, v = (kv.layer_latent(layer),) * 2 if kv.layout.format.latent else kv.layer_cache(layer)
             held = torch.tensor([s for s in tables[kv.layer_window(layer)] if s >= 0], device=device)
             # the window's blocks: what it wrote, and past its end zeros or an earlier window's K/V
             k_max[layer] = torch.maximum(k_max[layer], k.index_select(0, held).abs().max().float())

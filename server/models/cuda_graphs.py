@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 
@@ -39,10 +40,9 @@ class DecodeGraphs:
         self.max_logit_rows = max_batch  # the most rows whose logits a replay computes
         self.mixed_replays = 0  # replays of steps that held prefill or verify chunks (a metric for tests)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # every tensor a graph reads must outlive it (a freed one's memory is reused by later steps): its plan's
         self.plans: dict[int, StaticDecodePlan] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        # every tensor a graph reads must outlive it: a freed one's memory is reused by later steps
-        self.rows: dict[int, torch.Tensor] = {}
         self.source: torch.Tensor | None = None  # [max_batch] int64: the previous step's sampled ids
         self.capture_s = 0.0
 
@@ -53,8 +53,7 @@ class DecodeGraphs:
         self.source = torch.zeros(self.max_batch, dtype=torch.int64, device=self.attention.device)
         for batch in reversed(self.buckets):
             plan = StaticDecodePlan(self.attention, batch, min(batch, self.max_logit_rows))
-            rows = self.rows[batch] = plan.logit_rows
-            run = lambda plan=plan, rows=rows: self._forward(plan, rows)  # noqa: E731
+            run = partial(self._forward, plan)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 for _ in range(WARMUP_RUNS):  # compiles every Triton kernel of this shape, warms cuBLAS
@@ -71,9 +70,9 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def _forward(self, plan: StaticDecodePlan, rows: torch.Tensor) -> torch.Tensor:
+    def _forward(self, plan: StaticDecodePlan) -> torch.Tensor:
         plan.take_pending(self.source)
-        return self.model.forward(plan.token_ids, plan.positions, plan.meta, rows)
+        return self.model.forward(plan.token_ids, plan.positions, plan.meta, plan.logit_rows)
 
     def run(self, seqs: list[SeqLayout], token_ids: list[int], picks: list[int] | None = None,
             source: torch.Tensor | None = None, logit_rows: list[int] | None = None) -> torch.Tensor:

@@ -68,8 +68,7 @@ def _sdpa(qkv: torch.Tensor, heads: int, kv_heads: int, scale: float,
 
 def warm_up(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
             max_tokens: int) -> tuple[int, float]:
-    """Build the cuDNN plan of every bucket a prompt of up to `max_tokens` can use ("auto" only);
-    returns (plans built, seconds)."""
+    """Build the cuDNN plan of each bucket a prompt of up to `max_tokens` uses ("auto"): (plans, seconds)."""
     if device.type != "cuda" or dtype not in _FUSED_DTYPES or dense_prefill_kind() != "auto":
         return 0, 0.0
     start = time.perf_counter()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvcache.layout import FP8, inverse_scale, quantize_fp8
+from kvcache.layout import inverse_scale, quantize_fp8
 from server.models import attention
-from server.models.attention import AdditiveMask, Attend, LayerUnits, StepLayout, WindowPlan, as_stored, plan_windows
+from server.models.attention import Attend, LayerUnits, PagedKV, SdpaPaged, WindowPlan, as_stored
 
 
 def latent_units(window: int, latent: torch.Tensor) -> LayerUnits:
@@ -26,28 +26,17 @@ def latent_units(window: int, latent: torch.Tensor) -> LayerUnits:
     return attention.units_view(window, latent, planes=1)
 
 
-class TorchLatentAttention:
+class TorchLatentAttention(SdpaPaged):
     """Attention over the latent cache; `plan` once per step, `forward` per layer."""
 
-    def __init__(self, kv, num_layers: int, num_heads: int, kv_lora_rank: int, scale: float,
+    def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, kv_lora_rank: int, scale: float,
                  dtype: torch.dtype) -> None:
-        self.kv = kv
-        self.tpb = kv.tokens_per_block
-        self.num_heads = num_heads
-        self.num_kv_heads = 1
-        self.rank = kv_lora_rank
-        self.scale = scale
-        self.dtype = dtype
-        self.layers = [latent_units(kv.layer_window(i), kv.layer_latent(i)) for i in range(num_layers)]
-        self.units_per_slot = {u.window: u.units_per_slot for u in self.layers}
-        device = self.layers[0].blocks.device
-        self._mask = AdditiveMask(dtype, device)
-        self.quantized = self.layers[0].blocks.dtype == FP8
+        layers = [latent_units(kv.layer_window(i), kv.layer_latent(i)) for i in range(num_layers)]
+        super().__init__(kv, layers, num_heads, scale, dtype, planes=1)
+        self.num_kv_heads, self.rank = 1, kv_lora_rank
         self.scales = [kv.layout.format.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
+        device = layers[0].blocks.device
         self._inverse = [torch.tensor(inverse_scale(s), device=device) for s in self.scales] if self.quantized else []
-
-    def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
-        return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, planes=1)
 
     def forward(self, layer: int, query: torch.Tensor, latent: torch.Tensor,
                 meta: dict[int, WindowPlan]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from server.models.fp8.weight import Fp8Weight, dequantized_linear
+from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
 
 Weight = torch.Tensor | Fp8Weight  # a linear layer's weight [N, K]
 
@@ -47,6 +47,17 @@ class TorchOps:
         return F.linear(x, weight, bias)
 
 
+class W8A8TorchOps(TorchOps):
+    """The GPU's FP8 numerics in plain torch: an FP8 linear's activations rounded per token
+    (`w8a8_linear`). pdserve_bench/fp8_accuracy.py sets `runner.model.ops = W8A8TorchOps(eps)` to
+    measure, on a CPU, what the GPU's FP8 path costs."""
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return w8a8_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+
 class TritonOps(TorchOps):
     """Fused kernels for 2-D rows with unit column stride; anything else (Qwen3's per-head q/k norm
     on strided views) takes the torch path."""
@@ -67,7 +78,7 @@ class TritonOps(TorchOps):
         return self._k.rms_norm(x, weight, self.eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._k.add_rms_norm(x, residual, weight, self.eps)
+        return self._k.rms_norm(x, weight, self.eps, residual)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -258,33 +259,26 @@ class ModelRunner:
     def _choose_expert_tiles(self) -> None:
         """MoE models on CUDA: the grouped expert GEMMs' tile per step size, timed per experts' shape
         (kernels/moe.py `choose_tiles`); before graph capture, so the graphs hold the chosen tiles."""
-        from server.models.kernels.moe import (
-            CHOSEN,
-            block_experts_compute,
-            choose_tiles,
-            fused_experts,
-            fused_fp8_experts,
-        )
+        from server.models.kernels import moe as kernels
 
         if self.device.type != "cuda":
             return
         computes: dict[tuple, bool] = {}  # block-scaled experts' shape -> do the grouped kernels compute them
         for block in moe_blocks(self.model).values():
-            if block.experts is fused_experts and isinstance(block.gate_up, Fp8Weight):
+            if block.experts is kernels.fused_experts and isinstance(block.gate_up, Fp8Weight):
                 shape = tuple(block.gate_up.shape)
                 if shape not in computes:
-                    computes[shape] = block_experts_compute(block.gate_up, block.down, self.dtype)
+                    computes[shape] = kernels.block_experts_compute(block.gate_up, block.down, self.dtype)
                 if not computes[shape]:
                     block.experts = dense_experts  # this GPU's grouped block-scaled kernels computed wrong
-            if block.experts in (fused_experts, fused_fp8_experts):
-                choose_tiles(block.experts, block.gate_up, block.down, block.spec.top_k, self.dtype,
-                             self.max_num_tokens)
-        if CHOSEN:
-            log.info("MoE tiles (experts, intermediate, hidden, weight dtype, pairs): %s", CHOSEN)
+            if block.experts in (kernels.fused_experts, kernels.fused_fp8_experts):
+                kernels.choose_tiles(block.experts, block.gate_up, block.down, block.spec.top_k, self.dtype,
+                                     self.max_num_tokens)
+        if kernels.CHOSEN:
+            log.info("MoE tiles (experts, intermediate, hidden, weight dtype, pairs): %s", kernels.CHOSEN)
 
     def _warm_chunks(self, step: WarmStep) -> list[SeqChunk]:
-        """A `warmup.WarmStep`'s chunks on the pool's first slots, prompts cut to what the pool holds,
-        at most max_batch_size of them."""
+        """A `warmup.WarmStep`'s first max_batch_size chunks on the pool's first slots, prompts cut to fit."""
         from server.models.warmup import blocks_needed
 
         tpb = self.kv.tokens_per_block
@@ -387,11 +381,7 @@ def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
 
 def first_rows(chunks: list[SeqChunk]) -> list[int]:
     """The row of `as_decode_rows(chunks)` that holds each chunk's first token."""
-    starts, row = [], 0
-    for c in chunks:
-        starts.append(row)
-        row += len(c.token_ids)
-    return starts
+    return list(accumulate((len(c.token_ids) for c in chunks), initial=0))[:-1]
 
 
 def _seq_layout(chunk: SeqChunk) -> SeqLayout:

@@ -69,20 +69,12 @@ def num_sms(device: torch.device) -> int:
 class TritonPagedAttention(AttentionBackend):
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, head_dim: int, *,
                  max_seq_len: int) -> None:
-        self.kv = kv
-        self.tpb = kv.tokens_per_block
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
         self.views = [kv.layer_cache(i) for i in range(num_layers)]  # (K, V) [slots, tpb, kv_heads, D]
-        self.windows = [kv.layer_window(i) for i in range(num_layers)]
+        device = self.views[0][0].device
+        self._shape(kv, num_layers, num_heads, self.views[0][0].shape[2], head_dim, head_dim**-0.5, max_seq_len,
+                    device)
         self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v): 1.0 unless FP8
         self.inverse = [(inverse_scale(k), inverse_scale(v)) for k, v in self.scales]
-        self.num_kv_heads = self.views[0][0].shape[2]
-        self.max_blocks = math.ceil(max_seq_len / self.tpb)
-        device = self.views[0][0].device
-        self.device = device
-        self.num_sms = num_sms(device)
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(f"the Triton backend needs a power-of-two head_dim >= 32, got {head_dim}")
         fp8 = self.views[0][0].dtype == torch.float8_e4m3fn
@@ -90,7 +82,15 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError("an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, Hopper) for "
                              "the Triton kernels (kernels: torch serves it on any GPU)")
 
-    # ---- per step
+    def _shape(self, kv: PagedKV, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+               max_seq_len: int, device: torch.device) -> None:
+        """What the plans and kernels read (the latent backend's too: one kv head, head_dim its rank)."""
+        self.kv, self.tpb, self.scale = kv, kv.tokens_per_block, scale
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.windows = [kv.layer_window(i) for i in range(num_layers)]
+        self.max_blocks = math.ceil(max_seq_len / self.tpb)
+        self.device, self.num_sms = device, num_sms(device)
+
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowMeta]:
         ints = HostInts(torch.int32, ALIGN_INTS)
         host = {w: self._host_window(layout, w, ints) for w in self.kv.window_sizes}
@@ -154,7 +154,6 @@ class TritonPagedAttention(AttentionBackend):
 
         return make
 
-    # ---- per layer
     def forward(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: dict[int, WindowMeta]) -> torch.Tensor:
         k_cache, v_cache = self.views[layer]

@@ -10,15 +10,13 @@ the split-K latent decode (`latent_decode`). An FP8 latent cache stays on the to
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from server.models.attention import PagedKV, StepLayout
 from server.models.kernels.latent import latent_decode, write_latent
 from server.models.mla_attention import TorchLatentAttention
 from server.models.mla_spec import MLASpec
-from server.models.triton_attention import TritonPagedAttention, WindowMeta, num_sms
+from server.models.triton_attention import TritonPagedAttention, WindowMeta
 
 
 def supports(mla: MLASpec, cache_dtype: torch.dtype) -> bool:
@@ -31,15 +29,9 @@ def supports(mla: MLASpec, cache_dtype: torch.dtype) -> bool:
 class TritonLatentAttention(TritonPagedAttention):
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, kv_lora_rank: int, scale: float,
                  dtype: torch.dtype, *, max_seq_len: int) -> None:
-        self.kv, self.tpb = kv, kv.tokens_per_block
-        self.num_heads, self.num_kv_heads = num_heads, 1
-        self.head_dim = kv_lora_rank  # the output's width per head (the decode scratch's rows)
-        self.scale = scale
         self.latents = [kv.layer_latent(i) for i in range(num_layers)]  # [slots, tpb, rank + rope]
-        self.windows = [kv.layer_window(i) for i in range(num_layers)]
-        self.max_blocks = math.ceil(max_seq_len / self.tpb)
-        self.device = self.latents[0].device
-        self.num_sms = num_sms(self.device)
+        # head_dim: the output's width per head (the decode scratch's rows)
+        self._shape(kv, num_layers, num_heads, 1, kv_lora_rank, scale, max_seq_len, self.latents[0].device)
         self.torch = TorchLatentAttention(kv, num_layers, num_heads, kv_lora_rank, scale, dtype)
 
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict:

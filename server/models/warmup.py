@@ -58,8 +58,7 @@ def warm_steps(max_batch: int, max_tokens: int, tpb: int, kv_heads: int, num_sms
 
 
 def burst_steps(max_batch: int, max_tokens: int, buckets: list[int]) -> list[WarmStep]:
-    """One replayed step per graph bucket (`buckets`, [] without graphs), then the eager steps of
-    `token_grid` (module docstring)."""
+    """One replayed step per graph bucket ([] without graphs), then `token_grid`'s eager steps (module doc)."""
     replayed = [_replayed(rows, max_batch) for rows in buckets]
     grid = token_grid(buckets[-1] if buckets else max_batch, max_tokens)
     counts = [min(max_batch, max(1, round(max_batch ** ((j + 1) / len(grid))))) for j in range(len(grid))]

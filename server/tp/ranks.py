@@ -83,7 +83,6 @@ class Ranks:
         ranks.wait_for(Joined)
         return ranks
 
-    # ---- the commands
     def attach(self, kv: KVCacheManager) -> None:
         """Give the ranks the pools' slot counts and mirror every copy (and disk check) `kv` runs from now on."""
         window = kv.window_sizes[0]
@@ -99,8 +98,7 @@ class Ranks:
         self._ops.append(Copies(window, [(int(a), b, int(c), d) for a, b, c, d in ops], metas))
 
     def flush(self, *ops: Op) -> None:
-        """Queue `ops`, then send every queued operation, in order, to every rank; a rank that does not
-        take them ends the server."""
+        """Queue `ops`, then send the queue in order to every rank; a rank that does not take it ends the server."""
         self._ops += ops
         if self._ops:
             ops, self._ops = self._ops, []
@@ -117,7 +115,6 @@ class Ranks:
                 proc.kill()
         self._on_rank_death()
 
-    # ---- the reports
     def wait_for(self, kind: type[Joined] | type[Ready], timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every rank has sent its `kind` report (`Ready`: loaded and warmed up)."""
         found = self.collect(lambda r: isinstance(r, kind), timeout_s)
@@ -152,7 +149,6 @@ class Ranks:
         out, self._reports = self._reports, []
         return out
 
-    # ---- the end
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every rank to stop, wait for them (then kill), close the channel."""
         self._stopping = True

@@ -5,8 +5,6 @@ same on every rank: rank 0 moves it and shares what it pulled (`share_latent`).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import msgspec
 import torch
 
@@ -19,22 +17,9 @@ from transceiver.receiver import KVReceiver
 from transceiver.sender.rank_sender import RankSender
 
 
-class WorkerRole(Protocol):
-    endpoint: str | None  # a context rank's KV sender address
-
-    @property
-    def busy(self) -> bool:
-        """KV transfers in flight: poll often."""
-
-    def apply(self, op: Op) -> None: ...
-
-    def step(self) -> list[PullDone]: ...
-
-    def close(self) -> None: ...
-
-
 class NoTransfers:
-    """An aggregated server's rank."""
+    """An aggregated server's rank. Each role has `endpoint` (a context rank's KV sender address), `busy`
+    (KV transfers in flight: poll often), `apply`, `step` and `close`."""
 
     endpoint = None
     busy = False
@@ -126,7 +111,7 @@ def held_kv_heads(plan: ShardPlan, kv: KVCacheManager) -> tuple[int, int]:
 
 
 def make_role(cfg: ServerConfig, kv: KVCacheManager, fingerprint: str, epoch: str, rank: int,
-              plan: ShardPlan) -> WorkerRole:
+              plan: ShardPlan) -> NoTransfers | LeaseShare | PullShare:
     heads = held_kv_heads(plan, kv)
     if cfg.role == "context":  # a fixed KV port is rank 0's; rank r listens on port + r
         transceiver = cfg.cache_transceiver_config

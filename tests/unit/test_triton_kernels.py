@@ -132,7 +132,7 @@ def test_rms_norm_and_add_and_silu_mul() -> None:
     expected = torch.nn.functional.rms_norm(x, (96,), w, 1e-6)
     torch.testing.assert_close(E.rms_norm(x, w, 1e-6), expected, atol=1e-6, rtol=1e-6)
     updated = residual.clone()
-    normed = E.add_rms_norm(x, updated, w, 1e-6)
+    normed = E.rms_norm(x, w, 1e-6, residual=updated)
     assert torch.equal(updated, residual + x)
     torch.testing.assert_close(normed, torch.nn.functional.rms_norm(residual + x, (96,), w, 1e-6))
     gate_up = torch.randn(4, 80)

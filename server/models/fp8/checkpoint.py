@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("fp8", "compressed-tensors")
 BLOCK = (128, 128)  # the one weight_block_size served
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
-    method: str  # one of METHODS
+    method: str  # "fp8" or "compressed-tensors"
     static_activations: bool  # every FP8 linear has an input_scale (else activations are scaled per token)
     block: tuple[int, int] | None = None  # weight_block_size (rows, columns): one scale per block
 

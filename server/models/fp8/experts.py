@@ -1,7 +1,6 @@
-"""FP8 routed experts: a layer's expert weights stacked into one `Fp8Weight` [E, N, K], and what the
-GPU's grouped FP8 kernels (server/models/kernels/moe.py) compute, in plain torch (`w8a8_experts`:
-activations quantized per row before each GEMM, as `weight.w8a8_linear`; a static checkpoint's input
-scale per projection is the largest of its experts'). The CPU serves FP8 experts dequantized.
+"""FP8 routed experts: a layer's experts stacked into one `Fp8Weight` [E, N, K], and the grouped FP8
+kernels' (kernels/moe.py) torch reference `w8a8_experts` (a static checkpoint's input scale per
+projection is the largest of its experts'). The CPU serves FP8 experts dequantized.
 """
 
 from __future__ import annotations

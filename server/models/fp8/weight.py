@@ -117,9 +117,8 @@ def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp
 
 
 def row_scales(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row activation scales of x [M, K]: (xs [M], x[m] ~ xq[m] * xs[m]; inv [M], what x is
-    multiplied by before rounding), from max|x[m]| / 448 or the `static` input scale, as the Triton
-    kernel computes them."""
+    """Per-row activation scales of x [M, K], as the Triton kernel computes them: (xs [M], x[m] ~ xq[m] *
+    xs[m]; inv [M], what x is multiplied by before rounding), from max|x[m]| / 448 or `static`."""
     if static is not None:
         s = static.float().reshape(1).expand(x.shape[0])
         return s.contiguous(), (1.0 / s).contiguous()

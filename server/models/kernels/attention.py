@@ -178,9 +178,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
     kv_heads = k.shape[2]
     g = heads // kv_heads
     gp = group_rows(heads, kv_heads)
-    if scratch is None:
-        scratch = decode_scratch(b, kv_heads, gp, d, splits, q.device)
-    partials, maxes, sums = scratch
+    partials, maxes, sums = scratch or decode_scratch(b, kv_heads, gp, d, splits, q.device)
     ks, kt, kh = _strides(k)
     if v.stride() != k.stride():
         raise ValueError("K and V views must have the same strides")

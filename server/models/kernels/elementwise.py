@@ -125,20 +125,12 @@ def _rope_write(QKV, COS, SIN, K, V, SLOT, OFF, stride_t, stride_c, stride_ks, s
         _store_kv(V + at + vh * stride_kh + dims, v, v_inv, vlive, QUANT)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm."""
-    return _launch_rms_norm(x, x, weight, eps, add=False)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (in place); returns RMSNorm(residual) * weight."""
-    return _launch_rms_norm(x, residual, weight, eps, add=True)
-
-
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     add: bool) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, N] (unit column stride) -> RMSNorm(x) * weight, as transformers' LlamaRMSNorm; with
+    `residual`: residual += x (in place), and RMSNorm(residual) * weight."""
     out = torch.empty_like(x)
     n = x.shape[-1]
+    add, residual = residual is not None, x if residual is None else residual
     _rms_norm[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps,
                              BLOCK=triton.next_power_of_2(n), ADD=add, num_warps=4 if n <= 2048 else 8)
     return out

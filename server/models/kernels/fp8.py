@@ -146,9 +146,8 @@ def fp8_gemm(x: torch.Tensor, xs: torch.Tensor | None, qweight: torch.Tensor, sc
              bias: torch.Tensor | None, dtype: torch.dtype, config: Config,
              static: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] in `dtype` = (xq @ qweight.T) * xs[m] * scale[n] (+ bias), qweight [N, K] float8 contiguous,
-    scale [N]. A config that quantizes (its last field) takes x [M, K] in the model dtype (and the
-    `static` input scale, if any; xs is None); the others take xq [M, K] float8 and its row scales xs.
-    x has unit column stride."""
+    scale [N], x with unit column stride. A config that quantizes (its last field) takes x [M, K] in the
+    model dtype (and the `static` input scale; xs None), the others xq [M, K] float8 and its row scales xs."""
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=x.device)

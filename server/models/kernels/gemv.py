@@ -71,9 +71,8 @@ class SkinnyLinear:
         return F.linear(x, weight, bias)
 
     def choose(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int = 1) -> None:
-        """Time cuBLAS and every config over `weights` (one shape, e.g. every layer's qkv: the read
-        misses L2 as in a real step) at `rows` rows (CUDA only); keep the fastest, and only if it
-        beats cuBLAS by at least 2%."""
+        """Time cuBLAS and every config over `weights` (one shape, e.g. every layer's qkv: the read misses
+        L2 as in a real step) at `rows` rows (CUDA only); keep the fastest if it beats cuBLAS by 2%."""
         key = tuple(weights[0].shape)
         if key in self.chosen or weights[0].device.type != "cuda" or not all(w.is_contiguous() for w in weights):
             return

@@ -77,8 +77,7 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
                   lo: torch.Tensor, out: torch.Tensor, scale: float, splits: int,
                   scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, H, R + P] (unit stride on the last dim), cache [slots, tpb, R + P], block_table [B, NB],
-    seq_lens / lo [B] int32 -> out [B, H, R]. `scratch`: preallocated (partials [B*splits*GP, R] f32,
-    m, l) for graphs."""
+    seq_lens / lo [B] int32 -> out [B, H, R]. `scratch`: graphs' (partials [B*splits*GP, R] f32, m, l)."""
     b, heads, width = q.shape
     rank = out.shape[2]
     gp = group_rows(heads, 1)

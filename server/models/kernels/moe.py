@@ -1,36 +1,32 @@
 """The routed experts as two grouped GEMMs in Triton: no host synchronisation, static shapes.
 
-`align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a
-multiple of BLOCK_M, so every tile belongs to one expert and the tile list has a fixed length
-whatever the routing; tiles past the last real one, and those of pairs routed to no expert held
-here (id E, expert parallelism), return at once. A token's pairs are summed by one torch reduction:
-no atomics, the same result run to run. Both GEMMs accumulate in float32 and round once
-(transformers sums in expert order, this in slot order: float32 results agree to rounding).
+`align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a multiple
+of BLOCK_M: every tile belongs to one expert and the tile list has a fixed length whatever the routing;
+tiles past the last real one, and those of pairs routed to no expert held here (id E, expert
+parallelism), return at once. A token's pairs are summed by one torch reduction (no atomics: the same
+result run to run). Both GEMMs accumulate in float32 and round once (transformers sums in expert
+order, this in slot order: float32 results agree to rounding).
 
-Per-pair tiles (BLOCK_M 1, `PER_PAIR_TILES`) are for decode steps of a few pairs: no sort, one program
-per (pair, BLOCK_N outputs) that reads its expert from `ids` and loops over all of K. A one-token top-8
-step then runs 8 x N / BLOCK_N programs, all of them reading weights, where the grouped tiles launch
-one tile per expert held (most of them empty) and `align` runs a dozen small torch kernels first. The
-same two kernels with PER_PAIR set: the pair is row 0 of a 16-row tile (tl.dot's least), rows 1-15
-dead; summation, rounding and the final torch reduction are the grouped tiles', so the result is the
-same run to run. The float, block-scaled and per-channel FP8 experts all run them. `choose_tiles`
-times them beside the grouped tiles of pair classes 8 and 64.
+Per-pair tiles (BLOCK_M 1, `PER_PAIR_TILES`), for decode steps of a few pairs, skip the sort: one
+program per (pair, BLOCK_N outputs) reads its expert from `ids` and loops over all of K, so a one-token
+top-8 step runs 8 x N / BLOCK_N programs that all read weights, where the grouped tiles launch one tile
+per expert held (most empty) after `align`'s dozen small torch kernels. They are the same two kernels
+with PER_PAIR set (the pair is row 0 of a 16-row tile, tl.dot's least), summing and rounding as the
+grouped tiles do; `choose_tiles` times them beside the grouped tiles of pair classes 8 and 64.
 
-A block-scaled FP8 checkpoint's experts run the same kernels: each weight tile is widened to the
-activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's scale, so the
-experts are read at FP8's bytes and the activations are not quantized.
-
-A per-channel FP8 checkpoint's experts (stacked `Fp8Weight`s, a scale per expert and output row) run
-them with W8A8 set (`fused_fp8_experts`): the activations quantized per row first (kernels/fp8.py
-`quantize_rows`), gate and up = (xq @ qweight.T) * xs * scale, each rounded, h = SiLU(gate) * up
-quantized per row, then y = ((hq @ qweight.T) * hs * scale, rounded) * the routing weight;
-accumulation as kernels/fp8.py's, `fp8/experts.py w8a8_experts` the torch reference.
+Float, block-scaled and per-channel FP8 experts all run these kernels. Block-scaled: each weight tile
+is widened to the activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's
+scale (FP8's bytes read, activations not quantized). Per-channel (`fused_fp8_experts`, W8A8): x
+quantized per row (kernels/fp8.py `quantize_rows`), gate and up = (xq @ qweight.T) * xs * scale, each
+rounded, h = SiLU(gate) * up quantized per row, y = ((hq @ qweight.T) * hs * scale, rounded) * the
+routing weight; accumulation as kernels/fp8.py's, torch reference fp8/experts.py `w8a8_experts`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import triton
@@ -63,8 +59,7 @@ CHOSEN: dict[tuple[int, int, int, torch.dtype, int], Tile] = {}
 
 
 def tile_config(num_pairs: int) -> Tile:
-    """The default tile for a step of `num_pairs` (token, slot) pairs: small tiles for decode (few
-    rows per expert), larger for prefill. `tiles` prefers what the warm-up chose."""
+    """The default tile for `num_pairs` (token, slot) pairs: small for decode (few rows per expert)."""
     if num_pairs <= 64:
         return 16, 64, 64, 4
     if num_pairs <= 1024:
@@ -221,23 +216,11 @@ def _down_weighted(H, HS, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inte
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
-                  weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
-    """x [T, hidden] (unit column stride), gate_up [E, 2I, hidden] and down [E, hidden, I] contiguous
-    (or block-scaled stacked `Fp8Weight`s: their float8 weights widened tile by tile, each column
-    block's product scaled), weights [T, k] float32, ids [T, k] -> [T, hidden] in x's dtype (the
-    `experts.ExpertsFn` contract). `tile`: this one instead of `tiles`' choice."""
-    return _experts(x, gate_up, down, weights, ids, tile, w8a8=False)
-
-
-def fused_fp8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
-                      ids: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
-    """`fused_experts` of per-channel stacked FP8 experts (gate_up [E, 2I, hidden], down [E, hidden, I]),
-    W8A8: x and h quantized per row first."""
-    return _experts(x, gate_up, down, weights, ids, tile, w8a8=True)
-
-
-def _experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
-             weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None, *, w8a8: bool) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, tile: Tile | None = None, *,
+                  w8a8: bool = False) -> torch.Tensor:
+    """The `experts.ExpertsFn` contract (the result in x's dtype), x with unit column stride, gate_up and
+    down contiguous (or block-scaled stacked `Fp8Weight`s); `tile`: this one instead of `tiles`' choice.
+    `w8a8` (`fused_fp8_experts`): per-channel stacked FP8 experts, x and h quantized per row first."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = ids.shape[1]
@@ -273,6 +256,9 @@ def _experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torch.Ten
     return y.view(t, top_k, hidden).sum(dim=1)
 
 
+fused_fp8_experts = partial(fused_experts, w8a8=True)
+
+
 def _operand(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """(weight, scales, the scales' expert and row strides); a float weight's scales are itself, unread."""
     if isinstance(w, Fp8Weight):
@@ -282,10 +268,9 @@ def _operand(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, t
 
 def choose_tiles(run: Callable[..., torch.Tensor], gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight,
                  top_k: int, dtype: torch.dtype, max_tokens: int) -> None:
-    """At warm-up, on CUDA: for each pair class a step of up to `max_tokens` tokens reaches, time
-    `run` (fused_experts or fused_fp8_experts) with each CANDIDATES tile at the class's largest size
-    (random routing over every expert), after checking its output against the default tile's (a tile
-    that computes wrong or fails on this GPU is skipped, not served); the fastest goes into CHOSEN."""
+    """At warm-up, on CUDA, per pair class a step of up to `max_tokens` tokens reaches: the fastest
+    CANDIDATES tile of `run` (fused_experts or fused_fp8_experts) at the class's largest size, random
+    routing, into CHOSEN (`_fastest_tile`)."""
     num_experts, inter, hidden = gate_up.shape[0], down.shape[2], gate_up.shape[-1]
     device = gate_up.qweight.device if isinstance(gate_up, Fp8Weight) else gate_up.device
     for cls in PAIR_CLASSES:
@@ -300,7 +285,8 @@ def choose_tiles(run: Callable[..., torch.Tensor], gate_up: torch.Tensor | Fp8We
 
 
 def _fastest_tile(step: Callable[[Tile], torch.Tensor], cls: int) -> Tile:
-    """The candidate tile of pair class `cls` that runs `step` fastest and computes what the default does."""
+    """The candidate tile of pair class `cls` that runs `step` fastest and computes what the default does
+    (one that computes wrong or fails on this GPU is skipped, not served)."""
     ref = step(tile_config(cls))
     timings = {}
     for tile in CANDIDATES[cls]:

@@ -14,8 +14,7 @@ KERNELS = {"decode_split": attention._decode_split, "decode_merge": attention._d
 
 
 def compiled_variants() -> dict[str, int]:
-    """Kernel name -> compiled variants over all devices (0 under TRITON_INTERPRET, which compiles
-    nothing)."""
+    """Kernel name -> compiled variants over all devices (0 under TRITON_INTERPRET: it compiles nothing)."""
     return {name: _count(fn) for name, fn in KERNELS.items()}
 
 

@@ -1,8 +1,5 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5).
-`parse_moe` (config.py) reads a config.json's experts into a `MoESpec`; `build_moe` (block.py) loads
-one sparse layer's `MoEBlock`, called like a dense MLP (server/models/mlp.py); `route` (router.py) is
-the gate alone. The forward has no host synchronisation on CUDA, so it runs inside CUDA graphs.
-"""
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5),
+called like a dense MLP; the forward has no host synchronisation on CUDA, so it runs in CUDA graphs."""
 
 from server.models.moe.block import MoEBlock, build_moe, moe_blocks
 from server.models.moe.config import MoESpec, parse_moe

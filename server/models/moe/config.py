@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCORINGS = ("softmax", "sigmoid")
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
 
 @dataclass(frozen=True)
 class ExpertNames:
@@ -40,8 +37,8 @@ class MoESpec:
     intermediate_size: int  # one routed expert's (a tensor-parallel rank's share once sharded)
     sparse_layers: tuple[bool, ...]  # per layer: a MoE block (True) or the dense MLP (False)
     names: ExpertNames
-    scoring: str = "softmax"  # one of SCORINGS
-    topk_method: str = "greedy"  # one of TOPK_METHODS
+    scoring: str = "softmax"  # or "sigmoid"
+    topk_method: str = "greedy"  # or "group_limited_greedy", "noaux_tc"
     n_group: int = 1  # expert groups (group-limited top-k), each num_experts // n_group experts
     topk_group: int = 1  # groups a token may pick experts from
     norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
@@ -93,8 +90,7 @@ class _Keys:
 
 
 def parse_moe(raw: dict[str, Any], cfg: Any, architecture: str, model_dir: Path) -> MoESpec | None:
-    """The experts of `architecture`'s config (None: a dense model); ValueError naming a key pdserve
-    does not implement."""
+    """The experts of `architecture`'s config (None: a dense model); see the module docstring."""
     keys = _Keys(raw, cfg, model_dir)
     if architecture == "MixtralForCausalLM":
         return _mixtral(keys)

@@ -20,16 +20,15 @@ class ExpertLoad:
     def __init__(self, blocks: dict[int, MoEBlock], interval_s: float = 1.0) -> None:
         self.blocks = blocks  # layer -> its block
         self.interval_s = interval_s
-        self._totals: dict[int, list[int]] = {layer: [0] * b.spec.num_experts for layer, b in blocks.items()}
-        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
         self._started = 0.0
+        self.reset()
 
     def reset(self) -> None:
         """Counts start from 0 (after the warm-up's steps)."""
         for block in self.blocks.values():
             block.load.zero_()
-        self._totals = {layer: [0] * b.spec.num_experts for layer, b in self.blocks.items()}
-        self._pending = None
+        self._totals: dict[int, list[int]] = {layer: [0] * b.spec.num_experts for layer, b in self.blocks.items()}
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     def read(self) -> dict[int, list[int]]:
         """layer -> tokens routed to each of its experts (cumulative), as of the last copy that landed."""

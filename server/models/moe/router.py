@@ -37,19 +37,19 @@ def route(spec: MoESpec, x: torch.Tensor, gate: torch.Tensor, correction: torch.
     return weights, ids
 
 
-def _group_mask(spec: MoESpec, group_scores: torch.Tensor) -> torch.Tensor:
-    """group_scores [T, n_group] -> [T, num_experts] bool: the experts of each token's topk_group groups."""
+def _group_mask(spec: MoESpec, scores: torch.Tensor, best: int) -> torch.Tensor:
+    """scores [T, num_experts] -> [T, num_experts] bool: the experts of each token's topk_group groups,
+    a group ranked by the sum of its `best` highest scores."""
+    per_group = spec.num_experts // spec.n_group
+    group_scores = scores.view(-1, spec.n_group, per_group).topk(best, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
     mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    per_group = spec.num_experts // spec.n_group
     return mask.unsqueeze(-1).expand(-1, spec.n_group, per_group).reshape(-1, spec.num_experts).bool()
 
 
 def _group_limited(spec: MoESpec, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: groups ranked by their best expert; experts outside the chosen groups score 0."""
-    per_group = spec.num_experts // spec.n_group
-    group_scores = scores.view(-1, spec.n_group, per_group).max(dim=-1).values
-    masked = scores.masked_fill(~_group_mask(spec, group_scores), 0.0)
+    masked = scores.masked_fill(~_group_mask(spec, scores, best=1), 0.0)
     return torch.topk(masked, k=spec.top_k, dim=-1, sorted=False)
 
 
@@ -58,8 +58,6 @@ def _noaux_tc(spec: MoESpec, scores: torch.Tensor, correction: torch.Tensor | No
     """DeepSeek-V3: experts chosen by score + correction bias, in the groups whose two best such scores
     sum highest; weighted by their uncorrected scores."""
     choice = scores if correction is None else scores + correction
-    per_group = spec.num_experts // spec.n_group
-    group_scores = choice.view(-1, spec.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    choice = choice.masked_fill(~_group_mask(spec, group_scores), float("-inf"))
+    choice = choice.masked_fill(~_group_mask(spec, choice, best=2), float("-inf"))
     ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
     return scores.gather(1, ids), ids

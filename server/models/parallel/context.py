@@ -1,16 +1,17 @@
 """Where tensor-parallel ranks meet inside the model: three calls, and a null object for one rank.
 
-The model calls its `ParallelContext` at three points: `embed` (vocabulary-parallel: rows this rank
-does not hold are zero, an all-reduce sums the ranks'), `reduce` (the all-reduce after o and down)
-and `logits` (each rank's vocabulary slice of the lm_head, gathered). `SingleRank` is TP=1 and adds
-nothing; `TensorParallel` runs the collectives through torch.distributed (gloo on the CPU, NCCL on
-CUDA, captured in the decode CUDA graphs like any kernel).
+The model calls its `ParallelContext` at three points: `embed` (token ids [T] -> the residual stream
+[T, hidden], whole on every rank; vocabulary-parallel: rows this rank does not hold are zero, an
+all-reduce sums the ranks'), `reduce` (the all-reduce of a row-parallel projection's partial output
+[T, hidden], after o and down) and `logits` (x [N, hidden] -> [N, vocab] on every rank: each rank's
+vocabulary slice of the lm_head, gathered). `SingleRank` is TP=1 and adds nothing; `TensorParallel`
+runs the collectives through torch.distributed (gloo on the CPU, NCCL on CUDA, captured in the decode
+CUDA graphs like any kernel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,17 +21,6 @@ from server.models.model_spec import ModelSpec
 from server.models.moe.dispatch import AllToAllDispatch
 from server.models.parallel.plan import ShardPlan
 from server.models.parallel.shard import load_shard, local_spec, plan_for
-
-
-class ParallelContext(Protocol):
-    def embed(self, token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """token_ids [T] -> the residual stream [T, hidden] (whole on every rank)."""
-
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of a row-parallel projection's partial output [T, hidden]."""
-
-    def logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], this rank's lm_head rows -> logits [N, vocab] (every rank gets them)."""
 
 
 class SingleRank:
@@ -75,6 +65,9 @@ class TensorParallel:
         self._gather(gathered, part.contiguous())  # rank 0's rows, then rank 1's, ...
         gathered = gathered.view(self.size, n, self.vocab_rows)
         return gathered.transpose(0, 1).reshape(n, self.size * self.vocab_rows)[:, :self.vocab_size]
+
+
+ParallelContext = SingleRank | TensorParallel
 
 
 @dataclass(frozen=True)

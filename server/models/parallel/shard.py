@@ -66,8 +66,7 @@ def load_shard(spec: ModelSpec, plan: ShardPlan, dtype: torch.dtype, device: tor
 
 
 def shard_slice(name: str, handle: Any, spec: ModelSpec, plan: ShardPlan) -> torch.Tensor | None:
-    """The part of tensor `name` that `plan.rank` holds (`handle` is a safetensors slice); None: none
-    of it (another rank's expert)."""
+    """The part of tensor `name` (`handle`: its safetensors slice) `plan.rank` holds; None: another rank's expert."""
     if name in _VOCAB:
         return _vocab_rows(handle, plan)
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
