@@ -91,7 +91,7 @@ def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Pa
                                 os.environ, _say)
         servers = [replace(c, env={**c.env, **share.env_of(c.name)}) for c in servers]
         if router is not None and share.pair_on_gpu:
-            router = replace(router, env={SHARED_GPU_ENV: "1"})
+            router = replace(router, env={**router.env, SHARED_GPU_ENV: "1"})
             if cfg.router.conditional is None:
                 _say(f"gpu_share: the router serves prompts of up to {SHARED_GPU_LOCAL_PREFILL} new tokens on the "
                      "generation server alone (router.conditional; `conditional: {}` sends every prompt to the "

@@ -40,7 +40,8 @@ class DecodeGraphs:
         self.max_logit_rows = max_batch  # the most rows whose logits a replay computes
         self.mixed_replays = 0  # replays of steps that held prefill or verify chunks (a metric for tests)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # every tensor a graph reads must outlive it (a freed one's memory is reused by later steps): its plan's
+        # every tensor a graph reads must outlive it (a freed one's memory is reused by later steps): the plans
+        # hold them, logit rows included
         self.plans: dict[int, StaticDecodePlan] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.source: torch.Tensor | None = None  # [max_batch] int64: the previous step's sampled ids

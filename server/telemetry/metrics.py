@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -147,12 +148,12 @@ def _observing(key: str) -> Callable[[Observer, float], None]:
     return observe
 
 
-class Observer:
+class Observer(ABC):
     """`observe_<key>(seconds)` for each of HISTOGRAMS, as `_observe(key, seconds)`: into the histogram
     (`ServerMetrics`), or kept for the engine's next message (server/telemetry/relay.py)."""
 
-    def _observe(self, key: str, seconds: float) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _observe(self, key: str, seconds: float) -> None: ...
 
     observe_ttft = _observing("ttft")
     observe_tpot = _observing("tpot")
