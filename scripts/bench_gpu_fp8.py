@@ -44,6 +44,11 @@ from server.models.fp8.weight import Fp8Weight
 from server.telemetry.metrics import ServerMetrics
 
 LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _owner(layer, name: str):
+    """Where a linear lives: attention's on the layer, the dense MLP's on `layer.mlp`."""
+    return layer.mlp if name in ("gate_up", "down") else layer
 GOAL_TPOT, GOAL_TOK_S = 0.65, 1.4
 
 
@@ -68,7 +73,7 @@ def step_bytes(core: EngineCore) -> int:
     total = model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * 2
     for layer in model.layers:
         for name in LINEARS:
-            w = getattr(layer, name)
+            w = getattr(_owner(layer, name), name)
             total += w.nbytes() if isinstance(w, Fp8Weight) else w.numel() * w.element_size()
         total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
     return total
@@ -91,7 +96,8 @@ def sweep_ms(fn) -> float:
 
 def sweeps(core: EngineCore, variant: str) -> None:
     model = core.runner.model
-    weights = [(getattr(layer, n), getattr(layer, f"{n}_bias")) for layer in model.layers for n in LINEARS]
+    weights = [(getattr(_owner(layer, n), n), getattr(_owner(layer, n), f"{n}_bias"))
+               for layer in model.layers for n in LINEARS]
     gb = step_bytes(core) / 1e9
     for rows in (1, 64):
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16, device="cuda") for w, _ in weights}
