@@ -140,8 +140,7 @@ class EngineCore:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
         if self.inflight is not None and (self.inflight.hands_over  # its KV is offered without delay
-                                          or self.spec.wants_tokens(self.inflight.requests)  # drafts need them
-                                          or self.structured.needs_tokens(self.inflight.requests)):  # masks do
+                                          or self.spec.wants_tokens(self.inflight.requests)):  # drafts need them
             outputs += self._postprocess(self.inflight)
             self.inflight = None
         plan = self.scheduler.schedule()
@@ -172,6 +171,8 @@ class EngineCore:
         prompt_rows = [lp.prompt_rows(c) for c in chunks]  # before the computed counts move
         seqs = [self._seq_chunk(c, n) for c, n in zip(chunks, prompt_rows, strict=True)]
         logits = self.runner.execute(seqs, self._pending_inputs(chunks))
+        if self.inflight is not None:  # its tokens, to the grammars, while the device computes this step
+            self.structured.feed_ahead(self.inflight)
         sampled = [c for c in chunks if c.need_logits]
         layout, rows, children = lp.StepRows.of(chunks, prompt_rows), self.spec.rows(sampled), []
         scores = layout.sampler_logits(logits)

@@ -23,8 +23,11 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 def _routing(tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) of the rank holding the first half of `experts`: the other half's pairs get id
-    experts // 2 and weight 0; the last token of several routed wholly to the other rank."""
-    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
+    experts // 2 and weight 0; the first token routed to expert 0 among others (so some pair is held and
+    the reference is not all zeros), the last token of several routed wholly to the other rank."""
+    scores = torch.rand(tokens, experts, device="cuda")
+    scores[0, 0] = 2.0
+    ids = scores.topk(top_k, dim=1).indices
     if tokens > 1:
         ids[-1] = torch.arange(experts - top_k, experts, device="cuda")
     weights = torch.rand(tokens, top_k, device="cuda")
@@ -71,6 +74,7 @@ def test_per_pair_tiles_compute_the_fp8_references(tokens: int) -> None:
                for rows, cols in ((2 * inter, hidden), (hidden, inter))]
     want_blocked = dense_experts(x.float(), *(w.dequantize(torch.float32) for w in blocked), weights,
                                  ids.clamp(max=experts - 1))
+    assert want_w8a8.abs().max() > 0 and want_blocked.abs().max() > 0
     for tile in PER_PAIR_TILES:
         # as tests/gpu/test_moe_fp8_cuda.py: h's e4m3 rounding may move a value by one code
         assert _relative(fused_fp8_experts(x, *w8a8, weights, ids, tile), want_w8a8) < 4e-2, tile

@@ -8,6 +8,7 @@ from contextlib import suppress
 
 import torch
 
+from server.engine.inflight import SampledStep
 from server.engine.request import Request, Status
 from server.engine.structured.bitmask import StepMask
 from server.engine.structured.compiler import GrammarCompiler, compiler_for
@@ -50,16 +51,23 @@ class StructuredOutput:
         return None
 
     @staticmethod
-    def needs_tokens(requests: list[Request]) -> bool:
-        """Async scheduling: a live constrained request of the step in flight needs its token accepted
-        before its next mask is filled, so that step is postprocessed before the next schedule."""
-        return any(r.grammar is not None and r.status != Status.FINISHED for r in requests)
+    def feed_ahead(inflight: SampledStep) -> None:
+        """Async scheduling: a constrained request's next mask needs the token of the step in flight.
+        Once the next step's forward is queued, that token is read (its sampling ran before this
+        forward) and fed to the grammar ahead of the step's postprocessing, which then finds it fed
+        (`RequestGrammar.accept`): the host's work still overlaps the device's."""
+        live = [(i, r) for i, r in enumerate(inflight.requests)
+                if r.grammar is not None and r.status != Status.FINISHED]
+        if live and inflight.drafts is None:  # (constrained requests do not draft)
+            tokens = inflight.tokens()
+            for i, request in live:
+                request.grammar.feed_ahead(tokens[i])
 
     def mask(self, rows: list) -> StepMask | None:
         """The bitmask of a step's sampler rows (requests, or a verify chunk's rows: never constrained,
         constrained requests do not draft); None when no row is constrained."""
-        constrained = {i: row.grammar for i, row in enumerate(rows)
-                       if isinstance(row, Request) and row.grammar is not None}
+        constrained = {i: row.grammar for i, row in enumerate(rows)  # one whose grammar ended drops its token
+                       if isinstance(row, Request) and row.grammar is not None and row.grammar.open}
         if not constrained:
             return None
         return StepMask.fill(constrained, len(rows), self.vocab_size, self.device)

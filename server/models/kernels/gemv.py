@@ -93,12 +93,27 @@ class SkinnyLinear:
 
 
 def cuda_ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    """fn's time on the current CUDA stream in ms, the mean of `repeats` runs after one untimed run."""
+    """fn's GPU time in ms: the mean of `repeats` replays of fn captured in a CUDA graph, after one
+    untimed run (eager runs where fn cannot be captured). A served step replays its kernels from a
+    graph, so the host's cost of launching them is not what a warm-up choice should weigh: timed
+    eagerly, a path of more kernels (cuBLAS's FP8 GEMM behind its own activation quantisation) lost
+    to fused ones that were slower on the GPU (H100, 2026-12-07: b1 TPOT 5.46 ms with the choice,
+    4.53 ms with cuBLAS alone)."""
     fn()
+    torch.cuda.synchronize()
+    run = fn
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except RuntimeError:  # (something fn does cannot be captured: timed eagerly)
+        torch.cuda.synchronize()
+    run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
-        fn()
+        run()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
