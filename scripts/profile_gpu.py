@@ -10,6 +10,9 @@ For each (batch, context) case the decode graph's static plan is filled with `ba
   the real pool views, against its KV bytes / HBM bandwidth.
 
     python scripts/profile_gpu.py --workdir /tmp/bench-gpu [--cases 1x384,64x384,64x2048]
+    python scripts/profile_gpu.py --model-dir /tmp/bench-moe/qwen3moe-16 --parts replay,kernels --cases 1x128,64x128
+      (another model directory, e.g. a MoE shape scripts/bench_gpu_moe.py built: its replay and kernel
+      breakdown; the GEMM and attention sweeps read the dense model's linears and K/V pool)
 
 Prints one JSON line per finding.
 """
@@ -36,7 +39,8 @@ def emit(name: str, **row: object) -> None:
 def fill(core, batch: int, context: int) -> None:
     graphs = core.runner.graphs
     backend = graphs.attention
-    tpb, slots = backend.tpb, backend.views[0][0].shape[0]
+    pool = backend.latents[0] if hasattr(backend, "latents") else backend.views[0][0]  # MLA: one latent pool
+    tpb, slots = backend.tpb, pool.shape[0]
     per_seq = -(-context // tpb)
     seqs = [SeqLayout(context - 1, 1, {w: [(r * per_seq + j) % slots for j in range(per_seq)]
                                        for w in backend.kv.window_sizes}) for r in range(batch)]
@@ -175,6 +179,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--host-tier", action="store_true", help="profile a host-tier hit instead")
+    parser.add_argument("--model-dir", type=Path, help="profile this model directory instead of the 8B shape")
+    parser.add_argument("--parts", default="replay,kernels,gemm,attention")
     args = parser.parse_args()
     if args.host_tier:
         model_dir = build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers)
@@ -183,15 +189,21 @@ def main() -> None:
             host_hit_profile(core)
         return
     hbm = ceilings()["hbm_read_gb_s"]
-    core, _ = make_core(build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers), args, {})
+    model_dir = args.model_dir or build_model(args.workdir / f"llama8b-shaped-{args.layers}", args.layers)
+    core, _ = make_core(model_dir, args, {})
+    parts = set(args.parts.split(","))
     for case in args.cases.split(","):
         batch, context = map(int, case.split("x"))
         fill(core, batch, context)
-        emit("replay", batch=batch, context=context, ms=timed_ms(core.runner.graphs.graphs[batch].replay, 50))
-        emit("kernels", batch=batch, context=context, **kernel_breakdown(core, batch))
-        emit("gemm", batch=batch, rows=gemm_efficiency(core, batch, hbm))
-        emit("attention_sweep", batch=batch, context=context,
-             rows_block_n_warps_stages_splits_us_vs_roof=attention_sweep(core, batch, context, hbm))
+        if "replay" in parts:
+            emit("replay", batch=batch, context=context, ms=timed_ms(core.runner.graphs.graphs[batch].replay, 50))
+        if "kernels" in parts:
+            emit("kernels", batch=batch, context=context, **kernel_breakdown(core, batch))
+        if "gemm" in parts:
+            emit("gemm", batch=batch, rows=gemm_efficiency(core, batch, hbm))
+        if "attention" in parts:
+            emit("attention_sweep", batch=batch, context=context,
+                 rows_block_n_warps_stages_splits_us_vs_roof=attention_sweep(core, batch, context, hbm))
 
 
 if __name__ == "__main__":
