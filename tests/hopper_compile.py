@@ -22,6 +22,7 @@ from server.models.kernels import fp8 as K
 from server.models.kernels import fp8_blocks as KB
 from server.models.kernels import latent as L
 from server.models.kernels import moe as GROUPED
+from server.models.kernels import penalties as P
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16",
@@ -31,6 +32,9 @@ QUANTIZE = {"X": "*bf16", "XQ": "*fp8e4nv", "XS": "*fp32", "STATIC": "*fp32", "K
 SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
          "stride_a": "i32", "stride_o": "i32"}
 
+PENALISE = {"LOGITS": "*fp32", "OUT": "*fp32", "INDEX": "*i64", "COUNT_ROWS": "*i64", "COUNTS": "*i32",
+            "IN_PROMPT": "*u8", "REP": "*fp32", "FREQ": "*fp32", "PRES": "*fp32", "vocab": "i32", "stride_l": "i32",
+            "stride_o": "i32", "stride_c": "i32", "stride_p": "i32"}
 MOE_INTS = {"pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
 # the grouped kernels of the FP8 experts (W8A8: X, H float8 with their row scales XS, HS; S the weights')
 GATE_UP = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
@@ -115,6 +119,8 @@ def decode_variants():
         constexprs = {**shape, "R": rotary, "HALF": rotary // 2, "PASS": 128 - rotary if rotary < 128 else 0,
                       "QUANT": kv == "*u8"}
         yield E._rope_write, {**ROPE, "K": kv, "V": kv}, constexprs, ("k_inv", "v_inv"), {"num_warps": 4}
+    # the sampler's fused penalties (float32 logits, int32 counts, prompt flags as bytes)
+    yield P._penalise, PENALISE, {"BLOCK": P.BLOCK}, ("vocab",), {"num_warps": 4}
 
 
 def main() -> int:

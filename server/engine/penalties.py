@@ -134,6 +134,11 @@ class StepPenalties:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         n, d = self.size, self._num_drafted
         index, count_rows = self._ints[:n], self._ints[n:2 * n]
+        if logits.is_cuda and not d:  # one fused pass (a verify row's drafts take the torch path)
+            from server.models.kernels.penalties import penalise  # (Triton: installed with CUDA only)
+
+            return penalise(logits, index, count_rows, self.counts.counts, self.counts.in_prompt,
+                            *(self._floats[i * n:(i + 1) * n] for i in range(3)))
         occurs = self.counts.counts.index_select(0, count_rows).float()
         if d:  # a verify row's drafts before it are output tokens of its position
             at = 2 * n

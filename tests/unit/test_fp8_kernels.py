@@ -220,4 +220,5 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     decode = [line for line in done.stdout.splitlines() if line.startswith(("_decode_split", "_latent_split",
                                                                              "_write_rows", "_rope_write"))]
     assert len(decode) == 11, done.stdout
+    assert sum(line.startswith("_penalise") for line in done.stdout.splitlines()) == 1, done.stdout
     assert all(ast.literal_eval(line[line.rindex("{'shared'"):])["shared"] <= 227 * 1024 for line in decode)

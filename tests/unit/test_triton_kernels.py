@@ -246,3 +246,16 @@ def test_skinny_linear_matches_f_linear(rows: int, bias: bool) -> None:
     for config in CONFIGS[:2]:
         torch.testing.assert_close(skinny_linear(x, w, b, config), torch.nn.functional.linear(x, w, b),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_penalties_kernel_equals_the_torch_formula_and_leaves_other_rows() -> None:
+    from sampling_harness import penalties_case, penalties_reference
+
+    from server.models.kernels.penalties import penalise
+
+    case = penalties_case("cpu")
+    before = case[0].clone()
+    got = penalise(*case)
+    assert torch.equal(got, penalties_reference(*case))  # the same float32 ops, bit for bit
+    assert torch.equal(case[0], before) and torch.equal(got[[0, 2]], before[[0, 2]])
+    assert torch.isinf(got[1, ::7]).all() and not torch.equal(got[3], before[3])
