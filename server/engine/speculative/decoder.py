@@ -58,10 +58,12 @@ class SpecDecoder:
     # ---- before the step
     def wants_tokens(self, requests: list[Request]) -> bool:
         """Async scheduling: some request of the step in flight will draft next, so its token must
-        be on the host before the schedule (the step is postprocessed first)."""
+        be on the host before the schedule (the step is postprocessed first). A constrained request
+        never drafts (`_may_draft`): its token goes to its grammar with the step in flight
+        (`StructuredOutput.feed_ahead`), the step's tokens read while the next forward runs."""
         if len(requests) > self.config.max_decode_batch:
             return False
-        return any(r.status == Status.RUNNING and not r.is_context_only
+        return any(r.status == Status.RUNNING and not r.is_context_only and r.grammar is None
                    and len(r.output_token_ids) + 1 >= self._pace(r).resume_at for r in requests)
 
     def draft(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> list[ScheduledChunk]:
