@@ -140,7 +140,8 @@ class EngineCore:
         arrived, failed = self.connector.poll()  # KV in: pulls that ended since the last step
         outputs = self._pulls_ended(arrived, failed)
         if self.inflight is not None and (self.inflight.hands_over  # its KV is offered without delay
-                                          or self.spec.wants_tokens(self.inflight.requests)):  # drafts need them
+                                          or self.spec.wants_tokens(self.inflight.requests)  # drafts need them
+                                          or not self.async_scheduling):  # async was turned off meanwhile
             outputs += self._postprocess(self.inflight)
             self.inflight = None
         plan = self.scheduler.schedule()

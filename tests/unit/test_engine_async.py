@@ -67,6 +67,24 @@ def test_tokens_reach_the_host_one_step_late():
     assert output.new_token_ids + results[rid].token_ids == _expected(LLAMA, prompt, 3)
 
 
+@pytest.mark.parametrize("switch_at", [2, 4, 5])
+def test_switching_async_off_with_a_step_in_flight_loses_no_token(switch_at):
+    """Async scheduling turned off between steps (as scripts/bench_gpu.py does to compare the two)
+    with a step in flight: that step's token is read before the next schedule, and every token of
+    the request, its last included, reaches its outputs."""
+    core = eh.make_core(LLAMA, async_scheduling=True)
+    prompt = random_prompt(2, 12)
+    rid = eh.submit(core, prompt, eh.greedy(6))
+    tokens = []
+    for _ in range(switch_at):
+        tokens += [t for o in core.step() for t in o.new_token_ids]
+    assert core.inflight is not None
+    core.async_scheduling = False
+    results = eh.run_to_completion(core, [rid])
+    assert tokens + results[rid].token_ids == _expected(LLAMA, prompt, 6)
+    assert results[rid].final.finish_reason == "length"
+
+
 def test_stop_rules_and_lengths_equal_sync_mode():
     """One batch mixing every ending, async, against each request alone in sync mode: stop token,
     stop string, EOS (stops, ignored, forbidden by min_tokens), max_tokens 1 and 2, max_seq_len."""
