@@ -25,6 +25,10 @@ TPB, MAX_SEQ_LEN, NEW_TOKENS = 16, 256, 6  # every decode step attends past the 
 # the interpreted kernels (their time goes by the tokens a step holds): 4 decode steps, all past the window, and a
 # 64-token budget (the warm-up's steps fill it; the prompt's chunks of 37 and 53 fit)
 TRITON_NEW_TOKENS, TRITON_MAX_NUM_TOKENS = 4, 64
+# and a batch limit of 2: the warm-up runs one step per decode split count of batches 1..limit (16 and 8
+# splits for a rank's one kv head; 4 more with a limit of 4), enough for the ranks to run several steps in
+# step with their own heads; the test's sequence decodes alone
+TRITON_MAX_BATCH_SIZE = 2
 PROMPT_LEN, FIRST_CHUNK = 90, 37  # beyond the 64-token window
 
 
@@ -51,14 +55,14 @@ def greedy(runner: ModelRunner, kv: KVCacheManager, ids: list[int],
     return out, first
 
 
-def make_runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch",
-                max_num_tokens: int = 128) -> tuple[ModelRunner, KVCacheManager]:
+def make_runner(model_dir: Path, shard: RankShard | None, kernels: str = "torch", max_num_tokens: int = 128,
+                max_batch_size: int = 4) -> tuple[ModelRunner, KVCacheManager]:
     spec = load_spec(model_dir)
     local = spec if shard is None else shard.local_spec(spec)
     kv = KVCacheManager(KvCacheConfig(max_tokens=2048, tokens_per_block=TPB),
                         local.cache_layout(MAX_SEQ_LEN, torch.float32, "cpu"))
     return ModelRunner(model_dir, kv, dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=max_num_tokens,
-                       max_batch_size=4, max_seq_len=MAX_SEQ_LEN, shard=shard, kernels=kernels,
+                       max_batch_size=max_batch_size, max_seq_len=MAX_SEQ_LEN, shard=shard, kernels=kernels,
                        cuda_graphs=False), kv
 
 
@@ -71,8 +75,9 @@ def rank_main(rank: int, size: int, port: int, model_dirs: dict[str, str], out: 
         for name, model_dir in model_dirs.items():
             shard = RankShard.of(load_spec(model_dir), rank, size, expert_parallel=name.endswith((":ep", ":a2a")),
                                  all_to_all=name.endswith(":a2a"))
-            budget = TRITON_MAX_NUM_TOKENS if kernels == "triton" else 128
-            runner, kv = make_runner(Path(model_dir), shard, kernels, budget)
+            triton = kernels == "triton"
+            runner, kv = make_runner(Path(model_dir), shard, kernels, TRITON_MAX_NUM_TOKENS if triton else 128,
+                                     TRITON_MAX_BATCH_SIZE if triton else 4)
             runner.warm_up()  # the Triton path's warm-up steps: every rank runs the same, collectives pair
             results[name] = greedy(runner, kv, tp_prompt(runner.spec.vocab_size), new_tokens)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
