@@ -44,12 +44,13 @@ from server.models.fp8.weight import Fp8Weight
 from server.telemetry.metrics import ServerMetrics
 
 LINEARS = ("qkv", "o", "gate_up", "down")
-
-
-def _owner(layer, name: str):
-    """Where a linear lives: attention's on the layer, the dense MLP's on `layer.mlp`."""
-    return layer.mlp if name in ("gate_up", "down") else layer
 GOAL_TPOT, GOAL_TOK_S = 0.65, 1.4
+
+
+def _linear(layer, name: str) -> tuple:
+    """(weight, bias) of one of LINEARS: attention's live on the layer, the dense MLP's on `layer.mlp`."""
+    owner = layer.mlp if name in ("gate_up", "down") else layer
+    return getattr(owner, name), getattr(owner, f"{name}_bias")
 
 
 def make_core(model_dir: Path, args: argparse.Namespace, quantization: str | None) -> tuple[EngineCore, float]:
@@ -73,7 +74,7 @@ def step_bytes(core: EngineCore) -> int:
     total = model.lm_head.numel() * model.lm_head.element_size() + model.final_norm.numel() * 2
     for layer in model.layers:
         for name in LINEARS:
-            w = getattr(_owner(layer, name), name)
+            w = _linear(layer, name)[0]
             total += w.nbytes() if isinstance(w, Fp8Weight) else w.numel() * w.element_size()
         total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
     return total
@@ -96,8 +97,7 @@ def sweep_ms(fn) -> float:
 
 def sweeps(core: EngineCore, variant: str) -> None:
     model = core.runner.model
-    weights = [(getattr(_owner(layer, n), n), getattr(_owner(layer, n), f"{n}_bias"))
-               for layer in model.layers for n in LINEARS]
+    weights = [_linear(layer, n) for layer in model.layers for n in LINEARS]
     gb = step_bytes(core) / 1e9
     for rows in (1, 64):
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16, device="cuda") for w, _ in weights}

@@ -134,11 +134,11 @@ class StepPenalties:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         n, d = self.size, self._num_drafted
         index, count_rows = self._ints[:n], self._ints[n:2 * n]
+        rep, freq, pres = (self._floats[i * n:(i + 1) * n] for i in range(3))
         if logits.is_cuda and not d:  # one fused pass (a verify row's drafts take the torch path)
             from server.models.kernels.penalties import penalise  # (Triton: installed with CUDA only)
 
-            return penalise(logits, index, count_rows, self.counts.counts, self.counts.in_prompt,
-                            *(self._floats[i * n:(i + 1) * n] for i in range(3)))
+            return penalise(logits, index, count_rows, self.counts.counts, self.counts.in_prompt, rep, freq, pres)
         occurs = self.counts.counts.index_select(0, count_rows).float()
         if d:  # a verify row's drafts before it are output tokens of its position
             at = 2 * n
@@ -146,7 +146,7 @@ class StepPenalties:
                               torch.ones(d, device=occurs.device), accumulate=True)
         in_output = occurs > 0
         seen = in_output | self.counts.in_prompt.index_select(0, count_rows)
-        rep, freq, pres = (self._floats[i * n:(i + 1) * n, None] for i in range(3))
+        rep, freq, pres = rep[:, None], freq[:, None], pres[:, None]
         sub = logits.index_select(0, index)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * occurs - pres * in_output.float()
