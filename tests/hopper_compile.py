@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from server.models.fp8.linear import CONFIGS
+from server.models.fp8.linear import CONFIGS, GEMV_CONFIGS
 from server.models.kernels import attention as A
 from server.models.kernels import elementwise as E
 from server.models.kernels import fp8 as K
@@ -29,6 +29,8 @@ GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "
         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
 QUANTIZE = {"X": "*bf16", "XQ": "*fp8e4nv", "XS": "*fp32", "STATIC": "*fp32", "K": "i32", "stride_x": "i32",
             "stride_q": "i32"}
+GEMV = {"X": "*bf16", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16", "N": "i32", "K": "i32",
+        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
 SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16", "M": "i32", "N": "i32",
          "stride_a": "i32", "stride_o": "i32"}
 
@@ -84,6 +86,10 @@ def variants():
                               "SWAP": swap, "PROMOTE": min(K.PROMOTE_K, block_k), "QUANT": quant, "IS_STATIC": static}
                 signature = {**GEMM, "X": "*bf16" if quant else "*fp8e4nv"}
                 yield K._fp8_gemm, signature, constexprs, ("M",), {"num_warps": warps, "num_stages": stages}
+    for block_n, block_k, warps in GEMV_CONFIGS:
+        for bias in (False, True):
+            yield K._fp8_gemv, GEMV, {"HAS_BIAS": bias, "BLOCK_N": block_n, "BLOCK_K": block_k}, (), \
+                {"num_warps": warps, "num_stages": 4}
     for block_m, block_n, block_k, warps in MOE_TILES:
         per_pair = block_m == 1  # (a per-pair tile: 16 rows for tl.dot, its pair the first)
         tiles = {"BLOCK_M": GROUPED.PAIR_ROWS if per_pair else block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,

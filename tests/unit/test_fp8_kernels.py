@@ -29,6 +29,7 @@ from server.models.fp8 import linear as L  # noqa: E402
 from server.models.fp8.weight import (  # noqa: E402
     FP8,
     Fp8Weight,
+    dequantized_linear,
     quantize_rows,
     quantize_weight,
     scaled_output,
@@ -88,6 +89,24 @@ def test_fp8_gemm_matches_the_reference(config, rows: int) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("config", L.GEMV_CONFIGS[:3])
+def test_fp8_gemv_is_the_dequantized_product(config) -> None:
+    """The weight-only GEMV: N and K off its block sizes (masks), with and without a bias, one row and three
+    (each row streams the weight); equal to x times the dequantized weight up to the order of float32 sums,
+    and the path's own error check (its reference the dequantized product, not the quantized rows') passes."""
+    torch.manual_seed(config.block_n)
+    w, bias = quantize_weight(torch.randn(90, 600)), torch.randn(90)
+    for rows in (1, 3):
+        x = torch.randn(rows, 600)
+        for b in (bias, None):
+            got = K.fp8_gemv(x, w.qweight, w.scale, b, config)
+            torch.testing.assert_close(got, dequantized_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    linears = L.Fp8Linears()
+    assert linears._error(config, torch.randn(1, 600), w, bias) < 1e-6
+    assert linears._error(L.CONFIGS[16][0], torch.randn(1, 600), w, bias) < 1e-6  # W8A8 against its own reference
+
+
+@interpreted
 def test_scale_epilogue_equals_the_reference() -> None:
     torch.manual_seed(1)
     acc, xs, ws, bias = torch.randn(7, 300) * 1e4, torch.rand(7), torch.rand(300), torch.randn(300)
@@ -111,11 +130,13 @@ def test_every_gemm_path_computes_the_reference(path) -> None:
 def test_path_candidates_and_choice() -> None:
     assert [L.row_class(m) for m in (1, 2, 8, 9, 16, 24, 33, 64, 65, 4096)] == [1, 8, 8, 16, 16, 32, 64, 64, 256, 256]
     bf16 = torch.bfloat16
-    assert L.candidates(1, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, *L.CONFIGS[16]]
+    assert L.candidates(1, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, *L.CONFIGS[16], *L.GEMV_CONFIGS]
+    assert L.candidates(2, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, *L.CONFIGS[16]]  # GEMV: one row
     assert L.candidates(48, 4096, 4096, torch.float16) == [L.CUBLAS_UNIT, *L.CONFIGS[64]]
     assert L.candidates(256, 4096, 4096, bf16) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE]  # prefill: cuBLAS only
     assert L.candidates(1, 4096, 4096, bf16, ours=False) == [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE]
-    assert L.candidates(1, 100, 4096, bf16) == L.CONFIGS[16]  # N not a multiple of 16: no cuBLAS
+    assert L.candidates(1, 100, 4096, bf16) == [*L.CONFIGS[16], *L.GEMV_CONFIGS]  # N not a multiple of 16: no cuBLAS
+    assert L._name(L.GEMV_CONFIGS[0]) == "gemv_8x512_w4"
     assert L.candidates(256, 100, 4096, bf16) == [L.TORCH]
     ours = L.CONFIGS[16][2]
     paths = [L.CUBLAS_UNIT, L.CUBLAS_ROWWISE, ours]

@@ -3,8 +3,9 @@ GEMM the warm-up timed fastest for the weight's shape and the step's row count (
 unit scales and our scale epilogue (its per-tensor FP8 path read an 8B model's linears 1.68x faster
 than bf16 at M=1 on the H200), cuBLAS row-wise with the bias fused (one kernel, but measured reading
 the weight at half rate at M=1), a Triton config for rows <= 64 (at up to 16 rows also configs that
-quantize inside the GEMM), the float32 torch reference, and for a block-scaled weight its own kernel
-(kernels/fp8_blocks.py) or the dequantized product.
+quantize inside the GEMM), at one row a weight-only GEMV (kernels/fp8.py `fp8_gemv`: x is not quantized,
+so its reference is the dequantized product), the float32 torch reference, and for a block-scaled weight
+its own kernel (kernels/fp8_blocks.py) or the dequantized product.
 
 `choose` checks each path against the torch reference (a kernel that computes wrong on some GPU is
 skipped) and keeps a Triton config only if it beats cuBLAS by 2%; PDSERVE_SKINNY_GEMV=0 keeps cuBLAS.
@@ -20,7 +21,7 @@ import os
 import torch
 
 from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
-from server.models.kernels.fp8 import Config, block_m, fp8_gemm, quantize_rows, scale_out
+from server.models.kernels.fp8 import Config, GemvConfig, block_m, fp8_gemm, fp8_gemv, quantize_rows, scale_out
 from server.models.kernels.fp8_blocks import block_fp8_gemm
 from server.models.kernels.gemv import cuda_ms, relative_error
 
@@ -39,9 +40,11 @@ CONFIGS: dict[int, list[Config]] = {
     32: [(64, 128, 4, 4, False, False), (64, 256, 4, 3, True, False), (128, 128, 4, 3, True, False)],
     64: [(64, 128, 4, 4, False, False), (128, 128, 4, 3, False, False), (128, 128, 8, 3, True, False)],
 }
+GEMV_CONFIGS = [GemvConfig(8, 512, 4), GemvConfig(16, 512, 4), GemvConfig(8, 1024, 4), GemvConfig(16, 1024, 8),
+                GemvConfig(8, 2048, 8), GemvConfig(32, 256, 4)]  # timed at one row only
 CHECK_ROWS = 256  # output features the correctness check compares
 CHECK_TOLERANCE = 2e-2  # max |out - reference| / max |reference| (bf16 output rounds at 2^-8)
-Path = str | Config
+Path = str | Config | GemvConfig
 
 
 def row_class(m: int) -> int:
@@ -76,6 +79,8 @@ class Fp8Linears:
             return block_fp8_gemm(x, w.qweight, w.scale, w.block_k, bias)
         if path == DEQUANT:
             return dequantized_linear(x, w, bias)
+        if isinstance(path, GemvConfig):
+            return fp8_gemv(x, w.qweight, w.scale, bias, path)
         if isinstance(path, tuple) and path[-1]:  # the GEMM quantizes x itself
             return fp8_gemm(x, None, w.qweight, w.scale, bias, x.dtype, path, w.input_scale)
         xq, xs = quantize_rows(x, w.input_scale)
@@ -130,7 +135,8 @@ class Fp8Linears:
     def _error(self, path: Path, x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> float:
         rows = min(CHECK_ROWS, w.shape[0])
         part = Fp8Weight(w.qweight[:rows], w.scale[:rows], w.input_scale, w.block_k)
-        reference = dequantized_linear if w.block_k else w8a8_linear  # a block-scaled GEMM does not quantize x
+        weight_only = w.block_k or isinstance(path, GemvConfig) or path == DEQUANT  # these do not quantize x
+        reference = dequantized_linear if weight_only else w8a8_linear
         ref = reference(x, part, None if bias is None else bias[:rows])
         return relative_error(self.run(path, x, w, bias)[:, :rows], ref)
 
@@ -158,7 +164,7 @@ def candidates(rows: int, n: int, k: int, dtype: torch.dtype, ours: bool = True)
     if cublas_fits(n, k):
         paths += [CUBLAS_UNIT] + ([CUBLAS_ROWWISE] if dtype == torch.bfloat16 else [])
     if ours and rows <= ROW_CLASSES[-1]:
-        paths += CONFIGS[block_m(rows)]
+        paths += CONFIGS[block_m(rows)] + (GEMV_CONFIGS if rows == 1 else [])
     return paths or [CONFIGS[64][0] if rows <= ROW_CLASSES[-1] else TORCH]
 
 
@@ -176,5 +182,7 @@ def _fastest(paths: list[Path], timings: dict[str, float]) -> Path:
 def _name(path: Path) -> str:
     if isinstance(path, str):
         return path
+    if isinstance(path, GemvConfig):
+        return f"gemv_{path.block_n}x{path.block_k}_w{path.warps}"
     block_n, block_k, warps, stages, swap, quant = path
     return f"triton_{block_n}x{block_k}_w{warps}_s{stages}" + ("_swap" if swap else "") + ("_quant" if quant else "")

@@ -12,9 +12,16 @@ launches of 128 quantization kernels would cost ~0.2 ms of an 8B model's ~3 ms s
 computes the transposed tile, putting the large weight dimension on the MMA's M side (Hopper's wgmma
 wants M >= 64). Partial sums are promoted to float32 every PROMOTE_K products
 (`max_num_imprecise_acc`), as cuBLAS does without fast accumulation.
+
+`fp8_gemv` is weight-only (the CPU's numerics: x times the dequantized weight, nothing quantizes x) for
+decode's one row: it streams the float8 weight through CUDA cores, where the tensor-core GEMMs pad the
+row to a 16-row tile and cuBLAS read an 8B model's FP8 weights at ~2.0 TB/s against bf16's ~2.8 TB/s
+(H100, 2026-12-07).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -183,4 +190,49 @@ def scale_out(acc: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor, bias: to
     block = min(1024, triton.next_power_of_2(n))
     _scale_out[(m, triton.cdiv(n, block))](acc, xs, scale, bias if bias is not None else scale, out, m, n,
                                            acc.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _fp8_gemv(X, W, WS, B, OUT, N, K, stride_xm, stride_wn, stride_om,
+              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[m, n] = (sum_k X[m, k] W[n, k]) * WS[n] (+ B[n]), one row m per program column: the weight is read
+    as float8 and widened in registers, X stays in the model dtype (weight-only: nothing quantizes it), and
+    the float32 products are summed elementwise over K and reduced across the tile once, at the end."""
+    pid_n, row = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_n = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        live_k = offs_k < K
+        w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=live_n[:, None] & live_k[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K] float8
+        x = tl.load(X + row * stride_xm + offs_k, mask=live_k, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, 1) * tl.load(WS + offs_n, mask=live_n, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(B + offs_n, mask=live_n, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_om + offs_n, out.to(OUT.dtype.element_ty), mask=live_n)
+
+
+class GemvConfig(NamedTuple):
+    """A weight-only FP8 GEMV launch: BLOCK_N output features by BLOCK_K of K per step, `warps` warps."""
+
+    block_n: int
+    block_k: int
+    warps: int
+
+
+def fp8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             config: GemvConfig) -> torch.Tensor:
+    """x [M, K] in the model dtype (unit column stride) -> [M, N] = x @ (qweight * scale[:, None]).T (+ bias),
+    qweight [N, K] float8 contiguous. Each row streams the whole weight: for decode's single row."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _fp8_gemv[(triton.cdiv(n, config.block_n), m)](
+        x, qweight, scale, scale if bias is None else bias, out, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        num_stages=4)
     return out
