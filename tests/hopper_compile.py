@@ -23,6 +23,7 @@ from server.models.kernels import fp8_blocks as KB
 from server.models.kernels import latent as L
 from server.models.kernels import moe as GROUPED
 from server.models.kernels import penalties as P
+from server.models.kernels import route as R
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMM = {"X": "*bf16", "XS": "*fp32", "STATIC": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "B": "*bf16", "OUT": "*bf16",
@@ -37,6 +38,8 @@ SCALE = {"ACC": "*fp32", "XS": "*fp32", "WS": "*fp32", "B": "*bf16", "OUT": "*bf
 PENALISE = {"LOGITS": "*fp32", "OUT": "*fp32", "INDEX": "*i64", "COUNT_ROWS": "*i64", "COUNTS": "*i32",
             "IN_PROMPT": "*u8", "REP": "*fp32", "FREQ": "*fp32", "PRES": "*fp32", "vocab": "i32", "stride_l": "i32",
             "stride_o": "i32", "stride_c": "i32", "stride_p": "i32"}
+ROUTE = {"LOGITS": "*bf16", "WEIGHTS": "*fp32", "IDS": "*i64", "LOAD": "*i64", "ROUND_LIKE": "*bf16",
+         "num_experts": "i32", "stride_l": "i32", "scale": "fp32", "eps": "fp32"}
 MOE_INTS = {"pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
 # the grouped kernels of the FP8 experts (W8A8: X, H float8 with their row scales XS, HS; S the weights')
 GATE_UP = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
@@ -127,6 +130,12 @@ def decode_variants():
         yield E._rope_write, {**ROPE, "K": kv, "V": kv}, constexprs, ("k_inv", "v_inv"), {"num_warps": 4}
     # the sampler's fused penalties (float32 logits, int32 counts, prompt flags as bytes)
     yield P._penalise, PENALISE, {"BLOCK": P.BLOCK}, ("vocab",), {"num_warps": 4}
+    # a MoE gate's fused top-k: Qwen3-30B-A3B's (128 experts, top 8, bf16 logits, rounded weights) and
+    # DeepSeek-V2-Lite's (64, top 6, float32 logits, no rounding)
+    yield R._route, ROUTE, {"TOP_K": 8, "EP": 128, "SIGMOID": False, "NORM": True}, ("scale", "eps"), \
+        {"num_warps": 1}
+    yield R._route, {**ROUTE, "LOGITS": "*fp32", "ROUND_LIKE": "*fp32"}, \
+        {"TOP_K": 6, "EP": 64, "SIGMOID": False, "NORM": False}, ("scale", "eps"), {"num_warps": 1}
 
 
 def main() -> int:

@@ -27,6 +27,8 @@ from server.models.llama import LlamaModel
 from server.models.mla_attention import TorchLatentAttention
 from server.models.model_spec import ModelSpec, load_spec
 from server.models.moe import moe_blocks
+from server.models.moe.block import RouteFn
+from server.models.moe.config import MoESpec
 from server.models.moe.experts import ExpertsFn, dense_experts
 from server.models.moe.load import ExpertLoad
 from server.models.ops import TorchOps, TritonOps, Weight
@@ -128,6 +130,12 @@ def _fused_experts(gate_up: Weight) -> ExpertsFn:
     return fused_fp8_experts if isinstance(gate_up, Fp8Weight) and not gate_up.block_k else fused_experts
 
 
+def _fused_route(spec: MoESpec) -> RouteFn | None:
+    from server.models.kernels import route
+
+    return route.fused_route if route.fits(spec) else None
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, kv: PagedKV, *, dtype: torch.dtype, device: torch.device,
                  max_num_tokens: int, max_batch_size: int,
@@ -153,8 +161,9 @@ class ModelRunner:
                                parallel=None if shard is None else shard.context)
         blocks = moe_blocks(self.model)
         for block in blocks.values():
-            if self.kernels == "triton":  # a MoE model's routed experts: two grouped GEMMs
+            if self.kernels == "triton":  # a MoE model's routed experts: two grouped GEMMs; its top-k: one kernel
                 block.experts = _fused_experts(block.gate_up)
+                block.fused_route = _fused_route(block.spec)
             if shard is not None and shard.dispatch is not None:
                 block.dispatch = shard.dispatch
         self.expert_load = ExpertLoad(blocks)  # tokens per expert, for /metrics

@@ -266,6 +266,39 @@ def test_fused_triton_experts_equal_the_torch_path(tokens: int) -> None:
         assert expert >= 8 and not live.any() or (experts[tile][live] == expert).all()
 
 
+@pytest.mark.parametrize("case", ["mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2-greedy",
+                                  "deepseek-v3-unnormalised"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_top_k_is_the_torch_route_with_its_rounding_and_load(case: str, dtype: torch.dtype) -> None:
+    """The Triton path's top-k in one kernel (kernels/route.py) against the block's torch routing: the same
+    experts in the same order, weights normalised, scaled and (Qwen) rounded alike, the same load counts;
+    a block whose routing it does not compute keeps torch. (Sigmoid scoring: DeepSeek-V3's spec with its
+    correction bias switched off.)"""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from server.models.kernels import route as R
+
+    block, _ = _ours(case, "stacked")
+    spec = replace(block.spec, topk_method="greedy", score_correction_bias=False)
+    assert R.fits(spec) and not R.fits(replace(spec, topk_method="noaux_tc"))
+    assert not R.fits(replace(spec, score_correction_bias=True))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7)).to(dtype)
+    gate = block.gate.to(dtype)
+    torch_block = MoEBlock(spec, gate, None, block.gate_up, block.down)
+    want_w, want_ids = torch_block._route(x)
+    load = torch.zeros(spec.num_experts, dtype=torch.int64, device=device)
+    from server.models.moe.router import gate_logits
+
+    logits = gate_logits(spec, x, gate).to(device)
+    got_w, got_ids = R.fused_route(spec, logits, x.to(device), load)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(load.cpu(), torch_block.load)
+    assert int(load.sum()) == TOKENS * spec.top_k and int((load > 0).sum()) > spec.top_k  # several experts
+
+
 def test_every_candidate_tile_computes_the_torch_path_and_a_chosen_one_is_used() -> None:
     """What the warm-up may choose (kernels/moe.py CANDIDATES, timed on CUDA only) computes the
     grouped torch path for every tile (the Triton interpreter on a CPU); a chosen tile is what a

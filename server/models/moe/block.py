@@ -8,6 +8,7 @@ float or stacked `Fp8Weight`s; a layer whose experts mix the two is dequantized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,8 +19,11 @@ from server.models.mlp import DenseMLP, WeightSource, load_mlp
 from server.models.moe.config import MoESpec
 from server.models.moe.dispatch import AllToAllDispatch
 from server.models.moe.experts import ExpertsFn, default_experts, expert_load
-from server.models.moe.router import route
+from server.models.moe.router import gate_logits, route
 from server.models.ops import TorchOps, Weight
+
+# (spec, gate logits [T, E], x, load [E]) -> (weights [T, top_k] float32, ids [T, top_k]), counting into load
+RouteFn = Callable[[MoESpec, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -34,6 +38,7 @@ class MoEBlock:
     experts: ExpertsFn = field(default=None)  # type: ignore[assignment]  # set from the device when None
     load: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [E] int64: tokens routed, counted on the device
     dispatch: AllToAllDispatch | None = None  # expert parallelism by all-to-all (else every rank routes every token)
+    fused_route: RouteFn | None = None  # the Triton path's top-k, rounding and load count (kernels/route.py)
 
     def __post_init__(self) -> None:
         if self.experts is None:
@@ -43,10 +48,7 @@ class MoEBlock:
 
     def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]: sum of the routed experts' outputs (and the shared expert's)."""
-        weights, ids = route(self.spec, x, self.gate, self.correction)  # [T, top_k] each
-        if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
-            weights = weights.to(x.dtype).float()
-        self.load += expert_load(ids, self.spec.num_experts)
+        weights, ids = self._route(x)  # [T, top_k] each
         if self.dispatch is not None:  # the pairs go to their experts' ranks, and their outputs come back
             out = self.dispatch(x, weights, ids, self._routed)
         else:  # every rank routes every token to the experts it holds (all of them on one rank)
@@ -57,6 +59,15 @@ class MoEBlock:
                 shared = torch.sigmoid(ops.linear(x, self.shared_gate, None)) * shared
             out = out + shared
         return out
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_route is not None:
+            return self.fused_route(self.spec, gate_logits(self.spec, x, self.gate), x, self.load)
+        weights, ids = route(self.spec, x, self.gate, self.correction)
+        if self.spec.round_weights:  # as transformers' Qwen routers hand them over (a no-op in float32)
+            weights = weights.to(x.dtype).float()
+        self.load += expert_load(ids, self.spec.num_experts)
+        return weights, ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate_up, self.down, weights, ids)

@@ -16,10 +16,7 @@ def route(spec: MoESpec, x: torch.Tensor, gate: torch.Tensor, correction: torch.
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden], gate [num_experts, hidden] (the router's weight), `correction` [num_experts]
     (DeepSeek-V3's e_score_correction_bias) -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-    if spec.router_float32:
-        logits = F.linear(x.float(), gate.float())  # [T, num_experts]
-    else:
-        logits = F.linear(x, gate).float()
+    logits = gate_logits(spec, x, gate).float()
     if spec.scoring == "sigmoid":
         scores = logits.sigmoid()
     else:
@@ -35,6 +32,11 @@ def route(spec: MoESpec, x: torch.Tensor, gate: torch.Tensor, correction: torch.
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, ids
+
+
+def gate_logits(spec: MoESpec, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """[T, num_experts]: the gate's linear, in float32 (DeepSeek) or in the model dtype."""
+    return F.linear(x.float(), gate.float()) if spec.router_float32 else F.linear(x, gate)
 
 
 def _group_mask(spec: MoESpec, scores: torch.Tensor, best: int) -> torch.Tensor:
