@@ -46,12 +46,13 @@ PAIR_ROWS = 16  # the rows of a per-pair tile's tl.dot: its pair and 15 dead row
 PER_PAIR_TILES: tuple[Tile, ...] = ((1, 16, 128, 4), (1, 16, 256, 4), (1, 32, 128, 4))
 PAIR_CLASSES = (8, 64, 256, 1024, 4096)  # a step of p (token, slot) pairs takes the choice of the first class >= p
 # what `choose_tiles` times per class (the grouped tiles' BLOCK_K 64 divides a block-scaled weight's 128-column
-# blocks); the default tile (`tile_config`) is grouped, a per-pair one runs where the warm-up timed it faster
+# blocks; 16-row tiles up to class 1024: c=64 of a 128-expert top-8 model is ~4 pairs per expert); the default
+# tile (`tile_config`) is grouped, a per-pair one runs where the warm-up timed it faster
 CANDIDATES: dict[int, tuple[Tile, ...]] = {
     8: ((16, 64, 64, 4), (16, 32, 64, 4), (16, 128, 64, 4), *PER_PAIR_TILES),
     64: ((16, 64, 64, 4), (16, 128, 64, 4), (32, 64, 64, 4), *PER_PAIR_TILES),
     256: ((32, 64, 64, 4), (16, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4)),
-    1024: ((32, 64, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8)),
+    1024: ((32, 64, 64, 4), (16, 64, 64, 4), (16, 128, 64, 4), (64, 64, 64, 4), (64, 128, 64, 8)),
     4096: ((64, 128, 64, 8), (64, 64, 64, 4), (128, 128, 64, 8)),
 }
 # (experts, intermediate, hidden, weight dtype, pair class) -> the tile `choose_tiles` timed fastest here
