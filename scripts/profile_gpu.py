@@ -80,7 +80,7 @@ def kernel_breakdown(core, batch: int, runs: int = 5) -> dict:
     kinds: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_name.items():
         kinds[kind_of(name)] += us
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:14]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:24]
     return {"kernels_per_forward": round(sum(c for _, c in per_name.values())),
             "gpu_us_per_forward": round(sum(us for us, _ in per_name.values()), 1),
             "by_kind_us": {k: round(v, 1) for k, v in kinds.items()},
