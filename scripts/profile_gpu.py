@@ -136,7 +136,7 @@ def _time_decode(q, k, v, meta, out, backend, splits, block_n, warps, stages) ->
             q, k, v, meta.block_table, meta.seq_lens, meta.lo, part, m, lsum,
             q.stride(0), q.stride(1), ks, kt, kh, meta.block_table.stride(0), backend.scale * attn.LOG2E,
             KVH=kvh, G=g, GP=gp, D=d, TPB=k.shape[1], NSPLIT=splits, BLOCK_N=block_n, IEEE=False,
-            num_warps=warps, num_stages=stages)
+            FP16_DOT=attn.fp16_dot(q, k), num_warps=warps, num_stages=stages)
         attn._decode_merge[(b, heads)](part, m, lsum, out, out.stride(0), out.stride(1), KVH=kvh, G=g, GP=gp,
                                        D=d, NSPLIT=splits, SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
     try:

@@ -115,7 +115,7 @@ def decode_variants():
     for kv in ("*bf16", "*fp8e4nv"):
         for block_n in (32, 64, 128):  # what scripts/bench_decode_kernel.py times
             constexprs = {"KVH": 8, "G": 4, "GP": 16, "D": 128, "TPB": 32, "NSPLIT": 2, "BLOCK_N": block_n,
-                          "IEEE": False}
+                          "IEEE": False, "FP16_DOT": kv == "*fp8e4nv"}
             yield A._decode_split, {**DECODE, "K": kv, "V": kv}, constexprs, ("stride_bt",), \
                 {"num_warps": 4, "num_stages": 2}
     constexprs = {"G": 16, "GP": 16, "R": 512, "P": 64, "TPB": 32, "NSPLIT": 2, "BLOCK_N": L.LATENT_BLOCK_N,

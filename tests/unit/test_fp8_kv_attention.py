@@ -172,6 +172,29 @@ def test_paged_decode_and_prefill_read_fp8_with_the_layers_scales(window: int):
                                    atol=1e-5, rtol=1e-5)
 
 
+@interpreted
+def test_paged_decode_of_bf16_queries_over_fp8_multiplies_in_float16():
+    """bf16 queries over an FP8 cache: K and V widen to float16 and the products run there (the q
+    pre-scaled); the output is attention over the dequantized cache to bf16's rounding."""
+    from server.models.kernels import attention as A
+
+    torch.manual_seed(5)
+    slots = 12
+    k8 = (torch.randn(slots, TPB, KVH, D) * 3 / K_SCALE).clamp(-448, 448).to(FP8)
+    v8 = (torch.randn(slots, TPB, KVH, D) * 2 / V_SCALE).clamp(-448, 448).to(FP8)
+    k, v = _dequantized(k8, K_SCALE), _dequantized(v8, V_SCALE)
+    table, lens = [5, 2, 9, 0], [30, 9]
+    keys, vals = torch.cat([k[s] for s in table]), torch.cat([v[s] for s in table])
+    q = torch.randn(2, H, D).bfloat16()
+    assert A.fp16_dot(q, k8) and not A.fp16_dot(q.float(), k8) and not A.fp16_dot(q, k8.bfloat16())
+    out = torch.full_like(q, float("nan"))
+    A.paged_decode(q, k8, v8, torch.tensor([table, table], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                   torch.zeros(2, dtype=torch.int32), out, D**-0.5, 2, k_scale=K_SCALE, v_scale=V_SCALE)
+    for i, n in enumerate(lens):
+        want = _window_reference(q[i].float(), keys, vals, 0, n)
+        torch.testing.assert_close(out[i].float(), want, atol=2e-2, rtol=2e-2)
+
+
 def _window_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return _reference(q, keys[lo:], vals[lo:], hi - lo)
 

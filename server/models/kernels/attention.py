@@ -51,8 +51,11 @@ def split_range(SEQ, LO, b, s, NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
 def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
                   stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_bt, sm_scale_log2,
                   KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TPB: tl.constexpr,
-                  NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One (sequence, kv head, split): softmax partials of its query heads over its key range."""
+                  NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP16_DOT: tl.constexpr):
+    """One (sequence, kv head, split): softmax partials of its query heads over its key range. FP16_DOT (an
+    FP8 cache, bf16 queries): K and V widen to float16, one conversion per two values where bfloat16 takes
+    several (the FP8 decode was bound by them), and the products run in float16: q pre-scaled by the
+    softmax scale (well inside float16's range), p in [0, 1]."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = split_range(SEQ, LO, b, s, NSPLIT, BLOCK_N)
     offs_g = tl.arange(0, GP)
@@ -60,6 +63,8 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * stride_qt + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < G)[:, None], other=0.0)
+    if FP16_DOT:
+        q = (q.to(tl.float32) * sm_scale_log2).to(tl.float16)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -70,7 +75,9 @@ def _decode_split(Q, K, V, BT, SEQ, LO, OP, MP, LP,
         off = page * stride_ks + (tok % TPB) * stride_kt + h * stride_kh
         k = tl.load(K + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(q.dtype)
         qk = dot(q, tl.trans(k), IEEE)
-        qk = tl.where(live[None, :], qk * sm_scale_log2, float("-inf"))
+        if not FP16_DOT:
+            qk = qk * sm_scale_log2
+        qk = tl.where(live[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -186,10 +193,15 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
         q, k, v, block_table, seq_lens, lo, partials, maxes, sums,
         q.stride(0), q.stride(1), ks, kt, kh, block_table.stride(0), scale * k_scale * LOG2E,
         KVH=kv_heads, G=g, GP=gp, D=d, TPB=k.shape[1], NSPLIT=splits, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32, FP16_DOT=fp16_dot(q, k), num_warps=4, num_stages=2)
     _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), v_scale, KVH=kv_heads, G=g,
                               GP=gp, D=d, NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
+
+
+def fp16_dot(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the decode kernel multiplies in float16: an FP8 cache under bf16 queries (`_decode_split`)."""
+    return k.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
 
 
 def decode_scratch(batch: int, kv_heads: int, gp: int, d: int, splits: int,
