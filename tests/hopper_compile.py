@@ -40,6 +40,7 @@ PENALISE = {"LOGITS": "*fp32", "OUT": "*fp32", "INDEX": "*i64", "COUNT_ROWS": "*
             "stride_o": "i32", "stride_c": "i32", "stride_p": "i32"}
 ROUTE = {"LOGITS": "*bf16", "WEIGHTS": "*fp32", "IDS": "*i64", "LOAD": "*i64", "ROUND_LIKE": "*bf16",
          "num_experts": "i32", "stride_l": "i32", "scale": "fp32", "eps": "fp32"}
+ALIGN = {"IDS": "*i64", "ROWS": "*i64", "TILE_EXPERT": "*i64", "pairs": "i32", "num_experts": "i32", "total": "i32"}
 MOE_INTS = {"pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32", "num_experts": "i32"}
 # the grouped kernels of the FP8 experts (W8A8: X, H float8 with their row scales XS, HS; S the weights')
 GATE_UP = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "S": "*fp32", "ROWS": "*i64", "TILE_EXPERT": "*i64",
@@ -105,6 +106,9 @@ def variants():
                    "W8A8": False}
         for fn, signature in ((GROUPED._gate_up_silu, BLOCK_GATE_UP), (GROUPED._down_weighted, BLOCK_DOWN)):
             yield fn, signature, blocked, ("pairs", "top_k", "num_experts"), {"num_warps": warps}
+    for pp, block_m in ((16, 16), (1024, 16), (1024, 64)):  # the grouped tiles' sort in one program
+        yield GROUPED._align, ALIGN, {"BLOCK_M": block_m, "PP": pp, "EB": 16, "FILL": 1024}, \
+            ("pairs", "num_experts", "total"), {"num_warps": 8}
     for rows in (1, 32, 64, 256):
         constexprs = {"HAS_BIAS": False, "BLOCK_M": K.block_m(rows), "BLOCK_N": KB.tile_n(rows), "BLOCK_K": 128,
                       "GROUP_K": 128, "IEEE": False}

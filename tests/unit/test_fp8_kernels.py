@@ -248,4 +248,5 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     # the one-row weight-only GEMVs (with and without a bias) and a MoE gate's fused top-k at two shapes
     assert sum(line.startswith("_fp8_gemv") for line in done.stdout.splitlines()) == 2 * len(L.GEMV_CONFIGS)
     assert sum(line.startswith("_route") for line in done.stdout.splitlines()) == 2, done.stdout
+    assert sum(line.startswith("_align") for line in done.stdout.splitlines()) == 3, done.stdout
     assert all(ast.literal_eval(line[line.rindex("{'shared'"):])["shared"] <= 227 * 1024 for line in decode)

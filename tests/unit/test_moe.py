@@ -299,6 +299,29 @@ def test_fused_top_k_is_the_torch_route_with_its_rounding_and_load(case: str, dt
     assert int(load.sum()) == TOKENS * spec.top_k and int((load > 0).sum()) > spec.top_k  # several experts
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 8, 128, 16), (64, 8, 128, 16),
+                                                                   (37, 3, 8, 32), (128, 8, 128, 64), (5, 6, 64, 16)])
+def test_align_in_one_kernel_equals_the_torch_sort(tokens: int, top_k: int, experts: int, block_m: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`align` up to ALIGN_PAIRS pairs (one Triton program; interpreted on a CPU) against its torch form:
+    the same rows and tile experts, bit for bit, with pairs routed to no expert held here (id E) and the
+    experts' loads uneven (a few experts take most pairs)."""
+    pytest.importorskip("triton")
+    from server.models.kernels import moe as kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens * experts)
+    skew = torch.rand(tokens, experts + 1, generator=g) ** 4 * torch.linspace(1, 20, experts + 1)
+    ids = skew.topk(top_k, dim=1).indices.to(device)  # values 0..E, the last column (E: not held) often taken
+    assert tokens * top_k <= kernels.ALIGN_PAIRS
+    rows, tile_expert = kernels.align(ids, experts, block_m)
+    monkeypatch.setattr(kernels, "ALIGN_PAIRS", 0)  # the torch form
+    want_rows, want_tiles = kernels.align(ids, experts, block_m)
+    assert torch.equal(rows.cpu(), want_rows.cpu())
+    assert torch.equal(tile_expert.cpu(), want_tiles.cpu())
+    assert (want_tiles == experts).any() or tokens == 1
+
+
 def test_every_candidate_tile_computes_the_torch_path_and_a_chosen_one_is_used() -> None:
     """What the warm-up may choose (kernels/moe.py CANDIDATES, timed on CUDA only) computes the
     grouped torch path for every tile (the Triton interpreter on a CPU); a chosen tile is what a

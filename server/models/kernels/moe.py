@@ -10,9 +10,10 @@ order, this in slot order: float32 results agree to rounding).
 Per-pair tiles (BLOCK_M 1, `PER_PAIR_TILES`), for decode steps of a few pairs, skip the sort: one
 program per (pair, BLOCK_N outputs) reads its expert from `ids` and loops over all of K, so a one-token
 top-8 step runs 8 x N / BLOCK_N programs that all read weights, where the grouped tiles launch one tile
-per expert held (most empty) after `align`'s dozen small torch kernels. They are the same two kernels
-with PER_PAIR set (the pair is row 0 of a 16-row tile, tl.dot's least), summing and rounding as the
-grouped tiles do; `choose_tiles` times them beside the grouped tiles of pair classes 8 and 64.
+per expert held (most empty) after `align` (one kernel up to ALIGN_PAIRS pairs, else a dozen small torch
+ones). They are the same two kernels with PER_PAIR set (the pair is row 0 of a 16-row tile, tl.dot's
+least), summing and rounding as the grouped tiles do; `choose_tiles` times them beside the grouped tiles
+of pair classes 8 and 64.
 
 Float, block-scaled and per-channel FP8 experts all run these kernels. Block-scaled: each weight tile
 is widened to the activations' dtype (exact) and each BLOCK_K slice's product scaled by its block's
@@ -25,6 +26,7 @@ routing weight; accumulation as kernels/fp8.py's, torch reference fp8/experts.py
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -44,6 +46,7 @@ PAIR_ROWS = 16  # the rows of a per-pair tile's tl.dot: its pair and 15 dead row
 # decode's candidates without the sort: BLOCK_K long enough to stream the weight (a block-scaled weight's
 # BLOCK_K is cut to its column block), a few hundred programs and more for a one-token step
 PER_PAIR_TILES: tuple[Tile, ...] = ((1, 16, 128, 4), (1, 16, 256, 4), (1, 32, 128, 4))
+ALIGN_PAIRS = 1024  # up to this many pairs `align` is one kernel (its counts are [16 experts, pairs] tiles)
 PAIR_CLASSES = (8, 64, 256, 1024, 4096)  # a step of p (token, slot) pairs takes the choice of the first class >= p
 # what `choose_tiles` times per class (the grouped tiles' BLOCK_K 64 divides a block-scaled weight's 128-column
 # blocks; 16-row tiles up to class 1024: c=64 of a 128-expert top-8 model is ~4 pairs per expert); the default
@@ -85,9 +88,12 @@ def _weight_dtype(w: torch.Tensor | Fp8Weight) -> torch.dtype:
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] (values 0..E, E: no expert held here) -> (rows [R] int64: each padded row's pair index
     (T * k for padding), tile_expert [R // block_m] int64: each tile's expert, >= E for the tiles of id
-    E and past the last real tile). R is fixed by T, k, E and block_m; nothing is read on the host."""
+    E and past the last real tile). R is fixed by T, k, E and block_m; nothing is read on the host.
+    Up to ALIGN_PAIRS pairs on a GPU (or under the interpreter), one kernel (`_align`); else torch's dozen."""
     flat = ids.flatten()
     pairs = flat.numel()
+    if pairs <= ALIGN_PAIRS and (flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return _align_fused(flat, num_experts, block_m)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -96,11 +102,64 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     order = flat.argsort(stable=True)  # pair indices grouped by expert, in token order within one
     experts = flat[order]
     dest = padded_start[experts] + torch.arange(pairs, device=ids.device) - start[experts]
-    total = pairs + (num_experts + 1) * (block_m - 1)
-    total = (total + block_m - 1) // block_m * block_m
+    total = _align_rows(pairs, num_experts, block_m)
     rows = torch.full((total,), pairs, dtype=torch.int64, device=ids.device).scatter_(0, dest, order)
     tile_start = torch.arange(0, total, block_m, device=ids.device)
     tile_expert = torch.searchsorted(padded_end, tile_start, right=True)  # num_experts past the end
+    return rows, tile_expert
+
+
+def _align_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """R: every pair, plus at most block_m - 1 padding rows for each of the E + 1 ids, in whole tiles."""
+    total = pairs + (num_experts + 1) * (block_m - 1)
+    return (total + block_m - 1) // block_m * block_m
+
+
+@triton.jit
+def _align(IDS, ROWS, TILE_EXPERT, pairs, num_experts, total,
+           BLOCK_M: tl.constexpr, PP: tl.constexpr, EB: tl.constexpr, FILL: tl.constexpr):
+    """`align` in one program: each pair's row is its expert's padded start (a running sum of the padded
+    counts, EB experts at a time) plus its rank among that expert's pairs in token order (a running count
+    along the pairs); the rows are filled with `pairs`, the pairs written to their rows, then each tile's
+    expert read from its first row (a tile lies within one expert's rows and starts with a real one;
+    past the last: E + 1, as searchsorted gives)."""
+    offs_p = tl.arange(0, PP)
+    live_p = offs_p < pairs
+    ids = tl.load(IDS + offs_p, mask=live_p, other=-1).to(tl.int32)  # -1: no pair, in no expert's count
+    rank = tl.zeros([PP], tl.int32)
+    start = tl.zeros([PP], tl.int32)
+    carry = 0
+    for e0 in range(0, num_experts + 1, EB):
+        offs_e = e0 + tl.arange(0, EB)
+        hit = ids[None, :] == offs_e[:, None]  # [EB, PP]
+        ones = hit.to(tl.int32)
+        rank += tl.sum(tl.where(hit, tl.cumsum(ones, 1), 0), 0)
+        counts = tl.sum(ones, 1)
+        padded = tl.where(offs_e <= num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        padded_start = tl.cumsum(padded, 0) - padded + carry
+        start += tl.sum(tl.where(hit, padded_start[:, None], 0), 0)
+        carry += tl.sum(padded, 0)
+    for r0 in range(0, total, FILL):
+        offs_r = r0 + tl.arange(0, FILL)
+        tl.store(ROWS + offs_r, tl.full([FILL], 0, tl.int64) + pairs, mask=offs_r < total)
+    tl.debug_barrier()  # (the fill is seen before the pairs land)
+    tl.store(ROWS + start + rank - 1, offs_p.to(tl.int64), mask=live_p)
+    tl.debug_barrier()
+    for t0 in range(0, total // BLOCK_M, FILL):
+        offs_t = t0 + tl.arange(0, FILL)
+        live_t = offs_t < total // BLOCK_M
+        first = tl.load(ROWS + offs_t * BLOCK_M, mask=live_t, other=pairs)
+        expert = tl.load(IDS + first, mask=first < pairs, other=num_experts + 1)
+        tl.store(TILE_EXPERT + offs_t, expert.to(tl.int64), mask=live_t)
+
+
+def _align_fused(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = flat.numel()
+    total = _align_rows(pairs, num_experts, block_m)
+    rows = torch.empty(total, dtype=torch.int64, device=flat.device)
+    tile_expert = torch.empty(total // block_m, dtype=torch.int64, device=flat.device)
+    _align[(1,)](flat, rows, tile_expert, pairs, num_experts, total, BLOCK_M=block_m,
+                 PP=max(16, triton.next_power_of_2(pairs)), EB=16, FILL=1024, num_warps=8)
     return rows, tile_expert
 
 
