@@ -80,7 +80,7 @@ def test_a_queued_write_answers_reads_until_its_file_lands(tmp_path):
     assert store.read_many([(64, 1, b"h" * 16)])[0].reason == "missing"
     for writer in store._writers:
         writer.start()
-    wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+    wait_until(lambda: store.stats.bytes_written == 8, 10, what="the write to land")
     assert not store._pending and store.stats.queued_bytes == 0
     assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"12345678"  # from the file
     store.close()
@@ -110,7 +110,7 @@ def test_a_payload_of_many_pieces_round_trips_and_a_flip_in_any_piece_fails(tmp_
     meta = BlockMeta(b"h" * 16, None, b"s" * 16, (1,), 35)
     try:
         assert store.write(64, 0, meta, memoryview(bytearray(payload)))
-        wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+        wait_until(lambda: store.stats.bytes_written == n, 10, what="the write to land")
         (got,) = store.read_many([(64, 0, b"h" * 16)])
         assert isinstance(got, memoryview) and bytes(got) == payload
         path = tmp_path / "w64" / "0.kv"
@@ -154,7 +154,7 @@ def test_a_superseded_write_gives_its_buffer_back_and_a_read_from_the_queue_is_a
     assert bytes(queued) == b"22222222" and queued.obj is not second  # the writer gives `second` back
     for writer in store._writers:
         writer.start()
-    wait_until(lambda: store.stats.blocks_written == 1, 10, what="the write to land")
+    wait_until(lambda: store.stats.bytes_written == 8, 10, what="the write to land")
     assert bytes(store.read_many([(64, 0, b"h" * 16)])[0]) == b"22222222"
     store.close()
 
