@@ -94,10 +94,6 @@ class DeviceSum:
         if self._event is not None:
             self._event.synchronize()
 
-    def wait(self) -> int:
-        self.synchronize()
-        return self.value()
-
     def order_before_current(self) -> None:
         """Work queued on its device's current stream from now on runs after this (no host wait)."""
         if self._event is not None:
