@@ -19,7 +19,7 @@ class BufferPool:
         """Keep at most `max_free_bytes` of given-back buffers (the rest go to the garbage collector)."""
         self.max_free_bytes = max_free_bytes
         self._free: dict[int, list[bytearray]] = {}
-        self._free_bytes = 0
+        self.free_bytes = 0  # bytes of the buffers kept in `_free`
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> bytearray:
@@ -27,7 +27,7 @@ class BufferPool:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
-                self._free_bytes -= nbytes
+                self.free_bytes -= nbytes
                 return free.pop()
         return bytearray(nbytes)
 
@@ -41,24 +41,20 @@ class BufferPool:
         if not isinstance(buf, bytearray):
             return
         with self._lock:
-            if self._free_bytes + len(buf) <= self.max_free_bytes:
+            if self.free_bytes + len(buf) <= self.max_free_bytes:
                 self._free.setdefault(len(buf), []).append(buf)
-                self._free_bytes += len(buf)
+                self.free_bytes += len(buf)
 
     def reserve(self, nbytes: int, count: int) -> int:
         """Add up to `count` fresh, page-touched buffers within `max_free_bytes`; returns how many."""
         made = 0
         while made < count:
             with self._lock:
-                if self._free_bytes + nbytes > self.max_free_bytes:
+                if self.free_bytes + nbytes > self.max_free_bytes:
                     break
-                self._free_bytes += nbytes  # counted before the allocation: a concurrent give sees it
+                self.free_bytes += nbytes  # counted before the allocation: a concurrent give sees it
             buf = bytearray(nbytes)  # zero-filled: every page faulted in here
             with self._lock:
                 self._free.setdefault(nbytes, []).append(buf)
             made += 1
         return made
-
-    @property
-    def free_bytes(self) -> int:
-        return self._free_bytes

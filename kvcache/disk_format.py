@@ -5,7 +5,7 @@ A block file (`w{window}/{slot}.kv`):
 
     MAGIC (8 bytes) | header length (u32 LE) | header (msgpack BlockHeader) | header MAC (32) | payload
 
-The header MAC is keyed blake2b; the payload's (`payload_mac`) HMAC-SHA256 under a subkey, fed piece
+The header MAC is keyed blake2b; the payload's (`payload_hasher`) HMAC-SHA256 under a subkey, fed piece
 by piece (SHA-NI ~1.9 GB/s a core, blake2b ~1.0: docs/BENCHMARKS.md); the key is the deployment
 token's, so a foreign, torn or flipped file never passes. A header names its block (a stale file
 fails) and format (`dtype`, FP8 `scales`). The manifest (`manifest.json`, disk_dir.py) names the
@@ -111,12 +111,6 @@ def payload_hasher(key: bytes) -> hmac.HMAC:
     return hmac.new(_payload_key(key), digestmod=hashlib.sha256)
 
 
-def payload_mac(key: bytes, payload: bytes | memoryview) -> bytes:
-    h = payload_hasher(key)
-    h.update(payload)
-    return h.digest()
-
-
 def encode_prefix(key: bytes, header: BlockHeader) -> bytes:
     """Everything before the payload: magic, header length, header, header MAC."""
     encoded = msgspec.msgpack.encode(header)
@@ -149,12 +143,6 @@ def decode_header(key: bytes, data: bytes | memoryview) -> tuple[BlockHeader, in
     except msgspec.DecodeError as exc:  # a sealed header that does not decode: another format
         raise BadFile("corrupt", f"header does not decode: {exc}") from None
     return header, end + MAC_BYTES
-
-
-def check_payload(key: bytes, header: BlockHeader, payload: memoryview) -> None:
-    if len(payload) != header.payload_bytes:
-        raise BadFile("truncated", f"payload has {len(payload)} of {header.payload_bytes} bytes")
-    check_digest(header, payload_mac(key, payload))
 
 
 def check_digest(header: BlockHeader, digest: bytes) -> None:

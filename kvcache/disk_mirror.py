@@ -11,13 +11,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_format import BadFile
 from kvcache.disk_pool import DiskSlots
 from kvcache.disk_store import BlockMeta, DiskStore
-from kvcache.disk_tier import Item, open_store
+from kvcache.disk_tier import Item
 from kvcache.group import WindowGroup
-from kvcache.layout import CacheLayout
 
 
 class DiskMirror:
@@ -28,12 +26,6 @@ class DiskMirror:
         for g in groups:
             describe = functools.partial(self._describe, g.window)
             g.pools.disk = self._slots[g.window] = DiskSlots(store, g.window, describe)
-
-    @classmethod
-    def open(cls, disk: DiskTierConfig, config: KvCacheConfig, layout: CacheLayout, salt: str, key: bytes,
-             groups: Sequence[WindowGroup], num_disk: int) -> DiskMirror:
-        """Take `disk.path` for this rank's files of `num_disk` slots per window group."""
-        return cls(open_store(disk, config, layout, salt, key, groups, num_disk)[0], groups)
 
     def check(self, items: list[Item]) -> dict[int, tuple[str, str]]:
         """Check these files (forgetting earlier ones): stage the good, return index -> (reason, detail)."""

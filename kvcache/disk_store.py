@@ -71,7 +71,6 @@ class _Write:
 
 @dataclass
 class DiskIOStats:
-    blocks_written: int = 0
     bytes_written: int = 0
     write_errors: int = 0
     queued_bytes: int = 0  # waiting for their write now
@@ -215,7 +214,6 @@ class DiskStore:
                     del self._pending[window, slot]
                     self.stats.queued_bytes -= job.nbytes
                 if ok:
-                    self.stats.blocks_written += 1
                     self.stats.bytes_written += job.nbytes
                 else:
                     self.stats.write_errors += 1

@@ -18,7 +18,7 @@ from kvcache.block import Block, CopyOp, Level
 from kvcache.config import DiskTierConfig, KvCacheConfig
 from kvcache.disk_mirror import DiskMirror
 from kvcache.disk_store import BlockMeta
-from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck
+from kvcache.disk_tier import DiskTier, NoDiskTier, PeerCheck, open_store
 from kvcache.errors import KVCacheError
 from kvcache.group import WindowGroup, level_sizes
 from kvcache.hashing import kv_format_salt, request_salt, salt_digest
@@ -119,10 +119,12 @@ class KVCacheManager:
         self._disk.peers = peers
 
     def mirror_disk(self, disk: DiskTierConfig, key: bytes, num_disk: int) -> DiskMirror:
-        """Files of these pools for another manager's `num_disk` disk slots (kvcache/disk_mirror.py)."""
+        """Files of these pools for another manager's `num_disk` disk slots under `disk.path`
+        (kvcache/disk_mirror.py)."""
         if isinstance(self._disk, DiskTier):
             raise KVCacheError("a manager with a disk tier of its own cannot mirror another's")
-        return DiskMirror.open(disk, self.config, self.layout, self.salt, key, self._groups, num_disk)
+        store, _ = open_store(disk, self.config, self.layout, self.salt, key, self._groups, num_disk)
+        return DiskMirror(store, self._groups)
 
     def slot_bytes(self, window: int) -> int:
         return self._group(window).pools.slot_bytes

@@ -94,10 +94,6 @@ class DeviceSum:
         if self._event is not None:
             self._event.synchronize()
 
-    def wait(self) -> int:
-        self.synchronize()
-        return self.value()
-
     def order_before_current(self) -> None:
         """Work queued on its device's current stream from now on runs after this (no host wait)."""
         if self._event is not None:
@@ -138,10 +134,6 @@ def _weighted(sums: torch.Tensor, first: int) -> torch.Tensor:
     return (sums * weights).sum()
 
 
-def _row_sums(rows: torch.Tensor) -> torch.Tensor:
-    return rows.sum(dim=1, dtype=torch.int64)  # [count]: S_b, wrapping
-
-
 def start_checksum(pool: torch.Tensor, slots: list[int], first: int) -> DeviceSum:
     """`payload.checksum` of blocks first, first+1, ... in `slots` of `pool`, queued on the current
     stream (CUDA: one pass, `kernels.slot_sums`)."""
@@ -154,7 +146,7 @@ def start_checksum(pool: torch.Tensor, slots: list[int], first: int) -> DeviceSu
     slot_bytes = rows.shape[1] * rows.element_size()
     total = torch.zeros((), dtype=torch.int64, device=pool.device)
     for start, index in _index_batches(slots, slot_bytes, pool.device):
-        total += _weighted(_row_sums(rows.index_select(0, index)), first + start)
+        total += _weighted(rows.index_select(0, index).sum(dim=1, dtype=torch.int64), first + start)  # S_b, wrapping
     return DeviceSum(total, (pool,))
 
 
@@ -174,7 +166,7 @@ def start_copy(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor, dst_s
     for start, index in _index_batches(src_slots, slot_bytes, src.device):
         rows = src_rows.index_select(0, index)
         dst_rows.index_copy_(0, dst_index[start : start + index.numel()], rows)
-        total += _weighted(_row_sums(rows), first + start)
+        total += _weighted(rows.sum(dim=1, dtype=torch.int64), first + start)
     return DeviceSum(total, (src, dst))
 
 

@@ -204,9 +204,9 @@ def device_ms(kv: KVCacheManager, what: str, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         if what == "checksum":
-            ipc.start_checksum(pool, src, 0).wait()
+            ipc.start_checksum(pool, src, 0).synchronize()
         else:
-            ipc.start_copy(pool, src, dst, list(range(128)), 0).wait()
+            ipc.start_copy(pool, src, dst, list(range(128)), 0).synchronize()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 

@@ -14,9 +14,13 @@ transceiver/ipc.py, transceiver/receiver/ipc_copies.py):
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from transceiver.ipc import DeviceSum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,6 +33,12 @@ def _pool(num_slots: int, slot_shape: tuple[int, ...], dtype: torch.dtype, seed:
     count = num_slots * int(torch.tensor(slot_shape).prod()) * torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (count,), dtype=torch.uint8, device="cuda", generator=g)
     return raw.view(dtype).view(num_slots, *slot_shape)
+
+
+def _value(checksum: DeviceSum) -> int:
+    """The checksum once the device has finished it."""
+    checksum.synchronize()
+    return checksum.value()
 
 
 def _torch_path(monkeypatch) -> None:
@@ -44,16 +54,16 @@ def test_fused_kernels_equal_the_torch_path(monkeypatch, slot_shape, dtype) -> N
 
     src, dst = _pool(160, slot_shape, dtype, 1), _pool(160, slot_shape, dtype, 2)
     src_slots, dst_slots = list(range(159, 31, -1)), list(range(7, 135))  # 128 scattered slots
-    fused = ipc.start_checksum(src, src_slots, 5).wait()
-    written = ipc.start_copy(src, src_slots, dst, dst_slots, 5).wait()
+    fused = _value(ipc.start_checksum(src, src_slots, 5))
+    written = _value(ipc.start_copy(src, src_slots, dst, dst_slots, 5))
     assert torch.equal(pool_rows(dst)[dst_slots], pool_rows(src)[src_slots])
     _torch_path(monkeypatch)
-    assert fused == written == ipc.start_checksum(src, src_slots, 5).wait()
-    assert fused == ipc.start_checksum(dst, dst_slots, 5).wait()
+    assert fused == written == _value(ipc.start_checksum(src, src_slots, 5))
+    assert fused == _value(ipc.start_checksum(dst, dst_slots, 5))
     raw = src.view(160, -1).view(torch.uint8)
     raw[src_slots[77], 12345 % raw.shape[1]] ^= 1
     monkeypatch.undo()
-    assert ipc.start_checksum(src, src_slots, 5).wait() != fused
+    assert _value(ipc.start_checksum(src, src_slots, 5)) != fused
 
 
 def _best_ms(fn, repeats: int = 5) -> float:
@@ -74,8 +84,8 @@ def test_time_of_both_paths_over_512_mib(monkeypatch) -> None:
     times = {}
     for path in ("triton", "torch"):
         monkeypatch.setenv(ipc.KERNELS_ENV, path)
-        times[path] = (_best_ms(lambda: ipc.start_checksum(src, src_slots, 0).wait()),
-                       _best_ms(lambda: ipc.start_copy(src, src_slots, dst, dst_slots, 0).wait()))
+        times[path] = (_best_ms(lambda: _value(ipc.start_checksum(src, src_slots, 0))),
+                       _best_ms(lambda: _value(ipc.start_copy(src, src_slots, dst, dst_slots, 0))))
     print(f"512 MiB of 8B KV: checksum {times['triton'][0]:.2f} ms fused vs {times['torch'][0]:.2f} ms "
           f"gather+sum; copy+checksum {times['triton'][1]:.2f} ms fused vs {times['torch'][1]:.2f} ms "
           f"gather+scatter+sum")
@@ -88,8 +98,8 @@ def test_checksums_and_copies_are_queued_not_waited_for() -> None:
     from transceiver.wire import IpcChunk
 
     src, dst = _pool(64, SLOT_8B, torch.bfloat16, 5), _pool(64, SLOT_8B, torch.bfloat16, 6)
-    expected = ipc.start_checksum(src, list(range(32)), 0).wait()
-    ipc.start_copy(src, [0], dst, [0], 0).wait()  # both kernels compiled before anything is timed
+    expected = _value(ipc.start_checksum(src, list(range(32)), 0))
+    _value(ipc.start_copy(src, [0], dst, [0], 0))  # both kernels compiled before anything is timed
     torch.cuda.synchronize()
     woken = []
     copies = IpcCopies(notify=lambda: woken.append(time.monotonic()))
@@ -102,7 +112,7 @@ def test_checksums_and_copies_are_queued_not_waited_for() -> None:
         queued_ms = (time.perf_counter() - start) * 1e3
         assert not pending.done() and copies.settled() == [] and copies.pending(1)
         assert queued_ms < 20, f"queueing took {queued_ms:.1f} ms: something waited for the device"
-        assert pending.wait() == expected
+        assert _value(pending) == expected
         torch.cuda.synchronize()
         [copy] = copies.settled()
         assert copy.checksum.value() == expected and not copies.pending(1)
@@ -119,7 +129,7 @@ def test_an_abandoned_copy_runs_before_later_engine_writes_to_its_blocks() -> No
     from transceiver.wire import IpcChunk
 
     src, dst = _pool(64, SLOT_8B, torch.bfloat16, 7), _pool(64, SLOT_8B, torch.bfloat16, 8)
-    ipc.start_copy(src, [63], dst, [63], 0).wait()  # compiled before the test
+    _value(ipc.start_copy(src, [63], dst, [63], 0))  # compiled before the test
     torch.cuda.synchronize()
     copies = IpcCopies()
     try:
@@ -133,5 +143,5 @@ def test_an_abandoned_copy_runs_before_later_engine_writes_to_its_blocks() -> No
         assert copies.settled() == [] and copies._copies == []
     finally:
         copies.close()
-    written, source = (ipc.start_checksum(pool, list(range(32)), 0).wait() for pool in (dst, src))
+    written, source = (_value(ipc.start_checksum(pool, list(range(32)), 0)) for pool in (dst, src))
     assert written != source

@@ -74,12 +74,12 @@ def step_until(cores: list[EngineCore], predicate, what: str, timeout_s: float =
     wait_until(predicate, timeout_s, what, step=lambda: [core.step() for core in cores])
 
 
-def pull_state(receiver: KVReceiver, request_id: str) -> str:
-    """"waiting" (no chunk written yet), "landed" (some written, more to come) or "ended"."""
-    chunks = receiver.chunks_written(request_id)
-    if chunks is None:
+def pull_state(receiver: KVReceiver, received: int) -> str:
+    """"waiting" (no chunk written yet), "landed" (some written, more to come) or "ended", of the
+    receiver's one pull (it had received `received` bytes before it)."""
+    if receiver.num_pulls == 0:
         return "ended"
-    return "landed" if chunks >= 1 else "waiting"
+    return "landed" if receiver.stats.bytes_received > received else "waiting"
 
 
 def generate(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]) -> list[int]:
@@ -100,14 +100,15 @@ def abort_mid_pull(gen: EngineCore, ctx: EngineCore, rid: str, prompt: list[int]
     """Abort `rid` once its pull wrote a first chunk; False if the whole pull landed in one engine
     step before that could be seen (the round does not count)."""
     params = prefill_on_context(ctx, f"ctx-{rid}", prompt)
+    receiver = gen.connector.receiver
+    received = receiver.stats.bytes_received
     gen.add_request(GenerateRequest(rid, prompt, greedy(NEW_TOKENS),
                                     dataclasses.replace(params, request_type="generation_only")))
-    receiver = gen.connector.receiver
-    step_until([gen, ctx], lambda: receiver.chunks_written(rid) is not None, f"{rid}: its pull started")
-    step_until([gen, ctx], lambda: pull_state(receiver, rid) != "waiting", f"{rid}: the first chunk")
-    mid_pull = pull_state(receiver, rid) == "landed"
+    step_until([gen, ctx], lambda: receiver.num_pulls == 1, f"{rid}: its pull started")
+    step_until([gen, ctx], lambda: pull_state(receiver, received) != "waiting", f"{rid}: the first chunk")
+    mid_pull = pull_state(receiver, received) == "landed"
     gen.abort(rid)
-    assert receiver.chunks_written(rid) is None  # cancel unregistered the pull before the blocks were freed
+    assert receiver.num_pulls == 0  # cancel unregistered the pull before the blocks were freed
     return mid_pull
 
 

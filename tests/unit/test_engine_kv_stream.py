@@ -44,7 +44,7 @@ class Pair(eh.LoopbackPair):
         """One step of both (the first 32 prompt tokens prefilled), then only the generation engine
         steps until their blocks land: the context leg cannot finish meanwhile."""
         self.step()
-        wait_until(lambda: self.receiver.chunks_written(gen_id), 30, "the first chunks",
+        wait_until(lambda: self.receiver.stats.bytes_received, 30, "the first chunks",
                    step=lambda: self.outputs.setdefault(gen_id, []).extend(self.gen.step()), interval_s=0.001)
         assert self.final(gen_id) is None
 
@@ -64,7 +64,7 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
     prompt = random_prompt(11, 150)
     ctx_id, gen_id = run.legs(prompt, 10)
     run.step()  # both legs admitted, the pull sent; the first 32 tokens prefilled: 2 blocks offered
-    wait_until(lambda: run.receiver.chunks_written(gen_id), 10, "a chunk while the prompt is prefilled",
+    wait_until(lambda: run.receiver.stats.bytes_received, 10, "a chunk while the prompt is prefilled",
                step=lambda: run.outputs.setdefault(gen_id, []).extend(run.gen.step()), interval_s=0.001)
     assert run.final(ctx_id) is None and run.ctx.scheduler.find(ctx_id).num_computed_tokens < len(prompt)
     run.wait([ctx_id], "the context leg")

@@ -50,6 +50,12 @@ def _pool(num_slots: int, slot_shape: tuple[int, ...], dtype: torch.dtype, seed:
     return raw.view(dtype) if dtype != torch.uint8 else raw  # last dim shrinks by the element size
 
 
+def _value(checksum: ipc.DeviceSum) -> int:
+    """The checksum once the device has finished it."""
+    checksum.synchronize()
+    return checksum.value()
+
+
 def _byte_checksum(pool: torch.Tensor, slots: list[int], first: int) -> int:
     rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()  # [num_slots, slot_bytes]
     return checksum([np.ascontiguousarray(rows[slots]).reshape(-1)], rows.shape[1], first)
@@ -63,14 +69,14 @@ def test_device_checksum_and_copy_match_the_byte_path(monkeypatch, slot_shape, d
     slot_bytes = pool_rows(src).shape[1] * pool_rows(src).element_size()
     monkeypatch.setattr(ipc, "BATCH_BYTES", batch_slots * slot_bytes)
     src_slots, dst_slots = [7, 2, 11, 0, 5], [1, 9, 3, 4, 0]
-    assert ipc.start_checksum(src, src_slots, 3).wait() == _byte_checksum(src, src_slots, 3)
-    written = ipc.start_copy(src, src_slots, dst, dst_slots, 3).wait()
-    assert written == _byte_checksum(src, src_slots, 3) == ipc.start_checksum(dst, dst_slots, 3).wait()
+    assert _value(ipc.start_checksum(src, src_slots, 3)) == _byte_checksum(src, src_slots, 3)
+    written = _value(ipc.start_copy(src, src_slots, dst, dst_slots, 3))
+    assert written == _byte_checksum(src, src_slots, 3) == _value(ipc.start_checksum(dst, dst_slots, 3))
     src_rows, dst_rows = pool_rows(src), pool_rows(dst)  # compared as integers (random floats hold NaNs)
     for s, d in zip(src_slots, dst_slots, strict=True):
         assert torch.equal(dst_rows[d], src_rows[s])
     assert all(torch.count_nonzero(dst_rows[d]) == 0 for d in set(range(10)) - set(dst_slots))
-    assert ipc.start_checksum(src, [0, 7], 3).wait() != ipc.start_checksum(src, [7, 0], 3).wait()  # order matters
+    assert _value(ipc.start_checksum(src, [0, 7], 3)) != _value(ipc.start_checksum(src, [7, 0], 3))  # order matters
 
 
 @pytest.mark.parametrize("other, shared", [

@@ -132,13 +132,6 @@ class KVReceiver(LinkOwner):
     def num_pulls(self) -> int:
         return len(self._pulling)
 
-    def chunks_written(self, request_id: str) -> int | None:
-        """Chunks of the request's pull written so far; None when it is not pulling."""
-        pulling = self._pulling.get(request_id)
-        if pulling is None:
-            return None
-        return sum(p.chunks for p in [*pulling.parts.values(), *pulling.done_parts])
-
     # ---- any thread (the HTTP layer's health) -------------------------------------------------
 
     def probe(self, ctx_endpoint: str) -> None:

@@ -50,9 +50,11 @@ class KVSender(LinkOwner):
 
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str,
                  on_message: Callable[[], None] | None = None, *, epoch: str | None = None,
-                 kv_heads: tuple[int, int] | None = None, other_ranks: list[RankEndpoint] | None = None) -> None:
+                 kv_heads: tuple[int, int] | None = None, other_ranks: list[RankEndpoint] | None = None,
+                 park_s: float = 0.0) -> None:
         """`on_message()` (socket thread): items await `step`. Rank 0 of a tensor-parallel server passes
-        the server's `epoch`, its `kv_heads` (first held, the model's) and `other_ranks` (tp.py)."""
+        the server's `epoch`, its `kv_heads` (first held, the model's) and `other_ranks` (tp.py); `park_s`:
+        see `SenderLink`."""
         self._kv = kv
         self._config = config
         self.epoch = epoch or uuid.uuid4().hex  # new per process start: a pull for an older epoch fails
@@ -66,7 +68,7 @@ class KVSender(LinkOwner):
         layout = layout_of(kv, self._pools, fingerprint, kv_heads)
         self._link = SenderLink(config, self.epoch, layout, self.stats, self.ipc_identity,
                                 pool_lock=self._pool_lock, ipc_offered=lambda: self.ipc_exports > 0,
-                                other_ranks=other_ranks)
+                                other_ranks=other_ranks, park_s=park_s)
         self._thread = SocketThread("kv-sender", self._link, notify=on_message)
         self._thread.start()
         self.endpoint = self._link.endpoint

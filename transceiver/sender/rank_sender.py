@@ -10,15 +10,13 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import zmq
 
-from kvcache import KVCacheManager, Level
+from kvcache import KVCacheManager
 from transceiver.config import TransceiverConfig
-from transceiver.link import SocketThread
+from transceiver.sender.kv_sender import KVSender
 from transceiver.sender.lease import Ended, Offer, OfferedWindow, Withdraw, ready_event
-from transceiver.sender.link import SenderLink
-from transceiver.stats import TransferStats
-from transceiver.wire import layout_of
 
 log = logging.getLogger(__name__)
 
@@ -26,19 +24,14 @@ PARK_S = 30.0  # a pull may reach this rank before rank 0's offer does (this ran
 END_TIMEOUT_S = 10.0
 
 
-class RankSender:
+class RankSender(KVSender):
+    """A `KVSender` whose leases are rank 0's: it serves the slots it is offered, pins nothing."""
+
     def __init__(self, kv: KVCacheManager, config: TransceiverConfig, fingerprint: str, epoch: str,
                  kv_heads: tuple[int, int]) -> None:
         """`epoch`: the server's (rank 0's); `kv_heads`: (first kv head held, the model's kv heads)."""
-        self._kv = kv
-        self.epoch = epoch
-        self.stats = TransferStats()
-        self._pools = {w: kv.pool(w, Level.PRIMARY) for w in kv.window_sizes}
-        layout = layout_of(kv, self._pools, fingerprint, kv_heads)
-        self._link = SenderLink(config, epoch, layout, self.stats, park_s=PARK_S)
-        self._thread = SocketThread("kv-sender", self._link)
-        self._thread.start()
-        self.endpoint = self._link.endpoint
+        super().__init__(kv, msgspec.structs.replace(config, same_host_ipc=False), fingerprint, epoch=epoch,
+                         kv_heads=kv_heads, park_s=PARK_S)
         self._offered: set[str] = set()
         self._frames: list[zmq.MessageTracker] = []  # zero-copy frames of ended leases still with zmq
 
