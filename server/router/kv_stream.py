@@ -107,10 +107,7 @@ async def read_context(backend: Backend, response: StreamResponse, done: Callabl
     """A context leg's answer: its JSON, or its early event (`done()` runs when the leg ends)."""
     try:
         if response.status != 200 or response.content_type != EVENT_STREAM:
-            try:
-                return parse(backend, Response(response.status, await response.aread()))
-            finally:
-                await response.aclose()
+            return parse(backend, await response.whole())
         events = Events(response)
         first = await events.next()
     except HttpError as exc:
