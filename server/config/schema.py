@@ -51,13 +51,6 @@ SWITCH_KEYS = ("kv_stream", "gpu_share")
 ROUTER = "router"  # the router's key in DeploymentConfig.ray_actor_options
 DEFAULT_NUM_CPUS = 1.0  # Ray Serve's default for a replica's actor
 
-__all__ = [
-    "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
-    "ServerConfig", "deployment_from_dict", "env_auth_token", "inherit", "load_deployment", "load_server",
-    "load_server_config", "server_config_from_dict", "with_auth_token",
-]
-
-
 class RayActorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`ray_actor_options` (Ray Serve's key; docs/DEPLOY.md): the resources of one actor under `pdserve
     launch --ray` (one rank of a tensor-parallel server), and its runtime env. The one-host launcher
