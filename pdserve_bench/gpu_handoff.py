@@ -156,7 +156,7 @@ def start_server(workdir: Path, model: Path, role: str, port: int) -> subprocess
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    from server.deploy.launcher import wait_for_health
+    from pdserve_bench.launch import wait_for_health
 
     if wait_for_health(url, timeout_s, lambda: proc.poll() is None, interval_s=1.0):
         return

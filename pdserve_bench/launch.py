@@ -20,21 +20,32 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from pdserve_bench.cpu import PROC, descendants, process_table
-from server.deploy.launcher import wait_for_health
 from server.deploy.ports import quiet_ports
+from server.deploy.supervisor import health
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
 _SERVER_LISTS = ("context_servers", "generation_servers")
 LAUNCHER_READY = "[pdserve launch] ready: "  # server/deploy/launcher.py prints it, then supervises
+
+
+def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
+                    interval_s: float = 0.25) -> bool:
+    """Poll `base_url`/health until 200 (True), or `alive()` turns False or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        if health(f"{base_url}/health", 2.0)[0] == 200:
+            return True
+        time.sleep(interval_s)
+    return False
 
 
 def free_ports(count: int) -> list[int]:

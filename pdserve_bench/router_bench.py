@@ -28,8 +28,7 @@ import httpx
 import uvicorn
 
 from pdserve_bench import options
-from pdserve_bench.launch import free_ports
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import free_ports, wait_for_health
 
 HELP = "router overhead: time to the first SSE event through the router against the backend alone"
 

@@ -45,12 +45,11 @@ import httpx
 import yaml
 from bench_gpu_load_session import Session, closed_plan, mixed_plan
 
-from pdserve_bench.launch import ServerUnderTest, server_pid, server_urls
+from pdserve_bench.launch import ServerUnderTest, server_pid, server_urls, wait_for_health
 from pdserve_bench.load_client import default_procs
 from pdserve_bench.load_target import LoadTarget, started_target
 from pdserve_bench.measure import model_vocab, warm_up
 from pdserve_bench.record import RecordWriter, RunContext
-from server.deploy.launcher import wait_for_health
 
 SCRIPTS = Path(__file__).resolve().parent
 RESTART_TIMEOUT_S = 300.0

@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from pdserve_bench.gpu_handoff import build_model
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-gpu-serving-token-0123456789"

@@ -58,7 +58,7 @@ def config(folder: Path, placed_by_ray: bool) -> Path:
 
 
 def measure(kind: str, path: Path, address: str, out: Path, run: int, load: bool) -> dict:
-    from server.deploy.launcher import wait_for_health
+    from pdserve_bench.launch import wait_for_health
 
     url = f"http://127.0.0.1:{yaml.safe_load(path.read_text())['port']}"
     argv = [sys.executable, "-m", "server.cli", "launch", str(path), "--log-dir", str(path.parent / f"logs-{run}")]

@@ -77,21 +77,19 @@ def _serve_parser(commands) -> None:
                        "run one with --config DEPLOYMENT.yaml --server NAME")
     serve.add_argument("--server", help="with --config DEPLOYMENT.yaml: the server of it to run (context-0, "
                        "generation-1, aggregated-0: role and index in the file, as `pdserve launch` names them)")
-    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0: every interface)")
-    serve.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    serve.add_argument("--max-seq-len", type=int, default=None, help="longest prompt + output in tokens (default "
-                       "2048)")
-    serve.add_argument("--max-batch-size", type=int, default=None, help="most requests in one step (default 64)")
-    serve.add_argument("--max-num-tokens", type=int, default=None, help="most tokens in one step (default 2048)")
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+    serve.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--max-seq-len", type=int, help="longest prompt + output in tokens (default 2048)")
+    serve.add_argument("--max-batch-size", type=int, help="most requests in one step (default 64)")
+    serve.add_argument("--max-num-tokens", type=int, help="most tokens in one step (default 2048)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                        help="the model's dtype (default auto: bfloat16 on CUDA, float32 on a CPU)")
-    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
-                       help="default auto: CUDA if present, else the CPU")
-    serve.add_argument("--quantization", choices=["fp8"], default=None,
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: CUDA if present, else the CPU")
+    serve.add_argument("--quantization", choices=["fp8"],
                        help="fp8: the linear layers' weights in FP8, quantized at load (docs/FP8.md)")
-    serve.add_argument("--engine-process", choices=["auto", "true", "false"], default=None,
+    serve.add_argument("--engine-process", choices=["auto", "true", "false"],
                        help="run the engine in a process of its own (default auto: on CUDA only)")
-    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+    serve.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
                        help="kv_cache_config.dtype: the model's dtype (auto) or FP8 e4m3 (docs/FP8.md)")
 
 
@@ -99,14 +97,14 @@ def _launch_parser(commands) -> None:
     launch = commands.add_parser("launch", help="start a whole deployment (router and servers) from one YAML",
                                  description=LAUNCH, formatter_class=argparse.RawDescriptionHelpFormatter)
     launch.add_argument("config", help="deployment YAML (see configs/)")
-    launch.add_argument("--log-dir", default=None, help="where each process's log goes (default: a private "
-                        "temporary directory, removed when the launch stops cleanly; under --ray, the same path on "
-                        "each node, default <tmp>/pdserve-ray/NAME)")
-    launch.add_argument("--ray", metavar="ADDRESS", default=None, help="run every server and the router as Ray "
-                        "actors on the cluster at ADDRESS (auto, or host:port); needs the ray extra "
-                        "(pip install 'pdserve[ray]', or -e '.[ray]' in the source tree)")
-    launch.add_argument("--name", default=None, help="with --ray: the deployment's name, its actors' prefix "
-                        "(default: the file's name without .yaml)")
+    launch.add_argument("--log-dir", help="where each process's log goes (default: a private temporary directory, "
+                        "removed when the launch stops cleanly; under --ray, the same path on each node, default "
+                        "<tmp>/pdserve-ray/NAME)")
+    launch.add_argument("--ray", metavar="ADDRESS", help="run every server and the router as Ray actors on the "
+                        "cluster at ADDRESS (auto, or host:port); needs the ray extra (pip install 'pdserve[ray]', "
+                        "or -e '.[ray]' in the source tree)")
+    launch.add_argument("--name", help="with --ray: the deployment's name, its actors' prefix (default: the file's "
+                        "name without .yaml)")
     launch.add_argument("--namespace", default="pdserve", help="with --ray: the Ray namespace (default pdserve)")
     launch.add_argument("--detach", action="store_true", help="with --ray: return once it serves, leaving it "
                         "running (`pdserve ray down NAME` stops it)")

@@ -4,13 +4,13 @@ threads and are turned into JSON)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from server.openai.protocol import DisaggParams, RequestType
 
-__all__ = ["DisaggParams", "EngineClient", "EngineServer", "GenerateRequest", "LinkState", "RequestOutput",
+__all__ = ["DisaggParams", "EngineClient", "GenerateRequest", "LinkState", "RequestOutput",
            "RequestType", "SamplingParams", "StructuredSpec", "TokenLogprob"]
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -141,27 +141,3 @@ class LinkState:
     sender: tuple[str, str] | None = None  # a context server's KV sender: (endpoint, epoch)
     sender_endpoints: tuple[str, ...] = ()  # a tensor-parallel context server's: every rank's, rank 0's first
 
-
-class EngineServer(EngineClient, Protocol):
-    """What one server's routes and its drain read beyond `EngineClient` (engine_host's thread and
-    process fronts)."""
-
-    load_error: BaseException | None  # the engine could not start (the process exits)
-
-    def health_problem(self) -> str | None:
-        """None while the engine's KV invariants hold; else a sentence naming the broken check."""
-        ...
-
-    def release_lease(self, ctx_request_id: str) -> None:
-        """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
-        ...
-
-    def links(self) -> LinkState: ...
-
-    def idle(self) -> bool:
-        """Nothing left to finish: no request queued or running, no KV lease or pull."""
-        ...
-
-    def probe(self, endpoints: Iterable[str]) -> None:
-        """Generation side: shake hands with these KV senders now (best effort, never blocks)."""
-        ...

@@ -24,7 +24,7 @@ import psutil
 import yaml
 from waiting import wait_until
 
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 from server.deploy.ports import quiet_ports
 
 if TYPE_CHECKING:

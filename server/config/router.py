@@ -5,7 +5,6 @@ from the deployment (`DeploymentConfig.router_config`), never from `router:`."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -29,19 +28,6 @@ OpenPath = Annotated[str, Meta(pattern=r"^/[^*]*\*?$", description=f"a path {_TR
 POLICIES = ("round_robin", "load_balancing", "kv_cache_aware")
 
 
-@dataclass(frozen=True)
-class ScoreWeights:
-    """kv_cache_aware's weights (router.kv_weights, router.load_weight), as the router scores with them."""
-
-    primary: float = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
-    secondary: float = 0.75  # a block on the host tier: onboarded (copied back) before reuse
-    load: float = 1.0  # per token the server still has to compute for the router's legs in flight
-    disk: float = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
-
-    def tier(self, level: int) -> float:
-        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
-
-
 class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`router.queue` of the deployment YAML."""
 
@@ -51,9 +37,14 @@ class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class KvWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    primary: Weight = ScoreWeights.primary
-    secondary: Weight = ScoreWeights.secondary
-    disk: Weight = ScoreWeights.disk
+    """kv_cache_aware's weight of a block a server holds, by its tier (router.kv_weights)."""
+
+    primary: Weight = 1.0  # a block on the device pool (GPU; the CPU pool on a machine without one)
+    secondary: Weight = 0.75  # a block on the host tier: onboarded (copied back) before reuse
+    disk: Weight = 0.25  # a block on the disk tier: read back and checked, then onboarded (Dynamo's 0.25)
+
+    def tier(self, level: int) -> float:
+        return {Level.PRIMARY: self.primary, Level.SECONDARY: self.secondary, Level.DISK: self.disk}[level]
 
 
 class Conditional(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -79,7 +70,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     open_paths: Annotated[tuple[OpenPath, ...], Meta(description=f"a list of paths {_TRAILING}")] = DEFAULT_OPEN_PATHS
     tenant_salt_from_api_key: bool = False
     kv_weights: KvWeights = KvWeights()
-    load_weight: Weight = ScoreWeights.load
+    load_weight: Weight = 1.0  # kv_cache_aware: per token a server has yet to compute for the router's legs in flight
     queue: QueueLimits = QueueLimits()
     conditional: Conditional | None = None  # None: SHARED_GPU_LOCAL_PREFILL on a shared GPU, else not used
     # from the deployment, not YAML keys (INTERNAL_KEYS)
@@ -89,7 +80,6 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
     request_timeout_s: float = 600.0
-    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if "/health" not in self.open_paths:
@@ -101,11 +91,6 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         shown = (f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__
                  if name not in ("api_keys", "auth_token"))
         return f"RouterConfig({', '.join(shown)})"
-
-    @property
-    def weights(self) -> ScoreWeights:
-        kv = self.kv_weights
-        return ScoreWeights(kv.primary, kv.secondary, self.load_weight, kv.disk)
 
     def access(self) -> RouterAccess:
         """Who may call the router (server/router/auth.py): the keys, open paths, tenant salts."""
@@ -120,8 +105,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return msgspec.structs.replace(self, api_keys=tuple(dict.fromkeys(keys)) or None, api_keys_file=None)
 
 
-INTERNAL_KEYS = ("context_urls", "generation_urls", "model", "auth_token", "drain_timeout_s", "request_timeout_s",
-                 "health_interval_s")
+INTERNAL_KEYS = ("context_urls", "generation_urls", "model", "auth_token", "drain_timeout_s", "request_timeout_s")
 YAML_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(RouterConfig) if f.encode_name not in INTERNAL_KEYS)
 
 

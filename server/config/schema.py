@@ -51,13 +51,6 @@ SWITCH_KEYS = ("kv_stream", "gpu_share")
 ROUTER = "router"  # the router's key in DeploymentConfig.ray_actor_options
 DEFAULT_NUM_CPUS = 1.0  # Ray Serve's default for a replica's actor
 
-__all__ = [
-    "AUTH_TOKEN_ENV", "AUTH_TOKEN_FILE_ENV", "HOSTNAME_ENV", "ConfigError", "DeploymentConfig", "RestartPolicy",
-    "ServerConfig", "deployment_from_dict", "env_auth_token", "inherit", "load_deployment", "load_server",
-    "load_server_config", "server_config_from_dict", "with_auth_token",
-]
-
-
 class RayActorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`ray_actor_options` (Ray Serve's key; docs/DEPLOY.md): the resources of one actor under `pdserve
     launch --ray` (one rank of a tensor-parallel server), and its runtime env. The one-host launcher
@@ -352,19 +345,16 @@ def _section_servers(data: dict[str, Any], file: DeploymentFile,
         if "auth_token" in (raw.get("cache_transceiver_config") or {}):
             raise ConfigError(f"{source}: {name}.cache_transceiver_config.auth_token: one token serves the whole "
                               "deployment: set it at the top level")
+        # where a key of the section's servers was written: in the section, or (inherited) at the top level
+        origin = lambda path, name=name, raw=raw: [name, *path] if _written(raw, path) else path
         for url in section.urls:
             host, port = split_host_port(url)
             settings = {**inherit(data, raw), "hostname": host, "port": port}
-            servers.append(_server(settings, role, source, _origin(name, raw)))
+            servers.append(_server(settings, role, source, origin))
             placement.append(section.ray_actor_options)
     servers = share_gpu_memory(servers)
     urls = tuple(host_port(s.host, s.port) for s in servers if s.role == "context")
     return [replace(s, context_urls=urls) if s.role == "generation" else s for s in servers], placement
-
-
-def _origin(section: str, raw: dict[str, Any]):
-    """Where a key of a section's server was written: in the section, or (inherited) at the top level."""
-    return lambda path: [section, *path] if _written(raw, path) else path
 
 
 def _server(settings: dict[str, Any], role: Role, source: str, origin=list) -> ServerConfig:
@@ -471,6 +461,7 @@ def with_auth_token(cfg: DeploymentConfig, token: str | None) -> DeploymentConfi
 # hosts that bind every interface, so they collide with any host on the same port
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _LOOPBACK = ("localhost", "127.0.0.1")
+CHECKPOINT_SCALES = "the checkpoint's (or 1.0)"  # an FP8 KV cache's scales where kv_cache_config.scales is null
 
 
 def host_port(host: str, port: int) -> str:
@@ -546,7 +537,8 @@ def _kv_format_difference(ctx: ServerConfig, gen: ServerConfig, source: str) -> 
     if a.dtype != "fp8" or a.scales == b.scales:
         return None
     if a.scales is None or b.scales is None:
-        where = [f"{name} {_scales_source(p)}" for name, p in zip(names, (a.scales, b.scales), strict=True)]
+        where = [f"{name} {repr(p) if p is not None else CHECKPOINT_SCALES}"
+                 for name, p in zip(names, (a.scales, b.scales), strict=True)]
         return f"scales differ: {where[0]}, {where[1]}"
     try:
         if read_scales(a.scales) != read_scales(b.scales):
@@ -554,10 +546,6 @@ def _kv_format_difference(ctx: ServerConfig, gen: ServerConfig, source: str) -> 
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return None
-
-
-def _scales_source(path: str | None) -> str:
-    return "the checkpoint's (or 1.0)" if path is None else repr(path)
 
 
 def _same_host(a: str, b: str) -> bool:

@@ -19,8 +19,7 @@ from contextlib import suppress
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.openai.errors import error_body
-from server.openai.wire import dumps
+from server.openai.errors import error_response
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +82,14 @@ class DrainGate:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:
-            await _refuse(send)
+            refusal = error_response(503, DRAINING_MESSAGE, code="draining", headers={"connection": "close"})
+            await refusal(scope, receive, send)
             return
         self.drain.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.drain.in_flight -= 1
-
-
-async def _refuse(send: Send) -> None:
-    body = dumps(error_body(503, DRAINING_MESSAGE, code="draining"))
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class DrainingServer(uvicorn.Server):

@@ -98,8 +98,11 @@ def _supervised(cfg: DeploymentConfig, path: Path, log_dir: Path, token_file: Pa
                      "context server)")
         return _run(group, servers, router, cfg, stop, options, token_file)
     finally:
+        # the router drains first (its requests need the servers), then every server at once
+        server_wait = max((s.drain_timeout_s for s in cfg.servers), default=0.0) + options.grace_s
+        stages = [(["router"], cfg.drain_timeout_s + options.grace_s)] if router else []
         try:
-            group.stop_all(stop_stages(cfg, router, options.grace_s))
+            group.stop_all([*stages, ([], server_wait)])
         finally:
             share.stop()  # after its clients
 
@@ -122,13 +125,6 @@ def write_private(path: Path, text: str) -> Path:
     finally:
         os.close(fd)
     return path
-
-
-def stop_stages(cfg: DeploymentConfig, router: Child | None, grace_s: float) -> list[tuple[list[str], float]]:
-    """The router drains first (its requests need the servers), then every server at once."""
-    server_wait = max((s.drain_timeout_s for s in cfg.servers), default=0.0) + grace_s
-    stages = [(["router"], cfg.drain_timeout_s + grace_s)] if router else []
-    return [*stages, ([], server_wait)]
 
 
 def child_env(base: dict[str, str], auth_token: str, num_servers: int) -> dict[str, str]:
@@ -219,17 +215,6 @@ def ready_line(cfg: DeploymentConfig, url: str) -> str:
     roles = [s.role for s in cfg.servers]
     counts = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles))
     return f"ready: {url}  ({'router in front of ' if cfg.has_router else ''}{counts} server(s))"
-
-
-def wait_for_health(base_url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True,
-                    interval_s: float = 0.25) -> bool:
-    """Poll `base_url`/health until 200 (True), or `alive()` turns False or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and alive():
-        if health(f"{base_url}/health", 2.0)[0] == 200:
-            return True
-        time.sleep(interval_s)
-    return False
 
 
 def _say(message: str) -> None:

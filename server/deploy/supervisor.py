@@ -59,44 +59,35 @@ class Running:
         return None if code is None else exit_text(code)
 
 
-@dataclass(frozen=True)
-class Watched:
-    """A child whose health is awaited, wherever it runs: `exited()` says how it ended (None while it
-    runs), `tail()` the last lines of its log."""
-
-    child: Child
-    exited: Callable[[], str | None]
-    tail: Callable[[], str]
-
-
-def wait_healthy(watched: list[Watched], stop: StopOnSignals, timeout_s: float, poll_interval_s: float,
-                 say: Callable[[str], None]) -> bool:
-    """True once every child answers /health; False on exit, timeout, stop signal, or a child that
-    reports a problem no wait can cure (status `incompatible`: layout skew)."""
+def wait_healthy(children: list[Child], exited: Callable[[Child], str | None], tail: Callable[[Child], str],
+                 stop: StopOnSignals, timeout_s: float, poll_interval_s: float, say: Callable[[str], None]) -> bool:
+    """True once every child answers /health, wherever it runs (`exited(child)`: how it ended, None
+    while it runs; `tail(child)`: the last lines of its log); False on exit, timeout, stop signal, or a
+    child that reports a problem no wait can cure (status `incompatible`: layout skew)."""
     deadline = time.monotonic() + timeout_s
-    waiting = [w for w in watched if health(w.child.health_url, 0.0)[0] != 200]
+    waiting = [c for c in children if health(c.health_url, 0.0)[0] != 200]
     while waiting:
         if stop.signum is not None:
             say(f"stop requested ({signal.Signals(stop.signum).name}) during startup")
             return False
-        for w in waiting:
-            if (how := w.exited()) is not None:
-                say(f"{w.child.name} exited during startup with {how}{w.tail()}")
+        for c in waiting:
+            if (how := exited(c)) is not None:
+                say(f"{c.name} exited during startup with {how}{tail(c)}")
                 return False
         if time.monotonic() > deadline:
-            names = ", ".join(w.child.name for w in waiting)
+            names = ", ".join(c.name for c in waiting)
             say(f"startup timeout ({timeout_s:g} s): no healthy /health from {names}"
-                + "".join(w.tail() for w in waiting))
+                + "".join(tail(c) for c in waiting))
             return False
         time.sleep(poll_interval_s)
         still = []
-        for w in waiting:
-            status, body = health(w.child.health_url, poll_interval_s)
+        for c in waiting:
+            status, body = health(c.health_url, poll_interval_s)
             if body.get("status") == "incompatible":
-                say(f"{w.child.name} cannot serve with its peers: {body.get('detail')}")
+                say(f"{c.name} cannot serve with its peers: {body.get('detail')}")
                 return False
             if status != 200:
-                still.append(w)
+                still.append(c)
         waiting = still
     return True
 
@@ -126,8 +117,9 @@ class Supervisor:
 
     def wait_healthy(self, stop: StopOnSignals, timeout_s: float) -> bool:
         """`wait_healthy` for every started child."""
-        watched = [Watched(r.child, r.exited, lambda r=r: log_tail(r.log_path)) for r in self.running]
-        return wait_healthy(watched, stop, timeout_s, self.poll_interval_s, self.say)
+        runs = {r.child.name: r for r in self.running}
+        return wait_healthy([r.child for r in self.running], lambda c: runs[c.name].exited(),
+                            lambda c: log_tail(runs[c.name].log_path), stop, timeout_s, self.poll_interval_s, self.say)
 
     # ---- supervise ----------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ class EngineFront:
     def __init__(self, model_name: str, max_seq_len: int, metrics: ServerMetrics | None) -> None:
         self.model_name = model_name
         self.max_seq_len = max_seq_len
-        self.load_error: BaseException | None = None
+        self.load_error: BaseException | None = None  # the engine could not start (the process exits)
         self.info: EngineInfo | None = None  # from the loop's Ready
         self._relay = RelayedMetrics(metrics if metrics is not None else ServerMetrics())
         self._state = EngineState()
@@ -73,20 +73,24 @@ class EngineFront:
     async def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
-    # ---- EngineServer: what the routes read besides requests (the loop's last state)
+    # ---- what one server's routes and its drain read besides requests (the loop's last state)
     def release_lease(self, ctx_request_id: str) -> None:
+        """Context side: drop a lease whose generation leg will never pull (no-op if unknown)."""
         self._send(Release(ctx_request_id))
 
     def health_problem(self) -> str | None:
+        """None while the engine's KV invariants hold; else a sentence naming the broken check."""
         return self._state.health_problem
 
     def links(self) -> LinkState:
         return self._state.links
 
     def idle(self) -> bool:
+        """Nothing left to finish: no request queued or running, no KV lease or pull."""
         return self._state.idle
 
     def probe(self, endpoints: Iterable[str]) -> None:
+        """Generation side: shake hands with these KV senders now (best effort, never blocks)."""
         self._send(Probe(sorted(endpoints)))
 
     async def snapshot(self) -> dict:

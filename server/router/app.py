@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import TypeAdapter, ValidationError
@@ -26,7 +26,7 @@ from server.deploy.drain import Drain, DrainGate
 from server.openai.errors import error_response, http_error
 from server.openai.openapi import openapi_document
 from server.openai.wire import JSONBody, loads
-from server.router.auth import ApiKeyMiddleware, RouterAccess, set_cache_salt
+from server.router.auth import ApiKeyMiddleware, set_cache_salt
 from server.router.backends import Backend, HealthMonitor
 from server.router.errors import LegError
 from server.router.flow import Ask, ClientGone, Phases, RequestFlow
@@ -47,9 +47,7 @@ LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 class RouterState:
     settings: RouterConfig
     client: HttpClient
-    context: list[Backend]
-    generation: list[Backend]
-    legs: Legs
+    legs: Legs  # its context and generation servers are the router's
     monitor: HealthMonitor
     routing: Routing
     tokenizer: object | None = None
@@ -74,10 +72,6 @@ class RouterState:
         self.migrations = Counter("pdserve_router_migrations", "Streams moved to another generation server "
                                   "after theirs died", registry=self.registry)
         self.legs.on_migration = self.migrations.inc
-
-    @cached_property
-    def access(self) -> RouterAccess:
-        return self.settings.access()
 
     def flow(self, path: str, body: dict, chat: bool) -> RequestFlow:
         """A request's flow; it has no context leg when one server serves it alone."""
@@ -104,10 +98,10 @@ def _build_state(settings: RouterConfig) -> RouterState:
     generation = [Backend(_http(u), "generation" if context else "aggregated") for u in settings.generation_urls]
     registry = CollectorRegistry()
     routing = Routing(settings, context, generation, registry, client)
-    monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
+    monitor = HealthMonitor(context + generation, client)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
-    state = RouterState(settings, client, context, generation, legs, monitor, routing,
+    state = RouterState(settings, client, legs, monitor, routing,
                         _load_tokenizer(settings.model) if routing.needs_tokens else None, registry)
     state.dashboard = Dashboard(context + generation, client, state.registry, settings.auth_token)
     monitor.on_round = state.dashboard.scrape_all
@@ -142,9 +136,9 @@ def create_router_app(settings: RouterConfig) -> Starlette:
         await state.monitor.stop()
         await state.client.aclose()
 
-    drain = Drain(settings.drain_timeout_s)
+    drain, access = Drain(settings.drain_timeout_s), settings.access()
     app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: http_error},
-                    middleware=[Middleware(ApiKeyMiddleware, access=settings.access()),
+                    middleware=[Middleware(ApiKeyMiddleware, access=access),
                                 Middleware(DrainGate, drain=drain)], routes=[
         Route("/v1/completions", partial(_handle, path="/v1/completions", chat=False), methods=["POST"]),
         Route("/v1/chat/completions", partial(_handle, path="/v1/chat/completions", chat=True), methods=["POST"]),
@@ -155,7 +149,7 @@ def create_router_app(settings: RouterConfig) -> Starlette:
         *dashboard_routes(),
         Route("/openapi.json", _openapi, methods=["GET"]),
     ])
-    app.state.drain = drain
+    app.state.drain, app.state.access = drain, access
     return app
 
 
@@ -173,7 +167,7 @@ async def _handle(request: Request, path: str, chat: bool) -> Response:
         body["stream"] = _BOOL.validate_python(body.get("stream", False))
     except ValidationError:
         return error_response(400, f"stream must be a boolean, got {body.get('stream')!r}")
-    problem = set_cache_salt(body, state.access, state.settings.auth_token,
+    problem = set_cache_salt(body, request.app.state.access, state.settings.auth_token,
                              getattr(request.state, "api_key", None))
     if problem is not None:
         return error_response(400, problem)
@@ -210,7 +204,7 @@ def _max_tokens(body: dict) -> int:
 
 async def _models(request: Request) -> Response:
     state: RouterState = request.app.state.router
-    for backend in state.generation + state.context:
+    for backend in state.legs.generation + state.legs.context:
         if backend.healthy:
             try:
                 response = await state.client.request("GET", f"{backend.url}/v1/models", timeout=5.0)
@@ -224,9 +218,10 @@ async def _health(request: Request) -> Response:
     if request.app.state.drain.draining:
         return JSONBody(request.app.state.drain.report(), 503)
     state: RouterState = request.app.state.router
-    ok = any(b.healthy for b in state.generation) and (not state.context or any(b.healthy for b in state.context))
+    context, generation = state.legs.context, state.legs.generation
+    ok = any(b.healthy for b in generation) and (not context or any(b.healthy for b in context))
     detail = {b.url: {"role": b.role, "healthy": b.healthy, "active": b.active, "last_error": b.last_error}
-              for b in state.context + state.generation}
+              for b in context + generation}
     return JSONBody({"status": "ok" if ok else "unavailable", "servers": detail}, 200 if ok else 503)
 
 
@@ -236,6 +231,6 @@ async def _openapi(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     state: RouterState = request.app.state.router
-    for backend in state.context + state.generation:
+    for backend in state.legs.context + state.legs.generation:
         state.healthy.labels(backend.role, backend.url).set(1 if backend.healthy else 0)
     return Response(generate_latest(state.registry), media_type="text/plain; version=0.0.4")

@@ -73,8 +73,12 @@ class StreamResponse:
         async for chunk in self._chunks:
             yield chunk
 
-    async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self._chunks])
+    async def whole(self) -> Response:
+        """The rest of the body as one Response; the stream is closed either way."""
+        try:
+            return Response(self.status, b"".join([chunk async for chunk in self._chunks]))
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         """Idempotent."""

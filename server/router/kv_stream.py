@@ -43,12 +43,6 @@ def split_events(complete: bytes) -> list[bytes]:
     return complete[:-2].split(END) if complete else []
 
 
-def event_data(event: bytes) -> object | None:
-    """The JSON value of an event's `data:` lines (None for `[DONE]` or an event without data)."""
-    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
-    return None if data in (b"", b"[DONE]") else loads(data)
-
-
 class Events:
     """`data:` payloads of an SSE body as JSON values, one per event (None once it has ended)."""
 
@@ -63,7 +57,9 @@ class Events:
             if chunk is None:
                 return None
             self._events = split_events(self._splitter.feed(chunk))
-        return event_data(self._events.pop(0))
+        # the JSON value of the event's `data:` lines (None for `[DONE]` or an event without data)
+        data = b"".join(line[5:].strip() for line in self._events.pop(0).split(b"\n") if line.startswith(b"data:"))
+        return None if data in (b"", b"[DONE]") else loads(data)
 
 
 @dataclass
@@ -107,10 +103,7 @@ async def read_context(backend: Backend, response: StreamResponse, done: Callabl
     """A context leg's answer: its JSON, or its early event (`done()` runs when the leg ends)."""
     try:
         if response.status != 200 or response.content_type != EVENT_STREAM:
-            try:
-                return parse(backend, Response(response.status, await response.aread()))
-            finally:
-                await response.aclose()
+            return parse(backend, await response.whole())
         events = Events(response)
         first = await events.next()
     except HttpError as exc:

@@ -83,7 +83,6 @@ class KvEventSync:
                  registry: CollectorRegistry) -> None:
         self.backends = list(backends)
         self.feeds = {b.url: KvFeed(index=b.kv_index) for b in self.backends}
-        self._by_url = {b.url: b for b in self.backends}
         self._client, self._headers = client, token_headers(token)
         self._thread = SocketThread("pdserve-router-kv-events", _Subscriber(event_codec(token, publisher=False)),
                                     inbox_size=4096, tick_s=0.25, notify=self._notify)
@@ -139,8 +138,8 @@ class KvEventSync:
 
     def round(self) -> None:
         now = time.monotonic()
-        for url, feed in self.feeds.items():
-            backend = self._by_url[url]
+        for backend in self.backends:
+            url, feed = backend.url, self.feeds[backend.url]
             if not backend.healthy:
                 if feed.state != "idle":
                     self._restart(url, "fenced")

@@ -138,10 +138,7 @@ class Legs:
             if body.get("stream"):
                 stream = await self._send(backend, self.client.stream, path, body)
                 if stream.status != 200:
-                    try:
-                        _parse(backend, Response(stream.status, await stream.aread()))
-                    finally:
-                        await stream.aclose()
+                    _parse(backend, await stream.whole())
                 return Upstream(backend, stream=_closing(stream, done))
             upstream = Upstream(backend, json=await self._json(backend, path, body))
             done()

@@ -17,12 +17,12 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from kvcache import block_hashes, request_salt
-from server.config.router import ScoreWeights
+from server.config.router import KvWeights, RouterConfig
 from server.router.backends import Backend
 
 Backends = Sequence[Backend]
 PromptTokens = Callable[[], Sequence[int] | None]  # lazily tokenised prompt (only the kv policies ask)
-DEFAULT_WEIGHTS = ScoreWeights()
+DEFAULT_KV_WEIGHTS = KvWeights()
 
 
 class Prompt:
@@ -99,14 +99,14 @@ class KvCacheAware(RoundRobin):
     flight, then round robin (its turn moves only when there is a choice, so that requests which go
     where their prefix is do not skew the turns of those that may go anywhere)."""
 
-    def __init__(self, weights: ScoreWeights = DEFAULT_WEIGHTS) -> None:
+    def __init__(self, kv_weights: KvWeights = DEFAULT_KV_WEIGHTS, load_weight: float = 1.0) -> None:
         super().__init__()
-        self.weights = weights
+        self.kv_weights, self.load_weight = kv_weights, load_weight
 
     def score(self, backend: Backend, prompt: PromptTokens) -> float:
-        tpb, weights = backend.kv_index.tokens_per_block, self.weights
-        hit = sum(tpb * weights.tier(level) for level in hit_tiers(backend, prompt))
-        return hit - weights.load * backend.load_tokens
+        tpb = backend.kv_index.tokens_per_block
+        hit = sum(tpb * self.kv_weights.tier(level) for level in hit_tiers(backend, prompt))
+        return hit - self.load_weight * backend.load_tokens
 
     def _choose(self, candidates: list[Backend], prompt: PromptTokens) -> Backend:
         scores = {b: self.score(b, prompt) for b in candidates}
@@ -117,7 +117,8 @@ class KvCacheAware(RoundRobin):
         return tied[0] if len(tied) == 1 else super()._choose(tied, prompt)
 
 
-def make_policy(name: str, weights: ScoreWeights = DEFAULT_WEIGHTS) -> RoundRobin:
-    if name == "kv_cache_aware":
-        return KvCacheAware(weights)
-    return {"round_robin": RoundRobin, "load_balancing": LoadBalancing}[name]()
+def make_policy(config: RouterConfig) -> RoundRobin:
+    """`router.type`'s policy, with its weights."""
+    if config.type == "kv_cache_aware":
+        return KvCacheAware(config.kv_weights, config.load_weight)
+    return {"round_robin": RoundRobin, "load_balancing": LoadBalancing}[config.type]()

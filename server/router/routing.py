@@ -22,9 +22,8 @@ class Routing:
         self.context, self.generation = list(context), list(generation)
         metrics = QueueMetrics(registry)
         # generation servers: kv_cache_aware scores them too (their own hit saves a pull)
-        self.context_picker = LegPicker("context", make_policy(self.policy, config.weights), config.queue, metrics)
-        self.generation_picker = LegPicker("generation", make_policy(self.policy, config.weights), config.queue,
-                                           metrics, decodes=True)
+        self.context_picker = LegPicker("context", make_policy(config), config.queue, metrics)
+        self.generation_picker = LegPicker("generation", make_policy(config), config.queue, metrics, decodes=True)
         self.conditional: Conditional = (config.conditional if self.context else None) or Conditional()
         # the servers' KV events, followed when they are read (kv_cache_aware, or a minimum prefix hit)
         follow = self.policy == "kv_cache_aware" or self.conditional.min_prefix_hit is not None

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from waiting import wait_until
 
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 
 DOC = dh.ROOT / "docs" / "DEPLOY.md"
 HOSTS = {"10.0.0.10": "127.0.0.1", "10.0.0.11": "127.0.0.2", "10.0.0.12": "127.0.0.3"}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from waiting import wait_until
 
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 from server.models.builtin import resolve_model
 
 FILLER = "The system should keep the answer short, clear and correct, and it should cite the facts it uses. "

@@ -23,7 +23,7 @@ import yaml
 from transformers import AutoTokenizer
 from waiting import wait_until
 
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 from server.models.builtin import resolve_model
 
 MODEL = "builtin:tiny-llama"

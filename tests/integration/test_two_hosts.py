@@ -31,7 +31,7 @@ import pytest
 import yaml
 from waiting import wait_until
 
-from server.deploy.launcher import wait_for_health
+from pdserve_bench.launch import wait_for_health
 
 TOKEN = "two-hosts-test-token-0123456789abcdef"
 TAG = f"{os.getpid() % 100000}"

@@ -1,12 +1,12 @@
 from kvcache import Level, block_hashes
 from kvcache.events import REMOVED
+from server.config.router import KvWeights
 from server.router.backends import Backend
 from server.router.policies import (
     KvCacheAware,
     LoadBalancing,
     Prompt,
     RoundRobin,
-    ScoreWeights,
     hit_tiers,
 )
 
@@ -53,7 +53,7 @@ def test_kv_cache_aware_weights_disk_tier_hits_below_host_ones():
     assert hit_tiers(b, prompt) == [Level.DISK] * 3
     assert [KvCacheAware().score(x, prompt) for x in (a, b)] == [32.0, 24.0]
     assert KvCacheAware().pick([a, b], prompt, set()) is a
-    assert KvCacheAware(ScoreWeights(disk=0.5)).pick([a, b], prompt, set()) is b  # 48 > 32
+    assert KvCacheAware(KvWeights(disk=0.5)).pick([a, b], prompt, set()) is b  # 48 > 32
 
 
 def test_kv_cache_aware_weights_host_tier_hits_and_subtracts_load():
@@ -66,12 +66,12 @@ def test_kv_cache_aware_weights_host_tier_hits_and_subtracts_load():
     assert [policy.score(x, prompt) for x in (a, b, c)] == [64.0, 80.0, 0.0]
     assert policy.pick([a, b, c], prompt, set()) is b
     assert hit_tiers(b, prompt) == [Level.PRIMARY, Level.SECONDARY, Level.SECONDARY]
-    assert KvCacheAware(ScoreWeights(secondary=0.25)).pick([a, b, c], prompt, set()) is a  # 32 + 16 < 64
+    assert KvCacheAware(KvWeights(secondary=0.25)).pick([a, b, c], prompt, set()) is a  # 32 + 16 < 64
     b.load_tokens = 20  # 80 - 20 = 60 < 64
     assert policy.pick([a, b, c], prompt, set()) is a
     a.load_tokens = 100  # -36: an idle server without the prefix is better
     assert policy.pick([a, b, c], prompt, set()) is b
-    assert KvCacheAware(ScoreWeights(load=0.0)).pick([a, b, c], prompt, set()) is b  # load ignored: 80
+    assert KvCacheAware(load_weight=0.0).pick([a, b, c], prompt, set()) is b  # load ignored: 80
     assert policy.pick([a, b, c], Prompt(lambda: TOKENS, "tenant-x"), set()) is c  # another salt: no hit
 
 

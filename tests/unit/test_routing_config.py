@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config.router import SHARED_GPU_LOCAL_PREFILL, Conditional, QueueLimits
+from server.config.router import SHARED_GPU_LOCAL_PREFILL, Conditional, KvWeights, QueueLimits
 from server.config.schema import AUTH_TOKEN_ENV, ConfigError, load_deployment
-from server.router.policies import ScoreWeights
 
 
 @pytest.fixture(autouse=True)
@@ -28,19 +27,19 @@ def _load(tmp_path: Path, router: dict, disaggregated: bool = True):
 
 def test_defaults_and_every_key(tmp_path):
     router = _load(tmp_path, {"type": "kv_cache_aware"}).router
-    assert (router.weights, router.queue, router.conditional) == (
-        ScoreWeights(1.0, 0.75, 1.0), QueueLimits(64, 1024, 60.0), None)
+    assert (router.kv_weights, router.load_weight, router.queue, router.conditional) == (
+        KvWeights(1.0, 0.75, 0.25), 1.0, QueueLimits(64, 1024, 60.0), None)
     cfg = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"primary": 2, "secondary": 0.5},
                            "load_weight": 0.25, "queue": {"max_inflight_per_server": 0, "max_waiting": 8,
                                                           "timeout_s": 1.5},
                            "conditional": {"max_local_prefill_length": 128, "min_prefix_hit": 256}})
     router = cfg.router
-    assert (router.weights, router.queue, router.conditional) == (
-        ScoreWeights(2.0, 0.5, 0.25), QueueLimits(0, 8, 1.5), Conditional(128, 256))
+    assert (router.kv_weights, router.load_weight, router.queue, router.conditional) == (
+        KvWeights(2.0, 0.5, 0.25), 0.25, QueueLimits(0, 8, 1.5), Conditional(128, 256))
     assert router.conditional.enabled and not Conditional().enabled
     assert cfg.router_config(shared_gpu=True).conditional == Conditional(128, 256)
-    disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).router.weights
-    assert (disk.primary, disk.secondary, disk.disk, disk.load) == (1.0, 0.75, 0.1, 1.0)
+    disk = _load(tmp_path, {"type": "kv_cache_aware", "kv_weights": {"disk": 0.1}}).router
+    assert (disk.kv_weights, disk.load_weight) == (KvWeights(1.0, 0.75, 0.1), 1.0)
 
 
 @pytest.mark.parametrize(("router", "expected"), [

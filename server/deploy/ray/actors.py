@@ -41,13 +41,6 @@ class ActorSpec:
     stop_wait_s: float = 40.0  # after SIGTERM, the process's drain; then SIGKILL
 
 
-def deployment_dir(spec: ActorSpec) -> Path:
-    root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.gettempdir()) / "pdserve-ray"
-    path = root / spec.deployment
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
-
-
 class ProcessActor:
     def __init__(self, spec: ActorSpec) -> None:
         import ray
@@ -69,7 +62,9 @@ class ProcessActor:
         threading.Thread(target=self._watch, name="pdserve-ray-watch", daemon=True).start()
 
     def _start(self, spec: ActorSpec) -> Running:
-        folder = deployment_dir(spec)
+        root = Path(spec.log_dir) if spec.log_dir else Path(tempfile.gettempdir()) / "pdserve-ray"
+        folder = root / spec.deployment
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         config = write_private(folder / f"{spec.child.name}.yaml", spec.config_yaml)
         env = {**spec.child.env, NODE_ID_ENV: self.node_id}
         if self.gpus:  # rank r of the server uses cuda:r: the GPU Ray gave rank r's bundle
@@ -88,22 +83,16 @@ class ProcessActor:
         return {"name": self.spec.child.name, "role": self.spec.child.role, "node_id": self.node_id,
                 "node_ip": self.node_ip, "gpus": [*self.gpus, *self.spec.rank_gpus], "pid": self.run.popen.pid,
                 "health_url": self.spec.child.health_url, "log": str(self.run.log_path), "restarted": self.restarted,
-                "exited": self.exited(), "niceness": self.niceness}
-
-    def exited(self) -> str | None:
-        return self.run.exited()
+                "exited": self.run.exited(), "niceness": self.niceness, "stop_wait_s": self.spec.stop_wait_s}
 
     def tail(self) -> str:
         return log_tail(self.run.log_path)
-
-    def stop_wait(self) -> float:
-        return self.spec.stop_wait_s
 
     def stop(self) -> str | None:
         """SIGTERM (the process drains), SIGKILL after `stop_wait_s`; how it ended."""
         self.stopping = True
         self.group.stop_all([([self.spec.child.name], self.spec.stop_wait_s)])
-        return self.exited()
+        return self.run.exited()
 
 
 def normal_priority() -> int:

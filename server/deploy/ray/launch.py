@@ -31,7 +31,7 @@ from server.deploy.ray.placement import (
     with_urls,
     without_token,
 )
-from server.deploy.supervisor import Child, StopOnSignals, Watched, health, wait_healthy
+from server.deploy.supervisor import Child, StopOnSignals, health, wait_healthy
 
 POLL_S = 1.0
 
@@ -122,7 +122,7 @@ def _start(run: Launch, placed: dict[str, Placed], text: str, stop: StopOnSignal
                             rank_gpus[name], server.drain_timeout_s) for name, server in cfg.named().items()]
     if not _started(run, servers):
         return 1
-    if not _healthy(run, servers, stop) or not handshakes_done(stop, [c for c, _ in servers], say):
+    if not _healthy(run, servers, stop) or not handshakes_done(stop, servers, say):
         return 0 if stop.signum is not None else 1
     if cfg.has_router:
         router = _start_actor(run, placed[ROUTER], ROUTER, cfg.host, cfg.port, text, token, {}, (), cfg.drain_timeout_s)
@@ -149,8 +149,8 @@ def _hold_ranks(run: Launch, servers: list[Placed]) -> dict[str, tuple[str, ...]
 
 
 def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, text: str, token: str,
-                 env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> tuple[Child, Any]:
-    """The actor that runs a server or the router (not waited for: `_started`)."""
+                 env: dict[str, str], rank_gpus: tuple[str, ...], drain_s: float) -> Child:
+    """The actor that runs a server or the router, in `run.handles` (not waited for: `_started`)."""
     cfg, name = run.cfg, placed.want.name
     threads = str(max(1, int(placed.want.options.num_cpus)))  # the actor's CPUs, as Ray sets OMP_NUM_THREADS
     env = {**child_env({}, token, len(cfg.servers)), "OMP_NUM_THREADS": threads, **env}
@@ -163,18 +163,19 @@ def _start_actor(run: Launch, placed: Placed, role: str, host: str, port: int, t
                                                  **run.actor_options(placed, 0)).remote(spec)
     run.handles.add(child.name, actor, child.health_url)
     run.handles.stop_waits[child.name] = spec.stop_wait_s
-    return child, actor
+    return child
 
 
-def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
+def _started(run: Launch, started: list[Child]) -> bool:
     """Wait until every actor has started its process (all at once), and say where each runs; False
     when one could not (its runtime_env failed to set up, its constructor raised, the wait ran out)."""
     try:
-        infos = run.ray.get([a.info.remote() for _, a in started], timeout=run.ray_options.placement_timeout_s)
+        infos = run.ray.get([run.handles.actors[c.name].info.remote() for c in started],
+                            timeout=run.ray_options.placement_timeout_s)
     except Exception as exc:  # RayActorError, RuntimeEnvSetupError, GetTimeoutError
-        say(f"an actor of {', '.join(c.name for c, _ in started)} did not start: {type(exc).__name__}: {exc}")
+        say(f"an actor of {', '.join(c.name for c in started)} did not start: {type(exc).__name__}: {exc}")
         return False
-    for (child, _), info in zip(started, infos, strict=True):
+    for child, info in zip(started, infos, strict=True):
         gpus = f", GPU {','.join(info['gpus'])}" if info["gpus"] else ""
         say(f"started {run.name}/{child.name} on {info['node_ip']} (pid {info['pid']}{gpus})  > {info['log']}")
         if info["niceness"] > 0:
@@ -184,16 +185,15 @@ def _started(run: Launch, started: list[tuple[Child, Any]]) -> bool:
     return True
 
 
-def _healthy(run: Launch, started: list[tuple[Child, Any]], stop: StopOnSignals) -> bool:
-    watched = [Watched(child, lambda c=child, a=actor: _exit_of(run, c, a), lambda a=actor: _tail(run, a))
-               for child, actor in started]
-    return wait_healthy(watched, stop, run.options.startup_timeout_s, run.options.poll_interval_s, say)
+def _healthy(run: Launch, started: list[Child], stop: StopOnSignals) -> bool:
+    return wait_healthy(started, lambda c: _exit_of(run, c), lambda c: _tail(run, c), stop,
+                        run.options.startup_timeout_s, run.options.poll_interval_s, say)
 
 
-def _exit_of(run: Launch, child: Child, actor) -> str | None:
+def _exit_of(run: Launch, child: Child) -> str | None:
     """How a starting server ended: its process exited, or Ray restarted or lost its actor."""
     try:
-        info = run.ray.get(actor.info.remote(), timeout=30)
+        info = run.ray.get(run.handles.actors[child.name].info.remote(), timeout=30)
     except Exception as exc:  # RayActorError, GetTimeoutError: the actor is gone or stuck
         return f"its actor unavailable ({type(exc).__name__})"
     if info["exited"] is not None:
@@ -201,9 +201,9 @@ def _exit_of(run: Launch, child: Child, actor) -> str | None:
     return "a restart by Ray (its process died)" if info["pid"] != run.handles.first_pid[child.name] else None
 
 
-def _tail(run: Launch, actor) -> str:
+def _tail(run: Launch, child: Child) -> str:
     try:
-        return run.ray.get(actor.tail.remote(), timeout=30)
+        return run.ray.get(run.handles.actors[child.name].tail.remote(), timeout=30)
     except Exception as exc:  # the log stays on its node
         return f" (no log: {type(exc).__name__})"
 

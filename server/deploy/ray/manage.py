@@ -46,7 +46,7 @@ class Handles:
         """True when the actor died and Ray will not restart it (remembered in `gone`)."""
         exceptions = self.ray.exceptions
         try:
-            self.ray.get(self.actors[name].exited.remote(), timeout=2.0)
+            self.ray.get(self.actors[name].info.remote(), timeout=2.0)
         except (exceptions.ActorUnavailableError, exceptions.GetTimeoutError):  # restarting, or no answer yet
             return False
         except exceptions.RayActorError:
@@ -82,7 +82,8 @@ def handles_wait(handles: Handles, name: str) -> float:
     """How long to wait for `name`'s stop call: its drain and grace, then a margin."""
     if name not in handles.stop_waits:
         try:
-            handles.stop_waits[name] = handles.ray.get(handles.actors[name].stop_wait.remote(), timeout=ASK_TIMEOUT_S)
+            info = handles.ray.get(handles.actors[name].info.remote(), timeout=ASK_TIMEOUT_S)
+            handles.stop_waits[name] = info["stop_wait_s"]
         except Exception:  # restarting, or gone: it cannot say
             handles.stop_waits[name] = DEFAULT_STOP_WAIT_S
     return handles.stop_waits[name] + STOP_MARGIN_S

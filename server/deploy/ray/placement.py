@@ -132,10 +132,9 @@ def provisional(data: dict[str, Any]) -> dict[str, Any]:
     """The file with a distinct loopback address for every server its sections leave without urls,
     so that the one loader checks everything else before anything is placed."""
     urls, port = {}, PROVISIONAL_PORT
-    for section in ("context_servers", "generation_servers"):
-        raw = data.get(section)
-        if isinstance(raw, dict) and raw.get("urls") is None and isinstance(raw.get("num_instances"), int):
-            count = max(1, raw["num_instances"])
+    for section in unplaced_sections(data):
+        if isinstance(data[section].get("num_instances"), int):
+            count = max(1, data[section]["num_instances"])
             urls[section] = [f"127.0.0.1:{port + i}" for i in range(count)]
             port += count
     return with_urls(data, urls) if urls else data
