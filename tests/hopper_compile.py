@@ -65,6 +65,8 @@ LATENT = {"Q": "*bf16", "C": "*bf16", **PARTIALS, "stride_qt": "i32", "stride_qh
 ROPE = {"QKV": "*bf16", "COS": "*fp32", "SIN": "*fp32", "K": "*bf16", "V": "*bf16", "SLOT": "*i32", "OFF": "*i32",
         "stride_t": "i32", "stride_c": "i32", "stride_ks": "i32", "stride_kt": "i32", "stride_kh": "i32",
         "k_inv": "fp32", "v_inv": "fp32"}
+LATENT_ROPE = {"Q": "*bf16", "KV": "*bf16", "COS": "*bf16", "SIN": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
+               "stride_kv": "i32", "stride_c": "i32", "q_off": "i32", "kv_off": "i32"}
 WRITE = {"X": "*bf16", "CACHE": "*bf16", "SLOT": "*i32", "OFF": "*i32", "stride_xt": "i32", "stride_cs": "i32",
          "stride_ct": "i32"}
 
@@ -126,6 +128,9 @@ def decode_variants():
                   "IEEE": False}
     yield L._latent_split, LATENT, constexprs, ("stride_bt",), {"num_warps": 8, "num_stages": 2}
     yield L._write_rows, WRITE, {"W": 576, "WP": 1024}, (), {"num_warps": 4}
+    for interleave in (True, False):  # MLA's rotary at DeepSeek-V2-Lite's shape (16 heads, rope 64)
+        yield L._latent_rope, LATENT_ROPE, {"H": 16, "HP": 32, "HALF": 32, "INTERLEAVE": interleave}, (), \
+            {"num_warps": 4}
     # rope_write: the 8B shape into a bf16 and an FP8 (bytes) cache, and a half rotary (GLM-4's)
     shape = {"H": 32, "KVH": 8, "D": 128, "QK": 64, "VH": 8, "DP": 128}
     for kv, rotary in (("*bf16", 128), ("*u8", 128), ("*bf16", 64)):

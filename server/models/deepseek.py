@@ -18,8 +18,7 @@ from server.models.llama import DecoderStack, _WeightTable
 from server.models.mla_attention import TorchLatentAttention
 from server.models.mla_spec import MLASpec
 from server.models.mlp import FeedForward
-from server.models.ops import TorchOps, Weight
-from server.models.rope import apply_rotary
+from server.models.ops import Weight
 
 LORA_NORM_EPS = 1e-6  # DeepseekV2/V3RMSNorm's default: q_a_layernorm and kv_a_layernorm take no eps
 
@@ -47,7 +46,6 @@ class DeepseekLayer:
 
 class DeepseekModel(DecoderStack):
     attention: TorchLatentAttention
-    lora_ops = TorchOps(LORA_NORM_EPS)
 
     @property
     def mla(self) -> MLASpec:
@@ -59,25 +57,16 @@ class DeepseekModel(DecoderStack):
         if w.q is not None:
             q = ops.linear(x, w.q, None)
         else:
-            q = ops.linear(self.lora_ops.rms_norm(ops.linear(x, w.q_a, None), w.q_a_norm), w.q_b, None)
+            q = ops.linear(ops.rms_norm(ops.linear(x, w.q_a, None), w.q_a_norm, LORA_NORM_EPS), w.q_b, None)
         q = q.view(t, -1, mla.qk_head_dim)  # [T, heads, nope + rope]
-        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
-        c, k_pe = ops.linear(x, w.kv_a, None).split([mla.kv_lora_rank, mla.qk_rope_head_dim], -1)
-        c = self.lora_ops.rms_norm(c, w.kv_a_norm)  # [T, rank]
-        q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe[:, None], cos, sin)[:, 0]
+        kv = ops.linear(x, w.kv_a, None)  # [T, rank + rope]: c, then k_pe
+        q_pe, k_pe = ops.latent_rope(q, kv, cos, sin, mla.rope_interleave)
+        c = ops.rms_norm(kv[:, :mla.kv_lora_rank], w.kv_a_norm, LORA_NORM_EPS)  # [T, rank]
+        q_nope = q[..., :mla.qk_nope_head_dim]
         query = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w.w_uk), q_pe), -1)  # [T, heads, rank + rope]
         out = self.attention.forward(i, query, torch.cat((c, k_pe), -1), meta)  # [T, heads, rank]
         out = torch.einsum("thr,hvr->thv", out, w.w_uv).reshape(t, -1)  # [T, heads * v]
         return ops.linear(out, w.o, None)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, n, rope] rotated as transformers does for this model (see the module docstring)."""
-        if not self.mla.rope_interleave:
-            return apply_rotary(x, cos, sin)
-        half = x.shape[-1] // 2
-        c, s = cos[:, None, :half], sin[:, None, half:]  # `sin` is signed: its second half is +sin
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
 
     def _layer(self, w: _WeightTable, i: int) -> DeepseekLayer:
         p = f"model.layers.{i}."

@@ -22,12 +22,14 @@ class TorchOps:
     def __init__(self, eps: float) -> None:
         self.eps = eps
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' LlamaRMSNorm of x [..., N]: normalize in float32, cast back, then scale by the weight."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of x [..., N]: normalize in float32, cast back, then scale by the weight;
+        `eps`: this norm's own (DeepSeek's low-rank norms), else the model's."""
+        eps = self.eps if eps is None else eps
         if x.dtype == torch.float32:  # the fused op computes exactly this in float32
-            return F.rms_norm(x, weight.shape, weight, self.eps)
+            return F.rms_norm(x, weight.shape, weight, eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -39,6 +41,16 @@ class TorchOps:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def latent_rope(self, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's rotary: q [T, heads, nope + P], kv [T, R + P] (c, then k_pe), cos and the signed sin [T, P]
+        -> (q_pe [T, heads, P], k_pe [T, P]) rotated (`interleave`: DeepSeek's even/odd pairs)."""
+        from server.models.rope import apply_interleaved, apply_rotary  # (rope imports the model spec)
+
+        rope = cos.shape[-1]
+        rotate = apply_interleaved if interleave else apply_rotary
+        return rotate(q[..., -rope:], cos, sin), rotate(kv[:, None, -rope:], cos, sin)[:, 0]
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear: x [T, K] @ weight [N, K].T (+ bias) -> [T, N]."""
@@ -72,16 +84,27 @@ class TritonOps(TorchOps):
         self.skinny = SkinnyLinear()  # decode at small batch: per weight shape, whichever `choose` timed faster
         self.fp8 = Fp8Linears()  # FP8 weights: per weight shape and row count, whichever `choose` timed faster
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.stride(1) != 1:
-            return super().rms_norm(x, weight)
-        return self._k.rms_norm(x, weight, self.eps)
+            return super().rms_norm(x, weight, eps)
+        return self._k.rms_norm(x, weight, self.eps if eps is None else eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._k.rms_norm(x, weight, self.eps, residual)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
+
+    def latent_rope(self, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, one kernel (kernels/latent.py `latent_rope`); returns the rotated views."""
+        rope = cos.shape[-1]
+        if q.stride(-1) != 1 or kv.stride(-1) != 1 or rope < 4 or rope & (rope - 1):
+            return super().latent_rope(q, kv, cos, sin, interleave)
+        from server.models.kernels.latent import latent_rope
+
+        latent_rope(q, kv, cos, sin, interleave)
+        return q[..., -rope:], kv[:, -rope:]
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, Fp8Weight):

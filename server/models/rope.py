@@ -61,3 +61,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), -1)
     swapped = x.reshape(t, n, 2, d // 2).flip(2).reshape(t, n, d)
     return x * cos[:, None] + swapped * sin[:, None]
+
+
+def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, r] rotated as DeepSeek's attention does (its `rope_interleave`): rotate_half over the
+    even and the odd dims, the result as the two halves (HF de-interleaves first); `sin` signed as
+    `cos_sin` gives it (its second half is +sin)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, half:]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)

@@ -259,3 +259,24 @@ def test_penalties_kernel_equals_the_torch_formula_and_leaves_other_rows() -> No
     assert torch.equal(got, penalties_reference(*case))  # the same float32 ops, bit for bit
     assert torch.equal(case[0], before) and torch.equal(got[[0, 2]], before[[0, 2]])
     assert torch.isinf(got[1, ::7]).all() and not torch.equal(got[3], before[3])
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_rope_rotates_q_and_k_pe_in_place_as_the_torch_path(interleave: bool) -> None:
+    """MLA's rotary in one kernel (kernels/latent.py): every head's rope dims of q and kv_a's k_pe, in place,
+    equal to the torch path's (DeepSeek's interleaved pairs and the halves), the other dims untouched."""
+    from server.models.ops import TorchOps, TritonOps
+
+    torch.manual_seed(4)
+    t, heads, nope, rope, rank = 5, 4, 8, 16, 32
+    q, kv = torch.randn(t, heads, nope + rope), torch.randn(t, rank + rope)
+    angle = torch.rand(t, rope // 2) * 10
+    cos = torch.cat((angle.cos(), angle.cos()), -1)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1)  # signed, as rope.py `cos_sin` gives it
+    want_q, want_k = TorchOps(1e-6).latent_rope(q.clone(), kv.clone(), cos, sin, interleave)
+    q2, kv2 = q.clone(), kv.clone()
+    got_q, got_k = TritonOps(1e-6).latent_rope(q2, kv2, cos, sin, interleave)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert not torch.equal(want_q, q[..., nope:])
+    assert torch.equal(q2[..., :nope], q[..., :nope]) and torch.equal(kv2[:, :rank], kv[:, :rank])
+    assert got_q.data_ptr() == q2[..., nope:].data_ptr() and got_k.data_ptr() == kv2[:, rank:].data_ptr()

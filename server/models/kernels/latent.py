@@ -92,3 +92,50 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     _decode_merge[(b, heads)](partials, maxes, sums, out, out.stride(0), out.stride(1), 1.0, KVH=1, G=heads,
                               GP=gp, D=rank, NSPLIT=splits, SP=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
+
+
+@triton.jit
+def _latent_rope(Q, KV, COS, SIN, stride_qt, stride_qh, stride_kv, stride_c, q_off, kv_off,
+                 H: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Program (token): rotate in place the rope dims of its H query heads (from column q_off of each) and
+    of its shared key (row H: from column kv_off of its kv_a row), as transformers' DeepSeek attention:
+    rotate_half over the two halves, or (INTERLEAVE) over the even and the odd dims, the result written
+    as the two halves. Each product and sum rounds to the model dtype as torch's ops do."""
+    t = tl.program_id(0)
+    rows = tl.arange(0, HP)[:, None]
+    i = tl.arange(0, HALF)[None, :]
+    live = (rows <= H) & (i < HALF)
+    base = tl.where(rows < H, Q + t * stride_qt + rows * stride_qh + q_off, KV + t * stride_kv + kv_off)
+    if INTERLEAVE:
+        x1 = tl.load(base + 2 * i, mask=live, other=0.0)
+        x2 = tl.load(base + 2 * i + 1, mask=live, other=0.0)
+    else:
+        x1 = tl.load(base + i, mask=live, other=0.0)
+        x2 = tl.load(base + HALF + i, mask=live, other=0.0)
+    dt = x1.dtype
+    c1 = tl.load(COS + t * stride_c + i).to(tl.float32)
+    c2 = tl.load(COS + t * stride_c + HALF + i).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_c + i).to(tl.float32)  # signed: rotate_half's minus (rope.py `cos_sin`)
+    s2 = tl.load(SIN + t * stride_c + HALF + i).to(tl.float32)
+    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+    if INTERLEAVE:  # (x1 c - x2 s, x2 c + x1 s), c the first half of cos, s = +sin: the signed sin's second half
+        a2 = (x2.to(tl.float32) * c1).to(dt).to(tl.float32)
+        y1 = a1 - (x2.to(tl.float32) * s2).to(dt).to(tl.float32)
+    else:
+        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+        y1 = a1 + (x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    y2 = a2 + (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    tl.debug_barrier()  # every lane's loads before any store (interleaved: a lane stores what another read)
+    tl.store(base + i, y1.to(dt), mask=live)
+    tl.store(base + HALF + i, y2.to(dt), mask=live)
+
+
+def latent_rope(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> None:
+    """q [T, heads, nope + P] (unit last stride), kv [T, R + P] (kv_a's output: c then k_pe), cos and the
+    signed sin [T, P]: q's last P dims of each head and kv's last P rotated in place (`_latent_rope`)."""
+    t, heads, width = q.shape
+    rope = cos.shape[-1]
+    if t:
+        _latent_rope[(t,)](q, kv, cos, sin, q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), width - rope,
+                           kv.shape[1] - rope, H=heads, HP=triton.next_power_of_2(heads + 1), HALF=rope // 2,
+                           INTERLEAVE=interleave, num_warps=4)
