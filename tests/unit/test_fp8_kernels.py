@@ -240,7 +240,8 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     compiled = [ast.literal_eval(line[line.rindex("{'shared'"):]) for line in moe + blocks]
     assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in compiled), done.stdout
     # the decode attention kernels: dense K/V in bf16 and FP8 at 3 keys-per-step choices, the latent
-    # cache's split kernel and its row write; rope_write into bf16 and FP8 caches and with a half rotary; MLA.s rotary
+    # cache's split kernel and its row write; rope_write into bf16 and FP8 caches and with a half rotary;
+    # MLA's rotary (interleaved and in halves)
     decode = [line for line in done.stdout.splitlines() if line.startswith(("_decode_split", "_latent_split",
                                                                              "_write_rows", "_rope_write",
                                                                              "_latent_rope"))]
