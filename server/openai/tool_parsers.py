@@ -31,12 +31,14 @@ def _partial_tail(text: str, tag: str) -> int:
 class _Calls:
     """What the JSON-object formats share: the text not read yet, the call being read, the count of
     calls, and content whose trailing whitespace waits to see whether a call follows (then it is
-    dropped). A format's `_step()` reads what it can of the text: events, or None when it needs more."""
+    dropped). A format's `_step()` reads what it can of the text: events, or None when it needs more.
+    Without `parallel` (`parallel_tool_calls: false`) the events of calls after the first are dropped."""
 
     _opening: str | None = ""  # what an object that is no call is content after (None: it is dropped)
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
         self.calls = 0
+        self._parallel = parallel
         self._buf = ""
         self._call: CallObject | None = None
         self._space = ""
@@ -46,7 +48,7 @@ class _Calls:
         events: list[Event] = []
         while self._buf and (step := self._step()) is not None:
             events += step
-        return events
+        return self._kept(events)
 
     def finish(self) -> list[Event]:
         """The text not read yet; an announced call keeps what it has, an object cut before it was one
@@ -59,7 +61,10 @@ class _Calls:
         space, self._space = self._space, ""
         if space and not self.calls:
             events.append(Content(space))
-        return events
+        return self._kept(events)
+
+    def _kept(self, events: list[Event]) -> list[Event]:
+        return events if self._parallel else [e for e in events if isinstance(e, Content) or e.index == 0]
 
     def _step(self) -> list[Event] | None:
         raise NotImplementedError
@@ -96,8 +101,8 @@ class HermesParser(_Calls):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _opening = OPEN
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._state = self._in_text  # _in_text | _after_open | _in_call | _after_call
 
     def _step(self) -> list[Event] | None:
@@ -149,8 +154,8 @@ class HermesParser(_Calls):
 
 
 class Llama3JsonParser(_Calls):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._state = "start"  # start | call | between (after a call) | content
 
     def _step(self) -> list[Event] | None:
@@ -209,8 +214,8 @@ class RequiredParser(_Calls):
 
     _opening = None
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._opened = False
 
     def _step(self) -> list[Event] | None:
@@ -227,34 +232,11 @@ class RequiredParser(_Calls):
         return []
 
 
-class OnlyFirstCall:
-    """`parallel_tool_calls: false`: the events of calls after the first are dropped."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-
-    @property
-    def calls(self) -> int:
-        return min(self._parser.calls, 1)
-
-    def feed(self, text: str) -> list[Event]:
-        return self._keep(self._parser.feed(text))
-
-    def finish(self) -> list[Event]:
-        return self._keep(self._parser.finish())
-
-    @staticmethod
-    def _keep(events: list[Event]) -> list[Event]:
-        return [e for e in events if isinstance(e, Content) or e.index == 0]
-
-
 def make_parser(mode: str, function: str | None = None, parallel: bool = True) -> ToolParser:
     """A fresh parser for one choice. mode: "hermes", "llama3_json", "named" (of `function`), "required"."""
     formats = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "required": RequiredParser}
     if mode == "named":
-        parser: ToolParser = NamedParser(function or "")
-    elif mode in formats:
-        parser = formats[mode]()
-    else:
+        return NamedParser(function or "")  # one call whatever `parallel` says
+    if mode not in formats:
         raise ValueError(f"unknown tool-call format {mode!r}")
-    return parser if parallel else OnlyFirstCall(parser)
+    return formats[mode](parallel)
