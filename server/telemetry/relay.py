@@ -10,35 +10,7 @@ import threading
 
 import msgspec
 
-from kvcache.stats import KVCacheStats
-from server.telemetry.metrics import HISTOGRAMS, EngineCounters, Observer, ServerMetrics, SpecCounts
-
-
-class TransferFigures(msgspec.Struct, frozen=True):
-    """A copy of one sender's or receiver's cumulative `TransferStats` (`TransferCounts`)."""
-
-    failures_by_reason: dict[str, int]
-    lease_expired: int
-    rejected_messages: int
-    phase_seconds: dict[str, float]
-    streamed: int = 0
-
-    @classmethod
-    def of(cls, stats) -> TransferFigures:
-        # copies: the transceiver's threads count on while this is read
-        return cls(dict(stats.failures_by_reason), stats.lease_expired, stats.rejected_messages,
-                   dict(stats.phase_seconds), stats.streamed)
-
-
-class EngineFigures(msgspec.Struct, frozen=True):
-    """What the collectors read at scrape time, as of the engine's last state."""
-
-    kv: KVCacheStats | None = None
-    request_counts: dict[str, int] = {}
-    preemptions: int = 0
-    transfers: list[TransferFigures] = []
-    spec: SpecCounts = SpecCounts()
-    expert_tokens: dict[int, list[int]] = {}  # a MoE model's layer -> tokens routed to each expert
+from server.telemetry.metrics import HISTOGRAMS, EngineFigures, Observer, ServerMetrics, TransferFigures
 
 
 class MetricsDelta(msgspec.Struct, frozen=True):
@@ -120,12 +92,7 @@ class RelayedMetrics:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._figures = EngineFigures()
-        metrics.stats_provider = lambda: self._figures.kv
-        metrics.counters_provider = self.counters
-
-    def counters(self) -> EngineCounters:
-        figures = self._figures
-        return EngineCounters(figures.preemptions, tuple(figures.transfers), figures.spec, figures.expert_tokens)
+        metrics.figures = lambda: self._figures
 
     def update(self, figures: EngineFigures) -> None:
         self._figures = figures
