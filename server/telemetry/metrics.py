@@ -144,16 +144,16 @@ HISTOGRAMS = {
 
 def _observing(key: str) -> Callable[[Observer, float], None]:
     def observe(self: Observer, seconds: float) -> None:
-        self._observe(key, seconds)
+        self.observe(key, seconds)
     return observe
 
 
 class Observer(ABC):
-    """`observe_<key>(seconds)` for each of HISTOGRAMS, as `_observe(key, seconds)`: into the histogram
+    """`observe_<key>(seconds)` for each of HISTOGRAMS, as `observe(key, seconds)`: into the histogram
     (`ServerMetrics`), or kept for the engine's next message (server/telemetry/relay.py)."""
 
     @abstractmethod
-    def _observe(self, key: str, seconds: float) -> None: ...
+    def observe(self, key: str, seconds: float) -> None: ...
 
     observe_ttft = _observing("ttft")
     observe_tpot = _observing("tpot")
@@ -240,7 +240,7 @@ class ServerMetrics(Observer):
                 family.add_metric([str(layer), str(expert)], count, created=self.created)
         yield family
 
-    def _observe(self, key: str, seconds: float) -> None:
+    def observe(self, key: str, seconds: float) -> None:
         self._histograms[key].observe(seconds)
 
     def add_generation_tokens(self, n: int) -> None:
