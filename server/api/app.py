@@ -35,7 +35,7 @@ def create_app(engine_factory: EngineFactory, *, metrics: ServerMetrics | None =
                max_n: int = DEFAULT_MAX_N) -> FastAPI:
     """The HTTP app. `engine_factory()` runs once at startup (in `lifespan`); pass the engine the same
     `metrics` that /metrics exposes. `context_directory` (generation servers) knows the only KV
-    endpoints this server may pull from (`server.api.access`)."""
+    endpoints this server may pull from (`server.api.deps`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
