@@ -17,10 +17,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from server.openai.chat_messages import ChatMessage
 from server.openai.errors import APIError, bad_field
 from server.openai.formatting import ToolMode
-from server.openai.protocol import ChatCompletionRequest
+from server.openai.protocol import ChatCompletionRequest, ChatMessage
 from server.openai.tool_parsers import PYTHON_TAG, HermesParser
 
 
