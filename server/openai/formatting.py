@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from server.openai.logprobs import (
-    Pieces,
     TextOffsets,
+    TokenPieces,
     add_completion_logprobs,
     aligned,
     chat_logprobs,
@@ -67,7 +67,7 @@ class FormatOptions:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` (0 for `logprobs: true`)
     echo: tuple[Echo, ...] = ()  # completions: one per prompt
-    pieces: Pieces | None = None  # token id -> text and bytes (with logprobs)
+    pieces: TokenPieces | None = None  # token id -> text and bytes (with logprobs)
     tools: ToolMode | None = None  # chat
 
 
