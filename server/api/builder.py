@@ -8,14 +8,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from server.api.chat_template import chat_prompt_ids
+from server.api.chat import ToolPlan, chat_prompt_ids, tool_plan
 from server.api.disagg_logprobs import GenerationOutputs
 from server.api.streams import failed
 from server.api.structured import request_constraint
-from server.api.token_text import pieces_for
-from server.api.tool_choice import ToolPlan, tool_plan
 from server.openai.errors import APIError, bad_field
 from server.openai.formatting import Echo, FormatOptions
+from server.openai.logprobs import pieces_for
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, DisaggParams
 from server.types import (
     DEFAULT_RETENTION_PRIORITY,

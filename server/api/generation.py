@@ -11,11 +11,10 @@ from dataclasses import replace
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.api.access import check_disagg_access
 from server.api.builder import DEFAULT_MAX_N, Built, build_request, new_request_id
+from server.api.deps import check_disagg_access
 from server.api.disagg_logprobs import with_context_logprobs
-from server.api.errors import output_error
-from server.api.streams import RequestStreams, failed
+from server.api.streams import RequestStreams, failed, output_error
 from server.openai.errors import APIError
 from server.openai.formatting import Formatter, continued_response_id
 from server.openai.logprobs import aligned

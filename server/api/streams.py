@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import anyio
 
+from server.openai.errors import APIError
 from server.types import EngineClient, GenerateRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,14 @@ Transform = Callable[[RequestOutput], RequestOutput]
 
 def failed(output: RequestOutput) -> bool:
     return output.finished and output.finish_reason in _FAILED
+
+
+def output_error(output: RequestOutput) -> APIError:
+    """The error to answer for a final output that ended in "error" or "abort"."""
+    if output.finish_reason == "abort":
+        return APIError(503, output.error or "the request was aborted by the server", code="aborted")
+    status = output.error_code if 400 <= output.error_code < 600 else 500
+    return APIError(status, output.error or "the engine failed the request", code="engine_error")
 
 
 class EngineStream:

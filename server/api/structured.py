@@ -34,28 +34,25 @@ def json_schema_spec(schema: dict[str, Any] | str, param: str) -> StructuredSpec
 
 def _constraints(body: SamplingRequest) -> list[tuple[str, StructuredSpec]]:
     """(field, spec) of each constraint the request sets: OpenAI's `response_format`, then vLLM's fields."""
-    found = []
+    named = []  # (field, vLLM's name of the constraint, its value)
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
-        found.append(("response_format", StructuredSpec("json_object")))
+        named.append(("response_format", "json_object", True))
     elif fmt is not None and fmt.type == "json_schema":
-        param = "response_format.json_schema.schema"
-        found.append((param, json_schema_spec(fmt.json_schema.schema_ or ANY_OBJECT, param)))
+        named.append(("response_format.json_schema.schema", "json", fmt.json_schema.schema_ or ANY_OBJECT))
     chosen = body.structured_outputs.chosen() if body.structured_outputs is not None else []
-    vllm = [(f"structured_outputs.{key}", key, value) for key, value in chosen]
-    vllm += [(f"guided_{key}", key, getattr(body, f"guided_{key}")) for key in GUIDED
-             if getattr(body, f"guided_{key}") is not None]
-    for param, key, value in vllm:
-        if key == "json":
-            spec = json_schema_spec(value, param)
-        elif key == "choice":
-            spec = StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
-        elif key == "json_object":
-            spec = StructuredSpec("json_object")
-        else:
-            spec = StructuredSpec(key, value)
-        found.append((param, spec))
-    return found
+    named += [(f"structured_outputs.{key}", key, value) for key, value in chosen]
+    named += [(f"guided_{key}", key, getattr(body, f"guided_{key}")) for key in GUIDED
+              if getattr(body, f"guided_{key}") is not None]
+    return [(param, _spec(param, key, value)) for param, key, value in named]
+
+
+def _spec(param: str, key: str, value: Any) -> StructuredSpec:
+    if key == "json":
+        return json_schema_spec(value, param)
+    if key == "choice":
+        return StructuredSpec("choice", json.dumps(value, ensure_ascii=False))
+    return StructuredSpec("json_object") if key == "json_object" else StructuredSpec(key, value)
 
 
 def request_constraint(body: SamplingRequest, tool_schema: dict[str, Any] | str | None, tool_param: str,

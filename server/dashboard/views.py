@@ -64,26 +64,22 @@ def transfer_view(windows: list[Window], now: float) -> dict:
     return {"count": int(sum(s.value(f"{TRANSFER}_count") for s in latest)),
             "failures": int(sum(s.value("pdserve_kv_transfer_failures_total") for s in latest)),
             "lease_expired": int(sum(s.value("pdserve_kv_transfer_lease_expired_total") for s in latest)),
-            "per_s": _sum(w.rate(f"{TRANSFER}_count", now) for w in windows),
-            "bytes_per_s": _sum(w.rate("pdserve_kv_transfer_bytes_total", now) for w in windows)}
+            "per_s": _rate(windows, f"{TRANSFER}_count", now),
+            "bytes_per_s": _rate(windows, "pdserve_kv_transfer_bytes_total", now)}
 
 
 def cache_view(windows: list[Window], now: float) -> dict:
     """The prefix cache's hit rate over the window; offloads and onboards per second."""
-    return {"prefix_hit_rate": _ratio(sum(w.increase(HIT, now) for w in windows),
-                                      sum(w.increase(QUERY, now) for w in windows)),
-            "offload_per_s": _sum(w.rate("pdserve_kv_offloaded_blocks_total", now) for w in windows),
-            "onboard_per_s": _sum(w.rate("pdserve_kv_onboarded_blocks_total", now) for w in windows)}
+    return {"prefix_hit_rate": _ratio(_increase(windows, HIT, now), _increase(windows, QUERY, now)),
+            "offload_per_s": _rate(windows, "pdserve_kv_offloaded_blocks_total", now),
+            "onboard_per_s": _rate(windows, "pdserve_kv_onboarded_blocks_total", now)}
 
 
 def spec_view(windows: list[Window], now: float) -> dict:
     """Speculative decoding over the window: acceptance, tokens per verify step, drafts per second."""
-    def increase(name: str) -> float:
-        return sum(w.increase(name, now) for w in windows)
-
-    return {"acceptance_rate": _ratio(increase(SPEC_ACCEPTED), increase(SPEC_DRAFT)),
-            "tokens_per_step": _ratio(increase(SPEC_EMITTED), increase(SPEC_STEPS)),
-            "drafts_per_s": _sum(w.rate(SPEC_DRAFT, now) for w in windows)}
+    return {"acceptance_rate": _ratio(_increase(windows, SPEC_ACCEPTED, now), _increase(windows, SPEC_DRAFT, now)),
+            "tokens_per_step": _ratio(_increase(windows, SPEC_EMITTED, now), _increase(windows, SPEC_STEPS, now)),
+            "drafts_per_s": _rate(windows, SPEC_DRAFT, now)}
 
 
 def deployment_view(backends: list[Backend], windows: Mapping[str, Window], router: Window, now: float) -> dict:
@@ -113,8 +109,7 @@ def phase_view(phase: Phase, windows: list[Window], now: float) -> dict:
     """p50, mean (None when nothing was observed) and count of one phase, its sources' histograms merged."""
     h, labels = phase.histogram, phase.labels
     buckets = merge_buckets(w.bucket_increase(h, now, **labels) for w in windows)
-    count = sum(w.increase(f"{h}_count", now, **labels) for w in windows)
-    total = sum(w.increase(f"{h}_sum", now, **labels) for w in windows)
+    count, total = _increase(windows, f"{h}_count", now, **labels), _increase(windows, f"{h}_sum", now, **labels)
     return {"name": phase.name, "source": phase.source, "p50": quantile(0.5, buckets),
             "mean": _ratio(total, count), "count": int(count)}
 
@@ -151,6 +146,11 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
-def _sum(values) -> float | None:
-    present = [v for v in values if v is not None]
+def _increase(windows: list[Window], name: str, now: float, **labels: str) -> float:
+    return sum(w.increase(name, now, **labels) for w in windows)
+
+
+def _rate(windows: list[Window], name: str, now: float) -> float | None:
+    """The sum of the windows' rates; None when none has one."""
+    present = [r for r in (w.rate(name, now) for w in windows) if r is not None]
     return sum(present) if present else None

@@ -1,5 +1,5 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for the servers and
-the router alike; the type follows from the HTTP status. What each status means: server/api/errors.py.
+the router alike; the type follows from the HTTP status. What each status means: docs/API.md.
 """
 
 from __future__ import annotations

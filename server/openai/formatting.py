@@ -10,10 +10,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from server.openai.json_calls import CallArguments, CallStart, Content, Event
 from server.openai.logprobs import (
-    Pieces,
     TextOffsets,
+    TokenPieces,
     add_completion_logprobs,
     aligned,
     chat_logprobs,
@@ -34,7 +33,7 @@ from server.openai.responses import (
     ToolCallOut,
     Usage,
 )
-from server.openai.tool_parsers import ToolParser, make_parser
+from server.openai.tool_parsers import CallArguments, CallStart, Content, Event, ToolParser, make_parser
 from server.types import RequestOutput, TokenLogprob
 
 
@@ -68,7 +67,7 @@ class FormatOptions:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # completions: `logprobs`; chat: `top_logprobs` (0 for `logprobs: true`)
     echo: tuple[Echo, ...] = ()  # completions: one per prompt
-    pieces: Pieces | None = None  # token id -> text and bytes (with logprobs)
+    pieces: TokenPieces | None = None  # token id -> text and bytes (with logprobs)
     tools: ToolMode | None = None  # chat
 
 
@@ -254,7 +253,7 @@ class ChatFormatter(_Formatter):
 Formatter = CompletionFormatter | ChatFormatter
 
 
-# ---- tool-call events (server/openai/json_calls.py) as a message's `tool_calls` or stream deltas (ToolCallOut)
+# ---- tool-call events (server/openai/tool_parsers.py) as a message's `tool_calls` or stream deltas (ToolCallOut)
 
 def _started(call: CallStart, index: int | None = None) -> ToolCallOut:
     """A call's first part: its id, type and function name (`index` in stream deltas only)."""

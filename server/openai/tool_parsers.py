@@ -1,13 +1,145 @@
 """Model output -> tool calls, fed piece by piece as the text streams in (formats: docs/API.md).
 
 Every parser has `feed(text) -> events` and `finish() -> events`; the concatenated events are the
-same however the text was split, so streamed tool calls equal non-streamed ones."""
+same however the text was split, so streamed tool calls equal non-streamed ones.
+
+Tool calls written as JSON objects, `{"name": ..., "arguments": {...}}`, are read incrementally:
+`CallObject` yields `CallStart` once its head is read, then `CallArguments` fragments as the model
+writes them. An object with its keys in another order is announced when it closes; one that is no
+call yields nothing (`valid` False)."""
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Protocol
 
-from server.openai.json_calls import CallArguments, CallObject, CallStart, Content, Event
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    index: int
+    text: str
+
+
+Event = Content | CallStart | CallArguments
+
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+_ENDS_PRIMITIVE = ',]} \t\r\n'
+
+
+class _Span:
+    """Where a JSON value that starts at `start` ends, scanned incrementally (`end` None until complete)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = start
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.end: int | None = None
+
+    def advance(self, text: str) -> int | None:
+        while self.end is None and self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        self.end = self.pos
+            elif self.depth == 0 and c in _ENDS_PRIMITIVE and self.pos - 1 > self.start:
+                self.end = self.pos - 1  # a number or literal ends before this character
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.end = self.pos
+        return self.end
+
+
+class CallObject:
+    """One call's JSON object, fed from its "{" on. `feed` returns the text after the object once it closed."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # the call's index if it turns out to be one
+        self.text = ""
+        self.name: str | None = None  # announced (CallStart sent)
+        self._object = _Span(0)
+        self._args: _Span | None = None
+        self._sent = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._object.end is not None
+
+    @property
+    def valid(self) -> bool:
+        """Closed, and a call."""
+        return self.closed and self.name is not None
+
+    def feed(self, text: str) -> tuple[list[Event], str]:
+        self.text += text
+        end = self._object.advance(self.text)
+        if end is None:
+            return self._announce(), ""
+        rest, self.text = self.text[end:], self.text[:end]
+        return self._announce() + self._close(), rest
+
+    def _announce(self) -> list[Event]:
+        events: list[Event] = []
+        if self.name is None:
+            head = _HEAD.match(self.text)
+            if head is None:
+                return events
+            self.name = json.loads(f'"{head.group(1)}"')
+            self._args = _Span(head.end())
+            events.append(CallStart(self.index, self.name))
+        return events + self._arguments()
+
+    def _arguments(self) -> list[Event]:
+        end = self._args.advance(self.text)
+        value = self.text[self._args.start: len(self.text) if end is None else end]
+        fresh, self._sent = value[self._sent:], len(value)
+        return [CallArguments(self.index, fresh)] if fresh else []
+
+    def _close(self) -> list[Event]:
+        """An object not announced yet may be a call with its keys in another order."""
+        call = as_call(self.text) if self.name is None else None
+        if call is None:
+            return []
+        self.name = call[0]
+        return [CallStart(self.index, call[0]), CallArguments(self.index, call[1])]
+
+
+def as_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a whole call object in any key order; None if it is no call."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -31,12 +163,14 @@ def _partial_tail(text: str, tag: str) -> int:
 class _Calls:
     """What the JSON-object formats share: the text not read yet, the call being read, the count of
     calls, and content whose trailing whitespace waits to see whether a call follows (then it is
-    dropped). A format's `_step()` reads what it can of the text: events, or None when it needs more."""
+    dropped). A format's `_step()` reads what it can of the text: events, or None when it needs more.
+    Without `parallel` (`parallel_tool_calls: false`) the events of calls after the first are dropped."""
 
     _opening: str | None = ""  # what an object that is no call is content after (None: it is dropped)
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
         self.calls = 0
+        self._parallel = parallel
         self._buf = ""
         self._call: CallObject | None = None
         self._space = ""
@@ -46,7 +180,7 @@ class _Calls:
         events: list[Event] = []
         while self._buf and (step := self._step()) is not None:
             events += step
-        return events
+        return self._kept(events)
 
     def finish(self) -> list[Event]:
         """The text not read yet; an announced call keeps what it has, an object cut before it was one
@@ -59,7 +193,10 @@ class _Calls:
         space, self._space = self._space, ""
         if space and not self.calls:
             events.append(Content(space))
-        return events
+        return self._kept(events)
+
+    def _kept(self, events: list[Event]) -> list[Event]:
+        return events if self._parallel else [e for e in events if isinstance(e, Content) or e.index == 0]
 
     def _step(self) -> list[Event] | None:
         raise NotImplementedError
@@ -96,8 +233,8 @@ class HermesParser(_Calls):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _opening = OPEN
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._state = self._in_text  # _in_text | _after_open | _in_call | _after_call
 
     def _step(self) -> list[Event] | None:
@@ -149,8 +286,8 @@ class HermesParser(_Calls):
 
 
 class Llama3JsonParser(_Calls):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._state = "start"  # start | call | between (after a call) | content
 
     def _step(self) -> list[Event] | None:
@@ -209,8 +346,8 @@ class RequiredParser(_Calls):
 
     _opening = None
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._opened = False
 
     def _step(self) -> list[Event] | None:
@@ -227,34 +364,11 @@ class RequiredParser(_Calls):
         return []
 
 
-class OnlyFirstCall:
-    """`parallel_tool_calls: false`: the events of calls after the first are dropped."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-
-    @property
-    def calls(self) -> int:
-        return min(self._parser.calls, 1)
-
-    def feed(self, text: str) -> list[Event]:
-        return self._keep(self._parser.feed(text))
-
-    def finish(self) -> list[Event]:
-        return self._keep(self._parser.finish())
-
-    @staticmethod
-    def _keep(events: list[Event]) -> list[Event]:
-        return [e for e in events if isinstance(e, Content) or e.index == 0]
-
-
 def make_parser(mode: str, function: str | None = None, parallel: bool = True) -> ToolParser:
     """A fresh parser for one choice. mode: "hermes", "llama3_json", "named" (of `function`), "required"."""
     formats = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "required": RequiredParser}
     if mode == "named":
-        parser: ToolParser = NamedParser(function or "")
-    elif mode in formats:
-        parser = formats[mode]()
-    else:
+        return NamedParser(function or "")  # one call whatever `parallel` says
+    if mode not in formats:
         raise ValueError(f"unknown tool-call format {mode!r}")
-    return parser if parallel else OnlyFirstCall(parser)
+    return formats[mode](parallel)

@@ -3,7 +3,7 @@
 Engine thread (`KvEventSource.on_tick`): drain the KV manager's events, number them per process and
 hand the batch to the publisher thread (no socket work, no encoding); the same hook builds the
 snapshots `GET /kv_cache/hashes` asks for, so a snapshot is exactly the state after event `seq`.
-Publisher thread (`_Publisher`): a ROUTER socket that sends each batch to every subscriber heard
+Publisher thread (`KvEventPublisher`): a ROUTER socket that sends each batch to every subscriber heard
 from within SUBSCRIBER_TTL_S, and a heartbeat every HEARTBEAT_S. A subscriber that misses messages
 sees the gap in sequence numbers and resynchronises from a snapshot. Messages are signed with keys
 derived from the deployment token (`event_codec`); nothing is ever unpickled."""
@@ -63,8 +63,9 @@ def message_batches(first_seq: int, events: list[KvEvent], kv_dtype: str = "") -
             for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE)]
 
 
-class _Publisher:
-    """The publisher thread's handler: one ROUTER socket, the subscribers heard from lately."""
+class KvEventPublisher:
+    """Owns the publisher thread and is its handler: one ROUTER socket, the subscribers heard from
+    lately. `publish` (engine thread) never blocks."""
 
     def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
         self._codec = event_codec(token, publisher=True, epoch=epoch)
@@ -75,6 +76,17 @@ class _Publisher:
         self.subscribers: dict[bytes, float] = {}  # peer identity -> last Subscribe (monotonic)
         self.rejected = 0
         self._last_beat = 0.0
+        self._thread = SocketThread("pdserve-kv-events", self, tick_s=0.25)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def publish(self, first_seq: int, events: list[KvEvent]) -> None:
+        with suppress(RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
+            self._thread.submit((first_seq, events), timeout_s=0)
+
+    def close(self) -> None:
+        self._thread.close()
 
     def setup(self, io: SocketIO) -> None:
         sock = io.socket(SOCKET, zmq.ROUTER)  # not ROUTER_MANDATORY: a message to a gone peer is dropped
@@ -125,28 +137,6 @@ class _Publisher:
             sealed = self._codec.seal(batch)
             for peer in self.subscribers:
                 io.send(SOCKET, [peer, *sealed])
-
-
-class KvEventPublisher:
-    """Owns the publisher thread; `publish` (engine thread) never blocks."""
-
-    def __init__(self, token: str, epoch: str, host: str, kv_dtype: str = "") -> None:
-        self._handler = _Publisher(token, epoch, host, kv_dtype)
-        self._thread = SocketThread("pdserve-kv-events", self._handler, tick_s=0.25)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        return self._handler.endpoint
-
-    def publish(self, first_seq: int, events: list[KvEvent]) -> None:
-        with suppress(RuntimeError, ValueError):  # queue full or thread gone: subscribers see the gap
-            self._thread.submit((first_seq, events), timeout_s=0)
-
-    def close(self) -> None:
-        self._thread.close()
 
 
 class KvEventSource:

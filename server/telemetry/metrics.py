@@ -1,27 +1,26 @@
 """Prometheus metrics of one pdserve server (engine, KV cache, KV transfer), in a registry of its own.
 
 Cumulative counters (the KV manager's `KVCacheStats`, preemptions, `TransferStats`) are read at
-scrape time (`ServerMetrics.collect`) from the engine's last state, so a scrape copies the owners'
-counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
+scrape time (`ServerMetrics.collect`) from the engine's last state (`EngineFigures`), so a scrape
+copies the owners' counters exactly. Events come through the `observe_*`/`add_*`/`set_*` methods, replayed from what
 the engine loop recorded (server/telemetry/relay.py). The metric names are part of the acceptance
 checks: keep them exactly."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvcache.stats import KVCacheStats
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineCounters", "ServerMetrics", "SpecCounts", "TransferCounts"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineFigures", "ServerMetrics", "SpecCounts", "TransferFigures"]
 
 REQUEST_STATES = ("waiting", "running", "transferring")
 
@@ -39,19 +38,6 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
                     5.0, 10.0, 30.0, 60.0)
 
 
-StatsProvider = Callable[[], KVCacheStats | None]
-
-
-class TransferCounts(Protocol):
-    """What the collector reads from a sender's or receiver's cumulative `TransferStats`."""
-
-    failures_by_reason: Mapping[str, int]
-    lease_expired: int
-    rejected_messages: int
-    phase_seconds: Mapping[str, float]
-    streamed: int
-
-
 @dataclass(frozen=True)
 class SpecCounts:
     """Speculative decoding since start (server/engine/speculative/decoder.py `SpecDecoder.stats`)."""
@@ -62,17 +48,31 @@ class SpecCounts:
     verified: int = 0  # verify chunks (one request in one step)
 
 
-@dataclass(frozen=True)
-class EngineCounters:
-    """The engine's cumulative counters at scrape time (a MoE model's tokens per expert too)."""
+class TransferFigures(msgspec.Struct, frozen=True):
+    """A copy of one sender's or receiver's cumulative `TransferStats`."""
 
+    failures_by_reason: dict[str, int]
+    lease_expired: int
+    rejected_messages: int
+    phase_seconds: dict[str, float]
+    streamed: int = 0
+
+    @classmethod
+    def of(cls, stats) -> TransferFigures:
+        # copies: the transceiver's threads count on while this is read
+        return cls(dict(stats.failures_by_reason), stats.lease_expired, stats.rejected_messages,
+                   dict(stats.phase_seconds), stats.streamed)
+
+
+class EngineFigures(msgspec.Struct, frozen=True):
+    """What the collectors read at scrape time, as of the engine's last state."""
+
+    kv: KVCacheStats | None = None
+    request_counts: dict[str, int] = {}
     preemptions: int = 0
-    transfers: Sequence[TransferCounts] = ()
+    transfers: list[TransferFigures] = []
     spec: SpecCounts = SpecCounts()
-    expert_tokens: Mapping[int, Sequence[int]] = dataclasses.field(default_factory=dict)
-
-
-CountersProvider = Callable[[], EngineCounters]
+    expert_tokens: dict[int, list[int]] = {}  # a MoE model's layer -> tokens routed to each expert
 
 # (exposed name without "_total", KVCacheStats field, help)
 _KV_COUNTERS = (
@@ -144,16 +144,16 @@ HISTOGRAMS = {
 
 def _observing(key: str) -> Callable[[Observer, float], None]:
     def observe(self: Observer, seconds: float) -> None:
-        self._observe(key, seconds)
+        self.observe(key, seconds)
     return observe
 
 
 class Observer(ABC):
-    """`observe_<key>(seconds)` for each of HISTOGRAMS, as `_observe(key, seconds)`: into the histogram
+    """`observe_<key>(seconds)` for each of HISTOGRAMS, as `observe(key, seconds)`: into the histogram
     (`ServerMetrics`), or kept for the engine's next message (server/telemetry/relay.py)."""
 
     @abstractmethod
-    def _observe(self, key: str, seconds: float) -> None: ...
+    def observe(self, key: str, seconds: float) -> None: ...
 
     observe_ttft = _observing("ttft")
     observe_tpot = _observing("tpot")
@@ -165,9 +165,8 @@ class Observer(ABC):
 class ServerMetrics(Observer):
     """All metrics of one server, in a private registry whose custom collector it is. Thread-safe."""
 
-    def __init__(self, stats_provider: StatsProvider | None = None,
-                 counters_provider: CountersProvider = EngineCounters) -> None:
-        self.stats_provider, self.counters_provider = stats_provider, counters_provider
+    def __init__(self, figures: Callable[[], EngineFigures] = EngineFigures) -> None:
+        self.figures = figures  # the engine's last figures (server/telemetry/relay.py `RelayedMetrics`)
         self.created = time.time()  # the `_created` sample a pushed prometheus_client Counter has
         self.registry = reg = CollectorRegistry(auto_describe=True)
         reg.register(self)
@@ -188,13 +187,14 @@ class ServerMetrics(Observer):
 
     def describe(self) -> Iterator[Metric]:
         yield from _kv_families(None)
-        yield from self._counter_families(EngineCounters())
+        yield from self._counter_families(EngineFigures())
 
     def collect(self) -> Iterator[Metric]:
-        yield from _kv_families(self.stats_provider() if self.stats_provider is not None else None)
-        yield from self._counter_families(self.counters_provider())
+        figures = self.figures()
+        yield from _kv_families(figures.kv)
+        yield from self._counter_families(figures)
 
-    def _counter_families(self, counters: EngineCounters) -> Iterator[Metric]:
+    def _counter_families(self, counters: EngineFigures) -> Iterator[Metric]:
         transfers = list(counters.transfers)
         for name, help_text, label, field in (
             ("pdserve_kv_transfer_failures", "Failed KV transfers by reason.", "reason", "failures_by_reason"),
@@ -240,7 +240,7 @@ class ServerMetrics(Observer):
                 family.add_metric([str(layer), str(expert)], count, created=self.created)
         yield family
 
-    def _observe(self, key: str, seconds: float) -> None:
+    def observe(self, key: str, seconds: float) -> None:
         self._histograms[key].observe(seconds)
 
     def add_generation_tokens(self, n: int) -> None:

@@ -10,52 +10,17 @@ import threading
 
 import msgspec
 
-from kvcache.stats import KVCacheStats
-from server.telemetry.metrics import HISTOGRAMS, EngineCounters, Observer, ServerMetrics, SpecCounts
-
-
-class TransferFigures(msgspec.Struct, frozen=True):
-    """A copy of one sender's or receiver's cumulative `TransferStats` (`TransferCounts`)."""
-
-    failures_by_reason: dict[str, int]
-    lease_expired: int
-    rejected_messages: int
-    phase_seconds: dict[str, float]
-    streamed: int = 0
-
-    @classmethod
-    def of(cls, stats) -> TransferFigures:
-        # copies: the transceiver's threads count on while this is read
-        return cls(dict(stats.failures_by_reason), stats.lease_expired, stats.rejected_messages,
-                   dict(stats.phase_seconds), stats.streamed)
-
-
-class EngineFigures(msgspec.Struct, frozen=True):
-    """What the collectors read at scrape time, as of the engine's last state."""
-
-    kv: KVCacheStats | None = None
-    request_counts: dict[str, int] = {}
-    preemptions: int = 0
-    transfers: list[TransferFigures] = []
-    spec: SpecCounts = SpecCounts()
-    expert_tokens: dict[int, list[int]] = {}  # a MoE model's layer -> tokens routed to each expert
+from server.telemetry.metrics import EngineFigures, Observer, ServerMetrics, TransferFigures
 
 
 class MetricsDelta(msgspec.Struct, frozen=True):
-    """What the engine observed since its previous message (seconds; transfers as (bytes, seconds))."""
+    """What the engine observed since its previous message: seconds per HISTOGRAMS key, transfers as
+    (bytes, seconds)."""
 
-    ttft: list[float] = []
-    tpot: list[float] = []
-    e2e: list[float] = []
-    queue_time: list[float] = []
+    seconds: dict[str, list[float]] = {}
+    transfers: list[tuple[int, float]] = []
     generation_tokens: int = 0
     prompt_tokens: int = 0
-    transfers: list[tuple[int, float]] = []
-    prefill: list[float] = []
-
-
-_SECONDS = tuple(HISTOGRAMS)  # each observed as `observe_<name>(seconds)`
-_LISTS = (*_SECONDS, "transfers")
 
 
 class MetricsRecorder(Observer):
@@ -67,16 +32,18 @@ class MetricsRecorder(Observer):
         self._reset()
 
     def _reset(self) -> None:
-        self._lists: dict[str, list] = {name: [] for name in _LISTS}
+        self._seconds: dict[str, list[float]] = {}
+        self._transfers: list[tuple[int, float]] = []
         self._generation_tokens = 0
         self._prompt_tokens = 0
 
-    def _observe(self, key: str, value) -> None:
+    def observe(self, key: str, seconds: float) -> None:
         with self._lock:
-            self._lists[key].append(value)
+            self._seconds.setdefault(key, []).append(seconds)
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
-        self._observe("transfers", (num_bytes, seconds))
+        with self._lock:
+            self._transfers.append((num_bytes, seconds))
 
     def add_generation_tokens(self, n: int) -> None:
         with self._lock:
@@ -89,11 +56,11 @@ class MetricsRecorder(Observer):
     def take(self) -> MetricsDelta | None:
         """What was observed since the last call; None if nothing was."""
         with self._lock:
-            lists, generated, prompts = self._lists, self._generation_tokens, self._prompt_tokens
-            if not (generated or prompts or any(lists.values())):
+            delta = MetricsDelta(self._seconds, self._transfers, self._generation_tokens, self._prompt_tokens)
+            if delta == MetricsDelta():
                 return None
             self._reset()
-        return MetricsDelta(generation_tokens=generated, prompt_tokens=prompts, **lists)
+        return delta
 
     def watch_transfers(self, core) -> None:
         """Observe every transfer of the core's KV sender or receiver as it ends (on its thread)."""
@@ -120,12 +87,7 @@ class RelayedMetrics:
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self._figures = EngineFigures()
-        metrics.stats_provider = lambda: self._figures.kv
-        metrics.counters_provider = self.counters
-
-    def counters(self) -> EngineCounters:
-        figures = self._figures
-        return EngineCounters(figures.preemptions, tuple(figures.transfers), figures.spec, figures.expert_tokens)
+        metrics.figures = lambda: self._figures
 
     def update(self, figures: EngineFigures) -> None:
         self._figures = figures
@@ -133,10 +95,9 @@ class RelayedMetrics:
 
     def replay(self, delta: MetricsDelta) -> None:
         m = self.metrics
-        for name in _SECONDS:
-            observe = getattr(m, f"observe_{name}")
-            for seconds in getattr(delta, name):
-                observe(seconds)
+        for key, values in delta.seconds.items():
+            for seconds in values:
+                m.observe(key, seconds)
         for num_bytes, seconds in delta.transfers:
             m.observe_transfer(num_bytes, seconds)
         if delta.generation_tokens:

@@ -15,9 +15,8 @@ from openai.types.completion_choice import Logprobs
 from test_api_engine_fake import FakeEngine, sse_chunks
 
 from server.api.app import create_app
-from server.api.token_text import TokenPieces
 from server.models.tiny_tokenizer import train_tokenizer
-from server.openai.logprobs import Piece, TextOffsets
+from server.openai.logprobs import Piece, TextOffsets, TokenPieces
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_api_engine_fake import FakeEngine
 
 from server.api.app import create_app
-from server.telemetry.metrics import EngineCounters, ServerMetrics
+from server.telemetry.metrics import EngineFigures, ServerMetrics
 from transceiver.stats import TransferStats
 
 REQUIRED_NAMES = [
@@ -67,7 +67,7 @@ def test_kv_stats_are_read_from_the_provider_at_every_scrape():
               (2048, "secondary", "cached"): 7, (64, "primary", "cached"): 2}
     stats = Stats(prefix_query_tokens=640, prefix_hit_tokens=512, offloads=7, onboards=3, evictions=9,
                   bytes_offloaded=7 * 4096, blocks=blocks)
-    metrics = ServerMetrics(stats_provider=lambda: stats)
+    metrics = ServerMetrics(lambda: EngineFigures(stats))
     got = samples(metrics)
     assert got[("pdserve_prefix_cache_query_tokens_total", ())] == 640
     assert got[("pdserve_prefix_cache_hit_tokens_total", ())] == 512
@@ -95,7 +95,7 @@ def test_disk_tier_figures_are_exposed():
                   disk_write_errors=1, disk_restored=4, disk_queued_bytes=8192,
                   disk_dropped={"corrupt": 1, "queue_full": 3},
                   blocks={(2048, "disk", "cached"): 5, (2048, "disk", "free"): 11})
-    got = samples(ServerMetrics(stats_provider=lambda: stats))
+    got = samples(ServerMetrics(lambda: EngineFigures(stats)))
     assert got[("pdserve_kv_disk_offloaded_blocks_total", ())] == 6
     assert got[("pdserve_kv_disk_onboarded_blocks_total", ())] == 2
     assert got[("pdserve_kv_disk_written_bytes_total", ())] == 6 * 4096
@@ -111,14 +111,14 @@ def test_disk_tier_figures_are_exposed():
 def test_provider_can_be_set_after_construction():
     metrics = ServerMetrics()
     assert ("pdserve_kv_offloaded_blocks_total", ()) not in samples(metrics)
-    metrics.stats_provider = lambda: Stats(offloads=2)
+    metrics.figures = lambda: EngineFigures(Stats(offloads=2))
     assert samples(metrics)[("pdserve_kv_offloaded_blocks_total", ())] == 2
 
 
 def test_engine_and_transfer_events():
     sender, receiver = TransferStats(), TransferStats()
-    counters = EngineCounters(preemptions=4, transfers=(sender, receiver))
-    metrics = ServerMetrics(counters_provider=lambda: counters)
+    figures = EngineFigures(preemptions=4, transfers=[sender, receiver])
+    metrics = ServerMetrics(lambda: figures)
     metrics.observe_ttft(0.05)
     metrics.observe_ttft(0.15)
     metrics.observe_tpot(0.004)
@@ -150,7 +150,7 @@ def test_engine_and_transfer_events():
     assert got[("pdserve_kv_transfer_rejected_messages_total", ())] == 3
     assert got[("pdserve_num_preemptions_total", ())] == 4
     receiver.count_failure("timeout")  # read from the owners at every scrape
-    counters = EngineCounters(preemptions=5, transfers=(sender, receiver))
+    figures = EngineFigures(preemptions=5, transfers=[sender, receiver])
     got = samples(metrics)
     assert got[("pdserve_kv_transfer_failures_total", (("reason", "timeout"),))] == 3
     assert got[("pdserve_num_preemptions_total", ())] == 5
@@ -191,7 +191,7 @@ def test_registries_are_private_and_counters_thread_safe():
 
 
 def test_metrics_route_serves_the_apps_registry():
-    metrics = ServerMetrics(stats_provider=lambda: Stats(prefix_hit_tokens=96))
+    metrics = ServerMetrics(lambda: EngineFigures(Stats(prefix_hit_tokens=96)))
     metrics.add_generation_tokens(5)
     with TestClient(create_app(FakeEngine, metrics=metrics)) as client:
         response = client.get("/metrics")

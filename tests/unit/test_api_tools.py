@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from test_api_engine_fake import FakeEngine, sse_chunks
 
 from server.api.app import create_app
-from server.api.tool_choice import tool_format
+from server.api.chat import tool_format
 from server.models.tiny_tokenizer import CHAT_TEMPLATE as HERMES_TEMPLATE
 from server.types import StructuredSpec
 

@@ -14,7 +14,7 @@ from server.dashboard.views import deployment_view, pool_view, server_view
 from server.dashboard.window import STALE_S, WINDOW_S, Window, parse_metrics, percentiles, quantile
 from server.router.app import _build_state
 from server.router.backends import Backend
-from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
+from server.telemetry.metrics import EngineFigures, ServerMetrics, SpecCounts
 from transceiver.stats import TransferStats
 
 
@@ -26,8 +26,7 @@ def test_parse_reads_values_labels_and_buckets_of_a_real_exposition():
     stats = KVCacheStats(prefix_query_tokens=64, prefix_hit_tokens=32,
                          blocks={(2048, "primary", "free"): 10, (2048, "primary", "in_use"): 2})
     transfer = TransferStats(failures_by_reason={"timeout": 2, "epoch_mismatch": 1})
-    metrics = ServerMetrics(stats_provider=lambda: stats,
-                            counters_provider=lambda: EngineCounters(transfers=(transfer,)))
+    metrics = ServerMetrics(lambda: EngineFigures(stats, transfers=[transfer]))
     metrics.observe_ttft(0.03)
     metrics.observe_ttft(0.3)
     metrics.set_request_counts({"running": 3, "waiting": 1})
@@ -106,7 +105,7 @@ def test_pool_view_orders_levels_and_drops_a_missing_host_tier():
         (2048, "primary", "free"): 5, (2048, "primary", "cached"): 3, (2048, "primary", "in_use"): 8,
         (64, "primary", "free"): 4, (64, "primary", "cached"): 0, (64, "primary", "in_use"): 0,
         (64, "secondary", "free"): 0, (64, "secondary", "cached"): 0, (64, "secondary", "in_use"): 0})
-    s = sample(ServerMetrics(stats_provider=lambda: stats), 0.0)
+    s = sample(ServerMetrics(lambda: EngineFigures(stats)), 0.0)
     assert pool_view(s.series["pdserve_kv_cache_blocks"]) == [
         {"window": 64, "level": "primary", "free": 4, "cached": 0, "in_use": 0, "total": 4},
         {"window": 2048, "level": "primary", "free": 5, "cached": 3, "in_use": 8, "total": 16},
@@ -125,10 +124,9 @@ def test_server_and_deployment_views():
     ctx_stats = KVCacheStats(prefix_query_tokens=0, prefix_hit_tokens=0,
                              blocks={(2048, "primary", "free"): 30, (2048, "primary", "in_use"): 2})
     ctx_transfer, gen_transfer = TransferStats(), TransferStats()
-    ctx_metrics = ServerMetrics(stats_provider=lambda: ctx_stats,
-                                counters_provider=lambda: EngineCounters(transfers=(ctx_transfer,)))
+    ctx_metrics = ServerMetrics(lambda: EngineFigures(ctx_stats, transfers=[ctx_transfer]))
     gen_spec = [SpecCounts()]
-    gen_metrics = ServerMetrics(counters_provider=lambda: EngineCounters(transfers=(gen_transfer,), spec=gen_spec[0]))
+    gen_metrics = ServerMetrics(lambda: EngineFigures(transfers=[gen_transfer], spec=gen_spec[0]))
 
     def ctx_work(m: ServerMetrics) -> None:
         ctx_stats.prefix_query_tokens, ctx_stats.prefix_hit_tokens, ctx_stats.offloads = 200, 50, 6
@@ -228,7 +226,7 @@ def test_expert_view_shows_each_layers_load_over_the_window_and_its_imbalance():
     from server.dashboard.views import expert_view
 
     counts: dict[int, list[int]] = {}
-    metrics = ServerMetrics(counters_provider=lambda: EngineCounters(expert_tokens=counts))
+    metrics = ServerMetrics(lambda: EngineFigures(expert_tokens=counts))
     window = Window()
     for t, layers in ((0.0, {0: [10, 10, 0, 0], 3: [5, 5, 5, 5]}), (1.0, {0: [16, 10, 2, 0], 3: [5, 7, 5, 7]}),
                       (2.0, {0: [20, 10, 2, 4], 3: [5, 9, 5, 9]})):
@@ -241,7 +239,7 @@ def test_expert_view_shows_each_layers_load_over_the_window_and_its_imbalance():
     assert view[0]["imbalance"] == pytest.approx(10 / 4)  # 16 tokens over 4 experts: a mean of 4
     assert view[1]["tokens"] == [0, 4, 0, 4] and view[1]["imbalance"] == pytest.approx(2.0)
     restarted_counts = {0: [1, 0, 0, 0], 3: [0, 0, 0, 0]}
-    restarted = ServerMetrics(counters_provider=lambda: EngineCounters(expert_tokens=restarted_counts))
+    restarted = ServerMetrics(lambda: EngineFigures(expert_tokens=restarted_counts))
     window.add(sample(restarted, 3.0))  # the server restarted: its counters start again from 0
     view = expert_view(window, now=3.0)
     assert view[0]["tokens"] == [11, 0, 2, 4] and view[0]["total"] == 1

@@ -62,8 +62,8 @@ def test_a_subscriber_without_the_token_gets_nothing():
     marker = _subscriber(TOKEN)  # a subscriber with the token: what it gets, the other one could have got
     try:
         thread.submit(("connect", URL, publisher.endpoint))
-        wait_until(lambda: publisher._handler.rejected, 10, "the Subscribe without the token rejected")
-        assert publisher._handler.subscribers == {}
+        wait_until(lambda: publisher.rejected, 10, "the Subscribe without the token rejected")
+        assert publisher.subscribers == {}
         marker.submit(("connect", "http://127.0.0.1:2", publisher.endpoint))
         _collect(marker, 1)  # its heartbeat: subscribed
         for seq in (1, 2):

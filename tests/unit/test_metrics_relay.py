@@ -10,7 +10,7 @@ import threading
 
 from kvcache.stats import KVCacheStats
 from server.engine_host.wire import EngineState, StepOut, link_codec
-from server.telemetry.metrics import EngineCounters, ServerMetrics, SpecCounts
+from server.telemetry.metrics import ServerMetrics, SpecCounts
 from server.telemetry.relay import EngineFigures, MetricsRecorder, RelayedMetrics, TransferFigures
 from transceiver.stats import TransferStats
 
@@ -46,11 +46,10 @@ def transfer_stats() -> TransferStats:
 
 
 def test_a_relayed_engine_shows_the_same_metrics_as_an_engine_in_this_process():
-    direct = ServerMetrics(stats_provider=lambda: KV)
     stats = transfer_stats()
     spec = SpecCounts(proposed=8, accepted=5, emitted=7, verified=2)
     experts = {0: [5, 1, 0, 2], 2: [3, 3, 1, 1]}  # a MoE model's layers 0 and 2: tokens per expert
-    direct.counters_provider = lambda: EngineCounters(3, (stats,), spec, experts)
+    direct = ServerMetrics(lambda: EngineFigures(KV, {}, 3, [stats], spec, experts))  # the live TransferStats
     direct.set_request_counts(COUNTS)
     observe(direct)
 

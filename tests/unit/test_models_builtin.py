@@ -112,7 +112,7 @@ PLAIN_CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] 
 def test_tiny_chat_template_renders_tools_and_nothing_else_changed() -> None:
     """The random tiny models' template is Hermes-style: tools, earlier calls and tool results render;
     a conversation without them renders as the plain ChatML it always did."""
-    from server.api.tool_choice import tool_format
+    from server.api.chat import tool_format
     from server.models.tiny_tokenizer import train_tokenizer
 
     tok = train_tokenizer()

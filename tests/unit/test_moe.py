@@ -391,7 +391,7 @@ def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
     import engine_harness as eh
     from prompts import random_prompt
 
-    from server.telemetry.metrics import EngineCounters, ServerMetrics
+    from server.telemetry.metrics import EngineFigures, ServerMetrics
     from server.telemetry.relay import engine_figures
 
     core = eh.make_core("builtin:tiny-qwen3-moe")
@@ -401,7 +401,7 @@ def test_expert_load_reaches_the_engine_figures_and_metrics() -> None:
     # every prompt token and every generated token but the last went through the layers, twice each
     assert all(sum(counts) == (30 + 12 + 2 * 4) * 2 for counts in tokens.values())
     metrics = ServerMetrics()
-    metrics.counters_provider = lambda: EngineCounters(expert_tokens=tokens)
+    metrics.figures = lambda: EngineFigures(expert_tokens=tokens)
     text = metrics.render().decode()
     assert f'pdserve_moe_expert_tokens_total{{expert="7",layer="3"}} {float(tokens[3][7])}' in text
 

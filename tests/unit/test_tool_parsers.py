@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from server.openai.json_calls import CallArguments, CallStart, Content
-from server.openai.tool_parsers import make_parser
+from server.openai.tool_parsers import CallArguments, CallStart, Content, make_parser
 
 WEATHER = '{"city": "Paris", "days": [1, {"unit": "}"}], "note": "a \\"quoted\\" }"}'
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from server.api.access import require_token
-from server.api.deps import get_ready_engine
+from server.api.deps import get_ready_engine, require_token
 from server.api.routes.health import EPOCH
 from server.openai.errors import APIError
 from server.openai.wire import JSONBody
