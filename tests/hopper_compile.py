@@ -67,6 +67,7 @@ ROPE = {"QKV": "*bf16", "COS": "*fp32", "SIN": "*fp32", "K": "*bf16", "V": "*bf1
         "k_inv": "fp32", "v_inv": "fp32"}
 LATENT_ROPE = {"Q": "*bf16", "KV": "*bf16", "COS": "*bf16", "SIN": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
                "stride_kv": "i32", "stride_c": "i32", "q_off": "i32", "kv_off": "i32"}
+HEAD_NORM = {"QKV": "*bf16", "QW": "*bf16", "KW": "*bf16", "stride_t": "i32", "eps": "fp32"}
 WRITE = {"X": "*bf16", "CACHE": "*bf16", "SLOT": "*i32", "OFF": "*i32", "stride_xt": "i32", "stride_cs": "i32",
          "stride_ct": "i32"}
 
@@ -128,6 +129,8 @@ def decode_variants():
                   "IEEE": False}
     yield L._latent_split, LATENT, constexprs, ("stride_bt",), {"num_warps": 8, "num_stages": 2}
     yield L._write_rows, WRITE, {"W": 576, "WP": 1024}, (), {"num_warps": 4}
+    # Qwen3's per-head q and k norms (head_dim 128, 32 q heads)
+    yield E._head_rms_norm, HEAD_NORM, {"D": 128, "HEADS": 32, "BLOCK": 128}, ("eps",), {"num_warps": 1}
     for interleave in (True, False):  # MLA's rotary at DeepSeek-V2-Lite's shape (16 heads, rope 64)
         yield L._latent_rope, LATENT_ROPE, {"H": 16, "HP": 32, "HALF": 32, "INTERLEAVE": interleave}, (), \
             {"num_warps": 4}

@@ -97,8 +97,7 @@ class LlamaModel(DecoderStack):
         t, d, heads = x.shape[0], self.spec.head_dim, self.spec.num_heads
         qkv = self.ops.linear(x, layer.qkv, layer.qkv_bias).view(t, -1, d)  # [T, heads + 2 * kv_heads, head_dim]
         if layer.q_norm is not None:
-            q, k, v = qkv.split([heads, self.spec.num_kv_heads, self.spec.num_kv_heads], 1)
-            qkv = torch.cat((self.ops.rms_norm(q, layer.q_norm), self.ops.rms_norm(k, layer.k_norm), v), 1)
+            qkv = self.ops.qk_norm(qkv, layer.q_norm, layer.k_norm, heads, self.spec.num_kv_heads)
         out = self.attention.forward(i, qkv, cos, sin, meta)  # [T, heads, head_dim]; RoPE inside
         return self.ops.linear(out.reshape(t, heads * d), layer.o, layer.o_bias)
 

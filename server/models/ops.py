@@ -37,6 +37,12 @@ class TorchOps:
         residual += x
         return self.rms_norm(residual, weight)
 
+    def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                kv_heads: int) -> torch.Tensor:
+        """qkv [T, heads + 2 kv_heads, D] with each q head and k head RMS-normalised (Qwen3, GLM-4.5)."""
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)
+        return torch.cat((self.rms_norm(q, q_weight), self.rms_norm(k, k_weight), v), 1)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -91,6 +97,14 @@ class TritonOps(TorchOps):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._k.rms_norm(x, weight, self.eps, residual)
+
+    def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                kv_heads: int) -> torch.Tensor:
+        """In place, one kernel (on the torch path: two norms of about seven small kernels each, and a cat)."""
+        if qkv.stride(2) != 1 or qkv.stride(1) != qkv.shape[2]:
+            return super().qk_norm(qkv, q_weight, k_weight, heads, kv_heads)
+        self._k.qk_norm(qkv, q_weight, k_weight, heads, kv_heads, self.eps)
+        return qkv
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)

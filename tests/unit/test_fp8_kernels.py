@@ -241,11 +241,11 @@ def test_every_fp8_kernel_variant_compiles_for_hopper() -> None:
     assert all(r["pipelined"] and r["shared"] <= 227 * 1024 for r in compiled), done.stdout
     # the decode attention kernels: dense K/V in bf16 and FP8 at 3 keys-per-step choices, the latent
     # cache's split kernel and its row write; rope_write into bf16 and FP8 caches and with a half rotary;
-    # MLA's rotary (interleaved and in halves)
+    # MLA's rotary (interleaved and in halves); Qwen3's per-head q and k norms
     decode = [line for line in done.stdout.splitlines() if line.startswith(("_decode_split", "_latent_split",
                                                                              "_write_rows", "_rope_write",
-                                                                             "_latent_rope"))]
-    assert len(decode) == 13, done.stdout
+                                                                             "_latent_rope", "_head_rms_norm"))]
+    assert len(decode) == 14, done.stdout
     assert sum(line.startswith("_penalise") for line in done.stdout.splitlines()) == 1, done.stdout
     # the one-row weight-only GEMVs (with and without a bias) and a MoE gate's fused top-k at two shapes
     assert sum(line.startswith("_fp8_gemv") for line in done.stdout.splitlines()) == 2 * len(L.GEMV_CONFIGS)

@@ -280,3 +280,21 @@ def test_latent_rope_rotates_q_and_k_pe_in_place_as_the_torch_path(interleave: b
     assert not torch.equal(want_q, q[..., nope:])
     assert torch.equal(q2[..., :nope], q[..., :nope]) and torch.equal(kv2[:, :rank], kv[:, :rank])
     assert got_q.data_ptr() == q2[..., nope:].data_ptr() and got_k.data_ptr() == kv2[:, rank:].data_ptr()
+
+
+def test_qk_norm_normalises_each_q_and_k_head_in_place_as_the_torch_path() -> None:
+    """Qwen3's per-head q and k norms in one kernel (kernels/elementwise.py `qk_norm`) on a qkv row's heads:
+    the torch path's values, v untouched, written in place."""
+    from server.models.ops import TorchOps, TritonOps
+
+    torch.manual_seed(6)
+    t, heads, kv_heads, d = 3, 4, 2, 32
+    qkv = torch.randn(t, heads + 2 * kv_heads, d) * 3
+    q_w, k_w = torch.randn(d), torch.randn(d)
+    want = TorchOps(1e-6).qk_norm(qkv, q_w, k_w, heads, kv_heads)
+    got = TritonOps(1e-6).qk_norm(qkv.clone(), q_w, k_w, heads, kv_heads)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, heads + kv_heads:], qkv[:, heads + kv_heads:])
+    assert not torch.allclose(want[:, :heads], qkv[:, :heads])
+    inplace = qkv.clone()
+    assert TritonOps(1e-6).qk_norm(inplace, q_w, k_w, heads, kv_heads).data_ptr() == inplace.data_ptr()

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add), SiLU-and-mul, and
+"""Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add; per head of q and k), SiLU-and-mul, and
 RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3), over a
 head's first rotary_dim dims (all of them but with a partial rotary factor).
 
@@ -29,6 +29,22 @@ def _rms_norm(X, RES, W, OUT, stride_x, stride_r, stride_o, n_cols, eps, BLOCK: 
     y = (xf * tl.rsqrt(var + eps)).to(OUT.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _head_rms_norm(QKV, QW, KW, stride_t, eps, D: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, head): RMSNorm of one q head (weight QW) or k head (head >= HEADS: KW) of a qkv row in
+    place, rounded as `_rms_norm` rounds."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = cols < D
+    row = QKV + t * stride_t + h * D
+    x = tl.load(row + cols, mask=live, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / D
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+    w = tl.load(tl.where(h < HEADS, QW, KW) + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(row + cols, (w * y).to(x.dtype), mask=live)
 
 
 @triton.jit
@@ -134,6 +150,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), n, eps,
                              BLOCK=triton.next_power_of_2(n), ADD=add, num_warps=4 if n <= 2048 else 8)
     return out
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
+            eps: float) -> None:
+    """qkv [T, heads + 2 kv_heads, D] (heads contiguous): each q head and k head RMS-normalised in place
+    (Qwen3's per-head q and k norms), one kernel."""
+    t, _, d = qkv.shape
+    if t:
+        _head_rms_norm[(t, heads + kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), eps, D=d, HEADS=heads,
+                                              BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
