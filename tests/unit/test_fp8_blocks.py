@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.experts import stack_experts
-from server.models.fp8.weight import FP8, Fp8Weight, cat_rows, dequantized_linear, quantize_weight, w8a8_linear
+from server.models.fp8.weight import (
+    FP8,
+    Fp8Weight,
+    cat_rows,
+    dequantized_linear,
+    quantize_weight,
+    stack_experts,
+    w8a8_linear,
+)
 
 
 def _block_weight(n: int, k: int, seed: int) -> tuple[Fp8Weight, torch.Tensor]:

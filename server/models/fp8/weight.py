@@ -99,6 +99,12 @@ def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8W
     return fuse(parts, torch.cat)
 
 
+def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Each routed expert's [N, K] weight -> [E, N, K], as `fuse` says (a static checkpoint's input
+    scale per projection: the largest of its experts'). The CPU serves FP8 experts dequantized."""
+    return fuse(parts, lambda tensors: torch.stack(tensors).contiguous())
+
+
 def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp8Weight:
     """`join` (torch.cat along rows, or a stack of experts) of float or FP8 parts. FP8 parts keep
     their rows' scales (exact); the fused static input scale is the largest of the parts' (they read
