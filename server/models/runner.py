@@ -16,6 +16,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from server.models import dense_prefill
@@ -38,8 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SeqChunk:
+class SeqChunk(msgspec.Struct, array_like=True):
+    """One sequence of a step; a tensor-parallel server's rank 0 sends its steps' to the other ranks
+    (server/tp/messages.py `Forward`)."""
+
     token_ids: list[int]  # new tokens computed this step (a prefill chunk or 1 decode token)
     num_past: int  # tokens already in the cache; positions start here
     slot_tables: dict[int, list[int]]  # window -> primary slots of the request's blocks, token order;
