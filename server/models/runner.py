@@ -125,7 +125,7 @@ def resolve_kernels(name: str, device: torch.device) -> str:
 
 def _fused_experts(gate_up: Weight) -> ExpertsFn:
     """The Triton path's experts: the grouped GEMMs (float, FP8 per channel, or a block-scaled
-    checkpoint's float8 weights widened in the float kernels: fp8/blocks.py)."""
+    checkpoint's float8 weights widened in the float kernels: fp8/weight.py `from_block_checkpoint`)."""
     from server.models.kernels.moe import fused_experts, fused_fp8_experts
 
     return fused_fp8_experts if isinstance(gate_up, Fp8Weight) and not gate_up.block_k else fused_experts

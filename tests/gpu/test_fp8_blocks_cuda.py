@@ -9,8 +9,7 @@ import pytest
 import torch
 from runner_harness import no_host_syncs
 
-from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.weight import FP8
+from server.models.fp8.weight import FP8, from_block_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
