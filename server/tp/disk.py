@@ -6,15 +6,22 @@ before a disk hit; rank 0 waits for every `DiskChecked` and drops each block a r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvcache import KVCacheManager, Level
 from kvcache.block import CopyOp
 from kvcache.disk_store import BlockMeta
-from server.tp.messages import CheckDisk, DiskChecked, DiskMeta
+from server.tp.messages import CheckDisk, DiskChecked, DiskMeta, Op, Report
 
-if TYPE_CHECKING:
-    from server.tp.ranks import Ranks
+
+class Channel(Protocol):
+    """What of rank 0's `server.tp.ranks.Ranks` the checks use."""
+
+    size: int
+
+    def flush(self, *ops: Op) -> None: ...
+
+    def collect(self, wanted: Callable[[Report], bool], timeout_s: float) -> dict[int, Report]: ...
 
 ANSWER_MARGIN_S = 10.0  # beyond the disk's io_timeout_s: a rank that has not answered by then is stuck
 
@@ -37,7 +44,7 @@ def block_metas(metas: list[DiskMeta]) -> dict[int, BlockMeta]:
 class DiskChecks:
     """Rank 0's `kvcache.disk_tier.PeerCheck`: every other rank reads the same files of its own."""
 
-    def __init__(self, ranks: Ranks, io_timeout_s: float) -> None:
+    def __init__(self, ranks: Channel, io_timeout_s: float) -> None:
         self._ranks = ranks
         self._timeout_s = io_timeout_s + ANSWER_MARGIN_S
         self._calls = 0
