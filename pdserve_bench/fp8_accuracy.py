@@ -9,7 +9,7 @@ Each model runs three ways (`VARIANTS`), float32 on the CPU, kernels "torch":
 - "fp8": `quantization: fp8` as a CPU server serves it (linears FP8 per output channel, dequantized to
   float32 for the multiply: the weight rounding alone);
 - "fp8_w8a8": the same weights with activations also rounded to FP8 per token, as the GPU's FP8
-  GEMMs compute (server/models/ops.py `W8A8TorchOps`).
+  GEMMs compute (`W8A8TorchOps`).
 Figures: perplexity over the held-out text in windows of WINDOW tokens (each window starts fresh),
 and over SEEN_TOKENS tokens of the training text (tiny-story memorised its corpus: its held-out
 perplexity is high, its seen one low, and FP8 should move neither);
@@ -29,8 +29,9 @@ from transformers import AutoTokenizer
 
 from kvcache import KvCacheConfig, KVCacheManager
 from pdserve_bench import tiny_story_corpus as corpus
+from server.models.fp8.weight import Fp8Weight, w8a8_linear
 from server.models.model_spec import load_spec
-from server.models.ops import W8A8TorchOps
+from server.models.ops import TorchOps, Weight
 from server.models.runner import ModelRunner, SeqChunk
 
 VARIANTS = ("float32", "fp8", "fp8_w8a8")
@@ -38,6 +39,16 @@ WINDOW = 256
 TPB = 16
 PROMPTS, PROMPT_TOKENS, GREEDY_TOKENS = 8, 24, 64
 SEEN_TOKENS = 4096
+
+
+class W8A8TorchOps(TorchOps):
+    """The GPU's FP8 numerics in plain torch: an FP8 linear's activations rounded per token
+    (`w8a8_linear`), so a CPU measures what the GPU's FP8 path costs."""
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return w8a8_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
 
 def make_runner(model_dir: Path, variant: str) -> ModelRunner:

@@ -156,6 +156,11 @@ def event_waits(core: EngineCore, monkeypatch, steps: int = 20) -> int:
     return len(waits)
 
 
+def live_request(core: EngineCore, request_id: str):
+    """The live `Request` of that id (running, waiting or pulling its KV), or None once it ended."""
+    return next((r for r in core.scheduler.live() if r.request_id == request_id), None)
+
+
 def blocks_in_use(kv: KVCacheManager) -> int:
     """Blocks referenced by a request or pinned, over every window group and level."""
     return sum(n for (_, _, state), n in kv.stats().blocks.items() if state == "in_use")

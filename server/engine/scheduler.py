@@ -88,9 +88,6 @@ class Scheduler:
         """Every request running, waiting or pulling its KV."""
         return [*self.running, *self.waiting, *self.transferring.values()]
 
-    def find(self, request_id: str) -> Request | None:
-        return next((r for r in self.live() if r.request_id == request_id), None)
-
     def choices_of(self, output_id: str) -> list[Request]:
         """The live choices of the request whose outputs go out under `output_id`, in choice order."""
         return sorted((r for r in self.live() if r.output_id == output_id), key=lambda r: r.choice)

@@ -49,8 +49,7 @@ def build_core(cfg: ServerConfig, metrics: ServerMetrics | None, wake=None) -> E
                         disk_key=disk_tier_key(cfg.cache_transceiver_config.auth_token))
     runner = ModelRunner(model_dir, kv, dtype=dtype, device=device, max_num_tokens=cfg.max_num_tokens,
                          max_batch_size=cfg.max_batch_size, tensors=weights, kernels=cfg.kernels,
-                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard,
-                         quantization=cfg.quantization)
+                         cuda_graphs=cfg.cuda_graphs, max_seq_len=cfg.max_seq_len, shard=shard)
     if ranks:
         ranks.attach(kv)  # the other ranks build pools of the same slot counts and mirror its copies
     warm_s = runner.warm_up()  # before the first request: kernels compiled, decode graphs captured

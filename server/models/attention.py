@@ -124,18 +124,46 @@ def plan_windows(layout: StepLayout, positions: torch.Tensor, tpb: int, units_pe
 
 class SdpaPaged:
     """What the torch backends share: every layer's units views (the manager allocates its pools once,
-    so they stay valid), the step's `plan_windows` with `planes` units per block, the mask in `dtype`."""
+    so they stay valid), the step's `plan_windows` with `planes` units per block, the mask in `dtype`,
+    and SDPA over the keys and values a backend gathers (`_keys_values`), the softmax scale times the
+    layer's k scale (an FP8 cache's; 1.0 otherwise)."""
 
-    def __init__(self, kv: PagedKV, layers: list[LayerUnits], num_heads: int, scale: float, dtype: torch.dtype,
-                 planes: int) -> None:
+    def __init__(self, kv: PagedKV, layers: list[LayerUnits], num_heads: int, num_kv_heads: int, scale: float,
+                 dtype: torch.dtype, planes: int) -> None:
         self.kv, self.tpb, self.layers, self.planes = kv, kv.tokens_per_block, layers, planes
-        self.num_heads, self.scale, self.dtype = num_heads, scale, dtype
+        self.num_heads, self.num_kv_heads, self.scale, self.dtype = num_heads, num_kv_heads, scale, dtype
         self.units_per_slot = {u.window: u.units_per_slot for u in layers}
         self.quantized = layers[0].blocks.dtype == FP8
         self._mask = AdditiveMask(dtype, layers[0].blocks.device)
 
     def plan(self, layout: StepLayout, positions: torch.Tensor) -> dict[int, WindowPlan]:
         return plan_windows(layout, positions, self.tpb, self.units_per_slot, self._mask, self.planes)
+
+    def _keys_values(self, blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of `units`, each [num_seqs, kv_heads, keys, width] in `dtype`."""
+        raise NotImplementedError
+
+    def _attend(self, q: torch.Tensor, plan: WindowPlan, blocks: torch.Tensor, k_scale: float) -> torch.Tensor:
+        return plan.attend(q, lambda q, a: self._decode(q, blocks, a, k_scale),
+                           lambda q, a: self._prefill(q, blocks, a, k_scale))
+
+    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, k_scale: float) -> torch.Tensor:
+        """One query per sequence. GQA without copies: the q heads sharing a kv head become that
+        head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
+        s, kv_heads = q.shape[0], self.num_kv_heads
+        keys, values = self._keys_values(blocks, a.units, s, q.dtype)
+        qg = q.view(s, kv_heads, self.num_heads // kv_heads, q.shape[2])
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask, scale=self.scale * k_scale)
+        return out.reshape(s, self.num_heads, -1)  # CUDA may return another layout
+
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, k_scale: float) -> torch.Tensor:
+        """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
+        for a 256-token prompt on the CPU)."""
+        keys, values = self._keys_values(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, width]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=a.mask,
+                                             scale=self.scale * k_scale, enable_gqa=True)
+        return out[0].transpose(0, 1)  # [1, heads, Q, D] -> [Q, heads, D]
 
 
 class TorchPagedAttention(SdpaPaged, AttentionBackend):
@@ -148,8 +176,7 @@ class TorchPagedAttention(SdpaPaged, AttentionBackend):
         cache = layers[0].blocks
         if cache.dtype == FP8 and dtype is None:
             raise ValueError("an FP8 KV cache needs the model's dtype (TorchPagedAttention dtype=)")
-        super().__init__(kv, layers, num_heads, head_dim**-0.5, dtype or cache.dtype, planes=2)
-        self.num_kv_heads = cache.shape[2]
+        super().__init__(kv, layers, num_heads, cache.shape[2], head_dim**-0.5, dtype or cache.dtype, planes=2)
         self.scales = [kv.layout.format.layer_scales(i) for i in range(num_layers)]  # (k, v) per layer
         # per layer [1, 2, 1, 1]: what K and V are multiplied by before they are rounded to FP8
         self._inverse = [torch.tensor([inverse_scale(k), inverse_scale(v)], device=cache.device).view(1, 2, 1, 1)
@@ -166,27 +193,15 @@ class TorchPagedAttention(SdpaPaged, AttentionBackend):
         if self.quantized:  # written as bytes: torch has no indexed write of float8 everywhere
             kv = quantize_fp8(kv, self._inverse[layer]).view(torch.uint8)
         as_stored(cache.tokens).index_put_((plan.write_rows,), kv)  # [T, 2] rows <- [T, 2, kv_heads, D]
-        out = plan.attend(q, lambda q, a: self._decode(q, cache.blocks, a, layer),
-                          lambda q, a: self._prefill(q, cache.blocks, a, layer))
+        out = self._attend(q, plan, cache.blocks, self.scales[layer][0])
         return out * self.scales[layer][1] if self.quantized else out  # dequantized values: times v_scale
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
-        """One query per sequence. GQA without copies: the q heads sharing a kv head become that
-        head's query rows, so SDPA runs [S, kv_heads, group, D] x [S, kv_heads, L, D]."""
-        s, kv_heads, d = q.shape[0], blocks.shape[2], q.shape[2]
-        keys, values = _gather(blocks, a.units, s, q.dtype)  # each [S, kv_heads, L, D]
-        qg = q.view(s, kv_heads, self.num_heads // kv_heads, d)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=a.mask,
-                                             scale=self.scale * self.scales[layer][0])
-        return out.reshape(s, self.num_heads, d)  # CUDA may return another layout
-
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, layer: int) -> torch.Tensor:
-        """4-D inputs on purpose: with 3-D ones torch takes its unfused math path (about 4x slower
-        for a 256-token prompt on the CPU)."""
-        keys, values = _gather(blocks, a.units, 1, q.dtype)  # each [1, kv_heads, L, D]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=a.mask,
-                                             scale=self.scale * self.scales[layer][0], enable_gqa=True)
-        return out[0].transpose(0, 1)  # [1, heads, Q, D] -> [Q, heads, D]
+    def _keys_values(self, blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb]: per sequence its K units, then
+        its V units -> K, V each [num_seqs, kv_heads, nb * tpb, D] (views of one gathered tensor)."""
+        kv = gather_units(blocks, units, dtype).view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
+        return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
@@ -198,14 +213,6 @@ def gather_units(blocks: torch.Tensor, units: torch.Tensor, dtype: torch.dtype) 
     """blocks[units] in `dtype`: an FP8 cache's widened exactly (e4m3 values are bf16/fp16/float32 values)."""
     out = as_stored(blocks).index_select(0, units)
     return out.view(FP8).to(dtype) if blocks.dtype == FP8 else out
-
-
-def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [units, tpb, kv_heads, D], units [num_seqs * 2 * nb] -> K, V each
-    [num_seqs, kv_heads, nb * tpb, D] in `dtype` (views of one gathered tensor)."""
-    kv = gather_units(blocks, units, dtype).view(num_seqs, 2, -1, blocks.shape[2], blocks.shape[3])
-    return kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
 
 
 @dataclass

@@ -11,11 +11,10 @@ fold the scale into the softmax scale and multiply the output by it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvcache.layout import inverse_scale, quantize_fp8
 from server.models import attention
-from server.models.attention import Attend, LayerUnits, PagedKV, SdpaPaged, WindowPlan, as_stored
+from server.models.attention import LayerUnits, PagedKV, SdpaPaged, WindowPlan, as_stored
 
 
 def latent_units(window: int, latent: torch.Tensor) -> LayerUnits:
@@ -32,8 +31,8 @@ class TorchLatentAttention(SdpaPaged):
     def __init__(self, kv: PagedKV, num_layers: int, num_heads: int, kv_lora_rank: int, scale: float,
                  dtype: torch.dtype) -> None:
         layers = [latent_units(kv.layer_window(i), kv.layer_latent(i)) for i in range(num_layers)]
-        super().__init__(kv, layers, num_heads, scale, dtype, planes=1)
-        self.num_kv_heads, self.rank = 1, kv_lora_rank
+        super().__init__(kv, layers, num_heads, 1, scale, dtype, planes=1)
+        self.rank = kv_lora_rank
         self.scales = [kv.layout.format.layer_scales(i)[0] for i in range(num_layers)]  # the latent's, per layer (FP8)
         device = layers[0].blocks.device
         self._inverse = [torch.tensor(inverse_scale(s), device=device) for s in self.scales] if self.quantized else []
@@ -48,27 +47,13 @@ class TorchLatentAttention(SdpaPaged):
         stored = quantize_fp8(latent, self._inverse[layer]).view(torch.uint8) if self.quantized \
             else latent.to(cache.tokens.dtype)
         as_stored(cache.tokens).index_put_((plan.write_rows[:, 0],), stored)
-        scale = self.scales[layer] if self.quantized else 1.0
-        out = plan.attend(query, lambda q, a: self._decode(q, cache.blocks, a, scale),
-                          lambda q, a: self._prefill(q, cache.blocks, a, scale))
-        return out * scale if self.quantized else out
+        out = self._attend(query, plan, cache.blocks, self.scales[layer])  # 1.0 unless FP8
+        return out * self.scales[layer] if self.quantized else out
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
-        """One query per sequence; its heads are the query rows of the one latent "head"."""
-        s = q.shape[0]
-        keys = _gather(blocks, a.units, s, q.dtype)  # [S, 1, L, width]
-        out = F.scaled_dot_product_attention(q[:, None], keys, keys[..., :self.rank], attn_mask=a.mask,
-                                             scale=self.scale * scale)  # [S, 1, heads, rank]
-        return out[:, 0]
-
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, a: Attend, scale: float) -> torch.Tensor:
-        keys = _gather(blocks, a.units, 1, q.dtype)  # [1, 1, L, width]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, keys[..., :self.rank],
-                                             attn_mask=a.mask, scale=self.scale * scale,
-                                             enable_gqa=True)  # [1, heads, Q, rank]
-        return out[0].transpose(0, 1)
-
-
-def _gather(blocks: torch.Tensor, units: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [units, tpb, width], units [num_seqs * nb] -> [num_seqs, 1, nb * tpb, width] in `dtype`."""
-    return attention.gather_units(blocks, units, dtype).view(num_seqs, 1, -1, blocks.shape[2])
+    def _keys_values(self, blocks: torch.Tensor, units: torch.Tensor, num_seqs: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks [units, tpb, width], units [num_seqs * nb] -> the rows [num_seqs, 1, nb * tpb, width] in
+        `dtype` as the keys, their first kv_lora_rank values (the `c`) as the values: every head, one
+        latent "head", reads the same."""
+        keys = attention.gather_units(blocks, units, dtype).view(num_seqs, 1, -1, blocks.shape[2])
+        return keys, keys[..., :self.rank]

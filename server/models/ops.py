@@ -11,7 +11,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from server.models.fp8.weight import Fp8Weight, dequantized_linear, w8a8_linear
+from server.models.fp8.weight import Fp8Weight, dequantized_linear
 
 Weight = torch.Tensor | Fp8Weight  # a linear layer's weight [N, K]
 
@@ -63,17 +63,6 @@ class TorchOps:
         if isinstance(weight, Fp8Weight):
             return dequantized_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-
-
-class W8A8TorchOps(TorchOps):
-    """The GPU's FP8 numerics in plain torch: an FP8 linear's activations rounded per token
-    (`w8a8_linear`). pdserve_bench/fp8_accuracy.py sets `runner.model.ops = W8A8TorchOps(eps)` to
-    measure, on a CPU, what the GPU's FP8 path costs."""
-
-    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, Fp8Weight):
-            return w8a8_linear(x, weight, bias)
-        return super().linear(x, weight, bias)
 
 
 class TritonOps(TorchOps):

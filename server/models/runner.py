@@ -16,6 +16,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from server.models import dense_prefill
@@ -40,8 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SeqChunk:
+class SeqChunk(msgspec.Struct, array_like=True):
+    """One sequence of a step; a tensor-parallel server's rank 0 sends its steps' to the other ranks
+    (server/tp/messages.py `Forward`)."""
+
     token_ids: list[int]  # new tokens computed this step (a prefill chunk or 1 decode token)
     num_past: int  # tokens already in the cache; positions start here
     slot_tables: dict[int, list[int]]  # window -> primary slots of the request's blocks, token order;
@@ -124,7 +127,7 @@ def resolve_kernels(name: str, device: torch.device) -> str:
 
 def _fused_experts(gate_up: Weight) -> ExpertsFn:
     """The Triton path's experts: the grouped GEMMs (float, FP8 per channel, or a block-scaled
-    checkpoint's float8 weights widened in the float kernels: fp8/blocks.py)."""
+    checkpoint's float8 weights widened in the float kernels: fp8/weight.py `from_block_checkpoint`)."""
     from server.models.kernels.moe import fused_experts, fused_fp8_experts
 
     return fused_fp8_experts if isinstance(gate_up, Fp8Weight) and not gate_up.block_k else fused_experts

@@ -37,10 +37,6 @@ class WarmStep:
     def num_tokens(self) -> int:
         return self.decode_rows + sum(self.prompts) + self.chunk_tokens
 
-    @property
-    def num_chunks(self) -> int:
-        return self.decode_rows + len(self.prompts) + (1 if self.chunk_tokens else 0)
-
 
 def warm_steps(max_batch: int, max_tokens: int, tpb: int, kv_heads: int, num_sms: int) -> list[WarmStep]:
     """One step per distinct decode split count, the first also carrying the largest fresh prompt

@@ -10,15 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-
-class SeqStep(msgspec.Struct, array_like=True, frozen=True):
-    """One `SeqChunk` of a forward (server/models/runner.py)."""
-
-    token_ids: list[int]
-    num_past: int
-    slot_tables: dict[int, list[int]]  # window -> primary slots, token order; -1 released
-    need_logits: bool
-    num_logits: int = 1  # a verify chunk of speculative decoding: logits of its last num_logits tokens
+from server.models.runner import SeqChunk
 
 
 class Init(msgspec.Struct, tag=True, frozen=True):
@@ -61,7 +53,7 @@ class Forward(msgspec.Struct, tag=True, frozen=True):
     `pending[i]` of the previous step's sampled ids, which are on rank 0's device only: rank 0
     broadcasts those `num_sampled` ids (int64) right before the forward (server/tp/runner.py)."""
 
-    seqs: list[SeqStep]
+    seqs: list[SeqChunk]
     pending: dict[int, int] | None = None  # chunk index -> row of the sampled ids
     num_sampled: int = 0
 

@@ -11,7 +11,7 @@ import torch
 
 from server.models.parallel import group
 from server.models.runner import ModelRunner, PendingTokens, SeqChunk
-from server.tp.messages import Forward, SeqStep
+from server.tp.messages import Forward
 from server.tp.ranks import Ranks
 
 
@@ -35,12 +35,10 @@ class RankedRunner:
 
     def execute(self, chunks: list[SeqChunk], pending: PendingTokens | None = None) -> torch.Tensor:
         """Float32 logits [chunks with need_logits, vocab] (the whole vocabulary, on rank 0)."""
-        seqs = [SeqStep(c.token_ids, c.num_past, c.slot_tables, c.need_logits, c.num_logits)
-                for c in chunks]
         if pending is None:
-            self.ranks.flush(Forward(seqs))
+            self.ranks.flush(Forward(chunks))
         else:
             source = pending.source.contiguous()
-            self.ranks.flush(Forward(seqs, dict(pending.rows), source.numel()))
+            self.ranks.flush(Forward(chunks, dict(pending.rows), source.numel()))
             group.share_from_rank0(source)
         return self.runner.execute(chunks, pending)

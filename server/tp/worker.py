@@ -28,7 +28,7 @@ from server.models.kv_format import kv_cache_layout
 from server.models.model_spec import load_spec, with_quantization
 from server.models.parallel import group
 from server.models.parallel.context import RankShard
-from server.models.runner import ModelRunner, PendingTokens, SeqChunk, resolve_dtype
+from server.models.runner import ModelRunner, PendingTokens, resolve_dtype
 from server.tp.channel import RankEnd
 from server.tp.disk import block_metas
 from server.tp.messages import (
@@ -190,10 +190,8 @@ class Worker:
 
     def forward(self, op: Forward) -> None:
         """This rank's part of one step; pending tokens come from the ids rank 0 broadcasts."""
-        chunks = [SeqChunk(s.token_ids, s.num_past, s.slot_tables, s.need_logits, s.num_logits)
-                  for s in op.seqs]
         pending = None
         if op.pending is not None:
             sampled = torch.empty(op.num_sampled, dtype=torch.int64, device=self.device)
             pending = PendingTokens(group.share_from_rank0(sampled), op.pending)
-        self.runner.execute(chunks, pending)
+        self.runner.execute(op.seqs, pending)

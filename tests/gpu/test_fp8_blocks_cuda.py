@@ -9,8 +9,7 @@ import pytest
 import torch
 from runner_harness import no_host_syncs
 
-from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.weight import FP8
+from server.models.fp8.weight import FP8, from_block_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -65,7 +64,7 @@ def test_block_gemm_replays_in_a_graph_without_host_syncs() -> None:
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 def test_grouped_block_scaled_experts_compute_the_dequantized_experts(tokens: int) -> None:
     """DeepSeek-V3's expert shapes (hidden 7168, intermediate 2048), 16 of them, top-8, bf16."""
-    from server.models.fp8.experts import stack_experts
+    from server.models.fp8.weight import stack_experts
     from server.models.kernels.moe import fused_experts
     from server.models.moe.experts import dense_experts
 
@@ -84,8 +83,8 @@ def test_warm_up_checks_keep_the_block_scaled_kernels_on_this_gpu() -> None:
     """The warm-up's checks (fp8/linear.py `choose` over BLOCKS and DEQUANT, kernels/moe.py
     `block_experts_compute`) find the kernels right here: the block-scaled GEMM computed within the
     tolerance and was timed at every row class, and the grouped experts are served."""
-    from server.models.fp8.experts import stack_experts
     from server.models.fp8.linear import Fp8Linears
+    from server.models.fp8.weight import stack_experts
     from server.models.kernels.moe import block_experts_compute
 
     linears = Fp8Linears()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_reference import w8a8_experts
 from runner_harness import no_host_syncs
 
 from kvcache import KvCacheConfig, KVCacheManager
 from server.models.builtin import resolve_model
-from server.models.fp8.experts import w8a8_experts
 from server.models.fp8.weight import quantize_weight
 from server.models.model_spec import load_spec
 from server.models.runner import ModelRunner, SeqChunk

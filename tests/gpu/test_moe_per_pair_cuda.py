@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_reference import w8a8_experts
 from runner_harness import no_host_syncs
 
-from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.experts import stack_experts, w8a8_experts
-from server.models.fp8.weight import FP8, quantize_weight
+from server.models.fp8.weight import FP8, from_block_checkpoint, quantize_weight, stack_experts
 from server.models.moe.block import _held
 from server.models.moe.experts import dense_experts
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import engine_harness as eh
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -77,7 +78,7 @@ def _burst(core: EngineCore, rng: random.Random, tag: str) -> int:
         params = SamplingParams(max_tokens=rng.randint(8, 48), temperature=0.0, ignore_eos=True)
         core.add_request(GenerateRequest(f"{tag}{i}", prompt, params))
     core.step()
-    return sum(1 for i in range(BURST) if (r := core.scheduler.find(f"{tag}{i}")) and r.num_computed_tokens)
+    return sum(1 for i in range(BURST) if (r := eh.live_request(core, f"{tag}{i}")) and r.num_computed_tokens)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-swa"])

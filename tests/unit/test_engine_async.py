@@ -55,7 +55,7 @@ def test_tokens_reach_the_host_one_step_late():
     core = eh.make_core(LLAMA, async_scheduling=True)
     prompt = random_prompt(1, 20)
     rid = eh.submit(core, prompt, eh.greedy(3))
-    request = core.scheduler.find(rid)
+    request = eh.live_request(core, rid)
     assert core.step() == []
     assert request.num_pending == 1 and core.inflight.requests == [request]
     assert (request.num_known_tokens, request.num_computed_tokens) == (20, 20)
@@ -120,7 +120,7 @@ def test_a_known_last_token_gets_no_row():
         core = eh.make_core(LLAMA, async_scheduling=async_on)
         ids = [eh.submit(core, random_prompt(5 + n, 10), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                for n in (1, 2, 5)]
-        requests = [core.scheduler.find(rid) for rid in ids]
+        requests = [eh.live_request(core, rid) for rid in ids]
         eh.run_to_completion(core, ids)
         assert [r.num_computed_tokens for r in requests] == [10, 11, 14]
 
@@ -179,7 +179,7 @@ def test_abort_of_a_request_in_the_step_in_flight():
     core = eh.make_core(LLAMA, async_scheduling=True)
     prompts = [random_prompt(60 + i, 12 + 9 * i) for i in range(4)]
     ids = [eh.submit(core, p, eh.greedy(24)) for p in prompts]
-    victim = core.scheduler.find(ids[1])
+    victim = eh.live_request(core, ids[1])
     produced = {rid: [] for rid in ids}
     while len(produced[ids[1]]) < 5:
         for output in core.step():

@@ -62,7 +62,7 @@ def test_a_context_leg_ending_at_its_first_token_offers_nothing(run):
     ctx = run.ctx
     prompt = random_prompt(400, 20)
     rid = eh.submit(ctx, prompt, eh.greedy(1), disagg=DisaggParams("context_only"))
-    request = ctx.scheduler.find(rid)
+    request = eh.live_request(ctx, rid)
     run.wait([rid], "the context leg")
     assert run.final(rid).finish_reason == "length" and run.tokens(rid) == _expected(prompt, 1)
     assert request.num_computed_tokens == len(prompt)
@@ -76,7 +76,7 @@ def test_a_prefilled_context_leg_is_handed_over_before_the_next_step_is_schedule
     ctx.scheduler.config = dataclasses.replace(ctx.config, max_batch_size=1)
     leg = eh.submit(ctx, random_prompt(500, 30), eh.greedy(8), disagg=DisaggParams("context_only"))
     waiting = eh.submit(ctx, random_prompt(501, 12), eh.greedy(8))
-    after = ctx.scheduler.find(waiting)
+    after = eh.live_request(ctx, waiting)
     assert ctx.step() == [] and after.num_computed_tokens == 0  # the leg's prefill; the batch is full
     [answer] = ctx.step()
     assert answer.request_id == leg and answer.disagg is not None and ctx.connector.sender.num_leases == 1

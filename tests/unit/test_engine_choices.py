@@ -117,7 +117,7 @@ def test_two_choices_under_preemption_in_a_tiny_pool(async_scheduling):
     a = eh.submit(core, first, eh.greedy(30))
     b = eh.submit(core, prompt, eh.greedy(30, n=2))
     core.step()  # both prompts (3 blocks each) fill the pool: b's second choice gets no block for its copy
-    child = core.scheduler.find(f"{b}/1")
+    child = eh.live_request(core, f"{b}/1")
     assert child.status == Status.WAITING and child in core.scheduler.waiting
     assert child.num_computed_tokens == 0
     results = eh.run_choices(core, [a, b])
@@ -143,7 +143,7 @@ def test_a_failed_choice_ends_alone():
     prompt = random_prompt(9, 33)
     rid = eh.submit(core, prompt, eh.greedy(12, n=3))
     core.step()
-    child = core.scheduler.find(f"{rid}/1")
+    child = eh.live_request(core, f"{rid}/1")
     [failed] = core.fail(child, "out of luck", 503)
     assert (failed.request_id, failed.index, failed.finish_reason, failed.error, failed.error_code) == \
         (rid, 1, "error", "out of luck", 503)

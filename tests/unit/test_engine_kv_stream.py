@@ -66,7 +66,7 @@ def test_streamed_blocks_arrive_during_the_prefill_and_the_output_is_exact(make_
     run.step()  # both legs admitted, the pull sent; the first 32 tokens prefilled: 2 blocks offered
     wait_until(lambda: run.receiver.stats.bytes_received, 10, "a chunk while the prompt is prefilled",
                step=lambda: run.outputs.setdefault(gen_id, []).extend(run.gen.step()), interval_s=0.001)
-    assert run.final(ctx_id) is None and run.ctx.scheduler.find(ctx_id).num_computed_tokens < len(prompt)
+    assert run.final(ctx_id) is None and eh.live_request(run.ctx, ctx_id).num_computed_tokens < len(prompt)
     run.wait([ctx_id], "the context leg")
     answer = run.final(ctx_id)
     expected = hf_reference.hf_greedy(resolve_model(model), prompt, 10)

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 checkpoints (`weight_block_size: [128, 128]`, server/models/fp8/blocks.py), float32
+"""Block-scaled FP8 checkpoints (`weight_block_size: [128, 128]`, fp8/weight.py `from_block_checkpoint`), float32
 on a CPU: the weights and their fusing, the GPU's block-scaled GEMM (interpreted), refusals that
 name the tensor or the key, and MoE models (experts, shared expert, dense layers, DeepSeek's latent
 attention) served from such checkpoints with transformers' tokens of the dequantized weights
@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.experts import stack_experts
-from server.models.fp8.weight import FP8, Fp8Weight, cat_rows, dequantized_linear, quantize_weight, w8a8_linear
+from server.models.fp8.weight import (
+    FP8,
+    Fp8Weight,
+    cat_rows,
+    dequantized_linear,
+    from_block_checkpoint,
+    quantize_weight,
+    stack_experts,
+    w8a8_linear,
+)
 
 
 def _block_weight(n: int, k: int, seed: int) -> tuple[Fp8Weight, torch.Tensor]:

@@ -1,10 +1,11 @@
-"""FP8 routed experts (server/models/fp8/experts.py, kernels/moe.py), float32 on a CPU.
+"""FP8 routed experts (server/models/fp8/weight.py `stack_experts`, kernels/moe.py), float32 on a CPU.
 
 Stacked experts quantize per expert and row exactly as each expert's own weight would; the CPU's torch
 paths serve FP8 experts as the dequantized weights compute (bit for bit); the grouped FP8 Triton
-kernels (through Triton's interpreter) equal their torch reference `w8a8_experts`, which stays near the
-float experts; and a MoE model with `quantization: fp8` serves transformers' tokens of the model its
-FP8 weights stand for (tests/fp8_checkpoints.py `write_quantized_at_load`).
+kernels (through Triton's interpreter) equal their torch reference (tests/fp8_reference.py
+`w8a8_experts`), which stays near the float experts; and a MoE model with `quantization: fp8` serves
+transformers' tokens of the model its FP8 weights stand for (tests/fp8_checkpoints.py
+`write_quantized_at_load`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_reference import w8a8_experts
 from test_moe import TOKENS, _ours
 
-from server.models.fp8.experts import stack_experts, w8a8_experts
-from server.models.fp8.weight import FP8, Fp8Weight, quantize_weight
+from server.models.fp8.weight import FP8, Fp8Weight, quantize_weight, stack_experts
 from server.models.moe import route
 from server.models.moe.block import MoEBlock, _held
 from server.models.moe.experts import dense_experts, grouped_experts

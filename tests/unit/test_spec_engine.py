@@ -80,7 +80,7 @@ def test_rejected_drafts_roll_back_and_are_never_cached():
     core = _replay_core(LLAMA, {tuple(prompt): expected}, wrong=3)  # output positions 2, 5, 8, ... wrong
     rid = eh.submit(core, prompt, eh.greedy(12))
     tokens = _step_tokens(core)  # prefill (its token's output waits for the next step)
-    request = core.scheduler.find(rid)
+    request = eh.live_request(core, rid)
     assert (request.num_computed_tokens, request.num_known_tokens) == (29, 30)
     tokens += _step_tokens(core)  # verify [t29, d1, d2, d3, d4]: d1 right, d2 wrong
     assert tokens == expected[:3]

@@ -124,7 +124,7 @@ def test_rejection_rule_keeps_the_distribution_and_accepts_with_p_of_the_draft()
 
 
 def test_config_rejects_inconsistent_settings():
-    assert not SpeculativeConfig().enabled
+    assert SpeculativeConfig().method == "off"  # speculation is off by default
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(method="ngram", ngram_min=4, ngram_max=2)
     with pytest.raises(ValueError, match="draft_model: required"):

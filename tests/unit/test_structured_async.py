@@ -52,7 +52,7 @@ def _sync(cases: list[tuple[list[int], SamplingParams]], **core) -> list[tuple]:
 def _submit(core, cases: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], list[Request]]:
     """The requests' ids, and the requests (their choices 1.. join them as `children` once forked)."""
     ids = [eh.submit(core, p, s) for p, s in cases]
-    return ids, [core.scheduler.find(rid) for rid in ids]
+    return ids, [eh.live_request(core, rid) for rid in ids]
 
 
 def _grammars_settled(core, requests: list[Request]) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
+from server.models.runner import SeqChunk
 from server.tp.channel import ChannelError, RankEnd, RootEnd, identity
-from server.tp.messages import Command, Copies, Forward, Joined, PullDone, SeqStep, Stop
+from server.tp.messages import Command, Copies, Forward, Joined, PullDone, Stop
 
 SECRET = b"s" * 32
 
@@ -22,7 +23,7 @@ def _pair(rank: int = 1) -> tuple[RootEnd, RankEnd]:
 def test_commands_and_reports_round_trip_in_order() -> None:
     root, end = _pair()
     try:
-        step = Forward([SeqStep([5, 6], 3, {64: [0, 1, -1], 512: [2]}, True)])
+        step = Forward([SeqChunk([5, 6], 3, {64: [0, 1, -1], 512: [2]}, True)])
         root.send([1], Command([Copies(64, [(0, 1, 1, 7)]), step]))
         root.send([1], Command([Stop()]))
         assert end.receive(5.0) == Command([Copies(64, [(0, 1, 1, 7)]), step])

@@ -114,7 +114,7 @@ def test_burst_steps_of_the_8b_shape_exactly() -> None:
              (21, (343,) * 20 + (360,)), (32, (255,) * 32)]
     assert steps[17:] == [WarmStep(d, prompts, pending=True) for d, prompts in eager]
     assert [s.num_tokens for s in steps[17:]] == [453, 640, 906, 1280, 1811, 2560, 3621, 5120, 7241, 8192]
-    assert [s.num_chunks for s in steps[17:]] == [2, 2, 3, 5, 8, 12, 18, 28, 42, 64]
+    assert [len(_chunks(s)) for s in steps[17:]] == [2, 2, 3, 5, 8, 12, 18, 28, 42, 64]
     assert sum(s.num_tokens for s in steps[17:]) == 31824  # the eager prefill the warm-up adds
 
 
@@ -127,14 +127,14 @@ def test_burst_steps_fit_the_budget_and_replay_where_serving_would(max_batch: in
     assert len(steps) == len(buckets) + len(grid)
     assert len(grid) <= max(0, math.ceil(STEPS_PER_DOUBLING * math.log2(max_tokens / buckets[-1])))
     for step in steps:
-        assert step.pending and 1 <= step.num_chunks <= max_batch and step.num_tokens <= max_tokens
+        assert step.pending and 1 <= len(_chunks(step)) <= max_batch and step.num_tokens <= max_tokens
         assert all(n >= 2 for n in step.prompts)  # fresh prompts, never a one-token (decode) row
     replayed, eager = steps[:len(buckets)], steps[len(buckets):]
     assert [s.num_tokens for s in replayed] == buckets  # each bucket's graph, exactly full
     assert all(replay_plan(_chunks(s), _fits(buckets, max_batch)) is not None for s in replayed)
     assert [s.num_tokens for s in eager] == grid
     assert all(replay_plan(_chunks(s), _fits(buckets, max_batch)) is None for s in eager)  # past every graph
-    assert [s.num_chunks for s in eager[-1:]] == [max_batch] * bool(grid)  # the last: a full batch
+    assert [len(_chunks(s)) for s in eager[-1:]] == [max_batch] * bool(grid)  # the last: a full batch
 
 
 def _fits(buckets: list[int], max_batch: int):
@@ -173,6 +173,6 @@ def test_burst_steps_run_through_the_runner_and_leave_the_cache_untouched() -> N
         chunks = runner._warm_chunks(step)
         assert [len(c.token_ids) for c in chunks] == [1] * step.decode_rows + list(step.prompts)
         assert [c.num_past for c in chunks] == [16] * step.decode_rows + [0] * len(step.prompts)
-        assert runner.execute(chunks).shape == (step.num_chunks, runner.spec.vocab_size)
+        assert runner.execute(chunks).shape == (len(chunks), runner.spec.vocab_size)
     assert runner.run_warm_steps(steps) > 0
     assert kv.stats() == before

@@ -32,7 +32,3 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("draft_model: required when method is draft_model (builtin:NAME or a model directory)")
         if self.method != "draft_model" and self.draft_model:
             raise ValueError(f"draft_model: only read when method is draft_model (method is {self.method})")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"

@@ -2,7 +2,7 @@
 
 Two layouts that users download: Hugging Face / vLLM `quant_method: fp8` (float8 `*.weight` tensors,
 each with a float32 `*.weight_scale` or `*.weight_scale_inv`, per tensor, per output channel, or, for
-`weight_block_size: [128, 128]`, per block: fp8/blocks.py), and compressed-tensors (llm-compressor)
+`weight_block_size: [128, 128]`, per block: `from_block_checkpoint`), and compressed-tensors (llm-compressor)
 `quant_method: compressed-tensors`. Which linears are FP8 is read from the tensors: modules a
 checkpoint leaves in float (its ignore list) load as float. The KV cache scales some checkpoints
 carry (`*.k_scale`, `*.v_scale`) belong to the KV cache, not to these weights.

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from server.models.fp8.blocks import from_block_checkpoint
-from server.models.fp8.weight import FP8, Fp8Weight, from_checkpoint, quantize_weight
+from server.models.fp8.weight import FP8, Fp8Weight, from_block_checkpoint, from_checkpoint, quantize_weight
 from server.models.weights import Slicer, load_tensors, safetensors_files
 
 QUANTIZATIONS = ("fp8",)  # `quantization:` values; None (the default) serves the checkpoint as stored

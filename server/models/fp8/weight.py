@@ -2,7 +2,7 @@
 
 `Fp8Weight` holds W [N, K] as float8 `qweight` and one float32 scale per output row (a checkpoint's
 per-tensor scale expanded to its rows, exactly, so q/k/v and gate/up fuse row by row: `cat_rows`),
-or per row and block of `block_k` columns (fp8/blocks.py). `dequantized_linear` is the CPU's serving
+or per row and block of `block_k` columns (`from_block_checkpoint`). `dequantized_linear` is the CPU's serving
 path (exactly what the dequantized checkpoint computes); `w8a8_linear` is what the GPU computes
 (activations quantized per row, fp8/linear.py): the Triton kernels' reference, and the accuracy
 script's emulation of the GPU on a CPU.
@@ -88,6 +88,23 @@ def from_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, input_scale: tor
     return Fp8Weight(qweight.contiguous(), rows, static)
 
 
+def from_block_checkpoint(qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> Fp8Weight:
+    """A block-scaled checkpoint's float8 weight [N, K] (`quant_method: fp8`, `weight_block_size: [128, 128]`,
+    as DeepSeek-V3 and Qwen3-FP8 ship) and its float32 `*.weight_scale_inv` [ceil(N / rows), ceil(K /
+    columns)], a multiplier despite its name; a ValueError naming `name` for any other shape. The row
+    blocks expand to their rows (exact), so such weights fuse and stack row by row as per-channel ones
+    do. The CPU runs them dequantized; the GPU runs kernels/fp8_blocks.py (linears) and kernels/moe.py
+    (experts), which read the float8 weight once and scale each column block's partial sum."""
+    check_matrix(qweight, name)
+    (n, k), (bn, bk) = qweight.shape, block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"weight {name!r}: a block scale of shape {tuple(scale.shape)} for a weight of shape "
+                         f"{(n, k)} in blocks of {list(block)}: want {want}")
+    rows = scale.float().repeat_interleave(bn, dim=0)[:n].contiguous()
+    return Fp8Weight(qweight.contiguous(), rows, None, bk)
+
+
 def check_matrix(qweight: torch.Tensor, name: str) -> None:
     if qweight.dtype != FP8 or qweight.dim() != 2:
         raise ValueError(f"weight {name!r}: {qweight.dtype} {tuple(qweight.shape)}: an FP8 linear weight must be "
@@ -97,6 +114,12 @@ def check_matrix(qweight: torch.Tensor, name: str) -> None:
 def cat_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
     """Fuse weights along their output rows (q|k|v, gate|up), as `fuse` says."""
     return fuse(parts, torch.cat)
+
+
+def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Each routed expert's [N, K] weight -> [E, N, K], as `fuse` says (a static checkpoint's input
+    scale per projection: the largest of its experts'). The CPU serves FP8 experts dequantized."""
+    return fuse(parts, lambda tensors: torch.stack(tensors).contiguous())
 
 
 def fuse(parts: list[torch.Tensor] | list[Fp8Weight], join) -> torch.Tensor | Fp8Weight:

@@ -1,4 +1,4 @@
-"""The block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints, server/models/fp8/blocks.py): the
+"""The block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints, fp8/weight.py `from_block_checkpoint`): the
 weight stays float8 e4m3 in memory and is read once, at half a bf16 weight's bytes.
 
 OUT[m, n] = sum over column blocks b of (X[m, b] @ Q[n, b].T) * S[n, b] (+ bias). The activations

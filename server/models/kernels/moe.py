@@ -20,7 +20,7 @@ is widened to the activations' dtype (exact) and each BLOCK_K slice's product sc
 scale (FP8's bytes read, activations not quantized). Per-channel (`fused_fp8_experts`, W8A8): x
 quantized per row (kernels/fp8.py `quantize_rows`), gate and up = (xq @ qweight.T) * xs * scale, each
 rounded, h = SiLU(gate) * up quantized per row, y = ((hq @ qweight.T) * hs * scale, rounded) * the
-routing weight; accumulation as kernels/fp8.py's, torch reference fp8/experts.py `w8a8_experts`.
+routing weight; accumulation as kernels/fp8.py's, torch reference tests/fp8_reference.py `w8a8_experts`.
 """
 
 from __future__ import annotations

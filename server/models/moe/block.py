@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.models.fp8.experts import stack_experts
-from server.models.fp8.weight import Fp8Weight, cat_rows
+from server.models.fp8.weight import Fp8Weight, cat_rows, stack_experts
 from server.models.mlp import DenseMLP, WeightSource, load_mlp
 from server.models.moe.config import MoESpec
 from server.models.moe.dispatch import AllToAllDispatch

@@ -1,28 +1,19 @@
-"""FP8 routed experts: a layer's experts stacked into one `Fp8Weight` [E, N, K], and the grouped FP8
-kernels' (kernels/moe.py) torch reference `w8a8_experts` (a static checkpoint's input scale per
-projection is the largest of its experts'). The CPU serves FP8 experts dequantized.
-"""
+"""The grouped FP8 expert kernels' (server/models/kernels/moe.py `fused_fp8_experts`) torch reference."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from server.models.fp8.weight import Fp8Weight, fuse, w8a8_linear
-
-Weight = torch.Tensor | Fp8Weight
-
-
-def stack_experts(parts: list[torch.Tensor] | list[Fp8Weight]) -> Weight:
-    """Each expert's [N, K] weight -> [E, N, K] (`weight.fuse`)."""
-    return fuse(parts, lambda tensors: torch.stack(tensors).contiguous())
+from server.models.fp8.weight import Fp8Weight, w8a8_linear
 
 
 def w8a8_experts(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, weights: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:
     """The grouped FP8 kernels' result in torch (`experts.ExpertsFn` contract): per expert, h =
     silu(gate) * up of `w8a8_linear(x, gate|up)`, then `w8a8_linear(h, down)` times the routing
-    weight; the pairs summed per token in slot order."""
+    weight; the pairs summed per token in slot order (a static checkpoint's input scale per
+    projection is the largest of its experts', as `stack_experts` fuses it)."""
     t, k = ids.shape
     y = torch.zeros((t, k, x.shape[1]), dtype=x.dtype, device=x.device)
     for e in range(gate_up.shape[0]):
