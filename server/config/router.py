@@ -80,6 +80,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     auth_token: str | None = None  # the deployment's token: sent on every call to a server (server/auth.py)
     drain_timeout_s: float = 30.0  # SIGTERM: new requests get 503, those in flight finish (server/deploy/drain.py)
     request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if "/health" not in self.open_paths:
@@ -105,7 +106,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return msgspec.structs.replace(self, api_keys=tuple(dict.fromkeys(keys)) or None, api_keys_file=None)
 
 
-INTERNAL_KEYS = ("context_urls", "generation_urls", "model", "auth_token", "drain_timeout_s", "request_timeout_s")
+INTERNAL_KEYS = ("context_urls", "generation_urls", "model", "auth_token", "drain_timeout_s", "request_timeout_s",
+                 "health_interval_s")
 YAML_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(RouterConfig) if f.encode_name not in INTERNAL_KEYS)
 
 

@@ -98,7 +98,7 @@ def _build_state(settings: RouterConfig) -> RouterState:
     generation = [Backend(_http(u), "generation" if context else "aggregated") for u in settings.generation_urls]
     registry = CollectorRegistry()
     routing = Routing(settings, context, generation, registry, client)
-    monitor = HealthMonitor(context + generation, client)
+    monitor = HealthMonitor(context + generation, client, interval_s=settings.health_interval_s)
     legs = Legs(client, context, generation, routing.context_picker, routing.generation_picker,
                 settings.request_timeout_s, settings.auth_token, settings.migration_limit)
     state = RouterState(settings, client, legs, monitor, routing,
