@@ -102,7 +102,7 @@ class TritonOps(TorchOps):
                     interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """In place, one kernel (kernels/latent.py `latent_rope`); returns the rotated views."""
         rope = cos.shape[-1]
-        if q.stride(-1) != 1 or kv.stride(-1) != 1 or rope < 4 or rope & (rope - 1):
+        if q.stride(-1) != 1 or kv.stride(-1) != 1 or rope < 4 or rope & (rope - 1) or sin.stride() != cos.stride():
             return super().latent_rope(q, kv, cos, sin, interleave)
         from server.models.kernels.latent import latent_rope
 

@@ -294,9 +294,37 @@ def test_fused_top_k_is_the_torch_route_with_its_rounding_and_load(case: str, dt
     logits = gate_logits(spec, x, gate).to(device)
     got_w, got_ids = R.fused_route(spec, logits, x.to(device), load)
     assert torch.equal(got_ids.cpu(), want_ids)
-    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+    # (on a GPU the kernel's exp and division are not torch's to the last bit: a weight rounded to bf16 may
+    # land one step of bf16 away)
+    rounded = spec.round_weights and dtype == torch.bfloat16 and device == "cuda"
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=2**-8 if rounded else 1e-6, atol=1e-7)
     assert torch.equal(load.cpu(), torch_block.load)
     assert int(load.sum()) == TOKENS * spec.top_k and int((load > 0).sum()) > spec.top_k  # several experts
+
+
+def test_fused_top_k_picks_distinct_held_experts_whatever_the_logits() -> None:
+    """Rows of NaN and of -inf (a broken model's) still get top_k distinct ids below E and in-range load
+    counts from the fused top-k: the expert kernels index weights by these ids. NaN ranks highest, as in
+    torch.topk; finite logits before -inf ones. (60 experts: the kernel's lanes past E are padding.)"""
+    pytest.importorskip("triton")
+    from server.models.kernels import route as R
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts, top_k = 60, 6
+    logits = torch.randn(4, experts)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[1, [7, 3]] = torch.tensor([2.0, 1.0])
+    logits[2, [5, 50]] = float("nan")
+    logits[3, :] = float("-inf")
+    load = torch.zeros(experts, dtype=torch.int64, device=device)
+    _, ids = R.fused_topk(logits.to(device), top_k, False, True, 1.0, 0.0, None, load)
+    ids = ids.cpu()
+    for row in ids.tolist():
+        assert len(set(row)) == top_k and all(0 <= e < experts for e in row), row
+    assert ids[1, :2].tolist() == [7, 3]
+    assert set(ids[2, :2].tolist()) == {5, 50}
+    assert torch.equal(load.cpu(), torch.bincount(ids.flatten(), minlength=experts))
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 8, 128, 16), (64, 8, 128, 16),

@@ -206,8 +206,8 @@ def _fp8_gemv(X, W, WS, B, OUT, N, K, stride_xm, stride_wn, stride_om,
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         live_k = offs_k < K
-        w = tl.load(W + offs_n[:, None] * stride_wn + offs_k[None, :], mask=live_n[:, None] & live_k[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K] float8
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=live_n[:, None] & live_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] float8 (N K may pass 2^31)
         x = tl.load(X + row * stride_xm + offs_k, mask=live_k, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1) * tl.load(WS + offs_n, mask=live_n, other=0.0)

@@ -126,6 +126,7 @@ def _align(IDS, ROWS, TILE_EXPERT, pairs, num_experts, total,
     offs_p = tl.arange(0, PP)
     live_p = offs_p < pairs
     ids = tl.load(IDS + offs_p, mask=live_p, other=-1).to(tl.int32)  # -1: no pair, in no expert's count
+    live_p = live_p & (ids >= 0) & (ids <= num_experts)  # (an id out of range lands nowhere, not before ROWS)
     rank = tl.zeros([PP], tl.int32)
     start = tl.zeros([PP], tl.int32)
     carry = 0

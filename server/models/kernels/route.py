@@ -30,15 +30,15 @@ def _route(LOGITS, WEIGHTS, IDS, LOAD, ROUND_LIKE, num_experts, stride_l, scale,
     else:
         e = tl.exp(logit - tl.max(logit, 0))
         score = e / tl.sum(e, 0)
-    choice = logit
+    choice = tl.where(logit == logit, logit, float("inf"))  # NaN ranks highest, as in torch.topk
     rank = tl.full([EP], TOP_K, tl.int32)  # TOP_K: not chosen
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choice, 0)
-        pick = tl.min(tl.where(choice == best, offs, EP), 0)
-        unchosen = tl.min(tl.where((rank == TOP_K) & live, offs, EP), 0)
-        pick = tl.where(pick == EP, unchosen, pick)  # NaN logits: still TOP_K distinct experts, never an id past E
+    free = live
+    for j in tl.static_range(TOP_K):  # only free experts compete: TOP_K distinct ids below E, whatever the logits
+        candidate = tl.where(free, choice, float("-inf"))
+        best = tl.max(candidate, 0)
+        pick = tl.min(tl.where(free & (candidate == best), offs, EP), 0)
         rank = tl.where(offs == pick, j, rank)
-        choice = tl.where(offs == pick, float("-inf"), choice)
+        free = free & (offs != pick)
     chosen = rank < TOP_K
     w = tl.where(chosen, score, 0.0)
     if NORM:
@@ -52,7 +52,7 @@ def _route(LOGITS, WEIGHTS, IDS, LOAD, ROUND_LIKE, num_experts, stride_l, scale,
         w = w.to(ROUND_LIKE.dtype.element_ty).to(tl.float32)
     tl.store(WEIGHTS + t * TOP_K + rank, w, mask=chosen)
     tl.store(IDS + t * TOP_K + rank, offs.to(tl.int64), mask=chosen)
-    tl.atomic_add(LOAD + offs, chosen.to(tl.int64), mask=chosen)
+    tl.atomic_add(LOAD + offs, chosen.to(tl.int64), mask=chosen, sem="relaxed")
 
 
 def fits(spec: MoESpec) -> bool:
@@ -75,6 +75,8 @@ def fused_topk(logits: torch.Tensor, top_k: int, sigmoid: bool, norm: bool, scal
     count to `load` [E] int64. `norm`: weights / (their sum + eps); then times `scale`; `round_like`: rounded
     to that tensor's dtype (kept float32)."""
     t, num_experts = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t:
