@@ -130,7 +130,8 @@ def decode_variants():
     yield L._latent_split, LATENT, constexprs, ("stride_bt",), {"num_warps": 8, "num_stages": 2}
     yield L._write_rows, WRITE, {"W": 576, "WP": 1024}, (), {"num_warps": 4}
     # Qwen3's per-head q and k norms (head_dim 128, 32 q heads)
-    yield E._head_rms_norm, HEAD_NORM, {"D": 128, "HEADS": 32, "BLOCK": 128}, ("eps",), {"num_warps": 1}
+    yield E._head_rms_norm, HEAD_NORM, {"D": 128, "HEADS": 32, "NORMED": 40, "ROWS": 64, "BLOCK": 128}, ("eps",), \
+        {"num_warps": 4}
     for interleave in (True, False):  # MLA's rotary at DeepSeek-V2-Lite's shape (16 heads, rope 64)
         yield L._latent_rope, LATENT_ROPE, {"H": 16, "HP": 32, "HALF": 32, "INTERLEAVE": interleave}, (), \
             {"num_warps": 4}

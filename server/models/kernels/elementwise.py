@@ -32,19 +32,22 @@ def _rms_norm(X, RES, W, OUT, stride_x, stride_r, stride_o, n_cols, eps, BLOCK: 
 
 
 @triton.jit
-def _head_rms_norm(QKV, QW, KW, stride_t, eps, D: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (token, head): RMSNorm of one q head (weight QW) or k head (head >= HEADS: KW) of a qkv row in
-    place, rounded as `_rms_norm` rounds."""
-    t, h = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    live = cols < D
-    row = QKV + t * stride_t + h * D
-    x = tl.load(row + cols, mask=live, other=0.0)
+def _head_rms_norm(QKV, QW, KW, stride_t, eps, D: tl.constexpr, HEADS: tl.constexpr, NORMED: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token), its q and k heads as rows (NORMED of them, ROWS a power of two >= NORMED): each head
+    RMS-normalised in place with QW (q heads) or KW (row >= HEADS: k heads), rounded as `_rms_norm` rounds."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    live = (heads < NORMED) & (cols < D)
+    at = QKV + t * stride_t + heads * D + cols
+    x = tl.load(at, mask=live, other=0.0)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / D
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(tl.where(h < HEADS, QW, KW) + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(row + cols, (w * y).to(x.dtype), mask=live)
+    var = tl.sum(xf * xf, 1) / D
+    y = (xf * tl.rsqrt(var + eps)[:, None]).to(x.dtype).to(tl.float32)
+    wq = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    wk = tl.load(KW + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(at, (tl.where(heads < HEADS, wq, wk) * y).to(x.dtype), mask=live)
 
 
 @triton.jit
@@ -158,8 +161,9 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, h
     (Qwen3's per-head q and k norms), one kernel."""
     t, _, d = qkv.shape
     if t:
-        _head_rms_norm[(t, heads + kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), eps, D=d, HEADS=heads,
-                                              BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+        normed = heads + kv_heads
+        _head_rms_norm[(t,)](qkv, q_weight, k_weight, qkv.stride(0), eps, D=d, HEADS=heads, NORMED=normed,
+                             ROWS=triton.next_power_of_2(normed), BLOCK=triton.next_power_of_2(d), num_warps=4)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
