@@ -133,7 +133,7 @@ def decode_variants():
     yield E._head_rms_norm, HEAD_NORM, {"D": 128, "HEADS": 32, "NORMED": 40, "ROWS": 64, "BLOCK": 128}, ("eps",), \
         {"num_warps": 4}
     for interleave in (True, False):  # MLA's rotary at DeepSeek-V2-Lite's shape (16 heads, rope 64)
-        yield L._latent_rope, LATENT_ROPE, {"H": 16, "HP": 32, "HALF": 32, "INTERLEAVE": interleave}, (), \
+        yield L._latent_rope, LATENT_ROPE, {"H": 16, "ROWS": 16, "HALF": 32, "INTERLEAVE": interleave}, (), \
             {"num_warps": 4}
     # rope_write: the 8B shape into a bf16 and an FP8 (bytes) cache, and a half rotary (GLM-4's)
     shape = {"H": 32, "KVH": 8, "D": 128, "QK": 64, "VH": 8, "DP": 128}

@@ -261,14 +261,15 @@ def test_penalties_kernel_equals_the_torch_formula_and_leaves_other_rows() -> No
     assert torch.isinf(got[1, ::7]).all() and not torch.equal(got[3], before[3])
 
 
+@pytest.mark.parametrize("heads", [4, 20])  # 20: two blocks of 16 rows, the key row in the second
 @pytest.mark.parametrize("interleave", [True, False])
-def test_latent_rope_rotates_q_and_k_pe_in_place_as_the_torch_path(interleave: bool) -> None:
+def test_latent_rope_rotates_q_and_k_pe_in_place_as_the_torch_path(interleave: bool, heads: int) -> None:
     """MLA's rotary in one kernel (kernels/latent.py): every head's rope dims of q and kv_a's k_pe, in place,
     equal to the torch path's (DeepSeek's interleaved pairs and the halves), the other dims untouched."""
     from server.models.ops import TorchOps, TritonOps
 
     torch.manual_seed(4)
-    t, heads, nope, rope, rank = 5, 4, 8, 16, 32
+    t, nope, rope, rank = 5, 8, 16, 32
     q, kv = torch.randn(t, heads, nope + rope), torch.randn(t, rank + rope)
     angle = torch.rand(t, rope // 2) * 10
     cos = torch.cat((angle.cos(), angle.cos()), -1)

@@ -96,16 +96,17 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
 
 @triton.jit
 def _latent_rope(Q, KV, COS, SIN, stride_qt, stride_qh, stride_kv, stride_c, q_off, kv_off,
-                 H: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Program (token): rotate in place the rope dims of its H query heads (from column q_off of each) and
-    of its shared key (row H: from column kv_off of its kv_a row), as transformers' DeepSeek attention:
-    rotate_half over the two halves, or (INTERLEAVE) over the even and the odd dims, the result written
-    as the two halves. Each product and sum rounds to the model dtype as torch's ops do."""
+                 H: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Program (token, block of ROWS rows): rotate in place the rope dims of its query heads (from column
+    q_off of each) and of its shared key (row H: from column kv_off of its kv_a row), as transformers'
+    DeepSeek attention: rotate_half over the two halves, or (INTERLEAVE) over the even and the odd dims,
+    the result written as the two halves. Each product and sum rounds to the model dtype as torch's ops do."""
     t = tl.program_id(0)
-    rows = tl.arange(0, HP)[:, None]
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
     i = tl.arange(0, HALF)[None, :]
     live = (rows <= H) & (i < HALF)
-    base = tl.where(rows < H, Q + t * stride_qt + rows * stride_qh + q_off, KV + t * stride_kv + kv_off)
+    base = tl.where(rows < H, Q + t.to(tl.int64) * stride_qt + rows * stride_qh + q_off,
+                    KV + t.to(tl.int64) * stride_kv + kv_off)
     if INTERLEAVE:
         x1 = tl.load(base + 2 * i, mask=live, other=0.0)
         x2 = tl.load(base + 2 * i + 1, mask=live, other=0.0)
@@ -136,6 +137,7 @@ def latent_rope(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch
     t, heads, width = q.shape
     rope = cos.shape[-1]
     if t:
-        _latent_rope[(t,)](q, kv, cos, sin, q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), width - rope,
-                           kv.shape[1] - rope, H=heads, HP=triton.next_power_of_2(heads + 1), HALF=rope // 2,
-                           INTERLEAVE=interleave, num_warps=4)
+        rows = min(16, triton.next_power_of_2(heads + 1))  # (DeepSeek-V3's 128 heads: 9 blocks of a token)
+        _latent_rope[(t, triton.cdiv(heads + 1, rows))](
+            q, kv, cos, sin, q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), width - rope, kv.shape[1] - rope,
+            H=heads, ROWS=rows, HALF=rope // 2, INTERLEAVE=interleave, num_warps=4)
