@@ -115,7 +115,7 @@ def _align_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return (total + block_m - 1) // block_m * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "total"])
 def _align(IDS, ROWS, TILE_EXPERT, pairs, num_experts, total,
            BLOCK_M: tl.constexpr, PP: tl.constexpr, EB: tl.constexpr, FILL: tl.constexpr):
     """`align` in one program: each pair's row is its expert's padded start (a running sum of the padded
@@ -159,8 +159,10 @@ def _align_fused(flat: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     total = _align_rows(pairs, num_experts, block_m)
     rows = torch.empty(total, dtype=torch.int64, device=flat.device)
     tile_expert = torch.empty(total // block_m, dtype=torch.int64, device=flat.device)
+    # PP by pair class: the variants `choose_tiles` compiles at warm-up (each class's size, each tile) are
+    # the ones serving runs
     _align[(1,)](flat, rows, tile_expert, pairs, num_experts, total, BLOCK_M=block_m,
-                 PP=max(16, triton.next_power_of_2(pairs)), EB=16, FILL=1024, num_warps=8)
+                 PP=max(16, pair_class(pairs)), EB=16, FILL=1024, num_warps=8)
     return rows, tile_expert
 
 

@@ -4,13 +4,15 @@ any shape after the warm-up compile nothing new."""
 
 from __future__ import annotations
 
-from server.models.kernels import attention, elementwise, fp8, moe
+from server.models.kernels import attention, elementwise, fp8, latent, moe, route
 
 KERNELS = {"decode_split": attention._decode_split, "decode_merge": attention._decode_merge,
            "prefill": attention._prefill, "rms_norm": elementwise._rms_norm,
            "silu_mul": elementwise._silu_mul, "rope_write": elementwise._rope_write,
            "fp8_quantize": fp8._quantize_rows, "fp8_gemm": fp8._fp8_gemm, "fp8_scale": fp8._scale_out,
-           "moe_gate_up": moe._gate_up_silu, "moe_down": moe._down_weighted}
+           "moe_gate_up": moe._gate_up_silu, "moe_down": moe._down_weighted, "moe_align": moe._align,
+           "moe_route": route._route, "latent_rope": latent._latent_rope, "qk_norm": elementwise._head_rms_norm,
+           "fp8_gemv": fp8._fp8_gemv}
 
 
 def compiled_variants() -> dict[str, int]:
