@@ -2,10 +2,10 @@
 
 `align` sorts a step's (token, slot) pairs by expert on the device, each expert's padded to a multiple
 of BLOCK_M: every tile belongs to one expert and the tile list has a fixed length whatever the routing;
-tiles past the last real one, and those of pairs routed to no expert held here (id E, expert
-parallelism), return at once. A token's pairs are summed by one torch reduction (no atomics: the same
-result run to run). Both GEMMs accumulate in float32 and round once (transformers sums in expert
-order, this in slot order: float32 results agree to rounding).
+tiles past the last real one return at once, and those of pairs routed to no expert held here (id E,
+expert parallelism) write their pairs' rows of the output as 0. A token's pairs are summed by one
+torch reduction (no atomics: the same result run to run). Both GEMMs accumulate in float32 and round
+once (transformers sums in expert order, this in slot order: float32 results agree to rounding).
 
 Per-pair tiles (BLOCK_M 1, `PER_PAIR_TILES`), for decode steps of a few pairs, skip the sort: one
 program per (pair, BLOCK_N outputs) reads its expert from `ids` and loops over all of K, so a one-token
@@ -254,15 +254,17 @@ def _down_weighted(H, HS, W, S, SCALE, ROWS, TILE_EXPERT, Y, pairs, hidden, inte
                    BLOCKED: tl.constexpr, GROUP_K: tl.constexpr, W8A8: tl.constexpr, PROMOTE: tl.constexpr,
                    PER_PAIR: tl.constexpr):
     """Y[pair, n] = (sum_k H[pair, k] W[e, n, k], rounded) * SCALE[pair] (BLOCKED, W8A8: as
-    `_gate_up_silu`, HS the rows' activation scales)."""
+    `_gate_up_silu`, HS the rows' activation scales); 0 for a pair of no expert held here (id E)."""
     expert, rows = _tile(ROWS, TILE_EXPERT, pairs, BLOCK_M, PER_PAIR)
-    if expert >= num_experts:
-        return
     pid_n = tl.program_id(1)
     live_m = rows < pairs
-    safe = tl.where(live_m, rows, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_n = offs_n < hidden
+    if expert >= num_experts:  # pairs of no expert held here: 0 (past the last tile: no real rows)
+        tl.store(Y + rows[:, None] * stride_ym + offs_n[None, :], tl.zeros([BLOCK_M, BLOCK_N], Y.dtype.element_ty),
+                 mask=live_m[:, None] & live_n[None, :])
+        return
+    safe = tl.where(live_m, rows, 0)
     w = W + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
     s = expert.to(tl.int64) * stride_se + offs_n * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -312,7 +314,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor | Fp8Weight, down: torc
     hs = gu_s
     if w8a8:
         h, hs = quantize_rows(h, down.input_scale)
-    y = torch.zeros((pairs, hidden), dtype=dtype, device=x.device)  # (pairs of no expert held here: 0)
+    y = torch.empty((pairs, hidden), dtype=dtype, device=x.device)  # (pairs of no expert held here: 0s written)
     _down_weighted[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
         h, hs, dn, dn_s, weights.flatten().contiguous(), rows, tile_expert, y, pairs, hidden, inter, num_experts,
         h.stride(0), dn.stride(0), dn.stride(1), *dn_strides, y.stride(0), **consts)
