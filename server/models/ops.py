@@ -66,8 +66,8 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """Fused kernels for 2-D rows with unit column stride; anything else (Qwen3's per-head q/k norm
-    on strided views) takes the torch path."""
+    """Fused kernels for 2-D rows with unit column stride (Qwen3's per-head q/k norms and MLA's rotary:
+    in place over their heads); other layouts take the torch path."""
 
     def __init__(self, eps: float) -> None:
         super().__init__(eps)

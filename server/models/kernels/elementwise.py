@@ -1,6 +1,6 @@
-"""Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add; per head of q and k), SiLU-and-mul, and
-RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as e4m3), over a
-head's first rotary_dim dims (all of them but with a partial rotary factor).
+"""Fused Triton kernels for the steps between GEMMs: RMSNorm (+ residual add; per head of q and k),
+SiLU-and-mul, and RoPE fused with the KV cache write (into an FP8 cache: K / k_scale and V / v_scale as
+e4m3), over a head's first rotary_dim dims (all of them but with a partial rotary factor).
 
 Each rounds where transformers' modules round (compute in float32, round each op's result to the
 model dtype), so bf16 results match them op for op; float32 models round nowhere.
@@ -11,6 +11,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _normed(xf, var, w, eps, dt: tl.constexpr):
+    """RMSNorm's output from x (float32) and its mean square `var`, rounded as LlamaRMSNorm rounds: the
+    normalised x to the model dtype `dt`, then times the weight, rounded again."""
+    return (w * (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -25,10 +32,9 @@ def _rms_norm(X, RES, W, OUT, stride_x, stride_r, stride_o, n_cols, eps, BLOCK: 
         x = x.to(RES.dtype.element_ty)
         tl.store(RES + row * stride_r + cols, x, mask=live)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / n_cols
-    y = (xf * tl.rsqrt(var + eps)).to(OUT.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=live)
+    tl.store(OUT + row * stride_o + cols, _normed(xf, tl.sum(xf * xf, 0) / n_cols, w, eps, OUT.dtype.element_ty),
+             mask=live)
 
 
 @triton.jit
@@ -43,11 +49,10 @@ def _head_rms_norm(QKV, QW, KW, stride_t, eps, D: tl.constexpr, HEADS: tl.conste
     at = QKV + t * stride_t + heads * D + cols
     x = tl.load(at, mask=live, other=0.0)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 1) / D
-    y = (xf * tl.rsqrt(var + eps)[:, None]).to(x.dtype).to(tl.float32)
     wq = tl.load(QW + cols, mask=cols < D, other=0.0).to(tl.float32)
     wk = tl.load(KW + cols, mask=cols < D, other=0.0).to(tl.float32)
-    tl.store(at, (tl.where(heads < HEADS, wq, wk) * y).to(x.dtype), mask=live)
+    tl.store(at, _normed(xf, (tl.sum(xf * xf, 1) / D)[:, None], tl.where(heads < HEADS, wq, wk), eps, x.dtype),
+             mask=live)
 
 
 @triton.jit

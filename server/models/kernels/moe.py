@@ -26,7 +26,6 @@ routing weight; accumulation as kernels/fp8.py's, torch reference tests/fp8_refe
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from functools import partial
 
@@ -89,10 +88,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     """ids [T, k] (values 0..E, E: no expert held here) -> (rows [R] int64: each padded row's pair index
     (T * k for padding), tile_expert [R // block_m] int64: each tile's expert, >= E for the tiles of id
     E and past the last real tile). R is fixed by T, k, E and block_m; nothing is read on the host.
-    Up to ALIGN_PAIRS pairs on a GPU (or under the interpreter), one kernel (`_align`); else torch's dozen."""
+    Up to ALIGN_PAIRS pairs one kernel (`_align`), else a dozen small torch ones."""
     flat = ids.flatten()
     pairs = flat.numel()
-    if pairs <= ALIGN_PAIRS and (flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if pairs <= ALIGN_PAIRS:
         return _align_fused(flat, num_experts, block_m)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat))
@@ -125,8 +124,9 @@ def _align(IDS, ROWS, TILE_EXPERT, pairs, num_experts, total,
     past the last: E + 1, as searchsorted gives)."""
     offs_p = tl.arange(0, PP)
     live_p = offs_p < pairs
-    ids = tl.load(IDS + offs_p, mask=live_p, other=-1).to(tl.int32)  # -1: no pair, in no expert's count
+    ids = tl.load(IDS + offs_p, mask=live_p, other=-1).to(tl.int32)
     live_p = live_p & (ids >= 0) & (ids <= num_experts)  # (an id out of range lands nowhere, not before ROWS)
+    ids = tl.where(live_p, ids, -1)  # -1: in no expert's count
     rank = tl.zeros([PP], tl.int32)
     start = tl.zeros([PP], tl.int32)
     carry = 0
@@ -136,7 +136,7 @@ def _align(IDS, ROWS, TILE_EXPERT, pairs, num_experts, total,
         ones = hit.to(tl.int32)
         rank += tl.sum(tl.where(hit, tl.cumsum(ones, 1), 0), 0)
         counts = tl.sum(ones, 1)
-        padded = tl.where(offs_e <= num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         padded_start = tl.cumsum(padded, 0) - padded + carry
         start += tl.sum(tl.where(hit, padded_start[:, None], 0), 0)
         carry += tl.sum(padded, 0)
