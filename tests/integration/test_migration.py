@@ -27,11 +27,13 @@ KILL_AFTER_EVENTS = 15
 
 
 def running_on(dep: dh.Deployment) -> str:
-    """The generation server URL with a request running."""
-    for url in dep.generation_urls:
-        if dep.metric(url, "pdserve_requests", 'state="running"') > 0:
-            return url
-    raise AssertionError("no generation server runs the request")
+    """The generation server URL with a request running. (Its gauge is the engine's last relayed state,
+    which can trail the stream's events on a busy machine: read until one shows it, for at most 10 s.)"""
+    def serving() -> str | None:
+        return next((url for url in dep.generation_urls
+                     if dep.metric(url, "pdserve_requests", 'state="running"') > 0), None)
+
+    return wait_until(serving, 10, "a generation server running the request")
 
 
 def pid_serving(dep: dh.Deployment, url: str) -> int:
